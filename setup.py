@@ -1,0 +1,85 @@
+"""Build the nxhpc._kernels extension.
+
+Portable by default: the generic C files are compiled with no ISA flags; each SIMD file
+(``*_avx2.c``, ``*_avx512.c``) is compiled with its own flags and only ever entered after the
+run-time CPU probe (``csrc/nx_cpu.c``) says the CPU and OS support it.
+
+Opt-in native build for local experiments: ``NXHPC_MARCH_NATIVE=1 pip install .`` adds
+``-march=native`` to every file (the result only runs on machines like the build machine).
+Debug build: ``NXHPC_CYTHON_DEBUG=1`` turns on Cython bounds/initialisation checks.
+"""
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = Path(__file__).resolve().parent
+CSRC = Path("nxhpc") / "csrc"
+
+BASE_FLAGS = ["-O3", "-std=c11", "-fno-math-errno", "-fno-trapping-math", "-Wall",
+              "-Wno-unused-function", "-Wno-unknown-pragmas"]
+# Per-file ISA flags, chosen by filename suffix.
+ISA_FLAGS = {
+    "_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
+    "_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+                  "-mavx2", "-mfma", "-mf16c"],
+}
+if os.environ.get("NXHPC_MARCH_NATIVE") == "1":  # local opt-in only
+    BASE_FLAGS.append("-march=native")
+
+
+def isa_of(src: str):
+    for suffix, flags in ISA_FLAGS.items():
+        if src.endswith(suffix):
+            return flags
+    return []
+
+
+class BuildExt(build_ext):
+    """Compile each C source with its own ISA flags, then link them into the extension."""
+
+    def build_extension(self, ext):
+        if sys.platform == "win32":  # MSVC: no per-file GCC flags; SIMD files use /arch
+            return super().build_extension(ext)
+        c_sources = [s for s in ext.sources if s.endswith(".c") and "csrc" in s]
+        ext.sources = [s for s in ext.sources if s not in c_sources]
+        objects = []
+        for src in c_sources:
+            objects += self.compiler.compile(
+                [src], output_dir=self.build_temp, include_dirs=ext.include_dirs,
+                extra_postargs=BASE_FLAGS + isa_of(src), depends=ext.depends)
+        ext.extra_objects = list(ext.extra_objects or []) + objects
+        super().build_extension(ext)
+
+
+debug = os.environ.get("NXHPC_CYTHON_DEBUG") == "1"
+c_files = sorted(str(p) for p in (HERE / CSRC).glob("*.c"))
+c_files = [os.path.relpath(p, HERE) for p in c_files]
+
+ext = Extension(
+    "nxhpc._kernels",
+    sources=["nxhpc/_kernels.pyx"] + c_files,
+    include_dirs=[str(CSRC), np.get_include()],
+    depends=[str(p) for p in (HERE / CSRC).glob("*.h")] + [str(p) for p in (HERE / "nxhpc").glob("*.pxi")],
+    extra_compile_args=["-O3", "-fno-math-errno", "-Wno-unused-function"],
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+)
+
+setup(
+    ext_modules=cythonize(
+        [ext],
+        language_level=3,
+        compiler_directives={
+            "boundscheck": debug,
+            "initializedcheck": debug,
+            "wraparound": False,
+            "cdivision": True,
+            "embedsignature": True,
+        },
+    ),
+    cmdclass={"build_ext": BuildExt},
+)
