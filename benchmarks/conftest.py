@@ -1,0 +1,1 @@
+"""Benchmarks: run with `python -m pytest benchmarks/ --benchmark-only` (not part of the test suite)."""

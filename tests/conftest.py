@@ -1,0 +1,14 @@
+"""Shared pytest configuration: hypothesis profiles sized for a 2-core machine."""
+import os
+
+from hypothesis import HealthCheck, settings
+
+# Shared machines are noisy: no per-example deadline. "ci" is the default profile.
+settings.register_profile(
+    "ci", deadline=None, max_examples=40,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True)
+settings.register_profile(
+    "dev", deadline=None, max_examples=15,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("NXHPC_HYPOTHESIS_PROFILE", "ci"))
