@@ -8,6 +8,7 @@ hold the GIL inside kernels, or enter C with unvalidated shapes.
 Kernel families are split across ``.pxi`` files included below (one per family) so that they can
 be developed independently; they all share the helpers defined here.
 """
+import operator
 import os
 
 import numpy as np
@@ -100,10 +101,10 @@ cdef tuple _band(str fn, str what, object lo, object hi, Py_ssize_t n):
     if lo is None:
         lo = 0
     try:
-        lo_i = int(lo)
-        hi_i = int(hi)
-    except (TypeError, ValueError):
-        raise TypeError(f"{fn}: band bounds for {what} must be integers, got {lo!r}, {hi!r}")
+        lo_i = operator.index(lo)
+        hi_i = operator.index(hi)
+    except TypeError:
+        raise TypeError(f"{fn}: band bounds for {what} must be integers, got {lo!r}, {hi!r}") from None
     if not (0 <= lo_i <= hi_i <= n):
         raise ValueError(f"{fn}: band [{lo_i}, {hi_i}) for {what} is out of range [0, {n}]")
     return lo_i, hi_i

@@ -1,0 +1,201 @@
+"""Benchmarks of the block's non-matmul kernels: flash attention (vs torch SDPA and numpy), and the
+memory-bound rmsnorm / qknorm_rope / swiglu / gated_residual at Z-Image width (vs numpy).
+
+Run (every baseline limited to one thread):
+
+    OPENBLAS_NUM_THREADS=1 python -m pytest benchmarks/bench_attention.py --benchmark-only \
+        --benchmark-columns=min,mean,rounds
+
+Attention: T=1024, hd=128, H heads in one process; GFLOP/s = 4*T^2*hd*H / time (QK^T and PV) in
+``extra_info`` with fractions of the 116 GFLOP/s figure quoted for this machine and of the measured
+zmm-FMA peak. The other kernels report GB/s of compulsory traffic. Correctness is checked after
+timing (float64 reference with the error bound from tests/test_kernels_ops.py for attention).
+"""
+import math
+
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_limits
+
+from nxhpc import _kernels as K
+
+PEAK_QUOTED = 116.0    # GFLOP/s per core, figure given for this machine (= the ymm FMA peak)
+PEAK_MEASURED = 250.0  # GFLOP/s per core, 12 independent zmm FMA chains in a register-only loop
+T_ATT, HD = 1024, 128
+U = 2.0 ** -24
+SIMD = [i for i in K.supported_isas() if i != "generic"]
+
+
+def _attn_case(H, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((H, T_ATT, HD), dtype=np.float32)
+    k = rng.standard_normal((H, T_ATT, HD), dtype=np.float32)
+    qkv = rng.standard_normal((T_ATT, 3 * H * HD), dtype=np.float32)
+    return q, k, qkv
+
+
+def _attn_info(benchmark, H, name):
+    flop = 4.0 * T_ATT * T_ATT * HD * H
+    g = flop / benchmark.stats.stats.min / 1e9
+    benchmark.extra_info.update({
+        "impl": name, "T": T_ATT, "hd": HD, "H": H, "gflops_best": round(g, 1),
+        "gflops_mean": round(flop / benchmark.stats.stats.mean / 1e9, 1),
+        "frac_of_116": round(g / PEAK_QUOTED, 3), "frac_of_measured_peak": round(g / PEAK_MEASURED, 3)})
+
+
+def _attn_check(out, q, k, qkv, H, heads=(0,), rows=64):
+    """float64 reference + the worst-case bound of tests/test_kernels_ops.py on sampled rows."""
+    scale = HD ** -0.5
+    for h in heads:
+        q64, k64 = q[h, :rows].astype(np.float64), k[h].astype(np.float64)
+        v = qkv[:, 2 * H * HD + h * HD:2 * H * HD + (h + 1) * HD].astype(np.float64)
+        s = q64 @ k64.T * scale
+        p = np.exp(s - s.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        ref = p @ v
+        ds = (HD * U * scale * (np.abs(q64) @ np.abs(k64).T) + U * np.abs(s)).max(1, keepdims=True)
+        bound = 2 * (2 * ds + 2 * (T_ATT + 16) * U + 4 * U) * (p @ np.abs(v))
+        assert (np.abs(out[:rows, h * HD:(h + 1) * HD] - ref) <= bound).all()
+
+
+@pytest.mark.parametrize("H", [2, 4])
+@pytest.mark.parametrize("isa", SIMD)
+def test_bench_attention_nxhpc(benchmark, H, isa):
+    benchmark.group = f"attention T={T_ATT} hd={HD} H={H}"
+    q, k, qkv = _attn_case(H)
+    out = np.empty((T_ATT, H * HD), np.float32)
+    benchmark.pedantic(K.attention, args=(q, k, qkv, out, H, HD ** -0.5), kwargs={"isa": isa},
+                       rounds=7, warmup_rounds=1)
+    _attn_info(benchmark, H, f"nxhpc[{isa}]")
+    _attn_check(out, q, k, qkv, H, heads=range(H))
+
+
+@pytest.mark.parametrize("H", [2, 4])
+def test_bench_attention_torch_sdpa(benchmark, H):
+    torch = pytest.importorskip("torch")
+    benchmark.group = f"attention T={T_ATT} hd={HD} H={H}"
+    torch.set_num_threads(1)
+    q, k, qkv = _attn_case(H)
+    v = np.ascontiguousarray(qkv[:, 2 * H * HD:].reshape(T_ATT, H, HD).transpose(1, 0, 2))
+    tq, tk, tv = (torch.from_numpy(a)[None] for a in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def run():
+        with torch.no_grad():
+            return sdpa(tq, tk, tv, scale=HD ** -0.5)
+
+    res = benchmark.pedantic(run, rounds=7, warmup_rounds=1)
+    _attn_info(benchmark, H, "torch.sdpa (1 thread)")
+    out = res[0].permute(1, 0, 2).reshape(T_ATT, H * HD).numpy()
+    _attn_check(out, q, k, qkv, H)
+
+
+@pytest.mark.parametrize("H", [2, 4])
+def test_bench_attention_numpy(benchmark, H):
+    benchmark.group = f"attention T={T_ATT} hd={HD} H={H}"
+    q, k, qkv = _attn_case(H)
+    scale = np.float32(HD ** -0.5)
+    out = np.empty((T_ATT, H * HD), np.float32)
+
+    def run():
+        with threadpool_limits(1):
+            for h in range(H):
+                s = (q[h] @ k[h].T) * scale
+                s -= s.max(axis=1, keepdims=True)
+                np.exp(s, out=s)
+                s /= s.sum(axis=1, keepdims=True)
+                out[:, h * HD:(h + 1) * HD] = s @ qkv[:, 2 * H * HD + h * HD:2 * H * HD + (h + 1) * HD]
+        return out
+
+    benchmark.pedantic(run, rounds=5, warmup_rounds=1)
+    _attn_info(benchmark, H, "numpy float32 (1 thread)")
+    _attn_check(out, q, k, qkv, H)
+
+
+# ------------------------------------------------------------------ memory-bound kernels, T=256, D=3840
+
+T_MB, D, NH, FFN = 256, 3840, 30, 10240
+
+
+def _gbs(benchmark, nbytes, name):
+    benchmark.extra_info.update({"impl": name, "GB/s_best": round(nbytes / benchmark.stats.stats.min / 1e9, 2)})
+
+
+@pytest.mark.parametrize("impl", ["nxhpc", "numpy"])
+def test_bench_rmsnorm(benchmark, impl):
+    benchmark.group = f"rmsnorm+mod T={T_MB} D={D}"
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((T_MB, D), dtype=np.float32)
+    w, mod = rng.standard_normal(D, dtype=np.float32), rng.standard_normal(D, dtype=np.float32)
+    out = np.empty_like(x)
+    if impl == "nxhpc":
+        benchmark(K.rmsnorm, x, w, out, 1e-6, mod)
+    else:
+        def run():
+            np.multiply(x, (1.0 / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + np.float32(1e-6))), out=out)
+            out[...] *= w * mod
+        benchmark(run)
+    _gbs(benchmark, 2 * x.nbytes, impl)
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64 * x64).mean(1, keepdims=True) + 1e-6) * w * mod
+    assert np.allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["nxhpc", "numpy"])
+def test_bench_qknorm_rope(benchmark, impl):
+    benchmark.group = f"qknorm_rope T={T_MB} H={NH} hd={HD}"
+    rng = np.random.default_rng(2)
+    qkv = rng.standard_normal((T_MB, 3 * D), dtype=np.float32)
+    qw, kw = rng.standard_normal(HD, dtype=np.float32), rng.standard_normal(HD, dtype=np.float32)
+    ang = rng.uniform(-10, 10, (T_MB, HD // 2))
+    pe = np.stack([np.stack([np.cos(ang), -np.sin(ang)], -1),
+                   np.stack([np.sin(ang), np.cos(ang)], -1)], -2).astype(np.float32)
+    qo, ko = np.empty((NH, T_MB, HD), np.float32), np.empty((NH, T_MB, HD), np.float32)
+    if impl == "nxhpc":
+        benchmark(K.qknorm_rope, qkv, qw, kw, pe, qo, ko, NH, NH, 1e-6)
+    else:
+        def run():
+            for j, (w, dst) in enumerate([(qw, qo), (kw, ko)]):
+                x = qkv[:, j * D:(j + 1) * D].reshape(T_MB, NH, HD)
+                y = x / np.sqrt(np.mean(x * x, axis=2, keepdims=True) + np.float32(1e-6)) * w
+                y0, y1 = y[..., 0::2], y[..., 1::2]
+                o = np.empty_like(y)
+                o[..., 0::2] = pe[:, None, :, 0, 0] * y0 + pe[:, None, :, 0, 1] * y1
+                o[..., 1::2] = pe[:, None, :, 1, 0] * y0 + pe[:, None, :, 1, 1] * y1
+                dst[...] = o.transpose(1, 0, 2)
+        benchmark(run)
+    _gbs(benchmark, 4 * T_MB * D * 4 + pe.nbytes, impl)
+    x = qkv[:, :D].reshape(T_MB, NH, HD).astype(np.float64)
+    y = x / np.sqrt((x * x).mean(2, keepdims=True) + 1e-6) * qw
+    ref0 = pe[:, None, :, 0, 0] * y[..., 0::2] + pe[:, None, :, 0, 1] * y[..., 1::2]
+    assert np.allclose(qo.transpose(1, 0, 2)[..., 0::2], ref0, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["nxhpc", "numpy"])
+def test_bench_swiglu(benchmark, impl):
+    benchmark.group = f"swiglu T={T_MB} F={FFN}"
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((T_MB, FFN), dtype=np.float32), rng.standard_normal((T_MB, FFN), dtype=np.float32)
+    out = np.empty_like(a)
+    if impl == "nxhpc":
+        benchmark(K.swiglu, a, b, out)
+    else:
+        benchmark(lambda: np.multiply(a / (np.float32(1) + np.exp(-a)), b, out=out))
+    _gbs(benchmark, 3 * a.nbytes, impl)
+    a64 = a.astype(np.float64)
+    assert np.allclose(out, a64 / (1 + np.exp(-a64)) * b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["nxhpc", "numpy"])
+def test_bench_gated_residual(benchmark, impl):
+    benchmark.group = f"gated_residual T={T_MB} D={D}"
+    rng = np.random.default_rng(4)
+    r, y = rng.standard_normal((T_MB, D), dtype=np.float32), rng.standard_normal((T_MB, D), dtype=np.float32)
+    g = rng.standard_normal(D, dtype=np.float32)
+    out = np.empty_like(r)
+    if impl == "nxhpc":
+        benchmark(K.gated_residual, r, y, g, out)
+    else:
+        benchmark(lambda: np.add(r, np.tanh(g) * y, out=out))
+    _gbs(benchmark, 3 * r.nbytes, impl)
+    assert np.allclose(out, r + np.tanh(g.astype(np.float64)) * y, rtol=1e-5, atol=1e-6)

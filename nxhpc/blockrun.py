@@ -1,0 +1,374 @@
+"""``python -m nxhpc.blockrun``: run DiT blocks end to end from the block input and the weights,
+then grade the output.
+
+Owns the CLI only: argument parsing, exit codes, signal -> exit-code mapping and printing. The
+work is done by ``nxhpc.models`` (files), ``nxhpc.block`` (the pipeline) and ``nxhpc.grade``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from nxhpc.grade import DEFAULT_TOL, count_exceeding, error_row, grade
+from nxhpc.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerError, usable_cpus
+
+__all__ = ["main", "build_parser", "EXIT_CODES"]
+
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_NOT_FOUND, EXIT_BAD_FILE, EXIT_MISSING, EXIT_WORKER = 3, 4, 5, 6
+EXIT_INTERNAL = 70
+EXIT_SIGINT, EXIT_SIGTERM = 130, 143
+EXIT_CODES = {
+    EXIT_PASS: "pass: the output is within tolerance of the reference",
+    EXIT_FAIL: "graded fail: max_rel above the tolerance, or non-finite outputs",
+    EXIT_USAGE: "usage error (bad arguments, e.g. n_workers 'abc' or 0, --layers beyond the model)",
+    EXIT_NOT_FOUND: "model not found (id, directory or gguf_path)",
+    EXIT_BAD_FILE: "bad model file (malformed/unsupported GGUF or fixtures, NaN in an input)",
+    EXIT_MISSING: "missing fixture or tensor (e.g. layers.0.blk_in, the reference)",
+    EXIT_WORKER: "a worker process failed (raised, crashed or was killed)",
+    EXIT_INTERNAL: "internal error (a bug: please report the traceback)",
+    EXIT_SIGINT: "interrupted by Ctrl-C / SIGINT (shared memory released)",
+    EXIT_SIGTERM: "terminated by SIGTERM (shared memory released)",
+}
+
+_GRADING_HELP = """\
+grading:
+  rel_i = |out_i - ref_i| / max(|ref_i|, rms(ref))   (float64; rms(ref) = sqrt(mean(ref^2)))
+  i.e. each element's error relative to its own magnitude, with the reference's RMS as a floor
+  for elements near zero. fail_1e2..fail_1e5 count elements with rel_i above 1e-2..1e-5;
+  max_abs, max_rel, rms_err (and rel_rms_err = rms_err / rms(ref)), cosine, non_finite follow.
+  Verdict PASS iff no output is NaN/inf and max_rel <= --tol (default %(tol)g).
+  Default reference: layers.{L+1}.blk_in (the next layer's tapped input) when present, else
+  layers.{L}.ref_out, where L is the last layer run. With --layers N every layer is also graded
+  against its own reference and a per-layer error table is printed (error growth with depth).
+  adaln_gguf_vs_fixture_fail_1e3 (printed when the model has a GGUF, t_emb and
+  layers.0.adaln_m): elements of layer 0's adaLN recomputed from the GGUF with rel_i > 1e-3.
+
+exit codes:
+%(codes)s
+"""
+
+
+class _Terminated(BaseException):
+    """Raised from the SIGTERM handler so that every cleanup (finally/with) runs."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {s!r}")
+    return v
+
+
+def _layers_arg(s: str):
+    if s == "all":
+        return "all"
+    return _positive_int(s)
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {s!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {s!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    codes = "\n".join(f"  {k:>3}  {v}" for k, v in EXIT_CODES.items())
+    p = argparse.ArgumentParser(
+        prog="python -m nxhpc.blockrun",
+        description="Run a DiT block (or --layers consecutive blocks) of a model end to end on "
+                    "nxhpc's C kernels in forked workers, from only the block input "
+                    "(layers.0.blk_in) and the weights, and grade the output against a "
+                    "reference. Prints key=value lines (or one JSON object) and a verdict.",
+        epilog=_GRADING_HELP % {"tol": DEFAULT_TOL, "codes": codes},
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_id", help="built-in model id (e.g. tiny, mid, zimage-1l), a directory "
+                                    "under --models-dir / $NXHPC_MODELS, or a model directory path")
+    p.add_argument("n_workers", nargs="?", type=_positive_int, default=None,
+                   help="worker processes (default: the usable CPUs, here %d)" % usable_cpus())
+    p.add_argument("reference_name", nargs="?", default=None,
+                   help="fixture to grade the final output against (default: see grading "
+                        "below); a path to a .npy file also works")
+    p.add_argument("gguf_path", nargs="?", default=None,
+                   help="GGUF weights to use instead of the model directory's model.gguf")
+    p.add_argument("--layers", type=_layers_arg, default=1, metavar="N|all",
+                   help="run N consecutive layers from layer 0 (each with its own adaLN); "
+                        "'all' = every layer of the model (default 1)")
+    p.add_argument("--spawn", choices=SPAWN_MODES, default=DEFAULT_SPAWN,
+                   help=f"worker scheme: 'pool' forks once and dispatches stages over pipes; "
+                        f"'stage' forks per parallel stage (default {DEFAULT_SPAWN}, the faster)")
+    p.add_argument("--eps", type=_positive_float, default=None,
+                   help="RMSNorm eps (default: the model's, 1e-5 for Z-Image; the source "
+                        "runner used 1e-6)")
+    p.add_argument("--tol", type=_positive_float, default=DEFAULT_TOL,
+                   help=f"pass/fail tolerance on max_rel (default {DEFAULT_TOL:g})")
+    p.add_argument("--source", choices=("auto", "gguf", "fixtures"), default="auto",
+                   help="where the weights come from (default auto: the GGUF when present)")
+    p.add_argument("--adaln", choices=("auto", "t_emb", "fixture"), default="auto",
+                   help="modulation: computed from t_emb with each layer's adaLN weights, or the "
+                        "tapped layers.N.adaln_m (default auto: t_emb when present)")
+    p.add_argument("--models-dir", default=None,
+                   help="where model ids are looked up / built-ins generated "
+                        "(default $NXHPC_MODELS or ~/.cache/nxhpc/models)")
+    p.add_argument("--save-output", metavar="PATH", default=None,
+                   help="write the final block output as a float32 .npy array")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object instead of key=value lines")
+    return p
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.6e}" if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e6) else f"{v:.9g}"
+    return str(v)
+
+
+def _err(msg: str) -> None:
+    print(f"blockrun: error: {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code (see ``--help``)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:                   # argparse: --help -> 0, usage errors -> 2
+        return int(e.code or 0)
+    old_term = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        _err("interrupted (SIGINT); workers stopped, shared memory released")
+        return EXIT_SIGINT
+    except _Terminated:
+        _err("terminated (SIGTERM); workers stopped, shared memory released")
+        return EXIT_SIGTERM
+    finally:
+        from nxhpc.shm import cleanup_all
+        cleanup_all()
+        signal.signal(signal.SIGTERM, old_term)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from nxhpc.block import check_config, run_layers
+    from nxhpc.models import (MissingTensorError, ModelError, ModelFileError,
+                              ModelNotFoundError, open_model)
+
+    if args.save_output is not None:
+        parent = Path(args.save_output).resolve().parent
+        if not parent.is_dir():
+            _err(f"--save-output {args.save_output}: directory {parent} does not exist")
+            return EXIT_USAGE
+    workers = args.n_workers if args.n_workers is not None else usable_cpus()
+    try:
+        model = open_model(args.model_id, models_dir=args.models_dir, gguf_path=args.gguf_path)
+    except ModelNotFoundError as e:
+        _err(str(e))
+        return EXIT_NOT_FOUND
+    except MissingTensorError as e:
+        _err(str(e))
+        return EXIT_MISSING
+    except ModelError as e:
+        _err(str(e))
+        return EXIT_BAD_FILE
+    try:
+        with model:
+            return _run_model(args, model, workers, check_config, run_layers)
+    except MissingTensorError as e:
+        _err(str(e))
+        return EXIT_MISSING
+    except (ModelFileError, ModelError) as e:
+        _err(str(e))
+        return EXIT_BAD_FILE
+    except WorkerError as e:
+        _err(f"worker failure: {e}")
+        return EXIT_WORKER
+    except _InputError as e:
+        _err(str(e))
+        return EXIT_BAD_FILE
+    except _UsageError as e:
+        _err(str(e))
+        return EXIT_USAGE
+    except (KeyboardInterrupt, _Terminated):
+        raise
+    except Exception:
+        traceback.print_exc()
+        _err("internal error (see the traceback above)")
+        return EXIT_INTERNAL
+
+
+class _InputError(Exception):
+    """An input fixture is unusable (e.g. NaN in the block input)."""
+
+
+class _UsageError(Exception):
+    """Arguments that do not fit the model (e.g. --layers beyond its depth)."""
+
+
+def _has(model, name: str) -> bool:
+    return model.fixtures is not None and model.fixtures.has(name)
+
+
+def _reference_for(model, layer: int) -> str | None:
+    for name in (f"layers.{layer + 1}.blk_in", f"layers.{layer}.ref_out"):
+        if _has(model, name):
+            return name
+    return None
+
+
+def _load_ref(model, name: str, shape: tuple[int, int]) -> np.ndarray:
+    from nxhpc.models import MissingTensorError, ModelFileError
+    if name.endswith(".npy") and os.path.isfile(name):
+        try:
+            a = np.load(name, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise ModelFileError(f"reference {name}: cannot read: {e}") from None
+        if a.shape != shape:
+            raise ModelFileError(f"reference {name}: shape {a.shape}, expected {shape}")
+        return a.astype(np.float32)
+    if not _has(model, name):
+        raise MissingTensorError(f"reference {name!r}: no such fixture in "
+                                 f"{model.fixtures.path if model.fixtures else model.path}")
+    return model.fixtures.load(name, shape)
+
+
+def _run_model(args, model, workers, check_config, run_layers) -> int:
+    from nxhpc.models import MissingTensorError
+    cfg = model.config
+    try:
+        check_config(cfg)
+    except ValueError as e:
+        raise _InputError(f"{model.path}: {e}") from None
+    n_layers = cfg.n_layers if args.layers == "all" else args.layers
+    if n_layers > cfg.n_layers:
+        raise _UsageError(f"--layers {n_layers}: the model has only {cfg.n_layers} layers")
+    layers = list(range(n_layers))
+    eps = cfg.norm_eps if args.eps is None else args.eps
+    if model.fixtures is None or not model.fixtures.has("layers.0.blk_in"):
+        raise MissingTensorError(f"{model.path}: missing fixture 'layers.0.blk_in' "
+                                 f"(the block input)")
+    x = model.blk_in(0)
+    T = x.shape[0]
+    pe = model.pe()
+    mask = model.mask()
+
+    report: dict = {"model": str(model.path), "variant": cfg.variant, "dim": cfg.dim,
+                    "tokens": T, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
+                    "head_dim": cfg.head_dim, "qkv_width": cfg.qkv_width,
+                    "ffn_dim": cfg.ffn_dim, "workers": workers, "spawn": args.spawn,
+                    "layers": n_layers, "eps": eps, "mask": mask is not None,
+                    "gguf_tensors": len(model.gguf.names()) if model.gguf is not None else 0}
+
+    # modulation source
+    use_t = args.adaln in ("auto", "t_emb") and _has(model, "t_emb")
+    if args.adaln == "t_emb" and not use_t:
+        raise MissingTensorError(f"{model.path}: --adaln t_emb but fixture 't_emb' is missing")
+    t_emb = model.t_emb() if use_t else None
+    adaln_ms = None
+    if not use_t:
+        missing = [f"layers.{i}.adaln_m" for i in layers if not _has(model, f"layers.{i}.adaln_m")]
+        if missing:
+            raise MissingTensorError(f"{model.path}: need fixture 't_emb' or {', '.join(missing)}")
+        adaln_ms = {i: model.adaln_m(i) for i in layers}
+    report["adaln"] = "t_emb" if use_t else "fixture"
+
+    weights = {i: model.layer_weights(i, args.source) for i in layers}
+    report["weights"] = weights[0].source
+
+    # self-check of the source runner: layer 0's adaLN from the GGUF vs the tapped fixture
+    if model.gguf is not None and _has(model, "t_emb") and _has(model, "layers.0.adaln_m"):
+        from nxhpc.block import adaln
+        g0 = weights[0] if weights[0].source == "gguf" else model.layer_weights(0, "gguf")
+        calc = adaln(cfg, g0, model.t_emb())
+        report["adaln_gguf_vs_fixture_fail_1e3"] = count_exceeding(calc, model.adaln_m(0), 1e-3,
+                                                                   "layers.0.adaln_m")
+
+    # references
+    final_ref = args.reference_name or _reference_for(model, layers[-1])
+    if final_ref is None:
+        raise MissingTensorError(f"{model.path}: no reference for layer {layers[-1]}: neither "
+                                 f"'layers.{layers[-1] + 1}.blk_in' nor "
+                                 f"'layers.{layers[-1]}.ref_out' exists (name one as "
+                                 f"reference_name)")
+    ref_final = _load_ref(model, final_ref, (T, cfg.dim))
+    per_refs = {}
+    if n_layers > 1:
+        for i in layers:
+            name = _reference_for(model, i)
+            if name is not None:
+                per_refs[i] = name
+
+    table: list[dict] = []
+    progress = n_layers > 1
+    t_start = time.monotonic()
+
+    def on_layer(i, out, timings):
+        row = {"layer": i, "block_us": timings["block_us"]}
+        if i in per_refs:
+            ref = model.fixtures.load(per_refs[i], (T, cfg.dim))
+            row.update(error_row(out, ref))
+            row["reference"] = per_refs[i]
+        table.append(row)
+        if progress:
+            el = time.monotonic() - t_start
+            extra = f", max_rel {row['max_rel']:.2e}" if "max_rel" in row else ""
+            print(f"blockrun: layer {i + 1}/{n_layers} done ({timings['block_us'] / 1e6:.2f} s, "
+                  f"{el:.1f} s elapsed{extra})", file=sys.stderr, flush=True)
+
+    try:
+        res = run_layers(model, layers, x, pe, t_emb=t_emb, adaln_ms=adaln_ms, mask=mask,
+                         workers=workers, spawn=args.spawn, eps=eps, on_layer=on_layer,
+                         weights=weights)
+    except ValueError as e:
+        raise _InputError(f"{model.path}: {e}") from None
+    out = res.output
+    for k, v in res.timings.items():
+        if k != "per_layer":
+            report[k] = v
+    g = grade(out, ref_final, tol=args.tol, reference=final_ref)
+    if args.save_output is not None:
+        np.save(args.save_output, out.astype(np.float32))
+        report["saved_output"] = str(args.save_output)
+
+    if args.json:
+        obj = dict(report)
+        obj.update(g.as_dict())
+        if n_layers > 1:
+            obj["per_layer"] = table
+        obj["verdict_line"] = g.verdict_line()
+        print(json.dumps(obj))
+    else:
+        for k, v in report.items():
+            print(f"{k}={_fmt(v)}")
+        if n_layers > 1:
+            for row in table:
+                print(" ".join(f"{k}={_fmt(v)}" for k, v in row.items()))
+        for line in g.lines():
+            print(line)
+        print(g.verdict_line())
+    sys.stdout.flush()
+    return EXIT_PASS if g.passed else EXIT_FAIL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

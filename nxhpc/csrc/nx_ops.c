@@ -1,0 +1,217 @@
+/* nx_ops.c -- generic (scalar) spec of the block's non-matmul kernels + their ISA dispatch.
+ * Owns: the reference arithmetic every SIMD variant is tested against and the dispatch table.
+ * Must not: use ISA-specific instructions (compiled without ISA flags), allocate per row. */
+#include "nx_ops.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ dispatch */
+
+nx_isa nx_ops_variant(nx_ops_family fam, nx_isa isa) {
+    (void)fam;  /* every family has all three variants */
+    if (isa == NX_ISA_AVX512 || isa == NX_ISA_AVX2) return isa;
+    return NX_ISA_GENERIC;
+}
+
+void nx_rmsnorm_f32(nx_isa isa, const float *x, const float *w, const float *mod, float *out,
+                    int64_t D, float eps, int64_t r0, int64_t r1) {
+    switch (nx_ops_variant(NX_OPS_RMSNORM, isa)) {
+    case NX_ISA_AVX512: nx_rmsnorm_f32_avx512(x, w, mod, out, D, eps, r0, r1); return;
+    case NX_ISA_AVX2: nx_rmsnorm_f32_avx2(x, w, mod, out, D, eps, r0, r1); return;
+    default: nx_rmsnorm_f32_generic(x, w, mod, out, D, eps, r0, r1); return;
+    }
+}
+
+void nx_qknorm_rope_f32(nx_isa isa, const float *qkv, const float *q_w, const float *k_w,
+                        const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
+                        int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1) {
+    switch (nx_ops_variant(NX_OPS_QKNORM_ROPE, isa)) {
+    case NX_ISA_AVX512:
+        nx_qknorm_rope_f32_avx512(qkv, q_w, k_w, pe, q_out, k_out, T, H, KVH, hd, eps, h0, h1);
+        return;
+    case NX_ISA_AVX2:
+        nx_qknorm_rope_f32_avx2(qkv, q_w, k_w, pe, q_out, k_out, T, H, KVH, hd, eps, h0, h1);
+        return;
+    default:
+        nx_qknorm_rope_f32_generic(qkv, q_w, k_w, pe, q_out, k_out, T, H, KVH, hd, eps, h0, h1);
+        return;
+    }
+}
+
+int nx_attention_f32(nx_isa isa, const float *q, const float *k, const float *qkv,
+                     const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
+                     int64_t hd, float scale, int64_t h0, int64_t h1) {
+    switch (nx_ops_variant(NX_OPS_ATTENTION, isa)) {
+    case NX_ISA_AVX512:
+        return nx_attention_f32_avx512(q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1);
+    case NX_ISA_AVX2:
+        return nx_attention_f32_avx2(q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1);
+    default:
+        return nx_attention_f32_generic(q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1);
+    }
+}
+
+void nx_swiglu_f32(nx_isa isa, const float *a, const float *b, float *out, int64_t i0, int64_t i1) {
+    switch (nx_ops_variant(NX_OPS_SWIGLU, isa)) {
+    case NX_ISA_AVX512: nx_swiglu_f32_avx512(a, b, out, i0, i1); return;
+    case NX_ISA_AVX2: nx_swiglu_f32_avx2(a, b, out, i0, i1); return;
+    default: nx_swiglu_f32_generic(a, b, out, i0, i1); return;
+    }
+}
+
+int nx_gated_residual_f32(nx_isa isa, const float *resid, const float *y, const float *gate,
+                          float *out, int64_t D, int64_t r0, int64_t r1) {
+    switch (nx_ops_variant(NX_OPS_GATED_RESIDUAL, isa)) {
+    case NX_ISA_AVX512: return nx_gated_residual_f32_avx512(resid, y, gate, out, D, r0, r1);
+    case NX_ISA_AVX2: return nx_gated_residual_f32_avx2(resid, y, gate, out, D, r0, r1);
+    default: return nx_gated_residual_f32_generic(resid, y, gate, out, D, r0, r1);
+    }
+}
+
+void nx_vmath_f32(nx_isa isa, int which, const float *x, float *out, int64_t n) {
+    switch (nx_ops_variant(NX_OPS_EXP, isa)) {
+    case NX_ISA_AVX512: nx_vmath_f32_avx512(which, x, out, n); return;
+    case NX_ISA_AVX2: nx_vmath_f32_avx2(which, x, out, n); return;
+    default: nx_vmath_f32_generic(which, x, out, n); return;
+    }
+}
+
+/* ------------------------------------------------------------------ rmsnorm */
+
+/* 1 / sqrt(sum(x^2)/n + eps), sum in float64 over 16 lanes (lane = i % 16), fixed tree.
+ * The SIMD variants reproduce exactly this order. */
+static float nx_rms_inv_generic(const float *x, int64_t n, float eps) {
+    double acc[16] = {0};
+    for (int64_t i = 0; i < n; i++) {
+        double v = (double)x[i];
+        acc[i & 15] += v * v;
+    }
+    for (int l = 0; l < 8; l++) acc[l] += acc[l + 8];
+    for (int l = 0; l < 4; l++) acc[l] += acc[l + 4];
+    for (int l = 0; l < 2; l++) acc[l] += acc[l + 2];
+    double ss = acc[0] + acc[1];
+    return (float)(1.0 / sqrt(ss / (double)n + (double)eps));
+}
+
+void nx_rmsnorm_f32_generic(const float *x, const float *w, const float *mod, float *out,
+                            int64_t D, float eps, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+        const float *xr = x + r * D;
+        float *o = out + r * D;
+        float inv = nx_rms_inv_generic(xr, D, eps);
+        if (mod) {
+            for (int64_t i = 0; i < D; i++) o[i] = ((xr[i] * inv) * w[i]) * mod[i];
+        } else {
+            for (int64_t i = 0; i < D; i++) o[i] = (xr[i] * inv) * w[i];
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ qknorm + rope */
+
+void nx_qknorm_rope_f32_generic(const float *qkv, const float *q_w, const float *k_w,
+                                const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
+                                int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1) {
+    const int64_t W = (H + 2 * KVH) * hd;
+    for (int64_t j = h0; j < h1; j++) {
+        const float *wt = j < H ? q_w : k_w;
+        float *dst = j < H ? q_out + j * T * hd : k_out + (j - H) * T * hd;
+        for (int64_t t = 0; t < T; t++) {
+            const float *xr = qkv + t * W + j * hd;
+            const float *p = pe + t * hd * 2;  /* [hd/2][2][2] */
+            float *o = dst + t * hd;
+            float inv = nx_rms_inv_generic(xr, hd, eps);
+            for (int64_t i = 0; i < hd / 2; i++) {
+                float y0 = (xr[2 * i] * inv) * wt[2 * i];
+                float y1 = (xr[2 * i + 1] * inv) * wt[2 * i + 1];
+                o[2 * i] = p[4 * i] * y0 + p[4 * i + 1] * y1;
+                o[2 * i + 1] = p[4 * i + 2] * y0 + p[4 * i + 3] * y1;
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ attention */
+
+#define NX_ATTN_GEN_TILE 64
+
+int nx_attention_f32_generic(const float *q, const float *k, const float *qkv,
+                             const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
+                             int64_t hd, float scale, int64_t h0, int64_t h1) {
+    const int64_t W = (H + 2 * KVH) * hd, group = H / KVH, OW = H * hd;
+    float *acc = malloc(sizeof(float) * (size_t)hd);
+    float s[NX_ATTN_GEN_TILE];
+    if (!acc) return -1;
+    for (int64_t h = h0; h < h1; h++) {
+        const int64_t g = h / group;
+        const float *kh = k + g * T * hd;
+        const float *vh = qkv + (H + KVH) * hd + g * hd;
+        for (int64_t t = 0; t < T; t++) {
+            const float *qr = q + (h * T + t) * hd;
+            float m = -INFINITY, l = 0.0f;
+            for (int64_t d = 0; d < hd; d++) acc[d] = 0.0f;
+            for (int64_t j0 = 0; j0 < T; j0 += NX_ATTN_GEN_TILE) {
+                int64_t n = T - j0 < NX_ATTN_GEN_TILE ? T - j0 : NX_ATTN_GEN_TILE;
+                float mx = -INFINITY;
+                for (int64_t jj = 0; jj < n; jj++) {
+                    const float *kr = kh + (j0 + jj) * hd;
+                    float dot = 0.0f;
+                    for (int64_t d = 0; d < hd; d++) dot += qr[d] * kr[d];
+                    s[jj] = (mask && !mask[j0 + jj]) ? -INFINITY : dot * scale;
+                    if (s[jj] > mx) mx = s[jj];
+                }
+                float m_new = mx > m ? mx : m;
+                float m_use = m_new == -INFINITY ? 0.0f : m_new;  /* all masked so far: p = 0 */
+                float alpha = expf(m - m_use);
+                float sum = 0.0f;
+                for (int64_t d = 0; d < hd; d++) acc[d] *= alpha;
+                for (int64_t jj = 0; jj < n; jj++) {
+                    float p = expf(s[jj] - m_use);
+                    sum += p;
+                    const float *vr = vh + (j0 + jj) * W;
+                    for (int64_t d = 0; d < hd; d++) acc[d] += p * vr[d];
+                }
+                l = l * alpha + sum;
+                m = m_new;
+            }
+            float *o = out + t * OW + h * hd;
+            if (l == 0.0f) {
+                for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
+            } else {
+                float inv = 1.0f / l;
+                for (int64_t d = 0; d < hd; d++) o[d] = acc[d] * inv;
+            }
+        }
+    }
+    free(acc);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ swiglu, gated residual */
+
+static inline float nx_silu_generic(float x) {
+    float e = expf(-fabsf(x));
+    float num = x < 0.0f ? fmaxf(x, -3.4028234663852886e38f) * e : x;
+    return num / (1.0f + e);
+}
+
+void nx_swiglu_f32_generic(const float *a, const float *b, float *out, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) out[i] = nx_silu_generic(a[i]) * b[i];
+}
+
+int nx_gated_residual_f32_generic(const float *resid, const float *y, const float *gate,
+                                  float *out, int64_t D, int64_t r0, int64_t r1) {
+    float *tg = malloc(sizeof(float) * (size_t)(D > 0 ? D : 1));
+    if (!tg) return -1;
+    for (int64_t c = 0; c < D; c++) tg[c] = tanhf(gate[c]);
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t c = 0; c < D; c++) out[r * D + c] = resid[r * D + c] + tg[c] * y[r * D + c];
+    free(tg);
+    return 0;
+}
+
+void nx_vmath_f32_generic(int which, const float *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = which == 0 ? expf(x[i]) : tanhf(x[i]);
+}

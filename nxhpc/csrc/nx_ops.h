@@ -1,0 +1,127 @@
+/* nx_ops.h -- the block's non-matmul forward kernels: RMSNorm(+modulation), qk-norm+RoPE,
+ * flash attention, SwiGLU, tanh-gated residual. Generic scalar functions are the spec; AVX2+FMA and
+ * AVX-512 variants live in nx_ops_avx2.c / nx_ops_avx512.c. Callers (nxhpc/_k_ops.pxi) validate
+ * every shape before entering; these functions trust their arguments.
+ *
+ * Numerics shared by every variant (so the variants agree bit for bit where stated):
+ *  - rmsnorm / qknorm_rope: the sum of squares is accumulated in float64 (x*x is exact in float64)
+ *    in 16 lanes, lane = element index % 16, combined by the fixed tree
+ *    (l + l+8), (l + l+4), (l + l+2), (l0 + l1); then r = (float)(1 / sqrt(ss / n + eps)) in double.
+ *    Row scaling is ((x * r) * w) [* mod] in float32, RoPE is (pe0*y0) + (pe1*y1), never fused.
+ *    => generic, avx2 and avx512 are bit-identical for these two families.
+ *  - swiglu / gated_residual / attention: generic uses libm expf/tanhf; SIMD variants use the
+ *    polynomials in their own file (exp <= 2 ulp, measured 1.01; tanh <= 2 ulp, measured 1.14;
+ *    silu <= 8u relative, plus |x|*2^-148 absolute below x = -87.3 where exp(-|x|) is subnormal;
+ *    checked over the float range in tests/test_kernels_ops.py) and FMAs, so they agree with
+ *    generic to a tolerance, not bit for bit.
+ *  - Band invariance: every output element's arithmetic is independent of the band bounds, so any
+ *    split of a band gives bit-identical results within one variant.
+ */
+#ifndef NX_OPS_H
+#define NX_OPS_H
+
+#include <stdint.h>
+#include "nx_cpu.h"
+
+/* Families, for nx_ops_variant(). */
+typedef enum {
+    NX_OPS_RMSNORM = 0, NX_OPS_QKNORM_ROPE = 1, NX_OPS_ATTENTION = 2, NX_OPS_SWIGLU = 3,
+    NX_OPS_GATED_RESIDUAL = 4, NX_OPS_EXP = 5
+} nx_ops_family;
+
+/* The ISA level whose code actually runs when `isa` is requested for `fam` (falls back to the
+ * next lower level where a variant is not compiled in). */
+nx_isa nx_ops_variant(nx_ops_family fam, nx_isa isa);
+
+/* ---- rmsnorm: out[r] := x[r] / sqrt(mean(x[r]^2) + eps) * w [* mod], rows [r0, r1) of [T, D].
+ * out may equal x (in place). mod may be NULL. */
+void nx_rmsnorm_f32(nx_isa isa,
+                    const float *x,    /* IN  [T, D] */
+                    const float *w,    /* IN  [D] */
+                    const float *mod,  /* IN  [D] or NULL */
+                    float *out,        /* OUT [T, D], rows [r0, r1) */
+                    int64_t D, float eps, int64_t r0, int64_t r1);
+void nx_rmsnorm_f32_generic(const float *x, const float *w, const float *mod, float *out,
+                            int64_t D, float eps, int64_t r0, int64_t r1);
+void nx_rmsnorm_f32_avx2(const float *x, const float *w, const float *mod, float *out,
+                         int64_t D, float eps, int64_t r0, int64_t r1);
+void nx_rmsnorm_f32_avx512(const float *x, const float *w, const float *mod, float *out,
+                           int64_t D, float eps, int64_t r0, int64_t r1);
+
+/* ---- qknorm_rope: per (token t, head j in [h0, h1) of the combined [q heads | k heads] index):
+ * y = rmsnorm(qkv[t, j*hd:(j+1)*hd], w) with w = q_w (j < H) or k_w; then
+ * o[2i+r] = pe[t,i,r,0]*y[2i] + pe[t,i,r,1]*y[2i+1]; written to q_out[j, t] or k_out[j-H, t]. */
+void nx_qknorm_rope_f32(nx_isa isa,
+                        const float *qkv,  /* IN  [T, (H+2*KVH)*hd] */
+                        const float *q_w,  /* IN  [hd] */
+                        const float *k_w,  /* IN  [hd] */
+                        const float *pe,   /* IN  [T, hd/2, 2, 2] */
+                        float *q_out,      /* OUT [H, T, hd] */
+                        float *k_out,      /* OUT [KVH, T, hd] */
+                        int64_t T, int64_t H, int64_t KVH, int64_t hd, float eps,
+                        int64_t h0, int64_t h1);
+void nx_qknorm_rope_f32_generic(const float *qkv, const float *q_w, const float *k_w,
+                                const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
+                                int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1);
+void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_w,
+                             const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
+                             int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1);
+void nx_qknorm_rope_f32_avx512(const float *qkv, const float *q_w, const float *k_w,
+                               const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
+                               int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1);
+
+/* ---- attention: for query heads h in [h0, h1), kv head g = h / (H / KVH):
+ * out[t, h*hd:(h+1)*hd] = sum_j softmax_j(scale * q[h,t].k[g,j], masked j excluded) * v_g[j]
+ * with v_g[j] = qkv[j, (H+KVH)*hd + g*hd : ... + hd]. mask: [T] bytes, nonzero = attend, or NULL.
+ * A query whose keys are all masked gets zeros. Flash-style: keys in tiles with an online softmax;
+ * scratch is O(T*hd) (one packed copy of K^T per kv head) + O(tile*hd), never O(T^2).
+ * Returns 0, or -1 if scratch could not be allocated (nothing written then). */
+int nx_attention_f32(nx_isa isa,
+                     const float *q,      /* IN  [H, T, hd] */
+                     const float *k,      /* IN  [KVH, T, hd] */
+                     const float *qkv,    /* IN  [T, (H+2*KVH)*hd] (v part read) */
+                     const uint8_t *mask, /* IN  [T] or NULL */
+                     float *out,          /* OUT [T, H*hd], columns of heads [h0, h1) */
+                     int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
+                     int64_t h0, int64_t h1);
+int nx_attention_f32_generic(const float *q, const float *k, const float *qkv,
+                             const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
+                             int64_t hd, float scale, int64_t h0, int64_t h1);
+int nx_attention_f32_avx2(const float *q, const float *k, const float *qkv,
+                          const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
+                          int64_t hd, float scale, int64_t h0, int64_t h1);
+int nx_attention_f32_avx512(const float *q, const float *k, const float *qkv,
+                            const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
+                            int64_t hd, float scale, int64_t h0, int64_t h1);
+
+/* ---- swiglu: out[i] := silu(a[i]) * b[i] for flat i in [i0, i1); silu(x) = x / (1 + exp(-x)),
+ * evaluated as (x < 0 ? x*e : x) / (1 + e) with e = exp(-|x|) (no overflow; silu(-inf) = -0).
+ * out may equal a or b. */
+void nx_swiglu_f32(nx_isa isa, const float *a, const float *b, float *out, int64_t i0, int64_t i1);
+void nx_swiglu_f32_generic(const float *a, const float *b, float *out, int64_t i0, int64_t i1);
+void nx_swiglu_f32_avx2(const float *a, const float *b, float *out, int64_t i0, int64_t i1);
+void nx_swiglu_f32_avx512(const float *a, const float *b, float *out, int64_t i0, int64_t i1);
+
+/* ---- gated_residual: out[r, c] := resid[r, c] + tanh(gate[c]) * y[r, c], rows [r0, r1).
+ * out may equal resid (or y). Returns 0, or -1 if the D-float scratch could not be allocated. */
+int nx_gated_residual_f32(nx_isa isa,
+                          const float *resid, /* IN  [T, D] */
+                          const float *y,     /* IN  [T, D] */
+                          const float *gate,  /* IN  [D] */
+                          float *out,         /* OUT [T, D] */
+                          int64_t D, int64_t r0, int64_t r1);
+int nx_gated_residual_f32_generic(const float *resid, const float *y, const float *gate,
+                                  float *out, int64_t D, int64_t r0, int64_t r1);
+int nx_gated_residual_f32_avx2(const float *resid, const float *y, const float *gate,
+                               float *out, int64_t D, int64_t r0, int64_t r1);
+int nx_gated_residual_f32_avx512(const float *resid, const float *y, const float *gate,
+                                 float *out, int64_t D, int64_t r0, int64_t r1);
+
+/* ---- element-wise exp / tanh of the variant (test hook for the SIMD polynomials):
+ * out[i] := exp(x[i]) (which = 0) or tanh(x[i]) (which = 1), i in [0, n). */
+void nx_vmath_f32(nx_isa isa, int which, const float *x, float *out, int64_t n);
+void nx_vmath_f32_generic(int which, const float *x, float *out, int64_t n);
+void nx_vmath_f32_avx2(int which, const float *x, float *out, int64_t n);
+void nx_vmath_f32_avx512(int which, const float *x, float *out, int64_t n);
+
+#endif

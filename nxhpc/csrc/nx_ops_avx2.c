@@ -1,0 +1,365 @@
+/* nx_ops_avx2.c -- AVX2+FMA variants of the block's non-matmul kernels.
+ * Owns: the 8-lane exp/tanh/silu polynomials and the register-blocked flash attention for
+ * 16-register machines. Must not: be entered unless nx_cpu_isa_supported(NX_ISA_AVX2). */
+#include "nx_ops.h"
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Lane mask for maskload/maskstore: lanes [0, valid) set. */
+static inline __m256i nx_mask8(int64_t valid) {
+    int v = valid >= 8 ? 8 : valid <= 0 ? 0 : (int)valid;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* ------------------------------------------------------------------ vector math */
+
+/* exp(x), 8 lanes: same reduction and polynomial as the AVX-512 variant; 2^n (n in [-159, 129]
+ * after clamping x to [-110, 89]) is applied as two exact power-of-two factors 2^(n>>1) * 2^(n-(n>>1))
+ * so overflow gives inf and subnormal results are rounded once. <= 2 ulp measured. */
+static inline __m256 nx_exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-110.0f), _mm256_min_ps(_mm256_set1_ps(89.0f), x));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+    p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+    __m256i ni = _mm256_cvtps_epi32(n);  /* NaN -> INT_MIN; p is NaN then anyway */
+    __m256i n1 = _mm256_srai_epi32(ni, 1);
+    __m256i n2 = _mm256_sub_epi32(ni, n1);
+    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
+    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+static inline __m256 nx_tanh8(__m256 x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 ax = _mm256_andnot_ps(sign, x);
+    __m256 z = _mm256_mul_ps(x, x);
+    __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+    __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
+    __m256 e = nx_exp8(_mm256_add_ps(ax, ax));
+    __m256 big = _mm256_sub_ps(_mm256_set1_ps(1.0f),
+                               _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+    __m256 is_small = _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ);
+    /* both branches carry sign(x); OR-ing it in keeps tanh(-0) = -0 */
+    return _mm256_or_ps(_mm256_blendv_ps(big, small, is_small), _mm256_and_ps(sign, x));
+}
+
+static inline __m256 nx_silu8(__m256 x) {
+    __m256 e = nx_exp8(_mm256_or_ps(x, _mm256_set1_ps(-0.0f)));
+    __m256 xc = _mm256_max_ps(_mm256_set1_ps(-3.4028234663852886e38f), x);
+    __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+    __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(xc, e), neg);
+    return _mm256_div_ps(num, _mm256_add_ps(e, _mm256_set1_ps(1.0f)));
+}
+
+static inline float nx_hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float nx_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+void nx_vmath_f32_avx2(int which, const float *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256i m = nx_mask8(n - i);
+        __m256 v = _mm256_maskload_ps(x + i, m);
+        _mm256_maskstore_ps(out + i, m, which == 0 ? nx_exp8(v) : nx_tanh8(v));
+    }
+}
+
+/* ------------------------------------------------------------------ rmsnorm, qknorm + rope */
+
+/* Same float64 16-lane order and tree as nx_rms_inv_generic (bit-identical):
+ * a0 = lanes 0-3, a1 = 4-7, a2 = 8-11, a3 = 12-15. */
+static inline float nx_rms_inv_avx2(const float *x, int64_t n, float eps) {
+    __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = 0; i < n; i += 16) {
+        __m256 u = _mm256_maskload_ps(x + i, nx_mask8(n - i));
+        __m256 v = _mm256_maskload_ps(x + i + 8, nx_mask8(n - i - 8));
+        __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(u));
+        __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1));
+        __m256d d2 = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+        __m256d d3 = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+        a0 = _mm256_fmadd_pd(d0, d0, a0);
+        a1 = _mm256_fmadd_pd(d1, d1, a1);
+        a2 = _mm256_fmadd_pd(d2, d2, a2);
+        a3 = _mm256_fmadd_pd(d3, d3, a3);
+    }
+    __m256d s4 = _mm256_add_pd(_mm256_add_pd(a0, a2), _mm256_add_pd(a1, a3));
+    __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
+    double ss = _mm_cvtsd_f64(s2) + _mm_cvtsd_f64(_mm_unpackhi_pd(s2, s2));
+    return (float)(1.0 / sqrt(ss / (double)n + (double)eps));
+}
+
+void nx_rmsnorm_f32_avx2(const float *x, const float *w, const float *mod, float *out,
+                         int64_t D, float eps, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+        const float *xr = x + r * D;
+        float *o = out + r * D;
+        __m256 inv = _mm256_set1_ps(nx_rms_inv_avx2(xr, D, eps));
+        for (int64_t i = 0; i < D; i += 8) {
+            __m256i m = nx_mask8(D - i);
+            __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_maskload_ps(xr + i, m), inv),
+                                     _mm256_maskload_ps(w + i, m));
+            if (mod) v = _mm256_mul_ps(v, _mm256_maskload_ps(mod + i, m));
+            _mm256_maskstore_ps(o + i, m, v);
+        }
+    }
+}
+
+void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_w,
+                             const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
+                             int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1) {
+    const int64_t W = (H + 2 * KVH) * hd;
+    for (int64_t j = h0; j < h1; j++) {
+        const float *wt = j < H ? q_w : k_w;
+        float *dst = j < H ? q_out + j * T * hd : k_out + (j - H) * T * hd;
+        for (int64_t t = 0; t < T; t++) {
+            const float *xr = qkv + t * W + j * hd;
+            const float *p = pe + t * hd * 2;
+            float *o = dst + t * hd;
+            float invf = nx_rms_inv_avx2(xr, hd, eps);
+            __m256 inv = _mm256_set1_ps(invf);
+            int64_t i = 0;
+            for (; i + 8 <= hd; i += 8) {
+                __m256 y = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv),
+                                         _mm256_loadu_ps(wt + i));
+                __m256 p0 = _mm256_loadu_ps(p + 2 * i), p1 = _mm256_loadu_ps(p + 2 * i + 8);
+                __m256 a = _mm256_castpd_ps(_mm256_permute4x64_pd(
+                    _mm256_castps_pd(_mm256_shuffle_ps(p0, p1, _MM_SHUFFLE(2, 0, 2, 0))), 0xD8));
+                __m256 b = _mm256_castpd_ps(_mm256_permute4x64_pd(
+                    _mm256_castps_pd(_mm256_shuffle_ps(p0, p1, _MM_SHUFFLE(3, 1, 3, 1))), 0xD8));
+                __m256 v = _mm256_add_ps(_mm256_mul_ps(a, _mm256_moveldup_ps(y)),
+                                         _mm256_mul_ps(b, _mm256_movehdup_ps(y)));
+                _mm256_storeu_ps(o + i, v);
+            }
+            for (; i < hd; i += 2) {  /* tail: the generic arithmetic, same order */
+                float y0 = (xr[i] * invf) * wt[i];
+                float y1 = (xr[i + 1] * invf) * wt[i + 1];
+                o[i] = p[2 * i] * y0 + p[2 * i + 1] * y1;
+                o[i + 1] = p[2 * i + 2] * y0 + p[2 * i + 3] * y1;
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ swiglu, gated residual */
+
+void nx_swiglu_f32_avx2(const float *a, const float *b, float *out, int64_t i0, int64_t i1) {
+    int64_t i = i0;
+    for (; i + 8 <= i1; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(nx_silu8(_mm256_loadu_ps(a + i)), _mm256_loadu_ps(b + i)));
+    if (i < i1) {
+        __m256i m = nx_mask8(i1 - i);
+        __m256 v = _mm256_mul_ps(nx_silu8(_mm256_maskload_ps(a + i, m)), _mm256_maskload_ps(b + i, m));
+        _mm256_maskstore_ps(out + i, m, v);
+    }
+}
+
+int nx_gated_residual_f32_avx2(const float *resid, const float *y, const float *gate,
+                               float *out, int64_t D, int64_t r0, int64_t r1) {
+    float *tg = aligned_alloc(32, (size_t)((D + 7) / 8 * 8 + 8) * sizeof(float));
+    if (!tg) return -1;
+    for (int64_t c = 0; c < D; c += 8) {
+        __m256i m = nx_mask8(D - c);
+        _mm256_maskstore_ps(tg + c, m, nx_tanh8(_mm256_maskload_ps(gate + c, m)));
+    }
+    for (int64_t r = r0; r < r1; r++) {
+        const float *rr = resid + r * D, *yr = y + r * D;
+        float *o = out + r * D;
+        for (int64_t c = 0; c < D; c += 8) {
+            __m256i m = nx_mask8(D - c);
+            __m256 v = _mm256_fmadd_ps(_mm256_maskload_ps(tg + c, m), _mm256_maskload_ps(yr + c, m),
+                                       _mm256_maskload_ps(rr + c, m));
+            _mm256_maskstore_ps(o + c, m, v);
+        }
+    }
+    free(tg);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ flash attention */
+
+/* 16 ymm registers: micro-block of 4 query rows x 16 keys (2 ymm): S = Q K^T with 8 accumulators;
+ * O += P V over 16 columns of hd at a time (8 accumulators). Rows never interact. */
+#define NX2_BR 4
+#define NX2_BC 16
+#ifndef NX2_QB
+#define NX2_QB 64  /* query rows sharing one pass over a K/V tile, multiple of NX2_BR */
+#endif
+
+static inline __attribute__((always_inline)) void
+nx2_qk_block(const int nr, const float *q, int64_t hd, const float *kt, float *S) {
+    __m256 acc[NX2_BR][2];
+    for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d++) {
+        __m256 k0 = _mm256_load_ps(kt + d * NX2_BC), k1 = _mm256_load_ps(kt + d * NX2_BC + 8);
+        for (int r = 0; r < nr; r++) {
+            __m256 b = _mm256_broadcast_ss(q + r * hd + d);
+            acc[r][0] = _mm256_fmadd_ps(b, k0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(b, k1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        _mm256_store_ps(S + r * NX2_BC, acc[r][0]);
+        _mm256_store_ps(S + r * NX2_BC + 8, acc[r][1]);
+    }
+}
+
+static inline __attribute__((always_inline)) void
+nx2_pv_block(const int nr, const float *P, const float *alpha, const float *vt, int64_t W,
+             int64_t nk, int64_t c, int64_t hd, float *O, int64_t hdp) {
+    __m256 acc[NX2_BR][2];
+    __m256i m0 = nx_mask8(hd - c), m1 = nx_mask8(hd - c - 8);
+    for (int r = 0; r < nr; r++) {
+        __m256 a = _mm256_set1_ps(alpha[r]);
+        acc[r][0] = _mm256_mul_ps(_mm256_load_ps(O + r * hdp + c), a);
+        acc[r][1] = _mm256_mul_ps(_mm256_load_ps(O + r * hdp + c + 8), a);
+    }
+    for (int64_t j = 0; j < nk; j++) {
+        const float *vr = vt + j * W + c;
+        __m256 v0 = _mm256_maskload_ps(vr, m0), v1 = _mm256_maskload_ps(vr + 8, m1);
+        for (int r = 0; r < nr; r++) {
+            __m256 p = _mm256_broadcast_ss(P + r * NX2_BC + j);
+            acc[r][0] = _mm256_fmadd_ps(p, v0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(p, v1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        _mm256_store_ps(O + r * hdp + c, acc[r][0]);
+        _mm256_store_ps(O + r * hdp + c + 8, acc[r][1]);
+    }
+}
+
+/* Online softmax of one micro-block's scores (in place: S -> P); the rescale factors
+ * alpha[r] = exp(m_old - m_new) of all rows go through one vector exp. */
+static inline void nx2_softmax_rows(int nr, float *S, float scale, const float *madd, float *m,
+                                    float *l, float *alpha) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    float sums[NX2_BR], dm[8] = {0};
+    for (int r = 0; r < nr; r++) {
+        float *s = S + r * NX2_BC;
+        __m256 x0 = _mm256_fmadd_ps(_mm256_load_ps(s), sc, _mm256_load_ps(madd));
+        __m256 x1 = _mm256_fmadd_ps(_mm256_load_ps(s + 8), sc, _mm256_load_ps(madd + 8));
+        float mx = nx_hmax8(_mm256_max_ps(x0, x1));
+        float m_new = mx > m[r] ? mx : m[r];
+        float m_use = m_new == -INFINITY ? 0.0f : m_new;  /* all keys masked so far: p = 0 */
+        dm[r] = m[r] - m_use;
+        m[r] = m_new;
+        __m256 mu = _mm256_set1_ps(m_use);
+        __m256 p0 = nx_exp8(_mm256_sub_ps(x0, mu)), p1 = nx_exp8(_mm256_sub_ps(x1, mu));
+        _mm256_store_ps(s, p0);
+        _mm256_store_ps(s + 8, p1);
+        sums[r] = nx_hsum8(_mm256_add_ps(p0, p1));
+    }
+    _mm256_storeu_ps(dm, nx_exp8(_mm256_loadu_ps(dm)));
+    for (int r = 0; r < nr; r++) {
+        alpha[r] = dm[r];
+        l[r] = l[r] * dm[r] + sums[r];
+    }
+}
+
+static inline __attribute__((always_inline)) void
+nx2_attn_micro(const int nr, const float *q, int64_t hd, const float *kt, float *S, float scale,
+               const float *madd, float *m, float *l, float *alpha, const float *vt, int64_t W,
+               int64_t nk, float *O, int64_t hdp) {
+    nx2_qk_block(nr, q, hd, kt, S);
+    nx2_softmax_rows(nr, S, scale, madd, m, l, alpha);
+    for (int64_t c = 0; c < hdp; c += 16) nx2_pv_block(nr, S, alpha, vt, W, nk, c, hd, O, hdp);
+}
+
+static void nx2_attn_micro_any(int nr, const float *q, int64_t hd, const float *kt, float *S,
+                               float scale, const float *madd, float *m, float *l, float *alpha,
+                               const float *vt, int64_t W, int64_t nk, float *O, int64_t hdp) {
+    switch (nr) {
+    case 4: nx2_attn_micro(4, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
+    case 3: nx2_attn_micro(3, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
+    case 2: nx2_attn_micro(2, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
+    default: nx2_attn_micro(1, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
+    }
+}
+
+int nx_attention_f32_avx2(const float *q, const float *k, const float *qkv,
+                          const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
+                          int64_t hd, float scale, int64_t h0, int64_t h1) {
+    const int64_t W = (H + 2 * KVH) * hd, group = H / KVH, OW = H * hd;
+    const int64_t ntiles = (T + NX2_BC - 1) / NX2_BC, Tp = ntiles * NX2_BC;
+    const int64_t hdp = (hd + 15) / 16 * 16;
+    float *kt = aligned_alloc(32, (size_t)(Tp * hd) * sizeof(float));
+    float *madd = aligned_alloc(32, (size_t)Tp * sizeof(float));
+    float *O = aligned_alloc(32, (size_t)(NX2_QB * hdp) * sizeof(float));
+    float *S = aligned_alloc(32, (size_t)(NX2_BR * NX2_BC) * sizeof(float));
+    float m[NX2_QB], l[NX2_QB], alpha[NX2_QB];
+    if (!kt || !madd || !O || !S) {
+        free(kt); free(madd); free(O); free(S);
+        return -1;
+    }
+    for (int64_t j = 0; j < Tp; j++) madd[j] = (j >= T || (mask && !mask[j])) ? -INFINITY : 0.0f;
+    int64_t packed = -1;
+    for (int64_t h = h0; h < h1; h++) {
+        const int64_t g = h / group;
+        if (g != packed) {
+            const float *kg = k + g * T * hd;
+            for (int64_t tile = 0; tile < ntiles; tile++) {
+                float *dst = kt + tile * hd * NX2_BC;
+                for (int64_t jj = 0; jj < NX2_BC; jj++) {
+                    int64_t j = tile * NX2_BC + jj;
+                    for (int64_t d = 0; d < hd; d++) dst[d * NX2_BC + jj] = j < T ? kg[j * hd + d] : 0.0f;
+                }
+            }
+            packed = g;
+        }
+        const float *qh = q + h * T * hd;
+        const float *vh = qkv + (H + KVH) * hd + g * hd;
+        for (int64_t t0 = 0; t0 < T; t0 += NX2_QB) {
+            const int64_t nq = T - t0 < NX2_QB ? T - t0 : NX2_QB;
+            for (int64_t r = 0; r < nq; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
+            memset(O, 0, (size_t)(nq * hdp) * sizeof(float));
+            for (int64_t tile = 0; tile < ntiles; tile++) {
+                const int64_t j0 = tile * NX2_BC;
+                const int64_t nk = T - j0 < NX2_BC ? T - j0 : NX2_BC;
+                for (int64_t r0 = 0; r0 < nq; r0 += NX2_BR) {
+                    const int nr = (int)(nq - r0 < NX2_BR ? nq - r0 : NX2_BR);
+                    nx2_attn_micro_any(nr, qh + (t0 + r0) * hd, hd, kt + tile * hd * NX2_BC, S, scale,
+                                       madd + j0, m + r0, l + r0, alpha + r0, vh + j0 * W, W, nk,
+                                       O + r0 * hdp, hdp);
+                }
+            }
+            for (int64_t r = 0; r < nq; r++) {
+                float *o = out + (t0 + r) * OW + h * hd;
+                const float *src = O + r * hdp;
+                if (l[r] == 0.0f) {
+                    for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
+                } else {
+                    __m256 inv = _mm256_set1_ps(1.0f / l[r]);
+                    for (int64_t d = 0; d < hd; d += 8)
+                        _mm256_maskstore_ps(o + d, nx_mask8(hd - d), _mm256_mul_ps(_mm256_load_ps(src + d), inv));
+                }
+            }
+        }
+    }
+    free(kt); free(madd); free(O); free(S);
+    return 0;
+}

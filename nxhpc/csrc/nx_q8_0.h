@@ -1,0 +1,83 @@
+/* nx_q8_0.h -- the Q8_0 kernel family: quantize, dequantize, Q8_0 x float32 matmul, adaLN linear.
+ *
+ * Owns the Q8_0 block layout (ggml's block_q8_0: float16 scale d, then 32 int8 q; value = d*q) and
+ * the arithmetic contract of every kernel in the family. Must not: allocate per tile, spawn threads,
+ * or read/write outside the ranges given (callers validate shapes before entering C).
+ *
+ * Arithmetic contract of the matmul (all ISA levels, bit-identical):
+ *   w[n, k] = d[n, k/32] * q[n, k]      exact in float32 (11-bit times 8-bit significand)
+ *   out[t, n] = one float32 fused-multiply-add chain over k = 0, 1, ..., K-1 starting from +0:
+ *               acc = fmaf(x[t, k], w[n, k], acc)
+ * The chain does not depend on n0/n1, on the tile a column or token falls in, or on T, so any
+ * split of the work into column bands / token batches gives bit-identical output. The generic
+ * (scalar) variant is the spec; SIMD variants run the same chain in vector lanes.
+ */
+#ifndef NX_Q8_0_H
+#define NX_Q8_0_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "nx_cpu.h"
+
+#define NX_QK8_0 32          /* values per block */
+#define NX_Q8_0_BLOCK_BYTES 34
+
+/* ggml's block_q8_0. Rows of GGUF data are arrays of these; the base address of a row may be
+ * only byte-aligned, so kernels read `d` with memcpy. */
+typedef struct {
+    uint16_t d;              /* float16 scale (IEEE binary16 bits, little-endian) */
+    int8_t qs[NX_QK8_0];     /* quants */
+} nx_block_q8_0;
+_Static_assert(sizeof(nx_block_q8_0) == NX_Q8_0_BLOCK_BYTES, "nx_block_q8_0 must be 34 bytes");
+
+/* Scalar float16 <-> float32 conversions (round-to-nearest-even, subnormals, inf, NaN quieted),
+ * bit-identical to x86 F16C (vcvtps2ph with RNE / vcvtph2ps). */
+uint16_t nx_f32_to_f16(float f);
+float nx_f16_to_f32(uint16_t h);
+
+/* ---- quantize: x[nblocks*32] -> nblocks Q8_0 blocks, byte-identical to gguf / ggml reference:
+ *   amax = max |x| (NaN if any x is NaN); d = amax / 127; id = d == 0 ? 0 : 1/d  (float32)
+ *   q = round-half-away(x * id), converted like numpy's float32->int8 cast (non-finite -> 0)
+ *   stored d = float16(d) with round-to-nearest-even.                                        */
+void nx_q8_0_quantize(nx_isa isa, const float *x /* IN [nblocks*32] */,
+                      uint8_t *out /* OUT [nblocks*34] */, size_t nblocks);
+void nx_q8_0_quantize_generic(const float *x /* IN */, uint8_t *out /* OUT */, size_t nblocks);
+void nx_q8_0_quantize_avx512(const float *x /* IN */, uint8_t *out /* OUT */, size_t nblocks);
+
+/* ---- dequantize: value = float32(d) * q, byte-identical to gguf.quants.dequantize. */
+void nx_q8_0_dequantize(nx_isa isa, const uint8_t *w /* IN [nblocks*34] */,
+                        float *out /* OUT [nblocks*32] */, size_t nblocks);
+void nx_q8_0_dequantize_generic(const uint8_t *w /* IN */, float *out /* OUT */, size_t nblocks);
+void nx_q8_0_dequantize_avx512(const uint8_t *w /* IN */, float *out /* OUT */, size_t nblocks);
+
+/* Which level quantize/dequantize run for a requested level (no AVX2 variant: falls back). */
+nx_isa nx_q8_0_convert_level(nx_isa isa);
+/* Which level the matmul runs for a requested level. */
+nx_isa nx_q8_0_matmul_level(nx_isa isa);
+
+/* ---- matmul: out[t, n] for t in [0, T), n in [n0, n1) (see the contract above).
+ * x: [T, K] row-major float32; w: [N, K/32] blocks, row stride K/32*34 bytes; out: [T, N].
+ * K % 32 == 0, 0 <= n0 <= n1 <= N. Columns outside [n0, n1) are not touched.
+ * Returns 0, or -1 when scratch memory could not be allocated (out is then unspecified in the band). */
+int nx_q8_0_matmul(nx_isa isa, const float *x /* IN [T*K] */, const uint8_t *w /* IN [N*K/32*34] */,
+                   float *out /* OUT [T*N] */, size_t T, size_t K, size_t N, size_t n0, size_t n1);
+int nx_q8_0_matmul_generic(const float *x /* IN */, const uint8_t *w /* IN */, float *out /* OUT */,
+                           size_t T, size_t K, size_t N, size_t n0, size_t n1);
+int nx_q8_0_matmul_avx2(const float *x /* IN */, const uint8_t *w /* IN */, float *out /* OUT */,
+                        size_t T, size_t K, size_t N, size_t n0, size_t n1);
+int nx_q8_0_matmul_avx512(const float *x /* IN */, const uint8_t *w /* IN */, float *out /* OUT */,
+                          size_t T, size_t K, size_t N, size_t n0, size_t n1);
+
+/* ---- adaLN linear: out[n] = sum_k w[n,k] * u[k] (+ bias[n]), u = silu(t_emb) or t_emb.
+ * float32 weight [N, K]: float64 accumulation in k order, rounded once (same at every level).
+ * Q8_0 weight [N, K/32*34]: u times w through nx_q8_0_matmul (T = 1) at `isa`, then + bias.
+ * bias may be NULL. Returns 0, or -1 on allocation failure. */
+int nx_adaln_linear_f32(const float *t_emb /* IN [K] */, const float *w /* IN [N*K] */,
+                        const float *bias /* IN [N] or NULL */, float *out /* OUT [N] */,
+                        size_t K, size_t N, int silu_input);
+int nx_adaln_linear_q8_0(nx_isa isa, const float *t_emb /* IN [K] */, const uint8_t *w /* IN */,
+                         const float *bias /* IN [N] or NULL */, float *out /* OUT [N] */,
+                         size_t K, size_t N, int silu_input);
+
+#endif

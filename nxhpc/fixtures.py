@@ -1,0 +1,186 @@
+"""The fixture store: named float32 activation tensors in one safetensors file.
+
+Owns reading and writing ``fixtures.safetensors`` (``t_emb``, ``pe``, ``mask``,
+``layers.{i}.blk_in`` / ``adaln_m`` / ``ref_out``, optionally weights under their GGUF names).
+It checks names, dims, dtype and finiteness and raises errors naming the file and the fixture;
+it knows nothing about the block's semantics.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from nxhpc.gguf_io import MissingTensorError, ModelFileError
+
+__all__ = ["FixtureStore", "FIXTURES_FILE"]
+
+FIXTURES_FILE = "fixtures.safetensors"
+
+
+class FixtureStore:
+    """Read access to one safetensors file of float32 fixtures (names, dims, load)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            raise ModelFileError(f"{self.path}: fixture file not found") from None
+        except OSError as e:
+            raise ModelFileError(f"{self.path}: cannot open fixture file: {e}") from None
+        self._header = self._read_header(size)
+
+    def _read_header(self, size: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Parse and bounds-check the safetensors header (8-byte length, JSON, offsets)."""
+        try:
+            with open(self.path, "rb") as fh:
+                head = fh.read(8)
+                if len(head) < 8:
+                    raise ModelFileError(f"{self.path}: truncated fixture file ({size} bytes)")
+                (n,) = struct.unpack("<Q", head)
+                if n > size - 8 or n > 100 << 20:
+                    raise ModelFileError(f"{self.path}: corrupt fixture file (header length {n}, "
+                                         f"file has {size} bytes)")
+                raw = fh.read(n)
+        except OSError as e:
+            raise ModelFileError(f"{self.path}: cannot read fixture file: {e}") from None
+        try:
+            meta = json.loads(raw.decode("utf-8"))
+            if not isinstance(meta, dict):
+                raise ValueError("header is not a JSON object")
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ModelFileError(f"{self.path}: corrupt fixture file header: {e}") from None
+        data_size = size - 8 - n
+        out: dict[str, tuple[str, tuple[int, ...]]] = {}
+        itemsize = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1, "I16": 2,
+                    "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8, "BOOL": 1}
+        for name, ent in meta.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype, shape, (a, b) = ent["dtype"], ent["shape"], ent["data_offsets"]
+                shape = tuple(int(s) for s in shape)
+                ok = (isinstance(dtype, str) and all(s >= 0 for s in shape)
+                      and 0 <= int(a) <= int(b) <= data_size
+                      and (dtype not in itemsize
+                           or int(b) - int(a) == itemsize[dtype] * int(np.prod(shape))))
+            except (KeyError, TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ModelFileError(f"{self.path}: fixture {name!r} has a corrupt header entry "
+                                     f"{ent!r} (data section is {data_size} bytes)")
+            out[name] = (dtype, shape)
+        return out
+
+    def names(self) -> list[str]:
+        """Fixture names, sorted."""
+        return sorted(self._header)
+
+    def has(self, name: str) -> bool:
+        return name in self._header
+
+    def dims(self, name: str) -> tuple[int, ...]:
+        """Shape of a fixture (numpy order); :class:`MissingTensorError` if absent."""
+        return self._entry(name)[1]
+
+    def dtype(self, name: str) -> str:
+        return self._entry(name)[0]
+
+    def _entry(self, name: str) -> tuple[str, tuple[int, ...]]:
+        try:
+            return self._header[name]
+        except KeyError:
+            raise MissingTensorError(f"{self.path}: fixture {name!r} not found "
+                                     f"({len(self._header)} fixtures present)") from None
+
+    def load(self, name: str, shape: Sequence[int] | None = None, *,
+             check_finite: bool = True) -> np.ndarray:
+        """Load a fixture as a float32 C-contiguous array.
+
+        ``shape`` (optional) is the expected shape; a mismatch, a dtype other than F32, or (with
+        ``check_finite``) NaN/Inf raise :class:`ModelFileError` naming the fixture.
+        """
+        dtype, dims = self._entry(name)
+        if dtype != "F32":
+            raise ModelFileError(f"{self.path}: fixture {name!r} is {dtype}, expected F32")
+        if shape is not None and tuple(dims) != tuple(int(s) for s in shape):
+            raise ModelFileError(f"{self.path}: fixture {name!r} has dims {list(dims)}, "
+                                 f"expected {list(shape)}")
+        try:
+            from safetensors import safe_open
+            with safe_open(str(self.path), framework="np") as f:
+                arr = f.get_tensor(name)
+        except Exception as e:  # SafetensorError and friends on corrupt files
+            raise ModelFileError(f"{self.path}: cannot load fixture {name!r}: "
+                                 f"{type(e).__name__}: {e}") from None
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if arr.shape != tuple(dims):
+            raise ModelFileError(f"{self.path}: fixture {name!r} loaded as {arr.shape}, header "
+                                 f"says {list(dims)}")  # pragma: no cover
+        if check_finite and not np.isfinite(arr).all():
+            bad = int(np.count_nonzero(~np.isfinite(arr)))
+            raise ModelFileError(f"{self.path}: fixture {name!r} has {bad} NaN/Inf values")
+        return arr
+
+    def metadata(self) -> dict[str, str]:
+        """The file's ``__metadata__`` string map (empty if none)."""
+        try:
+            from safetensors import safe_open
+            with safe_open(str(self.path), framework="np") as f:
+                return dict(f.metadata() or {})
+        except Exception as e:
+            raise ModelFileError(f"{self.path}: cannot read fixture metadata: {e}") from None
+
+    @staticmethod
+    def save(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
+             metadata: Mapping[str, str] | None = None) -> Path:
+        """Write ``tensors`` (name -> float array, stored float32) atomically to ``path``."""
+        path = Path(path)
+        out: dict[str, np.ndarray] = {}
+        for name, value in tensors.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"FixtureStore.save: names must be non-empty str, got {name!r}")
+            a = np.asarray(value)
+            if a.dtype.kind not in "fbiu":
+                raise ValueError(f"FixtureStore.save: fixture {name!r} has dtype {a.dtype}, "
+                                 f"expected a numeric array")
+            with np.errstate(over="ignore", invalid="ignore"):
+                a32 = np.ascontiguousarray(a, dtype=np.float32)
+            if not np.isfinite(a32).all():
+                raise ValueError(f"FixtureStore.save: fixture {name!r} contains NaN/Inf "
+                                 f"(after conversion to float32)")
+            out[name] = a32
+        # Written here rather than by safetensors.save_file, whose metadata order varies from
+        # run to run: names sorted, metadata keys sorted, header padded to 8 bytes -> the same
+        # tensors always give the same bytes.
+        header: dict = {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in sorted(metadata.items())}
+        off = 0
+        for name in sorted(out):
+            a = out[name]
+            header[name] = {"dtype": "F32", "shape": list(a.shape),
+                            "data_offsets": [off, off + a.nbytes]}
+            off += a.nbytes
+        hb = json.dumps(header, separators=(",", ":")).encode()
+        hb += b" " * (-len(hb) % 8)
+        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(struct.pack("<Q", len(hb)))
+                fh.write(hb)
+                for name in sorted(out):
+                    fh.write(out[name].astype("<f4", copy=False).tobytes())
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        return path
+
+    def __repr__(self) -> str:
+        return f"FixtureStore({str(self.path)!r}, {len(self._header)} fixtures)"

@@ -1,0 +1,559 @@
+"""GGUF weight files: validated, memory-mapped reading and policy-driven writing.
+
+Owns everything about the GGUF container: a bounds-checked scan of untrusted files, the name
+prefix (``model.diffusion_model.``), per-tensor decoding by stored GGML type, and writing files
+the way the community converters do. It knows nothing about the block (``nxhpc.models`` infers
+the config). Named ``gguf_io`` rather than ``gguf`` so it never shadows the ``gguf`` package it
+is built on.
+
+The format (versions 2 and 3, little-endian), as scanned here before the ``gguf`` package's
+reader is allowed near the file:
+
+1. magic ``b"GGUF"``, uint32 version, uint64 tensor count, uint64 key/value count;
+2. key/value pairs: string key (uint64 length + UTF-8), uint32 value type, value; arrays are
+   uint32 item type + uint64 count + items (strings inside arrays carry their own lengths);
+3. tensor infos: string name, uint32 n_dims (1..4), n_dims x uint64 ``ne`` innermost first,
+   uint32 GGML type, uint64 offset relative to the data section (a multiple of the alignment);
+4. padding up to ``general.alignment`` (uint32 power of two, default 32);
+5. the data section: tensor ``i`` occupies ``[data + offset_i, data + offset_i + nbytes_i)``,
+   ``nbytes = prod(ne) / block_size * type_size``, inside the file, no two overlapping.
+
+Every violation raises :class:`ModelFileError` naming the file (and the tensor or key). Q8_0
+tensors are handed out as read-only ``uint8 [rows, cols//32*34]`` views of the memory map
+(never copied); F32/F16/BF16 decode to float32. The error classes shared by the model-file
+modules live here (the lowest layer) and are re-exported by ``nxhpc.models``.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+import gguf
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+__all__ = [
+    "ModelError", "ModelNotFoundError", "ModelFileError", "MissingTensorError",
+    "PREFIX", "Q8_0_BLOCK", "QK8_0", "GGUFFile", "TensorInfo", "Q8_0Tensor",
+    "quantize_q8_0", "dequantize_q8_0", "should_quantize", "write_gguf",
+]
+
+
+# ----------------------------------------------------------------------------- errors
+
+class ModelError(Exception):
+    """Base class of every model-file error (model ids, GGUF, fixtures)."""
+
+
+class ModelNotFoundError(ModelError):
+    """A model id or directory could not be resolved."""
+
+
+class ModelFileError(ModelError):
+    """A GGUF or fixture file is malformed, unsupported, or does not fit the block config."""
+
+
+class MissingTensorError(ModelFileError):
+    """A required tensor or fixture is absent (the message names it). A ModelFileError, so
+    ``except ModelFileError`` catches every problem with a file's contents."""
+
+
+# ----------------------------------------------------------------------------- constants
+
+PREFIX = "model.diffusion_model."
+"""Name prefix written by stable-diffusion.cpp's converter (ComfyUI-GGUF writes none)."""
+
+QK8_0 = 32
+Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", (QK8_0,))])
+"""One Q8_0 block: float16 scale ``d`` then 32 int8 ``q``; value = d*q (34 bytes, packed)."""
+assert Q8_0_BLOCK.itemsize == 34
+
+_F32, _F16, _BF16, _Q8_0 = (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                            GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0)
+DECODABLE_TYPES = ("F32", "F16", "BF16", "Q8_0")
+SUPPORTED_VERSIONS = (2, 3)
+MAX_DIMS = 4                   # GGML_MAX_DIMS
+MAX_NAME_BYTES = 1 << 16       # generous; ggml itself caps tensor names at 64 bytes
+MAX_ARRAY_DEPTH = 4
+QUANTIZE_MIN_ELEMENTS = 1024   # community converters keep tensors this small in F32
+
+_SCALAR_FMT = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}
+
+
+# ----------------------------------------------------------------------------- scanning
+
+class _Truncated(Exception):
+    pass
+
+
+class _Cursor:
+    """Bounds-checked little-endian reader over a bytes-like buffer."""
+
+    def __init__(self, buf: memoryview, size: int) -> None:
+        self.buf, self.size, self.pos = buf, size, 0
+
+    def need(self, n: int) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise _Truncated(f"needs {n} bytes at offset {self.pos}, file has {self.size}")
+
+    def unpack(self, fmt: str) -> Any:
+        n = struct.calcsize(fmt)
+        self.need(n)
+        v = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += n
+        return v
+
+    def u32(self) -> int:
+        return self.unpack("<I")
+
+    def u64(self) -> int:
+        return self.unpack("<Q")
+
+    def string(self, what: str) -> str:
+        n = self.u64()
+        if n > MAX_NAME_BYTES * 1024:
+            raise ValueError(f"{what}: string length {n} is implausible")
+        self.need(n)
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{what}: string is not valid UTF-8") from None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as stored: ``shape`` in numpy order (outermost first), logical elements."""
+    name: str            # name as stored in the file (prefix included)
+    ggml_type: int
+    shape: tuple[int, ...]
+    n_bytes: int
+    offset: int          # absolute byte offset in the file
+
+    @property
+    def type_name(self) -> str:
+        try:
+            return GGMLQuantizationType(self.ggml_type).name
+        except ValueError:
+            return f"type#{self.ggml_type}"
+
+    @property
+    def n_elements(self) -> int:
+        return math.prod(self.shape)
+
+
+def _read_value(cur: _Cursor, vtype: int, what: str, depth: int = 0) -> Any:
+    try:
+        vt = GGUFValueType(vtype)
+    except ValueError:
+        raise ValueError(f"{what}: unknown value type {vtype}") from None
+    if vt in _SCALAR_FMT:
+        return cur.unpack(_SCALAR_FMT[vt])
+    if vt == GGUFValueType.STRING:
+        return cur.string(what)
+    # ARRAY
+    if depth >= MAX_ARRAY_DEPTH:
+        raise ValueError(f"{what}: arrays nested deeper than {MAX_ARRAY_DEPTH}")
+    itype = cur.u32()
+    count = cur.u64()
+    try:
+        ivt = GGUFValueType(itype)
+    except ValueError:
+        raise ValueError(f"{what}: unknown array item type {itype}") from None
+    if ivt in _SCALAR_FMT:
+        fmt = _SCALAR_FMT[ivt]
+        size = struct.calcsize(fmt)
+        if count > (cur.size - cur.pos) // size:
+            raise _Truncated(f"{what}: array of {count} x {ivt.name} runs past the end of the file")
+        start = cur.pos
+        cur.pos += count * size
+        if count <= 64:
+            return list(struct.unpack_from("<" + fmt[1] * count, cur.buf, start))
+        return f"<array of {count} {ivt.name}>"
+    # strings or nested arrays: each item is at least 8 bytes (a length/count)
+    if count > (cur.size - cur.pos) // 8:
+        raise _Truncated(f"{what}: array of {count} x {ivt.name} runs past the end of the file")
+    items = [_read_value(cur, itype, f"{what}[{i}]", depth + 1) for i in range(count)]
+    return items if count <= 64 else f"<array of {count} {ivt.name}>"
+
+
+def _scan(path: Path, buf: memoryview, size: int) -> tuple[int, int, int, dict, list[TensorInfo]]:
+    """Validate the whole layout; return (version, alignment, data_start, metadata, tensors)."""
+    cur = _Cursor(buf, size)
+    where = "header"
+    try:
+        if size < 4 or bytes(buf[:4]) != b"GGUF":
+            got = bytes(buf[:4]) if size >= 4 else bytes(buf[:size])
+            raise ModelFileError(f"{path}: not a GGUF file (magic {got!r}, expected b'GGUF')")
+        cur.pos = 4
+        version = cur.u32()
+        if version not in SUPPORTED_VERSIONS:
+            if int.from_bytes(version.to_bytes(4, "little"), "big") in SUPPORTED_VERSIONS:
+                raise ModelFileError(f"{path}: big-endian GGUF is not supported")
+            raise ModelFileError(f"{path}: unsupported GGUF version {version} "
+                                 f"(supported: {', '.join(map(str, SUPPORTED_VERSIONS))})")
+        n_tensors = cur.u64()
+        n_kv = cur.u64()
+        # every kv needs >= 8+4+1 bytes and every tensor info >= 8+4+8+4+8 bytes
+        if n_kv > size // 13 or n_tensors > size // 32:
+            raise ModelFileError(f"{path}: header claims {n_tensors} tensors and {n_kv} "
+                                 f"metadata keys, more than a {size}-byte file can hold")
+        metadata: dict[str, Any] = {}
+        for i in range(n_kv):
+            where = f"metadata key #{i}"
+            key = cur.string(where)
+            where = f"metadata key {key!r}"
+            vtype = cur.u32()
+            if key in metadata:
+                raise ModelFileError(f"{path}: duplicate metadata key {key!r}")
+            value = _read_value(cur, vtype, where)
+            if key == "general.alignment":
+                if vtype != GGUFValueType.UINT32:
+                    raise ModelFileError(f"{path}: general.alignment must be uint32, "
+                                         f"got value type {vtype}")
+            metadata[key] = value
+        alignment = metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ModelFileError(f"{path}: general.alignment {alignment!r} is not a power of two")
+        raw_infos = []
+        seen: set[str] = set()
+        for i in range(n_tensors):
+            where = f"tensor info #{i}"
+            name = cur.string(where)
+            where = f"tensor {name!r}"
+            if name in seen:
+                raise ModelFileError(f"{path}: duplicate tensor {name!r}")
+            seen.add(name)
+            n_dims = cur.u32()
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise ModelFileError(f"{path}: tensor {name!r} has {n_dims} dims "
+                                     f"(1..{MAX_DIMS} allowed)")
+            ne = [cur.u64() for _ in range(n_dims)]
+            ttype = cur.u32()
+            offset = cur.u64()
+            raw_infos.append((name, ne, ttype, offset))
+        where = "tensor data"
+        data_start = -(-cur.pos // alignment) * alignment
+        if n_tensors and data_start > size:
+            raise _Truncated(f"data section would start at {data_start}, file has {size} bytes")
+    except _Truncated as e:
+        raise ModelFileError(f"{path}: truncated or corrupt GGUF ({where}): {e}") from None
+    except ValueError as e:
+        raise ModelFileError(f"{path}: corrupt GGUF ({where}): {e}") from None
+
+    infos: list[TensorInfo] = []
+    for name, ne, ttype, offset in raw_infos:
+        try:
+            qt = GGMLQuantizationType(ttype)
+        except ValueError:
+            raise ModelFileError(f"{path}: tensor {name!r} has unknown GGML type {ttype}") from None
+        if any(d == 0 for d in ne):
+            raise ModelFileError(f"{path}: tensor {name!r} has an empty dimension (ne={ne})")
+        n_el = math.prod(ne)
+        if n_el > 1 << 48:
+            raise ModelFileError(f"{path}: tensor {name!r} claims {n_el} elements (ne={ne})")
+        block, tsize = GGML_QUANT_SIZES[qt]
+        if ne[0] % block:
+            raise ModelFileError(f"{path}: tensor {name!r} of type {qt.name} has row length "
+                                 f"{ne[0]}, not a multiple of its block size {block}")
+        n_bytes = n_el // block * tsize
+        if offset % alignment:
+            raise ModelFileError(f"{path}: tensor {name!r} data offset {offset} is not a "
+                                 f"multiple of the alignment {alignment}")
+        start = data_start + offset
+        if start + n_bytes > size:
+            raise ModelFileError(f"{path}: tensor {name!r} data [{start}, {start + n_bytes}) "
+                                 f"lies beyond the end of the file ({size} bytes): truncated?")
+        infos.append(TensorInfo(name, int(qt), tuple(int(d) for d in reversed(ne)),
+                                n_bytes, start))
+    by_start = sorted(infos, key=lambda t: t.offset)
+    for a, b in zip(by_start, by_start[1:]):
+        if a.offset + a.n_bytes > b.offset:
+            raise ModelFileError(f"{path}: tensors {a.name!r} and {b.name!r} overlap in the file")
+    return version, alignment, data_start, metadata, infos
+
+
+# ----------------------------------------------------------------------------- reading
+
+class GGUFFile:
+    """A validated, memory-mapped GGUF file; tensors addressed with or without the prefix.
+
+    ``names()`` lists canonical names (prefix removed); every accessor accepts both forms.
+    Views returned by :meth:`raw` / :meth:`q8_0` are read-only and keep the mapping alive.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+            if not self.path.is_file():
+                raise ModelFileError(f"{self.path}: not a regular file")
+        except FileNotFoundError:
+            raise ModelFileError(f"{self.path}: GGUF file not found") from None
+        except OSError as e:
+            raise ModelFileError(f"{self.path}: cannot open GGUF file: {e}") from None
+        if size < 24:
+            raise ModelFileError(f"{self.path}: truncated GGUF ({size} bytes, header needs 24)")
+        with open(self.path, "rb") as fh:
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            view = memoryview(mm)
+            try:
+                (self.version, self.alignment, self.data_start, self.metadata,
+                 infos) = _scan(self.path, view, size)
+            finally:
+                view.release()
+        finally:
+            mm.close()
+        try:
+            self._reader = gguf.GGUFReader(self.path, "r")
+        except Exception as e:  # the package's reader raises assorted types on odd input
+            raise ModelFileError(f"{self.path}: the gguf reader rejected the file: "
+                                 f"{type(e).__name__}: {e}") from None
+        rt = {t.name: t for t in self._reader.tensors}
+        for info in infos:
+            r = rt.get(info.name)
+            if r is None or int(r.tensor_type) != info.ggml_type or r.data_offset != info.offset:
+                raise ModelFileError(f"{self.path}: tensor {info.name!r}: the gguf reader and "
+                                     f"the validating scan disagree about its layout")
+        self._views = {name: r.data for name, r in rt.items()}
+        self._infos: dict[str, TensorInfo] = {}
+        prefixed = [i for i in infos if i.name.startswith(PREFIX)]
+        self.prefix = PREFIX if infos and len(prefixed) * 2 > len(infos) else ""
+        for info in infos:
+            canon = info.name[len(PREFIX):] if info.name.startswith(PREFIX) else info.name
+            if canon in self._infos:
+                raise ModelFileError(f"{self.path}: tensor {canon!r} is stored both with and "
+                                     f"without the {PREFIX!r} prefix")
+            self._infos[canon] = info
+
+    # -- metadata
+    @property
+    def mapping(self) -> np.ndarray:
+        """The whole file as a read-only ``uint8`` memory map (tensor views alias it)."""
+        return self._reader.data
+
+    @property
+    def architecture(self) -> str | None:
+        a = self.metadata.get("general.architecture")
+        return a if isinstance(a, str) else None
+
+    def names(self) -> list[str]:
+        """Canonical tensor names (prefix removed), in file order."""
+        return list(self._infos)
+
+    def canonical(self, name: str) -> str:
+        return name[len(PREFIX):] if name.startswith(PREFIX) else name
+
+    def has(self, name: str) -> bool:
+        return self.canonical(name) in self._infos
+
+    def info(self, name: str) -> TensorInfo:
+        """Stored layout of a tensor; :class:`MissingTensorError` naming it if absent."""
+        try:
+            return self._infos[self.canonical(name)]
+        except KeyError:
+            raise MissingTensorError(f"{self.path}: tensor {self.canonical(name)!r} not found "
+                                     f"(with or without the {PREFIX!r} prefix)") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.info(name).shape
+
+    def type_name(self, name: str) -> str:
+        return self.info(name).type_name
+
+    # -- data
+    def raw(self, name: str) -> np.ndarray:
+        """The stored data as a read-only view of the map (quantized types as uint8 rows)."""
+        info = self.info(name)
+        v = self._views[info.name]
+        if v.flags.writeable:  # pragma: no cover - the reader maps read-only
+            v = v.view()
+            v.flags.writeable = False
+        return v
+
+    def q8_0(self, name: str) -> np.ndarray:
+        """A 2-D Q8_0 tensor as read-only ``uint8 [rows, cols//32*34]`` (zero copy)."""
+        info = self.info(name)
+        if info.ggml_type != _Q8_0 or len(info.shape) != 2:
+            raise ModelFileError(f"{self.path}: tensor {self.canonical(name)!r} is "
+                                 f"{info.type_name} {list(info.shape)}, expected 2-D Q8_0")
+        v = self.raw(name)
+        rows, cols = info.shape
+        if v.shape != (rows, cols // QK8_0 * Q8_0_BLOCK.itemsize) or v.dtype != np.uint8:
+            raise ModelFileError(f"{self.path}: tensor {self.canonical(name)!r}: mapped view "
+                                 f"has shape {v.shape} {v.dtype}")  # pragma: no cover
+        return v
+
+    def load_f32(self, name: str) -> np.ndarray:
+        """Decode a tensor to float32 by its stored type (F32 stays a read-only view)."""
+        info = self.info(name)
+        v = self.raw(name)
+        t = info.ggml_type
+        if t == _F32:
+            return v.reshape(info.shape)
+        if t == _F16:
+            return v.astype(np.float32).reshape(info.shape)
+        if t == _BF16:
+            bits = np.ascontiguousarray(v).view(np.uint16).astype(np.uint32) << 16
+            return bits.view(np.float32).reshape(info.shape)
+        if t == _Q8_0:
+            return dequantize_q8_0(np.ascontiguousarray(v).reshape(-1, v.shape[-1])
+                                   ).reshape(info.shape)
+        raise ModelFileError(f"{self.path}: tensor {self.canonical(name)!r} has type "
+                             f"{info.type_name}; supported: {', '.join(DECODABLE_TYPES)}")
+
+    def close(self) -> None:
+        """Drop this object's references to the map (outstanding views keep it alive)."""
+        self._views = {}
+        self._reader = None
+
+    def __enter__(self) -> "GGUFFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"GGUFFile({str(self.path)!r}, v{self.version}, {len(self._infos)} tensors, "
+                f"arch={self.architecture!r}, prefix={self.prefix!r})")
+
+
+# ----------------------------------------------------------------------------- quantization
+
+def quantize_q8_0(x: np.ndarray, name: str = "tensor") -> np.ndarray:
+    """float ``[R, K]`` (K % 32 == 0) -> Q8_0 ``uint8 [R, K//32*34]``, via the ``gguf`` package
+    (bit-exact with ggml). Raises ValueError for non-finite input or a scale beyond float16."""
+    x = np.asarray(x)
+    if x.ndim != 2 or x.shape[1] % QK8_0:
+        raise ValueError(f"quantize_q8_0: {name} has shape {x.shape}, expected [R, K] "
+                         f"with K a multiple of {QK8_0}")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if not np.isfinite(x).all():
+        raise ValueError(f"quantize_q8_0: {name} contains NaN or Inf")
+    with np.errstate(over="ignore", invalid="ignore"):
+        q = gguf.quants.quantize(x, _Q8_0)
+    d = q.reshape(-1, Q8_0_BLOCK.itemsize)[:, :2].copy().view(np.float16)
+    if not np.isfinite(d).all():
+        raise ValueError(f"quantize_q8_0: {name} has values too large for a float16 scale "
+                         f"(max |x| = {float(np.abs(x).max()):.4g})")
+    return q
+
+
+def dequantize_q8_0(q: np.ndarray) -> np.ndarray:
+    """Q8_0 ``uint8 [R, K//32*34]`` -> float32 ``[R, K]`` (value = d*q), via ``gguf``."""
+    q = np.asarray(q)
+    if q.dtype != np.uint8 or q.ndim != 2 or q.shape[1] % Q8_0_BLOCK.itemsize:
+        raise ValueError(f"dequantize_q8_0: expected uint8 [R, n*34], got {q.dtype} {q.shape}")
+    return gguf.quants.dequantize(np.ascontiguousarray(q), _Q8_0)
+
+
+@dataclass(frozen=True)
+class Q8_0Tensor:
+    """Already-quantized Q8_0 data for :func:`write_gguf`: blocks ``uint8 [R, K//32*34]``."""
+    blocks: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        r, b = self.blocks.shape
+        return (r, b // Q8_0_BLOCK.itemsize * QK8_0)
+
+
+def should_quantize(shape: tuple[int, ...]) -> bool:
+    """Converter policy: 2-D, row length a multiple of 32, more than 1024 elements -> Q8_0."""
+    return len(shape) == 2 and shape[1] % QK8_0 == 0 and math.prod(shape) > QUANTIZE_MIN_ELEMENTS
+
+
+# ----------------------------------------------------------------------------- writing
+
+def write_gguf(path: str | os.PathLike, tensors: Mapping[str, Any], *, prefix: bool = True,
+               arch: str = "lumina2", metadata: Mapping[str, Any] | None = None,
+               quantize: bool = True, progress: Any = None) -> Path:
+    """Write ``tensors`` (canonical name -> float array or :class:`Q8_0Tensor`) to ``path``.
+
+    Float tensors are quantized to Q8_0 when :func:`should_quantize` says so (and ``quantize``),
+    else stored F32; :class:`Q8_0Tensor` values are stored as given. ``prefix`` prepends
+    ``model.diffusion_model.`` to every name. ``metadata`` values: str, bool, int (stored
+    int64... or uint32 for ``general.alignment``), float (float64), list of those. The file is
+    written to a temporary name and renamed into place. ``progress(name, i, n)`` is called per
+    tensor when given. Output is byte-identical for identical input.
+    """
+    path = Path(path)
+    prepared: list[tuple[str, np.ndarray, GGMLQuantizationType | None]] = []
+    for name, value in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"write_gguf: tensor names must be non-empty str, got {name!r}")
+        full = (PREFIX + name) if prefix and not name.startswith(PREFIX) else name
+        if isinstance(value, Q8_0Tensor):
+            b = np.ascontiguousarray(value.blocks)
+            if b.dtype != np.uint8 or b.ndim != 2 or b.shape[1] % Q8_0_BLOCK.itemsize:
+                raise ValueError(f"write_gguf: {name}: Q8_0 blocks must be uint8 [R, n*34], "
+                                 f"got {b.dtype} {b.shape}")
+            prepared.append((full, b, _Q8_0))
+            continue
+        a = np.asarray(value)
+        if a.dtype.kind != "f":
+            raise ValueError(f"write_gguf: {name}: expected a float array, got dtype {a.dtype}")
+        if a.ndim == 0 or a.ndim > MAX_DIMS or a.size == 0:
+            raise ValueError(f"write_gguf: {name}: unsupported shape {a.shape}")
+        if quantize and should_quantize(a.shape):
+            prepared.append((full, quantize_q8_0(a, name), _Q8_0))
+        else:
+            a32 = np.ascontiguousarray(a, dtype=np.float32)
+            if not np.isfinite(a32).all():
+                raise ValueError(f"write_gguf: {name} contains NaN or Inf")
+            prepared.append((full, a32, None))
+
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        w = gguf.GGUFWriter(tmp, arch)
+        for key, val in (metadata or {}).items():
+            _add_kv(w, key, val)
+        for full, arr, raw in prepared:
+            if raw is None:
+                w.add_tensor_info(full, arr.shape, arr.dtype, arr.nbytes)
+            else:
+                w.add_tensor_info(full, arr.shape, arr.dtype, arr.nbytes, raw_dtype=raw)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for i, (full, arr, _raw) in enumerate(prepared):
+            w.write_tensor_data(arr)
+            if progress is not None:
+                progress(full, i + 1, len(prepared))
+        w.close()
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def _add_kv(w: "gguf.GGUFWriter", key: str, val: Any) -> None:
+    if isinstance(val, bool):
+        w.add_bool(key, val)
+    elif isinstance(val, str):
+        w.add_string(key, val)
+    elif isinstance(val, (int, np.integer)):
+        if key == "general.alignment":
+            w.add_uint32(key, int(val))
+        else:
+            w.add_int64(key, int(val))
+    elif isinstance(val, (float, np.floating)):
+        w.add_float64(key, float(val))
+    elif isinstance(val, (list, tuple)):
+        w.add_array(key, list(val))
+    else:
+        raise ValueError(f"write_gguf: metadata {key!r}: unsupported value {val!r}")

@@ -1,0 +1,359 @@
+"""The block pipeline on the C kernels, checked against independent oracles.
+
+1. float64 numpy reference (``nxhpc.reference``, no shared code with the kernels) on synthetic
+   models (tiny MHA, tiny-gqa GQA + SiLU adaLN, mid hd=128; with and without mask): our float32
+   error vs float64 must be within 2x of a plain numpy float32 evaluation's error (written here).
+2. diffusers' ``ZImageTransformerBlock`` (torch CPU) with the same dequantized weights, eps set on
+   all six norms: max abs error <= 1e-5 * max|reference| (6x64 and 3x128 heads, T=37).
+3. Bit-identical outputs for workers in {1, 2, 3, 5, 16} and both spawn modes; fixture weights
+   == GGUF weights; a chained run == layer-by-layer runs.
+Negative controls show each comparison can fail. Input errors are checked before anything runs.
+"""
+import math
+import os
+
+import gguf
+import numpy as np
+import pytest
+
+from nxhpc.block import Block, run_layers
+from nxhpc.models import BlockConfig, LayerWeights, open_model
+from nxhpc.reference import block_forward_f64, dequantize_layer
+from nxhpc.shm import live_segments
+
+PID = os.getpid()
+Q8 = gguf.GGMLQuantizationType.Q8_0
+
+
+@pytest.fixture(scope="module")
+def models_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+def _open(mid, root):
+    return open_model(mid, models_dir=root)
+
+
+# ------------------------------------------------------------------ plain float32 numpy oracle
+def _np32_block(x, w, cfg, m, pe, mask, eps):
+    """BLOCK.md in float32 numpy (BLAS sgemm), same dequantized weights; for the error yardstick."""
+    f = np.float32
+    x = x.astype(f)
+    w = {k: v.astype(f) for k, v in w.items()}
+    D, H, KVH, hd = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    eps = f(eps)
+    T = x.shape[0]
+
+    def rms(v, g):
+        return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps) * g
+
+    def rope(v):                       # v [T, h, hd]
+        v2 = v.reshape(T, v.shape[1], hd // 2, 1, 2)
+        p = pe.astype(f)[:, None]      # [T, 1, hd/2, 2, 2]
+        return (p[..., 0] * v2[..., 0] + p[..., 1] * v2[..., 1]).reshape(v.shape)
+
+    m = m.astype(f)
+    h = rms(x, w["attention_norm1"]) * (f(1) + m[:D])
+    qkv = h @ w["qkv"].T
+    q = rope(rms(qkv[:, :H * hd].reshape(T, H, hd), w["q_norm"]))
+    k = rope(rms(qkv[:, H * hd:(H + KVH) * hd].reshape(T, KVH, hd), w["k_norm"]))
+    v = qkv[:, (H + KVH) * hd:].reshape(T, KVH, hd)
+    o = np.empty((T, H, hd), f)
+    for hh in range(H):
+        g = hh // (H // KVH)
+        s = (q[:, hh] @ k[:, g].T) / f(math.sqrt(hd))
+        if mask is not None:
+            s = np.where(np.asarray(mask, bool)[None, :], s, f(-np.inf))
+        s = np.exp(s - s.max(axis=1, keepdims=True))
+        o[:, hh] = (s / s.sum(axis=1, keepdims=True)) @ v[:, g]
+    mid = x + np.tanh(m[D:2 * D]) * rms(o.reshape(T, D) @ w["out"].T, w["attention_norm2"])
+    h2 = rms(mid, w["ffn_norm1"]) * (f(1) + m[2 * D:3 * D])
+    a = h2 @ w["w1"].T
+    ff = a / (f(1) + np.exp(-a)) * (h2 @ w["w3"].T)
+    return mid + np.tanh(m[3 * D:]) * rms(ff @ w["w2"].T, w["ffn_norm2"])
+
+
+def _errs(a, ref):
+    d = np.asarray(a, np.float64) - ref
+    return float(np.max(np.abs(d))), float(np.sqrt(np.mean(d * d)))
+
+
+def _mask_for(T, pad):
+    m = np.ones(T, bool)
+    m[T - pad:] = False
+    return m
+
+
+CASES = [  # model, mask: None = no mask, "model" = the model's own, int = pad that many keys
+    ("tiny", None), ("tiny", 7), ("tiny-gqa", "model"), ("tiny-gqa", None), ("mid", None),
+    ("mid", 11),
+]
+
+
+@pytest.mark.parametrize("mid, mask_kind", CASES)
+def test_vs_float64_within_2x_of_numpy_float32(models_root, mid, mask_kind):
+    model = _open(mid, models_root)
+    cfg = model.config
+    x, pe, t = model.blk_in(0), model.pe(), model.t_emb()
+    T = x.shape[0]
+    mask = (model.mask() if mask_kind == "model"
+            else None if mask_kind is None else _mask_for(T, mask_kind))
+    if mask_kind == "model":
+        assert mask is not None and not mask.all()
+    blk = model.block(0)
+    w64 = dequantize_layer(blk.weights)
+    ref = block_forward_f64(x, w64, cfg, t_emb=t, pe=pe, mask=mask)
+    out, timings = blk.forward(x, t, pe, mask=mask, workers=2)
+    assert out.dtype == np.float32 and out.shape == x.shape
+    assert set(timings) >= {"us_prenorm_qkv", "us_qknorm_rope", "us_sdpa", "us_attn_tail",
+                            "us_ffn", "block_us"}
+    m32 = blk.adaln(t)
+    np32 = _np32_block(x, w64, cfg, m32, pe, mask, cfg.norm_eps)
+    ours_max, ours_rms = _errs(out, ref)
+    np_max, np_rms = _errs(np32, ref)
+    assert ours_max <= 2 * np_max, (ours_max, np_max)
+    assert ours_rms <= 2 * np_rms, (ours_rms, np_rms)
+    # negative control: a mask that is wrong (or missing) is far outside the bound
+    wrong = _mask_for(T, 5) if mask is None else None
+    bad, _ = blk.forward(x, t, pe, mask=wrong, workers=2)
+    assert _errs(bad, ref)[0] > 100 * np_max
+    assert live_segments(PID) == []
+
+
+def test_fixture_ref_out_matches_oracle(models_root):
+    """The model's stored ref_out is the same float64 evaluation (sanity of the chain inputs)."""
+    model = _open("tiny", models_root)
+    out, _ = model.block(0).forward(model.blk_in(0), model.t_emb(), model.pe(), workers=2)
+    ref = model.ref_out(0)
+    assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+# ------------------------------------------------------------------ bit-identity
+@pytest.mark.parametrize("mid", ["tiny-gqa", "mid"])
+def test_bit_identical_any_workers_and_spawn(models_root, mid):
+    model = _open(mid, models_root)
+    x, pe, t, mask = model.blk_in(0), model.pe(), model.t_emb(), model.mask()
+    blk = model.block(0)
+    base, _ = blk.forward(x, t, pe, mask=mask, workers=1)
+    for spawn in ("pool", "stage"):
+        for n in (1, 2, 3, 5, 16):
+            out, _ = blk.forward(x, t, pe, mask=mask, workers=n, spawn=spawn)
+            assert np.array_equal(out, base), (spawn, n)
+    assert live_segments(PID) == []
+
+
+def test_fixture_weights_equal_gguf_weights(models_root):
+    model = _open("tiny", models_root)
+    x, pe, t = model.blk_in(0), model.pe(), model.t_emb()
+    a = Block(model, 0, source="gguf")
+    b = Block(model, 0, source="fixtures")
+    assert a.weights.source == "gguf" and b.weights.source == "fixtures"
+    oa, _ = a.forward(x, t, pe, workers=2)
+    ob, _ = b.forward(x, t, pe, workers=2)
+    assert np.array_equal(oa, ob)
+
+
+@pytest.mark.parametrize("mid", ["mid", "tiny-gqa"])
+def test_chain_equals_layer_by_layer(models_root, mid):
+    model = _open(mid, models_root)
+    cfg = model.config
+    x, pe, t, mask = model.blk_in(0), model.pe(), model.t_emb(), model.mask()
+    seen = {}
+    res = run_layers(model, range(cfg.n_layers), x, pe, t_emb=t, mask=mask, workers=2,
+                     on_layer=lambda i, o, tm: seen.__setitem__(i, o.copy()))
+    assert len(res.timings["per_layer"]) == cfg.n_layers
+    cur = x
+    for i in range(cfg.n_layers):
+        cur, _ = model.block(i).forward(cur, t, pe, mask=mask, workers=3, spawn="stage")
+        assert np.array_equal(cur, seen[i]), i
+    assert np.array_equal(cur, res.output)
+    # and the chain follows the float64 chain stored with the model
+    last = model.ref_out(cfg.n_layers - 1)
+    assert np.abs(res.output - last).max() <= 1e-5 * np.abs(last).max()
+
+
+def test_adaln_fixture_path_equals_t_emb_path_closely(models_root):
+    model = _open("tiny", models_root)
+    x, pe, t = model.blk_in(0), model.pe(), model.t_emb()
+    blk = model.block(0)
+    m_fix = model.adaln_m(0)
+    assert np.abs(blk.adaln(t) - m_fix).max() <= 1e-5 * np.abs(m_fix).max()
+    o1, _ = blk.forward(x, t, pe, workers=2)
+    o2, _ = blk.forward(x, pe=pe, adaln_m=m_fix, workers=2)
+    assert np.abs(o1 - o2).max() <= 1e-5 * np.abs(o1).max()
+
+
+def test_context_manager_reuses_workers(models_root):
+    model = _open("tiny", models_root)
+    x, pe, t = model.blk_in(0), model.pe(), model.t_emb()
+    with model.block(0) as blk:
+        o1, _ = blk.forward(x, t, pe, workers=2)
+        r = blk._runner
+        assert r is not None and len(r.pool.pids) == 2
+        o2, _ = blk.forward(x, t, pe, workers=2)
+        assert blk._runner is r
+        assert np.array_equal(o1, o2)
+    assert blk._runner is None and r.pool.closed
+    assert live_segments(PID) == []
+
+
+# ------------------------------------------------------------------ bad inputs
+def test_bad_inputs_clear_errors(models_root):
+    model = _open("tiny", models_root)
+    x, pe, t = model.blk_in(0), model.pe(), model.t_emb()
+    blk = model.block(0)
+    xn = x.copy()
+    xn[3, 5] = np.nan
+    with pytest.raises(ValueError, match=r"x has 1 non-finite.*\(3, 5\)"):
+        blk.forward(xn, t, pe, workers=2)
+    with pytest.raises(ValueError, match=r"x must have shape \(45, 384\)"):
+        blk.forward(x[:, :100], t, pe)
+    with pytest.raises(ValueError, match="pe must have shape"):
+        blk.forward(x, t, pe[:10])
+    with pytest.raises(ValueError, match="t_emb must have shape"):
+        blk.forward(x, t[:10], pe)
+    with pytest.raises(ValueError, match="exactly one of t_emb"):
+        blk.forward(x, None, pe)
+    with pytest.raises(ValueError, match="mask must have shape"):
+        blk.forward(x, t, pe, mask=np.ones(3, bool))
+    with pytest.raises(ValueError, match="0/1"):
+        blk.forward(x, t, pe, mask=np.full(x.shape[0], 2.0))
+    with pytest.raises(TypeError, match="floating-point"):
+        blk.forward(x.astype(np.int32), t, pe)
+    for w in (0, -1, "2", 1.5):
+        with pytest.raises(ValueError, match="workers"):
+            blk.forward(x, t, pe, workers=w)
+    with pytest.raises(ValueError, match="spawn"):
+        blk.forward(x, t, pe, spawn="threads")
+    with pytest.raises(ValueError, match="eps"):
+        blk.forward(x, t, pe, eps=-1.0)
+    with pytest.raises(ValueError, match="layer index"):
+        model.block(99)
+    assert live_segments(PID) == []
+
+
+def test_bad_weights_named():
+    cfg = BlockConfig(dim=64, n_heads=2, n_kv_heads=2, head_dim=32, ffn_dim=128, n_layers=1,
+                      adaln_in=64, variant="zimage", adaln_silu=False)
+    lw = _random_layer(np.random.default_rng(0), cfg)
+    lw.w2 = lw.w2[:, :-34]
+    with pytest.raises(ValueError, match="layer 0: weight 'w2' must be Q8_0 uint8"):
+        Block(_ArrayModel(cfg, [lw]), 0)
+
+
+# ------------------------------------------------------------------ diffusers oracle
+class _ArrayModel:
+    """Minimal model: config + in-memory LayerWeights (what Block needs)."""
+
+    def __init__(self, cfg, layers):
+        self.config, self._layers = cfg, layers
+
+    def layer_weights(self, i, source="auto"):
+        return self._layers[i]
+
+    def block(self, i):
+        return Block(self, i)
+
+
+def _q8(a):
+    return gguf.quants.quantize(np.ascontiguousarray(a, np.float32), Q8)
+
+
+def _random_layer(rng, cfg):
+    D, F, hd = cfg.dim, cfg.ffn_dim, cfg.head_dim
+    qkvw = (cfg.n_heads + 2 * cfg.n_kv_heads) * hd
+
+    def nrm(n):
+        return (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
+    return LayerWeights(
+        qkv=_q8(rng.standard_normal((qkvw, D)) / math.sqrt(D)),
+        out=_q8(rng.standard_normal((D, D)) / math.sqrt(D)),
+        w1=_q8(rng.standard_normal((F, D)) / math.sqrt(D)),
+        w3=_q8(rng.standard_normal((F, D)) / math.sqrt(D)),
+        w2=_q8(rng.standard_normal((D, F)) / math.sqrt(F)),
+        attention_norm1=nrm(D), attention_norm2=nrm(D), ffn_norm1=nrm(D), ffn_norm2=nrm(D),
+        q_norm=nrm(hd), k_norm=nrm(hd),
+        adaln_w=(rng.standard_normal((4 * D, cfg.adaln_in)) * 0.3
+                 / math.sqrt(cfg.adaln_in)).astype(np.float32),
+        adaln_b=(0.3 * rng.standard_normal(4 * D)).astype(np.float32),
+        source="fixtures")
+
+
+def _diffusers_block(cfg, lw, eps):
+    torch = pytest.importorskip("torch")
+    zi = pytest.importorskip("diffusers.models.transformers.transformer_z_image")
+    D = cfg.dim
+    blk = zi.ZImageTransformerBlock(0, D, cfg.n_heads, cfg.n_kv_heads, eps, qk_norm=True,
+                                    modulation=True).eval()
+    w = dequantize_layer(lw)
+    T32 = lambda a: torch.from_numpy(np.asarray(a, np.float32).copy())  # noqa: E731
+    with torch.no_grad():
+        blk.attention.to_q.weight.copy_(T32(w["qkv"][:D]))
+        blk.attention.to_k.weight.copy_(T32(w["qkv"][D:2 * D]))
+        blk.attention.to_v.weight.copy_(T32(w["qkv"][2 * D:]))
+        blk.attention.to_out[0].weight.copy_(T32(w["out"]))
+        blk.attention.norm_q.weight.copy_(T32(w["q_norm"]))
+        blk.attention.norm_k.weight.copy_(T32(w["k_norm"]))
+        for n in ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2"):
+            getattr(blk, n).weight.copy_(T32(w[n]))
+        blk.feed_forward.w1.weight.copy_(T32(w["w1"]))
+        blk.feed_forward.w2.weight.copy_(T32(w["w2"]))
+        blk.feed_forward.w3.weight.copy_(T32(w["w3"]))
+        blk.adaLN_modulation[0].weight.copy_(T32(w["adaln_w"]))
+        blk.adaLN_modulation[0].bias.copy_(T32(w["adaln_b"]))
+    blk.attention.norm_q.eps = eps
+    blk.attention.norm_k.eps = eps
+    for n in ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2"):
+        assert getattr(blk, n).eps == eps
+    return blk
+
+
+def _diffusers_pe(hd, n_caption, grid):
+    """RoPE from diffusers' own RopeEmbedder over (t, h, w) ids -> pe [T, hd/2, 2, 2] + freqs."""
+    torch = pytest.importorskip("torch")
+    zi = pytest.importorskip("diffusers.models.transformers.transformer_z_image")
+    axes = (hd // 4, 3 * hd // 8, 3 * hd // 8)
+    ids = [(1 + i, 0, 0) for i in range(n_caption)]
+    ids += [(n_caption + 1, h, w) for h in range(grid[0]) for w in range(grid[1])]
+    emb = zi.RopeEmbedder(theta=256.0, axes_dims=list(axes), axes_lens=[256, 64, 64])
+    freqs = emb(torch.tensor(ids, dtype=torch.int64))            # complex64 [T, hd/2]
+    c, s = freqs.real.numpy(), freqs.imag.numpy()
+    pe = np.stack([np.stack([c, -s], -1), np.stack([s, c], -1)], -2).astype(np.float32)
+    return pe, freqs
+
+
+@pytest.mark.parametrize("heads", [6, 3])           # 6 x 64 and 3 x 128 at D=384
+@pytest.mark.parametrize("use_mask", [False, True])
+def test_vs_diffusers_zimage_block(heads, use_mask):
+    torch = pytest.importorskip("torch")
+    D, eps = 384, 1e-6                  # eps != diffusers' internal 1e-5: proves it was set
+    cfg = BlockConfig(dim=D, n_heads=heads, n_kv_heads=heads, head_dim=D // heads,
+                      ffn_dim=int(D / 3 * 8), n_layers=1, adaln_in=256, variant="zimage",
+                      adaln_silu=False, norm_eps=eps)
+    rng = np.random.default_rng(100 + heads)
+    lw = _random_layer(rng, cfg)
+    pe, freqs = _diffusers_pe(cfg.head_dim, 5, (4, 8))         # T = 37
+    T = pe.shape[0]
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    t_emb = rng.standard_normal(256).astype(np.float32)
+    mask = _mask_for(T, 6) if use_mask else None
+    dblk = _diffusers_block(cfg, lw, eps)
+    with torch.no_grad():
+        ref = dblk(torch.from_numpy(x)[None],
+                   torch.from_numpy(mask)[None] if use_mask else None,
+                   freqs[None], torch.from_numpy(t_emb)[None])[0].numpy().astype(np.float64)
+    model = _ArrayModel(cfg, [lw])
+    out, _ = model.block(0).forward(x, t_emb, pe, mask=mask, workers=2)
+    scale = np.abs(ref).max()
+    err = np.abs(out - ref).max()
+    assert err <= 1e-5 * scale, f"max abs err {err:.3e} vs bound {1e-5 * scale:.3e}"
+    # negative control: flipping the mask decision (or dropping it) is caught by the same bound
+    wrong = None if use_mask else _mask_for(T, 6)
+    bad, _ = model.block(0).forward(x, t_emb, pe, mask=wrong, workers=2)
+    assert np.abs(bad - ref).max() > 1e-5 * scale
+    # and a one-block perturbation of one weight is caught too
+    lw2 = _random_layer(np.random.default_rng(100 + heads), cfg)
+    lw2.w2 = lw2.w2.copy()
+    lw2.w2[0, 2:34] = 0                   # zero one Q8_0 block of w2 row 0
+    bad2, _ = _ArrayModel(cfg, [lw2]).block(0).forward(x, t_emb, pe, mask=mask, workers=2)
+    assert np.abs(bad2 - ref).max() > 1e-5 * scale

@@ -1,0 +1,252 @@
+"""``python -m nxhpc.blockrun``: output format, verdicts, every exit code, signals, the README's
+main command on a fresh models directory, and the README's downstream example (docs/example.py).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import nxhpc._kernels as K
+from nxhpc.blockrun import main
+from nxhpc.models import open_model
+from nxhpc.shm import live_segments
+
+ROOT = Path(__file__).resolve().parents[1]
+PID = os.getpid()
+
+
+@pytest.fixture(scope="module")
+def models_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+def _cli(args, root, timeout=300, **kw):
+    env = dict(os.environ, NXHPC_MODELS=str(root))
+    return subprocess.run([sys.executable, "-m", "nxhpc.blockrun", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=ROOT, **kw)
+
+
+def _kv(stdout):
+    out = {}
+    for line in stdout.splitlines():
+        if "=" in line and " " not in line:
+            k, v = line.split("=", 1)
+            out[k] = v
+    return out
+
+
+def test_readme_main_command_fresh_machine(tmp_path):
+    """The README's main command on the tiny default, with an empty models directory."""
+    fresh = tmp_path / "fresh-models"
+    r = _cli(["tiny"], fresh)
+    assert r.returncode == 0, r.stderr
+    kv = _kv(r.stdout)
+    for key in ("dim", "tokens", "qkv_width", "ffn_dim", "workers", "gguf_tensors",
+                "adaln_gguf_vs_fixture_fail_1e3", "us_prenorm_qkv", "us_qknorm_rope", "us_sdpa",
+                "us_attn_tail", "us_ffn", "block_us", "fail_1e2", "fail_1e3", "fail_1e4",
+                "fail_1e5", "max_abs", "max_rel", "rms_err", "cosine", "non_finite"):
+        assert key in kv, key
+    assert kv["dim"] == "384" and kv["adaln_gguf_vs_fixture_fail_1e3"] == "0"
+    assert int(kv["workers"]) == len(os.sched_getaffinity(0))
+    assert r.stdout.rstrip().splitlines()[-1].startswith("PASS")
+    assert float(kv["max_rel"]) < 1e-4 and kv["non_finite"] == "0"
+
+
+def test_json_and_save_output_match_library(models_root, tmp_path):
+    out_path = tmp_path / "o.npy"
+    r = _cli(["tiny-gqa", "2", "--json", "--spawn", "stage", "--save-output", str(out_path)],
+             models_root)
+    assert r.returncode == 0, r.stderr
+    obj = json.loads(r.stdout)
+    assert obj["verdict"] == "PASS" and obj["mask"] is True and obj["kv_heads"] == 2
+    assert obj["reference"] == "layers.1.blk_in"
+    saved = np.load(out_path)
+    assert saved.dtype == np.float32
+    m = open_model("tiny-gqa", models_dir=models_root)
+    lib, _ = m.block(0).forward(m.blk_in(0), m.t_emb(), m.pe(), mask=m.mask(), workers=3)
+    assert np.array_equal(saved, lib)
+
+
+def test_layers_all_table_and_equals_layer_by_layer(models_root, tmp_path):
+    out_path = tmp_path / "chain.npy"
+    r = _cli(["mid", "2", "--layers", "all", "--save-output", str(out_path)], models_root)
+    assert r.returncode == 0, r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("layer=")]
+    assert len(rows) == 3 and "max_abs=" in rows[0] and "cosine=" in rows[0]
+    assert "layer 3/3 done" in r.stderr                       # progress on stderr
+    m = open_model("mid", models_dir=models_root)
+    cur = m.blk_in(0)
+    for i in range(3):
+        cur, _ = m.block(i).forward(cur, m.t_emb(), m.pe(), workers=1)
+    assert np.array_equal(np.load(out_path), cur)
+
+
+def test_explicit_gguf_path_and_fixture_source_identical(models_root, tmp_path):
+    a, b = tmp_path / "a.npy", tmp_path / "b.npy"
+    d = open_model("tiny", models_dir=models_root).path
+    r1 = _cli(["tiny", "2", "layers.0.ref_out", str(d / "model.gguf"), "--save-output", str(a)],
+              models_root)
+    r2 = _cli(["tiny", "2", "--source", "fixtures", "--save-output", str(b)], models_root)
+    assert r1.returncode == 0 and r2.returncode == 0, (r1.stderr, r2.stderr)
+    assert "reference=layers.0.ref_out" in r1.stdout and "weights=fixtures" in r2.stdout
+    assert np.array_equal(np.load(a), np.load(b))
+
+
+def test_graded_fail_exit_1(models_root):
+    r = _cli(["tiny", "2", "--tol", "1e-9"], models_root)            # honest run, absurd tol
+    assert r.returncode == 1 and r.stdout.splitlines()[-1].startswith("FAIL")
+    r = _cli(["tiny", "2", "layers.0.blk_in"], models_root)          # wrong reference
+    assert r.returncode == 1 and "FAIL" in r.stdout
+
+
+@pytest.mark.parametrize("args, code, msg", [
+    (["tiny", "abc"], 2, "n_workers"),
+    (["tiny", "0"], 2, "n_workers"),
+    (["tiny", "2", "--layers", "9"], 2, "only 2 layers"),
+    (["tiny", "2", "--eps", "-1"], 2, "--eps"),
+    (["no-such-model"], 3, "not found"),
+    (["tiny", "2", "layers.0.nope"], 5, "layers.0.nope"),
+    (["tiny", "2", "--save-output", "/nonexistent-dir/x.npy"], 2, "does not exist"),
+])
+def test_usage_and_lookup_exit_codes(models_root, args, code, msg):
+    r = _cli(args, models_root)
+    assert r.returncode == code, (r.stdout, r.stderr)
+    assert msg in r.stderr
+
+
+def test_missing_gguf_path_is_not_found(models_root, tmp_path):
+    r = _cli(["tiny", "2", "layers.1.blk_in", str(tmp_path / "none.gguf")], models_root)
+    assert r.returncode == 3 and "none.gguf" in r.stderr
+
+
+def _copy_model(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_bad_model_file_exit_4(models_root, tmp_path):
+    d = _copy_model(open_model("tiny", models_dir=models_root).path, tmp_path / "broken")
+    g = d / "model.gguf"
+    g.write_bytes(g.read_bytes()[:1000])                            # truncated GGUF
+    r = _cli([str(d), "2"], models_root)
+    assert r.returncode == 4 and "model.gguf" in r.stderr
+
+
+def test_nan_block_input_exit_4(models_root, tmp_path):
+    from nxhpc.fixtures import FixtureStore
+    src = open_model("tiny", models_dir=models_root)
+    d = _copy_model(src.path, tmp_path / "nan")
+    fx = FixtureStore(d / "fixtures.safetensors")
+    tensors = {n: fx.load(n, check_finite=False) for n in fx.names()}
+    tensors["layers.0.blk_in"][2, 3] = np.nan
+    from safetensors.numpy import save_file          # FixtureStore.save refuses NaN, rightly
+    save_file(tensors, str(d / "fixtures.safetensors"))
+    r = _cli([str(d), "2"], models_root)
+    assert r.returncode == 4 and "layers.0.blk_in" in r.stderr and "NaN" in r.stderr
+
+
+def test_missing_block_input_exit_5(models_root, tmp_path):
+    from nxhpc.fixtures import FixtureStore
+    src = open_model("tiny", models_dir=models_root)
+    d = _copy_model(src.path, tmp_path / "noin")
+    fx = FixtureStore(d / "fixtures.safetensors")
+    tensors = {n: fx.load(n) for n in fx.names() if n != "layers.0.blk_in"}
+    FixtureStore.save(d / "fixtures.safetensors", tensors)
+    r = _cli([str(d), "2"], models_root)
+    assert r.returncode == 5 and "layers.0.blk_in" in r.stderr
+
+
+@pytest.mark.parametrize("spawn", ["pool", "stage"])
+def test_worker_crash_exit_6(models_root, monkeypatch, capsys, spawn):
+    real = K.swiglu
+
+    def crashing(a, b, out, i0=0, i1=None, isa=None):
+        if i0 > 0:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        return real(a, b, out, i0=i0, i1=i1, isa=isa)
+
+    monkeypatch.setattr(K, "swiglu", crashing)
+    monkeypatch.setenv("NXHPC_MODELS", str(models_root))
+    t0 = time.monotonic()
+    code = main(["tiny", "2", "--spawn", spawn])
+    assert code == 6
+    assert time.monotonic() - t0 < 20
+    err = capsys.readouterr().err
+    assert "stage 'swiglu': worker 1 of 2" in err and "SIGSEGV" in err
+    assert live_segments(PID) == []
+
+
+_SLOW = textwrap.dedent("""
+    import sys, time
+    import nxhpc._kernels as K
+    real = K.q8_0_matmul
+    def slow(*a, **k):
+        sys.stdout.write("started\\n")
+        sys.stdout.flush()
+        time.sleep(60)
+    K.q8_0_matmul = slow
+    from nxhpc.blockrun import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def _children_of(pid):
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, IndexError):
+                pass
+    return out
+
+
+@pytest.mark.parametrize("spawn", ["pool", "stage"])
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_during_run(models_root, spawn, sig, code):
+    open_model("tiny", models_dir=models_root)              # generate outside the timed part
+    env = dict(os.environ, NXHPC_MODELS=str(models_root))
+    p = subprocess.Popen([sys.executable, "-c", _SLOW, "tiny", "2", "--spawn", spawn],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert p.stdout.readline().startswith("started")          # a worker is inside the stage
+    kids = [k for k in _children_of(p.pid)]
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=20)
+    assert p.returncode == code, err
+    assert "shared memory released" in err
+    assert live_segments(p.pid) == []
+    time.sleep(0.2)
+    for k in kids:
+        assert not os.path.exists(f"/proc/{k}") or \
+            open(f"/proc/{k}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_help_documents_exit_codes_and_grading():
+    r = subprocess.run([sys.executable, "-m", "nxhpc.blockrun", "--help"], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert r.returncode == 0
+    for s in ("exit codes", "rel_i = |out_i - ref_i| / max(|ref_i|, rms(ref))", "130", "143",
+              "worker process failed", "--layers", "--spawn", "--save-output"):
+        assert s in r.stdout, s
+
+
+def test_readme_example_runs(models_root):
+    """docs/example.py is the README's downstream example, verbatim; it must run as is."""
+    code = (ROOT / "docs" / "example.py").read_text()
+    env = dict(os.environ, NXHPC_MODELS=str(models_root))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "layer 0: (45, 384)" in r.stdout

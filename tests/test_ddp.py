@@ -1,0 +1,323 @@
+"""Tests of the shared-memory ring all-reduce and the data-parallel Q16 training (nxhpc.ring, nxhpc.ddp).
+
+References: exact Python-int sums for the ring; the single-process full-batch run for the
+data-parallel weights (bytes); a plain float64 numpy training loop written here for the model;
+the float32 path as the negative control showing that worker count *can* change bits.
+Every test that forks checks that no segment with its own unique prefix is left in /dev/shm.
+"""
+import json
+import multiprocessing as mp
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from nxhpc.ddp import (DDPTimeoutError, DDPWorkerError, MLPConfig, load_diabetes, init_params,
+                       train_full_batch, train_shm)
+from nxhpc.q16 import Q16_MAX, Q16OverflowError, from_q16, q16_add, to_q16
+from nxhpc.ring import ShmSegment, chunk_bounds, ring_allreduce_shm
+
+SHM_DIR = "/dev/shm"
+TEST_STEPS = 25
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm (Linux)")
+
+
+def leftovers(prefix: str) -> list[str]:
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+
+
+@pytest.fixture
+def prefix():
+    p = f"nxtest_{secrets.token_hex(3)}_"
+    yield p
+    assert leftovers(p) == [], f"leaked shared-memory segments: {leftovers(p)}"
+
+
+@pytest.fixture(scope="module")
+def data():
+    return load_diabetes()
+
+
+@pytest.fixture(scope="module")
+def full_batch(data):
+    return {s: train_full_batch(s, data=data) for s in (1, TEST_STEPS)}
+
+
+# ------------------------------------------------------------------------------------------
+# chunking, segment lifetime, the ring itself
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("length,parts", [(0, 1), (1, 3), (7, 7), (33, 4), (194, 8), (5, 8)])
+def test_chunk_bounds_cover_exactly(length, parts):
+    b = chunk_bounds(length, parts)
+    assert len(b) == parts and b[0][0] == 0 and b[-1][1] == length
+    assert all(b[i][1] == b[i + 1][0] for i in range(parts - 1))
+    sizes = [hi - lo for lo, hi in b]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_shm_segment_exists_while_open_and_is_unlinked(prefix):
+    with ShmSegment({"a": ((3, 4), np.int64), "b": ((5,), np.float32)}, prefix=prefix) as seg:
+        assert os.path.exists(os.path.join(SHM_DIR, seg.name))       # the check is not vacuous
+        assert seg.name.startswith(prefix)
+        seg["a"][:] = 7
+        assert seg["a"].sum() == 84 and seg["b"].sum() == 0
+    assert not os.path.exists(os.path.join(SHM_DIR, seg.name))
+    seg = ShmSegment({"a": ((2,), np.int64)}, prefix=prefix)
+    try:
+        raise KeyError("boom")
+    except KeyError:
+        seg.close()                                                  # error paths close too
+    assert leftovers(prefix) == []
+
+
+def _ring_worker(rank, bufs, barrier):
+    ring_allreduce_shm(rank, bufs, lambda a, b: q16_add(a, b, "allreduce"), barrier, 30)
+
+
+@pytest.mark.parametrize("D,L", [(1, 5), (2, 1), (3, 7), (5, 33), (8, 194), (8, 3)])
+def test_ring_allreduce_shm_equals_exact_sum(D, L, prefix):
+    rng = np.random.default_rng(D * 100 + L)
+    rows = rng.integers(-(2**58), 2**58, size=(D, L), dtype=np.int64)
+    exact = [sum(int(rows[r, j]) for r in range(D)) for j in range(L)]      # Python ints
+    assert max(abs(v) for v in exact) <= Q16_MAX
+    ctx = mp.get_context("fork")
+    with ShmSegment({"bufs": ((D, L), np.int64)}, prefix=prefix) as seg:
+        seg["bufs"][:] = rows
+        barrier = ctx.Barrier(D)
+        procs = [ctx.Process(target=_ring_worker, args=(r, seg["bufs"], barrier)) for r in range(D)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0] * D
+        for r in range(D):
+            assert seg["bufs"][r].tolist() == exact, f"rank {r}"
+
+
+def test_allreduce_add_is_checked():
+    # the all-reduce add is checked: two gradients of 2**61 sum past Q16_MAX -> error, no wrap
+    with pytest.raises(Q16OverflowError, match="allreduce"):
+        q16_add(np.array([2**61 + 2**60]), np.array([2**61]), "allreduce")
+
+
+# ------------------------------------------------------------------------------------------
+# data-parallel training: bytes across D, equality with the full batch
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("steps", [1, TEST_STEPS])
+@pytest.mark.parametrize("D", [1, 2, 3, 4, 5, 8])
+def test_weights_byte_identical_to_full_batch(D, steps, data, full_batch, prefix):
+    ref = full_batch[steps]
+    res = train_shm(D, steps, data=data, shm_prefix=prefix)
+    assert res.params.dtype == np.int64
+    assert res.params.tobytes() == ref.params.tobytes()
+    assert res.sha256 == ref.sha256
+    assert np.array_equal(res.losses, ref.losses)
+    p0 = to_q16(init_params(data.x.shape[1], MLPConfig()))
+    moved = int(np.count_nonzero(res.params != p0))
+    assert moved > res.params.size // 2, f"only {moved} weights moved off the init"   # neg. ctrl
+
+
+def test_loss_decreases_and_tracks_float64_training(data, full_batch):
+    """The Q16 run trains the intended model: a float64 loop written here lands close to it."""
+    cfg, steps = MLPConfig(), TEST_STEPS
+    x, y = data.x, data.y
+    n, f = x.shape
+    flat = from_q16(to_q16(init_params(f, cfg)))
+    H = cfg.hidden
+    W1, b1 = flat[:f * H].reshape(f, H), flat[f * H:f * H + H]
+    W2, b2 = flat[f * H + H:f * H + 2 * H].reshape(H, 1), flat[-1:]
+    xq, yq = from_q16(data.xq), from_q16(data.yq)
+    lr = from_q16(np.asarray(cfg.lr_q16)) / n
+    losses = []
+    for _ in range(steps):
+        z = xq @ W1 + b1
+        h = np.maximum(z, 0)
+        d = h @ W2 + b2 - yq
+        losses.append(float((d * d).sum()) / n)
+        gp = 2 * d
+        gz = (gp @ W2.T) * (z > 0)
+        W1, b1, W2, b2 = (W1 - lr * xq.T @ gz, b1 - lr * gz.sum(0), W2 - lr * h.T @ gp,
+                          b2 - lr * gp.sum(0))
+    ref64 = np.concatenate([W1.ravel(), b1, W2.ravel(), b2])
+    q = full_batch[steps]
+    assert q.losses[-1] < 0.8 * q.losses[0]
+    # rounding of ~u/2 per op and row, over 25 steps: well under 1e-3 (weights are O(1))
+    assert float(np.max(np.abs(from_q16(q.params) - ref64))) < 1e-3
+    assert np.max(np.abs(q.losses - np.array(losses))) < 1e-3
+
+
+def test_float32_contrast_differs_across_worker_counts(data, prefix):
+    """Negative control for the byte-identity tests: the same model, data and ring in float32
+    do produce different bits for different D (so identity is not automatic)."""
+    res = {D: train_shm(D, TEST_STEPS, arith="float32", data=data, shm_prefix=prefix)
+           for D in (1, 2, 3, 8)}
+    assert len({r.sha256 for r in res.values()}) > 1
+    diffs = [float(np.max(np.abs(r.params - res[1].params))) for r in res.values()]
+    assert 0 < max(diffs) < 1e-3                   # different bits, same model
+    q = train_full_batch(TEST_STEPS, data=data)
+    assert float(np.max(np.abs(res[1].params - from_q16(q.params)))) < 1e-3
+
+
+# ------------------------------------------------------------------------------------------
+# failures: named worker, no hang, nothing left in /dev/shm
+# ------------------------------------------------------------------------------------------
+
+def test_killed_worker_is_named_and_nothing_leaks(data, prefix):
+    t0 = time.monotonic()
+    with pytest.raises(DDPWorkerError, match=r"worker 1 \(pid \d+\) killed by signal SIGKILL") as e:
+        train_shm(3, 10, data=data, shm_prefix=prefix, timeout=60, fault_injection=(1, 2, "kill"))
+    assert e.value.rank == 1
+    assert time.monotonic() - t0 < 30                                     # no hang
+    assert leftovers(prefix) == []
+
+
+def test_raising_worker_is_named_with_its_error(data, prefix):
+    with pytest.raises(DDPWorkerError, match=r"worker 2 .*RuntimeError: injected fault") as e:
+        train_shm(4, 5, data=data, shm_prefix=prefix, timeout=60, fault_injection=(2, 0, "raise"))
+    assert e.value.rank == 2
+
+
+def test_hung_worker_times_out_naming_it(data, prefix):
+    t0 = time.monotonic()
+    with pytest.raises(DDPTimeoutError, match=r"worker 0 \(pid \d+\) still computing .* step 1 "):
+        train_shm(3, 5, data=data, shm_prefix=prefix, timeout=3, fault_injection=(0, 1, "hang"))
+    assert time.monotonic() - t0 < 20
+
+
+def test_overflow_in_training_is_reported_not_wrapped(data, prefix):
+    # a huge learning rate makes the weights explode; the tape must raise, naming the worker
+    with pytest.raises(DDPWorkerError, match=r"worker \d .*Q16OverflowError"):
+        train_shm(2, 200, data=data, cfg=MLPConfig(lr=5e4), shm_prefix=prefix, timeout=60)
+
+
+def test_bad_arguments_are_named(data):
+    with pytest.raises(ValueError, match="workers must be a positive integer, got 0"):
+        train_shm(0, 1, data=data)
+    with pytest.raises(ValueError, match="workers=500 exceeds the 442 data rows"):
+        train_shm(500, 1, data=data)
+    with pytest.raises(ValueError, match="steps must be a non-negative integer"):
+        train_shm(2, -1, data=data)
+    with pytest.raises(ValueError, match="arith must be 'q16' or 'float32'"):
+        train_full_batch(1, arith="float16", data=data)
+    with pytest.raises(ValueError, match="rounds to 0 in Q16"):
+        MLPConfig(lr=1e-6).lr_q16
+
+
+_KILL_PARENT = r"""
+import sys
+from nxhpc.ddp import train_shm
+print("started", flush=True)
+train_shm(3, 50, shm_prefix=sys.argv[1], timeout=600, fault_injection=(0, 1, "hang"))
+"""
+
+
+def test_parent_killed_leaves_no_segment_and_no_orphan(prefix):
+    """SIGKILL of the driving process: workers die with it (PDEATHSIG) and the resource tracker
+    unlinks the segment."""
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_PARENT, prefix], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not leftovers(prefix) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert leftovers(prefix), "the segment never appeared (negative control)"
+        time.sleep(0.5)
+        child_pids = _children(proc.pid)
+        assert len(child_pids) >= 3, child_pids          # the 3 workers (+ resource tracker)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 20
+        while leftovers(prefix) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert leftovers(prefix) == []
+        for pid in child_pids:              # no orphan left running (resource tracker included)
+            for _ in range(100):
+                if not os.path.exists(f"/proc/{pid}") or _is_zombie(pid):
+                    break
+                time.sleep(0.1)
+            assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), f"orphan pid {pid}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_ctrl_c_in_parent_cleans_up(prefix):
+    """KeyboardInterrupt while workers run: workers are killed, the segment is unlinked."""
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_PARENT, prefix], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not leftovers(prefix) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert leftovers(prefix), "the segment never appeared (negative control)"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode != 0 and "KeyboardInterrupt" in err
+        assert leftovers(prefix) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _children(ppid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == ppid:
+                        out.append(int(name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+# ------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "nxhpc.ddp", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_cli_help_and_bad_arguments():
+    r = _cli("--help")
+    assert r.returncode == 0 and "--backend" in r.stdout and "--workers" in r.stdout
+    r = _cli("--workers", "0")
+    assert r.returncode == 2 and "--workers must be >= 1, got 0" in r.stderr
+    r = _cli("--backend", "tcp")
+    assert r.returncode == 2 and "invalid choice: 'tcp'" in r.stderr
+    r = _cli("--contrast", "1,x")
+    assert r.returncode == 2 and "comma-separated integers" in r.stderr
+
+
+def test_cli_prints_losses_hash_and_contrast(tmp_path, full_batch):
+    out = tmp_path / "r.json"
+    r = _cli("--workers", "3", "--steps", str(TEST_STEPS), "--contrast", "1,2",
+             "--sweep", "1,2", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    ref = full_batch[TEST_STEPS]
+    assert f"weights sha256 {ref.sha256}" in r.stdout
+    assert r.stdout.count("loss ") >= TEST_STEPS
+    assert "float32 contrast" in r.stdout and "max|W_D - W_1|" in r.stdout
+    rep = json.loads(out.read_text())
+    assert rep["sha256"] == ref.sha256 and rep["sweep"]["full_batch"] == ref.sha256
+    assert rep["sweep"]["1"] == rep["sweep"]["2"] == ref.sha256
+    assert np.allclose(rep["losses"], ref.losses, rtol=0, atol=0)

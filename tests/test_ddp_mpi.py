@@ -1,0 +1,96 @@
+"""MPI backend of nxhpc.ddp: `mpirun -n D python -m nxhpc.ddp --backend mpi` gives the same bytes.
+
+References: the shared-memory run and the single-process full batch (SHA-256 of the weights),
+and exact Python-int sums for the MPI ring. Runs mpirun in a subprocess on localhost; skipped
+only when mpirun or mpi4py is absent (CI installs both).
+"""
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from nxhpc.ddp import train_full_batch, train_shm
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH (apt install openmpi-bin)"),
+    pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="mpi4py not installed (pip install mpi4py)"),
+]
+
+STEPS = 25
+
+
+def _mpirun(n: int, args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    cmd = ["mpirun", "-n", str(n)]
+    version = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout
+    if "Open MPI" in version or "OpenRTE" in version:
+        # root in containers/CI, and more ranks than the 2 cores here
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        cmd.append("--oversubscribe")
+    return subprocess.run(cmd + [sys.executable, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+_RING_CHECK = r"""
+import numpy as np
+from mpi4py import MPI
+from nxhpc.q16 import q16_add
+from nxhpc.ring import ring_allreduce_mpi
+comm = MPI.COMM_WORLD
+D, rank = comm.Get_size(), comm.Get_rank()
+for L in (1, 2, 7, 33, 194):
+    rows = np.random.default_rng(L).integers(-(2**58), 2**58, size=(D, L), dtype=np.int64)
+    got = ring_allreduce_mpi(comm, rows[rank], lambda a, b: q16_add(a, b, "allreduce"))
+    exact = [sum(int(rows[r, j]) for r in range(D)) for j in range(L)]
+    assert got.tolist() == exact, (rank, L)
+print("ring ok", rank, flush=True)
+"""
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_mpi_ring_equals_exact_sum(n):
+    r = _mpirun(n, ["-c", _RING_CHECK])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("ring ok") == n
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ref = train_full_batch(STEPS)
+    shm = train_shm(4, STEPS)
+    assert shm.sha256 == ref.sha256
+    return ref
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_mpi_training_same_bytes_as_shm(n, reference, tmp_path):
+    out = tmp_path / "mpi.json"
+    r = _mpirun(n, ["-m", "nxhpc.ddp", "--backend", "mpi", "--steps", str(STEPS),
+                    "--json", str(out)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["backend"] == "mpi" and rep["workers"] == n
+    assert rep["sha256"] == reference.sha256
+    assert f"weights sha256 {reference.sha256}" in r.stdout
+    assert rep["losses"] == reference.losses.tolist()
+    assert rep["losses"][-1] < rep["losses"][0]
+
+
+def test_mpi_workers_mismatch_is_refused():
+    r = _mpirun(2, ["-m", "nxhpc.ddp", "--backend", "mpi", "--workers", "3", "--steps", "1"])
+    assert r.returncode != 0
+    assert "--workers 3 but the MPI world has 2 ranks" in r.stderr
+
+
+def test_mpi_rank_failure_aborts_the_job_with_its_error():
+    # a huge learning rate overflows Q16 on every rank: the job must end, naming a rank
+    r = _mpirun(2, ["-m", "nxhpc.ddp", "--backend", "mpi", "--steps", "300", "--lr", "50000"])
+    assert r.returncode != 0
+    assert "MPI rank" in r.stderr and "Q16OverflowError" in r.stderr

@@ -1,0 +1,462 @@
+"""Model ids, directories, config inference, layer binding and synthetic models (nxhpc.models).
+
+The synthetic references are checked against diffusers' blocks (an independent oracle), not
+against the float64 module that produced them.
+"""
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gguf
+from nxhpc import models as M
+from nxhpc.fixtures import FixtureStore
+from nxhpc.gguf_io import (GGUFFile, MissingTensorError, ModelFileError, ModelNotFoundError,
+                           write_gguf)
+from nxhpc.models import (BUILTIN_MODELS, LayerWeights, SyntheticSpec,
+                          ensure_builtin, layer_tensor_names, make_synthetic, open_model)
+
+Q8 = gguf.GGMLQuantizationType.Q8_0
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    r = tmp_path_factory.mktemp("models")
+    for mid in ("tiny", "tiny-gqa", "mid"):
+        ensure_builtin(mid, r)
+    return r
+
+
+def small_spec(**kw):
+    base = dict(variant="zimage", dim=64, n_heads=2, ffn_dim=128, n_layers=2, adaln_in=64,
+                n_caption=3, grid=(1, 2, 3), seed=5)
+    base.update(kw)
+    return SyntheticSpec(**base)
+
+
+# ----------------------------------------------------------------------------- built-ins
+
+def test_builtin_specs_are_valid_and_sized_as_promised():
+    assert M.DEFAULT_MODEL_ID in BUILTIN_MODELS
+    for mid, spec in BUILTIN_MODELS.items():
+        spec.validate()
+    z = BUILTIN_MODELS["zimage-1l"].config()
+    assert (z.dim, z.n_heads, z.head_dim, z.ffn_dim, z.n_layers) == (3840, 30, 128, 10240, 1)
+    assert BUILTIN_MODELS["zimage-1l"].n_tokens == 256
+    t = BUILTIN_MODELS["tiny"]
+    assert t.config().dim <= 384 and 40 <= t.n_tokens <= 64 and t.n_tokens % 8
+    g = BUILTIN_MODELS["tiny-gqa"].config()
+    assert g.n_kv_heads < g.n_heads and g.adaln_silu and g.adaln_in == 1024
+    m = BUILTIN_MODELS["mid"]
+    assert 768 <= m.config().dim <= 1024 and 100 <= m.n_tokens <= 200
+
+
+@pytest.mark.parametrize("mid", ["tiny", "tiny-gqa", "mid"])
+def test_builtin_opens_with_inferred_config(root, mid):
+    with open_model(mid, models_dir=root) as m:
+        assert m.config == BUILTIN_MODELS[mid].config()
+        assert m.n_tokens == BUILTIN_MODELS[mid].n_tokens
+        assert set(m.config_report) >= {"variant", "dim", "head_dim", "n_heads", "n_kv_heads",
+                                        "ffn_dim", "adaln_in", "n_layers", "norm_eps"}
+        assert mid in m.describe()
+        spec = BUILTIN_MODELS[mid]
+        assert m.rope == spec.rope_params()
+        mask = m.mask()
+        if spec.mask_pad:
+            assert mask.dtype == bool and (~mask).sum() == spec.mask_pad
+        else:
+            assert mask is None
+
+
+def test_same_seed_byte_identical_other_seed_differs(tmp_path):
+    spec = small_spec()
+    a = make_synthetic(tmp_path / "a", spec)
+    b = make_synthetic(tmp_path / "b", spec)
+    c = make_synthetic(tmp_path / "c", dataclasses.replace(spec, seed=6))
+    for f in ("model.gguf", "fixtures.safetensors", "synthetic.json"):
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+    assert (a / "model.gguf").read_bytes() != (c / "model.gguf").read_bytes()
+    with pytest.raises(FileExistsError):
+        make_synthetic(tmp_path / "a", spec)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]   # no temp dirs left
+
+
+def test_builtin_is_generated_once_and_regenerated_when_stale(tmp_path):
+    d = ensure_builtin("tiny", tmp_path)
+    st = (d / "model.gguf").stat()
+    assert ensure_builtin("tiny", tmp_path) == d
+    assert (d / "model.gguf").stat().st_mtime_ns == st.st_mtime_ns
+    info = json.loads((d / "synthetic.json").read_text())
+    info["fingerprint"] = "stale"
+    (d / "synthetic.json").write_text(json.dumps(info))
+    ensure_builtin("tiny", tmp_path)
+    assert json.loads((d / "synthetic.json").read_text())["fingerprint"] != "stale"
+
+
+def _gen(root, q):
+    try:
+        d = ensure_builtin("tiny", Path(root))
+        q.put(("ok", (d / "model.gguf").read_bytes()))
+    except Exception as e:  # pragma: no cover - reported to the parent
+        q.put(("err", repr(e)))
+
+
+def test_concurrent_generation_is_safe(tmp_path):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_gen, args=(str(tmp_path), q)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    res = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(60)
+    assert all(r[0] == "ok" for r in res), res
+    assert len({r[1] for r in res}) == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["tiny"]
+
+
+# ----------------------------------------------------------------------------- references
+
+def _gguf_weights_f64(m, i):
+    """Dequantize straight from the gguf package's reader (not through nxhpc)."""
+    r = gguf.GGUFReader(m.gguf.path)
+    by = {t.name.removeprefix("model.diffusion_model."): t for t in r.tensors}
+    out = {}
+    for k, name in layer_tensor_names(i, m.config.variant).items():
+        t = by[name]
+        a = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        out[k] = np.asarray(a, dtype=np.float64).reshape(tuple(reversed(t.shape.tolist())))
+    return out
+
+
+def _t(a):
+    import torch
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+
+
+@pytest.mark.parametrize("mid", ["tiny", "tiny-gqa"])
+def test_synthetic_references_match_diffusers(root, mid):
+    """ref_out of every layer = diffusers' block on blk_in (to float32 accuracy), and the
+    layers chain (blk_in[i+1] == ref_out[i])."""
+    torch = pytest.importorskip("torch")
+    from diffusers.models.transformers import transformer_lumina2 as L
+    from diffusers.models.transformers import transformer_z_image as Z
+    with open_model(mid, models_dir=root) as m:
+        c = m.config
+        pe, t_emb, mask = m.pe(), m.t_emb(), m.mask()
+        freqs = torch.complex(_t(pe[..., 0, 0]), _t(pe[..., 1, 0]))[None]
+        tm = None if mask is None else torch.from_numpy(mask)[None]
+        H, KVH, hd = c.n_heads, c.n_kv_heads, c.head_dim
+        for i in range(c.n_layers):
+            w = _gguf_weights_f64(m, i)
+            q, k, v = (w["qkv"][:H * hd], w["qkv"][H * hd:(H + KVH) * hd],
+                       w["qkv"][(H + KVH) * hd:])
+            if c.variant == "zimage":
+                blk = Z.ZImageTransformerBlock(i, c.dim, H, KVH, c.norm_eps, True, True)
+                blk.attention.norm_q.eps = blk.attention.norm_k.eps = c.norm_eps
+                sd = {"attention.to_q.weight": q, "attention.to_k.weight": k,
+                      "attention.to_v.weight": v, "attention.to_out.0.weight": w["out"],
+                      "attention.norm_q.weight": w["q_norm"],
+                      "attention.norm_k.weight": w["k_norm"],
+                      "feed_forward.w1.weight": w["w1"], "feed_forward.w2.weight": w["w2"],
+                      "feed_forward.w3.weight": w["w3"],
+                      "attention_norm1.weight": w["attention_norm1"],
+                      "attention_norm2.weight": w["attention_norm2"],
+                      "ffn_norm1.weight": w["ffn_norm1"], "ffn_norm2.weight": w["ffn_norm2"],
+                      "adaLN_modulation.0.weight": w["adaln_w"],
+                      "adaLN_modulation.0.bias": w["adaln_b"]}
+            else:
+                # Lumina2's block sizes its adaLN input (min(D, 1024)) and FFN itself: swap in
+                # Linears of the model's sizes
+                blk = L.Lumina2TransformerBlock(c.dim, H, KVH, 256, None, c.norm_eps)
+                blk.attn.norm_q.eps = blk.attn.norm_k.eps = c.norm_eps
+                blk.norm1.linear = torch.nn.Linear(c.adaln_in, 4 * c.dim)
+                blk.feed_forward.linear_1 = torch.nn.Linear(c.dim, c.ffn_dim, bias=False)
+                blk.feed_forward.linear_3 = torch.nn.Linear(c.dim, c.ffn_dim, bias=False)
+                blk.feed_forward.linear_2 = torch.nn.Linear(c.ffn_dim, c.dim, bias=False)
+                sd = {"attn.to_q.weight": q, "attn.to_k.weight": k, "attn.to_v.weight": v,
+                      "attn.to_out.0.weight": w["out"], "attn.norm_q.weight": w["q_norm"],
+                      "attn.norm_k.weight": w["k_norm"],
+                      "feed_forward.linear_1.weight": w["w1"],
+                      "feed_forward.linear_2.weight": w["w2"],
+                      "feed_forward.linear_3.weight": w["w3"],
+                      "norm1.linear.weight": w["adaln_w"], "norm1.linear.bias": w["adaln_b"],
+                      "norm1.norm.weight": w["attention_norm1"],
+                      "norm2.weight": w["attention_norm2"], "ffn_norm1.weight": w["ffn_norm1"],
+                      "ffn_norm2.weight": w["ffn_norm2"]}
+            blk.load_state_dict({a: _t(b) for a, b in sd.items()}, strict=True)
+            blk.eval()
+            x = m.blk_in(i)
+            with torch.no_grad():
+                theirs = blk(_t(x)[None], tm, freqs, _t(t_emb)[None])[0].double().numpy()
+            ref = m.ref_out(i).astype(np.float64)
+            err = np.abs(ref - theirs).max() / np.sqrt(np.mean(theirs ** 2))
+            assert err < 2e-5, (mid, i, err)
+            assert np.abs(ref - x).max() > 0.1          # the block did change its input
+            if i + 1 < c.n_layers:
+                np.testing.assert_array_equal(m.blk_in(i + 1), m.ref_out(i))
+            # adaln_m fixture = adaLN of t_emb (silu for Lumina-2) with the stored weights
+            tt = t_emb.astype(np.float64)
+            if c.adaln_silu:
+                tt = tt / (1 + np.exp(-tt))
+            np.testing.assert_allclose(m.adaln_m(i), w["adaln_w"] @ tt + w["adaln_b"],
+                                       rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- layer binding
+
+def test_layer_weights_zero_copy_and_contract_shapes(root):
+    with open_model("tiny", models_dir=root) as m:
+        c = m.config
+        lw = m.layer_weights(1)
+        assert isinstance(lw, LayerWeights) and lw.source == "gguf" and lw.layer == 1
+        rb = lambda k: k // 32 * 34
+        shapes = {"qkv": (c.qkv_width, rb(c.dim)), "out": (c.dim, rb(c.dim)),
+                  "w1": (c.ffn_dim, rb(c.dim)), "w3": (c.ffn_dim, rb(c.dim)),
+                  "w2": (c.dim, rb(c.ffn_dim)), "adaln_w": (4 * c.dim, rb(c.adaln_in))}
+        for k, s in shapes.items():
+            a = getattr(lw, k)
+            assert a.dtype == np.uint8 and a.shape == s, k
+            assert np.shares_memory(a, m.gguf.mapping), k
+            assert not a.flags.writeable, k
+        for k in ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2"):
+            assert getattr(lw, k).dtype == np.float32 and getattr(lw, k).shape == (c.dim,)
+        assert lw.q_norm.shape == lw.k_norm.shape == (c.head_dim,)
+        assert lw.adaln_b.shape == (4 * c.dim,)
+        # fixture weights re-quantize to the identical Q8_0 bytes
+        fw = m.layer_weights(1, source="fixtures")
+        assert fw.source == "fixtures"
+        for k in ("qkv", "out", "w1", "w2", "w3"):
+            np.testing.assert_array_equal(getattr(fw, k), getattr(lw, k))
+        for k in ("attention_norm1", "q_norm", "adaln_b"):
+            np.testing.assert_array_equal(getattr(fw, k), getattr(lw, k))
+        with pytest.raises(IndexError):
+            m.layer_weights(c.n_layers)
+        with pytest.raises(ValueError, match="source"):
+            m.layer_weights(0, source="disk")
+
+
+def test_float_projections_are_quantized_at_load(tmp_path):
+    d = make_synthetic(tmp_path / "s", small_spec(include_weights=True))
+    fx = FixtureStore(d / "fixtures.safetensors")
+    floats = {n: fx.load(n) for n in fx.names() if n.endswith((".weight", ".bias"))}
+    # rewrite the GGUF with every tensor in F32, and one norm as F16 via the gguf writer
+    write_gguf(tmp_path / "f32.gguf", floats, quantize=False, prefix=False,
+               metadata={"nxhpc.norm_eps": 1e-5})
+    with open_model(d, gguf_path=tmp_path / "f32.gguf") as m:
+        assert all(m.gguf.type_name(n) == "F32" for n in m.gguf.names())
+        with pytest.warns(UserWarning, match="quantized to Q8_0 at load"):
+            lw = m.layer_weights(0)
+        assert set(lw.requantized) == {f"layers.0.{s}" for s in (
+            "attention.qkv.weight", "attention.out.weight", "feed_forward.w1.weight",
+            "feed_forward.w2.weight", "feed_forward.w3.weight")}
+        np.testing.assert_array_equal(lw.qkv, gguf.quants.quantize(
+            floats["layers.0.attention.qkv.weight"], Q8))
+        assert lw.adaln_w.dtype == np.float32
+        with open_model(d) as m2:
+            np.testing.assert_array_equal(lw.w2, m2.layer_weights(0).w2)
+
+
+def test_fixture_only_model(tmp_path):
+    d = make_synthetic(tmp_path / "s", small_spec(include_weights=True))
+    (d / "model.gguf").unlink()
+    with open_model(d) as m:
+        assert m.gguf is None and m.weights_source == "fixtures"
+        assert m.config == small_spec().config()
+        assert m.layer_weights(0).source == "fixtures"
+    d2 = make_synthetic(tmp_path / "t", small_spec(include_weights=False))
+    (d2 / "model.gguf").unlink()
+    with pytest.raises(MissingTensorError, match="no main-layer tensors"):
+        open_model(d2)
+
+
+def _write_variant(tmp_path, drop=(), replace=None, name="x.gguf"):
+    d = tmp_path / "src"
+    if not d.exists():
+        make_synthetic(d, small_spec(include_weights=True))
+    fx = FixtureStore(d / "fixtures.safetensors")
+    t = {n: fx.load(n) for n in fx.names() if n.endswith((".weight", ".bias"))}
+    for n in drop:
+        del t[n]
+    t.update(replace or {})
+    return write_gguf(tmp_path / name, t)
+
+
+@pytest.mark.parametrize("case,kw,exc,pattern", [
+    ("missing norm", dict(drop=["layers.1.ffn_norm2.weight"]), MissingTensorError,
+     "'layers.1.ffn_norm2.weight' is missing"),
+    ("layer gap", dict(drop=[n for n in layer_tensor_names(0, "zimage").values()]),
+     MissingTensorError, "'layers.0.attention.qkv.weight' missing"),
+    ("wrong q_norm", dict(replace={"layers.1.attention.q_norm.weight": np.ones(16)}),
+     ModelFileError, r"'layers.1.attention.q_norm.weight' has shape \[16\], expected \[32\]"),
+    ("both adaLN namings", dict(replace={"layers.0.adaLN_modulation.1.weight":
+                                         np.ones((256, 64))}), ModelFileError, "found both"),
+    ("qkv rows", dict(replace={"layers.0.attention.qkv.weight": np.ones((200, 64))}),
+     ModelFileError, "'layers.0.attention.qkv.weight' has 200 rows"),
+    ("2-D norm", dict(replace={"layers.0.attention_norm1.weight": np.ones((2, 32))}),
+     ModelFileError, "expected 1-D"),
+    ("w2 shape", dict(replace={"layers.1.feed_forward.w2.weight": np.ones((64, 96))}),
+     ModelFileError, r"'layers.1.feed_forward.w2.weight' has shape \[64, 96\]"),
+])
+def test_config_errors_name_the_tensor(tmp_path, case, kw, exc, pattern):
+    p = _write_variant(tmp_path, **kw)
+    with pytest.raises(exc, match=pattern) as ei:
+        open_model(p)
+    assert str(p) in str(ei.value)
+
+
+def test_non_finite_weights_are_rejected_at_bind(tmp_path):
+    p = _write_variant(tmp_path, name="ok.gguf")
+    data = bytearray(p.read_bytes())
+    with GGUFFile(p) as g:
+        off = g.info("layers.1.feed_forward.w3.weight").offset
+        noff = g.info("layers.0.ffn_norm1.weight").offset
+    data[off:off + 2] = np.array([np.inf], np.float16).tobytes()      # first block's scale
+    data[noff:noff + 4] = np.array([np.nan], np.float32).tobytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with open_model(bad) as m:
+        with pytest.raises(ModelFileError, match="'layers.1.feed_forward.w3.weight'.*scale"):
+            m.layer_weights(1)
+        with pytest.raises(ModelFileError, match="'layers.0.ffn_norm1.weight' has NaN"):
+            m.layer_weights(0)
+
+
+def test_fixture_shape_checks_against_config(tmp_path):
+    d = make_synthetic(tmp_path / "s", small_spec())
+    fx = FixtureStore(d / "fixtures.safetensors")
+    t = {n: fx.load(n) for n in fx.names()}
+    t["layers.1.adaln_m"] = np.zeros(10)
+    FixtureStore.save(d / "fixtures.safetensors", t)
+    with open_model(d) as m:
+        m.adaln_m(0)
+        with pytest.raises(ModelFileError, match=r"'layers.1.adaln_m' has dims \[10\]"):
+            m.adaln_m(1)
+
+
+# ----------------------------------------------------------------------------- resolution
+
+def test_resolution(tmp_path, monkeypatch):
+    monkeypatch.setenv("NXHPC_MODELS", str(tmp_path / "env"))
+    assert M.models_dir() == tmp_path / "env"
+    with pytest.raises(ModelNotFoundError, match="'nonesuch' not found.*tiny"):
+        open_model("nonesuch")
+    with pytest.raises(ModelNotFoundError):
+        open_model(tmp_path / "no" / "such")
+    d = make_synthetic(tmp_path / "env" / "mine", small_spec())
+    with open_model("mine") as m:                       # an id under $NXHPC_MODELS
+        assert m.path == d
+    with open_model(str(d)) as m:                       # a directory path
+        assert m.fixtures is not None
+    with open_model(d / "model.gguf") as m:             # a bare .gguf file
+        assert m.fixtures is None and m.n_tokens is None
+        with pytest.raises(MissingTensorError):
+            m.pe()
+    with pytest.raises(ModelNotFoundError, match="gguf_path"):
+        open_model(d, gguf_path=tmp_path / "missing.gguf")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelNotFoundError, match="neither"):
+        open_model(empty)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def _cli(*args, env_dir):
+    env = dict(os.environ, NXHPC_MODELS=str(env_dir))
+    return subprocess.run([sys.executable, "-m", "nxhpc.models", *args], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=300)
+
+
+def test_cli(tmp_path, root):
+    r = _cli("--help", env_dir=root)
+    assert r.returncode == 0 and "list" in r.stdout and "make" in r.stdout
+    r = _cli("list", env_dir=root)
+    assert r.returncode == 0 and "zimage-1l" in r.stdout and "tiny-gqa" in r.stdout
+    r = _cli("show", "tiny-gqa", env_dir=root)
+    assert r.returncode == 0, r.stderr
+    assert "4 heads x 96 (GQA, 2 kv heads)" in r.stdout and "adaLN 1024 (SiLU)" in r.stdout
+    r = _cli("make", "custom", "--dim", "64", "--heads", "2", "--ffn", "128", "--layers", "1",
+             "--adaln-in", "64", "--caption", "5", "--grid", "1x3x3", "--seed", "3",
+             env_dir=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "D=64, 2 heads x 32" in r.stdout and "T=14" in r.stdout
+    assert (tmp_path / "custom" / "model.gguf").is_file()
+    r = _cli("make", "custom", "--dim", "64", env_dir=tmp_path)
+    assert r.returncode == 2 and "exists" in r.stderr
+    r = _cli("make", "bad", "--dim", "70", "--heads", "2", env_dir=tmp_path)
+    assert r.returncode == 2 and "error:" in r.stderr
+    r = _cli("show", "nonesuch", env_dir=tmp_path)
+    assert r.returncode == 1 and "not found" in r.stderr
+    r = _cli("make", "x", "--grid", "banana", env_dir=tmp_path)
+    assert r.returncode == 2 and "FxHxW" in r.stderr
+
+
+def test_blockconfig_validate():
+    c = BUILTIN_MODELS["tiny"].config()
+    assert c.qkv_width == 3 * 384
+    with pytest.raises(ValueError, match="n_heads\\*head_dim"):
+        dataclasses.replace(c, n_heads=5).validate()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        dataclasses.replace(c, ffn_dim=1000).validate()
+    g = BUILTIN_MODELS["tiny-gqa"].config()
+    assert g.qkv_width == (4 + 2 * 2) * 96
+
+
+def test_mixed_stored_types_via_the_gguf_writer(tmp_path):
+    """A file as another converter might write it (the gguf package's writer): projections in
+    F16 / BF16 / F32 are quantized at load; a Q4_0 projection is refused, naming it."""
+    d = make_synthetic(tmp_path / "s", small_spec(n_layers=1, include_weights=True))
+    fx = FixtureStore(d / "fixtures.safetensors")
+    t = {n: fx.load(n) for n in fx.names() if n.endswith((".weight", ".bias"))}
+    BF16 = gguf.GGMLQuantizationType.BF16
+
+    def write(path, q4=False):
+        w = gguf.GGUFWriter(path, "lumina2")
+        for n, a in t.items():
+            if n.endswith("qkv.weight"):
+                w.add_tensor(n, a.astype(np.float16))
+            elif n.endswith("out.weight"):
+                w.add_tensor(n, gguf.quants.quantize(a, BF16), raw_dtype=BF16)
+            elif n.endswith("w1.weight") and q4:
+                Q4 = gguf.GGMLQuantizationType.Q4_0
+                w.add_tensor(n, gguf.quants.quantize(a, Q4), raw_dtype=Q4)
+            elif n.endswith("w1.weight") or n.endswith("norm1.weight"):
+                w.add_tensor(n, a)                              # F32
+            elif a.ndim == 2:
+                w.add_tensor(n, gguf.quants.quantize(a, Q8), raw_dtype=Q8)
+            else:
+                w.add_tensor(n, a.astype(np.float16))           # F16 norms
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    p = write(tmp_path / "mixed.gguf")
+    with open_model(p) as m:
+        with pytest.warns(UserWarning, match="quantized to Q8_0 at load"):
+            lw = m.layer_weights(0)
+        assert set(lw.requantized) == {"layers.0.attention.qkv.weight",
+                                       "layers.0.attention.out.weight",
+                                       "layers.0.feed_forward.w1.weight"}
+        qkv16 = t["layers.0.attention.qkv.weight"].astype(np.float16).astype(np.float32)
+        np.testing.assert_array_equal(lw.qkv, gguf.quants.quantize(qkv16, Q8))
+        out_bf = gguf.quants.dequantize(gguf.quants.quantize(
+            t["layers.0.attention.out.weight"], BF16), BF16)
+        np.testing.assert_array_equal(lw.out, gguf.quants.quantize(out_bf, Q8))
+        np.testing.assert_array_equal(lw.w1, gguf.quants.quantize(
+            t["layers.0.feed_forward.w1.weight"], Q8))
+        np.testing.assert_array_equal(lw.q_norm, t["layers.0.attention.q_norm.weight"].astype(
+            np.float16).astype(np.float32))
+        assert lw.w2.dtype == np.uint8 and not lw.w2.flags.writeable
+    p4 = write(tmp_path / "q4.gguf", q4=True)
+    with pytest.raises(ModelFileError, match="'layers.0.feed_forward.w1.weight' has type Q4_0"):
+        open_model(p4)

@@ -1,0 +1,239 @@
+"""SharedArena: layout vs a plain dict model (hypothesis stateful), fork sharing, lifetime.
+
+Every scenario checks /dev/shm for segments of the process that created the arena, before and
+after; named arenas serve as the negative control showing the check does see live segments.
+"""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from nxhpc.shm import ALIGN, SharedArena, cleanup_all, live_segments
+
+PID = os.getpid()
+
+names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=6)
+shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)
+dtypes = st.sampled_from([np.float32, np.uint8, np.int32, np.float64])
+
+
+class ArenaVsDict(RuleBasedStateMachine):
+    """Random layout; random writes through the arena and into a dict of private arrays."""
+
+    @initialize(spec=st.dictionaries(names, st.tuples(shapes, dtypes), min_size=1, max_size=6),
+                named=st.booleans())
+    def make(self, spec, named):
+        self.before = live_segments(PID)
+        self.arena = SharedArena({k: (s, d) for k, (s, d) in spec.items()}, named=named)
+        self.model = {k: np.zeros(s, dtype=d) for k, (s, d) in spec.items()}
+        self.named = named
+
+    @rule(data=st.data())
+    def write(self, data):
+        name = data.draw(st.sampled_from(sorted(self.model)))
+        ref = self.model[name]
+        if ref.size == 0:
+            return
+        flat = data.draw(st.integers(0, ref.size - 1))
+        val = data.draw(st.integers(0, 100))     # fits every dtype drawn
+        idx = np.unravel_index(flat, ref.shape)
+        ref[idx] = val
+        self.arena[name][idx] = val
+
+    @rule(data=st.data())
+    def fill(self, data):
+        name = data.draw(st.sampled_from(sorted(self.model)))
+        val = data.draw(st.integers(0, 50))
+        self.model[name][...] = val
+        self.arena[name][...] = val
+
+    @invariant()
+    def same_as_dict(self):
+        if not hasattr(self, "arena"):
+            return
+        assert sorted(self.arena) == sorted(self.model)
+        for k, ref in self.model.items():
+            got = self.arena[k]
+            assert got.shape == ref.shape and got.dtype == ref.dtype
+            assert got.flags.c_contiguous and got.flags.writeable
+            np.testing.assert_array_equal(got, ref)
+
+    @invariant()
+    def aligned_and_disjoint(self):
+        if not hasattr(self, "arena"):
+            return
+        spans = sorted((b.offset, b.offset + b.nbytes) for b in self.arena.layout.values())
+        for (a0, a1), (b0, _) in zip(spans, spans[1:]):
+            assert a1 <= b0
+        for b in self.arena.layout.values():
+            assert b.offset % ALIGN == 0
+            assert b.offset + b.nbytes <= self.arena.nbytes
+
+    @invariant()
+    def visible_iff_named(self):
+        if not hasattr(self, "arena"):
+            return
+        live = live_segments(PID)
+        assert (self.arena.name in live) == self.named
+
+    def teardown(self):
+        if hasattr(self, "arena"):
+            self.arena.close()
+            assert self.arena.closed
+            with pytest.raises(ValueError, match="closed"):
+                self.arena[next(iter(self.model))]
+            assert live_segments(PID) == self.before
+
+
+ArenaVsDict.TestCase.settings = settings(max_examples=25, stateful_step_count=15, deadline=None)
+TestArenaVsDict = ArenaVsDict.TestCase
+
+
+def test_default_float32_and_int_shape():
+    with SharedArena({"a": (3, 4), "b": 5}) as a:
+        assert a["a"].dtype == np.float32 and a["a"].shape == (3, 4)
+        assert a["b"].shape == (5,)
+        assert (a["a"] == 0).all() and (a["b"] == 0).all()
+        assert a.nbytes == 64 + 64
+        assert not a.linked
+    assert live_segments(PID) == []
+
+
+def test_fork_child_writes_are_seen_by_parent():
+    with SharedArena({"x": (4, 8)}) as a:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                a["x"][...] = 7.5
+                a.close()              # in a child: forgets views, never unlinks
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        assert (a["x"] == 7.5).all()
+
+
+def test_named_child_close_does_not_unlink():
+    with SharedArena({"x": 16}, named=True) as a:
+        assert a.name in live_segments(PID)        # negative control: the check sees it
+        pid = os.fork()
+        if pid == 0:
+            a.close()
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert a.name in live_segments(PID)
+    assert live_segments(PID) == []
+
+
+def test_named_unlinked_on_exception():
+    with pytest.raises(RuntimeError):
+        with SharedArena({"x": 16}, named=True) as a:
+            assert a.name in live_segments(PID)
+            raise RuntimeError("boom")
+    assert live_segments(PID) == []
+
+
+def test_cleanup_all_unlinks_named():
+    a = SharedArena({"x": 16}, named=True)
+    b = SharedArena({"y": 16}, named=True)
+    assert len(live_segments(PID)) == 2
+    assert cleanup_all() == 2
+    assert live_segments(PID) == [] and a.closed and b.closed
+
+
+def test_close_with_outstanding_view_is_safe():
+    a = SharedArena({"x": 16}, named=True)
+    v = a["x"]
+    a.close()                                     # unlinks; mapping stays valid for `v`
+    assert live_segments(PID) == []
+    v[...] = 3.0
+    assert (v == 3.0).all()
+    a.close()                                     # idempotent
+
+
+@pytest.mark.parametrize("bad, err, msg", [
+    ({"x": (-1,)}, ValueError, "non-negative"),
+    ({"x": "abc"}, TypeError, "shape"),
+    ({"": 3}, TypeError, "non-empty"),
+    ({"x": ((3,), object)}, TypeError, "numeric"),
+    ([("x", 3)], TypeError, "mapping"),
+])
+def test_bad_specs(bad, err, msg):
+    with pytest.raises(err, match=msg):
+        SharedArena(bad)
+    assert live_segments(PID) == []
+
+
+def test_unknown_buffer_names_it():
+    with SharedArena({"x": 3}) as a:
+        with pytest.raises(KeyError, match="'nope'.*has: x"):
+            a["nope"]
+
+
+_CHILD = textwrap.dedent("""
+    import os, sys, time
+    from nxhpc.shm import SharedArena
+    a = SharedArena({"x": (1024,)}, named=(sys.argv[1] == "named"))
+    a["x"][...] = 1
+    print(a.name, flush=True)
+    if sys.argv[2] == "exit":
+        sys.exit(0)            # atexit must unlink a named arena
+    time.sleep(60)
+""")
+
+
+def _spawn(named: str, how: str):
+    return subprocess.Popen([sys.executable, "-c", _CHILD, named, how],
+                            stdout=subprocess.PIPE, text=True)
+
+
+def test_unnamed_never_visible_even_on_sigkill():
+    p = _spawn("unnamed", "wait")
+    name = p.stdout.readline().strip()
+    maps = open(f"/proc/{p.pid}/maps").read()
+    assert f"/dev/shm/{name} (deleted)" in maps    # really a shm mapping, already unlinked
+    assert live_segments(p.pid) == []
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert live_segments(p.pid) == []
+
+
+def test_named_visible_then_unlinked_at_exit():
+    p = _spawn("named", "exit")
+    name = p.stdout.readline().strip()
+    assert p.wait(timeout=30) == 0
+    assert name.startswith(f"nxhpc_{p.pid}_")
+    assert live_segments(p.pid) == []
+
+
+def test_named_visible_while_alive():
+    p = _spawn("named", "wait")
+    try:
+        name = p.stdout.readline().strip()
+        assert live_segments(p.pid) == [name]     # negative control for the checks above
+    finally:
+        p.send_signal(signal.SIGINT)              # KeyboardInterrupt -> atexit unlinks
+        p.wait(timeout=30)
+    deadline = time.time() + 5
+    while live_segments(p.pid) and time.time() < deadline:
+        time.sleep(0.05)
+    assert live_segments(p.pid) == []
+
+
+@given(st.dictionaries(names, shapes, min_size=1, max_size=5))
+@settings(max_examples=20)
+def test_views_are_independent(spec):
+    with SharedArena(spec) as a:
+        for i, k in enumerate(a):
+            a[k][...] = i + 1
+        for i, k in enumerate(a):
+            assert (a[k] == i + 1).all()
+    assert live_segments(PID) == []

@@ -1,0 +1,252 @@
+"""WorkerPool: band arithmetic, identical results for every worker count and spawn mode, and
+failure handling (raise / segfault / SIGKILL / early exit / Ctrl-C / SIGTERM / parent death):
+error within a second naming stage and worker, no hang, no orphan, no leaked segment.
+"""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nxhpc.shm import SharedArena, live_segments
+from nxhpc.workers import SPAWN_MODES, WorkerError, WorkerPool, bands, usable_cpus
+
+PID = os.getpid()
+MODES = list(SPAWN_MODES)
+
+
+def _alive(pid: int) -> bool:
+    """True if pid exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                pass
+    return out
+
+
+@given(st.integers(0, 10_000), st.integers(1, 40))
+def test_bands_partition(m, n):
+    bs = bands(m, n)
+    assert len(bs) == n
+    assert bs[0][0] == 0 and bs[-1][1] == m
+    for (a0, a1), (b0, b1) in zip(bs, bs[1:]):
+        assert a1 == b0
+    sizes = [b - a for a, b in bs]
+    assert max(sizes) - min(sizes) <= 1
+    assert bs == [(i * m // n, (i + 1) * m // n) for i in range(n)]
+
+
+@pytest.mark.parametrize("m, n", [(-1, 2), (3, 0), (3, "2"), (2.5, 1), (True, 1)])
+def test_bands_bad(m, n):
+    with pytest.raises(ValueError):
+        bands(m, n)
+
+
+def test_bad_pool_args():
+    with pytest.raises(ValueError, match="n_workers"):
+        WorkerPool(0, {})
+    with pytest.raises(ValueError, match="mode"):
+        WorkerPool(2, {}, mode="threads")
+    with pytest.raises(TypeError, match="callable"):
+        WorkerPool(2, {"a": 3})
+    with WorkerPool(2, {"a": lambda lo, hi, arg: None}) as p:
+        with pytest.raises(KeyError, match="no task named 'b'"):
+            p.run("b", 4)
+
+
+def _row_fn(arena):
+    """Row r of `y` := a fixed nonlinear function of row r of `x` (and the arg)."""
+    def task(lo, hi, arg):
+        x = arena["x"][lo:hi].astype(np.float64)
+        arena["y"][lo:hi] = np.sin(x * arg) + np.cumsum(x, axis=1)
+        arena["who"][lo:hi] = os.getpid()
+    return task
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 16])
+def test_results_identical_any_split(mode, n):
+    rng = np.random.default_rng(0)
+    m = 37
+    with SharedArena({"x": (m, 11), "y": (m, 11), "who": ((m,), np.int64)}) as a:
+        a["x"][...] = rng.standard_normal((m, 11))
+        ref = (np.sin(a["x"].astype(np.float64) * 1.5)
+               + np.cumsum(a["x"].astype(np.float64), axis=1)).astype(np.float32)
+        with WorkerPool(n, {"f": _row_fn(a)}, mode=mode) as p:
+            for rep in range(2):                       # pools are reused across stages
+                a["y"][...] = np.nan
+                used = p.run("f", m, arg=1.5)
+                assert used == min(n, m)
+                np.testing.assert_array_equal(a["y"], ref)
+            who = set(a["who"].tolist())
+            if n == 1:
+                assert who == {PID}                     # inline: no fork
+            else:
+                assert PID not in who and len(who) == min(n, m)
+            pids = list(p.pids) + list(p.last_pids)
+        assert not any(_alive(q) for q in pids if q > 0)
+    assert live_segments(PID) == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_max_workers_and_tiny_m(mode):
+    with SharedArena({"x": (3, 2), "y": (3, 2), "who": ((3,), np.int64)}) as a:
+        with WorkerPool(4, {"f": _row_fn(a)}, mode=mode) as p:
+            assert p.run("f", 3, arg=1.0) == 3
+            assert p.run("f", 3, arg=1.0, max_workers=2) == 2
+            assert p.run("f", 0) == 0
+
+
+def _failing_tasks(kind):
+    def task(lo, hi, arg):
+        if lo == 0:
+            time.sleep(arg)               # a healthy, busy worker 0
+            return
+        if kind == "raise":
+            raise ValueError("deliberate failure in band")
+        if kind == "segv":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "exit":
+            os._exit(3)
+        if kind == "keyboard":
+            raise KeyboardInterrupt
+    return {"stage_x": task, "ok": lambda lo, hi, arg: None}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind, reason", [
+    ("raise", "raised ValueError: deliberate failure"),
+    ("segv", "crashed by SIGSEGV"),
+    ("kill", "was killed by SIGKILL"),
+    ("exit", "exited with status 3"),
+    ("keyboard", "raised KeyboardInterrupt"),
+])
+def test_worker_failure_reported_fast(mode, kind, reason):
+    before = set(_children_of(PID))
+    p = WorkerPool(3, _failing_tasks(kind), mode=mode)
+    pool_pids = list(p.pids)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as ei:
+        p.run("stage_x", 30, arg=30.0)      # worker 0 would sleep 30 s: we must not wait for it
+    dt = time.monotonic() - t0
+    assert dt < 1.0, f"failure took {dt:.2f}s to surface"
+    e = ei.value
+    assert e.stage == "stage_x" and e.worker in (1, 2) and e.n_workers == 3
+    assert e.band == bands(30, 3)[e.worker]
+    assert reason in str(e) and "stage 'stage_x': worker" in str(e)
+    # no orphan: every worker (including the sleeping one) is gone and reaped
+    for q in pool_pids + list(p.last_pids):
+        if q > 0:
+            assert not _alive(q)
+    assert set(_children_of(PID)) <= before
+    if mode == "pool":      # resident workers were killed: the pool refuses further stages
+        with pytest.raises(RuntimeError, match="closed"):
+            p.run("ok", 3)
+    else:                   # stage mode forks afresh per stage: the next stage works
+        assert p.run("ok", 3) == 3
+    p.close()
+    assert live_segments(PID) == []
+
+
+def test_inline_error_is_worker_error():
+    def bad(lo, hi, arg):
+        raise RuntimeError("inline failure")
+    with WorkerPool(1, {"s": bad}) as p:
+        with pytest.raises(WorkerError, match="stage 's': worker 0 of 1.*inline failure"):
+            p.run("s", 5)
+
+
+def test_pool_worker_killed_between_stages():
+    with WorkerPool(2, {"ok": lambda lo, hi, arg: None}, mode="pool") as p:
+        p.run("ok", 4)
+        pids = list(p.pids)
+        os.kill(p.pids[1], signal.SIGKILL)
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match="worker 1 of 2.*SIGKILL"):
+            p.run("ok", 4)
+        assert time.monotonic() - t0 < 1.0
+        assert not any(_alive(q) for q in pids)
+
+
+_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    from nxhpc.shm import SharedArena
+    from nxhpc.workers import WorkerPool
+    def on_term(signum, frame):
+        raise SystemExit(143)
+    signal.signal(signal.SIGTERM, on_term)
+    mode = sys.argv[1]
+    code = 0
+    try:
+        with SharedArena({"x": 64}, named=(sys.argv[2] == "named")) as a:
+            def slow(lo, hi, arg):
+                a["x"][lo:hi] = 1
+                time.sleep(60)
+            with WorkerPool(2, {"slow": slow}, mode=mode) as p:
+                print(a.name, flush=True)
+                if mode == "pool":
+                    print(" ".join(map(str, p.pids)), flush=True)
+                p.run("slow", 8)
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+""")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_during_run_clean_exit(mode, sig, code):
+    p = subprocess.Popen([sys.executable, "-c", _SCRIPT, mode, "named"],
+                         stdout=subprocess.PIPE, text=True)
+    name = p.stdout.readline().strip()
+    assert live_segments(p.pid) == [name]          # negative control: the segment is visible
+    time.sleep(0.5)                                 # let the stage start in the workers
+    kids = _children_of(p.pid)
+    assert len(kids) >= 2                           # workers are running
+    p.send_signal(sig)
+    assert p.wait(timeout=10) == code
+    assert live_segments(p.pid) == []
+    time.sleep(0.1)
+    assert not any(_alive(q) for q in kids)
+
+
+def test_parent_sigkill_leaves_no_orphans():
+    # an unnamed arena (the default): even SIGKILL of the owner cannot leak it
+    p = subprocess.Popen([sys.executable, "-c", _SCRIPT, "pool", "unnamed"],
+                         stdout=subprocess.PIPE, text=True)
+    p.stdout.readline()
+    kids = [int(x) for x in p.stdout.readline().split()]
+    assert len(kids) == 2 and all(_alive(q) for q in kids)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=10)
+    deadline = time.monotonic() + 2.0
+    while any(_alive(q) for q in kids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(_alive(q) for q in kids), "workers outlived their parent"
+    assert live_segments(p.pid) == []
+
+
+def test_usable_cpus():
+    assert 1 <= usable_cpus() <= (os.cpu_count() or 1)
