@@ -67,6 +67,7 @@ ext = Extension(
     depends=[str(p) for p in (HERE / CSRC).glob("*.h")] + [str(p) for p in (HERE / "nxhpc").glob("*.pxi")],
     extra_compile_args=["-O3", "-fno-math-errno", "-Wno-unused-function"],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    libraries=["m"],
 )
 
 setup(

@@ -3,7 +3,11 @@
 Run (numpy baseline without the old-OpenBLAS safety settings, one thread each):
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE OPENBLAS_NUM_THREADS=1 \
-        python -m pytest benchmarks/bench_matmul.py --benchmark-only
+        python -m pytest benchmarks/bench_matmul.py --benchmark-only \
+        --benchmark-timer=time.process_time
+
+(``time.process_time``: CPU time of this single-threaded process, so other jobs time-slicing the
+two cores do not count; every contender runs one thread, which the numpy benchmark asserts.)
 
 Each shape is one ``benchmark.group``: ``nxhpc`` (q8_0_matmul, best isa, one process) and
 ``numpy`` (``x @ w_f32.T`` on the pre-dequantized weights, limited to 1 thread with threadpoolctl).

@@ -5,7 +5,8 @@ time by CPU features (``cpu_features()``, ``kernel_variants()``; ``NXHPC_DISABLE
 the scalar path).
 """
 from nxhpc._kernels import cpu_features, kernel_variants, supported_isas
+from nxhpc.api import load_model
 
 __version__ = "0.1.0"
 
-__all__ = ["cpu_features", "kernel_variants", "supported_isas", "__version__"]
+__all__ = ["load_model", "cpu_features", "kernel_variants", "supported_isas", "__version__"]

@@ -27,7 +27,7 @@ Q8_0_BLOCK_DTYPE = np.dtype([("d", "<f2"), ("qs", "i1", 32)])
 _VARIANT_OF["q8_0_quantize"] = lambda isa: nx_isa_name(nx_q8_0_convert_level(<nx_isa>isa)).decode()
 _VARIANT_OF["q8_0_dequantize"] = lambda isa: nx_isa_name(nx_q8_0_convert_level(<nx_isa>isa)).decode()
 _VARIANT_OF["q8_0_matmul"] = lambda isa: nx_isa_name(nx_q8_0_matmul_level(<nx_isa>isa)).decode()
-# float32 weights: one generic float64-accumulating loop; Q8_0 weights: the q8_0_matmul variant.
+# Q8_0 weights run the q8_0_matmul variant reported here; float32 weights always the scalar loop.
 _VARIANT_OF["adaln_linear"] = lambda isa: nx_isa_name(nx_q8_0_matmul_level(<nx_isa>isa)).decode()
 
 
@@ -175,8 +175,9 @@ def adaln_linear(t_emb, w, bias, out, silu_input=False, isa=None):
     """out := w @ (silu(t_emb) if silu_input else t_emb) + bias.
 
     t_emb: float32 [K]. w: float32 [N, K] or Q8_0 uint8 [N, K//32*34] (K % 32 == 0). bias: float32
-    [N] or None. out: float32 [N], writeable. float32 weights accumulate in float64 (same result at
-    every isa); Q8_0 weights run the q8_0_matmul chain (bit-identical across isa).
+    [N] or None. out: float32 [N], writeable. Both storages run q8_0_matmul's float32 fma chain
+    over k, then add the bias: a Q8_0 weight and its float32 dequantization give bit-identical
+    output, at every isa (float32 weights always run the scalar loop).
     """
     fn = "adaln_linear"
     _f32(fn, "t_emb", t_emb, 1)

@@ -131,9 +131,7 @@ int nx_q8_0_matmul_generic(const float *x /* IN [T*K] */, const uint8_t *w /* IN
         if (K > 0) nx_q8_0_dequantize_generic(w + n * rowbytes, wrow, nb);   /* exact: d*q */
         for (size_t t = 0; t < T; t++) {
             const float *xt = x + t * K;
-            float acc = 0.0f;
-            for (size_t k = 0; k < K; k++) acc = fmaf(xt[k], wrow[k], acc);
-            out[t * N + n] = acc;
+            out[t * N + n] = nx_q8_0_dot(xt, wrow, K);
         }
     }
     free(wrow);
@@ -167,12 +165,10 @@ int nx_adaln_linear_f32(const float *t_emb /* IN [K] */, const float *w /* IN [N
         if (!(u = (float *)malloc(K * sizeof(float)))) return -1;
         for (size_t k = 0; k < K; k++) u[k] = silu_input ? nx_silu(t_emb[k]) : t_emb[k];
     }
-    for (size_t n = 0; n < N; n++) {
+    for (size_t n = 0; n < N; n++) {           /* the matmul's order: same bits as Q8_0 storage */
         const float *wn = w + n * K;
-        double acc = 0.0;
-        for (size_t k = 0; k < K; k++) acc += (double)wn[k] * (double)u[k];
-        float r = (float)acc;
-        out[n] = bias ? r + bias[n] : r;
+        const float acc = nx_q8_0_dot(u, wn, K);
+        out[n] = bias ? acc + bias[n] : acc;
     }
     free(u);
     return 0;

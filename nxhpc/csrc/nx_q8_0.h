@@ -6,22 +6,29 @@
  *
  * Arithmetic contract of the matmul (all ISA levels, bit-identical):
  *   w[n, k] = d[n, k/32] * q[n, k]      exact in float32 (11-bit times 8-bit significand)
- *   out[t, n] = one float32 fused-multiply-add chain over k = 0, 1, ..., K-1 starting from +0:
- *               acc = fmaf(x[t, k], w[n, k], acc)
- * The chain does not depend on n0/n1, on the tile a column or token falls in, or on T, so any
+ *   out[t, n] = two-level sum over k: K is cut into chunks c of NX_Q8_0_CHAIN (=128) steps at
+ *               absolute offsets 0, 128, 256, ...; inside a chunk one float32 fused-multiply-add
+ *               chain from +0:  p_c = fmaf(x[t, k], w[n, k], p_c);  then, in chunk order,
+ *               acc = p_0;  acc = acc + p_c  (one float32 add per later chunk).
+ * Why two levels: a single K-long chain has a worst-case error growing with K (and measured 2.2x
+ * the max error of OpenBLAS's float32 sgemm at K=768); 128-step chunks bound the chain length
+ * at the cost of one C-tile load/add/store per 128 k-steps (~2% at K=3840).
+ * The order does not depend on n0/n1, on the tile a column or token falls in, or on T, so any
  * split of the work into column bands / token batches gives bit-identical output. The generic
- * (scalar) variant is the spec; SIMD variants run the same chain in vector lanes.
+ * (scalar) variant is the spec (nx_q8_0_dot below); SIMD variants run the same order in vector lanes.
  */
 #ifndef NX_Q8_0_H
 #define NX_Q8_0_H
 
 #include <stddef.h>
 #include <stdint.h>
+#include <math.h>
 
 #include "nx_cpu.h"
 
 #define NX_QK8_0 32          /* values per block */
 #define NX_Q8_0_BLOCK_BYTES 34
+#define NX_Q8_0_CHAIN 128    /* k-steps per fmaf chain in the matmul's two-level sum */
 
 /* ggml's block_q8_0. Rows of GGUF data are arrays of these; the base address of a row may be
  * only byte-aligned, so kernels read `d` with memcpy. */
@@ -69,8 +76,11 @@ int nx_q8_0_matmul_avx2(const float *x /* IN */, const uint8_t *w /* IN */, floa
 int nx_q8_0_matmul_avx512(const float *x /* IN */, const uint8_t *w /* IN */, float *out /* OUT */,
                           size_t T, size_t K, size_t N, size_t n0, size_t n1);
 
-/* ---- adaLN linear: out[n] = sum_k w[n,k] * u[k] (+ bias[n]), u = silu(t_emb) or t_emb.
- * float32 weight [N, K]: float64 accumulation in k order, rounded once (same at every level).
+/* ---- adaLN linear: out[n] = sum_k w[n,k] * u[k] (+ bias[n]), u = silu(t_emb) or t_emb
+ * (silu in float32: t / (1 + expf(-t))). Both storages run the matmul's contract (nx_q8_0_dot),
+ * then one float32 add of the bias, so a Q8_0 weight and its (exact) float32
+ * dequantization give bit-identical output at every ISA level.
+ * float32 weight [N, K]: scalar fmaf loop (generic at every level; N*K is small).
  * Q8_0 weight [N, K/32*34]: u times w through nx_q8_0_matmul (T = 1) at `isa`, then + bias.
  * bias may be NULL. Returns 0, or -1 on allocation failure. */
 int nx_adaln_linear_f32(const float *t_emb /* IN [K] */, const float *w /* IN [N*K] */,
@@ -79,5 +89,18 @@ int nx_adaln_linear_f32(const float *t_emb /* IN [K] */, const float *w /* IN [N
 int nx_adaln_linear_q8_0(nx_isa isa, const float *t_emb /* IN [K] */, const uint8_t *w /* IN */,
                          const float *bias /* IN [N] or NULL */, float *out /* OUT [N] */,
                          size_t K, size_t N, int silu_input);
+
+/* The matmul's per-output arithmetic (see the contract above), scalar: chunks of NX_Q8_0_CHAIN
+ * fmaf steps from +0, chunk sums added in order. Every variant reproduces it bit for bit. */
+static inline float nx_q8_0_dot(const float *a /* IN [K] */, const float *b /* IN [K] */, size_t K) {
+    float acc = 0.0f;
+    for (size_t c0 = 0; c0 < K; c0 += NX_Q8_0_CHAIN) {
+        const size_t c1 = K - c0 < NX_Q8_0_CHAIN ? K : c0 + NX_Q8_0_CHAIN;
+        float p = 0.0f;
+        for (size_t k = c0; k < c1; k++) p = fmaf(a[k], b[k], p);
+        acc = c0 == 0 ? p : acc + p;
+    }
+    return acc;
+}
 
 #endif

@@ -19,7 +19,7 @@
 #define NX2_KC 512
 #define NX2_NC 256
 #define NX2_MC 264
-_Static_assert(NX2_KC % NX_QK8_0 == 0, "KC must be a multiple of the block size");
+_Static_assert(NX2_KC % NX_Q8_0_CHAIN == 0, "KC must be a multiple of the chain chunk");
 _Static_assert(NX2_NC % NX2_NR == 0, "NC must be a multiple of NR");
 _Static_assert(NX2_MC % NX2_MR == 0, "MC must be a multiple of MR");
 
@@ -96,7 +96,8 @@ static void nx2_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t mc, 
     }
 }
 
-/* C[0:mr, 0:nr] continues its fmaf chain over kc steps (see nx_q8_0.h). The k loop always runs
+/* One chunk (kc <= NX_Q8_0_CHAIN) of the two-level sum (see nx_q8_0.h): p = fma chain from +0,
+ * then C = first ? p : C + p. The k loop always runs
  * all NX2_MR rows (rows past mr read the zero padding of Ap and are never stored): a fixed-size
  * loop lets GCC keep the 12 accumulators in registers. Masks are built outside the k loop only. */
 static void nx2_kern(int mr, size_t kc, const float *A /* IN [kc][MR] */,
@@ -106,15 +107,6 @@ static void nx2_kern(int mr, size_t kc, const float *A /* IN [kc][MR] */,
     const __m256i lane = _mm256_loadu_si256((const __m256i *)lanes);
     __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
     c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
-    if (!first) {
-        __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr), lane);
-        __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr - 8), lane);
-#define NX2_LD(r, a0, a1) if (mr > r) { a0 = _mm256_maskload_ps(C + r * ldc, m0); \
-                                         a1 = _mm256_maskload_ps(C + r * ldc + 8, m1); }
-        NX2_LD(0, c00, c01) NX2_LD(1, c10, c11) NX2_LD(2, c20, c21)
-        NX2_LD(3, c30, c31) NX2_LD(4, c40, c41) NX2_LD(5, c50, c51)
-#undef NX2_LD
-    }
     for (size_t k = 0; k < kc; k++) {
         const float *a = A + k * NX2_MR;
         __m256 b0 = _mm256_load_ps(B + k * NX2_NR), b1 = _mm256_load_ps(B + k * NX2_NR + 8), t;
@@ -127,8 +119,10 @@ static void nx2_kern(int mr, size_t kc, const float *A /* IN [kc][MR] */,
     }
     __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr), lane);
     __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr - 8), lane);
-#define NX2_ST(r, a0, a1) if (mr > r) { _mm256_maskstore_ps(C + r * ldc, m0, a0); \
-                                     _mm256_maskstore_ps(C + r * ldc + 8, m1, a1); }
+#define NX2_ST(r, a0, a1) if (mr > r) { \
+        if (!first) { a0 = _mm256_add_ps(_mm256_maskload_ps(C + r * ldc, m0), a0); \
+                      a1 = _mm256_add_ps(_mm256_maskload_ps(C + r * ldc + 8, m1), a1); } \
+        _mm256_maskstore_ps(C + r * ldc, m0, a0); _mm256_maskstore_ps(C + r * ldc + 8, m1, a1); }
     NX2_ST(0, c00, c01) NX2_ST(1, c10, c11) NX2_ST(2, c20, c21)
     NX2_ST(3, c30, c31) NX2_ST(4, c40, c41) NX2_ST(5, c50, c51)
 #undef NX2_ST
@@ -166,8 +160,11 @@ int nx_q8_0_matmul_avx2(const float *x /* IN [T*K] */, const uint8_t *w /* IN [N
                     const float *A = Ap + (ir / NX2_MR) * K * NX2_MR + pc * NX2_MR;
                     for (size_t jr = 0; jr < nc; jr += NX2_NR) {
                         const int nr = (int)(nc - jr < NX2_NR ? nc - jr : NX2_NR);
-                        nx2_kern(mr, kc, A, Bp + (jr / NX2_NR) * kc * NX2_NR,
-                                     out + (ic + ir) * N + jc + jr, N, nr, pc == 0);
+                        const float *B = Bp + (jr / NX2_NR) * kc * NX2_NR;
+                        for (size_t s0 = 0; s0 < kc; s0 += NX_Q8_0_CHAIN)
+                            nx2_kern(mr, kc - s0 < NX_Q8_0_CHAIN ? kc - s0 : NX_Q8_0_CHAIN,
+                                     A + s0 * NX2_MR, B + s0 * NX2_NR,
+                                     out + (ic + ir) * N + jc + jr, N, nr, pc + s0 == 0);
                     }
                 }
             }

@@ -94,7 +94,7 @@ void nx_q8_0_dequantize_avx512(const uint8_t *w /* IN */, float *out /* OUT */, 
 #define NX_MC 264
 #endif
 _Static_assert(NX_MR >= 12 && NX_MR <= 14, "micro-kernel cases cover MR in 12..14");
-_Static_assert(NX_KC % NX_QK8_0 == 0, "KC must be a multiple of the block size");
+_Static_assert(NX_KC % NX_Q8_0_CHAIN == 0, "KC must be a multiple of the chain chunk");
 _Static_assert(NX_NC % NX_NR == 0, "NC must be a multiple of NR");
 _Static_assert(NX_MC % NX_MR == 0, "MC must be a multiple of MR");
 
@@ -177,21 +177,16 @@ static void nx_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t mc, f
     }
 }
 
-/* C[0:mr, 0:32] (masked to the valid columns) continues its fmaf chain over kc steps:
- * acc = first ? +0 : C;  acc = fma(A[k][r], B[k][j], acc) for k = 0..kc-1;  C = acc. */
+/* One chunk of the contract's two-level sum (kc <= NX_Q8_0_CHAIN) for C[0:mr, 0:32], masked to
+ * the valid columns:  p = +0;  p = fma(A[k][r], B[k][j], p) for k < kc;  C = first ? p : C + p. */
 static inline __attribute__((always_inline)) void
 nx_kern(const int mr, size_t kc, const float *A /* IN [kc][MR] */, const float *B /* IN [kc][32] */,
         float *C /* IN/OUT */, size_t ldc, __mmask16 m0, __mmask16 m1, int first) {
     __m512 c0[NX_MR], c1[NX_MR];
     for (int r = 0; r < NX_MR; r++) {
         if (r < mr) {
-            if (first) {
-                c0[r] = _mm512_setzero_ps();
-                c1[r] = _mm512_setzero_ps();
-            } else {
-                c0[r] = _mm512_maskz_loadu_ps(m0, C + r * ldc);
-                c1[r] = _mm512_maskz_loadu_ps(m1, C + r * ldc + 16);
-            }
+            c0[r] = _mm512_setzero_ps();
+            c1[r] = _mm512_setzero_ps();
         }
     }
     for (size_t k = 0; k < kc; k++) {
@@ -206,6 +201,10 @@ nx_kern(const int mr, size_t kc, const float *A /* IN [kc][MR] */, const float *
     }
     for (int r = 0; r < NX_MR; r++) {
         if (r < mr) {
+            if (!first) {
+                c0[r] = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, C + r * ldc), c0[r]);
+                c1[r] = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, C + r * ldc + 16), c1[r]);
+            }
             _mm512_mask_storeu_ps(C + r * ldc, m0, c0[r]);
             _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c1[r]);
         }
@@ -265,8 +264,11 @@ int nx_q8_0_matmul_avx512(const float *x /* IN [T*K] */, const uint8_t *w /* IN 
                         __mmask16 m0 = nr >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nr) - 1u);
                         __mmask16 m1 = nr >= 32 ? (__mmask16)0xffff
                                      : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1u) : (__mmask16)0;
-                        nx_kern_any(mr, kc, A, Bp + (jr / NX_NR) * kc * NX_NR,
-                                    out + (ic + ir) * N + jc + jr, N, m0, m1, pc == 0);
+                        const float *B = Bp + (jr / NX_NR) * kc * NX_NR;
+                        for (size_t s0 = 0; s0 < kc; s0 += NX_Q8_0_CHAIN)
+                            nx_kern_any(mr, kc - s0 < NX_Q8_0_CHAIN ? kc - s0 : NX_Q8_0_CHAIN,
+                                        A + s0 * NX_MR, B + s0 * NX_NR,
+                                        out + (ic + ir) * N + jc + jr, N, m0, m1, pc + s0 == 0);
                     }
                 }
             }
