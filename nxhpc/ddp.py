@@ -103,7 +103,11 @@ class Dataset:
 
 def load_diabetes() -> Dataset:
     """sklearn's bundled diabetes data (442 x 10, no download), each column and y standardized."""
-    from sklearn.datasets import load_diabetes as _load
+    try:
+        from sklearn.datasets import load_diabetes as _load
+    except ImportError as e:  # an optional dependency: say how to get it
+        raise ImportError("the diabetes data set comes with scikit-learn: "
+                          "pip install 'nxhpc[train]' (or scikit-learn)") from e
     x, y = _load(return_X_y=True)
     x = (x - x.mean(axis=0)) / x.std(axis=0)
     y = (y - y.mean()) / y.std()
