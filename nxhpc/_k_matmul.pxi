@@ -138,8 +138,9 @@ def q8_0_matmul(x, w, out, n0=0, n1=None, isa=None):
 
     x: float32 [T, K], K % 32 == 0. w: uint8 [N, K//32*34], raw GGUF Q8_0 rows (may be a read-only
     memory map; never copied or written). out: float32 [T, N], writeable. Only columns [n0, n1) of
-    out are written. Each out[t, n] is one float32 fma chain over k = 0..K-1 (see nx_q8_0.h), so
-    the result is bit-identical for every band split, every T batching and every isa.
+    out are written. Each out[t, n] is a fixed two-level float32 sum over k (128-step fma chains
+    from +0 at k = 0, 128, ..., their sums added in order; see nx_q8_0.h), so the result is
+    bit-identical for every band split, every T batching and every isa.
     """
     fn = "q8_0_matmul"
     _f32(fn, "x", x, 2)
@@ -175,8 +176,8 @@ def adaln_linear(t_emb, w, bias, out, silu_input=False, isa=None):
     """out := w @ (silu(t_emb) if silu_input else t_emb) + bias.
 
     t_emb: float32 [K]. w: float32 [N, K] or Q8_0 uint8 [N, K//32*34] (K % 32 == 0). bias: float32
-    [N] or None. out: float32 [N], writeable. Both storages run q8_0_matmul's float32 fma chain
-    over k, then add the bias: a Q8_0 weight and its float32 dequantization give bit-identical
+    [N] or None. out: float32 [N], writeable. Both storages run q8_0_matmul's two-level float32
+    sum over k, then add the bias: a Q8_0 weight and its float32 dequantization give bit-identical
     output, at every isa (float32 weights always run the scalar loop).
     """
     fn = "adaln_linear"

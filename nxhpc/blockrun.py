@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nxhpc.grade import DEFAULT_TOL, count_exceeding, error_row, grade
+from nxhpc.grade import DEFAULT_TOL, count_exceeding, error_row, fmt_value, grade
 from nxhpc.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerError, usable_cpus
 
 __all__ = ["main", "build_parser", "EXIT_CODES"]
@@ -34,7 +34,8 @@ EXIT_CODES = {
     EXIT_NOT_FOUND: "model not found (id, directory or gguf_path)",
     EXIT_BAD_FILE: "bad model file (malformed/unsupported GGUF or fixtures, NaN in an input)",
     EXIT_MISSING: "missing fixture or tensor (e.g. layers.0.blk_in, the reference)",
-    EXIT_WORKER: "a worker process failed (raised, crashed or was killed)",
+    EXIT_WORKER: "a worker process failed (raised, crashed, was killed, or exceeded "
+                 "--stage-timeout)",
     EXIT_INTERNAL: "internal error (a bug: please report the traceback)",
     EXIT_SIGINT: "interrupted by Ctrl-C / SIGINT (shared memory released)",
     EXIT_SIGTERM: "terminated by SIGTERM (shared memory released)",
@@ -130,17 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models-dir", default=None,
                    help="where model ids are looked up / built-ins generated "
                         "(default $NXHPC_MODELS or ~/.cache/nxhpc/models)")
+    p.add_argument("--stage-timeout", type=_positive_float, default=None, metavar="SECONDS",
+                   help="kill the workers and fail (exit 6) when one parallel stage takes longer "
+                        "than this, e.g. a hung worker (default: no limit)")
     p.add_argument("--save-output", metavar="PATH", default=None,
                    help="write the final block output as a float32 .npy array")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of key=value lines")
     return p
-
-
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.6e}" if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e6) else f"{v:.9g}"
-    return str(v)
 
 
 def _err(msg: str) -> None:
@@ -169,60 +167,46 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, old_term)
 
 
-def _run(args: argparse.Namespace) -> int:
-    from nxhpc.block import check_config, run_layers
-    from nxhpc.models import (MissingTensorError, ModelError, ModelFileError,
-                              ModelNotFoundError, open_model)
-
-    if args.save_output is not None:
-        parent = Path(args.save_output).resolve().parent
-        if not parent.is_dir():
-            _err(f"--save-output {args.save_output}: directory {parent} does not exist")
-            return EXIT_USAGE
-    workers = args.n_workers if args.n_workers is not None else usable_cpus()
-    try:
-        model = open_model(args.model_id, models_dir=args.models_dir, gguf_path=args.gguf_path)
-    except ModelNotFoundError as e:
-        _err(str(e))
-        return EXIT_NOT_FOUND
-    except MissingTensorError as e:
-        _err(str(e))
-        return EXIT_MISSING
-    except ModelError as e:
-        _err(str(e))
-        return EXIT_BAD_FILE
-    try:
-        with model:
-            return _run_model(args, model, workers, check_config, run_layers)
-    except MissingTensorError as e:
-        _err(str(e))
-        return EXIT_MISSING
-    except (ModelFileError, ModelError) as e:
-        _err(str(e))
-        return EXIT_BAD_FILE
-    except WorkerError as e:
-        _err(f"worker failure: {e}")
-        return EXIT_WORKER
-    except _InputError as e:
-        _err(str(e))
-        return EXIT_BAD_FILE
-    except _UsageError as e:
-        _err(str(e))
-        return EXIT_USAGE
-    except (KeyboardInterrupt, _Terminated):
-        raise
-    except Exception:
-        traceback.print_exc()
-        _err("internal error (see the traceback above)")
-        return EXIT_INTERNAL
-
-
 class _InputError(Exception):
-    """An input fixture is unusable (e.g. NaN in the block input)."""
+    """An input fixture is unusable (e.g. the wrong shape for the model)."""
 
 
 class _UsageError(Exception):
     """Arguments that do not fit the model (e.g. --layers beyond its depth)."""
+
+
+def _exit_code(e: Exception) -> int | None:
+    """The documented exit code for an expected failure, None for anything else (a bug)."""
+    from nxhpc.models import MissingTensorError, ModelError, ModelNotFoundError
+    for cls, code in ((ModelNotFoundError, EXIT_NOT_FOUND), (MissingTensorError, EXIT_MISSING),
+                      (ModelError, EXIT_BAD_FILE), (_InputError, EXIT_BAD_FILE),
+                      (WorkerError, EXIT_WORKER), (_UsageError, EXIT_USAGE)):
+        if isinstance(e, cls):
+            return code
+    return None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from nxhpc.models import open_model
+
+    try:
+        if args.save_output is not None:
+            parent = Path(args.save_output).resolve().parent
+            if not parent.is_dir():
+                raise _UsageError(f"--save-output {args.save_output}: directory {parent} "
+                                  f"does not exist")
+        workers = args.n_workers if args.n_workers is not None else usable_cpus()
+        with open_model(args.model_id, models_dir=args.models_dir,
+                        gguf_path=args.gguf_path) as model:
+            return _run_model(args, model, workers)
+    except Exception as e:            # KeyboardInterrupt / _Terminated are not Exceptions
+        code = _exit_code(e)
+        if code is None:
+            traceback.print_exc()
+            _err("internal error (see the traceback above)")
+            return EXIT_INTERNAL
+        _err(f"worker failure: {e}" if code == EXIT_WORKER else str(e))
+        return code
 
 
 def _has(model, name: str) -> bool:
@@ -237,22 +221,25 @@ def _reference_for(model, layer: int) -> str | None:
 
 
 def _load_ref(model, name: str, shape: tuple[int, int]) -> np.ndarray:
+    """A fixture by name, or a ``.npy`` file (kept at its own float precision)."""
     from nxhpc.models import MissingTensorError, ModelFileError
     if name.endswith(".npy") and os.path.isfile(name):
         try:
             a = np.load(name, allow_pickle=False)
         except (OSError, ValueError) as e:
             raise ModelFileError(f"reference {name}: cannot read: {e}") from None
-        if a.shape != shape:
-            raise ModelFileError(f"reference {name}: shape {a.shape}, expected {shape}")
-        return a.astype(np.float32)
+        if a.shape != shape or a.dtype.kind != "f":
+            raise ModelFileError(f"reference {name}: {a.dtype} {a.shape}, expected a "
+                                 f"floating-point array of shape {shape}")
+        return a
     if not _has(model, name):
         raise MissingTensorError(f"reference {name!r}: no such fixture in "
                                  f"{model.fixtures.path if model.fixtures else model.path}")
     return model.fixtures.load(name, shape)
 
 
-def _run_model(args, model, workers, check_config, run_layers) -> int:
+def _run_model(args, model, workers: int) -> int:
+    from nxhpc.block import adaln, check_config, run_layers, validate_inputs
     from nxhpc.models import MissingTensorError
     cfg = model.config
     try:
@@ -291,13 +278,17 @@ def _run_model(args, model, workers, check_config, run_layers) -> int:
             raise MissingTensorError(f"{model.path}: need fixture 't_emb' or {', '.join(missing)}")
         adaln_ms = {i: model.adaln_m(i) for i in layers}
     report["adaln"] = "t_emb" if use_t else "fixture"
+    try:                                  # the fixtures against the model's config
+        validate_inputs(cfg, x, pe, mask, t_emb=t_emb,
+                        adaln_m=None if use_t else adaln_ms[layers[0]])
+    except (ValueError, TypeError) as e:
+        raise _InputError(f"{model.path}: {e}") from None
 
     weights = {i: model.layer_weights(i, args.source) for i in layers}
     report["weights"] = weights[0].source
 
     # self-check of the source runner: layer 0's adaLN from the GGUF vs the tapped fixture
     if model.gguf is not None and _has(model, "t_emb") and _has(model, "layers.0.adaln_m"):
-        from nxhpc.block import adaln
         g0 = weights[0] if weights[0].source == "gguf" else model.layer_weights(0, "gguf")
         calc = adaln(cfg, g0, model.t_emb())
         report["adaln_gguf_vs_fixture_fail_1e3"] = count_exceeding(calc, model.adaln_m(0), 1e-3,
@@ -335,12 +326,9 @@ def _run_model(args, model, workers, check_config, run_layers) -> int:
             print(f"blockrun: layer {i + 1}/{n_layers} done ({timings['block_us'] / 1e6:.2f} s, "
                   f"{el:.1f} s elapsed{extra})", file=sys.stderr, flush=True)
 
-    try:
-        res = run_layers(model, layers, x, pe, t_emb=t_emb, adaln_ms=adaln_ms, mask=mask,
-                         workers=workers, spawn=args.spawn, eps=eps, on_layer=on_layer,
-                         weights=weights)
-    except ValueError as e:
-        raise _InputError(f"{model.path}: {e}") from None
+    res = run_layers(model, layers, x, pe, t_emb=t_emb, adaln_ms=adaln_ms, mask=mask,
+                     workers=workers, spawn=args.spawn, eps=eps, on_layer=on_layer,
+                     weights=weights, stage_timeout=args.stage_timeout)
     out = res.output
     for k, v in res.timings.items():
         if k != "per_layer":
@@ -359,10 +347,10 @@ def _run_model(args, model, workers, check_config, run_layers) -> int:
         print(json.dumps(obj))
     else:
         for k, v in report.items():
-            print(f"{k}={_fmt(v)}")
+            print(f"{k}={fmt_value(v)}")
         if n_layers > 1:
             for row in table:
-                print(" ".join(f"{k}={_fmt(v)}" for k, v in row.items()))
+                print(" ".join(f"{k}={fmt_value(v)}" for k, v in row.items()))
         for line in g.lines():
             print(line)
         print(g.verdict_line())

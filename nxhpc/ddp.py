@@ -193,25 +193,29 @@ class _Arith:
             self.p0 = p0.astype(np.float32)
         self.n_params = self.p0.shape[0]
 
-    def grad(self, flat: np.ndarray, lo: int, hi: int) -> np.ndarray:
-        """Gradient of rows [lo, hi) with the shard's SSE appended as the last element."""
+    def grad(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """Gradient on the shard (`x`, `y` encoded like ``self.x``) with its SSE appended last."""
         if self.kind == "q16":
-            g, sse = q16_shard_grad(flat, self.x[lo:hi], self.y[lo:hi], self.layout)
-            return np.concatenate([g, np.array([sse], dtype=np.int64)])
-        g, sse = f32_shard_grad(flat, self.x[lo:hi], self.y[lo:hi], self.layout)
-        return np.concatenate([g, np.array([sse], dtype=np.float32)])
+            g, sse = q16_shard_grad(flat, x, y, self.layout)
+        else:
+            g, sse = f32_shard_grad(flat, x, y, self.layout)
+        return np.concatenate([g, np.array([sse], dtype=self.dtype)])
 
     def add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """The all-reduce add: exact and range-checked for Q16 (a partial sum past Q16_MAX
+        raises even if the full sum would fit -- an error, never different bits), float32 else."""
         if self.kind == "q16":
             return q16_add(a, b, "allreduce")
         return a + b
 
     def update(self, flat: np.ndarray, g: np.ndarray) -> np.ndarray:
+        """One SGD step on the summed gradient `g`, applied as a mean over all rows."""
         if self.kind == "q16":
             return sgd_step(flat, g, self.lr_q16, denom=self.n_rows)
         return flat - np.float32(self.cfg.lr / self.n_rows) * g
 
     def mean_loss(self, sse) -> float:
+        """The summed SSE as a float mean over all rows (for printing)."""
         v = float(from_q16(np.asarray(int(sse)))) if self.kind == "q16" else float(sse)
         return v / self.n_rows
 
@@ -239,7 +243,7 @@ def train_full_batch(steps: int, *, arith: str = "q16", cfg: MLPConfig = MLPConf
     t0 = time.perf_counter()
     flat, losses = ar.p0.copy(), []
     for _ in range(steps):
-        g = ar.grad(flat, 0, ar.n_rows)
+        g = ar.grad(flat, ar.x, ar.y)
         losses.append(ar.mean_loss(g[-1]))
         flat = ar.update(flat, g[:-1])
     return TrainResult(flat, np.array(losses), weights_sha256(flat), 1, "single", arith,
@@ -255,7 +259,7 @@ def _check_steps(steps: int) -> None:
 # shared-memory data parallelism (forked workers)
 # ----------------------------------------------------------------------------------------------
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent_pid: int) -> None:
     """Linux: have the kernel SIGKILL this worker if the parent dies (no orphan keeps the
     segment mapped or blocks in a barrier). Best effort elsewhere; barrier timeouts remain."""
     if not sys.platform.startswith("linux"):
@@ -264,23 +268,25 @@ def _die_with_parent() -> None:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)      # PR_SET_PDEATHSIG
-        if os.getppid() == 1:                       # the parent is already gone
+        if os.getppid() != parent_pid:              # the parent died before prctl took effect
             os._exit(3)
     except (OSError, AttributeError):
         pass
 
 
 def _worker_main(rank: int, workers: int, ar: _Arith, seg: ShmSegment, barrier, conn,
-                 steps: int, timeout: float, fault) -> None:
-    """Body of worker `rank` (runs in a forked child)."""
+                 steps: int, timeout: float, fault, parent_pid: int) -> None:
+    """Body of worker `rank` (runs in a forked child): its shard and the initial weights come
+    from the segment, its gradient row goes back into it."""
     try:
-        _die_with_parent()
+        _die_with_parent(parent_pid)
         try:
             from threadpoolctl import threadpool_limits
             threadpool_limits(1)
         except ImportError:
             pass
         lo, hi = rank * ar.n_rows // workers, (rank + 1) * ar.n_rows // workers
+        x, y = seg["x"][lo:hi], seg["y"][lo:hi]         # this worker's shard (shared, read-only)
         bufs = seg["grads"]
         flat = seg["init"].copy()
         for step in range(steps):
@@ -292,7 +298,7 @@ def _worker_main(rank: int, workers: int, ar: _Arith, seg: ShmSegment, barrier, 
                     time.sleep(3600)
                 else:
                     raise RuntimeError(f"injected fault in worker {rank} at step {step}")
-            bufs[rank] = ar.grad(flat, lo, hi)
+            bufs[rank] = ar.grad(flat, x, y)
             seg["progress"][rank] = 2 * step + 1       # in the all-reduce
             barrier.wait(timeout)                      # every row written before any read
             ring_allreduce_shm(rank, bufs, ar.add, barrier, timeout)
@@ -395,7 +401,8 @@ def train_shm(workers: int, steps: int, *, arith: str = "q16", cfg: MLPConfig = 
               fault_injection: tuple[int, int, str] | None = None) -> TrainResult:
     """Train with `workers` forked processes; rows split ``[i*n//D, (i+1)*n//D)``.
 
-    One shared-memory segment holds the initial weights, the ``[D, P+1]`` gradient rows (the
+    One shared-memory segment holds the encoded data (each worker reads its shard of rows
+    from it), the initial weights, the ``[D, P+1]`` gradient rows (the
     ring all-reduce works in place on them; the last column carries each shard's SSE), the loss
     per step and every replica's final weights. All replicas must end byte-identical (checked).
     Raises DDPWorkerError naming a worker that died or raised, DDPTimeoutError after `timeout`
@@ -412,13 +419,14 @@ def train_shm(workers: int, steps: int, *, arith: str = "q16", cfg: MLPConfig = 
     if workers > ar.n_rows:
         raise ValueError(f"workers={workers} exceeds the {ar.n_rows} data rows (a shard would be empty)")
     P = ar.n_params
-    layout = {"init": ((P,), ar.dtype), "grads": ((workers, P + 1), ar.dtype),
+    layout = {"x": (ar.x.shape, ar.x.dtype), "y": (ar.y.shape, ar.y.dtype),
+              "init": ((P,), ar.dtype), "grads": ((workers, P + 1), ar.dtype),
               "sse": ((max(steps, 1),), ar.dtype), "final": ((workers, P), ar.dtype),
               "progress": ((workers,), np.int64)}
     ctx = mp.get_context("fork")
     t0 = time.perf_counter()
     with ShmSegment(layout, prefix=shm_prefix) as seg:
-        seg["init"][:] = ar.p0
+        seg["x"][:], seg["y"][:], seg["init"][:] = ar.x, ar.y, ar.p0
         barrier = ctx.Barrier(workers)
         procs, conns = [], []
         try:
@@ -426,7 +434,7 @@ def train_shm(workers: int, steps: int, *, arith: str = "q16", cfg: MLPConfig = 
                 rx, tx = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_worker_main, name=f"nxddp-worker-{r}", daemon=True,
                                 args=(r, workers, ar, seg, barrier, tx, steps, timeout,
-                                      fault_injection))
+                                      fault_injection, os.getpid()))
                 p.start()
                 tx.close()
                 procs.append(p)
@@ -471,7 +479,7 @@ def train_mpi(comm, steps: int, *, arith: str = "q16", cfg: MLPConfig = MLPConfi
     t0 = time.perf_counter()
     flat, losses = ar.p0.copy(), []
     for _ in range(steps):
-        total = ring_allreduce_mpi(comm, ar.grad(flat, lo, hi), ar.add)
+        total = ring_allreduce_mpi(comm, ar.grad(flat, ar.x[lo:hi], ar.y[lo:hi]), ar.add)
         losses.append(ar.mean_loss(total[-1]))
         flat = ar.update(flat, total[:-1])
     sha = weights_sha256(flat)
@@ -524,11 +532,25 @@ def _build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _print_losses(res: TrainResult, every: int, out) -> None:
+def _print_run(res: TrainResult, head: str, every: int, out, report: dict) -> None:
+    """Print one Q16 run (header, loss every `every` steps and the last, endpoints, SHA-256)
+    and record it in `report`."""
+    print(f"{head}; backend={res.backend}, workers={res.workers}", file=out)
     n = len(res.losses)
     for i, v in enumerate(res.losses):
         if every <= 1 or i % every == 0 or i == n - 1:
             print(f"step {i + 1:5d}  loss {v:.6f}", file=out)
+    print(f"loss {res.losses[0]:.6f} -> {res.losses[-1]:.6f}", file=out)
+    print(f"weights sha256 {res.sha256}  (q16, backend={res.backend}, workers={res.workers}, "
+          f"{res.seconds:.2f}s)", file=out)
+    report.update(backend=res.backend, workers=res.workers, sha256=res.sha256,
+                  losses=res.losses.tolist())
+
+
+def _write_json(path: str | None, report: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -541,13 +563,19 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--workers must be >= 1, got {args.workers}")
     if args.log_every < 1:
         ap.error(f"--log-every must be >= 1, got {args.log_every}")
+    if not args.timeout > 0:
+        ap.error(f"--timeout must be > 0 seconds, got {args.timeout}")
     try:
         cfg = MLPConfig(hidden=args.hidden, lr=args.lr, seed=args.seed)
         cfg.lr_q16
     except ValueError as e:
         ap.error(str(e))
     out = sys.stdout
-    data = load_diabetes()
+    try:
+        data = load_diabetes()
+    except ImportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     head = (f"Q16.16 MLP {data.x.shape[1]}-{cfg.hidden}-1 (relu), SSE loss, SGD lr={cfg.lr} "
             f"(Q16 {cfg.lr_q16}/65536, mean over {data.x.shape[0]} rows), diabetes data "
             f"{data.x.shape[0]}x{data.x.shape[1]} standardized")
@@ -576,16 +604,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if rank != 0:
             return 0
-        print(f"{head}; backend=mpi, workers={res.workers}", file=out)
-        _print_losses(res, args.log_every, out)
-        print(f"loss {res.losses[0]:.6f} -> {res.losses[-1]:.6f}", file=out)
-        print(f"weights sha256 {res.sha256}  (q16, backend=mpi, workers={res.workers}, "
-              f"{res.seconds:.2f}s)", file=out)
-        report.update(backend="mpi", workers=res.workers, sha256=res.sha256,
-                      losses=res.losses.tolist())
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
+        _print_run(res, head, args.log_every, out, report)
+        _write_json(args.json, report)
         return 0
 
     workers = 4 if args.workers is None else args.workers
@@ -594,12 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     except (DDPWorkerError, DDPTimeoutError, q16.Q16OverflowError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"{head}; backend=shm, workers={workers}", file=out)
-    _print_losses(res, args.log_every, out)
-    print(f"loss {res.losses[0]:.6f} -> {res.losses[-1]:.6f}", file=out)
-    print(f"weights sha256 {res.sha256}  (q16, backend=shm, workers={workers}, "
-          f"{res.seconds:.2f}s)", file=out)
-    report.update(backend="shm", workers=workers, sha256=res.sha256, losses=res.losses.tolist())
+    _print_run(res, head, args.log_every, out, report)
     rc = 0
 
     if args.sweep:
@@ -635,9 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  float32: {distinct} distinct weight vectors over D in {args.contrast}; "
               f"max difference {max(c['max_abs_diff'] for c in contrast.values()):.3e}", file=out)
         report["float32_contrast"] = {str(k): v for k, v in contrast.items()}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    _write_json(args.json, report)
     return rc
 
 

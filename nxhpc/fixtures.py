@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from nxhpc.gguf_io import MissingTensorError, ModelFileError
+from nxhpc.gguf_io import MissingTensorError, ModelFileError, atomic_output
 
 __all__ = ["FixtureStore", "FIXTURES_FILE"]
 
@@ -82,6 +82,7 @@ class FixtureStore:
         return sorted(self._header)
 
     def has(self, name: str) -> bool:
+        """Whether fixture ``name`` exists."""
         return name in self._header
 
     def dims(self, name: str) -> tuple[int, ...]:
@@ -89,6 +90,7 @@ class FixtureStore:
         return self._entry(name)[1]
 
     def dtype(self, name: str) -> str:
+        """The stored safetensors dtype (``"F32"`` for every fixture nxhpc writes)."""
         return self._entry(name)[0]
 
     def _entry(self, name: str) -> tuple[str, tuple[int, ...]]:
@@ -139,7 +141,12 @@ class FixtureStore:
     @staticmethod
     def save(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
              metadata: Mapping[str, str] | None = None) -> Path:
-        """Write ``tensors`` (name -> float array, stored float32) atomically to ``path``."""
+        """Write ``tensors`` (name -> numeric array, stored float32) atomically to ``path``.
+
+        Floats are rounded to float32 (the store's one dtype); bool and integer arrays (a mask,
+        position ids) must convert exactly. NaN/Inf, or a value that overflows float32, raises
+        ValueError naming the fixture. Names and metadata are sorted, so the same tensors
+        always give the same bytes."""
         path = Path(path)
         out: dict[str, np.ndarray] = {}
         for name, value in tensors.items():
@@ -154,6 +161,9 @@ class FixtureStore:
             if not np.isfinite(a32).all():
                 raise ValueError(f"FixtureStore.save: fixture {name!r} contains NaN/Inf "
                                  f"(after conversion to float32)")
+            if a.dtype.kind in "iu" and not np.array_equal(a32.astype(a.dtype), a):
+                raise ValueError(f"FixtureStore.save: fixture {name!r} has integers beyond "
+                                 f"float32's exact range (|v| > 2**24); they would be rounded")
             out[name] = a32
         # Written here rather than by safetensors.save_file, whose metadata order varies from
         # run to run: names sorted, metadata keys sorted, header padded to 8 bytes -> the same
@@ -169,17 +179,11 @@ class FixtureStore:
             off += a.nbytes
         hb = json.dumps(header, separators=(",", ":")).encode()
         hb += b" " * (-len(hb) % 8)
-        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-        try:
-            with open(tmp, "wb") as fh:
-                fh.write(struct.pack("<Q", len(hb)))
-                fh.write(hb)
-                for name in sorted(out):
-                    fh.write(out[name].astype("<f4", copy=False).tobytes())
-            os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
+        with atomic_output(path) as tmp, open(tmp, "wb") as fh:
+            fh.write(struct.pack("<Q", len(hb)))
+            fh.write(hb)
+            for name in sorted(out):
+                fh.write(out[name].astype("<f4", copy=False).tobytes())
         return path
 
     def __repr__(self) -> str:

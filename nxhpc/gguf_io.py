@@ -25,23 +25,26 @@ modules live here (the lowest layer) and are re-exported by ``nxhpc.models``.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
 import gguf
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from nxhpc._kernels import Q8_0_BLOCK_DTYPE, QK8_0
+
 __all__ = [
     "ModelError", "ModelNotFoundError", "ModelFileError", "MissingTensorError",
     "PREFIX", "Q8_0_BLOCK", "QK8_0", "GGUFFile", "TensorInfo", "Q8_0Tensor",
-    "quantize_q8_0", "dequantize_q8_0", "should_quantize", "write_gguf",
+    "quantize_q8_0", "dequantize_q8_0", "should_quantize", "write_gguf", "atomic_output",
 ]
 
 
@@ -69,10 +72,10 @@ class MissingTensorError(ModelFileError):
 PREFIX = "model.diffusion_model."
 """Name prefix written by stable-diffusion.cpp's converter (ComfyUI-GGUF writes none)."""
 
-QK8_0 = 32
-Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", (QK8_0,))])
-"""One Q8_0 block: float16 scale ``d`` then 32 int8 ``q``; value = d*q (34 bytes, packed)."""
-assert Q8_0_BLOCK.itemsize == 34
+Q8_0_BLOCK = Q8_0_BLOCK_DTYPE
+"""One Q8_0 block: float16 scale ``d`` then 32 int8 ``q``; value = d*q (34 bytes, packed).
+The kernels' own definition (``nxhpc._kernels.Q8_0_BLOCK_DTYPE``), so the layout the files are
+checked against and the layout the kernels read cannot drift apart."""
 
 _F32, _F16, _BF16, _Q8_0 = (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
                             GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0)
@@ -347,6 +350,7 @@ class GGUFFile:
 
     @property
     def architecture(self) -> str | None:
+        """``general.architecture`` (``"lumina2"`` from ComfyUI-GGUF), or None."""
         a = self.metadata.get("general.architecture")
         return a if isinstance(a, str) else None
 
@@ -355,9 +359,11 @@ class GGUFFile:
         return list(self._infos)
 
     def canonical(self, name: str) -> str:
+        """``name`` without the ``model.diffusion_model.`` prefix."""
         return name[len(PREFIX):] if name.startswith(PREFIX) else name
 
     def has(self, name: str) -> bool:
+        """Whether the tensor exists (with or without the prefix)."""
         return self.canonical(name) in self._infos
 
     def info(self, name: str) -> TensorInfo:
@@ -369,9 +375,11 @@ class GGUFFile:
                                      f"(with or without the {PREFIX!r} prefix)") from None
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """Logical shape in numpy order (outermost first)."""
         return self.info(name).shape
 
     def type_name(self, name: str) -> str:
+        """Stored GGML type name (``F32``, ``Q8_0``, ...)."""
         return self.info(name).type_name
 
     # -- data
@@ -445,7 +453,7 @@ def quantize_q8_0(x: np.ndarray, name: str = "tensor") -> np.ndarray:
         raise ValueError(f"quantize_q8_0: {name} contains NaN or Inf")
     with np.errstate(over="ignore", invalid="ignore"):
         q = gguf.quants.quantize(x, _Q8_0)
-    d = q.reshape(-1, Q8_0_BLOCK.itemsize)[:, :2].copy().view(np.float16)
+    d = q.view(Q8_0_BLOCK)["d"]
     if not np.isfinite(d).all():
         raise ValueError(f"quantize_q8_0: {name} has values too large for a float16 scale "
                          f"(max |x| = {float(np.abs(x).max()):.4g})")
@@ -516,29 +524,39 @@ def write_gguf(path: str | os.PathLike, tensors: Mapping[str, Any], *, prefix: b
                 raise ValueError(f"write_gguf: {name} contains NaN or Inf")
             prepared.append((full, a32, None))
 
+    with atomic_output(path) as tmp:
+        w = gguf.GGUFWriter(tmp, arch)
+        try:
+            for key, val in (metadata or {}).items():
+                _add_kv(w, key, val)
+            for full, arr, raw in prepared:
+                if raw is None:
+                    w.add_tensor_info(full, arr.shape, arr.dtype, arr.nbytes)
+                else:
+                    w.add_tensor_info(full, arr.shape, arr.dtype, arr.nbytes, raw_dtype=raw)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            for i, (full, arr, _raw) in enumerate(prepared):
+                w.write_tensor_data(arr)
+                if progress is not None:
+                    progress(full, i + 1, len(prepared))
+        finally:
+            w.close()
+    return path
+
+
+@contextlib.contextmanager
+def atomic_output(path: Path) -> Iterator[Path]:
+    """Yield a temporary sibling of ``path`` to write; on success it is renamed onto ``path``,
+    on any error it is removed, so ``path`` is never seen half-written."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
-        w = gguf.GGUFWriter(tmp, arch)
-        for key, val in (metadata or {}).items():
-            _add_kv(w, key, val)
-        for full, arr, raw in prepared:
-            if raw is None:
-                w.add_tensor_info(full, arr.shape, arr.dtype, arr.nbytes)
-            else:
-                w.add_tensor_info(full, arr.shape, arr.dtype, arr.nbytes, raw_dtype=raw)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for i, (full, arr, _raw) in enumerate(prepared):
-            w.write_tensor_data(arr)
-            if progress is not None:
-                progress(full, i + 1, len(prepared))
-        w.close()
+        yield tmp
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
-    return path
 
 
 def _add_kv(w: "gguf.GGUFWriter", key: str, val: Any) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 __all__ = ["TOLERANCES", "DEFAULT_TOL", "Grade", "grade", "rel_errors", "count_exceeding",
-           "error_row", "tol_key"]
+           "error_row", "tol_key", "fmt_value"]
 
 TOLERANCES = (1e-2, 1e-3, 1e-4, 1e-5)
 DEFAULT_TOL = 1e-2
@@ -48,7 +48,10 @@ def _as_pair(out, ref, what: str) -> tuple[np.ndarray, np.ndarray]:
 
 def rel_errors(out, ref, what: str = "reference") -> np.ndarray:
     """Per-element ``|out-ref| / max(|ref|, rms(ref))`` in float64 (NaN/inf where out is)."""
-    o, r = _as_pair(out, ref, what)
+    return _rel(*_as_pair(out, ref, what))
+
+
+def _rel(o: np.ndarray, r: np.ndarray) -> np.ndarray:
     rms = math.sqrt(float(np.mean(r * r))) if r.size else 0.0
     floor = max(rms, np.finfo(np.float32).tiny)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -102,7 +105,7 @@ class Grade:
         for k, v in self.as_dict().items():
             if k == "verdict":
                 continue
-            out.append(f"{k}={_fmt(v)}")
+            out.append(f"{k}={fmt_value(v)}")
         return out
 
     def verdict_line(self) -> str:
@@ -112,7 +115,9 @@ class Grade:
         return f"FAIL: {self.why} vs {self.reference}"
 
 
-def _fmt(v) -> str:
+def fmt_value(v) -> str:
+    """A report value as printed in ``key=value`` lines (floats: 9 significant digits, or
+    scientific notation when tiny or huge)."""
     if isinstance(v, float):
         return f"{v:.6e}" if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e6) else f"{v:.9g}"
     return str(v)
@@ -126,7 +131,7 @@ def grade(out, ref, *, tol: float = DEFAULT_TOL, reference: str = "reference") -
     n = int(o.size)
     finite = np.isfinite(o)
     non_finite = int(n - np.count_nonzero(finite))
-    e = rel_errors(o, r, reference)
+    e = _rel(o, r)
     fails = {tol_key(t): int(np.count_nonzero(~(e <= t))) for t in TOLERANCES}
     of, rf = o[finite], r[finite]
     diff = of - rf

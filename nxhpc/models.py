@@ -41,7 +41,7 @@ from nxhpc.gguf_io import (PREFIX, Q8_0_BLOCK, QK8_0, GGUFFile, MissingTensorErr
 __all__ = [
     "BlockConfig", "LayerWeights", "Model", "open_model", "models_dir", "DEFAULT_MODEL_ID",
     "BUILTIN_MODELS", "SyntheticSpec", "make_synthetic", "ensure_builtin", "infer_config",
-    "layer_tensor_names", "ModelError", "ModelNotFoundError", "ModelFileError",
+    "layer_tensor_names", "write_model_dir", "ModelError", "ModelNotFoundError", "ModelFileError",
     "MissingTensorError", "GGUF_FILE", "main",
 ]
 
@@ -87,6 +87,7 @@ class BlockConfig:
 
     @property
     def qkv_width(self) -> int:
+        """Rows of the fused qkv weight: ``(n_heads + 2 n_kv_heads) head_dim``."""
         return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
 
     def validate(self) -> "BlockConfig":
@@ -114,10 +115,12 @@ class BlockConfig:
         return self
 
     def summary(self) -> str:
+        """One line: variant, dims, heads, FFN, layers, adaLN, eps."""
         kv = "" if self.n_kv_heads == self.n_heads else f" (GQA, {self.n_kv_heads} kv heads)"
         return (f"{self.variant}: D={self.dim}, {self.n_heads} heads x {self.head_dim}{kv}, "
-                f"FFN {self.ffn_dim}, {self.n_layers} layer{'s' if self.n_layers != 1 else ''}, adaLN {self.adaln_in}"
-                f"{' (SiLU)' if self.adaln_silu else ''}, eps {self.norm_eps:g}")
+                f"FFN {self.ffn_dim}, {self.n_layers} layer{'s' if self.n_layers != 1 else ''}, "
+                f"adaLN {self.adaln_in}{' (SiLU)' if self.adaln_silu else ''}, "
+                f"eps {self.norm_eps:g}")
 
 
 def layer_tensor_names(i: int, variant: str) -> dict[str, str]:
@@ -333,9 +336,11 @@ class Model:
         return self.fixtures
 
     def t_emb(self) -> np.ndarray:
+        """The adaLN input ``float32 [adaln_in]`` (256 Z-Image, 1024 Lumina-2)."""
         return self._fx().load("t_emb", (self.config.adaln_in,))
 
     def pe(self) -> np.ndarray:
+        """The rotary table ``float32 [T, head_dim/2, 2, 2]`` (``[[cos, -sin], [sin, cos]]``)."""
         T = self.n_tokens
         return self._fx().load("pe", (T, self.config.head_dim // 2, 2, 2))
 
@@ -350,12 +355,15 @@ class Model:
         return m.astype(bool)
 
     def blk_in(self, i: int) -> np.ndarray:
+        """Layer ``i``'s input activations ``float32 [T, D]``."""
         return self._fx().load(f"layers.{i}.blk_in", (self.n_tokens, self.config.dim))
 
     def adaln_m(self, i: int) -> np.ndarray:
+        """Layer ``i``'s modulation vector ``float32 [4D]`` (the adaLN Linear's output)."""
         return self._fx().load(f"layers.{i}.adaln_m", (4 * self.config.dim,))
 
     def ref_out(self, i: int) -> np.ndarray:
+        """Layer ``i``'s reference output ``float32 [T, D]``."""
         return self._fx().load(f"layers.{i}.ref_out", (self.n_tokens, self.config.dim))
 
     # -- weights
@@ -466,6 +474,7 @@ class Model:
         return "\n".join(lines)
 
     def close(self) -> None:
+        """Release the GGUF map (views already handed out stay valid)."""
         if self.gguf is not None:
             self.gguf.close()
 
@@ -556,8 +565,7 @@ class SyntheticSpec:
         if self.n_caption < 0 or len(self.grid) != 3 or min(self.grid) < 1:
             raise ValueError(f"SyntheticSpec: bad token layout n_caption={self.n_caption}, "
                              f"grid={self.grid}")
-        if not 0 <= self.mask_pad <= self.n_caption or (self.mask_pad and
-                                                        self.mask_pad >= self.n_tokens):
+        if not 0 <= self.mask_pad <= self.n_caption:
             raise ValueError(f"SyntheticSpec: mask_pad {self.mask_pad} must be within the "
                              f"{self.n_caption} caption tokens")
         return self
@@ -597,9 +605,11 @@ def _draw_layer(rng: np.random.Generator, c: BlockConfig, i: int,
 
 
 def make_synthetic(out_dir: str | os.PathLike, spec: SyntheticSpec,
-                   progress: Callable[[str], None] | None = None) -> Path:
+                   progress: Callable[[str], None] | None = None, *,
+                   replace: bool = False) -> Path:
     """Write a synthetic model directory (``model.gguf`` + ``fixtures.safetensors`` +
-    ``synthetic.json``) for ``spec`` at ``out_dir`` (which must not exist yet).
+    ``synthetic.json``) for ``spec`` at ``out_dir`` (which must not exist yet, unless
+    ``replace``: an existing model directory is then swapped out once the new one is complete).
 
     Built in a temporary sibling directory and renamed into place, so readers never see a
     half-written model. Reference outputs chain: layer i+1's ``blk_in`` is layer i's
@@ -609,9 +619,7 @@ def make_synthetic(out_dir: str | os.PathLike, spec: SyntheticSpec,
     from nxhpc.reference import adaln_f64, block_forward_f64
     spec.validate()
     out_dir = Path(out_dir)
-    if out_dir.exists():
-        raise FileExistsError(f"make_synthetic: {out_dir} already exists")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _check_replaceable(out_dir, replace)      # before the work, not after
     say = progress or (lambda s: None)
     c = spec.config()
     T = spec.n_tokens
@@ -656,24 +664,70 @@ def make_synthetic(out_dir: str | os.PathLike, spec: SyntheticSpec,
             "nxhpc.rope_theta": float(theta), "nxhpc.axes_dims": list(axes),
             "nxhpc.n_caption": int(spec.n_caption), "nxhpc.grid": list(spec.grid),
             "nxhpc.fingerprint": spec.fingerprint()}
+    write_model_dir(
+        out_dir, gguf_tensors, fx, prefix=spec.prefix, gguf_metadata=meta,
+        fixture_metadata={"norm_eps": repr(float(c.norm_eps)), "source": "nxhpc synthetic",
+                          "fingerprint": spec.fingerprint()},
+        extra_files={SPEC_FILE: json.dumps(
+            {"spec": dataclasses.asdict(spec), "fingerprint": spec.fingerprint(),
+             "generator_version": GENERATOR_VERSION}, indent=1, sort_keys=True) + "\n"},
+        replace=replace, progress=say)
+    say(f"done in {time.monotonic() - t0:.1f} s: {out_dir}")
+    return out_dir
+
+
+def write_model_dir(out_dir: str | os.PathLike, gguf_tensors: Mapping[str, Any],
+                    fixtures: Mapping[str, np.ndarray], *, prefix: bool = True,
+                    gguf_metadata: Mapping[str, Any] | None = None,
+                    fixture_metadata: Mapping[str, str] | None = None,
+                    extra_files: Mapping[str, str] | None = None, replace: bool = False,
+                    progress: Callable[[str], None] | None = None) -> Path:
+    """Write a model directory: ``model.gguf`` (:func:`~nxhpc.gguf_io.write_gguf` of
+    ``gguf_tensors``), ``fixtures.safetensors`` and any ``extra_files`` (name -> text).
+
+    Built in a temporary sibling and renamed into place, so readers never see a half-written
+    model and a failure leaves nothing behind. An existing ``out_dir`` raises FileExistsError
+    unless ``replace``, in which case it is swapped out only once the new one is complete
+    (and only if it is a model directory: one never replaces a folder of other files).
+    """
+    out_dir = Path(out_dir)
+    say = progress or (lambda s: None)
+    _check_replaceable(out_dir, replace)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    old = tmp.with_name(tmp.name + "-old")
     try:
         say(f"writing {GGUF_FILE}")
-        write_gguf(tmp / GGUF_FILE, gguf_tensors, prefix=spec.prefix, metadata=meta)
+        write_gguf(tmp / GGUF_FILE, gguf_tensors, prefix=prefix, metadata=gguf_metadata)
         say(f"writing {FIXTURES_FILE}")
-        FixtureStore.save(tmp / FIXTURES_FILE, fx, metadata={
-            "norm_eps": repr(float(c.norm_eps)), "source": "nxhpc synthetic",
-            "fingerprint": spec.fingerprint()})
-        (tmp / SPEC_FILE).write_text(json.dumps(
-            {"spec": dataclasses.asdict(spec), "fingerprint": spec.fingerprint(),
-             "generator_version": GENERATOR_VERSION}, indent=1, sort_keys=True) + "\n")
+        FixtureStore.save(tmp / FIXTURES_FILE, fixtures, metadata=fixture_metadata)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
         os.chmod(tmp, 0o755)
+        if out_dir.exists():
+            os.rename(out_dir, old)
         os.rename(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not out_dir.exists():
+            os.rename(old, out_dir)                     # put the previous model back
         raise
-    say(f"done in {time.monotonic() - t0:.1f} s: {out_dir}")
+    shutil.rmtree(old, ignore_errors=True)
     return out_dir
+
+
+def _check_replaceable(out_dir: Path, replace: bool) -> None:
+    """FileExistsError unless ``out_dir`` is absent, or ``replace`` and it is an empty or
+    model directory (holding ``model.gguf`` or ``fixtures.safetensors``)."""
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if not replace:
+        raise FileExistsError(f"{out_dir} already exists")
+    if out_dir.is_symlink() or not out_dir.is_dir() or (
+            any(out_dir.iterdir()) and not ((out_dir / GGUF_FILE).is_file()
+                                            or (out_dir / FIXTURES_FILE).is_file())):
+        raise FileExistsError(f"{out_dir} exists and is not a model directory (no {GGUF_FILE} "
+                              f"or {FIXTURES_FILE}); refusing to replace it")
 
 
 # ----------------------------------------------------------------------------- built-ins
@@ -745,13 +799,12 @@ def ensure_builtin(model_id: str, root: Path | None = None, force: bool = False,
     with _locked(root, model_id):
         if not force and _builtin_current(d, spec):
             return d
-        if d.exists():
-            stale = Path(tempfile.mkdtemp(prefix=f".{model_id}.old-", dir=root))
-            os.rename(d, stale / model_id)
-            shutil.rmtree(stale, ignore_errors=True)
         if progress is None and spec.weights_bytes_f32() > 256 << 20:
             progress = _stderr_progress(model_id)
-        make_synthetic(d, spec, progress=progress)
+        try:
+            make_synthetic(d, spec, progress=progress, replace=True)
+        except FileExistsError as e:
+            raise ModelError(f"built-in model {model_id!r}: {e}") from None
     return d
 
 
@@ -851,18 +904,18 @@ def _cmd_make(args: argparse.Namespace) -> int:
         if "grid" in custom:
             custom["grid"] = tuple(custom["grid"])
         d = Path(args.out) if args.out else root / args.id
-        if d.exists() and not args.force:
-            print(f"error: {d} exists (use --force to replace it)", file=sys.stderr)
-            return 2
         spec = dataclasses.replace(base, **custom)
         try:
+            _check_replaceable(d, args.force)
             spec.validate()
+            make_synthetic(d, spec, progress=say, replace=args.force)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        if d.exists():
-            shutil.rmtree(d)
-        make_synthetic(d, spec, progress=say)
+        except FileExistsError as e:
+            hint = "" if args.force else " (use --force to replace it)"
+            print(f"error: {e}{hint}", file=sys.stderr)
+            return 2
     with open_model(d) as m:
         print(m.describe())
     return 0

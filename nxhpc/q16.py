@@ -174,25 +174,30 @@ def q16_add(a: np.ndarray, b: np.ndarray, op: str = "add") -> np.ndarray:
     return _fit(a + b, op)                                # |a|+|b| <= 2**63 - 2: no wrap
 
 
-def _exact_product(a: np.ndarray, b: np.ndarray, terms: int, fn: Callable, op: str) -> np.ndarray:
-    """fn(a, b) in int64 when max|a|*max|b|*terms fits int64, else in Python ints."""
+def _exact_product(a: np.ndarray, b: np.ndarray, terms: int, fn: Callable) -> np.ndarray:
+    """fn(a, b) in int64 when max|a|*max|b|*terms fits int64, else in Python ints (unchecked)."""
     bound = _maxabs(a) * _maxabs(b) * max(int(terms), 1)
     if bound <= INT64_MAX:
         return fn(a.astype(np.int64), b.astype(np.int64))
     return fn(a.astype(object), b.astype(object))
 
 
-def _exact_sum(x: np.ndarray, axis, op: str) -> np.ndarray:
-    """Exact sum of Q16 values over `axis` (int64 when rows*max|x| fits, else Python ints)."""
+def _sum_unchecked(x: np.ndarray, axis) -> np.ndarray:
+    """Exact sum over `axis` (int64 when count*max|x| fits, else Python ints); no range check."""
     n = x.size if axis is None else int(np.prod([x.shape[a] for a in np.atleast_1d(axis)]))
     if x.dtype == np.int64 and _maxabs(x) * max(n, 1) <= INT64_MAX:
-        return _fit(np.asarray(x.sum(axis=axis, dtype=np.int64)), op)
-    return _fit(np.asarray(x.astype(object).sum(axis=axis)), op)
+        return np.asarray(x.sum(axis=axis, dtype=np.int64))
+    return np.asarray(x.astype(object).sum(axis=axis))
+
+
+def _exact_sum(x: np.ndarray, axis, op: str) -> np.ndarray:
+    """Exact sum of Q16 values over `axis`, range-checked (Q16OverflowError naming `op`)."""
+    return _fit(_sum_unchecked(x, axis), op)
 
 
 def q16_mul(a: np.ndarray, b: np.ndarray, op: str = "mul") -> np.ndarray:
     """Elementwise ``round_shift(a * b)`` (exact product, one rounding), range-checked."""
-    prod = _exact_product(a, b, 1, np.multiply, op)
+    prod = _exact_product(a, b, 1, np.multiply)
     return _fit(round_shift(prod), op)
 
 
@@ -202,7 +207,7 @@ def q16_matmul(a: np.ndarray, b: np.ndarray, op: str = "matmul") -> np.ndarray:
     b = _as_int_array(b, f"{op}: b")
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"{op}: a is {a.shape}, b is {b.shape}; expected [n, k] @ [k, m]")
-    acc = _exact_product(a, b, a.shape[1], np.matmul, op)
+    acc = _exact_product(a, b, a.shape[1], np.matmul)
     return _fit(round_shift(acc), op)
 
 
@@ -216,9 +221,15 @@ def _rowround_tn(a: np.ndarray, g: np.ndarray, op: str) -> np.ndarray:
     total = np.zeros((k, m), dtype=np.int64)
     for r0 in range(0, n, step):
         terms = round_shift(a[r0:r0 + step, :, None] * g[r0:r0 + step, None, :])
-        part = _exact_sum(np.asarray(terms), 0, op)
-        total = q16_add(total, part, op)
-    return total
+        part = _sum_unchecked(np.asarray(terms), 0)
+        if total.dtype == np.int64 and part.dtype == np.int64 and \
+                _maxabs(total) + _maxabs(part) <= INT64_MAX:
+            total = total + part
+        else:
+            total = total.astype(object) + part.astype(object)
+    # only the full sum is range-checked: a partial sum past the range (then cancelled) is not
+    # an error, so the outcome cannot depend on how the rows were chunked or sharded
+    return _fit(total, op)
 
 
 def sgd_step(w: np.ndarray, g: np.ndarray, lr_q16: int, denom: int = 1) -> np.ndarray:
@@ -234,7 +245,7 @@ def sgd_step(w: np.ndarray, g: np.ndarray, lr_q16: int, denom: int = 1) -> np.nd
     if int(denom) <= 0:
         raise ValueError(f"sgd_step: denom must be positive, got {denom}")
     lr = np.asarray(int(lr_q16), dtype=object if abs(int(lr_q16)) > INT64_MAX else np.int64)
-    prod = _exact_product(g, lr, 1, np.multiply, "sgd_step")
+    prod = _exact_product(g, lr, 1, np.multiply)
     upd = _fit(round_div(prod, Q16_ONE * int(denom)), "sgd_step")
     return q16_add(w, -upd, "sgd_step")
 
@@ -257,6 +268,7 @@ class Node:
 
     @property
     def shape(self) -> tuple:
+        """The shape of :attr:`value`."""
         return self.value.shape
 
     def __repr__(self) -> str:
@@ -387,54 +399,46 @@ class Tape:
     def sse(self, pred: Node, target: Node) -> Node:
         """``sum(round_shift((p - t)**2))``: per-element rounded squares, exact sum -> scalar.
 
-        ``d/dp = round_shift(2 (p - t) * g)`` (exactly ``2 (p - t)`` for the seed g = 1.0).
+        Shard-additive (every rounding sees one element). ``d/dp = round_shift(2 (p - t) * g)``
+        (exactly ``2 (p - t)`` for the seed g = 1.0).
         """
-        pred, target = self._node(pred, "sse: pred"), self._node(target, "sse: target")
-        if pred.value.shape != target.value.shape:
-            raise ValueError(f"sse: pred is {pred.value.shape}, target is {target.value.shape}")
-        d = q16_add(pred.value, -target.value, "sse")
-        out = _exact_sum(q16_mul(d, d, "sse"), None, "sse")
-        n_p, n_t = self._needs[pred.index], self._needs[target.index]
-
-        def backward(g: np.ndarray) -> list:
-            gp = q16_mul(q16_add(d, d, "sse.backward"), np.broadcast_to(g, d.shape),
-                         "sse.backward")
-            res = []
-            if n_p:
-                res.append((pred.index, gp))
-            if n_t:
-                res.append((target.index, -gp))
-            return res
-        return self._push(out, "sse", n_p or n_t, backward)
+        return self._squared_error(pred, target, "sse", mean=False)
 
     def mse(self, pred: Node, target: Node) -> Node:
         """``round_div(sum((p - t)**2 exact), 2**16 * count)``: the mean, rounded once.
 
-        Not shard-additive (the mean of shard means is not the mean): data-parallel training
-        sums ``sse`` instead and divides by the global count in the SGD step.
+        ``d/dp = round_div(2 (p - t) * g, 2**16 * count)``. Not shard-additive (the mean of
+        shard means is not the mean): data-parallel training sums ``sse`` instead and divides by
+        the global count in the SGD step.
         """
-        pred, target = self._node(pred, "mse: pred"), self._node(target, "mse: target")
+        return self._squared_error(pred, target, "mse", mean=True)
+
+    def _squared_error(self, pred: Node, target: Node, op: str, mean: bool) -> Node:
+        """sse (mean=False) or mse (mean=True) of same-shape `pred` and `target` -> scalar."""
+        pred, target = self._node(pred, f"{op}: pred"), self._node(target, f"{op}: target")
         if pred.value.shape != target.value.shape:
-            raise ValueError(f"mse: pred is {pred.value.shape}, target is {target.value.shape}")
-        count = max(1, pred.value.size)
-        d = q16_add(pred.value, -target.value, "mse")
-        sq = _exact_product(d, d, 1, np.multiply, "mse")
-        acc = np.asarray(sq.astype(object).sum() if sq.dtype == object or
-                         _maxabs(sq) * count > INT64_MAX else sq.sum(dtype=np.int64))
-        out = _fit(np.asarray(round_div(acc, Q16_ONE * count)), "mse")
+            raise ValueError(f"{op}: pred is {pred.value.shape}, target is {target.value.shape}")
+        d = q16_add(pred.value, -target.value, op)
+        if mean:
+            count = max(1, d.size)
+            acc = _sum_unchecked(_exact_product(d, d, 1, np.multiply), None)
+            out = _fit(np.asarray(round_div(acc, Q16_ONE * count)), op)
+        else:
+            count = 1
+            out = _exact_sum(q16_mul(d, d, op), None, op)
         n_p, n_t = self._needs[pred.index], self._needs[target.index]
 
         def backward(g: np.ndarray) -> list:
-            prod = _exact_product(q16_add(d, d, "mse.backward"), np.broadcast_to(g, d.shape), 1,
-                                  np.multiply, "mse.backward")
-            gp = _fit(round_div(prod, Q16_ONE * count), "mse.backward")
+            prod = _exact_product(q16_add(d, d, f"{op}.backward"), np.broadcast_to(g, d.shape),
+                                  1, np.multiply)
+            gp = _fit(round_div(prod, Q16_ONE * count), f"{op}.backward")
             res = []
             if n_p:
                 res.append((pred.index, gp))
             if n_t:
                 res.append((target.index, -gp))
             return res
-        return self._push(out, "mse", n_p or n_t, backward)
+        return self._push(out, op, n_p or n_t, backward)
 
     def sum(self, a: Node) -> Node:
         """Exact sum of all elements -> scalar."""

@@ -112,9 +112,14 @@ def ring_allreduce_shm(rank: int, bufs: np.ndarray, add: AddFn, barrier,
     `barrier` a ``multiprocessing.Barrier(D)``. The caller must have passed a barrier after
     writing its row (so every row is complete before the first read).
     """
+    if bufs.ndim != 2:
+        raise ValueError(f"ring_allreduce_shm: bufs must be a [D, L] array, got shape {bufs.shape}")
     D, L = bufs.shape
     if not 0 <= rank < D:
         raise ValueError(f"ring_allreduce_shm: rank {rank} outside [0, {D})")
+    parties = getattr(barrier, "parties", D)
+    if parties != D:
+        raise ValueError(f"ring_allreduce_shm: barrier has {parties} parties but bufs has {D} rows")
     bounds = chunk_bounds(L, D)
     left = (rank - 1) % D
     mine, theirs = bufs[rank], bufs[left]
@@ -133,7 +138,9 @@ def ring_allreduce_mpi(comm, vec: np.ndarray, add: AddFn) -> np.ndarray:
 
     Same chunk schedule as :func:`ring_allreduce_shm`, with ``Sendrecv`` to the right
     neighbour / from the left one. Integer vectors are added with the caller's checked `add`
-    (MPI's own SUM would wrap int64 silently).
+    (MPI's own SUM would wrap int64 silently). Collective: if one rank raises instead of
+    calling it, its peers block in ``Sendrecv`` -- the caller must ``comm.Abort`` on error (the
+    CLI does).
     """
     D, rank = comm.Get_size(), comm.Get_rank()
     buf = np.array(vec, copy=True)

@@ -82,8 +82,12 @@ def rope_table(ids: np.ndarray, axes_dims: Sequence[int], theta: float) -> np.nd
         inv = float(theta) ** (-np.arange(0, d, 2, dtype=np.float64) / d)   # [d/2]
         angles.append(ids[:, a].astype(np.float64)[:, None] * inv[None, :])
     ang = np.concatenate(angles, axis=1)                                     # [T, hd/2]
-    c, s = np.cos(ang), np.sin(ang)
-    pe = np.empty(ang.shape + (2, 2), dtype=np.float64)
+    return _rotations(np.cos(ang), np.sin(ang))
+
+
+def _rotations(c: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """``[..., 2, 2]`` rotation matrices ``[[c, -s], [s, c]]`` from cosines and sines."""
+    pe = np.empty(c.shape + (2, 2), dtype=c.dtype)
     pe[..., 0, 0] = c
     pe[..., 0, 1] = -s
     pe[..., 1, 0] = s
@@ -97,13 +101,7 @@ def pe_from_complex(freqs: np.ndarray) -> np.ndarray:
     if freqs.ndim != 2 or freqs.dtype.kind != "c":
         raise ValueError(f"pe_from_complex: expected complex [T, hd/2], got {freqs.dtype} "
                          f"{freqs.shape}")
-    re, im = freqs.real, freqs.imag
-    pe = np.empty(freqs.shape + (2, 2), dtype=re.dtype)
-    pe[..., 0, 0] = re
-    pe[..., 0, 1] = -im
-    pe[..., 1, 0] = im
-    pe[..., 1, 1] = re
-    return pe
+    return _rotations(freqs.real, freqs.imag)
 
 
 def pe_to_complex(pe: np.ndarray) -> np.ndarray:

@@ -16,43 +16,33 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from nxhpc.fixtures import FIXTURES_FILE, FixtureStore
-from nxhpc.gguf_io import (Q8_0Tensor, dequantize_q8_0, quantize_q8_0, should_quantize,
-                           write_gguf)
+from nxhpc.gguf_io import Q8_0Tensor, dequantize_q8_0, quantize_q8_0, should_quantize
+from nxhpc.models import _check_replaceable, write_model_dir
 from nxhpc.rope import pe_from_complex
 
 __all__ = ["tap_zimage", "snap_weights_to_q8_0", "original_state_dict"]
-
-GGUF_FILE = "model.gguf"
 
 
 def _np(t: Any) -> np.ndarray:
     return t.detach().to("cpu").float().contiguous().numpy()
 
 
-def original_state_dict(model: Any) -> dict[str, np.ndarray]:
-    """The model's weights as float32 numpy under the original Z-Image checkpoint names.
-
-    The inverse of diffusers' single-file conversion: ``to_q/to_k/to_v`` fused into
-    ``attention.qkv.weight`` (rows q;k;v), ``to_out.0`` -> ``out``, ``norm_q/norm_k`` ->
-    ``q_norm/k_norm``, ``all_x_embedder.2-1`` -> ``x_embedder``, ``all_final_layer.2-1`` ->
-    ``final_layer`` (when the model has a single patch size).
-    """
-    sd = {k: _np(v) for k, v in model.state_dict().items()}
+def _original_tensors(model: Any) -> Iterator[tuple[str, Any]]:
+    """``(original name, torch tensor)`` one at a time (no whole-model copy); see
+    :func:`original_state_dict` for the renaming."""
+    import torch
+    sd = model.state_dict()                      # references to the parameters, not copies
     single = len(getattr(model, "all_x_embedder", {})) == 1
-    out: dict[str, np.ndarray] = {}
-    for k in list(sd):
+    for k, v in sd.items():
         if k.endswith(".attention.to_q.weight"):
             base = k[: -len("to_q.weight")]
-            out[base + "qkv.weight"] = np.concatenate(
-                [sd[base + "to_q.weight"], sd[base + "to_k.weight"], sd[base + "to_v.weight"]])
+            yield base + "qkv.weight", torch.cat(
+                [v, sd[base + "to_k.weight"], sd[base + "to_v.weight"]])
             continue
         if k.endswith((".attention.to_k.weight", ".attention.to_v.weight")):
             continue
@@ -63,23 +53,42 @@ def original_state_dict(model: Any) -> dict[str, np.ndarray]:
             for a, b in (("all_x_embedder.", "x_embedder."), ("all_final_layer.", "final_layer.")):
                 if n.startswith(a):
                     n = b + n[len(a):].split(".", 1)[1]
-        out[n] = sd[k]
-    return out
+        yield n, v
+
+
+def original_state_dict(model: Any) -> dict[str, np.ndarray]:
+    """The model's weights as float32 numpy under the original Z-Image checkpoint names.
+
+    The inverse of diffusers' single-file conversion: ``to_q/to_k/to_v`` fused into
+    ``attention.qkv.weight`` (rows q;k;v), ``to_out.0`` -> ``out``, ``norm_q/norm_k`` ->
+    ``q_norm/k_norm``, ``all_x_embedder.2-1`` -> ``x_embedder``, ``all_final_layer.2-1`` ->
+    ``final_layer`` (when the model has a single patch size). Holds the whole model in float32;
+    :func:`tap_zimage` converts one tensor at a time instead.
+    """
+    return {n: _np(t) for n, t in _original_tensors(model)}
 
 
 def snap_weights_to_q8_0(model: Any) -> int:
     """Round, in place, every 2-D weight the GGUF writer would quantize to its Q8_0 value.
 
     Afterwards the model computes with exactly the weights a tapped ``model.gguf`` holds.
-    Returns the number of tensors changed. Mutates ``model``.
+    ``to_q/to_k/to_v`` are judged by the shape of the fused ``qkv`` the file stores (Q8_0
+    blocks run along rows, so rounding each part equals rounding the fused matrix). Returns
+    the number of tensors changed. Mutates ``model``.
     """
     import torch
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     n = 0
     with torch.no_grad():
-        for _name, p in model.named_parameters():
-            if p.ndim == 2 and should_quantize(tuple(p.shape)):
+        for name, p in model.named_parameters():
+            shape = tuple(p.shape)
+            if name.endswith((".attention.to_q.weight", ".attention.to_k.weight",
+                              ".attention.to_v.weight")):
+                base = name[: -len("to_q.weight")]
+                shape = (sum(shapes[f"{base}to_{a}.weight"][0] for a in "qkv"), shape[1])
+            if p.ndim == 2 and should_quantize(shape):
                 w = _np(p)
-                p.copy_(torch.from_numpy(dequantize_q8_0(quantize_q8_0(w))).to(p.dtype))
+                p.copy_(torch.from_numpy(dequantize_q8_0(quantize_q8_0(w, name))).to(p.dtype))
                 n += 1
     return n
 
@@ -93,7 +102,10 @@ def tap_zimage(model: Any, x: Sequence[Any], t: Any, cap_feats: Sequence[Any],
     ``model`` is a diffusers ``ZImageTransformer2DModel`` (any size, float32/bf16/f16 weights);
     ``x`` and ``cap_feats`` are lists of one tensor each (batch size 1). ``prefix`` writes
     tensor names with ``model.diffusion_model.``; ``include_weights`` also stores each layer's
-    weights (their dequantized Q8_0 values) in the fixtures. Returns the directory.
+    weights (their dequantized Q8_0 values) in the fixtures. ``overwrite`` replaces an
+    existing model directory (only one holding ``model.gguf`` or ``fixtures.safetensors``),
+    once the new one is complete. Weights are converted one tensor at a time, so beyond the
+    model itself the peak memory is about the Q8_0 file's size. Returns the directory.
     """
     import torch
     say = progress or (lambda s: None)
@@ -106,8 +118,7 @@ def tap_zimage(model: Any, x: Sequence[Any], t: Any, cap_feats: Sequence[Any],
     if isinstance(x[0], (list, tuple)):
         raise ValueError("tap_zimage: omni mode (nested image lists) is not supported")
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"tap_zimage: {out_dir} exists (pass overwrite=True)")
+    _check_replaceable(out_dir, overwrite)        # before the run, not after
     n_layers = len(model.layers)
     rec: dict[int, dict[str, np.ndarray | None]] = {i: {} for i in range(n_layers)}
     handles = []
@@ -171,9 +182,9 @@ def tap_zimage(model: Any, x: Sequence[Any], t: Any, cap_feats: Sequence[Any],
     fx["final_out"] = final
 
     say("converting weights to the original naming and Q8_0")
-    sd = original_state_dict(model)
     stored: dict[str, Any] = {}
-    for name, w in sd.items():
+    for name, t in _original_tensors(model):     # one float32 tensor alive at a time
+        w = _np(t)
         if should_quantize(w.shape):
             q = quantize_q8_0(w, name)
             stored[name] = Q8_0Tensor(q)
@@ -183,27 +194,16 @@ def tap_zimage(model: Any, x: Sequence[Any], t: Any, cap_feats: Sequence[Any],
             stored[name] = w
             if include_weights and name.startswith("layers."):
                 fx[name] = w
+        del w, t
     cfg = model.config
     meta = {"general.name": "Z-Image (tapped by nxhpc)", "nxhpc.tapped": True,
             "nxhpc.norm_eps": float(cfg.norm_eps), "nxhpc.rope_theta": float(cfg.rope_theta),
             "nxhpc.axes_dims": [int(a) for a in cfg.axes_dims]}
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        say(f"writing {GGUF_FILE}")
-        write_gguf(tmp / GGUF_FILE, stored, prefix=prefix, metadata=meta)
-        say(f"writing {FIXTURES_FILE}")
-        FixtureStore.save(tmp / FIXTURES_FILE, fx, metadata={
+    return write_model_dir(
+        out_dir, stored, fx, prefix=prefix, gguf_metadata=meta, replace=overwrite,
+        fixture_metadata={
             "norm_eps": repr(float(cfg.norm_eps)), "source": "tapped diffusers run",
             "config": json.dumps({k: (list(v) if isinstance(v, tuple) else v)
                                   for k, v in dict(cfg).items() if not k.startswith("_")},
-                                 sort_keys=True, default=str)})
-        os.chmod(tmp, 0o755)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
-
+                                 sort_keys=True, default=str)},
+        progress=say)

@@ -17,7 +17,9 @@ is never copied). ``arg`` is a small picklable value (e.g. a layer index).
 
 Failure: a worker that raises, segfaults, is killed or exits early closes its status pipe; the
 parent sees EOF at once, kills and reaps every worker and raises :class:`WorkerError` naming the
-stage, the worker and the reason. A parent interrupted mid-stage (Ctrl-C, SIGTERM turned into an
+stage, the worker and the reason. A worker that hangs without exiting is caught by the optional
+per-stage timeout (``stage_timeout``): past it, every worker is killed and reaped and the error
+names the stage and the first unfinished worker. A parent interrupted mid-stage (Ctrl-C, SIGTERM turned into an
 exception) also kills and reaps its workers before the exception propagates. Workers ignore
 SIGINT (the parent decides), die with the parent (``PR_SET_PDEATHSIG``) and exit when their
 command pipe closes, so none is ever orphaned.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import math
 import os
 import pickle
 import select
@@ -37,7 +40,8 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["bands", "WorkerPool", "WorkerError", "SPAWN_MODES", "DEFAULT_SPAWN", "usable_cpus"]
+__all__ = ["bands", "WorkerPool", "WorkerError", "SPAWN_MODES", "DEFAULT_SPAWN", "usable_cpus",
+           "check_timeout"]
 
 #: Spawn modes. "pool" is the default: it measured faster than "stage" (see benchmarks/bench_block.py).
 SPAWN_MODES = ("pool", "stage")
@@ -57,6 +61,16 @@ def usable_cpus() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+def check_timeout(timeout: float | None, what: str = "stage_timeout") -> float | None:
+    """None, or a positive finite number of seconds (as float); ValueError naming ``what``."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"{what} must be None or a positive number of seconds, got {timeout!r}")
+    return float(timeout)
 
 
 def bands(m: int, n: int) -> list[tuple[int, int]]:
@@ -155,6 +169,14 @@ def _reap(pid: int, deadline_s: float = _REAP_S) -> int | None:
         time.sleep(0.002)
 
 
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def _kill_all(pids: list[int]) -> None:
     pids = [p for p in pids if p > 0]   # -1 marks reaped workers; never signal pid <= 0
     for pid in pids:
@@ -183,21 +205,21 @@ def _child_setup(parent_pid: int, keep_fds: tuple[int, ...], close_fds: list[int
         pass
     if os.getppid() != parent_pid:                     # parent died before prctl took effect
         os._exit(70)
-    for fd in close_fds:
-        if fd not in keep_fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+    _close_fds([fd for fd in close_fds if fd not in keep_fds])
+
+
+def _error_result(e: BaseException) -> tuple[str, str, str]:
+    """("error", one-line reason, traceback tail) for an exception being handled."""
+    return ("error", f"raised {type(e).__name__}: {e}"[:500], traceback.format_exc()[-_MAX_ERR:])
 
 
 def _run_task(tasks: Mapping[str, Task], name: str, lo: int, hi: int, arg: Any) -> tuple:
+    """In a worker: run one band; every exception, even KeyboardInterrupt, becomes a report."""
     try:
         tasks[name](lo, hi, arg)
         return ("ok",)
     except BaseException as e:  # noqa: BLE001 - everything is reported to the parent
-        tb = traceback.format_exc()
-        return ("error", f"raised {type(e).__name__}: {e}"[:500], tb[-_MAX_ERR:])
+        return _error_result(e)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,17 +233,20 @@ class WorkerPool:
     ``[0, m)`` into ``min(n, max_workers, m)`` bands and runs ``fn(lo, hi, arg)`` for band ``i``
     in worker ``i``, returning when all are done. With one effective worker and ``inline=True``
     the task runs in the calling process (no fork); its exceptions still come out as
-    :class:`WorkerError`. Use as a context manager, or call :meth:`close`.
+    :class:`WorkerError`. ``stage_timeout`` (seconds, None = wait forever) bounds one stage in
+    forked workers; an inline stage cannot be interrupted. Use as a context manager, or call
+    :meth:`close`.
     """
 
     def __init__(self, n_workers: int, tasks: Mapping[str, Task], mode: str = DEFAULT_SPAWN,
-                 *, inline: bool = True) -> None:
+                 *, inline: bool = True, stage_timeout: float | None = None) -> None:
         if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
             raise ValueError(f"WorkerPool: n_workers must be an int >= 1, got {n_workers!r}")
         if mode not in SPAWN_MODES:
             raise ValueError(f"WorkerPool: mode must be one of {SPAWN_MODES}, got {mode!r}")
         if not isinstance(tasks, Mapping) or not all(callable(t) for t in tasks.values()):
             raise TypeError("WorkerPool: tasks must be a mapping name -> callable(lo, hi, arg)")
+        self.stage_timeout = check_timeout(stage_timeout)
         self.n_workers = n_workers
         self.mode = mode
         self.inline = inline
@@ -279,11 +304,7 @@ class WorkerPool:
                 return 3
 
     def _kill_pool(self) -> None:
-        for fd in self._cmd_w + self._res_r:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        _close_fds(self._cmd_w + self._res_r)
         self._cmd_w, self._res_r = [], []
         _kill_all(self.pids)
         self.pids = []
@@ -305,9 +326,13 @@ class WorkerPool:
         n = min(self.n_workers, m, max_workers or self.n_workers)
         bs = bands(m, n)
         if n == 1 and self.inline:
-            res = _run_task(self._tasks, name, 0, m, arg)
-            if res[0] != "ok":
-                raise WorkerError(stage, 0, 1, (0, m), res[1] + " (in process)", res[2])
+            # In the calling process: Ctrl-C / SIGTERM exceptions (BaseException) pass through
+            # untouched for the caller to handle; errors become WorkerError like a worker's.
+            try:
+                self._tasks[name](0, m, arg)
+            except Exception as e:
+                _, reason, tb = _error_result(e)
+                raise WorkerError(stage, 0, 1, (0, m), reason + " (in process)", tb) from e
             return 1
         if self.mode == "pool":
             self._run_pool(stage, name, bs, arg)
@@ -317,10 +342,18 @@ class WorkerPool:
 
     def _collect(self, stage: str, bs: list[tuple[int, int]], fds: list[int],
                  pids: list[int], seq: int | None) -> None:
-        """Wait for one status message per worker; on EOF or error raise WorkerError."""
+        """Wait for one status message per worker; on EOF, error or timeout raise WorkerError."""
         pending = {fd: i for i, fd in enumerate(fds)}
         n = len(bs)
+        deadline = (None if self.stage_timeout is None
+                    else time.monotonic() + self.stage_timeout)
         while pending:
+            if deadline is not None and time.monotonic() >= deadline:
+                late = sorted(pending.values())
+                raise WorkerError(stage, late[0], n, bs[late[0]],
+                                  f"did not finish within the stage timeout of "
+                                  f"{self.stage_timeout:g} s (hung or too slow; unfinished "
+                                  f"workers: {', '.join(map(str, late))}); all workers killed")
             ready, _, _ = select.select(list(pending), [], [], _POLL_S)
             for fd in ready:
                 i = pending.pop(fd)
@@ -400,11 +433,7 @@ class WorkerPool:
                     if status is None or not os.WIFEXITED(status) or os.WEXITSTATUS(status):
                         raise WorkerError(stage, i, len(bs), bs[i], _describe_status(status))
         finally:
-            for fd in fds:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            _close_fds(fds)
             _kill_all([p for p in pids if p > 0])
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -413,21 +442,13 @@ class WorkerPool:
         if os.getpid() != self.owner_pid:
             return
         self._closed = True
-        for fd in self._cmd_w:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        _close_fds(self._cmd_w)                # workers see EOF and exit
         self._cmd_w = []
         for pid in self.pids:
             if pid > 0:
                 _reap(pid)
         self.pids = []
-        for fd in self._res_r:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        _close_fds(self._res_r)
         self._res_r = []
 
     @property

@@ -9,8 +9,10 @@
    == GGUF weights; a chained run == layer-by-layer runs.
 Negative controls show each comparison can fail. Input errors are checked before anything runs.
 """
+import gc
 import math
 import os
+import time
 
 import gguf
 import numpy as np
@@ -20,6 +22,7 @@ from nxhpc.block import Block, run_layers
 from nxhpc.models import BlockConfig, LayerWeights, open_model
 from nxhpc.reference import block_forward_f64, dequantize_layer
 from nxhpc.shm import live_segments
+from nxhpc.workers import WorkerError
 
 PID = os.getpid()
 Q8 = gguf.GGMLQuantizationType.Q8_0
@@ -195,6 +198,60 @@ def test_context_manager_reuses_workers(models_root):
         assert np.array_equal(o1, o2)
     assert blk._runner is None and r.pool.closed
     assert live_segments(PID) == []
+
+
+def _mapped_arenas() -> list[str]:
+    """Arena segments still mapped into this process (unlinked ones show as '(deleted)')."""
+    with open("/proc/self/maps") as f:
+        return [ln for ln in f if "/dev/shm/nxhpc_" in ln]
+
+
+def test_arena_unmapped_after_each_forward(models_root):
+    """The arena's memory is returned when forward() returns, not at some later GC cycle
+    (at Z-Image size and T=4096 one arena is ~1 GB); inside ``with`` it stays mapped."""
+    model = _open("tiny", models_root)
+    x, pe, t = model.blk_in(0), model.pe(), model.t_emb()
+    blk = model.block(0)
+    gc.disable()
+    try:
+        assert _mapped_arenas() == []
+        for spawn in ("pool", "stage"):
+            blk.forward(x, t, pe, workers=2, spawn=spawn)
+            assert _mapped_arenas() == [], spawn
+        run_layers(model, [0, 1], x, pe, t_emb=t, workers=2)
+        assert _mapped_arenas() == []
+        with model.block(0) as kept:
+            kept.forward(x, t, pe, workers=2)
+            assert len(_mapped_arenas()) == 1           # negative control: the check sees it
+        assert _mapped_arenas() == []
+    finally:
+        gc.enable()
+
+
+def test_hung_worker_stage_timeout(models_root, monkeypatch):
+    """A worker stuck inside a kernel is killed at ``stage_timeout``; the error names the stage."""
+    import nxhpc._kernels as K
+    real = K.swiglu
+
+    def stuck(a, b, out, i0=0, i1=None, isa=None):
+        if i0 > 0:
+            time.sleep(60)
+        return real(a, b, out, i0=i0, i1=i1, isa=isa)
+
+    model = _open("tiny", models_root)
+    x, pe, t = model.blk_in(0), model.pe(), model.t_emb()
+    blk = model.block(0)
+    ok, _ = blk.forward(x, t, pe, workers=2, stage_timeout=30)    # a generous limit is inert
+    base, _ = blk.forward(x, t, pe, workers=2)
+    assert np.array_equal(ok, base)
+    monkeypatch.setattr(K, "swiglu", stuck)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"stage 'swiglu': worker 1 of 2.*stage timeout of 0.5 s"):
+        blk.forward(x, t, pe, workers=2, stage_timeout=0.5)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(ValueError, match="stage_timeout"):
+        blk.forward(x, t, pe, workers=2, stage_timeout=-1)
+    assert live_segments(PID) == [] and _mapped_arenas() == []
 
 
 # ------------------------------------------------------------------ bad inputs

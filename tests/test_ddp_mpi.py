@@ -21,7 +21,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="mpi4py not installed (pip install mpi4py)"),
 ]
 
-STEPS = 25
+STEPS = 300                 # the real workload's "some hundreds of steps" (~1-8 s per mpirun)
 
 
 def _mpirun(n: int, args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
@@ -64,12 +64,12 @@ def test_mpi_ring_equals_exact_sum(n):
 @pytest.fixture(scope="module")
 def reference():
     ref = train_full_batch(STEPS)
-    shm = train_shm(4, STEPS)
+    shm = train_shm(5, STEPS)        # a D the MPI tests do not use
     assert shm.sha256 == ref.sha256
     return ref
 
 
-@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("n", [3, 8])
 def test_mpi_training_same_bytes_as_shm(n, reference, tmp_path):
     out = tmp_path / "mpi.json"
     r = _mpirun(n, ["-m", "nxhpc.ddp", "--backend", "mpi", "--steps", str(STEPS),
@@ -80,7 +80,7 @@ def test_mpi_training_same_bytes_as_shm(n, reference, tmp_path):
     assert rep["sha256"] == reference.sha256
     assert f"weights sha256 {reference.sha256}" in r.stdout
     assert rep["losses"] == reference.losses.tolist()
-    assert rep["losses"][-1] < rep["losses"][0]
+    assert rep["losses"][-1] < 0.5 * rep["losses"][0]          # it trains (1.90 -> 0.43)
 
 
 def test_mpi_workers_mismatch_is_refused():
@@ -94,3 +94,22 @@ def test_mpi_rank_failure_aborts_the_job_with_its_error():
     r = _mpirun(2, ["-m", "nxhpc.ddp", "--backend", "mpi", "--steps", "300", "--lr", "50000"])
     assert r.returncode != 0
     assert "MPI rank" in r.stderr and "Q16OverflowError" in r.stderr
+
+
+_ONE_RANK_FAILS = r"""
+import sys
+from mpi4py import MPI
+import nxhpc.ddp as ddp
+if MPI.COMM_WORLD.Get_rank() == 1:          # only rank 1 fails; its peers wait in Sendrecv
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault on one rank")
+    ddp.q16_shard_grad = broken
+sys.exit(ddp.main(["--backend", "mpi", "--steps", "5"]))
+"""
+
+
+def test_mpi_single_rank_failure_aborts_peers_without_hanging():
+    r = _mpirun(3, ["-c", _ONE_RANK_FAILS], timeout=60)      # a hang would raise TimeoutExpired
+    assert r.returncode != 0
+    assert "MPI rank 1 of 3 failed: RuntimeError: injected fault on one rank" in r.stderr
+    assert "weights sha256" not in r.stdout

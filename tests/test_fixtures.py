@@ -49,7 +49,8 @@ def test_missing_and_wrong_dims(store):
     assert str(p) in str(ei.value)
     with pytest.raises(MissingTensorError):
         fx.dims("layers.9.ref_out")
-    with pytest.raises(ModelFileError, match=r"'pe' has dims \[7, 4, 2, 2\], expected \[7, 8, 2, 2\]"):
+    with pytest.raises(ModelFileError,
+                       match=r"'pe' has dims \[7, 4, 2, 2\], expected \[7, 8, 2, 2\]"):
         fx.load("pe", (7, 8, 2, 2))
 
 
@@ -74,7 +75,15 @@ def test_save_rejects_bad_values(tmp_path):
         FixtureStore.save(tmp_path / "a.safetensors", {"s": np.array(["a"])})
     with pytest.raises(ValueError, match="overflow|NaN"):
         FixtureStore.save(tmp_path / "a.safetensors", {"o": np.array([1e300])})
+    # integers float32 cannot hold exactly would be rounded silently: refused, naming them
+    with pytest.raises(ValueError, match="'ids' has integers beyond"):
+        FixtureStore.save(tmp_path / "a.safetensors", {"ids": np.array([2**24 + 1])})
     assert not list(tmp_path.iterdir())
+    # negative control: the largest exact integers and a bool mask are stored as they are
+    p = FixtureStore.save(tmp_path / "b.safetensors", {"ids": np.array([2**24, -7]),
+                                                       "m": np.array([True, False])})
+    np.testing.assert_array_equal(FixtureStore(p).load("ids"), [2.0**24, -7.0])
+    np.testing.assert_array_equal(FixtureStore(p).load("m"), [1.0, 0.0])
 
 
 def _corrupt_cases(valid: bytes):

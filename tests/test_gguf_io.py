@@ -265,7 +265,6 @@ _SMALL = SyntheticSpec(variant="zimage", dim=64, n_heads=2, ffn_dim=128, n_layer
                        adaln_in=64, n_caption=3, grid=(1, 2, 2), seed=9, include_weights=False)
 _FUZZ_DIR = Path(tempfile.mkdtemp(prefix="nxhpc-fuzz-"))
 atexit.register(shutil.rmtree, _FUZZ_DIR, True)
-_COUNT = {"ok": 0, "error": 0}
 
 
 def _small_valid() -> bytes:
@@ -288,9 +287,7 @@ def _open_everything(data: bytes) -> str:
                     assert all(np.isfinite(v).all() for v in w.values())
         except ModelFileError as e:
             assert name in str(e), f"message does not name the file: {e}"
-            _COUNT["error"] += 1
             return "error"
-        _COUNT["ok"] += 1
         return "ok"
     finally:
         os.unlink(name)
@@ -321,8 +318,11 @@ def test_fuzz_flip_every_header_byte():
         header_end = g.data_start
     outcomes = [_open_everything(data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:])
                 for i in range(header_end)]
-    # most header bytes are structural (lengths, counts, types, dims, offsets)
+    # most header bytes are structural (lengths, counts, types, dims, offsets) ...
     assert outcomes.count("error") > header_end // 2
+    # ... but not all: a flipped metadata value (the seed, a float) still opens. Negative
+    # control that the validation is not simply rejecting every changed file.
+    assert outcomes.count("ok") > 0
 
 
 _HEADER_END = 2048  # about the small file's header size; half the positions land there

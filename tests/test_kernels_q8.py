@@ -1,9 +1,11 @@
 """Tests of the Q8_0 kernel family: quantize, dequantize, Q8_0 x float32 matmul, adaLN linear.
 
 Independent references only: the ``gguf`` package's quantizer/dequantizer (bit-exact ggml
-reference), a plain float64 numpy evaluation that decodes the block bytes itself, and the bounds of
-floating-point error analysis. Variant checks compare every ISA level with the generic (scalar)
-spec, bit for bit, because the kernels promise one fmaf chain per output whatever the ISA.
+reference), a plain float64 numpy evaluation that decodes the block bytes itself, the bounds of
+floating-point error analysis, and hand-derived exact results of the documented summation order.
+Variant checks compare every ISA level with the generic (scalar) spec, bit for bit, because the
+kernels promise one fixed two-level sum per output (128-step fma chains, chunk sums added in
+order; csrc/nx_q8_0.h) whatever the ISA.
 """
 import os
 import subprocess
@@ -51,15 +53,22 @@ def matmul_ref(x, w):
     return x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
 
 
-def matmul_bound(K, mag):
-    """Error bound of one float32 fma chain of length K vs the exact sum.
+CHAIN = 128                 # k-steps per fma chain of the matmul's two-level sum (nx_q8_0.h)
 
-    Each fma rounds once (relative error <= u = 2^-24), and the partial sums are bounded by
-    sum_k |x_k w_k|, so |fl - exact| <= gamma_K * sum |x||w| with gamma_K = K u / (1 - K u)
-    (Higham, Accuracy and Stability, sec. 3.1). The float64 reference adds at most
-    gamma_K(2^-53) * sum |x||w|. Both are strict bounds, not fudge factors.
+
+def matmul_bound(K, mag):
+    """Error bound of the matmul's two-level sum vs the exact sum, times sum_k |x_k w_k| = mag.
+
+    The contract: K cut into C = ceil(K/128) chunks; inside a chunk one float32 fma chain from +0
+    (each fma rounds once, relative error <= u = 2^-24); the chunk sums added in order (C - 1
+    float32 additions). Each product therefore passes through at most n = min(K, 128) + C - 1
+    roundings, so |fl - exact| <= gamma_n * sum |x||w| with gamma_n = n u / (1 - n u) (Higham,
+    Accuracy and Stability, sec. 3.1 / 3.5). The float64 reference (BLAS dgemm, any order) adds
+    at most gamma_K(2^-53) * sum |x||w|. Both are strict bounds, not fudge factors. (A single
+    K-long chain would need n = K: at K = 4128 that is 26x looser.)
     """
-    gamma32 = K * EPS32 / (1.0 - K * EPS32)
+    n = min(K, CHAIN) + max(-(-K // CHAIN) - 1, 0)
+    gamma32 = n * EPS32 / (1.0 - n * EPS32)
     gamma64 = 2 * K * EPS64 / (1.0 - 2 * K * EPS64)
     return (gamma32 + gamma64) * mag + 1e-300
 
@@ -263,6 +272,45 @@ def test_matmul_bound_is_not_vacuous():
     w_q[4, 2 + 5] = np.uint8((int(w_q[4, 2 + 5]) + 1) % 256)     # q[4, 5] changes by +-1
     with pytest.raises(AssertionError):
         assert_within_bound(_matmul(x, w_q, "generic"), ref, mag, 256)
+
+
+def _ones_q8(n, k):
+    """Q8_0 bytes of an all-ones [n, k] weight: every block d = 1.0 (float16 0x3C00), q = 1."""
+    blk = np.zeros(34, np.uint8)
+    blk[:2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    blk[2:] = 1
+    return np.tile(blk, (n, k // 32))
+
+
+@pytest.mark.parametrize("Kd,expected", [
+    (128, 1.0),                               # one chunk: every 2^-25 is lost against 1
+    (160, 1.0 + 2.0 ** -20),                  # chunk 1: 32 * 2^-25, exact from +0
+    (256, 1.0 + 2.0 ** -18),                  # chunk 1: 128 * 2^-25
+    (416, 1.0 + 2.0 ** -17 + 2.0 ** -20),     # chunks 1, 2: 2^-18 each; chunk 3: 2^-20
+])
+def test_matmul_two_level_order_exact(Kd, expected):
+    """The documented order, checked against values derived by hand (no code under test).
+
+    x = [1, 2^-25, 2^-25, ...], w = 1: inside chunk 0 each 1 + 2^-25 rounds back to 1 (below half
+    an ulp of 1), while every later chunk sums its 2^-25 terms exactly from +0 and the chunk sums
+    are then added exactly. A single K-long chain would give 1.0, float64 1 + (K-1) 2^-25: both
+    differ from `expected` for K > 128 (negative controls below), so the order is pinned.
+    """
+    x = np.full((2, Kd), 2.0 ** -25, np.float32)
+    x[:, 0] = 1.0
+    x[1] *= -2.0                                              # exact scaling: -2 * expected
+    N = 33                                                    # one full 32-column tile + a tail
+    w = _ones_q8(N, Kd)
+    if Kd > CHAIN:
+        assert expected != 1.0 and expected != 1.0 + (Kd - 1) * 2.0 ** -25
+    want = np.array([[expected] * N, [-2 * expected] * N], np.float32)
+    for isa in ISAS:
+        np.testing.assert_array_equal(bits(_matmul(x, w, isa)), bits(want), err_msg=f"isa={isa}")
+        out = np.full(N, np.nan, np.float32)                  # adaLN runs the same order
+        K.adaln_linear(x[0], w, None, out, isa=isa)
+        np.testing.assert_array_equal(bits(out), bits(want[0]), err_msg=f"adaln isa={isa}")
+        K.adaln_linear(x[0], np.ones((N, Kd), np.float32), None, out, isa=isa)
+        np.testing.assert_array_equal(bits(out), bits(want[0]), err_msg=f"adaln f32 isa={isa}")
 
 
 TS = [1, 2, 7, 12, 13, 31, 33]

@@ -88,6 +88,26 @@ def test_same_seed_byte_identical_other_seed_differs(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]   # no temp dirs left
 
 
+def test_write_model_dir_is_all_or_nothing(tmp_path):
+    """A failed write leaves no temporary directory and keeps the previous model; a
+    successful replace swaps the whole directory."""
+    d = M.write_model_dir(tmp_path / "m", {"a": np.ones(8)}, {"x": np.ones(3)})
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    with pytest.raises(FileExistsError):
+        M.write_model_dir(d, {"a": np.ones(8)}, {"x": np.ones(3)})
+    with pytest.raises(ValueError, match="'bad' contains NaN"):
+        M.write_model_dir(d, {"a": np.ones(8)}, {"bad": np.array([np.nan])}, replace=True)
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    M.write_model_dir(d, {"a": np.zeros(8)}, {"y": np.ones(2)}, replace=True,
+                      extra_files={"note.txt": "hi\n"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    assert FixtureStore(d / "fixtures.safetensors").names() == ["y"]
+    assert (d / "note.txt").read_text() == "hi\n"
+    with GGUFFile(d / "model.gguf") as g:
+        np.testing.assert_array_equal(g.load_f32("a"), np.zeros(8))
+
+
 def test_builtin_is_generated_once_and_regenerated_when_stale(tmp_path):
     d = ensure_builtin("tiny", tmp_path)
     st = (d / "model.gguf").stat()
@@ -98,6 +118,25 @@ def test_builtin_is_generated_once_and_regenerated_when_stale(tmp_path):
     (d / "synthetic.json").write_text(json.dumps(info))
     ensure_builtin("tiny", tmp_path)
     assert json.loads((d / "synthetic.json").read_text())["fingerprint"] != "stale"
+
+
+def test_large_builtin_reports_progress_on_stderr(tmp_path, monkeypatch, capsys):
+    """Generating zimage-1l (about 10 s) shows progress unasked; tiny stays quiet. The
+    generator is replaced by a stub that only reports, so nothing large is built here."""
+    seen = {}
+
+    def stub(out_dir, spec, progress=None, *, replace=False):
+        seen[spec.dim] = progress
+        if progress is not None:
+            progress("layer 0: qkv")
+        Path(out_dir).mkdir(parents=True)
+        return Path(out_dir)
+    monkeypatch.setattr(M, "make_synthetic", stub)
+    ensure_builtin("zimage-1l", tmp_path)
+    ensure_builtin("tiny", tmp_path)
+    assert seen[384] is None and seen[3840] is not None
+    err = capsys.readouterr().err
+    assert "[nxhpc.models zimage-1l" in err and "layer 0: qkv" in err
 
 
 def _gen(root, q):

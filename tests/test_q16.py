@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+import nxhpc.q16 as q16mod
 from nxhpc.q16 import (Q16_MAX, Q16_ONE, Q16OverflowError, Tape, from_q16,
                        q16_add, q16_matmul, q16_mul, round_div, round_shift, sgd_step, to_q16)
 
@@ -134,6 +135,28 @@ def test_overflow_is_raised_with_op_and_magnitude():
     # just below the limit nothing is raised (the check is not a blanket refusal)
     assert int(q16_add(np.array([Q16_MAX - 1], dtype=np.int64),
                        np.array([1], dtype=np.int64))[0]) == Q16_MAX
+
+
+def test_weight_gradient_checks_the_full_row_sum_not_partial_sums(monkeypatch):
+    # matmul's weight gradient sums per-row rounded terms in chunks of rows. Terms 3*2**60,
+    # 3*2**60, -3*2**60: the partial sum 6*2**60 is past Q16_MAX, the full sum 3*2**60 is not,
+    # so the result must not depend on the chunking (nor on how rows are sharded).
+    monkeypatch.setattr(q16mod, "_TERM_CHUNK", 1)            # one row per chunk
+    a = np.array([[2**40]] * 3, dtype=np.int64)
+    g = np.array([[3 * 2**36], [3 * 2**36], [-3 * 2**36]], dtype=np.int64)
+    ref = sum(ref_round(int(a[i, 0]) * int(g[i, 0]), Q16_ONE) for i in range(3))
+    assert ref == 3 * 2**60 <= Q16_MAX < 6 * 2**60
+    assert q16mod._rowround_tn(a, g, "matmul.backward(b)").tolist() == [[ref]]
+    # negative control: when the full sum is past the range, it raises naming the op
+    with pytest.raises(Q16OverflowError, match=r"matmul\.backward\(b\)"):
+        q16mod._rowround_tn(a, np.abs(g), "matmul.backward(b)")
+
+
+def test_relu_gradient_is_zero_at_and_below_the_kink():
+    t = Tape()
+    a = t.leaf(np.array([-3, 0, 5], dtype=np.int64))
+    t.backward(t.sum(t.relu(a)))
+    assert t.grad(a).tolist() == [0, 0, Q16_ONE]
 
 
 def test_training_style_overflow_raises_not_wraps():

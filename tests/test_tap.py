@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import gguf
-from nxhpc.gguf_io import PREFIX
+from nxhpc.gguf_io import PREFIX, GGUFFile
 from nxhpc.models import open_model
 from nxhpc.reference import block_forward_f64, dequantize_layer
 
@@ -147,3 +147,47 @@ def test_unsnapped_tap_differs_by_quantization_error(tmp_path):
                                  t_emb=m.t_emb(), pe=m.pe())
         err = np.abs(ours - ref).max() / np.sqrt(np.mean(ref ** 2))
         assert 10 * TOL < err < 0.1
+
+
+def test_snap_gives_exactly_the_stored_weights_even_for_small_qkv_parts(tmp_path):
+    """At D=32 each of to_q/to_k/to_v has 1024 values (kept F32 on its own) while the fused
+    qkv the file stores is quantized: snapping must follow the fused shape. Every Q8_0 tensor
+    of the file then dequantizes exactly to the (snapped) model's weight."""
+    from nxhpc.tap import original_state_dict, snap_weights_to_q8_0, tap_zimage
+    torch.manual_seed(0)
+    model = Z.ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=1,
+        n_refiner_layers=1, n_heads=1, n_kv_heads=1, norm_eps=1e-5, qk_norm=True,
+        cap_feat_dim=32, rope_theta=256.0, axes_dims=[8, 12, 12], axes_lens=[64, 16, 16]).eval()
+    before = original_state_dict(model)
+    snap_weights_to_q8_0(model)
+    g = torch.Generator().manual_seed(1)
+    d = tap_zimage(model, [torch.randn(4, 1, 4, 4, generator=g)], torch.tensor([0.5]),
+                   [torch.randn(5, 32, generator=g)], tmp_path / "z")
+    after = original_state_dict(model)
+    with GGUFFile(d / "model.gguf") as f:
+        q8 = [n for n in f.names() if f.type_name(n) == "Q8_0"]
+        assert "layers.0.attention.qkv.weight" in q8
+        for n in q8:
+            np.testing.assert_array_equal(f.load_f32(n), after[n], err_msg=n)
+        # negative control: the unsnapped weights are not what the file holds
+        assert np.abs(f.load_f32("layers.0.attention.qkv.weight")
+                      - before["layers.0.attention.qkv.weight"]).max() > 0
+
+
+def test_overwrite_replaces_the_directory_whole(tmp_path):
+    from nxhpc.tap import tap_zimage
+    model = small_model(seed=4)
+    x, t, cap = run_inputs(3)
+    d = tmp_path / "z"
+    d.mkdir()
+    (d / "notes.txt").write_text("not a model")
+    with pytest.raises(FileExistsError, match="not a model directory"):
+        tap_zimage(model, x, t, cap, d, overwrite=True)     # a folder of other files is kept
+    assert [p.name for p in d.iterdir()] == ["notes.txt"]
+    (d / "fixtures.safetensors").write_bytes(b"stale")       # an old model directory
+    tap_zimage(model, x, t, cap, d, overwrite=True)
+    assert sorted(p.name for p in d.iterdir()) == ["fixtures.safetensors", "model.gguf"]
+    assert [p.name for p in tmp_path.iterdir()] == ["z"]        # no temporary directories
+    with open_model(d) as m:
+        assert m.config.n_layers == 3

@@ -179,6 +179,16 @@ def test_inline_error_is_worker_error():
             p.run("s", 5)
 
 
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_inline_interrupt_passes_through(exc):
+    """Ctrl-C in the calling process is the caller's to handle, not a worker failure."""
+    def interrupted(lo, hi, arg):
+        raise exc()
+    with WorkerPool(1, {"s": interrupted}) as p:
+        with pytest.raises(exc):
+            p.run("s", 5)
+
+
 def test_pool_worker_killed_between_stages():
     with WorkerPool(2, {"ok": lambda lo, hi, arg: None}, mode="pool") as p:
         p.run("ok", 4)
@@ -252,3 +262,35 @@ def test_parent_sigkill_leaves_no_orphans():
 
 def test_usable_cpus():
     assert 1 <= usable_cpus() <= (os.cpu_count() or 1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hung_worker_hits_stage_timeout(mode):
+    """A worker that never returns (and never exits) is killed at the stage timeout."""
+    def task(lo, hi, arg):
+        if lo > 0 and arg == "hang":
+            time.sleep(60)             # hangs without exiting: no EOF for the parent to see
+    before = set(_children_of(PID))
+    p = WorkerPool(3, {"s": task}, mode=mode, stage_timeout=0.4)
+    pool_pids = list(p.pids)
+    assert p.run("s", 9, arg="fine") == 3          # negative control: a quick stage passes
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as ei:
+        p.run("s", 9, arg="hang")
+    dt = time.monotonic() - t0
+    assert 0.4 <= dt < 1.4, dt
+    e = ei.value
+    assert e.stage == "s" and e.worker == 1 and e.band == (3, 6)
+    assert "did not finish within the stage timeout of 0.4 s" in str(e)
+    assert "unfinished workers: 1, 2" in str(e)
+    for q in pool_pids + list(p.last_pids):
+        if q > 0:
+            assert not _alive(q)
+    assert set(_children_of(PID)) <= before
+    p.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "1", True])
+def test_bad_stage_timeout(bad):
+    with pytest.raises(ValueError, match="stage_timeout"):
+        WorkerPool(2, {"s": lambda lo, hi, arg: None}, stage_timeout=bad)

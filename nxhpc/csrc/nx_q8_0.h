@@ -15,7 +15,7 @@
  * at the cost of one C-tile load/add/store per 128 k-steps (~2% at K=3840).
  * The order does not depend on n0/n1, on the tile a column or token falls in, or on T, so any
  * split of the work into column bands / token batches gives bit-identical output. The generic
- * (scalar) variant is the spec (nx_q8_0_dot below); SIMD variants run the same order in vector lanes.
+ * (scalar) variant is the spec (nx_q8_0_dot_rows below); SIMD variants run the same order in vector lanes.
  */
 #ifndef NX_Q8_0_H
 #define NX_Q8_0_H
@@ -76,8 +76,38 @@ int nx_q8_0_matmul_avx2(const float *x /* IN */, const uint8_t *w /* IN */, floa
 int nx_q8_0_matmul_avx512(const float *x /* IN */, const uint8_t *w /* IN */, float *out /* OUT */,
                           size_t T, size_t K, size_t N, size_t n0, size_t n1);
 
+/* ---- the cache-blocked driver shared by the SIMD matmul variants (BLIS loop order):
+ *   for each block of mc <= MC tokens: pack x rows into MR-row micro-panels (Ap, all of K)
+ *     for each block of nc <= NC columns in [n0, n1):
+ *       for each k-block of kc <= KC steps: pack_b dequantizes w into NR-column panels (Bp)
+ *         for each MR x NR tile and each NX_Q8_0_CHAIN-step chunk of the k-block: kern.
+ * A variant supplies its tile sizes and two functions:
+ *   pack_b(w, rowbytes, j0, nc, b0, kb, Bp): columns [j0, j0+nc) x Q8_0 blocks [b0, b0+kb) of w
+ *     into Bp, panel p (NR columns) at Bp + p*kc*NR, element [k*NR + j] = w[j0 + NR*p + j,
+ *     32*b0 + k] (kc = 32*kb); columns past nc are zero.
+ *   kern(mr, nr, kc, A, B, C, ldc, first): one chunk (kc <= NX_Q8_0_CHAIN) of the contract's
+ *     two-level sum for C[0:mr, 0:nr] (ldc floats per row): p = fma chain from +0 over
+ *     A[k*MR + r] * B[k*NR + j]; C = first ? p : C + p.  Rows >= mr of A are zero padding.
+ * The chunk order per output depends only on K, never on the tile an output falls in, so the
+ * blocking keeps the contract (and every band / batch split) bit for bit. */
+typedef struct {
+    size_t mr, nr, kc, nc, mc;   /* MR x NR register tile; KC % NX_Q8_0_CHAIN == 0, NC % NR == 0,
+                                  * MC % MR == 0 */
+    void (*pack_b)(const uint8_t *w, size_t rowbytes, size_t j0, size_t nc, size_t b0, size_t kb,
+                   float *Bp);
+    void (*kern)(int mr, int nr, size_t kc, const float *A, const float *B, float *C, size_t ldc,
+                 int first);
+} nx_q8_0_tiling;
+
+/* Runs the driver above; same arguments and return value as nx_q8_0_matmul. Scratch: one packed
+ * activation block (MC*K floats) and one weight panel (NC*KC floats), 64-byte aligned, allocated
+ * once per call. */
+int nx_q8_0_matmul_blocked(const nx_q8_0_tiling *tl, const float *x /* IN [T*K] */,
+                           const uint8_t *w /* IN */, float *out /* OUT [T*N] */, size_t T,
+                           size_t K, size_t N, size_t n0, size_t n1);
+
 /* ---- adaLN linear: out[n] = sum_k w[n,k] * u[k] (+ bias[n]), u = silu(t_emb) or t_emb
- * (silu in float32: t / (1 + expf(-t))). Both storages run the matmul's contract (nx_q8_0_dot),
+ * (silu in float32: t / (1 + expf(-t))). Both storages run the matmul's contract (nx_q8_0_dot_rows),
  * then one float32 add of the bias, so a Q8_0 weight and its (exact) float32
  * dequantization give bit-identical output at every ISA level.
  * float32 weight [N, K]: scalar fmaf loop (generic at every level; N*K is small).
@@ -90,17 +120,23 @@ int nx_adaln_linear_q8_0(nx_isa isa, const float *t_emb /* IN [K] */, const uint
                          const float *bias /* IN [N] or NULL */, float *out /* OUT [N] */,
                          size_t K, size_t N, int silu_input);
 
-/* The matmul's per-output arithmetic (see the contract above), scalar: chunks of NX_Q8_0_CHAIN
- * fmaf steps from +0, chunk sums added in order. Every variant reproduces it bit for bit. */
-static inline float nx_q8_0_dot(const float *a /* IN [K] */, const float *b /* IN [K] */, size_t K) {
-    float acc = 0.0f;
+/* The matmul's per-output arithmetic (see the contract above), scalar -- the spec every variant
+ * reproduces bit for bit: for each of nrows (<= NX_Q8_0_DOT_ROWS) rows a_r = a + r*lda,
+ * out[r*ldo] = chunks of NX_Q8_0_CHAIN fmaf steps from +0 over a_r[k]*b[k], chunk sums added in
+ * order. Rows are independent chains; running several at once only lets their fmaf calls overlap. */
+#define NX_Q8_0_DOT_ROWS 4
+static inline void nx_q8_0_dot_rows(const float *a /* IN [nrows][lda] */, size_t lda, size_t nrows,
+                                    const float *b /* IN [K] */, size_t K,
+                                    float *out /* OUT [nrows][ldo] */, size_t ldo) {
+    float acc[NX_Q8_0_DOT_ROWS] = {0.0f};
     for (size_t c0 = 0; c0 < K; c0 += NX_Q8_0_CHAIN) {
         const size_t c1 = K - c0 < NX_Q8_0_CHAIN ? K : c0 + NX_Q8_0_CHAIN;
-        float p = 0.0f;
-        for (size_t k = c0; k < c1; k++) p = fmaf(a[k], b[k], p);
-        acc = c0 == 0 ? p : acc + p;
+        float p[NX_Q8_0_DOT_ROWS] = {0.0f};
+        for (size_t k = c0; k < c1; k++)
+            for (size_t r = 0; r < nrows; r++) p[r] = fmaf(a[r * lda + k], b[k], p[r]);
+        for (size_t r = 0; r < nrows; r++) acc[r] = c0 == 0 ? p[r] : acc[r] + p[r];
     }
-    return acc;
+    for (size_t r = 0; r < nrows; r++) out[r * ldo] = acc[r];
 }
 
 #endif

@@ -1,8 +1,9 @@
 /* nx_q8_0_avx2.c -- AVX2 + FMA variant of the Q8_0 matmul (8-wide vectors, 16 ymm registers).
  *
- * Owns the same BLIS-style blocking as the AVX-512 variant with a 6 x 16 micro-kernel (12 ymm
- * accumulators + 2 weight vectors + 1 broadcast). Runs the contract's fmaf chain (nx_q8_0.h) in
- * vector lanes, so its output is bit-identical to the generic variant. Quantize/dequantize have no
+ * Owns the matmul's AVX2 pieces for the shared blocked driver (nx_q8_0_matmul_blocked): the
+ * weight-panel packer and a 6 x 16 micro-kernel (12 ymm accumulators + 2 weight vectors +
+ * 1 broadcast). Runs the contract's two-level fma sum (nx_q8_0.h) in vector lanes, so its output
+ * is bit-identical to the generic variant. Quantize/dequantize have no
  * AVX2 variant (they fall back to generic). Must not: change the FMA order, allocate per tile.
  */
 #include "nx_q8_0.h"
@@ -81,27 +82,12 @@ static void nx2_pack_b(const uint8_t *w /* IN */, size_t rowbytes, size_t j0, si
     }
 }
 
-static void nx2_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t mc, float *Ap /* OUT */) {
-    for (size_t i = 0; i * NX2_MR < mc; i++) {
-        float *dst = Ap + i * K * NX2_MR;
-        for (int r = 0; r < NX2_MR; r++) {
-            size_t t = i * NX2_MR + (size_t)r;
-            if (t < mc) {
-                const float *src = x + (t0 + t) * K;
-                for (size_t k = 0; k < K; k++) dst[k * NX2_MR + r] = src[k];
-            } else {
-                for (size_t k = 0; k < K; k++) dst[k * NX2_MR + r] = 0.0f;
-            }
-        }
-    }
-}
-
 /* One chunk (kc <= NX_Q8_0_CHAIN) of the two-level sum (see nx_q8_0.h): p = fma chain from +0,
  * then C = first ? p : C + p. The k loop always runs
  * all NX2_MR rows (rows past mr read the zero padding of Ap and are never stored): a fixed-size
  * loop lets GCC keep the 12 accumulators in registers. Masks are built outside the k loop only. */
-static void nx2_kern(int mr, size_t kc, const float *A /* IN [kc][MR] */,
-                     const float *B /* IN [kc][16] */, float *C /* IN/OUT */, size_t ldc, int nr,
+static void nx2_kern(int mr, int nr, size_t kc, const float *A /* IN [kc][MR] */,
+                     const float *B /* IN [kc][16] */, float *C /* IN/OUT */, size_t ldc,
                      int first) {
     const int32_t lanes[8] = {0, 1, 2, 3, 4, 5, 6, 7};
     const __m256i lane = _mm256_loadu_si256((const __m256i *)lanes);
@@ -128,49 +114,11 @@ static void nx2_kern(int mr, size_t kc, const float *A /* IN [kc][MR] */,
 #undef NX2_ST
 }
 
+static const nx_q8_0_tiling nx2_tiling = {NX2_MR, NX2_NR, NX2_KC, NX2_NC, NX2_MC, nx2_pack_b,
+                                          nx2_kern};
+
 int nx_q8_0_matmul_avx2(const float *x /* IN [T*K] */, const uint8_t *w /* IN [N rows] */,
                         float *out /* OUT [T*N] */, size_t T, size_t K, size_t N,
                         size_t n0, size_t n1) {
-    if (T == 0 || n0 >= n1) return 0;
-    if (K == 0) {
-        for (size_t t = 0; t < T; t++) memset(out + t * N + n0, 0, (n1 - n0) * sizeof(float));
-        return 0;
-    }
-    const size_t nb = K / NX_QK8_0, rowbytes = nb * NX_Q8_0_BLOCK_BYTES;
-    const size_t mc_max = T < NX2_MC ? (T + NX2_MR - 1) / NX2_MR * NX2_MR : NX2_MC;
-    const size_t nc_max = (n1 - n0) < NX2_NC ? (n1 - n0 + NX2_NR - 1) / NX2_NR * NX2_NR : NX2_NC;
-    const size_t kc_max = K < NX2_KC ? K : NX2_KC;
-    float *Ap = (float *)aligned_alloc(64, (mc_max * K * sizeof(float) + 63) / 64 * 64);
-    float *Bp = (float *)aligned_alloc(64, (nc_max * kc_max * sizeof(float) + 63) / 64 * 64);
-    if (!Ap || !Bp) {
-        free(Ap);
-        free(Bp);
-        return -1;
-    }
-    for (size_t ic = 0; ic < T; ic += NX2_MC) {
-        const size_t mc = T - ic < NX2_MC ? T - ic : NX2_MC;
-        nx2_pack_a(x, K, ic, mc, Ap);
-        for (size_t jc = n0; jc < n1; jc += NX2_NC) {
-            const size_t nc = n1 - jc < NX2_NC ? n1 - jc : NX2_NC;
-            for (size_t pc = 0; pc < K; pc += NX2_KC) {
-                const size_t kc = K - pc < NX2_KC ? K - pc : NX2_KC;
-                nx2_pack_b(w, rowbytes, jc, nc, pc / NX_QK8_0, kc / NX_QK8_0, Bp);
-                for (size_t ir = 0; ir < mc; ir += NX2_MR) {
-                    const int mr = (int)(mc - ir < NX2_MR ? mc - ir : NX2_MR);
-                    const float *A = Ap + (ir / NX2_MR) * K * NX2_MR + pc * NX2_MR;
-                    for (size_t jr = 0; jr < nc; jr += NX2_NR) {
-                        const int nr = (int)(nc - jr < NX2_NR ? nc - jr : NX2_NR);
-                        const float *B = Bp + (jr / NX2_NR) * kc * NX2_NR;
-                        for (size_t s0 = 0; s0 < kc; s0 += NX_Q8_0_CHAIN)
-                            nx2_kern(mr, kc - s0 < NX_Q8_0_CHAIN ? kc - s0 : NX_Q8_0_CHAIN,
-                                     A + s0 * NX2_MR, B + s0 * NX2_NR,
-                                     out + (ic + ir) * N + jc + jr, N, nr, pc + s0 == 0);
-                    }
-                }
-            }
-        }
-    }
-    free(Ap);
-    free(Bp);
-    return 0;
+    return nx_q8_0_matmul_blocked(&nx2_tiling, x, w, out, T, K, N, n0, n1);
 }

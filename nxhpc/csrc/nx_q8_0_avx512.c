@@ -1,9 +1,9 @@
 /* nx_q8_0_avx512.c -- AVX-512 (F/BW/VL/DQ) variants of the Q8_0 family: quantize, dequantize, matmul.
  *
- * Owns the BLIS-style blocked matmul: weight panels are dequantized (exact) and transposed into a
- * packed float32 buffer in micro-kernel order, activations are packed once per token block, and a
- * register-blocked MR x 32 micro-kernel runs the contract's fmaf chain in vector lanes (one lane =
- * one output column). Entered only after the CPU probe reports AVX-512 + OS ZMM support.
+ * Owns the matmul's AVX-512 pieces for the shared blocked driver (nx_q8_0_matmul_blocked): the
+ * weight-panel packer (dequantize, exact, and transpose into micro-kernel order) and the
+ * register-blocked MR x 32 micro-kernel that runs the contract's fma chain in vector lanes (one
+ * lane = one output column). Entered only after the CPU probe reports AVX-512 + OS ZMM support.
  * Must not: change the per-output FMA order (see nx_q8_0.h), allocate per tile, or use threads.
  */
 #include "nx_q8_0.h"
@@ -160,23 +160,6 @@ static void nx_pack_b(const uint8_t *w /* IN */, size_t rowbytes, size_t j0, siz
     }
 }
 
-/* Pack tokens [t0, t0+mc) of x (all K) into Ap: panel i (NX_MR tokens) at Ap + i*K*MR, element
- * [k*MR + r] = x[t0 + i*MR + r, k]; rows past mc are zero. */
-static void nx_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t mc, float *Ap /* OUT */) {
-    for (size_t i = 0; i * NX_MR < mc; i++) {
-        float *dst = Ap + i * K * NX_MR;
-        for (int r = 0; r < NX_MR; r++) {
-            size_t t = i * NX_MR + (size_t)r;
-            if (t < mc) {
-                const float *src = x + (t0 + t) * K;
-                for (size_t k = 0; k < K; k++) dst[k * NX_MR + r] = src[k];
-            } else {
-                for (size_t k = 0; k < K; k++) dst[k * NX_MR + r] = 0.0f;
-            }
-        }
-    }
-}
-
 /* One chunk of the contract's two-level sum (kc <= NX_Q8_0_CHAIN) for C[0:mr, 0:32], masked to
  * the valid columns:  p = +0;  p = fma(A[k][r], B[k][j], p) for k < kc;  C = first ? p : C + p. */
 static inline __attribute__((always_inline)) void
@@ -213,8 +196,13 @@ nx_kern(const int mr, size_t kc, const float *A /* IN [kc][MR] */, const float *
 
 #define NX_KERN_CASE(M) case M: nx_kern(M, kc, A, B, C, ldc, m0, m1, first); break;
 
-static void nx_kern_any(int mr, size_t kc, const float *A, const float *B, float *C, size_t ldc,
-                        __mmask16 m0, __mmask16 m1, int first) {
+/* The driver's kern (see nx_q8_0_tiling): masks for the nr valid columns, then the micro-kernel
+ * compiled for this row count. */
+static void nx_kern_any(int mr, int nr, size_t kc, const float *A, const float *B, float *C,
+                        size_t ldc, int first) {
+    const __mmask16 m0 = nr >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nr) - 1u);
+    const __mmask16 m1 = nr >= 32 ? (__mmask16)0xffff
+                       : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1u) : (__mmask16)0;
     switch (mr) {
 #if NX_MR >= 14
     NX_KERN_CASE(14)
@@ -228,53 +216,13 @@ static void nx_kern_any(int mr, size_t kc, const float *A, const float *B, float
     default: __builtin_unreachable();   /* 1 <= mr <= NX_MR by construction */
     }
 }
+#undef NX_KERN_CASE
+
+static const nx_q8_0_tiling nx_tiling_avx512 = {NX_MR, NX_NR, NX_KC, NX_NC, NX_MC, nx_pack_b,
+                                                nx_kern_any};
 
 int nx_q8_0_matmul_avx512(const float *x /* IN [T*K] */, const uint8_t *w /* IN [N rows] */,
                           float *out /* OUT [T*N] */, size_t T, size_t K, size_t N,
                           size_t n0, size_t n1) {
-    if (T == 0 || n0 >= n1) return 0;
-    if (K == 0) {
-        for (size_t t = 0; t < T; t++) memset(out + t * N + n0, 0, (n1 - n0) * sizeof(float));
-        return 0;
-    }
-    const size_t nb = K / NX_QK8_0, rowbytes = nb * NX_Q8_0_BLOCK_BYTES;
-    const size_t mc_max = T < NX_MC ? (T + NX_MR - 1) / NX_MR * NX_MR : NX_MC;
-    const size_t nc_max = (n1 - n0) < NX_NC ? (n1 - n0 + NX_NR - 1) / NX_NR * NX_NR : NX_NC;
-    const size_t kc_max = K < NX_KC ? K : NX_KC;
-    float *Ap = (float *)aligned_alloc(64, (mc_max * K * sizeof(float) + 63) / 64 * 64);
-    float *Bp = (float *)aligned_alloc(64, (nc_max * kc_max * sizeof(float) + 63) / 64 * 64);
-    if (!Ap || !Bp) {
-        free(Ap);
-        free(Bp);
-        return -1;
-    }
-    for (size_t ic = 0; ic < T; ic += NX_MC) {
-        const size_t mc = T - ic < NX_MC ? T - ic : NX_MC;
-        nx_pack_a(x, K, ic, mc, Ap);
-        for (size_t jc = n0; jc < n1; jc += NX_NC) {
-            const size_t nc = n1 - jc < NX_NC ? n1 - jc : NX_NC;
-            for (size_t pc = 0; pc < K; pc += NX_KC) {
-                const size_t kc = K - pc < NX_KC ? K - pc : NX_KC;
-                nx_pack_b(w, rowbytes, jc, nc, pc / NX_QK8_0, kc / NX_QK8_0, Bp);
-                for (size_t ir = 0; ir < mc; ir += NX_MR) {
-                    const int mr = (int)(mc - ir < NX_MR ? mc - ir : NX_MR);
-                    const float *A = Ap + (ir / NX_MR) * K * NX_MR + pc * NX_MR;
-                    for (size_t jr = 0; jr < nc; jr += NX_NR) {
-                        const size_t nr = nc - jr < NX_NR ? nc - jr : NX_NR;
-                        __mmask16 m0 = nr >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nr) - 1u);
-                        __mmask16 m1 = nr >= 32 ? (__mmask16)0xffff
-                                     : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1u) : (__mmask16)0;
-                        const float *B = Bp + (jr / NX_NR) * kc * NX_NR;
-                        for (size_t s0 = 0; s0 < kc; s0 += NX_Q8_0_CHAIN)
-                            nx_kern_any(mr, kc - s0 < NX_Q8_0_CHAIN ? kc - s0 : NX_Q8_0_CHAIN,
-                                        A + s0 * NX_MR, B + s0 * NX_NR,
-                                        out + (ic + ir) * N + jc + jr, N, m0, m1, pc + s0 == 0);
-                    }
-                }
-            }
-        }
-    }
-    free(Ap);
-    free(Bp);
-    return 0;
+    return nx_q8_0_matmul_blocked(&nx_tiling_avx512, x, w, out, T, K, N, n0, n1);
 }
