@@ -19,7 +19,7 @@ from nxhpc.blockrun import main
 from nxhpc.grade import grade
 from nxhpc.models import open_model
 from nxhpc.shm import live_segments
-from test_workers import _alive, _children_of       # /proc helpers (tests/ is on sys.path)
+from procutil import alive, children_of          # /proc helpers (tests/ is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 PID = os.getpid()
@@ -232,7 +232,7 @@ def test_signal_during_run(models_root, spawn, workers, sig, code):
     p = subprocess.Popen([sys.executable, "-c", _SLOW, "tiny", workers, "--spawn", spawn],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     assert p.stdout.readline().startswith("started")          # a stage is running
-    kids = [k for k in _children_of(p.pid)]
+    kids = [k for k in children_of(p.pid)]
     assert len(kids) >= (0 if workers == "1" else 2)        # (+ multiprocessing's tracker)
     # the arena is in /dev/shm but already unlinked (so a leak is impossible by construction):
     # the check below after the signal is about that segment, not a vacuous empty listing
@@ -244,7 +244,7 @@ def test_signal_during_run(models_root, spawn, workers, sig, code):
     assert "shared memory released" in err
     assert live_segments(p.pid) == []
     time.sleep(0.2)
-    assert not any(_alive(k) for k in kids)
+    assert not any(alive(k) for k in kids)
 
 
 def test_help_documents_exit_codes_and_grading():

@@ -21,6 +21,7 @@ from nxhpc.ddp import (DDPTimeoutError, DDPWorkerError, MLPConfig, load_diabetes
                        train_full_batch, train_shm)
 from nxhpc.q16 import Q16_MAX, Q16OverflowError, from_q16, q16_add, to_q16
 from nxhpc.ring import ShmSegment, chunk_bounds, ring_allreduce_shm
+from procutil import children_of                  # /proc helpers (tests/ is on sys.path)
 
 SHM_DIR = "/dev/shm"
 TEST_STEPS = 25
@@ -252,7 +253,7 @@ def test_parent_killed_leaves_no_segment_and_no_orphan(prefix):
     unlinks the segment."""
     proc = _start_hanging_run(prefix)
     try:
-        child_pids = _children(proc.pid)
+        child_pids = children_of(proc.pid)
         assert len(child_pids) >= 3, child_pids          # the 3 workers (+ resource tracker)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -282,19 +283,6 @@ def test_ctrl_c_in_parent_cleans_up(prefix):
     finally:
         if proc.poll() is None:
             proc.kill()
-
-
-def _children(ppid: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == ppid:
-                        out.append(int(name))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
 
 
 def _is_zombie(pid: int) -> bool:

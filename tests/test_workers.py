@@ -17,31 +17,10 @@ from hypothesis import strategies as st
 
 from nxhpc.shm import SharedArena, live_segments
 from nxhpc.workers import SPAWN_MODES, WorkerError, WorkerPool, bands, usable_cpus
+from procutil import alive, children_of          # /proc helpers (tests/ is on sys.path)
 
 PID = os.getpid()
 MODES = list(SPAWN_MODES)
-
-
-def _alive(pid: int) -> bool:
-    """True if pid exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _children_of(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                pass
-    return out
 
 
 @given(st.integers(0, 10_000), st.integers(1, 40))
@@ -104,7 +83,7 @@ def test_results_identical_any_split(mode, n):
             else:
                 assert PID not in who and len(who) == min(n, m)
             pids = list(p.pids) + list(p.last_pids)
-        assert not any(_alive(q) for q in pids if q > 0)
+        assert not any(alive(q) for q in pids if q > 0)
     assert live_segments(PID) == []
 
 
@@ -145,7 +124,7 @@ def _failing_tasks(kind):
     ("keyboard", "raised KeyboardInterrupt"),
 ])
 def test_worker_failure_reported_fast(mode, kind, reason):
-    before = set(_children_of(PID))
+    before = set(children_of(PID))
     p = WorkerPool(3, _failing_tasks(kind), mode=mode)
     pool_pids = list(p.pids)
     t0 = time.monotonic()
@@ -160,8 +139,8 @@ def test_worker_failure_reported_fast(mode, kind, reason):
     # no orphan: every worker (including the sleeping one) is gone and reaped
     for q in pool_pids + list(p.last_pids):
         if q > 0:
-            assert not _alive(q)
-    assert set(_children_of(PID)) <= before
+            assert not alive(q)
+    assert set(children_of(PID)) <= before
     if mode == "pool":      # resident workers were killed: the pool refuses further stages
         with pytest.raises(RuntimeError, match="closed"):
             p.run("ok", 3)
@@ -199,7 +178,7 @@ def test_pool_worker_killed_between_stages():
         with pytest.raises(WorkerError, match="worker 1 of 2.*SIGKILL"):
             p.run("ok", 4)
         assert time.monotonic() - t0 < 1.0
-        assert not any(_alive(q) for q in pids)
+        assert not any(alive(q) for q in pids)
 
 
 _SCRIPT = textwrap.dedent("""
@@ -235,13 +214,13 @@ def test_signal_during_run_clean_exit(mode, sig, code):
     name = p.stdout.readline().strip()
     assert live_segments(p.pid) == [name]          # negative control: the segment is visible
     time.sleep(0.5)                                 # let the stage start in the workers
-    kids = _children_of(p.pid)
+    kids = children_of(p.pid)
     assert len(kids) >= 2                           # workers are running
     p.send_signal(sig)
     assert p.wait(timeout=10) == code
     assert live_segments(p.pid) == []
     time.sleep(0.1)
-    assert not any(_alive(q) for q in kids)
+    assert not any(alive(q) for q in kids)
 
 
 def test_parent_sigkill_leaves_no_orphans():
@@ -250,13 +229,13 @@ def test_parent_sigkill_leaves_no_orphans():
                          stdout=subprocess.PIPE, text=True)
     p.stdout.readline()
     kids = [int(x) for x in p.stdout.readline().split()]
-    assert len(kids) == 2 and all(_alive(q) for q in kids)
+    assert len(kids) == 2 and all(alive(q) for q in kids)
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=10)
     deadline = time.monotonic() + 2.0
-    while any(_alive(q) for q in kids) and time.monotonic() < deadline:
+    while any(alive(q) for q in kids) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not any(_alive(q) for q in kids), "workers outlived their parent"
+    assert not any(alive(q) for q in kids), "workers outlived their parent"
     assert live_segments(p.pid) == []
 
 
@@ -270,7 +249,7 @@ def test_hung_worker_hits_stage_timeout(mode):
     def task(lo, hi, arg):
         if lo > 0 and arg == "hang":
             time.sleep(60)             # hangs without exiting: no EOF for the parent to see
-    before = set(_children_of(PID))
+    before = set(children_of(PID))
     p = WorkerPool(3, {"s": task}, mode=mode, stage_timeout=0.4)
     pool_pids = list(p.pids)
     assert p.run("s", 9, arg="fine") == 3          # negative control: a quick stage passes
@@ -285,8 +264,8 @@ def test_hung_worker_hits_stage_timeout(mode):
     assert "unfinished workers: 1, 2" in str(e)
     for q in pool_pids + list(p.last_pids):
         if q > 0:
-            assert not _alive(q)
-    assert set(_children_of(PID)) <= before
+            assert not alive(q)
+    assert set(children_of(PID)) <= before
     p.close()
 
 

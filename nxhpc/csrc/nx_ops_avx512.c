@@ -1,7 +1,9 @@
 /* nx_ops_avx512.c -- AVX-512 (F/DQ/BW/VL) variants of the block's non-matmul kernels.
- * Owns: the 16-lane exp/tanh/silu polynomials and the register-blocked flash attention.
+ * Owns: the 16-lane exp/tanh/silu polynomials and the register-blocked flash-attention micro-block
+ * (6 rows x 64 keys) run by the shared tiled driver (nx_attn_tiled.h).
  * Must not: be entered unless nx_cpu_isa_supported(NX_ISA_AVX512) (dispatch in nx_ops.c). */
 #include "nx_ops.h"
+#include "nx_attn_tiled.h"
 
 #include <immintrin.h>
 #include <math.h>
@@ -284,7 +286,8 @@ nx_attn_micro(const int nr, const float *q, int64_t hd, const float *kt, float *
     for (; c < hdp; c += 16) nx_pv_block(nr, 1, S, alpha, vt, W, nk, c, hd, O, hdp);
 }
 
-static void nx_attn_micro_any(int nr, const float *q, int64_t hd, const float *kt, float *S,
+static inline __attribute__((always_inline)) void
+nx_attn_micro_any(int nr, const float *q, int64_t hd, const float *kt, float *S,
                               float scale, const float *madd, float *m, float *l, float *alpha,
                               const float *vt, int64_t W, int64_t nk, float *O, int64_t hdp) {
     switch (nr) {  /* constant row counts so the accumulators stay in registers */
@@ -297,70 +300,11 @@ static void nx_attn_micro_any(int nr, const float *q, int64_t hd, const float *k
     }
 }
 
+_Static_assert(NX_QB <= NX_ATTN_MAX_QB && NX_QB % NX_BR == 0, "query block size");
+static const nx_attn_tiling nx_attn_tiling_avx512 = {NX_BR, NX_BC, NX_QB, nx_attn_micro_any};
+
 int nx_attention_f32_avx512(const float *q, const float *k, const float *qkv,
                             const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
                             int64_t hd, float scale, int64_t h0, int64_t h1) {
-    const int64_t W = (H + 2 * KVH) * hd, group = H / KVH, OW = H * hd;
-    const int64_t ntiles = (T + NX_BC - 1) / NX_BC, Tp = ntiles * NX_BC;
-    const int64_t hdp = (hd + 15) / 16 * 16;
-    float *kt = aligned_alloc(64, (size_t)(Tp * hd) * sizeof(float));    /* [tile][d][NX_BC] */
-    float *madd = aligned_alloc(64, (size_t)Tp * sizeof(float));          /* 0 or -inf per key */
-    float *O = aligned_alloc(64, (size_t)(NX_QB * hdp) * sizeof(float));  /* running outputs */
-    float *S = aligned_alloc(64, (size_t)(NX_BR * NX_BC) * sizeof(float));
-    float m[NX_QB], l[NX_QB], alpha[NX_QB];
-    if (!kt || !madd || !O || !S) {
-        free(kt); free(madd); free(O); free(S);
-        return -1;
-    }
-    for (int64_t j = 0; j < Tp; j++) madd[j] = (j >= T || (mask && !mask[j])) ? -INFINITY : 0.0f;
-    int64_t packed = -1;
-    for (int64_t h = h0; h < h1; h++) {
-        const int64_t g = h / group;
-        if (g != packed) {  /* K^T packed tile-major; zero keys past T (masked by madd) */
-            const float *kg = k + g * T * hd;
-            for (int64_t tile = 0; tile < ntiles; tile++) {
-                float *dst = kt + tile * hd * NX_BC;
-                for (int64_t jj = 0; jj < NX_BC; jj++) {
-                    int64_t j = tile * NX_BC + jj;
-                    if (j < T) {
-                        const float *kr = kg + j * hd;
-                        for (int64_t d = 0; d < hd; d++) dst[d * NX_BC + jj] = kr[d];
-                    } else {
-                        for (int64_t d = 0; d < hd; d++) dst[d * NX_BC + jj] = 0.0f;
-                    }
-                }
-            }
-            packed = g;
-        }
-        const float *qh = q + h * T * hd;
-        const float *vh = qkv + (H + KVH) * hd + g * hd;
-        for (int64_t t0 = 0; t0 < T; t0 += NX_QB) {
-            const int64_t nq = T - t0 < NX_QB ? T - t0 : NX_QB;
-            for (int64_t r = 0; r < nq; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
-            memset(O, 0, (size_t)(nq * hdp) * sizeof(float));
-            for (int64_t tile = 0; tile < ntiles; tile++) {
-                const int64_t j0 = tile * NX_BC;
-                const int64_t nk = T - j0 < NX_BC ? T - j0 : NX_BC;
-                for (int64_t r0 = 0; r0 < nq; r0 += NX_BR) {
-                    const int nr = (int)(nq - r0 < NX_BR ? nq - r0 : NX_BR);
-                    nx_attn_micro_any(nr, qh + (t0 + r0) * hd, hd, kt + tile * hd * NX_BC, S, scale,
-                                      madd + j0, m + r0, l + r0, alpha + r0, vh + j0 * W, W, nk,
-                                      O + r0 * hdp, hdp);
-                }
-            }
-            for (int64_t r = 0; r < nq; r++) {
-                float *o = out + (t0 + r) * OW + h * hd;
-                const float *src = O + r * hdp;
-                if (l[r] == 0.0f) {
-                    for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
-                } else {
-                    __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-                    for (int64_t d = 0; d < hd; d += 16)
-                        _mm512_mask_storeu_ps(o + d, nx_mask16(hd - d), _mm512_mul_ps(_mm512_load_ps(src + d), inv));
-                }
-            }
-        }
-    }
-    free(kt); free(madd); free(O); free(S);
-    return 0;
+    return nx_attention_tiled(&nx_attn_tiling_avx512, q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1);
 }
