@@ -64,7 +64,8 @@ ext = Extension(
     "nxhpc._kernels",
     sources=["nxhpc/_kernels.pyx"] + c_files,
     include_dirs=[str(CSRC), np.get_include()],
-    depends=[str(p) for p in (HERE / CSRC).glob("*.h")] + [str(p) for p in (HERE / "nxhpc").glob("*.pxi")],
+    # Every C file too: an edited .c recompiles its object, and must also relink the module.
+    depends=[str(p) for p in (HERE / CSRC).glob("*.[ch]")] + [str(p) for p in (HERE / "nxhpc").glob("*.pxi")],
     extra_compile_args=["-O3", "-fno-math-errno", "-Wno-unused-function"],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     libraries=["m"],

@@ -1,0 +1,204 @@
+/* nx_bwd_avx2.c -- AVX2+FMA variants of the backward kernels where scalar code is far slower:
+ * swiglu (8-lane exp polynomial instead of libm) and attention (4x16 micro-kernels of the tiled
+ * float32 driver nx_attention_bwd_tiled in nx_bwd.h, sized for 16 ymm registers). The other
+ * families run generic at this level (nx_bwd_variant). Must not: be entered unless
+ * nx_cpu_isa_supported(NX_ISA_AVX2) (dispatch in nx_bwd.c). */
+#define NX_BWD_TILED_DRIVER
+#include "nx_bwd.h"
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Lane mask for maskload/maskstore: lanes [0, valid) set. */
+static inline __m256i nx_bmask8(int64_t valid) {
+    int v = valid >= 8 ? 8 : valid <= 0 ? 0 : (int)valid;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* exp(x), 8 lanes: the reduction and polynomial of the AVX-512 variant; 2^n (n in [-159, 129]
+ * after clamping x to [-110, 89], NaN kept) applied as two exact power-of-two factors so
+ * subnormal results are rounded once. <= 2 ulp. */
+static inline __m256 nx_bexp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-110.0f), _mm256_min_ps(_mm256_set1_ps(89.0f), x));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+    p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+    __m256i ni = _mm256_cvtps_epi32(n);  /* NaN -> INT_MIN; p is NaN then anyway */
+    __m256i n1 = _mm256_srai_epi32(ni, 1);
+    __m256i n2 = _mm256_sub_epi32(ni, n1);
+    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
+    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+static inline float nx_bhmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float nx_bhsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* ------------------------------------------------------------------ swiglu */
+
+void nx_swiglu_bwd_f32_avx2(const float *a, const float *b, const float *dout, float *da,
+                            float *db, int64_t i0, int64_t i1) {
+    const __m256 big = _mm256_set1_ps(3.4028234663852886e38f), nbig = _mm256_set1_ps(-3.4028234663852886e38f);
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (int64_t i = i0; i < i1; i += 8) {
+        __m256i m = nx_bmask8(i1 - i);
+        __m256 av = _mm256_maskload_ps(a + i, m), bv = _mm256_maskload_ps(b + i, m);
+        __m256 g = _mm256_maskload_ps(dout + i, m);
+        __m256 xc = _mm256_max_ps(nbig, av);  /* -inf -> -FLT_MAX; NaN kept (second operand) */
+        __m256 x = _mm256_min_ps(big, xc);    /* +inf -> FLT_MAX only inside silu' */
+        __m256 e = nx_bexp8(_mm256_or_ps(x, sign));
+        __m256 d = _mm256_div_ps(one, _mm256_add_ps(one, e));
+        __m256 ed = _mm256_mul_ps(e, d);
+        __m256 pos = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
+        __m256 s = _mm256_blendv_ps(ed, d, pos);   /* sigmoid */
+        __m256 sc = _mm256_blendv_ps(d, ed, pos);  /* 1 - sigmoid */
+        __m256 silu = _mm256_mul_ps(xc, s);
+        __m256 dsilu = _mm256_mul_ps(s, _mm256_add_ps(one, _mm256_mul_ps(x, sc)));
+        __m256 vda = _mm256_mul_ps(_mm256_mul_ps(g, bv), dsilu);
+        __m256 vdb = _mm256_mul_ps(g, silu);
+        _mm256_maskstore_ps(da + i, m, vda);
+        _mm256_maskstore_ps(db + i, m, vdb);
+    }
+}
+
+/* ------------------------------------------------------------------ attention */
+
+/* Micro-blocks of 4 query rows x 16 keys (2 ymm per row): 8 accumulators + 2 loads + 1
+ * broadcast fit the 16 ymm registers in every kernel. */
+#define NX_B2R 4
+#define NX_B2C 16
+#define NX_B2QB 48  /* query rows per block, multiple of NX_B2R (as the AVX-512 variant) */
+_Static_assert(NX_B2QB % NX_B2R == 0, "query block must hold whole micro-blocks");
+
+static inline void nx_b2_qk(const float *X, int64_t hd, const float *YT, float *S, int64_t ld) {
+    __m256 acc[NX_B2R][2];
+    for (int r = 0; r < NX_B2R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d++) {
+        __m256 y0 = _mm256_load_ps(YT + d * NX_B2C), y1 = _mm256_load_ps(YT + d * NX_B2C + 8);
+        for (int r = 0; r < NX_B2R; r++) {
+            __m256 bb = _mm256_broadcast_ss(X + r * hd + d);
+            acc[r][0] = _mm256_fmadd_ps(bb, y0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(bb, y1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < NX_B2R; r++) {
+        _mm256_store_ps(S + r * ld, acc[r][0]);
+        _mm256_store_ps(S + r * ld + 8, acc[r][1]);
+    }
+}
+
+static inline void nx_b2_outer(const float *X, int64_t hd, const float *P, int64_t ld, float *ZT) {
+    __m256 p[NX_B2R][2];
+    for (int r = 0; r < NX_B2R; r++) {
+        p[r][0] = _mm256_load_ps(P + r * ld);
+        p[r][1] = _mm256_load_ps(P + r * ld + 8);
+    }
+    for (int64_t d = 0; d < hd; d++) {
+        float *zd = ZT + d * NX_B2C;
+        __m256 z0 = _mm256_load_ps(zd), z1 = _mm256_load_ps(zd + 8);
+        for (int r = 0; r < NX_B2R; r++) {
+            __m256 bb = _mm256_broadcast_ss(X + r * hd + d);
+            z0 = _mm256_fmadd_ps(bb, p[r][0], z0);
+            z1 = _mm256_fmadd_ps(bb, p[r][1], z1);
+        }
+        _mm256_store_ps(zd, z0);
+        _mm256_store_ps(zd + 8, z1);
+    }
+}
+
+/* O[r, c:c+8nv] += sum_{j<nk} P[r, j] Y[j, c:c+8nv]; lanes past hd masked; nv in {1, 2}. */
+static inline __attribute__((always_inline)) void
+nx_b2_pv(const int nv, const float *P, int64_t ld, const float *Y, int64_t hd, int64_t nk,
+         int64_t c, float *O, int64_t hdp) {
+    __m256 acc[NX_B2R][2];
+    __m256i mk[2];
+    for (int v = 0; v < nv; v++) mk[v] = nx_bmask8(hd - c - 8 * v);
+    for (int r = 0; r < NX_B2R; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = _mm256_load_ps(O + r * hdp + c + 8 * v);
+    for (int64_t j = 0; j < nk; j++) {
+        __m256 yv[2];
+        for (int v = 0; v < nv; v++) yv[v] = _mm256_maskload_ps(Y + j * hd + c + 8 * v, mk[v]);
+        for (int r = 0; r < NX_B2R; r++) {
+            __m256 bb = _mm256_broadcast_ss(P + r * ld + j);
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm256_fmadd_ps(bb, yv[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < NX_B2R; r++)
+        for (int v = 0; v < nv; v++) _mm256_store_ps(O + r * hdp + c + 8 * v, acc[r][v]);
+}
+
+static inline void nx_b2_pv_rows(const float *P, int64_t ld, const float *Y, int64_t hd, int64_t nk,
+                                 float *O, int64_t hdp) {
+    int64_t c = 0;
+    for (; c + 16 <= hdp; c += 16) nx_b2_pv(2, P, ld, Y, hd, nk, c, O, hdp);
+    for (; c < hdp; c += 8) nx_b2_pv(1, P, ld, Y, hd, nk, c, O, hdp);
+}
+
+/* Phase 2 for one row (as nx_b_softmax_ds of the AVX-512 variant, 8 lanes). */
+static inline void nx_b2_softmax_ds(float *S, float *dP, const float *madd, int64_t Tp, float scale) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < Tp; j += 8) {
+        __m256 x = _mm256_fmadd_ps(_mm256_load_ps(S + j), sc, _mm256_load_ps(madd + j));
+        _mm256_store_ps(S + j, x);
+        mx = _mm256_max_ps(mx, x);
+    }
+    const float m = nx_bhmax8(mx);
+    if (m == -INFINITY) {  /* every key masked: no gradient */
+        memset(S, 0, sizeof(float) * (size_t)Tp);
+        memset(dP, 0, sizeof(float) * (size_t)Tp);
+        return;
+    }
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 l = _mm256_setzero_ps();
+    for (int64_t j = 0; j < Tp; j += 8) {
+        __m256 p = nx_bexp8(_mm256_sub_ps(_mm256_load_ps(S + j), vm));
+        _mm256_store_ps(S + j, p);
+        l = _mm256_add_ps(l, p);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / nx_bhsum8(l));
+    __m256 dl = _mm256_setzero_ps();
+    for (int64_t j = 0; j < Tp; j += 8) {
+        __m256 p = _mm256_mul_ps(_mm256_load_ps(S + j), inv);
+        _mm256_store_ps(S + j, p);
+        dl = _mm256_fmadd_ps(p, _mm256_load_ps(dP + j), dl);
+    }
+    const __m256 delta = _mm256_set1_ps(nx_bhsum8(dl));
+    for (int64_t j = 0; j < Tp; j += 8) {
+        __m256 p = _mm256_mul_ps(_mm256_load_ps(S + j), sc);
+        _mm256_store_ps(dP + j, _mm256_mul_ps(p, _mm256_sub_ps(_mm256_load_ps(dP + j), delta)));
+    }
+}
+
+static const nx_attn_bwd_tiling nx_attn_bwd_tiling_avx2 = {
+    NX_B2R, NX_B2C, NX_B2QB, 8, nx_b2_qk, nx_b2_outer, nx_b2_pv_rows, nx_b2_softmax_ds};
+
+int nx_attention_bwd_f32_avx2(const float *q, const float *k, const float *v,
+                              const float *dout, const uint8_t *mask, float *dq, float *dk,
+                              float *dv, int64_t T, int64_t H, int64_t KVH, int64_t hd,
+                              float scale, int64_t g0, int64_t g1) {
+    return nx_attention_bwd_tiled(&nx_attn_bwd_tiling_avx2, q, k, v, dout, mask, dq, dk, dv, T, H,
+                                  KVH, hd, scale, g0, g1);
+}
