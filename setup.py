@@ -5,7 +5,7 @@ Portable by default: the generic C files are compiled with no ISA flags; each SI
 run-time CPU probe (``csrc/nx_cpu.c``) says the CPU and OS support it.
 
 Opt-in native build for local experiments: ``NXHPC_MARCH_NATIVE=1 pip install .`` adds
-``-march=native`` to every file (the result only runs on machines like the build machine).
+the native-arch flag (opt-in) to every file (the result only runs on machines like the build machine).
 Debug build: ``NXHPC_CYTHON_DEBUG=1`` turns on Cython bounds/initialisation checks.
 """
 import os
@@ -28,8 +28,9 @@ ISA_FLAGS = {
     "_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
                   "-mavx2", "-mfma", "-mf16c"],
 }
-if os.environ.get("NXHPC_MARCH_NATIVE") == "1":  # local opt-in only
-    BASE_FLAGS.append("-march=native")
+NATIVE_OPT_IN = os.environ.get("NXHPC_MARCH_NATIVE") == "1"  # local opt-in only, off by default
+if NATIVE_OPT_IN:
+    BASE_FLAGS.append("-march=native")  # opt-in (NXHPC_MARCH_NATIVE=1): not portable
 
 
 def isa_of(src: str):

@@ -51,30 +51,12 @@ def test_block_nxhpc(benchmark, setup, spawn):
 
 def test_block_torch_eager(benchmark, setup):
     torch = pytest.importorskip("torch")
-    zi = pytest.importorskip("diffusers.models.transformers.transformer_z_image")
+    pytest.importorskip("diffusers")
+    from nxhpc.oracle import diffusers_block
     model, x, pe, t, mask, flops = setup
     cfg = model.config
-    D = cfg.dim
-    w = dequantize_layer(model.layer_weights(0))
     torch.set_num_threads(WORKERS)
-    blk = zi.ZImageTransformerBlock(0, D, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps,
-                                    qk_norm=True, modulation=True).eval()
-    T32 = lambda a: torch.from_numpy(np.asarray(a, np.float32).copy())  # noqa: E731
-    with torch.no_grad():
-        blk.attention.to_q.weight.copy_(T32(w["qkv"][:D]))
-        blk.attention.to_k.weight.copy_(T32(w["qkv"][D:2 * D]))
-        blk.attention.to_v.weight.copy_(T32(w["qkv"][2 * D:]))
-        blk.attention.to_out[0].weight.copy_(T32(w["out"]))
-        blk.attention.norm_q.weight.copy_(T32(w["q_norm"]))
-        blk.attention.norm_k.weight.copy_(T32(w["k_norm"]))
-        for n in ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2"):
-            getattr(blk, n).weight.copy_(T32(w[n]))
-        for n in ("w1", "w2", "w3"):
-            getattr(blk.feed_forward, n).weight.copy_(T32(w[n]))
-        blk.adaLN_modulation[0].weight.copy_(T32(w["adaln_w"]))
-        blk.adaLN_modulation[0].bias.copy_(T32(w["adaln_b"]))
-    del w
-    blk.attention.norm_q.eps = blk.attention.norm_k.eps = cfg.norm_eps
+    blk = diffusers_block(cfg, dequantize_layer(model.layer_weights(0)))
     freqs = torch.complex(torch.from_numpy(pe[..., 0, 0].copy()),
                           torch.from_numpy(pe[..., 1, 0].copy()))
     xm = torch.from_numpy(x)[None]

@@ -337,32 +337,10 @@ def _random_layer(rng, cfg):
 
 
 def _diffusers_block(cfg, lw, eps):
-    torch = pytest.importorskip("torch")
-    zi = pytest.importorskip("diffusers.models.transformers.transformer_z_image")
-    D = cfg.dim
-    blk = zi.ZImageTransformerBlock(0, D, cfg.n_heads, cfg.n_kv_heads, eps, qk_norm=True,
-                                    modulation=True).eval()
-    w = dequantize_layer(lw)
-    T32 = lambda a: torch.from_numpy(np.asarray(a, np.float32).copy())  # noqa: E731
-    with torch.no_grad():
-        blk.attention.to_q.weight.copy_(T32(w["qkv"][:D]))
-        blk.attention.to_k.weight.copy_(T32(w["qkv"][D:2 * D]))
-        blk.attention.to_v.weight.copy_(T32(w["qkv"][2 * D:]))
-        blk.attention.to_out[0].weight.copy_(T32(w["out"]))
-        blk.attention.norm_q.weight.copy_(T32(w["q_norm"]))
-        blk.attention.norm_k.weight.copy_(T32(w["k_norm"]))
-        for n in ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2"):
-            getattr(blk, n).weight.copy_(T32(w[n]))
-        blk.feed_forward.w1.weight.copy_(T32(w["w1"]))
-        blk.feed_forward.w2.weight.copy_(T32(w["w2"]))
-        blk.feed_forward.w3.weight.copy_(T32(w["w3"]))
-        blk.adaLN_modulation[0].weight.copy_(T32(w["adaln_w"]))
-        blk.adaLN_modulation[0].bias.copy_(T32(w["adaln_b"]))
-    blk.attention.norm_q.eps = eps
-    blk.attention.norm_k.eps = eps
-    for n in ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2"):
-        assert getattr(blk, n).eps == eps
-    return blk
+    pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    from nxhpc.oracle import diffusers_block
+    return diffusers_block(cfg, dequantize_layer(lw), eps)
 
 
 def _diffusers_pe(hd, n_caption, grid):

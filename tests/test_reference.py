@@ -10,6 +10,7 @@ import gguf
 
 from nxhpc import rope
 from nxhpc.models import BlockConfig
+from nxhpc.oracle import diffusers_block
 from nxhpc.reference import (adaln_f64, attention_f64, block_forward_f64, dequantize_layer,
                              rmsnorm_f64)
 
@@ -51,22 +52,10 @@ def t32(a):
 
 
 def zimage_block(w, D, H, eps):
-    blk = zimg.ZImageTransformerBlock(0, D, H, H, eps, True, True).eval()
-    blk.attention.norm_q.eps = eps
-    blk.attention.norm_k.eps = eps
-    hd = D // H
-    sd = {"attention.to_q.weight": w["qkv"][:H * hd], "attention.to_k.weight":
-          w["qkv"][H * hd:2 * H * hd], "attention.to_v.weight": w["qkv"][2 * H * hd:],
-          "attention.to_out.0.weight": w["out"], "attention.norm_q.weight": w["q_norm"],
-          "attention.norm_k.weight": w["k_norm"], "feed_forward.w1.weight": w["w1"],
-          "feed_forward.w2.weight": w["w2"], "feed_forward.w3.weight": w["w3"],
-          "attention_norm1.weight": w["attention_norm1"],
-          "attention_norm2.weight": w["attention_norm2"], "ffn_norm1.weight": w["ffn_norm1"],
-          "ffn_norm2.weight": w["ffn_norm2"], "adaLN_modulation.0.weight": w["adaln_w"],
-          "adaLN_modulation.0.bias": w["adaln_b"]}
-    missing, unexpected = blk.load_state_dict({k: t32(v) for k, v in sd.items()}, strict=True)
-    assert not missing and not unexpected
-    return blk
+    cfg = BlockConfig(dim=D, n_heads=H, n_kv_heads=H, head_dim=D // H, ffn_dim=w["w1"].shape[0],
+                      n_layers=1, adaln_in=w["adaln_w"].shape[1], variant="zimage",
+                      adaln_silu=False, norm_eps=eps)
+    return diffusers_block(cfg, w, eps)
 
 
 def run_zimage(blk, x, t_emb, pe, mask):
@@ -114,25 +103,15 @@ def test_block_matches_diffusers_lumina2_gqa(masked):
     """GQA (4 query heads share 2 kv heads) and SiLU-before-adaLN, against Lumina2's block."""
     D, H, KVH, T, eps = 384, 4, 2, 41, 1e-5
     hd = D // H
-    blk = lum2.Lumina2TransformerBlock(D, H, KVH, 256, None, eps).eval()
-    blk.attn.norm_q.eps = eps
-    blk.attn.norm_k.eps = eps
-    ffn = blk.feed_forward.linear_1.weight.shape[0]
-    adaln_in = blk.norm1.linear.weight.shape[1]
+    sizing = lum2.Lumina2TransformerBlock(D, H, KVH, 256, None, eps)   # diffusers' own sizes
+    ffn = sizing.feed_forward.linear_1.weight.shape[0]
+    adaln_in = sizing.norm1.linear.weight.shape[1]
     rng = np.random.default_rng(7 + masked)
     w = make_weights(rng, D, H, KVH, hd, ffn, adaln_in)
-    sd = {"attn.to_q.weight": w["qkv"][:H * hd], "attn.to_k.weight":
-          w["qkv"][H * hd:(H + KVH) * hd], "attn.to_v.weight": w["qkv"][(H + KVH) * hd:],
-          "attn.to_out.0.weight": w["out"], "attn.norm_q.weight": w["q_norm"],
-          "attn.norm_k.weight": w["k_norm"], "feed_forward.linear_1.weight": w["w1"],
-          "feed_forward.linear_2.weight": w["w2"], "feed_forward.linear_3.weight": w["w3"],
-          "norm1.linear.weight": w["adaln_w"], "norm1.linear.bias": w["adaln_b"],
-          "norm1.norm.weight": w["attention_norm1"], "norm2.weight": w["attention_norm2"],
-          "ffn_norm1.weight": w["ffn_norm1"], "ffn_norm2.weight": w["ffn_norm2"]}
-    blk.load_state_dict({k: t32(v) for k, v in sd.items()}, strict=True)
     cfg = BlockConfig(dim=D, n_heads=H, n_kv_heads=KVH, head_dim=hd, ffn_dim=ffn,
                       n_layers=1, adaln_in=adaln_in, variant="lumina2", adaln_silu=True,
                       norm_eps=eps)
+    blk = diffusers_block(cfg, w, eps)
     x = rng.standard_normal((T, D)).astype(np.float32)
     t_emb = rng.standard_normal(adaln_in).astype(np.float32)
     pe = rope.rope_table(rope.position_ids(11, (1, 5, 6)), (32, 32, 32), 10000.0

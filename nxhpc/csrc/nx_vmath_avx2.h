@@ -1,0 +1,108 @@
+/* nx_vmath_avx2.h -- the 8-lane (ymm) vector math shared by the AVX2+FMA kernel files
+ * (nx_ops_avx2.c, nx_bwd_avx2.c): lane masks, exp / tanh / silu polynomials, horizontal max/sum.
+ * Each helper exists once, here; the forward and backward kernels call the same code, so an
+ * exp(x) in the attention forward and backward is bit-identical by construction.
+ *
+ * Must only be included from files compiled with the AVX2 ISA flags (-mavx2 -mfma -mf16c: the
+ * *_avx2.c files, see setup.py), and those files are only entered after the run-time CPU probe
+ * (nx_cpu_isa_supported(NX_ISA_AVX2)). Including it from a generic file would let the compiler
+ * emit AVX2 code into paths that run on any CPU, hence the #error below.
+ * Everything is static inline: no symbols, no state. */
+#ifndef NX_VMATH_AVX2_H
+#define NX_VMATH_AVX2_H
+
+#if defined(__GNUC__) && !(defined(__AVX2__) && defined(__FMA__))
+#error "nx_vmath_avx2.h: include only from files compiled with -mavx2 -mfma (the *_avx2.c files)"
+#endif
+
+#include <immintrin.h>
+#include <stdint.h>
+
+/* Lane mask for maskload/maskstore: lanes [0, valid) set (valid clamped to [0, 8]). */
+static inline __m256i nx_mask8(int64_t valid) {
+    int v = valid >= 8 ? 8 : valid <= 0 ? 0 : (int)valid;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* exp(x), 8 lanes: same reduction and polynomial as the AVX-512 variant (nx_exp16 in
+ * nx_vmath_avx512.h): x clamped to [-110, 89] (NaN kept: the clamp returns its second operand on
+ * NaN), x = n*ln2 + r (Cody-Waite, ln2 in two parts), exp(r) = 1 + r + r^2 * P5(r) (Cephes expf
+ * minimax coefficients). 2^n (n in [-159, 129]) is applied as two exact power-of-two factors
+ * 2^(n>>1) * 2^(n-(n>>1)) so overflow gives inf and subnormal results are rounded once.
+ * exp(+inf) = inf, exp(-inf) = 0. <= 2 ulp measured (tests/test_kernels_ops.py); results equal
+ * nx_exp16's lane for lane. */
+static inline __m256 nx_exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-110.0f), _mm256_min_ps(_mm256_set1_ps(89.0f), x));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+    p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+    __m256i ni = _mm256_cvtps_epi32(n);  /* NaN -> INT_MIN; p is NaN then anyway */
+    __m256i n1 = _mm256_srai_epi32(ni, 1);
+    __m256i n2 = _mm256_sub_epi32(ni, n1);
+    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
+    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+/* tanh(x), 8 lanes, same formula as nx_tanh16: |x| < 0.625: odd minimax polynomial
+ * x + x^3 P4(x^2) (Cephes tanhf); otherwise sign(x) * (1 - 2 / (exp(2|x|) + 1)) with nx_exp8,
+ * which saturates to +-1 and keeps NaN. tanh(-0) = -0. Checked against libm in
+ * tests/test_kernels_ops.py (a few ulp). */
+static inline __m256 nx_tanh8(__m256 x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 ax = _mm256_andnot_ps(sign, x);
+    __m256 z = _mm256_mul_ps(x, x);
+    __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+    __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
+    __m256 e = nx_exp8(_mm256_add_ps(ax, ax));
+    __m256 big = _mm256_sub_ps(_mm256_set1_ps(1.0f),
+                               _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+    __m256 is_small = _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ);
+    /* both branches carry sign(x); OR-ing it in keeps tanh(-0) = -0 */
+    return _mm256_or_ps(_mm256_blendv_ps(big, small, is_small), _mm256_and_ps(sign, x));
+}
+
+/* silu(x) = (x < 0 ? x*e : x) / (1 + e), e = exp(-|x|) (nx_exp8), 8 lanes, same formula as
+ * nx_silu16: never overflows; -inf is clamped to -FLT_MAX first so silu(-inf) = -0; NaN kept.
+ * Used by the forward swiglu only: the swiglu backward (nx_bwd_avx2.c) computes silu as
+ * x * sigmoid(x) with its own rounding, see the comment there. */
+static inline __m256 nx_silu8(__m256 x) {
+    __m256 e = nx_exp8(_mm256_or_ps(x, _mm256_set1_ps(-0.0f)));
+    __m256 xc = _mm256_max_ps(_mm256_set1_ps(-3.4028234663852886e38f), x);
+    __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+    __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(xc, e), neg);
+    return _mm256_div_ps(num, _mm256_add_ps(e, _mm256_set1_ps(1.0f)));
+}
+
+/* Horizontal max of 8 lanes (exact; tree (l, l+4), (l, l+2), (l0, l1); maxps semantics, so a
+ * NaN lane is not guaranteed to propagate). */
+static inline float nx_hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+/* Horizontal sum of 8 lanes in float32, fixed tree (l + l+4), (l + l+2), (l0 + l1): the same
+ * order on every call, so results are reproducible (not the sequential left-to-right sum). */
+static inline float nx_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#endif
