@@ -5,70 +5,31 @@
  * nx_cpu_isa_supported(NX_ISA_AVX2) (dispatch in nx_bwd.c). */
 #define NX_BWD_TILED_DRIVER
 #include "nx_bwd.h"
+#include "nx_vmath_avx2.h"  /* nx_mask8, nx_exp8, nx_hmax8, nx_hsum8 (shared with nx_ops_avx2.c) */
 
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* Lane mask for maskload/maskstore: lanes [0, valid) set. */
-static inline __m256i nx_bmask8(int64_t valid) {
-    int v = valid >= 8 ? 8 : valid <= 0 ? 0 : (int)valid;
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-/* exp(x), 8 lanes: the reduction and polynomial of the AVX-512 variant; 2^n (n in [-159, 129]
- * after clamping x to [-110, 89], NaN kept) applied as two exact power-of-two factors so
- * subnormal results are rounded once. <= 2 ulp. */
-static inline __m256 nx_bexp8(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-110.0f), _mm256_min_ps(_mm256_set1_ps(89.0f), x));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
-    p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
-    __m256i ni = _mm256_cvtps_epi32(n);  /* NaN -> INT_MIN; p is NaN then anyway */
-    __m256i n1 = _mm256_srai_epi32(ni, 1);
-    __m256i n2 = _mm256_sub_epi32(ni, n1);
-    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
-    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
-}
-
-static inline float nx_bhmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-
-static inline float nx_bhsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* ------------------------------------------------------------------ swiglu */
 
+/* silu and silu' from one e = exp(-|x|) and d = 1 / (1 + e): silu = xc * sigmoid, with
+ * sigmoid = d (x >= 0) or e*d. This is deliberately not the forward's nx_silu8
+ * ((x or x*e) / (1 + e), one division): the two round differently, and this kernel's
+ * results (tolerance-checked against the spec, not bit-matched to the forward) are kept as
+ * they are. It also clamps +inf to FLT_MAX inside silu', which the forward does not need. */
 void nx_swiglu_bwd_f32_avx2(const float *a, const float *b, const float *dout, float *da,
                             float *db, int64_t i0, int64_t i1) {
     const __m256 big = _mm256_set1_ps(3.4028234663852886e38f), nbig = _mm256_set1_ps(-3.4028234663852886e38f);
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     for (int64_t i = i0; i < i1; i += 8) {
-        __m256i m = nx_bmask8(i1 - i);
+        __m256i m = nx_mask8(i1 - i);
         __m256 av = _mm256_maskload_ps(a + i, m), bv = _mm256_maskload_ps(b + i, m);
         __m256 g = _mm256_maskload_ps(dout + i, m);
         __m256 xc = _mm256_max_ps(nbig, av);  /* -inf -> -FLT_MAX; NaN kept (second operand) */
         __m256 x = _mm256_min_ps(big, xc);    /* +inf -> FLT_MAX only inside silu' */
-        __m256 e = nx_bexp8(_mm256_or_ps(x, sign));
+        __m256 e = nx_exp8(_mm256_or_ps(x, sign));
         __m256 d = _mm256_div_ps(one, _mm256_add_ps(one, e));
         __m256 ed = _mm256_mul_ps(e, d);
         __m256 pos = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
@@ -134,7 +95,7 @@ nx_b2_pv(const int nv, const float *P, int64_t ld, const float *Y, int64_t hd, i
          int64_t c, float *O, int64_t hdp) {
     __m256 acc[NX_B2R][2];
     __m256i mk[2];
-    for (int v = 0; v < nv; v++) mk[v] = nx_bmask8(hd - c - 8 * v);
+    for (int v = 0; v < nv; v++) mk[v] = nx_mask8(hd - c - 8 * v);
     for (int r = 0; r < NX_B2R; r++)
         for (int v = 0; v < nv; v++) acc[r][v] = _mm256_load_ps(O + r * hdp + c + 8 * v);
     for (int64_t j = 0; j < nk; j++) {
@@ -165,7 +126,7 @@ static inline void nx_b2_softmax_ds(float *S, float *dP, const float *madd, int6
         _mm256_store_ps(S + j, x);
         mx = _mm256_max_ps(mx, x);
     }
-    const float m = nx_bhmax8(mx);
+    const float m = nx_hmax8(mx);
     if (m == -INFINITY) {  /* every key masked: no gradient */
         memset(S, 0, sizeof(float) * (size_t)Tp);
         memset(dP, 0, sizeof(float) * (size_t)Tp);
@@ -174,18 +135,18 @@ static inline void nx_b2_softmax_ds(float *S, float *dP, const float *madd, int6
     const __m256 vm = _mm256_set1_ps(m);
     __m256 l = _mm256_setzero_ps();
     for (int64_t j = 0; j < Tp; j += 8) {
-        __m256 p = nx_bexp8(_mm256_sub_ps(_mm256_load_ps(S + j), vm));
+        __m256 p = nx_exp8(_mm256_sub_ps(_mm256_load_ps(S + j), vm));
         _mm256_store_ps(S + j, p);
         l = _mm256_add_ps(l, p);
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / nx_bhsum8(l));
+    const __m256 inv = _mm256_set1_ps(1.0f / nx_hsum8(l));
     __m256 dl = _mm256_setzero_ps();
     for (int64_t j = 0; j < Tp; j += 8) {
         __m256 p = _mm256_mul_ps(_mm256_load_ps(S + j), inv);
         _mm256_store_ps(S + j, p);
         dl = _mm256_fmadd_ps(p, _mm256_load_ps(dP + j), dl);
     }
-    const __m256 delta = _mm256_set1_ps(nx_bhsum8(dl));
+    const __m256 delta = _mm256_set1_ps(nx_hsum8(dl));
     for (int64_t j = 0; j < Tp; j += 8) {
         __m256 p = _mm256_mul_ps(_mm256_load_ps(S + j), sc);
         _mm256_store_ps(dP + j, _mm256_mul_ps(p, _mm256_sub_ps(_mm256_load_ps(dP + j), delta)));

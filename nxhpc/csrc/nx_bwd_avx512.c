@@ -6,49 +6,12 @@
  * (dispatch in nx_bwd.c). */
 #define NX_BWD_TILED_DRIVER
 #include "nx_bwd.h"
+#include "nx_vmath_avx512.h"  /* nx_mask16, nx_exp16, nx_cvt_lohi, nx_tree16_pd (shared with nx_ops_avx512.c) */
 
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-static inline __mmask16 nx_bmask16(int64_t valid) {
-    return valid >= 16 ? (__mmask16)0xFFFF : valid <= 0 ? (__mmask16)0 : (__mmask16)((1u << valid) - 1u);
-}
-
-/* 16 floats -> two float64 vectors (elements 0..7, 8..15). */
-static inline void nx_cvt_lohi(__m512 v, __m512d *lo, __m512d *hi) {
-    *lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
-    *hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
-
-/* lanes l of lo are elements l (mod 16), of hi elements l+8: the generic tree
- * (l + l+8), (l + l+4), (l + l+2), (l0 + l1). */
-static inline double nx_tree16_pd(__m512d lo, __m512d hi) {
-    __m512d s8 = _mm512_add_pd(lo, hi);
-    __m256d s4 = _mm256_add_pd(_mm512_castpd512_pd256(s8), _mm512_extractf64x4_pd(s8, 1));
-    __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
-    return _mm_cvtsd_f64(s2) + _mm_cvtsd_f64(_mm_unpackhi_pd(s2, s2));
-}
-
-/* exp(x), 16 lanes: Cody-Waite reduction x = n ln2 + r, exp(r) = 1 + r + r^2 P5(r) (Cephes expf
- * minimax coefficients), scalef by n; input clamped to [-110, 89] (NaN kept). <= 2 ulp. */
-static inline __m512 nx_bexp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-110.0f), _mm512_min_ps(_mm512_set1_ps(89.0f), x));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* ------------------------------------------------------------------ rmsnorm */
 
@@ -68,7 +31,7 @@ int nx_rmsnorm_bwd_f32_avx512(const float *x, const float *w, const float *mod, 
         __m512d sl = _mm512_setzero_pd(), sh = _mm512_setzero_pd();
         __m512d cl = _mm512_setzero_pd(), ch = _mm512_setzero_pd();
         for (int64_t i = 0; i < D; i += 16) {
-            __mmask16 m = nx_bmask16(D - i);
+            __mmask16 m = nx_mask16(D - i);
             __m512d xl, xh, gl, gh, wl, wh;
             nx_cvt_lohi(_mm512_maskz_loadu_ps(m, xr + i), &xl, &xh);
             nx_cvt_lohi(_mm512_maskz_loadu_ps(m, gr + i), &gl, &gh);
@@ -90,7 +53,7 @@ int nx_rmsnorm_bwd_f32_avx512(const float *x, const float *w, const float *mod, 
         const double coef = ((inv * inv) * nx_tree16_pd(cl, ch)) / (double)D;
         const __m512d vinv = _mm512_set1_pd(inv), vcoef = _mm512_set1_pd(coef);
         for (int64_t i = 0; i < D; i += 16) {
-            __mmask16 m = nx_bmask16(D - i);
+            __mmask16 m = nx_mask16(D - i);
             __mmask8 ml8 = (__mmask8)(m & 0xFF), mh8 = (__mmask8)(m >> 8);
             __m512d xl, xh, dl, dh, wl, wh;
             nx_cvt_lohi(_mm512_maskz_loadu_ps(m, xr + i), &xl, &xh);
@@ -159,17 +122,22 @@ void nx_rope_bwd_f32_avx512(const float *dy, const float *pe, float *dx, int64_t
 
 /* ------------------------------------------------------------------ swiglu */
 
+/* silu and silu' from one e = exp(-|x|) and d = 1 / (1 + e): silu = xc * sigmoid, with
+ * sigmoid = d (x >= 0) or e*d. This is deliberately not the forward's nx_silu16
+ * ((x or x*e) / (1 + e), one division): the two round differently, and this kernel's
+ * results (tolerance-checked against the spec, not bit-matched to the forward) are kept as
+ * they are. It also clamps +inf to FLT_MAX inside silu', which the forward does not need. */
 void nx_swiglu_bwd_f32_avx512(const float *a, const float *b, const float *dout, float *da,
                               float *db, int64_t i0, int64_t i1) {
     const __m512 big = _mm512_set1_ps(3.4028234663852886e38f), nbig = _mm512_set1_ps(-3.4028234663852886e38f);
     const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
     for (int64_t i = i0; i < i1; i += 16) {
-        __mmask16 m = nx_bmask16(i1 - i);
+        __mmask16 m = nx_mask16(i1 - i);
         __m512 av = _mm512_maskz_loadu_ps(m, a + i), bv = _mm512_maskz_loadu_ps(m, b + i);
         __m512 g = _mm512_maskz_loadu_ps(m, dout + i);
         __m512 xc = _mm512_max_ps(nbig, av);  /* -inf -> -FLT_MAX; NaN kept (second operand) */
         __m512 x = _mm512_min_ps(big, xc);    /* +inf -> FLT_MAX only inside silu' */
-        __m512 e = nx_bexp16(_mm512_or_ps(x, sign));
+        __m512 e = nx_exp16(_mm512_or_ps(x, sign));
         __m512 d = _mm512_div_ps(one, _mm512_add_ps(one, e));
         __m512 ed = _mm512_mul_ps(e, d);
         __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
@@ -199,7 +167,7 @@ int nx_gated_residual_bwd_f32_avx512(const float *y, const float *gate, const fl
         float *o = dy + r * D;
         float *dr = dresid ? dresid + r * D : NULL;
         for (int64_t c = 0; c < D; c += 16) {
-            __mmask16 m = nx_bmask16(D - c);
+            __mmask16 m = nx_mask16(D - c);
             __m512 gv = _mm512_maskz_loadu_ps(m, g + c), yv = _mm512_maskz_loadu_ps(m, yr + c);
             __m512d gl, gh, yl, yh;
             nx_cvt_lohi(gv, &gl, &gh);
@@ -284,7 +252,7 @@ nx_b_pv(const int nv, const float *P, int64_t ld, const float *Y, int64_t hd, in
         int64_t c, float *O, int64_t hdp) {
     __m512 acc[NX_BBR][4];
     __mmask16 mk[4];
-    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) mk[v] = nx_bmask16(hd - c - 16 * v);
+    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) mk[v] = nx_mask16(hd - c - 16 * v);
     for (int r = 0; r < NX_BBR; r++)
         _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) acc[r][v] = _mm512_load_ps(O + r * hdp + c + 16 * v);
     for (int64_t j = 0; j < nk; j++) {
@@ -318,7 +286,7 @@ static inline void nx_b_softmax_ds(float *S, float *dP, const float *madd, int64
     const __m512 vm = _mm512_set1_ps(m);
     __m512 l = _mm512_setzero_ps();
     for (int64_t j = 0; j < Tp; j += 16) {
-        __m512 p = nx_bexp16(_mm512_sub_ps(_mm512_load_ps(S + j), vm));
+        __m512 p = nx_exp16(_mm512_sub_ps(_mm512_load_ps(S + j), vm));
         _mm512_store_ps(S + j, p);
         l = _mm512_add_ps(l, p);
     }

@@ -1,87 +1,18 @@
 /* nx_ops_avx2.c -- AVX2+FMA variants of the block's non-matmul kernels.
- * Owns: the 8-lane exp/tanh/silu polynomials and, for 16-register machines, the register-blocked
- * flash-attention micro-block (4 rows x 16 keys) run by the shared tiled driver
- * (nx_attn_tiled.h). Must not: be entered unless nx_cpu_isa_supported(NX_ISA_AVX2). */
+ * Owns: for 16-register machines, the register-blocked flash-attention micro-block (4 rows x 16
+ * keys) run by the shared tiled driver (nx_attn_tiled.h). The 8-lane exp/tanh/silu polynomials,
+ * lane masks and horizontal max/sum are shared with nx_bwd_avx2.c (nx_vmath_avx2.h).
+ * Must not: be entered unless nx_cpu_isa_supported(NX_ISA_AVX2). */
 #include "nx_ops.h"
 #include "nx_attn_tiled.h"
+#include "nx_vmath_avx2.h"
 
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* Lane mask for maskload/maskstore: lanes [0, valid) set. */
-static inline __m256i nx_mask8(int64_t valid) {
-    int v = valid >= 8 ? 8 : valid <= 0 ? 0 : (int)valid;
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-/* ------------------------------------------------------------------ vector math */
-
-/* exp(x), 8 lanes: same reduction and polynomial as the AVX-512 variant; 2^n (n in [-159, 129]
- * after clamping x to [-110, 89]) is applied as two exact power-of-two factors 2^(n>>1) * 2^(n-(n>>1))
- * so overflow gives inf and subnormal results are rounded once. <= 2 ulp measured. */
-static inline __m256 nx_exp8(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-110.0f), _mm256_min_ps(_mm256_set1_ps(89.0f), x));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
-    p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
-    __m256i ni = _mm256_cvtps_epi32(n);  /* NaN -> INT_MIN; p is NaN then anyway */
-    __m256i n1 = _mm256_srai_epi32(ni, 1);
-    __m256i n2 = _mm256_sub_epi32(ni, n1);
-    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
-    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
-}
-
-static inline __m256 nx_tanh8(__m256 x) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 ax = _mm256_andnot_ps(sign, x);
-    __m256 z = _mm256_mul_ps(x, x);
-    __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
-    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
-    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
-    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
-    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
-    __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
-    __m256 e = nx_exp8(_mm256_add_ps(ax, ax));
-    __m256 big = _mm256_sub_ps(_mm256_set1_ps(1.0f),
-                               _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
-    __m256 is_small = _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ);
-    /* both branches carry sign(x); OR-ing it in keeps tanh(-0) = -0 */
-    return _mm256_or_ps(_mm256_blendv_ps(big, small, is_small), _mm256_and_ps(sign, x));
-}
-
-static inline __m256 nx_silu8(__m256 x) {
-    __m256 e = nx_exp8(_mm256_or_ps(x, _mm256_set1_ps(-0.0f)));
-    __m256 xc = _mm256_max_ps(_mm256_set1_ps(-3.4028234663852886e38f), x);
-    __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
-    __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(xc, e), neg);
-    return _mm256_div_ps(num, _mm256_add_ps(e, _mm256_set1_ps(1.0f)));
-}
-
-static inline float nx_hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-
-static inline float nx_hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+/* ------------------------------------------------------------------ vector math (test hook) */
 
 void nx_vmath_f32_avx2(int which, const float *x, float *out, int64_t n) {
     for (int64_t i = 0; i < n; i += 8) {

@@ -1,72 +1,18 @@
 /* nx_ops_avx512.c -- AVX-512 (F/DQ/BW/VL) variants of the block's non-matmul kernels.
- * Owns: the 16-lane exp/tanh/silu polynomials and the register-blocked flash-attention micro-block
- * (6 rows x 64 keys) run by the shared tiled driver (nx_attn_tiled.h).
+ * Owns: the register-blocked flash-attention micro-block (6 rows x 64 keys) run by the shared
+ * tiled driver (nx_attn_tiled.h). The 16-lane exp/tanh/silu polynomials, lane masks and the
+ * float64 reduction tree are shared with nx_bwd_avx512.c (nx_vmath_avx512.h).
  * Must not: be entered unless nx_cpu_isa_supported(NX_ISA_AVX512) (dispatch in nx_ops.c). */
 #include "nx_ops.h"
 #include "nx_attn_tiled.h"
+#include "nx_vmath_avx512.h"
 
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-static inline __mmask16 nx_mask16(int64_t valid) {
-    return valid >= 16 ? (__mmask16)0xFFFF : valid <= 0 ? (__mmask16)0 : (__mmask16)((1u << valid) - 1u);
-}
-
-/* ------------------------------------------------------------------ vector math */
-
-/* exp(x), 16 lanes. Range reduction x = n*ln2 + r (ln2 split in two, Cody-Waite), |r| <= ln2/2,
- * exp(r) = 1 + r + r^2 * P5(r) (Cephes expf minimax coefficients), result = scalef(p, n).
- * Input clamped to [-110, 89] first (NaN kept: the clamp returns its second operand on NaN), so
- * exp(+inf) = inf, exp(-inf) = 0, subnormal results are rounded once by scalef.
- * Max error measured over the float range: <= 2 ulp (tests/test_kernels_ops.py). */
-static inline __m512 nx_exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-110.0f), _mm512_min_ps(_mm512_set1_ps(89.0f), x));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* tanh(x), 16 lanes. |x| < 0.625: odd minimax polynomial x + x^3 P4(x^2) (Cephes tanhf);
- * otherwise sign(x) * (1 - 2 / (exp(2|x|) + 1)), which saturates to +-1 and keeps NaN. */
-static inline __m512 nx_tanh16(__m512 x) {
-    const __m512 sign = _mm512_set1_ps(-0.0f);
-    __m512 ax = _mm512_andnot_ps(sign, x);
-    __m512 z = _mm512_mul_ps(x, x);
-    __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954e-2f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531e-2f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036e-1f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
-    __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
-    __m512 e = nx_exp16(_mm512_add_ps(ax, ax));
-    __m512 big = _mm512_sub_ps(_mm512_set1_ps(1.0f),
-                               _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
-    __mmask16 is_small = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.625f), _CMP_LT_OQ);
-    /* both branches carry sign(x) (the polynomial is odd with 1 + z*P > 0); OR-ing it in keeps tanh(-0) = -0 */
-    return _mm512_or_ps(_mm512_mask_blend_ps(is_small, big, small), _mm512_and_ps(sign, x));
-}
-
-/* silu(x) = (x < 0 ? x*e : x) / (1 + e), e = exp(-|x|): never overflows; silu(-inf) = -0. */
-static inline __m512 nx_silu16(__m512 x) {
-    const __m512 sign = _mm512_set1_ps(-0.0f);
-    __m512 e = nx_exp16(_mm512_or_ps(x, sign));
-    __m512 xc = _mm512_max_ps(_mm512_set1_ps(-3.4028234663852886e38f), x);  /* -inf -> -FLT_MAX, NaN kept */
-    __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-    __m512 num = _mm512_mask_mul_ps(x, neg, xc, e);
-    return _mm512_div_ps(num, _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
-}
+/* ------------------------------------------------------------------ vector math (test hook) */
 
 void nx_vmath_f32_avx512(int which, const float *x, float *out, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
@@ -82,17 +28,12 @@ void nx_vmath_f32_avx512(int which, const float *x, float *out, int64_t n) {
 static inline float nx_rms_inv_avx512(const float *x, int64_t n, float eps) {
     __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
     for (int64_t i = 0; i < n; i += 16) {
-        __m512 v = _mm512_maskz_loadu_ps(nx_mask16(n - i), x + i);
-        __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
-        __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+        __m512d lo, hi;
+        nx_cvt_lohi(_mm512_maskz_loadu_ps(nx_mask16(n - i), x + i), &lo, &hi);
         a0 = _mm512_fmadd_pd(lo, lo, a0);  /* lo*lo is exact in float64: fma == mul + add */
         a1 = _mm512_fmadd_pd(hi, hi, a1);
     }
-    __m512d s8 = _mm512_add_pd(a0, a1);
-    __m256d s4 = _mm256_add_pd(_mm512_castpd512_pd256(s8), _mm512_extractf64x4_pd(s8, 1));
-    __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
-    double ss = _mm_cvtsd_f64(s2) + _mm_cvtsd_f64(_mm_unpackhi_pd(s2, s2));
-    return (float)(1.0 / sqrt(ss / (double)n + (double)eps));
+    return (float)(1.0 / sqrt(nx_tree16_pd(a0, a1) / (double)n + (double)eps));
 }
 
 void nx_rmsnorm_f32_avx512(const float *x, const float *w, const float *mod, float *out,

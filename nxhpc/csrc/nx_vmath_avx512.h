@@ -1,0 +1,101 @@
+/* nx_vmath_avx512.h -- the 16-lane (zmm) vector math shared by the AVX-512 kernel files
+ * (nx_ops_avx512.c, nx_bwd_avx512.c): lane masks, exp / tanh / silu polynomials, and the
+ * float32 -> float64 split + fixed float64 reduction tree of the bit-identical rmsnorm paths.
+ * Each helper exists once, here; the forward and backward kernels call the same code, so an
+ * exp(x) in the attention forward and backward is bit-identical by construction.
+ * (Horizontal float32 max/sum use the compiler's _mm512_reduce_max_ps / _mm512_reduce_add_ps.)
+ *
+ * Must only be included from files compiled with the AVX-512 ISA flags (-mavx512f -mavx512dq
+ * ...: the *_avx512.c files, see setup.py), and those files are only entered after the run-time
+ * CPU probe (nx_cpu_isa_supported(NX_ISA_AVX512)). Including it from a generic or AVX2 file would
+ * let the compiler emit AVX-512 code into paths that run on other CPUs, hence the #error below.
+ * Everything is static inline: no symbols, no state. */
+#ifndef NX_VMATH_AVX512_H
+#define NX_VMATH_AVX512_H
+
+#if defined(__GNUC__) && !(defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__FMA__))
+#error "nx_vmath_avx512.h: include only from files compiled with -mavx512f -mavx512dq (the *_avx512.c files)"
+#endif
+
+#include <immintrin.h>
+#include <stdint.h>
+
+/* Lane mask: lanes [0, valid) set (valid clamped to [0, 16]). */
+static inline __mmask16 nx_mask16(int64_t valid) {
+    return valid >= 16 ? (__mmask16)0xFFFF : valid <= 0 ? (__mmask16)0 : (__mmask16)((1u << valid) - 1u);
+}
+
+/* exp(x), 16 lanes. Range reduction x = n*ln2 + r (ln2 split in two, Cody-Waite), |r| <= ln2/2,
+ * exp(r) = 1 + r + r^2 * P5(r) (Cephes expf minimax coefficients), result = scalef(p, n).
+ * Input clamped to [-110, 89] first (NaN kept: the clamp returns its second operand on NaN), so
+ * exp(+inf) = inf, exp(-inf) = 0, subnormal results are rounded once by scalef.
+ * Max error measured over the float range: <= 2 ulp (tests/test_kernels_ops.py). */
+static inline __m512 nx_exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-110.0f), _mm512_min_ps(_mm512_set1_ps(89.0f), x));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* tanh(x), 16 lanes. |x| < 0.625: odd minimax polynomial x + x^3 P4(x^2) (Cephes tanhf);
+ * otherwise sign(x) * (1 - 2 / (exp(2|x|) + 1)) with nx_exp16, which saturates to +-1 and keeps
+ * NaN. tanh(-0) = -0. Measured <= 1.2 ulp (test bound 3 ulp, tests/test_kernels_ops.py). */
+static inline __m512 nx_tanh16(__m512 x) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    __m512 ax = _mm512_andnot_ps(sign, x);
+    __m512 z = _mm512_mul_ps(x, x);
+    __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954e-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531e-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036e-1f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
+    __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
+    __m512 e = nx_exp16(_mm512_add_ps(ax, ax));
+    __m512 big = _mm512_sub_ps(_mm512_set1_ps(1.0f),
+                               _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+    __mmask16 is_small = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.625f), _CMP_LT_OQ);
+    /* both branches carry sign(x) (the polynomial is odd with 1 + z*P > 0); OR-ing it in keeps tanh(-0) = -0 */
+    return _mm512_or_ps(_mm512_mask_blend_ps(is_small, big, small), _mm512_and_ps(sign, x));
+}
+
+/* silu(x) = (x < 0 ? x*e : x) / (1 + e), e = exp(-|x|) (nx_exp16): never overflows; -inf is
+ * clamped to -FLT_MAX first so silu(-inf) = -0; NaN kept. Used by the forward swiglu only: the
+ * swiglu backward (nx_bwd_avx512.c) computes silu as x * sigmoid(x) with its own rounding, see
+ * the comment there. */
+static inline __m512 nx_silu16(__m512 x) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    __m512 e = nx_exp16(_mm512_or_ps(x, sign));
+    __m512 xc = _mm512_max_ps(_mm512_set1_ps(-3.4028234663852886e38f), x);  /* -inf -> -FLT_MAX, NaN kept */
+    __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    __m512 num = _mm512_mask_mul_ps(x, neg, xc, e);
+    return _mm512_div_ps(num, _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
+}
+
+/* 16 floats -> two float64 vectors (elements 0..7, 8..15); exact. */
+static inline void nx_cvt_lohi(__m512 v, __m512d *lo, __m512d *hi) {
+    *lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+    *hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+/* Sum of 16 float64 accumulators, lanes l of lo = elements l (mod 16), of hi = elements l+8,
+ * in the generic tree (l + l+8), (l + l+4), (l + l+2), (l0 + l1): the order nx_rms_inv_generic
+ * (nx_ops.c) and the generic rmsnorm backward (nx_bwd.c) use, so the SIMD sums are bit-identical
+ * to theirs. */
+static inline double nx_tree16_pd(__m512d lo, __m512d hi) {
+    __m512d s8 = _mm512_add_pd(lo, hi);
+    __m256d s4 = _mm256_add_pd(_mm512_castpd512_pd256(s8), _mm512_extractf64x4_pd(s8, 1));
+    __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
+    return _mm_cvtsd_f64(s2) + _mm_cvtsd_f64(_mm_unpackhi_pd(s2, s2));
+}
+
+#endif
