@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage-timeout", type=_positive_float, default=None, metavar="SECONDS",
                    help="kill the workers and fail (exit 6) when one parallel stage takes longer "
                         "than this, e.g. a hung worker (default: no limit)")
+    p.add_argument("--repeat", type=_positive_int, default=1, metavar="N",
+                   help="run the block(s) N times on the same workers and report the fastest "
+                        "time of each stage (the first run pays page faults and cold caches; "
+                        "the output is the same bits every run; default 1)")
     p.add_argument("--save-output", metavar="PATH", default=None,
                    help="write the final block output as a float32 .npy array")
     p.add_argument("--json", action="store_true",
@@ -263,7 +267,8 @@ def _run_model(args, model, workers: int) -> int:
                     "tokens": T, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
                     "head_dim": cfg.head_dim, "qkv_width": cfg.qkv_width,
                     "ffn_dim": cfg.ffn_dim, "workers": workers, "spawn": args.spawn,
-                    "layers": n_layers, "eps": eps, "mask": mask is not None,
+                    "layers": n_layers, "repeat": args.repeat, "eps": eps,
+                    "mask": mask is not None,
                     "gguf_tensors": len(model.gguf.names()) if model.gguf is not None else 0}
 
     # modulation source
@@ -328,7 +333,7 @@ def _run_model(args, model, workers: int) -> int:
 
     res = run_layers(model, layers, x, pe, t_emb=t_emb, adaln_ms=adaln_ms, mask=mask,
                      workers=workers, spawn=args.spawn, eps=eps, on_layer=on_layer,
-                     weights=weights, stage_timeout=args.stage_timeout)
+                     weights=weights, stage_timeout=args.stage_timeout, repeat=args.repeat)
     out = res.output
     for k, v in res.timings.items():
         if k != "per_layer":

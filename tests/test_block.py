@@ -175,6 +175,26 @@ def test_chain_equals_layer_by_layer(models_root, mid):
     assert np.abs(res.output - last).max() <= 1e-5 * np.abs(last).max()
 
 
+def test_repeat_gives_same_bits_and_min_timings(models_root):
+    """repeat=3 reruns the chain on the same workers: identical output, every stage time is the
+    minimum over the runs (so never above a single run's own figure), on_layer called once per
+    layer; repeat < 1 is refused."""
+    model = _open("mid", models_root)
+    cfg = model.config
+    x, pe, t, mask = model.blk_in(0), model.pe(), model.t_emb(), model.mask()
+    one = run_layers(model, range(cfg.n_layers), x, pe, t_emb=t, mask=mask, workers=2)
+    calls = []
+    three = run_layers(model, range(cfg.n_layers), x, pe, t_emb=t, mask=mask, workers=2,
+                       repeat=3, on_layer=lambda i, o, tm: calls.append(i))
+    assert np.array_equal(one.output, three.output)
+    assert calls == list(range(cfg.n_layers))
+    for tl in three.timings["per_layer"]:
+        assert set(tl) >= {"us_ffn", "block_us"} and all(v >= 0 for v in tl.values())
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="repeat"):
+            run_layers(model, [0], x, pe, t_emb=t, mask=mask, workers=1, repeat=bad)
+
+
 def test_adaln_fixture_path_equals_t_emb_path_closely(models_root):
     model = _open("tiny", models_root)
     x, pe, t = model.blk_in(0), model.pe(), model.t_emb()

@@ -91,6 +91,15 @@ def test_layers_all_table_and_equals_layer_by_layer(models_root, tmp_path):
     assert np.array_equal(np.load(out_path), cur)
 
 
+def test_repeat_same_output_as_single_run(models_root, tmp_path):
+    a, b = tmp_path / "a.npy", tmp_path / "b.npy"
+    r1 = _cli(["tiny", "2", "--save-output", str(a)], models_root)
+    r3 = _cli(["tiny", "2", "--repeat", "3", "--save-output", str(b)], models_root)
+    assert r1.returncode == 0 and r3.returncode == 0, r1.stderr + r3.stderr
+    assert _kv(r3.stdout)["repeat"] == "3" and _kv(r1.stdout)["repeat"] == "1"
+    assert np.load(a).tobytes() == np.load(b).tobytes()
+
+
 def test_explicit_gguf_path_and_fixture_source_identical(models_root, tmp_path):
     a, b = tmp_path / "a.npy", tmp_path / "b.npy"
     d = open_model("tiny", models_dir=models_root).path
