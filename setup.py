@@ -9,6 +9,7 @@ the native-arch flag (opt-in) to every file (the result only runs on machines li
 Debug build: ``NXHPC_CYTHON_DEBUG=1`` turns on Cython bounds/initialisation checks.
 """
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -58,7 +59,10 @@ class BuildExt(build_ext):
 
 
 debug = os.environ.get("NXHPC_CYTHON_DEBUG") == "1"
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 c_files = sorted(str(p) for p in (HERE / CSRC).glob("*.c"))
+if not X86:  # the SIMD files are x86 intrinsics: other CPUs build the generic kernels only
+    c_files = [p for p in c_files if not isa_of(p)]
 c_files = [os.path.relpath(p, HERE) for p in c_files]
 
 ext = Extension(

@@ -23,17 +23,18 @@ nx_isa nx_bwd_variant(nx_bwd_family fam, nx_isa isa) {
 int nx_rmsnorm_bwd_f32(nx_isa isa, const float *x, const float *w, const float *mod,
                        const float *dy, float *dx, float *dw, float *dmod, int64_t D, float eps,
                        int64_t r0, int64_t r1) {
-    if (nx_bwd_variant(NX_BWD_RMSNORM, isa) == NX_ISA_AVX512)
-        return nx_rmsnorm_bwd_f32_avx512(x, w, mod, dy, dx, dw, dmod, D, eps, r0, r1);
+    NX_X86_ONLY(if (nx_bwd_variant(NX_BWD_RMSNORM, isa) == NX_ISA_AVX512)
+        return nx_rmsnorm_bwd_f32_avx512(x, w, mod, dy, dx, dw, dmod, D, eps, r0, r1);)
     return nx_rmsnorm_bwd_f32_generic(x, w, mod, dy, dx, dw, dmod, D, eps, r0, r1);
 }
 
 void nx_rope_bwd_f32(nx_isa isa, const float *dy, const float *pe, float *dx, int64_t T,
                      int64_t hd, int64_t r0, int64_t r1) {
-    if (nx_bwd_variant(NX_BWD_ROPE, isa) == NX_ISA_AVX512)
+    NX_X86_ONLY(if (nx_bwd_variant(NX_BWD_ROPE, isa) == NX_ISA_AVX512) {
         nx_rope_bwd_f32_avx512(dy, pe, dx, T, hd, r0, r1);
-    else
-        nx_rope_bwd_f32_generic(dy, pe, dx, T, hd, r0, r1);
+        return;
+    })
+    nx_rope_bwd_f32_generic(dy, pe, dx, T, hd, r0, r1);
 }
 
 int nx_qknorm_rope_bwd_f32(nx_isa isa, const float *qkv, const float *q_w, const float *k_w,
@@ -48,8 +49,8 @@ int nx_qknorm_rope_bwd_f32(nx_isa isa, const float *qkv, const float *q_w, const
 void nx_swiglu_bwd_f32(nx_isa isa, const float *a, const float *b, const float *dout, float *da,
                        float *db, int64_t i0, int64_t i1) {
     switch (nx_bwd_variant(NX_BWD_SWIGLU, isa)) {
-    case NX_ISA_AVX512: nx_swiglu_bwd_f32_avx512(a, b, dout, da, db, i0, i1); return;
-    case NX_ISA_AVX2: nx_swiglu_bwd_f32_avx2(a, b, dout, da, db, i0, i1); return;
+    NX_X86_ONLY(case NX_ISA_AVX512: nx_swiglu_bwd_f32_avx512(a, b, dout, da, db, i0, i1); return;
+                case NX_ISA_AVX2: nx_swiglu_bwd_f32_avx2(a, b, dout, da, db, i0, i1); return;)
     default: nx_swiglu_bwd_f32_generic(a, b, dout, da, db, i0, i1); return;
     }
 }
@@ -57,8 +58,8 @@ void nx_swiglu_bwd_f32(nx_isa isa, const float *a, const float *b, const float *
 int nx_gated_residual_bwd_f32(nx_isa isa, const float *y, const float *gate, const float *dout,
                               float *dresid, float *dy, float *dgate, int64_t D, int64_t r0,
                               int64_t r1) {
-    if (nx_bwd_variant(NX_BWD_GATED_RESIDUAL, isa) == NX_ISA_AVX512)
-        return nx_gated_residual_bwd_f32_avx512(y, gate, dout, dresid, dy, dgate, D, r0, r1);
+    NX_X86_ONLY(if (nx_bwd_variant(NX_BWD_GATED_RESIDUAL, isa) == NX_ISA_AVX512)
+        return nx_gated_residual_bwd_f32_avx512(y, gate, dout, dresid, dy, dgate, D, r0, r1);)
     return nx_gated_residual_bwd_f32_generic(y, gate, dout, dresid, dy, dgate, D, r0, r1);
 }
 
@@ -67,12 +68,12 @@ int nx_attention_bwd_f32(nx_isa isa, const float *q, const float *k, const float
                          int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t g0,
                          int64_t g1) {
     switch (nx_bwd_variant(NX_BWD_ATTENTION, isa)) {
-    case NX_ISA_AVX512:
+    NX_X86_ONLY(case NX_ISA_AVX512:
         return nx_attention_bwd_f32_avx512(q, k, v, dout, mask, dq, dk, dv, T, H, KVH, hd, scale,
                                            g0, g1);
     case NX_ISA_AVX2:
         return nx_attention_bwd_f32_avx2(q, k, v, dout, mask, dq, dk, dv, T, H, KVH, hd, scale,
-                                         g0, g1);
+                                         g0, g1);)
     default: break;
     }
     return nx_attention_bwd_f32_generic(q, k, v, dout, mask, dq, dk, dv, T, H, KVH, hd, scale,

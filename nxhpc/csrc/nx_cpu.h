@@ -22,6 +22,17 @@ enum {
     NX_CPU_OS_ZMM     = 1u << 12,   /* OS saves opmask + ZMM state (XCR0 bits 5,6,7) */
 };
 
+/* x86 SIMD variants (the *_avx2.c / *_avx512.c files) exist only in x86 builds; elsewhere the build
+ * leaves those files out, the probe reports no SIMD, and dispatch code wraps every call into them
+ * in NX_X86_ONLY(...) so that no reference to them remains. */
+#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64) || defined(_M_IX86)
+#define NX_X86 1
+#define NX_X86_ONLY(...) __VA_ARGS__
+#else
+#define NX_X86 0
+#define NX_X86_ONLY(...)
+#endif
+
 /* ISA levels kernels are compiled for; each kernel family picks the highest usable one. */
 typedef enum { NX_ISA_GENERIC = 0, NX_ISA_AVX2 = 1, NX_ISA_AVX512 = 2 } nx_isa;
 

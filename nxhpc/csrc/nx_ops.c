@@ -18,8 +18,8 @@ nx_isa nx_ops_variant(nx_ops_family fam, nx_isa isa) {
 void nx_rmsnorm_f32(nx_isa isa, const float *x, const float *w, const float *mod, float *out,
                     int64_t D, float eps, int64_t r0, int64_t r1) {
     switch (nx_ops_variant(NX_OPS_RMSNORM, isa)) {
-    case NX_ISA_AVX512: nx_rmsnorm_f32_avx512(x, w, mod, out, D, eps, r0, r1); return;
-    case NX_ISA_AVX2: nx_rmsnorm_f32_avx2(x, w, mod, out, D, eps, r0, r1); return;
+    NX_X86_ONLY(case NX_ISA_AVX512: nx_rmsnorm_f32_avx512(x, w, mod, out, D, eps, r0, r1); return;
+                case NX_ISA_AVX2: nx_rmsnorm_f32_avx2(x, w, mod, out, D, eps, r0, r1); return;)
     default: nx_rmsnorm_f32_generic(x, w, mod, out, D, eps, r0, r1); return;
     }
 }
@@ -28,12 +28,12 @@ void nx_qknorm_rope_f32(nx_isa isa, const float *qkv, const float *q_w, const fl
                         const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
                         int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1) {
     switch (nx_ops_variant(NX_OPS_QKNORM_ROPE, isa)) {
-    case NX_ISA_AVX512:
+    NX_X86_ONLY(case NX_ISA_AVX512:
         nx_qknorm_rope_f32_avx512(qkv, q_w, k_w, pe, q_out, k_out, T, H, KVH, hd, eps, h0, h1);
         return;
     case NX_ISA_AVX2:
         nx_qknorm_rope_f32_avx2(qkv, q_w, k_w, pe, q_out, k_out, T, H, KVH, hd, eps, h0, h1);
-        return;
+        return;)
     default:
         nx_qknorm_rope_f32_generic(qkv, q_w, k_w, pe, q_out, k_out, T, H, KVH, hd, eps, h0, h1);
         return;
@@ -44,10 +44,10 @@ int nx_attention_f32(nx_isa isa, const float *q, const float *k, const float *qk
                      const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
                      int64_t hd, float scale, int64_t h0, int64_t h1) {
     switch (nx_ops_variant(NX_OPS_ATTENTION, isa)) {
-    case NX_ISA_AVX512:
+    NX_X86_ONLY(case NX_ISA_AVX512:
         return nx_attention_f32_avx512(q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1);
     case NX_ISA_AVX2:
-        return nx_attention_f32_avx2(q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1);
+        return nx_attention_f32_avx2(q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1);)
     default:
         return nx_attention_f32_generic(q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1);
     }
@@ -55,8 +55,8 @@ int nx_attention_f32(nx_isa isa, const float *q, const float *k, const float *qk
 
 void nx_swiglu_f32(nx_isa isa, const float *a, const float *b, float *out, int64_t i0, int64_t i1) {
     switch (nx_ops_variant(NX_OPS_SWIGLU, isa)) {
-    case NX_ISA_AVX512: nx_swiglu_f32_avx512(a, b, out, i0, i1); return;
-    case NX_ISA_AVX2: nx_swiglu_f32_avx2(a, b, out, i0, i1); return;
+    NX_X86_ONLY(case NX_ISA_AVX512: nx_swiglu_f32_avx512(a, b, out, i0, i1); return;
+                case NX_ISA_AVX2: nx_swiglu_f32_avx2(a, b, out, i0, i1); return;)
     default: nx_swiglu_f32_generic(a, b, out, i0, i1); return;
     }
 }
@@ -64,16 +64,16 @@ void nx_swiglu_f32(nx_isa isa, const float *a, const float *b, float *out, int64
 int nx_gated_residual_f32(nx_isa isa, const float *resid, const float *y, const float *gate,
                           float *out, int64_t D, int64_t r0, int64_t r1) {
     switch (nx_ops_variant(NX_OPS_GATED_RESIDUAL, isa)) {
-    case NX_ISA_AVX512: return nx_gated_residual_f32_avx512(resid, y, gate, out, D, r0, r1);
-    case NX_ISA_AVX2: return nx_gated_residual_f32_avx2(resid, y, gate, out, D, r0, r1);
+    NX_X86_ONLY(case NX_ISA_AVX512: return nx_gated_residual_f32_avx512(resid, y, gate, out, D, r0, r1);
+                case NX_ISA_AVX2: return nx_gated_residual_f32_avx2(resid, y, gate, out, D, r0, r1);)
     default: return nx_gated_residual_f32_generic(resid, y, gate, out, D, r0, r1);
     }
 }
 
 void nx_vmath_f32(nx_isa isa, int which, const float *x, float *out, int64_t n) {
     switch (nx_ops_variant(NX_OPS_EXP, isa)) {
-    case NX_ISA_AVX512: nx_vmath_f32_avx512(which, x, out, n); return;
-    case NX_ISA_AVX2: nx_vmath_f32_avx2(which, x, out, n); return;
+    NX_X86_ONLY(case NX_ISA_AVX512: nx_vmath_f32_avx512(which, x, out, n); return;
+                case NX_ISA_AVX2: nx_vmath_f32_avx2(which, x, out, n); return;)
     default: nx_vmath_f32_generic(which, x, out, n); return;
     }
 }

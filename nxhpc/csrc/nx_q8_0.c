@@ -110,13 +110,19 @@ nx_isa nx_q8_0_convert_level(nx_isa isa) {
 }
 
 void nx_q8_0_quantize(nx_isa isa, const float *x /* IN */, uint8_t *out /* OUT */, size_t nblocks) {
-    if (nx_q8_0_convert_level(isa) == NX_ISA_AVX512) nx_q8_0_quantize_avx512(x, out, nblocks);
-    else nx_q8_0_quantize_generic(x, out, nblocks);
+    NX_X86_ONLY(if (nx_q8_0_convert_level(isa) == NX_ISA_AVX512) {
+        nx_q8_0_quantize_avx512(x, out, nblocks);
+        return;
+    })
+    nx_q8_0_quantize_generic(x, out, nblocks);
 }
 
 void nx_q8_0_dequantize(nx_isa isa, const uint8_t *w /* IN */, float *out /* OUT */, size_t nblocks) {
-    if (nx_q8_0_convert_level(isa) == NX_ISA_AVX512) nx_q8_0_dequantize_avx512(w, out, nblocks);
-    else nx_q8_0_dequantize_generic(w, out, nblocks);
+    NX_X86_ONLY(if (nx_q8_0_convert_level(isa) == NX_ISA_AVX512) {
+        nx_q8_0_dequantize_avx512(w, out, nblocks);
+        return;
+    })
+    nx_q8_0_dequantize_generic(w, out, nblocks);
 }
 
 /* ------------------------------------------------------------------ matmul (the spec) */
@@ -217,8 +223,8 @@ nx_isa nx_q8_0_matmul_level(nx_isa isa) {
 int nx_q8_0_matmul(nx_isa isa, const float *x /* IN */, const uint8_t *w /* IN */,
                    float *out /* OUT */, size_t T, size_t K, size_t N, size_t n0, size_t n1) {
     switch (nx_q8_0_matmul_level(isa)) {
-    case NX_ISA_AVX512: return nx_q8_0_matmul_avx512(x, w, out, T, K, N, n0, n1);
-    case NX_ISA_AVX2: return nx_q8_0_matmul_avx2(x, w, out, T, K, N, n0, n1);
+    NX_X86_ONLY(case NX_ISA_AVX512: return nx_q8_0_matmul_avx512(x, w, out, T, K, N, n0, n1);
+                case NX_ISA_AVX2: return nx_q8_0_matmul_avx2(x, w, out, T, K, N, n0, n1);)
     default: return nx_q8_0_matmul_generic(x, w, out, T, K, N, n0, n1);
     }
 }
