@@ -4,7 +4,17 @@ Hot paths are C kernels behind validating Cython wrappers (``nxhpc._kernels``), 
 time by CPU features (``cpu_features()``, ``kernel_variants()``; ``NXHPC_DISABLE_SIMD=1`` forces
 the scalar path).
 """
-from nxhpc._kernels import cpu_features, kernel_variants, supported_isas
+try:
+    from nxhpc._kernels import cpu_features, kernel_variants, supported_isas
+except ModuleNotFoundError as _e:  # the source tree without its compiled extension
+    if _e.name != "nxhpc._kernels":
+        raise
+    import os as _os
+    raise ImportError(
+        f"nxhpc's compiled kernels (nxhpc._kernels) are not built in "
+        f"{_os.path.dirname(__file__)}: this is probably a source checkout shadowing an "
+        f"installed nxhpc. Build it in place with `pip install -e .` (or `python setup.py "
+        f"build_ext --inplace`), or run from outside the checkout.") from None
 from nxhpc.api import load_model
 
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""The block pipeline: one DiT layer (BLOCK.md) end to end on nxhpc's C kernels, in forked workers.
+"""The block pipeline: one DiT layer (docs/block.md) end to end on nxhpc's C kernels, in forked workers.
 
 Owns: input validation, weight binding checks, the stage order and per-stage timings, the arena
 layout, and chaining consecutive layers. Must not: parse files (``nxhpc.models`` does), compute

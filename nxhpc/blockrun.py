@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from nxhpc.grade import DEFAULT_TOL, count_exceeding, error_row, fmt_value, grade
-from nxhpc.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerError, usable_cpus
+from nxhpc.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerError, max_workers, usable_cpus
 
 __all__ = ["main", "build_parser", "EXIT_CODES"]
 
@@ -77,6 +77,14 @@ def _positive_int(s: str) -> int:
     return v
 
 
+def _workers_arg(s: str) -> int:
+    v = _positive_int(s)
+    if v > max_workers():
+        raise argparse.ArgumentTypeError(
+            f"at most {max_workers()} (8x the {usable_cpus()} usable CPUs, at least 64), got {v}")
+    return v
+
+
 def _layers_arg(s: str):
     if s == "all":
         return "all"
@@ -105,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_id", help="built-in model id (e.g. tiny, mid, zimage-1l), a directory "
                                     "under --models-dir / $NXHPC_MODELS, or a model directory path")
-    p.add_argument("n_workers", nargs="?", type=_positive_int, default=None,
+    p.add_argument("n_workers", nargs="?", type=_workers_arg, default=None,
                    help="worker processes (default: the usable CPUs, here %d)" % usable_cpus())
     p.add_argument("reference_name", nargs="?", default=None,
                    help="fixture to grade the final output against (default: see grading "
@@ -195,10 +203,14 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         if args.save_output is not None:
-            parent = Path(args.save_output).resolve().parent
+            target = Path(args.save_output)
+            parent = target.resolve().parent
             if not parent.is_dir():
                 raise _UsageError(f"--save-output {args.save_output}: directory {parent} "
                                   f"does not exist")
+            if target.is_dir():
+                raise _UsageError(f"--save-output {args.save_output} is a directory; give a "
+                                  f"file path (e.g. {target / 'out.npy'})")
         workers = args.n_workers if args.n_workers is not None else usable_cpus()
         with open_model(args.model_id, models_dir=args.models_dir,
                         gguf_path=args.gguf_path) as model:
@@ -340,7 +352,8 @@ def _run_model(args, model, workers: int) -> int:
             report[k] = v
     g = grade(out, ref_final, tol=args.tol, reference=final_ref)
     if args.save_output is not None:
-        np.save(args.save_output, out.astype(np.float32))
+        with open(args.save_output, "wb") as f:   # exactly this path (np.save would add .npy)
+            np.save(f, out.astype(np.float32))
         report["saved_output"] = str(args.save_output)
 
     if args.json:

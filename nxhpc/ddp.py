@@ -495,7 +495,7 @@ def train_mpi(comm, steps: int, *, arith: str = "q16", cfg: MLPConfig = MLPConfi
 
 def _parse_int_list(text: str) -> list[int]:
     try:
-        vals = [int(v) for v in text.split(",") if v.strip()]
+        vals = [int(v) for v in text.split(",")]     # an empty item is an error, not skipped
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
     if not vals or any(v < 1 for v in vals):
@@ -576,6 +576,12 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    n_rows = data.x.shape[0]
+    for opt, ds in (("--workers", [args.workers] if args.workers else []),
+                    ("--sweep", args.sweep or []), ("--contrast", args.contrast or [])):
+        too_many = [d for d in ds if d > n_rows]
+        if too_many:   # a shard would be empty
+            ap.error(f"{opt}: {too_many} exceeds the {n_rows} data rows (at most one worker per row)")
     head = (f"Q16.16 MLP {data.x.shape[1]}-{cfg.hidden}-1 (relu), SSE loss, SGD lr={cfg.lr} "
             f"(Q16 {cfg.lr_q16}/65536, mean over {data.x.shape[0]} rows), diabetes data "
             f"{data.x.shape[0]}x{data.x.shape[1]} standardized")

@@ -1,4 +1,4 @@
-"""The in-repo oracle: a plain float64 numpy evaluation of one block (BLOCK.md).
+"""The in-repo oracle: a plain float64 numpy evaluation of one block (docs/block.md).
 
 Owns ``block_forward_f64`` and its pieces (adaLN, RMSNorm, RoPE, attention). Written from the
 formulas alone: it shares no code with the kernels and must never import ``nxhpc._kernels``.
@@ -79,7 +79,7 @@ def block_forward_f64(x: np.ndarray, weights: dict, config: Any, t_emb: np.ndarr
                       adaln_m: np.ndarray | None = None, pe: np.ndarray | None = None,
                       mask: np.ndarray | None = None, eps: float | None = None,
                       trace: MutableMapping[str, np.ndarray] | None = None) -> np.ndarray:
-    """One block in float64: ``x [T, D]`` -> ``out [T, D]`` (BLOCK.md, "Forward pass").
+    """One block in float64: ``x [T, D]`` -> ``out [T, D]`` (docs/block.md, "Forward pass").
 
     Give either ``t_emb`` (adaLN computed here, with SiLU when ``config.adaln_silu``) or the
     modulation vector ``adaln_m [4D]``. ``pe [T, hd/2, 2, 2]`` is required; ``mask [T]`` is

@@ -4,7 +4,7 @@ Owns the position-id layout of a generation (caption tokens, then an image grid)
 per-axis angle tables. Angles ``pos * theta**(-2k/d_axis)`` are formed in float64, so tables
 stay accurate for positions in the tens of thousands. Nothing here runs the block.
 
-``pe`` layout (BLOCK.md): ``[T, hd/2, 2, 2]`` holding ``[[cos, -sin], [sin, cos]]`` per
+``pe`` layout (docs/block.md): ``[T, hd/2, 2, 2]`` holding ``[[cos, -sin], [sin, cos]]`` per
 (token, pair); pairs run over the t axis, then h, then w.
 """
 from __future__ import annotations

@@ -63,6 +63,16 @@ def usable_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def max_workers() -> int:
+    """The most worker processes a pool accepts: 8x the usable CPUs, at least 64.
+
+    More processes than that only add fork, memory and scheduling cost (every stage is split
+    into at most this many bands), and a mistyped count (100000) would otherwise fork until the
+    machine runs out of memory.
+    """
+    return max(64, 8 * usable_cpus())
+
+
 def check_timeout(timeout: float | None, what: str = "stage_timeout") -> float | None:
     """None, or a positive finite number of seconds (as float); ValueError naming ``what``."""
     if timeout is None:
@@ -242,6 +252,10 @@ class WorkerPool:
                  *, inline: bool = True, stage_timeout: float | None = None) -> None:
         if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
             raise ValueError(f"WorkerPool: n_workers must be an int >= 1, got {n_workers!r}")
+        if n_workers > max_workers():
+            raise ValueError(f"WorkerPool: n_workers={n_workers} is more than {max_workers()} "
+                             f"(8x the {usable_cpus()} usable CPUs, at least 64): extra workers "
+                             f"only add fork, memory and scheduling cost")
         if mode not in SPAWN_MODES:
             raise ValueError(f"WorkerPool: mode must be one of {SPAWN_MODES}, got {mode!r}")
         if not isinstance(tasks, Mapping) or not all(callable(t) for t in tasks.values()):

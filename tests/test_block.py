@@ -39,7 +39,7 @@ def _open(mid, root):
 
 # ------------------------------------------------------------------ plain float32 numpy oracle
 def _np32_block(x, w, cfg, m, pe, mask, eps):
-    """BLOCK.md in float32 numpy (BLAS sgemm), same dequantized weights; for the error yardstick."""
+    """docs/block.md in float32 numpy (BLAS sgemm), same dequantized weights; for the error yardstick."""
     f = np.float32
     x = x.astype(f)
     w = {k: v.astype(f) for k, v in w.items()}

@@ -100,6 +100,16 @@ def test_repeat_same_output_as_single_run(models_root, tmp_path):
     assert np.load(a).tobytes() == np.load(b).tobytes()
 
 
+def test_save_output_writes_exactly_the_given_path(models_root, tmp_path):
+    """np.save would append .npy to a bare name; the CLI writes the path it reports."""
+    target = tmp_path / "out_without_suffix"
+    r = _cli(["tiny", "2", "--save-output", str(target)], models_root)
+    assert r.returncode == 0, r.stderr
+    assert target.is_file() and not (tmp_path / "out_without_suffix.npy").exists()
+    assert _kv(r.stdout)["saved_output"] == str(target)
+    assert np.load(target).shape == (45, 384)
+
+
 def test_explicit_gguf_path_and_fixture_source_identical(models_root, tmp_path):
     a, b = tmp_path / "a.npy", tmp_path / "b.npy"
     d = open_model("tiny", models_dir=models_root).path
@@ -127,6 +137,8 @@ def test_graded_fail_exit_1(models_root):
     (["no-such-model"], 3, "not found"),
     (["tiny", "2", "layers.0.nope"], 5, "layers.0.nope"),
     (["tiny", "2", "--save-output", "/nonexistent-dir/x.npy"], 2, "does not exist"),
+    (["tiny", "2", "--save-output", "/tmp"], 2, "is a directory"),
+    (["tiny", "100000"], 2, "at most"),              # no fork storm: capped at 8x the CPUs
 ])
 def test_usage_and_lookup_exit_codes(models_root, args, code, msg):
     r = _cli(args, models_root)

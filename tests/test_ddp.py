@@ -313,6 +313,12 @@ def test_cli_help_and_bad_arguments():
     assert r.returncode == 2 and "comma-separated integers" in r.stderr
     r = _cli("--timeout", "0")
     assert r.returncode == 2 and "--timeout must be > 0 seconds, got 0.0" in r.stderr
+    r = _cli("--sweep", "1,,2")                      # an empty item is refused, not skipped
+    assert r.returncode == 2 and "comma-separated integers" in r.stderr
+    r = _cli("--workers", "500", "--steps", "1")     # more workers than the 442 data rows
+    assert r.returncode == 2 and "exceeds the 442 data rows" in r.stderr
+    r = _cli("--workers", "2", "--sweep", "1,443", "--steps", "1")
+    assert r.returncode == 2 and "--sweep: [443]" in r.stderr
 
 
 def test_cli_prints_losses_hash_and_contrast(tmp_path, full_batch):

@@ -62,7 +62,7 @@ def assert_within(got, ref, bound, what=""):
 
 
 def rope_pe(rng, T, hd, rotation=True):
-    """[T, hd/2, 2, 2]: real rotations [[cos, -sin], [sin, cos]] (BLOCK.md) or a general matrix."""
+    """[T, hd/2, 2, 2]: real rotations [[cos, -sin], [sin, cos]] (docs/block.md) or a general matrix."""
     if not rotation:
         return f32(rng, T, hd // 2, 2, 2)
     ang = (np.arange(T)[:, None] * 256.0 ** (-2.0 * np.arange(hd // 2) / hd)

@@ -16,7 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nxhpc.shm import SharedArena, live_segments
-from nxhpc.workers import SPAWN_MODES, WorkerError, WorkerPool, bands, usable_cpus
+from nxhpc.workers import (SPAWN_MODES, WorkerError, WorkerPool, bands, max_workers,
+                           usable_cpus)
 from procutil import alive, children_of          # /proc helpers (tests/ is on sys.path)
 
 PID = os.getpid()
@@ -46,6 +47,11 @@ def test_bad_pool_args():
         WorkerPool(0, {})
     with pytest.raises(ValueError, match="mode"):
         WorkerPool(2, {}, mode="threads")
+    kids = children_of(os.getpid())
+    with pytest.raises(ValueError, match="more than"):          # refused before any fork
+        WorkerPool(max_workers() + 1, {"a": lambda lo, hi, arg: None})
+    assert children_of(os.getpid()) == kids
+    assert max_workers() >= max(64, 8 * usable_cpus())
     with pytest.raises(TypeError, match="callable"):
         WorkerPool(2, {"a": 3})
     with WorkerPool(2, {"a": lambda lo, hi, arg: None}) as p:
