@@ -135,11 +135,7 @@ int nx_rmsnorm_bwd_f32_generic(const float *x, const float *w, const float *mod,
             o[i] = (float)(inv * (g - xv * coef));
         }
     }
-    if (dw)
-        for (int64_t i = 0; i < D; i++) dw[i] = (float)aw[i];
-    if (dmod)
-        for (int64_t i = 0; i < D; i++) dmod[i] = (float)am[i];
-    free(aw);
+    nx_rmsnorm_bwd_finish(aw, am, dw, dmod, D);
     return 0;
 }
 

@@ -30,6 +30,7 @@
 #define NX_BWD_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include "nx_cpu.h"
 
 typedef enum {
@@ -270,5 +271,16 @@ nx_attention_bwd_tiled(const nx_attn_bwd_tiling *tl, const float *q, const float
     return 0;
 }
 #endif /* NX_BWD_TILED_DRIVER */
+
+/* RMSNorm backward: round the band's float64 parameter-gradient sums (aw = dw, am = dmod, one
+ * allocation starting at aw) to the float32 outputs that were asked for, then free them. */
+static inline void nx_rmsnorm_bwd_finish(double *aw, const double *am, float *dw /* OUT or NULL */,
+                                         float *dmod /* OUT or NULL */, int64_t D) {
+    if (dw)
+        for (int64_t i = 0; i < D; i++) dw[i] = (float)aw[i];
+    if (dmod)
+        for (int64_t i = 0; i < D; i++) dmod[i] = (float)am[i];
+    free(aw);
+}
 
 #endif

@@ -84,11 +84,7 @@ int nx_rmsnorm_bwd_f32_avx512(const float *x, const float *w, const float *mod, 
             _mm512_mask_storeu_ps(o + i, m, _mm512_insertf32x8(_mm512_castps256_ps512(ol), oh, 1));
         }
     }
-    if (dw)
-        for (int64_t i = 0; i < D; i++) dw[i] = (float)aw[i];
-    if (dmod)
-        for (int64_t i = 0; i < D; i++) dmod[i] = (float)am[i];
-    free(aw);
+    nx_rmsnorm_bwd_finish(aw, am, dw, dmod, D);
     return 0;
 }
 

@@ -123,12 +123,7 @@ void nx_qknorm_rope_f32_generic(const float *qkv, const float *q_w, const float 
             const float *p = pe + t * hd * 2;  /* [hd/2][2][2] */
             float *o = dst + t * hd;
             float inv = nx_rms_inv_generic(xr, hd, eps);
-            for (int64_t i = 0; i < hd / 2; i++) {
-                float y0 = (xr[2 * i] * inv) * wt[2 * i];
-                float y1 = (xr[2 * i + 1] * inv) * wt[2 * i + 1];
-                o[2 * i] = p[4 * i] * y0 + p[4 * i + 1] * y1;
-                o[2 * i + 1] = p[4 * i + 2] * y0 + p[4 * i + 3] * y1;
-            }
+            for (int64_t i = 0; i < hd; i += 2) nx_qknorm_rope_pair(xr, inv, wt, p, o, i);
         }
     }
 }

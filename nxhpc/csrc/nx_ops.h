@@ -124,4 +124,15 @@ void nx_vmath_f32_generic(int which, const float *x, float *out, int64_t n);
 void nx_vmath_f32_avx2(int which, const float *x, float *out, int64_t n);
 void nx_vmath_f32_avx512(int which, const float *x, float *out, int64_t n);
 
+/* One RoPE pair of qk-norm + RoPE, scalar: y = (x * inv) * w for the pair's two values, then the
+ * 2x2 rotation from pe ([hd/2][2][2] per token). The generic kernel is this loop; the SIMD
+ * variants use it for their tails, so every variant gives the same bits. i is even. */
+static inline void nx_qknorm_rope_pair(const float *xr /* IN */, float inv, const float *wt /* IN */,
+                                       const float *p /* IN */, float *o /* OUT */, int64_t i) {
+    const float y0 = (xr[i] * inv) * wt[i];
+    const float y1 = (xr[i + 1] * inv) * wt[i + 1];
+    o[i] = p[2 * i] * y0 + p[2 * i + 1] * y1;
+    o[i + 1] = p[2 * i + 2] * y0 + p[2 * i + 3] * y1;
+}
+
 #endif

@@ -78,12 +78,7 @@ void nx_qknorm_rope_f32_avx512(const float *qkv, const float *q_w, const float *
                                          _mm512_mul_ps(b, _mm512_movehdup_ps(y)));
                 _mm512_storeu_ps(o + i, v);
             }
-            for (; i < hd; i += 2) {  /* tail: the generic arithmetic, same order */
-                float y0 = (xr[i] * invf) * wt[i];
-                float y1 = (xr[i + 1] * invf) * wt[i + 1];
-                o[i] = p[2 * i] * y0 + p[2 * i + 1] * y1;
-                o[i + 1] = p[2 * i + 2] * y0 + p[2 * i + 3] * y1;
-            }
+            for (; i < hd; i += 2) nx_qknorm_rope_pair(xr, invf, wt, p, o, i);  /* tail: the spec */
         }
     }
 }
