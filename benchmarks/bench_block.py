@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from nxhpc.models import open_model
-from nxhpc.reference import dequantize_layer
+from nxhpc.dit.reference import dequantize_layer
 from _bench_util import bench_stats
 
 MODEL = os.environ.get("NXHPC_BENCH_MODEL", "zimage-1l")
@@ -53,7 +53,7 @@ def test_block_nxhpc(benchmark, setup, spawn):
 def test_block_torch_eager(benchmark, setup):
     torch = pytest.importorskip("torch")
     pytest.importorskip("diffusers")
-    from nxhpc.oracle import diffusers_block
+    from nxhpc.dit.oracle import diffusers_block
     model, x, pe, t, mask, flops = setup
     cfg = model.config
     torch.set_num_threads(WORKERS)

@@ -1,22 +1,51 @@
-"""nxhpc: run diffusion-transformer (DiT) blocks on the CPU from Q8_0 GGUF weights.
+"""nxhpc: run diffusion transformers (Z-Image, Lumina-2) on the CPU from GGUF weights.
 
 Hot paths are C kernels behind validating Cython wrappers (``nxhpc._kernels``), chosen at run
 time by CPU features (``cpu_features()``, ``kernel_variants()``; ``NXHPC_DISABLE_SIMD=1`` forces
-the scalar path).
+the scalar path). The kernels load lazily: ``import nxhpc`` and the pure-Python tools
+(``python -m nxhpc.models list``, ``python -m nxhpc.ddp``) work in a tree whose extension is not
+built; the clear "not built" error appears on first use of a kernel.
+
+Layout: ``runtime`` (shared-memory arena, worker pool), ``formats`` (GGUF, fixtures, block
+layouts), ``dit`` (config, block, references, grading), ``models`` (ids, model directories,
+synthetic models), ``train`` (Q16 tape, ring, DDP); CLIs ``blockrun``, ``ddp``, ``models``.
 """
-try:
-    from nxhpc._kernels import cpu_features, kernel_variants, supported_isas
-except ModuleNotFoundError as _e:  # the source tree without its compiled extension
-    if _e.name != "nxhpc._kernels":
-        raise
-    import os as _os
-    raise ImportError(
-        f"nxhpc's compiled kernels (nxhpc._kernels) are not built in "
-        f"{_os.path.dirname(__file__)}: this is probably a source checkout shadowing an "
-        f"installed nxhpc. Build it in place with `pip install -e .` (or `python setup.py "
-        f"build_ext --inplace`), or run from outside the checkout.") from None
-from nxhpc.api import load_model
+from __future__ import annotations
+
+import importlib as _importlib
+import os as _os
 
 __version__ = "0.1.0"
 
-__all__ = ["load_model", "cpu_features", "kernel_variants", "supported_isas", "__version__"]
+__all__ = ["load_model", "cpu_features", "kernel_variants", "supported_isas", "kernels", "__version__"]
+
+_KERNEL_FUNCS = ("cpu_features", "kernel_variants", "supported_isas")
+
+
+def kernels():
+    """The compiled kernel module ``nxhpc._kernels``; ImportError saying how to build it if absent."""
+    try:
+        return _importlib.import_module("nxhpc._kernels")
+    except ModuleNotFoundError as e:  # the source tree without its compiled extension
+        if e.name != "nxhpc._kernels":
+            raise
+        raise ImportError(
+            f"nxhpc's compiled kernels (nxhpc._kernels) are not built in "
+            f"{_os.path.dirname(__file__)}: this is probably a source checkout shadowing an "
+            f"installed nxhpc. Build it in place with `pip install -e .` (or `python setup.py "
+            f"build_ext --inplace`), or run from outside the checkout.") from None
+
+
+def load_model(*args, **kwargs):
+    """Open a model (see :func:`nxhpc.api.load_model`)."""
+    from nxhpc.api import load_model as _load
+    return _load(*args, **kwargs)
+
+
+load_model.__doc__ = _importlib.import_module("nxhpc.api").load_model.__doc__
+
+
+def __getattr__(name: str):
+    if name in _KERNEL_FUNCS:
+        return getattr(kernels(), name)
+    raise AttributeError(f"module 'nxhpc' has no attribute {name!r}")

@@ -18,11 +18,8 @@ cdef extern from "nx_q8_0.h" nogil:
     int nx_adaln_linear_q8_0(nx_isa isa, const float *t_emb, const uint8_t *w, const float *bias,
                              float *out, size_t K, size_t N, int silu_input)
 
-#: Values per Q8_0 block and bytes per block (float16 scale + 32 int8).
-QK8_0 = 32
-Q8_0_BLOCK_BYTES = 34
-#: One GGUF/ggml Q8_0 block as a numpy structured dtype (itemsize 34, no padding).
-Q8_0_BLOCK_DTYPE = np.dtype([("d", "<f2"), ("qs", "i1", 32)])
+# The block layout lives in pure Python (nxhpc.formats.ggml_blocks) so file tools need no build.
+from nxhpc.formats.ggml_blocks import QK8_0, Q8_0_BLOCK_BYTES, Q8_0_BLOCK_DTYPE
 
 _VARIANT_OF["q8_0_quantize"] = lambda isa: nx_isa_name(nx_q8_0_convert_level(<nx_isa>isa)).decode()
 _VARIANT_OF["q8_0_dequantize"] = lambda isa: nx_isa_name(nx_q8_0_convert_level(<nx_isa>isa)).decode()

@@ -1,7 +1,7 @@
 """Library entry points for downstream scripts: ``load_model`` (re-exported as ``nxhpc.load_model``).
 
 Owns nothing but the public spelling: it delegates to ``nxhpc.models.open_model``; the returned
-model's ``block(i)`` is an ``nxhpc.block.Block`` whose ``forward`` returns ``(output, timings)``.
+model's ``block(i)`` is an ``nxhpc.dit.block.Block`` whose ``forward`` returns ``(output, timings)``.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 then grade the output.
 
 Owns the CLI only: argument parsing, exit codes, signal -> exit-code mapping and printing. The
-work is done by ``nxhpc.models`` (files), ``nxhpc.block`` (the pipeline) and ``nxhpc.grade``.
+work is done by ``nxhpc.models`` (files), ``nxhpc.dit.block`` (the pipeline) and ``nxhpc.dit.grade``.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nxhpc.grade import DEFAULT_TOL, count_exceeding, error_row, fmt_value, grade
-from nxhpc.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerError, max_workers, usable_cpus
+from nxhpc.dit.grade import DEFAULT_TOL, count_exceeding, error_row, fmt_value, grade
+from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerError, max_workers, usable_cpus
 
 __all__ = ["main", "build_parser", "EXIT_CODES"]
 
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         _err("terminated (SIGTERM); workers stopped, shared memory released")
         return EXIT_SIGTERM
     finally:
-        from nxhpc.shm import cleanup_all
+        from nxhpc.runtime.shm import cleanup_all
         cleanup_all()
         signal.signal(signal.SIGTERM, old_term)
 
@@ -255,7 +255,7 @@ def _load_ref(model, name: str, shape: tuple[int, int]) -> np.ndarray:
 
 
 def _run_model(args, model, workers: int) -> int:
-    from nxhpc.block import adaln, check_config, run_layers, validate_inputs
+    from nxhpc.dit.block import adaln, check_config, run_layers, validate_inputs
     from nxhpc.models import MissingTensorError
     cfg = model.config
     try:

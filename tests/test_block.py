@@ -1,6 +1,6 @@
 """The block pipeline on the C kernels, checked against independent oracles.
 
-1. float64 numpy reference (``nxhpc.reference``, no shared code with the kernels) on synthetic
+1. float64 numpy reference (``nxhpc.dit.reference``, no shared code with the kernels) on synthetic
    models (tiny MHA, tiny-gqa GQA + SiLU adaLN, mid hd=128; with and without mask): our float32
    error vs float64 must be within 2x of a plain numpy float32 evaluation's error (written here).
 2. diffusers' ``ZImageTransformerBlock`` (torch CPU) with the same dequantized weights, eps set on
@@ -18,11 +18,11 @@ import gguf
 import numpy as np
 import pytest
 
-from nxhpc.block import Block, run_layers
+from nxhpc.dit.block import Block, run_layers
 from nxhpc.models import BlockConfig, LayerWeights, open_model
-from nxhpc.reference import block_forward_f64, dequantize_layer
-from nxhpc.shm import live_segments
-from nxhpc.workers import WorkerError
+from nxhpc.dit.reference import block_forward_f64, dequantize_layer
+from nxhpc.runtime.shm import live_segments
+from nxhpc.runtime.workers import WorkerError
 
 PID = os.getpid()
 Q8 = gguf.GGMLQuantizationType.Q8_0
@@ -359,7 +359,7 @@ def _random_layer(rng, cfg):
 def _diffusers_block(cfg, lw, eps):
     pytest.importorskip("torch")
     pytest.importorskip("diffusers")
-    from nxhpc.oracle import diffusers_block
+    from nxhpc.dit.oracle import diffusers_block
     return diffusers_block(cfg, dequantize_layer(lw), eps)
 
 

@@ -16,9 +16,9 @@ import pytest
 
 import nxhpc._kernels as K
 from nxhpc.blockrun import main
-from nxhpc.grade import grade
+from nxhpc.dit.grade import grade
 from nxhpc.models import open_model
-from nxhpc.shm import live_segments
+from nxhpc.runtime.shm import live_segments
 from procutil import alive, children_of          # /proc helpers (tests/ is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,7 +168,7 @@ def test_bad_model_file_exit_4(models_root, tmp_path):
 
 
 def test_nan_block_input_exit_4(models_root, tmp_path):
-    from nxhpc.fixtures import FixtureStore
+    from nxhpc.formats.fixtures import FixtureStore
     src = open_model("tiny", models_dir=models_root)
     d = _copy_model(src.path, tmp_path / "nan")
     fx = FixtureStore(d / "fixtures.safetensors")
@@ -181,7 +181,7 @@ def test_nan_block_input_exit_4(models_root, tmp_path):
 
 
 def test_missing_block_input_exit_5(models_root, tmp_path):
-    from nxhpc.fixtures import FixtureStore
+    from nxhpc.formats.fixtures import FixtureStore
     src = open_model("tiny", models_dir=models_root)
     d = _copy_model(src.path, tmp_path / "noin")
     fx = FixtureStore(d / "fixtures.safetensors")
@@ -329,7 +329,7 @@ def test_grade_figures_by_hand():
 def test_npy_reference_graded_in_its_own_precision(models_root, tmp_path):
     """A float64 .npy reference is not rounded to float32 before grading: the reported max_rel
     equals the documented formula evaluated here in float64 on the saved output."""
-    from nxhpc.reference import block_forward_f64, dequantize_layer
+    from nxhpc.dit.reference import block_forward_f64, dequantize_layer
     m = open_model("tiny", models_dir=models_root)
     ref = block_forward_f64(m.blk_in(0), dequantize_layer(m.layer_weights(0)), m.config,
                             t_emb=m.t_emb(), pe=m.pe(), mask=m.mask())

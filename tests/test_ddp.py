@@ -1,4 +1,4 @@
-"""Tests of the shared-memory ring all-reduce and the data-parallel Q16 training (nxhpc.ring, nxhpc.ddp).
+"""Tests of the shared-memory ring all-reduce and the data-parallel Q16 training (nxhpc.train.ring, nxhpc.ddp).
 
 References: exact Python-int sums for the ring; the single-process full-batch run for the
 data-parallel weights (bytes); a plain float64 numpy training loop written here for the model;
@@ -17,10 +17,10 @@ import time
 import numpy as np
 import pytest
 
-from nxhpc.ddp import (DDPTimeoutError, DDPWorkerError, MLPConfig, load_diabetes, init_params,
+from nxhpc.train.ddp import (DDPTimeoutError, DDPWorkerError, MLPConfig, load_diabetes, init_params,
                        train_full_batch, train_shm)
-from nxhpc.q16 import Q16_MAX, Q16OverflowError, from_q16, q16_add, to_q16
-from nxhpc.ring import ShmSegment, chunk_bounds, ring_allreduce_shm
+from nxhpc.train.q16 import Q16_MAX, Q16OverflowError, from_q16, q16_add, to_q16
+from nxhpc.train.ring import ShmSegment, chunk_bounds, ring_allreduce_shm
 from procutil import children_of                  # /proc helpers (tests/ is on sys.path)
 
 SHM_DIR = "/dev/shm"
@@ -228,7 +228,7 @@ def test_bad_arguments_are_named(data):
 
 _KILL_PARENT = r"""
 import sys
-from nxhpc.ddp import train_shm
+from nxhpc.train.ddp import train_shm
 print("started", flush=True)
 train_shm(3, 50, shm_prefix=sys.argv[1], timeout=600, fault_injection=(0, 1, "hang"))
 """

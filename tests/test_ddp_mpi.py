@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from nxhpc.ddp import train_full_batch, train_shm
+from nxhpc.train.ddp import train_full_batch, train_shm
 
 pytestmark = [
     pytest.mark.mpi,
@@ -41,8 +41,8 @@ def _mpirun(n: int, args: list[str], timeout: float = 180) -> subprocess.Complet
 _RING_CHECK = r"""
 import numpy as np
 from mpi4py import MPI
-from nxhpc.q16 import q16_add
-from nxhpc.ring import ring_allreduce_mpi
+from nxhpc.train.q16 import q16_add
+from nxhpc.train.ring import ring_allreduce_mpi
 comm = MPI.COMM_WORLD
 D, rank = comm.Get_size(), comm.Get_rank()
 for L in (1, 2, 7, 33, 194):
@@ -99,7 +99,7 @@ def test_mpi_rank_failure_aborts_the_job_with_its_error():
 _ONE_RANK_FAILS = r"""
 import sys
 from mpi4py import MPI
-import nxhpc.ddp as ddp
+import nxhpc.train.ddp as ddp
 if MPI.COMM_WORLD.Get_rank() == 1:          # only rank 1 fails; its peers wait in Sendrecv
     def broken(*args, **kwargs):
         raise RuntimeError("injected fault on one rank")

@@ -1,4 +1,4 @@
-"""The fixture store (nxhpc.fixtures): round trips checked with the safetensors package's own
+"""The fixture store (nxhpc.formats.fixtures): round trips checked with the safetensors package's own
 loader, and clear errors (naming file and fixture) for every kind of bad file."""
 import json
 import os
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from safetensors.numpy import load_file, save_file
 
-from nxhpc.fixtures import FixtureStore
-from nxhpc.gguf_io import MissingTensorError, ModelFileError
+from nxhpc.formats.fixtures import FixtureStore
+from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""GGUF reading/writing (nxhpc.gguf_io): round trips against the gguf package, each named
+"""GGUF reading/writing (nxhpc.formats.gguf_io): round trips against the gguf package, each named
 malformed-file case, and fuzzing (truncation, byte corruption) where every failure must be a
 ModelFileError naming the file."""
 import atexit
@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import gguf
-from nxhpc.gguf_io import (PREFIX, Q8_0_BLOCK, GGUFFile, MissingTensorError, ModelFileError,
+from nxhpc.formats.gguf_io import (PREFIX, Q8_0_BLOCK, GGUFFile, MissingTensorError, ModelFileError,
                            Q8_0Tensor, dequantize_q8_0, quantize_q8_0, should_quantize,
                            write_gguf)
 from nxhpc.models import SyntheticSpec, make_synthetic, open_model
-from nxhpc.reference import dequantize_layer
+from nxhpc.dit.reference import dequantize_layer
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
 

@@ -16,8 +16,8 @@ import pytest
 
 import gguf
 from nxhpc import models as M
-from nxhpc.fixtures import FixtureStore
-from nxhpc.gguf_io import (GGUFFile, MissingTensorError, ModelFileError, ModelNotFoundError,
+from nxhpc.formats.fixtures import FixtureStore
+from nxhpc.formats.gguf_io import (GGUFFile, MissingTensorError, ModelFileError, ModelNotFoundError,
                            write_gguf)
 from nxhpc.models import (BUILTIN_MODELS, LayerWeights, SyntheticSpec,
                           ensure_builtin, layer_tensor_names, make_synthetic, open_model)
@@ -186,7 +186,7 @@ def test_synthetic_references_match_diffusers(root, mid):
     layers chain (blk_in[i+1] == ref_out[i])."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("diffusers")
-    from nxhpc.oracle import diffusers_block
+    from nxhpc.dit.oracle import diffusers_block
     with open_model(mid, models_dir=root) as m:
         c = m.config
         pe, t_emb, mask = m.pe(), m.t_emb(), m.mask()

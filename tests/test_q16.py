@@ -1,4 +1,4 @@
-"""Tests of the Q16.16 tape (nxhpc.q16) against independent references.
+"""Tests of the Q16.16 tape (nxhpc.train.q16) against independent references.
 
 References: Python's exact ``fractions.Fraction`` and ``round`` (which rounds half to even) for
 the rounding rule, conversions and exact integer matmuls; plain float64 numpy forward/backward
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-import nxhpc.q16 as q16mod
-from nxhpc.q16 import (Q16_MAX, Q16_ONE, Q16OverflowError, Tape, from_q16,
+import nxhpc.train.q16 as q16mod
+from nxhpc.train.q16 import (Q16_MAX, Q16_ONE, Q16OverflowError, Tape, from_q16,
                        q16_add, q16_matmul, q16_mul, round_div, round_shift, sgd_step, to_q16)
 
 U = 1.0 / Q16_ONE          # one Q16 step in real units

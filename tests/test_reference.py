@@ -1,4 +1,4 @@
-"""The float64 oracle (nxhpc.reference) and the rotary tables (nxhpc.rope) against diffusers.
+"""The float64 oracle (nxhpc.dit.reference) and the rotary tables (nxhpc.dit.rope) against diffusers.
 
 diffusers computes in float32, so agreement is expected at ~1e-6 relative; the bounds below
 are a few times that. Each comparison has a negative control that must fail the same bound.
@@ -8,10 +8,10 @@ import pytest
 
 import gguf
 
-from nxhpc import rope
+from nxhpc.dit import rope
 from nxhpc.models import BlockConfig
-from nxhpc.oracle import diffusers_block
-from nxhpc.reference import (adaln_f64, attention_f64, block_forward_f64, dequantize_layer,
+from nxhpc.dit.oracle import diffusers_block
+from nxhpc.dit.reference import (adaln_f64, attention_f64, block_forward_f64, dequantize_layer,
                              rmsnorm_f64)
 
 torch = pytest.importorskip("torch")

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from nxhpc.shm import ALIGN, SharedArena, cleanup_all, live_segments
+from nxhpc.runtime.shm import ALIGN, SharedArena, cleanup_all, live_segments
 
 PID = os.getpid()
 
@@ -180,7 +180,7 @@ def test_unknown_buffer_names_it():
 
 _CHILD = textwrap.dedent("""
     import os, sys, time
-    from nxhpc.shm import SharedArena
+    from nxhpc.runtime.shm import SharedArena
     a = SharedArena({"x": (1024,)}, named=(sys.argv[1] == "named"))
     a["x"][...] = 1
     print(a.name, flush=True)

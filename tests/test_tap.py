@@ -1,12 +1,12 @@
-"""Tapping a real diffusers run (nxhpc.tap): the written directory opens, its config is
+"""Tapping a real diffusers run (nxhpc.models.tap): the written directory opens, its config is
 inferred right, and the float64 oracle on the tapped inputs reproduces the tapped outputs."""
 import numpy as np
 import pytest
 
 import gguf
-from nxhpc.gguf_io import PREFIX, GGUFFile
+from nxhpc.formats.gguf_io import PREFIX, GGUFFile
 from nxhpc.models import open_model
-from nxhpc.reference import block_forward_f64, dequantize_layer
+from nxhpc.dit.reference import block_forward_f64, dequantize_layer
 
 torch = pytest.importorskip("torch")
 Z = pytest.importorskip("diffusers.models.transformers.transformer_z_image")
@@ -46,7 +46,7 @@ def run_inputs(seed=1):
 
 @pytest.fixture(scope="module")
 def tapped(tmp_path_factory):
-    from nxhpc.tap import snap_weights_to_q8_0, tap_zimage
+    from nxhpc.models.tap import snap_weights_to_q8_0, tap_zimage
     model = small_model()
     assert snap_weights_to_q8_0(model) > 0
     x, t, cap = run_inputs()
@@ -108,7 +108,7 @@ def test_reference_reproduces_tapped_layers(tapped):
 
 def test_pe_is_the_runs_rotary_table(tapped):
     model, d = tapped
-    from nxhpc import rope
+    from nxhpc.dit import rope
     with open_model(d) as m:
         pe = m.pe()
         # image tokens first (4x5 grid at t = 32+1), then the caption (t = 1..32)
@@ -121,7 +121,7 @@ def test_pe_is_the_runs_rotary_table(tapped):
 
 
 def test_tap_rejects_bad_calls(tmp_path):
-    from nxhpc.tap import tap_zimage
+    from nxhpc.models.tap import tap_zimage
     model = small_model()
     x, t, cap = run_inputs()
     with pytest.raises(ValueError, match="batch size must be 1"):
@@ -136,7 +136,7 @@ def test_tap_rejects_bad_calls(tmp_path):
 def test_unsnapped_tap_differs_by_quantization_error(tmp_path):
     """Without snapping, the GGUF holds rounded weights: the oracle on the GGUF weights then
     misses the tapped output by about the Q8_0 error (~1e-3), far above float32 level."""
-    from nxhpc.tap import tap_zimage
+    from nxhpc.models.tap import tap_zimage
     model = small_model(seed=3)
     x, t, cap = run_inputs(2)
     d = tap_zimage(model, x, t, cap, tmp_path / "u", prefix=False)
@@ -153,7 +153,7 @@ def test_snap_gives_exactly_the_stored_weights_even_for_small_qkv_parts(tmp_path
     """At D=32 each of to_q/to_k/to_v has 1024 values (kept F32 on its own) while the fused
     qkv the file stores is quantized: snapping must follow the fused shape. Every Q8_0 tensor
     of the file then dequantizes exactly to the (snapped) model's weight."""
-    from nxhpc.tap import original_state_dict, snap_weights_to_q8_0, tap_zimage
+    from nxhpc.models.tap import original_state_dict, snap_weights_to_q8_0, tap_zimage
     torch.manual_seed(0)
     model = Z.ZImageTransformer2DModel(
         all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=1,
@@ -176,7 +176,7 @@ def test_snap_gives_exactly_the_stored_weights_even_for_small_qkv_parts(tmp_path
 
 
 def test_overwrite_replaces_the_directory_whole(tmp_path):
-    from nxhpc.tap import tap_zimage
+    from nxhpc.models.tap import tap_zimage
     model = small_model(seed=4)
     x, t, cap = run_inputs(3)
     d = tmp_path / "z"

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nxhpc.shm import SharedArena, live_segments
-from nxhpc.workers import (SPAWN_MODES, WorkerError, WorkerPool, bands, max_workers,
+from nxhpc.runtime.shm import SharedArena, live_segments
+from nxhpc.runtime.workers import (SPAWN_MODES, WorkerError, WorkerPool, bands, max_workers,
                            usable_cpus)
 from procutil import alive, children_of          # /proc helpers (tests/ is on sys.path)
 
@@ -189,8 +189,8 @@ def test_pool_worker_killed_between_stages():
 
 _SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
-    from nxhpc.shm import SharedArena
-    from nxhpc.workers import WorkerPool
+    from nxhpc.runtime.shm import SharedArena
+    from nxhpc.runtime.workers import WorkerPool
     def on_term(signum, frame):
         raise SystemExit(143)
     signal.signal(signal.SIGTERM, on_term)

@@ -19,7 +19,7 @@ Parallel split: matmuls by output columns (weight rows), qk-norm+RoPE by the com
 over ``H + KVH``, attention by query heads (``min(workers, H)`` workers), row-wise stages by token
 rows, SwiGLU by flat elements; always ``[i*m//n, (i+1)*m//n)``. Because every kernel gives
 bit-identical results for any band split, the output is bit-identical for every worker count and
-both spawn modes. Every buffer lives in one :class:`~nxhpc.shm.SharedArena`; workers are forked
+both spawn modes. Every buffer lives in one :class:`~nxhpc.runtime.shm.SharedArena`; workers are forked
 after the weights are bound (Q8_0 stays in the memory map, shared copy-on-write). Normalized
 outputs overwrite their inputs where the kernels allow it (``rmsnorm`` of ``atto`` / ``f2`` and
 ``swiglu`` into ``f1`` run in place; ``h`` is reused for ``h2``): the arena holds
@@ -35,8 +35,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from nxhpc.shm import SharedArena
-from nxhpc.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerPool, check_timeout, usable_cpus
+from nxhpc.runtime.shm import SharedArena
+from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerPool, check_timeout, usable_cpus
 
 __all__ = ["Block", "BlockOutput", "BlockRunner", "run_layers", "adaln", "TIMING_KEYS", "check_config",
            "check_layer_weights", "validate_inputs"]
@@ -206,7 +206,7 @@ class BlockRunner:
     Create it after the layers' weights are bound: the pool forks here. ``run(layer, adaln)``
     runs one block on ``arena["x"]`` into ``arena["out"]``; :func:`run_layers` chains them.
     ``stage_timeout`` (seconds, None = none) bounds each parallel stage: a worker that hangs
-    is killed and reported as a :class:`~nxhpc.workers.WorkerError`.
+    is killed and reported as a :class:`~nxhpc.runtime.workers.WorkerError`.
     """
 
     def __init__(self, cfg, layers: dict, T: int, *, workers: int, spawn: str = DEFAULT_SPAWN,

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from nxhpc.gguf_io import MissingTensorError, ModelFileError, atomic_output
+from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError, atomic_output
 
 __all__ = ["FixtureStore", "FIXTURES_FILE"]
 

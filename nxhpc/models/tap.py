@@ -21,9 +21,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from nxhpc.gguf_io import Q8_0Tensor, dequantize_q8_0, quantize_q8_0, should_quantize
+from nxhpc.formats.gguf_io import Q8_0Tensor, dequantize_q8_0, quantize_q8_0, should_quantize
 from nxhpc.models import _check_replaceable, write_model_dir
-from nxhpc.rope import pe_from_complex
+from nxhpc.dit.rope import pe_from_complex
 
 __all__ = ["tap_zimage", "snap_weights_to_q8_0", "original_state_dict"]
 

@@ -3,10 +3,10 @@
 Owns only the wiring between nxhpc's names/layouts and diffusers' modules (the qkv weight split
 into to_q/to_k/to_v rows, norm names, eps on every norm, ``pe`` -> complex rotary input), so that
 tests and benchmarks compare against the official implementation with one set of weights.
-Must not compute anything itself: the math under test lives in ``nxhpc.reference`` (float64)
+Must not compute anything itself: the math under test lives in ``nxhpc.dit.reference`` (float64)
 and the C kernels. Needs ``torch`` and ``diffusers`` (test/benchmark dependencies).
 
-Weights are a dict in ``nxhpc.reference.dequantize_layer`` naming: ``qkv`` [(H+2*KVH)*hd, D],
+Weights are a dict in ``nxhpc.dit.reference.dequantize_layer`` naming: ``qkv`` [(H+2*KVH)*hd, D],
 ``out``, ``w1``, ``w2``, ``w3``, ``q_norm``, ``k_norm``, ``attention_norm1``,
 ``attention_norm2``, ``ffn_norm1``, ``ffn_norm2``, ``adaln_w``, ``adaln_b``.
 """

@@ -39,7 +39,7 @@ import numpy as np
 import gguf
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from nxhpc._kernels import Q8_0_BLOCK_DTYPE, QK8_0
+from nxhpc.formats.ggml_blocks import Q8_0_BLOCK_DTYPE, QK8_0
 
 __all__ = [
     "ModelError", "ModelNotFoundError", "ModelFileError", "MissingTensorError",
@@ -74,8 +74,8 @@ PREFIX = "model.diffusion_model."
 
 Q8_0_BLOCK = Q8_0_BLOCK_DTYPE
 """One Q8_0 block: float16 scale ``d`` then 32 int8 ``q``; value = d*q (34 bytes, packed).
-The kernels' own definition (``nxhpc._kernels.Q8_0_BLOCK_DTYPE``), so the layout the files are
-checked against and the layout the kernels read cannot drift apart."""
+The one definition (``nxhpc.formats.ggml_blocks``) that the kernels' wrappers also use, so the layout
+the files are checked against and the layout the kernels read cannot drift apart."""
 
 _F32, _F16, _BF16, _Q8_0 = (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
                             GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0)

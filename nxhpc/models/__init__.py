@@ -5,7 +5,7 @@ Owns: resolving a model id (built-in, ``$NXHPC_MODELS/<id>``, or a path) to a di
 tensor shapes (Z-Image vs Lumina-2 from the adaLN naming); binding one layer's weights as
 :class:`LayerWeights` (Q8_0 as zero-copy read-only views of the map); generating synthetic
 models deterministically (weights quantized to Q8_0, ``pe`` from real position ids, reference
-outputs from the float64 oracle ``nxhpc.reference``); and the ``python -m nxhpc.models`` CLI.
+outputs from the float64 oracle ``nxhpc.dit.reference``); and the ``python -m nxhpc.models`` CLI.
 It never runs the kernels.
 
 Projection weights stored as F32/F16/BF16 in a user's file are quantized to Q8_0 at load (with
@@ -32,9 +32,9 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from nxhpc import rope as _rope
-from nxhpc.fixtures import FIXTURES_FILE, FixtureStore
-from nxhpc.gguf_io import (PREFIX, Q8_0_BLOCK, QK8_0, GGUFFile, MissingTensorError, ModelError,
+from nxhpc.dit import rope as _rope
+from nxhpc.formats.fixtures import FIXTURES_FILE, FixtureStore
+from nxhpc.formats.gguf_io import (PREFIX, Q8_0_BLOCK, QK8_0, GGUFFile, MissingTensorError, ModelError,
                            ModelFileError, ModelNotFoundError, Q8_0Tensor, dequantize_q8_0,
                            quantize_q8_0, write_gguf)
 
@@ -435,8 +435,8 @@ class Model:
         return LayerWeights(**vals, source="fixtures", layer=i)
 
     def block(self, i: int) -> Any:
-        """The runnable block for layer ``i`` (``nxhpc.block.Block``, imported lazily)."""
-        from nxhpc.block import Block
+        """The runnable block for layer ``i`` (``nxhpc.dit.block.Block``, imported lazily)."""
+        from nxhpc.dit.block import Block
         return Block(self, i)
 
     def describe(self) -> str:
@@ -616,7 +616,7 @@ def make_synthetic(out_dir: str | os.PathLike, spec: SyntheticSpec,
     ``ref_out`` (float64 evaluation rounded to float32), and each ``ref_out`` is the float64
     evaluation of its own layer on exactly the stored float32 ``blk_in``.
     """
-    from nxhpc.reference import adaln_f64, block_forward_f64
+    from nxhpc.dit.reference import adaln_f64, block_forward_f64
     spec.validate()
     out_dir = Path(out_dir)
     _check_replaceable(out_dir, replace)      # before the work, not after
@@ -682,7 +682,7 @@ def write_model_dir(out_dir: str | os.PathLike, gguf_tensors: Mapping[str, Any],
                     fixture_metadata: Mapping[str, str] | None = None,
                     extra_files: Mapping[str, str] | None = None, replace: bool = False,
                     progress: Callable[[str], None] | None = None) -> Path:
-    """Write a model directory: ``model.gguf`` (:func:`~nxhpc.gguf_io.write_gguf` of
+    """Write a model directory: ``model.gguf`` (:func:`~nxhpc.formats.gguf_io.write_gguf` of
     ``gguf_tensors``), ``fixtures.safetensors`` and any ``extra_files`` (name -> text).
 
     Built in a temporary sibling and renamed into place, so readers never see a half-written
@@ -976,5 +976,5 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # pragma: no cover - python -m nxhpc.models runs __main__.py
     sys.exit(main())
