@@ -1,0 +1,223 @@
+/* nx_quants.c -- generic (scalar) dequantizers of the nine GGML block types: the spec that the
+ * AVX2/AVX-512 variants reproduce bit for bit; plus the per-type traits table and dispatch.
+ *
+ * Owns: the element order and float32 operation order of each type's decoding, written to follow
+ * gguf-py's numpy dequantizers op for op (see the contract in nx_quants.h). Compiled with no ISA
+ * flags. Must not: use SIMD intrinsics, fuse multiply and add (fp-contract is off below), or touch
+ * memory outside the nblocks blocks / outputs given.
+ */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+#pragma STDC FP_CONTRACT OFF
+
+#include "nx_quants.h"
+#include "nx_q8_0.h"   /* nx_f16_to_f32: the project's exact float16 -> float32 widening */
+
+#include <string.h>
+
+static inline float ld_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return nx_f16_to_f32(h);
+}
+
+static inline uint32_t ld_u32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* ------------------------------------------------------------------ 32-element types */
+
+void nx_dequant_q4_0_generic(const uint8_t *blocks /* IN */, float *out /* OUT */, size_t nblocks) {
+    for (size_t b = 0; b < nblocks; b++) {
+        const uint8_t *p = blocks + b * sizeof(nx_block_q4_0), *qs = p + 2;
+        float *o = out + b * NX_QK_LEGACY;
+        const float d = ld_f16(p);
+        for (int j = 0; j < 32; j++) {
+            const int q = (int)((qs[j % 16] >> (4 * (j / 16))) & 15) - 8;
+            o[j] = d * (float)q;
+        }
+    }
+}
+
+void nx_dequant_q4_1_generic(const uint8_t *blocks /* IN */, float *out /* OUT */, size_t nblocks) {
+    for (size_t b = 0; b < nblocks; b++) {
+        const uint8_t *p = blocks + b * sizeof(nx_block_q4_1), *qs = p + 4;
+        float *o = out + b * NX_QK_LEGACY;
+        const float d = ld_f16(p), m = ld_f16(p + 2);
+        for (int j = 0; j < 32; j++) {
+            const int q = (qs[j % 16] >> (4 * (j / 16))) & 15;
+            const float dq = d * (float)q;
+            o[j] = dq + m;
+        }
+    }
+}
+
+void nx_dequant_q5_0_generic(const uint8_t *blocks /* IN */, float *out /* OUT */, size_t nblocks) {
+    for (size_t b = 0; b < nblocks; b++) {
+        const uint8_t *p = blocks + b * sizeof(nx_block_q5_0), *qs = p + 6;
+        float *o = out + b * NX_QK_LEGACY;
+        const float d = ld_f16(p);
+        const uint32_t qh = ld_u32(p + 2);
+        for (int j = 0; j < 32; j++) {
+            const int code = (int)(((qs[j % 16] >> (4 * (j / 16))) & 15) | ((qh >> j) & 1u) << 4);
+            o[j] = d * (float)(code - 16);
+        }
+    }
+}
+
+void nx_dequant_q5_1_generic(const uint8_t *blocks /* IN */, float *out /* OUT */, size_t nblocks) {
+    for (size_t b = 0; b < nblocks; b++) {
+        const uint8_t *p = blocks + b * sizeof(nx_block_q5_1), *qs = p + 8;
+        float *o = out + b * NX_QK_LEGACY;
+        const float d = ld_f16(p), m = ld_f16(p + 2);
+        const uint32_t qh = ld_u32(p + 4);
+        for (int j = 0; j < 32; j++) {
+            const int code = (int)(((qs[j % 16] >> (4 * (j / 16))) & 15) | ((qh >> j) & 1u) << 4);
+            const float dq = d * (float)code;
+            o[j] = dq + m;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ K-quants (256 elements) */
+
+void nx_dequant_q2_K_generic(const uint8_t *blocks /* IN */, float *out /* OUT */, size_t nblocks) {
+    for (size_t b = 0; b < nblocks; b++) {
+        const uint8_t *p = blocks + b * sizeof(nx_block_q2_K);
+        const uint8_t *sc = p, *qs = p + 16;
+        float *o = out + b * NX_QK_K;
+        const float d = ld_f16(p + 80), dmin = ld_f16(p + 82);
+        for (int e = 0; e < NX_QK_K; e++) {
+            const int h = e / 128, s = (e / 32) % 4, l = e % 32, i = e / 16;
+            const float dl = d * (float)(sc[i] & 15);
+            const float ml = dmin * (float)(sc[i] >> 4);
+            const int q = (qs[32 * h + l] >> (2 * s)) & 3;
+            const float dq = dl * (float)q;
+            o[e] = dq - ml;
+        }
+    }
+}
+
+void nx_dequant_q3_K_generic(const uint8_t *blocks /* IN */, float *out /* OUT */, size_t nblocks) {
+    for (size_t b = 0; b < nblocks; b++) {
+        const uint8_t *p = blocks + b * sizeof(nx_block_q3_K);
+        const uint8_t *hm = p, *qs = p + 32, *sc = p + 96;
+        float *o = out + b * NX_QK_K;
+        const float d = ld_f16(p + 108);
+        for (int e = 0; e < NX_QK_K; e++) {
+            const int h = e / 128, s = (e / 32) % 4, l = e % 32, i = e / 16;
+            const int scode = ((sc[i % 8] >> (4 * (i / 8))) & 15) | ((sc[8 + i % 4] >> (2 * (i / 4))) & 3) << 4;
+            const float dl = d * (float)(scode - 32);
+            const int lo = (qs[32 * h + l] >> (2 * s)) & 3;
+            const int hi = (hm[l] >> (4 * h + s)) & 1;
+            const int q = lo - ((hi ^ 1) << 2);
+            o[e] = dl * (float)q;
+        }
+    }
+}
+
+/* Q4_K/Q5_K 6-bit scale and min of sub-block j (0..7) from the 12-byte packing. */
+static inline void scale_min_k4(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
+        *mn = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+    }
+}
+
+void nx_dequant_q4_K_generic(const uint8_t *blocks /* IN */, float *out /* OUT */, size_t nblocks) {
+    for (size_t b = 0; b < nblocks; b++) {
+        const uint8_t *p = blocks + b * sizeof(nx_block_q4_K);
+        const uint8_t *scales = p + 4, *qs = p + 16;
+        float *o = out + b * NX_QK_K;
+        const float d = ld_f16(p), dmin = ld_f16(p + 2);
+        for (int e = 0; e < NX_QK_K; e++) {
+            const int c = e / 64, s = (e / 32) % 2, l = e % 32, j = e / 32;
+            int sc, mn;
+            scale_min_k4(scales, j, &sc, &mn);
+            const float dl = d * (float)sc;
+            const float ml = dmin * (float)mn;
+            const int q = (qs[32 * c + l] >> (4 * s)) & 15;
+            const float dq = dl * (float)q;
+            o[e] = dq - ml;
+        }
+    }
+}
+
+void nx_dequant_q5_K_generic(const uint8_t *blocks /* IN */, float *out /* OUT */, size_t nblocks) {
+    for (size_t b = 0; b < nblocks; b++) {
+        const uint8_t *p = blocks + b * sizeof(nx_block_q5_K);
+        const uint8_t *scales = p + 4, *qh = p + 16, *qs = p + 48;
+        float *o = out + b * NX_QK_K;
+        const float d = ld_f16(p), dmin = ld_f16(p + 2);
+        for (int e = 0; e < NX_QK_K; e++) {
+            const int c = e / 64, s = (e / 32) % 2, l = e % 32, j = e / 32;
+            int sc, mn;
+            scale_min_k4(scales, j, &sc, &mn);
+            const float dl = d * (float)sc;
+            const float ml = dmin * (float)mn;
+            const int q = ((qs[32 * c + l] >> (4 * s)) & 15) | ((qh[l] >> j) & 1) << 4;
+            const float dq = dl * (float)q;
+            o[e] = dq - ml;
+        }
+    }
+}
+
+void nx_dequant_q6_K_generic(const uint8_t *blocks /* IN */, float *out /* OUT */, size_t nblocks) {
+    for (size_t b = 0; b < nblocks; b++) {
+        const uint8_t *p = blocks + b * sizeof(nx_block_q6_K);
+        const uint8_t *ql = p, *qh = p + 128;
+        const int8_t *sc = (const int8_t *)(p + 192);
+        float *o = out + b * NX_QK_K;
+        const float d = ld_f16(p + 208);
+        for (int e = 0; e < NX_QK_K; e++) {
+            const int h = e / 128, r = e % 128, i = e / 16;
+            const float dl = d * (float)sc[i];
+            const int code = ((ql[64 * h + r % 64] >> (4 * (r / 64))) & 15)
+                           | ((qh[32 * h + r % 32] >> (2 * (r / 32))) & 3) << 4;
+            o[e] = dl * (float)(code - 32);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ traits and dispatch */
+
+#define NX_FNS(t) { nx_dequant_##t##_generic, NX_X86_ONLY(nx_dequant_##t##_avx2, \
+                                                          nx_dequant_##t##_avx512) }
+static const nx_quant_type nx_quant_types[NX_QUANT_NTYPES] = {
+    { NX_GGML_Q4_0, "Q4_0", NX_QK_LEGACY, sizeof(nx_block_q4_0), NX_FNS(q4_0) },
+    { NX_GGML_Q4_1, "Q4_1", NX_QK_LEGACY, sizeof(nx_block_q4_1), NX_FNS(q4_1) },
+    { NX_GGML_Q5_0, "Q5_0", NX_QK_LEGACY, sizeof(nx_block_q5_0), NX_FNS(q5_0) },
+    { NX_GGML_Q5_1, "Q5_1", NX_QK_LEGACY, sizeof(nx_block_q5_1), NX_FNS(q5_1) },
+    { NX_GGML_Q2_K, "Q2_K", NX_QK_K, sizeof(nx_block_q2_K), NX_FNS(q2_K) },
+    { NX_GGML_Q3_K, "Q3_K", NX_QK_K, sizeof(nx_block_q3_K), NX_FNS(q3_K) },
+    { NX_GGML_Q4_K, "Q4_K", NX_QK_K, sizeof(nx_block_q4_K), NX_FNS(q4_K) },
+    { NX_GGML_Q5_K, "Q5_K", NX_QK_K, sizeof(nx_block_q5_K), NX_FNS(q5_K) },
+    { NX_GGML_Q6_K, "Q6_K", NX_QK_K, sizeof(nx_block_q6_K), NX_FNS(q6_K) },
+};
+#undef NX_FNS
+
+const nx_quant_type *nx_quant_type_at(int i) {
+    return i >= 0 && i < NX_QUANT_NTYPES ? &nx_quant_types[i] : NULL;
+}
+
+const nx_quant_type *nx_quant_type_of(int ggml_type) {
+    for (int i = 0; i < NX_QUANT_NTYPES; i++)
+        if (nx_quant_types[i].ggml_type == ggml_type) return &nx_quant_types[i];
+    return NULL;
+}
+
+nx_isa nx_quant_dequant_level(const nx_quant_type *t, nx_isa isa) {
+    int lv = (int)isa;
+    if (lv > (int)NX_ISA_AVX512) lv = (int)NX_ISA_AVX512;
+    while (lv > (int)NX_ISA_GENERIC && t->dequant[lv] == NULL) lv--;
+    return (nx_isa)lv;
+}
+
+void nx_quant_dequantize(const nx_quant_type *t, nx_isa isa, const uint8_t *blocks /* IN */,
+                         float *out /* OUT */, size_t nblocks) {
+    t->dequant[nx_quant_dequant_level(t, isa)](blocks, out, nblocks);
+}
