@@ -48,7 +48,7 @@ void nx_dequant_q4_1_generic(const uint8_t *blocks /* IN */, float *out /* OUT *
         for (int j = 0; j < 32; j++) {
             const int q = (qs[j % 16] >> (4 * (j / 16))) & 15;
             const float dq = d * (float)q;
-            o[j] = dq + m;
+            o[j] = dq != dq ? dq : dq + m;      /* NaN dq: its own payload (see .h) */
         }
     }
 }
@@ -75,7 +75,7 @@ void nx_dequant_q5_1_generic(const uint8_t *blocks /* IN */, float *out /* OUT *
         for (int j = 0; j < 32; j++) {
             const int code = (int)(((qs[j % 16] >> (4 * (j / 16))) & 15) | ((qh >> j) & 1u) << 4);
             const float dq = d * (float)code;
-            o[j] = dq + m;
+            o[j] = dq != dq ? dq : dq + m;      /* NaN dq: its own payload (see .h) */
         }
     }
 }

@@ -21,13 +21,17 @@
  *   Q4_K, Q5_K:  v = ((d * sc) * (float)q) - (dmin * mn)   sc, mn 6-bit from the 12-byte packing
  *   Q6_K:        v = (d * sc) * (float)q                   sc = int8, q = 6-bit - 32
  * Every product above is EXACT in float32 (d, dmin, m have an 11-bit significand; codes and
- * scales need <= 13 more bits together: at most 11+4+2, 11+6+3, 11+6+5, 11+7+5 = 23 bits, and no
- * overflow/underflow: |v| < 2^27, nonzero |products| >= 2^-24). So the only rounding is the final
+ * scales add at most 12 more: 11+5 (Q*_0/Q*_1), 11+4+2 (Q2_K), 11+6+3 (Q3_K), 11+6+5 (Q4_K,
+ * Q5_K), 11+7+5 (Q6_K) <= 23 bits; no overflow or underflow: |v| < 2^27, nonzero |product| >= 2^-24). So the only rounding is the final
  * "+ m" / "- dmin*mn", and a fused multiply-add would give the same finite result; the code still
  * keeps mul and add/sub separate (-std=c11 turns GCC's FMA contraction off; see the pragma in each
- * .c file), so that NaN propagation also follows numpy's op order: a NaN result is the quieted NaN
- * of the first NaN operand of the op that first meets it (x86 rule), e.g. Q2_K with d and dmin
- * both NaN gives d's payload. Infinite scales give +-inf, or NaN where a zero code/scale meets inf.
+ * .c file). NaN: x86 returns the quieted first NaN operand of an op, so a NaN element carries the
+ * quieted payload of the first NaN it meets in the op order above (d before m/dmin; e.g. Q2_K with
+ * d and dmin both NaN gives d's payload). For "(d*q) + m", an addition the compiler may commute,
+ * the code says so explicitly: v = isnan(d*q) ? d*q : d*q + m. That is numpy's result for every
+ * array of >= 2 blocks; on an array of exactly ONE Q4_1/Q5_1 block with d and m both NaN, numpy's
+ * broadcast loop picks m's payload instead (a numpy iteration detail; still NaN). Infinite
+ * scales give +-inf, or NaN where a zero code/scale meets inf.
  */
 #ifndef NX_QUANTS_H
 #define NX_QUANTS_H

@@ -38,6 +38,11 @@ static inline __m256i srl(__m256i v, int n) { return _mm256_srl_epi32(v, _mm_cvt
 
 static inline __m256 cvt(__m256i v) { return _mm256_cvtepi32_ps(v); }
 
+/* dq + m, except that a NaN dq is returned as is (the spec's explicit NaN rule, nx_quants.h) */
+static inline __m256 add_m(__m256 dq, __m256 m) {
+    return _mm256_blendv_ps(_mm256_add_ps(dq, m), dq, _mm256_cmp_ps(dq, dq, _CMP_UNORD_Q));
+}
+
 /* lane l (0..7) = (qh >> (j0 + l)) & 1, shifted left by 4 */
 static inline __m256i qh_bits16(uint32_t qh, int j0) {
     const __m256i idx = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(j0));
@@ -74,8 +79,8 @@ void nx_dequant_q4_1_avx2(const uint8_t *blocks /* IN */, float *out /* OUT */, 
             const __m256i v = w8(p + 4 + 8 * g);
             const __m256 dlo = _mm256_mul_ps(d, cvt(_mm256_and_si256(v, m15)));
             const __m256 dhi = _mm256_mul_ps(d, cvt(_mm256_srli_epi32(v, 4)));
-            _mm256_storeu_ps(o + 8 * g, _mm256_add_ps(dlo, m));
-            _mm256_storeu_ps(o + 16 + 8 * g, _mm256_add_ps(dhi, m));
+            _mm256_storeu_ps(o + 8 * g, add_m(dlo, m));
+            _mm256_storeu_ps(o + 16 + 8 * g, add_m(dhi, m));
         }
     }
 }
@@ -109,8 +114,8 @@ void nx_dequant_q5_1_avx2(const uint8_t *blocks /* IN */, float *out /* OUT */, 
             const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, m15), qh_bits16(qh, 8 * g));
             const __m256i hi = _mm256_or_si256(_mm256_srli_epi32(v, 4), qh_bits16(qh, 16 + 8 * g));
             const __m256 dlo = _mm256_mul_ps(d, cvt(lo)), dhi = _mm256_mul_ps(d, cvt(hi));
-            _mm256_storeu_ps(o + 8 * g, _mm256_add_ps(dlo, m));
-            _mm256_storeu_ps(o + 16 + 8 * g, _mm256_add_ps(dhi, m));
+            _mm256_storeu_ps(o + 8 * g, add_m(dlo, m));
+            _mm256_storeu_ps(o + 16 + 8 * g, add_m(dhi, m));
         }
     }
 }

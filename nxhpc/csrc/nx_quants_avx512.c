@@ -38,6 +38,11 @@ static inline __m512i srl(__m512i v, int n) { return _mm512_srl_epi32(v, _mm_cvt
 
 static inline __m512 cvt(__m512i v) { return _mm512_cvtepi32_ps(v); }
 
+/* dq + m, except that a NaN dq is returned as is (the spec's explicit NaN rule, nx_quants.h) */
+static inline __m512 add_m(__m512 dq, __m512 m) {
+    return _mm512_mask_mov_ps(_mm512_add_ps(dq, m), _mm512_cmp_ps_mask(dq, dq, _CMP_UNORD_Q), dq);
+}
+
 /* ------------------------------------------------------------------ 32-element types */
 
 void nx_dequant_q4_0_avx512(const uint8_t *blocks /* IN */, float *out /* OUT */, size_t nblocks) {
@@ -63,8 +68,8 @@ void nx_dequant_q4_1_avx512(const uint8_t *blocks /* IN */, float *out /* OUT */
         const __m512i v = w16(p + 4);
         const __m512 dlo = _mm512_mul_ps(d, cvt(_mm512_and_si512(v, m15)));
         const __m512 dhi = _mm512_mul_ps(d, cvt(_mm512_srli_epi32(v, 4)));
-        _mm512_storeu_ps(o, _mm512_add_ps(dlo, m));
-        _mm512_storeu_ps(o + 16, _mm512_add_ps(dhi, m));
+        _mm512_storeu_ps(o, add_m(dlo, m));
+        _mm512_storeu_ps(o + 16, add_m(dhi, m));
     }
 }
 
@@ -96,8 +101,8 @@ void nx_dequant_q5_1_avx512(const uint8_t *blocks /* IN */, float *out /* OUT */
         lo = _mm512_mask_or_epi32(lo, (__mmask16)(qh & 0xffffu), lo, k16);
         hi = _mm512_mask_or_epi32(hi, (__mmask16)(qh >> 16), hi, k16);
         const __m512 dlo = _mm512_mul_ps(d, cvt(lo)), dhi = _mm512_mul_ps(d, cvt(hi));
-        _mm512_storeu_ps(o, _mm512_add_ps(dlo, m));
-        _mm512_storeu_ps(o + 16, _mm512_add_ps(dhi, m));
+        _mm512_storeu_ps(o, add_m(dlo, m));
+        _mm512_storeu_ps(o + 16, add_m(dhi, m));
     }
 }
 

@@ -12,8 +12,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["QK8_0", "Q8_0_BLOCK_BYTES", "Q8_0_BLOCK_DTYPE", "QK_K", "QuantBlock", "QUANT_BLOCKS",
-           "BLOCK_DTYPES", "block_of"]
+__all__ = [
+    "BLOCK_DTYPES",
+    "Q8_0_BLOCK_BYTES",
+    "Q8_0_BLOCK_DTYPE",
+    "QK8_0",
+    "QK_K",
+    "QUANT_BLOCKS",
+    "QuantBlock",
+    "block_of",
+]
 
 #: Values per Q8_0 block and bytes per block (float16 scale + 32 int8).
 QK8_0 = 32

@@ -43,7 +43,7 @@ import numpy as np
 
 from nxhpc.formats.ggml_blocks import BLOCK_DTYPES, QK_K, QUANT_BLOCKS, block_of
 
-__all__ = ["quantize", "QUANTIZABLE", "K_QUANTS", "LEGACY"]
+__all__ = ["K_QUANTS", "LEGACY", "QUANTIZABLE", "quantize"]
 
 LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -85,7 +85,8 @@ def quantize(x, wtype) -> np.ndarray:
 
 def _f16(v):
     """float16 bits of v (round to nearest even) and the float64 value the decoder will see."""
-    h = np.asarray(v, np.float32).astype(np.float16)
+    with np.errstate(over="ignore"):
+        h = np.asarray(v, np.float32).astype(np.float16)
     if not np.isfinite(h).all():
         raise ValueError("quantize: values too large for a float16 block scale")
     return h, h.astype(np.float64)
