@@ -148,18 +148,38 @@ void nx_dequant_q2_K_avx2(const uint8_t *blocks /* IN */, float *out /* OUT */, 
     }
 }
 
+/* 12 bytes at p into the low bytes of a vector (no read past the block). */
+static inline __m128i ld12(const uint8_t *p) {
+    uint8_t t[16] = {0};
+    memcpy(t, p, 12);
+    return _mm_loadu_si128((const __m128i *)t);
+}
+
+/* Q3_K: dl[i] = d * (scode_i - 32), scode_i = ((sc[i%8] >> 4*(i/8)) & 15)
+ * | ((sc[8 + i%4] >> 2*(i/4)) & 3) << 4 (the spec's rule); lanes 0..7 then 8..15. */
+static inline void scales_q3(const uint8_t *sc /* IN 12 bytes */, float d, float dl[16]) {
+    const __m128i b = ld12(sc);
+    const __m256i lo8 = _mm256_cvtepu8_epi32(b);
+    const __m256i h = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(b, _mm_setr_epi8(8, 9, 10, 11, 8, 9, 10, 11,
+                                                                            0, 0, 0, 0, 0, 0, 0, 0)));
+    const __m256i m15 = _mm256_set1_epi32(15), m3 = _mm256_set1_epi32(3), k32 = _mm256_set1_epi32(32);
+    const __m256i h0 = _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), m3);
+    const __m256i h1 = _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)), m3);
+    const __m256i c0 = _mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(lo8, m15), _mm256_slli_epi32(h0, 4)), k32);
+    const __m256i c1 = _mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(lo8, 4), _mm256_slli_epi32(h1, 4)), k32);
+    const __m256 dv = _mm256_set1_ps(d);
+    _mm256_storeu_ps(dl, _mm256_mul_ps(dv, cvt(c0)));
+    _mm256_storeu_ps(dl + 8, _mm256_mul_ps(dv, cvt(c1)));
+}
+
 void nx_dequant_q3_K_avx2(const uint8_t *blocks /* IN */, float *out /* OUT */, size_t nblocks) {
     const __m256i m3 = _mm256_set1_epi32(3), m1 = _mm256_set1_epi32(1), k4 = _mm256_set1_epi32(4);
+    float dl[16] __attribute__((aligned(32)));
     for (size_t b = 0; b < nblocks; b++) {
         const uint8_t *p = blocks + b * sizeof(nx_block_q3_K);
         const uint8_t *hm = p, *qs = p + 32, *sc = p + 96;
         float *o = out + b * NX_QK_K;
-        const float d = ld_f16(p + 108);
-        float dl[16];
-        for (int i = 0; i < 16; i++) {
-            const int scode = ((sc[i % 8] >> (4 * (i / 8))) & 15) | ((sc[8 + i % 4] >> (2 * (i / 4))) & 3) << 4;
-            dl[i] = d * (float)(scode - 32);
-        }
+        scales_q3(sc, ld_f16(p + 108), dl);
         for (int g = 0; g < 4; g++) {
             const __m256i hw = w8(hm + 8 * g);
             for (int h = 0; h < 2; h++) {
@@ -177,21 +197,23 @@ void nx_dequant_q3_K_avx2(const uint8_t *blocks /* IN */, float *out /* OUT */, 
     }
 }
 
+/* Q4_K/Q5_K: dl[j] = d * sc[j], ml[j] = dmin * mn[j] (the spec's rule, nx_quants.c), as
+ * ((s[i1] >> sh1) & m1) | ((s[i2] >> 2) & m2) per lane: j < 4: sc = s[j] & 63, mn = s[j+4] & 63;
+ * j >= 4: sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4, mn = (s[j+4] >> 4) | (s[j] >> 6) << 4. */
 static inline void scales_k4(const uint8_t *p, float dl[8], float ml[8]) {
-    const float d = ld_f16(p), dmin = ld_f16(p + 2);
-    const uint8_t *s = p + 4;
-    for (int j = 0; j < 8; j++) {
-        int sc, mn;
-        if (j < 4) {
-            sc = s[j] & 63;
-            mn = s[j + 4] & 63;
-        } else {
-            sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
-            mn = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
-        }
-        dl[j] = d * (float)sc;
-        ml[j] = dmin * (float)mn;
-    }
+    const __m128i b = ld12(p + 4);
+    const __m128i p1 = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i p2 = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7));
+    const __m256i m1 = _mm256_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15);
+    const __m256i m2 = _mm256_setr_epi32(0, 0, 0, 0, 48, 48, 48, 48);
+    const __m256i sc = _mm256_or_si256(_mm256_and_si256(_mm256_cvtepu8_epi32(p1), m1),
+                                       _mm256_and_si256(_mm256_srli_epi32(_mm256_cvtepu8_epi32(p2), 2), m2));
+    const __m256i mn1 = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(p1, p1)),
+                                          _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    const __m256i mn2 = _mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(p2, p2)), 2);
+    const __m256i mn = _mm256_or_si256(_mm256_and_si256(mn1, m1), _mm256_and_si256(mn2, m2));
+    _mm256_storeu_ps(dl, _mm256_mul_ps(_mm256_set1_ps(ld_f16(p)), cvt(sc)));
+    _mm256_storeu_ps(ml, _mm256_mul_ps(_mm256_set1_ps(ld_f16(p + 2)), cvt(mn)));
 }
 
 void nx_dequant_q4_K_avx2(const uint8_t *blocks /* IN */, float *out /* OUT */, size_t nblocks) {
@@ -199,7 +221,7 @@ void nx_dequant_q4_K_avx2(const uint8_t *blocks /* IN */, float *out /* OUT */, 
     for (size_t b = 0; b < nblocks; b++) {
         const uint8_t *p = blocks + b * sizeof(nx_block_q4_K), *qs = p + 16;
         float *o = out + b * NX_QK_K;
-        float dl[8], ml[8];
+        float dl[8] __attribute__((aligned(32))), ml[8] __attribute__((aligned(32)));
         scales_k4(p, dl, ml);
         for (int c = 0; c < 4; c++) {
             const __m256 d0 = _mm256_set1_ps(dl[2 * c]), m0 = _mm256_set1_ps(ml[2 * c]);
@@ -220,7 +242,7 @@ void nx_dequant_q5_K_avx2(const uint8_t *blocks /* IN */, float *out /* OUT */, 
     for (size_t b = 0; b < nblocks; b++) {
         const uint8_t *p = blocks + b * sizeof(nx_block_q5_K), *qh = p + 16, *qs = p + 48;
         float *o = out + b * NX_QK_K;
-        float dl[8], ml[8];
+        float dl[8] __attribute__((aligned(32))), ml[8] __attribute__((aligned(32)));
         scales_k4(p, dl, ml);
         for (int c = 0; c < 4; c++) {
             const __m256 d0 = _mm256_set1_ps(dl[2 * c]), m0 = _mm256_set1_ps(ml[2 * c]);

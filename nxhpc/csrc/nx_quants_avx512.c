@@ -133,18 +133,31 @@ void nx_dequant_q2_K_avx512(const uint8_t *blocks /* IN */, float *out /* OUT */
     }
 }
 
+/* Q3_K: dl[i] = d * (scode_i - 32) for the 16 sub-blocks, lane i: low 4 bits
+ * (sc[i%8] >> 4*(i/8)) & 15, high 2 bits (sc[8 + i%4] >> 2*(i/4)) & 3 (the spec's rule). */
+static inline void scales_q3(const uint8_t *sc /* IN 12 bytes */, float d, float dl[16]) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(0x0fff, sc));   /* no overread */
+    const __m512i ilo = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i slo = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+    const __m512i ihi = _mm512_setr_epi32(8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11);
+    const __m512i shi = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+    const __m512i lo = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(ilo, b), slo),
+                                        _mm512_set1_epi32(15));
+    const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(ihi, b), shi),
+                                        _mm512_set1_epi32(3));
+    const __m512i code = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)),
+                                          _mm512_set1_epi32(32));
+    _mm512_storeu_ps(dl, _mm512_mul_ps(_mm512_set1_ps(d), cvt(code)));
+}
+
 void nx_dequant_q3_K_avx512(const uint8_t *blocks /* IN */, float *out /* OUT */, size_t nblocks) {
     const __m512i m3 = _mm512_set1_epi32(3), m1 = _mm512_set1_epi32(1), k4 = _mm512_set1_epi32(4);
+    float dl[16] __attribute__((aligned(64)));
     for (size_t b = 0; b < nblocks; b++) {
         const uint8_t *p = blocks + b * sizeof(nx_block_q3_K);
         const uint8_t *hm = p, *qs = p + 32, *sc = p + 96;
         float *o = out + b * NX_QK_K;
-        const float d = ld_f16(p + 108);
-        float dl[16];
-        for (int i = 0; i < 16; i++) {
-            const int scode = ((sc[i % 8] >> (4 * (i / 8))) & 15) | ((sc[8 + i % 4] >> (2 * (i / 4))) & 3) << 4;
-            dl[i] = d * (float)(scode - 32);
-        }
+        scales_q3(sc, ld_f16(p + 108), dl);
         const __m512i hw0 = w16(hm), hw1 = w16(hm + 16);
         for (int h = 0; h < 2; h++)
             for (int half = 0; half < 2; half++) {
@@ -161,22 +174,22 @@ void nx_dequant_q3_K_avx512(const uint8_t *blocks /* IN */, float *out /* OUT */
     }
 }
 
-/* Q4_K/Q5_K: dl[j] = d * sc[j], ml[j] = dmin * mn[j] for the 8 sub-blocks (as the spec). */
-static inline void scales_k4(const uint8_t *p, float dl[8], float ml[8]) {
-    const float d = ld_f16(p), dmin = ld_f16(p + 2);
-    const uint8_t *s = p + 4;
-    for (int j = 0; j < 8; j++) {
-        int sc, mn;
-        if (j < 4) {
-            sc = s[j] & 63;
-            mn = s[j + 4] & 63;
-        } else {
-            sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
-            mn = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
-        }
-        dl[j] = d * (float)sc;
-        ml[j] = dmin * (float)mn;
-    }
+/* Q4_K/Q5_K: dl[j] = d * sc[j], ml[j] = dmin * mn[j] for the 8 sub-blocks (as the spec), in one
+ * vector: lanes 0..7 the scales, 8..15 the mins. Lane value = ((s[i1] >> sh1) & m1) |
+ * ((s[i2] >> 2) & m2), which spells the spec's rule: j < 4: sc = s[j] & 63, mn = s[j+4] & 63;
+ * j >= 4: sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4, mn = (s[j+4] >> 4) | (s[j] >> 6) << 4. */
+static inline void scales_k4(const uint8_t *p, float dlml[16]) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(0x0fff, p + 4));   /* no overread */
+    const __m512i i1 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
+    const __m512i s1 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4);
+    const __m512i m1 = _mm512_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+    const __m512i i2 = _mm512_setr_epi32(0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7);
+    const __m512i m2 = _mm512_setr_epi32(0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48);
+    const __m512i v = _mm512_or_si512(
+        _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(i1, b), s1), m1),
+        _mm512_and_si512(_mm512_srli_epi32(_mm512_permutexvar_epi32(i2, b), 2), m2));
+    const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(ld_f16(p)), _mm256_set1_ps(ld_f16(p + 2)), 1);
+    _mm512_storeu_ps(dlml, _mm512_mul_ps(dd, cvt(v)));
 }
 
 void nx_dequant_q4_K_avx512(const uint8_t *blocks /* IN */, float *out /* OUT */, size_t nblocks) {
@@ -184,8 +197,9 @@ void nx_dequant_q4_K_avx512(const uint8_t *blocks /* IN */, float *out /* OUT */
     for (size_t b = 0; b < nblocks; b++) {
         const uint8_t *p = blocks + b * sizeof(nx_block_q4_K), *qs = p + 16;
         float *o = out + b * NX_QK_K;
-        float dl[8], ml[8];
-        scales_k4(p, dl, ml);
+        float dlml[16] __attribute__((aligned(64)));
+        scales_k4(p, dlml);
+        const float *dl = dlml, *ml = dlml + 8;
         for (int c = 0; c < 4; c++) {
             const __m512 d0 = _mm512_set1_ps(dl[2 * c]), m0 = _mm512_set1_ps(ml[2 * c]);
             const __m512 d1 = _mm512_set1_ps(dl[2 * c + 1]), m1 = _mm512_set1_ps(ml[2 * c + 1]);
@@ -205,8 +219,9 @@ void nx_dequant_q5_K_avx512(const uint8_t *blocks /* IN */, float *out /* OUT */
     for (size_t b = 0; b < nblocks; b++) {
         const uint8_t *p = blocks + b * sizeof(nx_block_q5_K), *qh = p + 16, *qs = p + 48;
         float *o = out + b * NX_QK_K;
-        float dl[8], ml[8];
-        scales_k4(p, dl, ml);
+        float dlml[16] __attribute__((aligned(64)));
+        scales_k4(p, dlml);
+        const float *dl = dlml, *ml = dlml + 8;
         const __m512i hw0 = w16(qh), hw1 = w16(qh + 16);
         for (int c = 0; c < 4; c++) {
             const __m512 d0 = _mm512_set1_ps(dl[2 * c]), m0 = _mm512_set1_ps(ml[2 * c]);
