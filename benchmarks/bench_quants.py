@@ -20,13 +20,13 @@ overhead (~1 us of ~8-20 us) is included there; each timed round is 20 calls.
 import gguf
 import numpy as np
 import pytest
+from _bench_util import bench_stats
 from gguf.quants import dequantize as gguf_dequantize
 
 import nxhpc
 from nxhpc import _kernels as K
 from nxhpc.formats.ggml_blocks import QUANT_BLOCKS
 from nxhpc.formats.quants import quantize
-from _bench_util import bench_stats
 
 N = KD = 3840
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
