@@ -19,8 +19,6 @@ cdef extern from "nx_quants.h" nogil:
     void nx_quant_dequantize(const nx_quant_type *t, nx_isa isa, const uint8_t *blocks,
                              float *out, size_t nblocks)
 
-from nxhpc.formats.ggml_blocks import QUANT_BLOCKS as _QUANT_BLOCKS
-
 
 def _quant_ids():
     """name -> GGML type id of every type the C table decodes."""

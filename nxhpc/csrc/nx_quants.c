@@ -88,13 +88,15 @@ void nx_dequant_q2_K_generic(const uint8_t *blocks /* IN */, float *out /* OUT *
         const uint8_t *sc = p, *qs = p + 16;
         float *o = out + b * NX_QK_K;
         const float d = ld_f16(p + 80), dmin = ld_f16(p + 82);
-        for (int e = 0; e < NX_QK_K; e++) {
-            const int h = e / 128, s = (e / 32) % 4, l = e % 32, i = e / 16;
+        for (int i = 0; i < 16; i++) {                 /* sub-block i: elements 16i .. 16i+15 */
             const float dl = d * (float)(sc[i] & 15);
             const float ml = dmin * (float)(sc[i] >> 4);
-            const int q = (qs[32 * h + l] >> (2 * s)) & 3;
-            const float dq = dl * (float)q;
-            o[e] = dq - ml;
+            for (int e = 16 * i; e < 16 * i + 16; e++) {
+                const int h = e / 128, s = (e / 32) % 4, l = e % 32;
+                const int q = (qs[32 * h + l] >> (2 * s)) & 3;
+                const float dq = dl * (float)q;
+                o[e] = dq - ml;
+            }
         }
     }
 }
@@ -105,14 +107,16 @@ void nx_dequant_q3_K_generic(const uint8_t *blocks /* IN */, float *out /* OUT *
         const uint8_t *hm = p, *qs = p + 32, *sc = p + 96;
         float *o = out + b * NX_QK_K;
         const float d = ld_f16(p + 108);
-        for (int e = 0; e < NX_QK_K; e++) {
-            const int h = e / 128, s = (e / 32) % 4, l = e % 32, i = e / 16;
+        for (int i = 0; i < 16; i++) {
             const int scode = ((sc[i % 8] >> (4 * (i / 8))) & 15) | ((sc[8 + i % 4] >> (2 * (i / 4))) & 3) << 4;
             const float dl = d * (float)(scode - 32);
-            const int lo = (qs[32 * h + l] >> (2 * s)) & 3;
-            const int hi = (hm[l] >> (4 * h + s)) & 1;
-            const int q = lo - ((hi ^ 1) << 2);
-            o[e] = dl * (float)q;
+            for (int e = 16 * i; e < 16 * i + 16; e++) {
+                const int h = e / 128, s = (e / 32) % 4, l = e % 32;
+                const int lo = (qs[32 * h + l] >> (2 * s)) & 3;
+                const int hi = (hm[l] >> (4 * h + s)) & 1;
+                const int q = lo - ((hi ^ 1) << 2);
+                o[e] = dl * (float)q;
+            }
         }
     }
 }
@@ -134,15 +138,17 @@ void nx_dequant_q4_K_generic(const uint8_t *blocks /* IN */, float *out /* OUT *
         const uint8_t *scales = p + 4, *qs = p + 16;
         float *o = out + b * NX_QK_K;
         const float d = ld_f16(p), dmin = ld_f16(p + 2);
-        for (int e = 0; e < NX_QK_K; e++) {
-            const int c = e / 64, s = (e / 32) % 2, l = e % 32, j = e / 32;
+        for (int j = 0; j < 8; j++) {                  /* sub-block j: elements 32j .. 32j+31 */
             int sc, mn;
             scale_min_k4(scales, j, &sc, &mn);
             const float dl = d * (float)sc;
             const float ml = dmin * (float)mn;
-            const int q = (qs[32 * c + l] >> (4 * s)) & 15;
-            const float dq = dl * (float)q;
-            o[e] = dq - ml;
+            for (int e = 32 * j; e < 32 * j + 32; e++) {
+                const int c = e / 64, s = (e / 32) % 2, l = e % 32;
+                const int q = (qs[32 * c + l] >> (4 * s)) & 15;
+                const float dq = dl * (float)q;
+                o[e] = dq - ml;
+            }
         }
     }
 }
@@ -153,15 +159,17 @@ void nx_dequant_q5_K_generic(const uint8_t *blocks /* IN */, float *out /* OUT *
         const uint8_t *scales = p + 4, *qh = p + 16, *qs = p + 48;
         float *o = out + b * NX_QK_K;
         const float d = ld_f16(p), dmin = ld_f16(p + 2);
-        for (int e = 0; e < NX_QK_K; e++) {
-            const int c = e / 64, s = (e / 32) % 2, l = e % 32, j = e / 32;
+        for (int j = 0; j < 8; j++) {
             int sc, mn;
             scale_min_k4(scales, j, &sc, &mn);
             const float dl = d * (float)sc;
             const float ml = dmin * (float)mn;
-            const int q = ((qs[32 * c + l] >> (4 * s)) & 15) | ((qh[l] >> j) & 1) << 4;
-            const float dq = dl * (float)q;
-            o[e] = dq - ml;
+            for (int e = 32 * j; e < 32 * j + 32; e++) {
+                const int c = e / 64, s = (e / 32) % 2, l = e % 32;
+                const int q = ((qs[32 * c + l] >> (4 * s)) & 15) | ((qh[l] >> j) & 1) << 4;
+                const float dq = dl * (float)q;
+                o[e] = dq - ml;
+            }
         }
     }
 }
@@ -173,12 +181,14 @@ void nx_dequant_q6_K_generic(const uint8_t *blocks /* IN */, float *out /* OUT *
         const int8_t *sc = (const int8_t *)(p + 192);
         float *o = out + b * NX_QK_K;
         const float d = ld_f16(p + 208);
-        for (int e = 0; e < NX_QK_K; e++) {
-            const int h = e / 128, r = e % 128, i = e / 16;
+        for (int i = 0; i < 16; i++) {
             const float dl = d * (float)sc[i];
-            const int code = ((ql[64 * h + r % 64] >> (4 * (r / 64))) & 15)
-                           | ((qh[32 * h + r % 32] >> (2 * (r / 32))) & 3) << 4;
-            o[e] = dl * (float)(code - 32);
+            for (int e = 16 * i; e < 16 * i + 16; e++) {
+                const int h = e / 128, r = e % 128;
+                const int code = ((ql[64 * h + r % 64] >> (4 * (r / 64))) & 15)
+                               | ((qh[32 * h + r % 32] >> (2 * (r / 32))) & 3) << 4;
+                o[e] = dl * (float)(code - 32);
+            }
         }
     }
 }
