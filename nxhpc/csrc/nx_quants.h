@@ -22,8 +22,9 @@
  *   Q6_K:        v = (d * sc) * (float)q                   sc = int8, q = 6-bit - 32
  * Every product above is EXACT in float32 (d, dmin, m have an 11-bit significand; codes and
  * scales add at most 12 more: 11+5 (Q*_0/Q*_1), 11+4+2 (Q2_K), 11+6+3 (Q3_K), 11+6+5 (Q4_K,
- * Q5_K), 11+7+5 (Q6_K) <= 23 bits; no overflow or underflow: |v| < 2^27, nonzero |product| >= 2^-24). So the only rounding is the final
- * "+ m" / "- dmin*mn", and a fused multiply-add would give the same finite result; the code still
+ * Q5_K), 11+7+5 (Q6_K) <= 23 bits; no overflow or underflow: |v| < 2^27, nonzero
+ * |product| >= 2^-24). So the only rounding is the final "+ m" / "- dmin*mn" (none at all for
+ * Q4_0, Q5_0, Q3_K, Q6_K, whose values are exact like Q8_0's), and a fused multiply-add would give the same finite result; the code still
  * keeps mul and add/sub separate (-std=c11 turns GCC's FMA contraction off; see the pragma in each
  * .c file). NaN: x86 returns the quieted first NaN operand of an op, so a NaN element carries the
  * quieted payload of the first NaN it meets in the op order above (d before m/dmin; e.g. Q2_K with
@@ -32,6 +33,11 @@
  * array of >= 2 blocks; on an array of exactly ONE Q4_1/Q5_1 block with d and m both NaN, numpy's
  * broadcast loop picks m's payload instead (a numpy iteration detail; still NaN). Infinite
  * scales give +-inf, or NaN where a zero code/scale meets inf.
+ *
+ * For a matmul over these weights: the decoded float32 value of every element is the one above,
+ * whatever the ISA and whichever band of blocks is decoded, so a matmul that packs its weight
+ * panels with these functions computes on exactly gguf.quants.dequantize(w), and a weight and
+ * its dequantization (this decoder's output, stored as float32) give bit-identical products.
  */
 #ifndef NX_QUANTS_H
 #define NX_QUANTS_H
