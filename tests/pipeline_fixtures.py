@@ -8,7 +8,9 @@ the FLUX-VAE config keys the pipeline reads (16 latent channels, 8x downsampling
 ``scaling_factor`` 0.3611, ``shift_factor`` 0.1159), the Turbo scheduler
 (``FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False)``), and a random
 ``ZImageTransformer2DModel`` (``nxhpc.dit.oracle.random_zimage_model``) or any drop-in
-transformer. Test tooling only: nothing here is imported by the package.
+transformer; and :class:`ReferenceTransformer`, the minimal drop-in (the exact surface the
+pipeline uses), running the float64 reference. Test tooling only: nothing here is imported by
+the package.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from nxhpc.dit.denoiser_config import DenoiserConfig
 
 __all__ = ["CHAT_TEMPLATE", "PIPE_TEXT_DIM", "pipeline_config", "make_tokenizer",
            "make_text_encoder", "make_vae", "make_scheduler", "TinyPipeline",
-           "make_tiny_pipeline"]
+           "make_tiny_pipeline", "with_transformer", "ReferenceTransformer"]
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -132,3 +134,64 @@ def make_tiny_pipeline(transformer=None, seed: int = 0, cfg: DenoiserConfig | No
                           tokenizer=tok, transformer=transformer)
     pipe.set_progress_bar_config(disable=True)
     return TinyPipeline(pipe, cfg, transformer, weights)
+
+
+def with_transformer(tiny: TinyPipeline, transformer) -> Any:
+    """A ``ZImagePipeline`` sharing ``tiny``'s text encoder, tokenizer and VAE (same weights,
+    no rebuild), with a fresh scheduler and ``transformer``."""
+    from diffusers import ZImagePipeline
+    c = tiny.pipe.components
+    pipe = ZImagePipeline(scheduler=make_scheduler(), vae=c["vae"],
+                          text_encoder=c["text_encoder"], tokenizer=c["tokenizer"],
+                          transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+class ReferenceTransformer:
+    """The smallest drop-in ``ZImagePipeline`` accepts, running ``nxhpc.dit.denoiser_ref``:
+    exactly the surface the pipeline (diffusers 0.42) uses on its transformer, and nothing
+    more. It is the template and the yardstick for ``nxhpc.diffusers``.
+
+    - attributes read: ``in_channels`` (an attribute, not ``config.in_channels``) and
+      ``dtype`` (latents are cast to it before each call);
+    - called as ``transformer(x, timestep, cap_feats, joint_attention_kwargs=None,
+      return_dict=False)``: ``x`` a list of B float ``[C, 1, H, W]`` tensors, ``timestep`` a
+      float32 ``[B]`` tensor holding ``t = 1 - sigma``, ``cap_feats`` a list of B float32
+      ``[L_i, cap_dim]`` tensors (L_i differ under CFG: B = 2, prompt then negative prompt);
+    - returns ``(list of B [C, 1, H, W] tensors,)`` (``return_dict=True``: an object whose
+      ``.sample`` is that list), raw output, NOT negated (the pipeline negates it).
+
+    Items are run one at a time (batch 1 each): diffusers' padded batch with its attention
+    mask gives the same result per item. It need not be a ``torch.nn.Module``.
+    """
+
+    def __init__(self, cfg: DenoiserConfig, weights: dict[str, np.ndarray]) -> None:
+        import torch
+        self.cfg = cfg
+        self.weights = weights
+        self.in_channels = cfg.in_channels
+        self.dtype = torch.float32
+        self.calls: list[tuple[int, tuple[float, ...]]] = []
+
+    def __call__(self, x, timestep, cap_feats, *, return_dict: bool = True,
+                 joint_attention_kwargs=None, **unused):
+        import torch
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+        from nxhpc.dit.denoiser_ref import denoiser_forward_f64
+        if unused:
+            raise TypeError(f"ReferenceTransformer: unsupported arguments {sorted(unused)}")
+        ts = [float(v) for v in timestep.reshape(-1)]
+        if not (len(x) == len(cap_feats) == len(ts)):
+            raise ValueError(f"ReferenceTransformer: batch sizes differ: {len(x)} latents, "
+                             f"{len(ts)} timesteps, {len(cap_feats)} captions")
+        self.calls.append((len(x), tuple(ts)))
+        out = []
+        for lat, t, cap in zip(x, ts, cap_feats):
+            if lat.ndim != 4 or lat.shape[1] != 1:
+                raise ValueError(f"ReferenceTransformer: latents are {tuple(lat.shape)}, "
+                                 f"expected [C, 1, H, W]")
+            r = denoiser_forward_f64(lat[:, 0].double().numpy(), t, cap.double().numpy(),
+                                     self.weights, self.cfg)
+            out.append(torch.from_numpy(r.astype(np.float32))[:, None].to(lat.dtype))
+        return Transformer2DModelOutput(sample=out) if return_dict else (out,)
