@@ -21,9 +21,19 @@ import numpy as np
 
 from nxhpc.dit.denoiser_config import DenoiserConfig
 
-__all__ = ["CHAT_TEMPLATE", "PIPE_TEXT_DIM", "pipeline_config", "make_tokenizer",
-           "make_text_encoder", "make_vae", "make_scheduler", "TinyPipeline",
-           "make_tiny_pipeline", "with_transformer", "ReferenceTransformer"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "PIPE_TEXT_DIM",
+    "ReferenceTransformer",
+    "TinyPipeline",
+    "make_scheduler",
+    "make_text_encoder",
+    "make_tiny_pipeline",
+    "make_tokenizer",
+    "make_vae",
+    "pipeline_config",
+    "with_transformer",
+]
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -122,6 +132,7 @@ def make_tiny_pipeline(transformer=None, seed: int = 0, cfg: DenoiserConfig | No
     randomized, from ``seed``)."""
     import torch
     from diffusers import ZImagePipeline
+
     from nxhpc.dit.oracle import random_zimage_model
 
     cfg = pipeline_config() if cfg is None else cfg
@@ -178,6 +189,7 @@ class ReferenceTransformer:
                  joint_attention_kwargs=None, **unused):
         import torch
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
         from nxhpc.dit.denoiser_ref import denoiser_forward_f64
         if unused:
             raise TypeError(f"ReferenceTransformer: unsupported arguments {sorted(unused)}")

@@ -12,8 +12,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from nxhpc.dit.denoiser_config import (PREFIX, DenoiserConfig, DenoiserConfigError,
-                                       infer_denoiser_config)
+from nxhpc.dit.denoiser_config import (
+    PREFIX,
+    DenoiserConfig,
+    DenoiserConfigError,
+    infer_denoiser_config,
+)
 
 SMALL = dict(dim=384, n_heads=6, n_kv_heads=6, head_dim=64, ffn_dim=1024, n_layers=2,
              n_noise_refiner=2, n_context_refiner=2, in_channels=16, patch=2, cap_dim=320)

@@ -21,14 +21,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from nxhpc.dit import denoiser_ref as R
+from nxhpc.dit import oracle
+from nxhpc.dit.denoiser_config import PREFIX, DenoiserConfig
+from nxhpc.dit.rope import pe_to_complex, rope_table
+from nxhpc.models.zimage_files import read_zimage_gguf, write_zimage_gguf
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
-
-from nxhpc.dit import denoiser_ref as R  # noqa: E402
-from nxhpc.dit import oracle  # noqa: E402
-from nxhpc.dit.denoiser_config import PREFIX, DenoiserConfig  # noqa: E402
-from nxhpc.dit.rope import pe_to_complex, rope_table  # noqa: E402
-from nxhpc.models.zimage_files import read_zimage_gguf, write_zimage_gguf  # noqa: E402
 
 LAYOUTS = ("comfyui-q8_0", "sdcpp-q8_0")
 TIMES = (0.0, 0.5, 0.9)
@@ -95,7 +95,8 @@ def test_random_model_has_every_parameter_randomized(random_model):
 
 def test_name_mapping_round_trips_and_matches_diffusers_converter(random_model):
     from diffusers.loaders.single_file_utils import (
-        convert_z_image_transformer_checkpoint_to_diffusers)
+        convert_z_image_transformer_checkpoint_to_diffusers,
+    )
     model, w = random_model
     shapes = CFG.tensor_shapes()
     assert list(w) == list(shapes)
@@ -163,7 +164,7 @@ def test_float32_diffusers_call(oracles, files, inputs):
 def test_position_ids_and_patches_match_diffusers(random_model, inputs):
     model, _ = random_model
     lat, cap = inputs
-    x, c, size, x_ids, c_ids, x_pad, c_pad = (o[0] for o in model.patchify_and_embed(
+    x, _cap_rows, size, x_ids, c_ids, x_pad, c_pad = (o[0] for o in model.patchify_and_embed(
         [torch.from_numpy(lat)[:, None]], [torch.from_numpy(cap)], 2, 1))
     cap_ids, img_ids = R.zimage_position_ids(19, 6, 5)
     assert cap_ids.shape == (32, 3) and img_ids.shape == (32, 3)

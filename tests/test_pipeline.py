@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pipeline_fixtures import ReferenceTransformer, make_tiny_pipeline, with_transformer
+
+from nxhpc.dit.oracle import run_diffusers_zimage
+from nxhpc.dit.sampler import euler_sample
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
-
-from pipeline_fixtures import (ReferenceTransformer, make_tiny_pipeline,  # noqa: E402
-                               with_transformer)
-
-from nxhpc.dit.oracle import run_diffusers_zimage  # noqa: E402
-from nxhpc.dit.sampler import euler_sample  # noqa: E402
 
 PX = 64                      # 64x64 pixels -> latents [16, 8, 8] -> 16 image tokens (pads!)
 STEPS = 4

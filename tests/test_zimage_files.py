@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import re
 
+import gguf
 import numpy as np
 import pytest
 
-import gguf
 from nxhpc.dit.denoiser_config import PREFIX, DenoiserConfig
-from nxhpc.models.zimage_files import (COMFYUI_Q8_0, LAYOUTS, SDCPP_Q8_0, FileLayout,
-                                       TypeRule, get_layout, read_zimage_gguf,
-                                       write_zimage_gguf)
+from nxhpc.models.zimage_files import (
+    COMFYUI_Q8_0,
+    LAYOUTS,
+    SDCPP_Q8_0,
+    FileLayout,
+    TypeRule,
+    get_layout,
+    read_zimage_gguf,
+    write_zimage_gguf,
+)
 
 CFG = DenoiserConfig(dim=384, n_heads=6, n_kv_heads=6, head_dim=64, ffn_dim=1024, n_layers=2,
                      n_noise_refiner=2, n_context_refiner=2, in_channels=16, patch=2,

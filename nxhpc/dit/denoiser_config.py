@@ -22,12 +22,22 @@ Inference (``docs``: ``DENOISER.md`` "Tensor names"):
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
-__all__ = ["DenoiserConfigError", "DenoiserConfig", "infer_denoiser_config", "PREFIX",
-           "BLOCK_SUFFIXES", "ADALN_SUFFIXES", "GROUPS", "OPTIONAL_TENSORS", "GGML_TYPE_NAMES",
-           "strip_prefix", "block_tensor_names"]
+__all__ = [
+    "ADALN_SUFFIXES",
+    "BLOCK_SUFFIXES",
+    "GGML_TYPE_NAMES",
+    "GROUPS",
+    "OPTIONAL_TENSORS",
+    "PREFIX",
+    "DenoiserConfig",
+    "DenoiserConfigError",
+    "block_tensor_names",
+    "infer_denoiser_config",
+    "strip_prefix",
+]
 
 PREFIX = "model.diffusion_model."
 """Name prefix of stable-diffusion.cpp's converter (ComfyUI-GGUF writes none)."""
@@ -150,7 +160,7 @@ class DenoiserConfig:
         """Values per patch token: ``p*p*C`` (x_embedder columns, final_layer rows)."""
         return self.patch * self.patch * self.in_channels
 
-    def validate(self) -> "DenoiserConfig":
+    def validate(self) -> DenoiserConfig:
         """Raise :class:`DenoiserConfigError` unless the dimensions are consistent."""
         errs = []
         ints = ("dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "n_layers",
@@ -245,7 +255,7 @@ class DenoiserConfig:
 
     # -- bridges
     @classmethod
-    def zimage(cls, n_layers: int = 30, **overrides) -> "DenoiserConfig":
+    def zimage(cls, n_layers: int = 30, **overrides) -> DenoiserConfig:
         """The real Z-Image-Turbo dimensions (``n_layers`` configurable for benchmarks)."""
         kw = dict(dim=3840, n_heads=30, n_kv_heads=30, head_dim=128, ffn_dim=10240,
                   n_layers=n_layers, n_noise_refiner=2, n_context_refiner=2, in_channels=16,
@@ -302,7 +312,7 @@ class DenoiserConfig:
 
 def strip_prefix(name: str) -> str:
     """``model.diffusion_model.X`` -> ``X``; other names unchanged."""
-    return name[len(PREFIX):] if name.startswith(PREFIX) else name
+    return name.removeprefix(PREFIX)
 
 
 _BLOCK_RE = re.compile(r"^(layers|noise_refiner|context_refiner)\.(\d+)\.(.+)$")

@@ -12,7 +12,7 @@ convention: t = 1 - sigma (0 = pure noise), r ~ x0 - noise, not negated.
 """
 from __future__ import annotations
 
-from typing import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 import numpy as np
 
@@ -20,10 +20,20 @@ from nxhpc.dit.denoiser_config import DenoiserConfig, block_tensor_names
 from nxhpc.dit.reference import attention_f64, block_forward_f64, rmsnorm_f64, rope_f64
 from nxhpc.dit.rope import rope_table
 
-__all__ = ["MUTATIONS", "timestep_embedding_f64", "t_embed_f64", "patchify_f64",
-           "unpatchify_f64", "pad_rows_f64", "zimage_position_ids", "block_weights",
-           "unmodulated_block_f64", "final_layer_f64", "denoiser_forward_f64",
-           "check_weights"]
+__all__ = [
+    "MUTATIONS",
+    "block_weights",
+    "check_weights",
+    "denoiser_forward_f64",
+    "final_layer_f64",
+    "pad_rows_f64",
+    "patchify_f64",
+    "t_embed_f64",
+    "timestep_embedding_f64",
+    "unmodulated_block_f64",
+    "unpatchify_f64",
+    "zimage_position_ids",
+]
 
 MUTATIONS = ("mask_pads", "patch_order", "token_order", "final_no_silu", "negate")
 """Deliberate mistakes for negative controls only (a check that cannot tell them from the

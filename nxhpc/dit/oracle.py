@@ -92,8 +92,8 @@ def run_diffusers_block(blk, x: np.ndarray, t_emb: np.ndarray, pe: np.ndarray,
 # diffusers' ZImageTransformer2DModel <-> the original / ComfyUI tensor names
 # (``nxhpc.dit.denoiser_config``). Only renames and the qkv row split live here.
 
-__all__ += ["zimage_to_canonical", "zimage_from_canonical", "random_zimage_model",
-            "diffusers_zimage", "run_diffusers_zimage"]
+__all__ += ["diffusers_zimage", "random_zimage_model", "run_diffusers_zimage",
+            "zimage_from_canonical", "zimage_to_canonical"]
 
 _PREFIX_RENAMES = (("all_x_embedder.{p}-1.", "x_embedder."),      # diffusers -> canonical,
                    ("all_final_layer.{p}-1.", "final_layer."))    # at the start of a name
@@ -166,6 +166,7 @@ def zimage_from_canonical(weights, cfg, dtype=None) -> dict:
 def _timestep_embedding_f64(t, dim: int, max_period: float = 10000.0):
     """diffusers' ``TimestepEmbedder.timestep_embedding`` with the angles in float64."""
     import math
+
     import torch
     half = dim // 2
     freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float64) / half)
@@ -237,6 +238,7 @@ def run_diffusers_zimage(model, latents: np.ndarray, t: float, cap_feats: np.nda
     latents ``[C, H, W]``, t = 1 - sigma,
     cap_feats ``[L, cap_dim]`` -> raw output float64 ``[C, H, W]`` (not negated)."""
     import copy
+
     import torch
     dtype = next(model.parameters()).dtype if dtype is None else dtype
     if next(model.parameters()).dtype != dtype:        # a converted copy: the caller's stays

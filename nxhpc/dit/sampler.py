@@ -12,11 +12,11 @@ Sign: diffusers' ``ZImagePipeline`` negates the transformer output and its
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["turbo_sigmas", "euler_sample", "initial_noise", "latent_shape"]
+__all__ = ["euler_sample", "initial_noise", "latent_shape", "turbo_sigmas"]
 
 Model = Callable[[np.ndarray, float], np.ndarray]
 

@@ -26,19 +26,27 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
-
-import numpy as np
 
 import gguf
+import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from nxhpc.dit.denoiser_config import PREFIX, strip_prefix
 
-__all__ = ["TypeRule", "FileLayout", "COMFYUI_Q8_0", "SDCPP_Q8_0", "LAYOUTS", "get_layout",
-           "write_zimage_gguf", "read_zimage_gguf", "ZImageFile"]
+__all__ = [
+    "COMFYUI_Q8_0",
+    "LAYOUTS",
+    "SDCPP_Q8_0",
+    "FileLayout",
+    "TypeRule",
+    "ZImageFile",
+    "get_layout",
+    "read_zimage_gguf",
+    "write_zimage_gguf",
+]
 
 Quantizer = Callable[[np.ndarray, GGMLQuantizationType], np.ndarray]
 
