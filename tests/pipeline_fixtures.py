@@ -207,3 +207,33 @@ class ReferenceTransformer:
                                      self.weights, self.cfg)
             out.append(torch.from_numpy(r.astype(np.float32))[:, None].to(lat.dtype))
         return Transformer2DModelOutput(sample=out) if return_dict else (out,)
+
+
+@dataclass
+class ZImageCase:
+    """One random Z-Image written as a published layout, with its oracles: ``path`` the GGUF,
+    ``file`` its read-back (``file.weights``: the exact dequantized float64 weights; the
+    denoiser under test must reproduce a forward on these), ``diffusers`` a float64
+    ``ZImageTransformer2DModel`` holding exactly those weights, ``original`` the unquantized
+    canonical weights."""
+    cfg: DenoiserConfig
+    layout: str
+    path: Any
+    file: Any
+    diffusers: Any
+    original: dict[str, np.ndarray]
+
+
+def zimage_file_case(directory, cfg: DenoiserConfig, layout: str = "comfyui-q8_0",
+                     seed: int = 0, float64_sinusoid: bool = False) -> ZImageCase:
+    """Random diffusers model (every parameter randomized) -> ``layout`` GGUF in
+    ``directory`` -> read back -> float64 diffusers on the dequantized weights."""
+    from pathlib import Path
+
+    from nxhpc.dit.oracle import diffusers_zimage, random_zimage_model
+    from nxhpc.models.zimage_files import read_zimage_gguf, write_zimage_gguf
+    _, w = random_zimage_model(cfg, seed)
+    path = write_zimage_gguf(Path(directory) / f"zimage-{layout}-{seed}.gguf", w, layout)
+    f = read_zimage_gguf(path)
+    return ZImageCase(cfg, layout, path, f,
+                      diffusers_zimage(cfg, f.weights, float64_sinusoid=float64_sinusoid), w)

@@ -162,3 +162,22 @@ def test_reference_drop_in_reproduces_diffusers_images(tiny, guidance):
                             guidance=guidance, output_type="pil",
                             latents=noise.clone())[0]).astype(int)
     assert np.mean(np.abs(img_f - img_d) <= 1) < 0.99
+
+
+def test_zimage_file_case_helper(tmp_path):
+    # the one-call fixture the nxhpc denoiser tests build on
+    from pipeline_fixtures import zimage_file_case
+
+    from nxhpc.dit.denoiser_ref import denoiser_forward_f64
+    from nxhpc.dit.oracle import run_diffusers_zimage as run
+    case = zimage_file_case(tmp_path, pipeline_config_small(), "sdcpp-q8_0", seed=1)
+    assert case.path.exists() and case.file.tensors["x_pad_token"][1] == "F32"
+    rng = np.random.default_rng(0)
+    lat, cap = rng.standard_normal((16, 6, 4)), rng.standard_normal((5, 64))
+    ref = denoiser_forward_f64(lat, 0.3, cap, case.file.weights, case.cfg)
+    assert rel_err(run(case.diffusers, lat, 0.3, cap), ref) <= 1e-5
+
+
+def pipeline_config_small():
+    from pipeline_fixtures import pipeline_config
+    return pipeline_config(cap_dim=64, n_layers=1, n_noise_refiner=1, n_context_refiner=1)

@@ -135,3 +135,19 @@ def test_write_refuses_bad_weights(tmp_path, weights):
         lay = FileLayout("k", "", "x", "D", (TypeRule(r".+", None, "Q4_K", "F32"),))
         write_zimage_gguf(tmp_path / "b.gguf", {"layers.0.feed_forward.w2.weight":
                                                 weights["layers.0.feed_forward.w2.weight"]}, lay)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_nxhpc_reader_sees_the_same_file(files, layout):
+    # nxhpc's own validated reader (what the denoiser loader uses) agrees with the gguf
+    # package on every name, shape, type and decoded value of both layouts
+    from nxhpc.dit.denoiser_config import infer_denoiser_config
+    from nxhpc.formats.gguf_io import GGUFFile
+    f = files[layout]
+    with GGUFFile(f.path) as g:
+        table = {n: (tuple(g.shape(n)), g.type_name(n)) for n in g.names()}
+        assert table == f.tensors
+        assert infer_denoiser_config(table) == CFG
+        for n in g.names():
+            np.testing.assert_array_equal(g.load_f32(n).astype(np.float64), f.weights[n],
+                                          err_msg=n)

@@ -18,7 +18,7 @@ import numpy as np
 
 from nxhpc.dit.denoiser_config import DenoiserConfig, block_tensor_names
 from nxhpc.dit.reference import attention_f64, block_forward_f64, rmsnorm_f64, rope_f64
-from nxhpc.dit.rope import rope_table
+from nxhpc.dit.rope import position_ids, rope_table
 
 __all__ = [
     "MUTATIONS",
@@ -110,15 +110,10 @@ def zimage_position_ids(n_cap: int, Ht: int, Wt: int, multiple: int = 32
     order; image pad rows ``(0, 0, 0)``."""
     Lp = n_cap + (-n_cap) % multiple
     n_img = Ht * Wt
-    Np = n_img + (-n_img) % multiple
-    cap = np.zeros((Lp, 3), dtype=np.int64)
-    cap[:, 0] = 1 + np.arange(Lp)
-    img = np.zeros((Np, 3), dtype=np.int64)
-    h, w = np.meshgrid(np.arange(Ht), np.arange(Wt), indexing="ij")
-    img[:n_img, 0] = Lp + 1
-    img[:n_img, 1] = h.ravel()
-    img[:n_img, 2] = w.ravel()
-    return cap, img
+    ids = position_ids(Lp, (1, Ht, Wt), caption_start=1)    # caption (1+i,0,0), image (Lp+1,h,w)
+    img = np.zeros((n_img + (-n_img) % multiple, 3), dtype=np.int64)
+    img[:n_img] = ids[Lp:]
+    return ids[:Lp], img
 
 
 def block_weights(weights: Mapping[str, np.ndarray], group: str, i: int) -> dict[str, np.ndarray]:
