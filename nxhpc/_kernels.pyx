@@ -113,3 +113,4 @@ cdef tuple _band(str fn, str what, object lo, object hi, Py_ssize_t n):
 include "_k_matmul.pxi"
 include "_k_ops.pxi"
 include "_k_bwd.pxi"
+include "_k_lowp.pxi"
