@@ -36,7 +36,7 @@ _LOWP_VARIANTS = {"bf16": ("avx512bf16", NX_LOWP_AVX512BF16), "q8": ("avx512vnni
 
 _VARIANT_OF["matmul_bf16"] = lambda isa: nx_lowp_variant_name(nx_lowp_bf16_variant(<nx_isa>isa)).decode()
 _VARIANT_OF["matmul_q8"] = lambda isa: nx_lowp_variant_name(nx_lowp_q8_variant(<nx_isa>isa)).decode()
-_VARIANT_OF["round_bf16"] = lambda isa: "avx512" if nx_lowp_q8_variant(<nx_isa>isa) != NX_LOWP_GENERIC else "generic"
+_VARIANT_OF["round_bf16"] = lambda isa: nx_lowp_variant_name(nx_lowp_bf16_variant(<nx_isa>isa)).decode()
 
 
 cdef nx_lowp_variant _lowp_variant(str fn, str prec, object isa) except *:
@@ -88,16 +88,14 @@ cdef object _lowp_bias(str fn, object bias, Py_ssize_t N):
 
 
 def round_bf16(x, isa=None):
-    """bfloat16(x) as float32 values: round to nearest even on the bit pattern (subnormals rounded,
-    not flushed; overflow -> inf; NaN -> quiet NaN keeping sign and top payload bits). The rounding
-    both low-precision matmuls apply to their inputs (nx_lowp.h). x: float32 ndarray, C-contiguous.
+    """bfloat16(x) as float32 values, the rounding both low-precision matmuls apply to their
+    inputs (nx_lowp.h): a subnormal becomes the zero of its sign, NaN -> quiet NaN keeping sign
+    and top payload bits, otherwise round to nearest even (overflow -> inf) -- VCVTNEPS2BF16.
+    x: float32 ndarray, C-contiguous. isa: None, an ISA level name, or "avx512bf16".
     """
     fn = "round_bf16"
     _f32(fn, "x", x, -1)
-    cdef nx_isa level = _resolve_isa(fn, isa)
-    cdef nx_lowp_variant v = NX_LOWP_GENERIC
-    if nx_lowp_q8_variant(level) != NX_LOWP_GENERIC:
-        v = NX_LOWP_AVX512VNNI                        # any avx512-level variant: AVX-512F rounding
+    cdef nx_lowp_variant v = _lowp_variant(fn, "bf16", isa)
     h = np.empty(x.shape, dtype=np.uint16)
     cdef size_t n = <size_t>x.size
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)

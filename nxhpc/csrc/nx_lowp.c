@@ -101,8 +101,8 @@ void nx_bf16_round_n_generic(const float *x /* IN */, uint16_t *out /* OUT */, s
 }
 
 void nx_bf16_round_n(nx_lowp_variant v, const float *x /* IN */, uint16_t *out /* OUT */, size_t n) {
-    NX_X86_ONLY(if (v != NX_LOWP_GENERIC) {
-        nx_bf16_round_n_avx512(x, out, n);
+    NX_X86_ONLY(if (v == NX_LOWP_AVX512BF16) {
+        nx_bf16_round_n_avx512bf16(x, out, n);
         return;
     })
     (void)v;
@@ -233,12 +233,19 @@ int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_lowp_wtype *wt, const flo
                 for (size_t jr = 0; jr < nc; jr += NR)
                     tl->pack_b(wt, w, rowbytes, jc + jr, nx_min(nc - jr, NR), pc, kc,
                                Bp + jr / NR * b_panel, bs);
-                for (size_t ir = 0; ir < mc; ir += MR) {
-                    const int mr = (int)nx_min(mc - ir, MR);
-                    const uint8_t *A = Ap + ir / MR * a_panel + pc / 32 * tl->a_group;
+                const uint8_t *A0 = Ap + pc / 32 * tl->a_group;
+                if (tl->jr_outer) {
                     for (size_t jr = 0; jr < nc; jr += NR)
-                        tl->kern(ng, A, Bp + jr / NR * b_panel, out + (ic + ir) * N + jc + jr, N,
-                                 mr, (int)nx_min(nc - jr, NR), pc == 0);
+                        for (size_t ir = 0; ir < mc; ir += MR)
+                            tl->kern(ng, A0 + ir / MR * a_panel, Bp + jr / NR * b_panel,
+                                     out + (ic + ir) * N + jc + jr, N, (int)nx_min(mc - ir, MR),
+                                     (int)nx_min(nc - jr, NR), pc == 0);
+                } else {
+                    for (size_t ir = 0; ir < mc; ir += MR)
+                        for (size_t jr = 0; jr < nc; jr += NR)
+                            tl->kern(ng, A0 + ir / MR * a_panel, Bp + jr / NR * b_panel,
+                                     out + (ic + ir) * N + jc + jr, N, (int)nx_min(mc - ir, MR),
+                                     (int)nx_min(nc - jr, NR), pc == 0);
                 }
             }
             if (bias)

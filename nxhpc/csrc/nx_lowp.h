@@ -11,9 +11,11 @@
  * only columns [n0, n1) of out are written; bias (float32 [N] or NULL) is added once, after the sum.
  *
  * ---- `bf16` contract (bit-identical: generic spec == AVX-512 BF16, every band, every T batching)
- *   bf(v)   = float32 -> bfloat16, round to nearest even on the bit pattern (subnormals rounded,
- *             not flushed; overflow -> inf; NaN -> quiet NaN, sign and top payload kept:
- *             (bits >> 16) | 0x0040) -- torch's conversion except that NaN keeps its payload.
+ *   bf(v)   = float32 -> bfloat16 as VCVTNEPS2BF16 does it: a subnormal v becomes the zero of its
+ *             sign; NaN -> quiet NaN keeping sign and top payload bits ((bits >> 16) | 0x0040);
+ *             otherwise round to nearest even on the bit pattern (overflow -> inf). (torch rounds
+ *             subnormals instead of flushing them; the product step below treats bfloat16
+ *             subnormals as zero anyway, so the two differ only for |v| in [2^-126 - 2^-134, 2^-126).)
  *   xb[t,k] = bf(x[t,k]);  wb[n,k] = bf(dequant(w)[n,k])  (dequant exact in float32, once per
  *             weight and weight panel; the matrix is never held in bfloat16 as a whole).
  *   K is zero-padded to K32 = 32*ceil(K/32) (pads are +0 in both operands).
@@ -95,7 +97,8 @@ const char *nx_lowp_variant_name(nx_lowp_variant v);
 static inline uint16_t nx_bf16_round(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
+    if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);     /* zero, subnormal */
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);   /* NaN */
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 static inline float nx_bf16_to_f32(uint16_t h) {
@@ -104,31 +107,11 @@ static inline float nx_bf16_to_f32(uint16_t h) {
     memcpy(&f, &u, 4);
     return f;
 }
-#ifdef __AVX512F__
-#include <immintrin.h>
-/* bf() of 16 floats: the bfloat16 bits in the low half of each 32-bit lane (SIMD files only). */
-static inline __m512i nx_bf16_round16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-}
-/* bf() of 32 floats (lo = elements 0..15, hi = 16..31) as 16 pair-dwords: dword i holds element
- * 2i in its low half and 2i+1 in its high half (vdpbf16ps operand order). */
-static inline __m512i nx_bf16_pairs32(__m512 lo, __m512 hi) {
-    const __m256i a = _mm512_cvtepi32_epi16(nx_bf16_round16(lo));
-    const __m256i b = _mm512_cvtepi32_epi16(nx_bf16_round16(hi));
-    return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-}
-#endif
-
-/* out[i] = bits of bf(x[i]) for i < n. */
+/* out[i] = bits of bf(x[i]) for i < n (variant: generic or avx512bf16). */
 void nx_bf16_round_n(nx_lowp_variant v, const float *x /* IN [n] */, uint16_t *out /* OUT [n] */,
                      size_t n);
 void nx_bf16_round_n_generic(const float *x /* IN */, uint16_t *out /* OUT */, size_t n);
-void nx_bf16_round_n_avx512(const float *x /* IN */, uint16_t *out /* OUT */, size_t n);
+void nx_bf16_round_n_avx512bf16(const float *x /* IN */, uint16_t *out /* OUT */, size_t n);
 
 /* ---- the matmuls. Return 0, -1 when scratch memory could not be allocated (out then
  * unspecified in the band), -2 for a weight type the precision does not take. */
@@ -160,7 +143,7 @@ float nx_dpbf16_step(float acc, float a, float b);   /* ftz(fmaf(daz(a), daz(b),
  *   for each block of mc <= MC tokens: pack_a packs MR-token micro-panels (all of K)
  *     for each block of nc <= NC columns in [n0, n1):
  *       for each k-block of kc <= KC steps: pack_b packs NR-column micro-panels of that k-block
- *         for each MR x NR tile: kern (continues each output's single chain; C holds it between
+ *         for each MR x NR tile (A- or B-micro-panel-major, jr_outer): kern (continues each output's single chain; C holds it between
  *         k-blocks). Then bias is added to the finished mc x nc block.
  * Micro-panels are stored per 32-k group: an A micro-panel takes a_group bytes per group, a B
  * micro-panel b_group bytes, so the group g of a panel starts at g * x_group (K beyond the last
@@ -176,6 +159,8 @@ float nx_dpbf16_step(float acc, float a, float b);   /* ftz(fmaf(daz(a), daz(b),
 typedef struct {
     size_t mr, nr, kc, nc, mc;
     size_t a_group, b_group, a_scratch, b_scratch;
+    int jr_outer;                /* 0: for A micro-panel { for B micro-panel } (A stays in L1);
+                                  * 1: for B micro-panel { for A micro-panel } (B stays in L1) */
     void (*pack_a)(const float *x, size_t K, size_t t0, size_t rows, uint8_t *Ap, void *scratch);
     void (*pack_b)(const nx_lowp_wtype *wt, const uint8_t *w, size_t rowbytes, size_t j0,
                    size_t ncols, size_t k0, size_t kc, uint8_t *Bp, void *scratch);

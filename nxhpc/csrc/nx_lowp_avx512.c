@@ -1,6 +1,6 @@
 /* nx_lowp_avx512.c -- AVX-512 (F/BW/VL/DQ + VNNI) pieces of the low-precision matmuls: the `q8`
  * matmul (vpdpbusd micro-kernel, its activation and weight packers), the F16/BF16 weight
- * decoders and the bfloat16 rounding loop.
+ * decoders.
  *
  * Owns: the q8 panel layouts and the MR x NR register tile; the exactness of the unsigned x signed
  * trick (weights + 128, accumulator started at -128 * sum(qx)). Entered only after the probe
@@ -15,7 +15,7 @@
 
 #include "nx_q8_0.h"
 
-/* ------------------------------------------------------------------ decoders, rounding */
+/* ------------------------------------------------------------------ decoders */
 
 void nx_deq_f16_avx512(const uint8_t *b /* IN */, float *out /* OUT */, size_t n) {
     size_t i = 0;
@@ -41,35 +41,33 @@ void nx_deq_bf16_avx512(const uint8_t *b /* IN */, float *out /* OUT */, size_t 
     }
 }
 
-void nx_bf16_round_n_avx512(const float *x /* IN */, uint16_t *out /* OUT */, size_t n) {
-    size_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        _mm256_storeu_si256((__m256i *)(out + i),
-                            _mm512_cvtepi32_epi16(nx_bf16_round16(_mm512_loadu_ps(x + i))));
-    if (i < n) {
-        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
-        __m256i r = _mm512_cvtepi32_epi16(nx_bf16_round16(_mm512_maskz_loadu_ps(m, x + i)));
-        _mm256_mask_storeu_epi16(out + i, m, r);
-    }
-}
-
 /* ------------------------------------------------------------------ q8 matmul */
 
-/* Tile (measured on this project's AMD Zen 4 host, see benchmarks/bench_lowp.py):
+/* Tile, measured on this project's AMD Zen 4 host (same method as nx_lowp_avx512bf16.c; T=256,
+ * (K, N) = (3840, 3840) / (10240, 3840) / (3840, 10240), GOP/s):
  *   MR x NR = 6 x 32: 12 int32 block accumulators + 12 float32 chain accumulators + 2 weight
- *   vectors + temporaries = 30 zmm. vpdpbusd zmm issues 1/cycle there and shares its pipes with
- *   vmulps/vfmadd (the per-block epilogue: one mul for s = dx*dw, one fma per accumulator), while
- *   vcvtdq2ps runs on the add pipes: the epilogue costs 2 of every 10 issue slots. */
+ *     vectors + temporaries = 30 zmm: 338/335/342 with NC=128, KC=2048. 4 x 48: 332/331/336;
+ *     3 x 64: 322/325/325; 5 x 32: 331/325/336; KC=1024 or 4096, NC=256: within 3%.
+ *   Why not more: vpdpbusd zmm issues 1/cycle (467 GOP/s peak) and shares its pipes with
+ *   vmulps/vfmadd. The contract's epilogue (one mul for s = dx*dw, one fma per accumulator and
+ *   block; vcvtdq2ps runs on the add pipes, broadcasts on the load ports: both free) takes 2 of
+ *   every 10 issue slots, a ceiling of ~373 GOP/s; the kernel reaches ~92% of it.
+ *   jr_outer (B micro-panel in L1) measured the same or slower: the A-in-L1 order stays. */
 #ifndef NX_Q8_MR
 #define NX_Q8_MR 6
 #endif
+#ifndef NX_Q8_NV
 #define NX_Q8_NV 2                     /* zmm vectors per tile row */
+#endif
 #define NX_Q8_NR (16 * NX_Q8_NV)
 #ifndef NX_Q8_KC
-#define NX_Q8_KC 4096
+#define NX_Q8_KC 2048
 #endif
 #ifndef NX_Q8_NC
-#define NX_Q8_NC 256
+#define NX_Q8_NC 128
+#endif
+#ifndef NX_Q8_JR_OUTER
+#define NX_Q8_JR_OUTER 0
 #endif
 #ifndef NX_Q8_MC
 #define NX_Q8_MC 264
@@ -180,51 +178,43 @@ static void nx_q8_pack_b(const nx_lowp_wtype *wt, const uint8_t *w /* IN */, siz
 /* C[0:mr, 0:nr] := the block chain over ng groups, continued from C unless first. */
 static void nx_q8_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ldc,
                        int mr, int nr, int first) {
-    const __mmask16 m0 = nr >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nr) - 1u);
-    const __mmask16 m1 = nr >= 32 ? (__mmask16)0xffff
-                       : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1u) : (__mmask16)0;
-    __m512 f[NX_Q8_MR][NX_Q8_NV];
-    for (int r = 0; r < NX_Q8_MR; r++) {
-        if (!first && r < mr) {
-            f[r][0] = _mm512_maskz_loadu_ps(m0, C + r * ldc);
-            f[r][1] = _mm512_maskz_loadu_ps(m1, C + r * ldc + 16);
-        } else {
-            f[r][0] = _mm512_setzero_ps();
-            f[r][1] = _mm512_setzero_ps();
-        }
+    __mmask16 m[NX_Q8_NV];
+    for (int v = 0; v < NX_Q8_NV; v++) {
+        const int left = nr - 16 * v;
+        m[v] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
     }
+    __m512 f[NX_Q8_MR][NX_Q8_NV];
+    for (int r = 0; r < NX_Q8_MR; r++)
+        for (int v = 0; v < NX_Q8_NV; v++)
+            f[r][v] = (!first && r < mr) ? _mm512_maskz_loadu_ps(m[v], C + r * ldc + 16 * v)
+                                         : _mm512_setzero_ps();
     for (size_t gi = 0; gi < ng; gi++) {
         const int32_t *a = (const int32_t *)(A + gi * NX_Q8_AG);
         const uint8_t *b = B + gi * NX_Q8_BG;
         __m512i s[NX_Q8_MR][NX_Q8_NV];
-        for (int r = 0; r < NX_Q8_MR; r++) {
-            s[r][0] = _mm512_set1_epi32(a[9 * NX_Q8_MR + r]);
-            s[r][1] = s[r][0];
-        }
+        for (int r = 0; r < NX_Q8_MR; r++)
+            for (int v = 0; v < NX_Q8_NV; v++) s[r][v] = _mm512_set1_epi32(a[9 * NX_Q8_MR + r]);
         for (int q = 0; q < 8; q++) {
-            const __m512i b0 = _mm512_load_si512((const __m512i *)(b + q * NX_Q8_NR * 4));
-            const __m512i b1 = _mm512_load_si512((const __m512i *)(b + q * NX_Q8_NR * 4 + 64));
+            __m512i bv[NX_Q8_NV];
+            for (int v = 0; v < NX_Q8_NV; v++)
+                bv[v] = _mm512_load_si512((const __m512i *)(b + (q * NX_Q8_NR + 16 * v) * 4));
             for (int r = 0; r < NX_Q8_MR; r++) {
                 const __m512i av = _mm512_set1_epi32(a[q * NX_Q8_MR + r]);
-                s[r][0] = _mm512_dpbusd_epi32(s[r][0], b0, av);
-                s[r][1] = _mm512_dpbusd_epi32(s[r][1], b1, av);
+                for (int v = 0; v < NX_Q8_NV; v++) s[r][v] = _mm512_dpbusd_epi32(s[r][v], bv[v], av);
             }
         }
         const float *dx = (const float *)(a + 8 * NX_Q8_MR);
-        const __m512 dw0 = _mm512_load_ps((const float *)(b + 8 * NX_Q8_NR * 4));
-        const __m512 dw1 = _mm512_load_ps((const float *)(b + 8 * NX_Q8_NR * 4) + 16);
+        const float *dwp = (const float *)(b + 8 * NX_Q8_NR * 4);
         for (int r = 0; r < NX_Q8_MR; r++) {
             const __m512 d = _mm512_set1_ps(dx[r]);
-            f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][0]), _mm512_mul_ps(dw0, d), f[r][0]);
-            f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][1]), _mm512_mul_ps(dw1, d), f[r][1]);
+            for (int v = 0; v < NX_Q8_NV; v++)
+                f[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][v]),
+                                          _mm512_mul_ps(_mm512_load_ps(dwp + 16 * v), d), f[r][v]);
         }
     }
-    for (int r = 0; r < NX_Q8_MR; r++) {
-        if (r < mr) {
-            _mm512_mask_storeu_ps(C + r * ldc, m0, f[r][0]);
-            _mm512_mask_storeu_ps(C + r * ldc + 16, m1, f[r][1]);
-        }
-    }
+    for (int r = 0; r < NX_Q8_MR; r++)
+        if (r < mr)
+            for (int v = 0; v < NX_Q8_NV; v++) _mm512_mask_storeu_ps(C + r * ldc + 16 * v, m[v], f[r][v]);
 }
 
 int nx_matmul_q8_avx512vnni(const float *x /* IN [T*K] */, const uint8_t *w /* IN */,
@@ -233,7 +223,7 @@ int nx_matmul_q8_avx512vnni(const float *x /* IN [T*K] */, const uint8_t *w /* I
     const nx_lowp_tiling tl = {
         NX_Q8_MR, NX_Q8_NR, NX_Q8_KC, NX_Q8_NC, NX_Q8_MC,
         NX_Q8_AG, NX_Q8_BG, K / NX_QK8_0 * NX_Q8_0_BLOCK_BYTES + 64, 0,
-        nx_q8_pack_a, nx_q8_pack_b, nx_q8_kern,
+        NX_Q8_JR_OUTER, nx_q8_pack_a, nx_q8_pack_b, nx_q8_kern,
     };
     return nx_lowp_blocked(&tl, NULL, x, w, K / NX_QK8_0 * NX_Q8_0_BLOCK_BYTES, bias, out, T, K,
                            N, n0, n1);

@@ -13,21 +13,33 @@
 #include <immintrin.h>
 #include <string.h>
 
-/* Tile (measured on this project's AMD Zen 4 host, see benchmarks/bench_lowp.py):
- *   MR x NR = 12 x 32: 24 zmm accumulators, 2 weight vectors, the activation pair broadcast from
- *   memory ({1to16} operand); vdpbf16ps zmm issues 1/cycle (233 GFLOP/s measured peak).
- *   KC: k-depth of one pass (A micro-panel MR*KC*2 bytes stays in L1).
- *   NC: columns per weight panel (NC*KC*2 bytes in L2). MC: tokens per packed activation block;
- *   weights are decoded once per MC block, so T <= MC decodes each weight exactly once. */
+/* Tile, measured on this project's AMD Zen 4 host (2 cores shared with other jobs, so figures
+ * are +-3%; process time, best of 4 interleaved runs; weights Q8_0; T=256 and
+ * (K, N) = (3840, 3840) / (10240, 3840) / (3840, 10240), GFLOP/s):
+ *   MR x NR = 8 x 48 (24 zmm accumulators, 3 weight vectors, the activation pair broadcast):
+ *     194/188/194; 6 x 64: 193/187/191; 4 x 96: 193/186/193; 12 x 32: 178/183/180 (T=256 is
+ *     21.3 tiles of 12: the padded rows cost, and 2 weight loads per 12 broadcasts gain nothing).
+ *     vdpbf16ps zmm issues 1/cycle there (233 GFLOP/s measured peak); the kernel alone runs at
+ *     ~214, the rest is the weight panels' decode + rounding + transpose (~10% at T=256).
+ *   KC = 1024 (A micro-panel MR*KC*2 = 16 KiB in L1): 512 and 2048 within 2%.
+ *   NC = 240 (NC*KC*2 = 480 KiB in L2): 144 the same, 480 3% slower.
+ *   MC = 264: tokens per packed activation block; T <= MC decodes each weight once.
+ *   jr_outer (B micro-panel kept in L1, KC=256) measured 2-5% slower. */
 #ifndef NX_BF_MR
-#define NX_BF_MR 12
+#define NX_BF_MR 8
 #endif
-#define NX_BF_NR 32
+#ifndef NX_BF_NV
+#define NX_BF_NV 3                     /* zmm vectors per tile row */
+#endif
+#define NX_BF_NR (16 * NX_BF_NV)
 #ifndef NX_BF_KC
 #define NX_BF_KC 1024
 #endif
 #ifndef NX_BF_NC
-#define NX_BF_NC 256
+#define NX_BF_NC 240
+#endif
+#ifndef NX_BF_JR_OUTER
+#define NX_BF_JR_OUTER 0
 #endif
 #ifndef NX_BF_MC
 #define NX_BF_MC 264
@@ -42,13 +54,31 @@ _Static_assert(NX_BF_MC % NX_BF_MR == 0, "MC must be a multiple of MR");
 #define NX_BF_BG (16 * NX_BF_NR * 4)
 #define NX_BF_KCP NX_BF_KC                       /* scratch row stride (floats) */
 
+/* bf() of 32 floats (lo = elements 0..15, hi = 16..31) as 16 pair-dwords: dword i holds element
+ * 2i in its low half and 2i+1 in its high half (the vdpbf16ps operand order). VCVTNE2PS2BF16 is
+ * bf() of nx_lowp.h by definition (checked against the scalar spec in the tests). */
+static inline __m512i nx_bf16_pairs32(__m512 lo, __m512 hi) {
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+void nx_bf16_round_n_avx512bf16(const float *x /* IN */, uint16_t *out /* OUT */, size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+    if (i < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
+        __m256i r = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + i));
+        _mm256_mask_storeu_epi16(out + i, m, r);
+    }
+}
+
 static void nx_bf_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t rows,
                          uint8_t *Ap /* OUT */, void *scratch) {
     (void)scratch;
     const size_t G = (K + 31) / 32;
     uint32_t *a = (uint32_t *)Ap;
     for (size_t r = 0; r < NX_BF_MR; r++) {
-        const float *src = x + (t0 + r) * K;
+        const float *src = r < rows ? x + (t0 + r) * K : x;
         for (size_t g = 0; g < G; g++) {
             uint32_t p[16];
             if (r < rows) {
@@ -100,7 +130,7 @@ static void nx_bf_pack_b(const nx_lowp_wtype *wt, const uint8_t *w /* IN */, siz
     const nx_dequant_fn deq = wt->dequant_simd ? wt->dequant_simd : wt->dequant;
     const size_t ng = (kc + 31) / 32, be = wt->block_elems, bb = wt->block_bytes;
     float *s = (float *)scratch;                     /* [16][NX_BF_KCP] decoded rows */
-    for (int h = 0; h < NX_BF_NR / 16; h++) {
+    for (int h = 0; h < NX_BF_NV; h++) {
         const size_t c0 = (size_t)h * 16;
         const int nv = c0 >= ncols ? 0 : (ncols - c0 >= 16 ? 16 : (int)(ncols - c0));
         for (int j = 0; j < nv; j++) {
@@ -128,36 +158,30 @@ static void nx_bf_pack_b(const nx_lowp_wtype *wt, const uint8_t *w /* IN */, siz
 /* C[0:mr, 0:nr] := the pair chain over ng groups (16 pairs each), continued from C unless first. */
 static void nx_bf_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ldc, int mr,
                        int nr, int first) {
-    const __mmask16 m0 = nr >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nr) - 1u);
-    const __mmask16 m1 = nr >= 32 ? (__mmask16)0xffff
-                       : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1u) : (__mmask16)0;
-    __m512 c0[NX_BF_MR], c1[NX_BF_MR];
-    for (int r = 0; r < NX_BF_MR; r++) {
-        if (!first && r < mr) {
-            c0[r] = _mm512_maskz_loadu_ps(m0, C + r * ldc);
-            c1[r] = _mm512_maskz_loadu_ps(m1, C + r * ldc + 16);
-        } else {
-            c0[r] = _mm512_setzero_ps();
-            c1[r] = _mm512_setzero_ps();
-        }
+    __mmask16 m[NX_BF_NV];
+    for (int v = 0; v < NX_BF_NV; v++) {
+        const int left = nr - 16 * v;
+        m[v] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
     }
+    __m512 c[NX_BF_MR][NX_BF_NV];
+    for (int r = 0; r < NX_BF_MR; r++)
+        for (int v = 0; v < NX_BF_NV; v++)
+            c[r][v] = (!first && r < mr) ? _mm512_maskz_loadu_ps(m[v], C + r * ldc + 16 * v)
+                                         : _mm512_setzero_ps();
     const uint32_t *a = (const uint32_t *)A;
     const size_t np = ng * 16;
     for (size_t p = 0; p < np; p++) {
-        const __m512bh b0 = (__m512bh)_mm512_load_si512((const __m512i *)(B + p * NX_BF_NR * 4));
-        const __m512bh b1 = (__m512bh)_mm512_load_si512((const __m512i *)(B + p * NX_BF_NR * 4 + 64));
+        __m512bh bv[NX_BF_NV];
+        for (int v = 0; v < NX_BF_NV; v++)
+            bv[v] = (__m512bh)_mm512_load_si512((const __m512i *)(B + (p * NX_BF_NR + 16 * v) * 4));
         for (int r = 0; r < NX_BF_MR; r++) {
             const __m512bh av = (__m512bh)_mm512_set1_epi32((int)a[p * NX_BF_MR + r]);
-            c0[r] = _mm512_dpbf16_ps(c0[r], b0, av);
-            c1[r] = _mm512_dpbf16_ps(c1[r], b1, av);
+            for (int v = 0; v < NX_BF_NV; v++) c[r][v] = _mm512_dpbf16_ps(c[r][v], bv[v], av);
         }
     }
-    for (int r = 0; r < NX_BF_MR; r++) {
-        if (r < mr) {
-            _mm512_mask_storeu_ps(C + r * ldc, m0, c0[r]);
-            _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c1[r]);
-        }
-    }
+    for (int r = 0; r < NX_BF_MR; r++)
+        if (r < mr)
+            for (int v = 0; v < NX_BF_NV; v++) _mm512_mask_storeu_ps(C + r * ldc + 16 * v, m[v], c[r][v]);
 }
 
 int nx_matmul_bf16_avx512bf16(const nx_lowp_wtype *wt, const float *x /* IN [T*K] */,
@@ -168,7 +192,7 @@ int nx_matmul_bf16_avx512bf16(const nx_lowp_wtype *wt, const float *x /* IN [T*K
     const nx_lowp_tiling tl = {
         NX_BF_MR, NX_BF_NR, NX_BF_KC, NX_BF_NC, NX_BF_MC,
         NX_BF_AG, NX_BF_BG, 0, 16 * NX_BF_KCP * sizeof(float),
-        nx_bf_pack_a, nx_bf_pack_b, nx_bf_kern,
+        NX_BF_JR_OUTER, nx_bf_pack_a, nx_bf_pack_b, nx_bf_kern,
     };
     return nx_lowp_blocked(&tl, wt, x, w, K / wt->block_elems * wt->block_bytes, bias, out, T, K,
                            N, n0, n1);
