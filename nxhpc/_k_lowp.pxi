@@ -231,3 +231,12 @@ def matmul_q8(x, w, out, n0=0, n1=None, *, bias=None, isa=None):
     if rc != 0:
         raise RuntimeError(f"{fn}: kernel returned {rc}")
     return out
+
+
+def lowp_variants(precision):
+    """Variant names this CPU/OS runs for `precision` ("bf16" or "q8"), generic first; ignores
+    NXHPC_DISABLE_SIMD (which only changes what isa=None picks)."""
+    if precision not in _LOWP_VARIANTS:
+        raise ValueError(f"lowp_variants: precision must be 'bf16' or 'q8', got {precision!r}")
+    name, v = _LOWP_VARIANTS[precision]
+    return ["generic"] + ([name] if nx_lowp_variant_supported(v) else [])

@@ -30,10 +30,14 @@
  *   underflow-boundary cases (NaN payloads included). Products of two bfloat16 values are exact
  *   in float32 unless they under/overflow, so each step is one rounding of acc + product.
  *   One chain per output over all of K: no two-level chunking (the chain's worst case gamma_K is
- *   <= 15% of the input-rounding term 2^-8 at K <= 10240, so chunks would not pay their C traffic).
- *   Error vs float64 x @ dequant(w).T, with u = 2^-9 (bfloat16) and gamma_n = n 2^-24/(1-n 2^-24):
- *     |out - ref| <= ((2u + u^2) + gamma_K (1+u)^2) * sum_k |x w| + K * 2^-125 * (1 + max|x|*max|w|)
- *   (the last term covers DAZ/FTZ of subnormals; it is ~1e-34 for data in a normal range).
+ *   <= 8% of the input-rounding term 2u = 2^-7 at K <= 10240, so chunks would not pay for their
+ *   extra C traffic and registers).
+ *   Error vs float64 x @ dequant(w).T, with u = 2^-8 (bfloat16: 8-bit significand, round to
+ *   nearest) and gamma_n = n 2^-24 / (1 - n 2^-24):
+ *     |out - ref| <= ((2u + u^2) + gamma_K (1+u)^2) * sum_k |x w|
+ *                    + K32 * 2^-124 * (1 + max|x| + max|w|)
+ *   (input rounding |bf(v) - v| <= u|v|; each product passes <= K roundings of the chain; the
+ *   last term covers FTZ of results and flushed subnormal inputs, ~1e-34 for normal-range data).
  *
  * ---- `q8` contract (bit-identical: generic spec == AVX-512 VNNI, every band, every T batching)
  *   Weights must be Q8_0 (ggml block_q8_0: fp16 d, 32 int8 q). Each row of x is quantized to
@@ -44,9 +48,12 @@
  *     acc  = fmaf((float)isum, s, acc)                  (float)isum exact (|isum| < 2^24)
  *   out[t,n] = acc (+ bias[n]).  This is ggml's Q8_0 x Q8_0 arithmetic with one fixed block order.
  *   Error vs float64 x @ dequant(w).T (x~ = the dequantized Q8_0 activations):
- *     |out - ref| <= sum_k |x - x~| |w| + gamma_{K/32} * sum_k |x~ w|, where per element
- *     |x - x~| <= (0.5/127 + 2^-11 + 2^-22) * amax_b + 2^-25 * 64 (fp16 subnormal scale), i.e.
- *     ~0.44% of the block's max |x|; the accumulation term is tiny in comparison.
+ *     |out - ref| <= sum_k |x - x~| |w| + gamma_{K/32} * sum_k |x~ w|   (dots and s are exact;
+ *     each block term passes <= K/32 fma roundings), where per element, for block maxima
+ *     amax_b < 65504 * 127 (the fp16 scale does not overflow):
+ *       |x - x~| <= (0.5/127 + 2^-11 + 2^-22) * amax_b + 127 * 2^-25
+ *     (half a quantization step, the fp16 rounding of d, float32 roundings of d, 1/d and x/d;
+ *     the last term is fp16's subnormal scale spacing), i.e. ~0.44% of the block's max |x|.
  *   VNNI detail: vpdpbusd multiplies unsigned by signed bytes. The weights are repacked per panel
  *   as qw + 128 (unsigned), the activations stay signed (the broadcast operand), and the int32
  *   accumulator of each block starts at -128 * sum_i qx[t,b,i]: the result is the exact isum.
