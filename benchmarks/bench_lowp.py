@@ -26,6 +26,7 @@ core in issue 11.
 """
 import numpy as np
 import pytest
+from _bench_util import bench_stats
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
@@ -33,7 +34,6 @@ from threadpoolctl import threadpool_limits
 
 import nxhpc
 from nxhpc import _kernels as K
-from _bench_util import bench_stats
 
 SHAPES = [(256, 3840, 3840), (256, 3840, 10240), (256, 3840, 11520), (256, 10240, 3840),
           (4096, 3840, 3840)]       # the last: weights decoded once per 264-token block
