@@ -1,0 +1,185 @@
+"""Benchmarks of the low-precision matmuls (matmul_bf16, matmul_q8) against today's float32 Q8_0
+matmul, numpy/OpenBLAS float32 and torch ``linear`` in float32 and bfloat16, one worker each.
+
+Owns: the per-precision matmul GFLOP/s at the issue's shapes. Must not: assert speed (figures go
+to ``extra_info``); the correctness checks after timing use the error bounds derived in
+tests/test_kernels_lowp.py / csrc/nx_lowp.h.
+
+Run (one thread everywhere; process time so that other jobs time-slicing the cores do not count):
+
+    OPENBLAS_NUM_THREADS=1 python -m pytest benchmarks/bench_lowp.py --benchmark-only \\
+        --benchmark-timer=time.process_time
+
+Each shape is one ``benchmark.group`` ("matmul precisions T=.. K=.. N=.."):
+  nxhpc q8_0_matmul        float32 activations x exact Q8_0 weights (the f32 precision)
+  nxhpc matmul_bf16 Q8_0   bf16 precision, weights decoded from Q8_0 panel by panel
+  nxhpc matmul_bf16 BF16   bf16 precision on a BF16 copy of the weights (2 bytes/weight)
+  nxhpc matmul_q8          q8 precision: Q8_0 activations x Q8_0 weights (ggml's arithmetic)
+  numpy f32                x @ w_f32.T, OpenBLAS limited to 1 thread (threadpoolctl)
+  torch f32 / torch bf16   torch.nn.functional.linear, torch.set_num_threads(1); the bf16 case
+                           gets inputs already in bfloat16 (conversion not timed)
+GFLOP/s = 2*T*K*N / time (for q8 these are int8 ops + the float32 block epilogue).
+Peaks measured on this project's Zen 4 host with register-only loops (24 independent chains,
+1 core): float32 FMA 116 GFLOP/s, vdpbf16ps 233 GFLOP/s, vpdpbusd 467 GOP/s. For reference,
+ggml's Q8_0 x Q8_0 matmul (llama.cpp's default tinyBLAS path) is cited at ~110 GFLOP/s per Zen 4
+core in issue 11.
+"""
+import numpy as np
+import pytest
+from _bench_util import bench_stats
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from threadpoolctl import threadpool_limits
+
+import nxhpc
+from nxhpc import _kernels as K
+
+SHAPES = [(256, 3840, 3840), (256, 3840, 10240), (256, 3840, 11520), (256, 10240, 3840),
+          (4096, 3840, 3840)]       # the last: weights decoded once per 264-token block
+PEAK = {"f32": 116.0, "bf16": 233.0, "q8": 467.0}
+EPS32, UBF = 2.0 ** -24, 2.0 ** -8
+_CACHE = {}
+
+
+def _case(T, Kd, N, seed=0):
+    """x float32 [T, K]; w Q8_0 [N, K/32*34]; its exact float32 decoding; a BF16 copy."""
+    key = (T, Kd, N, seed)
+    if key not in _CACHE:
+        _CACHE.clear()
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((T, Kd), dtype=np.float32)
+        w = K.q8_0_quantize(rng.standard_normal((N, Kd), dtype=np.float32) * 0.02)
+        w_f32 = K.q8_0_dequantize(w)
+        w_bf16 = (K.round_bf16(w_f32).view(np.uint32) >> 16).astype(np.uint16)
+        _CACHE[key] = (x, w, w_f32, w_bf16)
+    return _CACHE[key]
+
+
+def _info(benchmark, T, Kd, N, variant, prec):
+    st = bench_stats(benchmark)
+    g = 2.0 * T * Kd * N / st.min / 1e9
+    benchmark.extra_info.update({
+        "T": T, "K": Kd, "N": N, "variant": variant, "precision": prec,
+        "gflops_best": round(g, 1), "gflops_mean": round(2.0 * T * Kd * N / st.mean / 1e9, 1),
+        "frac_of_peak": round(g / PEAK[prec], 3), "peak": PEAK[prec],
+    })
+
+
+def _mag_ref(x, w_f32, rows):
+    x64, w64 = x[:rows].astype(np.float64), w_f32.astype(np.float64)
+    return x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+
+
+def _check(prec, out, x, w_f32, rows=16, any_order=False, out_rounded=False):
+    """Error bounds (derivations: tests/test_kernels_lowp.py) on a sample of rows."""
+    ref, mag = _mag_ref(x, w_f32, rows)
+    Kd = x.shape[1]
+    g = Kd * EPS32 / (1 - Kd * EPS32) + 2 * Kd * 2.0 ** -53
+    if prec == "f32":
+        n = Kd if any_order else min(Kd, 128) + -(-Kd // 128) - 1
+        bound = (n * EPS32 / (1 - n * EPS32) + 2 * Kd * 2.0 ** -53) * mag
+    elif prec == "bf16":
+        bound = ((2 * UBF + UBF ** 2) + g * (1 + UBF) ** 2) * mag + 1e-30
+        if out_rounded:                                   # torch returns bfloat16 outputs
+            bound = bound * (1 + UBF) + UBF * np.abs(ref)
+    else:
+        xt = gguf_dequantize(gguf_quantize(x[:rows], QT.Q8_0), QT.Q8_0).astype(np.float64)
+        w64 = np.abs(w_f32.astype(np.float64))
+        bound = np.abs(x[:rows] - xt) @ w64.T + g * (np.abs(xt) @ w64.T) + g * mag
+    out = np.asarray(out[:rows], np.float64)
+    assert (np.abs(out - ref) <= bound).all(), (np.abs(out - ref) / bound).max()
+
+
+def _rounds(T):
+    return 5 if T <= 256 else 3
+
+
+def _group(benchmark, T, Kd, N):
+    benchmark.group = f"matmul precisions T={T} K={Kd} N={N}"
+
+
+@pytest.mark.parametrize("T,Kd,N", SHAPES, ids=str)
+def test_bench_q8_0_matmul_f32(benchmark, T, Kd, N):
+    x, w, w_f32, _ = _case(T, Kd, N)
+    out = np.empty((T, N), np.float32)
+    isa = nxhpc.kernel_variants()["q8_0_matmul"]
+    _group(benchmark, T, Kd, N)
+    benchmark.name = f"nxhpc q8_0_matmul f32 ({isa})"
+    benchmark.pedantic(K.q8_0_matmul, args=(x, w, out), rounds=_rounds(T), warmup_rounds=1)
+    _info(benchmark, T, Kd, N, isa, "f32")
+    _check("f32", out, x, w_f32)
+
+
+@pytest.mark.parametrize("T,Kd,N", SHAPES, ids=str)
+def test_bench_matmul_bf16_q8_0_weights(benchmark, T, Kd, N):
+    x, w, w_f32, _ = _case(T, Kd, N)
+    out = np.empty((T, N), np.float32)
+    v = nxhpc.kernel_variants()["matmul_bf16"]
+    _group(benchmark, T, Kd, N)
+    benchmark.name = f"nxhpc matmul_bf16 Q8_0 weights ({v})"
+    benchmark.pedantic(K.matmul_bf16, args=(x, w, "Q8_0", out), rounds=_rounds(T), warmup_rounds=1)
+    _info(benchmark, T, Kd, N, v, "bf16")
+    _check("bf16", out, x, w_f32)
+
+
+@pytest.mark.parametrize("T,Kd,N", SHAPES, ids=str)
+def test_bench_matmul_bf16_bf16_weights(benchmark, T, Kd, N):
+    x, _, _, w_bf16 = _case(T, Kd, N)
+    w_b = (w_bf16.astype(np.uint32) << 16).view(np.float32)        # the BF16 weights' values
+    out = np.empty((T, N), np.float32)
+    v = nxhpc.kernel_variants()["matmul_bf16"]
+    _group(benchmark, T, Kd, N)
+    benchmark.name = f"nxhpc matmul_bf16 BF16 weights ({v})"
+    benchmark.pedantic(K.matmul_bf16, args=(x, w_bf16, "BF16", out), rounds=_rounds(T), warmup_rounds=1)
+    _info(benchmark, T, Kd, N, v, "bf16")
+    _check("bf16", out, x, w_b)
+
+
+@pytest.mark.parametrize("T,Kd,N", SHAPES, ids=str)
+def test_bench_matmul_q8(benchmark, T, Kd, N):
+    x, w, w_f32, _ = _case(T, Kd, N)
+    out = np.empty((T, N), np.float32)
+    v = nxhpc.kernel_variants()["matmul_q8"]
+    _group(benchmark, T, Kd, N)
+    benchmark.name = f"nxhpc matmul_q8 ({v})"
+    benchmark.pedantic(K.matmul_q8, args=(x, w, out), rounds=_rounds(T), warmup_rounds=1)
+    _info(benchmark, T, Kd, N, v, "q8")
+    _check("q8", out, x, w_f32)
+
+
+@pytest.mark.parametrize("T,Kd,N", SHAPES, ids=str)
+def test_bench_numpy_f32(benchmark, T, Kd, N):
+    x, _, w_f32, _ = _case(T, Kd, N)
+    _group(benchmark, T, Kd, N)
+    benchmark.name = "numpy x @ w_f32.T (1 thread)"
+    with threadpool_limits(1):
+        info = [d for d in __import__("threadpoolctl").threadpool_info() if d.get("user_api") == "blas"]
+        assert all(d["num_threads"] == 1 for d in info), info
+        out = benchmark.pedantic(lambda: x @ w_f32.T, rounds=_rounds(T), warmup_rounds=1)
+    _info(benchmark, T, Kd, N, "openblas", "f32")
+    _check("f32", out, x, w_f32, any_order=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("T,Kd,N", SHAPES, ids=str)
+def test_bench_torch_linear(benchmark, T, Kd, N, dtype):
+    torch = pytest.importorskip("torch")
+    x, _, w_f32, _ = _case(T, Kd, N)
+    dt = getattr(torch, dtype)
+    xt = torch.from_numpy(x).to(dt)
+    wt = torch.from_numpy(w_f32).to(dt)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _group(benchmark, T, Kd, N)
+        benchmark.name = f"torch linear {dtype} (1 thread)"
+        with torch.no_grad():
+            out = benchmark.pedantic(torch.nn.functional.linear, args=(xt, wt),
+                                     rounds=_rounds(T), warmup_rounds=1)
+    finally:
+        torch.set_num_threads(old)
+    prec = "f32" if dtype == "float32" else "bf16"
+    _info(benchmark, T, Kd, N, f"torch {torch.__version__}", prec)
+    w_eff = wt.float().numpy()
+    _check(prec, out.float().numpy(), x, w_eff, any_order=True, out_rounded=dtype == "bfloat16")

@@ -1,0 +1,183 @@
+/* nx_lowp.h -- low-precision matmuls: `bf16` (vdpbf16ps) and `q8` (Q8_0 x Q8_0, vpdpbusd).
+ *
+ * Owns: the arithmetic contract of both precisions (below), the weight-decoder seam
+ * (nx_lowp_wtype: one `dequant(blocks, out, nblocks)` per GGML type, later a traits lookup), the
+ * variant names and their run-time selection, the blocked driver both SIMD variants share, and the
+ * scalar specs. Must not: allocate per tile, spawn threads, read/write outside the given ranges
+ * (callers validate shapes before entering C), or copy a whole weight matrix.
+ *
+ * Shape API (both precisions, like nx_q8_0_matmul): x float32 [T, K] row-major; w raw GGML rows
+ * [N, rowbytes] (rowbytes = K / block_elems * block_bytes of the weight type); out float32 [T, N];
+ * only columns [n0, n1) of out are written; bias (float32 [N] or NULL) is added once, after the sum.
+ *
+ * ---- `bf16` contract (bit-identical: generic spec == AVX-512 BF16, every band, every T batching)
+ *   bf(v)   = float32 -> bfloat16 as VCVTNEPS2BF16 does it: a subnormal v becomes the zero of its
+ *             sign; NaN -> quiet NaN keeping sign and top payload bits ((bits >> 16) | 0x0040);
+ *             otherwise round to nearest even on the bit pattern (overflow -> inf). (torch rounds
+ *             subnormals instead of flushing them; the product step below treats bfloat16
+ *             subnormals as zero anyway, so the two differ only for |v| in [2^-126 - 2^-134, 2^-126).)
+ *   xb[t,k] = bf(x[t,k]);  wb[n,k] = bf(dequant(w)[n,k])  (dequant exact in float32, once per
+ *             weight and weight panel; the matrix is never held in bfloat16 as a whole).
+ *   K is zero-padded to K32 = 32*ceil(K/32) (pads are +0 in both operands).
+ *   daz(v)  = v with a subnormal value replaced by the zero of its sign; ftz = the same on results.
+ *   step(acc, a, b) = ftz(fmaf(daz(a), daz(b), daz(acc)))   (one rounding, to nearest even)
+ *   acc = +0;  for p = 0 .. K32/2-1:  acc = step(acc, xb[2p+1], wb[2p+1]);
+ *                                     acc = step(acc, xb[2p],   wb[2p]);
+ *   out[t,n] = acc (+ bias[n], one float32 add). Bit-identity covers every non-NaN output; a NaN
+ *   output is NaN in every variant but its payload is not promised (scalar fmaf may differ).
+ *   That per-pair step is Intel's pseudo-code of VDPBF16PS (odd element first, two fused steps,
+ *   DAZ on every input including the accumulator, FTZ after each step, RNE, MXCSR ignored); on
+ *   this project's AMD Zen 4 it matched the instruction bit for bit on 4e6 random and 1e7
+ *   underflow-boundary cases (NaN payloads included). Products of two bfloat16 values are exact
+ *   in float32 unless they under/overflow, so each step is one rounding of acc + product.
+ *   One chain per output over all of K: no two-level chunking (the chain's worst case gamma_K is
+ *   <= 8% of the input-rounding term 2u = 2^-7 at K <= 10240, so chunks would not pay for their
+ *   extra C traffic and registers).
+ *   Error vs float64 x @ dequant(w).T, with u = 2^-8 (bfloat16: 8-bit significand, round to
+ *   nearest) and gamma_n = n 2^-24 / (1 - n 2^-24):
+ *     |out - ref| <= ((2u + u^2) + gamma_K (1+u)^2) * sum_k |x w|
+ *                    + K32 * 2^-124 * (1 + max|x| + max|w|)
+ *   (input rounding |bf(v) - v| <= u|v|; each product passes <= K roundings of the chain; the
+ *   last term covers FTZ of results and flushed subnormal inputs, ~1e-34 for normal-range data).
+ *
+ * ---- `q8` contract (bit-identical: generic spec == AVX-512 VNNI, every band, every T batching)
+ *   Weights must be Q8_0 (ggml block_q8_0: fp16 d, 32 int8 q). Each row of x is quantized to
+ *   Q8_0 by nx_q8_0_quantize (byte-identical to gguf.quants.quantize): blocks (dx, qx).
+ *   For each block b = 0, 1, ..., K/32-1 in order, from acc = +0:
+ *     isum = sum_{i<32} qx[t,b,i] * qw[n,b,i]          exact int32 (|isum| <= 32*128*128)
+ *     s    = f32(dx[t,b]) * f32(dw[n,b])                float32 product, exact (11 x 11 bits)
+ *     acc  = fmaf((float)isum, s, acc)                  (float)isum exact (|isum| < 2^24)
+ *   out[t,n] = acc (+ bias[n]).  This is ggml's Q8_0 x Q8_0 arithmetic with one fixed block order.
+ *   Error vs float64 x @ dequant(w).T (x~ = the dequantized Q8_0 activations):
+ *     |out - ref| <= sum_k |x - x~| |w| + gamma_{K/32} * sum_k |x~ w|   (dots and s are exact;
+ *     each block term passes <= K/32 fma roundings), where per element, for block maxima
+ *     amax_b < 65504 * 127 (the fp16 scale does not overflow):
+ *       |x - x~| <= (0.5/127 + 2^-11 + 2^-22) * amax_b + 127 * 2^-25
+ *     (half a quantization step, the fp16 rounding of d, float32 roundings of d, 1/d and x/d;
+ *     the last term is fp16's subnormal scale spacing), i.e. ~0.44% of the block's max |x|.
+ *   VNNI detail: vpdpbusd multiplies unsigned by signed bytes. The weights are repacked per panel
+ *   as qw + 128 (unsigned), the activations stay signed (the broadcast operand), and the int32
+ *   accumulator of each block starts at -128 * sum_i qx[t,b,i]: the result is the exact isum.
+ */
+#ifndef NX_LOWP_H
+#define NX_LOWP_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "nx_cpu.h"
+
+/* GGML type ids the bf16 weight seam decodes (gguf.GGMLQuantizationType values). */
+enum { NX_GGML_F32 = 0, NX_GGML_F16 = 1, NX_GGML_Q8_0 = 8, NX_GGML_BF16 = 30 };
+
+/* One weight type: value = dequant(blocks)[i]. dequant decodes nblocks consecutive blocks
+ * (block_elems values each, block_bytes bytes each) exactly into float32. `dequant` is the
+ * scalar decoder, `dequant_simd` the AVX-512 one (byte-identical; NULL where there is none).
+ * This is the seam the weight-type traits table replaces at merge. */
+typedef void (*nx_dequant_fn)(const uint8_t *blocks /* IN */, float *out /* OUT */, size_t nblocks);
+typedef struct {
+    int ggml_type;
+    const char *name;
+    size_t block_elems, block_bytes;
+    nx_dequant_fn dequant, dequant_simd;
+} nx_lowp_wtype;
+
+/* The descriptor of a GGML type, or NULL when the bf16 path cannot decode it. */
+const nx_lowp_wtype *nx_lowp_wtype_of(int ggml_type);
+
+/* ---- variants and their selection (moves into the per-ISA tables at merge) */
+typedef enum {
+    NX_LOWP_GENERIC = 0,       /* the scalar specs */
+    NX_LOWP_AVX512BF16 = 1,    /* bf16: AVX-512 F/BW/VL/DQ + AVX512_BF16 + OS ZMM */
+    NX_LOWP_AVX512VNNI = 2,    /* q8:   AVX-512 F/BW/VL/DQ + VNNI + OS ZMM (the avx512 level) */
+} nx_lowp_variant;
+
+/* 1 if the variant can run on this CPU/OS (ignores NXHPC_DISABLE_SIMD). */
+int nx_lowp_variant_supported(nx_lowp_variant v);
+/* The variant a request for ISA level `isa` runs: the best supported one at or below it. */
+nx_lowp_variant nx_lowp_bf16_variant(nx_isa isa);
+nx_lowp_variant nx_lowp_q8_variant(nx_isa isa);
+/* "generic" / "avx512bf16" / "avx512vnni" */
+const char *nx_lowp_variant_name(nx_lowp_variant v);
+
+/* ---- bfloat16 rounding (see bf above) */
+static inline uint16_t nx_bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);     /* zero, subnormal */
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);   /* NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float nx_bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+/* out[i] = bits of bf(x[i]) for i < n (variant: generic or avx512bf16). */
+void nx_bf16_round_n(nx_lowp_variant v, const float *x /* IN [n] */, uint16_t *out /* OUT [n] */,
+                     size_t n);
+void nx_bf16_round_n_generic(const float *x /* IN */, uint16_t *out /* OUT */, size_t n);
+void nx_bf16_round_n_avx512bf16(const float *x /* IN */, uint16_t *out /* OUT */, size_t n);
+
+/* ---- the matmuls. Return 0, -1 when scratch memory could not be allocated (out then
+ * unspecified in the band), -2 for a weight type the precision does not take. */
+int nx_matmul_bf16(nx_lowp_variant v, const nx_lowp_wtype *wt, const float *x /* IN [T*K] */,
+                   const uint8_t *w /* IN [N*rowbytes] */, const float *bias /* IN [N] or NULL */,
+                   float *out /* OUT [T*N] */, size_t T, size_t K, size_t N, size_t n0, size_t n1);
+int nx_matmul_bf16_generic(const nx_lowp_wtype *wt, const float *x /* IN */, const uint8_t *w /* IN */,
+                           const float *bias /* IN */, float *out /* OUT */, size_t T, size_t K,
+                           size_t N, size_t n0, size_t n1);
+int nx_matmul_bf16_avx512bf16(const nx_lowp_wtype *wt, const float *x /* IN */,
+                              const uint8_t *w /* IN */, const float *bias /* IN */,
+                              float *out /* OUT */, size_t T, size_t K, size_t N, size_t n0,
+                              size_t n1);
+
+/* q8: w must be Q8_0 rows (K % 32 == 0, rowbytes = K/32*34). */
+int nx_matmul_q8(nx_lowp_variant v, const float *x /* IN [T*K] */, const uint8_t *w /* IN */,
+                 const float *bias /* IN [N] or NULL */, float *out /* OUT [T*N] */, size_t T,
+                 size_t K, size_t N, size_t n0, size_t n1);
+int nx_matmul_q8_generic(const float *x /* IN */, const uint8_t *w /* IN */, const float *bias /* IN */,
+                         float *out /* OUT */, size_t T, size_t K, size_t N, size_t n0, size_t n1);
+int nx_matmul_q8_avx512vnni(const float *x /* IN */, const uint8_t *w /* IN */,
+                            const float *bias /* IN */, float *out /* OUT */, size_t T, size_t K,
+                            size_t N, size_t n0, size_t n1);
+
+/* ---- the per-step arithmetic of the specs, scalar (exported for the generic matmuls) */
+float nx_dpbf16_step(float acc, float a, float b);   /* ftz(fmaf(daz(a), daz(b), daz(acc))) */
+
+/* ---- the blocked driver shared by the SIMD variants (BLIS loop order, like nx_q8_0_matmul_blocked):
+ *   for each block of mc <= MC tokens: pack_a packs MR-token micro-panels (all of K)
+ *     for each block of nc <= NC columns in [n0, n1):
+ *       for each k-block of kc <= KC steps: pack_b packs NR-column micro-panels of that k-block
+ *         for each MR x NR tile (A- or B-micro-panel-major, jr_outer): kern (continues each output's single chain; C holds it between
+ *         k-blocks). Then bias is added to the finished mc x nc block.
+ * Micro-panels are stored per 32-k group: an A micro-panel takes a_group bytes per group, a B
+ * micro-panel b_group bytes, so the group g of a panel starts at g * x_group (K beyond the last
+ * full group is zero-padded by the packers). The per-output order depends only on K, never on
+ * the tile, so every band / batch split is bit-identical.
+ *   pack_a(x, K, t0, rows, Ap, scratch): tokens [t0, t0+rows) (rows <= MR) into one micro-panel of
+ *     ceil(K/32) groups; tokens past rows are zero. scratch: a_scratch bytes.
+ *   pack_b(wt, w, rowbytes, j0, ncols, k0, kc, Bp, scratch): columns [j0, j0+ncols) (ncols <= NR)
+ *     x k in [k0, k0+kc) into one micro-panel of ceil(kc/32) groups; columns past ncols zero.
+ *     scratch: b_scratch bytes. k0 % KC == 0, KC % 256 == 0 (a whole number of any block size).
+ *   kern(ngroups, A, B, C, ldc, mr, nr, first): C[0:mr, 0:nr] (ldc floats per row) :=
+ *     the chain over ngroups groups, started from +0 (first) or continued from C. */
+typedef struct {
+    size_t mr, nr, kc, nc, mc;
+    size_t a_group, b_group, a_scratch, b_scratch;
+    int jr_outer;                /* 0: for A micro-panel { for B micro-panel } (A stays in L1);
+                                  * 1: for B micro-panel { for A micro-panel } (B stays in L1) */
+    void (*pack_a)(const float *x, size_t K, size_t t0, size_t rows, uint8_t *Ap, void *scratch);
+    void (*pack_b)(const nx_lowp_wtype *wt, const uint8_t *w, size_t rowbytes, size_t j0,
+                   size_t ncols, size_t k0, size_t kc, uint8_t *Bp, void *scratch);
+    void (*kern)(size_t ngroups, const uint8_t *A, const uint8_t *B, float *C, size_t ldc, int mr,
+                 int nr, int first);
+} nx_lowp_tiling;
+
+int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_lowp_wtype *wt, const float *x /* IN */,
+                    const uint8_t *w /* IN */, size_t rowbytes, const float *bias /* IN or NULL */,
+                    float *out /* OUT */, size_t T, size_t K, size_t N, size_t n0, size_t n1);
+
+#endif

@@ -1,0 +1,230 @@
+/* nx_lowp_avx512.c -- AVX-512 (F/BW/VL/DQ + VNNI) pieces of the low-precision matmuls: the `q8`
+ * matmul (vpdpbusd micro-kernel, its activation and weight packers), the F16/BF16 weight
+ * decoders.
+ *
+ * Owns: the q8 panel layouts and the MR x NR register tile; the exactness of the unsigned x signed
+ * trick (weights + 128, accumulator started at -128 * sum(qx)). Entered only after the probe
+ * reports the avx512 level (which includes VNNI) with OS ZMM support.
+ * Must not: change the per-output block order or arithmetic of nx_lowp.h, allocate per tile,
+ * or use threads.
+ */
+#include "nx_lowp.h"
+
+#include <immintrin.h>
+#include <string.h>
+
+#include "nx_q8_0.h"
+
+/* ------------------------------------------------------------------ decoders */
+
+void nx_deq_f16_avx512(const uint8_t *b /* IN */, float *out /* OUT */, size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 2 * i))));
+    if (i < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
+        __m256i h = _mm256_maskz_loadu_epi16(m, b + 2 * i);
+        _mm512_mask_storeu_ps(out + i, m, _mm512_cvtph_ps(h));
+    }
+}
+
+void nx_deq_bf16_avx512(const uint8_t *b /* IN */, float *out /* OUT */, size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + 2 * i)));
+        _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+    }
+    if (i < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
+        __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, b + 2 * i));
+        _mm512_mask_storeu_ps(out + i, m, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+    }
+}
+
+/* ------------------------------------------------------------------ q8 matmul */
+
+/* Tile, measured on this project's AMD Zen 4 host (same method as nx_lowp_avx512bf16.c; T=256,
+ * (K, N) = (3840, 3840) / (10240, 3840) / (3840, 10240), GOP/s):
+ *   MR x NR = 6 x 32: 12 int32 block accumulators + 12 float32 chain accumulators + 2 weight
+ *     vectors + temporaries = 30 zmm: 338/335/342 with NC=128, KC=2048. 4 x 48: 332/331/336;
+ *     3 x 64: 322/325/325; 5 x 32: 331/325/336; KC=1024 or 4096, NC=256: within 3%.
+ *   Why not more: vpdpbusd zmm issues 1/cycle (467 GOP/s peak) and shares its pipes with
+ *   vmulps/vfmadd. The contract's epilogue (one mul for s = dx*dw, one fma per accumulator and
+ *   block; vcvtdq2ps runs on the add pipes, broadcasts on the load ports: both free) takes 2 of
+ *   every 10 issue slots, a ceiling of ~373 GOP/s; the kernel reaches ~92% of it.
+ *   jr_outer (B micro-panel in L1) measured the same or slower: the A-in-L1 order stays. */
+#ifndef NX_Q8_MR
+#define NX_Q8_MR 6
+#endif
+#ifndef NX_Q8_NV
+#define NX_Q8_NV 2                     /* zmm vectors per tile row */
+#endif
+#define NX_Q8_NR (16 * NX_Q8_NV)
+#ifndef NX_Q8_KC
+#define NX_Q8_KC 2048
+#endif
+#ifndef NX_Q8_NC
+#define NX_Q8_NC 128
+#endif
+#ifndef NX_Q8_JR_OUTER
+#define NX_Q8_JR_OUTER 0
+#endif
+#ifndef NX_Q8_MC
+#define NX_Q8_MC 264
+#endif
+_Static_assert(NX_Q8_KC % 256 == 0, "KC must hold whole blocks of every type");
+_Static_assert(NX_Q8_NC % NX_Q8_NR == 0, "NC must be a multiple of NR");
+_Static_assert(NX_Q8_MC % NX_Q8_MR == 0, "MC must be a multiple of MR");
+
+/* Per 32-k group (one Q8_0 block):
+ *   A micro-panel: int32 quads[8][MR] (qx bytes 4q..4q+3 of token r), float dx[MR],
+ *                  int32 negc[MR] = -128 * sum_i qx[r, i]
+ *   B micro-panel: uint32 quads[8][NR] (qw + 128, bytes 4q..4q+3 of column j), float dw[NR] */
+#define NX_Q8_AG (10 * NX_Q8_MR * 4)
+#define NX_Q8_BG (9 * NX_Q8_NR * 4)
+
+static void nx_q8_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t rows,
+                         uint8_t *Ap /* OUT */, void *scratch) {
+    const size_t nb = K / NX_QK8_0;
+    uint8_t *q = (uint8_t *)scratch;                 /* one quantized row: nb * 34 bytes */
+    for (size_t r = 0; r < NX_Q8_MR; r++) {
+        if (r < rows) nx_q8_0_quantize_avx512(x + (t0 + r) * K, q, nb);
+        for (size_t b = 0; b < nb; b++) {
+            int32_t *g = (int32_t *)(Ap + b * NX_Q8_AG);
+            if (r >= rows) {
+                for (int i = 0; i < 8; i++) g[i * NX_Q8_MR + r] = 0;
+                g[8 * NX_Q8_MR + r] = 0;                 /* dx = +0.0f */
+                g[9 * NX_Q8_MR + r] = 0;
+                continue;
+            }
+            const uint8_t *blk = q + b * NX_Q8_0_BLOCK_BYTES;
+            uint16_t dh;
+            memcpy(&dh, blk, 2);
+            const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            const __m512i s16 = _mm512_cvtepi8_epi16(qs);
+            const int32_t sum = _mm512_reduce_add_epi32(_mm512_madd_epi16(s16, _mm512_set1_epi16(1)));
+            int32_t quad[8];
+            _mm256_storeu_si256((__m256i *)quad, qs);
+            for (int i = 0; i < 8; i++) g[i * NX_Q8_MR + r] = quad[i];
+            const float dx = _cvtsh_ss(dh);
+            memcpy(&g[8 * NX_Q8_MR + r], &dx, 4);
+            g[9 * NX_Q8_MR + r] = -128 * sum;
+        }
+    }
+}
+
+/* In-register 16 x 8 dword transpose: in[i] = 8 dwords of column i (i < 16), out[q] lane i =
+ * in[i][q]. Columns come in as zmm pairs z[i] = [in[i] | in[i+8]]. */
+static inline void nx_tr16x8(const __m256i in[16], __m512i out[8]) {
+    __m512i z[8], t[8], u[8];
+    for (int i = 0; i < 8; i++)
+        z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(in[i]), in[i + 8], 1);
+    /* 8 x 8 transposes inside each 256-bit half */
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    /* u[c] and u[4+c] (c < 4), 128-bit lanes: u[c] = [quad c, cols 0-3 | quad 4+c, cols 0-3 |
+     * quad c, cols 8-11 | quad 4+c, cols 8-11]; u[4+c] the same for cols 4-7 / 12-15.
+     * Recombine: out[c] = [u[c].0 | u[4+c].0 | u[c].2 | u[4+c].2], out[4+c] with lanes 1 and 3. */
+    const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
+    const __m512i hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+    for (int c = 0; c < 4; c++) {
+        out[c] = _mm512_permutex2var_epi64(u[c], lo, u[4 + c]);
+        out[c + 4] = _mm512_permutex2var_epi64(u[c], hi, u[4 + c]);
+    }
+}
+
+static void nx_q8_pack_b(const nx_lowp_wtype *wt, const uint8_t *w /* IN */, size_t rowbytes,
+                         size_t j0, size_t ncols, size_t k0, size_t kc, uint8_t *Bp /* OUT */,
+                         void *scratch) {
+    (void)wt;
+    (void)scratch;
+    const size_t b0 = k0 / NX_QK8_0, nb = kc / NX_QK8_0;
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    for (int v = 0; v < NX_Q8_NV; v++) {
+        const size_t c0 = (size_t)v * 16;
+        const int nv = c0 >= ncols ? 0 : (ncols - c0 >= 16 ? 16 : (int)(ncols - c0));
+        for (size_t b = 0; b < nb; b++) {
+            uint8_t *g = Bp + b * NX_Q8_BG;
+            float *dw = (float *)(g + 8 * NX_Q8_NR * 4) + c0;
+            __m256i in[16];
+            for (int j = 0; j < 16; j++) {
+                if (j < nv) {
+                    const uint8_t *blk = w + (j0 + c0 + j) * rowbytes + (b0 + b) * NX_Q8_0_BLOCK_BYTES;
+                    uint16_t dh;
+                    memcpy(&dh, blk, 2);
+                    dw[j] = _cvtsh_ss(dh);
+                    in[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), flip);
+                } else {
+                    dw[j] = 0.0f;
+                    in[j] = _mm256_setzero_si256();
+                }
+            }
+            __m512i out[8];
+            nx_tr16x8(in, out);
+            for (int q = 0; q < 8; q++)
+                _mm512_store_si512((__m512i *)(g + (q * NX_Q8_NR + c0) * 4), out[q]);
+        }
+    }
+}
+
+/* C[0:mr, 0:nr] := the block chain over ng groups, continued from C unless first. */
+static void nx_q8_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ldc,
+                       int mr, int nr, int first) {
+    __mmask16 m[NX_Q8_NV];
+    for (int v = 0; v < NX_Q8_NV; v++) {
+        const int left = nr - 16 * v;
+        m[v] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+    }
+    __m512 f[NX_Q8_MR][NX_Q8_NV];
+    for (int r = 0; r < NX_Q8_MR; r++)
+        for (int v = 0; v < NX_Q8_NV; v++)
+            f[r][v] = (!first && r < mr) ? _mm512_maskz_loadu_ps(m[v], C + r * ldc + 16 * v)
+                                         : _mm512_setzero_ps();
+    for (size_t gi = 0; gi < ng; gi++) {
+        const int32_t *a = (const int32_t *)(A + gi * NX_Q8_AG);
+        const uint8_t *b = B + gi * NX_Q8_BG;
+        __m512i s[NX_Q8_MR][NX_Q8_NV];
+        for (int r = 0; r < NX_Q8_MR; r++)
+            for (int v = 0; v < NX_Q8_NV; v++) s[r][v] = _mm512_set1_epi32(a[9 * NX_Q8_MR + r]);
+        for (int q = 0; q < 8; q++) {
+            __m512i bv[NX_Q8_NV];
+            for (int v = 0; v < NX_Q8_NV; v++)
+                bv[v] = _mm512_load_si512((const __m512i *)(b + (q * NX_Q8_NR + 16 * v) * 4));
+            for (int r = 0; r < NX_Q8_MR; r++) {
+                const __m512i av = _mm512_set1_epi32(a[q * NX_Q8_MR + r]);
+                for (int v = 0; v < NX_Q8_NV; v++) s[r][v] = _mm512_dpbusd_epi32(s[r][v], bv[v], av);
+            }
+        }
+        const float *dx = (const float *)(a + 8 * NX_Q8_MR);
+        const float *dwp = (const float *)(b + 8 * NX_Q8_NR * 4);
+        for (int r = 0; r < NX_Q8_MR; r++) {
+            const __m512 d = _mm512_set1_ps(dx[r]);
+            for (int v = 0; v < NX_Q8_NV; v++)
+                f[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][v]),
+                                          _mm512_mul_ps(_mm512_load_ps(dwp + 16 * v), d), f[r][v]);
+        }
+    }
+    for (int r = 0; r < NX_Q8_MR; r++)
+        if (r < mr)
+            for (int v = 0; v < NX_Q8_NV; v++) _mm512_mask_storeu_ps(C + r * ldc + 16 * v, m[v], f[r][v]);
+}
+
+int nx_matmul_q8_avx512vnni(const float *x /* IN [T*K] */, const uint8_t *w /* IN */,
+                            const float *bias /* IN or NULL */, float *out /* OUT [T*N] */,
+                            size_t T, size_t K, size_t N, size_t n0, size_t n1) {
+    const nx_lowp_tiling tl = {
+        NX_Q8_MR, NX_Q8_NR, NX_Q8_KC, NX_Q8_NC, NX_Q8_MC,
+        NX_Q8_AG, NX_Q8_BG, K / NX_QK8_0 * NX_Q8_0_BLOCK_BYTES + 64, 0,
+        NX_Q8_JR_OUTER, nx_q8_pack_a, nx_q8_pack_b, nx_q8_kern,
+    };
+    return nx_lowp_blocked(&tl, NULL, x, w, K / NX_QK8_0 * NX_Q8_0_BLOCK_BYTES, bias, out, T, K,
+                           N, n0, n1);
+}
