@@ -18,12 +18,31 @@ import numpy as np
 
 from nxhpc.formats.weights import WeightTensor
 
-__all__ = ["matmul", "adaln_linear", "typed_kernels"]
+__all__ = ["matmul", "adaln_linear", "typed_kernels", "check_runnable"]
 
 
 def typed_kernels(kernels: Any) -> bool:
     """Whether ``kernels`` has the typed matmul API (``weight_types`` present)."""
     return hasattr(kernels, "weight_types")
+
+
+def check_runnable(kernels: Any, weight: WeightTensor, *, adaln: bool = False) -> None:
+    """NotImplementedError naming the tensor unless ``kernels`` can run ``weight`` as stored
+    (called before the fork, so a missing type fails in the parent, before any work)."""
+    if typed_kernels(kernels):
+        have = kernels.weight_types()
+        if weight.type_name not in have:
+            raise NotImplementedError(f"weight {weight.name!r} is {weight.type_name}; the "
+                                      f"kernels run {', '.join(have)}")
+        return
+    # TEMP until cseam merge: the Q8_0-only kernels (adaLN also takes float32 and, decoded
+    # here, F16/BF16)
+    ok = ("Q8_0", "F32", "F16", "BF16") if adaln else ("Q8_0",)
+    if weight.type_name not in ok:
+        raise NotImplementedError(
+            f"weight {weight.name!r} is {weight.type_name}; these kernels run "
+            f"{' and '.join(ok)} {'adaLN' if adaln else 'projection'} weights only (the typed "
+            f"matmul for F32/F16/BF16 is not built into {kernels.__name__})")
 
 
 def matmul(kernels: Any, x: np.ndarray, weight: WeightTensor, out: np.ndarray, lo: int,

@@ -55,7 +55,7 @@ import numpy as np
 
 from nxhpc.dit.binding import LayerWeights
 from nxhpc.dit.config import BLOCK_STACKS, BlockConfig, block_label
-from nxhpc.dit.linear import adaln_linear, matmul
+from nxhpc.dit.linear import adaln_linear, check_runnable, matmul
 from nxhpc.runtime.shm import SharedArena
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerPool, check_timeout
 
@@ -333,7 +333,10 @@ class Engine:
             else:
                 label = f"weights {key!r}"
             cfg.check_layer(w, label)
-            self._weights[key] = w.typed()
+            typed = w.typed()
+            for k, m in typed.matrices().items():
+                check_runnable(self.kernels, m, adaln=k == "adaln_w")
+            self._weights[key] = typed
             self._by_id[id(w)] = key
         # tasks: the union of the plans' stage tables (one task per stage name)
         tasks: dict[str, Callable[[int, int, Any], None]] = {}
