@@ -23,7 +23,7 @@ from nxhpc.formats.weights import WeightTensor, as_weight_tensor
 
 __all__ = ["LayerWeights", "bind_gguf_layer", "bind_fixture_layer", "check_finite_weight"]
 
-_CHUNK_BYTES = 4 << 20      # bytes of a matrix scanned at once by the NaN/Inf check
+_CHUNK_BYTES = 1 << 20      # bytes of a matrix scanned at once by the NaN/Inf check
 #: exponent-all-ones masks on the stored bits: such a value is Inf or NaN
 _NONFINITE = {"F32": (np.uint32, 0x7F800000), "F16": (np.uint16, 0x7C00),
               "BF16": (np.uint16, 0x7F80)}
