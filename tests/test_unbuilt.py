@@ -1,12 +1,15 @@
 """The pure-Python tools work in a source tree whose compiled extension is not built.
 
 The package's ``.py`` sources (no ``.so``, no ``.c``) are copied to a temporary directory and run
-from there with ``PYTHONPATH`` pointing at it: ``import nxhpc``, ``python -m nxhpc.models list``
+from there with ``PYTHONPATH`` pointing at it (``python -S`` plus the site-packages directories,
+so that no ``.pth`` file -- e.g. an editable install of another checkout -- can supply the
+extension): ``import nxhpc``, ``python -m nxhpc.models list``
 and ``python -m nxhpc.ddp --help`` succeed; the first use of a kernel fails with the clear "not
 built" ImportError (the negative control that the copy really lacks the extension).
 """
 import os
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -24,13 +27,14 @@ def unbuilt(tmp_path_factory):
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, dst)
     assert not list(d.rglob("*.so"))
-    env = dict(os.environ, PYTHONPATH=str(d), NXHPC_MODELS=str(d / "models"))
+    path = os.pathsep.join([str(d), *site.getsitepackages()])
+    env = dict(os.environ, PYTHONPATH=path, NXHPC_MODELS=str(d / "models"))
     return d, env
 
 
 def _run(unbuilt, *args):
     d, env = unbuilt
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-S", *args], capture_output=True, text=True, env=env,
                           cwd=d, timeout=120)
 
 
