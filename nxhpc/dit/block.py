@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+import nxhpc
 from nxhpc.dit.linear import adaln_linear
 from nxhpc.dit.plan import TIMING_KEYS, BlockPlan, Engine
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, check_timeout, usable_cpus
@@ -125,7 +126,6 @@ def adaln(cfg, weights, t_emb: np.ndarray) -> np.ndarray:
     gives bit-identical output for a Q8_0 weight and its float32 dequantization, so the GGUF
     path and the fixture path give the same modulation, and no dequantized copy is made.
     """
-    import nxhpc
     t = _finite_f32("t_emb", t_emb, (cfg.adaln_in,))
     if weights.adaln_w is None:
         raise ValueError("adaln: these weights have no adaLN tensors (an unmodulated block)")

@@ -53,6 +53,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+import nxhpc
 from nxhpc.dit.binding import LayerWeights
 from nxhpc.dit.config import BLOCK_STACKS, BlockConfig, block_label
 from nxhpc.dit.linear import adaln_linear, check_runnable, matmul
@@ -300,7 +301,6 @@ class Engine:
                  weights: Mapping[Hashable, LayerWeights], *,
                  buffers: Mapping[str, Any] | None = None, workers: int = 1,
                  spawn: str = DEFAULT_SPAWN, stage_timeout: float | None = None) -> None:
-        import nxhpc
         needs = [(p, int(T)) for p, T in needs]
         if not needs:
             raise ValueError("Engine: needs no (plan, T) pairs")
@@ -321,6 +321,7 @@ class Engine:
         self.kernels = nxhpc.kernels()
         # weights: checked and typed once, in the parent, before the fork
         self._weights: dict[Hashable, LayerWeights] = {}
+        self._given: dict[Hashable, LayerWeights] = {}
         self._by_id: dict[int, Hashable] = {}
         for key, w in weights.items():
             if not isinstance(w, LayerWeights):
@@ -337,6 +338,7 @@ class Engine:
             for k, m in typed.matrices().items():
                 check_runnable(self.kernels, m, adaln=k == "adaln_w")
             self._weights[key] = typed
+            self._given[key] = w         # held, so id(w) cannot be reused while we map it
             self._by_id[id(w)] = key
         # tasks: the union of the plans' stage tables (one task per stage name)
         tasks: dict[str, Callable[[int, int, Any], None]] = {}
@@ -394,19 +396,19 @@ class Engine:
     def _context(self, arg: RunArgs) -> RunContext:
         c = self._ctx.get(arg)
         if c is None:
-            v, D = self._v, self.config.dim
+            views, D = self._v, self.config.dim
 
             def ref(r: BufRef | None) -> np.ndarray | None:
-                return None if r is None else v[r.name][r.r0:r.r1]
-            ada = v["adaln"]
+                return None if r is None else views[r.name][r.r0:r.r1]
+            ada = views["adaln"]
             c = RunContext(
                 kernels=self.kernels, cfg=self.config, w=self._weights[arg.weights],
                 eps=arg.eps, x=ref(arg.x), pe=ref(arg.pe), out=ref(arg.out), mask=ref(arg.mask),
                 buf=self._scratch_views(arg.tokens),
-                mod_msa=v["mod_msa"] if arg.modulated else None,
-                mod_mlp=v["mod_mlp"] if arg.modulated else None,
-                gate_msa=ada[D:2 * D] if arg.modulated else v["unit_gate"],
-                gate_mlp=ada[3 * D:4 * D] if arg.modulated else v["unit_gate"],
+                mod_msa=views["mod_msa"] if arg.modulated else None,
+                mod_mlp=views["mod_mlp"] if arg.modulated else None,
+                gate_msa=ada[D:2 * D] if arg.modulated else views["unit_gate"],
+                gate_mlp=ada[3 * D:4 * D] if arg.modulated else views["unit_gate"],
                 scale=1.0 / math.sqrt(self.config.head_dim))
             self._ctx[arg] = c
         return c
@@ -495,16 +497,16 @@ class Engine:
                                  f"this engine was sized for (needs: "
                                  f"{[(p.prefix, t) for p, t in self.needs]})")
         eps = float(cfg.norm_eps if eps is None else eps)
-        v = self._v
+        views = self._v
         if plan.modulated:
             if adaln_m is None:
                 raise ValueError(f"Engine.run: the modulated {plan.prefix} plan needs adaln_m "
                                  f"[{4 * D}]")
             m = _finite_vector("adaln_m", adaln_m, 4 * D)
-            np.copyto(v["adaln"], m)
+            np.copyto(views["adaln"], m)
             one = np.float32(1.0)
-            np.add(one, v["adaln"][0:D], out=v["mod_msa"])
-            np.add(one, v["adaln"][2 * D:3 * D], out=v["mod_mlp"])
+            np.add(one, views["adaln"][0:D], out=views["mod_msa"])
+            np.add(one, views["adaln"][2 * D:3 * D], out=views["mod_mlp"])
         elif adaln_m is not None:
             raise ValueError(f"Engine.run: the unmodulated {plan.prefix} plan takes no adaln_m")
         arg = RunArgs(key, T, bool(plan.modulated), eps, xr, pr, orf, mr)
