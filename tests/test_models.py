@@ -22,7 +22,7 @@ from nxhpc.formats.fixtures import FixtureStore
 from nxhpc.formats.gguf_io import (GGUFFile, MissingTensorError, ModelFileError, ModelNotFoundError,
                                    write_gguf)
 from nxhpc.formats.weights import WeightTensor
-from testutil import gguf_weights_f64
+from testutil import gguf_weights_f64, t32
 from nxhpc.models import (BUILTIN_MODELS, LayerWeights, SyntheticSpec,
                           ensure_builtin, layer_tensor_names, make_synthetic, open_model)
 
@@ -167,11 +167,6 @@ def test_concurrent_generation_is_safe(tmp_path):
 
 # ----------------------------------------------------------------------------- references
 
-def _t(a):
-    import torch
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
-
-
 @pytest.mark.parametrize("mid", ["tiny", "tiny-gqa"])
 def test_synthetic_references_match_diffusers(root, mid):
     """ref_out of every layer = diffusers' block on blk_in (to float32 accuracy), and the
@@ -182,14 +177,14 @@ def test_synthetic_references_match_diffusers(root, mid):
     with open_model(mid, models_dir=root) as m:
         c = m.config
         pe, t_emb, mask = m.pe(), m.t_emb(), m.mask()
-        freqs = torch.complex(_t(pe[..., 0, 0]), _t(pe[..., 1, 0]))[None]
+        freqs = torch.complex(t32(pe[..., 0, 0]), t32(pe[..., 1, 0]))[None]
         tm = None if mask is None else torch.from_numpy(mask)[None]
         for i in range(c.n_layers):
             w = gguf_weights_f64(m.gguf.path, layer_tensor_names(i, c.variant))
             blk = diffusers_block(c, w, layer_id=i)
             x = m.blk_in(i)
             with torch.no_grad():
-                theirs = blk(_t(x)[None], tm, freqs, _t(t_emb)[None])[0].double().numpy()
+                theirs = blk(t32(x)[None], tm, freqs, t32(t_emb)[None])[0].double().numpy()
             ref = m.ref_out(i).astype(np.float64)
             err = np.abs(ref - theirs).max() / np.sqrt(np.mean(theirs ** 2))
             assert err < 2e-5, (mid, i, err)

@@ -9,10 +9,11 @@ import pytest
 import gguf
 
 from nxhpc.dit import rope
-from nxhpc.models import BlockConfig
 from nxhpc.dit.oracle import diffusers_block
 from nxhpc.dit.reference import (adaln_f64, attention_f64, block_forward_f64, dequantize_layer,
-                             rmsnorm_f64)
+                                 rmsnorm_f64)
+from nxhpc.models import BlockConfig
+from testutil import t32
 
 torch = pytest.importorskip("torch")
 zimg = pytest.importorskip("diffusers.models.transformers.transformer_z_image")
@@ -45,10 +46,6 @@ def make_weights(rng, D, H, KVH, hd, ffn, adaln_in):
 
 def rel_err(a, b):
     return float(np.max(np.abs(a - b)) / np.sqrt(np.mean(b * b)))
-
-
-def t32(a):
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
 
 
 def zimage_block(w, D, H, eps):

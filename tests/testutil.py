@@ -34,6 +34,12 @@ def errs(a, ref):
     return float(np.max(np.abs(d))), float(np.sqrt(np.mean(d * d)))
 
 
+def t32(a):
+    """A float32 torch tensor of ``a`` (torch imported lazily: a test dependency only)."""
+    import torch
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+
+
 def mask_for(T, pad):
     """Key mask [T] attending all but the last ``pad`` tokens."""
     m = np.ones(T, bool)

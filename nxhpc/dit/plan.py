@@ -371,8 +371,8 @@ class Engine:
             a = self.arena
             self._v = {n: a[n] for n in a}
             self._v["unit_gate"][:] = np.float32(UNIT_GATE)
-            self._addr = {n: (v.__array_interface__["data"][0], v) for n, v in self._v.items()
-                          if n in self._user}
+            self._addr = {n: (buf.__array_interface__["data"][0], buf)
+                          for n, buf in self._v.items() if n in self._user}
             self.pool = WorkerPool(workers, tasks, mode=spawn, stage_timeout=stage_timeout)
         except BaseException:
             self._release_views()

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from nxhpc.formats.gguf_io import ModelError
+from nxhpc.formats.weights import block_geometry
 from nxhpc.models.modeldir import check_replaceable
 from nxhpc.models.registry import (BUILTIN_MODELS, DEFAULT_MODEL_ID, builtin_current,
                                    ensure_builtin, models_dir, open_model, stderr_progress)
@@ -26,7 +27,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
           f"{'weights(Q8_0)':>13}  status")
     for mid, spec in BUILTIN_MODELS.items():
         c = spec.config()
-        q8 = spec.weights_bytes_f32() // 4 // 32 * 34
+        elems, nbytes = block_geometry("Q8_0")
+        q8 = spec.weights_bytes_f32() // 4 // elems * nbytes
         heads = f"{c.n_heads}/{c.n_kv_heads}" if c.n_kv_heads != c.n_heads else str(c.n_heads)
         st = "generated" if builtin_current(root / mid, spec) else "generated on first use"
         flag = " (default)" if mid == DEFAULT_MODEL_ID else ""
