@@ -253,7 +253,7 @@ class BufRef(NamedTuple):
 
 
 class RunArgs(NamedTuple):
-    """The small picklable value every stage of one run receives."""
+    """What every stage of one run needs to find its inputs (by name, in any process)."""
     weights: Hashable
     tokens: int
     modulated: bool
@@ -262,6 +262,15 @@ class RunArgs(NamedTuple):
     pe: BufRef
     out: BufRef
     mask: BufRef | None
+
+    def wire(self) -> tuple:
+        """Plain nested tuples, what crosses the pipe to the workers: measured 1.8 us to pickle
+        and unpickle against 15.5 us for the NamedTuples (once per worker per stage)."""
+        return self[:4] + tuple(None if r is None else tuple(r) for r in self[4:])
+
+    @classmethod
+    def from_wire(cls, t: tuple) -> "RunArgs":
+        return cls(*t[:4], *(None if r is None else BufRef(*r) for r in t[4:]))
 
 
 def _finite_vector(name: str, a: Any, n: int) -> np.ndarray:
@@ -364,7 +373,7 @@ class Engine:
             spec[n] = s
         self._user = list(buffers or {})
         self.arena = SharedArena(spec)
-        self._ctx: dict[RunArgs, RunContext] = {}
+        self._ctx: dict[tuple, RunContext] = {}
         self._views: dict[int, dict[str, np.ndarray]] = {}
         self.pool: WorkerPool | None = None
         try:
@@ -381,8 +390,8 @@ class Engine:
 
     # -- worker side
     def _task(self, fn: Callable[[RunContext, int, int], None]) -> Callable[[int, int, Any], None]:
-        def run_band(lo: int, hi: int, arg: RunArgs) -> None:
-            fn(self._context(arg), lo, hi)
+        def run_band(lo: int, hi: int, wire: tuple) -> None:
+            fn(self._context(wire), lo, hi)
         return run_band
 
     def _scratch_views(self, T: int) -> dict[str, np.ndarray]:
@@ -393,9 +402,11 @@ class Engine:
             self._views[T] = views
         return views
 
-    def _context(self, arg: RunArgs) -> RunContext:
-        c = self._ctx.get(arg)
+    def _context(self, wire: tuple) -> RunContext:
+        """The stage context of one run (built once per process and run, then cached)."""
+        c = self._ctx.get(wire)
         if c is None:
+            arg = RunArgs.from_wire(wire)
             views, D = self._v, self.config.dim
 
             def ref(r: BufRef | None) -> np.ndarray | None:
@@ -410,7 +421,7 @@ class Engine:
                 gate_msa=ada[D:2 * D] if arg.modulated else views["unit_gate"],
                 gate_mlp=ada[3 * D:4 * D] if arg.modulated else views["unit_gate"],
                 scale=1.0 / math.sqrt(self.config.head_dim))
-            self._ctx[arg] = c
+            self._ctx[wire] = c
         return c
 
     # -- parent side
@@ -509,13 +520,13 @@ class Engine:
             np.add(one, views["adaln"][2 * D:3 * D], out=views["mod_mlp"])
         elif adaln_m is not None:
             raise ValueError(f"Engine.run: the unmodulated {plan.prefix} plan takes no adaln_m")
-        arg = RunArgs(key, T, bool(plan.modulated), eps, xr, pr, orf, mr)
+        wire = RunArgs(key, T, bool(plan.modulated), eps, xr, pr, orf, mr).wire()
         now = time.perf_counter_ns
         spent = dict.fromkeys(plan.timing_keys, 0)
         t_start = now()
         for s in plan.stages:
             t0 = now()
-            self.pool.run(s.name, plan.extent(s, T), arg=arg)
+            self.pool.run(s.name, plan.extent(s, T), arg=wire)
             spent[s.timer] += now() - t0
         spent["block_us"] = now() - t_start
         return {k: ns // 1000 for k, ns in spent.items()}
