@@ -5,15 +5,22 @@ T=256): nxhpc with 2 workers in both spawn modes, next to a PyTorch eager run of
 Run: ``python -m pytest benchmarks/bench_block.py --benchmark-only`` (generates the model on
 first use under $NXHPC_MODELS, ~1 GB). Set ``NXHPC_BENCH_MODEL=mid`` for a quick run.
 Correctness is checked after timing (vs the model's float64 reference output).
+
+``test_engine_*``: a denoiser-shaped call -- a modulated block on the image rows, an
+unmodulated block on the caption rows, a modulated block on the joint rows -- from ONE engine
+(one arena, one pool forked once), next to the same three blocks each on its own engine (a
+fork and an arena per token count), in the same group. Layer 0's weights serve all three.
 """
+import dataclasses
 import os
 
 import numpy as np
 import pytest
 
-from nxhpc.models import open_model
-from nxhpc.dit.reference import dequantize_layer
 from _bench_util import bench_stats
+from nxhpc.dit.plan import BlockPlan, Engine
+from nxhpc.dit.reference import dequantize_layer
+from nxhpc.models import open_model
 
 MODEL = os.environ.get("NXHPC_BENCH_MODEL", "zimage-1l")
 WORKERS = 2
@@ -72,3 +79,69 @@ def test_block_torch_eager(benchmark, setup):
     out = benchmark.pedantic(run, rounds=3, warmup_rounds=1)
     benchmark.extra_info["gflops"] = flops / bench_stats(benchmark).median / 1e9
     benchmark.extra_info["max_err_rel_to_max_ref"] = _check(out, model)
+
+
+def _session_inputs(setup):
+    model, x, pe, t, _, _ = setup
+    cfg = model.config
+    T = x.shape[0]
+    T2 = max(1, T // 8)                  # caption rows; the rest are image rows
+    w = model.layer_weights(0)
+    weights = {"img": w, "cap": dataclasses.replace(w, adaln_w=None, adaln_b=None,
+                                                    prefix="context_refiner"), "joint": w}
+    plans = {"img": BlockPlan(cfg, "noise_refiner"), "cap": BlockPlan(cfg, "context_refiner"),
+             "joint": BlockPlan(cfg, "layers")}
+    rows = {"img": slice(0, T - T2), "cap": slice(T - T2, T), "joint": slice(0, T)}
+    flops = sum(2 * n * cfg.dim * (cfg.qkv_width + cfg.dim + 3 * cfg.ffn_dim)
+                + 4 * n * n * cfg.dim for n in (T - T2, T2, T))
+    return cfg, weights, plans, rows, flops
+
+
+def _run_plans(eng, names, plans, rows, m, x, pe):
+    u, p = eng.buffer("u"), eng.buffer("pe")
+    for name in names:
+        r = rows[name]
+        u[:r.stop - r.start] = x[r]
+        p[:r.stop - r.start] = pe[r]
+        n = r.stop - r.start
+        eng.run(plans[name], name, u[:n], p[:n], adaln_m=None if name == "cap" else m)
+    return u[:n].copy()
+
+
+def test_engine_one_pool_three_plans(benchmark, setup):
+    model, x, pe, t, _, _ = setup
+    cfg, weights, plans, rows, flops = _session_inputs(setup)
+    T = x.shape[0]
+    needs = [(plans[n], rows[n].stop - rows[n].start) for n in plans]
+    benchmark.group = f"engine {MODEL} T={T} workers={WORKERS}"
+
+    def run():
+        with Engine(needs, weights, workers=WORKERS,
+                    buffers={"u": (T, cfg.dim), "pe": (T, cfg.head_dim // 2, 2, 2)}) as eng:
+            m = eng.adaln("img", t)
+            return _run_plans(eng, list(plans), plans, rows, m, x, pe)
+
+    out = benchmark.pedantic(run, rounds=3, warmup_rounds=1)
+    benchmark.extra_info["gflops"] = flops / bench_stats(benchmark).median / 1e9
+    assert np.isfinite(out).all()
+
+
+def test_engine_one_engine_per_plan(benchmark, setup):
+    model, x, pe, t, _, _ = setup
+    cfg, weights, plans, rows, flops = _session_inputs(setup)
+    T = x.shape[0]
+    benchmark.group = f"engine {MODEL} T={T} workers={WORKERS}"
+
+    def run():
+        out = None
+        for name in plans:
+            n = rows[name].stop - rows[name].start
+            with Engine([(plans[name], n)], {name: weights[name]}, workers=WORKERS,
+                        buffers={"u": (n, cfg.dim), "pe": (n, cfg.head_dim // 2, 2, 2)}) as eng:
+                m = None if name == "cap" else eng.adaln(name, t)
+                out = _run_plans(eng, [name], plans, rows, m, x, pe)
+        return out
+
+    out = benchmark.pedantic(run, rounds=3, warmup_rounds=1)
+    benchmark.extra_info["gflops"] = flops / bench_stats(benchmark).median / 1e9
+    assert np.isfinite(out).all()

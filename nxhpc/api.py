@@ -2,6 +2,10 @@
 
 Owns nothing but the public spelling: it delegates to ``nxhpc.models.open_model``; the returned
 model's ``block(i)`` is an ``nxhpc.dit.block.Block`` whose ``forward`` returns ``(output, timings)``.
+Several blocks of different kinds and token counts in one call (a denoiser: refiners on image and
+caption rows, the main layers on the joint rows) run on one ``nxhpc.dit.plan.Engine``: bind the
+weights (``model.layer_weights(i, prefix=...)``), describe each kind as a ``BlockPlan``, then
+``Engine([(plan, T), ...], weights, buffers=...)`` forks one pool for all of them.
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 1. float64 numpy reference (``nxhpc.dit.reference``, no shared code with the kernels) on synthetic
    models (tiny MHA, tiny-gqa GQA + SiLU adaLN, mid hd=128; with and without mask): our float32
-   error vs float64 must be within 2x of a plain numpy float32 evaluation's error (written here).
+   error vs float64 must be within 2x of a plain numpy float32 evaluation's error
+   (``testutil.np32_block``).
 2. diffusers' ``ZImageTransformerBlock`` (torch CPU) with the same dequantized weights, eps set on
    all six norms: max abs error <= 1e-5 * max|reference| (6x64 and 3x128 heads, T=37).
 3. Bit-identical outputs for workers in {1, 2, 3, 5, 16} and both spawn modes; fixture weights
@@ -10,22 +11,20 @@
 Negative controls show each comparison can fail. Input errors are checked before anything runs.
 """
 import gc
-import math
 import os
 import time
 
-import gguf
 import numpy as np
 import pytest
 
 from nxhpc.dit.block import Block, run_layers
-from nxhpc.models import BlockConfig, LayerWeights, open_model
 from nxhpc.dit.reference import block_forward_f64, dequantize_layer
+from nxhpc.models import BlockConfig, open_model
 from nxhpc.runtime.shm import live_segments
 from nxhpc.runtime.workers import WorkerError
+from testutil import ArrayModel, errs, mask_for, np32_block, random_layer
 
 PID = os.getpid()
-Q8 = gguf.GGMLQuantizationType.Q8_0
 
 
 @pytest.fixture(scope="module")
@@ -35,56 +34,6 @@ def models_root(tmp_path_factory):
 
 def _open(mid, root):
     return open_model(mid, models_dir=root)
-
-
-# ------------------------------------------------------------------ plain float32 numpy oracle
-def _np32_block(x, w, cfg, m, pe, mask, eps):
-    """docs/block.md in float32 numpy (BLAS sgemm), same dequantized weights; for the error yardstick."""
-    f = np.float32
-    x = x.astype(f)
-    w = {k: v.astype(f) for k, v in w.items()}
-    D, H, KVH, hd = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    eps = f(eps)
-    T = x.shape[0]
-
-    def rms(v, g):
-        return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps) * g
-
-    def rope(v):                       # v [T, h, hd]
-        v2 = v.reshape(T, v.shape[1], hd // 2, 1, 2)
-        p = pe.astype(f)[:, None]      # [T, 1, hd/2, 2, 2]
-        return (p[..., 0] * v2[..., 0] + p[..., 1] * v2[..., 1]).reshape(v.shape)
-
-    m = m.astype(f)
-    h = rms(x, w["attention_norm1"]) * (f(1) + m[:D])
-    qkv = h @ w["qkv"].T
-    q = rope(rms(qkv[:, :H * hd].reshape(T, H, hd), w["q_norm"]))
-    k = rope(rms(qkv[:, H * hd:(H + KVH) * hd].reshape(T, KVH, hd), w["k_norm"]))
-    v = qkv[:, (H + KVH) * hd:].reshape(T, KVH, hd)
-    o = np.empty((T, H, hd), f)
-    for hh in range(H):
-        g = hh // (H // KVH)
-        s = (q[:, hh] @ k[:, g].T) / f(math.sqrt(hd))
-        if mask is not None:
-            s = np.where(np.asarray(mask, bool)[None, :], s, f(-np.inf))
-        s = np.exp(s - s.max(axis=1, keepdims=True))
-        o[:, hh] = (s / s.sum(axis=1, keepdims=True)) @ v[:, g]
-    mid = x + np.tanh(m[D:2 * D]) * rms(o.reshape(T, D) @ w["out"].T, w["attention_norm2"])
-    h2 = rms(mid, w["ffn_norm1"]) * (f(1) + m[2 * D:3 * D])
-    a = h2 @ w["w1"].T
-    ff = a / (f(1) + np.exp(-a)) * (h2 @ w["w3"].T)
-    return mid + np.tanh(m[3 * D:]) * rms(ff @ w["w2"].T, w["ffn_norm2"])
-
-
-def _errs(a, ref):
-    d = np.asarray(a, np.float64) - ref
-    return float(np.max(np.abs(d))), float(np.sqrt(np.mean(d * d)))
-
-
-def _mask_for(T, pad):
-    m = np.ones(T, bool)
-    m[T - pad:] = False
-    return m
 
 
 CASES = [  # model, mask: None = no mask, "model" = the model's own, int = pad that many keys
@@ -100,7 +49,7 @@ def test_vs_float64_within_2x_of_numpy_float32(models_root, mid, mask_kind):
     x, pe, t = model.blk_in(0), model.pe(), model.t_emb()
     T = x.shape[0]
     mask = (model.mask() if mask_kind == "model"
-            else None if mask_kind is None else _mask_for(T, mask_kind))
+            else None if mask_kind is None else mask_for(T, mask_kind))
     if mask_kind == "model":
         assert mask is not None and not mask.all()
     blk = model.block(0)
@@ -111,15 +60,15 @@ def test_vs_float64_within_2x_of_numpy_float32(models_root, mid, mask_kind):
     assert set(timings) >= {"us_prenorm_qkv", "us_qknorm_rope", "us_sdpa", "us_attn_tail",
                             "us_ffn", "block_us"}
     m32 = blk.adaln(t)
-    np32 = _np32_block(x, w64, cfg, m32, pe, mask, cfg.norm_eps)
-    ours_max, ours_rms = _errs(out, ref)
-    np_max, np_rms = _errs(np32, ref)
+    np32 = np32_block(x, w64, cfg, m32, pe, mask, cfg.norm_eps)
+    ours_max, ours_rms = errs(out, ref)
+    np_max, np_rms = errs(np32, ref)
     assert ours_max <= 2 * np_max, (ours_max, np_max)
     assert ours_rms <= 2 * np_rms, (ours_rms, np_rms)
     # negative control: a mask that is wrong (or missing) is far outside the bound
-    wrong = _mask_for(T, 5) if mask is None else None
+    wrong = mask_for(T, 5) if mask is None else None
     bad, _ = blk.forward(x, t, pe, mask=wrong, workers=2)
-    assert _errs(bad, ref)[0] > 100 * np_max
+    assert errs(bad, ref)[0] > 100 * np_max
     assert live_segments(PID) == []
 
 
@@ -312,50 +261,13 @@ def test_bad_inputs_clear_errors(models_root):
 def test_bad_weights_named():
     cfg = BlockConfig(dim=64, n_heads=2, n_kv_heads=2, head_dim=32, ffn_dim=128, n_layers=1,
                       adaln_in=64, variant="zimage", adaln_silu=False)
-    lw = _random_layer(np.random.default_rng(0), cfg)
-    lw.w2 = lw.w2[:, :-34]
+    lw = random_layer(np.random.default_rng(0), cfg)
+    lw.w2 = lw.w2.data[:, :-34]          # a bare uint8 array is read as Q8_0 rows
     with pytest.raises(ValueError, match="layer 0: weight 'w2' must be Q8_0 uint8"):
-        Block(_ArrayModel(cfg, [lw]), 0)
+        Block(ArrayModel(cfg, [lw]), 0)
 
 
 # ------------------------------------------------------------------ diffusers oracle
-class _ArrayModel:
-    """Minimal model: config + in-memory LayerWeights (what Block needs)."""
-
-    def __init__(self, cfg, layers):
-        self.config, self._layers = cfg, layers
-
-    def layer_weights(self, i, source="auto"):
-        return self._layers[i]
-
-    def block(self, i):
-        return Block(self, i)
-
-
-def _q8(a):
-    return gguf.quants.quantize(np.ascontiguousarray(a, np.float32), Q8)
-
-
-def _random_layer(rng, cfg):
-    D, F, hd = cfg.dim, cfg.ffn_dim, cfg.head_dim
-    qkvw = (cfg.n_heads + 2 * cfg.n_kv_heads) * hd
-
-    def nrm(n):
-        return (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
-    return LayerWeights(
-        qkv=_q8(rng.standard_normal((qkvw, D)) / math.sqrt(D)),
-        out=_q8(rng.standard_normal((D, D)) / math.sqrt(D)),
-        w1=_q8(rng.standard_normal((F, D)) / math.sqrt(D)),
-        w3=_q8(rng.standard_normal((F, D)) / math.sqrt(D)),
-        w2=_q8(rng.standard_normal((D, F)) / math.sqrt(F)),
-        attention_norm1=nrm(D), attention_norm2=nrm(D), ffn_norm1=nrm(D), ffn_norm2=nrm(D),
-        q_norm=nrm(hd), k_norm=nrm(hd),
-        adaln_w=(rng.standard_normal((4 * D, cfg.adaln_in)) * 0.3
-                 / math.sqrt(cfg.adaln_in)).astype(np.float32),
-        adaln_b=(0.3 * rng.standard_normal(4 * D)).astype(np.float32),
-        source="fixtures")
-
-
 def _diffusers_block(cfg, lw, eps):
     pytest.importorskip("torch")
     pytest.importorskip("diffusers")
@@ -386,29 +298,29 @@ def test_vs_diffusers_zimage_block(heads, use_mask):
                       ffn_dim=int(D / 3 * 8), n_layers=1, adaln_in=256, variant="zimage",
                       adaln_silu=False, norm_eps=eps)
     rng = np.random.default_rng(100 + heads)
-    lw = _random_layer(rng, cfg)
+    lw = random_layer(rng, cfg)
     pe, freqs = _diffusers_pe(cfg.head_dim, 5, (4, 8))         # T = 37
     T = pe.shape[0]
     x = rng.standard_normal((T, D)).astype(np.float32)
     t_emb = rng.standard_normal(256).astype(np.float32)
-    mask = _mask_for(T, 6) if use_mask else None
+    mask = mask_for(T, 6) if use_mask else None
     dblk = _diffusers_block(cfg, lw, eps)
     with torch.no_grad():
         ref = dblk(torch.from_numpy(x)[None],
                    torch.from_numpy(mask)[None] if use_mask else None,
                    freqs[None], torch.from_numpy(t_emb)[None])[0].numpy().astype(np.float64)
-    model = _ArrayModel(cfg, [lw])
+    model = ArrayModel(cfg, [lw])
     out, _ = model.block(0).forward(x, t_emb, pe, mask=mask, workers=2)
     scale = np.abs(ref).max()
     err = np.abs(out - ref).max()
     assert err <= 1e-5 * scale, f"max abs err {err:.3e} vs bound {1e-5 * scale:.3e}"
     # negative control: flipping the mask decision (or dropping it) is caught by the same bound
-    wrong = None if use_mask else _mask_for(T, 6)
+    wrong = None if use_mask else mask_for(T, 6)
     bad, _ = model.block(0).forward(x, t_emb, pe, mask=wrong, workers=2)
     assert np.abs(bad - ref).max() > 1e-5 * scale
     # and a one-block perturbation of one weight is caught too
-    lw2 = _random_layer(np.random.default_rng(100 + heads), cfg)
-    lw2.w2 = lw2.w2.copy()
+    lw2 = random_layer(np.random.default_rng(100 + heads), cfg)
+    lw2.w2 = lw2.w2.data.copy()
     lw2.w2[0, 2:34] = 0                   # zero one Q8_0 block of w2 row 0
-    bad2, _ = _ArrayModel(cfg, [lw2]).block(0).forward(x, t_emb, pe, mask=mask, workers=2)
+    bad2, _ = ArrayModel(cfg, [lw2]).block(0).forward(x, t_emb, pe, mask=mask, workers=2)
     assert np.abs(bad2 - ref).max() > 1e-5 * scale

@@ -61,7 +61,6 @@ def ref_rmsnorm(x, w, eps, mod=None):
 
 def ref_qknorm_rope(qkv, q_w, k_w, pe, H, KVH, eps):
     """Returns (q [H,T,hd], k [KVH,T,hd], |terms| bound helper) in float64."""
-    T = qkv.shape[0]
     hd = qkv.shape[1] // (H + 2 * KVH)
     x = qkv.astype(np.float64)
     pe = pe.astype(np.float64)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import nxhpc

@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +17,12 @@ import pytest
 
 import gguf
 from nxhpc import models as M
+from nxhpc.models import registry
 from nxhpc.formats.fixtures import FixtureStore
 from nxhpc.formats.gguf_io import (GGUFFile, MissingTensorError, ModelFileError, ModelNotFoundError,
-                           write_gguf)
+                                   write_gguf)
+from nxhpc.formats.weights import WeightTensor
+from testutil import gguf_weights_f64, t32
 from nxhpc.models import (BUILTIN_MODELS, LayerWeights, SyntheticSpec,
                           ensure_builtin, layer_tensor_names, make_synthetic, open_model)
 
@@ -131,7 +135,7 @@ def test_large_builtin_reports_progress_on_stderr(tmp_path, monkeypatch, capsys)
             progress("layer 0: qkv")
         Path(out_dir).mkdir(parents=True)
         return Path(out_dir)
-    monkeypatch.setattr(M, "make_synthetic", stub)
+    monkeypatch.setattr(registry, "make_synthetic", stub)
     ensure_builtin("zimage-1l", tmp_path)
     ensure_builtin("tiny", tmp_path)
     assert seen[384] is None and seen[3840] is not None
@@ -163,23 +167,6 @@ def test_concurrent_generation_is_safe(tmp_path):
 
 # ----------------------------------------------------------------------------- references
 
-def _gguf_weights_f64(m, i):
-    """Dequantize straight from the gguf package's reader (not through nxhpc)."""
-    r = gguf.GGUFReader(m.gguf.path)
-    by = {t.name.removeprefix("model.diffusion_model."): t for t in r.tensors}
-    out = {}
-    for k, name in layer_tensor_names(i, m.config.variant).items():
-        t = by[name]
-        a = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-        out[k] = np.asarray(a, dtype=np.float64).reshape(tuple(reversed(t.shape.tolist())))
-    return out
-
-
-def _t(a):
-    import torch
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
-
-
 @pytest.mark.parametrize("mid", ["tiny", "tiny-gqa"])
 def test_synthetic_references_match_diffusers(root, mid):
     """ref_out of every layer = diffusers' block on blk_in (to float32 accuracy), and the
@@ -190,14 +177,14 @@ def test_synthetic_references_match_diffusers(root, mid):
     with open_model(mid, models_dir=root) as m:
         c = m.config
         pe, t_emb, mask = m.pe(), m.t_emb(), m.mask()
-        freqs = torch.complex(_t(pe[..., 0, 0]), _t(pe[..., 1, 0]))[None]
+        freqs = torch.complex(t32(pe[..., 0, 0]), t32(pe[..., 1, 0]))[None]
         tm = None if mask is None else torch.from_numpy(mask)[None]
         for i in range(c.n_layers):
-            w = _gguf_weights_f64(m, i)
+            w = gguf_weights_f64(m.gguf.path, layer_tensor_names(i, c.variant))
             blk = diffusers_block(c, w, layer_id=i)
             x = m.blk_in(i)
             with torch.no_grad():
-                theirs = blk(_t(x)[None], tm, freqs, _t(t_emb)[None])[0].double().numpy()
+                theirs = blk(t32(x)[None], tm, freqs, t32(t_emb)[None])[0].double().numpy()
             ref = m.ref_out(i).astype(np.float64)
             err = np.abs(ref - theirs).max() / np.sqrt(np.mean(theirs ** 2))
             assert err < 2e-5, (mid, i, err)
@@ -219,12 +206,18 @@ def test_layer_weights_zero_copy_and_contract_shapes(root):
         c = m.config
         lw = m.layer_weights(1)
         assert isinstance(lw, LayerWeights) and lw.source == "gguf" and lw.layer == 1
-        rb = lambda k: k // 32 * 34
-        shapes = {"qkv": (c.qkv_width, rb(c.dim)), "out": (c.dim, rb(c.dim)),
-                  "w1": (c.ffn_dim, rb(c.dim)), "w3": (c.ffn_dim, rb(c.dim)),
-                  "w2": (c.dim, rb(c.ffn_dim)), "adaln_w": (4 * c.dim, rb(c.adaln_in))}
-        for k, s in shapes.items():
-            a = getattr(lw, k)
+        rb = lambda k: k // 32 * 34  # noqa: E731
+        shapes = {"qkv": ((c.qkv_width, c.dim), (c.qkv_width, rb(c.dim))),
+                  "out": ((c.dim, c.dim), (c.dim, rb(c.dim))),
+                  "w1": ((c.ffn_dim, c.dim), (c.ffn_dim, rb(c.dim))),
+                  "w3": ((c.ffn_dim, c.dim), (c.ffn_dim, rb(c.dim))),
+                  "w2": ((c.dim, c.ffn_dim), (c.dim, rb(c.ffn_dim))),
+                  "adaln_w": ((4 * c.dim, c.adaln_in), (4 * c.dim, rb(c.adaln_in)))}
+        for k, (torch_shape, s) in shapes.items():
+            w = getattr(lw, k)
+            assert isinstance(w, WeightTensor) and w.type_name == "Q8_0", k
+            assert w.shape == torch_shape, k
+            a = w.data
             assert a.dtype == np.uint8 and a.shape == s, k
             assert np.shares_memory(a, m.gguf.mapping), k
             assert not a.flags.writeable, k
@@ -236,7 +229,8 @@ def test_layer_weights_zero_copy_and_contract_shapes(root):
         fw = m.layer_weights(1, source="fixtures")
         assert fw.source == "fixtures"
         for k in ("qkv", "out", "w1", "w2", "w3"):
-            np.testing.assert_array_equal(getattr(fw, k), getattr(lw, k))
+            assert getattr(fw, k).type_name == "Q8_0"
+            np.testing.assert_array_equal(getattr(fw, k).data, getattr(lw, k).data)
         for k in ("attention_norm1", "q_norm", "adaln_b"):
             np.testing.assert_array_equal(getattr(fw, k), getattr(lw, k))
         with pytest.raises(IndexError):
@@ -245,25 +239,27 @@ def test_layer_weights_zero_copy_and_contract_shapes(root):
             m.layer_weights(0, source="disk")
 
 
-def test_float_projections_are_quantized_at_load(tmp_path):
+def test_float_projections_are_bound_as_stored(tmp_path):
+    """A file holding every tensor as F32 binds each matrix as an F32 view of the map (the
+    file's bytes, not a copy, not requantized), with no warning."""
     d = make_synthetic(tmp_path / "s", small_spec(include_weights=True))
     fx = FixtureStore(d / "fixtures.safetensors")
     floats = {n: fx.load(n) for n in fx.names() if n.endswith((".weight", ".bias"))}
-    # rewrite the GGUF with every tensor in F32, and one norm as F16 via the gguf writer
     write_gguf(tmp_path / "f32.gguf", floats, quantize=False, prefix=False,
                metadata={"nxhpc.norm_eps": 1e-5})
     with open_model(d, gguf_path=tmp_path / "f32.gguf") as m:
         assert all(m.gguf.type_name(n) == "F32" for n in m.gguf.names())
-        with pytest.warns(UserWarning, match="quantized to Q8_0 at load"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
             lw = m.layer_weights(0)
-        assert set(lw.requantized) == {f"layers.0.{s}" for s in (
-            "attention.qkv.weight", "attention.out.weight", "feed_forward.w1.weight",
-            "feed_forward.w2.weight", "feed_forward.w3.weight")}
-        np.testing.assert_array_equal(lw.qkv, gguf.quants.quantize(
-            floats["layers.0.attention.qkv.weight"], Q8))
-        assert lw.adaln_w.dtype == np.float32
-        with open_model(d) as m2:
-            np.testing.assert_array_equal(lw.w2, m2.layer_weights(0).w2)
+        for k, name in layer_tensor_names(0, "zimage").items():
+            a = getattr(lw, k)
+            if isinstance(a, WeightTensor):
+                assert a.type_name == "F32" and a.name == name, k
+                assert np.shares_memory(a.data, m.gguf.mapping), k
+                np.testing.assert_array_equal(a.data.view(np.float32), floats[name])
+        with open_model(d) as m2:          # the Q8_0 file stays Q8_0
+            assert m2.layer_weights(0).w2.type_name == "Q8_0"
 
 
 def test_fixture_only_model(tmp_path):
@@ -414,7 +410,8 @@ def test_blockconfig_validate():
 
 def test_mixed_stored_types_via_the_gguf_writer(tmp_path):
     """A file as another converter might write it (the gguf package's writer): projections in
-    F16 / BF16 / F32 are quantized at load; a Q4_0 projection is refused, naming it."""
+    F16 / BF16 / F32 are bound in exactly their stored type and bytes (never requantized);
+    F16 norms decode to float32; a Q4_0 projection is refused, naming it."""
     d = make_synthetic(tmp_path / "s", small_spec(n_layers=1, include_weights=True))
     fx = FixtureStore(d / "fixtures.safetensors")
     t = {n: fx.load(n) for n in fx.names() if n.endswith((".weight", ".bias"))}
@@ -444,21 +441,18 @@ def test_mixed_stored_types_via_the_gguf_writer(tmp_path):
 
     p = write(tmp_path / "mixed.gguf")
     with open_model(p) as m:
-        with pytest.warns(UserWarning, match="quantized to Q8_0 at load"):
-            lw = m.layer_weights(0)
-        assert set(lw.requantized) == {"layers.0.attention.qkv.weight",
-                                       "layers.0.attention.out.weight",
-                                       "layers.0.feed_forward.w1.weight"}
-        qkv16 = t["layers.0.attention.qkv.weight"].astype(np.float16).astype(np.float32)
-        np.testing.assert_array_equal(lw.qkv, gguf.quants.quantize(qkv16, Q8))
-        out_bf = gguf.quants.dequantize(gguf.quants.quantize(
-            t["layers.0.attention.out.weight"], BF16), BF16)
-        np.testing.assert_array_equal(lw.out, gguf.quants.quantize(out_bf, Q8))
-        np.testing.assert_array_equal(lw.w1, gguf.quants.quantize(
-            t["layers.0.feed_forward.w1.weight"], Q8))
+        lw = m.layer_weights(0)
+        want = {"qkv": ("F16", t["layers.0.attention.qkv.weight"].astype(np.float16)),
+                "out": ("BF16", gguf.quants.quantize(t["layers.0.attention.out.weight"], BF16)),
+                "w1": ("F32", t["layers.0.feed_forward.w1.weight"]),
+                "w2": ("Q8_0", gguf.quants.quantize(t["layers.0.feed_forward.w2.weight"], Q8))}
+        for k, (tname, raw) in want.items():
+            w = getattr(lw, k)
+            assert w.type_name == tname == m.gguf.type_name(w.name), k
+            np.testing.assert_array_equal(w.data, np.ascontiguousarray(raw).view(np.uint8))
+            assert np.shares_memory(w.data, m.gguf.mapping) and not w.data.flags.writeable, k
         np.testing.assert_array_equal(lw.q_norm, t["layers.0.attention.q_norm.weight"].astype(
             np.float16).astype(np.float32))
-        assert lw.w2.dtype == np.uint8 and not lw.w2.flags.writeable
     p4 = write(tmp_path / "q4.gguf", q4=True)
     with pytest.raises(ModelFileError, match="'layers.0.feed_forward.w1.weight' has type Q4_0"):
         open_model(p4)

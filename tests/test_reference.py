@@ -9,10 +9,11 @@ import pytest
 import gguf
 
 from nxhpc.dit import rope
-from nxhpc.models import BlockConfig
 from nxhpc.dit.oracle import diffusers_block
 from nxhpc.dit.reference import (adaln_f64, attention_f64, block_forward_f64, dequantize_layer,
-                             rmsnorm_f64)
+                                 rmsnorm_f64)
+from nxhpc.models import BlockConfig
+from testutil import t32
 
 torch = pytest.importorskip("torch")
 zimg = pytest.importorskip("diffusers.models.transformers.transformer_z_image")
@@ -45,10 +46,6 @@ def make_weights(rng, D, H, KVH, hd, ffn, adaln_in):
 
 def rel_err(a, b):
     return float(np.max(np.abs(a - b)) / np.sqrt(np.mean(b * b)))
-
-
-def t32(a):
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
 
 
 def zimage_block(w, D, H, eps):
@@ -132,6 +129,47 @@ def test_block_matches_diffusers_lumina2_gqa(masked):
                    theirs) > 50 * TOL_BLOCK
 
 
+def test_unmodulated_block_matches_diffusers_context_refiner():
+    """modulation=False (the context refiner, DENOISER.md) against diffusers'
+    ZImageTransformerBlock(modulation=False): no adaLN, no tanh, gate multiplier 1."""
+    D, H, T, eps = 384, 3, 29, 1e-6
+    hd = D // H
+    rng = np.random.default_rng(31)
+    w = make_weights(rng, D, H, H, hd, int(D / 3 * 8), 256)
+    unmod = {k: v for k, v in w.items() if not k.startswith("adaln")}
+    cfg = BlockConfig(dim=D, n_heads=H, n_kv_heads=H, head_dim=hd, ffn_dim=int(D / 3 * 8),
+                      n_layers=1, adaln_in=256, variant="zimage", adaln_silu=False,
+                      norm_eps=eps)
+    blk = zimg.ZImageTransformerBlock(0, D, H, H, eps, qk_norm=True, modulation=False)
+    qkv = w["qkv"]
+    sd = {"attention.to_q.weight": qkv[:D], "attention.to_k.weight": qkv[D:2 * D],
+          "attention.to_v.weight": qkv[2 * D:], "attention.to_out.0.weight": w["out"],
+          "attention.norm_q.weight": w["q_norm"], "attention.norm_k.weight": w["k_norm"],
+          "feed_forward.w1.weight": w["w1"], "feed_forward.w2.weight": w["w2"],
+          "feed_forward.w3.weight": w["w3"], "attention_norm1.weight": w["attention_norm1"],
+          "attention_norm2.weight": w["attention_norm2"], "ffn_norm1.weight": w["ffn_norm1"],
+          "ffn_norm2.weight": w["ffn_norm2"]}
+    blk.load_state_dict({k: t32(v) for k, v in sd.items()}, strict=True)
+    blk.attention.norm_q.eps = blk.attention.norm_k.eps = eps
+    blk.eval()
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    pe = rope.rope_table(rope.position_ids(T, (1, 1, 1))[:T], rope.default_axes_dims(hd, "zimage"),
+                         256.0).astype(np.float32)
+    freqs = torch.complex(t32(pe[..., 0, 0]), t32(pe[..., 1, 0]))
+    with torch.no_grad():
+        theirs = blk(t32(x)[None], None, freqs[None])[0].double().numpy()
+    ours = block_forward_f64(x, unmod, cfg, pe=pe, modulation=False)
+    assert rel_err(ours, theirs) < TOL_BLOCK
+    # negative control: a modulated block with zero adaLN output (scale 0, gate tanh(0) = 0)
+    # is not the unmodulated block
+    zero = block_forward_f64(x, w, cfg, adaln_m=np.zeros(4 * D), pe=pe)
+    assert rel_err(zero, theirs) > 50 * TOL_BLOCK
+    with pytest.raises(ValueError, match="takes no t_emb"):
+        block_forward_f64(x, unmod, cfg, t_emb=np.zeros(256), pe=pe, modulation=False)
+    with pytest.raises(ValueError, match="lack"):
+        block_forward_f64(x, unmod, cfg, t_emb=np.zeros(256), pe=pe)
+
+
 def test_gqa_equals_mha_with_repeated_kv_heads():
     rng = np.random.default_rng(3)
     T, H, KVH, hd = 17, 6, 2, 8
@@ -187,6 +225,31 @@ def test_dequantize_layer_uses_gguf_values():
     scale = np.frombuffer(q[0, :2].tobytes(), np.float16)[0]
     assert d["qkv"][0, 0] == float(scale) * float(q[0, 2].view(np.int8))
     assert np.abs(d["qkv"] - w).max() <= np.abs(w).max() / 127
+
+
+def test_dequantize_layer_decodes_each_stored_type():
+    """Typed matrices decode by their type: F16 and BF16 checked by hand (float16 widening, the
+    bf16 bits as the upper half of a float32), F32 as is; an unmodulated block has no adaLN."""
+    from nxhpc.dit.binding import LayerWeights
+    from nxhpc.formats.weights import WeightTensor
+    rng = np.random.default_rng(9)
+    a = rng.standard_normal((8, 64)).astype(np.float32)
+    f16 = a.astype(np.float16)
+    bf = gguf.quants.quantize(a, gguf.GGMLQuantizationType.BF16)
+    by_hand_bf = (bf.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    mats = {"qkv": WeightTensor.from_array("q", a), "out": WeightTensor.from_array("o", f16),
+            "w1": WeightTensor.from_raw("w1", "BF16", 64, bf),
+            "w3": WeightTensor.from_raw("w3", "Q8_0", 64, gguf.quants.quantize(a, Q8)),
+            "w2": WeightTensor.from_array("w2", a)}
+    vec = {k: np.ones(64, np.float32) for k in ("attention_norm1", "attention_norm2",
+                                                "ffn_norm1", "ffn_norm2", "q_norm", "k_norm")}
+    d = dequantize_layer(LayerWeights(**mats, **vec))
+    assert "adaln_w" not in d and "adaln_b" not in d
+    assert np.array_equal(d["qkv"], a.astype(np.float64))
+    assert np.array_equal(d["out"], f16.astype(np.float64))
+    assert np.array_equal(d["w1"], by_hand_bf.astype(np.float64))
+    assert d["w3"].shape == (8, 64) and np.abs(d["w3"] - a).max() <= np.abs(a).max() / 127
+    assert not np.array_equal(d["w1"], d["qkv"])          # bf16 rounding is visible
 
 
 # ----------------------------------------------------------------------------- rope

@@ -1,2 +1,4 @@
-"""The diffusion transformer: config and tensor names, weight binding, RoPE tables, the block and its plan,
-the float64 reference, the diffusers oracle wiring, grading."""
+"""The diffusion transformer: ``config`` (the one authority for dims, tensor names and shapes),
+``binding`` (a block's weights from GGUF or fixtures), ``linear`` (the typed-matmul seam), ``plan``
+(the block as a stage table; the Engine: one arena + one pool for several plans), ``block``
+(Block / run_layers), ``rope``, ``reference`` (float64), ``oracle`` (diffusers), ``grade``."""

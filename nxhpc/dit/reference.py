@@ -3,7 +3,9 @@
 Owns ``block_forward_f64`` and its pieces (adaLN, RMSNorm, RoPE, attention). Written from the
 formulas alone: it shares no code with the kernels and must never import ``nxhpc._kernels``.
 Weights arrive dequantized (float64, short names ``qkv, out, w1, w2, w3, attention_norm1,
-attention_norm2, ffn_norm1, ffn_norm2, q_norm, k_norm, adaln_w, adaln_b``).
+attention_norm2, ffn_norm1, ffn_norm2, q_norm, k_norm`` and, for a modulated block, ``adaln_w,
+adaln_b``); :func:`dequantize_layer` decodes bound weights of any GGML type with the ``gguf``
+package (never nxhpc's decoders).
 """
 from __future__ import annotations
 
@@ -11,11 +13,13 @@ from typing import Any, MutableMapping
 
 import numpy as np
 
-__all__ = ["WEIGHT_KEYS", "rmsnorm_f64", "adaln_f64", "rope_f64", "attention_f64",
+__all__ = ["WEIGHT_KEYS", "MODULATION_KEYS", "rmsnorm_f64", "adaln_f64", "rope_f64", "attention_f64",
            "block_forward_f64", "dequantize_layer"]
 
 WEIGHT_KEYS = ("qkv", "out", "w1", "w2", "w3", "attention_norm1", "attention_norm2",
                "ffn_norm1", "ffn_norm2", "q_norm", "k_norm", "adaln_w", "adaln_b")
+#: The adaLN pair: only a modulated block has (and needs) them.
+MODULATION_KEYS = ("adaln_w", "adaln_b")
 
 
 def rmsnorm_f64(v: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -78,13 +82,18 @@ def attention_f64(q: np.ndarray, k: np.ndarray, v: np.ndarray,
 def block_forward_f64(x: np.ndarray, weights: dict, config: Any, t_emb: np.ndarray | None = None,
                       adaln_m: np.ndarray | None = None, pe: np.ndarray | None = None,
                       mask: np.ndarray | None = None, eps: float | None = None,
-                      trace: MutableMapping[str, np.ndarray] | None = None) -> np.ndarray:
+                      trace: MutableMapping[str, np.ndarray] | None = None,
+                      modulation: bool = True) -> np.ndarray:
     """One block in float64: ``x [T, D]`` -> ``out [T, D]`` (docs/block.md, "Forward pass").
 
     Give either ``t_emb`` (adaLN computed here, with SiLU when ``config.adaln_silu``) or the
     modulation vector ``adaln_m [4D]``. ``pe [T, hd/2, 2, 2]`` is required; ``mask [T]`` is
     optional (True/1 = attend); ``eps`` defaults to ``config.norm_eps``. When ``trace`` is a
     dict, the intermediates (``m, h, qkv, q, k, v, attn, mid, h2, f, out``) are stored in it.
+
+    ``modulation=False`` is the unmodulated block of DENOISER.md (the context refiner): no
+    adaLN, no tanh, ``x += rmsnorm(attn(rmsnorm(x, n1)), n2); x += rmsnorm(ffn(rmsnorm(x, f1)),
+    f2)``; give neither ``t_emb`` nor ``adaln_m``, and the weights need no adaLN pair.
     """
     D, H, KVH, hd = config.dim, config.n_heads, config.n_kv_heads, config.head_dim
     eps = float(config.norm_eps if eps is None else eps)
@@ -92,10 +101,12 @@ def block_forward_f64(x: np.ndarray, weights: dict, config: Any, t_emb: np.ndarr
     if x.ndim != 2 or x.shape[1] != D:
         raise ValueError(f"block_forward_f64: x is {x.shape}, expected [T, {D}]")
     T = x.shape[0]
-    missing = [k for k in WEIGHT_KEYS if k not in weights]
+    keys = WEIGHT_KEYS if modulation else tuple(k for k in WEIGHT_KEYS
+                                                if k not in MODULATION_KEYS)
+    missing = [k for k in keys if k not in weights]
     if missing:
         raise ValueError(f"block_forward_f64: weights lack {missing}")
-    w = {k: np.asarray(weights[k], dtype=np.float64) for k in WEIGHT_KEYS}
+    w = {k: np.asarray(weights[k], dtype=np.float64) for k in keys}
     if pe is None:
         raise ValueError("block_forward_f64: pe is required")
     pe = np.asarray(pe, dtype=np.float64)
@@ -103,17 +114,26 @@ def block_forward_f64(x: np.ndarray, weights: dict, config: Any, t_emb: np.ndarr
         raise ValueError(f"block_forward_f64: pe is {pe.shape}, expected {(T, hd // 2, 2, 2)}")
     if mask is not None and np.shape(mask) != (T,):
         raise ValueError(f"block_forward_f64: mask is {np.shape(mask)}, expected ({T},)")
-    if adaln_m is None:
-        if t_emb is None:
-            raise ValueError("block_forward_f64: give t_emb or adaln_m")
-        m = adaln_f64(t_emb, w["adaln_w"], w["adaln_b"], silu=config.adaln_silu)
+    if not modulation:
+        if t_emb is not None or adaln_m is not None:
+            raise ValueError("block_forward_f64: an unmodulated block takes no t_emb/adaln_m")
+        m = None
+        mod_msa = mod_mlp = tg_msa = tg_mlp = 1.0
     else:
-        m = np.asarray(adaln_m, dtype=np.float64)
-    if m.shape != (4 * D,):
-        raise ValueError(f"block_forward_f64: adaLN output is {m.shape}, expected ({4 * D},)")
-    scale_msa, gate_msa, scale_mlp, gate_mlp = m[:D], m[D:2 * D], m[2 * D:3 * D], m[3 * D:]
+        if adaln_m is None:
+            if t_emb is None:
+                raise ValueError("block_forward_f64: give t_emb or adaln_m")
+            m = adaln_f64(t_emb, w["adaln_w"], w["adaln_b"], silu=config.adaln_silu)
+        else:
+            m = np.asarray(adaln_m, dtype=np.float64)
+        if m.shape != (4 * D,):
+            raise ValueError(f"block_forward_f64: adaLN output is {m.shape}, expected "
+                             f"({4 * D},)")
+        scale_msa, gate_msa, scale_mlp, gate_mlp = m[:D], m[D:2 * D], m[2 * D:3 * D], m[3 * D:]
+        mod_msa, mod_mlp = 1.0 + scale_msa, 1.0 + scale_mlp
+        tg_msa, tg_mlp = np.tanh(gate_msa), np.tanh(gate_mlp)
 
-    h = rmsnorm_f64(x, w["attention_norm1"], eps) * (1.0 + scale_msa)
+    h = rmsnorm_f64(x, w["attention_norm1"], eps) * mod_msa
     qkv = h @ w["qkv"].T                                      # [T, (H + 2 KVH) hd]
     q = qkv[:, :H * hd].reshape(T, H, hd)
     k = qkv[:, H * hd:(H + KVH) * hd].reshape(T, KVH, hd)
@@ -121,23 +141,36 @@ def block_forward_f64(x: np.ndarray, weights: dict, config: Any, t_emb: np.ndarr
     q = rope_f64(rmsnorm_f64(q, w["q_norm"], eps), pe)
     k = rope_f64(rmsnorm_f64(k, w["k_norm"], eps), pe)
     attn = attention_f64(q, k, v, mask)
-    mid = x + np.tanh(gate_msa) * rmsnorm_f64(attn @ w["out"].T, w["attention_norm2"], eps)
+    mid = x + tg_msa * rmsnorm_f64(attn @ w["out"].T, w["attention_norm2"], eps)
 
-    h2 = rmsnorm_f64(mid, w["ffn_norm1"], eps) * (1.0 + scale_mlp)
+    h2 = rmsnorm_f64(mid, w["ffn_norm1"], eps) * mod_mlp
     a = h2 @ w["w1"].T
     f = a / (1.0 + np.exp(-a)) * (h2 @ w["w3"].T)
-    out = mid + np.tanh(gate_mlp) * rmsnorm_f64(f @ w["w2"].T, w["ffn_norm2"], eps)
+    out = mid + tg_mlp * rmsnorm_f64(f @ w["w2"].T, w["ffn_norm2"], eps)
     if trace is not None:
         trace.update(m=m, h=h, qkv=qkv, q=q, k=k, v=v, attn=attn, mid=mid, h2=h2, f=f, out=out)
     return out
 
 
 def dequantize_layer(lw: Any) -> dict[str, np.ndarray]:
-    """A ``LayerWeights`` -> float64 weights under the short names, Q8_0 decoded by ``gguf``."""
+    """Bound weights (a ``LayerWeights``) -> float64 weights under the short names.
+
+    Every matrix is decoded by its stored GGML type with ``gguf.quants.dequantize`` (a bare
+    uint8 array is Q8_0 rows); float arrays are widened. Absent (None) adaLN tensors of an
+    unmodulated block are left out.
+    """
     import gguf
     out: dict[str, np.ndarray] = {}
     for key in WEIGHT_KEYS:
-        a = np.asarray(getattr(lw, key))
+        a = getattr(lw, key, None)
+        if a is None and key in MODULATION_KEYS:
+            continue
+        if hasattr(a, "ggml_type") and hasattr(a, "data"):       # a WeightTensor
+            d = gguf.quants.dequantize(np.ascontiguousarray(a.data),
+                                       gguf.GGMLQuantizationType(a.ggml_type))
+            out[key] = np.asarray(d, dtype=np.float64).reshape(a.shape)
+            continue
+        a = np.asarray(a)
         if a.dtype == np.uint8:
             a = gguf.quants.dequantize(np.ascontiguousarray(a), gguf.GGMLQuantizationType.Q8_0)
         out[key] = a.astype(np.float64)

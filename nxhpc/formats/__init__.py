@@ -1,2 +1,3 @@
-"""File formats: GGUF reading/writing on the ``gguf`` package, the safetensors fixture store, GGML block
-layouts. Must not import the compiled kernels."""
+"""File formats: GGUF reading/writing on the ``gguf`` package (``gguf_io``), the typed weight tensor
+(``weights``), the safetensors fixture store (``fixtures``), GGML block layouts (``ggml_blocks``).
+Must not import the compiled kernels."""

@@ -1,4 +1,4 @@
-"""``python -m nxhpc.models list|show|make``: the model-directory CLI."""
-from nxhpc.models import main
+"""``python -m nxhpc.models list|show|make``: the model-directory CLI (``nxhpc.models.cli``)."""
+from nxhpc.models.cli import main
 
 raise SystemExit(main())

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from nxhpc.formats.gguf_io import Q8_0Tensor, dequantize_q8_0, quantize_q8_0, should_quantize
-from nxhpc.models import _check_replaceable, write_model_dir
+from nxhpc.models.modeldir import check_replaceable, write_model_dir
 from nxhpc.dit.rope import pe_from_complex
 
 __all__ = ["tap_zimage", "snap_weights_to_q8_0", "original_state_dict"]
@@ -118,7 +118,7 @@ def tap_zimage(model: Any, x: Sequence[Any], t: Any, cap_feats: Sequence[Any],
     if isinstance(x[0], (list, tuple)):
         raise ValueError("tap_zimage: omni mode (nested image lists) is not supported")
     out_dir = Path(out_dir)
-    _check_replaceable(out_dir, overwrite)        # before the run, not after
+    check_replaceable(out_dir, overwrite)        # before the run, not after
     n_layers = len(model.layers)
     rec: dict[int, dict[str, np.ndarray | None]] = {i: {} for i in range(n_layers)}
     handles = []

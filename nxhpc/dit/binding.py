@@ -1,0 +1,156 @@
+"""Binding one block's weights: :class:`LayerWeights` from a GGUF map or from fixtures.
+
+Owns: the :class:`LayerWeights` record, binding a block of any stack (``layers``,
+``noise_refiner``, ``context_refiner``) from a :class:`~nxhpc.formats.gguf_io.GGUFFile` --
+matrices as :class:`~nxhpc.formats.weights.WeightTensor` in their stored GGML type, zero-copy
+read-only views of the map, never decoded or requantized; 1-D tensors decoded to float32 -- and
+from a fixture store (float32 weights holding Q8_0 values, re-quantized to the identical Q8_0
+bytes), and the untrusted-file checks on the way (NaN/Inf anywhere, checked on the stored bits
+in bounded chunks so no float32 copy of a matrix is ever made).
+Must not: run kernels, infer the config (``nxhpc.dit.config`` does), or keep a decoded matrix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import numpy as np
+
+from nxhpc.dit.config import _ROLE, BlockConfig, block_label, layer_tensor_names
+from nxhpc.formats.ggml_blocks import Q8_0_BLOCK_DTYPE
+from nxhpc.formats.gguf_io import ModelFileError, quantize_q8_0
+from nxhpc.formats.weights import WeightTensor, as_weight_tensor
+
+__all__ = ["LayerWeights", "bind_gguf_layer", "bind_fixture_layer", "check_finite_weight"]
+
+_CHUNK_BYTES = 1 << 20      # bytes of a matrix scanned at once by the NaN/Inf check
+#: exponent-all-ones masks on the stored bits: such a value is Inf or NaN
+_NONFINITE = {"F32": (np.uint32, 0x7F800000), "F16": (np.uint16, 0x7C00),
+              "BF16": (np.uint16, 0x7F80)}
+
+
+@dataclass
+class LayerWeights:
+    """One block's weights, bound once.
+
+    Matrices (``qkv``, ``out``, ``w1``, ``w3``, ``w2``, ``adaln_w``) are
+    :class:`~nxhpc.formats.weights.WeightTensor` (a bare uint8 Q8_0 / float32 array is accepted
+    and read as such); norms and ``adaln_b`` are float32 1-D. An unmodulated block
+    (``context_refiner``) has ``adaln_w = adaln_b = None``.
+    """
+    qkv: Any
+    out: Any
+    w1: Any
+    w3: Any
+    w2: Any
+    attention_norm1: np.ndarray
+    attention_norm2: np.ndarray
+    ffn_norm1: np.ndarray
+    ffn_norm2: np.ndarray
+    q_norm: np.ndarray
+    k_norm: np.ndarray
+    adaln_w: Any = None      # WeightTensor [4D, adaln_in], or None (unmodulated)
+    adaln_b: np.ndarray | None = None
+    source: str = "arrays"   # "gguf" | "fixtures" | "arrays"
+    layer: int = -1
+    prefix: str = "layers"
+
+    @property
+    def modulated(self) -> bool:
+        """Whether the block has adaLN tensors."""
+        return self.adaln_w is not None
+
+    @property
+    def label(self) -> str:
+        return block_label(self.prefix, self.layer)
+
+    def typed(self) -> "LayerWeights":
+        """A copy whose matrices are all :class:`WeightTensor` (bare arrays wrapped, no copy)."""
+        vals = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if _ROLE.get(f.name) == "matrix" and v is not None:
+                v = as_weight_tensor(v, f.name)
+            vals[f.name] = v
+        return replace(self, **vals)
+
+    def matrices(self) -> dict[str, WeightTensor]:
+        """Short name -> the bound matrices as :class:`WeightTensor` (adaLN only if present)."""
+        t = self.typed()
+        return {k: getattr(t, k) for k, r in _ROLE.items()
+                if r == "matrix" and getattr(t, k) is not None}
+
+
+def check_finite_weight(w: WeightTensor, where: str) -> None:
+    """ModelFileError unless every stored value of ``w`` is finite (Q8_0: every block scale).
+
+    Reads the stored bits in chunks of rows (a few MB at a time), so no float copy is made.
+    """
+    n_rows = max(1, _CHUNK_BYTES // max(1, w.rowbytes))
+    bad = 0
+    for r0 in range(0, w.rows, n_rows):
+        rows = w.data[r0:r0 + n_rows]
+        if w.type_name == "Q8_0":
+            d = rows.reshape(-1).view(Q8_0_BLOCK_DTYPE)["d"]
+            bad += int(np.count_nonzero(~np.isfinite(d)))
+        elif w.type_name in _NONFINITE:
+            dt, mask = _NONFINITE[w.type_name]
+            bits = rows.reshape(-1).view(dt)
+            bad += int(np.count_nonzero((bits & dt(mask)) == dt(mask)))
+    if bad:
+        what = "Q8_0 blocks have a NaN/Inf scale" if w.type_name == "Q8_0" else \
+            f"{w.type_name} values are NaN/Inf"
+        raise ModelFileError(f"{where}: {bad} {what}")
+
+
+def _finite_vector(a: np.ndarray, path: Any, name: str) -> np.ndarray:
+    if not np.isfinite(a).all():
+        raise ModelFileError(f"{path}: tensor {name!r} has NaN/Inf values")
+    return a
+
+
+def bind_gguf_layer(g: Any, cfg: BlockConfig, index: int, prefix: str = "layers", *,
+                    check_values: bool = True) -> LayerWeights:
+    """Block ``prefix.index`` from an open GGUFFile: matrices as stored (zero copy), vectors
+    float32. ``check_values`` scans every value once for NaN/Inf (ModelFileError naming it)."""
+    names = layer_tensor_names(index, cfg.variant, prefix)
+    vals: dict[str, Any] = {}
+    for key, name in names.items():
+        if _ROLE[key] == "matrix":
+            w = WeightTensor.from_gguf(g, name)
+            if check_values:
+                check_finite_weight(w, f"{g.path}: tensor {name!r}")
+            vals[key] = w
+        else:
+            vals[key] = _finite_vector(np.array(g.load_f32(name), np.float32), g.path, name)
+    lw = LayerWeights(**vals, source="gguf", layer=int(index), prefix=prefix)
+    _check(cfg, lw, f"{g.path}: {block_label(prefix, index)}")
+    return lw
+
+
+def bind_fixture_layer(fx: Any, cfg: BlockConfig, index: int,
+                       prefix: str = "layers") -> LayerWeights:
+    """Block ``prefix.index`` from a fixture store's float32 weights: projections quantized to
+    Q8_0 (the stored values are Q8_0 values, so this gives back the GGUF's exact bytes), the
+    adaLN matrix kept F32 (``adaln_linear`` gives the same bits for a Q8_0 weight and its
+    float32 dequantization)."""
+    names = layer_tensor_names(index, cfg.variant, prefix)
+    exp = cfg.shapes(modulated="adaln_w" in names)
+    vals: dict[str, Any] = {}
+    for key, name in names.items():
+        a = fx.load(name, exp[key])
+        if key == "adaln_w":
+            a = WeightTensor.from_array(name, a)
+        elif _ROLE[key] == "matrix":
+            a = WeightTensor.from_raw(name, "Q8_0", exp[key][1], quantize_q8_0(a, name))
+        vals[key] = a
+    lw = LayerWeights(**vals, source="fixtures", layer=int(index), prefix=prefix)
+    _check(cfg, lw, f"{fx.path}: {block_label(prefix, index)}")
+    return lw
+
+
+def _check(cfg: BlockConfig, lw: LayerWeights, where: str) -> None:
+    try:
+        cfg.check_layer(lw, where)
+    except ValueError as e:
+        raise ModelFileError(str(e)) from None

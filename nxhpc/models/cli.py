@@ -1,0 +1,138 @@
+"""``python -m nxhpc.models list | show <id> | make <id> [...]``: the model-directory CLI.
+
+Owns argument parsing, printing and exit codes (0 ok, 1 model error, 2 usage). Must not import
+the compiled kernels: it works in a source tree whose extension is not built.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from nxhpc.formats.gguf_io import ModelError
+from nxhpc.formats.weights import block_geometry
+from nxhpc.models.modeldir import check_replaceable
+from nxhpc.models.registry import (BUILTIN_MODELS, DEFAULT_MODEL_ID, builtin_current,
+                                   ensure_builtin, models_dir, open_model, stderr_progress)
+from nxhpc.models.synthetic import SyntheticSpec, make_synthetic
+
+__all__ = ["main", "build_parser"]
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    root = Path(args.models_dir) if args.models_dir else models_dir()
+    print(f"models dir: {root}")
+    print(f"{'id':<11} {'variant':<8} {'D':>5} {'heads':>7} {'FFN':>6} {'L':>2} {'T':>4} "
+          f"{'weights(Q8_0)':>13}  status")
+    for mid, spec in BUILTIN_MODELS.items():
+        c = spec.config()
+        elems, nbytes = block_geometry("Q8_0")
+        q8 = spec.weights_bytes_f32() // 4 // elems * nbytes
+        heads = f"{c.n_heads}/{c.n_kv_heads}" if c.n_kv_heads != c.n_heads else str(c.n_heads)
+        st = "generated" if builtin_current(root / mid, spec) else "generated on first use"
+        flag = " (default)" if mid == DEFAULT_MODEL_ID else ""
+        print(f"{mid:<11} {c.variant:<8} {c.dim:>5} {heads:>7} {c.ffn_dim:>6} "
+              f"{c.n_layers:>2} {spec.n_tokens:>4} {q8 / 1e6:>10.1f} MB  {st}{flag}")
+    if root.is_dir():
+        others = sorted(p.name for p in root.iterdir() if p.is_dir()
+                        and not p.name.startswith(".") and p.name not in BUILTIN_MODELS)
+        for o in others:
+            print(f"{o:<11} (directory)")
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    with open_model(args.model, models_dir=args.models_dir, gguf_path=args.gguf) as m:
+        print(m.describe())
+    return 0
+
+
+def _cmd_make(args: argparse.Namespace) -> int:
+    root = Path(args.models_dir) if args.models_dir else models_dir()
+    custom = {k: getattr(args, k) for k in ("variant", "dim", "n_heads", "n_kv_heads",
+                                            "ffn_dim", "n_layers", "n_caption", "grid",
+                                            "seed", "adaln_in", "norm_eps", "mask_pad")
+              if getattr(args, k) is not None}
+    if args.no_prefix:
+        custom["prefix"] = False
+    if args.weights is not None:
+        custom["include_weights"] = args.weights
+    say = stderr_progress(args.id)
+    if args.id in BUILTIN_MODELS and not custom and args.out is None:
+        d = ensure_builtin(args.id, root, force=args.force, progress=say)
+    else:
+        base = BUILTIN_MODELS.get(args.id, SyntheticSpec())
+        if "grid" in custom:
+            custom["grid"] = tuple(custom["grid"])
+        d = Path(args.out) if args.out else root / args.id
+        spec = dataclasses.replace(base, **custom)
+        try:
+            check_replaceable(d, args.force)
+            spec.validate()
+            make_synthetic(d, spec, progress=say, replace=args.force)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except FileExistsError as e:
+            hint = "" if args.force else " (use --force to replace it)"
+            print(f"error: {e}{hint}", file=sys.stderr)
+            return 2
+    with open_model(d) as m:
+        print(m.describe())
+    return 0
+
+
+def _grid(s: str) -> tuple[int, int, int]:
+    try:
+        g = tuple(int(v) for v in s.lower().split("x"))
+    except ValueError:
+        g = ()
+    if len(g) != 3 or min(g) < 1:
+        raise argparse.ArgumentTypeError(f"grid must look like FxHxW (e.g. 1x4x8), got {s!r}")
+    return g  # type: ignore[return-value]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m nxhpc.models",
+        description="List, inspect and generate nxhpc model directories "
+                    "(model.gguf + fixtures.safetensors).")
+    p.add_argument("--models-dir", help="model root (default: $NXHPC_MODELS or "
+                                        "~/.cache/nxhpc/models)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="built-in ids and directories present")
+    sh = sub.add_parser("show", help="config (and how it was inferred), files, fixtures")
+    sh.add_argument("model", help="model id, model directory, or .gguf file")
+    sh.add_argument("--gguf", help="use this GGUF instead of the directory's model.gguf")
+    mk = sub.add_parser("make", help="generate a synthetic model (a built-in id, or custom dims)")
+    mk.add_argument("id", help="model id (directory name under the models dir)")
+    mk.add_argument("--variant", choices=("zimage", "lumina2"))
+    mk.add_argument("--dim", type=int)
+    mk.add_argument("--heads", dest="n_heads", type=int)
+    mk.add_argument("--kv-heads", dest="n_kv_heads", type=int)
+    mk.add_argument("--ffn", dest="ffn_dim", type=int)
+    mk.add_argument("--layers", dest="n_layers", type=int)
+    mk.add_argument("--caption", dest="n_caption", type=int, help="caption tokens")
+    mk.add_argument("--grid", type=_grid, help="image token grid FxHxW, e.g. 1x4x8")
+    mk.add_argument("--seed", type=int)
+    mk.add_argument("--adaln-in", type=int)
+    mk.add_argument("--eps", dest="norm_eps", type=float)
+    mk.add_argument("--mask-pad", type=int, help="mask the last N caption tokens")
+    mk.add_argument("--no-prefix", action="store_true",
+                    help="write tensor names without 'model.diffusion_model.'")
+    mk.add_argument("--weights", action=argparse.BooleanOptionalAction, default=None,
+                    help="also store float32 weights in the fixtures (default: if < 64 MB)")
+    mk.add_argument("--out", help="output directory (default: <models dir>/<id>)")
+    mk.add_argument("--force", action="store_true", help="replace an existing directory")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: ``python -m nxhpc.models list | show <id> | make <id> [...]``."""
+    args = build_parser().parse_args(argv)
+    try:
+        return {"list": _cmd_list, "show": _cmd_show, "make": _cmd_make}[args.cmd](args)
+    except ModelError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,141 @@
+"""Model ids: the built-in registry, the models directory, and resolving an id or path.
+
+Owns: :data:`BUILTIN_MODELS` (id -> :class:`~nxhpc.models.synthetic.SyntheticSpec`), the models
+root (``$NXHPC_MODELS`` or ``~/.cache/nxhpc/models``), generating a built-in on first use under
+a lock (and again when its fingerprint is stale), and :func:`open_model` (id | directory |
+``.gguf`` -> :class:`~nxhpc.models.model.Model`). Must not: run kernels.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from nxhpc.formats.fixtures import FIXTURES_FILE, FixtureStore
+from nxhpc.formats.gguf_io import GGUFFile, ModelError, ModelNotFoundError
+from nxhpc.models.model import Model
+from nxhpc.models.modeldir import GGUF_FILE, SPEC_FILE, locked
+from nxhpc.models.synthetic import SyntheticSpec, make_synthetic
+
+__all__ = ["BUILTIN_MODELS", "DEFAULT_MODEL_ID", "models_dir", "ensure_builtin", "open_model",
+           "builtin_current", "stderr_progress"]
+
+BUILTIN_MODELS: dict[str, SyntheticSpec] = {
+    # README default: runs in well under a second; T=45 = 13 caption + 4x8 image tokens
+    "tiny": SyntheticSpec(variant="zimage", dim=384, n_heads=6, n_layers=2, n_caption=13,
+                          grid=(1, 4, 8), seed=1),
+    # Lumina-2 style: GQA 4 query / 2 kv heads of 96, SiLU adaLN from 1024, padded caption mask
+    "tiny-gqa": SyntheticSpec(variant="lumina2", dim=384, n_heads=4, n_kv_heads=2,
+                              ffn_dim=1024, n_layers=2, n_caption=11, grid=(1, 5, 6),
+                              seed=2, mask_pad=3, prefix=False),
+    # real head_dim 128 and RoPE axes; T=150 = 22 caption + 8x16 image tokens
+    "mid": SyntheticSpec(variant="zimage", dim=768, n_heads=6, n_layers=3, n_caption=22,
+                         grid=(1, 8, 16), seed=3),
+    # real Z-Image dims (D=3840, 30x128, FFN 10240), T=256 = 32 caption + 14x16 image tokens
+    "zimage-1l": SyntheticSpec(variant="zimage", dim=3840, n_heads=30, n_layers=1,
+                               n_caption=32, grid=(1, 14, 16), seed=4),
+}
+DEFAULT_MODEL_ID = "tiny"
+
+
+def models_dir() -> Path:
+    """``$NXHPC_MODELS`` or ``~/.cache/nxhpc/models``."""
+    env = os.environ.get("NXHPC_MODELS")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "nxhpc" / "models"
+
+
+_models_root = models_dir
+
+
+def builtin_current(d: Path, spec: SyntheticSpec) -> bool:
+    """Whether ``d`` holds the model ``spec`` generates (same fingerprint, GGUF present)."""
+    try:
+        info = json.loads((d / SPEC_FILE).read_text())
+        return info.get("fingerprint") == spec.fingerprint() and (d / GGUF_FILE).is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def ensure_builtin(model_id: str, root: Path | None = None, force: bool = False,
+                   progress: Callable[[str], None] | None = None) -> Path:
+    """Return the directory of built-in ``model_id``, generating it first if needed.
+
+    Safe under concurrency: one process generates (under a lock file), others wait and reuse.
+    A directory written by an older generator (fingerprint mismatch) is regenerated.
+    """
+    if model_id not in BUILTIN_MODELS:
+        raise ModelNotFoundError(f"{model_id!r} is not a built-in model id "
+                                 f"(built-ins: {', '.join(BUILTIN_MODELS)})")
+    spec = BUILTIN_MODELS[model_id]
+    root = Path(root) if root is not None else models_dir()
+    d = root / model_id
+    if not force and builtin_current(d, spec):
+        return d
+    with locked(root, model_id):
+        if not force and builtin_current(d, spec):
+            return d
+        if progress is None and spec.weights_bytes_f32() > 256 << 20:
+            progress = stderr_progress(model_id)
+        try:
+            make_synthetic(d, spec, progress=progress, replace=True)
+        except FileExistsError as e:
+            raise ModelError(f"built-in model {model_id!r}: {e}") from None
+    return d
+
+
+def stderr_progress(model_id: str) -> Callable[[str], None]:
+    """A progress callback printing ``[nxhpc.models <id> <seconds>s] <message>`` to stderr."""
+    t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        print(f"[nxhpc.models {model_id} {time.monotonic() - t0:6.1f}s] {msg}",
+              file=sys.stderr, flush=True)
+    return say
+
+
+def open_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | None = None,
+               gguf_path: str | os.PathLike | None = None) -> Model:
+    """Open a model by id or path.
+
+    Resolution: a bare name is looked up as ``<models_dir>/<name>`` (built-in ids are generated
+    there on first use, and regenerated if stale); otherwise ``id_or_path`` must be a model
+    directory or a ``.gguf`` file. ``gguf_path`` overrides the directory's ``model.gguf``.
+    """
+    root = Path(models_dir) if models_dir is not None else _models_root()
+    s = os.fspath(id_or_path)
+    p = Path(s)
+    d: Path | None = None
+    gpath: Path | None = None
+    bare = bool(s) and os.sep not in s and not s.startswith(".") and p.suffix != ".gguf"
+    if bare and s in BUILTIN_MODELS:
+        d = ensure_builtin(s, root)
+    elif bare and (root / s).is_dir():
+        d = root / s
+    elif p.is_dir():
+        d = p
+    elif p.is_file() and p.suffix == ".gguf":
+        gpath = p
+    else:
+        raise ModelNotFoundError(
+            f"model {s!r} not found: not a built-in id ({', '.join(BUILTIN_MODELS)}), not a "
+            f"directory under {root}, and not a model directory or .gguf file path")
+    if gguf_path is not None:
+        gpath = Path(gguf_path)
+        if not gpath.is_file():
+            raise ModelNotFoundError(f"gguf_path {gpath}: no such file")
+    elif d is not None and (d / GGUF_FILE).is_file():
+        gpath = d / GGUF_FILE
+    fx = FixtureStore(d / FIXTURES_FILE) if d is not None and (d / FIXTURES_FILE).is_file() \
+        else None
+    g = GGUFFile(gpath) if gpath is not None else None
+    if g is None and fx is None:
+        raise ModelNotFoundError(f"{d}: neither {GGUF_FILE} nor {FIXTURES_FILE} found")
+    return Model(d, g, fx)
+
+

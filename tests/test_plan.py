@@ -1,0 +1,226 @@
+"""The block plan and the Engine: one arena and one pool for several plans and token counts.
+
+1. A denoiser-shaped session -- a modulated block on image rows (T1=37), an unmodulated block
+   on caption rows (T2=19), a modulated block on the joint rows (56) -- runs from ONE engine
+   (one arena, one pool forked once), in place on row ranges of one buffer. Each block's output
+   is graded against the float64 reference (``nxhpc.dit.reference``, ``modulation=False`` for
+   the caption block) on exactly the float32 input it saw; the bound is twice the error of a
+   plain float32 numpy evaluation (``testutil.np32_block``) and 1e-5 x max|ref|, as for every
+   Q8_0 block test. Outputs are bit-identical for workers in {1, 2, 3, 5}, both spawn modes,
+   and to a plan run alone in its own engine.
+2. Negative controls: the unmodulated output misses a modulated reference with gate 0 or
+   gate 1 (tanh(1) != 1), so the unit gate is really exact.
+3. The plan as data: the stage table drives the timing keys and the module docs.
+4. Errors: mismatched modulation, views outside the arena, token counts beyond the sizing,
+   unregistered weights -- all before any work, nothing leaked.
+"""
+import math
+import os
+
+import numpy as np
+import pytest
+
+import nxhpc._kernels as K
+from nxhpc.dit import plan as plan_mod
+from nxhpc.dit.config import BlockConfig
+from nxhpc.dit.plan import STAGES, TIMING_KEYS, UNIT_GATE, BlockPlan, Engine, stage_table
+from nxhpc.dit.reference import adaln_f64, block_forward_f64, dequantize_layer
+from nxhpc.runtime.shm import live_segments
+from testutil import assert_bitwise, errs, np32_block, random_layer
+
+PID = os.getpid()
+CFG = BlockConfig(dim=192, n_heads=3, n_kv_heads=3, head_dim=64, ffn_dim=512, n_layers=1,
+                  adaln_in=64, variant="zimage", adaln_silu=False, norm_eps=1e-5)
+T1, T2 = 37, 19            # image and caption rows: neither a multiple of 32
+T = T1 + T2
+
+
+def random_pe(rng, n, hd):
+    """Rotations [[cos, -sin], [sin, cos]] of random angles: a valid RoPE table [n, hd/2, 2, 2]."""
+    a = rng.uniform(-math.pi, math.pi, (n, hd // 2))
+    c, s = np.cos(a), np.sin(a)
+    return np.stack([np.stack([c, -s], -1), np.stack([s, c], -1)], -2).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    rng = np.random.default_rng(8)
+    w = {"nr": random_layer(rng, CFG, prefix="noise_refiner", layer=0),
+         "cr": random_layer(rng, CFG, modulated=False, prefix="context_refiner", layer=0),
+         "l0": random_layer(rng, CFG, prefix="layers", layer=0)}
+    x = rng.standard_normal((T, CFG.dim)).astype(np.float32)
+    pe = random_pe(rng, T, CFG.head_dim)
+    t_emb = rng.standard_normal(CFG.adaln_in).astype(np.float32)
+    plans = {"img": BlockPlan(CFG, "noise_refiner"), "cap": BlockPlan(CFG, "context_refiner"),
+             "joint": BlockPlan(CFG, "layers")}
+    return w, x, pe, t_emb, plans
+
+
+def run_session(setup, workers, spawn="pool"):
+    """The denoiser-shaped sequence on one engine; returns each block's output and the m's."""
+    w, x, pe, t_emb, plans = setup
+    needs = [(plans["img"], T1), (plans["cap"], T2), (plans["joint"], T)]
+    with Engine(needs, w, workers=workers, spawn=spawn,
+                buffers={"u": (T, CFG.dim), "pe": (T, CFG.head_dim // 2, 2, 2)}) as eng:
+        u, p = eng.buffer("u"), eng.buffer("pe")
+        u[:] = x
+        p[:] = pe
+        pids = list(eng.pool.pids)
+        m_nr = eng.adaln("nr", t_emb)                  # by key ...
+        m_l = eng.adaln(w["l0"], t_emb)                # ... and by the bound object
+        out = {}
+        t = eng.run(plans["img"], "nr", u[:T1], p[:T1], adaln_m=m_nr)
+        out["img"] = u[:T1].copy()
+        eng.run(plans["cap"], "cr", u[T1:], p[T1:])
+        out["cap"] = u[T1:].copy()
+        eng.run(plans["joint"], w["l0"], u, p, adaln_m=m_l)
+        out["joint"] = u.copy()
+        assert tuple(t) == TIMING_KEYS and all(v >= 0 for v in t.values())
+        assert eng.pool.pids == pids                   # forked once, never again
+        if spawn == "pool" and workers > 1:
+            assert len(pids) == workers
+    assert live_segments(PID) == []
+    return out, m_nr, m_l
+
+
+@pytest.fixture(scope="module")
+def session(setup):
+    return run_session(setup, 2)
+
+
+def _grade(out, x_in, w64, pe, m, modulation=True):
+    ref = block_forward_f64(x_in, w64, CFG, adaln_m=m, pe=pe, modulation=modulation)
+    np32 = np32_block(x_in, w64, CFG, m, pe, None, CFG.norm_eps, modulation=modulation)
+    ours_max, ours_rms = errs(out, ref)
+    np_max, np_rms = errs(np32, ref)
+    assert ours_max <= 2 * np_max and ours_rms <= 2 * np_rms, (ours_max, np_max, ours_rms, np_rms)
+    assert ours_max <= 1e-5 * np.abs(ref).max(), (ours_max, np.abs(ref).max())
+    assert np.abs(ref - x_in).max() > 0.1 * np.abs(x_in).max()      # the block did something
+    return ref
+
+
+def test_three_plans_one_engine_vs_float64(setup, session):
+    w, x, pe, t_emb, _ = setup
+    out, m_nr, m_l = session
+    w64 = {k: dequantize_layer(v) for k, v in w.items()}
+    assert "adaln_w" not in w64["cr"]
+    for m, k in ((m_nr, "nr"), (m_l, "l0")):           # the kernel adaLN vs float64
+        ref_m = adaln_f64(t_emb, w64[k]["adaln_w"], w64[k]["adaln_b"])
+        assert np.abs(m - ref_m).max() <= 1e-5 * np.abs(ref_m).max()
+    _grade(out["img"], x[:T1], w64["nr"], pe[:T1], m_nr)
+    ref_cap = _grade(out["cap"], x[T1:], w64["cr"], pe[T1:], None, modulation=False)
+    joint_in = np.concatenate([out["img"], out["cap"]])
+    _grade(out["joint"], joint_in, w64["l0"], pe, m_l)
+    # negative controls: the caption block is not a modulated block with gate 0 or gate 1
+    bound = 1e-5 * np.abs(ref_cap).max()
+    for gate in (0.0, 1.0):
+        m = np.zeros(4 * CFG.dim)
+        m[CFG.dim:2 * CFG.dim] = m[3 * CFG.dim:] = gate
+        wm = dict(w64["cr"], adaln_w=np.zeros((4 * CFG.dim, CFG.adaln_in)),
+                  adaln_b=np.zeros(4 * CFG.dim))
+        wrong = block_forward_f64(x[T1:], wm, CFG, adaln_m=m, pe=pe[T1:])
+        assert np.abs(out["cap"] - wrong).max() > 100 * bound, gate
+
+
+@pytest.mark.parametrize("workers, spawn", [(1, "pool"), (3, "pool"), (5, "pool"),
+                                            (2, "stage")])
+def test_session_bit_identical_any_workers(setup, session, workers, spawn):
+    base = session[0]
+    out = run_session(setup, workers, spawn)[0]
+    for k in base:
+        assert_bitwise(out[k], base[k], f"{k} workers={workers} {spawn}")
+
+
+def test_plan_alone_equals_plan_in_shared_engine(setup, session):
+    """Sharing the arena and pool with other plans does not change a plan's bits."""
+    w, x, pe, _, plans = setup
+    out, m_nr, _ = session
+    with Engine([(plans["cap"], T2)], {"cr": w["cr"]}, workers=2,
+                buffers={"x": (T2, CFG.dim), "y": (T2, CFG.dim),
+                         "pe": (T2, CFG.head_dim // 2, 2, 2)}) as eng:
+        eng.buffer("x")[:] = x[T1:]
+        eng.buffer("pe")[:] = pe[T1:]
+        eng.run(plans["cap"], "cr", eng.buffer("x"), eng.buffer("pe"), out=eng.buffer("y"))
+        assert_bitwise(eng.buffer("y"), out["cap"], "cap alone, out-of-place")
+        assert_bitwise(eng.buffer("x"), x[T1:], "input untouched when out is given")
+
+
+def test_unit_gate_is_exactly_one_in_every_variant():
+    """gated_residual(resid, y, UNIT_GATE) == resid + y bit for bit, at every ISA: tanh of the
+    unit gate rounds to 1.0f. Negative control: a gate of 8 (tanh = 1 - 2.3e-7) is visible."""
+    rng = np.random.default_rng(3)
+    r = (rng.standard_normal((5, 333)) * 100).astype(np.float32)
+    y = (rng.standard_normal((5, 333)) * 1e3).astype(np.float32)
+    for isa in K.supported_isas():
+        o = np.empty_like(r)
+        K.gated_residual(r, y, np.full(333, UNIT_GATE, np.float32), o, isa=isa)
+        assert_bitwise(o, r + y, isa)
+        K.gated_residual(r, y, np.full(333, 8.0, np.float32), o, isa=isa)
+        assert not np.array_equal(o, r + y), isa
+
+
+def test_stage_table_drives_keys_and_docs():
+    assert TIMING_KEYS == ("us_prenorm_qkv", "us_qknorm_rope", "us_sdpa", "us_attn_tail",
+                           "us_ffn", "block_us")
+    doc = plan_mod.__doc__
+    for line in stage_table().splitlines():
+        assert "    " + line in doc, line
+    assert [s.name for s in STAGES] == ["norm1", "qkv", "qknorm_rope", "sdpa", "out_proj",
+                                        "attn_tail", "ffn_norm", "w13", "swiglu", "w2",
+                                        "ffn_tail"]
+    p = BlockPlan(CFG)
+    assert p.modulated and not BlockPlan(CFG, "context_refiner").modulated
+    assert BlockPlan(CFG, "noise_refiner").modulated
+    ext = {s.name: p.extent(s, 10) for s in STAGES}
+    assert ext == {"norm1": 10, "qkv": CFG.qkv_width, "qknorm_rope": 6, "sdpa": 3,
+                   "out_proj": 192, "attn_tail": 10, "ffn_norm": 10, "w13": 512,
+                   "swiglu": 5120, "w2": 192, "ffn_tail": 10}
+    assert p.tensor_names(1)["adaln_w"] == "layers.1.adaLN_modulation.0.weight"
+    assert "adaln_w" not in BlockPlan(CFG, "context_refiner").tensor_names(0)
+    with pytest.raises(ValueError, match="unknown stack prefix"):
+        BlockPlan(CFG, "final_layer")
+    assert not BlockPlan(CFG, "final_layer", modulated=False).modulated
+
+
+def test_engine_errors_before_any_work(setup):
+    w, x, pe, t_emb, plans = setup
+    img, cap = plans["img"], plans["cap"]
+    with Engine([(img, T1), (cap, T2)], w, workers=2,
+                buffers={"u": (T, CFG.dim), "pe": (T, CFG.head_dim // 2, 2, 2)}) as eng:
+        u, p = eng.buffer("u"), eng.buffer("pe")
+        m = eng.adaln("nr", t_emb)
+        with pytest.raises(ValueError, match="unmodulated context_refiner plan takes no"):
+            eng.run(cap, "cr", u[:T2], p[:T2], adaln_m=m)
+        with pytest.raises(ValueError, match="needs adaln_m"):
+            eng.run(img, "nr", u[:T1], p[:T1])
+        with pytest.raises(ValueError, match="cannot run layer 0, which has adaLN"):
+            eng.run(cap, "l0", u[:T2], p[:T2])
+        with pytest.raises(ValueError, match="cannot run context_refiner.0, which has no"):
+            eng.run(img, "cr", u[:T1], p[:T1], adaln_m=m)
+        with pytest.raises(ValueError, match="row range of one of the engine's buffers"):
+            eng.run(img, "nr", np.zeros((T1, CFG.dim), np.float32), p[:T1], adaln_m=m)
+        with pytest.raises(ValueError, match=r"pe must be float32 \(37, 32, 2, 2\)"):
+            eng.run(img, "nr", u[:T1], p[:T2], adaln_m=m)
+        with pytest.raises(ValueError, match="needs more scratch"):
+            eng.run(img, "nr", u, p, adaln_m=m)          # T1+T2 rows: never declared
+        with pytest.raises(ValueError, match="non-finite"):
+            eng.run(img, "nr", u[:T1], p[:T1], adaln_m=np.full(4 * CFG.dim, np.nan))
+        with pytest.raises(KeyError, match="not given to the engine"):
+            eng.run(img, random_layer(np.random.default_rng(0), CFG), u[:T1], p[:T1],
+                    adaln_m=m)
+        with pytest.raises(KeyError, match="no buffer 'x'"):
+            eng.buffer("x")
+        with pytest.raises(ValueError, match="unmodulated"):
+            eng.adaln("cr", t_emb)
+        # the engine still works after the refused calls
+        eng.run(cap, "cr", u[:T2], p[:T2])
+    with pytest.raises(ValueError, match="share one BlockConfig"):
+        other = BlockConfig(**{**CFG.__dict__, "ffn_dim": 256})
+        Engine([(img, T1), (BlockPlan(other), T1)], {}, workers=1)
+    with pytest.raises(ValueError, match="reserved"):
+        Engine([(img, T1)], {}, buffers={"qkv": (3,)})
+    bad = random_layer(np.random.default_rng(1), CFG)
+    bad.w2 = bad.w2.data[:, :-34]
+    with pytest.raises(ValueError, match="weight 'w2' must be Q8_0 uint8"):
+        Engine([(img, T1)], {"bad": bad})
+    assert live_segments(PID) == []
