@@ -3,6 +3,7 @@
 Every scenario checks /dev/shm for segments of the process that created the arena, before and
 after; named arenas serve as the negative control showing the check does see live segments.
 """
+import json
 import os
 import signal
 import subprocess
@@ -237,3 +238,57 @@ def test_views_are_independent(spec):
         for i, k in enumerate(a):
             assert (a[k] == i + 1).all()
     assert live_segments(PID) == []
+
+
+# ------------------------------------------------------------------ a /dev/shm too small (item 1)
+_SMALL_SHM = textwrap.dedent("""
+    import json, os, sys
+    from nxhpc.runtime.shm import SharedArena
+    st = os.statvfs("/dev/shm")
+    out = {"size": st.f_blocks * st.f_frsize}
+    with SharedArena({"x": (1024,)}) as a:        # 4 KiB: fits (negative control)
+        a["x"][:] = 1
+        out["small_ok"] = float(a["x"].sum())
+    for named in (False, True):
+        try:
+            a = SharedArena({"x": (1024, 1024)}, named=named)   # 4 MiB > the tmpfs
+            a["x"][:] = 1                          # a sparse segment dies here with SIGBUS
+            out[str(named)] = "no error"
+        except OSError as e:
+            out[str(named)] = {"type": type(e).__name__, "msg": str(e),
+                               "needed": getattr(e, "needed", None),
+                               "free": getattr(e, "free", None)}
+    out["left"] = os.listdir("/dev/shm")
+    print(json.dumps(out))
+""")
+
+
+def _private_small_shm(args: list[str], size: str, **kw) -> subprocess.CompletedProcess:
+    """Run ``args`` in a private mount namespace whose /dev/shm is a ``size`` tmpfs (root only;
+    the host's /dev/shm is untouched). Skips where that cannot be set up."""
+    import shutil
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a private /dev/shm")
+    probe = subprocess.run(["unshare", "-m", "sh", "-c",
+                            "mount -t tmpfs -o size=64k nxtest /dev/shm"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a private /dev/shm here: {probe.stderr.decode()[:200]}")
+    script = f'mount -t tmpfs -o size={size} nxtest /dev/shm && exec "$@"'
+    return subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", *args],
+                          capture_output=True, text=True, **kw)
+
+
+def test_small_dev_shm_is_a_clear_error_not_sigbus():
+    """Docker's default /dev/shm is 64 MiB; here 256 KiB against a 4 MiB arena. Before the fix
+    the segment was sparse and the first write killed the process with SIGBUS."""
+    r = _private_small_shm([sys.executable, "-c", _SMALL_SHM], "256k", timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    out = json.loads(r.stdout)
+    assert out["size"] == 256 * 1024 and out["small_ok"] == 1024.0
+    for named in ("False", "True"):
+        e = out[named]
+        assert isinstance(e, dict) and e["type"] == "ShmSpaceError", e
+        assert e["needed"] == 4 * 2**20 and 0 <= e["free"] <= 256 * 1024
+        assert f"needs {4 * 2**20} bytes" in e["msg"] and f"{e['free']} bytes" in e["msg"]
+        assert "--shm-size" in e["msg"]
+    assert out["left"] == []                      # nothing left in the small /dev/shm either
