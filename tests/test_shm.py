@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from nsutil import run_with_tmpfs                # private mounts (tests/ is on sys.path)
 from nxhpc.runtime.shm import ALIGN, SharedArena, cleanup_all, live_segments
 
 PID = os.getpid()
@@ -263,25 +264,10 @@ _SMALL_SHM = textwrap.dedent("""
 """)
 
 
-def _private_small_shm(args: list[str], size: str, **kw) -> subprocess.CompletedProcess:
-    """Run ``args`` in a private mount namespace whose /dev/shm is a ``size`` tmpfs (root only;
-    the host's /dev/shm is untouched). Skips where that cannot be set up."""
-    import shutil
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare(1) for a private /dev/shm")
-    probe = subprocess.run(["unshare", "-m", "sh", "-c",
-                            "mount -t tmpfs -o size=64k nxtest /dev/shm"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot mount a private /dev/shm here: {probe.stderr.decode()[:200]}")
-    script = f'mount -t tmpfs -o size={size} nxtest /dev/shm && exec "$@"'
-    return subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", *args],
-                          capture_output=True, text=True, **kw)
-
-
 def test_small_dev_shm_is_a_clear_error_not_sigbus():
     """Docker's default /dev/shm is 64 MiB; here 256 KiB against a 4 MiB arena. Before the fix
     the segment was sparse and the first write killed the process with SIGBUS."""
-    r = _private_small_shm([sys.executable, "-c", _SMALL_SHM], "256k", timeout=120)
+    r = run_with_tmpfs([sys.executable, "-c", _SMALL_SHM], "/dev/shm", "size=256k", timeout=120)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     out = json.loads(r.stdout)
     assert out["size"] == 256 * 1024 and out["small_ok"] == 1024.0

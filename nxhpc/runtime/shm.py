@@ -69,18 +69,27 @@ _LIVE: "weakref.WeakValueDictionary[int, SharedArena]" = weakref.WeakValueDictio
 
 class ShmSpaceError(OSError):
     """Not enough shared memory (``/dev/shm``) for a segment. Attributes: ``needed`` and
-    ``free`` (bytes), ``where`` (the directory)."""
+    ``free`` (bytes), ``where`` (the directory), ``limit`` (the file-size limit, when that is
+    what refused it)."""
 
     def __init__(self, needed: int, free: int | None, where: str = SHM_DIR,
-                 what: str = "SharedArena") -> None:
-        self.needed, self.free, self.where = needed, free, where
-        free_txt = "an unknown amount" if free is None else f"{free} bytes ({_mib(free)})"
-        super().__init__(
-            errno.ENOSPC,
-            f"{what}: not enough shared memory: the segment needs {needed} bytes "
-            f"({_mib(needed)}) but {where} has {free_txt} free. In a container, start it with a "
-            f"larger /dev/shm (docker run --shm-size=2g ..., or the pod's emptyDir medium: "
-            f"Memory); else free {where} or run fewer tokens")
+                 what: str = "SharedArena", limit: int | None = None) -> None:
+        self.needed, self.free, self.where, self.limit = needed, free, where, limit
+        free_txt = ("an unknown amount free" if free is None
+                    else f"{free} bytes free ({_mib(free)})")
+        if limit is not None:
+            why = (f"the process's file-size limit (ulimit -f, RLIMIT_FSIZE) is {limit} bytes; "
+                   f"{where} has {free_txt}. Raise the limit")
+        else:
+            why = (f"{where} has {free_txt}. In a container, start it with a larger "
+                   f"/dev/shm (docker run --shm-size=2g ..., or the pod's emptyDir medium: "
+                   f"Memory); else free {where} or run fewer tokens")
+        self.message = (f"{what}: not enough shared memory: the segment needs {needed} bytes "
+                        f"({_mib(needed)}) but {why}")
+        super().__init__(errno.ENOSPC if limit is None else errno.EFBIG, self.message)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def _mib(n: int) -> str:
@@ -288,6 +297,10 @@ class SharedArena(Mapping):
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.ENOMEM):
                 raise ShmSpaceError(size, shm_free_bytes()) from None
+            if e.errno == errno.EFBIG:
+                import resource
+                raise ShmSpaceError(size, shm_free_bytes(),
+                                    limit=resource.getrlimit(resource.RLIMIT_FSIZE)[0]) from None
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                 raise
             os.ftruncate(seg.fd, size)                # no fallocate here (not tmpfs): sparse
