@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 import pickle
 import select
@@ -95,13 +96,25 @@ def check_timeout(timeout: float | None, what: str = "stage_timeout") -> float |
     return float(timeout)
 
 
+def _as_index(v: object) -> int | None:
+    """An integer (int, numpy integer; not bool), else None."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
 def bands(m: int, n: int) -> list[tuple[int, int]]:
-    """Split ``[0, m)`` into ``n`` deterministic bands ``[i*m//n, (i+1)*m//n)`` (some may be empty)."""
-    if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+    """Split ``[0, m)`` into ``n`` deterministic bands ``[i*m//n, (i+1)*m//n)`` (some may be
+    empty). The one split of the package: worker stages here, the ring's chunks in training."""
+    mi, ni = _as_index(m), _as_index(n)
+    if mi is None or mi < 0:
         raise ValueError(f"bands: m must be a non-negative int, got {m!r}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if ni is None or ni < 1:
         raise ValueError(f"bands: n must be a positive int, got {n!r}")
-    return [(i * m // n, (i + 1) * m // n) for i in range(n)]
+    return [(i * mi // ni, (i + 1) * mi // ni) for i in range(ni)]
 
 
 class WorkerError(RuntimeError):
