@@ -61,12 +61,14 @@ _LOOP = textwrap.dedent(r"""
         return {f: os.readlink(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd")
                 if os.path.exists(f"/proc/self/fd/{f}")}
 
-    for mode in ("pool", "stage"):                 # warm up: imports, lifeline, tracker
-        cycle(mode, True)
-    t0 = time.perf_counter()
-    for mode in ("pool", "stage", "pool", "stage"):
-        cycle(mode, False)
-    per = (time.perf_counter() - t0) / 4
+    for mode in ("pool", "stage", "pool", "stage"):   # warm up: imports, lifeline, tracker
+        cycle(mode, mode == "pool")
+    times = []
+    for i in range(8):                             # the cycle's length: the timer's range
+        t0 = time.perf_counter()
+        cycle(("pool", "stage")[i % 2], i % 4 < 2)
+        times.append(time.perf_counter() - t0)
+    per = sorted(times)[len(times) // 2]
     fds0, kids0 = fds(), set(children())
     errors, where = collections.Counter(), collections.Counter()
     user = []                                      # (fd, inode) the "user" opened meanwhile
@@ -124,7 +126,7 @@ def test_random_interrupts_leak_nothing(seed, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     # the interrupts happened, at many places inside the runtime (negative controls)
-    assert rep["interrupted"] >= rep["cycles"] // 4, rep
+    assert rep["interrupted"] >= rep["cycles"] // 10, rep
     assert len(rep["where"]) >= 3, rep["where"]
     # ... and every one surfaced as itself, leaving nothing behind
     assert rep["errors"] == {}, rep["errors"]
