@@ -73,3 +73,15 @@ def test_check_output_path_unwritable_directory(tmp_path):
             check_output_path(d / "a.npy", what="--x")
     finally:
         d.chmod(0o755)
+
+
+def test_dev_stdout_is_written_through(tmp_path):
+    """``--json /dev/stdout`` (a link to fd 1: here a pipe) writes into the pipe."""
+    import subprocess
+    import sys
+    code = ("from nxhpc.runtime.outfile import check_output_path, write_atomic\n"
+            "check_output_path('/dev/stdout', what='--json')\n"
+            "write_atomic('/dev/stdout', lambda f: f.write(b'{\"ok\": 1}'))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == b'{"ok": 1}'

@@ -22,6 +22,17 @@ class OutputPathError(ValueError):
     """The path cannot take the result (the message says why); raised before any work is done."""
 
 
+def _in_place(path: str) -> bool:
+    """Written in place, not replaced: an existing non-regular file (a device, a FIFO), and
+    anything under /dev or /proc (``/dev/stdout`` is a link to whatever fd 1 is)."""
+    if path.startswith(("/dev/", "/proc/")):
+        return True
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)      # follows symlinks
+    except OSError:
+        return False
+
+
 def _same_file(a: str, b: str) -> bool:
     try:
         return os.path.samefile(a, b)
@@ -35,7 +46,8 @@ def check_output_path(path: str | os.PathLike, *, what: str = "output",
     to write (symlinks followed). Raises :class:`OutputPathError` naming ``what`` and the reason:
     a directory, a missing directory, a directory that refuses a new file (read-only, no
     permission), or the same file as one of ``inputs`` (hard and symbolic links resolved).
-    An existing non-regular file (``/dev/null``, a FIFO) is written in place if writable."""
+    An existing non-regular file (``/dev/null``, a FIFO) and an existing path under /dev or
+    /proc (``/dev/stdout``) are written in place if writable."""
     given = str(path)
     if given == "":
         raise OutputPathError(f"{what}: empty path")
@@ -43,15 +55,16 @@ def check_output_path(path: str | os.PathLike, *, what: str = "output",
     if p.is_dir():
         raise OutputPathError(f"{what} {given} is a directory; give a file path "
                               f"(e.g. {p / 'out.npy'})")
-    real = Path(os.path.realpath(p))
     for src in inputs:
-        if src is not None and real.exists() and _same_file(str(real), str(src)):
+        if src is not None and p.exists() and _same_file(given, str(src)):
             raise OutputPathError(f"{what} {given} is an input of this run ({src}); refusing "
                                   f"to overwrite it")
-    if real.exists() and not stat.S_ISREG(real.stat().st_mode):
-        if not os.access(real, os.W_OK):
+    if _in_place(given):
+        if p.exists() and not os.access(given, os.W_OK):
             raise OutputPathError(f"{what} {given}: not writable")
-        return real
+        if p.exists():
+            return p
+    real = Path(os.path.realpath(p))
     parent = real.parent
     if not parent.is_dir():
         raise OutputPathError(f"{what} {given}: directory {parent} does not exist")
@@ -70,14 +83,14 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     """``write(f)`` into a temporary sibling of ``path``, fsync, rename over ``path``.
 
     Any failure (``OSError`` of a full disk, an interrupt) removes the temporary file and
-    leaves ``path`` untouched. An existing non-regular ``path`` (a device, a FIFO) is written
-    in place: there is nothing to replace atomically.
+    leaves ``path`` untouched. An existing non-regular ``path`` (a device, a FIFO) or one under
+    /dev or /proc (``/dev/stdout``) is written in place: there is nothing to replace atomically.
     """
-    real = Path(os.path.realpath(path))
-    if real.exists() and not stat.S_ISREG(real.stat().st_mode):
-        with open(real, "wb") as f:
+    if _in_place(str(path)) and os.path.exists(path):
+        with open(path, "wb") as f:
             write(f)
         return
+    real = Path(os.path.realpath(path))
     tmp = real.parent / f".{real.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         with open(tmp, "xb") as f:

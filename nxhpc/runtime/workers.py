@@ -169,11 +169,6 @@ def _describe_status(status: int | None) -> str:
     return describe_exit(status)
 
 
-def _reap(pid: int, deadline_s: float = _REAP_S) -> int | None:
-    """Wait for ``pid`` (wait4); SIGKILL it after ``deadline_s``. Returns the wait status."""
-    return reap(pid, deadline_s)
-
-
 def _child_init(parent_pid: int, ds: deferred_signals) -> None:
     """In a fresh worker (inside the parent's fork section): signals, then die-with-parent.
 
