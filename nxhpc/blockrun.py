@@ -14,28 +14,36 @@ import signal
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import numpy as np
 
-from nxhpc.dit.grade import DEFAULT_TOL, count_exceeding, error_row, fmt_value, grade
+from nxhpc.dit.grade import DEFAULT_TOL, count_exceeding, error_row, fmt_value, grade, json_safe
+from nxhpc.runtime.outfile import OutputPathError, check_output_path, write_atomic
+from nxhpc.runtime.shm import ShmSpaceError
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerError, max_workers, usable_cpus
 
 __all__ = ["main", "build_parser", "EXIT_CODES"]
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 EXIT_NOT_FOUND, EXIT_BAD_FILE, EXIT_MISSING, EXIT_WORKER = 3, 4, 5, 6
+EXIT_SHM, EXIT_OUTPUT = 7, 8
 EXIT_INTERNAL = 70
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 EXIT_CODES = {
     EXIT_PASS: "pass: the output is within tolerance of the reference",
     EXIT_FAIL: "graded fail: max_rel above the tolerance, or non-finite outputs",
-    EXIT_USAGE: "usage error (bad arguments, e.g. n_workers 'abc' or 0, --layers beyond the model)",
+    EXIT_USAGE: "usage error (bad arguments, e.g. n_workers 'abc' or 0, --layers beyond the model, "
+                "a --save-output path that cannot be written or is one of the model's files)",
     EXIT_NOT_FOUND: "model not found (id, directory or gguf_path)",
-    EXIT_BAD_FILE: "bad model file (malformed/unsupported GGUF or fixtures, NaN in an input)",
+    EXIT_BAD_FILE: "bad model file (malformed/unsupported GGUF or fixtures, NaN/inf in an input "
+                   "or a .npy reference, weights a Q8_0 scale cannot hold)",
     EXIT_MISSING: "missing fixture or tensor (e.g. layers.0.blk_in, the reference)",
     EXIT_WORKER: "a worker process failed (raised, crashed, was killed, or exceeded "
                  "--stage-timeout)",
+    EXIT_SHM: "not enough shared memory: /dev/shm cannot hold the arena (the message gives the "
+              "bytes needed and free; in a container use --shm-size)",
+    EXIT_OUTPUT: "--save-output could not be written (e.g. disk full): the report was printed, "
+                 "an existing file at that path is unchanged",
     EXIT_INTERNAL: "internal error (a bug: please report the traceback)",
     EXIT_SIGINT: "interrupted by Ctrl-C / SIGINT (shared memory released)",
     EXIT_SIGTERM: "terminated by SIGTERM (shared memory released)",
@@ -192,7 +200,8 @@ def _exit_code(e: Exception) -> int | None:
     from nxhpc.models import MissingTensorError, ModelError, ModelNotFoundError
     for cls, code in ((ModelNotFoundError, EXIT_NOT_FOUND), (MissingTensorError, EXIT_MISSING),
                       (ModelError, EXIT_BAD_FILE), (_InputError, EXIT_BAD_FILE),
-                      (WorkerError, EXIT_WORKER), (_UsageError, EXIT_USAGE)):
+                      (WorkerError, EXIT_WORKER), (_UsageError, EXIT_USAGE),
+                      (ShmSpaceError, EXIT_SHM)):
         if isinstance(e, cls):
             return code
     return None
@@ -202,15 +211,11 @@ def _run(args: argparse.Namespace) -> int:
     from nxhpc.models import open_model
 
     try:
-        if args.save_output is not None:
-            target = Path(args.save_output)
-            parent = target.resolve().parent
-            if not parent.is_dir():
-                raise _UsageError(f"--save-output {args.save_output}: directory {parent} "
-                                  f"does not exist")
-            if target.is_dir():
-                raise _UsageError(f"--save-output {args.save_output} is a directory; give a "
-                                  f"file path (e.g. {target / 'out.npy'})")
+        if args.save_output is not None:           # up front: not after the whole run
+            try:
+                check_output_path(args.save_output, what="--save-output")
+            except OutputPathError as e:
+                raise _UsageError(str(e)) from None
         workers = args.n_workers if args.n_workers is not None else usable_cpus()
         with open_model(args.model_id, models_dir=args.models_dir,
                         gguf_path=args.gguf_path) as model:
@@ -247,6 +252,10 @@ def _load_ref(model, name: str, shape: tuple[int, int]) -> np.ndarray:
         if a.shape != shape or a.dtype.kind != "f":
             raise ModelFileError(f"reference {name}: {a.dtype} {a.shape}, expected a "
                                  f"floating-point array of shape {shape}")
+        bad = int(a.size - np.count_nonzero(np.isfinite(a)))
+        if bad:
+            raise ModelFileError(f"reference {name}: {bad} of {a.size} elements are NaN or "
+                                 f"inf; a reference must be finite")
         return a
     if not _has(model, name):
         raise MissingTensorError(f"reference {name!r}: no such fixture in "
@@ -270,6 +279,13 @@ def _run_model(args, model, workers: int) -> int:
     if model.fixtures is None or not model.fixtures.has("layers.0.blk_in"):
         raise MissingTensorError(f"{model.path}: missing fixture 'layers.0.blk_in' "
                                  f"(the block input)")
+    if args.save_output is not None:               # never overwrite what this run reads
+        inputs = [f for f in (model.path.iterdir() if model.path and model.path.is_dir() else ())]
+        inputs += [p for p in (args.gguf_path, args.reference_name) if p]
+        try:
+            check_output_path(args.save_output, what="--save-output", inputs=inputs)
+        except OutputPathError as e:
+            raise _UsageError(str(e)) from None
     x = model.blk_in(0)
     T = x.shape[0]
     pe = model.pe()
@@ -339,7 +355,8 @@ def _run_model(args, model, workers: int) -> int:
         table.append(row)
         if progress:
             el = time.monotonic() - t_start
-            extra = f", max_rel {row['max_rel']:.2e}" if "max_rel" in row else ""
+            extra = (f", max_rel {row['max_rel']:.2e}" if row.get("max_rel") is not None
+                     else ", max_rel null" if "max_rel" in row else "")
             print(f"blockrun: layer {i + 1}/{n_layers} done ({timings['block_us'] / 1e6:.2f} s, "
                   f"{el:.1f} s elapsed{extra})", file=sys.stderr, flush=True)
 
@@ -351,18 +368,32 @@ def _run_model(args, model, workers: int) -> int:
         if k != "per_layer":
             report[k] = v
     g = grade(out, ref_final, tol=args.tol, reference=final_ref)
-    if args.save_output is not None:
-        with open(args.save_output, "wb") as f:   # exactly this path (np.save would add .npy)
-            np.save(f, out.astype(np.float32))
-        report["saved_output"] = str(args.save_output)
+    code = EXIT_PASS if g.passed else EXIT_FAIL
 
+    def save() -> str | None:
+        """Write the output (atomically, exactly this path: np.save would add .npy); the error
+        text, or None."""
+        try:
+            write_atomic(args.save_output, lambda f: np.save(f, out.astype(np.float32)))
+        except OSError as e:
+            return (f"--save-output {args.save_output}: could not write the output: "
+                    f"{e.strerror or e}; an existing file at that path is unchanged")
+        return None
+
+    # The report comes first and always: a failing save cannot cost the verdict.
+    save_error = None
     if args.json:
         obj = dict(report)
+        if args.save_output is not None:
+            save_error = save()
+            obj["saved_output"] = None if save_error else str(args.save_output)
+            if save_error:
+                obj["save_error"] = save_error
         obj.update(g.as_dict())
         if n_layers > 1:
             obj["per_layer"] = table
         obj["verdict_line"] = g.verdict_line()
-        print(json.dumps(obj))
+        print(json.dumps(json_safe(obj), allow_nan=False))   # strict JSON: no NaN/Infinity
     else:
         for k, v in report.items():
             print(f"{k}={fmt_value(v)}")
@@ -371,9 +402,17 @@ def _run_model(args, model, workers: int) -> int:
                 print(" ".join(f"{k}={fmt_value(v)}" for k, v in row.items()))
         for line in g.lines():
             print(line)
+        sys.stdout.flush()
+        if args.save_output is not None:
+            save_error = save()
+            if save_error is None:
+                print(f"saved_output={args.save_output}")
         print(g.verdict_line())
     sys.stdout.flush()
-    return EXIT_PASS if g.passed else EXIT_FAIL
+    if save_error:
+        _err(save_error)
+        return EXIT_OUTPUT
+    return code
 
 
 if __name__ == "__main__":

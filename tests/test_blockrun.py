@@ -347,3 +347,143 @@ def test_npy_reference_graded_in_its_own_precision(models_root, tmp_path):
     np.save(ref_path, ref[:5])
     r = _cli(["tiny", "2", str(ref_path)], models_root)
     assert r.returncode == 4 and "ref64.npy" in r.stderr and "shape (45, 384)" in r.stderr
+
+
+# ------------------------------------------------------------------ hardening (issue 12)
+def _files_in(d: Path) -> set[str]:
+    return {f.name for f in d.iterdir()}
+
+
+def test_save_output_full_disk_keeps_old_file_and_prints_verdict(models_root, tmp_path):
+    """Item 5: on a full disk the old file was replaced by a truncated .npy, the run exited 70
+    and the verdict was never printed. In a private namespace the output directory is a 32 KiB
+    tmpfs holding an old result; the 69 KiB output cannot fit: exit 8, the verdict printed, the
+    old file and the directory unchanged (no temporary left)."""
+    from nsutil import run_script
+    open_model("tiny", models_dir=models_root)
+    out_dir = tmp_path / "outs"
+    out_dir.mkdir()
+    script = ('mount -t tmpfs -o size=32k nxtest "$1" && printf "previous result" > "$1/o.npy" '
+              '&& "$2" -m nxhpc.blockrun tiny 2 --save-output "$1/o.npy"; rc=$?; '
+              'echo "@@rc=$rc"; echo "@@file=$(cat "$1/o.npy")"; echo "@@ls=$(ls -A "$1")"')
+    r = run_script(script, str(out_dir), sys.executable, timeout=300, cwd=ROOT,
+                   env=dict(os.environ, NXHPC_MODELS=str(models_root)))
+    tail = dict(ln[2:].split("=", 1) for ln in r.stdout.splitlines() if ln.startswith("@@"))
+    report = [ln for ln in r.stdout.splitlines() if not ln.startswith("@@")]
+    assert tail["rc"] == "8", (tail, r.stderr[-2000:])
+    assert report[-1].startswith("PASS")                    # the report came first
+    assert "max_rel" in r.stdout and not any(ln.startswith("saved_output=") for ln in report)
+    assert "could not write the output" in r.stderr and "unchanged" in r.stderr
+    assert tail["file"] == "previous result" and tail["ls"] == "o.npy"
+    r = _cli(["tiny", "2", "--save-output", str(out_dir / "o.npy")], models_root)   # control
+    assert r.returncode == 0 and np.load(out_dir / "o.npy").shape == (45, 384)
+
+
+def test_save_output_unwritable_directory_fails_before_running(models_root, tmp_path):
+    """Item 5: a read-only directory failed only after the whole run. Now: exit 2 up front."""
+    open_model("tiny", models_dir=models_root)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    args = [sys.executable, "-m", "nxhpc.blockrun", "tiny", "2", "--save-output",
+            str(ro / "o.npy")]
+    env = dict(os.environ, NXHPC_MODELS=str(models_root))
+    if os.geteuid() == 0:                       # root ignores permissions: a read-only mount
+        from nsutil import run_with_tmpfs
+        r = run_with_tmpfs(args, str(ro), "size=64k,ro", env=env, cwd=ROOT, timeout=300)
+    else:
+        ro.chmod(0o555)
+        r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert r.returncode == 2, (r.returncode, r.stdout[-500:], r.stderr[-2000:])
+    assert f"cannot create a file in {ro}" in r.stderr
+    assert "block_us" not in r.stdout                       # refused before the run
+
+
+@pytest.mark.parametrize("victim, how", [("model.gguf", "path"), ("fixtures.safetensors", "link"),
+                                         ("ref.npy", "path")])
+def test_save_output_refuses_the_runs_own_files(models_root, tmp_path, victim, how):
+    """Item 5: ``--save-output <model>/model.gguf`` was accepted (and overwrote the weights).
+    The run's inputs -- the model directory's files, the reference .npy -- are refused (exit 2),
+    through a symlink too, and stay byte-identical."""
+    d = _copy_model(open_model("tiny", models_dir=models_root).path, tmp_path / "m")
+    m = open_model(str(d))
+    np.save(d / "ref.npy", m.fixtures.load("layers.1.blk_in").astype(np.float64))
+    before = (d / victim).read_bytes()
+    target = d / victim
+    if how == "link":
+        target = tmp_path / "innocent.npy"
+        target.symlink_to(d / victim)
+    r = _cli([str(d), "2", str(d / "ref.npy"), "--save-output", str(target)], models_root)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "input of this run" in r.stderr and "block_us" not in r.stdout
+    assert (d / victim).read_bytes() == before
+    ok = tmp_path / "fine.npy"                              # control: another path is accepted
+    r = _cli([str(d), "2", str(d / "ref.npy"), "--save-output", str(ok)], models_root)
+    assert r.returncode == 0 and ok.is_file()
+
+
+def test_npy_reference_with_nan_or_inf_exit_4(models_root, tmp_path):
+    """Item 8: a .npy reference holding NaN/inf exited 70 (grade's ValueError)."""
+    ref = open_model("tiny", models_dir=models_root).fixtures.load("layers.1.blk_in")
+    for bad in (np.nan, np.inf):
+        p = tmp_path / f"ref_{bad}.npy"
+        r_ = ref.astype(np.float64)
+        r_[4, 7] = bad
+        np.save(p, r_)
+        r = _cli(["tiny", "2", str(p)], models_root)
+        assert r.returncode == 4, (r.returncode, r.stderr[-2000:])
+        assert str(p) in r.stderr and "1 of 17280 elements are NaN or inf" in r.stderr
+
+
+def test_weights_beyond_q8_0_range_exit_4(models_root, tmp_path):
+    """Item 7: float weights a Q8_0 block's float16 scale cannot hold (|w| > 65504 * 127) are
+    converted at load; that error exited 70. It names the tensor and exits 4."""
+    from nxhpc.formats.fixtures import FixtureStore
+    d = _copy_model(open_model("tiny", models_dir=models_root).path, tmp_path / "big")
+    fx = FixtureStore(d / "fixtures.safetensors")
+    tensors = {n: fx.load(n) for n in fx.names()}
+    tensors["layers.0.feed_forward.w2.weight"][3, :32] = 1e9
+    FixtureStore.save(d / "fixtures.safetensors", tensors)
+    r = _cli([str(d), "2", "--source", "fixtures"], models_root)
+    assert r.returncode == 4, (r.returncode, r.stderr[-2000:])
+    assert "layers.0.feed_forward.w2.weight" in r.stderr and "float16 scale" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_quantization_error_is_a_model_file_error():
+    """Item 7 at its cause: every float -> Q8_0 conversion error is a ModelFileError (exit 4
+    in the CLIs) and still a ValueError; a float64 input beyond float32 is caught too."""
+    from nxhpc.formats.gguf_io import ModelFileError, quantize_q8_0
+    for bad in (np.full((1, 32), 1e9, np.float32), np.full((1, 32), np.nan, np.float32),
+                np.full((1, 32), 1e300, np.float64)):
+        with pytest.raises(ModelFileError, match="w2") as ei:
+            quantize_q8_0(bad, "w2")
+        assert isinstance(ei.value, ValueError)
+
+
+def test_small_dev_shm_exit_7(models_root):
+    """Item 1: with a /dev/shm smaller than the arena the run died of SIGBUS (exit 135 / -7, no
+    message). In a private 16 KiB /dev/shm: exit 7 naming the bytes needed and free."""
+    from nsutil import run_with_tmpfs
+    open_model("tiny", models_dir=models_root)
+    env = dict(os.environ, NXHPC_MODELS=str(models_root))
+    r = run_with_tmpfs([sys.executable, "-m", "nxhpc.blockrun", "tiny", "2"], "/dev/shm",
+                       "size=16k", env=env, cwd=ROOT, timeout=300)
+    assert r.returncode == 7, (r.returncode, r.stderr[-2000:])
+    assert "not enough shared memory" in r.stderr and "bytes free" in r.stderr
+    assert "--shm-size" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_json_is_strict_and_a_huge_reference_cannot_pass(models_root, tmp_path):
+    """Item 9 through the CLI: a float64 reference of ~1e308 PASSed any output (rms(ref)
+    overflowed) and --json could emit NaN/Infinity. Now it FAILs with max_rel ~ 1 and the
+    JSON parses strictly."""
+    ref = open_model("tiny", models_dir=models_root).fixtures.load("layers.1.blk_in")
+    p = tmp_path / "huge.npy"
+    np.save(p, ref.astype(np.float64) * 1e307)
+    r = _cli(["tiny", "2", str(p), "--json"], models_root)
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+
+    def bad(name):
+        raise ValueError(f"not strict JSON: {name}")
+    obj = json.loads(r.stdout, parse_constant=bad)
+    assert obj["verdict"] == "FAIL" and obj["max_rel"] == pytest.approx(1.0, abs=1e-6)

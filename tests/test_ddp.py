@@ -334,3 +334,146 @@ def test_cli_prints_losses_hash_and_contrast(tmp_path, full_batch):
     assert rep["sha256"] == ref.sha256 and rep["sweep"]["full_batch"] == ref.sha256
     assert rep["sweep"]["1"] == rep["sweep"]["2"] == ref.sha256
     assert np.allclose(rep["losses"], ref.losses, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------
+# the trainer on the runtime (issue 8) and its CLI edges (issue 12, item 13)
+# ------------------------------------------------------------------------------------------
+
+def test_train_uses_the_runtime_not_copies_of_it():
+    """The ring's chunking is the runtime's one bands(), its segment a SharedArena, the
+    trainer's die-with-parent and exit text the runtime's; nothing in nxhpc/train imports the
+    compiled kernels (checked on the import statements, so a lazy import would be caught)."""
+    import ast
+    import inspect
+    import pathlib
+
+    import nxhpc.train.ddp as ddp_mod
+    import nxhpc.train.ring as ring_mod
+    from nxhpc.runtime.shm import SharedArena
+    from nxhpc.runtime.workers import bands
+    assert chunk_bounds is bands and issubclass(ShmSegment, SharedArena)
+    assert "prctl" not in inspect.getsource(ddp_mod)          # PDEATHSIG lives in the runtime
+    assert "shared_memory" not in inspect.getsource(ring_mod)
+    imported = {}
+    for f in sorted(pathlib.Path(ring_mod.__file__).parent.glob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        imported[f.name] = names
+        assert not any("_kernels" in n for n in names), (f.name, names)
+        assert not any(n.startswith(("nxhpc.dit", "nxhpc.models")) for n in names), f.name
+    assert any(n.startswith("nxhpc.runtime") for n in imported["ring.py"])
+    assert any(n.startswith("nxhpc.runtime") for n in imported["ddp.py"])
+
+
+_NO_KERNELS = r"""
+import sys
+sys.modules["nxhpc._kernels"] = None          # any import of the compiled kernels now fails
+from nxhpc.train.ddp import train_full_batch, train_shm
+r = train_shm(2, 3, shm_prefix=sys.argv[1])
+assert r.sha256 == train_full_batch(3).sha256
+print("ok", "nxhpc._kernels" in sys.modules and sys.modules["nxhpc._kernels"] is None)
+"""
+
+
+def test_training_runs_without_the_compiled_kernels(prefix):
+    r = subprocess.run([sys.executable, "-c", _NO_KERNELS, prefix], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "ok True"
+
+
+_KILL_THREAD_PARENT = r"""
+import sys, threading
+from nxhpc.train.ddp import train_shm
+print("started", flush=True)
+t = threading.Thread(target=train_shm, args=(3, 50),
+                     kwargs=dict(shm_prefix=sys.argv[1], timeout=600, fault_injection=(0, 1, "hang")))
+t.start()
+t.join()
+"""
+
+
+def test_run_from_a_thread_still_dies_with_the_parent(prefix):
+    """Workers forked from a non-main thread get no PR_SET_PDEATHSIG (it would fire with that
+    thread); the runtime's lifeline must still take them down with a SIGKILLed parent."""
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_THREAD_PARENT, prefix],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not leftovers(prefix) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert leftovers(prefix), "the segment never appeared (negative control)"
+        time.sleep(0.5)
+        kids = children_of(proc.pid)
+        assert len(kids) >= 3
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{k}") and not _is_zombie(k) for k in kids) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(os.path.exists(f"/proc/{k}") and not _is_zombie(k) for k in kids)
+        deadline = time.monotonic() + 20
+        while leftovers(prefix) and time.monotonic() < deadline:
+            time.sleep(0.1)                       # the resource tracker unlinks the segment
+        assert leftovers(prefix) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_timeout_inf_means_no_limit(data, prefix, full_batch):
+    """``--timeout inf`` failed inside the barrier with errno 22 (a semaphore wait of inf)."""
+    res = train_shm(2, 1, data=data, shm_prefix=prefix, timeout=float("inf"))
+    assert res.sha256 == full_batch[1].sha256
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        train_shm(2, 1, data=data, timeout=float("nan"))
+    r = _cli("--workers", "2", "--steps", "1", "--no-contrast", "--timeout", "inf")
+    assert r.returncode == 0, r.stderr
+    assert f"weights sha256 {full_batch[1].sha256}" in r.stdout
+
+
+def test_cli_argument_edges_exit_2_without_traceback(tmp_path):
+    """``--seed -1`` and an unwritable ``--json`` path gave tracebacks (the latter after the
+    whole run); both are now usage errors, found before any training."""
+    for args, msg in ((["--seed", "-1"], "seed must be a non-negative integer"),
+                      (["--json", str(tmp_path / "no" / "r.json")], "does not exist"),
+                      (["--json", str(tmp_path)], "is a directory")):
+        r = _cli("--workers", "2", "--steps", "1", "--no-contrast", *args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert msg in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        assert "weights sha256" not in r.stdout               # refused before training
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_cli_signal_clean_exit_no_traceback(sig, code):
+    """SIGINT printed a raw traceback. Now: a one-line message, 130 (SIGTERM: 143), the workers
+    gone and the segment unlinked."""
+    p = subprocess.Popen([sys.executable, "-m", "nxhpc.ddp", "--workers", "2", "--steps",
+                          "1000000", "--no-contrast", "--log-every", "1000000"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        mine = f"nxddp_{p.pid}_"
+        deadline = time.monotonic() + 60
+        while not leftovers(mine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert leftovers(mine), "the run never started (negative control)"
+        time.sleep(0.5)
+        kids = children_of(p.pid)
+        assert len(kids) >= 2
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == code, err
+        assert "Traceback" not in err and "shared memory released" in err
+        assert leftovers(mine) == []
+        time.sleep(0.2)
+        assert not any(os.path.exists(f"/proc/{k}") and not _is_zombie(k) for k in kids)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

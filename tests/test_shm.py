@@ -3,6 +3,7 @@
 Every scenario checks /dev/shm for segments of the process that created the arena, before and
 after; named arenas serve as the negative control showing the check does see live segments.
 """
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from nsutil import run_with_tmpfs                # private mounts (tests/ is on sys.path)
 from nxhpc.runtime.shm import ALIGN, SharedArena, cleanup_all, live_segments
 
 PID = os.getpid()
@@ -237,3 +239,42 @@ def test_views_are_independent(spec):
         for i, k in enumerate(a):
             assert (a[k] == i + 1).all()
     assert live_segments(PID) == []
+
+
+# ------------------------------------------------------------------ a /dev/shm too small (item 1)
+_SMALL_SHM = textwrap.dedent("""
+    import json, os, sys
+    from nxhpc.runtime.shm import SharedArena
+    st = os.statvfs("/dev/shm")
+    out = {"size": st.f_blocks * st.f_frsize}
+    with SharedArena({"x": (1024,)}) as a:        # 4 KiB: fits (negative control)
+        a["x"][:] = 1
+        out["small_ok"] = float(a["x"].sum())
+    for named in (False, True):
+        try:
+            a = SharedArena({"x": (1024, 1024)}, named=named)   # 4 MiB > the tmpfs
+            a["x"][:] = 1                          # a sparse segment dies here with SIGBUS
+            out[str(named)] = "no error"
+        except OSError as e:
+            out[str(named)] = {"type": type(e).__name__, "msg": str(e),
+                               "needed": getattr(e, "needed", None),
+                               "free": getattr(e, "free", None)}
+    out["left"] = os.listdir("/dev/shm")
+    print(json.dumps(out))
+""")
+
+
+def test_small_dev_shm_is_a_clear_error_not_sigbus():
+    """Docker's default /dev/shm is 64 MiB; here 256 KiB against a 4 MiB arena. Before the fix
+    the segment was sparse and the first write killed the process with SIGBUS."""
+    r = run_with_tmpfs([sys.executable, "-c", _SMALL_SHM], "/dev/shm", "size=256k", timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    out = json.loads(r.stdout)
+    assert out["size"] == 256 * 1024 and out["small_ok"] == 1024.0
+    for named in ("False", "True"):
+        e = out[named]
+        assert isinstance(e, dict) and e["type"] == "ShmSpaceError", e
+        assert e["needed"] == 4 * 2**20 and 0 <= e["free"] <= 256 * 1024
+        assert f"needs {4 * 2**20} bytes" in e["msg"] and f"{e['free']} bytes" in e["msg"]
+        assert "--shm-size" in e["msg"]
+    assert out["left"] == []                      # nothing left in the small /dev/shm either

@@ -42,7 +42,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from nxhpc.formats.ggml_blocks import Q8_0_BLOCK_DTYPE, QK8_0
 
 __all__ = [
-    "ModelError", "ModelNotFoundError", "ModelFileError", "MissingTensorError",
+    "ModelError", "ModelNotFoundError", "ModelFileError", "MissingTensorError", "QuantizationError",
     "PREFIX", "Q8_0_BLOCK", "QK8_0", "GGUFFile", "TensorInfo", "Q8_0Tensor",
     "quantize_q8_0", "dequantize_q8_0", "should_quantize", "write_gguf", "atomic_output",
 ]
@@ -60,6 +60,12 @@ class ModelNotFoundError(ModelError):
 
 class ModelFileError(ModelError):
     """A GGUF or fixture file is malformed, unsupported, or does not fit the block config."""
+
+
+class QuantizationError(ModelFileError, ValueError):
+    """Weights that cannot be converted to Q8_0 (NaN/inf, or a block whose scale float16 cannot
+    hold). A :class:`ModelFileError` -- the weights come from a model file, so the CLIs report it
+    as a bad file (exit 4) -- and a ``ValueError`` for callers that check arguments."""
 
 
 class MissingTensorError(ModelFileError):
@@ -443,20 +449,24 @@ class GGUFFile:
 
 def quantize_q8_0(x: np.ndarray, name: str = "tensor") -> np.ndarray:
     """float ``[R, K]`` (K % 32 == 0) -> Q8_0 ``uint8 [R, K//32*34]``, via the ``gguf`` package
-    (bit-exact with ggml). Raises ValueError for non-finite input or a scale beyond float16."""
+    (bit-exact with ggml). Raises :class:`QuantizationError` (a ModelFileError and a ValueError)
+    for non-finite input or a scale beyond float16; ValueError for a bad shape."""
     x = np.asarray(x)
     if x.ndim != 2 or x.shape[1] % QK8_0:
         raise ValueError(f"quantize_q8_0: {name} has shape {x.shape}, expected [R, K] "
                          f"with K a multiple of {QK8_0}")
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = np.ascontiguousarray(x, dtype=np.float32)      # float64 beyond float32 -> inf
     if not np.isfinite(x).all():
-        raise ValueError(f"quantize_q8_0: {name} contains NaN or Inf")
+        raise QuantizationError(f"quantize_q8_0: {name} contains NaN or Inf (as float32)")
     with np.errstate(over="ignore", invalid="ignore"):
         q = gguf.quants.quantize(x, _Q8_0)
     d = q.view(Q8_0_BLOCK)["d"]
     if not np.isfinite(d).all():
-        raise ValueError(f"quantize_q8_0: {name} has values too large for a float16 scale "
-                         f"(max |x| = {float(np.abs(x).max()):.4g})")
+        limit = float(np.finfo(np.float16).max) * 127
+        raise QuantizationError(f"quantize_q8_0: {name} has values too large for a Q8_0 "
+                                f"block's float16 scale (max |x| = {float(np.abs(x).max()):.4g}, "
+                                f"at most ~{limit:.4g})")
     return q
 
 

@@ -1,2 +1,4 @@
-"""Process runtime shared by inference and training: the shared-memory arena, the forked worker pool,
-process helpers. Must not import the compiled kernels."""
+"""Process runtime shared by inference and training: ``shm`` (the shared-memory arena), ``workers``
+(the forked worker pool, the one ``bands()``), ``proc`` (deferred signals, die-with-parent,
+reaping, exit text), ``outfile`` (result files checked up front, written atomically).
+Must not import the compiled kernels."""

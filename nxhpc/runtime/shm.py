@@ -1,38 +1,108 @@
-"""SharedArena: every stage buffer of a block run in ONE ``multiprocessing.shared_memory`` segment.
+"""SharedArena: every stage buffer of a block run in ONE POSIX shared-memory segment.
 
 Owns: the layout (named, packed, 64-byte aligned buffers; float32 unless a buffer asks for another
-fixed-size dtype), the named numpy views, and the segment's lifetime. Must not: compute anything,
-or let a segment outlive the run.
+fixed-size dtype), the named numpy views, the segment's reservation and its lifetime. Must not:
+compute anything, or let a segment outlive the run.
 
-Lifetime policy. By default (``named=False``) the segment is unlinked from ``/dev/shm`` right
-after it is mapped: forked workers inherit the mapping, nobody needs the name, and nothing can
-leak whatever happens afterwards (exception, Ctrl-C, SIGTERM, even SIGKILL of the parent).
-``named=True`` keeps the name visible (for attaching from another process or for inspection);
-such a segment is unlinked by :meth:`SharedArena.close`, by the context manager, by
-:func:`cleanup_all` (which ``nxhpc.blockrun`` calls from its signal handlers) and by an
-``atexit`` hook, always only in the process that created it (never in forked workers).
+Reservation. The segment's memory is reserved up front with ``posix_fallocate``: on tmpfs an
+``ftruncate``'d segment is sparse, and a page that cannot be backed when first touched kills the
+process with SIGBUS (Docker's default ``/dev/shm`` is 64 MiB; a real-size block needs ~1 GiB).
+A shortage is a :class:`ShmSpaceError` naming the bytes needed and free, raised before anything
+is mapped.
+
+Lifetime policy. By default (``named=False``) the name is unlinked from ``/dev/shm`` in the same
+step that creates it (before the memory is even reserved): the open descriptor, then the mapping,
+keep the memory; forked workers inherit the mapping, nobody needs the name, and nothing can leak
+whatever happens afterwards (exception, Ctrl-C, SIGTERM, even SIGKILL of the parent).
+``named=True`` keeps the name visible (for attaching from another process, for inspection, for
+the trainer's ring); such a segment is registered with ``multiprocessing``'s resource tracker
+(which unlinks it even after a SIGKILL) and unlinked by :meth:`SharedArena.close`, by the context
+manager, by :func:`cleanup_all` (which ``nxhpc.blockrun`` calls from its signal handlers) and by
+an ``atexit`` hook, always only in the process that created it (never in forked workers).
+
+Interrupts. Each step records before it acts, in one deferred-signal block
+(:class:`nxhpc.runtime.proc.deferred_signals`): the name to unlink is recorded before the
+segment is created, the descriptor is forgotten before it is closed (it is closed right after
+mapping; the mapping needs no descriptor), and the name is unlinked *by name*, so an interrupt at
+any point of ``__init__`` or :meth:`close` leaves nothing behind and never closes a descriptor
+twice. What must be released lives in a small record owned by a ``weakref.finalize``, created
+before any resource: an arena dropped without ``close()`` (or half-built) is released when it is
+collected or at exit; ``close()`` is idempotent, resumes an interrupted attempt, and detaches the
+finalizer once nothing is left (a closed arena runs no code when collected).
 """
 from __future__ import annotations
 
 import atexit
+import errno
+import mmap
 import os
 import secrets
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from multiprocessing import shared_memory
 
 import numpy as np
 
-__all__ = ["SharedArena", "BufferSpec", "cleanup_all", "live_segments", "SHM_PREFIX", "ALIGN"]
+from nxhpc.runtime.proc import deferred_signals
+
+try:                                   # the same primitives multiprocessing.shared_memory uses
+    import _posixshmem
+except ImportError:                    # pragma: no cover - non-POSIX
+    _posixshmem = None
+
+__all__ = ["SharedArena", "BufferSpec", "ShmSpaceError", "cleanup_all", "live_segments",
+           "shm_free_bytes", "SHM_PREFIX", "SHM_DIR", "ALIGN"]
 
 #: Every segment name starts with this, then the creating pid: ``nxhpc_<pid>_<random>``.
 SHM_PREFIX = "nxhpc_"
+#: Where POSIX shared memory lives on Linux (glibc's ``shm_open``).
+SHM_DIR = "/dev/shm"
 #: Byte alignment of every buffer (one cache line; also AVX-512 vector width).
 ALIGN = 64
 
 _LOCK = threading.Lock()
-_LIVE: dict[int, "SharedArena"] = {}   # id -> named arenas still linked, owned by this process
+# id -> named arenas still linked, owned by this process. Weak: an arena dropped without close()
+# is released (and unlinked) by its finalizer; cleanup_all() closes those still alive.
+_LIVE: "weakref.WeakValueDictionary[int, SharedArena]" = weakref.WeakValueDictionary()
+
+
+class ShmSpaceError(OSError):
+    """Not enough shared memory (``/dev/shm``) for a segment. Attributes: ``needed`` and
+    ``free`` (bytes), ``where`` (the directory), ``limit`` (the file-size limit, when that is
+    what refused it)."""
+
+    def __init__(self, needed: int, free: int | None, where: str = SHM_DIR,
+                 what: str = "SharedArena", limit: int | None = None) -> None:
+        self.needed, self.free, self.where, self.limit = needed, free, where, limit
+        free_txt = ("an unknown amount free" if free is None
+                    else f"{free} bytes free ({_mib(free)})")
+        if limit is not None:
+            why = (f"the process's file-size limit (ulimit -f, RLIMIT_FSIZE) is {limit} bytes; "
+                   f"{where} has {free_txt}. Raise the limit")
+        else:
+            why = (f"{where} has {free_txt}. In a container, start it with a larger "
+                   f"/dev/shm (docker run --shm-size=2g ..., or the pod's emptyDir medium: "
+                   f"Memory); else free {where} or run fewer tokens")
+        self.message = (f"{what}: not enough shared memory: the segment needs {needed} bytes "
+                        f"({_mib(needed)}) but {why}")
+        super().__init__(errno.ENOSPC if limit is None else errno.EFBIG, self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def shm_free_bytes(where: str = SHM_DIR) -> int | None:
+    """Bytes an unprivileged process may still allocate in ``where`` (None if unknown)."""
+    try:
+        st = os.statvfs(where)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 @dataclass(frozen=True)
@@ -79,14 +149,79 @@ def _parse_spec(name: object, spec: object) -> tuple[tuple[int, ...], np.dtype]:
     return tuple(int(s) for s in shape), dtype
 
 
+class _Segment:
+    """What an arena must release -- its name in /dev/shm, the descriptor until mapped, the
+    mapping -- kept apart from the arena so that a ``weakref.finalize`` can own it. Each field is
+    set before its resource exists and cleared before the resource is released."""
+
+    __slots__ = ("owner_pid", "name", "to_unlink", "tracked", "fd", "mm")
+
+    def __init__(self) -> None:
+        self.owner_pid = os.getpid()
+        self.name: str | None = None
+        self.to_unlink: str | None = None     # the name while it may exist in /dev/shm
+        self.tracked = False                  # registered with multiprocessing's tracker
+        self.fd = -1                          # the segment's descriptor, until it is mapped
+        self.mm: mmap.mmap | None = None
+
+    def busy(self) -> bool:
+        return self.to_unlink is not None or self.tracked or self.fd >= 0 or self.mm is not None
+
+    def unlink(self) -> None:
+        """Unlink by name (owner process only), then forget the name; idempotent."""
+        if os.getpid() != self.owner_pid:
+            return
+        with deferred_signals():
+            name = self.to_unlink
+            if name is not None:
+                try:
+                    _posixshmem.shm_unlink("/" + name)
+                except FileNotFoundError:
+                    pass
+                self.to_unlink = None
+            if self.tracked:
+                self.tracked = False
+                from multiprocessing import resource_tracker
+                resource_tracker.unregister("/" + str(self.name), "shared_memory")
+
+    def release(self) -> None:
+        """Unlink (owner only), close the descriptor, drop the mapping. Idempotent."""
+        self.unlink()
+        with deferred_signals():
+            if self.fd >= 0:
+                fd, self.fd = self.fd, -1             # forget, then close: never twice
+                os.close(fd)
+            mm, self.mm = self.mm, None
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:
+                    # Views handed out are still alive: they keep the mapping (and mmap's own
+                    # descriptor) until they are gone, which is memory-safe; the name is already
+                    # unlinked, so nothing leaks.
+                    pass
+
+
 class SharedArena(Mapping):
     """Named numpy views into one shared-memory segment, freed/unlinked exactly once.
 
     ``SharedArena({"x": (T, D), "mask": ((T,), np.uint8)})``: a shape (or an int) means packed
     float32; ``(shape, dtype)`` picks another numeric dtype. Buffers start zero-filled, each at
     a 64-byte aligned offset, never overlapping. ``arena["x"]`` is a C-contiguous writeable view;
-    it is shared with processes forked after the arena was created.
+    it is shared with processes forked after the arena was created. Raises
+    :class:`ShmSpaceError` when ``/dev/shm`` cannot hold it.
     """
+
+    # Defaults at class level: an arena whose __init__ raised (or was interrupted) early still
+    # answers every attribute its methods read.
+    name = "(unnamed)"
+    named = False
+    nbytes = 0
+    owner_pid = -1
+    _layout: dict = {}
+    _views: dict = {}
+    _closed = True
+    _seg: _Segment | None = None
 
     def __init__(self, buffers: Mapping[str, object], *, named: bool = False,
                  prefix: str = SHM_PREFIX) -> None:
@@ -103,35 +238,76 @@ class SharedArena(Mapping):
         self.nbytes = off
         self.named = bool(named)
         self.owner_pid = os.getpid()
+        # The record and its finalizer exist before any resource does: whatever happens from
+        # here on (an exception, an interrupt, the arena simply dropped), the finalizer releases
+        # what the record holds, and close() detaches it once everything is released.
+        seg = _Segment()
+        self._finalizer = weakref.finalize(self, seg.release)
+        self._seg = seg
         self._closed = False
-        self._views: dict[str, np.ndarray] = {}
-        self._shm: shared_memory.SharedMemory | None = None
-        self._linked = False
-        seg_name = f"{prefix}{self.owner_pid}_{secrets.token_hex(6)}"
-        # Create, map and (by default) unlink as one step: an exception (KeyboardInterrupt
-        # included) between creation and unlink still unlinks.
+        views: dict[str, np.ndarray] = {}
         try:
-            self._shm = shared_memory.SharedMemory(name=seg_name, create=True,
-                                                   size=max(off, ALIGN))
-            self._linked = True
-            self.name = self._shm.name.lstrip("/")
-            if not self.named:
-                self._unlink()
-            else:
-                with _LOCK:
-                    _LIVE[id(self)] = self
+            self._create(seg, prefix, max(off, ALIGN))
+            # posix_fallocate has zero-filled the memory already; writing the zeros anyway maps
+            # every page into this process here, once, so first-touch page faults are not charged
+            # to the first timed stage that writes a buffer (every buffer is written in a run).
+            base = np.frombuffer(seg.mm, dtype=np.uint8)
+            for name, sp in layout.items():
+                view = base[sp.offset:sp.offset + sp.nbytes].view(sp.dtype).reshape(sp.shape)
+                view[...] = 0
+                views[name] = view
+            del base
+            self._views = views
         except BaseException:
-            self._teardown()
+            views.clear()
+            self.close()
             raise
-        # The kernel zero-fills a new segment already; writing the zeros anyway faults every
-        # page in here, once, so first-touch page faults are not charged to the first timed
-        # stage that writes a buffer (every buffer is written during a run anyway).
-        base = np.frombuffer(self._shm.buf, dtype=np.uint8)
-        for name, sp in layout.items():
-            view = base[sp.offset:sp.offset + sp.nbytes].view(sp.dtype).reshape(sp.shape)
-            view[...] = 0
-            self._views[name] = view
-        del base
+
+    def _create(self, seg: _Segment, prefix: str, size: int) -> None:
+        """Create, (unlink,) reserve and map the segment; every step recorded before it acts."""
+        if _posixshmem is None:                       # pragma: no cover
+            raise OSError(errno.ENOSYS, "SharedArena: POSIX shared memory is not available")
+        if self.named:
+            from multiprocessing import resource_tracker
+            resource_tracker.ensure_running()         # its process starts outside our blocks
+        for _attempt in range(8):
+            name = f"{prefix}{seg.owner_pid}_{secrets.token_hex(6)}"
+            with deferred_signals():
+                self.name = seg.name = name
+                seg.to_unlink = name                  # recorded before it can exist
+                try:
+                    seg.fd = _posixshmem.shm_open(
+                        "/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+                except FileExistsError:               # not ours: never unlink it
+                    seg.to_unlink = None
+                    continue
+                if self.named:
+                    seg.tracked = True                # SIGKILL of this process still unlinks
+                    resource_tracker.register("/" + name, "shared_memory")
+                    with _LOCK:
+                        _LIVE[id(self)] = self
+                else:
+                    seg.unlink()                      # the descriptor keeps the memory
+            break
+        else:
+            raise FileExistsError(f"SharedArena: could not find a free name with prefix "
+                                  f"{prefix!r} in {SHM_DIR}")
+        try:
+            os.posix_fallocate(seg.fd, 0, size)       # interruptible; the records are complete
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise ShmSpaceError(size, shm_free_bytes()) from None
+            if e.errno == errno.EFBIG:
+                import resource
+                raise ShmSpaceError(size, shm_free_bytes(),
+                                    limit=resource.getrlimit(resource.RLIMIT_FSIZE)[0]) from None
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            os.ftruncate(seg.fd, size)                # no fallocate here (not tmpfs): sparse
+        with deferred_signals():
+            seg.mm = mmap.mmap(seg.fd, size)
+            fd, seg.fd = seg.fd, -1                   # forget, then close: never twice
+            os.close(fd)
 
     # -- Mapping interface ------------------------------------------------------------------
     def __getitem__(self, name: str) -> np.ndarray:
@@ -165,66 +341,33 @@ class SharedArena(Mapping):
     @property
     def linked(self) -> bool:
         """True while the segment's name is still present in /dev/shm."""
-        return self._linked
+        return self._seg is not None and self._seg.to_unlink is not None
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else ("named" if self._linked else "unlinked")
+        state = "closed" if self._closed else ("named" if self.linked else "unlinked")
         return f"<SharedArena {self.name} {len(self._layout)} buffers {self.nbytes} B {state}>"
 
     # -- lifetime ---------------------------------------------------------------------------
-    def _unlink(self) -> None:
-        if self._linked and self._shm is not None and os.getpid() == self.owner_pid:
-            try:
-                self._shm.unlink()
-            except FileNotFoundError:
-                pass
-            self._linked = False
+    def close(self) -> None:
+        """Unlink the segment (owner process only) and drop the views. Idempotent, and resumes
+        an interrupted attempt. In a forked child this only forgets the views: the owner unlinks.
+        """
+        self._closed = True
+        self._views = {}
+        seg = self._seg
+        if seg is None or os.getpid() != seg.owner_pid:
+            return
+        seg.release()
         with _LOCK:
             _LIVE.pop(id(self), None)
-
-    def _teardown(self) -> None:
-        self._unlink()
-        self._views.clear()
-        if self._shm is not None:
-            try:
-                self._shm.close()
-            except BufferError:
-                # Views handed out are still alive. Their memoryview keeps the mmap object
-                # (and so the mapping) alive until they are gone, which is memory-safe; the name
-                # is already unlinked, so nothing leaks. Drop SharedMemory's own references so
-                # its __del__ does not retry (and warn) later.
-                shm = self._shm
-                shm._buf = None
-                shm._mmap = None
-                if getattr(shm, "_fd", -1) >= 0:
-                    os.close(shm._fd)
-                    shm._fd = -1
-
-    def close(self) -> None:
-        """Unlink the segment (owner process only) and drop the views. Idempotent.
-
-        In a forked child this only forgets the views: the owner unlinks.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        if os.getpid() != self.owner_pid:
-            self._views.clear()
-            return
-        self._teardown()
+        if not seg.busy():
+            self._finalizer.detach()               # nothing left: no work at collection
 
     def __enter__(self) -> "SharedArena":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def __del__(self) -> None:  # last resort; close() is the contract
-        try:
-            if not self._closed and os.getpid() == self.owner_pid:
-                self.close()
-        except Exception:
-            pass
 
 
 def cleanup_all() -> int:

@@ -1,8 +1,9 @@
 """WorkerPool: forked worker processes running deterministic bands of a stage.
 
-Owns: the band split (worker ``i`` of ``n`` takes ``[i*m//n, (i+1)*m//n)``), process lifetime
-(fork, dispatch, wait4, kill, reap) and crash detection. Must not: compute anything itself, run
-threads in workers, or leave a worker process behind.
+Owns: the band split (worker ``i`` of ``n`` takes ``[i*m//n, (i+1)*m//n)``, :func:`bands`, the
+one split used by inference and training alike), process lifetime (fork, dispatch, wait4, kill,
+reap) and crash detection. Must not: compute anything itself, run threads in workers, or leave
+a worker process, a zombie or a descriptor behind.
 
 Two spawn modes, with bit-identical results (a band's arithmetic never depends on who runs it):
 
@@ -19,16 +20,25 @@ Failure: a worker that raises, segfaults, is killed or exits early closes its st
 parent sees EOF at once, kills and reaps every worker and raises :class:`WorkerError` naming the
 stage, the worker and the reason. A worker that hangs without exiting is caught by the optional
 per-stage timeout (``stage_timeout``): past it, every worker is killed and reaped and the error
-names the stage and the first unfinished worker. A parent interrupted mid-stage (Ctrl-C, SIGTERM turned into an
-exception) also kills and reaps its workers before the exception propagates. Workers ignore
-SIGINT (the parent decides), die with the parent (``PR_SET_PDEATHSIG``) and exit when their
-command pipe closes, so none is ever orphaned.
+names the stage and the first unfinished worker. A parent interrupted mid-stage (Ctrl-C, SIGTERM
+turned into an exception) also kills and reaps its workers before the exception propagates.
+Workers ignore SIGINT (the parent decides), die with the parent process -- whichever thread
+forked them -- through the lifeline of :mod:`nxhpc.runtime.proc`, and exit on a ``stop``
+message or when their command pipe closes, so none is ever orphaned.
+
+Lifetime and interrupts: every pid and pipe end is recorded on the pool, in the same deferred-
+signal block that creates it (:func:`nxhpc.runtime.proc.fork_section`), and forgotten in the same
+block that releases it. :meth:`WorkerPool.close` (also run by ``__exit__``, ``__del__`` and at
+exit) is idempotent and resumes where an interrupted attempt stopped; a pool whose ``__init__``
+was interrupted is torn down by its ``__del__``. Pipe ends the parent keeps are registered with
+:mod:`nxhpc.runtime.proc`, so no later child (another pool's worker) holds them: closing one pool
+while another is open takes milliseconds, not a second per worker.
 """
 from __future__ import annotations
 
-import atexit
-import ctypes
+import functools
 import math
+import operator
 import os
 import pickle
 import select
@@ -39,6 +49,9 @@ import traceback
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from nxhpc.runtime.proc import (close_fd, deferred_signals, describe_exit, die_with_parent,
+                                 fork_section, lifeline, reap, register_fd)
 
 __all__ = ["bands", "WorkerPool", "WorkerError", "SPAWN_MODES", "DEFAULT_SPAWN", "usable_cpus",
            "check_timeout"]
@@ -83,13 +96,25 @@ def check_timeout(timeout: float | None, what: str = "stage_timeout") -> float |
     return float(timeout)
 
 
+def _as_index(v: object) -> int | None:
+    """An integer (int, numpy integer; not bool), else None."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
 def bands(m: int, n: int) -> list[tuple[int, int]]:
-    """Split ``[0, m)`` into ``n`` deterministic bands ``[i*m//n, (i+1)*m//n)`` (some may be empty)."""
-    if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+    """Split ``[0, m)`` into ``n`` deterministic bands ``[i*m//n, (i+1)*m//n)`` (some may be
+    empty). The one split of the package: worker stages here, the ring's chunks in training."""
+    mi, ni = _as_index(m), _as_index(n)
+    if mi is None or mi < 0:
         raise ValueError(f"bands: m must be a non-negative int, got {m!r}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if ni is None or ni < 1:
         raise ValueError(f"bands: n must be a positive int, got {n!r}")
-    return [(i * m // n, (i + 1) * m // n) for i in range(n)]
+    return [(i * mi // ni, (i + 1) * mi // ni) for i in range(ni)]
 
 
 class WorkerError(RuntimeError):
@@ -139,83 +164,22 @@ def _read_msg(fd: int) -> Any:
 
 
 def _describe_status(status: int | None) -> str:
-    if status is None:
-        return "disappeared without reporting"
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        try:
-            name = signal.Signals(sig).name
-        except ValueError:
-            name = f"signal {sig}"
-        what = "crashed" if sig in (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL,
-                                    signal.SIGFPE, signal.SIGABRT) else "was killed"
-        return f"{what} by {name} (signal {sig})"
-    if os.WIFEXITED(status):
-        return f"exited with status {os.WEXITSTATUS(status)} without reporting a result"
-    return f"ended with wait status {status}"
+    if status is not None and os.WIFEXITED(status):
+        return describe_exit(status) + " without reporting a result"
+    return describe_exit(status)
 
 
-def _reap(pid: int, deadline_s: float = _REAP_S) -> int | None:
-    """Wait for ``pid`` (wait4); SIGKILL it after ``deadline_s``. Returns the wait status."""
-    if pid <= 0:
-        return None
-    end = time.monotonic() + deadline_s
-    while True:
-        try:
-            wpid, status, _ru = os.wait4(pid, os.WNOHANG)
-        except ChildProcessError:
-            return None
-        if wpid == pid:
-            return status
-        if time.monotonic() >= end:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            try:
-                return os.wait4(pid, 0)[1]
-            except ChildProcessError:
-                return None
-        time.sleep(0.002)
+def _child_init(parent_pid: int, ds: deferred_signals) -> None:
+    """In a fresh worker (inside the parent's fork section): signals, then die-with-parent.
 
-
-def _close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
-def _kill_all(pids: list[int]) -> None:
-    pids = [p for p in pids if p > 0]   # -1 marks reaped workers; never signal pid <= 0
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    for pid in pids:
-        _reap(pid, 5.0)
-
-
-_libc = None
-
-
-def _child_setup(parent_pid: int, keep_fds: tuple[int, ...], close_fds: list[int]) -> None:
-    """In a fresh worker: signals, die-with-parent, drop other workers' pipe ends."""
-    global _libc
+    The fork hook of :mod:`nxhpc.runtime.proc` has already closed every pipe end the parent
+    keeps (this pool's and every other pool's); only this worker's own ends remain.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # the parent handles Ctrl-C
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:                     # parent died before prctl took effect
-        os._exit(70)
-    _close_fds([fd for fd in close_fds if fd not in keep_fds])
+    ds.restore()                                      # inherited blocked: unblock after the above
+    die_with_parent(parent_pid)
 
 
 def _error_result(e: BaseException) -> tuple[str, str, str]:
@@ -233,7 +197,86 @@ def _run_task(tasks: Mapping[str, Task], name: str, lo: int, hi: int, arg: Any) 
 
 
 # ---------------------------------------------------------------------------------------------
-_LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+class _Workers:
+    """What a pool must release -- worker pids and the parent's pipe ends -- kept apart from the
+    pool so that a ``weakref.finalize`` can own it. A pid is recorded in the fork section that
+    creates it and marked -1 in the deferred block that reaps it; a descriptor is popped from its
+    list before it is closed. Every method is idempotent and resumes an interrupted call."""
+
+    __slots__ = ("owner_pid", "pids", "last_pids", "cmd_w", "res_r", "stage_fds")
+
+    def __init__(self) -> None:
+        self.owner_pid = os.getpid()
+        self.pids: list[int] = []        # pool mode: the resident workers (-1: reaped)
+        self.last_pids: list[int] = []   # stage mode: the workers of the last stage (-1: reaped)
+        self.cmd_w: list[int] = []       # pool mode: command pipe, parent's (write) end
+        self.res_r: list[int] = []       # pool mode: status pipe, parent's (read) end
+        self.stage_fds: list[int] = []   # stage mode: status pipes of the running stage
+
+    def busy(self) -> bool:
+        return bool(self.cmd_w or self.res_r or self.stage_fds
+                    or any(p > 0 for p in self.pids) or any(p > 0 for p in self.last_pids))
+
+    def kill(self) -> None:
+        """Close every pipe end, SIGKILL and reap every worker."""
+        if os.getpid() != self.owner_pid:
+            return
+        with deferred_signals():
+            for lst in (self.cmd_w, self.res_r, self.stage_fds):
+                while lst:
+                    close_fd(lst)
+            for lst in (self.pids, self.last_pids):
+                for pid in lst:
+                    if pid > 0:
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                for i, pid in enumerate(lst):
+                    if pid > 0:
+                        reap(pid, 5.0, _forget(lst, i))
+            self.pids.clear()
+
+    def end_stage(self) -> None:
+        """Close the last stage's status pipes, kill and reap its workers (stage mode)."""
+        if os.getpid() != self.owner_pid:
+            return
+        with deferred_signals():
+            while self.stage_fds:
+                close_fd(self.stage_fds)
+            pids = self.last_pids
+            for pid in pids:
+                if pid > 0:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            for i, pid in enumerate(pids):
+                if pid > 0:
+                    reap(pid, 5.0, _forget(pids, i))
+
+    def stop(self) -> None:
+        """Send ``stop``, close the command pipes, reap (SIGKILL stragglers after a grace
+        period), close the status pipes; anything going wrong (an interrupt) -> :meth:`kill`."""
+        if os.getpid() != self.owner_pid:
+            return
+        try:
+            with deferred_signals():
+                for fd in self.cmd_w:
+                    _send_stop(fd)
+                while self.cmd_w:
+                    close_fd(self.cmd_w)
+            for i, pid in enumerate(self.pids):
+                if pid > 0:
+                    reap(pid, _REAP_S, _forget(self.pids, i))
+            with deferred_signals():
+                while self.res_r:
+                    close_fd(self.res_r)
+                self.pids.clear()
+            self.end_stage()
+        except BaseException:
+            self.kill()
+            raise
 
 
 class WorkerPool:
@@ -245,8 +288,17 @@ class WorkerPool:
     the task runs in the calling process (no fork); its exceptions still come out as
     :class:`WorkerError`. ``stage_timeout`` (seconds, None = wait forever) bounds one stage in
     forked workers; an inline stage cannot be interrupted. Use as a context manager, or call
-    :meth:`close`.
+    :meth:`close`; a pool dropped without ``close()`` is stopped when collected or at exit.
     """
+
+    # Defaults at class level: a pool whose __init__ raised (or was interrupted) early still
+    # answers every attribute its methods read.
+    owner_pid = -1
+    mode = DEFAULT_SPAWN
+    n_workers = 0
+    _closed = True
+    _broken: str | None = None
+    _w: _Workers | None = None
 
     def __init__(self, n_workers: int, tasks: Mapping[str, Task], mode: str = DEFAULT_SPAWN,
                  *, inline: bool = True, stage_timeout: float | None = None) -> None:
@@ -265,41 +317,66 @@ class WorkerPool:
         self.mode = mode
         self.inline = inline
         self._tasks = dict(tasks)
-        self.owner_pid = os.getpid()
-        self._closed = False
-        self._broken: str | None = None
-        self.pids: list[int] = []            # pool mode: the resident workers
-        self.last_pids: list[int] = []       # stage mode: the workers of the last stage
-        self._cmd_w: list[int] = []
-        self._res_r: list[int] = []
         self._seq = 0
+        self.owner_pid = os.getpid()
+        # The record and its finalizer exist before any worker does (see _Workers).
+        w = _Workers()
+        self._finalizer = weakref.finalize(self, w.stop)
+        self._w = w
+        self._closed = False
         if mode == "pool" and not (inline and n_workers == 1):
             self._start_pool()
-        _LIVE_POOLS.add(self)
 
-    # -- pool mode --------------------------------------------------------------------------
-    def _start_pool(self) -> None:
-        parent = os.getpid()
-        try:
-            for i in range(self.n_workers):
-                cmd_r, cmd_w = os.pipe()
-                res_r, res_w = os.pipe()
+    @property
+    def pids(self) -> list[int]:
+        """Pool mode: the resident workers' pids (-1: reaped)."""
+        return self._w.pids if self._w is not None else []
+
+    @property
+    def last_pids(self) -> list[int]:
+        """Stage mode: the pids of the last stage's workers (-1: reaped)."""
+        return self._w.last_pids if self._w is not None else []
+
+    # -- forking ----------------------------------------------------------------------------
+    def _fork(self, pipes: list[tuple[list[int], bool]], pids: list[int], body) -> None:
+        """Make one pipe per ``(record, parent_reads)``, fork a worker running
+        ``body(*child_ends)``, and record everything.
+
+        One fork section: each pipe's parent end is appended to its record (and registered, so
+        later children close it) and the pid to ``pids`` before any interrupt can surface; the
+        child's ends are closed in the parent before the section ends.
+        """
+        with fork_section() as ds:
+            child_ends: list[int] = []
+            try:
+                for record, parent_reads in pipes:
+                    r, w = os.pipe()
+                    mine, theirs = (r, w) if parent_reads else (w, r)
+                    record.append(mine)
+                    register_fd(mine)
+                    child_ends.append(theirs)
                 pid = os.fork()
-                if pid == 0:  # ---- worker ----
+                if pid == 0:  # ---- worker: never leaves this block ----
                     code = 1
                     try:
-                        _child_setup(parent, (cmd_r, res_w), self._cmd_w + self._res_r
-                                     + [cmd_w, res_r])
-                        code = self._worker_loop(cmd_r, res_w)
+                        _child_init(self.owner_pid, ds)
+                        code = body(*child_ends)
                     finally:
                         os._exit(code)
-                os.close(cmd_r)
-                os.close(res_w)
-                self.pids.append(pid)
-                self._cmd_w.append(cmd_w)
-                self._res_r.append(res_r)
+                pids.append(pid)
+            finally:
+                for fd in child_ends:
+                    os.close(fd)
+
+    def _start_pool(self) -> None:
+        lifeline()
+        w = self._w
+        try:
+            for _ in range(self.n_workers):
+                self._fork([(w.cmd_w, False), (w.res_r, True)], w.pids, self._worker_loop)
         except BaseException:
-            self._kill_pool()
+            self._closed = True
+            w.kill()
             raise
 
     def _worker_loop(self, cmd_r: int, res_w: int) -> int:
@@ -316,12 +393,6 @@ class WorkerPool:
                 _write_msg(res_w, (seq,) + result)
             except OSError:
                 return 3
-
-    def _kill_pool(self) -> None:
-        _close_fds(self._cmd_w + self._res_r)
-        self._cmd_w, self._res_r = [], []
-        _kill_all(self.pids)
-        self.pids = []
 
     # -- dispatch ---------------------------------------------------------------------------
     def run(self, stage: str, m: int, *, task: str | None = None, arg: Any = None,
@@ -381,8 +452,7 @@ class WorkerPool:
                 if msg is not None and msg[0] == "ok":
                     continue
                 if msg is None:   # EOF: the worker is dead or dying; reap it (grace period)
-                    status = _reap(pids[i])
-                    pids[i] = -1
+                    status = reap(pids[i], _REAP_S, _forget(pids, i))
                     raise WorkerError(stage, i, n, bs[i], _describe_status(status))
                 raise WorkerError(stage, i, n, bs[i], msg[1], msg[2])
 
@@ -390,17 +460,17 @@ class WorkerPool:
         self._seq += 1
         seq = self._seq
         n = len(bs)
+        w = self._w
         try:
             for i, (lo, hi) in enumerate(bs):
-                _write_msg(self._cmd_w[i], ("run", seq, name, lo, hi, arg))
-            self._collect(stage, bs, self._res_r[:n], self.pids, seq)
+                _write_msg(w.cmd_w[i], ("run", seq, name, lo, hi, arg))
+            self._collect(stage, bs, w.res_r[:n], w.pids, seq)
         except BrokenPipeError:
             i, status = 0, None
-            for j, pid in enumerate(self.pids[:n]):
-                st = _poll_status(pid)
+            for j, pid in enumerate(w.pids[:n]):
+                st = _poll_status(pid, _forget(w.pids, j))
                 if st is not None:
                     i, status = j, st
-                    self.pids[j] = -1
                     break
             self._fail(f"a worker was gone before stage {stage!r}")
             raise WorkerError(stage, i, n, bs[i], _describe_status(status)
@@ -415,55 +485,46 @@ class WorkerPool:
     def _fail(self, why: str) -> None:
         self._broken = why
         self._closed = True
-        self.pids = [p for p in self.pids if p > 0]
-        self._kill_pool()
+        self._w.kill()
 
     def _run_stage(self, stage: str, name: str, bs: list[tuple[int, int]], arg: Any) -> None:
-        parent = os.getpid()
+        # The records live on the pool's record (not in locals), so an interrupt anywhere --
+        # even in the cleanup below -- leaves them for close() / the finalizer to finish.
+        w = self._w
+        w.end_stage()
         pids: list[int] = []
-        fds: list[int] = []
-        self.last_pids = pids
+        w.last_pids = pids
+        lifeline()
+
+        def body(lo: int, hi: int, wfd: int) -> int:
+            result = _run_task(self._tasks, name, lo, hi, arg)
+            _write_msg(wfd, result)
+            return 0 if result[0] == "ok" else 1
+
         try:
-            for i, (lo, hi) in enumerate(bs):
-                r, w = os.pipe()
-                pid = os.fork()
-                if pid == 0:  # ---- worker ----
-                    code = 1
-                    try:
-                        _child_setup(parent, (w,), fds + [r])
-                        result = _run_task(self._tasks, name, lo, hi, arg)
-                        _write_msg(w, result)
-                        code = 0 if result[0] == "ok" else 1
-                    finally:
-                        os._exit(code)
-                os.close(w)
-                pids.append(pid)
-                fds.append(r)
-            self._collect(stage, bs, fds, pids, None)
+            for lo, hi in bs:
+                self._fork([(w.stage_fds, True)], pids, functools.partial(body, lo, hi))
+            self._collect(stage, bs, w.stage_fds, pids, None)
             for i, pid in enumerate(pids):      # wait4 them all
                 if pid > 0:
-                    status = _reap(pid)
-                    pids[i] = -1
+                    status = reap(pid, _REAP_S, _forget(pids, i))
                     if status is None or not os.WIFEXITED(status) or os.WEXITSTATUS(status):
                         raise WorkerError(stage, i, len(bs), bs[i], _describe_status(status))
         finally:
-            _close_fds(fds)
-            _kill_all([p for p in pids if p > 0])
+            w.end_stage()
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the workers (pool mode: close their command pipes, reap, SIGKILL stragglers)."""
-        if os.getpid() != self.owner_pid:
-            return
+        """Stop the workers: send ``stop``, close the command pipes, reap (SIGKILL stragglers
+        after a grace period), close the status pipes. Idempotent; an interrupted close leaves
+        consistent records, and the next call (or the finalizer) finishes the job."""
         self._closed = True
-        _close_fds(self._cmd_w)                # workers see EOF and exit
-        self._cmd_w = []
-        for pid in self.pids:
-            if pid > 0:
-                _reap(pid)
-        self.pids = []
-        _close_fds(self._res_r)
-        self._res_r = []
+        w = self._w
+        if w is None or os.getpid() != w.owner_pid:
+            return
+        w.stop()
+        if not w.busy():
+            self._finalizer.detach()               # nothing left: no work at collection
 
     @property
     def closed(self) -> bool:
@@ -475,30 +536,39 @@ class WorkerPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        try:
-            if os.getpid() == self.owner_pid and (self.pids or self._cmd_w):
-                self.close()
-        except Exception:
-            pass
-
     def __repr__(self) -> str:
         return (f"<WorkerPool mode={self.mode} n={self.n_workers} "
                 f"{'closed' if self._closed else 'open'} pids={self.pids}>")
 
 
-def _poll_status(pid: int) -> int | None:
-    """The wait status of ``pid`` if it has ended (reaping it), else None."""
+def _forget(lst: list[int], i: int):
+    """A callback marking ``lst[i]`` as reaped (-1), for :func:`nxhpc.runtime.proc.reap`."""
+    def forget() -> None:
+        lst[i] = -1
+    return forget
+
+
+def _send_stop(fd: int) -> None:
+    """Best effort, never blocking: the ``stop`` message a worker exits on."""
+    data = pickle.dumps(("stop",), protocol=pickle.HIGHEST_PROTOCOL)
     try:
-        wpid, status, _ = os.wait4(pid, os.WNOHANG)
-    except ChildProcessError:
+        os.set_blocking(fd, False)
+        os.write(fd, _HDR.pack(len(data)) + data)
+    except OSError:            # a dead worker (EPIPE), a full pipe: EOF on close does the rest
+        pass
+
+
+def _poll_status(pid: int, forget=None) -> int | None:
+    """The wait status of ``pid`` if it has ended (reaping it), else None."""
+    if pid <= 0:
         return None
-    return status if wpid == pid else None
-
-
-def _close_live_pools() -> None:
-    for p in list(_LIVE_POOLS):
-        p.close()
-
-
-atexit.register(_close_live_pools)
+    with deferred_signals():
+        try:
+            wpid, status, _ = os.wait4(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        if wpid == pid:
+            if forget is not None:
+                forget()
+            return status
+        return None

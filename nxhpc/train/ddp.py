@@ -13,7 +13,9 @@ reductions are exact integer sums, and the all-reduce adds integers exactly -- s
 gradient, hence every update, is the same integer vector for any split of the rows. The float32
 path runs the same model through the same ring and does depend on D (the contrast).
 It must not touch the inference kernels; it spawns no threads (BLAS is limited to 1 thread in
-workers) and leaves no shared-memory segment behind, whatever happens.
+workers) and leaves no shared-memory segment behind, whatever happens. The segment is the
+runtime's arena (via :class:`nxhpc.train.ring.ShmSegment`); die-with-parent (whichever thread
+started the run) and the words for a worker's exit come from :mod:`nxhpc.runtime.proc`.
 """
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ from multiprocessing.connection import wait as mp_wait
 
 import numpy as np
 
+from nxhpc.runtime import proc
+from nxhpc.runtime.outfile import OutputPathError, check_output_path, write_atomic
+from nxhpc.runtime.shm import ShmSpaceError
 from nxhpc.train import q16
 from nxhpc.train.q16 import Tape, from_q16, q16_add, sgd_step, to_q16
 from nxhpc.train.ring import ShmSegment, ring_allreduce_mpi, ring_allreduce_shm
@@ -70,8 +75,13 @@ class MLPConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.hidden < 1:
-            raise ValueError(f"MLPConfig: hidden must be >= 1, got {self.hidden}")
+        if isinstance(self.hidden, bool) or not isinstance(self.hidden, (int, np.integer)) \
+                or self.hidden < 1:
+            raise ValueError(f"MLPConfig: hidden must be an integer >= 1, got {self.hidden!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
+                or self.seed < 0:
+            raise ValueError(f"MLPConfig: seed must be a non-negative integer (numpy's "
+                             f"default_rng), got {self.seed!r}")
         if not (0.0 < self.lr < 1e6) or not np.isfinite(self.lr):
             raise ValueError(f"MLPConfig: lr must be a positive finite number, got {self.lr}")
 
@@ -259,19 +269,10 @@ def _check_steps(steps: int) -> None:
 # shared-memory data parallelism (forked workers)
 # ----------------------------------------------------------------------------------------------
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: have the kernel SIGKILL this worker if the parent dies (no orphan keeps the
-    segment mapped or blocks in a barrier). Best effort elsewhere; barrier timeouts remain."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)      # PR_SET_PDEATHSIG
-        if os.getppid() != parent_pid:              # the parent died before prctl took effect
-            os._exit(3)
-    except (OSError, AttributeError):
-        pass
+def _barrier_timeout(timeout: float) -> float | None:
+    """The per-wait barrier timeout of a worker: None (wait; the parent's deadline still holds)
+    for ``inf`` or anything past what a semaphore wait accepts (1e300 fails with EINVAL)."""
+    return None if not timeout <= threading.TIMEOUT_MAX else timeout
 
 
 def _worker_main(rank: int, workers: int, ar: _Arith, seg: ShmSegment, barrier, conn,
@@ -279,7 +280,10 @@ def _worker_main(rank: int, workers: int, ar: _Arith, seg: ShmSegment, barrier, 
     """Body of worker `rank` (runs in a forked child): its shard and the initial weights come
     from the segment, its gradient row goes back into it."""
     try:
-        _die_with_parent(parent_pid)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)      # the parent handles Ctrl-C
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)     # (not the CLI's handler, inherited)
+        proc.die_with_parent(parent_pid, exit_code=3)     # whichever thread forked us
+        timeout = _barrier_timeout(timeout)
         try:
             from threadpoolctl import threadpool_limits
             threadpool_limits(1)
@@ -320,14 +324,8 @@ def _worker_main(rank: int, workers: int, ar: _Arith, seg: ShmSegment, barrier, 
 
 
 def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
+    """A worker's ``multiprocessing`` exit code in words (the runtime's helper)."""
+    return "still running" if code is None else proc.describe_exit(exitcode=code, brief=True)
 
 
 def _supervise(procs, conns, barrier, deadline: float, progress: np.ndarray) -> None:
@@ -412,8 +410,9 @@ def train_shm(workers: int, steps: int, *, arith: str = "q16", cfg: MLPConfig = 
     if not isinstance(workers, (int, np.integer)) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     _check_steps(steps)
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds (inf: no limit), "
+                         f"got {timeout!r}")
     data = data or load_diabetes()
     ar = _Arith(arith, data, cfg)
     if workers > ar.n_rows:
@@ -425,6 +424,7 @@ def train_shm(workers: int, steps: int, *, arith: str = "q16", cfg: MLPConfig = 
               "progress": ((workers,), np.int64)}
     ctx = mp.get_context("fork")
     t0 = time.perf_counter()
+    proc.lifeline()                          # before any fork: workers watch it (die with us)
     with ShmSegment(layout, prefix=shm_prefix) as seg:
         seg["x"][:], seg["y"][:], seg["init"][:] = ar.x, ar.y, ar.p0
         barrier = ctx.Barrier(workers)
@@ -527,7 +527,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="also train the Q16 model with each of these worker counts (shm) and "
                          "print a hash table, checked against the single-process full batch")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds before a shm run is "
-                    "declared hung (default 600)")
+                    "declared hung (default 600; inf: no limit)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
     return ap
 
@@ -547,14 +547,98 @@ def _print_run(res: TrainResult, head: str, every: int, out, report: dict) -> No
                   losses=res.losses.tolist())
 
 
-def _write_json(path: str | None, report: dict) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+def _write_json(path: str | None, report: dict) -> str | None:
+    """Write the report atomically (the path was checked up front); the error text, or None."""
+    if not path:
+        return None
+    try:
+        write_atomic(path, lambda f: f.write(json.dumps(report, indent=1).encode()))
+    except OSError as e:
+        return f"--json {path}: could not write the report: {e.strerror or e}"
+    return None
+
+
+class _Terminated(BaseException):
+    """Raised from the CLI's SIGTERM handler so that every cleanup (finally/with) runs."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
+#: The CLI's exit codes.
+EXIT_CODES = {0: "ok (and, with --sweep, every worker count gave the full-batch bytes)",
+              1: "failure: a worker died, raised or hung, Q16 overflow, not enough shared "
+                 "memory, a --sweep mismatch, or the --json report could not be written",
+              2: "bad arguments (including an unwritable --json path)",
+              130: "interrupted by Ctrl-C / SIGINT (workers stopped, shared memory released)",
+              143: "terminated by SIGTERM (workers stopped, shared memory released)"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the exit code (0 ok, 1 failure, 2 bad arguments)."""
+    """CLI entry point; returns the exit code (:data:`EXIT_CODES`: 0 ok, 1 failure, 2 bad
+    arguments, 130 SIGINT, 143 SIGTERM). No traceback for any of them."""
+    old_term = signal.signal(signal.SIGTERM, _on_sigterm) \
+        if threading.current_thread() is threading.main_thread() else None
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("error: interrupted (SIGINT); workers stopped, shared memory released",
+              file=sys.stderr, flush=True)
+        return 130
+    except _Terminated:
+        print("error: terminated (SIGTERM); workers stopped, shared memory released",
+              file=sys.stderr, flush=True)
+        return 143
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+def _run_shm(args, workers: int, cfg: MLPConfig, data: Dataset, head: str, out,
+             report: dict) -> int:
+    """The shm backend's runs (main, --sweep, float32 contrast), printed and recorded."""
+    res = train_shm(workers, args.steps, cfg=cfg, data=data, timeout=args.timeout)
+    _print_run(res, head, args.log_every, out, report)
+    rc = 0
+
+    if args.sweep:
+        ref = train_full_batch(args.steps, cfg=cfg, data=data)
+        print(f"\nQ16 sweep ({args.steps} steps): single-process full batch sha256 {ref.sha256}",
+              file=out)
+        sweep = {}
+        for d in args.sweep:
+            r = res if d == workers else train_shm(d, args.steps, cfg=cfg, data=data,
+                                                   timeout=args.timeout)
+            same = r.sha256 == ref.sha256
+            rc = rc if same else 1
+            sweep[d] = r.sha256
+            print(f"  D={d}: sha256 {r.sha256}  {'== full batch' if same else 'DIFFERS'}  "
+                  f"({r.seconds:.2f}s)", file=out)
+        report["sweep"] = {"full_batch": ref.sha256, **{str(k): v for k, v in sweep.items()}}
+
+    if not args.no_contrast:
+        print(f"\nfloat32 contrast: the same model, data, init and ring in numpy float32 "
+              f"({args.steps} steps)", file=out)
+        fres = {d: train_shm(d, args.steps, arith="float32", cfg=cfg, data=data,
+                             timeout=args.timeout) for d in args.contrast}
+        base_d = args.contrast[0]
+        base = fres[base_d].params.astype(np.float64)
+        contrast = {}
+        for d, r in fres.items():
+            diff = float(np.max(np.abs(r.params.astype(np.float64) - base)))
+            contrast[d] = {"sha256": r.sha256, "max_abs_diff": diff,
+                           "final_loss": float(r.losses[-1])}
+            print(f"  D={d}: sha256 {r.sha256[:16]}..  max|W_D - W_{base_d}| = {diff:.3e}  "
+                  f"final loss {r.losses[-1]:.6f}", file=out)
+        distinct = len({r.sha256 for r in fres.values()})
+        print(f"  float32: {distinct} distinct weight vectors over D in {args.contrast}; "
+              f"max difference {max(c['max_abs_diff'] for c in contrast.values()):.3e}", file=out)
+        report["float32_contrast"] = {str(k): v for k, v in contrast.items()}
+    return rc
+
+
+def _main(argv: list[str] | None) -> int:
     ap = _build_parser()
     args = ap.parse_args(argv)
     if args.steps < 1:
@@ -565,6 +649,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--log-every must be >= 1, got {args.log_every}")
     if not args.timeout > 0:
         ap.error(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.json:                                  # up front: not after the whole run
+        try:
+            check_output_path(args.json, what="--json")
+        except OutputPathError as e:
+            ap.error(str(e))
     try:
         cfg = MLPConfig(hidden=args.hidden, lr=args.lr, seed=args.seed)
         cfg.lr_q16
@@ -603,6 +692,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             res = train_mpi(comm, args.steps, cfg=cfg, data=data)
+        except KeyboardInterrupt:       # peers block in Sendrecv: abort the whole job
+            print(f"error: MPI rank {rank} interrupted (SIGINT)", file=sys.stderr, flush=True)
+            comm.Abort(130)
+            return 130
         except Exception as e:  # noqa: BLE001 - peers block in Sendrecv: abort the whole job
             print(f"error: MPI rank {rank} of {comm.Get_size()} failed: {type(e).__name__}: {e}",
                   file=sys.stderr, flush=True)
@@ -611,52 +704,22 @@ def main(argv: list[str] | None = None) -> int:
         if rank != 0:
             return 0
         _print_run(res, head, args.log_every, out, report)
-        _write_json(args.json, report)
+        err = _write_json(args.json, report)
+        if err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
         return 0
 
     workers = 4 if args.workers is None else args.workers
     try:
-        res = train_shm(workers, args.steps, cfg=cfg, data=data, timeout=args.timeout)
-    except (DDPWorkerError, DDPTimeoutError, q16.Q16OverflowError) as e:
+        rc = _run_shm(args, workers, cfg, data, head, out, report)
+    except (DDPWorkerError, DDPTimeoutError, q16.Q16OverflowError, ShmSpaceError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    _print_run(res, head, args.log_every, out, report)
-    rc = 0
-
-    if args.sweep:
-        ref = train_full_batch(args.steps, cfg=cfg, data=data)
-        print(f"\nQ16 sweep ({args.steps} steps): single-process full batch sha256 {ref.sha256}",
-              file=out)
-        sweep = {}
-        for d in args.sweep:
-            r = res if d == workers else train_shm(d, args.steps, cfg=cfg, data=data,
-                                                   timeout=args.timeout)
-            same = r.sha256 == ref.sha256
-            rc = rc if same else 1
-            sweep[d] = r.sha256
-            print(f"  D={d}: sha256 {r.sha256}  {'== full batch' if same else 'DIFFERS'}  "
-                  f"({r.seconds:.2f}s)", file=out)
-        report["sweep"] = {"full_batch": ref.sha256, **{str(k): v for k, v in sweep.items()}}
-
-    if not args.no_contrast:
-        print(f"\nfloat32 contrast: the same model, data, init and ring in numpy float32 "
-              f"({args.steps} steps)", file=out)
-        fres = {d: train_shm(d, args.steps, arith="float32", cfg=cfg, data=data,
-                             timeout=args.timeout) for d in args.contrast}
-        base_d = args.contrast[0]
-        base = fres[base_d].params.astype(np.float64)
-        contrast = {}
-        for d, r in fres.items():
-            diff = float(np.max(np.abs(r.params.astype(np.float64) - base)))
-            contrast[d] = {"sha256": r.sha256, "max_abs_diff": diff,
-                           "final_loss": float(r.losses[-1])}
-            print(f"  D={d}: sha256 {r.sha256[:16]}..  max|W_D - W_{base_d}| = {diff:.3e}  "
-                  f"final loss {r.losses[-1]:.6f}", file=out)
-        distinct = len({r.sha256 for r in fres.values()})
-        print(f"  float32: {distinct} distinct weight vectors over D in {args.contrast}; "
-              f"max difference {max(c['max_abs_diff'] for c in contrast.values()):.3e}", file=out)
-        report["float32_contrast"] = {str(k): v for k, v in contrast.items()}
-    _write_json(args.json, report)
+    err = _write_json(args.json, report)
+    if err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return rc
 
 

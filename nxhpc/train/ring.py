@@ -1,9 +1,11 @@
 """Ring all-reduce (reduce-scatter + all-gather) over shared memory and over MPI.
 
-Owns the chunking of a flat vector across D ranks, the two ring algorithms, and the
-shared-memory segment lifetime (:class:`ShmSegment`, always unlinked). It knows nothing about
-models: the element-wise ``add`` is supplied by the caller (checked exact int64 add for Q16,
-plain float32 add for the contrast run).
+Owns the chunk schedule of a flat vector across D ranks and the two ring algorithms. It knows
+nothing about models: the element-wise ``add`` is supplied by the caller (checked exact int64 add
+for Q16, plain float32 add for the contrast run). The chunking is the runtime's one band split
+(:func:`nxhpc.runtime.workers.bands`, re-exported as :func:`chunk_bounds`) and the segment is the
+runtime's :class:`~nxhpc.runtime.shm.SharedArena` (:class:`ShmSegment` = a named arena with the
+ring's prefix): this module must not re-implement either, nor import the compiled kernels.
 
 Algorithm (both transports, same chunk schedule). The vector of length L is split into D
 chunks, chunk c = ``[c*L//D, (c+1)*L//D)``. Rank r's left neighbour is ``r-1 mod D``.
@@ -16,12 +18,12 @@ step, and never one being written in the current step).
 """
 from __future__ import annotations
 
-import os
-import secrets
-from multiprocessing import shared_memory
 from typing import Callable
 
 import numpy as np
+
+from nxhpc.runtime.shm import SharedArena
+from nxhpc.runtime.workers import bands
 
 __all__ = ["chunk_bounds", "ShmSegment", "ring_allreduce_shm", "ring_allreduce_mpi",
            "SHM_PREFIX"]
@@ -30,78 +32,29 @@ SHM_PREFIX = "nxring_"
 
 AddFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
-
-def chunk_bounds(length: int, parts: int) -> list[tuple[int, int]]:
-    """Deterministic split of ``range(length)`` into `parts` bands: ``[c*L//D, (c+1)*L//D)``."""
-    if parts < 1:
-        raise ValueError(f"chunk_bounds: parts must be >= 1, got {parts}")
-    if length < 0:
-        raise ValueError(f"chunk_bounds: length must be >= 0, got {length}")
-    return [(c * length // parts, (c + 1) * length // parts) for c in range(parts)]
+#: The deterministic split of ``range(length)`` into ``parts`` bands ``[c*L//D, (c+1)*L//D)``:
+#: the runtime's :func:`~nxhpc.runtime.workers.bands` itself, under the ring's name.
+chunk_bounds = bands
 
 
-class ShmSegment:
-    """One ``multiprocessing.shared_memory`` segment carved into named numpy arrays.
+class ShmSegment(SharedArena):
+    """A *named* :class:`~nxhpc.runtime.shm.SharedArena` with the ring's prefix.
 
     ``with ShmSegment({"grads": ((D, L), np.int64), ...}, prefix=...) as seg: seg["grads"]``.
-    The creating process unlinks the segment on ``close()`` / context exit, whatever happened;
-    forked children inherit the mapping and must not close or unlink it.
+    Named, so the segment is visible in /dev/shm while it lives and registered with the resource
+    tracker (a SIGKILL of the driver still unlinks it); the creating process unlinks it on
+    ``close()`` / context exit, whatever happened; forked children inherit the mapping and never
+    unlink it.
     """
 
     def __init__(self, layout: dict[str, tuple[tuple[int, ...], np.dtype]],
                  prefix: str = SHM_PREFIX) -> None:
-        self._offsets: dict[str, tuple[int, tuple[int, ...], np.dtype]] = {}
-        off = 0
-        for key, (shape, dtype) in layout.items():
-            dt = np.dtype(dtype)
-            shape = tuple(int(s) for s in shape)
-            if any(s < 0 for s in shape):
-                raise ValueError(f"ShmSegment: array {key!r} has a negative dimension {shape}")
-            off = (off + 63) // 64 * 64
-            self._offsets[key] = (off, shape, dt)
-            off += int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        self.size = max(off, 1)
-        self.name = f"{prefix}{os.getpid()}_{secrets.token_hex(4)}"
-        self._owner = os.getpid()
-        self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
-            name=self.name, create=True, size=self.size)
-        self._arrays = {
-            key: np.ndarray(shape, dtype=dt, buffer=self._shm.buf, offset=o)
-            for key, (o, shape, dt) in self._offsets.items()}
-        for a in self._arrays.values():
-            a.fill(0)
+        super().__init__(layout, named=True, prefix=prefix)
 
-    def __getitem__(self, key: str) -> np.ndarray:
-        if self._shm is None:
-            raise RuntimeError(f"ShmSegment {self.name}: already closed")
-        return self._arrays[key]
-
-    def close(self) -> None:
-        """Drop the arrays, close and unlink (only in the creating process; idempotent)."""
-        if self._shm is None or os.getpid() != self._owner:
-            return
-        shm, self._shm = self._shm, None
-        self._arrays = {}
-        try:
-            shm.close()
-        except BufferError:     # a view escaped; the unlink below still removes the name
-            pass
-        try:
-            shm.unlink()
-        except FileNotFoundError:
-            pass
-
-    def __enter__(self) -> "ShmSegment":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+    @property
+    def size(self) -> int:
+        """Bytes in the segment's layout."""
+        return self.nbytes
 
 
 def ring_allreduce_shm(rank: int, bufs: np.ndarray, add: AddFn, barrier,

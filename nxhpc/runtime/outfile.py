@@ -1,0 +1,105 @@
+"""Result files written the safe way, for the CLIs (``blockrun --save-output``, ``ddp --json``).
+
+Owns: the up-front check that a path can take a result (:func:`check_output_path`: not a
+directory, an existing directory to write in that really accepts a new file, not one of the
+run's own input files) and the write itself (:func:`write_atomic`: a temporary sibling, flushed
+and fsync'ed, renamed over the target only when complete -- a full disk or an interrupt leaves
+the old file as it was and no temporary behind). Must not: decide exit codes or print.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import IO
+
+__all__ = ["OutputPathError", "check_output_path", "write_atomic"]
+
+
+class OutputPathError(ValueError):
+    """The path cannot take the result (the message says why); raised before any work is done."""
+
+
+def _in_place(path: str) -> bool:
+    """Written in place, not replaced: an existing non-regular file (a device, a FIFO), and
+    anything under /dev or /proc (``/dev/stdout`` is a link to whatever fd 1 is)."""
+    if path.startswith(("/dev/", "/proc/")):
+        return True
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)      # follows symlinks
+    except OSError:
+        return False
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_output_path(path: str | os.PathLike, *, what: str = "output",
+                      inputs: Iterable[str | os.PathLike] = ()) -> Path:
+    """Check, before the run, that ``path`` can be written as a result file; returns the path
+    to write (symlinks followed). Raises :class:`OutputPathError` naming ``what`` and the reason:
+    a directory, a missing directory, a directory that refuses a new file (read-only, no
+    permission), or the same file as one of ``inputs`` (hard and symbolic links resolved).
+    An existing non-regular file (``/dev/null``, a FIFO) and an existing path under /dev or
+    /proc (``/dev/stdout``) are written in place if writable."""
+    given = str(path)
+    if given == "":
+        raise OutputPathError(f"{what}: empty path")
+    p = Path(given)
+    if p.is_dir():
+        raise OutputPathError(f"{what} {given} is a directory; give a file path "
+                              f"(e.g. {p / 'out.npy'})")
+    for src in inputs:
+        if src is not None and p.exists() and _same_file(given, str(src)):
+            raise OutputPathError(f"{what} {given} is an input of this run ({src}); refusing "
+                                  f"to overwrite it")
+    if _in_place(given):
+        if p.exists() and not os.access(given, os.W_OK):
+            raise OutputPathError(f"{what} {given}: not writable")
+        if p.exists():
+            return p
+    real = Path(os.path.realpath(p))
+    parent = real.parent
+    if not parent.is_dir():
+        raise OutputPathError(f"{what} {given}: directory {parent} does not exist")
+    probe = parent / f".{real.name}.probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise OutputPathError(f"{what} {given}: cannot create a file in {parent}: "
+                              f"{e.strerror}") from None
+    os.close(fd)
+    os.unlink(probe)
+    return real
+
+
+def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """``write(f)`` into a temporary sibling of ``path``, fsync, rename over ``path``.
+
+    Any failure (``OSError`` of a full disk, an interrupt) removes the temporary file and
+    leaves ``path`` untouched. An existing non-regular ``path`` (a device, a FIFO) or one under
+    /dev or /proc (``/dev/stdout``) is written in place: there is nothing to replace atomically.
+    """
+    if _in_place(str(path)) and os.path.exists(path):
+        with open(path, "wb") as f:
+            write(f)
+        return
+    real = Path(os.path.realpath(path))
+    tmp = real.parent / f".{real.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        with open(tmp, "xb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())          # a full disk must fail here, not after the rename
+        os.replace(tmp, real)
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,322 @@
+"""Process helpers shared by the worker pool and the data-parallel trainer (``nxhpc.train``).
+
+Owns: holding off asynchronous signals while a resource is acquired or released *and recorded*
+(:class:`deferred_signals`, :func:`fork_section`), the die-with-parent lifeline
+(:func:`lifeline`, :func:`die_with_parent`), the registry of parent-side file descriptors that
+no forked child may keep (:func:`register_fd`, :func:`close_fd`), reaping with a grace period
+(:func:`reap`), and the text of an exit status (:func:`describe_exit`). Must not: import numpy
+or the compiled kernels, start threads, or touch a descriptor or pid it was not given.
+
+**Interrupt safety.** A ``KeyboardInterrupt`` (Ctrl-C, a notebook's "interrupt kernel", a
+``SIGALRM`` handler that raises) can surface between any two bytecodes, including right after
+``os.pipe()`` or ``os.fork()`` returned and before the result is stored. Every such step runs
+inside :class:`deferred_signals`: asynchronous signals are blocked for the calling thread, the
+resource is acquired and recorded, and a signal that arrived meanwhile is delivered (its Python
+handler runs) when the block ends -- after the record exists. Releasing works the same way:
+forget the record, then close/unlink/reap, in one deferred block, so nothing is released twice.
+(Python runs signal handlers in the main thread only; if *another* thread receives the signal
+while the main thread holds it off, the handler can still run in the block. Single-threaded
+programs -- the notebook case -- are covered exactly.)
+
+**Die with the parent, whichever thread forked.** ``PR_SET_PDEATHSIG`` fires when the *thread*
+that forked exits, so a pool first used from a worker thread (a thread pool, a web request)
+lost its workers when that thread ended. Instead this process holds the write end of one pipe,
+the *lifeline*, for its whole life and never writes to it; an ``os.fork`` hook closes that end
+in every forked child. A worker reopens the read end as an open file of its own
+(``/proc/self/fd/N``) and asks the kernel for SIGKILL when it becomes readable
+(``F_SETOWN`` + ``F_SETSIG`` + ``O_ASYNC``) -- which happens exactly when the last write end
+closes, i.e. when the parent process ends, however it ends (exit, crash, SIGKILL). A worker forked
+from the main thread also sets ``PR_SET_PDEATHSIG`` (the main thread lives as long as the process).
+
+**Inherited descriptors.** Pipe ends a pool keeps in the parent are registered here; the same
+fork hook closes every registered descriptor in every forked child (a later pool's workers, a
+trainer's workers, a user's ``os.fork``), so end-of-file on a pipe really means its owner is
+gone. Descriptors are created close-on-exec, so an exec'd program never holds them either.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import select
+import signal
+import sys
+import threading
+import time
+
+__all__ = ["deferred_signals", "fork_section", "lifeline", "die_with_parent", "register_fd",
+           "close_fd", "reap", "describe_exit", "signal_name", "ASYNC_SIGNALS"]
+
+#: Signals held off by :class:`deferred_signals`: every catchable signal except those raised
+#: synchronously by a fault in the running code (blocking those would hide a crash).
+ASYNC_SIGNALS = frozenset(signal.valid_signals()) - {
+    signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL,
+    signal.SIGTRAP, signal.SIGSYS, signal.SIGABRT}
+
+_F_SETSIG = getattr(fcntl, "F_SETSIG", 10)       # Linux value; Python < 3.12 may not export it
+_PR_SET_PDEATHSIG = 1
+
+
+class deferred_signals:
+    """``with deferred_signals():`` -- asynchronous signals to this thread wait for the block's end.
+
+    Nestable (the outer mask is restored). A signal arriving inside is delivered, and its Python
+    handler runs, right after the block: an exception it raises comes out of the ``with``
+    statement once the block's bookkeeping is complete. :meth:`restore` puts the mask back early
+    (a forked child calls it after its own signal setup).
+    """
+
+    __slots__ = ("_old",)
+
+    def __init__(self) -> None:
+        self._old: set | None = None
+
+    def __enter__(self) -> "deferred_signals":
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, ())      # read the mask, change nothing
+        self._old = old
+        try:
+            signal.pthread_sigmask(signal.SIG_BLOCK, ASYNC_SIGNALS)
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+            raise
+        return self
+
+    def restore(self) -> None:
+        if self._old is not None:
+            old, self._old = self._old, None
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+# Serializes the pipe+fork+close steps of every pool in this process, so that a child forked by
+# one thread never inherits another thread's half-made worker pipes (which are not registered).
+_fork_lock = threading.Lock()
+
+
+class fork_section:
+    """``with fork_section() as ds:`` = the process-wide fork lock + :class:`deferred_signals`.
+
+    For the steps "make pipes, record them, fork, record the pid, close the child's ends". In the
+    child, call ``ds.restore()`` after setting up its signal handlers (the child inherits the
+    blocked mask and must never leave the block: it ends with ``os._exit``).
+    """
+
+    __slots__ = ("_ds",)
+
+    def __enter__(self) -> deferred_signals:
+        self._ds = deferred_signals()
+        self._ds.__enter__()
+        try:
+            _fork_lock.acquire()
+        except BaseException:
+            self._ds.restore()
+            raise
+        return self._ds
+
+    def __exit__(self, *exc: object) -> None:
+        if os.getpid() == _lock_owner_pid:
+            _fork_lock.release()
+        self._ds.restore()
+
+
+_lock_owner_pid = os.getpid()
+_owned_fds: set[int] = set()          # parent-side fds of this process that children must not keep
+_life_r = -1                          # this process's lifeline (read end, handed to children)
+_life_w = -1                          # ... and its write end (held by this process only)
+_parent_life_r = -1                   # in a forked child: the parent's lifeline read end
+_watch_fd = -1                        # in a worker: its own open file on the parent's lifeline
+_forked_from_main = True              # set in the parent just before each fork
+
+
+def register_fd(fd: int) -> None:
+    """Record ``fd`` as this process's own: every child forked from now on closes its copy."""
+    _owned_fds.add(fd)
+
+
+def close_fd(fds: list[int], i: int = -1) -> None:
+    """Forget ``fds[i]`` (pop it), then close it -- in that order, signals deferred -- so a
+    descriptor is never closed twice, even when an interrupt lands in between."""
+    with deferred_signals():
+        fd = fds.pop(i)
+        _owned_fds.discard(fd)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def lifeline() -> int:
+    """This process's lifeline read end (created on first use). Call before forking a child
+    that will call :func:`die_with_parent`."""
+    global _life_r, _life_w
+    with deferred_signals():
+        with _fork_lock:
+            if _life_w < 0:
+                r, w = os.pipe()                 # close-on-exec both ends
+                _life_r, _life_w = r, w
+    return _life_r
+
+
+def _before_fork() -> None:
+    global _forked_from_main
+    _forked_from_main = threading.current_thread() is threading.main_thread()
+
+
+def _after_fork_in_child() -> None:
+    """In every child forked by ``os.fork``: drop the parent's private descriptors."""
+    global _fork_lock, _lock_owner_pid, _life_r, _life_w, _parent_life_r
+    _fork_lock = threading.Lock()        # a copy held by the forking thread would never open
+    _lock_owner_pid = os.getpid()
+    for fd in list(_owned_fds):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _owned_fds.clear()
+    if _life_w >= 0:
+        try:
+            os.close(_life_w)
+        except OSError:
+            pass
+    if _parent_life_r >= 0 and _parent_life_r != _life_r:    # the grandparent's lifeline
+        try:
+            os.close(_parent_life_r)
+        except OSError:
+            pass
+    _parent_life_r = _life_r
+    _life_r = _life_w = -1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+
+_libc = None
+
+
+def _set_pdeathsig() -> None:
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def die_with_parent(parent_pid: int, exit_code: int = 70) -> bool:
+    """In a freshly forked child: arrange to be SIGKILLed by the kernel when the parent process
+    ends, whichever of its threads forked (see the module docstring). Exits at once (``exit_code``)
+    if the parent is already gone. Returns True when the lifeline watch is armed (False: only
+    ``PR_SET_PDEATHSIG``, and only when forked from the main thread)."""
+    global _watch_fd
+    armed = False
+    r = _parent_life_r
+    if r >= 0 and _watch_fd < 0:
+        try:
+            fd = os.open(f"/proc/self/fd/{r}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            fd = -1
+        if fd >= 0:
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+                fcntl.fcntl(fd, _F_SETSIG, int(signal.SIGKILL))
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_ASYNC)
+                armed = True
+                _watch_fd = fd                      # kept open for the life of the worker
+            except OSError:
+                os.close(fd)
+        if armed:
+            # The parent may have ended before the watch was armed: no write end is left, so the
+            # pipe already reads as end-of-file (POLLHUP) and no signal will come.
+            p = select.poll()
+            p.register(_watch_fd, select.POLLIN | select.POLLHUP)
+            if p.poll(0):
+                os._exit(exit_code)
+    elif _watch_fd >= 0:
+        armed = True
+    if _forked_from_main:
+        _set_pdeathsig()
+    if os.getppid() != parent_pid:                  # parent died before any of this took effect
+        os._exit(exit_code)
+    return armed
+
+
+def reap(pid: int, grace_s: float, forget=None) -> int | None:
+    """Wait up to ``grace_s`` for child ``pid`` to exit (polling ``wait4``), then SIGKILL it and
+    wait. Returns the wait status (None if ``pid`` is not a child of ours). ``forget()`` is called
+    in the same deferred block as the successful wait, so the caller's record of ``pid`` never
+    outlives the process (a reaped pid may be reused: it must never be signalled again)."""
+    if pid <= 0:
+        return None
+    end = time.monotonic() + grace_s
+    while True:
+        with deferred_signals():
+            try:
+                wpid, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                wpid, status = pid, None
+            if wpid == pid:
+                if forget is not None:
+                    forget()
+                return status
+        if time.monotonic() >= end:
+            break
+        time.sleep(0.001)
+    with deferred_signals():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            status = os.waitpid(pid, 0)[1]
+        except ChildProcessError:
+            status = None
+        if forget is not None:
+            forget()
+        return status
+
+
+def signal_name(sig: int) -> str:
+    """``9 -> 'SIGKILL'``; an unknown number -> ``'signal N'``."""
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+_CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT)
+
+
+def describe_exit(status: int | None = None, *, exitcode: int | None = None,
+                  brief: bool = False) -> str:
+    """How a child ended, in words, from a wait status (``os.waitpid``) or a
+    ``multiprocessing`` exit code (negative = killed by that signal).
+
+    ``"crashed by SIGSEGV (signal 11)"``, ``"was killed by SIGKILL (signal 9)"``,
+    ``"exited with status 3"``; with ``brief=True`` the trainer's wording:
+    ``"killed by signal SIGKILL"``, ``"exited with code 3"``. No status -> ``"disappeared
+    without reporting"``.
+    """
+    sig = code = None
+    if exitcode is not None:
+        sig, code = (-exitcode, None) if exitcode < 0 else (None, exitcode)
+    elif status is not None:
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+        elif os.WIFEXITED(status):
+            code = os.WEXITSTATUS(status)
+        else:
+            return f"ended with wait status {status}"
+    if sig is not None:
+        name = signal_name(sig)
+        if brief:
+            return f"killed by signal {name}"
+        what = "crashed" if sig in _CRASH_SIGNALS else "was killed"
+        return f"{what} by {name} (signal {sig})"
+    if code is not None:
+        return f"exited with code {code}" if brief else f"exited with status {code}"
+    return "disappeared without reporting"

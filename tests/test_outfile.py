@@ -1,0 +1,87 @@
+"""nxhpc.runtime.outfile: result files checked up front and written atomically (issue 12, item 5).
+
+The invariants are checked on the file system directly: the old content (bytes), the directory
+listing (no temporary left), the inode of a device that must be written in place, not replaced.
+"""
+import os
+
+import pytest
+
+from nxhpc.runtime.outfile import OutputPathError, check_output_path, write_atomic
+
+
+def test_failed_write_leaves_old_file_and_no_temporary(tmp_path):
+    target = tmp_path / "r.npy"
+    target.write_bytes(b"old")
+    for exc in (OSError(28, "No space left on device"), KeyboardInterrupt()):
+        def fail(f, exc=exc):
+            f.write(b"partial new content")
+            raise exc
+        with pytest.raises(type(exc)):
+            write_atomic(target, fail)
+        assert target.read_bytes() == b"old"
+        assert sorted(os.listdir(tmp_path)) == ["r.npy"]
+    write_atomic(target, lambda f: f.write(b"new"))      # control: success replaces
+    assert target.read_bytes() == b"new" and sorted(os.listdir(tmp_path)) == ["r.npy"]
+
+
+def test_symlink_target_is_followed_not_replaced(tmp_path):
+    real = tmp_path / "real.npy"
+    real.write_bytes(b"old")
+    link = tmp_path / "link.npy"
+    link.symlink_to(real)
+    write_atomic(link, lambda f: f.write(b"new"))
+    assert link.is_symlink() and real.read_bytes() == b"new"
+
+
+def test_device_is_written_in_place():
+    """``--save-output /dev/null`` must not replace the device node with a regular file."""
+    before = os.stat("/dev/null")
+    assert str(check_output_path("/dev/null", what="out")) == "/dev/null"
+    write_atomic("/dev/null", lambda f: f.write(b"discarded"))
+    after = os.stat("/dev/null")
+    assert (after.st_ino, after.st_rdev, after.st_mode) == (before.st_ino, before.st_rdev,
+                                                            before.st_mode)
+
+
+def test_check_output_path_reasons(tmp_path):
+    with pytest.raises(OutputPathError, match="is a directory"):
+        check_output_path(tmp_path, what="--x")
+    with pytest.raises(OutputPathError, match="does not exist"):
+        check_output_path(tmp_path / "nope" / "a.npy", what="--x")
+    src = tmp_path / "model.gguf"
+    src.write_bytes(b"weights")
+    hard = tmp_path / "hard.npy"
+    os.link(src, hard)
+    soft = tmp_path / "soft.npy"
+    soft.symlink_to(src)
+    for p in (src, hard, soft):
+        with pytest.raises(OutputPathError, match="input of this run"):
+            check_output_path(p, what="--x", inputs=[src])
+    assert check_output_path(tmp_path / "new.npy", what="--x", inputs=[src]) == \
+        tmp_path / "new.npy"                               # control: a fresh path is fine
+    assert sorted(os.listdir(tmp_path)) == ["hard.npy", "model.gguf", "soft.npy"]   # no probe
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_check_output_path_unwritable_directory(tmp_path):
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o555)
+    try:
+        with pytest.raises(OutputPathError, match="cannot create a file"):
+            check_output_path(d / "a.npy", what="--x")
+    finally:
+        d.chmod(0o755)
+
+
+def test_dev_stdout_is_written_through(tmp_path):
+    """``--json /dev/stdout`` (a link to fd 1: here a pipe) writes into the pipe."""
+    import subprocess
+    import sys
+    code = ("from nxhpc.runtime.outfile import check_output_path, write_atomic\n"
+            "check_output_path('/dev/stdout', what='--json')\n"
+            "write_atomic('/dev/stdout', lambda f: f.write(b'{\"ok\": 1}'))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == b'{"ok": 1}'
