@@ -1,0 +1,207 @@
+"""A drop-in transformer for diffusers' ``ZImagePipeline``, computed by nxhpc on the CPU.
+
+Owns :class:`NxhpcZImageTransformer`: the surface ``ZImagePipeline`` uses on its transformer
+(diffusers 0.42: ``in_channels`` and ``dtype`` read, then ``transformer(x_list, timestep,
+cap_list, joint_attention_kwargs=..., return_dict=False)[0]``), with the forward signature and
+return type of ``ZImageTransformer2DModel`` and its ``config`` keys, backed by ONE open
+``nxhpc.dit.denoiser.Denoiser`` (weights mapped once, one worker pool and arena reused for every
+call). The user keeps diffusers for the text encoder, scheduler and VAE.
+
+Must not: put torch in the hot path (tensors are converted to float32 numpy at the boundary,
+the denoiser computes, the result goes back as a tensor on the input's device and dtype), or
+import torch / diffusers at module import (they are the optional extra ``nxhpc[diffusers]``;
+without them constructing the class raises ImportError naming the extra).
+
+It is deliberately NOT a ``torch.nn.Module``: ``DiffusionPipeline.to()``, ``.device``,
+``.dtype`` and ``enable_model_cpu_offload`` act only on ``nn.Module`` components, so
+``pipe.to("cpu")`` / ``pipe.to(torch.bfloat16)`` leave it alone (it always computes in float32
+on the CPU, and returns outputs on the latents' device), and no accelerate hook is attached to
+it. ``NxhpcZImageTransformer.to()`` itself accepts only the CPU and float32 and says why
+otherwise.
+
+Batches: items are run one at a time at batch 1 (caption lengths differ under CFG: prompt and
+negative prompt); diffusers pads the batch and masks the pad keys, which gives each item the
+same result as batch 1 (the ``ReferenceTransformer`` tests show it).
+"""
+from __future__ import annotations
+
+import numbers
+import os
+from typing import Any
+
+import numpy as np
+
+__all__ = ["EXTRA_HINT", "NxhpcZImageTransformer"]
+
+EXTRA_HINT = "pip install 'nxhpc[diffusers]'"
+
+
+def _require():
+    """``(torch, Transformer2DModelOutput, FrozenDict)``, or ImportError naming the extra."""
+    try:
+        import torch
+        from diffusers.configuration_utils import FrozenDict
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+    except ImportError as e:
+        raise ImportError(f"nxhpc.diffusers needs torch and diffusers (the optional extra "
+                          f"'diffusers'): {EXTRA_HINT} ({e})") from None
+    return torch, Transformer2DModelOutput, FrozenDict
+
+
+class NxhpcZImageTransformer:
+    """``ZImageTransformer2DModel``'s place in ``ZImagePipeline``, running nxhpc.
+
+    ``NxhpcZImageTransformer(denoiser)`` wraps an open ``Denoiser`` (it is closed with this
+    object: :meth:`close` or ``with``); :meth:`from_gguf` opens one from a GGUF path, a model
+    directory or a built-in id. Attributes: ``in_channels`` / ``out_channels``, ``dtype``
+    (``torch.float32``), ``device`` (``cpu``), ``config`` (a diffusers ``FrozenDict`` with
+    ``ZImageTransformer2DModel``'s config keys), ``denoiser``, ``last_timings``.
+    """
+
+    _nxhpc_drop_in = True
+
+    def __init__(self, denoiser) -> None:
+        torch, _, FrozenDict = _require()
+        cfg = denoiser.config
+        self.denoiser = denoiser
+        self.in_channels = int(cfg.in_channels)
+        self.out_channels = int(cfg.in_channels)
+        self.dtype = torch.float32
+        self.device = torch.device("cpu")
+        self.all_patch_size = (int(cfg.patch),)
+        self.all_f_patch_size = (1,)
+        self.dim = int(cfg.dim)
+        self.n_heads = int(cfg.n_heads)
+        self.config = FrozenDict(
+            all_patch_size=self.all_patch_size, all_f_patch_size=self.all_f_patch_size,
+            in_channels=self.in_channels, dim=self.dim, n_layers=int(cfg.n_layers),
+            n_refiner_layers=int(cfg.n_noise_refiner), n_heads=self.n_heads,
+            n_kv_heads=int(cfg.n_kv_heads), norm_eps=float(cfg.norm_eps), qk_norm=True,
+            cap_feat_dim=int(cfg.cap_dim), siglip_feat_dim=None,
+            rope_theta=float(cfg.rope_theta), t_scale=float(cfg.t_scale),
+            axes_dims=[int(a) for a in cfg.axes_dims], axes_lens=[1536, 512, 512],
+            _class_name="ZImageTransformer2DModel")
+        self.training = False
+
+    @classmethod
+    def from_gguf(cls, path_or_id: str | os.PathLike, workers: int | None = None, *,
+                  models_dir: str | os.PathLike | None = None) -> NxhpcZImageTransformer:
+        """Open the denoiser (``nxhpc.dit.denoiser.open_denoiser``) from a GGUF file, a model
+        directory or a built-in id (e.g. ``tiny-dit``); ``workers`` default: the usable CPUs."""
+        _require()
+        from nxhpc.dit.denoiser import open_denoiser
+        return cls(open_denoiser(os.fspath(path_or_id), workers=workers, models_dir=models_dir))
+
+    # -- lifetime
+    def close(self) -> None:
+        """Close the denoiser (stops its workers, releases its shared memory). Idempotent."""
+        den, self.denoiser = self.denoiser, None
+        if den is not None:
+            den.close()
+
+    def __enter__(self) -> NxhpcZImageTransformer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"NxhpcZImageTransformer(dim={c.dim}, n_layers={c.n_layers}, "
+                f"cap_feat_dim={c.cap_feat_dim}, {'closed' if self.denoiser is None else 'open'})")
+
+    # -- the nn.Module-like calls code may make on a transformer
+    def to(self, *args, **kwargs) -> NxhpcZImageTransformer:
+        """Accepts only the CPU and float32 (nxhpc computes there); returns self."""
+        torch, _, _ = _require()
+        kwargs.pop("non_blocking", None)
+        for a in list(args) + [kwargs.pop("device", None), kwargs.pop("dtype", None)]:
+            if a is None:
+                continue
+            if isinstance(a, torch.dtype):
+                if a != torch.float32:
+                    raise ValueError(f"NxhpcZImageTransformer.to({a}): nxhpc computes in "
+                                     f"float32 from the GGUF's stored weights; only "
+                                     f"torch.float32 is accepted")
+                continue
+            dev = torch.device(a)
+            if dev.type != "cpu":
+                raise ValueError(f"NxhpcZImageTransformer.to({a}): nxhpc runs on the CPU "
+                                 f"only; keep the transformer on 'cpu' (the pipeline's other "
+                                 f"components may live elsewhere: outputs follow the "
+                                 f"latents' device)")
+        if kwargs:
+            raise TypeError(f"NxhpcZImageTransformer.to: unsupported arguments {sorted(kwargs)}")
+        return self
+
+    def cpu(self) -> NxhpcZImageTransformer:
+        return self
+
+    def eval(self) -> NxhpcZImageTransformer:
+        return self
+
+    def requires_grad_(self, requires_grad: bool = True) -> NxhpcZImageTransformer:
+        if requires_grad:
+            raise ValueError("NxhpcZImageTransformer: inference only, no gradients")
+        return self
+
+    @property
+    def last_timings(self) -> dict:
+        return dict(getattr(self.denoiser, "last_timings", None) or {})
+
+    # -- the call
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, x, t, cap_feats, return_dict: bool = True,
+                controlnet_block_samples: Any = None, siglip_feats: Any = None,
+                image_noise_mask: Any = None, patch_size: int = 2, f_patch_size: int = 1,
+                joint_attention_kwargs: dict | None = None):
+        """``ZImageTransformer2DModel.forward``: ``x`` a list of B ``[C, 1, H, W]`` tensors,
+        ``t`` a ``[B]`` tensor (or a number) of t = 1 - sigma, ``cap_feats`` a list of B
+        ``[L_i, cap_dim]`` tensors -> ``Transformer2DModelOutput(sample=[B x [C, 1, H, W]])``,
+        or ``(list,)`` with ``return_dict=False``; the raw output, not negated. Controlnet,
+        SigLIP/omni inputs and LoRA scales are not supported (NotImplementedError)."""
+        torch, Output, _ = _require()
+        if self.denoiser is None:
+            raise RuntimeError("NxhpcZImageTransformer: closed")
+        unsupported = [n for n, v in (("controlnet_block_samples", controlnet_block_samples),
+                                      ("siglip_feats", siglip_feats),
+                                      ("image_noise_mask", image_noise_mask)) if v is not None]
+        if unsupported:
+            raise NotImplementedError(f"NxhpcZImageTransformer: {', '.join(unsupported)} not "
+                                      f"supported (plain text-to-image only)")
+        if patch_size not in self.all_patch_size or f_patch_size != 1:
+            raise ValueError(f"NxhpcZImageTransformer: patch_size {patch_size} / f_patch_size "
+                             f"{f_patch_size}: the model has patch {self.all_patch_size[0]}, "
+                             f"f_patch 1")
+        scale = (joint_attention_kwargs or {}).get("scale", 1.0)
+        if scale != 1.0:
+            raise NotImplementedError("NxhpcZImageTransformer: LoRA scales (joint_attention_"
+                                      "kwargs['scale']) are not supported")
+        xs, caps = list(x), list(cap_feats)
+        if xs and isinstance(xs[0], (list, tuple)):
+            raise NotImplementedError("NxhpcZImageTransformer: omni mode (nested lists) is not "
+                                      "supported")
+        B = len(xs)
+        if isinstance(t, numbers.Real):
+            ts = [float(t)] * B
+        else:
+            tv = torch.as_tensor(t).detach().reshape(-1).to("cpu", torch.float64)
+            ts = tv.tolist() if tv.numel() != 1 else [float(tv[0])] * B
+        if B == 0 or not (len(caps) == len(ts) == B):
+            raise ValueError(f"NxhpcZImageTransformer: batch sizes differ or are empty: {B} "
+                             f"latents, {len(ts)} timesteps, {len(caps)} captions")
+        out = []
+        for i, (lat, ti, cap) in enumerate(zip(xs, ts, caps)):
+            if not torch.is_tensor(lat) or lat.ndim != 4 or lat.shape[1] != 1:
+                shape = tuple(lat.shape) if torch.is_tensor(lat) else type(lat).__name__
+                raise ValueError(f"NxhpcZImageTransformer: latents item {i} is {shape}, "
+                                 f"expected a [C, 1, H, W] tensor")
+            a = lat.detach().to("cpu", torch.float32).numpy()
+            c = torch.as_tensor(cap).detach().to("cpu", torch.float32).numpy()
+            r = self.denoiser.forward(np.ascontiguousarray(a), float(ti),
+                                      np.ascontiguousarray(c))
+            out.append(torch.from_numpy(np.asarray(r, dtype=np.float32).reshape(a.shape))
+                       .to(device=lat.device, dtype=lat.dtype))
+        return Output(sample=out) if return_dict else (out,)
