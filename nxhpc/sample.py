@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import sys
+import textwrap
 import time
 import traceback
 from collections.abc import Callable
@@ -212,21 +213,27 @@ def _seed_arg(s: str) -> int:
     return v
 
 
+def _fill(text: str) -> str:
+    return textwrap.fill(text, 92)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    codes = "\n".join(f"  {k:>3}  {v}" for k, v in EXIT_CODES.items())
+    codes = "\n".join(textwrap.fill(v, 92, initial_indent=f"  {k:>3}  ",
+                                     subsequent_indent=" " * 7) for k, v in EXIT_CODES.items())
     p = argparse.ArgumentParser(
         prog="python -m nxhpc.sample",
-        description="Z-Image-Turbo sampling on nxhpc's CPU denoiser: flow-matching Euler with a "
-                    "static shift, no classifier-free guidance (sigma_i = shift*s/(1+(shift-1)*s), "
-                    "s = 1 - i/steps; x += (sigma_i - sigma_{i+1}) * r(x, t = 1 - sigma_i)). "
-                    "Starts from --noise or N(0, 1) noise drawn with --seed, writes the final "
-                    "latents [16, H/8, W/8] as float32 .npy; --decode VAE_DIR --png OUT.png "
-                    "also decodes them with diffusers' AutoencoderKL (the FLUX VAE).",
-        epilog="caption features: Qwen3-4B hidden_states[-2] of the chat-templated prompt, real "
-               "tokens only, float32 [L, cap_dim] (cap_dim 2560 for Z-Image).\n"
-               "noise from --seed: numpy.random.default_rng(seed).standard_normal (float32), not "
-               "torch's generator; to compare with diffusers pass its noise with --noise.\n\n"
-               "exit codes:\n" + codes,
+        description=_fill(
+            "Z-Image-Turbo sampling on nxhpc's CPU denoiser: flow-matching Euler with a static "
+            "shift, no classifier-free guidance (sigma_i = shift*s/(1+(shift-1)*s), s = 1 - "
+            "i/steps; x += (sigma_i - sigma_{i+1}) * r(x, t = 1 - sigma_i)). Starts from --noise "
+            "or N(0, 1) noise drawn with --seed, writes the final latents [16, H/8, W/8] as "
+            "float32 .npy; --decode VAE_DIR --png OUT.png also decodes them with diffusers' "
+            "AutoencoderKL (the FLUX VAE)."),
+        epilog=_fill("caption features: Qwen3-4B hidden_states[-2] of the chat-templated prompt, "
+                     "real tokens only, float32 [L, cap_dim] (cap_dim 2560 for Z-Image).") + "\n"
+               + _fill("noise from --seed: numpy.random.default_rng(seed).standard_normal "
+                       "(float32), not torch's generator; to compare with diffusers pass its "
+                       "noise with --noise.") + "\n\nexit codes:\n" + codes,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="built-in id (e.g. tiny-dit), a model directory, or a GGUF file")
     p.add_argument("n_workers", nargs="?", type=_workers_arg, default=None,
@@ -293,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (see ``--help``)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_intermixed_args(argv)   # n_workers may follow the options
     except SystemExit as e:                   # argparse: --help -> 0, usage errors -> 2
         return int(e.code or 0)
     old_term = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -346,12 +353,6 @@ def _check_args(args) -> tuple[int, tuple[int, int] | None]:
             _require_decode_deps()
         except ImportError as e:
             raise _UsageError(str(e)) from None
-        if not os.path.isdir(args.decode):
-            raise _NotFound(f"--decode {args.decode}: no such directory (a diffusers "
-                            f"AutoencoderKL directory with config.json)")
-        if not os.path.isfile(os.path.join(args.decode, "config.json")):
-            raise _NotFound(f"--decode {args.decode}: no config.json there (expected a "
-                            f"diffusers AutoencoderKL directory)")
     inputs = [args.cap_feats] + ([args.noise] if args.noise else [])
     if os.path.isfile(args.model):
         inputs.append(args.model)
@@ -363,6 +364,13 @@ def _check_args(args) -> tuple[int, tuple[int, int] | None]:
             check_output_path(path, what=what, inputs=inputs)
         except OutputPathError as e:
             raise _UsageError(str(e)) from None
+    if args.decode is not None:
+        if not os.path.isdir(args.decode):
+            raise _NotFound(f"--decode {args.decode}: no such directory (a diffusers "
+                            f"AutoencoderKL directory with config.json)")
+        if not os.path.isfile(os.path.join(args.decode, "config.json")):
+            raise _NotFound(f"--decode {args.decode}: no config.json there (expected a "
+                            f"diffusers AutoencoderKL directory)")
     return workers, px
 
 
