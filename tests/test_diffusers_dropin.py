@@ -1,0 +1,209 @@
+"""nxhpc.diffusers.NxhpcZImageTransformer in diffusers' ZImagePipeline vs diffusers' own transformer.
+
+Set-up: a random Z-Image (every parameter randomized) written as a stable-diffusion.cpp-layout
+GGUF (prefix, layers and refiners Q8_0, the rest F32); the nxhpc drop-in opens that file; the
+oracle is diffusers' ``ZImageTransformer2DModel`` holding exactly the file's dequantized
+weights. Both sit in the same tiny offline ``ZImagePipeline`` (tests/pipeline_fixtures.py:
+random Qwen3 text encoder, local tokenizer and chat template, tiny random AutoencoderKL, the
+Turbo scheduler), same prompt, same starting latents, 8 steps, without and with CFG (B = 2,
+prompt and negative prompt of different lengths: run item by item).
+
+Tolerances: one call within 1e-5 of max|ref| against diffusers in float64 (the whole-call
+requirement: what is left is diffusers' float32 sinusoid and RoPE table, ~1e-6); final latents
+within 1e-4 relative (the sampler requirement); images within 1e-3 in [0, 1] and as uint8 at
+most 1 level on 99% of pixels (the pipeline requirement: the VAE maps ~1e-5 latent differences
+to far less than one level; rounding at .5 boundaries can still flip a level). Negative
+control: a drop-in with the sign flipped fails the same image check.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pipeline_fixtures import make_tiny_pipeline, pipeline_config, with_transformer
+from pipeline_fixtures import zimage_file_case
+from sample_util import open_test_denoiser, real_denoiser_available, rel_err
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+from nxhpc.diffusers import NxhpcZImageTransformer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PX = 64                     # latents [16, 8, 8]: 16 image tokens (padded to 32)
+STEPS = 8
+PROMPT = "a red cube on a table"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    return zimage_file_case(tmp_path_factory.mktemp("dropin"), pipeline_config(),
+                            "sdcpp-q8_0", seed=4)
+
+
+@pytest.fixture(scope="module")
+def tiny(case):
+    from nxhpc.dit.oracle import diffusers_zimage
+    diff32 = diffusers_zimage(case.cfg, case.file.weights, dtype=torch.float32)
+    return make_tiny_pipeline(transformer=diff32, seed=0, cfg=case.cfg)
+
+
+@pytest.fixture(scope="module")
+def nx(case):
+    with NxhpcZImageTransformer(open_test_denoiser(case.path, workers=2)) as t:
+        yield t
+
+
+def _run(pipe, guidance, noise, keep):
+    def on_step(p, i, t, kw):
+        if i == STEPS - 1:
+            keep.append(kw["latents"][0].double().numpy())
+        return kw
+    return pipe(PROMPT, height=PX, width=PX, num_inference_steps=STEPS, guidance_scale=guidance,
+                latents=noise.clone(), output_type="np", max_sequence_length=64,
+                callback_on_step_end=on_step).images[0]
+
+
+def _uint8(img: np.ndarray) -> np.ndarray:
+    return (img * 255).round().astype(int)         # diffusers' numpy_to_pil
+
+
+def test_attributes_the_pipeline_and_users_read(nx, case):
+    assert nx.in_channels == nx.out_channels == 16
+    assert nx.dtype == torch.float32 and nx.device == torch.device("cpu")
+    c = nx.config
+    assert c.in_channels == c["in_channels"] == 16
+    assert (c.dim, c.n_layers, c.n_refiner_layers, c.n_heads, c.cap_feat_dim) == \
+        (case.cfg.dim, case.cfg.n_layers, case.cfg.n_noise_refiner, case.cfg.n_heads,
+         case.cfg.cap_dim)
+    assert tuple(c.all_patch_size) == (2,) and tuple(c.all_f_patch_size) == (1,)
+    assert list(c.axes_dims) == list(case.cfg.axes_dims)
+    # the config keys of diffusers' own class, so code that rebuilds/reads it finds them
+    from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
+    import inspect
+    keys = set(inspect.signature(ZImageTransformer2DModel.__init__).parameters) - {"self"}
+    assert keys <= set(c.keys())
+    assert nx.to("cpu") is nx and nx.to(torch.float32) is nx and nx.to("cpu", torch.float32) is nx
+    assert nx.eval() is nx and nx.cpu() is nx
+    with pytest.raises(ValueError, match="CPU only"):
+        nx.to("cuda")
+    with pytest.raises(ValueError, match="only torch.float32"):
+        nx.to(torch.bfloat16)
+
+
+def test_one_call_matches_diffusers_batch_of_two(nx, case):
+    rng = np.random.default_rng(7)
+    lats = [torch.from_numpy(rng.standard_normal((16, 1, 8, 6)).astype(np.float32))
+            for _ in range(2)]
+    caps = [torch.from_numpy(rng.standard_normal((n, case.cfg.cap_dim)).astype(np.float32))
+            for n in (19, 5)]
+    t = torch.tensor([0.3, 0.9], dtype=torch.float32)
+    out = nx(lats, t, caps, joint_attention_kwargs=None, return_dict=False)
+    assert isinstance(out, tuple) and len(out) == 1 and isinstance(out[0], list)
+    assert len(out[0]) == 2
+    for i, o in enumerate(out[0]):
+        assert o.shape == (16, 1, 8, 6) and o.dtype == torch.float32
+        with torch.no_grad():
+            ref = case.diffusers([lats[i].double()], t[i:i + 1].double(), [caps[i].double()],
+                                 return_dict=False)[0][0]
+        assert rel_err(o.numpy(), ref.numpy()) <= 1e-5
+    # the two items really differ (caption and t reach each item), and return_dict=True
+    assert rel_err(out[0][0].numpy(), out[0][1].numpy()) > 0.1
+    res = nx(lats[:1], t[:1], caps[:1])
+    np.testing.assert_array_equal(res.sample[0].numpy(), out[0][0].numpy())
+    # a plain float t (here the float32 value exactly) acts as a [B] tensor of it
+    res2 = nx(lats[:1], float(t[0]), caps[:1], return_dict=False)[0][0]
+    np.testing.assert_array_equal(res2.numpy(), out[0][0].numpy())
+
+
+@pytest.mark.parametrize("guidance", [0.0, 2.0])
+def test_pipeline_images_match_diffusers_transformer(tiny, nx, guidance):
+    noise = torch.randn((1, 16, PX // 8, PX // 8), generator=torch.Generator().manual_seed(5))
+    lat_d, lat_n = [], []
+    img_d = _run(tiny.pipe, guidance, noise, lat_d)
+    pipe_nx = with_transformer(tiny, nx)
+    assert pipe_nx.transformer is nx
+    img_n = _run(pipe_nx, guidance, noise, lat_n)
+    assert img_n.shape == (PX, PX, 3) and img_d.std() > 0.02       # a real (not flat) image
+    assert rel_err(lat_n[0], lat_d[0]) <= 1e-4
+    assert np.abs(img_n - img_d).max() <= 1e-3
+    diff = np.abs(_uint8(img_n) - _uint8(img_d))
+    assert diff.max() <= 2 and np.mean(diff <= 1) >= 0.99
+
+    class Flipped:                       # negative control: the same image check must fail
+        in_channels, dtype = 16, torch.float32
+
+        def __call__(self, *a, **k):
+            return ([-o for o in nx(*a, **k)[0]],)
+    img_f = _run(with_transformer(tiny, Flipped()), guidance, noise, [])
+    assert np.mean(np.abs(_uint8(img_f) - _uint8(img_d)) <= 1) < 0.99
+
+
+def test_pipeline_to_cpu_and_components(tiny, nx):
+    pipe = with_transformer(tiny, nx)
+    assert pipe.to("cpu") is pipe and pipe.transformer is nx
+    assert pipe.components["transformer"] is nx
+    assert pipe.device == torch.device("cpu") and pipe._execution_device == torch.device("cpu")
+
+
+def test_unsupported_and_bad_calls_are_clear(nx, case):
+    lat = [torch.zeros((16, 1, 4, 4))]
+    cap = [torch.zeros((3, case.cfg.cap_dim))]
+    t = torch.tensor([0.5])
+    with pytest.raises(NotImplementedError, match="controlnet_block_samples"):
+        nx(lat, t, cap, controlnet_block_samples={0: torch.zeros(1)})
+    with pytest.raises(NotImplementedError, match="LoRA"):
+        nx(lat, t, cap, joint_attention_kwargs={"scale": 0.5})
+    with pytest.raises(NotImplementedError, match="omni"):
+        nx([[lat[0]]], t, cap)
+    with pytest.raises(ValueError, match="patch_size 4"):
+        nx(lat, t, cap, patch_size=4)
+    with pytest.raises(ValueError, match=r"item 0 is \(16, 4, 4\)"):
+        nx([torch.zeros((16, 4, 4))], t, cap)
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        nx(lat * 2, t, cap)
+    nx(lat, t, cap, joint_attention_kwargs={"scale": 1.0})       # no-op scale is fine
+
+
+def test_close_closes_the_denoiser(case):
+    den = open_test_denoiser(case.path, workers=1)
+    t = NxhpcZImageTransformer(den)
+    t.close()
+    t.close()                                                       # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        t([torch.zeros((16, 1, 4, 4))], torch.tensor([0.5]), [torch.zeros((2, case.cfg.cap_dim))])
+
+
+@pytest.mark.skipif(not real_denoiser_available(), reason="needs nxhpc.dit.denoiser")
+def test_from_gguf_opens_the_nxhpc_denoiser(case):
+    with NxhpcZImageTransformer.from_gguf(case.path, workers=2) as t:
+        assert t.config.cap_feat_dim == case.cfg.cap_dim
+        assert type(t.denoiser).__module__ == "nxhpc.dit.denoiser"
+
+
+def test_import_needs_no_torch_and_errors_name_the_extra():
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['diffusers'] = None\n"
+            "import nxhpc.diffusers as d\n"
+            "try:\n    d.NxhpcZImageTransformer(object())\n"
+            "except ImportError as e:\n    print('IMPORTERROR', e)\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "IMPORTERROR" in p.stdout and "nxhpc[diffusers]" in p.stdout
+    p = subprocess.run([sys.executable, "-c", "import sys, nxhpc.diffusers; "
+                        "print('torch' in sys.modules, 'diffusers' in sys.modules)"],
+                       cwd=ROOT, capture_output=True, text=True,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=60)
+    assert p.stdout.split() == ["False", "False"], p.stderr
