@@ -158,6 +158,22 @@ def test_pipeline_to_cpu_and_components(tiny, nx):
     assert pipe.device == torch.device("cpu") and pipe._execution_device == torch.device("cpu")
 
 
+def test_readme_recipe_from_pretrained_without_transformer(tiny, nx, tmp_path):
+    from diffusers import ZImagePipeline
+    tiny.pipe.save_pretrained(tmp_path / "pipe")
+    with pytest.raises(ValueError, match="ModelMixin"):            # what the README warns of
+        ZImagePipeline.from_pretrained(tmp_path / "pipe", transformer=nx)
+    pipe = ZImagePipeline.from_pretrained(tmp_path / "pipe", transformer=None)
+    pipe.transformer = nx
+    pipe.set_progress_bar_config(disable=True)
+    noise = torch.randn((1, 16, PX // 8, PX // 8), generator=torch.Generator().manual_seed(6))
+    kw = dict(height=PX, width=PX, num_inference_steps=2, guidance_scale=0.0,
+              latents=noise, output_type="np", max_sequence_length=64)
+    img = pipe(PROMPT, **kw).images[0]
+    ref = with_transformer(tiny, nx)(PROMPT, **kw).images[0]       # the same parts, in memory
+    np.testing.assert_array_equal(img, ref)
+
+
 def test_unsupported_and_bad_calls_are_clear(nx, case):
     lat = [torch.zeros((16, 1, 4, 4))]
     cap = [torch.zeros((3, case.cfg.cap_dim))]
