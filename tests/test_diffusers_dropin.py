@@ -17,6 +17,7 @@ control: a drop-in with the sign flipped fails the same image check.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ import numpy as np
 import pytest
 from pipeline_fixtures import make_tiny_pipeline, pipeline_config, with_transformer
 from pipeline_fixtures import zimage_file_case
-from sample_util import open_test_denoiser, real_denoiser_available, rel_err
+from sample_util import child_pids, open_test_denoiser, real_denoiser_available, rel_err
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
@@ -149,6 +150,24 @@ def test_pipeline_images_match_diffusers_transformer(tiny, nx, guidance):
             return ([-o for o in nx(*a, **k)[0]],)
     img_f = _run(with_transformer(tiny, Flipped()), guidance, noise, [])
     assert np.mean(np.abs(_uint8(img_f) - _uint8(img_d)) <= 1) < 0.99
+
+
+@pytest.mark.skipif(not real_denoiser_available() or os.environ.get("NXHPC_RUN_PENDING") != "1",
+                    reason="pending: the Denoiser keeps one engine (token layout) and CFG "
+                           "alternates two caption lengths, so each item re-forks its pool")
+def test_cfg_batches_keep_the_worker_pool(tiny, nx):
+    kids = []
+
+    class Spy:
+        in_channels, dtype = 16, torch.float32
+
+        def __call__(self, *a, **k):
+            out = nx(*a, **k)
+            kids.append(child_pids())
+            return out
+    noise = torch.randn((1, 16, PX // 8, PX // 8), generator=torch.Generator().manual_seed(5))
+    _run(with_transformer(tiny, Spy()), 2.0, noise, [])
+    assert len(kids) == STEPS and kids[0] and all(k == kids[0] for k in kids)
 
 
 def test_pipeline_to_cpu_and_components(tiny, nx):

@@ -13,8 +13,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,6 +264,35 @@ def test_model_not_found_exits_3(cli, files):
     _expect(cli.run([str(d / "no-such-model.gguf"), "2", "--cap-feats", cap, "--noise", noise,
                      "--out", d / "o.npy"]), 3)
     assert not (d / "o.npy").exists()
+
+
+@pytest.mark.skipif(not real_denoiser_available(), reason="needs nxhpc.dit.denoiser (workers)")
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupt_mid_run_stops_cleanly(cli, files, sig, code):
+    d, cap, noise = files
+    before = shm_entries()
+    out = d / "int.npy"
+    p = subprocess.Popen([sys.executable, "-m", "nxhpc.sample", cli.model, "2", "--cap-feats",
+                          str(cap), "--noise", str(noise), "--steps", "100000", "--out", str(out)],
+                         cwd=ROOT, env=_env(cli.models_dir), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        buf = ""
+        while "step" not in buf and time.monotonic() < deadline:   # the bar has started
+            buf += p.stderr.read(1)
+        assert "step" in buf, buf
+        time.sleep(0.3)
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == code, err
+    assert "shared memory released" in err and "Traceback" not in err
+    assert not out.exists() and shm_entries() == before
+    _no_temporaries(d)
 
 
 # ----------------------------------------------------------------------------- decode
