@@ -259,6 +259,34 @@ def test_inputs_that_do_not_fit_the_model_exit_4_and_keep_the_old_output(cli, fi
     _no_temporaries(d)
 
 
+def test_nan_from_the_denoiser_exits_1_and_writes_nothing(cli, files, monkeypatch, capsys):
+    import nxhpc.sample as ns
+    d, cap, noise = files
+
+    class NaNAtStep1:
+        def __init__(self, inner):
+            self.inner, self.config, self.calls = inner, inner.config, 0
+
+        def forward(self, x, t, c):
+            self.calls += 1
+            r = self.inner.forward(x, t, c)
+            return r * np.float32("nan") if self.calls == 2 else r
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.inner.close()
+    monkeypatch.setattr(ns, "_open_denoiser", lambda model, workers, models_dir:
+                        NaNAtStep1(cli.open()))
+    out = d / "nan.npy"
+    rc = ns.main([cli.model, "2", "--cap-feats", str(cap), "--noise", str(noise), "--out",
+                  str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "step 1" in err and "NaN/inf" in err, err
+    assert not out.exists()
+
+
 def test_model_not_found_exits_3(cli, files):
     d, cap, noise = files
     _expect(cli.run([str(d / "no-such-model.gguf"), "2", "--cap-feats", cap, "--noise", noise,
