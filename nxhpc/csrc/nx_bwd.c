@@ -11,73 +11,47 @@
 
 /* ------------------------------------------------------------------ dispatch */
 
-nx_isa nx_bwd_variant(nx_bwd_family fam, nx_isa isa) {
-    /* AVX-512 variants exist for every family except qknorm_rope (whose cost is the float64
-     * row arithmetic, not memory); AVX2 variants for swiglu and attention only (the others are
-     * within 1.5x of generic, or bound by float64 arithmetic). */
-    if (isa == NX_ISA_AVX512 && fam != NX_BWD_QKNORM_ROPE) return NX_ISA_AVX512;
-    if (isa >= NX_ISA_AVX2 && (fam == NX_BWD_SWIGLU || fam == NX_BWD_ATTENTION)) return NX_ISA_AVX2;
-    return NX_ISA_GENERIC;
-}
+NX_DEFINE_DISPATCH(nx_bwd, "bwd", NX_BWD_SLOTS,
+                   {[NX_ISA_GENERIC] = &nx_bwd_table_generic,
+                    NX_X86_ONLY([NX_ISA_AVX2] = &nx_bwd_table_avx2,
+                                [NX_ISA_AVX512] = &nx_bwd_table_avx512, )})
 
 int nx_rmsnorm_bwd_f32(nx_isa isa, const float *x, const float *w, const float *mod,
                        const float *dy, float *dx, float *dw, float *dmod, int64_t D, float eps,
                        int64_t r0, int64_t r1) {
-    NX_X86_ONLY(if (nx_bwd_variant(NX_BWD_RMSNORM, isa) == NX_ISA_AVX512)
-        return nx_rmsnorm_bwd_f32_avx512(x, w, mod, dy, dx, dw, dmod, D, eps, r0, r1);)
-    return nx_rmsnorm_bwd_f32_generic(x, w, mod, dy, dx, dw, dmod, D, eps, r0, r1);
+    return nx_bwd_get(isa)->rmsnorm_backward(x, w, mod, dy, dx, dw, dmod, D, eps, r0, r1);
 }
 
 void nx_rope_bwd_f32(nx_isa isa, const float *dy, const float *pe, float *dx, int64_t T,
                      int64_t hd, int64_t r0, int64_t r1) {
-    NX_X86_ONLY(if (nx_bwd_variant(NX_BWD_ROPE, isa) == NX_ISA_AVX512) {
-        nx_rope_bwd_f32_avx512(dy, pe, dx, T, hd, r0, r1);
-        return;
-    })
-    nx_rope_bwd_f32_generic(dy, pe, dx, T, hd, r0, r1);
+    nx_bwd_get(isa)->rope_backward(dy, pe, dx, T, hd, r0, r1);
 }
 
 int nx_qknorm_rope_bwd_f32(nx_isa isa, const float *qkv, const float *q_w, const float *k_w,
                            const float *pe, const float *dq, const float *dk, float *dqkv,
                            float *dq_w, float *dk_w, int64_t T, int64_t H, int64_t KVH,
                            int64_t hd, float eps, int64_t h0, int64_t h1) {
-    (void)isa;  /* generic only (see nx_bwd_variant) */
-    return nx_qknorm_rope_bwd_f32_generic(qkv, q_w, k_w, pe, dq, dk, dqkv, dq_w, dk_w, T, H, KVH,
-                                          hd, eps, h0, h1);
+    return nx_bwd_get(isa)->qknorm_rope_backward(qkv, q_w, k_w, pe, dq, dk, dqkv, dq_w, dk_w, T,
+                                                 H, KVH, hd, eps, h0, h1);
 }
 
 void nx_swiglu_bwd_f32(nx_isa isa, const float *a, const float *b, const float *dout, float *da,
                        float *db, int64_t i0, int64_t i1) {
-    switch (nx_bwd_variant(NX_BWD_SWIGLU, isa)) {
-    NX_X86_ONLY(case NX_ISA_AVX512: nx_swiglu_bwd_f32_avx512(a, b, dout, da, db, i0, i1); return;
-                case NX_ISA_AVX2: nx_swiglu_bwd_f32_avx2(a, b, dout, da, db, i0, i1); return;)
-    default: nx_swiglu_bwd_f32_generic(a, b, dout, da, db, i0, i1); return;
-    }
+    nx_bwd_get(isa)->swiglu_backward(a, b, dout, da, db, i0, i1);
 }
 
 int nx_gated_residual_bwd_f32(nx_isa isa, const float *y, const float *gate, const float *dout,
                               float *dresid, float *dy, float *dgate, int64_t D, int64_t r0,
                               int64_t r1) {
-    NX_X86_ONLY(if (nx_bwd_variant(NX_BWD_GATED_RESIDUAL, isa) == NX_ISA_AVX512)
-        return nx_gated_residual_bwd_f32_avx512(y, gate, dout, dresid, dy, dgate, D, r0, r1);)
-    return nx_gated_residual_bwd_f32_generic(y, gate, dout, dresid, dy, dgate, D, r0, r1);
+    return nx_bwd_get(isa)->gated_residual_backward(y, gate, dout, dresid, dy, dgate, D, r0, r1);
 }
 
 int nx_attention_bwd_f32(nx_isa isa, const float *q, const float *k, const float *v,
                          const float *dout, const uint8_t *mask, float *dq, float *dk, float *dv,
                          int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t g0,
                          int64_t g1) {
-    switch (nx_bwd_variant(NX_BWD_ATTENTION, isa)) {
-    NX_X86_ONLY(case NX_ISA_AVX512:
-        return nx_attention_bwd_f32_avx512(q, k, v, dout, mask, dq, dk, dv, T, H, KVH, hd, scale,
-                                           g0, g1);
-    case NX_ISA_AVX2:
-        return nx_attention_bwd_f32_avx2(q, k, v, dout, mask, dq, dk, dv, T, H, KVH, hd, scale,
-                                         g0, g1);)
-    default: break;
-    }
-    return nx_attention_bwd_f32_generic(q, k, v, dout, mask, dq, dk, dv, T, H, KVH, hd, scale,
-                                        g0, g1);
+    return nx_bwd_get(isa)->attention_backward(q, k, v, dout, mask, dq, dk, dv, T, H, KVH, hd,
+                                               scale, g0, g1);
 }
 
 void nx_sum_partials_f32(const float *partials, float *out, int64_t n, int64_t D) {
@@ -322,3 +296,12 @@ int nx_attention_bwd_f32_generic(const float *q, const float *k, const float *v,
     free(p);
     return 0;
 }
+
+const nx_bwd_table nx_bwd_table_generic = {
+    .rmsnorm_backward = nx_rmsnorm_bwd_f32_generic,
+    .rope_backward = nx_rope_bwd_f32_generic,
+    .qknorm_rope_backward = nx_qknorm_rope_bwd_f32_generic,
+    .swiglu_backward = nx_swiglu_bwd_f32_generic,
+    .gated_residual_backward = nx_gated_residual_bwd_f32_generic,
+    .attention_backward = nx_attention_bwd_f32_generic,
+};

@@ -1,7 +1,8 @@
 /* nx_bwd.h -- backward (vector-Jacobian) kernels of the block's nonlinearities: RMSNorm(+mod),
  * RoPE, qk-norm+RoPE, SwiGLU, tanh-gated residual, softmax attention. Generic scalar functions
  * (nx_bwd.c) are the spec; AVX-512 variants live in nx_bwd_avx512.c, AVX2+FMA variants of swiglu
- * and attention (where scalar code is far slower) in nx_bwd_avx2.c. Callers (nxhpc/_k_bwd.pxi)
+ * and attention (where scalar code is far slower) in nx_bwd_avx2.c; each file exports one dispatch
+ * table (nx_bwd_table_<isa>). Callers (nxhpc/_k_bwd.pxi)
  * validate every shape before entering; these functions trust their arguments.
  *
  * Numerics (what is bit-identical, and where variants may differ):
@@ -33,13 +34,42 @@
 #include <stdlib.h>
 #include "nx_cpu.h"
 
-typedef enum {
-    NX_BWD_RMSNORM = 0, NX_BWD_ROPE = 1, NX_BWD_QKNORM_ROPE = 2, NX_BWD_SWIGLU = 3,
-    NX_BWD_GATED_RESIDUAL = 4, NX_BWD_ATTENTION = 5
-} nx_bwd_family;
+#include "nx_dispatch.h"
 
-/* The ISA level whose code actually runs when `isa` is requested for `fam`. */
-nx_isa nx_bwd_variant(nx_bwd_family fam, nx_isa isa);
+/* The family's slots (nx_dispatch.h), in kernel_variants() order. */
+#define NX_BWD_SLOTS(X)                                                                            \
+    X(rmsnorm_backward, int,                                                                       \
+      (const float *x, const float *w, const float *mod, const float *dy, float *dx, float *dw,   \
+       float *dmod, int64_t D, float eps, int64_t r0, int64_t r1))                                 \
+    X(rope_backward, void,                                                                         \
+      (const float *dy, const float *pe, float *dx, int64_t T, int64_t hd, int64_t r0,             \
+       int64_t r1))                                                                                \
+    X(qknorm_rope_backward, int,                                                                   \
+      (const float *qkv, const float *q_w, const float *k_w, const float *pe, const float *dq,     \
+       const float *dk, float *dqkv, float *dq_w, float *dk_w, int64_t T, int64_t H, int64_t KVH,  \
+       int64_t hd, float eps, int64_t h0, int64_t h1))                                             \
+    X(swiglu_backward, void,                                                                       \
+      (const float *a, const float *b, const float *dout, float *da, float *db, int64_t i0,        \
+       int64_t i1))                                                                                \
+    X(gated_residual_backward, int,                                                                \
+      (const float *y, const float *gate, const float *dout, float *dresid, float *dy,             \
+       float *dgate, int64_t D, int64_t r0, int64_t r1))                                           \
+    X(attention_backward, int,                                                                     \
+      (const float *q, const float *k, const float *v, const float *dout, const uint8_t *mask,     \
+       float *dq, float *dk, float *dv, int64_t T, int64_t H, int64_t KVH, int64_t hd,             \
+       float scale, int64_t g0, int64_t g1))
+
+NX_TABLE_TYPE(nx_bwd_table, NX_BWD_SLOTS)
+/* AVX-512 variants exist for every kernel except qknorm_rope_backward (whose cost is the float64
+ * row arithmetic, not memory); AVX2 variants for swiglu and attention only (the others are
+ * within 1.5x of generic, or bound by float64 arithmetic): the other slots inherit. */
+extern const nx_bwd_table nx_bwd_table_generic; /* nx_bwd.c */
+extern const nx_bwd_table nx_bwd_table_avx2;    /* nx_bwd_avx2.c */
+extern const nx_bwd_table nx_bwd_table_avx512;  /* nx_bwd_avx512.c */
+extern const nx_family_info nx_bwd_family;
+const nx_bwd_table *nx_bwd_get(nx_isa isa);
+/* The ISA whose code runs slot `slot` (list order above) when `isa` is requested. */
+nx_isa nx_bwd_variant(int slot, nx_isa isa);
 
 /* ---- rmsnorm_backward. Forward: y[r] = x[r] * inv_r * w [* mod], inv_r = 1/sqrt(mean(x[r]^2)+eps).
  * For rows r in [r0, r1), with g = dy*w[*mod] and xhat = x*inv:

@@ -1,7 +1,7 @@
 /* nx_bwd_avx2.c -- AVX2+FMA variants of the backward kernels where scalar code is far slower:
  * swiglu (8-lane exp polynomial instead of libm) and attention (4x16 micro-kernels of the tiled
- * float32 driver nx_attention_bwd_tiled in nx_bwd.h, sized for 16 ymm registers). The other
- * families run generic at this level (nx_bwd_variant). Must not: be entered unless
+ * float32 driver nx_attention_bwd_tiled in nx_bwd.h, sized for 16 ymm registers); exports
+ * nx_bwd_table_avx2 with those two slots, the others inherit generic. Must not: be entered unless
  * nx_cpu_isa_supported(NX_ISA_AVX2) (dispatch in nx_bwd.c). */
 #define NX_BWD_TILED_DRIVER
 #include "nx_bwd.h"
@@ -163,3 +163,9 @@ int nx_attention_bwd_f32_avx2(const float *q, const float *k, const float *v,
     return nx_attention_bwd_tiled(&nx_attn_bwd_tiling_avx2, q, k, v, dout, mask, dq, dk, dv, T, H,
                                   KVH, hd, scale, g0, g1);
 }
+
+/* Only swiglu and attention have AVX2 variants; the other slots inherit generic. */
+const nx_bwd_table nx_bwd_table_avx2 = {
+    .swiglu_backward = nx_swiglu_bwd_f32_avx2,
+    .attention_backward = nx_attention_bwd_f32_avx2,
+};

@@ -318,3 +318,12 @@ int nx_attention_bwd_f32_avx512(const float *q, const float *k, const float *v,
     return nx_attention_bwd_tiled(&nx_attn_bwd_tiling_avx512, q, k, v, dout, mask, dq, dk, dv, T,
                                   H, KVH, hd, scale, g0, g1);
 }
+
+/* qknorm_rope_backward has no AVX-512 variant (inherits: avx2 has none either -> generic). */
+const nx_bwd_table nx_bwd_table_avx512 = {
+    .rmsnorm_backward = nx_rmsnorm_bwd_f32_avx512,
+    .rope_backward = nx_rope_bwd_f32_avx512,
+    .swiglu_backward = nx_swiglu_bwd_f32_avx512,
+    .gated_residual_backward = nx_gated_residual_bwd_f32_avx512,
+    .attention_backward = nx_attention_bwd_f32_avx512,
+};

@@ -1,7 +1,9 @@
-/* nx_ops.h -- the block's non-matmul forward kernels: RMSNorm(+modulation), qk-norm+RoPE,
- * flash attention, SwiGLU, tanh-gated residual. Generic scalar functions are the spec; AVX2+FMA and
- * AVX-512 variants live in nx_ops_avx2.c / nx_ops_avx512.c. Callers (nxhpc/_k_ops.pxi) validate
- * every shape before entering; these functions trust their arguments.
+/* nx_ops.h -- the block's non-matmul forward kernels: RMSNorm(+modulation), LayerNorm(*mod),
+ * qk-norm+RoPE, flash attention, SwiGLU, tanh-gated residual. Generic scalar functions are the
+ * spec (nx_ops.c); AVX2+FMA and AVX-512 variants live in nx_ops_avx2.c / nx_ops_avx512.c (their
+ * element-wise loops written once for both widths in nx_ops_ew.h), each file exporting one
+ * dispatch table (nx_ops_table_<isa>). Callers (nxhpc/_k_ops.pxi) validate every shape before
+ * entering; these functions trust their arguments.
  *
  * Numerics shared by every variant (so the variants agree bit for bit where stated):
  *  - rmsnorm / qknorm_rope: the sum of squares is accumulated in float64 (x*x is exact in float64)
@@ -9,6 +11,8 @@
  *    (l + l+8), (l + l+4), (l + l+2), (l0 + l1); then r = (float)(1 / sqrt(ss / n + eps)) in double.
  *    Row scaling is ((x * r) * w) [* mod] in float32, RoPE is (pe0*y0) + (pe1*y1), never fused.
  *    => generic, avx2 and avx512 are bit-identical for these two families.
+ *  - layernorm_mod: see its declaration; float64 statistics in the same 16-lane order and tree,
+ *    float32 scaling never fused => bit-identical across variants.
  *  - swiglu / gated_residual / attention: generic uses libm expf/tanhf; SIMD variants use the
  *    polynomials in their own file (exp <= 2 ulp, measured 1.01; tanh <= 2 ulp, measured 1.14;
  *    silu <= 8u relative, plus |x|*2^-148 absolute below x = -87.3 where exp(-|x|) is subnormal;
@@ -21,17 +25,38 @@
 #define NX_OPS_H
 
 #include <stdint.h>
+
 #include "nx_cpu.h"
+#include "nx_dispatch.h"
 
-/* Families, for nx_ops_variant(). */
-typedef enum {
-    NX_OPS_RMSNORM = 0, NX_OPS_QKNORM_ROPE = 1, NX_OPS_ATTENTION = 2, NX_OPS_SWIGLU = 3,
-    NX_OPS_GATED_RESIDUAL = 4, NX_OPS_EXP = 5
-} nx_ops_family;
+/* The family's slots (nx_dispatch.h), in kernel_variants() order. */
+#define NX_OPS_SLOTS(X)                                                                            \
+    X(rmsnorm, void,                                                                               \
+      (const float *x, const float *w, const float *mod, float *out, int64_t D, float eps,         \
+       int64_t r0, int64_t r1))                                                                    \
+    X(qknorm_rope, void,                                                                           \
+      (const float *qkv, const float *q_w, const float *k_w, const float *pe, float *q_out,        \
+       float *k_out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float eps, int64_t h0,         \
+       int64_t h1))                                                                                \
+    X(attention, int,                                                                              \
+      (const float *q, const float *k, const float *qkv, const uint8_t *mask, float *out,          \
+       int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1))        \
+    X(swiglu, void, (const float *a, const float *b, float *out, int64_t i0, int64_t i1))         \
+    X(gated_residual, int,                                                                         \
+      (const float *resid, const float *y, const float *gate, float *out, int64_t D, int64_t r0,   \
+       int64_t r1))                                                                                \
+    X(vmath, void, (int which, const float *x, float *out, int64_t n))                             \
+    X(layernorm_mod, void,                                                                         \
+      (const float *x, const float *mod, float *out, int64_t D, float eps, int64_t r0, int64_t r1))
 
-/* The ISA level whose code actually runs when `isa` is requested for `fam` (falls back to the
- * next lower level where a variant is not compiled in). */
-nx_isa nx_ops_variant(nx_ops_family fam, nx_isa isa);
+NX_TABLE_TYPE(nx_ops_table, NX_OPS_SLOTS)
+extern const nx_ops_table nx_ops_table_generic; /* nx_ops.c: every slot */
+extern const nx_ops_table nx_ops_table_avx2;    /* nx_ops_avx2.c */
+extern const nx_ops_table nx_ops_table_avx512;  /* nx_ops_avx512.c */
+extern const nx_family_info nx_ops_family;
+/* The resolved table for `isa` (missing variants inherited) and which ISA runs slot `slot`. */
+const nx_ops_table *nx_ops_get(nx_isa isa);
+nx_isa nx_ops_variant(int slot, nx_isa isa);
 
 /* ---- rmsnorm: out[r] := x[r] / sqrt(mean(x[r]^2) + eps) * w [* mod], rows [r0, r1) of [T, D].
  * out may equal x (in place). mod may be NULL. */
@@ -116,6 +141,28 @@ int nx_gated_residual_f32_avx2(const float *resid, const float *y, const float *
                                float *out, int64_t D, int64_t r0, int64_t r1);
 int nx_gated_residual_f32_avx512(const float *resid, const float *y, const float *gate,
                                  float *out, int64_t D, int64_t r0, int64_t r1);
+
+/* ---- layernorm_mod: out[r] := (x[r] - mean_r) / sqrt(var_r + eps) * mod, rows [r0, r1) of
+ * [T, D] (LayerNorm without affine, population variance, times a per-column modulation).
+ * Arithmetic, the same in every variant (bit-identical):
+ *   mean = (sum_i x_i) / D, var = (sum_i (x_i - mean)^2) / D in float64: each sum over 16 lanes
+ *     (lane = i % 16) combined by the fixed tree (l + l+8), (l + l+4), (l + l+2), (l0 + l1);
+ *     x_i - mean and its square are separate float64 operations (never fused);
+ *   r = (float)(1 / sqrt(var + (double)eps));
+ *   out_i = ((float)((double)x_i - mean) * r) * mod_i: the difference rounded once to float32,
+ *     then two float32 products, never fused.
+ * out may equal x (in place: a row's statistics are complete before it is written). */
+void nx_layernorm_mod_f32(nx_isa isa,
+                          const float *x,   /* IN  [T, D] */
+                          const float *mod, /* IN  [D] */
+                          float *out,       /* OUT [T, D], rows [r0, r1) */
+                          int64_t D, float eps, int64_t r0, int64_t r1);
+void nx_layernorm_mod_f32_generic(const float *x, const float *mod, float *out, int64_t D,
+                                  float eps, int64_t r0, int64_t r1);
+void nx_layernorm_mod_f32_avx2(const float *x, const float *mod, float *out, int64_t D, float eps,
+                               int64_t r0, int64_t r1);
+void nx_layernorm_mod_f32_avx512(const float *x, const float *mod, float *out, int64_t D,
+                                 float eps, int64_t r0, int64_t r1);
 
 /* ---- element-wise exp / tanh of the variant (test hook for the SIMD polynomials):
  * out[i] := exp(x[i]) (which = 0) or tanh(x[i]) (which = 1), i in [0, n). */

@@ -1,10 +1,13 @@
-/* nx_ops_avx512.c -- AVX-512 (F/DQ/BW/VL) variants of the block's non-matmul kernels.
- * Owns: the register-blocked flash-attention micro-block (6 rows x 64 keys) run by the shared
- * tiled driver (nx_attn_tiled.h). The 16-lane exp/tanh/silu polynomials, lane masks and the
- * float64 reduction tree are shared with nx_bwd_avx512.c (nx_vmath_avx512.h).
+/* nx_ops_avx512.c -- AVX-512 (F/DQ/BW/VL) variants of the block's non-matmul kernels; exports
+ * nx_ops_table_avx512.
+ * Owns: qk-norm+RoPE in 16 lanes and the register-blocked flash-attention micro-block (6 rows x
+ * 64 keys) run by the shared tiled driver (nx_attn_tiled.h). The element-wise kernels are the
+ * shared nx_ops_ew.h at 16 lanes; the exp/tanh/silu polynomials, lane masks and the float64
+ * reduction tree are shared with nx_bwd_avx512.c (nx_vmath_avx512.h).
  * Must not: be entered unless nx_cpu_isa_supported(NX_ISA_AVX512) (dispatch in nx_ops.c). */
 #include "nx_ops.h"
 #include "nx_attn_tiled.h"
+#include "nx_ops_ew.h" /* rmsnorm, layernorm_mod, swiglu, gated_residual, vmath (both widths) */
 #include "nx_vmath_avx512.h"
 
 #include <immintrin.h>
@@ -12,45 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ------------------------------------------------------------------ vector math (test hook) */
-
-void nx_vmath_f32_avx512(int which, const float *x, float *out, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) {
-        __mmask16 m = nx_mask16(n - i);
-        __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-        _mm512_mask_storeu_ps(out + i, m, which == 0 ? nx_exp16(v) : nx_tanh16(v));
-    }
-}
-
-/* ------------------------------------------------------------------ rmsnorm, qknorm + rope */
-
-/* Same float64 16-lane order and tree as nx_rms_inv_generic (bit-identical). */
-static inline float nx_rms_inv_avx512(const float *x, int64_t n, float eps) {
-    __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
-    for (int64_t i = 0; i < n; i += 16) {
-        __m512d lo, hi;
-        nx_cvt_lohi(_mm512_maskz_loadu_ps(nx_mask16(n - i), x + i), &lo, &hi);
-        a0 = _mm512_fmadd_pd(lo, lo, a0);  /* lo*lo is exact in float64: fma == mul + add */
-        a1 = _mm512_fmadd_pd(hi, hi, a1);
-    }
-    return (float)(1.0 / sqrt(nx_tree16_pd(a0, a1) / (double)n + (double)eps));
-}
-
-void nx_rmsnorm_f32_avx512(const float *x, const float *w, const float *mod, float *out,
-                           int64_t D, float eps, int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++) {
-        const float *xr = x + r * D;
-        float *o = out + r * D;
-        __m512 inv = _mm512_set1_ps(nx_rms_inv_avx512(xr, D, eps));
-        for (int64_t i = 0; i < D; i += 16) {
-            __mmask16 m = nx_mask16(D - i);
-            __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + i), inv),
-                                     _mm512_maskz_loadu_ps(m, w + i));
-            if (mod) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, mod + i));
-            _mm512_mask_storeu_ps(o + i, m, v);
-        }
-    }
-}
+/* ------------------------------------------------------------------ qknorm + rope */
 
 void nx_qknorm_rope_f32_avx512(const float *qkv, const float *q_w, const float *k_w,
                                const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
@@ -65,7 +30,7 @@ void nx_qknorm_rope_f32_avx512(const float *qkv, const float *q_w, const float *
             const float *xr = qkv + t * W + j * hd;
             const float *p = pe + t * hd * 2;
             float *o = dst + t * hd;
-            float invf = nx_rms_inv_avx512(xr, hd, eps);
+            float invf = nx_rms_inv16(xr, hd, eps);
             __m512 inv = _mm512_set1_ps(invf);
             int64_t i = 0;
             for (; i + 16 <= hd; i += 16) {
@@ -81,39 +46,6 @@ void nx_qknorm_rope_f32_avx512(const float *qkv, const float *q_w, const float *
             for (; i < hd; i += 2) nx_qknorm_rope_pair(xr, invf, wt, p, o, i);  /* tail: the spec */
         }
     }
-}
-
-/* ------------------------------------------------------------------ swiglu, gated residual */
-
-void nx_swiglu_f32_avx512(const float *a, const float *b, float *out, int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; i += 16) {
-        __mmask16 m = nx_mask16(i1 - i);
-        __m512 v = _mm512_mul_ps(nx_silu16(_mm512_maskz_loadu_ps(m, a + i)),
-                                 _mm512_maskz_loadu_ps(m, b + i));
-        _mm512_mask_storeu_ps(out + i, m, v);
-    }
-}
-
-int nx_gated_residual_f32_avx512(const float *resid, const float *y, const float *gate,
-                                 float *out, int64_t D, int64_t r0, int64_t r1) {
-    float *tg = aligned_alloc(64, (size_t)((D + 15) / 16 * 16 + 16) * sizeof(float));
-    if (!tg) return -1;
-    for (int64_t c = 0; c < D; c += 16) {
-        __mmask16 m = nx_mask16(D - c);
-        _mm512_mask_storeu_ps(tg + c, m, nx_tanh16(_mm512_maskz_loadu_ps(m, gate + c)));
-    }
-    for (int64_t r = r0; r < r1; r++) {
-        const float *rr = resid + r * D, *yr = y + r * D;
-        float *o = out + r * D;
-        for (int64_t c = 0; c < D; c += 16) {
-            __mmask16 m = nx_mask16(D - c);
-            __m512 v = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, tg + c), _mm512_maskz_loadu_ps(m, yr + c),
-                                       _mm512_maskz_loadu_ps(m, rr + c));
-            _mm512_mask_storeu_ps(o + c, m, v);
-        }
-    }
-    free(tg);
-    return 0;
 }
 
 /* ------------------------------------------------------------------ flash attention */
@@ -244,3 +176,13 @@ int nx_attention_f32_avx512(const float *q, const float *k, const float *qkv,
                             int64_t hd, float scale, int64_t h0, int64_t h1) {
     return nx_attention_tiled(&nx_attn_tiling_avx512, q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1);
 }
+
+const nx_ops_table nx_ops_table_avx512 = {
+    .rmsnorm = nx_rmsnorm_f32_avx512,
+    .qknorm_rope = nx_qknorm_rope_f32_avx512,
+    .attention = nx_attention_f32_avx512,
+    .swiglu = nx_swiglu_f32_avx512,
+    .gated_residual = nx_gated_residual_f32_avx512,
+    .vmath = nx_vmath_f32_avx512,
+    .layernorm_mod = nx_layernorm_mod_f32_avx512,
+};

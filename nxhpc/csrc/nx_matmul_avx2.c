@@ -1,12 +1,15 @@
-/* nx_q8_0_avx2.c -- AVX2 + FMA variant of the Q8_0 matmul (8-wide vectors, 16 ymm registers).
+/* nx_matmul_avx2.c -- AVX2 + FMA variant of the matmul (8-wide vectors, 16 ymm registers);
+ * exports nx_mm_table_avx2.
  *
- * Owns the matmul's AVX2 pieces for the shared blocked driver (nx_q8_0_matmul_blocked): the
- * weight-panel packer and a 6 x 16 micro-kernel (12 ymm accumulators + 2 weight vectors +
- * 1 broadcast). Runs the contract's two-level fma sum (nx_q8_0.h) in vector lanes, so its output
- * is bit-identical to the generic variant. Quantize/dequantize have no
- * AVX2 variant (they fall back to generic). Must not: change the FMA order, allocate per tile.
+ * Owns the matmul's AVX2 pieces for the shared blocked driver (nx_matmul_blocked): a 6 x 16
+ * micro-kernel (12 ymm accumulators + 2 weight vectors + 1 broadcast), the generic panel packer
+ * (any weight type: dequantize 8 rows x 256 values into a stack scratch, transpose 8 x 8) and the
+ * fused Q8_0 packer. Runs the contract's two-level fma sum (nx_matmul.h) in vector lanes, so its
+ * output is bit-identical to the generic variant. Must not: change the FMA order, allocate per
+ * tile.
  */
-#include "nx_q8_0.h"
+#include "nx_matmul.h"
+#include "nx_simd.h"
 
 #include <immintrin.h>
 #include <stdlib.h>
@@ -20,7 +23,7 @@
 #define NX2_KC 512
 #define NX2_NC 256
 #define NX2_MC 264
-_Static_assert(NX2_KC % NX_Q8_0_CHAIN == 0, "KC must be a multiple of the chain chunk");
+_Static_assert(NX2_KC % NX_MM_KC_ALIGN == 0, "KC must hold whole chains and whole 256-blocks");
 _Static_assert(NX2_NC % NX2_NR == 0, "NC must be a multiple of NR");
 _Static_assert(NX2_MC % NX2_MR == 0, "MC must be a multiple of MR");
 
@@ -44,24 +47,64 @@ static inline void nx2_tr8(__m256 r[8]) {
     }
 }
 
-static inline __m256 nx2_deq8(const uint8_t *q /* IN 8 int8 */, __m256 d) {
-    __m128i b = _mm_loadl_epi64((const __m128i *)q);
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d);
+/* Columns [c0, c0+ncol) of panel half h (8 columns) that exist: ncol in 0..8. */
+static inline int nx2_half_cols(size_t nc, size_t c0) {
+    return c0 >= nc ? 0 : (nc - c0 >= 8 ? 8 : (int)(nc - c0));
 }
 
-/* Dequantize columns [j0, j0+nc) x blocks [b0, b0+kb) into Bp: panel p (16 columns) at
- * Bp + p*kc*16, element [k*16 + j] = w[j0 + 16p + j, 32*b0 + k]; columns past nc are zero. */
-static void nx2_pack_b(const uint8_t *w /* IN */, size_t rowbytes, size_t j0, size_t nc, size_t b0,
-                       size_t kb, float *Bp /* OUT */) {
-    const size_t kc = kb * NX_QK8_0;
+/* ------------------------------------------------------------------ packers */
+
+/* The generic packer (any weight type): per 8-column half of each 16-column panel and span of
+ * <= 256 k-values, c->dequant the rows into an 8 x 256 stack scratch, then transpose 8 x 8
+ * tiles into Bp[k*16 + j]. Columns past nc are zero. */
+static void nx2_pack_rows(const nx_mm_call *c, size_t j0, size_t nc, size_t b0, size_t kb,
+                          float *Bp /* OUT */) {
+    const size_t E = c->wt->blck_elems, BB = c->wt->blck_bytes, kc = kb * E;
+    float scratch[8 * NX_MM_PACK_SPAN] __attribute__((aligned(32)));
     for (size_t p = 0; p * NX2_NR < nc; p++) {
         float *dst = Bp + p * kc * NX2_NR;
         for (int h = 0; h < 2; h++) {
-            size_t c0 = p * NX2_NR + (size_t)h * 8;
-            int ncol = c0 >= nc ? 0 : (nc - c0 >= 8 ? 8 : (int)(nc - c0));
+            const size_t c0 = p * NX2_NR + (size_t)h * 8;
+            const int ncol = nx2_half_cols(nc, c0);
+            if (ncol == 0) {
+                for (size_t k = 0; k < kc; k++) _mm256_store_ps(dst + k * NX2_NR + h * 8, _mm256_setzero_ps());
+                continue;
+            }
+            for (size_t s0 = 0; s0 < kc; s0 += NX_MM_PACK_SPAN) {
+                const size_t span = kc - s0 < NX_MM_PACK_SPAN ? kc - s0 : NX_MM_PACK_SPAN;
+                const uint8_t *base = c->w + (j0 + c0) * c->rowbytes + (b0 + s0 / E) * BB;
+                for (int i = 0; i < ncol; i++)
+                    c->dequant(base + (size_t)i * c->rowbytes, scratch + i * NX_MM_PACK_SPAN, span / E);
+                for (size_t k0 = 0; k0 < span; k0 += 8) {
+                    const __m256i m = nx_mask8((int64_t)(span - k0));
+                    __m256 r[8];
+                    for (int i = 0; i < 8; i++)
+                        r[i] = i < ncol ? _mm256_maskload_ps(scratch + i * NX_MM_PACK_SPAN + k0, m)
+                                        : _mm256_setzero_ps();
+                    nx2_tr8(r);
+                    const size_t nk = span - k0 < 8 ? span - k0 : 8;
+                    for (size_t k = 0; k < nk; k++)
+                        _mm256_store_ps(dst + (s0 + k0 + k) * NX2_NR + h * 8, r[k]);
+                }
+            }
+        }
+    }
+}
+
+/* Fused Q8_0 packer: dequantize (exact) and transpose in registers, columns [j0, j0+nc) x blocks
+ * [b0, b0+kb) into Bp: panel p (16 columns) at Bp + p*kc*16, element [k*16 + j] =
+ * w[j0 + 16p + j, 32*b0 + k]; columns past nc are zero. */
+static void nx2_pack_q8_0(const nx_mm_call *c, size_t j0, size_t nc, size_t b0, size_t kb,
+                          float *Bp /* OUT */) {
+    const size_t kc = kb * NX_QK8_0, rowbytes = c->rowbytes;
+    for (size_t p = 0; p * NX2_NR < nc; p++) {
+        float *dst = Bp + p * kc * NX2_NR;
+        for (int h = 0; h < 2; h++) {
+            const size_t c0 = p * NX2_NR + (size_t)h * 8;
+            const int ncol = nx2_half_cols(nc, c0);
             for (size_t b = 0; b < kb; b++) {
                 float *db = dst + b * NX_QK8_0 * NX2_NR + h * 8;
-                const uint8_t *base = w + (j0 + c0) * rowbytes + (b0 + b) * NX_Q8_0_BLOCK_BYTES;
+                const uint8_t *base = c->w + (j0 + c0) * rowbytes + (b0 + b) * sizeof(nx_block_q8_0);
                 for (int q = 0; q < 4; q++) {
                     __m256 r[8];
                     for (int i = 0; i < 8; i++) {
@@ -69,7 +112,7 @@ static void nx2_pack_b(const uint8_t *w /* IN */, size_t rowbytes, size_t j0, si
                             const uint8_t *blk = base + (size_t)i * rowbytes;
                             uint16_t dh;
                             memcpy(&dh, blk, 2);
-                            r[i] = nx2_deq8(blk + 2 + q * 8, _mm256_set1_ps(_cvtsh_ss(dh)));
+                            r[i] = nxv_load_q8(blk + 2 + q * 8, _mm256_set1_ps(_cvtsh_ss(dh)));
                         } else {
                             r[i] = _mm256_setzero_ps();
                         }
@@ -82,7 +125,9 @@ static void nx2_pack_b(const uint8_t *w /* IN */, size_t rowbytes, size_t j0, si
     }
 }
 
-/* One chunk (kc <= NX_Q8_0_CHAIN) of the two-level sum (see nx_q8_0.h): p = fma chain from +0,
+/* ------------------------------------------------------------------ micro-kernel */
+
+/* One chunk (kc <= NX_MM_CHAIN) of the two-level sum (see nx_matmul.h): p = fma chain from +0,
  * then C = first ? p : C + p. The k loop always runs
  * all NX2_MR rows (rows past mr read the zero padding of Ap and are never stored): a fixed-size
  * loop lets GCC keep the 12 accumulators in registers. Masks are built outside the k loop only. */
@@ -114,11 +159,18 @@ static void nx2_kern(int mr, int nr, size_t kc, const float *A /* IN [kc][MR] */
 #undef NX2_ST
 }
 
-static const nx_q8_0_tiling nx2_tiling = {NX2_MR, NX2_NR, NX2_KC, NX2_NC, NX2_MC, nx2_pack_b,
-                                          nx2_kern};
+/* ------------------------------------------------------------------ the table */
 
-int nx_q8_0_matmul_avx2(const float *x /* IN [T*K] */, const uint8_t *w /* IN [N rows] */,
-                        float *out /* OUT [T*N] */, size_t T, size_t K, size_t N,
-                        size_t n0, size_t n1) {
-    return nx_q8_0_matmul_blocked(&nx2_tiling, x, w, out, T, K, N, n0, n1);
+static const nx_mm_tiling nx_mm_tiling_avx2 = {
+    NX2_MR, NX2_NR, NX2_KC, NX2_NC, NX2_MC, nx2_pack_rows,
+    {[NX_GGML_Q8_0] = nx2_pack_q8_0},
+    nx2_kern};
+
+int nx_matmul_avx2(const nx_mm_call *c) { return nx_matmul_blocked(&nx_mm_tiling_avx2, c); }
+
+static int nx_matmul_packer_avx2(uint32_t type) {
+    return nx_mm_tiling_packer(&nx_mm_tiling_avx2, type);
 }
+
+const nx_mm_table nx_mm_table_avx2 = {.matmul = nx_matmul_avx2,
+                                      .matmul_packer = nx_matmul_packer_avx2};

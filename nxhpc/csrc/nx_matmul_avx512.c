@@ -1,0 +1,233 @@
+/* nx_matmul_avx512.c -- AVX-512 (F/BW/VL/DQ) variant of the matmul; exports nx_mm_table_avx512.
+ *
+ * Owns the matmul's AVX-512 pieces for the shared blocked driver (nx_matmul_blocked): the
+ * register-blocked MR x 32 micro-kernel that runs the contract's fma chain in vector lanes (one
+ * lane = one output column), the generic panel packer (any weight type: dequantize 16 rows x 256
+ * values with the type's dequantize into a stack scratch, then transpose 16 x 16 in registers)
+ * and the fused packers (Q8_0: decode and transpose in registers). Entered only after the CPU
+ * probe reports AVX-512 + OS ZMM support. Must not: change the per-output FMA order (see
+ * nx_matmul.h), allocate per tile, or use threads.
+ */
+#include "nx_matmul.h"
+#include "nx_simd.h"
+
+#include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Blocking, measured on this project's Zen 5 host (2 x 512-bit FMA/cycle, 48 KiB L1d, 1 MiB L2;
+ * thread-CPU time, best of 5, T=256, K in {3840, 10240}, N in {3840, 11520}):
+ *   MR x NR = 12 x 32: 24 zmm accumulators + 2 weight vectors + 1 broadcast. MR=14 measured the
+ *     same (within 1%), so the smaller tail tile wins.
+ *   KC = 1024: k-depth of one pass (C tile read-modify-written K/KC times; A micro-panel
+ *     MR*KC*4 = 48 KiB streams through L1). 1024: 239/241/233 GFLOP/s; 512: 232/238/231;
+ *     256: 222/-/-; 128: 219/-/-.
+ *   NC = 128: columns per dequantized weight panel (KC*NC*4 = 512 KiB, L2); 64..256 within 1%.
+ *   MC = 264: tokens per packed activation block (MC*K*4 bytes); weights are dequantized once per
+ *     block, so T <= MC dequantizes each weight exactly once. 132 and 528 were 1-3% slower. */
+#ifndef NX_MR
+#define NX_MR 12
+#endif
+#define NX_NR 32
+#ifndef NX_KC
+#define NX_KC 1024
+#endif
+#ifndef NX_NC
+#define NX_NC 128
+#endif
+#ifndef NX_MC
+#define NX_MC 264
+#endif
+_Static_assert(NX_MR >= 12 && NX_MR <= 14, "micro-kernel cases cover MR in 12..14");
+_Static_assert(NX_KC % NX_MM_KC_ALIGN == 0, "KC must hold whole chains and whole 256-blocks");
+_Static_assert(NX_NC % NX_NR == 0, "NC must be a multiple of NR");
+_Static_assert(NX_MC % NX_MR == 0, "MC must be a multiple of MR");
+
+/* In-register 16x16 transpose: r[i][j] -> r[j][i]. */
+static inline void nx_tr16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    /* r[4g + c], 128-bit lane L = rows 4g..4g+3 of column 4L + c */
+    for (int c = 0; c < 4; c++) {
+        __m512 a = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
+        __m512 b = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+        __m512 e = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+        __m512 f = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+        t[c] = _mm512_shuffle_f32x4(a, e, 0x88);
+        t[8 + c] = _mm512_shuffle_f32x4(a, e, 0xDD);
+        t[4 + c] = _mm512_shuffle_f32x4(b, f, 0x88);
+        t[12 + c] = _mm512_shuffle_f32x4(b, f, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* Columns [c0, c0+ncol) of panel half h (16 columns) that exist: ncol in 0..16. */
+static inline int nx_half_cols(size_t nc, size_t c0) {
+    return c0 >= nc ? 0 : (nc - c0 >= 16 ? 16 : (int)(nc - c0));
+}
+
+/* ------------------------------------------------------------------ packers */
+
+/* The generic packer (nx_mm_tiling.pack_rows, any weight type): for each 16-column half of each
+ * 32-column panel and each span of <= 256 k-values, dequantize the rows' blocks with c->dequant
+ * into a 16 x 256 stack scratch, then transpose 16 x 16 tiles into Bp[k*32 + j]. */
+static void nx_pack_rows_avx512(const nx_mm_call *c, size_t j0, size_t nc, size_t b0, size_t kb,
+                                float *Bp /* OUT */) {
+    const size_t E = c->wt->blck_elems, BB = c->wt->blck_bytes, kc = kb * E;
+    float scratch[16 * NX_MM_PACK_SPAN] __attribute__((aligned(64)));
+    for (size_t p = 0; p * NX_NR < nc; p++) {
+        float *dst = Bp + p * kc * NX_NR;
+        for (int h = 0; h < 2; h++) {
+            const size_t c0 = p * NX_NR + (size_t)h * 16;
+            const int ncol = nx_half_cols(nc, c0);
+            if (ncol == 0) {
+                for (size_t k = 0; k < kc; k++) _mm512_store_ps(dst + k * NX_NR + h * 16, _mm512_setzero_ps());
+                continue;
+            }
+            for (size_t s0 = 0; s0 < kc; s0 += NX_MM_PACK_SPAN) {
+                const size_t span = kc - s0 < NX_MM_PACK_SPAN ? kc - s0 : NX_MM_PACK_SPAN;
+                const uint8_t *base = c->w + (j0 + c0) * c->rowbytes + (b0 + s0 / E) * BB;
+                for (int i = 0; i < ncol; i++)
+                    c->dequant(base + (size_t)i * c->rowbytes, scratch + i * NX_MM_PACK_SPAN, span / E);
+                for (size_t k0 = 0; k0 < span; k0 += 16) {
+                    const __mmask16 m = nx_mask16((int64_t)(span - k0));
+                    __m512 r[16];
+                    for (int i = 0; i < 16; i++)
+                        r[i] = i < ncol ? _mm512_maskz_loadu_ps(m, scratch + i * NX_MM_PACK_SPAN + k0)
+                                        : _mm512_setzero_ps();
+                    nx_tr16(r);
+                    const size_t nk = span - k0 < 16 ? span - k0 : 16;
+                    for (size_t k = 0; k < nk; k++)
+                        _mm512_store_ps(dst + (s0 + k0 + k) * NX_NR + h * 16, r[k]);
+                }
+            }
+        }
+    }
+}
+
+static inline float nx_load_d(const uint8_t *blk) {
+    uint16_t h;
+    memcpy(&h, blk, 2);
+    return _cvtsh_ss(h);
+}
+
+/* Fused Q8_0 packer: decode (d * q, exact) and transpose in registers, columns [j0, j0+nc) x
+ * blocks [b0, b0+kb) into Bp[p*kc*32 + k*32 + j] = w[j0 + 32p + j, 32*b0 + k]; columns past nc
+ * are zero. */
+static void nx_pack_q8_0_avx512(const nx_mm_call *c, size_t j0, size_t nc, size_t b0, size_t kb,
+                                float *Bp /* OUT */) {
+    const size_t kc = kb * NX_QK8_0, rowbytes = c->rowbytes;
+    for (size_t p = 0; p * NX_NR < nc; p++) {
+        float *dst = Bp + p * kc * NX_NR;
+        for (int h = 0; h < 2; h++) {
+            const size_t c0 = p * NX_NR + (size_t)h * 16;
+            const int ncol = nx_half_cols(nc, c0);
+            for (size_t b = 0; b < kb; b++) {
+                float *db = dst + b * NX_QK8_0 * NX_NR + h * 16;
+                if (ncol == 0) {
+                    for (int k = 0; k < NX_QK8_0; k++) _mm512_store_ps(db + k * NX_NR, _mm512_setzero_ps());
+                    continue;
+                }
+                const uint8_t *base = c->w + (j0 + c0) * rowbytes + (b0 + b) * sizeof(nx_block_q8_0);
+                for (int half = 0; half < 2; half++) {
+                    __m512 r[16];
+                    for (int i = 0; i < 16; i++) {
+                        if (i < ncol) {
+                            const uint8_t *blk = base + (size_t)i * rowbytes;
+                            r[i] = nxv_load_q8(blk + 2 + half * 16, _mm512_set1_ps(nx_load_d(blk)));
+                        } else {
+                            r[i] = _mm512_setzero_ps();
+                        }
+                    }
+                    nx_tr16(r);
+                    for (int k = 0; k < 16; k++) _mm512_store_ps(db + (half * 16 + k) * NX_NR, r[k]);
+                }
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ micro-kernel */
+
+/* One chunk of the contract's two-level sum (kc <= NX_MM_CHAIN) for C[0:mr, 0:32], masked to
+ * the valid columns:  p = +0;  p = fma(A[k][r], B[k][j], p) for k < kc;  C = first ? p : C + p. */
+static inline __attribute__((always_inline)) void
+nx_kern(const int mr, size_t kc, const float *A /* IN [kc][MR] */, const float *B /* IN [kc][32] */,
+        float *C /* IN/OUT */, size_t ldc, __mmask16 m0, __mmask16 m1, int first) {
+    __m512 c0[NX_MR], c1[NX_MR];
+    for (int r = 0; r < NX_MR; r++) {
+        if (r < mr) {
+            c0[r] = _mm512_setzero_ps();
+            c1[r] = _mm512_setzero_ps();
+        }
+    }
+    for (size_t k = 0; k < kc; k++) {
+        __m512 b0 = _mm512_load_ps(B + k * NX_NR), b1 = _mm512_load_ps(B + k * NX_NR + 16);
+        for (int r = 0; r < NX_MR; r++) {
+            if (r < mr) {
+                __m512 a = _mm512_set1_ps(A[k * NX_MR + r]);
+                c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);
+                c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);
+            }
+        }
+    }
+    for (int r = 0; r < NX_MR; r++) {
+        if (r < mr) {
+            if (!first) {
+                c0[r] = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, C + r * ldc), c0[r]);
+                c1[r] = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, C + r * ldc + 16), c1[r]);
+            }
+            _mm512_mask_storeu_ps(C + r * ldc, m0, c0[r]);
+            _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c1[r]);
+        }
+    }
+}
+
+#define NX_KERN_CASE(M) case M: nx_kern(M, kc, A, B, C, ldc, m0, m1, first); break;
+
+/* The driver's kern (see nx_mm_tiling): masks for the nr valid columns, then the micro-kernel
+ * compiled for this row count. */
+static void nx_kern_any(int mr, int nr, size_t kc, const float *A, const float *B, float *C,
+                        size_t ldc, int first) {
+    const __mmask16 m0 = nr >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nr) - 1u);
+    const __mmask16 m1 = nr >= 32 ? (__mmask16)0xffff
+                       : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1u) : (__mmask16)0;
+    switch (mr) {
+#if NX_MR >= 14
+    NX_KERN_CASE(14)
+#endif
+#if NX_MR >= 13
+    NX_KERN_CASE(13)
+#endif
+    NX_KERN_CASE(12) NX_KERN_CASE(11) NX_KERN_CASE(10) NX_KERN_CASE(9) NX_KERN_CASE(8)
+    NX_KERN_CASE(7) NX_KERN_CASE(6) NX_KERN_CASE(5) NX_KERN_CASE(4) NX_KERN_CASE(3)
+    NX_KERN_CASE(2) NX_KERN_CASE(1)
+    default: __builtin_unreachable();   /* 1 <= mr <= NX_MR by construction */
+    }
+}
+#undef NX_KERN_CASE
+
+/* ------------------------------------------------------------------ the table */
+
+static const nx_mm_tiling nx_mm_tiling_avx512 = {
+    NX_MR, NX_NR, NX_KC, NX_NC, NX_MC, nx_pack_rows_avx512,
+    {[NX_GGML_Q8_0] = nx_pack_q8_0_avx512},
+    nx_kern_any};
+
+int nx_matmul_avx512(const nx_mm_call *c) { return nx_matmul_blocked(&nx_mm_tiling_avx512, c); }
+
+static int nx_matmul_packer_avx512(uint32_t type) {
+    return nx_mm_tiling_packer(&nx_mm_tiling_avx512, type);
+}
+
+const nx_mm_table nx_mm_table_avx512 = {.matmul = nx_matmul_avx512,
+                                        .matmul_packer = nx_matmul_packer_avx512};
