@@ -11,9 +11,9 @@
 #include <string.h>
 
 static const char *const nx_feature_names[NX_CPU_NFEATURES] = {
-    "sse2",      "avx",        "avx2",     "fma",      "f16c",     "avx512f",    "avx512bw",
-    "avx512vl",  "avx512dq",   "avx512vnni", "avx512bf16", "os_ymm", "os_zmm",   "avx512vbmi",
-    "avxvnni",   "amx_tile",   "amx_int8", "amx_bf16", "os_amx",   "amx_permitted",
+    "sse2",     "avx",      "avx2",       "fma",        "f16c",   "avx512f",       "avx512bw",
+    "avx512vl", "avx512dq", "avx512vnni", "avx512bf16", "os_ymm", "os_zmm",        "avx512vbmi",
+    "avxvnni",  "amx_tile", "amx_int8",   "amx_bf16",   "os_amx", "amx_permitted",
 };
 _Static_assert(NX_CPU_AMX_PERMITTED == 1u << (NX_CPU_NFEATURES - 1), "feature names out of date");
 
@@ -62,9 +62,9 @@ static uint32_t nx_probe(void) {
     if (c & (1u << 12)) f |= NX_CPU_FMA;
     if (c & (1u << 29)) f |= NX_CPU_F16C;
     const uint64_t xcr0 = osxsave ? nx_xgetbv0() : 0;
-    const int os_ymm = (xcr0 & 0x6) == 0x6;                     /* SSE + AVX state */
-    const int os_zmm = os_ymm && (xcr0 & 0xE0) == 0xE0;         /* opmask, ZMM_Hi256, Hi16_ZMM */
-    const int os_amx = (xcr0 & 0x60000) == 0x60000;             /* XTILECFG (17), XTILEDATA (18) */
+    const int os_ymm = (xcr0 & 0x6) == 0x6;             /* SSE + AVX state */
+    const int os_zmm = os_ymm && (xcr0 & 0xE0) == 0xE0; /* opmask, ZMM_Hi256, Hi16_ZMM */
+    const int os_amx = (xcr0 & 0x60000) == 0x60000;     /* XTILECFG (17), XTILEDATA (18) */
     if (os_ymm) f |= NX_CPU_OS_YMM;
     if (os_zmm) f |= NX_CPU_OS_ZMM;
     if (__get_cpuid_max(0, NULL) >= 7) {
@@ -134,6 +134,8 @@ nx_isa nx_cpu_best_isa(void) {
 
 const char *nx_isa_name(nx_isa isa) { return nx_isa_valid(isa) ? nx_isas[isa].name : "unknown"; }
 
-nx_isa nx_isa_parent(nx_isa isa) { return nx_isa_valid(isa) ? nx_isas[isa].parent : NX_ISA_GENERIC; }
+nx_isa nx_isa_parent(nx_isa isa) {
+    return nx_isa_valid(isa) ? nx_isas[isa].parent : NX_ISA_GENERIC;
+}
 
 uint32_t nx_isa_needs(nx_isa isa) { return nx_isa_valid(isa) ? nx_isas[isa].needs : 0xffffffffu; }

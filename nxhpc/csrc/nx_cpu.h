@@ -26,14 +26,14 @@ enum {
     NX_CPU_AVX512DQ = 1u << 8,
     NX_CPU_AVX512VNNI = 1u << 9,
     NX_CPU_AVX512BF16 = 1u << 10,
-    NX_CPU_OS_YMM = 1u << 11,      /* OS saves YMM state (XCR0 bits 1, 2) */
-    NX_CPU_OS_ZMM = 1u << 12,      /* OS saves opmask + ZMM state (XCR0 bits 5, 6, 7) */
+    NX_CPU_OS_YMM = 1u << 11, /* OS saves YMM state (XCR0 bits 1, 2) */
+    NX_CPU_OS_ZMM = 1u << 12, /* OS saves opmask + ZMM state (XCR0 bits 5, 6, 7) */
     NX_CPU_AVX512VBMI = 1u << 13,
-    NX_CPU_AVXVNNI = 1u << 14,     /* VEX-encoded VNNI (CPUID 7.1 EAX bit 4) */
+    NX_CPU_AVXVNNI = 1u << 14, /* VEX-encoded VNNI (CPUID 7.1 EAX bit 4) */
     NX_CPU_AMX_TILE = 1u << 15,
     NX_CPU_AMX_INT8 = 1u << 16,
     NX_CPU_AMX_BF16 = 1u << 17,
-    NX_CPU_OS_AMX = 1u << 18,      /* OS saves tile state (XCR0 bits 17, 18) */
+    NX_CPU_OS_AMX = 1u << 18,        /* OS saves tile state (XCR0 bits 17, 18) */
     NX_CPU_AMX_PERMITTED = 1u << 19, /* Linux granted XTILEDATA (arch_prctl ARCH_REQ_XCOMP_PERM) */
 };
 #define NX_CPU_NFEATURES 20
@@ -52,11 +52,15 @@ const char *nx_cpu_feature_name(int i);
 #define NX_X86_ONLY(...)
 #endif
 
+/* A function always inlined into its caller (drivers and micro-kernels whose sizes must be
+ * compile-time constants there). */
+#define NX_INLINE static inline __attribute__((always_inline))
+
 /* Feature bits each ISA target needs (CPU and OS). The compile flags of a target's files are in
  * setup.py (ISA_FLAGS, by file-name suffix) and must not exceed these bits. */
 #define NX_ISA_NEEDS_AVX2 (NX_CPU_AVX | NX_CPU_AVX2 | NX_CPU_FMA | NX_CPU_F16C | NX_CPU_OS_YMM)
 #define NX_ISA_NEEDS_AVX512                                                                        \
-    (NX_ISA_NEEDS_AVX2 | NX_CPU_AVX512F | NX_CPU_AVX512BW | NX_CPU_AVX512VL | NX_CPU_AVX512DQ |   \
+    (NX_ISA_NEEDS_AVX2 | NX_CPU_AVX512F | NX_CPU_AVX512BW | NX_CPU_AVX512VL | NX_CPU_AVX512DQ |    \
      NX_CPU_AVX512VNNI | NX_CPU_OS_ZMM)
 
 /* The ISA targets: X(ID, "name", needed feature bits, parent). Dispatch for a target walks
@@ -72,7 +76,9 @@ const char *nx_cpu_feature_name(int i);
     X(AVX512, "avx512", NX_ISA_NEEDS_AVX512, AVX2)
 
 #define NX_ISA_ENUM_(id, name, needs, parent) NX_ISA_##id,
-typedef enum { NX_ISA_LIST(NX_ISA_ENUM_) NX_ISA_COUNT } nx_isa;
+typedef enum {
+    NX_ISA_LIST(NX_ISA_ENUM_) NX_ISA_COUNT
+} nx_isa;
 #undef NX_ISA_ENUM_
 
 /* Raw probe result (bit set of NX_CPU_*), computed once and cached. Ignores NXHPC_DISABLE_SIMD. */

@@ -56,10 +56,15 @@ void nx_dispatch_init(void);
     }                                                                                              \
     k_++;
 
-#define NX_TABLE_TYPE(T, SLOTS) typedef struct { SLOTS(NX_TBL_FIELD_) } T;
+#define NX_TABLE_TYPE(T, SLOTS)                                                                    \
+    typedef struct {                                                                               \
+        SLOTS(NX_TBL_FIELD_)                                                                       \
+    } T;
 
 #define NX_DEFINE_DISPATCH(PFX, FAMNAME, SLOTS, ...)                                               \
-    enum { PFX##_nslots_ = 0 SLOTS(NX_TBL_COUNT_) };                                               \
+    enum {                                                                                         \
+        PFX##_nslots_ = 0 SLOTS(NX_TBL_COUNT_)                                                     \
+    };                                                                                             \
     static PFX##_table PFX##_resolved_[NX_ISA_COUNT];                                              \
     static unsigned char PFX##_from_[NX_ISA_COUNT][PFX##_nslots_];                                 \
     static int PFX##_done_;                                                                        \

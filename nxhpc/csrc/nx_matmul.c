@@ -11,10 +11,10 @@
 
 /* ------------------------------------------------------------------ dispatch */
 
-NX_DEFINE_DISPATCH(nx_mm, "matmul", NX_MM_SLOTS,
-                   {[NX_ISA_GENERIC] = &nx_mm_table_generic,
-                    NX_X86_ONLY([NX_ISA_AVX2] = &nx_mm_table_avx2,
-                                [NX_ISA_AVX512] = &nx_mm_table_avx512, )})
+NX_DEFINE_DISPATCH(
+    nx_mm, "matmul", NX_MM_SLOTS,
+    {[NX_ISA_GENERIC] = &nx_mm_table_generic,
+     NX_X86_ONLY([NX_ISA_AVX2] = &nx_mm_table_avx2, [NX_ISA_AVX512] = &nx_mm_table_avx512, )})
 
 static int nx_matmul_packer_generic(uint32_t type) {
     (void)type;
@@ -28,8 +28,9 @@ int nx_matmul_ex(nx_isa isa, uint32_t type, const float *x, const uint8_t *w, co
                  float *out, size_t T, size_t K, size_t N, size_t n0, size_t n1, unsigned flags) {
     const nx_wtype_traits *wt = nx_wtype(type);
     if (!wt) return -2;
-    const nx_mm_call c = {wt,   nx_wtype_dequant(isa, type), type, x, w, bias, out, T, K, N, n0,
-                          n1,   K / wt->blck_elems * wt->blck_bytes, flags};
+    const nx_mm_call c = {
+        wt, nx_wtype_dequant(isa, type),         type, x, w, bias, out, T, K, N, n0,
+        n1, K / wt->blck_elems * wt->blck_bytes, flags};
     if (T == 0 || n0 >= n1) return 0;
     return nx_mm_get(isa)->matmul(&c);
 }
@@ -122,8 +123,8 @@ int nx_matmul_blocked(const nx_mm_tiling *tl, const nx_mm_call *c) {
                         const int nr = (int)nx_min(nc - jr, NR);
                         const float *B = Bp + (jr / NR) * kc * NR;
                         for (size_t s0 = 0; s0 < kc; s0 += NX_MM_CHAIN)
-                            tl->kern(mr, nr, nx_min(kc - s0, NX_MM_CHAIN), A + s0 * MR,
-                                     B + s0 * NR, out + (ic + ir) * N + jc + jr, N, pc + s0 == 0);
+                            tl->kern(mr, nr, nx_min(kc - s0, NX_MM_CHAIN), A + s0 * MR, B + s0 * NR,
+                                     out + (ic + ir) * N + jc + jr, N, pc + s0 == 0);
                     }
                 }
             }

@@ -35,8 +35,8 @@
 #include "nx_dispatch.h"
 #include "nx_wtype.h"
 
-#define NX_MM_CHAIN 128    /* k-steps per fmaf chain in the two-level sum */
-#define NX_MM_KC_ALIGN 256 /* every tiling's KC is a multiple: a block (<= 256) never straddles */
+#define NX_MM_CHAIN 128     /* k-steps per fmaf chain in the two-level sum */
+#define NX_MM_KC_ALIGN 256  /* every tiling's KC is a multiple: a block (<= 256) never straddles */
 #define NX_MM_PACK_SPAN 256 /* k-values the generic packer dequantizes per row at a time */
 _Static_assert(NX_MM_KC_ALIGN % NX_MM_CHAIN == 0 && NX_MM_KC_ALIGN % NX_WTYPE_MAX_BLOCK == 0,
                "k-blocks must hold whole chains and whole blocks");
@@ -52,7 +52,7 @@ typedef struct {
     const float *bias;         /* IN  [N] or NULL */
     float *out;                /* OUT [T, N], columns [n0, n1) */
     size_t T, K, N, n0, n1, rowbytes;
-    unsigned flags;            /* NX_MM_* */
+    unsigned flags; /* NX_MM_* */
 } nx_mm_call;
 
 /* Test hook: pack panels with the ISA's generic dequantize-and-transpose packer even where a

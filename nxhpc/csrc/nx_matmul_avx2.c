@@ -67,14 +67,16 @@ static void nx2_pack_rows(const nx_mm_call *c, size_t j0, size_t nc, size_t b0, 
             const size_t c0 = p * NX2_NR + (size_t)h * 8;
             const int ncol = nx2_half_cols(nc, c0);
             if (ncol == 0) {
-                for (size_t k = 0; k < kc; k++) _mm256_store_ps(dst + k * NX2_NR + h * 8, _mm256_setzero_ps());
+                for (size_t k = 0; k < kc; k++)
+                    _mm256_store_ps(dst + k * NX2_NR + h * 8, _mm256_setzero_ps());
                 continue;
             }
             for (size_t s0 = 0; s0 < kc; s0 += NX_MM_PACK_SPAN) {
                 const size_t span = kc - s0 < NX_MM_PACK_SPAN ? kc - s0 : NX_MM_PACK_SPAN;
                 const uint8_t *base = c->w + (j0 + c0) * c->rowbytes + (b0 + s0 / E) * BB;
                 for (int i = 0; i < ncol; i++)
-                    c->dequant(base + (size_t)i * c->rowbytes, scratch + i * NX_MM_PACK_SPAN, span / E);
+                    c->dequant(base + (size_t)i * c->rowbytes, scratch + i * NX_MM_PACK_SPAN,
+                               span / E);
                 for (size_t k0 = 0; k0 < span; k0 += 8) {
                     const __m256i m = nx_mask8((int64_t)(span - k0));
                     __m256 r[8];
@@ -104,7 +106,8 @@ static void nx2_pack_q8_0(const nx_mm_call *c, size_t j0, size_t nc, size_t b0, 
             const int ncol = nx2_half_cols(nc, c0);
             for (size_t b = 0; b < kb; b++) {
                 float *db = dst + b * NX_QK8_0 * NX2_NR + h * 8;
-                const uint8_t *base = c->w + (j0 + c0) * rowbytes + (b0 + b) * sizeof(nx_block_q8_0);
+                const uint8_t *base =
+                    c->w + (j0 + c0) * rowbytes + (b0 + b) * sizeof(nx_block_q8_0);
                 for (int q = 0; q < 4; q++) {
                     __m256 r[8];
                     for (int i = 0; i < 8; i++) {
@@ -138,6 +141,8 @@ static void nx2_kern(int mr, int nr, size_t kc, const float *A /* IN [kc][MR] */
     const __m256i lane = _mm256_loadu_si256((const __m256i *)lanes);
     __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
     c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
+    /* one line per register row: */
+    /* clang-format off */
     for (size_t k = 0; k < kc; k++) {
         const float *a = A + k * NX2_MR;
         __m256 b0 = _mm256_load_ps(B + k * NX2_NR), b1 = _mm256_load_ps(B + k * NX2_NR + 8), t;
@@ -157,14 +162,21 @@ static void nx2_kern(int mr, int nr, size_t kc, const float *A /* IN [kc][MR] */
     NX2_ST(0, c00, c01) NX2_ST(1, c10, c11) NX2_ST(2, c20, c21)
     NX2_ST(3, c30, c31) NX2_ST(4, c40, c41) NX2_ST(5, c50, c51)
 #undef NX2_ST
+    /* clang-format on */
 }
 
 /* ------------------------------------------------------------------ the table */
 
 static const nx_mm_tiling nx_mm_tiling_avx2 = {
-    NX2_MR, NX2_NR, NX2_KC, NX2_NC, NX2_MC, nx2_pack_rows,
-    {[NX_GGML_Q8_0] = nx2_pack_q8_0},
-    nx2_kern};
+    .mr = NX2_MR,
+    .nr = NX2_NR,
+    .kc = NX2_KC,
+    .nc = NX2_NC,
+    .mc = NX2_MC,
+    .pack_rows = nx2_pack_rows,
+    .pack_fused = {[NX_GGML_Q8_0] = nx2_pack_q8_0},
+    .kern = nx2_kern,
+};
 
 int nx_matmul_avx2(const nx_mm_call *c) { return nx_matmul_blocked(&nx_mm_tiling_avx2, c); }
 

@@ -90,20 +90,23 @@ static void nx_pack_rows_avx512(const nx_mm_call *c, size_t j0, size_t nc, size_
             const size_t c0 = p * NX_NR + (size_t)h * 16;
             const int ncol = nx_half_cols(nc, c0);
             if (ncol == 0) {
-                for (size_t k = 0; k < kc; k++) _mm512_store_ps(dst + k * NX_NR + h * 16, _mm512_setzero_ps());
+                for (size_t k = 0; k < kc; k++)
+                    _mm512_store_ps(dst + k * NX_NR + h * 16, _mm512_setzero_ps());
                 continue;
             }
             for (size_t s0 = 0; s0 < kc; s0 += NX_MM_PACK_SPAN) {
                 const size_t span = kc - s0 < NX_MM_PACK_SPAN ? kc - s0 : NX_MM_PACK_SPAN;
                 const uint8_t *base = c->w + (j0 + c0) * c->rowbytes + (b0 + s0 / E) * BB;
                 for (int i = 0; i < ncol; i++)
-                    c->dequant(base + (size_t)i * c->rowbytes, scratch + i * NX_MM_PACK_SPAN, span / E);
+                    c->dequant(base + (size_t)i * c->rowbytes, scratch + i * NX_MM_PACK_SPAN,
+                               span / E);
                 for (size_t k0 = 0; k0 < span; k0 += 16) {
                     const __mmask16 m = nx_mask16((int64_t)(span - k0));
                     __m512 r[16];
                     for (int i = 0; i < 16; i++)
-                        r[i] = i < ncol ? _mm512_maskz_loadu_ps(m, scratch + i * NX_MM_PACK_SPAN + k0)
-                                        : _mm512_setzero_ps();
+                        r[i] = i < ncol
+                                   ? _mm512_maskz_loadu_ps(m, scratch + i * NX_MM_PACK_SPAN + k0)
+                                   : _mm512_setzero_ps();
                     nx_tr16(r);
                     const size_t nk = span - k0 < 16 ? span - k0 : 16;
                     for (size_t k = 0; k < nk; k++)
@@ -134,10 +137,12 @@ static void nx_pack_q8_0_avx512(const nx_mm_call *c, size_t j0, size_t nc, size_
             for (size_t b = 0; b < kb; b++) {
                 float *db = dst + b * NX_QK8_0 * NX_NR + h * 16;
                 if (ncol == 0) {
-                    for (int k = 0; k < NX_QK8_0; k++) _mm512_store_ps(db + k * NX_NR, _mm512_setzero_ps());
+                    for (int k = 0; k < NX_QK8_0; k++)
+                        _mm512_store_ps(db + k * NX_NR, _mm512_setzero_ps());
                     continue;
                 }
-                const uint8_t *base = c->w + (j0 + c0) * rowbytes + (b0 + b) * sizeof(nx_block_q8_0);
+                const uint8_t *base =
+                    c->w + (j0 + c0) * rowbytes + (b0 + b) * sizeof(nx_block_q8_0);
                 for (int half = 0; half < 2; half++) {
                     __m512 r[16];
                     for (int i = 0; i < 16; i++) {
@@ -149,7 +154,8 @@ static void nx_pack_q8_0_avx512(const nx_mm_call *c, size_t j0, size_t nc, size_
                         }
                     }
                     nx_tr16(r);
-                    for (int k = 0; k < 16; k++) _mm512_store_ps(db + (half * 16 + k) * NX_NR, r[k]);
+                    for (int k = 0; k < 16; k++)
+                        _mm512_store_ps(db + (half * 16 + k) * NX_NR, r[k]);
                 }
             }
         }
@@ -160,9 +166,9 @@ static void nx_pack_q8_0_avx512(const nx_mm_call *c, size_t j0, size_t nc, size_
 
 /* One chunk of the contract's two-level sum (kc <= NX_MM_CHAIN) for C[0:mr, 0:32], masked to
  * the valid columns:  p = +0;  p = fma(A[k][r], B[k][j], p) for k < kc;  C = first ? p : C + p. */
-static inline __attribute__((always_inline)) void
-nx_kern(const int mr, size_t kc, const float *A /* IN [kc][MR] */, const float *B /* IN [kc][32] */,
-        float *C /* IN/OUT */, size_t ldc, __mmask16 m0, __mmask16 m1, int first) {
+NX_INLINE void nx_kern(const int mr, size_t kc, const float *A /* IN [kc][MR] */,
+                       const float *B /* IN [kc][32] */, float *C /* IN/OUT */, size_t ldc,
+                       __mmask16 m0, __mmask16 m1, int first) {
     __m512 c0[NX_MR], c1[NX_MR];
     for (int r = 0; r < NX_MR; r++) {
         if (r < mr) {
@@ -192,6 +198,7 @@ nx_kern(const int mr, size_t kc, const float *A /* IN [kc][MR] */, const float *
     }
 }
 
+/* clang-format off */
 #define NX_KERN_CASE(M) case M: nx_kern(M, kc, A, B, C, ldc, m0, m1, first); break;
 
 /* The driver's kern (see nx_mm_tiling): masks for the nr valid columns, then the micro-kernel
@@ -215,13 +222,20 @@ static void nx_kern_any(int mr, int nr, size_t kc, const float *A, const float *
     }
 }
 #undef NX_KERN_CASE
+/* clang-format on */
 
 /* ------------------------------------------------------------------ the table */
 
 static const nx_mm_tiling nx_mm_tiling_avx512 = {
-    NX_MR, NX_NR, NX_KC, NX_NC, NX_MC, nx_pack_rows_avx512,
-    {[NX_GGML_Q8_0] = nx_pack_q8_0_avx512},
-    nx_kern_any};
+    .mr = NX_MR,
+    .nr = NX_NR,
+    .kc = NX_KC,
+    .nc = NX_NC,
+    .mc = NX_MC,
+    .pack_rows = nx_pack_rows_avx512,
+    .pack_fused = {[NX_GGML_Q8_0] = nx_pack_q8_0_avx512},
+    .kern = nx_kern_any,
+};
 
 int nx_matmul_avx512(const nx_mm_call *c) { return nx_matmul_blocked(&nx_mm_tiling_avx512, c); }
 

@@ -10,10 +10,10 @@
 
 /* ------------------------------------------------------------------ dispatch */
 
-NX_DEFINE_DISPATCH(nx_ops, "ops", NX_OPS_SLOTS,
-                   {[NX_ISA_GENERIC] = &nx_ops_table_generic,
-                    NX_X86_ONLY([NX_ISA_AVX2] = &nx_ops_table_avx2,
-                                [NX_ISA_AVX512] = &nx_ops_table_avx512, )})
+NX_DEFINE_DISPATCH(
+    nx_ops, "ops", NX_OPS_SLOTS,
+    {[NX_ISA_GENERIC] = &nx_ops_table_generic,
+     NX_X86_ONLY([NX_ISA_AVX2] = &nx_ops_table_avx2, [NX_ISA_AVX512] = &nx_ops_table_avx512, )})
 
 void nx_rmsnorm_f32(nx_isa isa, const float *x, const float *w, const float *mod, float *out,
                     int64_t D, float eps, int64_t r0, int64_t r1) {
@@ -27,8 +27,8 @@ void nx_qknorm_rope_f32(nx_isa isa, const float *qkv, const float *q_w, const fl
 }
 
 int nx_attention_f32(nx_isa isa, const float *q, const float *k, const float *qkv,
-                     const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                     int64_t hd, float scale, int64_t h0, int64_t h1) {
+                     const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd,
+                     float scale, int64_t h0, int64_t h1) {
     return nx_ops_get(isa)->attention(q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1);
 }
 
@@ -67,8 +67,8 @@ static float nx_rms_inv_generic(const float *x, int64_t n, float eps) {
     return (float)(1.0 / sqrt(ss / (double)n + (double)eps));
 }
 
-void nx_rmsnorm_f32_generic(const float *x, const float *w, const float *mod, float *out,
-                            int64_t D, float eps, int64_t r0, int64_t r1) {
+void nx_rmsnorm_f32_generic(const float *x, const float *w, const float *mod, float *out, int64_t D,
+                            float eps, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
         const float *xr = x + r * D;
         float *o = out + r * D;
@@ -128,7 +128,7 @@ void nx_qknorm_rope_f32_generic(const float *qkv, const float *q_w, const float 
         float *dst = j < H ? q_out + j * T * hd : k_out + (j - H) * T * hd;
         for (int64_t t = 0; t < T; t++) {
             const float *xr = qkv + t * W + j * hd;
-            const float *p = pe + t * hd * 2;  /* [hd/2][2][2] */
+            const float *p = pe + t * hd * 2; /* [hd/2][2][2] */
             float *o = dst + t * hd;
             float inv = nx_rms_inv_generic(xr, hd, eps);
             for (int64_t i = 0; i < hd; i += 2) nx_qknorm_rope_pair(xr, inv, wt, p, o, i);
@@ -140,9 +140,9 @@ void nx_qknorm_rope_f32_generic(const float *qkv, const float *q_w, const float 
 
 #define NX_ATTN_GEN_TILE 64
 
-int nx_attention_f32_generic(const float *q, const float *k, const float *qkv,
-                             const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                             int64_t hd, float scale, int64_t h0, int64_t h1) {
+int nx_attention_f32_generic(const float *q, const float *k, const float *qkv, const uint8_t *mask,
+                             float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
+                             int64_t h0, int64_t h1) {
     const int64_t W = (H + 2 * KVH) * hd, group = H / KVH, OW = H * hd;
     float *acc = malloc(sizeof(float) * (size_t)hd);
     float s[NX_ATTN_GEN_TILE];
@@ -166,7 +166,7 @@ int nx_attention_f32_generic(const float *q, const float *k, const float *qkv,
                     if (s[jj] > mx) mx = s[jj];
                 }
                 float m_new = mx > m ? mx : m;
-                float m_use = m_new == -INFINITY ? 0.0f : m_new;  /* all masked so far: p = 0 */
+                float m_use = m_new == -INFINITY ? 0.0f : m_new; /* all masked so far: p = 0 */
                 float alpha = expf(m - m_use);
                 float sum = 0.0f;
                 for (int64_t d = 0; d < hd; d++) acc[d] *= alpha;
@@ -204,8 +204,8 @@ void nx_swiglu_f32_generic(const float *a, const float *b, float *out, int64_t i
     for (int64_t i = i0; i < i1; i++) out[i] = nx_silu_generic(a[i]) * b[i];
 }
 
-int nx_gated_residual_f32_generic(const float *resid, const float *y, const float *gate,
-                                  float *out, int64_t D, int64_t r0, int64_t r1) {
+int nx_gated_residual_f32_generic(const float *resid, const float *y, const float *gate, float *out,
+                                  int64_t D, int64_t r0, int64_t r1) {
     float *tg = malloc(sizeof(float) * (size_t)(D > 0 ? D : 1));
     if (!tg) return -1;
     for (int64_t c = 0; c < D; c++) tg[c] = tanhf(gate[c]);

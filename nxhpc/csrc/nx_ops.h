@@ -41,13 +41,14 @@
     X(attention, int,                                                                              \
       (const float *q, const float *k, const float *qkv, const uint8_t *mask, float *out,          \
        int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1))        \
-    X(swiglu, void, (const float *a, const float *b, float *out, int64_t i0, int64_t i1))         \
+    X(swiglu, void, (const float *a, const float *b, float *out, int64_t i0, int64_t i1))          \
     X(gated_residual, int,                                                                         \
       (const float *resid, const float *y, const float *gate, float *out, int64_t D, int64_t r0,   \
        int64_t r1))                                                                                \
     X(vmath, void, (int which, const float *x, float *out, int64_t n))                             \
     X(layernorm_mod, void,                                                                         \
-      (const float *x, const float *mod, float *out, int64_t D, float eps, int64_t r0, int64_t r1))
+      (const float *x, const float *mod, float *out, int64_t D, float eps, int64_t r0,             \
+       int64_t r1))
 
 NX_TABLE_TYPE(nx_ops_table, NX_OPS_SLOTS)
 extern const nx_ops_table nx_ops_table_generic; /* nx_ops.c: every slot */
@@ -60,37 +61,37 @@ nx_isa nx_ops_variant(int slot, nx_isa isa);
 
 /* ---- rmsnorm: out[r] := x[r] / sqrt(mean(x[r]^2) + eps) * w [* mod], rows [r0, r1) of [T, D].
  * out may equal x (in place). mod may be NULL. */
-void nx_rmsnorm_f32(nx_isa isa,
-                    const float *x,    /* IN  [T, D] */
-                    const float *w,    /* IN  [D] */
-                    const float *mod,  /* IN  [D] or NULL */
-                    float *out,        /* OUT [T, D], rows [r0, r1) */
+void nx_rmsnorm_f32(nx_isa isa,       /* the ISA to run (nx_cpu.h) */
+                    const float *x,   /* IN  [T, D] */
+                    const float *w,   /* IN  [D] */
+                    const float *mod, /* IN  [D] or NULL */
+                    float *out,       /* OUT [T, D], rows [r0, r1) */
                     int64_t D, float eps, int64_t r0, int64_t r1);
-void nx_rmsnorm_f32_generic(const float *x, const float *w, const float *mod, float *out,
-                            int64_t D, float eps, int64_t r0, int64_t r1);
-void nx_rmsnorm_f32_avx2(const float *x, const float *w, const float *mod, float *out,
-                         int64_t D, float eps, int64_t r0, int64_t r1);
-void nx_rmsnorm_f32_avx512(const float *x, const float *w, const float *mod, float *out,
-                           int64_t D, float eps, int64_t r0, int64_t r1);
+void nx_rmsnorm_f32_generic(const float *x, const float *w, const float *mod, float *out, int64_t D,
+                            float eps, int64_t r0, int64_t r1);
+void nx_rmsnorm_f32_avx2(const float *x, const float *w, const float *mod, float *out, int64_t D,
+                         float eps, int64_t r0, int64_t r1);
+void nx_rmsnorm_f32_avx512(const float *x, const float *w, const float *mod, float *out, int64_t D,
+                           float eps, int64_t r0, int64_t r1);
 
 /* ---- qknorm_rope: per (token t, head j in [h0, h1) of the combined [q heads | k heads] index):
  * y = rmsnorm(qkv[t, j*hd:(j+1)*hd], w) with w = q_w (j < H) or k_w; then
  * o[2i+r] = pe[t,i,r,0]*y[2i] + pe[t,i,r,1]*y[2i+1]; written to q_out[j, t] or k_out[j-H, t]. */
-void nx_qknorm_rope_f32(nx_isa isa,
-                        const float *qkv,  /* IN  [T, (H+2*KVH)*hd] */
-                        const float *q_w,  /* IN  [hd] */
-                        const float *k_w,  /* IN  [hd] */
-                        const float *pe,   /* IN  [T, hd/2, 2, 2] */
-                        float *q_out,      /* OUT [H, T, hd] */
-                        float *k_out,      /* OUT [KVH, T, hd] */
-                        int64_t T, int64_t H, int64_t KVH, int64_t hd, float eps,
-                        int64_t h0, int64_t h1);
+void nx_qknorm_rope_f32(nx_isa isa,       /* the ISA to run (nx_cpu.h) */
+                        const float *qkv, /* IN  [T, (H+2*KVH)*hd] */
+                        const float *q_w, /* IN  [hd] */
+                        const float *k_w, /* IN  [hd] */
+                        const float *pe,  /* IN  [T, hd/2, 2, 2] */
+                        float *q_out,     /* OUT [H, T, hd] */
+                        float *k_out,     /* OUT [KVH, T, hd] */
+                        int64_t T, int64_t H, int64_t KVH, int64_t hd, float eps, int64_t h0,
+                        int64_t h1);
 void nx_qknorm_rope_f32_generic(const float *qkv, const float *q_w, const float *k_w,
                                 const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
                                 int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1);
-void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_w,
-                             const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
-                             int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1);
+void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_w, const float *pe,
+                             float *q_out, float *k_out, int64_t T, int64_t H, int64_t KVH,
+                             int64_t hd, float eps, int64_t h0, int64_t h1);
 void nx_qknorm_rope_f32_avx512(const float *qkv, const float *q_w, const float *k_w,
                                const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
                                int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1);
@@ -101,23 +102,23 @@ void nx_qknorm_rope_f32_avx512(const float *qkv, const float *q_w, const float *
  * A query whose keys are all masked gets zeros. Flash-style: keys in tiles with an online softmax;
  * scratch is O(T*hd) (one packed copy of K^T per kv head) + O(tile*hd), never O(T^2).
  * Returns 0, or -1 if scratch could not be allocated (nothing written then). */
-int nx_attention_f32(nx_isa isa,
+int nx_attention_f32(nx_isa isa,          /* the ISA to run (nx_cpu.h) */
                      const float *q,      /* IN  [H, T, hd] */
                      const float *k,      /* IN  [KVH, T, hd] */
                      const float *qkv,    /* IN  [T, (H+2*KVH)*hd] (v part read) */
                      const uint8_t *mask, /* IN  [T] or NULL */
                      float *out,          /* OUT [T, H*hd], columns of heads [h0, h1) */
-                     int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
-                     int64_t h0, int64_t h1);
-int nx_attention_f32_generic(const float *q, const float *k, const float *qkv,
-                             const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                             int64_t hd, float scale, int64_t h0, int64_t h1);
-int nx_attention_f32_avx2(const float *q, const float *k, const float *qkv,
-                          const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                          int64_t hd, float scale, int64_t h0, int64_t h1);
-int nx_attention_f32_avx512(const float *q, const float *k, const float *qkv,
-                            const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                            int64_t hd, float scale, int64_t h0, int64_t h1);
+                     int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0,
+                     int64_t h1);
+int nx_attention_f32_generic(const float *q, const float *k, const float *qkv, const uint8_t *mask,
+                             float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
+                             int64_t h0, int64_t h1);
+int nx_attention_f32_avx2(const float *q, const float *k, const float *qkv, const uint8_t *mask,
+                          float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
+                          int64_t h0, int64_t h1);
+int nx_attention_f32_avx512(const float *q, const float *k, const float *qkv, const uint8_t *mask,
+                            float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
+                            int64_t h0, int64_t h1);
 
 /* ---- swiglu: out[i] := silu(a[i]) * b[i] for flat i in [i0, i1); silu(x) = x / (1 + exp(-x)),
  * evaluated as (x < 0 ? x*e : x) / (1 + e) with e = exp(-|x|) (no overflow; silu(-inf) = -0).
@@ -129,18 +130,18 @@ void nx_swiglu_f32_avx512(const float *a, const float *b, float *out, int64_t i0
 
 /* ---- gated_residual: out[r, c] := resid[r, c] + tanh(gate[c]) * y[r, c], rows [r0, r1).
  * out may equal resid (or y). Returns 0, or -1 if the D-float scratch could not be allocated. */
-int nx_gated_residual_f32(nx_isa isa,
+int nx_gated_residual_f32(nx_isa isa,         /* the ISA to run (nx_cpu.h) */
                           const float *resid, /* IN  [T, D] */
                           const float *y,     /* IN  [T, D] */
                           const float *gate,  /* IN  [D] */
                           float *out,         /* OUT [T, D] */
                           int64_t D, int64_t r0, int64_t r1);
-int nx_gated_residual_f32_generic(const float *resid, const float *y, const float *gate,
-                                  float *out, int64_t D, int64_t r0, int64_t r1);
-int nx_gated_residual_f32_avx2(const float *resid, const float *y, const float *gate,
-                               float *out, int64_t D, int64_t r0, int64_t r1);
-int nx_gated_residual_f32_avx512(const float *resid, const float *y, const float *gate,
-                                 float *out, int64_t D, int64_t r0, int64_t r1);
+int nx_gated_residual_f32_generic(const float *resid, const float *y, const float *gate, float *out,
+                                  int64_t D, int64_t r0, int64_t r1);
+int nx_gated_residual_f32_avx2(const float *resid, const float *y, const float *gate, float *out,
+                               int64_t D, int64_t r0, int64_t r1);
+int nx_gated_residual_f32_avx512(const float *resid, const float *y, const float *gate, float *out,
+                                 int64_t D, int64_t r0, int64_t r1);
 
 /* ---- layernorm_mod: out[r] := (x[r] - mean_r) / sqrt(var_r + eps) * mod, rows [r0, r1) of
  * [T, D] (LayerNorm without affine, population variance, times a per-column modulation).
@@ -152,7 +153,7 @@ int nx_gated_residual_f32_avx512(const float *resid, const float *y, const float
  *   out_i = ((float)((double)x_i - mean) * r) * mod_i: the difference rounded once to float32,
  *     then two float32 products, never fused.
  * out may equal x (in place: a row's statistics are complete before it is written). */
-void nx_layernorm_mod_f32(nx_isa isa,
+void nx_layernorm_mod_f32(nx_isa isa,       /* the ISA to run (nx_cpu.h) */
                           const float *x,   /* IN  [T, D] */
                           const float *mod, /* IN  [D] */
                           float *out,       /* OUT [T, D], rows [r0, r1) */
@@ -161,8 +162,8 @@ void nx_layernorm_mod_f32_generic(const float *x, const float *mod, float *out, 
                                   float eps, int64_t r0, int64_t r1);
 void nx_layernorm_mod_f32_avx2(const float *x, const float *mod, float *out, int64_t D, float eps,
                                int64_t r0, int64_t r1);
-void nx_layernorm_mod_f32_avx512(const float *x, const float *mod, float *out, int64_t D,
-                                 float eps, int64_t r0, int64_t r1);
+void nx_layernorm_mod_f32_avx512(const float *x, const float *mod, float *out, int64_t D, float eps,
+                                 int64_t r0, int64_t r1);
 
 /* ---- element-wise exp / tanh of the variant (test hook for the SIMD polynomials):
  * out[i] := exp(x[i]) (which = 0) or tanh(x[i]) (which = 1), i in [0, n). */
@@ -174,8 +175,9 @@ void nx_vmath_f32_avx512(int which, const float *x, float *out, int64_t n);
 /* One RoPE pair of qk-norm + RoPE, scalar: y = (x * inv) * w for the pair's two values, then the
  * 2x2 rotation from pe ([hd/2][2][2] per token). The generic kernel is this loop; the SIMD
  * variants use it for their tails, so every variant gives the same bits. i is even. */
-static inline void nx_qknorm_rope_pair(const float *xr /* IN */, float inv, const float *wt /* IN */,
-                                       const float *p /* IN */, float *o /* OUT */, int64_t i) {
+static inline void nx_qknorm_rope_pair(const float *xr /* IN */, float inv,
+                                       const float *wt /* IN */, const float *p /* IN */,
+                                       float *o /* OUT */, int64_t i) {
     const float y0 = (xr[i] * inv) * wt[i];
     const float y1 = (xr[i + 1] * inv) * wt[i + 1];
     o[i] = p[2 * i] * y0 + p[2 * i + 1] * y1;

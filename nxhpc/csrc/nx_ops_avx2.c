@@ -16,9 +16,9 @@
 
 /* ------------------------------------------------------------------ qknorm + rope */
 
-void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_w,
-                             const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
-                             int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1) {
+void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_w, const float *pe,
+                             float *q_out, float *k_out, int64_t T, int64_t H, int64_t KVH,
+                             int64_t hd, float eps, int64_t h0, int64_t h1) {
     const int64_t W = (H + 2 * KVH) * hd;
     for (int64_t j = h0; j < h1; j++) {
         const float *wt = j < H ? q_w : k_w;
@@ -42,7 +42,7 @@ void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_
                                          _mm256_mul_ps(b, _mm256_movehdup_ps(y)));
                 _mm256_storeu_ps(o + i, v);
             }
-            for (; i < hd; i += 2) nx_qknorm_rope_pair(xr, invf, wt, p, o, i);  /* tail: the spec */
+            for (; i < hd; i += 2) nx_qknorm_rope_pair(xr, invf, wt, p, o, i); /* tail: the spec */
         }
     }
 }
@@ -53,12 +53,11 @@ void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_
  * O += P V over 16 columns of hd at a time (8 accumulators). Rows never interact. */
 #define NX2_BR 4
 #define NX2_BC 16
-#ifndef NX2_QB
-#define NX2_QB 64  /* query rows sharing one pass over a K/V tile, multiple of NX2_BR */
+#ifndef NX2_QB /* query rows sharing one pass over a K/V tile, multiple of NX2_BR */
+#define NX2_QB 64
 #endif
 
-static inline __attribute__((always_inline)) void
-nx2_qk_block(const int nr, const float *q, int64_t hd, const float *kt, float *S) {
+NX_INLINE void nx2_qk_block(const int nr, const float *q, int64_t hd, const float *kt, float *S) {
     __m256 acc[NX2_BR][2];
     for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t d = 0; d < hd; d++) {
@@ -75,9 +74,8 @@ nx2_qk_block(const int nr, const float *q, int64_t hd, const float *kt, float *S
     }
 }
 
-static inline __attribute__((always_inline)) void
-nx2_pv_block(const int nr, const float *P, const float *alpha, const float *vt, int64_t W,
-             int64_t nk, int64_t c, int64_t hd, float *O, int64_t hdp) {
+NX_INLINE void nx2_pv_block(const int nr, const float *P, const float *alpha, const float *vt,
+                            int64_t W, int64_t nk, int64_t c, int64_t hd, float *O, int64_t hdp) {
     __m256 acc[NX2_BR][2];
     __m256i m0 = nx_mask8(hd - c), m1 = nx_mask8(hd - c - 8);
     for (int r = 0; r < nr; r++) {
@@ -112,7 +110,7 @@ static inline void nx2_softmax_rows(int nr, float *S, float scale, const float *
         __m256 x1 = _mm256_fmadd_ps(_mm256_load_ps(s + 8), sc, _mm256_load_ps(madd + 8));
         float mx = nx_hmax8(_mm256_max_ps(x0, x1));
         float m_new = mx > m[r] ? mx : m[r];
-        float m_use = m_new == -INFINITY ? 0.0f : m_new;  /* all keys masked so far: p = 0 */
+        float m_use = m_new == -INFINITY ? 0.0f : m_new; /* all keys masked so far: p = 0 */
         dm[r] = m[r] - m_use;
         m[r] = m_new;
         __m256 mu = _mm256_set1_ps(m_use);
@@ -128,19 +126,17 @@ static inline void nx2_softmax_rows(int nr, float *S, float scale, const float *
     }
 }
 
-static inline __attribute__((always_inline)) void
-nx2_attn_micro(const int nr, const float *q, int64_t hd, const float *kt, float *S, float scale,
-               const float *madd, float *m, float *l, float *alpha, const float *vt, int64_t W,
-               int64_t nk, float *O, int64_t hdp) {
+NX_INLINE void nx2_attn_micro(const int nr, const float *q, int64_t hd, const float *kt, float *S,
+                              float scale, const float *madd, float *m, float *l, float *alpha,
+                              const float *vt, int64_t W, int64_t nk, float *O, int64_t hdp) {
     nx2_qk_block(nr, q, hd, kt, S);
     nx2_softmax_rows(nr, S, scale, madd, m, l, alpha);
     for (int64_t c = 0; c < hdp; c += 16) nx2_pv_block(nr, S, alpha, vt, W, nk, c, hd, O, hdp);
 }
 
-static inline __attribute__((always_inline)) void
-nx2_attn_micro_any(int nr, const float *q, int64_t hd, const float *kt, float *S,
-                               float scale, const float *madd, float *m, float *l, float *alpha,
-                               const float *vt, int64_t W, int64_t nk, float *O, int64_t hdp) {
+NX_INLINE void nx2_attn_micro_any(int nr, const float *q, int64_t hd, const float *kt, float *S,
+                                  float scale, const float *madd, float *m, float *l, float *alpha,
+                                  const float *vt, int64_t W, int64_t nk, float *O, int64_t hdp) {
     switch (nr) {
     case 4: nx2_attn_micro(4, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
     case 3: nx2_attn_micro(3, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
@@ -152,10 +148,11 @@ nx2_attn_micro_any(int nr, const float *q, int64_t hd, const float *kt, float *S
 _Static_assert(NX2_QB <= NX_ATTN_MAX_QB && NX2_QB % NX2_BR == 0, "query block size");
 static const nx_attn_tiling nx2_attn_tiling_avx2 = {NX2_BR, NX2_BC, NX2_QB, nx2_attn_micro_any};
 
-int nx_attention_f32_avx2(const float *q, const float *k, const float *qkv,
-                          const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                          int64_t hd, float scale, int64_t h0, int64_t h1) {
-    return nx_attention_tiled(&nx2_attn_tiling_avx2, q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1);
+int nx_attention_f32_avx2(const float *q, const float *k, const float *qkv, const uint8_t *mask,
+                          float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
+                          int64_t h0, int64_t h1) {
+    return nx_attention_tiled(&nx2_attn_tiling_avx2, q, k, qkv, mask, out, T, H, KVH, hd, scale, h0,
+                              h1);
 }
 
 const nx_ops_table nx_ops_table_avx2 = {

@@ -37,13 +37,13 @@ void nx_qknorm_rope_f32_avx512(const float *qkv, const float *q_w, const float *
                 __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + i), inv),
                                          _mm512_loadu_ps(wt + i));
                 __m512 p0 = _mm512_loadu_ps(p + 2 * i), p1 = _mm512_loadu_ps(p + 2 * i + 16);
-                __m512 a = _mm512_permutex2var_ps(p0, ev, p1);  /* pe[.,.,r,0] per output lane */
-                __m512 b = _mm512_permutex2var_ps(p0, od, p1);  /* pe[.,.,r,1] */
+                __m512 a = _mm512_permutex2var_ps(p0, ev, p1); /* pe[.,.,r,0] per output lane */
+                __m512 b = _mm512_permutex2var_ps(p0, od, p1); /* pe[.,.,r,1] */
                 __m512 v = _mm512_add_ps(_mm512_mul_ps(a, _mm512_moveldup_ps(y)),
                                          _mm512_mul_ps(b, _mm512_movehdup_ps(y)));
                 _mm512_storeu_ps(o + i, v);
             }
-            for (; i < hd; i += 2) nx_qknorm_rope_pair(xr, invf, wt, p, o, i);  /* tail: the spec */
+            for (; i < hd; i += 2) nx_qknorm_rope_pair(xr, invf, wt, p, o, i); /* tail: the spec */
         }
     }
 }
@@ -57,13 +57,13 @@ void nx_qknorm_rope_f32_avx512(const float *qkv, const float *q_w, const float *
  * Each row's arithmetic is the same whatever micro-block/tail it lands in (rows never interact). */
 #define NX_BR 6
 #define NX_BC 64
+/* NX_QB: query rows sharing one pass over a K/V tile, multiple of NX_BR: 192 was fastest of
+ * 6/24/48/96/192/384 at T=1024 hd=128 (214 vs 204 GFLOP/s at 48) */
 #ifndef NX_QB
-#define NX_QB 192  /* query rows sharing one pass over a K/V tile, multiple of NX_BR: 192 was
-                      * fastest of 6/24/48/96/192/384 at T=1024 hd=128 (214 vs 204 GFLOP/s at 48) */
+#define NX_QB 192
 #endif
 
-static inline __attribute__((always_inline)) void
-nx_qk_block(const int nr, const float *q, int64_t hd, const float *kt, float *S) {
+NX_INLINE void nx_qk_block(const int nr, const float *q, int64_t hd, const float *kt, float *S) {
     __m512 acc[NX_BR][4];
     for (int r = 0; r < nr; r++)
         for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
@@ -85,28 +85,33 @@ nx_qk_block(const int nr, const float *q, int64_t hd, const float *kt, float *S)
 
 /* O[r, c:c+16*nv] = O * alpha[r] + sum_j P[r, j] v[j, c:c+16*nv] (lanes beyond hd masked to 0);
  * nv in {1, 4} (a compile-time constant after inlining). */
-static inline __attribute__((always_inline)) void
-nx_pv_block(const int nr, const int nv, const float *P, const float *alpha, const float *vt,
-            int64_t W, int64_t nk, int64_t c, int64_t hd, float *O, int64_t hdp) {
+NX_INLINE void nx_pv_block(const int nr, const int nv, const float *P, const float *alpha,
+                           const float *vt, int64_t W, int64_t nk, int64_t c, int64_t hd, float *O,
+                           int64_t hdp) {
     __m512 acc[NX_BR][4];
     __mmask16 mk[4];
-    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) mk[v] = nx_mask16(hd - c - 16 * v);
+#pragma GCC unroll 4
+    for (int v = 0; v < nv; v++) mk[v] = nx_mask16(hd - c - 16 * v);
     for (int r = 0; r < nr; r++) {
         __m512 a = _mm512_set1_ps(alpha[r]);
-        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++)
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++)
             acc[r][v] = _mm512_mul_ps(_mm512_load_ps(O + r * hdp + c + 16 * v), a);
     }
     for (int64_t j = 0; j < nk; j++) {
         const float *vr = vt + j * W + c;
         __m512 vv[4];
-        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) vv[v] = _mm512_maskz_loadu_ps(mk[v], vr + 16 * v);
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++) vv[v] = _mm512_maskz_loadu_ps(mk[v], vr + 16 * v);
         for (int r = 0; r < nr; r++) {
             __m512 p = _mm512_set1_ps(P[r * NX_BC + j]);
-            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(p, vv[v], acc[r][v]);
+#pragma GCC unroll 4
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(p, vv[v], acc[r][v]);
         }
     }
     for (int r = 0; r < nr; r++)
-        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) _mm512_store_ps(O + r * hdp + c + 16 * v, acc[r][v]);
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++) _mm512_store_ps(O + r * hdp + c + 16 * v, acc[r][v]);
 }
 
 /* Online softmax of one micro-block's scores (in place: S -> P). The rescale factors
@@ -121,9 +126,10 @@ static inline void nx_softmax_rows(int nr, float *S, float scale, const float *m
         __m512 x1 = _mm512_fmadd_ps(_mm512_load_ps(s + 16), sc, _mm512_load_ps(madd + 16));
         __m512 x2 = _mm512_fmadd_ps(_mm512_load_ps(s + 32), sc, _mm512_load_ps(madd + 32));
         __m512 x3 = _mm512_fmadd_ps(_mm512_load_ps(s + 48), sc, _mm512_load_ps(madd + 48));
-        float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x0, x1), _mm512_max_ps(x2, x3)));
+        float mx =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x0, x1), _mm512_max_ps(x2, x3)));
         float m_new = mx > m[r] ? mx : m[r];
-        m_use[r] = m_new == -INFINITY ? 0.0f : m_new;  /* all keys masked so far: p = 0 */
+        m_use[r] = m_new == -INFINITY ? 0.0f : m_new; /* all keys masked so far: p = 0 */
         dm[r] = m[r] - m_use[r];
         m[r] = m_new;
         __m512 mu = _mm512_set1_ps(m_use[r]);
@@ -142,10 +148,9 @@ static inline void nx_softmax_rows(int nr, float *S, float scale, const float *m
     }
 }
 
-static inline __attribute__((always_inline)) void
-nx_attn_micro(const int nr, const float *q, int64_t hd, const float *kt, float *S, float scale,
-              const float *madd, float *m, float *l, float *alpha, const float *vt, int64_t W,
-              int64_t nk, float *O, int64_t hdp) {
+NX_INLINE void nx_attn_micro(const int nr, const float *q, int64_t hd, const float *kt, float *S,
+                             float scale, const float *madd, float *m, float *l, float *alpha,
+                             const float *vt, int64_t W, int64_t nk, float *O, int64_t hdp) {
     nx_qk_block(nr, q, hd, kt, S);
     nx_softmax_rows(nr, S, scale, madd, m, l, alpha);
     int64_t c = 0;
@@ -154,11 +159,10 @@ nx_attn_micro(const int nr, const float *q, int64_t hd, const float *kt, float *
     for (; c < hdp; c += 16) nx_pv_block(nr, 1, S, alpha, vt, W, nk, c, hd, O, hdp);
 }
 
-static inline __attribute__((always_inline)) void
-nx_attn_micro_any(int nr, const float *q, int64_t hd, const float *kt, float *S,
-                              float scale, const float *madd, float *m, float *l, float *alpha,
-                              const float *vt, int64_t W, int64_t nk, float *O, int64_t hdp) {
-    switch (nr) {  /* constant row counts so the accumulators stay in registers */
+NX_INLINE void nx_attn_micro_any(int nr, const float *q, int64_t hd, const float *kt, float *S,
+                                 float scale, const float *madd, float *m, float *l, float *alpha,
+                                 const float *vt, int64_t W, int64_t nk, float *O, int64_t hdp) {
+    switch (nr) { /* constant row counts so the accumulators stay in registers */
     case 6: nx_attn_micro(6, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
     case 5: nx_attn_micro(5, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
     case 4: nx_attn_micro(4, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
@@ -171,10 +175,11 @@ nx_attn_micro_any(int nr, const float *q, int64_t hd, const float *kt, float *S,
 _Static_assert(NX_QB <= NX_ATTN_MAX_QB && NX_QB % NX_BR == 0, "query block size");
 static const nx_attn_tiling nx_attn_tiling_avx512 = {NX_BR, NX_BC, NX_QB, nx_attn_micro_any};
 
-int nx_attention_f32_avx512(const float *q, const float *k, const float *qkv,
-                            const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                            int64_t hd, float scale, int64_t h0, int64_t h1) {
-    return nx_attention_tiled(&nx_attn_tiling_avx512, q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1);
+int nx_attention_f32_avx512(const float *q, const float *k, const float *qkv, const uint8_t *mask,
+                            float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
+                            int64_t h0, int64_t h1) {
+    return nx_attention_tiled(&nx_attn_tiling_avx512, q, k, qkv, mask, out, T, H, KVH, hd, scale,
+                              h0, h1);
 }
 
 const nx_ops_table nx_ops_table_avx512 = {

@@ -36,8 +36,8 @@ void NXV_FN(nx_vmath_f32)(int which, const float *x, float *out, int64_t n) {
 /* ------------------------------------------------------------------ rmsnorm */
 
 /* ((x * inv) * w) [* mod] in float32, as the spec. */
-void NXV_FN(nx_rmsnorm_f32)(const float *x, const float *w, const float *mod, float *out,
-                            int64_t D, float eps, int64_t r0, int64_t r1) {
+void NXV_FN(nx_rmsnorm_f32)(const float *x, const float *w, const float *mod, float *out, int64_t D,
+                            float eps, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
         const float *xr = x + r * D;
         float *o = out + r * D;
@@ -74,8 +74,9 @@ void NXV_FN(nx_layernorm_mod_f32)(const float *x, const float *mod, float *out, 
                                       nxv_loadu(mod + i)));
         if (i < D) {
             const nxv_mask m = nxv_mask_n(D - i);
-            nxv_store_n(o + i, m, nxv_mul(nxv_mul(nxv_sub_f64(nxv_load_n(xr + i, m), mu), rs),
-                                          nxv_load_n(mod + i, m)));
+            nxv_store_n(o + i, m,
+                        nxv_mul(nxv_mul(nxv_sub_f64(nxv_load_n(xr + i, m), mu), rs),
+                                nxv_load_n(mod + i, m)));
         }
     }
 }
@@ -92,8 +93,8 @@ void NXV_FN(nx_swiglu_f32)(const float *a, const float *b, float *out, int64_t i
     }
 }
 
-int NXV_FN(nx_gated_residual_f32)(const float *resid, const float *y, const float *gate,
-                                  float *out, int64_t D, int64_t r0, int64_t r1) {
+int NXV_FN(nx_gated_residual_f32)(const float *resid, const float *y, const float *gate, float *out,
+                                  int64_t D, int64_t r0, int64_t r1) {
     /* tanh(gate) once per call: D rounded up to whole vectors, plus one (aligned_alloc wants a
      * multiple of the alignment) */
     float *tg = aligned_alloc(64, (size_t)((D + NXV_W - 1) / NXV_W * NXV_W + 16) * sizeof(float));
@@ -110,8 +111,9 @@ int NXV_FN(nx_gated_residual_f32)(const float *resid, const float *y, const floa
             nxv_storeu(o + c, nxv_fmadd(nxv_loadu(tg + c), nxv_loadu(yr + c), nxv_loadu(rr + c)));
         if (c < D) {
             const nxv_mask m = nxv_mask_n(D - c);
-            nxv_store_n(o + c, m, nxv_fmadd(nxv_load_n(tg + c, m), nxv_load_n(yr + c, m),
-                                            nxv_load_n(rr + c, m)));
+            nxv_store_n(
+                o + c, m,
+                nxv_fmadd(nxv_load_n(tg + c, m), nxv_load_n(yr + c, m), nxv_load_n(rr + c, m)));
         }
     }
     free(tg);

@@ -39,8 +39,11 @@ void nx_q8_0_quantize_generic(const float *x /* IN */, uint8_t *out /* OUT */, s
         int have_nan = 0;
         for (int i = 0; i < NX_QK8_0; i++) {
             float a = fabsf(xb[i]);
-            if (a != a) {                          /* numpy's max propagates NaN */
-                if (!have_nan) { amax = a; have_nan = 1; }
+            if (a != a) { /* numpy's max propagates NaN */
+                if (!have_nan) {
+                    amax = a;
+                    have_nan = 1;
+                }
             } else if (!have_nan && a > amax) {
                 amax = a;
             }

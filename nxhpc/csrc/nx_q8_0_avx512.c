@@ -9,7 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-
 /* round-half-away(v), then float32 -> int32 (INT32_MIN for non-finite) -> low byte. */
 static inline __m128i nx_round_q16(__m512 v) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
@@ -27,8 +26,9 @@ void nx_q8_0_quantize_avx512(const float *x /* IN */, uint8_t *out /* OUT */, si
         const float *xb = x + blk * NX_QK8_0;
         uint8_t *ob = out + blk * NX_Q8_0_BLOCK_BYTES;
         __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
-        __mmask16 nan = _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
-        if (nan) {                                   /* NaN propagation rules: the spec handles it */
+        __mmask16 nan =
+            _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
+        if (nan) { /* NaN propagation rules: the spec handles it */
             nx_q8_0_quantize_generic(xb, ob, 1);
             continue;
         }

@@ -104,7 +104,8 @@ static inline nxv nxv_load_f16(const uint8_t *p) {
         _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x8000)), 16),
                         _mm256_set1_epi32(0x7f800000)),
         _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x3ff)), 13));
-    return _mm256_blendv_ps(_mm256_cvtph_ps(h), _mm256_castsi256_ps(bits), _mm256_castsi256_ps(nan));
+    return _mm256_blendv_ps(_mm256_cvtph_ps(h), _mm256_castsi256_ps(bits),
+                            _mm256_castsi256_ps(nan));
 }
 static inline nxv nxv_load_bf16(const uint8_t *p) {
     const __m128i h = _mm_loadu_si128((const __m128i *)p);

@@ -12,9 +12,11 @@
 #ifndef NX_VMATH_AVX2_H
 #define NX_VMATH_AVX2_H
 
+/* clang-format off */
 #if defined(__GNUC__) && !(defined(__AVX2__) && defined(__FMA__))
 #error "nx_vmath_avx2.h: include only from files compiled with -mavx2 -mfma (the *_avx2.c files)"
 #endif
+/* clang-format on */
 
 #include <immintrin.h>
 #include <math.h>
@@ -48,11 +50,13 @@ static inline __m256 nx_exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
     p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
-    __m256i ni = _mm256_cvtps_epi32(n);  /* NaN -> INT_MIN; p is NaN then anyway */
+    __m256i ni = _mm256_cvtps_epi32(n); /* NaN -> INT_MIN; p is NaN then anyway */
     __m256i n1 = _mm256_srai_epi32(ni, 1);
     __m256i n2 = _mm256_sub_epi32(ni, n1);
-    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
-    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
+    __m256 s1 =
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
+    __m256 s2 =
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
     return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 
@@ -71,8 +75,9 @@ static inline __m256 nx_tanh8(__m256 x) {
     p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
     __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
     __m256 e = nx_exp8(_mm256_add_ps(ax, ax));
-    __m256 big = _mm256_sub_ps(_mm256_set1_ps(1.0f),
-                               _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+    __m256 big =
+        _mm256_sub_ps(_mm256_set1_ps(1.0f),
+                      _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
     __m256 is_small = _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ);
     /* both branches carry sign(x); OR-ing it in keeps tanh(-0) = -0 */
     return _mm256_or_ps(_mm256_blendv_ps(big, small, is_small), _mm256_and_ps(sign, x));

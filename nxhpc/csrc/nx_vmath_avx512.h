@@ -14,9 +14,11 @@
 #ifndef NX_VMATH_AVX512_H
 #define NX_VMATH_AVX512_H
 
+/* clang-format off */
 #if defined(__GNUC__) && !(defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__FMA__))
 #error "nx_vmath_avx512.h: include only from files compiled with -mavx512f -mavx512dq (the *_avx512.c files)"
 #endif
+/* clang-format on */
 
 #include <immintrin.h>
 #include <math.h>
@@ -24,7 +26,9 @@
 
 /* Lane mask: lanes [0, valid) set (valid clamped to [0, 16]). */
 static inline __mmask16 nx_mask16(int64_t valid) {
-    return valid >= 16 ? (__mmask16)0xFFFF : valid <= 0 ? (__mmask16)0 : (__mmask16)((1u << valid) - 1u);
+    return valid >= 16  ? (__mmask16)0xFFFF
+           : valid <= 0 ? (__mmask16)0
+                        : (__mmask16)((1u << valid) - 1u);
 }
 
 /* exp(x), 16 lanes. Range reduction x = n*ln2 + r (ln2 split in two, Cody-Waite), |r| <= ln2/2,
@@ -63,8 +67,9 @@ static inline __m512 nx_tanh16(__m512 x) {
     p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
     __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
     __m512 e = nx_exp16(_mm512_add_ps(ax, ax));
-    __m512 big = _mm512_sub_ps(_mm512_set1_ps(1.0f),
-                               _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+    __m512 big =
+        _mm512_sub_ps(_mm512_set1_ps(1.0f),
+                      _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
     __mmask16 is_small = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.625f), _CMP_LT_OQ);
     /* both branches carry sign(x) (the polynomial is odd with 1 + z*P > 0); OR-ing it in keeps tanh(-0) = -0 */
     return _mm512_or_ps(_mm512_mask_blend_ps(is_small, big, small), _mm512_and_ps(sign, x));
@@ -77,7 +82,8 @@ static inline __m512 nx_tanh16(__m512 x) {
 static inline __m512 nx_silu16(__m512 x) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
     __m512 e = nx_exp16(_mm512_or_ps(x, sign));
-    __m512 xc = _mm512_max_ps(_mm512_set1_ps(-3.4028234663852886e38f), x);  /* -inf -> -FLT_MAX, NaN kept */
+    __m512 xc =
+        _mm512_max_ps(_mm512_set1_ps(-3.4028234663852886e38f), x); /* -inf -> -FLT_MAX, NaN kept */
     __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
     __m512 num = _mm512_mask_mul_ps(x, neg, xc, e);
     return _mm512_div_ps(num, _mm512_add_ps(e, _mm512_set1_ps(1.0f)));

@@ -132,7 +132,7 @@ static void nx_wtype_resolve(void) {
             for (int depth = 0; depth <= NX_ISA_COUNT; depth++, a = nx_isa_parent(a)) {
                 const nx_wtype_table *tab = nx_wtype_tables[a];
                 nx_dequant_fn f = a == NX_ISA_GENERIC ? nx_wtype_traits_table[t].dequant
-                                                       : (tab ? tab->dequant[t] : NULL);
+                                                      : (tab ? tab->dequant[t] : NULL);
                 if (f) {
                     nx_wtype_resolved[i][t] = f;
                     nx_wtype_from[i][t] = (unsigned char)a;
@@ -170,7 +170,7 @@ int nx_dequantize(nx_isa isa, uint32_t type, const uint8_t *w /* IN */, float *o
 static const char *nx_wtype_slot_name(int slot) {
     if (!nx_wtype_done) nx_wtype_resolve();
     return slot >= 0 && slot < NX_GGML_TYPE_COUNT && nx_wtype_names[slot][0] ? nx_wtype_names[slot]
-                                                                               : NULL;
+                                                                             : NULL;
 }
 
 static nx_isa nx_wtype_slot_variant(int slot, nx_isa isa) {

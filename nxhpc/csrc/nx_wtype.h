@@ -70,9 +70,15 @@ typedef struct {
     int8_t qs[NX_QK8_0]; /* quants */
 } nx_block_q8_0;
 _Static_assert(sizeof(nx_block_q8_0) == 34, "nx_block_q8_0 must be 34 bytes (ggml block_q8_0)");
-typedef struct { float v; } nx_block_f32;        /* one element per "block" */
-typedef struct { uint16_t bits; } nx_block_f16;  /* IEEE binary16 */
-typedef struct { uint16_t bits; } nx_block_bf16; /* top half of a float32 */
+typedef struct {
+    float v;
+} nx_block_f32; /* one element per "block" */
+typedef struct {
+    uint16_t bits;
+} nx_block_f16; /* IEEE binary16 */
+typedef struct {
+    uint16_t bits;
+} nx_block_bf16; /* top half of a float32 */
 _Static_assert(sizeof(nx_block_f32) == 4 && sizeof(nx_block_f16) == 2 && sizeof(nx_block_bf16) == 2,
                "element types are unpadded");
 
@@ -133,7 +139,10 @@ float nx_f16_to_f32(uint16_t h);
 
 /* bfloat16 bits -> float32: exact. */
 static inline float nx_bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
+    union {
+        uint32_t u;
+        float f;
+    } v;
     v.u = (uint32_t)h << 16;
     return v.f;
 }
