@@ -1,14 +1,15 @@
 /* nx_matmul_avx2.c -- AVX2 + FMA variant of the matmul (8-wide vectors, 16 ymm registers);
  * exports nx_mm_table_avx2.
  *
- * Owns the matmul's AVX2 pieces for the shared blocked driver (nx_matmul_blocked): a 6 x 16
- * micro-kernel (12 ymm accumulators + 2 weight vectors + 1 broadcast), the generic panel packer
- * (any weight type: dequantize 8 rows x 256 values into a stack scratch, transpose 8 x 8) and the
- * fused Q8_0 packer. Runs the contract's two-level fma sum (nx_matmul.h) in vector lanes, so its
- * output is bit-identical to the generic variant. Must not: change the FMA order, allocate per
- * tile.
+ * Owns the matmul's AVX2 pieces for the shared blocked driver (nx_matmul_blocked): its tile
+ * sizes and a 6 x 16 micro-kernel (12 ymm accumulators + 2 weight vectors + 1 broadcast); the
+ * panel packers (generic: dequantize 8 rows x 256 values into a stack scratch, transpose 8 x 8;
+ * fused Q8_0) are nx_matmul_pack.h at 8 lanes. Runs the contract's two-level fma sum
+ * (nx_matmul.h) in vector lanes, so its output is bit-identical to the generic variant.
+ * Must not: change the FMA order, allocate per tile.
  */
 #include "nx_matmul.h"
+#include "nx_matmul_pack.h" /* pack_rows, pack_q8_0 (both widths) */
 #include "nx_simd.h"
 
 #include <immintrin.h>
@@ -27,106 +28,7 @@ _Static_assert(NX2_KC % NX_MM_KC_ALIGN == 0, "KC must hold whole chains and whol
 _Static_assert(NX2_NC % NX2_NR == 0, "NC must be a multiple of NR");
 _Static_assert(NX2_MC % NX2_MR == 0, "MC must be a multiple of MR");
 
-/* In-register 8x8 transpose: r[i][j] -> r[j][i]. */
-static inline void nx2_tr8(__m256 r[8]) {
-    __m256 t[8], s[8];
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; i++) {
-        s[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-        s[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        s[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-        s[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-    }
-    /* s[4g + c], 128-bit lane L = rows 4g..4g+3 of column 4L + c */
-    for (int c = 0; c < 4; c++) {
-        r[c] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x20);
-        r[4 + c] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x31);
-    }
-}
-
-/* Columns [c0, c0+ncol) of panel half h (8 columns) that exist: ncol in 0..8. */
-static inline int nx2_half_cols(size_t nc, size_t c0) {
-    return c0 >= nc ? 0 : (nc - c0 >= 8 ? 8 : (int)(nc - c0));
-}
-
-/* ------------------------------------------------------------------ packers */
-
-/* The generic packer (any weight type): per 8-column half of each 16-column panel and span of
- * <= 256 k-values, c->dequant the rows into an 8 x 256 stack scratch, then transpose 8 x 8
- * tiles into Bp[k*16 + j]. Columns past nc are zero. */
-static void nx2_pack_rows(const nx_mm_call *c, size_t j0, size_t nc, size_t b0, size_t kb,
-                          float *Bp /* OUT */) {
-    const size_t E = c->wt->blck_elems, BB = c->wt->blck_bytes, kc = kb * E;
-    float scratch[8 * NX_MM_PACK_SPAN] __attribute__((aligned(32)));
-    for (size_t p = 0; p * NX2_NR < nc; p++) {
-        float *dst = Bp + p * kc * NX2_NR;
-        for (int h = 0; h < 2; h++) {
-            const size_t c0 = p * NX2_NR + (size_t)h * 8;
-            const int ncol = nx2_half_cols(nc, c0);
-            if (ncol == 0) {
-                for (size_t k = 0; k < kc; k++)
-                    _mm256_store_ps(dst + k * NX2_NR + h * 8, _mm256_setzero_ps());
-                continue;
-            }
-            for (size_t s0 = 0; s0 < kc; s0 += NX_MM_PACK_SPAN) {
-                const size_t span = kc - s0 < NX_MM_PACK_SPAN ? kc - s0 : NX_MM_PACK_SPAN;
-                const uint8_t *base = c->w + (j0 + c0) * c->rowbytes + (b0 + s0 / E) * BB;
-                for (int i = 0; i < ncol; i++)
-                    c->dequant(base + (size_t)i * c->rowbytes, scratch + i * NX_MM_PACK_SPAN,
-                               span / E);
-                for (size_t k0 = 0; k0 < span; k0 += 8) {
-                    const __m256i m = nx_mask8((int64_t)(span - k0));
-                    __m256 r[8];
-                    for (int i = 0; i < 8; i++)
-                        r[i] = i < ncol ? _mm256_maskload_ps(scratch + i * NX_MM_PACK_SPAN + k0, m)
-                                        : _mm256_setzero_ps();
-                    nx2_tr8(r);
-                    const size_t nk = span - k0 < 8 ? span - k0 : 8;
-                    for (size_t k = 0; k < nk; k++)
-                        _mm256_store_ps(dst + (s0 + k0 + k) * NX2_NR + h * 8, r[k]);
-                }
-            }
-        }
-    }
-}
-
-/* Fused Q8_0 packer: dequantize (exact) and transpose in registers, columns [j0, j0+nc) x blocks
- * [b0, b0+kb) into Bp: panel p (16 columns) at Bp + p*kc*16, element [k*16 + j] =
- * w[j0 + 16p + j, 32*b0 + k]; columns past nc are zero. */
-static void nx2_pack_q8_0(const nx_mm_call *c, size_t j0, size_t nc, size_t b0, size_t kb,
-                          float *Bp /* OUT */) {
-    const size_t kc = kb * NX_QK8_0, rowbytes = c->rowbytes;
-    for (size_t p = 0; p * NX2_NR < nc; p++) {
-        float *dst = Bp + p * kc * NX2_NR;
-        for (int h = 0; h < 2; h++) {
-            const size_t c0 = p * NX2_NR + (size_t)h * 8;
-            const int ncol = nx2_half_cols(nc, c0);
-            for (size_t b = 0; b < kb; b++) {
-                float *db = dst + b * NX_QK8_0 * NX2_NR + h * 8;
-                const uint8_t *base =
-                    c->w + (j0 + c0) * rowbytes + (b0 + b) * sizeof(nx_block_q8_0);
-                for (int q = 0; q < 4; q++) {
-                    __m256 r[8];
-                    for (int i = 0; i < 8; i++) {
-                        if (i < ncol) {
-                            const uint8_t *blk = base + (size_t)i * rowbytes;
-                            uint16_t dh;
-                            memcpy(&dh, blk, 2);
-                            r[i] = nxv_load_q8(blk + 2 + q * 8, _mm256_set1_ps(_cvtsh_ss(dh)));
-                        } else {
-                            r[i] = _mm256_setzero_ps();
-                        }
-                    }
-                    nx2_tr8(r);
-                    for (int k = 0; k < 8; k++) _mm256_store_ps(db + (q * 8 + k) * NX2_NR, r[k]);
-                }
-            }
-        }
-    }
-}
+_Static_assert(NX2_NR == NXP_NR, "the shared packers write panels of 2 vectors");
 
 /* ------------------------------------------------------------------ micro-kernel */
 
@@ -173,8 +75,8 @@ static const nx_mm_tiling nx_mm_tiling_avx2 = {
     .kc = NX2_KC,
     .nc = NX2_NC,
     .mc = NX2_MC,
-    .pack_rows = nx2_pack_rows,
-    .pack_fused = {[NX_GGML_Q8_0] = nx2_pack_q8_0},
+    .pack_rows = nx_mm_pack_rows_avx2,
+    .pack_fused = {[NX_GGML_Q8_0] = nx_mm_pack_q8_0_avx2},
     .kern = nx2_kern,
 };
 

@@ -1,14 +1,15 @@
 /* nx_matmul_avx512.c -- AVX-512 (F/BW/VL/DQ) variant of the matmul; exports nx_mm_table_avx512.
  *
- * Owns the matmul's AVX-512 pieces for the shared blocked driver (nx_matmul_blocked): the
- * register-blocked MR x 32 micro-kernel that runs the contract's fma chain in vector lanes (one
- * lane = one output column), the generic panel packer (any weight type: dequantize 16 rows x 256
- * values with the type's dequantize into a stack scratch, then transpose 16 x 16 in registers)
- * and the fused packers (Q8_0: decode and transpose in registers). Entered only after the CPU
- * probe reports AVX-512 + OS ZMM support. Must not: change the per-output FMA order (see
- * nx_matmul.h), allocate per tile, or use threads.
+ * Owns the matmul's AVX-512 pieces for the shared blocked driver (nx_matmul_blocked): its tile
+ * sizes and the register-blocked MR x 32 micro-kernel that runs the contract's fma chain in
+ * vector lanes (one lane = one output column). The panel packers (generic: dequantize 16 rows x
+ * 256 values with the type's dequantize into a stack scratch, then transpose 16 x 16 in
+ * registers; fused Q8_0: decode and transpose in registers) are nx_matmul_pack.h at 16 lanes.
+ * Entered only after the CPU probe reports AVX-512 + OS ZMM support. Must not: change the
+ * per-output FMA order (see nx_matmul.h), allocate per tile, or use threads.
  */
 #include "nx_matmul.h"
+#include "nx_matmul_pack.h" /* pack_rows, pack_q8_0 (both widths) */
 #include "nx_simd.h"
 
 #include <immintrin.h>
@@ -43,124 +44,7 @@ _Static_assert(NX_KC % NX_MM_KC_ALIGN == 0, "KC must hold whole chains and whole
 _Static_assert(NX_NC % NX_NR == 0, "NC must be a multiple of NR");
 _Static_assert(NX_MC % NX_MR == 0, "MC must be a multiple of MR");
 
-/* In-register 16x16 transpose: r[i][j] -> r[j][i]. */
-static inline void nx_tr16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-    }
-    /* r[4g + c], 128-bit lane L = rows 4g..4g+3 of column 4L + c */
-    for (int c = 0; c < 4; c++) {
-        __m512 a = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
-        __m512 b = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
-        __m512 e = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
-        __m512 f = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
-        t[c] = _mm512_shuffle_f32x4(a, e, 0x88);
-        t[8 + c] = _mm512_shuffle_f32x4(a, e, 0xDD);
-        t[4 + c] = _mm512_shuffle_f32x4(b, f, 0x88);
-        t[12 + c] = _mm512_shuffle_f32x4(b, f, 0xDD);
-    }
-    for (int i = 0; i < 16; i++) r[i] = t[i];
-}
-
-/* Columns [c0, c0+ncol) of panel half h (16 columns) that exist: ncol in 0..16. */
-static inline int nx_half_cols(size_t nc, size_t c0) {
-    return c0 >= nc ? 0 : (nc - c0 >= 16 ? 16 : (int)(nc - c0));
-}
-
-/* ------------------------------------------------------------------ packers */
-
-/* The generic packer (nx_mm_tiling.pack_rows, any weight type): for each 16-column half of each
- * 32-column panel and each span of <= 256 k-values, dequantize the rows' blocks with c->dequant
- * into a 16 x 256 stack scratch, then transpose 16 x 16 tiles into Bp[k*32 + j]. */
-static void nx_pack_rows_avx512(const nx_mm_call *c, size_t j0, size_t nc, size_t b0, size_t kb,
-                                float *Bp /* OUT */) {
-    const size_t E = c->wt->blck_elems, BB = c->wt->blck_bytes, kc = kb * E;
-    float scratch[16 * NX_MM_PACK_SPAN] __attribute__((aligned(64)));
-    for (size_t p = 0; p * NX_NR < nc; p++) {
-        float *dst = Bp + p * kc * NX_NR;
-        for (int h = 0; h < 2; h++) {
-            const size_t c0 = p * NX_NR + (size_t)h * 16;
-            const int ncol = nx_half_cols(nc, c0);
-            if (ncol == 0) {
-                for (size_t k = 0; k < kc; k++)
-                    _mm512_store_ps(dst + k * NX_NR + h * 16, _mm512_setzero_ps());
-                continue;
-            }
-            for (size_t s0 = 0; s0 < kc; s0 += NX_MM_PACK_SPAN) {
-                const size_t span = kc - s0 < NX_MM_PACK_SPAN ? kc - s0 : NX_MM_PACK_SPAN;
-                const uint8_t *base = c->w + (j0 + c0) * c->rowbytes + (b0 + s0 / E) * BB;
-                for (int i = 0; i < ncol; i++)
-                    c->dequant(base + (size_t)i * c->rowbytes, scratch + i * NX_MM_PACK_SPAN,
-                               span / E);
-                for (size_t k0 = 0; k0 < span; k0 += 16) {
-                    const __mmask16 m = nx_mask16((int64_t)(span - k0));
-                    __m512 r[16];
-                    for (int i = 0; i < 16; i++)
-                        r[i] = i < ncol
-                                   ? _mm512_maskz_loadu_ps(m, scratch + i * NX_MM_PACK_SPAN + k0)
-                                   : _mm512_setzero_ps();
-                    nx_tr16(r);
-                    const size_t nk = span - k0 < 16 ? span - k0 : 16;
-                    for (size_t k = 0; k < nk; k++)
-                        _mm512_store_ps(dst + (s0 + k0 + k) * NX_NR + h * 16, r[k]);
-                }
-            }
-        }
-    }
-}
-
-static inline float nx_load_d(const uint8_t *blk) {
-    uint16_t h;
-    memcpy(&h, blk, 2);
-    return _cvtsh_ss(h);
-}
-
-/* Fused Q8_0 packer: decode (d * q, exact) and transpose in registers, columns [j0, j0+nc) x
- * blocks [b0, b0+kb) into Bp[p*kc*32 + k*32 + j] = w[j0 + 32p + j, 32*b0 + k]; columns past nc
- * are zero. */
-static void nx_pack_q8_0_avx512(const nx_mm_call *c, size_t j0, size_t nc, size_t b0, size_t kb,
-                                float *Bp /* OUT */) {
-    const size_t kc = kb * NX_QK8_0, rowbytes = c->rowbytes;
-    for (size_t p = 0; p * NX_NR < nc; p++) {
-        float *dst = Bp + p * kc * NX_NR;
-        for (int h = 0; h < 2; h++) {
-            const size_t c0 = p * NX_NR + (size_t)h * 16;
-            const int ncol = nx_half_cols(nc, c0);
-            for (size_t b = 0; b < kb; b++) {
-                float *db = dst + b * NX_QK8_0 * NX_NR + h * 16;
-                if (ncol == 0) {
-                    for (int k = 0; k < NX_QK8_0; k++)
-                        _mm512_store_ps(db + k * NX_NR, _mm512_setzero_ps());
-                    continue;
-                }
-                const uint8_t *base =
-                    c->w + (j0 + c0) * rowbytes + (b0 + b) * sizeof(nx_block_q8_0);
-                for (int half = 0; half < 2; half++) {
-                    __m512 r[16];
-                    for (int i = 0; i < 16; i++) {
-                        if (i < ncol) {
-                            const uint8_t *blk = base + (size_t)i * rowbytes;
-                            r[i] = nxv_load_q8(blk + 2 + half * 16, _mm512_set1_ps(nx_load_d(blk)));
-                        } else {
-                            r[i] = _mm512_setzero_ps();
-                        }
-                    }
-                    nx_tr16(r);
-                    for (int k = 0; k < 16; k++)
-                        _mm512_store_ps(db + (half * 16 + k) * NX_NR, r[k]);
-                }
-            }
-        }
-    }
-}
+_Static_assert(NX_NR == NXP_NR, "the shared packers write panels of 2 vectors");
 
 /* ------------------------------------------------------------------ micro-kernel */
 
@@ -232,8 +116,8 @@ static const nx_mm_tiling nx_mm_tiling_avx512 = {
     .kc = NX_KC,
     .nc = NX_NC,
     .mc = NX_MC,
-    .pack_rows = nx_pack_rows_avx512,
-    .pack_fused = {[NX_GGML_Q8_0] = nx_pack_q8_0_avx512},
+    .pack_rows = nx_mm_pack_rows_avx512,
+    .pack_fused = {[NX_GGML_Q8_0] = nx_mm_pack_q8_0_avx512},
     .kern = nx_kern_any,
 };
 

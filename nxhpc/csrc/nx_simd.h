@@ -65,6 +65,34 @@ static inline nxv nxv_load_q8(const uint8_t *q, nxv d) {
     const __m128i b = _mm_loadu_si128((const __m128i *)q);
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), d);
 }
+static inline nxv nxv_zero(void) { return _mm512_setzero_ps(); }
+static inline void nxv_store(float *p, nxv v) { _mm512_store_ps(p, v); } /* p 64-byte aligned */
+/* In-register 16x16 transpose: r[i][j] -> r[j][i]. */
+static inline void nxv_transpose(nxv r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    /* r[4g + c], 128-bit lane L = rows 4g..4g+3 of column 4L + c */
+    for (int c = 0; c < 4; c++) {
+        __m512 a = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
+        __m512 b = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+        __m512 e = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+        __m512 f = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+        t[c] = _mm512_shuffle_f32x4(a, e, 0x88);
+        t[8 + c] = _mm512_shuffle_f32x4(a, e, 0xDD);
+        t[4 + c] = _mm512_shuffle_f32x4(b, f, 0x88);
+        t[12 + c] = _mm512_shuffle_f32x4(b, f, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
 
 #elif defined(__AVX2__)
 #include "nx_vmath_avx2.h"
@@ -114,6 +142,27 @@ static inline nxv nxv_load_bf16(const uint8_t *p) {
 static inline nxv nxv_load_q8(const uint8_t *q, nxv d) {
     const __m128i b = _mm_loadl_epi64((const __m128i *)q);
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d);
+}
+static inline nxv nxv_zero(void) { return _mm256_setzero_ps(); }
+static inline void nxv_store(float *p, nxv v) { _mm256_store_ps(p, v); } /* p 32-byte aligned */
+/* In-register 8x8 transpose: r[i][j] -> r[j][i]. */
+static inline void nxv_transpose(nxv r[8]) {
+    __m256 t[8], s[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        s[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        s[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        s[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        s[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    /* s[4g + c], 128-bit lane L = rows 4g..4g+3 of column 4L + c */
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x20);
+        r[4 + c] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x31);
+    }
 }
 
 #else
