@@ -33,6 +33,8 @@ ISA_FLAGS = {
     "_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
     "_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
                   "-mavx2", "-mfma", "-mf16c"],
+    "_avx512bf16.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+                      "-mavx2", "-mfma", "-mf16c", "-mavx512bf16"],
 }
 NATIVE_OPT_IN = os.environ.get("NXHPC_MARCH_NATIVE") == "1"  # local opt-in only, off by default
 if NATIVE_OPT_IN:

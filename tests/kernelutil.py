@@ -19,6 +19,21 @@ CHAIN = 128                 # k-steps per fma chain of the matmul's two-level su
 GGML = gguf.GGMLQuantizationType
 
 
+def isa_chain(isa):
+    """isa, its parent, ..., "generic": where a kernel missing at `isa` comes from."""
+    isas = K.cpu_features()["isas"]
+    out = [isa]
+    while out[-1] != "generic":
+        out.append(isas[out[-1]]["parent"])
+    return out
+
+
+def expected_variant(have, isa):
+    """The variant a kernel with SIMD variants at the ISAs in `have` runs when `isa` is requested:
+    the first of them on isa's chain, else generic (stays right when an ISA is added above)."""
+    return next((a for a in isa_chain(isa) if a in have), "generic")
+
+
 def bits(a):
     """Bit pattern of a float32 array (compares NaNs and signed zeros exactly)."""
     return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)

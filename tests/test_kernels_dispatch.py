@@ -68,7 +68,8 @@ def test_isa_tree():
     f = K.cpu_features()
     isas = f["isas"]
     assert list(isas) == list(K.ISA_NAMES) and K.ISA_NAMES[0] == "generic"
-    assert {"generic", "avx2", "avx512"} <= set(isas)
+    assert {"generic", "avx2", "avx512", "avx512bf16"} <= set(isas)
+    assert isas["avx512bf16"]["parent"] == "avx512" and "avx512bf16" in isas["avx512bf16"]["needs"]
     for i, (name, info) in enumerate(isas.items()):
         if name == "generic":
             assert info["parent"] == "generic" and info["needs"] == [] and info["supported"]
@@ -120,6 +121,10 @@ def test_documented_inheritance():
                      ("q8_0_dequantize", "dequantize[Q8_0]")):
         for isa in K.ISA_NAMES:
             assert v(old, isa) == v(new, isa)
+    # avx512bf16 has no table of these families: everything inherits avx512's
+    for kernel in ("matmul", "rmsnorm", "layernorm_mod", "attention", "dequantize[BF16]",
+                   "attention_backward", "qknorm_rope_backward", "q8_0_quantize"):
+        assert v(kernel, "avx512bf16") == v(kernel, "avx512"), kernel
     with pytest.raises(ValueError, match="unknown kernel"):
         v("no_such_kernel", "avx2")
 

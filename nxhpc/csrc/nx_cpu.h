@@ -69,11 +69,14 @@ const char *nx_cpu_feature_name(int i);
  * under AVX2, or AVX512_BF16 under AVX512) is one line here. The list is in order of preference:
  * the default target is the last one this CPU supports. Adding an ISA: a line here (and a probe
  * bit above if it needs a new feature), its files `nx_<family>_<isa>.c` exporting one table per
- * family, one line in each such family's table list, and its suffix + flags in setup.py. */
+ * family, one line in each such family's table list, and its suffix + flags in setup.py.
+ * AVX512BF16 has no table of its own yet: every kernel inherits AVX512's (the bf16 matmul of
+ * nx_lowp_avx512bf16.c is its first). */
 #define NX_ISA_LIST(X)                                                                             \
     X(GENERIC, "generic", 0u, GENERIC)                                                             \
     X(AVX2, "avx2", NX_ISA_NEEDS_AVX2, GENERIC)                                                    \
-    X(AVX512, "avx512", NX_ISA_NEEDS_AVX512, AVX2)
+    X(AVX512, "avx512", NX_ISA_NEEDS_AVX512, AVX2)                                                 \
+    X(AVX512BF16, "avx512bf16", NX_ISA_NEEDS_AVX512 | NX_CPU_AVX512BF16, AVX512)
 
 #define NX_ISA_ENUM_(id, name, needs, parent) NX_ISA_##id,
 typedef enum {

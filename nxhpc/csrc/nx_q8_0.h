@@ -17,10 +17,14 @@
 #include "nx_matmul.h"
 #include "nx_wtype.h"
 
+/* Older names of what is now generic (kept so code written against them still builds). */
 #define NX_Q8_0_BLOCK_BYTES 34
 #define NX_Q8_0_CHAIN NX_MM_CHAIN
 #define NX_Q8_0_DOT_ROWS NX_MM_DOT_ROWS
 #define nx_q8_0_dot_rows nx_mm_dot_rows
+#define nx_q8_0_dequantize_generic nx_dequant_q8_0_generic
+#define nx_q8_0_dequantize_avx2 nx_dequant_q8_0_avx2
+#define nx_q8_0_dequantize_avx512 nx_dequant_q8_0_avx512
 
 /* ---- quantize: x[nblocks*32] -> nblocks Q8_0 blocks, byte-identical to gguf / ggml reference:
  *   amax = max |x| (NaN if any x is NaN); d = amax / 127; id = d == 0 ? 0 : 1/d  (float32)
