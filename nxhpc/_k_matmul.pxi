@@ -117,6 +117,11 @@ cdef object _weight_bytes(str fn, str name, object w, str tname, Py_ssize_t E, P
     return w
 
 
+cdef object _q8_rows(str fn, str name, object w, int ndim):
+    """Raw Q8_0 bytes: uint8, C-contiguous, `ndim` dims (-1: >= 1), rows of whole 34-byte blocks."""
+    return _weight_bytes(fn, name, w, "Q8_0", QK8_0, Q8_0_BLOCK_BYTES, ndim)
+
+
 cdef _no_alias(str fn, str out_name, object out, str in_name, object a):
     if a is not None and np.may_share_memory(out, a):
         raise ValueError(f"{fn}: {out_name} must not overlap {in_name}")
@@ -132,7 +137,8 @@ cdef object _index(str fn, str name, object v):
         raise TypeError(f"{fn}: {name} must be an integer or None, got {v!r}") from None
 
 
-cdef int _check_k(str fn, str name, Py_ssize_t K, str tname, Py_ssize_t E) except -1:
+cdef int _check_k(str fn, str name, Py_ssize_t K, str tname="Q8_0",
+                  Py_ssize_t E=32) except -1:
     if K % E != 0:
         raise ValueError(f"{fn}: {name} has K={K}, which is not a multiple of {E} "
                          f"(the {tname} block size, wtype={tname!r})")

@@ -29,6 +29,10 @@ _FEATURE_BITS = {nx_cpu_feature_name(i).decode(): 1 << i for i in range(NX_CPU_N
 ISA_NAMES = tuple(nx_isa_name(<nx_isa>i).decode() for i in range(NX_ISA_COUNT))
 _ISA_BY_NAME = {name: i for i, name in enumerate(ISA_NAMES)}
 
+# Families whose dispatch is not yet a C table register {name: callable(isa index) -> ISA name}
+# here from their .pxi (kernel_variants() merges them with the C registry). Prefer a C table.
+_VARIANT_OF = {}
+
 # Older names of kernel_variants() entries -> the slot that now runs them.
 _VARIANT_ALIASES = {"q8_0_matmul": "matmul", "adaln_linear": "matmul",
                     "q8_0_dequantize": "dequantize[Q8_0]"}
@@ -81,6 +85,8 @@ def _variants_at(int isa):
             out[name.decode()] = nx_isa_name(v).decode()
     for old, new in _VARIANT_ALIASES.items():
         out[old] = out[new]
+    for kernel, variant_of in _VARIANT_OF.items():
+        out.setdefault(kernel, variant_of(isa))
     return out
 
 
