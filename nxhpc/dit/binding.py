@@ -18,7 +18,7 @@ import numpy as np
 
 from nxhpc.dit.config import _ROLE, BlockConfig, block_label, layer_tensor_names
 from nxhpc.formats.ggml_blocks import QUANT_BLOCKS
-from nxhpc.formats.gguf_io import ModelFileError, quantize_q8_0
+from nxhpc.formats.gguf_io import ModelFileError, dequantize_q8_0, quantize_q8_0
 from nxhpc.formats.weights import WeightTensor, as_weight_tensor
 
 __all__ = ["LayerWeights", "bind_gguf_layer", "bind_fixture_layer", "check_finite_weight"]
@@ -135,7 +135,8 @@ def bind_gguf_layer(g: Any, cfg: BlockConfig, index: int, prefix: str = "layers"
 def bind_fixture_layer(fx: Any, cfg: BlockConfig, index: int,
                        prefix: str = "layers") -> LayerWeights:
     """Block ``prefix.index`` from a fixture store's float32 weights: projections quantized to
-    Q8_0 (the stored values are Q8_0 values, so this gives back the GGUF's exact bytes), the
+    Q8_0 when that is exact (the stored values are Q8_0 values, so this gives back the GGUF's
+    exact bytes; otherwise, for a model of other types, the float32 values as F32), the
     adaLN matrix kept F32 (``adaln_linear`` gives the same bits for a Q8_0 weight and its
     float32 dequantization)."""
     names = layer_tensor_names(index, cfg.variant, prefix)
@@ -146,7 +147,11 @@ def bind_fixture_layer(fx: Any, cfg: BlockConfig, index: int,
         if key == "adaln_w":
             a = WeightTensor.from_array(name, a)
         elif _ROLE[key] == "matrix":
-            a = WeightTensor.from_raw(name, "Q8_0", exp[key][1], quantize_q8_0(a, name))
+            q = quantize_q8_0(a, name)
+            # a model of another type (Q4_K, BF16 ...): its values are not all Q8_0 values, so
+            # they stay F32 (the matmul gives the same bits as over the stored type's bytes)
+            a = WeightTensor.from_raw(name, "Q8_0", exp[key][1], q) \
+                if np.array_equal(dequantize_q8_0(q), a) else WeightTensor.from_array(name, a)
         vals[key] = a
     lw = LayerWeights(**vals, source="fixtures", layer=int(index), prefix=prefix)
     _check(cfg, lw, f"{fx.path}: {block_label(prefix, index)}")
