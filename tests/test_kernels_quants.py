@@ -70,6 +70,13 @@ def test_every_type_is_a_table_row():
                                          wt[n]["block_bytes"]) for n in TYPES}
 
 
+def test_runnable_types_are_the_table():
+    """The Python side's list of types a block may hold is exactly the C traits table's."""
+    from nxhpc.formats.weights import RUNNABLE_TYPES
+    assert set(RUNNABLE_TYPES) == set(K.weight_types())
+    assert set(TYPES) <= set(RUNNABLE_TYPES)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("name", TYPES)
 def test_dequantize_byte_identical_to_gguf(name, isa):
