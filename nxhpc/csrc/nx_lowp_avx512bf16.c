@@ -1,6 +1,7 @@
 /* nx_lowp_avx512bf16.c -- the `bf16` matmul on AVX-512 BF16: vdpbf16ps micro-kernel and its
- * packers (activations rounded to bfloat16 pairs; weights decoded through the weight type's
- * dequant pointer, rounded to bfloat16 once, panel by panel).
+ * packers (activations rounded to bfloat16 pairs; weights decoded by the ISA's dequantize of the
+ * weight type -- the traits table, so every type it has -- rounded to bfloat16 once, panel by
+ * panel); exports the avx512bf16 table of the "lowp" family.
  *
  * Owns: the bf16 panel layouts and the MR x NR register tile. Entered only after the probe
  * reports the avx512 level, AVX512_BF16 and OS ZMM support.
@@ -124,11 +125,12 @@ static inline void nx_tr16i(__m512i r[16]) {
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
-static void nx_bf_pack_b(const nx_lowp_wtype *wt, const uint8_t *w /* IN */, size_t rowbytes,
-                         size_t j0, size_t ncols, size_t k0, size_t kc, uint8_t *Bp /* OUT */,
-                         void *scratch) {
-    const nx_dequant_fn deq = wt->dequant_simd ? wt->dequant_simd : wt->dequant;
-    const size_t ng = (kc + 31) / 32, be = wt->block_elems, bb = wt->block_bytes;
+static void nx_bf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc,
+                         uint8_t *Bp /* OUT */, void *scratch) {
+    const nx_dequant_fn deq = c->dequant; /* the ISA's dequantize of the type (wtype family) */
+    const uint8_t *w = c->w;
+    const size_t rowbytes = c->rowbytes;
+    const size_t ng = (kc + 31) / 32, be = c->wt->blck_elems, bb = c->wt->blck_bytes;
     float *s = (float *)scratch;                     /* [16][NX_BF_KCP] decoded rows */
     for (int h = 0; h < NX_BF_NV; h++) {
         const size_t c0 = (size_t)h * 16;
@@ -184,16 +186,15 @@ static void nx_bf_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, 
             for (int v = 0; v < NX_BF_NV; v++) _mm512_mask_storeu_ps(C + r * ldc + 16 * v, m[v], c[r][v]);
 }
 
-int nx_matmul_bf16_avx512bf16(const nx_lowp_wtype *wt, const float *x /* IN [T*K] */,
-                              const uint8_t *w /* IN */, const float *bias /* IN or NULL */,
-                              float *out /* OUT [T*N] */, size_t T, size_t K, size_t N, size_t n0,
-                              size_t n1) {
-    if (!wt) return -2;
+int nx_matmul_bf16_avx512bf16(const nx_mm_call *c) {
+    if (!c->wt || !c->dequant) return -2;
     const nx_lowp_tiling tl = {
         NX_BF_MR, NX_BF_NR, NX_BF_KC, NX_BF_NC, NX_BF_MC,
         NX_BF_AG, NX_BF_BG, 0, 16 * NX_BF_KCP * sizeof(float),
         NX_BF_JR_OUTER, nx_bf_pack_a, nx_bf_pack_b, nx_bf_kern,
     };
-    return nx_lowp_blocked(&tl, wt, x, w, K / wt->block_elems * wt->block_bytes, bias, out, T, K,
-                           N, n0, n1);
+    return nx_lowp_blocked(&tl, c);
 }
+
+const nx_lowp_table nx_lowp_table_avx512bf16 = {.matmul_bf16 = nx_matmul_bf16_avx512bf16,
+                                                .round_bf16 = nx_bf16_round_n_avx512bf16};
