@@ -35,13 +35,13 @@ void nx_bf16_round_n(nx_isa isa, const float *x /* IN */, uint16_t *out /* OUT *
 static inline float nx_daz(float v) {
     uint32_t u;
     memcpy(&u, &v, 4);
-    if ((u & 0x7f800000u) == 0) u &= 0x80000000u;   /* subnormal (or zero) -> zero of its sign */
+    if ((u & 0x7f800000u) == 0) u &= 0x80000000u; /* subnormal (or zero) -> zero of its sign */
     memcpy(&v, &u, 4);
     return v;
 }
 
 float nx_dpbf16_step(float acc, float a, float b) {
-    return nx_daz(fmaf(nx_daz(a), nx_daz(b), nx_daz(acc)));   /* ftz of the result == daz */
+    return nx_daz(fmaf(nx_daz(a), nx_daz(b), nx_daz(acc))); /* ftz of the result == daz */
 }
 
 int nx_matmul_bf16_generic(const nx_mm_call *c) {
@@ -53,8 +53,8 @@ int nx_matmul_bf16_generic(const nx_mm_call *c) {
     if (!wt) return -2;
     if (T == 0 || n0 >= n1) return 0;
     const size_t K32 = (K + 31) / 32 * 32;
-    float *xb = (float *)malloc((T * K32 + 1) * sizeof(float));     /* bf(x) as float32 values */
-    float *wf = (float *)malloc((K32 + 1) * sizeof(float));         /* one dequantized row */
+    float *xb = (float *)malloc((T * K32 + 1) * sizeof(float)); /* bf(x) as float32 values */
+    float *wf = (float *)malloc((K32 + 1) * sizeof(float));     /* one dequantized row */
     if (!xb || !wf) {
         free(xb);
         free(wf);
@@ -64,13 +64,14 @@ int nx_matmul_bf16_generic(const nx_mm_call *c) {
         for (size_t k = 0; k < K32; k++)
             xb[t * K32 + k] = k < K ? nx_bf16_to_f32(nx_bf16_round(x[t * K + k])) : 0.0f;
     for (size_t n = n0; n < n1; n++) {
-        if (K > 0) wt->dequant(w + n * rowbytes, wf, K / wt->blck_elems);   /* the spec, exact */
-        for (size_t k = 0; k < K32; k++) wf[k] = k < K ? nx_bf16_to_f32(nx_bf16_round(wf[k])) : 0.0f;
+        if (K > 0) wt->dequant(w + n * rowbytes, wf, K / wt->blck_elems); /* the spec, exact */
+        for (size_t k = 0; k < K32; k++)
+            wf[k] = k < K ? nx_bf16_to_f32(nx_bf16_round(wf[k])) : 0.0f;
         for (size_t t = 0; t < T; t++) {
             const float *xr = xb + t * K32;
             float acc = 0.0f;
             for (size_t k = 0; k < K32; k += 2) {
-                acc = nx_dpbf16_step(acc, xr[k + 1], wf[k + 1]);   /* odd element first */
+                acc = nx_dpbf16_step(acc, xr[k + 1], wf[k + 1]); /* odd element first */
                 acc = nx_dpbf16_step(acc, xr[k], wf[k]);
             }
             out[t * N + n] = bias ? acc + bias[n] : acc;
@@ -93,20 +94,22 @@ int nx_matmul_q8_generic(const nx_mm_call *c) {
     const size_t nb = K / NX_QK8_0, rowbytes = nb * NX_Q8_0_BLOCK_BYTES;
     uint8_t *xq = (uint8_t *)malloc(T * rowbytes + 1);
     if (!xq) return -1;
-    if (nb > 0) nx_q8_0_quantize_generic(x, xq, T * nb);     /* rows are consecutive blocks */
+    if (nb > 0) nx_q8_0_quantize_generic(x, xq, T * nb); /* rows are consecutive blocks */
     for (size_t n = n0; n < n1; n++) {
         const uint8_t *wr = w + n * rowbytes;
         for (size_t t = 0; t < T; t++) {
             const uint8_t *xr = xq + t * rowbytes;
             float acc = 0.0f;
             for (size_t b = 0; b < nb; b++) {
-                const uint8_t *xb = xr + b * NX_Q8_0_BLOCK_BYTES, *wb = wr + b * NX_Q8_0_BLOCK_BYTES;
+                const uint8_t *xb = xr + b * NX_Q8_0_BLOCK_BYTES,
+                              *wb = wr + b * NX_Q8_0_BLOCK_BYTES;
                 int32_t isum = 0;
-                for (int i = 0; i < NX_QK8_0; i++) isum += (int32_t)(int8_t)xb[2 + i] * (int8_t)wb[2 + i];
+                for (int i = 0; i < NX_QK8_0; i++)
+                    isum += (int32_t)(int8_t)xb[2 + i] * (int8_t)wb[2 + i];
                 uint16_t dx, dw;
                 memcpy(&dx, xb, 2);
                 memcpy(&dw, wb, 2);
-                const float s = nx_f16_to_f32(dx) * nx_f16_to_f32(dw);   /* exact */
+                const float s = nx_f16_to_f32(dx) * nx_f16_to_f32(dw); /* exact */
                 acc = fmaf((float)isum, s, acc);
             }
             out[t * N + n] = bias ? acc + bias[n] : acc;
@@ -127,13 +130,13 @@ int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_mm_call *c) {
     float *out = c->out;
     const size_t T = c->T, K = c->K, N = c->N, n0 = c->n0, n1 = c->n1;
     if (T == 0 || n0 >= n1) return 0;
-    if (K == 0) {                                    /* the empty sum is +0 */
+    if (K == 0) { /* the empty sum is +0 */
         for (size_t t = 0; t < T; t++)
             for (size_t n = n0; n < n1; n++) out[t * N + n] = bias ? 0.0f + bias[n] : 0.0f;
         return 0;
     }
     const size_t MR = tl->mr, NR = tl->nr, KC = tl->kc, NC = tl->nc, MC = tl->mc;
-    const size_t G = (K + 31) / 32;                           /* 32-k groups of all of K */
+    const size_t G = (K + 31) / 32; /* 32-k groups of all of K */
     const size_t mc_max = nx_min(T, MC), nc_max = nx_min(n1 - n0, NC), kc_max = nx_min(K, KC);
     const size_t a_panel = G * tl->a_group;                  /* bytes of one A micro-panel */
     const size_t b_panel = (kc_max + 31) / 32 * tl->b_group; /* bytes of one B micro-panel */
@@ -191,11 +194,11 @@ const nx_lowp_table nx_lowp_table_generic = {.matmul_bf16 = nx_matmul_bf16_gener
                                              .matmul_q8 = nx_matmul_q8_generic,
                                              .round_bf16 = nx_bf16_round_n_generic};
 
-static nx_mm_call nx_lowp_call(nx_isa isa, const nx_wtype_traits *wt, uint32_t type,
-                               const float *x, const uint8_t *w, const float *bias, float *out,
-                               size_t T, size_t K, size_t N, size_t n0, size_t n1) {
-    nx_mm_call c = {wt, nx_wtype_dequant(isa, type), type, x, w, bias, out, T, K, N, n0, n1,
-                    K / wt->blck_elems * wt->blck_bytes, 0};
+static nx_mm_call nx_lowp_call(nx_isa isa, const nx_wtype_traits *wt, uint32_t type, const float *x,
+                               const uint8_t *w, const float *bias, float *out, size_t T, size_t K,
+                               size_t N, size_t n0, size_t n1) {
+    nx_mm_call c = {wt, nx_wtype_dequant(isa, type),         type, x, w, bias, out, T, K, N, n0,
+                    n1, K / wt->blck_elems * wt->blck_bytes, 0};
     return c;
 }
 
@@ -211,7 +214,7 @@ int nx_matmul_bf16(nx_isa isa, uint32_t type, const float *x /* IN */, const uin
 int nx_matmul_q8(nx_isa isa, const float *x /* IN */, const uint8_t *w /* IN */,
                  const float *bias /* IN */, float *out /* OUT */, size_t T, size_t K, size_t N,
                  size_t n0, size_t n1) {
-    const nx_mm_call c = nx_lowp_call(isa, nx_wtype(NX_GGML_Q8_0), NX_GGML_Q8_0, x, w, bias, out,
-                                      T, K, N, n0, n1);
+    const nx_mm_call c =
+        nx_lowp_call(isa, nx_wtype(NX_GGML_Q8_0), NX_GGML_Q8_0, x, w, bias, out, T, K, N, n0, n1);
     return nx_lowp_get(isa)->matmul_q8(&c);
 }

@@ -97,12 +97,13 @@ nx_isa nx_lowp_variant(int slot, nx_isa isa);
 static inline uint16_t nx_bf16_round(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);     /* zero, subnormal */
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);   /* NaN */
+    if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u); /* zero, subnormal */
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u); /* NaN */
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 /* out[i] = bits of bf(x[i]) for i < n, at `isa`. */
-void nx_bf16_round_n(nx_isa isa, const float *x /* IN [n] */, uint16_t *out /* OUT [n] */, size_t n);
+void nx_bf16_round_n(nx_isa isa, const float *x /* IN [n] */, uint16_t *out /* OUT [n] */,
+                     size_t n);
 void nx_bf16_round_n_generic(const float *x /* IN */, uint16_t *out /* OUT */, size_t n);
 void nx_bf16_round_n_avx512bf16(const float *x /* IN */, uint16_t *out /* OUT */, size_t n);
 
@@ -121,7 +122,7 @@ int nx_matmul_q8_generic(const nx_mm_call *c);
 int nx_matmul_q8_avx512(const nx_mm_call *c);
 
 /* ---- the per-step arithmetic of the specs, scalar (exported for the generic matmuls) */
-float nx_dpbf16_step(float acc, float a, float b);   /* ftz(fmaf(daz(a), daz(b), daz(acc))) */
+float nx_dpbf16_step(float acc, float a, float b); /* ftz(fmaf(daz(a), daz(b), daz(acc))) */
 
 /* ---- the blocked driver shared by the SIMD variants (BLIS loop order, like nx_q8_0_matmul_blocked):
  *   for each block of mc <= MC tokens: pack_a packs MR-token micro-panels (all of K)
@@ -143,11 +144,11 @@ float nx_dpbf16_step(float acc, float a, float b);   /* ftz(fmaf(daz(a), daz(b),
 typedef struct {
     size_t mr, nr, kc, nc, mc;
     size_t a_group, b_group, a_scratch, b_scratch;
-    int jr_outer;                /* 0: for A micro-panel { for B micro-panel } (A stays in L1);
+    int jr_outer; /* 0: for A micro-panel { for B micro-panel } (A stays in L1);
                                   * 1: for B micro-panel { for A micro-panel } (B stays in L1) */
     void (*pack_a)(const float *x, size_t K, size_t t0, size_t rows, uint8_t *Ap, void *scratch);
-    void (*pack_b)(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc,
-                   uint8_t *Bp, void *scratch);
+    void (*pack_b)(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc, uint8_t *Bp,
+                   void *scratch);
     void (*kern)(size_t ngroups, const uint8_t *A, const uint8_t *B, float *C, size_t ldc, int mr,
                  int nr, int first);
 } nx_lowp_tiling;

@@ -30,7 +30,7 @@
 #define NX_BF_MR 8
 #endif
 #ifndef NX_BF_NV
-#define NX_BF_NV 3                     /* zmm vectors per tile row */
+#define NX_BF_NV 3 /* zmm vectors per tile row */
 #endif
 #define NX_BF_NR (16 * NX_BF_NV)
 #ifndef NX_BF_KC
@@ -53,7 +53,7 @@ _Static_assert(NX_BF_MC % NX_BF_MR == 0, "MC must be a multiple of MR");
  * bf(x[2p+1]) high half); B micro-panel uint32 pairs[16][NR] (same, column j). */
 #define NX_BF_AG (16 * NX_BF_MR * 4)
 #define NX_BF_BG (16 * NX_BF_NR * 4)
-#define NX_BF_KCP NX_BF_KC                       /* scratch row stride (floats) */
+#define NX_BF_KCP NX_BF_KC /* scratch row stride (floats) */
 
 /* bf() of 32 floats (lo = elements 0..15, hi = 16..31) as 16 pair-dwords: dword i holds element
  * 2i in its low half and 2i+1 in its high half (the vdpbf16ps operand order). VCVTNE2PS2BF16 is
@@ -65,7 +65,8 @@ static inline __m512i nx_bf16_pairs32(__m512 lo, __m512 hi) {
 void nx_bf16_round_n_avx512bf16(const float *x /* IN */, uint16_t *out /* OUT */, size_t n) {
     size_t i = 0;
     for (; i + 16 <= n; i += 16)
-        _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+        _mm256_storeu_si256((__m256i *)(out + i),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
     if (i < n) {
         const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
         __m256i r = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + i));
@@ -84,9 +85,11 @@ static void nx_bf_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t ro
             uint32_t p[16];
             if (r < rows) {
                 const size_t k = g * 32, left = K - k;
-                const __mmask16 m0 = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-                const __mmask16 m1 = left >= 32 ? (__mmask16)0xffff
-                                   : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u) : (__mmask16)0;
+                const __mmask16 m0 =
+                    left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+                const __mmask16 m1 = left >= 32  ? (__mmask16)0xffff
+                                     : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u)
+                                                 : (__mmask16)0;
                 __m512i v = nx_bf16_pairs32(_mm512_maskz_loadu_ps(m0, src + k),
                                             _mm512_maskz_loadu_ps(m1, src + k + 16));
                 _mm512_storeu_si512((__m512i *)p, v);
@@ -131,13 +134,13 @@ static void nx_bf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0
     const uint8_t *w = c->w;
     const size_t rowbytes = c->rowbytes;
     const size_t ng = (kc + 31) / 32, be = c->wt->blck_elems, bb = c->wt->blck_bytes;
-    float *s = (float *)scratch;                     /* [16][NX_BF_KCP] decoded rows */
+    float *s = (float *)scratch; /* [16][NX_BF_KCP] decoded rows */
     for (int h = 0; h < NX_BF_NV; h++) {
         const size_t c0 = (size_t)h * 16;
         const int nv = c0 >= ncols ? 0 : (ncols - c0 >= 16 ? 16 : (int)(ncols - c0));
         for (int j = 0; j < nv; j++) {
             float *row = s + (size_t)j * NX_BF_KCP;
-            deq(w + (j0 + c0 + j) * rowbytes + k0 / be * bb, row, kc / be);    /* exact */
+            deq(w + (j0 + c0 + j) * rowbytes + k0 / be * bb, row, kc / be); /* exact */
             for (size_t k = kc; k < ng * 32; k++) row[k] = 0.0f;
         }
         for (size_t g = 0; g < ng; g++) {
@@ -150,9 +153,10 @@ static void nx_bf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0
                     r[j] = _mm512_setzero_si512();
                 }
             }
-            nx_tr16i(r);                             /* r[p] lane j = pair p of column c0 + j */
+            nx_tr16i(r); /* r[p] lane j = pair p of column c0 + j */
             uint8_t *dst = Bp + g * NX_BF_BG + c0 * 4;
-            for (int p = 0; p < 16; p++) _mm512_store_si512((__m512i *)(dst + p * NX_BF_NR * 4), r[p]);
+            for (int p = 0; p < 16; p++)
+                _mm512_store_si512((__m512i *)(dst + p * NX_BF_NR * 4), r[p]);
         }
     }
 }
@@ -183,15 +187,26 @@ static void nx_bf_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, 
     }
     for (int r = 0; r < NX_BF_MR; r++)
         if (r < mr)
-            for (int v = 0; v < NX_BF_NV; v++) _mm512_mask_storeu_ps(C + r * ldc + 16 * v, m[v], c[r][v]);
+            for (int v = 0; v < NX_BF_NV; v++)
+                _mm512_mask_storeu_ps(C + r * ldc + 16 * v, m[v], c[r][v]);
 }
 
 int nx_matmul_bf16_avx512bf16(const nx_mm_call *c) {
     if (!c->wt || !c->dequant) return -2;
     const nx_lowp_tiling tl = {
-        NX_BF_MR, NX_BF_NR, NX_BF_KC, NX_BF_NC, NX_BF_MC,
-        NX_BF_AG, NX_BF_BG, 0, 16 * NX_BF_KCP * sizeof(float),
-        NX_BF_JR_OUTER, nx_bf_pack_a, nx_bf_pack_b, nx_bf_kern,
+        NX_BF_MR,
+        NX_BF_NR,
+        NX_BF_KC,
+        NX_BF_NC,
+        NX_BF_MC,
+        NX_BF_AG,
+        NX_BF_BG,
+        0,
+        16 * NX_BF_KCP * sizeof(float),
+        NX_BF_JR_OUTER,
+        nx_bf_pack_a,
+        nx_bf_pack_b,
+        nx_bf_kern,
     };
     return nx_lowp_blocked(&tl, c);
 }
