@@ -353,11 +353,10 @@ def test_bf16_every_traits_type_matches_model(wtype):
     if wtype in ("F32", "F16", "BF16"):
         raw = make_w(rng, wtype, N, Kd)
     else:
-        try:
-            raw = gguf_quantize((rng.standard_normal((N, Kd)) * 0.05).astype(np.float32),
-                                gguf.GGMLQuantizationType[wtype])
-        except NotImplementedError:
-            pytest.skip(f"gguf cannot quantize {wtype}")
+        # valid blocks from nxhpc's encoders (gguf has no K-quant quantizer); the decoder
+        # that makes the reference is gguf's, so the check stays independent
+        from nxhpc.formats.quants import quantize as nx_quantize
+        raw = nx_quantize((rng.standard_normal((N, Kd)) * 0.05).astype(np.float32), wtype)
     wf = np.asarray(gguf_dequantize(raw, gguf.GGMLQuantizationType[wtype]), np.float32).reshape(N, Kd)
     want = bf16_model(x, wf)
     for isa in BF16_VARIANTS:
