@@ -51,13 +51,17 @@ class ModelsDirError(ModelError):
         super().__init__(message)
 
 
-def check_models_root(root: Path, *, need_bytes: int = 0, what: str = "a model") -> None:
+_ROOT_SRC = "(from $NXHPC_MODELS / --models-dir)"
+
+
+def check_models_root(root: Path, *, need_bytes: int = 0, what: str = "a model",
+                      src: str = _ROOT_SRC) -> None:
     """Make sure ``root`` is (or can be made) a writable directory with about ``need_bytes``
-    free; :class:`ModelsDirError` naming the directory and the reason otherwise."""
-    src = "(from $NXHPC_MODELS / --models-dir)"
+    free; :class:`ModelsDirError` naming the directory (``src``: where it came from) and the
+    reason otherwise."""
     if root.exists() and not root.is_dir():
         raise ModelsDirError(root, f"models directory {root} {src} is not a directory; "
-                                   f"point NXHPC_MODELS or --models-dir at a directory")
+                                   f"point it at a directory")
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -85,16 +89,21 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-def write_failed(root: Path, what: str, e: OSError) -> ModelsDirError:
+def write_failed(root: Path, what: str, e: OSError, src: str = _ROOT_SRC) -> ModelsDirError:
     """The :class:`ModelsDirError` for an OSError while writing ``what`` under ``root`` (numpy's
     ``tofile`` reports a full disk as "N requested and M written", without an errno)."""
-    reason = e.strerror or str(e)
-    if e.errno in (errno.ENOSPC, errno.EDQUOT) or "requested and" in str(e):
-        reason = f"the file system is full ({reason})"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        reason = f"the file system is full ({e.strerror})"
+    elif e.errno == errno.EFBIG:
+        reason = f"a file-size limit (ulimit -f) stopped the write ({e.strerror})"
+    elif e.errno is None:
+        reason = f"a write was cut short ({e}: the file system is full, or a size limit)"
+    else:
+        reason = e.strerror or str(e)
     free = _free_bytes(root)
     tail = f"; {_mb(free)} free there" if free is not None else ""
-    return ModelsDirError(root, f"cannot write {what} under {root} (from $NXHPC_MODELS / "
-                                f"--models-dir): {reason}{tail}; nothing was left behind")
+    return ModelsDirError(root, f"cannot write {what} under {root} {src}: {reason}{tail}; "
+                                f"nothing was left behind")
 
 
 def write_model_dir(out_dir: str | os.PathLike, gguf_tensors: Mapping[str, Any],
