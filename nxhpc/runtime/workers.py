@@ -48,6 +48,7 @@ import pickle
 import select
 import signal
 import struct
+import threading
 import time
 import traceback
 import weakref
@@ -295,6 +296,8 @@ class WorkerPool:
     :class:`WorkerError`. ``stage_timeout`` (seconds, None = wait forever) bounds one stage in
     forked workers; an inline stage cannot be interrupted. Use as a context manager, or call
     :meth:`close`; a pool dropped without ``close()`` is stopped when collected or at exit.
+    Threads: :meth:`run` holds a lock, so stages dispatched from several threads run one after
+    the other (the workers serve one stage at a time).
     """
 
     # Defaults at class level: a pool whose __init__ raised (or was interrupted) early still
@@ -305,6 +308,7 @@ class WorkerPool:
     _closed = True
     _broken: str | None = None
     _w: _Workers | None = None
+    _lock: Any = None
 
     def __init__(self, n_workers: int, tasks: Mapping[str, Task], mode: str = DEFAULT_SPAWN,
                  *, inline: bool = True, stage_timeout: float | None = None) -> None:
@@ -323,6 +327,7 @@ class WorkerPool:
         self.mode = mode
         self.inline = inline
         self._tasks = dict(tasks)
+        self._lock = threading.RLock()
         self._seq = 0
         self.owner_pid = os.getpid()
         # The record and its finalizer exist before any worker does (see _Workers).
@@ -403,7 +408,15 @@ class WorkerPool:
     # -- dispatch ---------------------------------------------------------------------------
     def run(self, stage: str, m: int, *, task: str | None = None, arg: Any = None,
             max_workers: int | None = None) -> int:
-        """Run task ``task`` (default: ``stage``) over ``[0, m)``; returns the workers used."""
+        """Run task ``task`` (default: ``stage``) over ``[0, m)``; returns the workers used.
+        Serialized with other threads' calls (one stage at a time)."""
+        if self._lock is None:
+            raise RuntimeError(f"WorkerPool: closed (stage {stage!r})")
+        with self._lock:
+            return self._run(stage, m, task, arg, max_workers)
+
+    def _run(self, stage: str, m: int, task: str | None, arg: Any,
+             max_workers: int | None) -> int:
         if self._closed:
             raise RuntimeError(f"WorkerPool: closed (stage {stage!r})"
                                + (f"; it broke earlier: {self._broken}" if self._broken else ""))
