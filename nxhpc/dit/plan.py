@@ -45,6 +45,7 @@ caller's buffers).
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -327,6 +328,18 @@ def check_eps(eps: Any) -> float:
     return e
 
 
+def _serialized(method: Callable[..., Any]) -> Callable[..., Any]:
+    """An Engine method run under the engine's lock (one call at a time, across threads)."""
+    @functools.wraps(method)
+    def serialized(self: "Engine", *args: Any, **kwargs: Any) -> Any:
+        lock = self._lock
+        if lock is None:                    # __init__ never got that far
+            raise RuntimeError(f"Engine.{method.__name__}: the engine is closed")
+        with lock:
+            return method(self, *args, **kwargs)
+    return serialized
+
+
 class Engine:
     """ONE arena and ONE forked pool serving several block plans at several token counts.
 
@@ -544,6 +557,7 @@ class Engine:
         adaln_linear(self.kernels, t, w.adaln_w, w.adaln_b, m, silu_input=self.config.adaln_silu)
         return m
 
+    @_serialized
     def run(self, plan: BlockPlan, weights: Any, x: np.ndarray, pe: np.ndarray, *,
             adaln_m: np.ndarray | None = None, mask: np.ndarray | None = None,
             out: np.ndarray | None = None, eps: float | None = None) -> dict[str, int]:
@@ -552,16 +566,7 @@ class Engine:
         are views of the engine's buffers; ``adaln_m`` [4D] for a modulated plan, None for an
         unmodulated one. Returns microseconds per timing key. Serialized with other threads'
         calls (see the class docstring)."""
-        lock = self._lock
-        if lock is None:
-            raise RuntimeError("Engine.run: the engine is closed")
-        with lock:
-            return self._run(plan, weights, x, pe, adaln_m, mask, out, eps)
-
-    def _run(self, plan: BlockPlan, weights: Any, x: np.ndarray, pe: np.ndarray,
-             adaln_m: np.ndarray | None, mask: np.ndarray | None, out: np.ndarray | None,
-             eps: float | None) -> dict[str, int]:
-        if self.pool is None or self.closed:
+        if self.pool is None or self.arena.closed:
             raise RuntimeError("Engine.run: the engine is closed")
         if plan.config != self.config:
             raise ValueError("Engine.run: the plan's config is not the engine's")

@@ -114,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m nxhpc.models",
         description="List, inspect and generate nxhpc model directories "
-                    "(model.gguf + fixtures.safetensors).")
+                    "(model.gguf + fixtures.safetensors).",
+        epilog="exit codes:\n" + "\n".join(f"  {k:>3}  {v}" for k, v in EXIT_CODES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models-dir", help="model root (default: $NXHPC_MODELS or "
                                         "~/.cache/nxhpc/models)")
     sub = p.add_subparsers(dest="cmd", required=True)
