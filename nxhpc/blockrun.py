@@ -10,7 +10,6 @@ import argparse
 import json
 import math
 import os
-import signal
 import sys
 import time
 import traceback
@@ -20,6 +19,7 @@ import numpy as np
 from nxhpc.dit.grade import DEFAULT_TOL, count_exceeding, error_row, fmt_value, grade, json_safe
 from nxhpc.dit.linear import DEFAULT_PRECISION, PRECISIONS
 from nxhpc.runtime.outfile import OutputPathError, check_output_path, write_atomic
+from nxhpc.runtime.proc import Terminated, cli_signals
 from nxhpc.runtime.shm import ShmSpaceError
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerError, max_workers, usable_cpus
 
@@ -34,7 +34,7 @@ PRECISION_TOL = {"f32": DEFAULT_TOL, "bf16": 3e-2, "q8": 1e-1}
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 EXIT_NOT_FOUND, EXIT_BAD_FILE, EXIT_MISSING, EXIT_WORKER = 3, 4, 5, 6
-EXIT_SHM, EXIT_OUTPUT = 7, 8
+EXIT_SHM, EXIT_OUTPUT, EXIT_MODELS_DIR = 7, 8, 9
 EXIT_INTERNAL = 70
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 EXIT_CODES = {
@@ -52,6 +52,9 @@ EXIT_CODES = {
               "bytes needed and free; in a container use --shm-size)",
     EXIT_OUTPUT: "--save-output could not be written (e.g. disk full): the report was printed, "
                  "an existing file at that path is unchanged",
+    EXIT_MODELS_DIR: "the models directory ($NXHPC_MODELS / --models-dir) cannot take a built-in "
+                     "model: not a directory, not writable, or full (the message names it; "
+                     "nothing is left behind)",
     EXIT_INTERNAL: "internal error (a bug: please report the traceback)",
     EXIT_SIGINT: "interrupted by Ctrl-C / SIGINT (shared memory released)",
     EXIT_SIGTERM: "terminated by SIGTERM (shared memory released)",
@@ -75,12 +78,7 @@ exit codes:
 """
 
 
-class _Terminated(BaseException):
-    """Raised from the SIGTERM handler so that every cleanup (finally/with) runs."""
-
-
-def _on_sigterm(signum, frame):
-    raise _Terminated()
+_Terminated = Terminated          # raised from the SIGTERM handler: every cleanup runs
 
 
 def _positive_int(s: str) -> int:
@@ -117,6 +115,15 @@ def _positive_float(s: str) -> float:
     return v
 
 
+def _eps_arg(s: str) -> float:
+    from nxhpc.dit.plan import check_eps
+    v = _positive_float(s)
+    try:
+        return check_eps(v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     codes = "\n".join(f"  {k:>3}  {v}" for k, v in EXIT_CODES.items())
     p = argparse.ArgumentParser(
@@ -143,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spawn", choices=SPAWN_MODES, default=DEFAULT_SPAWN,
                    help=f"worker scheme: 'pool' forks once and dispatches stages over pipes; "
                         f"'stage' forks per parallel stage (default {DEFAULT_SPAWN}, the faster)")
-    p.add_argument("--eps", type=_positive_float, default=None,
+    p.add_argument("--eps", type=_eps_arg, default=None,
                    help="RMSNorm eps (default: the model's, 1e-5 for Z-Image; the source "
                         "runner used 1e-6)")
     p.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
@@ -187,19 +194,18 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:                   # argparse: --help -> 0, usage errors -> 2
         return int(e.code or 0)
-    old_term = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        return _run(args)
-    except KeyboardInterrupt:
-        _err("interrupted (SIGINT); workers stopped, shared memory released")
-        return EXIT_SIGINT
-    except _Terminated:
-        _err("terminated (SIGTERM); workers stopped, shared memory released")
-        return EXIT_SIGTERM
-    finally:
-        from nxhpc.runtime.shm import cleanup_all
-        cleanup_all()
-        signal.signal(signal.SIGTERM, old_term)
+    with cli_signals() as sig:
+        try:
+            return _run(args, sig)
+        except KeyboardInterrupt:
+            _err("interrupted (SIGINT); workers stopped, shared memory released")
+            return EXIT_SIGINT
+        except Terminated:
+            _err("terminated (SIGTERM); workers stopped, shared memory released")
+            return EXIT_SIGTERM
+        finally:
+            from nxhpc.runtime.shm import cleanup_all
+            cleanup_all()
 
 
 class _InputError(Exception):
@@ -212,8 +218,9 @@ class _UsageError(Exception):
 
 def _exit_code(e: Exception) -> int | None:
     """The documented exit code for an expected failure, None for anything else (a bug)."""
-    from nxhpc.models import MissingTensorError, ModelError, ModelNotFoundError
-    for cls, code in ((ModelNotFoundError, EXIT_NOT_FOUND), (MissingTensorError, EXIT_MISSING),
+    from nxhpc.models import MissingTensorError, ModelError, ModelNotFoundError, ModelsDirError
+    for cls, code in ((ModelsDirError, EXIT_MODELS_DIR),
+                      (ModelNotFoundError, EXIT_NOT_FOUND), (MissingTensorError, EXIT_MISSING),
                       (ModelError, EXIT_BAD_FILE), (_InputError, EXIT_BAD_FILE),
                       (WorkerError, EXIT_WORKER), (_UsageError, EXIT_USAGE),
                       (ShmSpaceError, EXIT_SHM)):
@@ -222,7 +229,7 @@ def _exit_code(e: Exception) -> int | None:
     return None
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, sig: cli_signals) -> int:
     from nxhpc.models import open_model
 
     try:
@@ -235,7 +242,10 @@ def _run(args: argparse.Namespace) -> int:
         with open_model(args.model_id, models_dir=args.models_dir,
                         gguf_path=args.gguf_path) as model:
             return _run_model(args, model, workers)
-    except Exception as e:            # KeyboardInterrupt / _Terminated are not Exceptions
+    except Exception as e:            # KeyboardInterrupt / Terminated are not Exceptions
+        interrupt = sig.interrupt()
+        if interrupt is not None:     # a Ctrl-C that C code (numpy's tofile) turned into e
+            raise interrupt from e
         code = _exit_code(e)
         if code is None:
             traceback.print_exc()
@@ -291,6 +301,12 @@ def _run_model(args, model, workers: int) -> int:
         raise _UsageError(f"--layers {n_layers}: the model has only {cfg.n_layers} layers")
     layers = list(range(n_layers))
     eps = cfg.norm_eps if args.eps is None else args.eps
+    if args.eps is None:                        # --eps is checked when parsed (exit 2)
+        from nxhpc.dit.plan import check_eps
+        try:
+            check_eps(eps)
+        except ValueError as e:
+            raise _InputError(f"{model.path}: the model's norm eps: {e}") from None
     if model.fixtures is None or not model.fixtures.has("layers.0.blk_in"):
         raise MissingTensorError(f"{model.path}: missing fixture 'layers.0.blk_in' "
                                  f"(the block input)")

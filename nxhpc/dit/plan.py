@@ -45,8 +45,11 @@ caller's buffers).
 """
 from __future__ import annotations
 
+import functools
 import math
+import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -62,7 +65,7 @@ from nxhpc.runtime.shm import SharedArena
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerPool, check_timeout
 
 __all__ = ["Stage", "STAGES", "EXTENTS", "TIMING_KEYS", "UNIT_GATE", "BlockPlan", "Engine",
-           "stage_table"]
+           "stage_table", "check_eps", "narrow_finite", "EPS_RANGE"]
 
 #: A gate value whose tanh rounds to exactly 1.0f (see the module docstring).
 UNIT_GATE = 20.0
@@ -275,13 +278,68 @@ class RunArgs(NamedTuple):
         return cls(*t[:5], *(None if r is None else BufRef(*r) for r in t[5:]))
 
 
+def narrow_finite(name: str, a: np.ndarray) -> np.ndarray:
+    """``a`` as C-contiguous float32, checked finite *after* narrowing (a float64 1e300 passes
+    a float64 check and becomes inf); ValueError naming ``name``, the count and the first index."""
+    with np.errstate(over="ignore"):
+        a32 = np.ascontiguousarray(a, dtype=np.float32)
+    fin = np.isfinite(a32)
+    if not fin.all():
+        bad = np.argwhere(~fin.reshape(a32.shape) if a32.ndim else ~fin.reshape(1))
+        where = tuple(int(i) for i in bad[0])
+        if np.isfinite(np.asarray(a)[where] if a32.ndim else a):
+            why = (f"beyond float32's range |v| <= {float(np.finfo(np.float32).max):.4g}: "
+                   f"finite as {a.dtype}, inf once narrowed to float32, the kernels' type")
+        else:
+            why = "NaN/inf"
+        raise ValueError(f"{name} has {len(bad)} non-finite values ({why}), first at index "
+                         f"{where}; refusing to run")
+    return a32
+
+
 def _finite_vector(name: str, a: Any, n: int) -> np.ndarray:
     if not isinstance(a, np.ndarray) or a.dtype.kind != "f" or a.shape != (n,):
         got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
         raise ValueError(f"{name} must be a floating-point array of shape ({n},), got {got}")
-    if not np.isfinite(a).all():
-        raise ValueError(f"{name} has non-finite values (NaN/inf); refusing to run")
-    return np.ascontiguousarray(a, dtype=np.float32)
+    return narrow_finite(name, a)
+
+
+#: The range of ``eps`` the kernels accept: positive normal float32 values. Below the smallest
+#: normal it is subnormal or 0 once narrowed (a zero row -- padding -- then turns NaN); from
+#: float32's largest value up it rounds to inf.
+EPS_RANGE = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))
+
+
+def check_eps(eps: Any) -> float:
+    """``eps`` as a float if float32 holds it as a positive normal number (:data:`EPS_RANGE`);
+    else ValueError naming the range. (The value itself is passed on unchanged.)"""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(float(eps)) or float(eps) <= 0:
+        raise ValueError(f"eps must be a positive finite number, got {eps!r}")
+    e = float(eps)
+    with np.errstate(over="ignore", under="ignore"):
+        e32 = np.float32(e)
+    lo, hi = EPS_RANGE
+    if not np.isfinite(e32):
+        raise ValueError(f"eps {e:g} is inf in float32 (the kernels' type): it must lie in "
+                         f"[{lo:.4g}, {hi:.4g}]")
+    if e32 < lo:
+        why = "0 (a zero row -- padding -- would turn NaN)" if e32 == 0 else "subnormal"
+        raise ValueError(f"eps {e:g} is {why} in float32 (the kernels' type): it must lie in "
+                         f"[{lo:.4g}, {hi:.4g}]")
+    return e
+
+
+def _serialized(method: Callable[..., Any]) -> Callable[..., Any]:
+    """An Engine method run under the engine's lock (one call at a time, across threads)."""
+    @functools.wraps(method)
+    def serialized(self: "Engine", *args: Any, **kwargs: Any) -> Any:
+        lock = self._lock
+        if lock is None:                    # __init__ never got that far
+            raise RuntimeError(f"Engine.{method.__name__}: the engine is closed")
+        with lock:
+            return method(self, *args, **kwargs)
+    return serialized
 
 
 class Engine:
@@ -295,6 +353,13 @@ class Engine:
     (:meth:`buffer`), so a plan can run on a row range of a joint buffer in place.
     ``workers`` / ``spawn`` / ``stage_timeout`` as for :class:`~nxhpc.runtime.workers.WorkerPool`.
 
+    Threads: one engine runs one call at a time. :meth:`run` and :meth:`close` hold a lock, so
+    calls from several threads are serialized (each waits for the one before to finish; a
+    ``close`` waits for a running call); the buffers are shared, so a caller filling them from
+    several threads must order that itself. Lifetime: ``close()`` (or ``with``) releases the
+    workers and the arena at once; an engine dropped without it (or whose ``__init__`` was
+    interrupted) is released when its last reference goes -- it holds no reference cycle.
+
     Example (a denoiser call: image rows, caption rows, then the joint rows)::
 
         img, cap, joint = (BlockPlan(cfg, p) for p in ("noise_refiner", "context_refiner",
@@ -307,6 +372,14 @@ class Engine:
             eng.run(cap, ("context_refiner", 0), u[T1:], pe[T1:])
             eng.run(joint, ("layers", 0), u, pe, adaln_m=m0)
     """
+
+    # Defaults at class level: an engine whose __init__ raised (or was interrupted) early still
+    # answers every attribute close() and the properties read.
+    pool: WorkerPool | None = None
+    arena: SharedArena | None = None
+    _ctx: dict = {}
+    _views: dict = {}
+    _lock: Any = None
 
     def __init__(self, needs: Iterable[tuple[BlockPlan, int]],
                  weights: Mapping[Hashable, LayerWeights], *,
@@ -327,6 +400,7 @@ class Engine:
         if spawn not in SPAWN_MODES:
             raise ValueError(f"spawn must be one of {SPAWN_MODES}, got {spawn!r}")
         stage_timeout = check_timeout(stage_timeout)
+        self._lock = threading.RLock()
         self.config = cfg
         self.needs = needs
         self.kernels = nxhpc.kernels()
@@ -374,26 +448,35 @@ class Engine:
                                  f"{', '.join(spec)})")
             spec[n] = s
         self._user = list(buffers or {})
-        self.arena = SharedArena(spec)
         self._ctx: dict[tuple, RunContext] = {}
         self._views: dict[int, dict[str, np.ndarray]] = {}
-        self.pool: WorkerPool | None = None
         try:
-            a = self.arena
+            # If an interrupt lands between a constructor's return and the store, the object is
+            # dropped at once and its own finalizer releases it (see the class docstring).
+            self.arena = a = SharedArena(spec)
             self._v = {n: a[n] for n in a}
             self._v["unit_gate"][:] = np.float32(UNIT_GATE)
             self._addr = {n: (buf.__array_interface__["data"][0], buf)
                           for n, buf in self._v.items() if n in self._user}
             self.pool = WorkerPool(workers, tasks, mode=spawn, stage_timeout=stage_timeout)
         except BaseException:
-            self._release_views()
-            self.arena.close()
+            self.close()
             raise
 
     # -- worker side
     def _task(self, fn: Callable[[RunContext, int, int], None]) -> Callable[[int, int, Any], None]:
+        # A weak reference: the pool holds the tasks, so a strong one would make engine -> pool
+        # -> task -> engine a cycle, and an engine dropped without close() (an interrupt between
+        # Engine() returning and the caller's store) would keep its workers and arena until the
+        # cyclic garbage collector happened to run. Workers run inside the frame that forked
+        # them, where the engine is alive.
+        ref = weakref.ref(self)
+
         def run_band(lo: int, hi: int, wire: tuple) -> None:
-            fn(self._context(wire), lo, hi)
+            engine = ref()
+            if engine is None:
+                raise RuntimeError("Engine: the engine was released while its workers ran")
+            fn(engine._context(wire), lo, hi)
         return run_band
 
     def _scratch_views(self, T: int) -> dict[str, np.ndarray]:
@@ -476,6 +559,7 @@ class Engine:
         adaln_linear(self.kernels, t, w.adaln_w, w.adaln_b, m, silu_input=self.config.adaln_silu)
         return m
 
+    @_serialized
     def run(self, plan: BlockPlan, weights: Any, x: np.ndarray, pe: np.ndarray, *,
             adaln_m: np.ndarray | None = None, mask: np.ndarray | None = None,
             out: np.ndarray | None = None, eps: float | None = None,
@@ -485,7 +569,8 @@ class Engine:
         are views of the engine's buffers; ``adaln_m`` [4D] for a modulated plan, None for an
         unmodulated one. ``precision`` ("f32" default, "bf16", "q8": nxhpc.dit.linear) is the
         projections' matmul precision; norms, RoPE, attention, residuals and adaLN stay float32.
-        Returns microseconds per timing key."""
+        Returns microseconds per timing key. Serialized with other threads' calls (see the class
+        docstring)."""
         if self.pool is None or self.arena.closed:
             raise RuntimeError("Engine.run: the engine is closed")
         precision = check_precision(precision, "Engine.run: precision")
@@ -513,7 +598,7 @@ class Engine:
                 raise ValueError(f"Engine.run: {plan.prefix} at T={T} needs more scratch than "
                                  f"this engine was sized for (needs: "
                                  f"{[(p.prefix, t) for p, t in self.needs]})")
-        eps = float(cfg.norm_eps if eps is None else eps)
+        eps = check_eps(cfg.norm_eps if eps is None else eps)
         views = self._v
         if plan.modulated:
             if adaln_m is None:
@@ -549,17 +634,23 @@ class Engine:
         getattr(self, "_addr", {}).clear()
 
     def close(self) -> None:
-        """Stop the workers, then unlink and unmap the arena. Idempotent."""
-        try:
-            if self.pool is not None:
-                self.pool.close()
-        finally:
-            self._release_views()
-            self.arena.close()
+        """Stop the workers, then unlink and unmap the arena. Idempotent; waits for a call
+        running in another thread; safe on an engine whose ``__init__`` did not finish."""
+        lock = self._lock
+        if lock is None:                  # __init__ stopped before anything was acquired
+            return
+        with lock:
+            try:
+                if self.pool is not None:
+                    self.pool.close()
+            finally:
+                self._release_views()
+                if self.arena is not None:
+                    self.arena.close()
 
     @property
     def closed(self) -> bool:
-        return self.arena.closed
+        return self.arena is None or self.arena.closed
 
     def __enter__(self) -> "Engine":
         return self

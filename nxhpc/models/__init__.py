@@ -14,7 +14,7 @@ from nxhpc.dit.config import BlockConfig, infer_config, layer_tensor_names
 from nxhpc.formats.gguf_io import MissingTensorError, ModelError, ModelFileError, ModelNotFoundError
 from nxhpc.models.cli import main
 from nxhpc.models.model import Model
-from nxhpc.models.modeldir import GGUF_FILE, check_replaceable, write_model_dir
+from nxhpc.models.modeldir import GGUF_FILE, ModelsDirError, check_replaceable, write_model_dir
 from nxhpc.models.registry import (BUILTIN_MODELS, DEFAULT_MODEL_ID, ensure_builtin, models_dir,
                                    open_model)
 from nxhpc.models.synthetic import SyntheticSpec, make_synthetic
@@ -23,5 +23,6 @@ __all__ = [
     "BlockConfig", "LayerWeights", "Model", "open_model", "models_dir", "DEFAULT_MODEL_ID",
     "BUILTIN_MODELS", "SyntheticSpec", "make_synthetic", "ensure_builtin", "infer_config",
     "layer_tensor_names", "write_model_dir", "check_replaceable", "ModelError",
-    "ModelNotFoundError", "ModelFileError", "MissingTensorError", "GGUF_FILE", "main",
+    "ModelNotFoundError", "ModelFileError", "MissingTensorError", "ModelsDirError", "GGUF_FILE",
+    "main",
 ]

@@ -1,7 +1,8 @@
 """``python -m nxhpc.models list | show <id> | make <id> [...]``: the model-directory CLI.
 
-Owns argument parsing, printing and exit codes (0 ok, 1 model error, 2 usage). Must not import
-the compiled kernels: it works in a source tree whose extension is not built.
+Owns argument parsing, printing and exit codes (:data:`EXIT_CODES`: 0 ok, 1 model error, 2 usage,
+3 models directory unusable, 130 Ctrl-C, 143 SIGTERM; no traceback for any of them). Must not
+import the compiled kernels: it works in a source tree whose extension is not built.
 """
 from __future__ import annotations
 
@@ -12,12 +13,23 @@ from pathlib import Path
 
 from nxhpc.formats.gguf_io import ModelError
 from nxhpc.formats.weights import block_geometry
-from nxhpc.models.modeldir import check_replaceable
+from nxhpc.models.modeldir import ModelsDirError, check_models_root, check_replaceable, write_failed
 from nxhpc.models.registry import (BUILTIN_MODELS, DEFAULT_MODEL_ID, builtin_current,
                                    ensure_builtin, models_dir, open_model, stderr_progress)
 from nxhpc.models.synthetic import SyntheticSpec, make_synthetic
+from nxhpc.runtime.proc import Terminated, cli_signals
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "EXIT_CODES"]
+
+EXIT_CODES = {
+    0: "ok",
+    1: "model error (not found, malformed, an existing directory that is not a model)",
+    2: "usage error (bad arguments, dims that do not make a runnable block)",
+    3: "the models directory ($NXHPC_MODELS / --models-dir, or --out's parent) cannot take the "
+       "model: not a directory, not writable, or full (nothing is left behind)",
+    130: "interrupted by Ctrl-C / SIGINT (nothing half-written is left behind)",
+    143: "terminated by SIGTERM (nothing half-written is left behind)",
+}
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -68,9 +80,12 @@ def _cmd_make(args: argparse.Namespace) -> int:
             custom["grid"] = tuple(custom["grid"])
         d = Path(args.out) if args.out else root / args.id
         spec = dataclasses.replace(base, **custom)
+        src = "(from --out)" if args.out else "(from $NXHPC_MODELS / --models-dir)"
         try:
             check_replaceable(d, args.force)
             spec.validate()
+            check_models_root(d.parent, need_bytes=spec.disk_bytes(), what=f"model {args.id!r}",
+                              src=src)
             make_synthetic(d, spec, progress=say, replace=args.force)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
@@ -79,6 +94,8 @@ def _cmd_make(args: argparse.Namespace) -> int:
             hint = "" if args.force else " (use --force to replace it)"
             print(f"error: {e}{hint}", file=sys.stderr)
             return 2
+        except OSError as e:
+            raise write_failed(d.parent, f"model {args.id!r}", e, src) from None
     with open_model(d) as m:
         print(m.describe())
     return 0
@@ -98,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m nxhpc.models",
         description="List, inspect and generate nxhpc model directories "
-                    "(model.gguf + fixtures.safetensors).")
+                    "(model.gguf + fixtures.safetensors).",
+        epilog="exit codes:\n" + "\n".join(f"  {k:>3}  {v}" for k, v in EXIT_CODES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models-dir", help="model root (default: $NXHPC_MODELS or "
                                         "~/.cache/nxhpc/models)")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -136,8 +155,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: ``python -m nxhpc.models list | show <id> | make <id> [...]``."""
     args = build_parser().parse_args(argv)
-    try:
-        return {"list": _cmd_list, "show": _cmd_show, "make": _cmd_make}[args.cmd](args)
-    except ModelError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    with cli_signals() as sig:
+        try:
+            try:
+                return {"list": _cmd_list, "show": _cmd_show, "make": _cmd_make}[args.cmd](args)
+            except Exception:
+                interrupt = sig.interrupt()   # a Ctrl-C that C code (numpy's tofile) replaced
+                if interrupt is not None:
+                    raise interrupt from None
+                raise
+        except ModelsDirError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 3
+        except ModelError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("error: interrupted (SIGINT)", file=sys.stderr)
+            return 130
+        except Terminated:
+            print("error: terminated (SIGTERM)", file=sys.stderr)
+            return 143

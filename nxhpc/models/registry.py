@@ -17,7 +17,8 @@ from pathlib import Path
 from nxhpc.formats.fixtures import FIXTURES_FILE, FixtureStore
 from nxhpc.formats.gguf_io import GGUFFile, ModelError, ModelNotFoundError
 from nxhpc.models.model import Model
-from nxhpc.models.modeldir import GGUF_FILE, SPEC_FILE, locked
+from nxhpc.models.modeldir import (GGUF_FILE, SPEC_FILE, ModelsDirError, check_models_root,
+                                   locked, write_failed)
 from nxhpc.models.synthetic import SyntheticSpec, make_synthetic
 
 __all__ = ["BUILTIN_MODELS", "DEFAULT_MODEL_ID", "models_dir", "ensure_builtin", "open_model",
@@ -66,8 +67,12 @@ def ensure_builtin(model_id: str, root: Path | None = None, force: bool = False,
                    progress: Callable[[str], None] | None = None) -> Path:
     """Return the directory of built-in ``model_id``, generating it first if needed.
 
-    Safe under concurrency: one process generates (under a lock file), others wait and reuse.
-    A directory written by an older generator (fingerprint mismatch) is regenerated.
+    Safe under concurrency: one process generates (under a lock file), others wait -- saying
+    so on stderr, with the generator's pid -- and reuse. A directory written by an older
+    generator (fingerprint mismatch) is regenerated; temporaries of a generator that was killed
+    are swept. A models root that cannot take the model (not a directory, not writable, full)
+    raises :class:`~nxhpc.models.modeldir.ModelsDirError` before any work, or -- a write that
+    fails anyway -- as soon as it fails, leaving nothing behind.
     """
     if model_id not in BUILTIN_MODELS:
         raise ModelNotFoundError(f"{model_id!r} is not a built-in model id "
@@ -77,15 +82,21 @@ def ensure_builtin(model_id: str, root: Path | None = None, force: bool = False,
     d = root / model_id
     if not force and builtin_current(d, spec):
         return d
-    with locked(root, model_id):
-        if not force and builtin_current(d, spec):
-            return d
-        if progress is None and spec.weights_bytes_f32() > 256 << 20:
-            progress = stderr_progress(model_id)
-        try:
+    what = f"built-in model {model_id!r}"
+    check_models_root(root, need_bytes=spec.disk_bytes(), what=what)
+    try:
+        with locked(root, model_id):
+            if not force and builtin_current(d, spec):
+                return d
+            if progress is None and spec.weights_bytes_f32() > 256 << 20:
+                progress = stderr_progress(model_id)
             make_synthetic(d, spec, progress=progress, replace=True)
-        except FileExistsError as e:
-            raise ModelError(f"built-in model {model_id!r}: {e}") from None
+    except FileExistsError as e:
+        raise ModelError(f"{what}: {e}") from None
+    except ModelsDirError:
+        raise
+    except OSError as e:
+        raise write_failed(root, what, e) from None
     return d
 
 
@@ -109,6 +120,10 @@ def open_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | No
     """
     root = Path(models_dir) if models_dir is not None else _models_root()
     s = os.fspath(id_or_path)
+    if not isinstance(s, str) or not s.strip():
+        raise ModelNotFoundError(f"model id {s!r} is empty: give a built-in id "
+                                 f"({', '.join(BUILTIN_MODELS)}), a directory under {root}, or "
+                                 f"a model directory or .gguf path ('.' for this directory)")
     p = Path(s)
     d: Path | None = None
     gpath: Path | None = None
@@ -121,6 +136,9 @@ def open_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | No
         d = p
     elif p.is_file() and p.suffix == ".gguf":
         gpath = p
+    elif bare and root.exists() and not root.is_dir():
+        raise ModelsDirError(root, f"model {s!r} not found: the models directory {root} (from "
+                                   f"$NXHPC_MODELS / --models-dir) is not a directory")
     else:
         raise ModelNotFoundError(
             f"model {s!r} not found: not a built-in id ({', '.join(BUILTIN_MODELS)}), not a "

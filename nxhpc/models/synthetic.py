@@ -67,10 +67,19 @@ class SyntheticSpec:
         adaln = self.adaln_in or (1024 if self.variant == "lumina2" else 256)
         if self.dim % H:
             raise ValueError(f"SyntheticSpec: dim {self.dim} not divisible by n_heads {H}")
-        return BlockConfig(dim=self.dim, n_heads=H, n_kv_heads=kv, head_dim=self.dim // H,
-                           ffn_dim=ffn, n_layers=self.n_layers, adaln_in=adaln,
-                           variant=self.variant, adaln_silu=self.variant == "lumina2",
-                           norm_eps=self.norm_eps).validate()
+        cfg = BlockConfig(dim=self.dim, n_heads=H, n_kv_heads=kv, head_dim=self.dim // H,
+                          ffn_dim=ffn, n_layers=self.n_layers, adaln_in=adaln,
+                          variant=self.variant, adaln_silu=self.variant == "lumina2",
+                          norm_eps=self.norm_eps)
+        try:
+            return cfg.validate()
+        except ValueError as e:
+            if self.ffn_dim or "ffn_dim" not in str(e):
+                raise
+            rule = "int(dim/3*8)" if self.variant == "zimage" else "4*dim rounded up to 256"
+            raise ValueError(f"{e}. ffn_dim was not given: {ffn} is derived from dim {self.dim} "
+                             f"({self.variant} rule: {rule}); give ffn_dim (--ffn) explicitly"
+                             ) from None
 
     @property
     def n_tokens(self) -> int:
@@ -90,6 +99,17 @@ class SyntheticSpec:
         per = (c.qkv_width + c.dim + 2 * c.ffn_dim) * c.dim + c.dim * c.ffn_dim + \
             4 * c.dim * c.adaln_in
         return 4 * per * c.n_layers
+
+    def disk_bytes(self) -> int:
+        """A lower bound of the bytes the model directory takes: Q8_0 projections in the GGUF,
+        the fixtures' activations, and the float32 weights when they are included."""
+        c = self.config()
+        T = self.n_tokens
+        f32 = self.weights_bytes_f32()
+        gguf = f32 // 4 // 32 * 34
+        acts = 4 * (c.adaln_in + T * c.head_dim * 2 + c.n_layers * (2 * T * c.dim + 4 * c.dim))
+        with_w = self.include_weights if self.include_weights is not None else f32 < 64 << 20
+        return gguf + acts + (f32 if with_w else 0)
 
     def fingerprint(self) -> str:
         d = dataclasses.asdict(self)
