@@ -68,8 +68,7 @@
 
 #include "nx_cpu.h"
 
-/* GGML type ids the bf16 weight seam decodes (gguf.GGMLQuantizationType values). */
-enum { NX_GGML_F32 = 0, NX_GGML_F16 = 1, NX_GGML_Q8_0 = 8, NX_GGML_BF16 = 30 };
+#include "nx_wtype.h" /* GGML type ids (NX_GGML_*), nx_bf16_to_f32 */
 
 /* One weight type: value = dequant(blocks)[i]. dequant decodes nblocks consecutive blocks
  * (block_elems values each, block_bytes bytes each) exactly into float32. `dequant` is the
@@ -108,12 +107,6 @@ static inline uint16_t nx_bf16_round(float f) {
     if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);     /* zero, subnormal */
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);   /* NaN */
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-static inline float nx_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
 }
 /* out[i] = bits of bf(x[i]) for i < n (variant: generic or avx512bf16). */
 void nx_bf16_round_n(nx_lowp_variant v, const float *x /* IN [n] */, uint16_t *out /* OUT [n] */,

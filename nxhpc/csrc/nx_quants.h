@@ -47,11 +47,7 @@
 
 #include "nx_cpu.h"
 
-/* GGML type ids (ggml.h enum ggml_type / gguf GGMLQuantizationType). */
-enum {
-    NX_GGML_Q4_0 = 2, NX_GGML_Q4_1 = 3, NX_GGML_Q5_0 = 6, NX_GGML_Q5_1 = 7,
-    NX_GGML_Q2_K = 10, NX_GGML_Q3_K = 11, NX_GGML_Q4_K = 12, NX_GGML_Q5_K = 13, NX_GGML_Q6_K = 14,
-};
+#include "nx_wtype.h" /* GGML type ids (NX_GGML_*) */
 
 #define NX_QK_LEGACY 32     /* elements per Q4_0/Q4_1/Q5_0/Q5_1 block */
 #define NX_QK_K 256         /* elements per K-quant super-block */
