@@ -460,6 +460,21 @@ class Denoiser:
         k.adaln_linear(h, w.t_mlp2.data, w.t_mlp2.type_name, w.t_mlp2_b, temb, silu_input=True)
         return temb
 
+    # -- memory
+    def memory(self) -> dict[str, float | None]:
+        """MB: the mapped GGUF (``weights_mb``), the current layout's arena (``arena_mb``), the
+        peak resident set of this process (``peak_rss_mb``, Linux VmHWM: mapped weight pages
+        touched + arena + Python) and the largest of the workers' (``worker_peak_rss_mb``;
+        None without forked workers). Shared pages count in every process that touches them."""
+        s = self._session
+        pids = [p for p in (s.engine.pool.pids if s is not None and s.usable else []) if p > 0]
+        worker = [v for v in (_vm_hwm_mb(p) for p in pids) if v is not None]
+        size = self.gguf.path.stat().st_size if self.gguf is not None else 0
+        return {"weights_mb": size / 1e6,
+                "arena_mb": s.engine.arena.nbytes / 1e6 if s is not None else None,
+                "peak_rss_mb": _vm_hwm_mb(os.getpid()),
+                "worker_peak_rss_mb": max(worker) if worker else None}
+
     # -- lifetime
     def close(self) -> None:
         """Stop the workers, release the arena and the map. Idempotent."""
@@ -485,6 +500,18 @@ class Denoiser:
     def __repr__(self) -> str:
         where = self.directory or (self.gguf.path if self.gguf is not None else "closed")
         return f"<Denoiser {where}: {self.config.summary()}; {self.workers} workers>"
+
+
+def _vm_hwm_mb(pid: int) -> float | None:
+    """Peak resident set (``VmHWM``) of process ``pid`` in MB, or None where unavailable."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e6
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def open_denoiser(model: str | os.PathLike, *, workers: int | None = None,
