@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -515,3 +518,77 @@ def test_public_api():
     for g in ("layers", "noise_refiner", "context_refiner"):
         assert config.block_tensor_names(g, 1) == config.layer_tensor_names(1, "zimage", g)
     assert set(DN.SEGMENTS) == {k[3:] for k in TIMING_KEYS}
+
+
+_PATCHED = textwrap.dedent("""
+    import sys, time
+    import nxhpc._kernels as K
+    mode = sys.argv.pop(1)
+    def patched(*a, **k):
+        if mode == "raise":
+            raise RuntimeError("injected matmul failure")
+        sys.stdout.write("started\\n")
+        sys.stdout.flush()
+        time.sleep(60)
+    K.matmul = patched
+    from nxhpc.denoise import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@pytest.fixture(scope="module")
+def tiny_root(tmp_path_factory):
+    from nxhpc.models import ensure_builtin
+    root = tmp_path_factory.mktemp("tiny-dit")
+    ensure_builtin("tiny-dit", root)
+    return root
+
+
+@pytest.mark.parametrize("workers", ["2", "1"])
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_cli_signal_during_run(tiny_root, workers, sig, code):
+    """A stage hangs (matmul patched to sleep, in the workers or, with 1 worker, in the CLI
+    process): the signal ends the run with blockrun's exit code, workers reaped, no segment."""
+    env = dict(os.environ, NXHPC_MODELS=str(tiny_root))
+    p = subprocess.Popen([sys.executable, "-c", _PATCHED, "sleep", "tiny-dit", workers],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         cwd=ROOT)
+    assert p.stdout.readline().startswith("started")
+    kids = children_of(p.pid)
+    assert len(kids) >= (0 if workers == "1" else 2)
+    with open(f"/proc/{p.pid}/maps") as f:                # the arena exists (unlinked)
+        assert any("/dev/shm/nxhpc_" in ln and "(deleted)" in ln for ln in f)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == code, err
+    assert "shared memory released" in err
+    assert live_segments(p.pid) == []
+    time.sleep(0.2)
+    assert not any(alive(k) for k in kids)
+
+
+def test_cli_worker_failure_exit_6(tiny_root):
+    env = dict(os.environ, NXHPC_MODELS=str(tiny_root))
+    r = subprocess.run([sys.executable, "-c", _PATCHED, "raise", "tiny-dit", "2"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert r.returncode == 6, r.stderr
+    assert "worker failure" in r.stderr and "injected matmul failure" in r.stderr
+
+
+def test_engine_rebuilt_after_a_worker_failure(dens, inputs, outputs, monkeypatch):
+    from nxhpc.runtime.workers import WorkerError
+    lat, cap = inputs
+    d = dens["comfyui-q8_0"]
+    real = DN._Tasks.final_linear
+
+    def broken(self, eng, lo, hi, arg):
+        raise RuntimeError("injected")
+    s = d.session(12, 10, N_CAP)
+    s.close()                                   # the next session forks with the patch
+    monkeypatch.setattr(DN._Tasks, "final_linear", broken)
+    with pytest.raises(WorkerError, match="injected"):
+        d.forward(lat, 0.5, cap)
+    monkeypatch.setattr(DN._Tasks, "final_linear", real)
+    assert not d._session.usable                # the broken pool is not reused ...
+    assert_bitwise(d.forward(lat, 0.5, cap), outputs[("comfyui-q8_0", 0.5)], "rebuilt")  # ... rebuilt
+    assert live_segments(PID) == []
