@@ -356,6 +356,8 @@ def test_tiny_dit_builtin(tmp_path):
         == "lumina2"
     fx = read_denoiser_fixtures(d / DENOISER_FIXTURES_FILE)
     cfg = spec.config()
+    size = sum(p.stat().st_size for p in d.iterdir())
+    assert 0.95 * size <= spec.disk_bytes() <= size          # a close lower bound
     n_img = (fx.latents.shape[1] // 2) * (fx.latents.shape[2] // 2)
     assert n_img % 32 and fx.cap_feats.shape[0] % 32            # pads on both sequences
     assert (cfg.n_layers, cfg.n_noise_refiner, cfg.n_context_refiner) == (2, 2, 2)
@@ -518,6 +520,10 @@ def test_public_api():
     for g in ("layers", "noise_refiner", "context_refiner"):
         assert config.block_tensor_names(g, 1) == config.layer_tensor_names(1, "zimage", g)
     assert set(DN.SEGMENTS) == {k[3:] for k in TIMING_KEYS}
+    # every non-block tensor of the config authority is bound, by its role
+    assert set(DN.DenoiserWeights.FIELDS.values()) == set(config.DENOISER_TENSORS)
+    blocks = [n for n in CFG.tensor_shapes() if n.split(".")[0] in config.GROUPS]
+    assert len(blocks) + len(config.DENOISER_TENSORS) == len(CFG.tensor_shapes())
 
 
 _PATCHED = textwrap.dedent("""

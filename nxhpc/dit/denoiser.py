@@ -41,7 +41,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -62,8 +62,14 @@ __all__ = ["Denoiser", "DenoiserInputError", "DenoiserWeights", "open_denoiser",
 #: The segments of one call, in order; ``Denoiser.last_timings`` has ``us_<segment>`` for each.
 SEGMENTS = ("embed", "noise_refiner", "context_refiner", "layers", "final", "total")
 TIMING_KEYS = tuple(f"us_{s}" for s in SEGMENTS)
-#: The block stacks in the order a call runs them: (prefix, which rows of u).
+#: The block stacks in the order a call runs them (image rows, caption rows, joint rows).
 STACKS = ("noise_refiner", "context_refiner", "layers")
+
+
+def stack_counts(cfg: DenoiserConfig) -> dict[str, int]:
+    """Blocks per stack of :data:`STACKS`."""
+    return {"noise_refiner": cfg.n_noise_refiner, "context_refiner": cfg.n_context_refiner,
+            "layers": cfg.n_layers}
 
 
 class DenoiserInputError(ValueError):
@@ -92,15 +98,16 @@ class DenoiserWeights:
     final_lin: WeightTensor   # final_layer.linear.weight [p*p*C, D]
     final_lin_b: np.ndarray   # final_layer.linear.bias   [p*p*C]
 
-    FIELDS = {"x_emb": "x_embedder.weight", "x_emb_b": "x_embedder.bias",
-              "t_mlp0": "t_embedder.mlp.0.weight", "t_mlp0_b": "t_embedder.mlp.0.bias",
-              "t_mlp2": "t_embedder.mlp.2.weight", "t_mlp2_b": "t_embedder.mlp.2.bias",
-              "cap_norm": "cap_embedder.0.weight", "cap_emb": "cap_embedder.1.weight",
-              "cap_emb_b": "cap_embedder.1.bias", "x_pad": "x_pad_token",
-              "cap_pad": "cap_pad_token",
-              "final_ada": "final_layer.adaLN_modulation.1.weight",
-              "final_ada_b": "final_layer.adaLN_modulation.1.bias",
-              "final_lin": "final_layer.linear.weight", "final_lin_b": "final_layer.linear.bias"}
+    #: field -> tensor name (canonical; DENOISER_TENSORS gives each one's role)
+    FIELDS: ClassVar[dict[str, str]] = {
+        "x_emb": "x_embedder.weight", "x_emb_b": "x_embedder.bias",
+        "t_mlp0": "t_embedder.mlp.0.weight", "t_mlp0_b": "t_embedder.mlp.0.bias",
+        "t_mlp2": "t_embedder.mlp.2.weight", "t_mlp2_b": "t_embedder.mlp.2.bias",
+        "cap_norm": "cap_embedder.0.weight", "cap_emb": "cap_embedder.1.weight",
+        "cap_emb_b": "cap_embedder.1.bias", "x_pad": "x_pad_token", "cap_pad": "cap_pad_token",
+        "final_ada": "final_layer.adaLN_modulation.1.weight",
+        "final_ada_b": "final_layer.adaLN_modulation.1.bias",
+        "final_lin": "final_layer.linear.weight", "final_lin_b": "final_layer.linear.bias"}
 
     def matrices(self) -> dict[str, WeightTensor]:
         """Every non-block matrix by tensor name."""
@@ -115,8 +122,7 @@ def _bind(g: GGUFFile, cfg: DenoiserConfig, kernels: Any) -> DenoiserWeights:
     table = {n: (g.shape(n), g.type_name(n)) for n in g.names()}
     bc = cfg.as_block_config()
     blocks: dict[tuple[str, int], LayerWeights] = {}
-    counts = {"noise_refiner": cfg.n_noise_refiner, "context_refiner": cfg.n_context_refiner,
-              "layers": cfg.n_layers}
+    counts = stack_counts(cfg)
     for prefix in STACKS:
         check_stack(table, bc, prefix, counts[prefix], where)
         for i in range(counts[prefix]):
@@ -247,8 +253,7 @@ class _Session:
         bc = cfg.as_block_config()
         self.plans = {s: BlockPlan(bc, s) for s in STACKS}
         rows = {"noise_refiner": self.Np, "context_refiner": self.Lp, "layers": T}
-        counts = {"noise_refiner": cfg.n_noise_refiner,
-                  "context_refiner": cfg.n_context_refiner, "layers": cfg.n_layers}
+        counts = stack_counts(cfg)
         needs = [(self.plans[s], rows[s]) for s in STACKS if counts[s]]
         D, hd, P = cfg.dim, cfg.head_dim, cfg.patch_dim
         buffers = {"u": (T, D), "pe": (T, hd // 2, 2, 2), "patches": (self.n_img, P),

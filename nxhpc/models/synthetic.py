@@ -279,6 +279,23 @@ class DenoiserSpec:
     def weights_bytes_f32(self) -> int:
         return 4 * self.config().n_params()
 
+    def disk_bytes(self) -> int:
+        """Bytes the model directory takes (a lower bound): every tensor in its layout's type,
+        plus the stored inputs and reference."""
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        from nxhpc.models.zimage_files import get_layout
+        lay = get_layout(self.layout)
+        total = 0
+        for name, shape in self.config().tensor_shapes().items():
+            stored = tuple(lay.stored_shape(name, shape))
+            elems, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[lay.type_for(name, stored)]]
+            total += math.prod(stored) // elems * nbytes
+        h, w = self.latent_hw
+        lat = self.in_channels * h * w
+        return total + 4 * lat + 4 * self.n_caption * self.cap_dim + \
+            (8 * lat if self.reference else 0)
+
     def fingerprint(self) -> str:
         d = dataclasses.asdict(self)
         d["kind"] = "denoiser"
