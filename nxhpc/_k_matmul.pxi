@@ -155,9 +155,9 @@ cdef object _opt_bias(str fn, object bias, Py_ssize_t N):
 
 # ----------------------------------------------------------------------------- weight types
 
-cdef object _dequantize(str fn, object w, object wtype, object out, object isa):
+cdef object _dequantize(str fn, object w, object wtype, object out, object isa, str wname="w"):
     tid, tname, E, B = _wtype(fn, wtype)
-    w = _weight_bytes(fn, "w", w, tname, E, B, -1)
+    w = _weight_bytes(fn, wname, w, tname, E, B, -1)
     cdef Py_ssize_t nbytes = w.shape[w.ndim - 1]
     oshape = tuple(w.shape[:w.ndim - 1]) + (nbytes // B * E,)
     cdef nx_isa level = _resolve_isa(fn, isa)
@@ -165,7 +165,7 @@ cdef object _dequantize(str fn, object w, object wtype, object out, object isa):
         out = np.empty(oshape, dtype=np.float32)
     else:
         _out_f32(fn, "out", out, oshape)
-        _no_alias(fn, "out", out, "w", w)
+        _no_alias(fn, "out", out, wname, w)
     cdef size_t nblocks = <size_t>(w.size // B)
     if nblocks == 0:
         return out

@@ -70,8 +70,8 @@ const char *nx_cpu_feature_name(int i);
  * the default target is the last one this CPU supports. Adding an ISA: a line here (and a probe
  * bit above if it needs a new feature), its files `nx_<family>_<isa>.c` exporting one table per
  * family, one line in each such family's table list, and its suffix + flags in setup.py.
- * AVX512BF16 has no table of its own yet: every kernel inherits AVX512's (the bf16 matmul of
- * nx_lowp_avx512bf16.c is its first). */
+ * AVX512BF16's only table is the lowp family's (nx_lowp_avx512bf16.c: the bf16 matmul and
+ * rounding); every other kernel inherits AVX512's. */
 #define NX_ISA_LIST(X)                                                                             \
     X(GENERIC, "generic", 0u, GENERIC)                                                             \
     X(AVX2, "avx2", NX_ISA_NEEDS_AVX2, GENERIC)                                                    \

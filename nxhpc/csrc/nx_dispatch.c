@@ -5,13 +5,15 @@
 #include "nx_dispatch.h"
 
 #include "nx_bwd.h"
+#include "nx_lowp.h"
 #include "nx_matmul.h"
 #include "nx_ops.h"
 #include "nx_q8_0.h"
 #include "nx_wtype.h"
 
 const nx_family_info *const nx_families[] = {
-    &nx_ops_family, &nx_bwd_family, &nx_mm_family, &nx_wtype_family, &nx_q8_0_family,
+    &nx_ops_family,   &nx_bwd_family,  &nx_mm_family,
+    &nx_wtype_family, &nx_q8_0_family, &nx_lowp_family,
 };
 const int nx_nfamilies = (int)(sizeof nx_families / sizeof nx_families[0]);
 

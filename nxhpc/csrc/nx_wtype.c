@@ -4,6 +4,7 @@
  * (compiled with no ISA flags; the variants live in nx_wtype_<isa>.c).
  */
 #include "nx_wtype.h"
+#include "nx_quants.h" /* the nine Q4_0 .. Q6_K block layouts and specs */
 
 #include <stdio.h>
 #include <string.h>
@@ -98,6 +99,15 @@ const nx_wtype_traits nx_wtype_traits_table[NX_GGML_TYPE_COUNT] = {
     [NX_GGML_F16] = {"F16", 1, sizeof(nx_block_f16), nx_dequant_f16_generic},
     [NX_GGML_Q8_0] = {"Q8_0", NX_QK8_0, sizeof(nx_block_q8_0), nx_dequant_q8_0_generic},
     [NX_GGML_BF16] = {"BF16", 1, sizeof(nx_block_bf16), nx_dequant_bf16_generic},
+    [NX_GGML_Q4_0] = {"Q4_0", NX_QK_LEGACY, sizeof(nx_block_q4_0), nx_dequant_q4_0_generic},
+    [NX_GGML_Q4_1] = {"Q4_1", NX_QK_LEGACY, sizeof(nx_block_q4_1), nx_dequant_q4_1_generic},
+    [NX_GGML_Q5_0] = {"Q5_0", NX_QK_LEGACY, sizeof(nx_block_q5_0), nx_dequant_q5_0_generic},
+    [NX_GGML_Q5_1] = {"Q5_1", NX_QK_LEGACY, sizeof(nx_block_q5_1), nx_dequant_q5_1_generic},
+    [NX_GGML_Q2_K] = {"Q2_K", NX_QK_K, sizeof(nx_block_q2_K), nx_dequant_q2_K_generic},
+    [NX_GGML_Q3_K] = {"Q3_K", NX_QK_K, sizeof(nx_block_q3_K), nx_dequant_q3_K_generic},
+    [NX_GGML_Q4_K] = {"Q4_K", NX_QK_K, sizeof(nx_block_q4_K), nx_dequant_q4_K_generic},
+    [NX_GGML_Q5_K] = {"Q5_K", NX_QK_K, sizeof(nx_block_q5_K), nx_dequant_q5_K_generic},
+    [NX_GGML_Q6_K] = {"Q6_K", NX_QK_K, sizeof(nx_block_q6_K), nx_dequant_q6_K_generic},
 };
 
 const nx_wtype_traits *nx_wtype(uint32_t ggml_type) {

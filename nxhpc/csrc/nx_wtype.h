@@ -13,22 +13,25 @@
  *         signalling bit kept -- F16C's vcvtph2ps would quiet sNaN, the SIMD variants patch it)
  *   BF16  value = bits << 16 (exact, NaN kept)
  *   Q8_0  value = float32(d) * q (d float16, q int8: 11 x 8 significant bits, exact in float32)
- * For these four every value is exact in float32, so a matmul over the stored bytes and over the
- * float32 dequantization give the same bits (nx_matmul.h).
+ *   Q4_0 .. Q6_K  the float32 op order in nx_quants.h (exact products; one rounding, the final
+ *         "+ m" / "- dmin*mn", for Q4_1, Q5_1, Q2_K, Q4_K, Q5_K)
+ * For F32/F16/BF16/Q8_0/Q4_0/Q5_0/Q3_K/Q6_K every value is exact in float32; for all types the
+ * dequantize is bit-identical at every ISA, so a matmul over the stored bytes and over the float32
+ * dequantization give the same bits (nx_matmul.h).
  *
- * Adding a weight type (say Q4_K):
+ * Adding a weight type (say IQ4_NL, 32 values in 18 bytes; Q4_0 .. Q6_K were added this way, their blocks and specs in nx_quants.h/.c):
  *   1. its block struct + _Static_assert here (sizes as ggml-common.h), and a dtype of the same
  *      itemsize in nxhpc/formats/ggml_blocks.py (tests/test_kernels_wtype.py compares them);
- *   2. `void nx_dequant_q4_k_generic(const uint8_t *blocks, float *out, size_t nblocks)` -- the
+ *   2. `void nx_dequant_iq4_nl_generic(const uint8_t *blocks, float *out, size_t nblocks)` -- the
  *      spec: its float32 operation order written in a comment, byte-identical to gguf's
  *      dequantize (K-quants: d*sc*q - dmin*m in a fixed order) -- and one traits row in
- *      nx_wtype.c: {"Q4_K", 256, sizeof(nx_block_q4_k), nx_dequant_q4_k_generic};
- *   3. optional SIMD variants (same signature, bit-identical) `nx_dequant_q4_k_avx2` /
+ *      nx_wtype.c: {"IQ4_NL", 32, sizeof(nx_block_iq4_nl), nx_dequant_iq4_nl_generic};
+ *   3. optional SIMD variants (same signature, bit-identical) `nx_dequant_iq4_nl_avx2` /
  *      `_avx512` in files with those suffixes, one line each in nx_wtype_table_avx2 /
  *      nx_wtype_table_avx512 (missing ones inherit the parent ISA's, down to the spec);
  *   4. nothing else: the matmul packs its panels with the ISA's dequantize (dequantize a few
  *      rows into a small scratch, then transpose). An optional fused packer for speed is one
- *      line in the ISA's matmul tiling (nx_matmul_<isa>.c, pack_fused[NX_GGML_Q4_K]).
+ *      line in the ISA's matmul tiling (nx_matmul_<isa>.c, pack_fused[NX_GGML_IQ4_NL]).
  *   Blocks may hold up to NX_WTYPE_MAX_BLOCK elements (256, the K-quants'); the matmul's k-blocks
  *   are multiples of 256 so a block never straddles two of them.
  */

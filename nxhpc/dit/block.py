@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 import nxhpc
-from nxhpc.dit.linear import adaln_linear
+from nxhpc.dit.linear import DEFAULT_PRECISION, adaln_linear, check_precision
 from nxhpc.dit.plan import TIMING_KEYS, BlockPlan, Engine
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, check_timeout, usable_cpus
 
@@ -179,14 +179,16 @@ class BlockRunner:
             np.copyto(e.buffer("mask"), mask)
         self._use_mask = mask is not None
 
-    def run(self, layer: int, adaln_m: np.ndarray, eps: float) -> dict:
-        """One block on arena x -> arena out with modulation ``adaln_m`` [4D]. Returns timings."""
+    def run(self, layer: int, adaln_m: np.ndarray, eps: float,
+            precision: str = DEFAULT_PRECISION) -> dict:
+        """One block on arena x -> arena out with modulation ``adaln_m`` [4D], projections in
+        ``precision`` (nxhpc.dit.linear.PRECISIONS). Returns timings."""
         if layer not in self.layers:
             raise KeyError(f"BlockRunner: layer {layer} was not bound (have {sorted(self.layers)})")
         e = self.engine
         return e.run(self.plan, layer, e.buffer("x"), e.buffer("pe"), adaln_m=adaln_m,
                      mask=e.buffer("mask") if self._use_mask else None, out=e.buffer("out"),
-                     eps=eps)
+                     eps=eps, precision=precision)
 
     @property
     def output(self) -> np.ndarray:
@@ -214,7 +216,8 @@ def run_layers(model, layers: Sequence[int], x: np.ndarray, pe: np.ndarray, *,
                spawn: str | None = None, eps: float | None = None, source: str = "auto",
                on_layer: Callable[[int, np.ndarray, dict], None] | None = None,
                weights: dict | None = None,
-               stage_timeout: float | None = None, repeat: int = 1) -> BlockOutput:
+               stage_timeout: float | None = None, repeat: int = 1,
+               precision: str = DEFAULT_PRECISION) -> BlockOutput:
     """Run consecutive ``layers`` of ``model``: layer i's output is layer i+1's input.
 
     Each layer's modulation comes from ``t_emb`` with that layer's adaLN weights, or from
@@ -224,9 +227,11 @@ def run_layers(model, layers: Sequence[int], x: np.ndarray, pe: np.ndarray, *,
     ``stage_timeout`` as in :class:`BlockRunner`. ``repeat`` > 1 runs the whole chain that many
     times on the same workers and arena and keeps the fastest time of every stage (the first run
     pays page faults and cold caches); the output is the same bits every time, and ``on_layer``
-    is called during the last run only. Returns the last layer's output and a dict of summed
-    timings plus ``"per_layer"`` (a list of per-layer timing dicts).
+    is called during the last run only. ``precision`` ("f32" default, "bf16", "q8") is the
+    projections' matmul precision (nxhpc.dit.linear). Returns the last layer's output and a dict
+    of summed timings plus ``"per_layer"`` (a list of per-layer timing dicts).
     """
+    precision = check_precision(precision, "run_layers: precision")
     cfg = model.config
     check_config(cfg)
     layers = [int(i) for i in layers]
@@ -262,7 +267,7 @@ def run_layers(model, layers: Sequence[int], x: np.ndarray, pe: np.ndarray, *,
             for j, i in enumerate(layers):
                 if j:
                     runner.advance()
-                t = runner.run(i, mods[i], eps)
+                t = runner.run(i, mods[i], eps, precision)
                 if r == 0:
                     per_layer.append(t)
                 else:
@@ -309,16 +314,19 @@ class Block:
                 pe: np.ndarray | None = None, mask: np.ndarray | None = None, *,
                 adaln_m: np.ndarray | None = None, workers: int | None = None,
                 spawn: str | None = None, eps: float | None = None,
-                stage_timeout: float | None = None) -> BlockOutput:
+                stage_timeout: float | None = None,
+                precision: str = DEFAULT_PRECISION) -> BlockOutput:
         """Run the block on ``x`` [T, dim]; returns ``BlockOutput(output, timings)``.
 
         ``t_emb`` [adaln_in] (or ``adaln_m`` [4*dim] precomputed), ``pe`` [T, hd/2, 2, 2] RoPE
         table, ``mask`` [T] bool (True = attend) or None, ``workers`` (default: usable CPUs),
         ``spawn`` "pool" | "stage", ``eps`` (default: the model's norm eps), ``stage_timeout``
         (seconds per parallel stage, default none: a hung worker is killed and reported as
-        ``WorkerError``). Inputs with NaN/inf or wrong shapes raise ValueError/TypeError before
+        ``WorkerError``), ``precision`` "f32" (default) | "bf16" | "q8" (the projections' matmuls,
+        nxhpc.dit.linear). Inputs with NaN/inf or wrong shapes raise ValueError/TypeError before
         anything runs.
         """
+        precision = check_precision(precision, "Block.forward: precision")
         cfg = self.config
         if pe is None:
             raise ValueError(f"pe (RoPE table [T, {cfg.head_dim // 2}, 2, 2]) is required")
@@ -338,7 +346,7 @@ class Block:
                 self._runner, self._runner_key = runner, key
         try:
             runner.set_inputs(x, pe, mask)
-            t = runner.run(self.index, m, eps)
+            t = runner.run(self.index, m, eps, precision)
             out = runner.output.copy()
         except BaseException:
             if runner is self._runner:

@@ -56,7 +56,8 @@ import numpy as np
 import nxhpc
 from nxhpc.dit.binding import LayerWeights
 from nxhpc.dit.config import BLOCK_STACKS, BlockConfig, block_label
-from nxhpc.dit.linear import adaln_linear, check_runnable, matmul
+from nxhpc.dit.linear import (DEFAULT_PRECISION, adaln_linear, check_precision, check_runnable,
+                              matmul)
 from nxhpc.runtime.shm import SharedArena
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerPool, check_timeout
 
@@ -70,7 +71,7 @@ UNIT_GATE = 20.0
 class RunContext:
     """What a stage's task reads in a worker: kernels, config, weights, views, eps."""
     __slots__ = ("kernels", "cfg", "w", "eps", "x", "pe", "out", "mask", "buf", "mod_msa",
-                 "mod_mlp", "gate_msa", "gate_mlp", "scale")
+                 "mod_mlp", "gate_msa", "gate_mlp", "scale", "precision")
 
     def __init__(self, **kw: Any) -> None:
         for k, v in kw.items():
@@ -84,7 +85,7 @@ def _norm1(c: RunContext, lo: int, hi: int) -> None:
 
 
 def _qkv(c: RunContext, lo: int, hi: int) -> None:
-    matmul(c.kernels, c.buf["h"], c.w.qkv, c.buf["qkv"], lo, hi)
+    matmul(c.kernels, c.buf["h"], c.w.qkv, c.buf["qkv"], lo, hi, c.precision)
 
 
 def _qknorm_rope(c: RunContext, lo: int, hi: int) -> None:
@@ -98,7 +99,7 @@ def _sdpa(c: RunContext, lo: int, hi: int) -> None:
 
 
 def _out_proj(c: RunContext, lo: int, hi: int) -> None:
-    matmul(c.kernels, c.buf["attn"], c.w.out, c.buf["atto"], lo, hi)
+    matmul(c.kernels, c.buf["attn"], c.w.out, c.buf["atto"], lo, hi, c.precision)
 
 
 def _attn_tail(c: RunContext, lo: int, hi: int) -> None:
@@ -113,8 +114,8 @@ def _ffn_norm(c: RunContext, lo: int, hi: int) -> None:
 
 
 def _w13(c: RunContext, lo: int, hi: int) -> None:
-    matmul(c.kernels, c.buf["h"], c.w.w1, c.buf["f1"], lo, hi)
-    matmul(c.kernels, c.buf["h"], c.w.w3, c.buf["f3"], lo, hi)
+    matmul(c.kernels, c.buf["h"], c.w.w1, c.buf["f1"], lo, hi, c.precision)
+    matmul(c.kernels, c.buf["h"], c.w.w3, c.buf["f3"], lo, hi, c.precision)
 
 
 def _swiglu(c: RunContext, lo: int, hi: int) -> None:
@@ -123,7 +124,7 @@ def _swiglu(c: RunContext, lo: int, hi: int) -> None:
 
 
 def _w2(c: RunContext, lo: int, hi: int) -> None:
-    matmul(c.kernels, c.buf["f1"], c.w.w2, c.buf["f2"], lo, hi)
+    matmul(c.kernels, c.buf["f1"], c.w.w2, c.buf["f2"], lo, hi, c.precision)
 
 
 def _ffn_tail(c: RunContext, lo: int, hi: int) -> None:
@@ -258,6 +259,7 @@ class RunArgs(NamedTuple):
     tokens: int
     modulated: bool
     eps: float
+    precision: str
     x: BufRef
     pe: BufRef
     out: BufRef
@@ -266,11 +268,11 @@ class RunArgs(NamedTuple):
     def wire(self) -> tuple:
         """Plain nested tuples, what crosses the pipe to the workers: measured 1.8 us to pickle
         and unpickle against 15.5 us for the NamedTuples (once per worker per stage)."""
-        return self[:4] + tuple(None if r is None else tuple(r) for r in self[4:])
+        return self[:5] + tuple(None if r is None else tuple(r) for r in self[5:])
 
     @classmethod
     def from_wire(cls, t: tuple) -> "RunArgs":
-        return cls(*t[:4], *(None if r is None else BufRef(*r) for r in t[4:]))
+        return cls(*t[:5], *(None if r is None else BufRef(*r) for r in t[5:]))
 
 
 def _finite_vector(name: str, a: Any, n: int) -> np.ndarray:
@@ -439,7 +441,7 @@ class Engine:
                 mod_mlp=views["mod_mlp"] if arg.modulated else None,
                 gate_msa=ada[D:2 * D] if arg.modulated else views["unit_gate"],
                 gate_mlp=ada[3 * D:4 * D] if arg.modulated else views["unit_gate"],
-                scale=1.0 / math.sqrt(self.config.head_dim))
+                scale=1.0 / math.sqrt(self.config.head_dim), precision=arg.precision)
             self._ctx[wire] = c
         return c
 
@@ -495,13 +497,17 @@ class Engine:
 
     def run(self, plan: BlockPlan, weights: Any, x: np.ndarray, pe: np.ndarray, *,
             adaln_m: np.ndarray | None = None, mask: np.ndarray | None = None,
-            out: np.ndarray | None = None, eps: float | None = None) -> dict[str, int]:
+            out: np.ndarray | None = None, eps: float | None = None,
+            precision: str = DEFAULT_PRECISION) -> dict[str, int]:
         """One block of ``plan`` with ``weights`` on ``x`` [T, D] -> ``out`` (default: ``x``,
         in place). ``x``, ``pe`` [T, hd/2, 2, 2], ``out`` and ``mask`` (uint8 [T], 1 = attend)
         are views of the engine's buffers; ``adaln_m`` [4D] for a modulated plan, None for an
-        unmodulated one. Returns microseconds per timing key."""
+        unmodulated one. ``precision`` ("f32" default, "bf16", "q8": nxhpc.dit.linear) is the
+        projections' matmul precision; norms, RoPE, attention, residuals and adaLN stay float32.
+        Returns microseconds per timing key."""
         if self.pool is None or self.arena.closed:
             raise RuntimeError("Engine.run: the engine is closed")
+        precision = check_precision(precision, "Engine.run: precision")
         if plan.config != self.config:
             raise ValueError("Engine.run: the plan's config is not the engine's")
         cfg, D = self.config, self.config.dim
@@ -539,7 +545,7 @@ class Engine:
             np.add(one, views["adaln"][2 * D:3 * D], out=views["mod_mlp"])
         elif adaln_m is not None:
             raise ValueError(f"Engine.run: the unmodulated {plan.prefix} plan takes no adaln_m")
-        wire = RunArgs(key, T, bool(plan.modulated), eps, xr, pr, orf, mr).wire()
+        wire = RunArgs(key, T, bool(plan.modulated), eps, precision, xr, pr, orf, mr).wire()
         now = time.perf_counter_ns
         spent = dict.fromkeys(plan.timing_keys, 0)
         t_start = now()

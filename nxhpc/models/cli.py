@@ -63,7 +63,8 @@ def _cmd_make(args: argparse.Namespace) -> int:
     root = Path(args.models_dir) if args.models_dir else models_dir()
     custom = {k: getattr(args, k) for k in ("variant", "dim", "n_heads", "n_kv_heads",
                                             "ffn_dim", "n_layers", "n_caption", "grid",
-                                            "seed", "adaln_in", "norm_eps", "mask_pad")
+                                            "seed", "adaln_in", "norm_eps", "mask_pad",
+                                            "types")
               if getattr(args, k) is not None}
     if args.no_prefix:
         custom["prefix"] = False
@@ -134,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--adaln-in", type=int)
     mk.add_argument("--eps", dest="norm_eps", type=float)
     mk.add_argument("--mask-pad", type=int, help="mask the last N caption tokens")
+    mk.add_argument("--types", help="weight-type policy: q8_0 (default), q4_k_m, sdcpp-q4_0, "
+                                    "or one type for every matrix (f32, f16, bf16, q4_0, q4_1, "
+                                    "q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k); see "
+                                    "nxhpc/models/typepolicy.py")
     mk.add_argument("--no-prefix", action="store_true",
                     help="write tensor names without 'model.diffusion_model.'")
     mk.add_argument("--weights", action=argparse.BooleanOptionalAction, default=None,

@@ -177,7 +177,7 @@ class Model:
             by_type: dict[str, int] = {}
             for n in g.names():
                 by_type[g.type_name(n)] = by_type.get(g.type_name(n), 0) + 1
-            types = ", ".join(f"{n} {t}" for t, n in sorted(by_type.items()))
+            types = ", ".join(f"{t} {n}" for t, n in sorted(by_type.items()))
             lines.append(f"gguf: {g.path} ({_mb(g.path)}), v{g.version}, arch "
                          f"{g.architecture!r}, prefix {g.prefix!r}, {len(g.names())} tensors "
                          f"({types})")

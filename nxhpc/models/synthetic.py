@@ -1,9 +1,11 @@
 """Synthetic models: deterministic random weights and their float64 reference outputs.
 
 Owns :class:`SyntheticSpec` (everything that determines a synthetic block model; same spec ->
-byte-identical files) and :func:`make_synthetic`: weights quantized to Q8_0 by the ``gguf``
-package, ``pe`` from real position ids, each layer's reference output from the float64 oracle
-``nxhpc.dit.reference``, written as a model directory. And the same for a whole denoiser:
+byte-identical files) and :func:`make_synthetic`: weights stored in the types of the spec's
+``types`` policy (nxhpc.models.typepolicy; default Q8_0, quantized by the ``gguf`` package),
+``pe`` from real position ids, each layer's reference output from the float64 oracle
+``nxhpc.dit.reference`` evaluated on the stored weights' exact values (decoded by
+``gguf.quants.dequantize``), written as a model directory. And the same for a whole denoiser:
 :class:`DenoiserSpec` and :func:`make_synthetic_denoiser` (every tensor of a Z-Image denoiser
 drawn at random, stored as a published file layout of ``nxhpc.models.zimage_files`` by the
 ``gguf`` package and streamed tensor by tensor; stored deterministic inputs and, for small
@@ -28,7 +30,8 @@ import numpy as np
 
 from nxhpc.dit import rope as _rope
 from nxhpc.dit.config import DEFAULT_NORM_EPS, NORMS, BlockConfig, layer_tensor_names
-from nxhpc.formats.gguf_io import Q8_0Tensor, dequantize_q8_0, quantize_q8_0
+from nxhpc.formats.gguf_io import Q8_0Tensor, QuantTensor, dequantize_q8_0, quantize_q8_0
+from nxhpc.models import typepolicy
 from nxhpc.models.modeldir import SPEC_FILE, check_replaceable, write_model_dir
 
 __all__ = ["SyntheticSpec", "make_synthetic", "GENERATOR_VERSION", "DenoiserSpec",
@@ -56,6 +59,7 @@ class SyntheticSpec:
     include_weights: bool | None = None  # None: only when the float32 weights are < 64 MB
     rope_theta: float | None = None      # None: the variant's
     axes_dims: tuple[int, ...] | None = None
+    types: str = "q8_0"                  # weight-type policy (nxhpc.models.typepolicy.POLICIES)
 
     def config(self) -> BlockConfig:
         H = self.n_heads
@@ -95,10 +99,13 @@ class SyntheticSpec:
 
     def fingerprint(self) -> str:
         d = dataclasses.asdict(self)
+        if d["types"] == "q8_0":             # the default: fingerprints of older specs unchanged
+            del d["types"]
         d["generator_version"] = GENERATOR_VERSION
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def validate(self) -> "SyntheticSpec":
+        typepolicy.get_policy(self.types)
         self.config()
         self.rope_params()
         if self.n_caption < 0 or len(self.grid) != 3 or min(self.grid) < 1:
@@ -111,19 +118,28 @@ class SyntheticSpec:
 
 
 def _draw_layer(rng: np.random.Generator, c: BlockConfig, i: int,
-                say: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+                say: Callable[[str], None], types: str = "q8_0"
+                ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Draw layer i: returns (GGUF tensors by short name, float64 dequantized weights)."""
     stored: dict[str, Any] = {}
     f64: dict[str, np.ndarray] = {}
+    names = layer_tensor_names(i, c.variant)
 
     def proj(k: str, rows: int, cols: int, gain: float = 1.0) -> None:
-        say(f"layer {i}: {k} [{rows} x {cols}]")
+        gtype = typepolicy.tensor_type(types, names[k], (rows, cols))
+        say(f"layer {i}: {k} [{rows} x {cols}] {gtype}")
         w = rng.standard_normal((rows, cols), dtype=np.float32)
         w *= np.float32(gain / math.sqrt(cols))
-        q = quantize_q8_0(w, f"layers.{i}.{k}")
+        if gtype == "Q8_0":                  # today's path, byte for byte
+            q = quantize_q8_0(w, f"layers.{i}.{k}")
+            del w
+            stored[k] = Q8_0Tensor(q)
+            f64[k] = dequantize_q8_0(q).astype(np.float64)
+            return
+        raw = typepolicy.encode(w, gtype, names[k])
         del w
-        stored[k] = Q8_0Tensor(q)
-        f64[k] = dequantize_q8_0(q).astype(np.float64)
+        stored[k] = QuantTensor(raw, gtype)
+        f64[k] = typepolicy.decode(raw, gtype, (rows, cols)).astype(np.float64)
 
     proj("qkv", c.qkv_width, c.dim)
     proj("out", c.dim, c.dim)
@@ -182,7 +198,7 @@ def make_synthetic(out_dir: str | os.PathLike, spec: SyntheticSpec,
     if mask is not None:
         fx["mask"] = mask
     for i in range(c.n_layers):
-        stored, w64 = _draw_layer(rng, c, i, say)
+        stored, w64 = _draw_layer(rng, c, i, say, spec.types)
         for k, name in layer_tensor_names(i, c.variant).items():
             gguf_tensors[name] = stored[k]
             if include_w:
