@@ -49,6 +49,7 @@ import nxhpc
 from nxhpc.dit.binding import LayerWeights, bind_gguf_layer, check_finite_weight
 from nxhpc.dit.config import (DENOISER_TENSORS, DenoiserConfig, DenoiserConfigError,
                               check_stack, infer_denoiser_config)
+from nxhpc.dit.linear import DEFAULT_PRECISION, check_precision
 from nxhpc.dit.plan import BlockPlan, Engine
 from nxhpc.dit.rope import rope_table
 from nxhpc.formats.gguf_io import GGUFFile, MissingTensorError, ModelFileError
@@ -287,14 +288,17 @@ class Denoiser:
     Weights are bound once (zero copy); a token layout ``(H, W, L)`` gets one engine -- one
     shared-memory arena and one pool of ``workers`` processes forked once -- reused by every
     call with that layout (a sampler's steps); a call with another layout replaces it. Use as a
-    context manager or call :meth:`close`. ``last_timings``: microseconds of the last call per
-    segment (``us_embed``, ``us_noise_refiner``, ``us_context_refiner``, ``us_layers``,
-    ``us_final``, ``us_total``).
+    context manager or call :meth:`close`. ``precision`` (``"f32"`` default, ``"bf16"``,
+    ``"q8"``: ``nxhpc.dit.linear``; may be changed between calls) is the blocks' projection
+    matmul precision; embedders, final layer, norms, RoPE, attention, adaLN stay float32.
+    ``last_timings``: microseconds of the last call per segment (``us_embed``,
+    ``us_noise_refiner``, ``us_context_refiner``, ``us_layers``, ``us_final``, ``us_total``).
     """
 
     def __init__(self, gguf_path: str | os.PathLike, *, workers: int | None = None,
                  directory: str | os.PathLike | None = None, spawn: str = DEFAULT_SPAWN,
-                 stage_timeout: float | None = None, norm_eps: float | None = None) -> None:
+                 stage_timeout: float | None = None, norm_eps: float | None = None,
+                 precision: str = DEFAULT_PRECISION) -> None:
         if workers is None:
             workers = usable_cpus()
         if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) \
@@ -302,6 +306,7 @@ class Denoiser:
             raise ValueError(f"Denoiser: workers must be an int in [1, {max_workers()}], got "
                              f"{workers!r}")
         self.workers = int(workers)
+        self.precision = check_precision(precision, "Denoiser: precision")
         self.spawn = spawn
         self.stage_timeout = check_timeout(stage_timeout)
         self.directory = Path(directory) if directory is not None else None
@@ -402,6 +407,7 @@ class Denoiser:
         lat, in_shape = self._latents(latents)
         cap = self._caption(cap_feats)
         t = self._timestep(t)
+        prec = check_precision(self.precision, "Denoiser.precision")
         cfg, w, k = self.config, self.weights, self.kernels
         C, H, W = lat.shape
         L = cap.shape[0]
@@ -426,17 +432,19 @@ class Denoiser:
         # 2. noise refiner: modulated blocks on the image rows (pads included)
         for i in range(cfg.n_noise_refiner):
             eng.run(s.plans["noise_refiner"], ("noise_refiner", i), u[:Np], pe[:Np],
-                    adaln_m=mods[("noise_refiner", i)])
+                    adaln_m=mods[("noise_refiner", i)], precision=prec)
         marks.append(now())
 
         # 3. context refiner: unmodulated blocks on the caption rows
         for i in range(cfg.n_context_refiner):
-            eng.run(s.plans["context_refiner"], ("context_refiner", i), u[Np:], pe[Np:])
+            eng.run(s.plans["context_refiner"], ("context_refiner", i), u[Np:], pe[Np:],
+                    precision=prec)
         marks.append(now())
 
         # 4. main layers on the joint rows (image rows, then caption rows)
         for i in range(cfg.n_layers):
-            eng.run(s.plans["layers"], ("layers", i), u, pe, adaln_m=mods[("layers", i)])
+            eng.run(s.plans["layers"], ("layers", i), u, pe, adaln_m=mods[("layers", i)],
+                    precision=prec)
         marks.append(now())
 
         # 5. final layer on the image tokens: layernorm * (1 + Linear(silu(temb))), Linear
@@ -526,7 +534,7 @@ def open_denoiser(model: str | os.PathLike, *, workers: int | None = None,
     ``zimage-dit-2l``, ``zimage-dit-<N>l``: generated on first use under ``models_dir`` /
     ``$NXHPC_MODELS``). ``gguf_path`` overrides the directory's ``model.gguf``. ``workers``:
     processes per call (default: the usable CPUs). ``options``: ``spawn``, ``stage_timeout``,
-    ``norm_eps`` (see :class:`Denoiser`). Raises ``ModelNotFoundError`` / ``ModelFileError`` /
+    ``norm_eps``, ``precision`` (see :class:`Denoiser`). Raises ``ModelNotFoundError`` / ``ModelFileError`` /
     ``MissingTensorError`` (all ``nxhpc.models.ModelError``) naming what is wrong."""
     from nxhpc.formats.gguf_io import ModelNotFoundError
     from nxhpc.models.registry import resolve_model
