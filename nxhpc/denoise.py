@@ -4,6 +4,7 @@ Owns the CLI only: argument parsing, loading the ``.npy`` inputs, printing, grad
 reference and writing the output. Exit codes, signal handling and argument types are
 ``nxhpc.blockrun``'s (imported, not copied); the model runs in ``nxhpc.dit.denoiser``; grading
 is ``nxhpc.dit.grade``; the output is written by ``nxhpc.runtime.outfile``.
+Must not: compute anything of the model, or define an exit code of its own.
 """
 from __future__ import annotations
 
