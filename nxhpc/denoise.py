@@ -50,8 +50,8 @@ inputs:
 
 grading (with a stored reference or --reference):
   rel_i = |out_i - ref_i| / max(|ref_i|, rms(ref)); PASS iff no output is NaN/inf and
-  max_rel <= --tol (default per --precision: %(tols)s). Without a reference the verdict is
-  UNGRADED (exit 0).
+  max_rel <= --tol (default per --precision: %(tols)s).
+  Without a reference the verdict is UNGRADED (exit 0).
 
 timings (microseconds): us_embed (timestep MLP, x/cap embedders, pads, adaLN vectors),
   us_noise_refiner, us_context_refiner, us_layers, us_final, us_total; s_per_layer and the
@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="One call of the whole Z-Image transformer (embedders, noise and context "
                     "refiners, main layers, final layer) on nxhpc's C kernels in forked "
                     "workers sharing one shared-memory arena, from a GGUF (ComfyUI-GGUF or "
-                    "stable-diffusion.cpp layout, F32/F16/BF16/Q8_0 tensors). Prints "
+                    "stable-diffusion.cpp layout; each tensor run in its stored type: "
+                    "F32/F16/BF16/Q8_0, Q4_0/Q4_1/Q5_0/Q5_1, Q2_K..Q6_K). Prints "
                     "per-segment timings as key=value lines (or one JSON object).",
         epilog=_HELP % {"tols": ", ".join(f"{k} {v:g}" for k, v in DENOISE_TOL.items()),
                         "codes": codes},
