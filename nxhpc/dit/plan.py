@@ -352,6 +352,9 @@ class Engine:
     T2, hd // 2, 2, 2), "mask": ((T,), np.uint8)}``: inputs/outputs are views of them
     (:meth:`buffer`), so a plan can run on a row range of a joint buffer in place.
     ``workers`` / ``spawn`` / ``stage_timeout`` as for :class:`~nxhpc.runtime.workers.WorkerPool`.
+    ``tasks``: extra named worker tasks ``fn(engine, lo, hi, arg)`` beside the block stages
+    (e.g. a model's embedders and final layer), forked with the pool and run by
+    :meth:`run_task`; in a worker ``engine`` is that process's engine (:meth:`buffer` works).
 
     Threads: one engine runs one call at a time. :meth:`run` and :meth:`close` hold a lock, so
     calls from several threads are serialized (each waits for the one before to finish; a
@@ -384,7 +387,10 @@ class Engine:
     def __init__(self, needs: Iterable[tuple[BlockPlan, int]],
                  weights: Mapping[Hashable, LayerWeights], *,
                  buffers: Mapping[str, Any] | None = None, workers: int = 1,
-                 spawn: str = DEFAULT_SPAWN, stage_timeout: float | None = None) -> None:
+                 spawn: str = DEFAULT_SPAWN, stage_timeout: float | None = None,
+                 tasks: Mapping[str, Callable[["Engine", int, int, Any], None]] | None = None
+                 ) -> None:
+        extra_tasks = dict(tasks or {})
         needs = [(p, int(T)) for p, T in needs]
         if not needs:
             raise ValueError("Engine: needs no (plan, T) pairs")
@@ -434,6 +440,13 @@ class Engine:
                     raise ValueError(f"Engine: two plans define stage {s.name!r} differently")
                 seen[s.name] = s
                 tasks[s.name] = self._task(s.task)
+        self._extra: dict[str, Callable[..., None]] = {}
+        for name, fn in extra_tasks.items():
+            if name in seen or not callable(fn):
+                raise ValueError(f"Engine: extra task {name!r} must be a callable whose name is "
+                                 f"not a stage's ({', '.join(seen)})")
+            self._extra[name] = fn
+            tasks[name] = self._extra_task(fn)
         # the arena: flat scratch sized for the largest need + modulation + caller buffers
         self._cap = {n: 0 for n in _scratch(cfg, 1)}
         for p, T in needs:
@@ -477,6 +490,12 @@ class Engine:
             if engine is None:
                 raise RuntimeError("Engine: the engine was released while its workers ran")
             fn(engine._context(wire), lo, hi)
+        return run_band
+
+    def _extra_task(self, fn: Callable[["Engine", int, int, Any], None]
+                    ) -> Callable[[int, int, Any], None]:
+        def run_band(lo: int, hi: int, arg: Any) -> None:
+            fn(self, lo, hi, arg)
         return run_band
 
     def _scratch_views(self, T: int) -> dict[str, np.ndarray]:
@@ -621,6 +640,18 @@ class Engine:
             spent[s.timer] += now() - t0
         spent["block_us"] = now() - t_start
         return {k: ns // 1000 for k, ns in spent.items()}
+
+    def run_task(self, name: str, m: int, arg: Any = None) -> int:
+        """Run extra task ``name`` (given as ``tasks=``) over ``[0, m)`` in the workers (bands
+        ``[i*m//n, (i+1)*m//n)``); ``arg`` is a small picklable value. Returns microseconds."""
+        if self.pool is None or self.arena.closed:
+            raise RuntimeError("Engine.run_task: the engine is closed")
+        if name not in self._extra:
+            raise KeyError(f"Engine.run_task: no extra task {name!r} (have "
+                           f"{sorted(self._extra)})")
+        t0 = time.perf_counter_ns()
+        self.pool.run(name, int(m), arg=arg)
+        return (time.perf_counter_ns() - t0) // 1000
 
     def _release_views(self) -> None:
         """Drop every view of the arena in place (tasks share these dicts), so unmapping the

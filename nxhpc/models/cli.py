@@ -14,8 +14,9 @@ from pathlib import Path
 from nxhpc.formats.gguf_io import ModelError
 from nxhpc.formats.weights import block_geometry
 from nxhpc.models.modeldir import ModelsDirError, check_models_root, check_replaceable, write_failed
-from nxhpc.models.registry import (BUILTIN_MODELS, DEFAULT_MODEL_ID, builtin_current,
-                                   ensure_builtin, models_dir, open_model, stderr_progress)
+from nxhpc.models.registry import (BUILTIN_DENOISERS, BUILTIN_MODELS, DEFAULT_MODEL_ID,
+                                   builtin_current, builtin_spec, ensure_builtin, models_dir,
+                                   open_model, stderr_progress)
 from nxhpc.models.synthetic import SyntheticSpec, make_synthetic
 from nxhpc.runtime.proc import Terminated, cli_signals
 
@@ -46,9 +47,19 @@ def _cmd_list(args: argparse.Namespace) -> int:
         flag = " (default)" if mid == DEFAULT_MODEL_ID else ""
         print(f"{mid:<11} {c.variant:<8} {c.dim:>5} {heads:>7} {c.ffn_dim:>6} "
               f"{c.n_layers:>2} {spec.n_tokens:>4} {q8 / 1e6:>10.1f} MB  {st}{flag}")
+    print(f"{'denoiser':<13} {'D':>5} {'heads':>7} {'FFN':>6} {'L+refiners':>10} {'cap':>5} "
+          f"{'tokens':>6}  layout        status   (python -m nxhpc.denoise)")
+    for mid, dspec in BUILTIN_DENOISERS.items():
+        c = dspec.config()
+        st = "generated" if builtin_current(root / mid, dspec) else "generated on first use"
+        print(f"{mid:<13} {c.dim:>5} {c.n_heads:>7} {c.ffn_dim:>6} "
+              f"{f'{c.n_layers}+{c.n_noise_refiner}+{c.n_context_refiner}':>10} {c.cap_dim:>5} "
+              f"{dspec.n_tokens:>6}  {dspec.layout:<13} {st}")
+    print("zimage-dit-<N>l: real Z-Image dims with N = 1..30 main layers")
     if root.is_dir():
         others = sorted(p.name for p in root.iterdir() if p.is_dir()
-                        and not p.name.startswith(".") and p.name not in BUILTIN_MODELS)
+                        and not p.name.startswith(".") and p.name not in BUILTIN_MODELS
+                        and builtin_spec(p.name) is None)
         for o in others:
             print(f"{o:<11} (directory)")
     return 0
@@ -72,8 +83,12 @@ def _cmd_make(args: argparse.Namespace) -> int:
     if args.weights is not None:
         custom["include_weights"] = args.weights
     say = stderr_progress(args.id)
-    if args.id in BUILTIN_MODELS and not custom and args.out is None:
+    if builtin_spec(args.id) is not None and not custom and args.out is None:
         d = ensure_builtin(args.id, root, force=args.force, progress=say)
+    elif args.id not in BUILTIN_MODELS and builtin_spec(args.id) is not None:
+        print(f"error: {args.id} is a built-in denoiser: custom dims and --out are for block "
+              f"models only", file=sys.stderr)
+        return 2
     else:
         base = BUILTIN_MODELS.get(args.id, SyntheticSpec())
         if "grid" in custom:

@@ -1,7 +1,8 @@
 """Model directories on disk: the file names, writing a directory all-or-nothing, locking.
 
 Owns: the names inside a model directory (``model.gguf``, ``fixtures.safetensors``,
-``synthetic.json``), :func:`write_model_dir` (built in a temporary sibling, renamed into place),
+``synthetic.json``, ``denoiser_fixtures.npz``), :func:`write_model_dir` and
+:func:`build_model_dir` (built in a temporary sibling, renamed into place),
 :func:`check_replaceable` (what may be replaced), the per-id generation lock (:func:`locked`:
 a waiter says that it waits and for which process), sweeping the temporaries a killed writer
 left (:func:`sweep_stale`) and checking that a models root can take a new model
@@ -30,12 +31,14 @@ import numpy as np
 from nxhpc.formats.fixtures import FIXTURES_FILE, FixtureStore
 from nxhpc.formats.gguf_io import ModelError, write_gguf
 
-__all__ = ["GGUF_FILE", "FIXTURES_FILE", "SPEC_FILE", "write_model_dir", "check_replaceable",
-           "locked", "lock_holder", "sweep_stale", "check_models_root", "ModelsDirError",
-           "STALE_AGE_S"]
+__all__ = ["GGUF_FILE", "FIXTURES_FILE", "SPEC_FILE", "DENOISER_FIXTURES_FILE", "write_model_dir",
+           "build_model_dir", "check_replaceable", "locked", "lock_holder", "sweep_stale",
+           "check_models_root", "ModelsDirError", "STALE_AGE_S"]
 
 GGUF_FILE = "model.gguf"
 SPEC_FILE = "synthetic.json"
+#: A synthetic denoiser's stored inputs and float64 reference output (``.npz``, no pickles).
+DENOISER_FIXTURES_FILE = "denoiser_fixtures.npz"
 #: A temporary without a writer pid in its name (an older nxhpc's) is stale after this long.
 STALE_AGE_S = 3600.0
 #: How often a waiter for the generation lock repeats that it is waiting.
@@ -120,8 +123,24 @@ def write_model_dir(out_dir: str | os.PathLike, gguf_tensors: Mapping[str, Any],
     unless ``replace``, in which case it is swapped out only once the new one is complete
     (and only if it is a model directory: one never replaces a folder of other files).
     """
-    out_dir = Path(out_dir)
     say = progress or (lambda s: None)
+
+    def write(tmp: Path) -> None:
+        say(f"writing {GGUF_FILE}")
+        write_gguf(tmp / GGUF_FILE, gguf_tensors, prefix=prefix, metadata=gguf_metadata)
+        say(f"writing {FIXTURES_FILE}")
+        FixtureStore.save(tmp / FIXTURES_FILE, fixtures, metadata=fixture_metadata)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+    return build_model_dir(out_dir, write, replace=replace)
+
+
+def build_model_dir(out_dir: str | os.PathLike, write: Callable[[Path], None], *,
+                    replace: bool = False) -> Path:
+    """Run ``write(tmp)`` to fill a temporary sibling of ``out_dir``, then rename it into place
+    (all-or-nothing; ``replace`` as for :func:`write_model_dir`). ``write`` must leave a
+    ``model.gguf`` or ``fixtures.safetensors`` in ``tmp`` (what makes it a model directory)."""
+    out_dir = Path(out_dir)
     check_replaceable(out_dir, replace)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(out_dir.parent, out_dir.name)
@@ -129,12 +148,10 @@ def write_model_dir(out_dir: str | os.PathLike, gguf_tensors: Mapping[str, Any],
                                 dir=out_dir.parent))
     old = tmp.with_name(tmp.name + "-old")
     try:
-        say(f"writing {GGUF_FILE}")
-        write_gguf(tmp / GGUF_FILE, gguf_tensors, prefix=prefix, metadata=gguf_metadata)
-        say(f"writing {FIXTURES_FILE}")
-        FixtureStore.save(tmp / FIXTURES_FILE, fixtures, metadata=fixture_metadata)
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
+        write(tmp)
+        if not ((tmp / GGUF_FILE).is_file() or (tmp / FIXTURES_FILE).is_file()):
+            raise RuntimeError(f"build_model_dir: {out_dir}: neither {GGUF_FILE} nor "
+                               f"{FIXTURES_FILE} was written")
         os.chmod(tmp, 0o755)
         if out_dir.exists():
             os.rename(out_dir, old)
