@@ -2,7 +2,10 @@
 
 Portable by default: the generic C files are compiled with no ISA flags; each SIMD file
 (``*_avx2.c``, ``*_avx512.c``) is compiled with its own flags and only ever entered after the
-run-time CPU probe (``csrc/nx_cpu.c``) says the CPU and OS support it.
+run-time CPU probe (``csrc/nx_cpu.c``) says the CPU and OS support it. Adding an ISA is one entry
+in ISA_FLAGS below (suffix -> flags; the flags must not use a feature the ISA's entry in
+``csrc/nx_cpu.h`` NX_ISA_LIST does not require -- tests/test_build.py checks), besides that line
+in NX_ISA_LIST and the ``nx_<family>_<isa>.c`` table files.
 
 Opt-in native build for local experiments: ``NXHPC_MARCH_NATIVE=1 pip install .`` adds
 the native-arch flag (opt-in) to every file (the result only runs on machines like the build machine).
@@ -23,7 +26,9 @@ CSRC = Path("nxhpc") / "csrc"
 
 BASE_FLAGS = ["-O3", "-std=c11", "-fno-math-errno", "-fno-trapping-math", "-Wall",
               "-Wno-unused-function", "-Wno-unknown-pragmas"]
-# Per-file ISA flags, chosen by filename suffix.
+# Per-file ISA flags, chosen by filename suffix "_<isa>.c" (<isa> as named in NX_ISA_LIST). A
+# literal: tests/test_build.py reads it with ast. E.g. a BF16 target would add
+#     "_avx512bf16.c": [*ISA_FLAGS["_avx512.c"], "-mavx512bf16"]   (as a literal list)
 ISA_FLAGS = {
     "_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
     "_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",

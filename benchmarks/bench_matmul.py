@@ -1,4 +1,5 @@
-"""Benchmarks of the Q8_0 x float32 matmul against numpy/OpenBLAS float32 on the same weights.
+"""Benchmarks of the typed-weight x float32 matmul (Q8_0, F16, BF16) against numpy/OpenBLAS
+float32 on the same weights.
 
 Run (numpy baseline without the old-OpenBLAS safety settings, one thread each):
 
@@ -9,12 +10,15 @@ Run (numpy baseline without the old-OpenBLAS safety settings, one thread each):
 (``time.process_time``: CPU time of this single-threaded process, so other jobs time-slicing the
 two cores do not count; every contender runs one thread, which the numpy benchmark asserts.)
 
-Each shape is one ``benchmark.group``: ``nxhpc`` (q8_0_matmul, best isa, one process) and
-``numpy`` (``x @ w_f32.T`` on the pre-dequantized weights, limited to 1 thread with threadpoolctl).
+Each shape is one ``benchmark.group``: ``nxhpc`` (q8_0_matmul, best isa, one process; at
+T=256, K=N=3840 also ``matmul`` with F16 and BF16 weights, written by numpy / the gguf package and
+converted panel by panel) and ``numpy`` (``x @ w_f32.T`` on the pre-dequantized weights, limited
+to 1 thread with threadpoolctl).
 GFLOP/s = 2*T*K*N / time is in ``extra_info`` together with fractions of two peaks: the 116
 GFLOP/s figure quoted for this machine and the measured zmm-FMA peak (PEAK_MEASURED, see below).
 Correctness is checked after timing against a float64 evaluation with the derived error bound.
 """
+import gguf
 import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
@@ -117,3 +121,34 @@ def test_bench_numpy_f32_variants_shape(benchmark):
         out = benchmark.pedantic(lambda: x @ w_f32.T, rounds=5, warmup_rounds=1)
     _info(benchmark, T, Kd, N, "openblas")
     _check(out, x, w_f32, any_order=True)
+
+
+TYPED_SHAPE = (256, 3840, 3840)
+
+
+def _typed_case(wtype, T, Kd, N, seed=0):
+    """The benchmark's weight (same values as _case before quantization) stored as `wtype` by
+    numpy (F16) or the gguf package (BF16), and its float32 values per gguf's dequantize."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, Kd), dtype=np.float32)
+    w32 = rng.standard_normal((N, Kd), dtype=np.float32) * 0.02
+    if wtype == "F16":
+        raw = w32.astype(np.float16).view(np.uint8)
+    else:
+        raw = gguf.quants.quantize(w32, gguf.GGMLQuantizationType[wtype])
+    w_f32 = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[wtype]).astype(np.float32)
+    return x, np.ascontiguousarray(raw.reshape(N, -1)), w_f32
+
+
+@pytest.mark.parametrize("wtype", ["F16", "BF16"])
+def test_bench_typed_matmul(benchmark, wtype):
+    T, Kd, N = TYPED_SHAPE
+    x, w, w_f32 = _typed_case(wtype, T, Kd, N)
+    out = np.empty((T, N), np.float32)
+    isa = nxhpc.kernel_variants()["matmul"]
+    benchmark.group = f"matmul T={T} K={Kd} N={N}"
+    benchmark.name = f"nxhpc matmul {wtype} ({isa}, {K._matmul_packer(wtype)} packer)"
+    benchmark.pedantic(K.matmul, args=(x, w, wtype, out), rounds=5, warmup_rounds=1)
+    _info(benchmark, T, Kd, N, isa)
+    benchmark.extra_info["wtype"] = wtype
+    _check(out, x, w_f32)

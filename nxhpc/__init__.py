@@ -8,7 +8,8 @@ built; the clear "not built" error appears on first use of a kernel.
 
 Layout: ``runtime`` (shared-memory arena, worker pool), ``formats`` (GGUF, fixtures, block
 layouts), ``dit`` (config, block, references, grading), ``models`` (ids, model directories,
-synthetic models), ``train`` (Q16 tape, ring, DDP); CLIs ``blockrun``, ``ddp``, ``models``.
+synthetic models), ``train`` (Q16 tape, ring, DDP); CLIs ``blockrun``, ``denoise``, ``ddp``,
+``models``.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import os as _os
 
 __version__ = "0.1.0"
 
-__all__ = ["load_model", "cpu_features", "kernel_variants", "supported_isas", "kernels", "__version__"]
+__all__ = ["load_model", "load_denoiser", "cpu_features", "kernel_variants", "supported_isas",
+           "kernels", "__version__"]
 
 _KERNEL_FUNCS = ("cpu_features", "kernel_variants", "supported_isas")
 
@@ -43,6 +45,15 @@ def load_model(*args, **kwargs):
 
 
 load_model.__doc__ = _importlib.import_module("nxhpc.api").load_model.__doc__
+
+
+def load_denoiser(*args, **kwargs):
+    """Open a whole Z-Image denoiser (see :func:`nxhpc.api.load_denoiser`)."""
+    from nxhpc.api import load_denoiser as _load
+    return _load(*args, **kwargs)
+
+
+load_denoiser.__doc__ = _importlib.import_module("nxhpc.api").load_denoiser.__doc__
 
 
 def __getattr__(name: str):

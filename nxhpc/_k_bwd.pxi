@@ -8,14 +8,7 @@
 # Must not: compute anything itself.
 
 cdef extern from "nx_bwd.h" nogil:
-    ctypedef enum nx_bwd_family:
-        NX_BWD_RMSNORM
-        NX_BWD_ROPE
-        NX_BWD_QKNORM_ROPE
-        NX_BWD_SWIGLU
-        NX_BWD_GATED_RESIDUAL
-        NX_BWD_ATTENTION
-    nx_isa nx_bwd_variant(nx_bwd_family fam, nx_isa isa)
+    nx_isa nx_bwd_variant(int slot, nx_isa isa)
     int nx_rmsnorm_bwd_f32(nx_isa isa, const float *x, const float *w, const float *mod,
                            const float *dy, float *dx, float *dw, float *dmod, int64_t D,
                            float eps, int64_t r0, int64_t r1)
@@ -37,17 +30,11 @@ cdef extern from "nx_bwd.h" nogil:
     void nx_sum_partials_f32(const float *partials, float *out, int64_t n, int64_t D)
 
 
-def _bwd_variant_name(int fam, int isa):
-    """Name of the compiled backward variant that runs for family `fam` at ISA level `isa`."""
-    return nx_isa_name(nx_bwd_variant(<nx_bwd_family>fam, <nx_isa>isa)).decode()
-
-
-_VARIANT_OF["rmsnorm_backward"] = lambda isa: _bwd_variant_name(NX_BWD_RMSNORM, isa)
-_VARIANT_OF["rope_backward"] = lambda isa: _bwd_variant_name(NX_BWD_ROPE, isa)
-_VARIANT_OF["qknorm_rope_backward"] = lambda isa: _bwd_variant_name(NX_BWD_QKNORM_ROPE, isa)
-_VARIANT_OF["swiglu_backward"] = lambda isa: _bwd_variant_name(NX_BWD_SWIGLU, isa)
-_VARIANT_OF["gated_residual_backward"] = lambda isa: _bwd_variant_name(NX_BWD_GATED_RESIDUAL, isa)
-_VARIANT_OF["attention_backward"] = lambda isa: _bwd_variant_name(NX_BWD_ATTENTION, isa)
+def _bwd_variant_name(int slot, int isa):
+    """Name of the backward variant that runs slot `slot` (0 rmsnorm_backward, 1 rope_backward,
+    2 qknorm_rope_backward, 3 swiglu_backward, 4 gated_residual_backward, 5 attention_backward:
+    the order of NX_BWD_SLOTS) when ISA `isa` (an index into ISA_NAMES) is requested."""
+    return nx_isa_name(nx_bwd_variant(slot, <nx_isa>isa)).decode()
 
 
 cdef _opt_out_f32(str fn, str name, object a, tuple shape):

@@ -1,5 +1,6 @@
 # _k_ops.pxi -- included by _kernels.pyx. Wrappers of the block's non-matmul forward kernels
-# (rmsnorm, qknorm_rope, attention, swiglu, gated_residual) over nxhpc/csrc/nx_ops*.c.
+# (rmsnorm, layernorm_mod, qknorm_rope, attention, swiglu, gated_residual) over
+# nxhpc/csrc/nx_ops*.c.
 # Owns: argument validation for these families (dtype, shape, contiguity, writeability, bands,
 # overlap of outputs with inputs) and their nogil calls. Must not: compute anything itself.
 import math as _math
@@ -7,14 +8,6 @@ import math as _math
 from libc.stdint cimport uint8_t, int64_t
 
 cdef extern from "nx_ops.h" nogil:
-    ctypedef enum nx_ops_family:
-        NX_OPS_RMSNORM
-        NX_OPS_QKNORM_ROPE
-        NX_OPS_ATTENTION
-        NX_OPS_SWIGLU
-        NX_OPS_GATED_RESIDUAL
-        NX_OPS_EXP
-    nx_isa nx_ops_variant(nx_ops_family fam, nx_isa isa)
     void nx_rmsnorm_f32(nx_isa isa, const float *x, const float *w, const float *mod, float *out,
                         int64_t D, float eps, int64_t r0, int64_t r1)
     void nx_qknorm_rope_f32(nx_isa isa, const float *qkv, const float *q_w, const float *k_w,
@@ -28,18 +21,8 @@ cdef extern from "nx_ops.h" nogil:
     int nx_gated_residual_f32(nx_isa isa, const float *resid, const float *y, const float *gate,
                               float *out, int64_t D, int64_t r0, int64_t r1)
     void nx_vmath_f32(nx_isa isa, int which, const float *x, float *out, int64_t n)
-
-
-def _ops_variant_name(int fam, int isa):
-    """Name of the compiled variant that runs for family `fam` when ISA level `isa` is requested."""
-    return nx_isa_name(nx_ops_variant(<nx_ops_family>fam, <nx_isa>isa)).decode()
-
-
-_VARIANT_OF["rmsnorm"] = lambda isa: _ops_variant_name(NX_OPS_RMSNORM, isa)
-_VARIANT_OF["qknorm_rope"] = lambda isa: _ops_variant_name(NX_OPS_QKNORM_ROPE, isa)
-_VARIANT_OF["attention"] = lambda isa: _ops_variant_name(NX_OPS_ATTENTION, isa)
-_VARIANT_OF["swiglu"] = lambda isa: _ops_variant_name(NX_OPS_SWIGLU, isa)
-_VARIANT_OF["gated_residual"] = lambda isa: _ops_variant_name(NX_OPS_GATED_RESIDUAL, isa)
+    void nx_layernorm_mod_f32(nx_isa isa, const float *x, const float *mod, float *out,
+                              int64_t D, float eps, int64_t r0, int64_t r1)
 
 
 cdef inline const float *_cptr(object a):
@@ -117,6 +100,40 @@ def rmsnorm(x, w, out, eps, mod=None, r0=0, r1=None, isa=None):
     cdef float *po = _wptr(out)
     with nogil:
         nx_rmsnorm_f32(lvl, px, pw, pm, po, D, feps, a, b)
+    return out
+
+
+def layernorm_mod(x, mod, out, eps, r0=0, r1=None, *, isa=None):
+    """out[r] := (x[r] - mean(x[r])) / sqrt(var(x[r]) + eps) * mod, rows [r0, r1) of x [T, D].
+
+    LayerNorm without affine (population variance) times a per-column modulation ``mod``
+    (float32 [D]; the denoiser's final layer passes 1 + scale). out: float32 [T, D], may be x
+    itself (in place); rows outside the band are untouched. Statistics in float64 in a fixed
+    order, the scaling ``((x - mean) * r) * mod`` in float32 (csrc/nx_ops.h): every ISA variant
+    gives bit-identical results, for any band split. Returns out.
+    """
+    fn = "layernorm_mod"
+    cdef nx_isa lvl = _resolve_isa(fn, isa)
+    _f32(fn, "x", x, 2)
+    cdef Py_ssize_t T = x.shape[0], D = x.shape[1]
+    if D < 1:
+        raise ValueError(f"{fn}: x must have at least one column, got shape {x.shape}")
+    _f32(fn, "mod", mod, 1)
+    if mod.shape[0] != D:
+        raise ValueError(f"{fn}: mod must have shape ({D},) to match x {x.shape}, got {mod.shape}")
+    _out_f32(fn, "out", out, (T, D))
+    cdef float feps = _real(fn, "eps", eps, True)
+    _no_overlap(fn, "out", out, "x", x, True)
+    _no_overlap(fn, "out", out, "mod", mod, False)
+    lo, hi = _band(fn, "rows", r0, r1, T)
+    cdef int64_t a = lo, b = hi
+    if a == b:
+        return out
+    cdef const float *px = _cptr(x)
+    cdef const float *pm = _cptr(mod)
+    cdef float *po = _wptr(out)
+    with nogil:
+        nx_layernorm_mod_f32(lvl, px, pm, po, D, feps, a, b)
     return out
 
 

@@ -2,8 +2,9 @@
 """nxhpc._kernels -- the only Cython module: validate arguments, then call nogil C kernels.
 
 Owns: dtype/shape/contiguity checks with errors that name the argument and what was received,
-band checks, ISA selection (``isa=None`` -> best usable variant). Must not: allocate per-row,
-hold the GIL inside kernels, or enter C with unvalidated shapes.
+band checks, ISA selection (``isa=None`` -> best usable variant), the views of the C probe and
+dispatch tables (``cpu_features``, ``kernel_variants``). Must not: allocate per-row, hold the GIL
+inside kernels, or enter C with unvalidated shapes.
 
 Kernel families are split across ``.pxi`` files included below (one per family) so that they can
 be developed independently; they all share the helpers defined here.
@@ -14,48 +15,99 @@ import os
 import numpy as np
 cimport numpy as cnp
 
-from nxhpc._kernels cimport (nx_isa, NX_ISA_GENERIC, NX_ISA_AVX2, NX_ISA_AVX512,
-                             nx_cpu_features, nx_cpu_best_isa, nx_cpu_isa_supported,
-                             nx_isa_name)
+from nxhpc._kernels cimport (nx_isa, NX_ISA_GENERIC, NX_ISA_AVX2, NX_ISA_AVX512, NX_ISA_COUNT,
+                             NX_CPU_NFEATURES, nx_cpu_features, nx_cpu_feature_name,
+                             nx_cpu_best_isa, nx_cpu_isa_supported, nx_isa_name, nx_isa_parent,
+                             nx_isa_needs, nx_family_info, nx_families, nx_nfamilies,
+                             nx_dispatch_init)
 
 cnp.import_array()
+nx_dispatch_init()  # probe the CPU and resolve every dispatch table once, before any fork
 
-_FEATURE_BITS = {
-    "sse2": 1 << 0, "avx": 1 << 1, "avx2": 1 << 2, "fma": 1 << 3, "f16c": 1 << 4,
-    "avx512f": 1 << 5, "avx512bw": 1 << 6, "avx512vl": 1 << 7, "avx512dq": 1 << 8,
-    "avx512vnni": 1 << 9, "avx512bf16": 1 << 10, "os_ymm": 1 << 11, "os_zmm": 1 << 12,
-}
-_ISA_BY_NAME = {"generic": NX_ISA_GENERIC, "avx2": NX_ISA_AVX2, "avx512": NX_ISA_AVX512}
-ISA_NAMES = ("generic", "avx2", "avx512")
+# Names come from the C tables (nx_cpu.h NX_ISA_LIST, nx_cpu.c feature names): one source.
+_FEATURE_BITS = {nx_cpu_feature_name(i).decode(): 1 << i for i in range(NX_CPU_NFEATURES)}
+ISA_NAMES = tuple(nx_isa_name(<nx_isa>i).decode() for i in range(NX_ISA_COUNT))
+_ISA_BY_NAME = {name: i for i, name in enumerate(ISA_NAMES)}
 
-# family name -> callable(isa_int) -> name of the variant that actually runs for that request.
-# Each .pxi registers its families here.
+# Families whose dispatch is not yet a C table register {name: callable(isa index) -> ISA name}
+# here from their .pxi (kernel_variants() merges them with the C registry). Prefer a C table.
 _VARIANT_OF = {}
+
+# Older names of kernel_variants() entries -> the slot that now runs them.
+_VARIANT_ALIASES = {"q8_0_matmul": "matmul", "adaln_linear": "matmul",
+                    "q8_0_dequantize": "dequantize[Q8_0]"}
+
+
+def _isa_info(int i):
+    cdef uint32_t needs = nx_isa_needs(<nx_isa>i)
+    return {"parent": ISA_NAMES[<int>nx_isa_parent(<nx_isa>i)],
+            "needs": [n for n, bit in _FEATURE_BITS.items() if needs & bit],
+            "supported": bool(nx_cpu_isa_supported(<nx_isa>i))}
 
 
 def cpu_features():
-    """CPU/OS features found by the probe (CPUID + OSXSAVE/xgetbv), plus the ISA level in use.
+    """CPU/OS features found by the probe (CPUID + OSXSAVE/xgetbv + Linux AMX permission).
 
-    Returns a dict: each feature name -> bool, ``"best_isa"`` -> the level kernels use by default
-    (``"generic"`` when ``NXHPC_DISABLE_SIMD`` is set), ``"supported_isas"`` -> levels this CPU runs.
+    Returns a dict: each feature name (``"avx2"``, ``"avx512bf16"``, ``"amx_tile"``, the OS-state
+    bits ``"os_ymm"``, ``"os_zmm"``, ``"os_amx"``, ``"amx_permitted"``, ...) -> bool;
+    ``"best_isa"`` -> the ISA kernels use by default (``"generic"`` when ``NXHPC_DISABLE_SIMD`` is
+    set), ``"supported_isas"`` -> the ISAs this CPU runs, ``"isas"`` -> per ISA its parent (where
+    missing kernels come from), the features it needs and whether they are all present.
     """
     cdef uint32_t f = nx_cpu_features()
     out = {name: bool(f & bit) for name, bit in _FEATURE_BITS.items()}
     out["best_isa"] = nx_isa_name(nx_cpu_best_isa()).decode()
-    out["supported_isas"] = [n for n in ISA_NAMES if nx_cpu_isa_supported(_ISA_BY_NAME[n])]
+    out["supported_isas"] = supported_isas()
+    out["isas"] = {ISA_NAMES[i]: _isa_info(i) for i in range(NX_ISA_COUNT)}
     out["simd_disabled"] = os.environ.get("NXHPC_DISABLE_SIMD", "0") not in ("", "0")
     return out
 
 
 def supported_isas():
-    """ISA levels this CPU/OS can run (ignores NXHPC_DISABLE_SIMD): a subset of ISA_NAMES."""
-    return [n for n in ISA_NAMES if nx_cpu_isa_supported(_ISA_BY_NAME[n])]
+    """ISAs this CPU/OS can run (ignores NXHPC_DISABLE_SIMD): a subset of ISA_NAMES."""
+    return [n for i, n in enumerate(ISA_NAMES) if nx_cpu_isa_supported(<nx_isa>i)]
+
+
+def _variants_at(int isa):
+    """{slot name: ISA name} of every slot of every dispatch family for a request of `isa`."""
+    cdef const nx_family_info *fam
+    cdef const char *name
+    cdef int f, s
+    cdef nx_isa v
+    out = {}
+    for f in range(nx_nfamilies):
+        fam = nx_families[f]
+        for s in range(fam.nslots):
+            name = fam.slot_name(s)
+            if name == NULL:
+                continue
+            v = fam.variant(s, <nx_isa>isa)
+            out[name.decode()] = nx_isa_name(v).decode()
+    for old, new in _VARIANT_ALIASES.items():
+        out[old] = out[new]
+    for kernel, variant_of in _VARIANT_OF.items():
+        out.setdefault(kernel, variant_of(isa))
+    return out
 
 
 def kernel_variants():
-    """Which compiled variant each kernel family runs by default: {family: "generic"|"avx2"|"avx512"}."""
-    cdef nx_isa best = nx_cpu_best_isa()
-    return {fam: fn(<int>best) for fam, fn in sorted(_VARIANT_OF.items())}
+    """Which compiled variant each kernel runs by default: {kernel: "generic"|"avx2"|"avx512"}.
+
+    Read from the C dispatch tables (csrc/nx_dispatch.h): a kernel without a variant at the
+    default ISA reports the ISA it inherits from. Weight types appear as ``"dequantize[F16]"``;
+    ``"matmul"`` is the matmul of every type (``q8_0_matmul`` and ``adaln_linear`` run it).
+    """
+    return dict(sorted(_variants_at(<int>nx_cpu_best_isa()).items()))
+
+
+def _variant(str kernel, str isa):
+    """The ISA name whose code runs `kernel` (a kernel_variants() key) when `isa` is requested."""
+    if isa not in _ISA_BY_NAME:
+        raise ValueError(f"_variant: isa must be one of {ISA_NAMES}, got {isa!r}")
+    table = _variants_at(_ISA_BY_NAME[isa])
+    if kernel not in table:
+        raise ValueError(f"_variant: unknown kernel {kernel!r} (known: {sorted(table)})")
+    return table[kernel]
 
 
 cdef nx_isa _resolve_isa(str fn, object isa) except *:

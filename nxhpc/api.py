@@ -1,4 +1,5 @@
-"""Library entry points for downstream scripts: ``load_model`` (re-exported as ``nxhpc.load_model``).
+"""Library entry points for downstream scripts: ``load_model`` and ``load_denoiser`` (re-exported as
+``nxhpc.load_model`` / ``nxhpc.load_denoiser``).
 
 Owns nothing but the public spelling: it delegates to ``nxhpc.models.open_model``; the returned
 model's ``block(i)`` is an ``nxhpc.dit.block.Block`` whose ``forward`` returns ``(output, timings)``.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["load_model"]
+__all__ = ["load_model", "load_denoiser"]
 
 
 def load_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | None = None,
@@ -28,3 +29,20 @@ def load_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | No
     """
     from nxhpc.models import open_model
     return open_model(id_or_path, models_dir=models_dir, gguf_path=gguf_path)
+
+
+def load_denoiser(model: str | os.PathLike, *, workers: int | None = None,
+                  models_dir: str | os.PathLike | None = None,
+                  gguf_path: str | os.PathLike | None = None, **options):
+    """Open the whole Z-Image transformer: a ``.gguf`` path (ComfyUI-GGUF or
+    stable-diffusion.cpp layout), a model directory, or a built-in id (``tiny-dit``,
+    ``zimage-dit-2l``). Returns an ``nxhpc.dit.denoiser.Denoiser`` (context manager).
+    Example::
+
+        with nxhpc.load_denoiser("z_image_turbo-Q8_0.gguf", workers=8) as den:
+            r = den.forward(latents, t, cap_feats)   # [16, H, W], t = 1 - sigma, [L, 2560]
+            print(den.last_timings)                  # us_embed ... us_total
+    """
+    from nxhpc.dit.denoiser import open_denoiser
+    return open_denoiser(model, workers=workers, models_dir=models_dir, gguf_path=gguf_path,
+                         **options)

@@ -10,7 +10,6 @@ import argparse
 import json
 import math
 import os
-import signal
 import sys
 import time
 import traceback
@@ -18,15 +17,24 @@ import traceback
 import numpy as np
 
 from nxhpc.dit.grade import DEFAULT_TOL, count_exceeding, error_row, fmt_value, grade, json_safe
+from nxhpc.dit.linear import DEFAULT_PRECISION, PRECISIONS
 from nxhpc.runtime.outfile import OutputPathError, check_output_path, write_atomic
+from nxhpc.runtime.proc import Terminated, cli_signals
 from nxhpc.runtime.shm import ShmSpaceError
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerError, max_workers, usable_cpus
 
-__all__ = ["main", "build_parser", "EXIT_CODES"]
+__all__ = ["main", "build_parser", "EXIT_CODES", "PRECISION_TOL"]
+
+#: Default --tol per --precision (max_rel of the graded output). f32 keeps DEFAULT_TOL. bf16 / q8:
+#: about 2x the max_rel measured for one block vs the float64 reference (docs/kernels.md,
+#: "Precisions through the block"): bf16 1.2e-2 / 1.5e-2 / 1.7e-2 and q8 3.3e-2 / 4.4e-2 /
+#: 5.1e-2 on tiny / mid / zimage-1l (max_rel grows slowly with the element count: it is the
+#: tail of ~T*D errors whose RMS is 0.2% (bf16) / 0.6% (q8) of the output's).
+PRECISION_TOL = {"f32": DEFAULT_TOL, "bf16": 3e-2, "q8": 1e-1}
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 EXIT_NOT_FOUND, EXIT_BAD_FILE, EXIT_MISSING, EXIT_WORKER = 3, 4, 5, 6
-EXIT_SHM, EXIT_OUTPUT = 7, 8
+EXIT_SHM, EXIT_OUTPUT, EXIT_MODELS_DIR = 7, 8, 9
 EXIT_INTERNAL = 70
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 EXIT_CODES = {
@@ -44,6 +52,9 @@ EXIT_CODES = {
               "bytes needed and free; in a container use --shm-size)",
     EXIT_OUTPUT: "--save-output could not be written (e.g. disk full): the report was printed, "
                  "an existing file at that path is unchanged",
+    EXIT_MODELS_DIR: "the models directory ($NXHPC_MODELS / --models-dir) cannot take a built-in "
+                     "model: not a directory, not writable, or full (the message names it; "
+                     "nothing is left behind)",
     EXIT_INTERNAL: "internal error (a bug: please report the traceback)",
     EXIT_SIGINT: "interrupted by Ctrl-C / SIGINT (shared memory released)",
     EXIT_SIGTERM: "terminated by SIGTERM (shared memory released)",
@@ -55,7 +66,7 @@ grading:
   i.e. each element's error relative to its own magnitude, with the reference's RMS as a floor
   for elements near zero. fail_1e2..fail_1e5 count elements with rel_i above 1e-2..1e-5;
   max_abs, max_rel, rms_err (and rel_rms_err = rms_err / rms(ref)), cosine, non_finite follow.
-  Verdict PASS iff no output is NaN/inf and max_rel <= --tol (default %(tol)g).
+  Verdict PASS iff no output is NaN/inf and max_rel <= --tol (default %(tol)s).
   Default reference: layers.{L+1}.blk_in (the next layer's tapped input) when present, else
   layers.{L}.ref_out, where L is the last layer run. With --layers N every layer is also graded
   against its own reference and a per-layer error table is printed (error growth with depth).
@@ -67,12 +78,7 @@ exit codes:
 """
 
 
-class _Terminated(BaseException):
-    """Raised from the SIGTERM handler so that every cleanup (finally/with) runs."""
-
-
-def _on_sigterm(signum, frame):
-    raise _Terminated()
+_Terminated = Terminated          # raised from the SIGTERM handler: every cleanup runs
 
 
 def _positive_int(s: str) -> int:
@@ -109,6 +115,15 @@ def _positive_float(s: str) -> float:
     return v
 
 
+def _eps_arg(s: str) -> float:
+    from nxhpc.dit.plan import check_eps
+    v = _positive_float(s)
+    try:
+        return check_eps(v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     codes = "\n".join(f"  {k:>3}  {v}" for k, v in EXIT_CODES.items())
     p = argparse.ArgumentParser(
@@ -117,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "nxhpc's C kernels in forked workers, from only the block input "
                     "(layers.0.blk_in) and the weights, and grade the output against a "
                     "reference. Prints key=value lines (or one JSON object) and a verdict.",
-        epilog=_GRADING_HELP % {"tol": DEFAULT_TOL, "codes": codes},
+        epilog=_GRADING_HELP % {"tol": ", ".join(f"{k} {v:g}" for k, v in PRECISION_TOL.items()),
+                                "codes": codes},
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_id", help="built-in model id (e.g. tiny, mid, zimage-1l), a directory "
                                     "under --models-dir / $NXHPC_MODELS, or a model directory path")
@@ -134,11 +150,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spawn", choices=SPAWN_MODES, default=DEFAULT_SPAWN,
                    help=f"worker scheme: 'pool' forks once and dispatches stages over pipes; "
                         f"'stage' forks per parallel stage (default {DEFAULT_SPAWN}, the faster)")
-    p.add_argument("--eps", type=_positive_float, default=None,
+    p.add_argument("--eps", type=_eps_arg, default=None,
                    help="RMSNorm eps (default: the model's, 1e-5 for Z-Image; the source "
                         "runner used 1e-6)")
-    p.add_argument("--tol", type=_positive_float, default=DEFAULT_TOL,
-                   help=f"pass/fail tolerance on max_rel (default {DEFAULT_TOL:g})")
+    p.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
+                   help="matmul precision of the projections: f32 (default, exact dequantized "
+                        "weights), bf16 (bfloat16 inputs, float32 accumulation), q8 (Q8_0 "
+                        "activations x Q8_0 weights; other weight types run bf16). Norms, RoPE, "
+                        "attention, residuals and adaLN stay float32")
+    p.add_argument("--tol", type=_positive_float, default=None,
+                   help="pass/fail tolerance on max_rel (default per --precision: "
+                        + ", ".join(f"{k} {v:g}" for k, v in PRECISION_TOL.items()) + ")")
     p.add_argument("--source", choices=("auto", "gguf", "fixtures"), default="auto",
                    help="where the weights come from (default auto: the GGUF when present)")
     p.add_argument("--adaln", choices=("auto", "t_emb", "fixture"), default="auto",
@@ -172,19 +194,18 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:                   # argparse: --help -> 0, usage errors -> 2
         return int(e.code or 0)
-    old_term = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        return _run(args)
-    except KeyboardInterrupt:
-        _err("interrupted (SIGINT); workers stopped, shared memory released")
-        return EXIT_SIGINT
-    except _Terminated:
-        _err("terminated (SIGTERM); workers stopped, shared memory released")
-        return EXIT_SIGTERM
-    finally:
-        from nxhpc.runtime.shm import cleanup_all
-        cleanup_all()
-        signal.signal(signal.SIGTERM, old_term)
+    with cli_signals() as sig:
+        try:
+            return _run(args, sig)
+        except KeyboardInterrupt:
+            _err("interrupted (SIGINT); workers stopped, shared memory released")
+            return EXIT_SIGINT
+        except Terminated:
+            _err("terminated (SIGTERM); workers stopped, shared memory released")
+            return EXIT_SIGTERM
+        finally:
+            from nxhpc.runtime.shm import cleanup_all
+            cleanup_all()
 
 
 class _InputError(Exception):
@@ -197,8 +218,9 @@ class _UsageError(Exception):
 
 def _exit_code(e: Exception) -> int | None:
     """The documented exit code for an expected failure, None for anything else (a bug)."""
-    from nxhpc.models import MissingTensorError, ModelError, ModelNotFoundError
-    for cls, code in ((ModelNotFoundError, EXIT_NOT_FOUND), (MissingTensorError, EXIT_MISSING),
+    from nxhpc.models import MissingTensorError, ModelError, ModelNotFoundError, ModelsDirError
+    for cls, code in ((ModelsDirError, EXIT_MODELS_DIR),
+                      (ModelNotFoundError, EXIT_NOT_FOUND), (MissingTensorError, EXIT_MISSING),
                       (ModelError, EXIT_BAD_FILE), (_InputError, EXIT_BAD_FILE),
                       (WorkerError, EXIT_WORKER), (_UsageError, EXIT_USAGE),
                       (ShmSpaceError, EXIT_SHM)):
@@ -207,7 +229,7 @@ def _exit_code(e: Exception) -> int | None:
     return None
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, sig: cli_signals) -> int:
     from nxhpc.models import open_model
 
     try:
@@ -220,7 +242,10 @@ def _run(args: argparse.Namespace) -> int:
         with open_model(args.model_id, models_dir=args.models_dir,
                         gguf_path=args.gguf_path) as model:
             return _run_model(args, model, workers)
-    except Exception as e:            # KeyboardInterrupt / _Terminated are not Exceptions
+    except Exception as e:            # KeyboardInterrupt / Terminated are not Exceptions
+        interrupt = sig.interrupt()
+        if interrupt is not None:     # a Ctrl-C that C code (numpy's tofile) turned into e
+            raise interrupt from e
         code = _exit_code(e)
         if code is None:
             traceback.print_exc()
@@ -276,6 +301,12 @@ def _run_model(args, model, workers: int) -> int:
         raise _UsageError(f"--layers {n_layers}: the model has only {cfg.n_layers} layers")
     layers = list(range(n_layers))
     eps = cfg.norm_eps if args.eps is None else args.eps
+    if args.eps is None:                        # --eps is checked when parsed (exit 2)
+        from nxhpc.dit.plan import check_eps
+        try:
+            check_eps(eps)
+        except ValueError as e:
+            raise _InputError(f"{model.path}: the model's norm eps: {e}") from None
     if model.fixtures is None or not model.fixtures.has("layers.0.blk_in"):
         raise MissingTensorError(f"{model.path}: missing fixture 'layers.0.blk_in' "
                                  f"(the block input)")
@@ -296,6 +327,7 @@ def _run_model(args, model, workers: int) -> int:
                     "head_dim": cfg.head_dim, "qkv_width": cfg.qkv_width,
                     "ffn_dim": cfg.ffn_dim, "workers": workers, "spawn": args.spawn,
                     "layers": n_layers, "repeat": args.repeat, "eps": eps,
+                    "precision": args.precision,
                     "mask": mask is not None,
                     "gguf_tensors": len(model.gguf.names()) if model.gguf is not None else 0}
 
@@ -362,12 +394,14 @@ def _run_model(args, model, workers: int) -> int:
 
     res = run_layers(model, layers, x, pe, t_emb=t_emb, adaln_ms=adaln_ms, mask=mask,
                      workers=workers, spawn=args.spawn, eps=eps, on_layer=on_layer,
-                     weights=weights, stage_timeout=args.stage_timeout, repeat=args.repeat)
+                     weights=weights, stage_timeout=args.stage_timeout, repeat=args.repeat,
+                     precision=args.precision)
     out = res.output
     for k, v in res.timings.items():
         if k != "per_layer":
             report[k] = v
-    g = grade(out, ref_final, tol=args.tol, reference=final_ref)
+    tol = PRECISION_TOL[args.precision] if args.tol is None else args.tol
+    g = grade(out, ref_final, tol=tol, reference=final_ref)
     code = EXIT_PASS if g.passed else EXIT_FAIL
 
     def save() -> str | None:

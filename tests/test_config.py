@@ -71,9 +71,14 @@ def test_check_layer_names_the_tensor():
     CFG.check_layer(lw)
     q4 = LayerWeights(**{**vals, "w3": weight("layers.0.feed_forward.w3.weight", f["w3"],
                                               "Q4_0")})
-    with pytest.raises(ValueError, match="layer 0: weight 'w3' has type Q4_0.*"
+    CFG.check_layer(q4)                      # Q4_0 is runnable (issue 10)
+    rows, cols = f["w3"].shape               # IQ4_NL is not: refused, naming the tensor
+    iq4 = LayerWeights(**{**vals, "w3": WeightTensor.from_raw(
+        "layers.0.feed_forward.w3.weight", "IQ4_NL", cols, np.zeros((rows, cols // 32 * 18),
+                                                                    np.uint8))})
+    with pytest.raises(ValueError, match="layer 0: weight 'w3' has type IQ4_NL.*"
                                          "layers.0.feed_forward.w3.weight"):
-        CFG.check_layer(q4)
+        CFG.check_layer(iq4)
     wrong = LayerWeights(**{**vals, "out": weight("o", f["w1"], "BF16")})
     with pytest.raises(ValueError, match=r"weight 'out' must be BF16 uint8 \(128, 256\) "
                                          r"\(torch shape \[128, 128\]\)"):
@@ -178,16 +183,17 @@ def denoiser_shapes(tmp_path_factory):
         return {n: (g.shape(n), g.type_name(n)) for n in g.names()}
 
 
-def test_check_stack_uses_each_types_geometry(monkeypatch, denoiser_shapes):
+def test_check_stack_uses_each_types_geometry(denoiser_shapes):
     """A type with 256-value blocks (a K-quant, once runnable) refuses rows of 352 values,
     naming the tensor; with the runnable types the same stack passes."""
     shapes = dict(denoiser_shapes)
     check_stack(shapes, CFG, "layers", 2, "f")
     k = "layers.1.feed_forward.w3.weight"
-    shapes[k] = (shapes[k][0], "Q4_K")
-    with pytest.raises(ModelFileError, match=f"'{k}' has type Q4_K"):
+    shapes[k] = (shapes[k][0], "IQ4_XS")       # a type without kernels: refused, named
+    with pytest.raises(ModelFileError, match=f"'{k}' has type IQ4_XS"):
         check_stack(shapes, CFG, "layers", 2, "f")
-    monkeypatch.setattr(C, "RUNNABLE_TYPES", C.RUNNABLE_TYPES + ("Q4_K",))
+    assert "Q4_K" in C.RUNNABLE_TYPES           # runnable since issue 10
+    shapes[k] = (shapes[k][0], "Q4_K")
     with pytest.raises(ModelFileError, match=f"'{k}': a Q4_K row of 128 values"):
         check_stack(shapes, CFG, "layers", 2, "f")
     k2 = "layers.0.feed_forward.w2.weight"          # 352 inputs: not whole 256-blocks
@@ -203,6 +209,6 @@ def test_infer_config_reports_and_checks_every_layer(denoiser_shapes):
     cfg, report = infer_config(shapes, "w")
     assert cfg == CFG and "GQA" in report["n_kv_heads"]
     bad = dict(shapes)
-    bad["layers.1.attention.out.weight"] = ((128, 128), "Q5_1")
-    with pytest.raises(ModelFileError, match="'layers.1.attention.out.weight' has type Q5_1"):
+    bad["layers.1.attention.out.weight"] = ((128, 128), "IQ4_NL")     # no kernels for it
+    with pytest.raises(ModelFileError, match="'layers.1.attention.out.weight' has type IQ4_NL"):
         infer_config(bad, "w")

@@ -26,12 +26,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nxhpc
+from kernelutil import ISAS, expected_variant
 from nxhpc import _kernels as K
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
 WTYPES = ("F32", "F16", "BF16", "Q8_0")
-BF16_VARIANTS = K.lowp_variants("bf16")
-Q8_VARIANTS = K.lowp_variants("q8")
+BF16_VARIANTS = K.lowp_variants("bf16")   # ISAs with their own matmul_bf16, generic first
+Q8_VARIANTS = K.lowp_variants("q8")       # ISAs with their own matmul_q8 (VNNI at avx512)
 SIMD_BF16 = BF16_VARIANTS[1:]
 SIMD_Q8 = Q8_VARIANTS[1:]
 U32 = np.uint32
@@ -342,6 +343,26 @@ def test_bf16_band_and_batch_invariance(isa):
     assert same_bits_or_both_nan(rows, full)
 
 
+@pytest.mark.parametrize("wtype", sorted(K.weight_types()))
+def test_bf16_every_traits_type_matches_model(wtype):
+    """The bf16 panels decode through the weight-type traits: every type of the table works, and
+    each variant equals the bf16 model of gguf's own dequantization (the independent decoder)."""
+    rng = np.random.default_rng(len(wtype) * 7 + K.weight_types()[wtype]["ggml_type"])
+    T, Kd, N = 5, 512, 19
+    x = rand_x(rng, T, Kd)
+    if wtype in ("F32", "F16", "BF16"):
+        raw = make_w(rng, wtype, N, Kd)
+    else:
+        # valid blocks from nxhpc's encoders (gguf has no K-quant quantizer); the decoder
+        # that makes the reference is gguf's, so the check stays independent
+        from nxhpc.formats.quants import quantize as nx_quantize
+        raw = nx_quantize((rng.standard_normal((N, Kd)) * 0.05).astype(np.float32), wtype)
+    wf = np.asarray(gguf_dequantize(raw, gguf.GGMLQuantizationType[wtype]), np.float32).reshape(N, Kd)
+    want = bf16_model(x, wf)
+    for isa in BF16_VARIANTS:
+        assert same_bits_or_both_nan(run_bf16(x, raw, wtype, isa), want), (wtype, isa)
+
+
 def test_bf16_weight_forms_and_bias_are_consistent():
     """Element-dtype weights == raw bytes; bias is one float32 add after the sum; gguf enum and
     int type ids work; read-only weights are accepted."""
@@ -603,8 +624,10 @@ def test_variants_registered_and_env_forces_generic():
     for fam in ("matmul_bf16", "matmul_q8", "round_bf16"):
         assert fam in v
     disabled = os.environ.get("NXHPC_DISABLE_SIMD", "0") not in ("", "0")
-    assert v["matmul_bf16"] == ("generic" if disabled else BF16_VARIANTS[-1])
-    assert v["matmul_q8"] == ("generic" if disabled else Q8_VARIANTS[-1])
+    best = K.cpu_features()["best_isa"]
+    assert v["matmul_bf16"] == ("generic" if disabled else expected_variant(SIMD_BF16, best))
+    assert v["matmul_q8"] == ("generic" if disabled else expected_variant(SIMD_Q8, best))
+    assert v["round_bf16"] == v["matmul_bf16"]
     code = ("import nxhpc, json; v = nxhpc.kernel_variants(); "
             "print(json.dumps([v['matmul_bf16'], v['matmul_q8']]))")
     env = dict(os.environ, NXHPC_DISABLE_SIMD="1")
@@ -612,21 +635,45 @@ def test_variants_registered_and_env_forces_generic():
     assert eval(res.stdout) == ["generic", "generic"]
     env["NXHPC_DISABLE_SIMD"] = "0"                     # negative control
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert eval(res.stdout) == [BF16_VARIANTS[-1], Q8_VARIANTS[-1]]
+    assert eval(res.stdout) == [expected_variant(SIMD_BF16, ISAS[-1]), expected_variant(SIMD_Q8, ISAS[-1])]
+
+
+def test_lowp_slots_follow_the_isa_chain():
+    """The lowp slots live in the per-ISA tables: at every ISA each slot runs the nearest ISA on
+    its chain that has its own code (bf16 at avx512bf16, q8's VNNI kernel at avx512, whose
+    required features include VNNI), else the generic spec; lowp_variants lists exactly those."""
+    feats = K.cpu_features()
+    assert "avx512vnni" in feats["isas"]["avx512"]["needs"]
+    assert "avx512bf16" in feats["isas"]["avx512bf16"]["needs"]
+    own = {"matmul_bf16": {"avx512bf16"}, "matmul_q8": {"avx512"}, "round_bf16": {"avx512bf16"}}
+    for isa in K.ISA_NAMES:
+        for slot, have in own.items():
+            assert K._variant(slot, isa) == expected_variant(have, isa), (slot, isa)
+    assert BF16_VARIANTS == ["generic"] + [i for i in ISAS if i in own["matmul_bf16"]]
+    assert Q8_VARIANTS == ["generic"] + [i for i in ISAS if i in own["matmul_q8"]]
+    if "avx512bf16" in ISAS:   # a request above q8's own ISA runs the inherited VNNI kernel
+        rng = np.random.default_rng(15)
+        x, w = rand_x(rng, 7, 96), rand_q8_raw(rng, 33, 96)
+        assert same_bits_or_both_nan(run_q8(x, w, "avx512bf16"), run_q8(x, w, "generic"))
 
 
 def test_isa_none_is_default_variant():
     rng = np.random.default_rng(13)
     x, w = rand_x(rng, 3, 64), rand_q8_raw(rng, 10, 64)
     disabled = os.environ.get("NXHPC_DISABLE_SIMD", "0") not in ("", "0")
-    assert same_bits_or_both_nan(run_q8(x, w, None), run_q8(x, w, "generic" if disabled else Q8_VARIANTS[-1]))
+    best = K.cpu_features()["best_isa"]
+    assert same_bits_or_both_nan(run_q8(x, w, None), run_q8(x, w, "generic" if disabled else best))
     assert same_bits_or_both_nan(run_bf16(x, w, "Q8_0", None),
-                                 run_bf16(x, w, "Q8_0", "generic" if disabled else BF16_VARIANTS[-1]))
+                                 run_bf16(x, w, "Q8_0", "generic" if disabled else best))
     # level names select the best variant at or below that level
     assert same_bits_or_both_nan(run_q8(x, w, "avx2"), run_q8(x, w, "generic"))
 
 
 # ----------------------------------------------------------------------------- bad input
+
+# A GGML type without traits in this build (the bf16 path decodes every type that has them).
+NO_TYPE = next(t for t in gguf.GGMLQuantizationType if t.name not in K.weight_types())
+
 
 def _bad_cases():
     f = np.float32
@@ -642,9 +689,10 @@ def _bad_cases():
         ("bf x 1-D", lambda: mb(x[0], wf, "F32", out), ValueError),
         ("bf x non-contiguous", lambda: mb(np.ones((4, 128), f)[:, ::2], wf, "F32", out), ValueError),
         ("bf x list", lambda: mb(x.tolist(), wf, "F32", out), TypeError),
-        ("bf wtype Q4_K", lambda: mb(x, wq, "Q4_K", out), ValueError),
-        ("bf wtype id 12", lambda: mb(x, wq, 12, out), ValueError),
-        ("bf wtype gguf Q4_0", lambda: mb(x, wq, gguf.GGMLQuantizationType.Q4_0, out), ValueError),
+        ("bf wtype unsupported name", lambda: mb(x, wq, NO_TYPE.name, out), ValueError),
+        ("bf wtype unsupported id", lambda: mb(x, wq, int(NO_TYPE), out), ValueError),
+        ("bf wtype unsupported gguf", lambda: mb(x, wq, NO_TYPE, out), ValueError),
+        ("bf wtype bogus name", lambda: mb(x, wq, "Q9_9", out), ValueError),
         ("bf wtype float", lambda: mb(x, wq, 8.0, out), TypeError),
         ("bf wtype None", lambda: mb(x, wq, None, out), TypeError),
         ("bf w float64", lambda: mb(x, wf.astype(np.float64), "F32", out), TypeError),
@@ -680,7 +728,8 @@ def _bad_cases():
         ("q8 bias shape", lambda: mq(x, wq, out, bias=np.ones((1, 6), f)), ValueError),
         ("q8 n0 < 0", lambda: mq(x, wq, out, -1, 3), ValueError),
         ("q8 n0 str", lambda: mq(x, wq, out, "a", 3), TypeError),
-        ("q8 isa bf16 variant", lambda: mq(x, wq, out, isa="avx512bf16"), ValueError),
+        ("q8 isa old variant name", lambda: mq(x, wq, out, isa="avx512vnni"), ValueError),
+        ("q8 isa bogus", lambda: mq(x, wq, out, isa="avx512_vnni"), ValueError),
         ("round x float64", lambda: K.round_bf16(np.ones(3)), TypeError),
         ("round isa bogus", lambda: K.round_bf16(np.ones(3, f), isa="x"), ValueError),
         ("variants bogus", lambda: K.lowp_variants("f32"), ValueError),

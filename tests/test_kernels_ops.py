@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+from kernelutil import expected_variant
 from nxhpc import _kernels as K
 
 ISAS = K.supported_isas()
@@ -527,7 +528,8 @@ def test_variants_registered():
     kv = K.kernel_variants()
     best = K.cpu_features()["best_isa"]
     for fam in ("rmsnorm", "qknorm_rope", "attention", "swiglu", "gated_residual"):
-        assert kv[fam] == best, (fam, kv[fam], best)
+        # every family has avx2 and avx512 variants: the best ISA's, or what it inherits
+        assert kv[fam] == expected_variant({"avx2", "avx512"}, best), (fam, kv[fam], best)
 
 
 def _noncontig(shape):

@@ -411,13 +411,14 @@ def test_blockconfig_validate():
 def test_mixed_stored_types_via_the_gguf_writer(tmp_path):
     """A file as another converter might write it (the gguf package's writer): projections in
     F16 / BF16 / F32 are bound in exactly their stored type and bytes (never requantized);
-    F16 norms decode to float32; a Q4_0 projection is refused, naming it."""
+    F16 norms decode to float32; a Q4_0 projection is bound as stored too (runnable since issue
+    10), and an IQ4_NL one (no kernels) is refused, naming it."""
     d = make_synthetic(tmp_path / "s", small_spec(n_layers=1, include_weights=True))
     fx = FixtureStore(d / "fixtures.safetensors")
     t = {n: fx.load(n) for n in fx.names() if n.endswith((".weight", ".bias"))}
     BF16 = gguf.GGMLQuantizationType.BF16
 
-    def write(path, q4=False):
+    def write(path, q4=False, iq4=False):
         w = gguf.GGUFWriter(path, "lumina2")
         for n, a in t.items():
             if n.endswith("qkv.weight"):
@@ -427,6 +428,10 @@ def test_mixed_stored_types_via_the_gguf_writer(tmp_path):
             elif n.endswith("w1.weight") and q4:
                 Q4 = gguf.GGMLQuantizationType.Q4_0
                 w.add_tensor(n, gguf.quants.quantize(a, Q4), raw_dtype=Q4)
+            elif n.endswith("w1.weight") and iq4:
+                IQ4 = gguf.GGMLQuantizationType.IQ4_NL      # 32 values in 18 bytes
+                w.add_tensor(n, np.zeros((a.shape[0], a.shape[1] // 32 * 18), np.uint8),
+                             raw_dtype=IQ4)
             elif n.endswith("w1.weight") or n.endswith("norm1.weight"):
                 w.add_tensor(n, a)                              # F32
             elif a.ndim == 2:
@@ -454,5 +459,12 @@ def test_mixed_stored_types_via_the_gguf_writer(tmp_path):
         np.testing.assert_array_equal(lw.q_norm, t["layers.0.attention.q_norm.weight"].astype(
             np.float16).astype(np.float32))
     p4 = write(tmp_path / "q4.gguf", q4=True)
-    with pytest.raises(ModelFileError, match="'layers.0.feed_forward.w1.weight' has type Q4_0"):
-        open_model(p4)
+    with open_model(p4) as m:
+        w1 = m.layer_weights(0).w1
+        want = gguf.quants.quantize(t["layers.0.feed_forward.w1.weight"],
+                                    gguf.GGMLQuantizationType.Q4_0)
+        assert w1.type_name == "Q4_0" and np.shares_memory(w1.data, m.gguf.mapping)
+        np.testing.assert_array_equal(w1.data, want)
+    pi = write(tmp_path / "iq4.gguf", iq4=True)
+    with pytest.raises(ModelFileError, match="'layers.0.feed_forward.w1.weight' has type IQ4_NL"):
+        open_model(pi)

@@ -24,6 +24,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernelutil import expected_variant
 
 import nxhpc
 from nxhpc import _kernels as K
@@ -313,15 +314,28 @@ def test_out_argument_and_readonly_input():
     assert empty.shape == (4, 0) and empty.dtype == np.float32
 
 
+SIMD_HAVE = {"avx2", "avx512"}      # every type has variants at both (nx_wtype_<isa>.c tables)
+
+
 def test_variants_registered():
+    """Each type is a slot of the weight-type dispatch table ("dequantize[<TYPE>]"), running the
+    first variant on the default ISA's chain (kernelutil.expected_variant): the generic spec
+    under NXHPC_DISABLE_SIMD=1, else the best SIMD level."""
     v = nxhpc.kernel_variants()
-    fams = [f"dequant_{n.lower()}" for n in TYPES]
+    best = nxhpc.cpu_features()["best_isa"]
+    fams = [f"dequantize[{n}]" for n in TYPES]
     for f in fams:
         assert v[f] in ISAS
+        assert v[f] == expected_variant(SIMD_HAVE, best), (f, v[f], best)
     if os.environ.get("NXHPC_DISABLE_SIMD", "0") not in ("", "0"):
         assert {v[f] for f in fams} == {"generic"}
     else:
-        assert {v[f] for f in fams} == {ISAS[-1]}
+        assert {v[f] for f in fams} == {expected_variant(SIMD_HAVE, ISAS[-1])}
+        assert {v[f] for f in fams} != {"generic"} or ISAS == ["generic"]
+    # per requested ISA: the chain, for every ISA this CPU runs
+    for isa in ISAS:
+        for n in TYPES:
+            assert K._variant(f"dequantize[{n}]", isa) == expected_variant(SIMD_HAVE, isa), (n, isa)
 
 
 def test_disable_simd_env_runs_generic_and_matches_gguf():
@@ -333,16 +347,19 @@ def test_disable_simd_env_runs_generic_and_matches_gguf():
             "    raw = rng.integers(0, 256, (5, 3 * b), dtype=np.uint8)\n"
             "    with np.errstate(all='ignore'): want = dequantize(raw, gguf.GGMLQuantizationType[n])\n"
             "    ok &= bool((K.dequantize_blocks(raw, n).view(np.uint32) == want.view(np.uint32)).all())\n"
+            "    ok &= bool((K.dequantize(raw, n).view(np.uint32) == want.view(np.uint32)).all())\n"
             "v = nxhpc.kernel_variants()\n"
-            "print(json.dumps({'ok': ok, 'v': sorted({v[f] for f in v if f.startswith('dequant_')})}))")
+            "names = [f'dequantize[{n}]' for n in K.quant_block_sizes()]\n"
+            "print(json.dumps({'ok': ok, 'n': len(names), 'v': sorted({v[f] for f in names})}))")
     env = dict(os.environ, NXHPC_DISABLE_SIMD="1")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
-    assert json.loads(res.stdout) == {"ok": True, "v": ["generic"]}
+    assert json.loads(res.stdout) == {"ok": True, "n": 9, "v": ["generic"]}
     env["NXHPC_DISABLE_SIMD"] = "0"                  # negative control: "0" means enabled
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
-    assert json.loads(res.stdout) == {"ok": True, "v": [ISAS[-1]]}
+    assert json.loads(res.stdout) == {"ok": True, "n": 9,
+                                      "v": [expected_variant(SIMD_HAVE, ISAS[-1])]}
 
 
 # ----------------------------------------------------------------------------- bad input

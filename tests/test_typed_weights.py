@@ -8,10 +8,6 @@ and the blocks include an unmodulated ``context_refiner`` and a ``noise_refiner`
 Tolerance, as for Q8_0 (tests/test_block.py): max error <= 2x that of a plain float32 numpy
 evaluation and <= 1e-5 x max|ref| -- these types dequantize exactly in float32, so the
 kernels' float32 accumulation is the only error source.
-
-Tests marked ``needs_typed_kernels`` run the F32/F16/BF16 matmul, which the kernels gain with
-the typed-weights C work; on kernels without it they are expected failures (raising
-NotImplementedError before any fork), and strict: once the kernels have it they must pass.
 """
 import json
 import os
@@ -25,7 +21,6 @@ import pytest
 
 import nxhpc._kernels as K
 from nxhpc.dit.config import BlockConfig, layer_tensor_names
-from nxhpc.dit.linear import typed_kernels
 from nxhpc.dit.plan import BlockPlan, Engine
 from nxhpc.dit.reference import block_forward_f64
 from nxhpc.models import open_model
@@ -40,9 +35,6 @@ MATRICES = ("qkv", "out", "w1", "w3", "w2", "adaln_w")
 CFG = BlockConfig(dim=192, n_heads=3, n_kv_heads=3, head_dim=64, ffn_dim=512, n_layers=2,
                   adaln_in=256, variant="zimage", adaln_silu=False, norm_eps=1e-5)
 STACKS = (("layers", 2), ("noise_refiner", 1), ("context_refiner", 1))
-needs_typed_kernels = pytest.mark.xfail(
-    not typed_kernels(K), raises=NotImplementedError, strict=True,
-    reason="the F32/F16/BF16 matmul arrives with the typed-weights kernels")
 
 
 def rotated_types(cfg, stacks):
@@ -116,7 +108,6 @@ def _check(out, ref, np32):
     assert ours_max <= 1e-5 * np.abs(ref).max()
 
 
-@needs_typed_kernels
 def test_typed_layers_match_float64(typed_file):
     path, _ = typed_file
     x, pe, t_emb = _inputs(5, 45)
@@ -137,7 +128,6 @@ def test_typed_layers_match_float64(typed_file):
     assert live_segments(PID) == []
 
 
-@needs_typed_kernels
 def test_typed_refiners_match_float64(typed_file):
     """noise_refiner (modulated) and context_refiner (unmodulated) blocks from one engine."""
     path, _ = typed_file
@@ -172,8 +162,6 @@ def test_typed_refiners_match_float64(typed_file):
 
 def test_kernel_weight_types_agree_with_gguf_geometry():
     """The kernels' type table (typed kernels only) and the gguf package's block geometry."""
-    if not typed_kernels(K):
-        pytest.skip("kernels without weight_types(): the Q8_0-only API")
     from gguf.constants import GGML_QUANT_SIZES
     table = K.weight_types()
     assert set(TYPES) | {"Q8_0"} <= set(table)
@@ -256,7 +244,6 @@ def test_bf16_binding_makes_no_float32_copy(rss_report):
     assert res["copy"] >= 0.9 * res["copy_bytes"], res
 
 
-@needs_typed_kernels
 def test_bf16_run_makes_no_float32_copy(rss_report):
     """Running both layers in process (workers=1) converts BF16 panel by panel: private
     memory grows by well under a float32 copy of the matrices."""

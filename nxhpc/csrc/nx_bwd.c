@@ -11,73 +11,47 @@
 
 /* ------------------------------------------------------------------ dispatch */
 
-nx_isa nx_bwd_variant(nx_bwd_family fam, nx_isa isa) {
-    /* AVX-512 variants exist for every family except qknorm_rope (whose cost is the float64
-     * row arithmetic, not memory); AVX2 variants for swiglu and attention only (the others are
-     * within 1.5x of generic, or bound by float64 arithmetic). */
-    if (isa == NX_ISA_AVX512 && fam != NX_BWD_QKNORM_ROPE) return NX_ISA_AVX512;
-    if (isa >= NX_ISA_AVX2 && (fam == NX_BWD_SWIGLU || fam == NX_BWD_ATTENTION)) return NX_ISA_AVX2;
-    return NX_ISA_GENERIC;
-}
+NX_DEFINE_DISPATCH(
+    nx_bwd, "bwd", NX_BWD_SLOTS,
+    {[NX_ISA_GENERIC] = &nx_bwd_table_generic,
+     NX_X86_ONLY([NX_ISA_AVX2] = &nx_bwd_table_avx2, [NX_ISA_AVX512] = &nx_bwd_table_avx512, )})
 
 int nx_rmsnorm_bwd_f32(nx_isa isa, const float *x, const float *w, const float *mod,
                        const float *dy, float *dx, float *dw, float *dmod, int64_t D, float eps,
                        int64_t r0, int64_t r1) {
-    NX_X86_ONLY(if (nx_bwd_variant(NX_BWD_RMSNORM, isa) == NX_ISA_AVX512)
-        return nx_rmsnorm_bwd_f32_avx512(x, w, mod, dy, dx, dw, dmod, D, eps, r0, r1);)
-    return nx_rmsnorm_bwd_f32_generic(x, w, mod, dy, dx, dw, dmod, D, eps, r0, r1);
+    return nx_bwd_get(isa)->rmsnorm_backward(x, w, mod, dy, dx, dw, dmod, D, eps, r0, r1);
 }
 
-void nx_rope_bwd_f32(nx_isa isa, const float *dy, const float *pe, float *dx, int64_t T,
-                     int64_t hd, int64_t r0, int64_t r1) {
-    NX_X86_ONLY(if (nx_bwd_variant(NX_BWD_ROPE, isa) == NX_ISA_AVX512) {
-        nx_rope_bwd_f32_avx512(dy, pe, dx, T, hd, r0, r1);
-        return;
-    })
-    nx_rope_bwd_f32_generic(dy, pe, dx, T, hd, r0, r1);
+void nx_rope_bwd_f32(nx_isa isa, const float *dy, const float *pe, float *dx, int64_t T, int64_t hd,
+                     int64_t r0, int64_t r1) {
+    nx_bwd_get(isa)->rope_backward(dy, pe, dx, T, hd, r0, r1);
 }
 
 int nx_qknorm_rope_bwd_f32(nx_isa isa, const float *qkv, const float *q_w, const float *k_w,
                            const float *pe, const float *dq, const float *dk, float *dqkv,
-                           float *dq_w, float *dk_w, int64_t T, int64_t H, int64_t KVH,
-                           int64_t hd, float eps, int64_t h0, int64_t h1) {
-    (void)isa;  /* generic only (see nx_bwd_variant) */
-    return nx_qknorm_rope_bwd_f32_generic(qkv, q_w, k_w, pe, dq, dk, dqkv, dq_w, dk_w, T, H, KVH,
-                                          hd, eps, h0, h1);
+                           float *dq_w, float *dk_w, int64_t T, int64_t H, int64_t KVH, int64_t hd,
+                           float eps, int64_t h0, int64_t h1) {
+    return nx_bwd_get(isa)->qknorm_rope_backward(qkv, q_w, k_w, pe, dq, dk, dqkv, dq_w, dk_w, T, H,
+                                                 KVH, hd, eps, h0, h1);
 }
 
 void nx_swiglu_bwd_f32(nx_isa isa, const float *a, const float *b, const float *dout, float *da,
                        float *db, int64_t i0, int64_t i1) {
-    switch (nx_bwd_variant(NX_BWD_SWIGLU, isa)) {
-    NX_X86_ONLY(case NX_ISA_AVX512: nx_swiglu_bwd_f32_avx512(a, b, dout, da, db, i0, i1); return;
-                case NX_ISA_AVX2: nx_swiglu_bwd_f32_avx2(a, b, dout, da, db, i0, i1); return;)
-    default: nx_swiglu_bwd_f32_generic(a, b, dout, da, db, i0, i1); return;
-    }
+    nx_bwd_get(isa)->swiglu_backward(a, b, dout, da, db, i0, i1);
 }
 
 int nx_gated_residual_bwd_f32(nx_isa isa, const float *y, const float *gate, const float *dout,
                               float *dresid, float *dy, float *dgate, int64_t D, int64_t r0,
                               int64_t r1) {
-    NX_X86_ONLY(if (nx_bwd_variant(NX_BWD_GATED_RESIDUAL, isa) == NX_ISA_AVX512)
-        return nx_gated_residual_bwd_f32_avx512(y, gate, dout, dresid, dy, dgate, D, r0, r1);)
-    return nx_gated_residual_bwd_f32_generic(y, gate, dout, dresid, dy, dgate, D, r0, r1);
+    return nx_bwd_get(isa)->gated_residual_backward(y, gate, dout, dresid, dy, dgate, D, r0, r1);
 }
 
 int nx_attention_bwd_f32(nx_isa isa, const float *q, const float *k, const float *v,
                          const float *dout, const uint8_t *mask, float *dq, float *dk, float *dv,
                          int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t g0,
                          int64_t g1) {
-    switch (nx_bwd_variant(NX_BWD_ATTENTION, isa)) {
-    NX_X86_ONLY(case NX_ISA_AVX512:
-        return nx_attention_bwd_f32_avx512(q, k, v, dout, mask, dq, dk, dv, T, H, KVH, hd, scale,
-                                           g0, g1);
-    case NX_ISA_AVX2:
-        return nx_attention_bwd_f32_avx2(q, k, v, dout, mask, dq, dk, dv, T, H, KVH, hd, scale,
-                                         g0, g1);)
-    default: break;
-    }
-    return nx_attention_bwd_f32_generic(q, k, v, dout, mask, dq, dk, dv, T, H, KVH, hd, scale,
-                                        g0, g1);
+    return nx_bwd_get(isa)->attention_backward(q, k, v, dout, mask, dq, dk, dv, T, H, KVH, hd,
+                                               scale, g0, g1);
 }
 
 void nx_sum_partials_f32(const float *partials, float *out, int64_t n, int64_t D) {
@@ -99,8 +73,8 @@ static inline double nx_tree16(double *acc) {
 }
 
 int nx_rmsnorm_bwd_f32_generic(const float *x, const float *w, const float *mod, const float *dy,
-                               float *dx, float *dw, float *dmod, int64_t D, float eps,
-                               int64_t r0, int64_t r1) {
+                               float *dx, float *dw, float *dmod, int64_t D, float eps, int64_t r0,
+                               int64_t r1) {
     if (!mod) dmod = NULL;
     double *aw = NULL, *am = NULL;
     if (dw || dmod) {
@@ -112,7 +86,7 @@ int nx_rmsnorm_bwd_f32_generic(const float *x, const float *w, const float *mod,
         const float *xr = x + r * D, *gr = dy + r * D;
         float *o = dx + r * D;
         double ss[16] = {0}, cs[16] = {0};
-        for (int64_t i = 0; i < D; i++) {  /* pass 1: sum x^2 and sum g*x, g = dy*w[*mod] */
+        for (int64_t i = 0; i < D; i++) { /* pass 1: sum x^2 and sum g*x, g = dy*w[*mod] */
             double xv = (double)xr[i];
             double g = (double)gr[i] * (double)w[i];
             if (mod) g = g * (double)mod[i];
@@ -121,9 +95,9 @@ int nx_rmsnorm_bwd_f32_generic(const float *x, const float *w, const float *mod,
         }
         const double inv = 1.0 / sqrt(nx_tree16(ss) / (double)D + (double)eps);
         const double coef = ((inv * inv) * nx_tree16(cs)) / (double)D;
-        for (int64_t i = 0; i < D; i++) {  /* pass 2: parameter partials, then dx (may alias) */
+        for (int64_t i = 0; i < D; i++) { /* pass 2: parameter partials, then dx (may alias) */
             double xv = (double)xr[i];
-            double dxh = ((double)gr[i] * xv) * inv;  /* dy * xhat */
+            double dxh = ((double)gr[i] * xv) * inv; /* dy * xhat */
             double g = (double)gr[i] * (double)w[i];
             if (mod) {
                 g = g * (double)mod[i];
@@ -144,7 +118,7 @@ int nx_rmsnorm_bwd_f32_generic(const float *x, const float *w, const float *mod,
 void nx_rope_bwd_f32_generic(const float *dy, const float *pe, float *dx, int64_t T, int64_t hd,
                              int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
-        const float *p = pe + (r % T) * hd * 2;  /* [hd/2][2][2] */
+        const float *p = pe + (r % T) * hd * 2; /* [hd/2][2][2] */
         const float *d = dy + r * hd;
         float *o = dx + r * hd;
         for (int64_t i = 0; i < hd / 2; i++) {
@@ -173,7 +147,7 @@ int nx_qknorm_rope_bwd_f32_generic(const float *qkv, const float *q_w, const flo
             const float *p = pe + t * hd * 2;
             const float *d = src + t * hd;
             float *o = dqkv + t * W + j * hd;
-            for (int64_t i = 0; i < hd / 2; i++) {  /* transposed rotation, float64 */
+            for (int64_t i = 0; i < hd / 2; i++) { /* transposed rotation, float64 */
                 double d0 = (double)d[2 * i], d1 = (double)d[2 * i + 1];
                 gr[2 * i] = (double)p[4 * i] * d0 + (double)p[4 * i + 2] * d1;
                 gr[2 * i + 1] = (double)p[4 * i + 1] * d0 + (double)p[4 * i + 3] * d1;
@@ -208,12 +182,12 @@ void nx_swiglu_bwd_f32_generic(const float *a, const float *b, const float *dout
     const float big = 3.4028234663852886e38f;
     for (int64_t i = i0; i < i1; i++) {
         float av = a[i], bv = b[i], g = dout[i];
-        float xc = av < -big ? -big : av;     /* -inf -> -FLT_MAX (silu(-inf) = -0), NaN kept */
-        float x = xc > big ? big : xc;         /* +inf -> FLT_MAX only inside silu' */
+        float xc = av < -big ? -big : av; /* -inf -> -FLT_MAX (silu(-inf) = -0), NaN kept */
+        float x = xc > big ? big : xc;    /* +inf -> FLT_MAX only inside silu' */
         float e = expf(-fabsf(x));
         float d = 1.0f / (1.0f + e);
-        float s = x >= 0.0f ? d : e * d;    /* sigmoid(x) */
-        float sc = x >= 0.0f ? e * d : d;   /* 1 - sigmoid(x) */
+        float s = x >= 0.0f ? d : e * d;  /* sigmoid(x) */
+        float sc = x >= 0.0f ? e * d : d; /* 1 - sigmoid(x) */
         float silu = xc * s;
         float dsilu = s * (1.0f + x * sc);
         da[i] = (g * bv) * dsilu;
@@ -226,11 +200,15 @@ void nx_swiglu_bwd_f32_generic(const float *a, const float *b, const float *dout
 /* Per-column float64 tables shared with the AVX-512 variant: tg = (float)tanh(gate),
  * s2 = sech^2(gate) = 1/cosh^2 (no cancellation; 0 once cosh overflows). */
 int nx_gated_residual_bwd_f32_generic(const float *y, const float *gate, const float *dout,
-                                      float *dresid, float *dy, float *dgate, int64_t D,
-                                      int64_t r0, int64_t r1) {
+                                      float *dresid, float *dy, float *dgate, int64_t D, int64_t r0,
+                                      int64_t r1) {
     double *acc = calloc((size_t)(D > 0 ? D : 1), sizeof(double));
     float *tg = malloc(sizeof(float) * (size_t)(D > 0 ? D : 1));
-    if (!acc || !tg) { free(acc); free(tg); return -1; }
+    if (!acc || !tg) {
+        free(acc);
+        free(tg);
+        return -1;
+    }
     for (int64_t c = 0; c < D; c++) tg[c] = (float)tanh((double)gate[c]);
     for (int64_t r = r0; r < r1; r++) {
         const float *g = dout + r * D, *yr = y + r * D;
@@ -257,10 +235,10 @@ int nx_gated_residual_bwd_f32_generic(const float *y, const float *gate, const f
 
 /* The spec: one query row at a time, everything in float64. Per kv head g: dk/dv accumulate over
  * the group's query heads (ascending) and rows (ascending) in float64 scratch, then round once. */
-int nx_attention_bwd_f32_generic(const float *q, const float *k, const float *v,
-                                 const float *dout, const uint8_t *mask, float *dq, float *dk,
-                                 float *dv, int64_t T, int64_t H, int64_t KVH, int64_t hd,
-                                 float scale, int64_t g0, int64_t g1) {
+int nx_attention_bwd_f32_generic(const float *q, const float *k, const float *v, const float *dout,
+                                 const uint8_t *mask, float *dq, float *dk, float *dv, int64_t T,
+                                 int64_t H, int64_t KVH, int64_t hd, float scale, int64_t g0,
+                                 int64_t g1) {
     const int64_t group = H / KVH;
     double *p = malloc(sizeof(double) * (size_t)(2 * T + hd + 2 * T * hd));
     if (!p) return -1;
@@ -275,13 +253,16 @@ int nx_attention_bwd_f32_generic(const float *q, const float *k, const float *v,
                 float *dqr = dq + (h * T + t) * hd;
                 double m = -INFINITY;
                 for (int64_t j = 0; j < T; j++) {
-                    if (mask && !mask[j]) { p[j] = -INFINITY; continue; }
+                    if (mask && !mask[j]) {
+                        p[j] = -INFINITY;
+                        continue;
+                    }
                     double s = 0.0;
                     for (int64_t d = 0; d < hd; d++) s += (double)qr[d] * (double)kg[j * hd + d];
                     p[j] = s * sc;
                     if (p[j] > m) m = p[j];
                 }
-                if (m == -INFINITY) {  /* every key masked: the output row is constant 0 */
+                if (m == -INFINITY) { /* every key masked: the output row is constant 0 */
                     for (int64_t d = 0; d < hd; d++) dqr[d] = 0.0f;
                     continue;
                 }
@@ -295,13 +276,14 @@ int nx_attention_bwd_f32_generic(const float *q, const float *k, const float *v,
                     p[j] /= l;
                     double s = 0.0;
                     if (p[j] != 0.0)
-                        for (int64_t d = 0; d < hd; d++) s += (double)dor[d] * (double)vg[j * hd + d];
+                        for (int64_t d = 0; d < hd; d++)
+                            s += (double)dor[d] * (double)vg[j * hd + d];
                     dp[j] = s;
                     delta += p[j] * s;
                 }
                 for (int64_t d = 0; d < hd; d++) dqa[d] = 0.0;
                 for (int64_t j = 0; j < T; j++) {
-                    if (p[j] == 0.0) continue;  /* masked (or underflowed) key: no gradient */
+                    if (p[j] == 0.0) continue; /* masked (or underflowed) key: no gradient */
                     const double ds = p[j] * (dp[j] - delta);
                     const float *kr = kg + j * hd;
                     double *dkr = dka + j * hd, *dvr = dva + j * hd;
@@ -322,3 +304,12 @@ int nx_attention_bwd_f32_generic(const float *q, const float *k, const float *v,
     free(p);
     return 0;
 }
+
+const nx_bwd_table nx_bwd_table_generic = {
+    .rmsnorm_backward = nx_rmsnorm_bwd_f32_generic,
+    .rope_backward = nx_rope_bwd_f32_generic,
+    .qknorm_rope_backward = nx_qknorm_rope_bwd_f32_generic,
+    .swiglu_backward = nx_swiglu_bwd_f32_generic,
+    .gated_residual_backward = nx_gated_residual_bwd_f32_generic,
+    .attention_backward = nx_attention_bwd_f32_generic,
+};

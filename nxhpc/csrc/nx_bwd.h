@@ -1,7 +1,8 @@
 /* nx_bwd.h -- backward (vector-Jacobian) kernels of the block's nonlinearities: RMSNorm(+mod),
  * RoPE, qk-norm+RoPE, SwiGLU, tanh-gated residual, softmax attention. Generic scalar functions
  * (nx_bwd.c) are the spec; AVX-512 variants live in nx_bwd_avx512.c, AVX2+FMA variants of swiglu
- * and attention (where scalar code is far slower) in nx_bwd_avx2.c. Callers (nxhpc/_k_bwd.pxi)
+ * and attention (where scalar code is far slower) in nx_bwd_avx2.c; each file exports one dispatch
+ * table (nx_bwd_table_<isa>). Callers (nxhpc/_k_bwd.pxi)
  * validate every shape before entering; these functions trust their arguments.
  *
  * Numerics (what is bit-identical, and where variants may differ):
@@ -33,13 +34,42 @@
 #include <stdlib.h>
 #include "nx_cpu.h"
 
-typedef enum {
-    NX_BWD_RMSNORM = 0, NX_BWD_ROPE = 1, NX_BWD_QKNORM_ROPE = 2, NX_BWD_SWIGLU = 3,
-    NX_BWD_GATED_RESIDUAL = 4, NX_BWD_ATTENTION = 5
-} nx_bwd_family;
+#include "nx_dispatch.h"
 
-/* The ISA level whose code actually runs when `isa` is requested for `fam`. */
-nx_isa nx_bwd_variant(nx_bwd_family fam, nx_isa isa);
+/* The family's slots (nx_dispatch.h), in kernel_variants() order. */
+#define NX_BWD_SLOTS(X)                                                                            \
+    X(rmsnorm_backward, int,                                                                       \
+      (const float *x, const float *w, const float *mod, const float *dy, float *dx, float *dw,    \
+       float *dmod, int64_t D, float eps, int64_t r0, int64_t r1))                                 \
+    X(rope_backward, void,                                                                         \
+      (const float *dy, const float *pe, float *dx, int64_t T, int64_t hd, int64_t r0,             \
+       int64_t r1))                                                                                \
+    X(qknorm_rope_backward, int,                                                                   \
+      (const float *qkv, const float *q_w, const float *k_w, const float *pe, const float *dq,     \
+       const float *dk, float *dqkv, float *dq_w, float *dk_w, int64_t T, int64_t H, int64_t KVH,  \
+       int64_t hd, float eps, int64_t h0, int64_t h1))                                             \
+    X(swiglu_backward, void,                                                                       \
+      (const float *a, const float *b, const float *dout, float *da, float *db, int64_t i0,        \
+       int64_t i1))                                                                                \
+    X(gated_residual_backward, int,                                                                \
+      (const float *y, const float *gate, const float *dout, float *dresid, float *dy,             \
+       float *dgate, int64_t D, int64_t r0, int64_t r1))                                           \
+    X(attention_backward, int,                                                                     \
+      (const float *q, const float *k, const float *v, const float *dout, const uint8_t *mask,     \
+       float *dq, float *dk, float *dv, int64_t T, int64_t H, int64_t KVH, int64_t hd,             \
+       float scale, int64_t g0, int64_t g1))
+
+NX_TABLE_TYPE(nx_bwd_table, NX_BWD_SLOTS)
+/* AVX-512 variants exist for every kernel except qknorm_rope_backward (whose cost is the float64
+ * row arithmetic, not memory); AVX2 variants for swiglu and attention only (the others are
+ * within 1.5x of generic, or bound by float64 arithmetic): the other slots inherit. */
+extern const nx_bwd_table nx_bwd_table_generic; /* nx_bwd.c */
+extern const nx_bwd_table nx_bwd_table_avx2;    /* nx_bwd_avx2.c */
+extern const nx_bwd_table nx_bwd_table_avx512;  /* nx_bwd_avx512.c */
+extern const nx_family_info nx_bwd_family;
+const nx_bwd_table *nx_bwd_get(nx_isa isa);
+/* The ISA whose code runs slot `slot` (list order above) when `isa` is requested. */
+nx_isa nx_bwd_variant(int slot, nx_isa isa);
 
 /* ---- rmsnorm_backward. Forward: y[r] = x[r] * inv_r * w [* mod], inv_r = 1/sqrt(mean(x[r]^2)+eps).
  * For rows r in [r0, r1), with g = dy*w[*mod] and xhat = x*inv:
@@ -48,27 +78,27 @@ nx_isa nx_bwd_variant(nx_bwd_family fam, nx_isa isa);
  *   dmod   := sum_r dy[r] * xhat[r] * w         (partial over the band; dmod may be NULL, and is
  *                                               ignored when mod is NULL)
  * dx may equal x or dy. Returns 0, or -1 if the scratch (2*D doubles) could not be allocated. */
-int nx_rmsnorm_bwd_f32(nx_isa isa,
-                       const float *x,    /* IN  [T, D] */
-                       const float *w,    /* IN  [D] */
-                       const float *mod,  /* IN  [D] or NULL */
-                       const float *dy,   /* IN  [T, D] */
-                       float *dx,         /* OUT [T, D], rows [r0, r1) */
-                       float *dw,         /* OUT [D] or NULL */
-                       float *dmod,       /* OUT [D] or NULL */
+int nx_rmsnorm_bwd_f32(nx_isa isa,       /* the ISA to run (nx_cpu.h) */
+                       const float *x,   /* IN  [T, D] */
+                       const float *w,   /* IN  [D] */
+                       const float *mod, /* IN  [D] or NULL */
+                       const float *dy,  /* IN  [T, D] */
+                       float *dx,        /* OUT [T, D], rows [r0, r1) */
+                       float *dw,        /* OUT [D] or NULL */
+                       float *dmod,      /* OUT [D] or NULL */
                        int64_t D, float eps, int64_t r0, int64_t r1);
 int nx_rmsnorm_bwd_f32_generic(const float *x, const float *w, const float *mod, const float *dy,
-                               float *dx, float *dw, float *dmod, int64_t D, float eps,
-                               int64_t r0, int64_t r1);
+                               float *dx, float *dw, float *dmod, int64_t D, float eps, int64_t r0,
+                               int64_t r1);
 int nx_rmsnorm_bwd_f32_avx512(const float *x, const float *w, const float *mod, const float *dy,
-                              float *dx, float *dw, float *dmod, int64_t D, float eps,
-                              int64_t r0, int64_t r1);
+                              float *dx, float *dw, float *dmod, int64_t D, float eps, int64_t r0,
+                              int64_t r1);
 
 /* ---- rope_backward: rows r in [r0, r1) of dy viewed as [R, hd] with token t = r % T:
  * dx[r, 2i+c] := pe[t,i,0,c]*dy[r,2i] + pe[t,i,1,c]*dy[r,2i+1] (the transposed rotation).
  * dx may equal dy. */
-void nx_rope_bwd_f32(nx_isa isa, const float *dy, const float *pe, float *dx, int64_t T,
-                     int64_t hd, int64_t r0, int64_t r1);
+void nx_rope_bwd_f32(nx_isa isa, const float *dy, const float *pe, float *dx, int64_t T, int64_t hd,
+                     int64_t r0, int64_t r1);
 void nx_rope_bwd_f32_generic(const float *dy, const float *pe, float *dx, int64_t T, int64_t hd,
                              int64_t r0, int64_t r1);
 void nx_rope_bwd_f32_avx512(const float *dy, const float *pe, float *dx, int64_t T, int64_t hd,
@@ -81,7 +111,7 @@ void nx_rope_bwd_f32_avx512(const float *dy, const float *pe, float *dx, int64_t
  *   dq_w := sum over (q heads in band, t) of gr*xhat;  dk_w likewise over k heads (partials;
  *   either may be NULL). v columns of dqkv are not written.
  * Returns 0, or -1 if the scratch (3*hd doubles) could not be allocated. */
-int nx_qknorm_rope_bwd_f32(nx_isa isa,
+int nx_qknorm_rope_bwd_f32(nx_isa isa,       /* the ISA to run (nx_cpu.h) */
                            const float *qkv, /* IN  [T, (H+2*KVH)*hd] */
                            const float *q_w, /* IN  [hd] */
                            const float *k_w, /* IN  [hd] */
@@ -91,8 +121,8 @@ int nx_qknorm_rope_bwd_f32(nx_isa isa,
                            float *dqkv,      /* OUT [T, (H+2*KVH)*hd], q/k columns of the band */
                            float *dq_w,      /* OUT [hd] or NULL */
                            float *dk_w,      /* OUT [hd] or NULL */
-                           int64_t T, int64_t H, int64_t KVH, int64_t hd, float eps,
-                           int64_t h0, int64_t h1);
+                           int64_t T, int64_t H, int64_t KVH, int64_t hd, float eps, int64_t h0,
+                           int64_t h1);
 int nx_qknorm_rope_bwd_f32_generic(const float *qkv, const float *q_w, const float *k_w,
                                    const float *pe, const float *dq, const float *dk, float *dqkv,
                                    float *dq_w, float *dk_w, int64_t T, int64_t H, int64_t KVH,
@@ -110,27 +140,27 @@ void nx_swiglu_bwd_f32_generic(const float *a, const float *b, const float *dout
                                float *db, int64_t i0, int64_t i1);
 void nx_swiglu_bwd_f32_avx512(const float *a, const float *b, const float *dout, float *da,
                               float *db, int64_t i0, int64_t i1);
-void nx_swiglu_bwd_f32_avx2(const float *a, const float *b, const float *dout, float *da,
-                            float *db, int64_t i0, int64_t i1);
+void nx_swiglu_bwd_f32_avx2(const float *a, const float *b, const float *dout, float *da, float *db,
+                            int64_t i0, int64_t i1);
 
 /* ---- gated_residual_backward: forward out = resid + tanh(gate) * y (gate per column).
  * For rows r in [r0, r1):  dy[r] := dout[r] * tanh(gate);  dresid[r] := dout[r] (if not NULL);
  *   dgate := sech^2(gate) * sum_r dout[r] * y[r]   (partial over the band; may be NULL).
  * dy may equal dout or y. Returns 0, or -1 if the scratch (3*D doubles) could not be allocated. */
-int nx_gated_residual_bwd_f32(nx_isa isa,
-                              const float *y,     /* IN  [T, D] */
-                              const float *gate,  /* IN  [D] */
-                              const float *dout,  /* IN  [T, D] */
-                              float *dresid,      /* OUT [T, D] or NULL */
-                              float *dy,          /* OUT [T, D] */
-                              float *dgate,       /* OUT [D] or NULL */
+int nx_gated_residual_bwd_f32(nx_isa isa,        /* the ISA to run (nx_cpu.h) */
+                              const float *y,    /* IN  [T, D] */
+                              const float *gate, /* IN  [D] */
+                              const float *dout, /* IN  [T, D] */
+                              float *dresid,     /* OUT [T, D] or NULL */
+                              float *dy,         /* OUT [T, D] */
+                              float *dgate,      /* OUT [D] or NULL */
                               int64_t D, int64_t r0, int64_t r1);
 int nx_gated_residual_bwd_f32_generic(const float *y, const float *gate, const float *dout,
-                                      float *dresid, float *dy, float *dgate, int64_t D,
-                                      int64_t r0, int64_t r1);
+                                      float *dresid, float *dy, float *dgate, int64_t D, int64_t r0,
+                                      int64_t r1);
 int nx_gated_residual_bwd_f32_avx512(const float *y, const float *gate, const float *dout,
-                                     float *dresid, float *dy, float *dgate, int64_t D,
-                                     int64_t r0, int64_t r1);
+                                     float *dresid, float *dy, float *dgate, int64_t D, int64_t r0,
+                                     int64_t r1);
 
 /* ---- attention_backward, plain layouts: q, dout, dq [H, T, hd]; k, v, dk, dv [KVH, T, hd].
  * Forward o[h,t] = sum_j P[h,t,j] v[g,j], P = softmax_j(scale * q[h,t].k[g,j], masked j
@@ -140,28 +170,25 @@ int nx_gated_residual_bwd_f32_avx512(const float *y, const float *gate, const fl
  * mask: [T] bytes over keys, nonzero = attend, or NULL; a query whose keys are all masked has
  * zero gradient. Softmax rows are recomputed (no T^2 storage). Returns 0, or -1 if scratch
  * could not be allocated (outputs of the band are then unspecified). */
-int nx_attention_bwd_f32(nx_isa isa,
-                         const float *q, const float *k, const float *v, const float *dout,
-                         const uint8_t *mask,
-                         float *dq, float *dk, float *dv,
-                         int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
-                         int64_t g0, int64_t g1);
-int nx_attention_bwd_f32_generic(const float *q, const float *k, const float *v,
-                                 const float *dout, const uint8_t *mask, float *dq, float *dk,
-                                 float *dv, int64_t T, int64_t H, int64_t KVH, int64_t hd,
-                                 float scale, int64_t g0, int64_t g1);
-int nx_attention_bwd_f32_avx512(const float *q, const float *k, const float *v,
-                                const float *dout, const uint8_t *mask, float *dq, float *dk,
-                                float *dv, int64_t T, int64_t H, int64_t KVH, int64_t hd,
-                                float scale, int64_t g0, int64_t g1);
-int nx_attention_bwd_f32_avx2(const float *q, const float *k, const float *v,
-                              const float *dout, const uint8_t *mask, float *dq, float *dk,
-                              float *dv, int64_t T, int64_t H, int64_t KVH, int64_t hd,
-                              float scale, int64_t g0, int64_t g1);
+int nx_attention_bwd_f32(nx_isa isa, const float *q, const float *k, const float *v,
+                         const float *dout, const uint8_t *mask, float *dq, float *dk, float *dv,
+                         int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t g0,
+                         int64_t g1);
+int nx_attention_bwd_f32_generic(const float *q, const float *k, const float *v, const float *dout,
+                                 const uint8_t *mask, float *dq, float *dk, float *dv, int64_t T,
+                                 int64_t H, int64_t KVH, int64_t hd, float scale, int64_t g0,
+                                 int64_t g1);
+int nx_attention_bwd_f32_avx512(const float *q, const float *k, const float *v, const float *dout,
+                                const uint8_t *mask, float *dq, float *dk, float *dv, int64_t T,
+                                int64_t H, int64_t KVH, int64_t hd, float scale, int64_t g0,
+                                int64_t g1);
+int nx_attention_bwd_f32_avx2(const float *q, const float *k, const float *v, const float *dout,
+                              const uint8_t *mask, float *dq, float *dk, float *dv, int64_t T,
+                              int64_t H, int64_t KVH, int64_t hd, float scale, int64_t g0,
+                              int64_t g1);
 
 /* ---- out[c] := (float) sum_{b = 0..n-1, ascending} (double) partials[b, c], c in [0, D). */
 void nx_sum_partials_f32(const float *partials, float *out, int64_t n, int64_t D);
-
 
 /* ---- The tiled float32 attention-backward driver shared by the SIMD variants. Compiled only
  * where NX_BWD_TILED_DRIVER is defined (nx_bwd_avx512.c, nx_bwd_avx2.c); always inlined, so the
@@ -189,7 +216,8 @@ void nx_sum_partials_f32(const float *partials, float *out, int64_t n, int64_t D
 #include <string.h>
 
 typedef struct {
-    int64_t br, bc, qb, hd_align;  /* rows per micro-block, keys per tile, rows per block (% br == 0),
+    int64_t br, bc, qb,
+        hd_align; /* rows per micro-block, keys per tile, rows per block (% br == 0),
                                       hdp = hd rounded up to hd_align */
     void (*qk)(const float *X, int64_t hd, const float *YT, float *S, int64_t ld);
     void (*outer)(const float *X, int64_t hd, const float *P, int64_t ld, float *ZT);
@@ -198,11 +226,10 @@ typedef struct {
     void (*softmax_ds)(float *S, float *dP, const float *madd, int64_t Tp, float scale);
 } nx_attn_bwd_tiling;
 
-static inline __attribute__((always_inline)) int
-nx_attention_bwd_tiled(const nx_attn_bwd_tiling *tl, const float *q, const float *k,
-                       const float *v, const float *dout, const uint8_t *mask, float *dq,
-                       float *dk, float *dv, int64_t T, int64_t H, int64_t KVH, int64_t hd,
-                       float scale, int64_t g0, int64_t g1) {
+NX_INLINE int nx_attention_bwd_tiled(const nx_attn_bwd_tiling *tl, const float *q, const float *k,
+                                     const float *v, const float *dout, const uint8_t *mask,
+                                     float *dq, float *dk, float *dv, int64_t T, int64_t H,
+                                     int64_t KVH, int64_t hd, float scale, int64_t g0, int64_t g1) {
     const int64_t BR = tl->br, BC = tl->bc, QB = tl->qb, group = H / KVH;
     const int64_t ntiles = (T + BC - 1) / BC, Tp = ntiles * BC;
     const int64_t hdp = (hd + tl->hd_align - 1) / tl->hd_align * tl->hd_align;
@@ -217,7 +244,7 @@ nx_attention_bwd_tiled(const nx_attn_bwd_tiling *tl, const float *q, const float
     for (int64_t j = 0; j < Tp; j++) madd[j] = (j >= T || (mask && !mask[j])) ? -INFINITY : 0.0f;
     for (int64_t g = g0; g < g1; g++) {
         const float *kg = k + g * T * hd, *vg = v + g * T * hd;
-        for (int64_t tile = 0; tile < ntiles; tile++)  /* pack K^T, V^T tile-major */
+        for (int64_t tile = 0; tile < ntiles; tile++) /* pack K^T, V^T tile-major */
             for (int64_t jj = 0; jj < BC; jj++) {
                 const int64_t j = tile * BC + jj;
                 float *ok = kt + tile * hd * BC + jj, *ov = vt + tile * hd * BC + jj;
@@ -236,16 +263,17 @@ nx_attention_bwd_tiled(const nx_attn_bwd_tiling *tl, const float *q, const float
                 memset(Qb + nq * hd, 0, sizeof(float) * (size_t)((nqp - nq) * hd));
                 memset(dOb + nq * hd, 0, sizeof(float) * (size_t)((nqp - nq) * hd));
                 memset(dQ, 0, sizeof(float) * (size_t)(nqp * hdp));
-                for (int64_t tile = 0; tile < ntiles; tile++)          /* phase 1 */
+                for (int64_t tile = 0; tile < ntiles; tile++) /* phase 1 */
                     for (int64_t r0 = 0; r0 < nqp; r0 += BR) {
                         tl->qk(Qb + r0 * hd, hd, kt + tile * hd * BC, S + r0 * Tp + tile * BC, Tp);
-                        tl->qk(dOb + r0 * hd, hd, vt + tile * hd * BC, dP + r0 * Tp + tile * BC, Tp);
+                        tl->qk(dOb + r0 * hd, hd, vt + tile * hd * BC, dP + r0 * Tp + tile * BC,
+                               Tp);
                     }
-                for (int64_t r = 0; r < nq; r++)                         /* phase 2 */
+                for (int64_t r = 0; r < nq; r++) /* phase 2 */
                     tl->softmax_ds(S + r * Tp, dP + r * Tp, madd, Tp, scale);
                 memset(S + nq * Tp, 0, sizeof(float) * (size_t)((nqp - nq) * Tp));
                 memset(dP + nq * Tp, 0, sizeof(float) * (size_t)((nqp - nq) * Tp));
-                for (int64_t tile = 0; tile < ntiles; tile++) {        /* phase 3 */
+                for (int64_t tile = 0; tile < ntiles; tile++) { /* phase 3 */
                     const int64_t j0 = tile * BC, nk = T - j0 < BC ? T - j0 : BC;
                     for (int64_t r0 = 0; r0 < nqp; r0 += BR) {
                         const float *dSr = dP + r0 * Tp + j0, *Pr = S + r0 * Tp + j0;
@@ -258,8 +286,9 @@ nx_attention_bwd_tiled(const nx_attn_bwd_tiling *tl, const float *q, const float
                     memcpy(dq + (h * T + t0 + r) * hd, dQ + r * hdp, sizeof(float) * (size_t)hd);
             }
         }
-        for (int64_t j = 0; j < T; j++) {  /* unpack dK^T, dV^T */
-            const float *a = dkt + (j / BC) * hd * BC + (j % BC), *b = dvt + (j / BC) * hd * BC + (j % BC);
+        for (int64_t j = 0; j < T; j++) { /* unpack dK^T, dV^T */
+            const float *a = dkt + (j / BC) * hd * BC + (j % BC),
+                        *b = dvt + (j / BC) * hd * BC + (j % BC);
             float *oa = dk + (g * T + j) * hd, *ob = dv + (g * T + j) * hd;
             for (int64_t d = 0; d < hd; d++) {
                 oa[d] = a[d * BC];

@@ -1,11 +1,11 @@
 /* nx_bwd_avx2.c -- AVX2+FMA variants of the backward kernels where scalar code is far slower:
  * swiglu (8-lane exp polynomial instead of libm) and attention (4x16 micro-kernels of the tiled
- * float32 driver nx_attention_bwd_tiled in nx_bwd.h, sized for 16 ymm registers). The other
- * families run generic at this level (nx_bwd_variant). Must not: be entered unless
+ * float32 driver nx_attention_bwd_tiled in nx_bwd.h, sized for 16 ymm registers); exports
+ * nx_bwd_table_avx2 with those two slots, the others inherit generic. Must not: be entered unless
  * nx_cpu_isa_supported(NX_ISA_AVX2) (dispatch in nx_bwd.c). */
 #define NX_BWD_TILED_DRIVER
 #include "nx_bwd.h"
-#include "nx_vmath_avx2.h"  /* nx_mask8, nx_exp8, nx_hmax8, nx_hsum8 (shared with nx_ops_avx2.c) */
+#include "nx_vmath_avx2.h" /* nx_mask8, nx_exp8, nx_hmax8, nx_hsum8 (shared with nx_ops_avx2.c) */
 
 #include <immintrin.h>
 #include <math.h>
@@ -19,22 +19,23 @@
  * ((x or x*e) / (1 + e), one division): the two round differently, and this kernel's
  * results (tolerance-checked against the spec, not bit-matched to the forward) are kept as
  * they are. It also clamps +inf to FLT_MAX inside silu', which the forward does not need. */
-void nx_swiglu_bwd_f32_avx2(const float *a, const float *b, const float *dout, float *da,
-                            float *db, int64_t i0, int64_t i1) {
-    const __m256 big = _mm256_set1_ps(3.4028234663852886e38f), nbig = _mm256_set1_ps(-3.4028234663852886e38f);
+void nx_swiglu_bwd_f32_avx2(const float *a, const float *b, const float *dout, float *da, float *db,
+                            int64_t i0, int64_t i1) {
+    const __m256 big = _mm256_set1_ps(3.4028234663852886e38f),
+                 nbig = _mm256_set1_ps(-3.4028234663852886e38f);
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     for (int64_t i = i0; i < i1; i += 8) {
         __m256i m = nx_mask8(i1 - i);
         __m256 av = _mm256_maskload_ps(a + i, m), bv = _mm256_maskload_ps(b + i, m);
         __m256 g = _mm256_maskload_ps(dout + i, m);
-        __m256 xc = _mm256_max_ps(nbig, av);  /* -inf -> -FLT_MAX; NaN kept (second operand) */
-        __m256 x = _mm256_min_ps(big, xc);    /* +inf -> FLT_MAX only inside silu' */
+        __m256 xc = _mm256_max_ps(nbig, av); /* -inf -> -FLT_MAX; NaN kept (second operand) */
+        __m256 x = _mm256_min_ps(big, xc);   /* +inf -> FLT_MAX only inside silu' */
         __m256 e = nx_exp8(_mm256_or_ps(x, sign));
         __m256 d = _mm256_div_ps(one, _mm256_add_ps(one, e));
         __m256 ed = _mm256_mul_ps(e, d);
         __m256 pos = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
-        __m256 s = _mm256_blendv_ps(ed, d, pos);   /* sigmoid */
-        __m256 sc = _mm256_blendv_ps(d, ed, pos);  /* 1 - sigmoid */
+        __m256 s = _mm256_blendv_ps(ed, d, pos);  /* sigmoid */
+        __m256 sc = _mm256_blendv_ps(d, ed, pos); /* 1 - sigmoid */
         __m256 silu = _mm256_mul_ps(xc, s);
         __m256 dsilu = _mm256_mul_ps(s, _mm256_add_ps(one, _mm256_mul_ps(x, sc)));
         __m256 vda = _mm256_mul_ps(_mm256_mul_ps(g, bv), dsilu);
@@ -50,7 +51,7 @@ void nx_swiglu_bwd_f32_avx2(const float *a, const float *b, const float *dout, f
  * broadcast fit the 16 ymm registers in every kernel. */
 #define NX_B2R 4
 #define NX_B2C 16
-#define NX_B2QB 48  /* query rows per block, multiple of NX_B2R (as the AVX-512 variant) */
+#define NX_B2QB 48 /* query rows per block, multiple of NX_B2R (as the AVX-512 variant) */
 _Static_assert(NX_B2QB % NX_B2R == 0, "query block must hold whole micro-blocks");
 
 static inline void nx_b2_qk(const float *X, int64_t hd, const float *YT, float *S, int64_t ld) {
@@ -90,9 +91,8 @@ static inline void nx_b2_outer(const float *X, int64_t hd, const float *P, int64
 }
 
 /* O[r, c:c+8nv] += sum_{j<nk} P[r, j] Y[j, c:c+8nv]; lanes past hd masked; nv in {1, 2}. */
-static inline __attribute__((always_inline)) void
-nx_b2_pv(const int nv, const float *P, int64_t ld, const float *Y, int64_t hd, int64_t nk,
-         int64_t c, float *O, int64_t hdp) {
+NX_INLINE void nx_b2_pv(const int nv, const float *P, int64_t ld, const float *Y, int64_t hd,
+                        int64_t nk, int64_t c, float *O, int64_t hdp) {
     __m256 acc[NX_B2R][2];
     __m256i mk[2];
     for (int v = 0; v < nv; v++) mk[v] = nx_mask8(hd - c - 8 * v);
@@ -118,7 +118,8 @@ static inline void nx_b2_pv_rows(const float *P, int64_t ld, const float *Y, int
 }
 
 /* Phase 2 for one row (as nx_b_softmax_ds of the AVX-512 variant, 8 lanes). */
-static inline void nx_b2_softmax_ds(float *S, float *dP, const float *madd, int64_t Tp, float scale) {
+static inline void nx_b2_softmax_ds(float *S, float *dP, const float *madd, int64_t Tp,
+                                    float scale) {
     const __m256 sc = _mm256_set1_ps(scale);
     __m256 mx = _mm256_set1_ps(-INFINITY);
     for (int64_t j = 0; j < Tp; j += 8) {
@@ -127,7 +128,7 @@ static inline void nx_b2_softmax_ds(float *S, float *dP, const float *madd, int6
         mx = _mm256_max_ps(mx, x);
     }
     const float m = nx_hmax8(mx);
-    if (m == -INFINITY) {  /* every key masked: no gradient */
+    if (m == -INFINITY) { /* every key masked: no gradient */
         memset(S, 0, sizeof(float) * (size_t)Tp);
         memset(dP, 0, sizeof(float) * (size_t)Tp);
         return;
@@ -156,10 +157,16 @@ static inline void nx_b2_softmax_ds(float *S, float *dP, const float *madd, int6
 static const nx_attn_bwd_tiling nx_attn_bwd_tiling_avx2 = {
     NX_B2R, NX_B2C, NX_B2QB, 8, nx_b2_qk, nx_b2_outer, nx_b2_pv_rows, nx_b2_softmax_ds};
 
-int nx_attention_bwd_f32_avx2(const float *q, const float *k, const float *v,
-                              const float *dout, const uint8_t *mask, float *dq, float *dk,
-                              float *dv, int64_t T, int64_t H, int64_t KVH, int64_t hd,
-                              float scale, int64_t g0, int64_t g1) {
+int nx_attention_bwd_f32_avx2(const float *q, const float *k, const float *v, const float *dout,
+                              const uint8_t *mask, float *dq, float *dk, float *dv, int64_t T,
+                              int64_t H, int64_t KVH, int64_t hd, float scale, int64_t g0,
+                              int64_t g1) {
     return nx_attention_bwd_tiled(&nx_attn_bwd_tiling_avx2, q, k, v, dout, mask, dq, dk, dv, T, H,
                                   KVH, hd, scale, g0, g1);
 }
+
+/* Only swiglu and attention have AVX2 variants; the other slots inherit generic. */
+const nx_bwd_table nx_bwd_table_avx2 = {
+    .swiglu_backward = nx_swiglu_bwd_f32_avx2,
+    .attention_backward = nx_attention_bwd_f32_avx2,
+};

@@ -6,7 +6,7 @@
  * (dispatch in nx_bwd.c). */
 #define NX_BWD_TILED_DRIVER
 #include "nx_bwd.h"
-#include "nx_vmath_avx512.h"  /* nx_mask16, nx_exp16, nx_cvt_lohi, nx_tree16_pd (shared with nx_ops_avx512.c) */
+#include "nx_vmath_avx512.h" /* nx_mask16, nx_exp16, nx_cvt_lohi, nx_tree16_pd (shared with nx_ops_avx512.c) */
 
 #include <immintrin.h>
 #include <math.h>
@@ -16,8 +16,8 @@
 /* ------------------------------------------------------------------ rmsnorm */
 
 int nx_rmsnorm_bwd_f32_avx512(const float *x, const float *w, const float *mod, const float *dy,
-                              float *dx, float *dw, float *dmod, int64_t D, float eps,
-                              int64_t r0, int64_t r1) {
+                              float *dx, float *dw, float *dmod, int64_t D, float eps, int64_t r0,
+                              int64_t r1) {
     if (!mod) dmod = NULL;
     double *aw = NULL, *am = NULL;
     if (dw || dmod) {
@@ -59,7 +59,7 @@ int nx_rmsnorm_bwd_f32_avx512(const float *x, const float *w, const float *mod, 
             nx_cvt_lohi(_mm512_maskz_loadu_ps(m, xr + i), &xl, &xh);
             nx_cvt_lohi(_mm512_maskz_loadu_ps(m, gr + i), &dl, &dh);
             nx_cvt_lohi(_mm512_maskz_loadu_ps(m, w + i), &wl, &wh);
-            __m512d hl = _mm512_mul_pd(_mm512_mul_pd(dl, xl), vinv);  /* dy * xhat */
+            __m512d hl = _mm512_mul_pd(_mm512_mul_pd(dl, xl), vinv); /* dy * xhat */
             __m512d hh = _mm512_mul_pd(_mm512_mul_pd(dh, xh), vinv);
             __m512d gl = _mm512_mul_pd(dl, wl), gh = _mm512_mul_pd(dh, wh);
             if (mod) {
@@ -68,19 +68,31 @@ int nx_rmsnorm_bwd_f32_avx512(const float *x, const float *w, const float *mod, 
                 gl = _mm512_mul_pd(gl, ml);
                 gh = _mm512_mul_pd(gh, mh);
                 if (aw) {
-                    _mm512_mask_storeu_pd(aw + i, ml8, _mm512_add_pd(_mm512_maskz_loadu_pd(ml8, aw + i), _mm512_mul_pd(hl, ml)));
-                    _mm512_mask_storeu_pd(aw + i + 8, mh8, _mm512_add_pd(_mm512_maskz_loadu_pd(mh8, aw + i + 8), _mm512_mul_pd(hh, mh)));
+                    _mm512_mask_storeu_pd(
+                        aw + i, ml8,
+                        _mm512_add_pd(_mm512_maskz_loadu_pd(ml8, aw + i), _mm512_mul_pd(hl, ml)));
+                    _mm512_mask_storeu_pd(aw + i + 8, mh8,
+                                          _mm512_add_pd(_mm512_maskz_loadu_pd(mh8, aw + i + 8),
+                                                        _mm512_mul_pd(hh, mh)));
                 }
                 if (dmod) {
-                    _mm512_mask_storeu_pd(am + i, ml8, _mm512_add_pd(_mm512_maskz_loadu_pd(ml8, am + i), _mm512_mul_pd(hl, wl)));
-                    _mm512_mask_storeu_pd(am + i + 8, mh8, _mm512_add_pd(_mm512_maskz_loadu_pd(mh8, am + i + 8), _mm512_mul_pd(hh, wh)));
+                    _mm512_mask_storeu_pd(
+                        am + i, ml8,
+                        _mm512_add_pd(_mm512_maskz_loadu_pd(ml8, am + i), _mm512_mul_pd(hl, wl)));
+                    _mm512_mask_storeu_pd(am + i + 8, mh8,
+                                          _mm512_add_pd(_mm512_maskz_loadu_pd(mh8, am + i + 8),
+                                                        _mm512_mul_pd(hh, wh)));
                 }
             } else if (aw) {
-                _mm512_mask_storeu_pd(aw + i, ml8, _mm512_add_pd(_mm512_maskz_loadu_pd(ml8, aw + i), hl));
-                _mm512_mask_storeu_pd(aw + i + 8, mh8, _mm512_add_pd(_mm512_maskz_loadu_pd(mh8, aw + i + 8), hh));
+                _mm512_mask_storeu_pd(aw + i, ml8,
+                                      _mm512_add_pd(_mm512_maskz_loadu_pd(ml8, aw + i), hl));
+                _mm512_mask_storeu_pd(aw + i + 8, mh8,
+                                      _mm512_add_pd(_mm512_maskz_loadu_pd(mh8, aw + i + 8), hh));
             }
-            __m256 ol = _mm512_cvtpd_ps(_mm512_mul_pd(vinv, _mm512_sub_pd(gl, _mm512_mul_pd(xl, vcoef))));
-            __m256 oh = _mm512_cvtpd_ps(_mm512_mul_pd(vinv, _mm512_sub_pd(gh, _mm512_mul_pd(xh, vcoef))));
+            __m256 ol =
+                _mm512_cvtpd_ps(_mm512_mul_pd(vinv, _mm512_sub_pd(gl, _mm512_mul_pd(xl, vcoef))));
+            __m256 oh =
+                _mm512_cvtpd_ps(_mm512_mul_pd(vinv, _mm512_sub_pd(gh, _mm512_mul_pd(xh, vcoef))));
             _mm512_mask_storeu_ps(o + i, m, _mm512_insertf32x8(_mm512_castps256_ps512(ol), oh, 1));
         }
     }
@@ -95,7 +107,8 @@ void nx_rope_bwd_f32_avx512(const float *dy, const float *pe, float *dx, int64_t
     /* output lane L (pair L/2, component c = L%2) needs pe[.., 0, c] at 2L - c and pe[.., 1, c]
      * at 2L - c + 2 within the 32 pe floats of its 8 pairs */
     const __m512i ia = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
-    const __m512i ib = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    const __m512i ib =
+        _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
     for (int64_t r = r0; r < r1; r++) {
         const float *p = pe + (r % T) * hd * 2;
         const float *d = dy + r * hd;
@@ -108,7 +121,7 @@ void nx_rope_bwd_f32_avx512(const float *dy, const float *pe, float *dx, int64_t
             _mm512_storeu_ps(o + i, _mm512_add_ps(_mm512_mul_ps(a, _mm512_moveldup_ps(v)),
                                                   _mm512_mul_ps(b, _mm512_movehdup_ps(v))));
         }
-        for (; i < hd; i += 2) {  /* tail: the generic arithmetic */
+        for (; i < hd; i += 2) { /* tail: the generic arithmetic */
             float d0 = d[i], d1 = d[i + 1];
             o[i] = p[2 * i] * d0 + p[2 * i + 2] * d1;
             o[i + 1] = p[2 * i + 1] * d0 + p[2 * i + 3] * d1;
@@ -125,20 +138,21 @@ void nx_rope_bwd_f32_avx512(const float *dy, const float *pe, float *dx, int64_t
  * they are. It also clamps +inf to FLT_MAX inside silu', which the forward does not need. */
 void nx_swiglu_bwd_f32_avx512(const float *a, const float *b, const float *dout, float *da,
                               float *db, int64_t i0, int64_t i1) {
-    const __m512 big = _mm512_set1_ps(3.4028234663852886e38f), nbig = _mm512_set1_ps(-3.4028234663852886e38f);
+    const __m512 big = _mm512_set1_ps(3.4028234663852886e38f),
+                 nbig = _mm512_set1_ps(-3.4028234663852886e38f);
     const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
     for (int64_t i = i0; i < i1; i += 16) {
         __mmask16 m = nx_mask16(i1 - i);
         __m512 av = _mm512_maskz_loadu_ps(m, a + i), bv = _mm512_maskz_loadu_ps(m, b + i);
         __m512 g = _mm512_maskz_loadu_ps(m, dout + i);
-        __m512 xc = _mm512_max_ps(nbig, av);  /* -inf -> -FLT_MAX; NaN kept (second operand) */
-        __m512 x = _mm512_min_ps(big, xc);    /* +inf -> FLT_MAX only inside silu' */
+        __m512 xc = _mm512_max_ps(nbig, av); /* -inf -> -FLT_MAX; NaN kept (second operand) */
+        __m512 x = _mm512_min_ps(big, xc);   /* +inf -> FLT_MAX only inside silu' */
         __m512 e = nx_exp16(_mm512_or_ps(x, sign));
         __m512 d = _mm512_div_ps(one, _mm512_add_ps(one, e));
         __m512 ed = _mm512_mul_ps(e, d);
         __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
-        __m512 s = _mm512_mask_blend_ps(pos, ed, d);   /* sigmoid */
-        __m512 sc = _mm512_mask_blend_ps(pos, d, ed);  /* 1 - sigmoid */
+        __m512 s = _mm512_mask_blend_ps(pos, ed, d);  /* sigmoid */
+        __m512 sc = _mm512_mask_blend_ps(pos, d, ed); /* 1 - sigmoid */
         __m512 silu = _mm512_mul_ps(xc, s);
         __m512 dsilu = _mm512_mul_ps(s, _mm512_add_ps(one, _mm512_mul_ps(x, sc)));
         __m512 vda = _mm512_mul_ps(_mm512_mul_ps(g, bv), dsilu);
@@ -151,13 +165,17 @@ void nx_swiglu_bwd_f32_avx512(const float *a, const float *b, const float *dout,
 /* ------------------------------------------------------------------ gated residual */
 
 int nx_gated_residual_bwd_f32_avx512(const float *y, const float *gate, const float *dout,
-                                     float *dresid, float *dy, float *dgate, int64_t D,
-                                     int64_t r0, int64_t r1) {
+                                     float *dresid, float *dy, float *dgate, int64_t D, int64_t r0,
+                                     int64_t r1) {
     const int64_t Dp = (D + 15) / 16 * 16;
     double *acc = calloc((size_t)Dp, sizeof(double));
     float *tg = calloc((size_t)Dp, sizeof(float));
-    if (!acc || !tg) { free(acc); free(tg); return -1; }
-    for (int64_t c = 0; c < D; c++) tg[c] = (float)tanh((double)gate[c]);  /* as generic */
+    if (!acc || !tg) {
+        free(acc);
+        free(tg);
+        return -1;
+    }
+    for (int64_t c = 0; c < D; c++) tg[c] = (float)tanh((double)gate[c]); /* as generic */
     for (int64_t r = r0; r < r1; r++) {
         const float *g = dout + r * D, *yr = y + r * D;
         float *o = dy + r * D;
@@ -168,8 +186,10 @@ int nx_gated_residual_bwd_f32_avx512(const float *y, const float *gate, const fl
             __m512d gl, gh, yl, yh;
             nx_cvt_lohi(gv, &gl, &gh);
             nx_cvt_lohi(yv, &yl, &yh);
-            _mm512_storeu_pd(acc + c, _mm512_add_pd(_mm512_loadu_pd(acc + c), _mm512_mul_pd(gl, yl)));
-            _mm512_storeu_pd(acc + c + 8, _mm512_add_pd(_mm512_loadu_pd(acc + c + 8), _mm512_mul_pd(gh, yh)));
+            _mm512_storeu_pd(acc + c,
+                             _mm512_add_pd(_mm512_loadu_pd(acc + c), _mm512_mul_pd(gl, yl)));
+            _mm512_storeu_pd(acc + c + 8,
+                             _mm512_add_pd(_mm512_loadu_pd(acc + c + 8), _mm512_mul_pd(gh, yh)));
             if (dr) _mm512_mask_storeu_ps(dr + c, m, gv);
             _mm512_mask_storeu_ps(o + c, m, _mm512_mul_ps(gv, _mm512_loadu_ps(tg + c)));
         }
@@ -192,7 +212,8 @@ int nx_gated_residual_bwd_f32_avx512(const float *y, const float *gate, const fl
 #define NX_BBR 6
 #define NX_BBC 64
 #ifndef NX_BQB
-#define NX_BQB 48  /* query rows per block, multiple of NX_BBR: 24/48/96/192 measured within 3% of
+#define NX_BQB                                                                                     \
+    48 /* query rows per block, multiple of NX_BBR: 24/48/96/192 measured within 3% of
                      * each other at hd=128, T=1024 and 4096 (213-229 GFLOP/s, 10*T^2*hd per head) */
 #endif
 _Static_assert(NX_BQB % NX_BBR == 0, "query block must hold whole micro-blocks");
@@ -243,29 +264,34 @@ static inline void nx_b_outer(const float *X, int64_t hd, const float *P, int64_
 
 /* O[r, c:c+16nv] += sum_{j<nk} P[r, j] * Y[j, c:c+16nv], r < 6 (Y rows hd apart, lanes past hd
  * masked; O rows hdp apart, aligned); nv in {1, 4}, a constant after inlining. */
-static inline __attribute__((always_inline)) void
-nx_b_pv(const int nv, const float *P, int64_t ld, const float *Y, int64_t hd, int64_t nk,
-        int64_t c, float *O, int64_t hdp) {
+NX_INLINE void nx_b_pv(const int nv, const float *P, int64_t ld, const float *Y, int64_t hd,
+                       int64_t nk, int64_t c, float *O, int64_t hdp) {
     __m512 acc[NX_BBR][4];
     __mmask16 mk[4];
-    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) mk[v] = nx_mask16(hd - c - 16 * v);
+#pragma GCC unroll 4
+    for (int v = 0; v < nv; v++) mk[v] = nx_mask16(hd - c - 16 * v);
     for (int r = 0; r < NX_BBR; r++)
-        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) acc[r][v] = _mm512_load_ps(O + r * hdp + c + 16 * v);
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++) acc[r][v] = _mm512_load_ps(O + r * hdp + c + 16 * v);
     for (int64_t j = 0; j < nk; j++) {
         const float *yr = Y + j * hd + c;
         __m512 yv[4];
-        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) yv[v] = _mm512_maskz_loadu_ps(mk[v], yr + 16 * v);
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++) yv[v] = _mm512_maskz_loadu_ps(mk[v], yr + 16 * v);
         for (int r = 0; r < NX_BBR; r++) {
             __m512 b = _mm512_set1_ps(P[r * ld + j]);
-            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(b, yv[v], acc[r][v]);
+#pragma GCC unroll 4
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(b, yv[v], acc[r][v]);
         }
     }
     for (int r = 0; r < NX_BBR; r++)
-        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) _mm512_store_ps(O + r * hdp + c + 16 * v, acc[r][v]);
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++) _mm512_store_ps(O + r * hdp + c + 16 * v, acc[r][v]);
 }
 
 /* Softmax row + dS for one query row: S (scores, in) -> P (out, in place); dP -> scale*dS. */
-static inline void nx_b_softmax_ds(float *S, float *dP, const float *madd, int64_t Tp, float scale) {
+static inline void nx_b_softmax_ds(float *S, float *dP, const float *madd, int64_t Tp,
+                                   float scale) {
     const __m512 sc = _mm512_set1_ps(scale);
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < Tp; j += 16) {
@@ -274,7 +300,7 @@ static inline void nx_b_softmax_ds(float *S, float *dP, const float *madd, int64
         mx = _mm512_max_ps(mx, x);
     }
     const float m = _mm512_reduce_max_ps(mx);
-    if (m == -INFINITY) {  /* every key masked: the output row is constant, no gradient */
+    if (m == -INFINITY) { /* every key masked: the output row is constant, no gradient */
         memset(S, 0, sizeof(float) * (size_t)Tp);
         memset(dP, 0, sizeof(float) * (size_t)Tp);
         return;
@@ -311,10 +337,19 @@ static inline void nx_b_pv_rows(const float *P, int64_t ld, const float *Y, int6
 static const nx_attn_bwd_tiling nx_attn_bwd_tiling_avx512 = {
     NX_BBR, NX_BBC, NX_BQB, 16, nx_b_qk, nx_b_outer, nx_b_pv_rows, nx_b_softmax_ds};
 
-int nx_attention_bwd_f32_avx512(const float *q, const float *k, const float *v,
-                                const float *dout, const uint8_t *mask, float *dq, float *dk,
-                                float *dv, int64_t T, int64_t H, int64_t KVH, int64_t hd,
-                                float scale, int64_t g0, int64_t g1) {
-    return nx_attention_bwd_tiled(&nx_attn_bwd_tiling_avx512, q, k, v, dout, mask, dq, dk, dv, T,
-                                  H, KVH, hd, scale, g0, g1);
+int nx_attention_bwd_f32_avx512(const float *q, const float *k, const float *v, const float *dout,
+                                const uint8_t *mask, float *dq, float *dk, float *dv, int64_t T,
+                                int64_t H, int64_t KVH, int64_t hd, float scale, int64_t g0,
+                                int64_t g1) {
+    return nx_attention_bwd_tiled(&nx_attn_bwd_tiling_avx512, q, k, v, dout, mask, dq, dk, dv, T, H,
+                                  KVH, hd, scale, g0, g1);
 }
+
+/* qknorm_rope_backward has no AVX-512 variant (inherits: avx2 has none either -> generic). */
+const nx_bwd_table nx_bwd_table_avx512 = {
+    .rmsnorm_backward = nx_rmsnorm_bwd_f32_avx512,
+    .rope_backward = nx_rope_bwd_f32_avx512,
+    .swiglu_backward = nx_swiglu_bwd_f32_avx512,
+    .gated_residual_backward = nx_gated_residual_bwd_f32_avx512,
+    .attention_backward = nx_attention_bwd_f32_avx512,
+};

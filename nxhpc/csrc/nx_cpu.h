@@ -1,30 +1,49 @@
-/* nx_cpu.h -- one OS-aware CPU probe (CPUID + OSXSAVE/xgetbv), cached; the ISA levels kernels dispatch on. */
+/* nx_cpu.h -- the one OS-aware CPU probe (CPUID + OSXSAVE/xgetbv, Linux AMX permission), cached,
+ * and the ISA targets kernels are compiled for, each defined by the feature bits it needs.
+ *
+ * Owns: the feature bits, the ISA list (name, required bits, parent) and the NX_X86_ONLY switch.
+ * Must not: decide per kernel which variant runs (that is the per-family dispatch tables,
+ * nx_dispatch.h) or run any AMX / SIMD instruction (it is a probe only).
+ */
 #ifndef NX_CPU_H
 #define NX_CPU_H
 
-#include <stdint.h>
 #include <stddef.h>
+#include <stdint.h>
 
-/* Feature bits reported by nx_cpu_features(). */
+/* Feature bits reported by nx_cpu_features(): raw CPUID bits, plus the OS_* bits that say the OS
+ * saves the register state (XCR0) and, for AMX, grants it to this process (Linux arch_prctl).
+ * A feature is usable only together with its OS_* bit; the ISA masks below combine them. */
 enum {
-    NX_CPU_SSE2       = 1u << 0,
-    NX_CPU_AVX        = 1u << 1,
-    NX_CPU_AVX2       = 1u << 2,
-    NX_CPU_FMA        = 1u << 3,
-    NX_CPU_F16C       = 1u << 4,
-    NX_CPU_AVX512F    = 1u << 5,
-    NX_CPU_AVX512BW   = 1u << 6,
-    NX_CPU_AVX512VL   = 1u << 7,
-    NX_CPU_AVX512DQ   = 1u << 8,
+    NX_CPU_SSE2 = 1u << 0,
+    NX_CPU_AVX = 1u << 1,
+    NX_CPU_AVX2 = 1u << 2,
+    NX_CPU_FMA = 1u << 3,
+    NX_CPU_F16C = 1u << 4,
+    NX_CPU_AVX512F = 1u << 5,
+    NX_CPU_AVX512BW = 1u << 6,
+    NX_CPU_AVX512VL = 1u << 7,
+    NX_CPU_AVX512DQ = 1u << 8,
     NX_CPU_AVX512VNNI = 1u << 9,
     NX_CPU_AVX512BF16 = 1u << 10,
-    NX_CPU_OS_YMM     = 1u << 11,   /* OS saves YMM state (XCR0 bits 1,2) */
-    NX_CPU_OS_ZMM     = 1u << 12,   /* OS saves opmask + ZMM state (XCR0 bits 5,6,7) */
+    NX_CPU_OS_YMM = 1u << 11, /* OS saves YMM state (XCR0 bits 1, 2) */
+    NX_CPU_OS_ZMM = 1u << 12, /* OS saves opmask + ZMM state (XCR0 bits 5, 6, 7) */
+    NX_CPU_AVX512VBMI = 1u << 13,
+    NX_CPU_AVXVNNI = 1u << 14, /* VEX-encoded VNNI (CPUID 7.1 EAX bit 4) */
+    NX_CPU_AMX_TILE = 1u << 15,
+    NX_CPU_AMX_INT8 = 1u << 16,
+    NX_CPU_AMX_BF16 = 1u << 17,
+    NX_CPU_OS_AMX = 1u << 18,        /* OS saves tile state (XCR0 bits 17, 18) */
+    NX_CPU_AMX_PERMITTED = 1u << 19, /* Linux granted XTILEDATA (arch_prctl ARCH_REQ_XCOMP_PERM) */
 };
+#define NX_CPU_NFEATURES 20
 
-/* x86 SIMD variants (the *_avx2.c / *_avx512.c files) exist only in x86 builds; elsewhere the build
- * leaves those files out, the probe reports no SIMD, and dispatch code wraps every call into them
- * in NX_X86_ONLY(...) so that no reference to them remains. */
+/* Name of feature bit i ("sse2", "avx512bf16", "os_amx", ...), i in [0, NX_CPU_NFEATURES). */
+const char *nx_cpu_feature_name(int i);
+
+/* x86 SIMD variants (the *_<isa>.c files) exist only in x86 builds; elsewhere the build leaves
+ * those files out, the probe reports no SIMD, and dispatch code wraps every reference to them in
+ * NX_X86_ONLY(...) so that none remains. */
 #if defined(__x86_64__) || defined(__i386__) || defined(_M_X64) || defined(_M_IX86)
 #define NX_X86 1
 #define NX_X86_ONLY(...) __VA_ARGS__
@@ -33,20 +52,55 @@ enum {
 #define NX_X86_ONLY(...)
 #endif
 
-/* ISA levels kernels are compiled for; each kernel family picks the highest usable one. */
-typedef enum { NX_ISA_GENERIC = 0, NX_ISA_AVX2 = 1, NX_ISA_AVX512 = 2 } nx_isa;
+/* A function always inlined into its caller (drivers and micro-kernels whose sizes must be
+ * compile-time constants there). */
+#define NX_INLINE static inline __attribute__((always_inline))
+
+/* Feature bits each ISA target needs (CPU and OS). The compile flags of a target's files are in
+ * setup.py (ISA_FLAGS, by file-name suffix) and must not exceed these bits. */
+#define NX_ISA_NEEDS_AVX2 (NX_CPU_AVX | NX_CPU_AVX2 | NX_CPU_FMA | NX_CPU_F16C | NX_CPU_OS_YMM)
+#define NX_ISA_NEEDS_AVX512                                                                        \
+    (NX_ISA_NEEDS_AVX2 | NX_CPU_AVX512F | NX_CPU_AVX512BW | NX_CPU_AVX512VL | NX_CPU_AVX512DQ |    \
+     NX_CPU_AVX512VNNI | NX_CPU_OS_ZMM)
+
+/* The ISA targets: X(ID, "name", needed feature bits, parent). Dispatch for a target walks
+ * target -> parent -> ... -> GENERIC and takes each kernel from the first target that has it
+ * (nx_dispatch.h), so the targets form a tree, not a total order: a new target (say AVX-VNNI
+ * under AVX2, or AVX512_BF16 under AVX512) is one line here. The list is in order of preference:
+ * the default target is the last one this CPU supports. Adding an ISA: a line here (and a probe
+ * bit above if it needs a new feature), its files `nx_<family>_<isa>.c` exporting one table per
+ * family, one line in each such family's table list, and its suffix + flags in setup.py.
+ * AVX512BF16's only table is the lowp family's (nx_lowp_avx512bf16.c: the bf16 matmul and
+ * rounding); every other kernel inherits AVX512's. */
+#define NX_ISA_LIST(X)                                                                             \
+    X(GENERIC, "generic", 0u, GENERIC)                                                             \
+    X(AVX2, "avx2", NX_ISA_NEEDS_AVX2, GENERIC)                                                    \
+    X(AVX512, "avx512", NX_ISA_NEEDS_AVX512, AVX2)                                                 \
+    X(AVX512BF16, "avx512bf16", NX_ISA_NEEDS_AVX512 | NX_CPU_AVX512BF16, AVX512)
+
+#define NX_ISA_ENUM_(id, name, needs, parent) NX_ISA_##id,
+typedef enum {
+    NX_ISA_LIST(NX_ISA_ENUM_) NX_ISA_COUNT
+} nx_isa;
+#undef NX_ISA_ENUM_
 
 /* Raw probe result (bit set of NX_CPU_*), computed once and cached. Ignores NXHPC_DISABLE_SIMD. */
 uint32_t nx_cpu_features(void);
 
-/* Highest ISA level that is both supported (CPU + OS) and allowed (NXHPC_DISABLE_SIMD unset / "0").
- * AVX2 level = AVX2 + FMA + F16C + OS YMM; AVX512 level = AVX2 level + F/BW/VL/DQ/VNNI + OS ZMM. */
-nx_isa nx_cpu_best_isa(void);
-
-/* 1 if the ISA level can run on this CPU/OS (ignoring NXHPC_DISABLE_SIMD), else 0. */
+/* 1 if every feature bit the target needs is present (ignoring NXHPC_DISABLE_SIMD), else 0. */
 int nx_cpu_isa_supported(nx_isa isa);
 
-/* "generic" / "avx2" / "avx512" */
+/* The default target: GENERIC when NXHPC_DISABLE_SIMD is set (and not "0"), else the last
+ * supported entry of NX_ISA_LIST. */
+nx_isa nx_cpu_best_isa(void);
+
+/* "generic" / "avx2" / "avx512" ...; "unknown" outside [0, NX_ISA_COUNT). */
 const char *nx_isa_name(nx_isa isa);
+
+/* The target a kernel missing at `isa` is taken from; GENERIC for GENERIC. */
+nx_isa nx_isa_parent(nx_isa isa);
+
+/* Feature bits the target needs. */
+uint32_t nx_isa_needs(nx_isa isa);
 
 #endif

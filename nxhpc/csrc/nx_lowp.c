@@ -1,9 +1,9 @@
-/* nx_lowp.c -- low-precision matmuls: scalar specs (bf16, q8), weight decoders, variant selection,
- * and the blocked driver the SIMD variants share.
+/* nx_lowp.c -- low-precision matmuls: scalar specs (bf16, q8), the generic table and the dispatch
+ * of the "lowp" family, and the blocked driver the SIMD variants share.
  *
  * Owns: the executable form of the contracts in nx_lowp.h (nx_matmul_bf16_generic,
- * nx_matmul_q8_generic), the scalar decoders of F32/F16/BF16/Q8_0 rows, the table of weight
- * types, the run-time choice of variant, and nx_lowp_blocked. Compiled with no ISA flags.
+ * nx_matmul_q8_generic), the lowp table list, and nx_lowp_blocked. Compiled with no ISA flags.
+ * Weights decode through the traits table (nx_wtype.h) only.
  * Must not: use SIMD intrinsics (those live in nx_lowp_avx512.c / nx_lowp_avx512bf16.c), or
  * depend on the tile an output falls in.
  */
@@ -15,84 +15,10 @@
 
 #include "nx_q8_0.h"
 
-/* ------------------------------------------------------------------ weight decoders (scalar) */
-
-static void nx_deq_f32_generic(const uint8_t *b /* IN */, float *out /* OUT */, size_t n) {
-    memcpy(out, b, n * sizeof(float));
-}
-
-static void nx_deq_f16_generic(const uint8_t *b /* IN */, float *out /* OUT */, size_t n) {
-    for (size_t i = 0; i < n; i++) {
-        uint16_t h;
-        memcpy(&h, b + 2 * i, 2);
-        out[i] = nx_f16_to_f32(h);
-    }
-}
-
-static void nx_deq_bf16_generic(const uint8_t *b /* IN */, float *out /* OUT */, size_t n) {
-    for (size_t i = 0; i < n; i++) {
-        uint16_t h;
-        memcpy(&h, b + 2 * i, 2);
-        out[i] = nx_bf16_to_f32(h);
-    }
-}
-
-/* SIMD decoders (nx_lowp_avx512.c); byte-identical to the scalar ones. */
-#if NX_X86
-void nx_deq_f16_avx512(const uint8_t *b /* IN */, float *out /* OUT */, size_t n);
-void nx_deq_bf16_avx512(const uint8_t *b /* IN */, float *out /* OUT */, size_t n);
-#define NX_SIMD_DEQ(f) f
-#else
-#define NX_SIMD_DEQ(f) NULL
-#endif
-
-static const nx_lowp_wtype nx_wtypes[] = {
-    {NX_GGML_F32, "F32", 1, 4, nx_deq_f32_generic, nx_deq_f32_generic},
-    {NX_GGML_F16, "F16", 1, 2, nx_deq_f16_generic, NX_SIMD_DEQ(nx_deq_f16_avx512)},
-    {NX_GGML_Q8_0, "Q8_0", NX_QK8_0, NX_Q8_0_BLOCK_BYTES, nx_q8_0_dequantize_generic,
-     NX_SIMD_DEQ(nx_q8_0_dequantize_avx512)},
-    {NX_GGML_BF16, "BF16", 1, 2, nx_deq_bf16_generic, NX_SIMD_DEQ(nx_deq_bf16_avx512)},
-};
-
-const nx_lowp_wtype *nx_lowp_wtype_of(int ggml_type) {
-    for (size_t i = 0; i < sizeof nx_wtypes / sizeof nx_wtypes[0]; i++)
-        if (nx_wtypes[i].ggml_type == ggml_type) return &nx_wtypes[i];
-    return NULL;
-}
-
-/* ------------------------------------------------------------------ variants */
-
-int nx_lowp_variant_supported(nx_lowp_variant v) {
-    switch (v) {
-    case NX_LOWP_GENERIC: return 1;
-    case NX_LOWP_AVX512BF16:
-        /* the avx512 level (F/BW/VL/DQ/VNNI + OS ZMM) plus the BF16 instructions */
-        return nx_cpu_isa_supported(NX_ISA_AVX512) && (nx_cpu_features() & NX_CPU_AVX512BF16);
-    case NX_LOWP_AVX512VNNI: return nx_cpu_isa_supported(NX_ISA_AVX512);
-    }
-    return 0;
-}
-
-nx_lowp_variant nx_lowp_bf16_variant(nx_isa isa) {
-    if (NX_X86 && isa >= NX_ISA_AVX512 && nx_lowp_variant_supported(NX_LOWP_AVX512BF16))
-        return NX_LOWP_AVX512BF16;
-    return NX_LOWP_GENERIC;
-}
-
-nx_lowp_variant nx_lowp_q8_variant(nx_isa isa) {
-    if (NX_X86 && isa >= NX_ISA_AVX512 && nx_lowp_variant_supported(NX_LOWP_AVX512VNNI))
-        return NX_LOWP_AVX512VNNI;
-    return NX_LOWP_GENERIC;
-}
-
-const char *nx_lowp_variant_name(nx_lowp_variant v) {
-    switch (v) {
-    case NX_LOWP_GENERIC: return "generic";
-    case NX_LOWP_AVX512BF16: return "avx512bf16";
-    case NX_LOWP_AVX512VNNI: return "avx512vnni";
-    }
-    return "unknown";
-}
+NX_DEFINE_DISPATCH(nx_lowp, "lowp", NX_LOWP_SLOTS,
+                   {[NX_ISA_GENERIC] = &nx_lowp_table_generic,
+                    NX_X86_ONLY([NX_ISA_AVX512] = &nx_lowp_table_avx512,
+                                [NX_ISA_AVX512BF16] = &nx_lowp_table_avx512bf16, )})
 
 /* ------------------------------------------------------------------ bfloat16 rounding */
 
@@ -100,13 +26,8 @@ void nx_bf16_round_n_generic(const float *x /* IN */, uint16_t *out /* OUT */, s
     for (size_t i = 0; i < n; i++) out[i] = nx_bf16_round(x[i]);
 }
 
-void nx_bf16_round_n(nx_lowp_variant v, const float *x /* IN */, uint16_t *out /* OUT */, size_t n) {
-    NX_X86_ONLY(if (v == NX_LOWP_AVX512BF16) {
-        nx_bf16_round_n_avx512bf16(x, out, n);
-        return;
-    })
-    (void)v;
-    nx_bf16_round_n_generic(x, out, n);
+void nx_bf16_round_n(nx_isa isa, const float *x /* IN */, uint16_t *out /* OUT */, size_t n) {
+    nx_lowp_get(isa)->round_bf16(x, out, n);
 }
 
 /* ------------------------------------------------------------------ bf16 spec */
@@ -114,25 +35,26 @@ void nx_bf16_round_n(nx_lowp_variant v, const float *x /* IN */, uint16_t *out /
 static inline float nx_daz(float v) {
     uint32_t u;
     memcpy(&u, &v, 4);
-    if ((u & 0x7f800000u) == 0) u &= 0x80000000u;   /* subnormal (or zero) -> zero of its sign */
+    if ((u & 0x7f800000u) == 0) u &= 0x80000000u; /* subnormal (or zero) -> zero of its sign */
     memcpy(&v, &u, 4);
     return v;
 }
 
 float nx_dpbf16_step(float acc, float a, float b) {
-    return nx_daz(fmaf(nx_daz(a), nx_daz(b), nx_daz(acc)));   /* ftz of the result == daz */
+    return nx_daz(fmaf(nx_daz(a), nx_daz(b), nx_daz(acc))); /* ftz of the result == daz */
 }
 
-int nx_matmul_bf16_generic(const nx_lowp_wtype *wt, const float *x /* IN [T*K] */,
-                           const uint8_t *w /* IN */, const float *bias /* IN or NULL */,
-                           float *out /* OUT [T*N] */, size_t T, size_t K, size_t N,
-                           size_t n0, size_t n1) {
+int nx_matmul_bf16_generic(const nx_mm_call *c) {
+    const nx_wtype_traits *wt = c->wt;
+    const float *x = c->x, *bias = c->bias;
+    const uint8_t *w = c->w;
+    float *out = c->out;
+    const size_t T = c->T, K = c->K, N = c->N, n0 = c->n0, n1 = c->n1, rowbytes = c->rowbytes;
     if (!wt) return -2;
     if (T == 0 || n0 >= n1) return 0;
     const size_t K32 = (K + 31) / 32 * 32;
-    const size_t rowbytes = K / wt->block_elems * wt->block_bytes;
-    float *xb = (float *)malloc((T * K32 + 1) * sizeof(float));     /* bf(x) as float32 values */
-    float *wf = (float *)malloc((K32 + 1) * sizeof(float));         /* one dequantized row */
+    float *xb = (float *)malloc((T * K32 + 1) * sizeof(float)); /* bf(x) as float32 values */
+    float *wf = (float *)malloc((K32 + 1) * sizeof(float));     /* one dequantized row */
     if (!xb || !wf) {
         free(xb);
         free(wf);
@@ -142,13 +64,14 @@ int nx_matmul_bf16_generic(const nx_lowp_wtype *wt, const float *x /* IN [T*K] *
         for (size_t k = 0; k < K32; k++)
             xb[t * K32 + k] = k < K ? nx_bf16_to_f32(nx_bf16_round(x[t * K + k])) : 0.0f;
     for (size_t n = n0; n < n1; n++) {
-        if (K > 0) wt->dequant(w + n * rowbytes, wf, K / wt->block_elems);   /* exact */
-        for (size_t k = 0; k < K32; k++) wf[k] = k < K ? nx_bf16_to_f32(nx_bf16_round(wf[k])) : 0.0f;
+        if (K > 0) wt->dequant(w + n * rowbytes, wf, K / wt->blck_elems); /* the spec, exact */
+        for (size_t k = 0; k < K32; k++)
+            wf[k] = k < K ? nx_bf16_to_f32(nx_bf16_round(wf[k])) : 0.0f;
         for (size_t t = 0; t < T; t++) {
             const float *xr = xb + t * K32;
             float acc = 0.0f;
             for (size_t k = 0; k < K32; k += 2) {
-                acc = nx_dpbf16_step(acc, xr[k + 1], wf[k + 1]);   /* odd element first */
+                acc = nx_dpbf16_step(acc, xr[k + 1], wf[k + 1]); /* odd element first */
                 acc = nx_dpbf16_step(acc, xr[k], wf[k]);
             }
             out[t * N + n] = bias ? acc + bias[n] : acc;
@@ -161,27 +84,32 @@ int nx_matmul_bf16_generic(const nx_lowp_wtype *wt, const float *x /* IN [T*K] *
 
 /* ------------------------------------------------------------------ q8 spec */
 
-int nx_matmul_q8_generic(const float *x /* IN [T*K] */, const uint8_t *w /* IN Q8_0 rows */,
-                         const float *bias /* IN or NULL */, float *out /* OUT [T*N] */, size_t T,
-                         size_t K, size_t N, size_t n0, size_t n1) {
+int nx_matmul_q8_generic(const nx_mm_call *c) {
+    const float *x = c->x, *bias = c->bias;
+    const uint8_t *w = c->w;
+    float *out = c->out;
+    const size_t T = c->T, K = c->K, N = c->N, n0 = c->n0, n1 = c->n1;
+    if (c->type != NX_GGML_Q8_0) return -2;
     if (T == 0 || n0 >= n1) return 0;
     const size_t nb = K / NX_QK8_0, rowbytes = nb * NX_Q8_0_BLOCK_BYTES;
     uint8_t *xq = (uint8_t *)malloc(T * rowbytes + 1);
     if (!xq) return -1;
-    if (nb > 0) nx_q8_0_quantize_generic(x, xq, T * nb);     /* rows are consecutive blocks */
+    if (nb > 0) nx_q8_0_quantize_generic(x, xq, T * nb); /* rows are consecutive blocks */
     for (size_t n = n0; n < n1; n++) {
         const uint8_t *wr = w + n * rowbytes;
         for (size_t t = 0; t < T; t++) {
             const uint8_t *xr = xq + t * rowbytes;
             float acc = 0.0f;
             for (size_t b = 0; b < nb; b++) {
-                const uint8_t *xb = xr + b * NX_Q8_0_BLOCK_BYTES, *wb = wr + b * NX_Q8_0_BLOCK_BYTES;
+                const uint8_t *xb = xr + b * NX_Q8_0_BLOCK_BYTES,
+                              *wb = wr + b * NX_Q8_0_BLOCK_BYTES;
                 int32_t isum = 0;
-                for (int i = 0; i < NX_QK8_0; i++) isum += (int32_t)(int8_t)xb[2 + i] * (int8_t)wb[2 + i];
+                for (int i = 0; i < NX_QK8_0; i++)
+                    isum += (int32_t)(int8_t)xb[2 + i] * (int8_t)wb[2 + i];
                 uint16_t dx, dw;
                 memcpy(&dx, xb, 2);
                 memcpy(&dw, wb, 2);
-                const float s = nx_f16_to_f32(dx) * nx_f16_to_f32(dw);   /* exact */
+                const float s = nx_f16_to_f32(dx) * nx_f16_to_f32(dw); /* exact */
                 acc = fmaf((float)isum, s, acc);
             }
             out[t * N + n] = bias ? acc + bias[n] : acc;
@@ -197,17 +125,18 @@ static inline size_t nx_min(size_t a, size_t b) { return a < b ? a : b; }
 
 static void *nx_alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64 + 64); }
 
-int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_lowp_wtype *wt, const float *x /* IN */,
-                    const uint8_t *w /* IN */, size_t rowbytes, const float *bias /* IN or NULL */,
-                    float *out /* OUT */, size_t T, size_t K, size_t N, size_t n0, size_t n1) {
+int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_mm_call *c) {
+    const float *x = c->x, *bias = c->bias;
+    float *out = c->out;
+    const size_t T = c->T, K = c->K, N = c->N, n0 = c->n0, n1 = c->n1;
     if (T == 0 || n0 >= n1) return 0;
-    if (K == 0) {                                    /* the empty sum is +0 */
+    if (K == 0) { /* the empty sum is +0 */
         for (size_t t = 0; t < T; t++)
             for (size_t n = n0; n < n1; n++) out[t * N + n] = bias ? 0.0f + bias[n] : 0.0f;
         return 0;
     }
     const size_t MR = tl->mr, NR = tl->nr, KC = tl->kc, NC = tl->nc, MC = tl->mc;
-    const size_t G = (K + 31) / 32;                           /* 32-k groups of all of K */
+    const size_t G = (K + 31) / 32; /* 32-k groups of all of K */
     const size_t mc_max = nx_min(T, MC), nc_max = nx_min(n1 - n0, NC), kc_max = nx_min(K, KC);
     const size_t a_panel = G * tl->a_group;                  /* bytes of one A micro-panel */
     const size_t b_panel = (kc_max + 31) / 32 * tl->b_group; /* bytes of one B micro-panel */
@@ -231,8 +160,7 @@ int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_lowp_wtype *wt, const flo
             for (size_t pc = 0; pc < K; pc += KC) {
                 const size_t kc = nx_min(K - pc, KC), ng = (kc + 31) / 32;
                 for (size_t jr = 0; jr < nc; jr += NR)
-                    tl->pack_b(wt, w, rowbytes, jc + jr, nx_min(nc - jr, NR), pc, kc,
-                               Bp + jr / NR * b_panel, bs);
+                    tl->pack_b(c, jc + jr, nx_min(nc - jr, NR), pc, kc, Bp + jr / NR * b_panel, bs);
                 const uint8_t *A0 = Ap + pc / 32 * tl->a_group;
                 if (tl->jr_outer) {
                     for (size_t jr = 0; jr < nc; jr += NR)
@@ -260,23 +188,33 @@ int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_lowp_wtype *wt, const flo
     return 0;
 }
 
-/* ------------------------------------------------------------------ dispatch */
+/* ------------------------------------------------------------------ tables and entry points */
 
-int nx_matmul_bf16(nx_lowp_variant v, const nx_lowp_wtype *wt, const float *x /* IN */,
-                   const uint8_t *w /* IN */, const float *bias /* IN */, float *out /* OUT */,
-                   size_t T, size_t K, size_t N, size_t n0, size_t n1) {
-    if (!wt) return -2;
-    NX_X86_ONLY(if (v == NX_LOWP_AVX512BF16)
-                    return nx_matmul_bf16_avx512bf16(wt, x, w, bias, out, T, K, N, n0, n1);)
-    (void)v;
-    return nx_matmul_bf16_generic(wt, x, w, bias, out, T, K, N, n0, n1);
+const nx_lowp_table nx_lowp_table_generic = {.matmul_bf16 = nx_matmul_bf16_generic,
+                                             .matmul_q8 = nx_matmul_q8_generic,
+                                             .round_bf16 = nx_bf16_round_n_generic};
+
+static nx_mm_call nx_lowp_call(nx_isa isa, const nx_wtype_traits *wt, uint32_t type, const float *x,
+                               const uint8_t *w, const float *bias, float *out, size_t T, size_t K,
+                               size_t N, size_t n0, size_t n1) {
+    nx_mm_call c = {wt, nx_wtype_dequant(isa, type),         type, x, w, bias, out, T, K, N, n0,
+                    n1, K / wt->blck_elems * wt->blck_bytes, 0};
+    return c;
 }
 
-int nx_matmul_q8(nx_lowp_variant v, const float *x /* IN */, const uint8_t *w /* IN */,
+int nx_matmul_bf16(nx_isa isa, uint32_t type, const float *x /* IN */, const uint8_t *w /* IN */,
+                   const float *bias /* IN */, float *out /* OUT */, size_t T, size_t K, size_t N,
+                   size_t n0, size_t n1) {
+    const nx_wtype_traits *wt = nx_wtype(type);
+    if (!wt) return -2;
+    const nx_mm_call c = nx_lowp_call(isa, wt, type, x, w, bias, out, T, K, N, n0, n1);
+    return nx_lowp_get(isa)->matmul_bf16(&c);
+}
+
+int nx_matmul_q8(nx_isa isa, const float *x /* IN */, const uint8_t *w /* IN */,
                  const float *bias /* IN */, float *out /* OUT */, size_t T, size_t K, size_t N,
                  size_t n0, size_t n1) {
-    NX_X86_ONLY(if (v == NX_LOWP_AVX512VNNI)
-                    return nx_matmul_q8_avx512vnni(x, w, bias, out, T, K, N, n0, n1);)
-    (void)v;
-    return nx_matmul_q8_generic(x, w, bias, out, T, K, N, n0, n1);
+    const nx_mm_call c =
+        nx_lowp_call(isa, nx_wtype(NX_GGML_Q8_0), NX_GGML_Q8_0, x, w, bias, out, T, K, N, n0, n1);
+    return nx_lowp_get(isa)->matmul_q8(&c);
 }

@@ -1,9 +1,8 @@
 /* nx_lowp.h -- low-precision matmuls: `bf16` (vdpbf16ps) and `q8` (Q8_0 x Q8_0, vpdpbusd).
  *
- * Owns: the arithmetic contract of both precisions (below), the weight-decoder seam
- * (nx_lowp_wtype: one `dequant(blocks, out, nblocks)` per GGML type, later a traits lookup), the
- * variant names and their run-time selection, the blocked driver both SIMD variants share, and the
- * scalar specs. Must not: allocate per tile, spawn threads, read/write outside the given ranges
+ * Owns: the arithmetic contract of both precisions (below), the "lowp" dispatch family (its slots
+ * and per-ISA tables), the blocked driver both SIMD variants share, and the scalar specs. Weights
+ * are decoded only through the weight-type traits (nx_wtype.h) and the ISA's dequantize. Must not: allocate per tile, spawn threads, read/write outside the given ranges
  * (callers validate shapes before entering C), or copy a whole weight matrix.
  *
  * Shape API (both precisions, like nx_q8_0_matmul): x float32 [T, K] row-major; w raw GGML rows
@@ -68,84 +67,62 @@
 
 #include "nx_cpu.h"
 
-/* GGML type ids the bf16 weight seam decodes (gguf.GGMLQuantizationType values). */
-enum { NX_GGML_F32 = 0, NX_GGML_F16 = 1, NX_GGML_Q8_0 = 8, NX_GGML_BF16 = 30 };
+#include "nx_dispatch.h"
+#include "nx_matmul.h" /* nx_mm_call */
+#include "nx_wtype.h"  /* GGML type ids (NX_GGML_*), traits, nx_bf16_to_f32 */
 
-/* One weight type: value = dequant(blocks)[i]. dequant decodes nblocks consecutive blocks
- * (block_elems values each, block_bytes bytes each) exactly into float32. `dequant` is the
- * scalar decoder, `dequant_simd` the AVX-512 one (byte-identical; NULL where there is none).
- * This is the seam the weight-type traits table replaces at merge. */
-typedef void (*nx_dequant_fn)(const uint8_t *blocks /* IN */, float *out /* OUT */, size_t nblocks);
-typedef struct {
-    int ggml_type;
-    const char *name;
-    size_t block_elems, block_bytes;
-    nx_dequant_fn dequant, dequant_simd;
-} nx_lowp_wtype;
-
-/* The descriptor of a GGML type, or NULL when the bf16 path cannot decode it. */
-const nx_lowp_wtype *nx_lowp_wtype_of(int ggml_type);
-
-/* ---- variants and their selection (moves into the per-ISA tables at merge) */
-typedef enum {
-    NX_LOWP_GENERIC = 0,       /* the scalar specs */
-    NX_LOWP_AVX512BF16 = 1,    /* bf16: AVX-512 F/BW/VL/DQ + AVX512_BF16 + OS ZMM */
-    NX_LOWP_AVX512VNNI = 2,    /* q8:   AVX-512 F/BW/VL/DQ + VNNI + OS ZMM (the avx512 level) */
-} nx_lowp_variant;
-
-/* 1 if the variant can run on this CPU/OS (ignores NXHPC_DISABLE_SIMD). */
-int nx_lowp_variant_supported(nx_lowp_variant v);
-/* The variant a request for ISA level `isa` runs: the best supported one at or below it. */
-nx_lowp_variant nx_lowp_bf16_variant(nx_isa isa);
-nx_lowp_variant nx_lowp_q8_variant(nx_isa isa);
-/* "generic" / "avx512bf16" / "avx512vnni" */
-const char *nx_lowp_variant_name(nx_lowp_variant v);
+/* ---- the "lowp" dispatch family (nx_dispatch.h): one slot per kernel, one table per ISA file.
+ * A call is an nx_mm_call (nx_matmul.h): the weight type's traits, the dequantize of the
+ * requested ISA (the wtype family: every type of the traits table decodes on the bf16 path),
+ * x, w, bias, out, T, K, N, [n0, n1), rowbytes. Slots:
+ *   matmul_bf16(c)        the `bf16` matmul (any weight type with traits)
+ *   matmul_q8(c)          the `q8` matmul (c->type must be Q8_0; -2 otherwise)
+ *   round_bf16(x, out, n) out[i] = bits of bf(x[i])
+ * Tables: generic (the specs, nx_lowp.c), avx512 (q8 on VNNI: VNNI is part of the avx512 ISA's
+ * required bits, nx_cpu.h; nx_lowp_avx512.c), avx512bf16 (bf16 on vdpbf16ps,
+ * nx_lowp_avx512bf16.c). A missing slot inherits down the ISA chain to the spec. */
+#define NX_LOWP_SLOTS(X)                                                                           \
+    X(matmul_bf16, int, (const nx_mm_call *c))                                                     \
+    X(matmul_q8, int, (const nx_mm_call *c))                                                       \
+    X(round_bf16, void, (const float *x /* IN [n] */, uint16_t *out /* OUT [n] */, size_t n))
+NX_TABLE_TYPE(nx_lowp_table, NX_LOWP_SLOTS)
+extern const nx_lowp_table nx_lowp_table_generic;    /* nx_lowp.c */
+extern const nx_lowp_table nx_lowp_table_avx512;     /* nx_lowp_avx512.c */
+extern const nx_lowp_table nx_lowp_table_avx512bf16; /* nx_lowp_avx512bf16.c */
+extern const nx_family_info nx_lowp_family;
+const nx_lowp_table *nx_lowp_get(nx_isa isa);
+nx_isa nx_lowp_variant(int slot, nx_isa isa);
 
 /* ---- bfloat16 rounding (see bf above) */
 static inline uint16_t nx_bf16_round(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);     /* zero, subnormal */
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);   /* NaN */
+    if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u); /* zero, subnormal */
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u); /* NaN */
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
-static inline float nx_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-/* out[i] = bits of bf(x[i]) for i < n (variant: generic or avx512bf16). */
-void nx_bf16_round_n(nx_lowp_variant v, const float *x /* IN [n] */, uint16_t *out /* OUT [n] */,
+/* out[i] = bits of bf(x[i]) for i < n, at `isa`. */
+void nx_bf16_round_n(nx_isa isa, const float *x /* IN [n] */, uint16_t *out /* OUT [n] */,
                      size_t n);
 void nx_bf16_round_n_generic(const float *x /* IN */, uint16_t *out /* OUT */, size_t n);
 void nx_bf16_round_n_avx512bf16(const float *x /* IN */, uint16_t *out /* OUT */, size_t n);
 
-/* ---- the matmuls. Return 0, -1 when scratch memory could not be allocated (out then
- * unspecified in the band), -2 for a weight type the precision does not take. */
-int nx_matmul_bf16(nx_lowp_variant v, const nx_lowp_wtype *wt, const float *x /* IN [T*K] */,
+/* ---- the matmuls at `isa` (shapes above; w rows of GGML type `type`). Return 0, -1 when scratch
+ * memory could not be allocated (out then unspecified in the band), -2 for a weight type the
+ * precision does not take (bf16: no traits; q8: not Q8_0). */
+int nx_matmul_bf16(nx_isa isa, uint32_t type, const float *x /* IN [T*K] */,
                    const uint8_t *w /* IN [N*rowbytes] */, const float *bias /* IN [N] or NULL */,
                    float *out /* OUT [T*N] */, size_t T, size_t K, size_t N, size_t n0, size_t n1);
-int nx_matmul_bf16_generic(const nx_lowp_wtype *wt, const float *x /* IN */, const uint8_t *w /* IN */,
-                           const float *bias /* IN */, float *out /* OUT */, size_t T, size_t K,
-                           size_t N, size_t n0, size_t n1);
-int nx_matmul_bf16_avx512bf16(const nx_lowp_wtype *wt, const float *x /* IN */,
-                              const uint8_t *w /* IN */, const float *bias /* IN */,
-                              float *out /* OUT */, size_t T, size_t K, size_t N, size_t n0,
-                              size_t n1);
-
-/* q8: w must be Q8_0 rows (K % 32 == 0, rowbytes = K/32*34). */
-int nx_matmul_q8(nx_lowp_variant v, const float *x /* IN [T*K] */, const uint8_t *w /* IN */,
+int nx_matmul_q8(nx_isa isa, const float *x /* IN [T*K] */, const uint8_t *w /* IN Q8_0 rows */,
                  const float *bias /* IN [N] or NULL */, float *out /* OUT [T*N] */, size_t T,
                  size_t K, size_t N, size_t n0, size_t n1);
-int nx_matmul_q8_generic(const float *x /* IN */, const uint8_t *w /* IN */, const float *bias /* IN */,
-                         float *out /* OUT */, size_t T, size_t K, size_t N, size_t n0, size_t n1);
-int nx_matmul_q8_avx512vnni(const float *x /* IN */, const uint8_t *w /* IN */,
-                            const float *bias /* IN */, float *out /* OUT */, size_t T, size_t K,
-                            size_t N, size_t n0, size_t n1);
+int nx_matmul_bf16_generic(const nx_mm_call *c);
+int nx_matmul_bf16_avx512bf16(const nx_mm_call *c);
+int nx_matmul_q8_generic(const nx_mm_call *c);
+int nx_matmul_q8_avx512(const nx_mm_call *c);
 
 /* ---- the per-step arithmetic of the specs, scalar (exported for the generic matmuls) */
-float nx_dpbf16_step(float acc, float a, float b);   /* ftz(fmaf(daz(a), daz(b), daz(acc))) */
+float nx_dpbf16_step(float acc, float a, float b); /* ftz(fmaf(daz(a), daz(b), daz(acc))) */
 
 /* ---- the blocked driver shared by the SIMD variants (BLIS loop order, like nx_q8_0_matmul_blocked):
  *   for each block of mc <= MC tokens: pack_a packs MR-token micro-panels (all of K)
@@ -159,7 +136,7 @@ float nx_dpbf16_step(float acc, float a, float b);   /* ftz(fmaf(daz(a), daz(b),
  * the tile, so every band / batch split is bit-identical.
  *   pack_a(x, K, t0, rows, Ap, scratch): tokens [t0, t0+rows) (rows <= MR) into one micro-panel of
  *     ceil(K/32) groups; tokens past rows are zero. scratch: a_scratch bytes.
- *   pack_b(wt, w, rowbytes, j0, ncols, k0, kc, Bp, scratch): columns [j0, j0+ncols) (ncols <= NR)
+ *   pack_b(c, j0, ncols, k0, kc, Bp, scratch): columns [j0, j0+ncols) (ncols <= NR)
  *     x k in [k0, k0+kc) into one micro-panel of ceil(kc/32) groups; columns past ncols zero.
  *     scratch: b_scratch bytes. k0 % KC == 0, KC % 256 == 0 (a whole number of any block size).
  *   kern(ngroups, A, B, C, ldc, mr, nr, first): C[0:mr, 0:nr] (ldc floats per row) :=
@@ -167,17 +144,15 @@ float nx_dpbf16_step(float acc, float a, float b);   /* ftz(fmaf(daz(a), daz(b),
 typedef struct {
     size_t mr, nr, kc, nc, mc;
     size_t a_group, b_group, a_scratch, b_scratch;
-    int jr_outer;                /* 0: for A micro-panel { for B micro-panel } (A stays in L1);
+    int jr_outer; /* 0: for A micro-panel { for B micro-panel } (A stays in L1);
                                   * 1: for B micro-panel { for A micro-panel } (B stays in L1) */
     void (*pack_a)(const float *x, size_t K, size_t t0, size_t rows, uint8_t *Ap, void *scratch);
-    void (*pack_b)(const nx_lowp_wtype *wt, const uint8_t *w, size_t rowbytes, size_t j0,
-                   size_t ncols, size_t k0, size_t kc, uint8_t *Bp, void *scratch);
+    void (*pack_b)(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc, uint8_t *Bp,
+                   void *scratch);
     void (*kern)(size_t ngroups, const uint8_t *A, const uint8_t *B, float *C, size_t ldc, int mr,
                  int nr, int first);
 } nx_lowp_tiling;
 
-int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_lowp_wtype *wt, const float *x /* IN */,
-                    const uint8_t *w /* IN */, size_t rowbytes, const float *bias /* IN or NULL */,
-                    float *out /* OUT */, size_t T, size_t K, size_t N, size_t n0, size_t n1);
+int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_mm_call *c);
 
 #endif

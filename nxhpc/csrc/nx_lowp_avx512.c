@@ -1,6 +1,6 @@
-/* nx_lowp_avx512.c -- AVX-512 (F/BW/VL/DQ + VNNI) pieces of the low-precision matmuls: the `q8`
- * matmul (vpdpbusd micro-kernel, its activation and weight packers), the F16/BF16 weight
- * decoders.
+/* nx_lowp_avx512.c -- the avx512 table of the "lowp" family (AVX-512 F/BW/VL/DQ + VNNI, all part
+ * of the avx512 ISA's required bits in nx_cpu.h): the `q8` matmul (vpdpbusd micro-kernel, its
+ * activation and weight packers). bf16 has no variant here (inherits the spec).
  *
  * Owns: the q8 panel layouts and the MR x NR register tile; the exactness of the unsigned x signed
  * trick (weights + 128, accumulator started at -128 * sum(qx)). Entered only after the probe
@@ -14,32 +14,6 @@
 #include <string.h>
 
 #include "nx_q8_0.h"
-
-/* ------------------------------------------------------------------ decoders */
-
-void nx_deq_f16_avx512(const uint8_t *b /* IN */, float *out /* OUT */, size_t n) {
-    size_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 2 * i))));
-    if (i < n) {
-        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
-        __m256i h = _mm256_maskz_loadu_epi16(m, b + 2 * i);
-        _mm512_mask_storeu_ps(out + i, m, _mm512_cvtph_ps(h));
-    }
-}
-
-void nx_deq_bf16_avx512(const uint8_t *b /* IN */, float *out /* OUT */, size_t n) {
-    size_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + 2 * i)));
-        _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
-    }
-    if (i < n) {
-        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
-        __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, b + 2 * i));
-        _mm512_mask_storeu_ps(out + i, m, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
-    }
-}
 
 /* ------------------------------------------------------------------ q8 matmul */
 
@@ -57,7 +31,7 @@ void nx_deq_bf16_avx512(const uint8_t *b /* IN */, float *out /* OUT */, size_t 
 #define NX_Q8_MR 6
 #endif
 #ifndef NX_Q8_NV
-#define NX_Q8_NV 2                     /* zmm vectors per tile row */
+#define NX_Q8_NV 2 /* zmm vectors per tile row */
 #endif
 #define NX_Q8_NR (16 * NX_Q8_NV)
 #ifndef NX_Q8_KC
@@ -86,14 +60,14 @@ _Static_assert(NX_Q8_MC % NX_Q8_MR == 0, "MC must be a multiple of MR");
 static void nx_q8_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t rows,
                          uint8_t *Ap /* OUT */, void *scratch) {
     const size_t nb = K / NX_QK8_0;
-    uint8_t *q = (uint8_t *)scratch;                 /* one quantized row: nb * 34 bytes */
+    uint8_t *q = (uint8_t *)scratch; /* one quantized row: nb * 34 bytes */
     for (size_t r = 0; r < NX_Q8_MR; r++) {
         if (r < rows) nx_q8_0_quantize_avx512(x + (t0 + r) * K, q, nb);
         for (size_t b = 0; b < nb; b++) {
             int32_t *g = (int32_t *)(Ap + b * NX_Q8_AG);
             if (r >= rows) {
                 for (int i = 0; i < 8; i++) g[i * NX_Q8_MR + r] = 0;
-                g[8 * NX_Q8_MR + r] = 0;                 /* dx = +0.0f */
+                g[8 * NX_Q8_MR + r] = 0; /* dx = +0.0f */
                 g[9 * NX_Q8_MR + r] = 0;
                 continue;
             }
@@ -102,7 +76,8 @@ static void nx_q8_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t ro
             memcpy(&dh, blk, 2);
             const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 2));
             const __m512i s16 = _mm512_cvtepi8_epi16(qs);
-            const int32_t sum = _mm512_reduce_add_epi32(_mm512_madd_epi16(s16, _mm512_set1_epi16(1)));
+            const int32_t sum =
+                _mm512_reduce_add_epi32(_mm512_madd_epi16(s16, _mm512_set1_epi16(1)));
             int32_t quad[8];
             _mm256_storeu_si256((__m256i *)quad, qs);
             for (int i = 0; i < 8; i++) g[i * NX_Q8_MR + r] = quad[i];
@@ -141,11 +116,11 @@ static inline void nx_tr16x8(const __m256i in[16], __m512i out[8]) {
     }
 }
 
-static void nx_q8_pack_b(const nx_lowp_wtype *wt, const uint8_t *w /* IN */, size_t rowbytes,
-                         size_t j0, size_t ncols, size_t k0, size_t kc, uint8_t *Bp /* OUT */,
-                         void *scratch) {
-    (void)wt;
+static void nx_q8_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc,
+                         uint8_t *Bp /* OUT */, void *scratch) {
     (void)scratch;
+    const uint8_t *w = c->w;
+    const size_t rowbytes = c->rowbytes;
     const size_t b0 = k0 / NX_QK8_0, nb = kc / NX_QK8_0;
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     for (int v = 0; v < NX_Q8_NV; v++) {
@@ -157,7 +132,8 @@ static void nx_q8_pack_b(const nx_lowp_wtype *wt, const uint8_t *w /* IN */, siz
             __m256i in[16];
             for (int j = 0; j < 16; j++) {
                 if (j < nv) {
-                    const uint8_t *blk = w + (j0 + c0 + j) * rowbytes + (b0 + b) * NX_Q8_0_BLOCK_BYTES;
+                    const uint8_t *blk =
+                        w + (j0 + c0 + j) * rowbytes + (b0 + b) * NX_Q8_0_BLOCK_BYTES;
                     uint16_t dh;
                     memcpy(&dh, blk, 2);
                     dw[j] = _cvtsh_ss(dh);
@@ -176,8 +152,8 @@ static void nx_q8_pack_b(const nx_lowp_wtype *wt, const uint8_t *w /* IN */, siz
 }
 
 /* C[0:mr, 0:nr] := the block chain over ng groups, continued from C unless first. */
-static void nx_q8_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ldc,
-                       int mr, int nr, int first) {
+static void nx_q8_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ldc, int mr,
+                       int nr, int first) {
     __mmask16 m[NX_Q8_NV];
     for (int v = 0; v < NX_Q8_NV; v++) {
         const int left = nr - 16 * v;
@@ -200,7 +176,8 @@ static void nx_q8_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, 
                 bv[v] = _mm512_load_si512((const __m512i *)(b + (q * NX_Q8_NR + 16 * v) * 4));
             for (int r = 0; r < NX_Q8_MR; r++) {
                 const __m512i av = _mm512_set1_epi32(a[q * NX_Q8_MR + r]);
-                for (int v = 0; v < NX_Q8_NV; v++) s[r][v] = _mm512_dpbusd_epi32(s[r][v], bv[v], av);
+                for (int v = 0; v < NX_Q8_NV; v++)
+                    s[r][v] = _mm512_dpbusd_epi32(s[r][v], bv[v], av);
             }
         }
         const float *dx = (const float *)(a + 8 * NX_Q8_MR);
@@ -214,17 +191,19 @@ static void nx_q8_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, 
     }
     for (int r = 0; r < NX_Q8_MR; r++)
         if (r < mr)
-            for (int v = 0; v < NX_Q8_NV; v++) _mm512_mask_storeu_ps(C + r * ldc + 16 * v, m[v], f[r][v]);
+            for (int v = 0; v < NX_Q8_NV; v++)
+                _mm512_mask_storeu_ps(C + r * ldc + 16 * v, m[v], f[r][v]);
 }
 
-int nx_matmul_q8_avx512vnni(const float *x /* IN [T*K] */, const uint8_t *w /* IN */,
-                            const float *bias /* IN or NULL */, float *out /* OUT [T*N] */,
-                            size_t T, size_t K, size_t N, size_t n0, size_t n1) {
+int nx_matmul_q8_avx512(const nx_mm_call *c) {
+    if (c->type != NX_GGML_Q8_0) return -2;
     const nx_lowp_tiling tl = {
-        NX_Q8_MR, NX_Q8_NR, NX_Q8_KC, NX_Q8_NC, NX_Q8_MC,
-        NX_Q8_AG, NX_Q8_BG, K / NX_QK8_0 * NX_Q8_0_BLOCK_BYTES + 64, 0,
-        NX_Q8_JR_OUTER, nx_q8_pack_a, nx_q8_pack_b, nx_q8_kern,
+        NX_Q8_MR,   NX_Q8_NR,       NX_Q8_KC,     NX_Q8_NC,
+        NX_Q8_MC,   NX_Q8_AG,       NX_Q8_BG,     c->K / NX_QK8_0 * NX_Q8_0_BLOCK_BYTES + 64,
+        0,          NX_Q8_JR_OUTER, nx_q8_pack_a, nx_q8_pack_b,
+        nx_q8_kern,
     };
-    return nx_lowp_blocked(&tl, NULL, x, w, K / NX_QK8_0 * NX_Q8_0_BLOCK_BYTES, bias, out, T, K,
-                           N, n0, n1);
+    return nx_lowp_blocked(&tl, c);
 }
+
+const nx_lowp_table nx_lowp_table_avx512 = {.matmul_q8 = nx_matmul_q8_avx512};

@@ -1,6 +1,7 @@
 /* nx_lowp_avx512bf16.c -- the `bf16` matmul on AVX-512 BF16: vdpbf16ps micro-kernel and its
- * packers (activations rounded to bfloat16 pairs; weights decoded through the weight type's
- * dequant pointer, rounded to bfloat16 once, panel by panel).
+ * packers (activations rounded to bfloat16 pairs; weights decoded by the ISA's dequantize of the
+ * weight type -- the traits table, so every type it has -- rounded to bfloat16 once, panel by
+ * panel); exports the avx512bf16 table of the "lowp" family.
  *
  * Owns: the bf16 panel layouts and the MR x NR register tile. Entered only after the probe
  * reports the avx512 level, AVX512_BF16 and OS ZMM support.
@@ -29,7 +30,7 @@
 #define NX_BF_MR 8
 #endif
 #ifndef NX_BF_NV
-#define NX_BF_NV 3                     /* zmm vectors per tile row */
+#define NX_BF_NV 3 /* zmm vectors per tile row */
 #endif
 #define NX_BF_NR (16 * NX_BF_NV)
 #ifndef NX_BF_KC
@@ -52,7 +53,7 @@ _Static_assert(NX_BF_MC % NX_BF_MR == 0, "MC must be a multiple of MR");
  * bf(x[2p+1]) high half); B micro-panel uint32 pairs[16][NR] (same, column j). */
 #define NX_BF_AG (16 * NX_BF_MR * 4)
 #define NX_BF_BG (16 * NX_BF_NR * 4)
-#define NX_BF_KCP NX_BF_KC                       /* scratch row stride (floats) */
+#define NX_BF_KCP NX_BF_KC /* scratch row stride (floats) */
 
 /* bf() of 32 floats (lo = elements 0..15, hi = 16..31) as 16 pair-dwords: dword i holds element
  * 2i in its low half and 2i+1 in its high half (the vdpbf16ps operand order). VCVTNE2PS2BF16 is
@@ -64,7 +65,8 @@ static inline __m512i nx_bf16_pairs32(__m512 lo, __m512 hi) {
 void nx_bf16_round_n_avx512bf16(const float *x /* IN */, uint16_t *out /* OUT */, size_t n) {
     size_t i = 0;
     for (; i + 16 <= n; i += 16)
-        _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+        _mm256_storeu_si256((__m256i *)(out + i),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
     if (i < n) {
         const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
         __m256i r = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + i));
@@ -83,9 +85,11 @@ static void nx_bf_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t ro
             uint32_t p[16];
             if (r < rows) {
                 const size_t k = g * 32, left = K - k;
-                const __mmask16 m0 = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-                const __mmask16 m1 = left >= 32 ? (__mmask16)0xffff
-                                   : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u) : (__mmask16)0;
+                const __mmask16 m0 =
+                    left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+                const __mmask16 m1 = left >= 32  ? (__mmask16)0xffff
+                                     : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u)
+                                                 : (__mmask16)0;
                 __m512i v = nx_bf16_pairs32(_mm512_maskz_loadu_ps(m0, src + k),
                                             _mm512_maskz_loadu_ps(m1, src + k + 16));
                 _mm512_storeu_si512((__m512i *)p, v);
@@ -124,18 +128,19 @@ static inline void nx_tr16i(__m512i r[16]) {
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
-static void nx_bf_pack_b(const nx_lowp_wtype *wt, const uint8_t *w /* IN */, size_t rowbytes,
-                         size_t j0, size_t ncols, size_t k0, size_t kc, uint8_t *Bp /* OUT */,
-                         void *scratch) {
-    const nx_dequant_fn deq = wt->dequant_simd ? wt->dequant_simd : wt->dequant;
-    const size_t ng = (kc + 31) / 32, be = wt->block_elems, bb = wt->block_bytes;
-    float *s = (float *)scratch;                     /* [16][NX_BF_KCP] decoded rows */
+static void nx_bf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc,
+                         uint8_t *Bp /* OUT */, void *scratch) {
+    const nx_dequant_fn deq = c->dequant; /* the ISA's dequantize of the type (wtype family) */
+    const uint8_t *w = c->w;
+    const size_t rowbytes = c->rowbytes;
+    const size_t ng = (kc + 31) / 32, be = c->wt->blck_elems, bb = c->wt->blck_bytes;
+    float *s = (float *)scratch; /* [16][NX_BF_KCP] decoded rows */
     for (int h = 0; h < NX_BF_NV; h++) {
         const size_t c0 = (size_t)h * 16;
         const int nv = c0 >= ncols ? 0 : (ncols - c0 >= 16 ? 16 : (int)(ncols - c0));
         for (int j = 0; j < nv; j++) {
             float *row = s + (size_t)j * NX_BF_KCP;
-            deq(w + (j0 + c0 + j) * rowbytes + k0 / be * bb, row, kc / be);    /* exact */
+            deq(w + (j0 + c0 + j) * rowbytes + k0 / be * bb, row, kc / be); /* exact */
             for (size_t k = kc; k < ng * 32; k++) row[k] = 0.0f;
         }
         for (size_t g = 0; g < ng; g++) {
@@ -148,9 +153,10 @@ static void nx_bf_pack_b(const nx_lowp_wtype *wt, const uint8_t *w /* IN */, siz
                     r[j] = _mm512_setzero_si512();
                 }
             }
-            nx_tr16i(r);                             /* r[p] lane j = pair p of column c0 + j */
+            nx_tr16i(r); /* r[p] lane j = pair p of column c0 + j */
             uint8_t *dst = Bp + g * NX_BF_BG + c0 * 4;
-            for (int p = 0; p < 16; p++) _mm512_store_si512((__m512i *)(dst + p * NX_BF_NR * 4), r[p]);
+            for (int p = 0; p < 16; p++)
+                _mm512_store_si512((__m512i *)(dst + p * NX_BF_NR * 4), r[p]);
         }
     }
 }
@@ -181,19 +187,29 @@ static void nx_bf_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, 
     }
     for (int r = 0; r < NX_BF_MR; r++)
         if (r < mr)
-            for (int v = 0; v < NX_BF_NV; v++) _mm512_mask_storeu_ps(C + r * ldc + 16 * v, m[v], c[r][v]);
+            for (int v = 0; v < NX_BF_NV; v++)
+                _mm512_mask_storeu_ps(C + r * ldc + 16 * v, m[v], c[r][v]);
 }
 
-int nx_matmul_bf16_avx512bf16(const nx_lowp_wtype *wt, const float *x /* IN [T*K] */,
-                              const uint8_t *w /* IN */, const float *bias /* IN or NULL */,
-                              float *out /* OUT [T*N] */, size_t T, size_t K, size_t N, size_t n0,
-                              size_t n1) {
-    if (!wt) return -2;
+int nx_matmul_bf16_avx512bf16(const nx_mm_call *c) {
+    if (!c->wt || !c->dequant) return -2;
     const nx_lowp_tiling tl = {
-        NX_BF_MR, NX_BF_NR, NX_BF_KC, NX_BF_NC, NX_BF_MC,
-        NX_BF_AG, NX_BF_BG, 0, 16 * NX_BF_KCP * sizeof(float),
-        NX_BF_JR_OUTER, nx_bf_pack_a, nx_bf_pack_b, nx_bf_kern,
+        NX_BF_MR,
+        NX_BF_NR,
+        NX_BF_KC,
+        NX_BF_NC,
+        NX_BF_MC,
+        NX_BF_AG,
+        NX_BF_BG,
+        0,
+        16 * NX_BF_KCP * sizeof(float),
+        NX_BF_JR_OUTER,
+        nx_bf_pack_a,
+        nx_bf_pack_b,
+        nx_bf_kern,
     };
-    return nx_lowp_blocked(&tl, wt, x, w, K / wt->block_elems * wt->block_bytes, bias, out, T, K,
-                           N, n0, n1);
+    return nx_lowp_blocked(&tl, c);
 }
+
+const nx_lowp_table nx_lowp_table_avx512bf16 = {.matmul_bf16 = nx_matmul_bf16_avx512bf16,
+                                                .round_bf16 = nx_bf16_round_n_avx512bf16};

@@ -1,5 +1,6 @@
 /* nx_ops.c -- generic (scalar) spec of the block's non-matmul kernels + their ISA dispatch.
- * Owns: the reference arithmetic every SIMD variant is tested against and the dispatch table.
+ * Owns: the reference arithmetic every SIMD variant is tested against, the generic table and the
+ * family's resolver (nx_dispatch.h).
  * Must not: use ISA-specific instructions (compiled without ISA flags), allocate per row. */
 #include "nx_ops.h"
 
@@ -9,73 +10,44 @@
 
 /* ------------------------------------------------------------------ dispatch */
 
-nx_isa nx_ops_variant(nx_ops_family fam, nx_isa isa) {
-    (void)fam;  /* every family has all three variants */
-    if (isa == NX_ISA_AVX512 || isa == NX_ISA_AVX2) return isa;
-    return NX_ISA_GENERIC;
-}
+NX_DEFINE_DISPATCH(
+    nx_ops, "ops", NX_OPS_SLOTS,
+    {[NX_ISA_GENERIC] = &nx_ops_table_generic,
+     NX_X86_ONLY([NX_ISA_AVX2] = &nx_ops_table_avx2, [NX_ISA_AVX512] = &nx_ops_table_avx512, )})
 
 void nx_rmsnorm_f32(nx_isa isa, const float *x, const float *w, const float *mod, float *out,
                     int64_t D, float eps, int64_t r0, int64_t r1) {
-    switch (nx_ops_variant(NX_OPS_RMSNORM, isa)) {
-    NX_X86_ONLY(case NX_ISA_AVX512: nx_rmsnorm_f32_avx512(x, w, mod, out, D, eps, r0, r1); return;
-                case NX_ISA_AVX2: nx_rmsnorm_f32_avx2(x, w, mod, out, D, eps, r0, r1); return;)
-    default: nx_rmsnorm_f32_generic(x, w, mod, out, D, eps, r0, r1); return;
-    }
+    nx_ops_get(isa)->rmsnorm(x, w, mod, out, D, eps, r0, r1);
 }
 
 void nx_qknorm_rope_f32(nx_isa isa, const float *qkv, const float *q_w, const float *k_w,
                         const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
                         int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1) {
-    switch (nx_ops_variant(NX_OPS_QKNORM_ROPE, isa)) {
-    NX_X86_ONLY(case NX_ISA_AVX512:
-        nx_qknorm_rope_f32_avx512(qkv, q_w, k_w, pe, q_out, k_out, T, H, KVH, hd, eps, h0, h1);
-        return;
-    case NX_ISA_AVX2:
-        nx_qknorm_rope_f32_avx2(qkv, q_w, k_w, pe, q_out, k_out, T, H, KVH, hd, eps, h0, h1);
-        return;)
-    default:
-        nx_qknorm_rope_f32_generic(qkv, q_w, k_w, pe, q_out, k_out, T, H, KVH, hd, eps, h0, h1);
-        return;
-    }
+    nx_ops_get(isa)->qknorm_rope(qkv, q_w, k_w, pe, q_out, k_out, T, H, KVH, hd, eps, h0, h1);
 }
 
 int nx_attention_f32(nx_isa isa, const float *q, const float *k, const float *qkv,
-                     const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                     int64_t hd, float scale, int64_t h0, int64_t h1) {
-    switch (nx_ops_variant(NX_OPS_ATTENTION, isa)) {
-    NX_X86_ONLY(case NX_ISA_AVX512:
-        return nx_attention_f32_avx512(q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1);
-    case NX_ISA_AVX2:
-        return nx_attention_f32_avx2(q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1);)
-    default:
-        return nx_attention_f32_generic(q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1);
-    }
+                     const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd,
+                     float scale, int64_t h0, int64_t h1) {
+    return nx_ops_get(isa)->attention(q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1);
 }
 
 void nx_swiglu_f32(nx_isa isa, const float *a, const float *b, float *out, int64_t i0, int64_t i1) {
-    switch (nx_ops_variant(NX_OPS_SWIGLU, isa)) {
-    NX_X86_ONLY(case NX_ISA_AVX512: nx_swiglu_f32_avx512(a, b, out, i0, i1); return;
-                case NX_ISA_AVX2: nx_swiglu_f32_avx2(a, b, out, i0, i1); return;)
-    default: nx_swiglu_f32_generic(a, b, out, i0, i1); return;
-    }
+    nx_ops_get(isa)->swiglu(a, b, out, i0, i1);
 }
 
 int nx_gated_residual_f32(nx_isa isa, const float *resid, const float *y, const float *gate,
                           float *out, int64_t D, int64_t r0, int64_t r1) {
-    switch (nx_ops_variant(NX_OPS_GATED_RESIDUAL, isa)) {
-    NX_X86_ONLY(case NX_ISA_AVX512: return nx_gated_residual_f32_avx512(resid, y, gate, out, D, r0, r1);
-                case NX_ISA_AVX2: return nx_gated_residual_f32_avx2(resid, y, gate, out, D, r0, r1);)
-    default: return nx_gated_residual_f32_generic(resid, y, gate, out, D, r0, r1);
-    }
+    return nx_ops_get(isa)->gated_residual(resid, y, gate, out, D, r0, r1);
 }
 
 void nx_vmath_f32(nx_isa isa, int which, const float *x, float *out, int64_t n) {
-    switch (nx_ops_variant(NX_OPS_EXP, isa)) {
-    NX_X86_ONLY(case NX_ISA_AVX512: nx_vmath_f32_avx512(which, x, out, n); return;
-                case NX_ISA_AVX2: nx_vmath_f32_avx2(which, x, out, n); return;)
-    default: nx_vmath_f32_generic(which, x, out, n); return;
-    }
+    nx_ops_get(isa)->vmath(which, x, out, n);
+}
+
+void nx_layernorm_mod_f32(nx_isa isa, const float *x, const float *mod, float *out, int64_t D,
+                          float eps, int64_t r0, int64_t r1) {
+    nx_ops_get(isa)->layernorm_mod(x, mod, out, D, eps, r0, r1);
 }
 
 /* ------------------------------------------------------------------ rmsnorm */
@@ -95,8 +67,8 @@ static float nx_rms_inv_generic(const float *x, int64_t n, float eps) {
     return (float)(1.0 / sqrt(ss / (double)n + (double)eps));
 }
 
-void nx_rmsnorm_f32_generic(const float *x, const float *w, const float *mod, float *out,
-                            int64_t D, float eps, int64_t r0, int64_t r1) {
+void nx_rmsnorm_f32_generic(const float *x, const float *w, const float *mod, float *out, int64_t D,
+                            float eps, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
         const float *xr = x + r * D;
         float *o = out + r * D;
@@ -106,6 +78,42 @@ void nx_rmsnorm_f32_generic(const float *x, const float *w, const float *mod, fl
         } else {
             for (int64_t i = 0; i < D; i++) o[i] = (xr[i] * inv) * w[i];
         }
+    }
+}
+
+/* ------------------------------------------------------------------ layernorm_mod */
+
+/* The fixed 16-lane combining tree (l + l+8), (l + l+4), (l + l+2), (l0 + l1). */
+static double nx_tree16_generic(double *acc) {
+    for (int l = 0; l < 8; l++) acc[l] += acc[l + 8];
+    for (int l = 0; l < 4; l++) acc[l] += acc[l + 4];
+    for (int l = 0; l < 2; l++) acc[l] += acc[l + 2];
+    return acc[0] + acc[1];
+}
+
+/* mean and population variance of x[0:n] in float64, the order of nx_ops.h (SIMD: nx_ln_stats16 /
+ * nx_ln_stats8 reproduce it). Compiled with -std=c11: no contraction of d*d + q into an FMA. */
+static void nx_ln_stats_generic(const float *x, int64_t n, double *mean, double *var) {
+    double s[16] = {0}, q[16] = {0};
+    for (int64_t i = 0; i < n; i++) s[i & 15] += (double)x[i];
+    const double mu = nx_tree16_generic(s) / (double)n;
+    for (int64_t i = 0; i < n; i++) {
+        const double d = (double)x[i] - mu;
+        q[i & 15] += d * d;
+    }
+    *mean = mu;
+    *var = nx_tree16_generic(q) / (double)n;
+}
+
+void nx_layernorm_mod_f32_generic(const float *x, const float *mod, float *out, int64_t D,
+                                  float eps, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+        const float *xr = x + r * D;
+        float *o = out + r * D;
+        double mean, var;
+        nx_ln_stats_generic(xr, D, &mean, &var);
+        const float rs = (float)(1.0 / sqrt(var + (double)eps));
+        for (int64_t i = 0; i < D; i++) o[i] = ((float)((double)xr[i] - mean) * rs) * mod[i];
     }
 }
 
@@ -120,7 +128,7 @@ void nx_qknorm_rope_f32_generic(const float *qkv, const float *q_w, const float 
         float *dst = j < H ? q_out + j * T * hd : k_out + (j - H) * T * hd;
         for (int64_t t = 0; t < T; t++) {
             const float *xr = qkv + t * W + j * hd;
-            const float *p = pe + t * hd * 2;  /* [hd/2][2][2] */
+            const float *p = pe + t * hd * 2; /* [hd/2][2][2] */
             float *o = dst + t * hd;
             float inv = nx_rms_inv_generic(xr, hd, eps);
             for (int64_t i = 0; i < hd; i += 2) nx_qknorm_rope_pair(xr, inv, wt, p, o, i);
@@ -132,9 +140,9 @@ void nx_qknorm_rope_f32_generic(const float *qkv, const float *q_w, const float 
 
 #define NX_ATTN_GEN_TILE 64
 
-int nx_attention_f32_generic(const float *q, const float *k, const float *qkv,
-                             const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                             int64_t hd, float scale, int64_t h0, int64_t h1) {
+int nx_attention_f32_generic(const float *q, const float *k, const float *qkv, const uint8_t *mask,
+                             float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
+                             int64_t h0, int64_t h1) {
     const int64_t W = (H + 2 * KVH) * hd, group = H / KVH, OW = H * hd;
     float *acc = malloc(sizeof(float) * (size_t)hd);
     float s[NX_ATTN_GEN_TILE];
@@ -158,7 +166,7 @@ int nx_attention_f32_generic(const float *q, const float *k, const float *qkv,
                     if (s[jj] > mx) mx = s[jj];
                 }
                 float m_new = mx > m ? mx : m;
-                float m_use = m_new == -INFINITY ? 0.0f : m_new;  /* all masked so far: p = 0 */
+                float m_use = m_new == -INFINITY ? 0.0f : m_new; /* all masked so far: p = 0 */
                 float alpha = expf(m - m_use);
                 float sum = 0.0f;
                 for (int64_t d = 0; d < hd; d++) acc[d] *= alpha;
@@ -196,8 +204,8 @@ void nx_swiglu_f32_generic(const float *a, const float *b, float *out, int64_t i
     for (int64_t i = i0; i < i1; i++) out[i] = nx_silu_generic(a[i]) * b[i];
 }
 
-int nx_gated_residual_f32_generic(const float *resid, const float *y, const float *gate,
-                                  float *out, int64_t D, int64_t r0, int64_t r1) {
+int nx_gated_residual_f32_generic(const float *resid, const float *y, const float *gate, float *out,
+                                  int64_t D, int64_t r0, int64_t r1) {
     float *tg = malloc(sizeof(float) * (size_t)(D > 0 ? D : 1));
     if (!tg) return -1;
     for (int64_t c = 0; c < D; c++) tg[c] = tanhf(gate[c]);
@@ -210,3 +218,13 @@ int nx_gated_residual_f32_generic(const float *resid, const float *y, const floa
 void nx_vmath_f32_generic(int which, const float *x, float *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = which == 0 ? expf(x[i]) : tanhf(x[i]);
 }
+
+const nx_ops_table nx_ops_table_generic = {
+    .rmsnorm = nx_rmsnorm_f32_generic,
+    .qknorm_rope = nx_qknorm_rope_f32_generic,
+    .attention = nx_attention_f32_generic,
+    .swiglu = nx_swiglu_f32_generic,
+    .gated_residual = nx_gated_residual_f32_generic,
+    .vmath = nx_vmath_f32_generic,
+    .layernorm_mod = nx_layernorm_mod_f32_generic,
+};

@@ -1,7 +1,9 @@
-/* nx_ops.h -- the block's non-matmul forward kernels: RMSNorm(+modulation), qk-norm+RoPE,
- * flash attention, SwiGLU, tanh-gated residual. Generic scalar functions are the spec; AVX2+FMA and
- * AVX-512 variants live in nx_ops_avx2.c / nx_ops_avx512.c. Callers (nxhpc/_k_ops.pxi) validate
- * every shape before entering; these functions trust their arguments.
+/* nx_ops.h -- the block's non-matmul forward kernels: RMSNorm(+modulation), LayerNorm(*mod),
+ * qk-norm+RoPE, flash attention, SwiGLU, tanh-gated residual. Generic scalar functions are the
+ * spec (nx_ops.c); AVX2+FMA and AVX-512 variants live in nx_ops_avx2.c / nx_ops_avx512.c (their
+ * element-wise loops written once for both widths in nx_ops_ew.h), each file exporting one
+ * dispatch table (nx_ops_table_<isa>). Callers (nxhpc/_k_ops.pxi) validate every shape before
+ * entering; these functions trust their arguments.
  *
  * Numerics shared by every variant (so the variants agree bit for bit where stated):
  *  - rmsnorm / qknorm_rope: the sum of squares is accumulated in float64 (x*x is exact in float64)
@@ -9,6 +11,8 @@
  *    (l + l+8), (l + l+4), (l + l+2), (l0 + l1); then r = (float)(1 / sqrt(ss / n + eps)) in double.
  *    Row scaling is ((x * r) * w) [* mod] in float32, RoPE is (pe0*y0) + (pe1*y1), never fused.
  *    => generic, avx2 and avx512 are bit-identical for these two families.
+ *  - layernorm_mod: see its declaration; float64 statistics in the same 16-lane order and tree,
+ *    float32 scaling never fused => bit-identical across variants.
  *  - swiglu / gated_residual / attention: generic uses libm expf/tanhf; SIMD variants use the
  *    polynomials in their own file (exp <= 2 ulp, measured 1.01; tanh <= 2 ulp, measured 1.14;
  *    silu <= 8u relative, plus |x|*2^-148 absolute below x = -87.3 where exp(-|x|) is subnormal;
@@ -21,51 +25,73 @@
 #define NX_OPS_H
 
 #include <stdint.h>
+
 #include "nx_cpu.h"
+#include "nx_dispatch.h"
 
-/* Families, for nx_ops_variant(). */
-typedef enum {
-    NX_OPS_RMSNORM = 0, NX_OPS_QKNORM_ROPE = 1, NX_OPS_ATTENTION = 2, NX_OPS_SWIGLU = 3,
-    NX_OPS_GATED_RESIDUAL = 4, NX_OPS_EXP = 5
-} nx_ops_family;
+/* The family's slots (nx_dispatch.h), in kernel_variants() order. */
+#define NX_OPS_SLOTS(X)                                                                            \
+    X(rmsnorm, void,                                                                               \
+      (const float *x, const float *w, const float *mod, float *out, int64_t D, float eps,         \
+       int64_t r0, int64_t r1))                                                                    \
+    X(qknorm_rope, void,                                                                           \
+      (const float *qkv, const float *q_w, const float *k_w, const float *pe, float *q_out,        \
+       float *k_out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float eps, int64_t h0,         \
+       int64_t h1))                                                                                \
+    X(attention, int,                                                                              \
+      (const float *q, const float *k, const float *qkv, const uint8_t *mask, float *out,          \
+       int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1))        \
+    X(swiglu, void, (const float *a, const float *b, float *out, int64_t i0, int64_t i1))          \
+    X(gated_residual, int,                                                                         \
+      (const float *resid, const float *y, const float *gate, float *out, int64_t D, int64_t r0,   \
+       int64_t r1))                                                                                \
+    X(vmath, void, (int which, const float *x, float *out, int64_t n))                             \
+    X(layernorm_mod, void,                                                                         \
+      (const float *x, const float *mod, float *out, int64_t D, float eps, int64_t r0,             \
+       int64_t r1))
 
-/* The ISA level whose code actually runs when `isa` is requested for `fam` (falls back to the
- * next lower level where a variant is not compiled in). */
-nx_isa nx_ops_variant(nx_ops_family fam, nx_isa isa);
+NX_TABLE_TYPE(nx_ops_table, NX_OPS_SLOTS)
+extern const nx_ops_table nx_ops_table_generic; /* nx_ops.c: every slot */
+extern const nx_ops_table nx_ops_table_avx2;    /* nx_ops_avx2.c */
+extern const nx_ops_table nx_ops_table_avx512;  /* nx_ops_avx512.c */
+extern const nx_family_info nx_ops_family;
+/* The resolved table for `isa` (missing variants inherited) and which ISA runs slot `slot`. */
+const nx_ops_table *nx_ops_get(nx_isa isa);
+nx_isa nx_ops_variant(int slot, nx_isa isa);
 
 /* ---- rmsnorm: out[r] := x[r] / sqrt(mean(x[r]^2) + eps) * w [* mod], rows [r0, r1) of [T, D].
  * out may equal x (in place). mod may be NULL. */
-void nx_rmsnorm_f32(nx_isa isa,
-                    const float *x,    /* IN  [T, D] */
-                    const float *w,    /* IN  [D] */
-                    const float *mod,  /* IN  [D] or NULL */
-                    float *out,        /* OUT [T, D], rows [r0, r1) */
+void nx_rmsnorm_f32(nx_isa isa,       /* the ISA to run (nx_cpu.h) */
+                    const float *x,   /* IN  [T, D] */
+                    const float *w,   /* IN  [D] */
+                    const float *mod, /* IN  [D] or NULL */
+                    float *out,       /* OUT [T, D], rows [r0, r1) */
                     int64_t D, float eps, int64_t r0, int64_t r1);
-void nx_rmsnorm_f32_generic(const float *x, const float *w, const float *mod, float *out,
-                            int64_t D, float eps, int64_t r0, int64_t r1);
-void nx_rmsnorm_f32_avx2(const float *x, const float *w, const float *mod, float *out,
-                         int64_t D, float eps, int64_t r0, int64_t r1);
-void nx_rmsnorm_f32_avx512(const float *x, const float *w, const float *mod, float *out,
-                           int64_t D, float eps, int64_t r0, int64_t r1);
+void nx_rmsnorm_f32_generic(const float *x, const float *w, const float *mod, float *out, int64_t D,
+                            float eps, int64_t r0, int64_t r1);
+void nx_rmsnorm_f32_avx2(const float *x, const float *w, const float *mod, float *out, int64_t D,
+                         float eps, int64_t r0, int64_t r1);
+void nx_rmsnorm_f32_avx512(const float *x, const float *w, const float *mod, float *out, int64_t D,
+                           float eps, int64_t r0, int64_t r1);
 
 /* ---- qknorm_rope: per (token t, head j in [h0, h1) of the combined [q heads | k heads] index):
  * y = rmsnorm(qkv[t, j*hd:(j+1)*hd], w) with w = q_w (j < H) or k_w; then
  * o[2i+r] = pe[t,i,r,0]*y[2i] + pe[t,i,r,1]*y[2i+1]; written to q_out[j, t] or k_out[j-H, t]. */
-void nx_qknorm_rope_f32(nx_isa isa,
-                        const float *qkv,  /* IN  [T, (H+2*KVH)*hd] */
-                        const float *q_w,  /* IN  [hd] */
-                        const float *k_w,  /* IN  [hd] */
-                        const float *pe,   /* IN  [T, hd/2, 2, 2] */
-                        float *q_out,      /* OUT [H, T, hd] */
-                        float *k_out,      /* OUT [KVH, T, hd] */
-                        int64_t T, int64_t H, int64_t KVH, int64_t hd, float eps,
-                        int64_t h0, int64_t h1);
+void nx_qknorm_rope_f32(nx_isa isa,       /* the ISA to run (nx_cpu.h) */
+                        const float *qkv, /* IN  [T, (H+2*KVH)*hd] */
+                        const float *q_w, /* IN  [hd] */
+                        const float *k_w, /* IN  [hd] */
+                        const float *pe,  /* IN  [T, hd/2, 2, 2] */
+                        float *q_out,     /* OUT [H, T, hd] */
+                        float *k_out,     /* OUT [KVH, T, hd] */
+                        int64_t T, int64_t H, int64_t KVH, int64_t hd, float eps, int64_t h0,
+                        int64_t h1);
 void nx_qknorm_rope_f32_generic(const float *qkv, const float *q_w, const float *k_w,
                                 const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
                                 int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1);
-void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_w,
-                             const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
-                             int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1);
+void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_w, const float *pe,
+                             float *q_out, float *k_out, int64_t T, int64_t H, int64_t KVH,
+                             int64_t hd, float eps, int64_t h0, int64_t h1);
 void nx_qknorm_rope_f32_avx512(const float *qkv, const float *q_w, const float *k_w,
                                const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
                                int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1);
@@ -76,23 +102,23 @@ void nx_qknorm_rope_f32_avx512(const float *qkv, const float *q_w, const float *
  * A query whose keys are all masked gets zeros. Flash-style: keys in tiles with an online softmax;
  * scratch is O(T*hd) (one packed copy of K^T per kv head) + O(tile*hd), never O(T^2).
  * Returns 0, or -1 if scratch could not be allocated (nothing written then). */
-int nx_attention_f32(nx_isa isa,
+int nx_attention_f32(nx_isa isa,          /* the ISA to run (nx_cpu.h) */
                      const float *q,      /* IN  [H, T, hd] */
                      const float *k,      /* IN  [KVH, T, hd] */
                      const float *qkv,    /* IN  [T, (H+2*KVH)*hd] (v part read) */
                      const uint8_t *mask, /* IN  [T] or NULL */
                      float *out,          /* OUT [T, H*hd], columns of heads [h0, h1) */
-                     int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
-                     int64_t h0, int64_t h1);
-int nx_attention_f32_generic(const float *q, const float *k, const float *qkv,
-                             const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                             int64_t hd, float scale, int64_t h0, int64_t h1);
-int nx_attention_f32_avx2(const float *q, const float *k, const float *qkv,
-                          const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                          int64_t hd, float scale, int64_t h0, int64_t h1);
-int nx_attention_f32_avx512(const float *q, const float *k, const float *qkv,
-                            const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                            int64_t hd, float scale, int64_t h0, int64_t h1);
+                     int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0,
+                     int64_t h1);
+int nx_attention_f32_generic(const float *q, const float *k, const float *qkv, const uint8_t *mask,
+                             float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
+                             int64_t h0, int64_t h1);
+int nx_attention_f32_avx2(const float *q, const float *k, const float *qkv, const uint8_t *mask,
+                          float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
+                          int64_t h0, int64_t h1);
+int nx_attention_f32_avx512(const float *q, const float *k, const float *qkv, const uint8_t *mask,
+                            float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
+                            int64_t h0, int64_t h1);
 
 /* ---- swiglu: out[i] := silu(a[i]) * b[i] for flat i in [i0, i1); silu(x) = x / (1 + exp(-x)),
  * evaluated as (x < 0 ? x*e : x) / (1 + e) with e = exp(-|x|) (no overflow; silu(-inf) = -0).
@@ -104,18 +130,40 @@ void nx_swiglu_f32_avx512(const float *a, const float *b, float *out, int64_t i0
 
 /* ---- gated_residual: out[r, c] := resid[r, c] + tanh(gate[c]) * y[r, c], rows [r0, r1).
  * out may equal resid (or y). Returns 0, or -1 if the D-float scratch could not be allocated. */
-int nx_gated_residual_f32(nx_isa isa,
+int nx_gated_residual_f32(nx_isa isa,         /* the ISA to run (nx_cpu.h) */
                           const float *resid, /* IN  [T, D] */
                           const float *y,     /* IN  [T, D] */
                           const float *gate,  /* IN  [D] */
                           float *out,         /* OUT [T, D] */
                           int64_t D, int64_t r0, int64_t r1);
-int nx_gated_residual_f32_generic(const float *resid, const float *y, const float *gate,
-                                  float *out, int64_t D, int64_t r0, int64_t r1);
-int nx_gated_residual_f32_avx2(const float *resid, const float *y, const float *gate,
-                               float *out, int64_t D, int64_t r0, int64_t r1);
-int nx_gated_residual_f32_avx512(const float *resid, const float *y, const float *gate,
-                                 float *out, int64_t D, int64_t r0, int64_t r1);
+int nx_gated_residual_f32_generic(const float *resid, const float *y, const float *gate, float *out,
+                                  int64_t D, int64_t r0, int64_t r1);
+int nx_gated_residual_f32_avx2(const float *resid, const float *y, const float *gate, float *out,
+                               int64_t D, int64_t r0, int64_t r1);
+int nx_gated_residual_f32_avx512(const float *resid, const float *y, const float *gate, float *out,
+                                 int64_t D, int64_t r0, int64_t r1);
+
+/* ---- layernorm_mod: out[r] := (x[r] - mean_r) / sqrt(var_r + eps) * mod, rows [r0, r1) of
+ * [T, D] (LayerNorm without affine, population variance, times a per-column modulation).
+ * Arithmetic, the same in every variant (bit-identical):
+ *   mean = (sum_i x_i) / D, var = (sum_i (x_i - mean)^2) / D in float64: each sum over 16 lanes
+ *     (lane = i % 16) combined by the fixed tree (l + l+8), (l + l+4), (l + l+2), (l0 + l1);
+ *     x_i - mean and its square are separate float64 operations (never fused);
+ *   r = (float)(1 / sqrt(var + (double)eps));
+ *   out_i = ((float)((double)x_i - mean) * r) * mod_i: the difference rounded once to float32,
+ *     then two float32 products, never fused.
+ * out may equal x (in place: a row's statistics are complete before it is written). */
+void nx_layernorm_mod_f32(nx_isa isa,       /* the ISA to run (nx_cpu.h) */
+                          const float *x,   /* IN  [T, D] */
+                          const float *mod, /* IN  [D] */
+                          float *out,       /* OUT [T, D], rows [r0, r1) */
+                          int64_t D, float eps, int64_t r0, int64_t r1);
+void nx_layernorm_mod_f32_generic(const float *x, const float *mod, float *out, int64_t D,
+                                  float eps, int64_t r0, int64_t r1);
+void nx_layernorm_mod_f32_avx2(const float *x, const float *mod, float *out, int64_t D, float eps,
+                               int64_t r0, int64_t r1);
+void nx_layernorm_mod_f32_avx512(const float *x, const float *mod, float *out, int64_t D, float eps,
+                                 int64_t r0, int64_t r1);
 
 /* ---- element-wise exp / tanh of the variant (test hook for the SIMD polynomials):
  * out[i] := exp(x[i]) (which = 0) or tanh(x[i]) (which = 1), i in [0, n). */
@@ -127,8 +175,9 @@ void nx_vmath_f32_avx512(int which, const float *x, float *out, int64_t n);
 /* One RoPE pair of qk-norm + RoPE, scalar: y = (x * inv) * w for the pair's two values, then the
  * 2x2 rotation from pe ([hd/2][2][2] per token). The generic kernel is this loop; the SIMD
  * variants use it for their tails, so every variant gives the same bits. i is even. */
-static inline void nx_qknorm_rope_pair(const float *xr /* IN */, float inv, const float *wt /* IN */,
-                                       const float *p /* IN */, float *o /* OUT */, int64_t i) {
+static inline void nx_qknorm_rope_pair(const float *xr /* IN */, float inv,
+                                       const float *wt /* IN */, const float *p /* IN */,
+                                       float *o /* OUT */, int64_t i) {
     const float y0 = (xr[i] * inv) * wt[i];
     const float y1 = (xr[i + 1] * inv) * wt[i + 1];
     o[i] = p[2 * i] * y0 + p[2 * i + 1] * y1;

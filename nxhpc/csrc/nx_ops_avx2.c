@@ -1,10 +1,12 @@
-/* nx_ops_avx2.c -- AVX2+FMA variants of the block's non-matmul kernels.
- * Owns: for 16-register machines, the register-blocked flash-attention micro-block (4 rows x 16
- * keys) run by the shared tiled driver (nx_attn_tiled.h). The 8-lane exp/tanh/silu polynomials,
- * lane masks and horizontal max/sum are shared with nx_bwd_avx2.c (nx_vmath_avx2.h).
- * Must not: be entered unless nx_cpu_isa_supported(NX_ISA_AVX2). */
+/* nx_ops_avx2.c -- AVX2+FMA variants of the block's non-matmul kernels; exports nx_ops_table_avx2.
+ * Owns: qk-norm+RoPE in 8 lanes and, for 16-register machines, the register-blocked
+ * flash-attention micro-block (4 rows x 16 keys) run by the shared tiled driver (nx_attn_tiled.h).
+ * The element-wise kernels are the shared nx_ops_ew.h at 8 lanes; the 8-lane exp/tanh/silu
+ * polynomials, lane masks and horizontal max/sum are shared with nx_bwd_avx2.c (nx_vmath_avx2.h).
+ * Must not: be entered unless nx_cpu_isa_supported(NX_ISA_AVX2) (dispatch: nx_ops.c). */
 #include "nx_ops.h"
 #include "nx_attn_tiled.h"
+#include "nx_ops_ew.h" /* rmsnorm, layernorm_mod, swiglu, gated_residual, vmath (both widths) */
 #include "nx_vmath_avx2.h"
 
 #include <immintrin.h>
@@ -12,59 +14,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ------------------------------------------------------------------ vector math (test hook) */
+/* ------------------------------------------------------------------ qknorm + rope */
 
-void nx_vmath_f32_avx2(int which, const float *x, float *out, int64_t n) {
-    for (int64_t i = 0; i < n; i += 8) {
-        __m256i m = nx_mask8(n - i);
-        __m256 v = _mm256_maskload_ps(x + i, m);
-        _mm256_maskstore_ps(out + i, m, which == 0 ? nx_exp8(v) : nx_tanh8(v));
-    }
-}
-
-/* ------------------------------------------------------------------ rmsnorm, qknorm + rope */
-
-/* Same float64 16-lane order and tree as nx_rms_inv_generic (bit-identical):
- * a0 = lanes 0-3, a1 = 4-7, a2 = 8-11, a3 = 12-15. */
-static inline float nx_rms_inv_avx2(const float *x, int64_t n, float eps) {
-    __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t i = 0; i < n; i += 16) {
-        __m256 u = _mm256_maskload_ps(x + i, nx_mask8(n - i));
-        __m256 v = _mm256_maskload_ps(x + i + 8, nx_mask8(n - i - 8));
-        __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(u));
-        __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1));
-        __m256d d2 = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
-        __m256d d3 = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-        a0 = _mm256_fmadd_pd(d0, d0, a0);
-        a1 = _mm256_fmadd_pd(d1, d1, a1);
-        a2 = _mm256_fmadd_pd(d2, d2, a2);
-        a3 = _mm256_fmadd_pd(d3, d3, a3);
-    }
-    __m256d s4 = _mm256_add_pd(_mm256_add_pd(a0, a2), _mm256_add_pd(a1, a3));
-    __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
-    double ss = _mm_cvtsd_f64(s2) + _mm_cvtsd_f64(_mm_unpackhi_pd(s2, s2));
-    return (float)(1.0 / sqrt(ss / (double)n + (double)eps));
-}
-
-void nx_rmsnorm_f32_avx2(const float *x, const float *w, const float *mod, float *out,
-                         int64_t D, float eps, int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++) {
-        const float *xr = x + r * D;
-        float *o = out + r * D;
-        __m256 inv = _mm256_set1_ps(nx_rms_inv_avx2(xr, D, eps));
-        for (int64_t i = 0; i < D; i += 8) {
-            __m256i m = nx_mask8(D - i);
-            __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_maskload_ps(xr + i, m), inv),
-                                     _mm256_maskload_ps(w + i, m));
-            if (mod) v = _mm256_mul_ps(v, _mm256_maskload_ps(mod + i, m));
-            _mm256_maskstore_ps(o + i, m, v);
-        }
-    }
-}
-
-void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_w,
-                             const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
-                             int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1) {
+void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_w, const float *pe,
+                             float *q_out, float *k_out, int64_t T, int64_t H, int64_t KVH,
+                             int64_t hd, float eps, int64_t h0, int64_t h1) {
     const int64_t W = (H + 2 * KVH) * hd;
     for (int64_t j = h0; j < h1; j++) {
         const float *wt = j < H ? q_w : k_w;
@@ -73,7 +27,7 @@ void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_
             const float *xr = qkv + t * W + j * hd;
             const float *p = pe + t * hd * 2;
             float *o = dst + t * hd;
-            float invf = nx_rms_inv_avx2(xr, hd, eps);
+            float invf = nx_rms_inv8(xr, hd, eps);
             __m256 inv = _mm256_set1_ps(invf);
             int64_t i = 0;
             for (; i + 8 <= hd; i += 8) {
@@ -88,44 +42,9 @@ void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_
                                          _mm256_mul_ps(b, _mm256_movehdup_ps(y)));
                 _mm256_storeu_ps(o + i, v);
             }
-            for (; i < hd; i += 2) nx_qknorm_rope_pair(xr, invf, wt, p, o, i);  /* tail: the spec */
+            for (; i < hd; i += 2) nx_qknorm_rope_pair(xr, invf, wt, p, o, i); /* tail: the spec */
         }
     }
-}
-
-/* ------------------------------------------------------------------ swiglu, gated residual */
-
-void nx_swiglu_f32_avx2(const float *a, const float *b, float *out, int64_t i0, int64_t i1) {
-    int64_t i = i0;
-    for (; i + 8 <= i1; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(nx_silu8(_mm256_loadu_ps(a + i)), _mm256_loadu_ps(b + i)));
-    if (i < i1) {
-        __m256i m = nx_mask8(i1 - i);
-        __m256 v = _mm256_mul_ps(nx_silu8(_mm256_maskload_ps(a + i, m)), _mm256_maskload_ps(b + i, m));
-        _mm256_maskstore_ps(out + i, m, v);
-    }
-}
-
-int nx_gated_residual_f32_avx2(const float *resid, const float *y, const float *gate,
-                               float *out, int64_t D, int64_t r0, int64_t r1) {
-    float *tg = aligned_alloc(32, (size_t)((D + 7) / 8 * 8 + 8) * sizeof(float));
-    if (!tg) return -1;
-    for (int64_t c = 0; c < D; c += 8) {
-        __m256i m = nx_mask8(D - c);
-        _mm256_maskstore_ps(tg + c, m, nx_tanh8(_mm256_maskload_ps(gate + c, m)));
-    }
-    for (int64_t r = r0; r < r1; r++) {
-        const float *rr = resid + r * D, *yr = y + r * D;
-        float *o = out + r * D;
-        for (int64_t c = 0; c < D; c += 8) {
-            __m256i m = nx_mask8(D - c);
-            __m256 v = _mm256_fmadd_ps(_mm256_maskload_ps(tg + c, m), _mm256_maskload_ps(yr + c, m),
-                                       _mm256_maskload_ps(rr + c, m));
-            _mm256_maskstore_ps(o + c, m, v);
-        }
-    }
-    free(tg);
-    return 0;
 }
 
 /* ------------------------------------------------------------------ flash attention */
@@ -134,12 +53,11 @@ int nx_gated_residual_f32_avx2(const float *resid, const float *y, const float *
  * O += P V over 16 columns of hd at a time (8 accumulators). Rows never interact. */
 #define NX2_BR 4
 #define NX2_BC 16
-#ifndef NX2_QB
-#define NX2_QB 64  /* query rows sharing one pass over a K/V tile, multiple of NX2_BR */
+#ifndef NX2_QB /* query rows sharing one pass over a K/V tile, multiple of NX2_BR */
+#define NX2_QB 64
 #endif
 
-static inline __attribute__((always_inline)) void
-nx2_qk_block(const int nr, const float *q, int64_t hd, const float *kt, float *S) {
+NX_INLINE void nx2_qk_block(const int nr, const float *q, int64_t hd, const float *kt, float *S) {
     __m256 acc[NX2_BR][2];
     for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t d = 0; d < hd; d++) {
@@ -156,9 +74,8 @@ nx2_qk_block(const int nr, const float *q, int64_t hd, const float *kt, float *S
     }
 }
 
-static inline __attribute__((always_inline)) void
-nx2_pv_block(const int nr, const float *P, const float *alpha, const float *vt, int64_t W,
-             int64_t nk, int64_t c, int64_t hd, float *O, int64_t hdp) {
+NX_INLINE void nx2_pv_block(const int nr, const float *P, const float *alpha, const float *vt,
+                            int64_t W, int64_t nk, int64_t c, int64_t hd, float *O, int64_t hdp) {
     __m256 acc[NX2_BR][2];
     __m256i m0 = nx_mask8(hd - c), m1 = nx_mask8(hd - c - 8);
     for (int r = 0; r < nr; r++) {
@@ -193,7 +110,7 @@ static inline void nx2_softmax_rows(int nr, float *S, float scale, const float *
         __m256 x1 = _mm256_fmadd_ps(_mm256_load_ps(s + 8), sc, _mm256_load_ps(madd + 8));
         float mx = nx_hmax8(_mm256_max_ps(x0, x1));
         float m_new = mx > m[r] ? mx : m[r];
-        float m_use = m_new == -INFINITY ? 0.0f : m_new;  /* all keys masked so far: p = 0 */
+        float m_use = m_new == -INFINITY ? 0.0f : m_new; /* all keys masked so far: p = 0 */
         dm[r] = m[r] - m_use;
         m[r] = m_new;
         __m256 mu = _mm256_set1_ps(m_use);
@@ -209,19 +126,17 @@ static inline void nx2_softmax_rows(int nr, float *S, float scale, const float *
     }
 }
 
-static inline __attribute__((always_inline)) void
-nx2_attn_micro(const int nr, const float *q, int64_t hd, const float *kt, float *S, float scale,
-               const float *madd, float *m, float *l, float *alpha, const float *vt, int64_t W,
-               int64_t nk, float *O, int64_t hdp) {
+NX_INLINE void nx2_attn_micro(const int nr, const float *q, int64_t hd, const float *kt, float *S,
+                              float scale, const float *madd, float *m, float *l, float *alpha,
+                              const float *vt, int64_t W, int64_t nk, float *O, int64_t hdp) {
     nx2_qk_block(nr, q, hd, kt, S);
     nx2_softmax_rows(nr, S, scale, madd, m, l, alpha);
     for (int64_t c = 0; c < hdp; c += 16) nx2_pv_block(nr, S, alpha, vt, W, nk, c, hd, O, hdp);
 }
 
-static inline __attribute__((always_inline)) void
-nx2_attn_micro_any(int nr, const float *q, int64_t hd, const float *kt, float *S,
-                               float scale, const float *madd, float *m, float *l, float *alpha,
-                               const float *vt, int64_t W, int64_t nk, float *O, int64_t hdp) {
+NX_INLINE void nx2_attn_micro_any(int nr, const float *q, int64_t hd, const float *kt, float *S,
+                                  float scale, const float *madd, float *m, float *l, float *alpha,
+                                  const float *vt, int64_t W, int64_t nk, float *O, int64_t hdp) {
     switch (nr) {
     case 4: nx2_attn_micro(4, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
     case 3: nx2_attn_micro(3, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
@@ -233,8 +148,19 @@ nx2_attn_micro_any(int nr, const float *q, int64_t hd, const float *kt, float *S
 _Static_assert(NX2_QB <= NX_ATTN_MAX_QB && NX2_QB % NX2_BR == 0, "query block size");
 static const nx_attn_tiling nx2_attn_tiling_avx2 = {NX2_BR, NX2_BC, NX2_QB, nx2_attn_micro_any};
 
-int nx_attention_f32_avx2(const float *q, const float *k, const float *qkv,
-                          const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                          int64_t hd, float scale, int64_t h0, int64_t h1) {
-    return nx_attention_tiled(&nx2_attn_tiling_avx2, q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1);
+int nx_attention_f32_avx2(const float *q, const float *k, const float *qkv, const uint8_t *mask,
+                          float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
+                          int64_t h0, int64_t h1) {
+    return nx_attention_tiled(&nx2_attn_tiling_avx2, q, k, qkv, mask, out, T, H, KVH, hd, scale, h0,
+                              h1);
 }
+
+const nx_ops_table nx_ops_table_avx2 = {
+    .rmsnorm = nx_rmsnorm_f32_avx2,
+    .qknorm_rope = nx_qknorm_rope_f32_avx2,
+    .attention = nx_attention_f32_avx2,
+    .swiglu = nx_swiglu_f32_avx2,
+    .gated_residual = nx_gated_residual_f32_avx2,
+    .vmath = nx_vmath_f32_avx2,
+    .layernorm_mod = nx_layernorm_mod_f32_avx2,
+};

@@ -1,10 +1,13 @@
-/* nx_ops_avx512.c -- AVX-512 (F/DQ/BW/VL) variants of the block's non-matmul kernels.
- * Owns: the register-blocked flash-attention micro-block (6 rows x 64 keys) run by the shared
- * tiled driver (nx_attn_tiled.h). The 16-lane exp/tanh/silu polynomials, lane masks and the
- * float64 reduction tree are shared with nx_bwd_avx512.c (nx_vmath_avx512.h).
+/* nx_ops_avx512.c -- AVX-512 (F/DQ/BW/VL) variants of the block's non-matmul kernels; exports
+ * nx_ops_table_avx512.
+ * Owns: qk-norm+RoPE in 16 lanes and the register-blocked flash-attention micro-block (6 rows x
+ * 64 keys) run by the shared tiled driver (nx_attn_tiled.h). The element-wise kernels are the
+ * shared nx_ops_ew.h at 16 lanes; the exp/tanh/silu polynomials, lane masks and the float64
+ * reduction tree are shared with nx_bwd_avx512.c (nx_vmath_avx512.h).
  * Must not: be entered unless nx_cpu_isa_supported(NX_ISA_AVX512) (dispatch in nx_ops.c). */
 #include "nx_ops.h"
 #include "nx_attn_tiled.h"
+#include "nx_ops_ew.h" /* rmsnorm, layernorm_mod, swiglu, gated_residual, vmath (both widths) */
 #include "nx_vmath_avx512.h"
 
 #include <immintrin.h>
@@ -12,45 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ------------------------------------------------------------------ vector math (test hook) */
-
-void nx_vmath_f32_avx512(int which, const float *x, float *out, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) {
-        __mmask16 m = nx_mask16(n - i);
-        __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-        _mm512_mask_storeu_ps(out + i, m, which == 0 ? nx_exp16(v) : nx_tanh16(v));
-    }
-}
-
-/* ------------------------------------------------------------------ rmsnorm, qknorm + rope */
-
-/* Same float64 16-lane order and tree as nx_rms_inv_generic (bit-identical). */
-static inline float nx_rms_inv_avx512(const float *x, int64_t n, float eps) {
-    __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
-    for (int64_t i = 0; i < n; i += 16) {
-        __m512d lo, hi;
-        nx_cvt_lohi(_mm512_maskz_loadu_ps(nx_mask16(n - i), x + i), &lo, &hi);
-        a0 = _mm512_fmadd_pd(lo, lo, a0);  /* lo*lo is exact in float64: fma == mul + add */
-        a1 = _mm512_fmadd_pd(hi, hi, a1);
-    }
-    return (float)(1.0 / sqrt(nx_tree16_pd(a0, a1) / (double)n + (double)eps));
-}
-
-void nx_rmsnorm_f32_avx512(const float *x, const float *w, const float *mod, float *out,
-                           int64_t D, float eps, int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++) {
-        const float *xr = x + r * D;
-        float *o = out + r * D;
-        __m512 inv = _mm512_set1_ps(nx_rms_inv_avx512(xr, D, eps));
-        for (int64_t i = 0; i < D; i += 16) {
-            __mmask16 m = nx_mask16(D - i);
-            __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + i), inv),
-                                     _mm512_maskz_loadu_ps(m, w + i));
-            if (mod) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, mod + i));
-            _mm512_mask_storeu_ps(o + i, m, v);
-        }
-    }
-}
+/* ------------------------------------------------------------------ qknorm + rope */
 
 void nx_qknorm_rope_f32_avx512(const float *qkv, const float *q_w, const float *k_w,
                                const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
@@ -65,55 +30,22 @@ void nx_qknorm_rope_f32_avx512(const float *qkv, const float *q_w, const float *
             const float *xr = qkv + t * W + j * hd;
             const float *p = pe + t * hd * 2;
             float *o = dst + t * hd;
-            float invf = nx_rms_inv_avx512(xr, hd, eps);
+            float invf = nx_rms_inv16(xr, hd, eps);
             __m512 inv = _mm512_set1_ps(invf);
             int64_t i = 0;
             for (; i + 16 <= hd; i += 16) {
                 __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + i), inv),
                                          _mm512_loadu_ps(wt + i));
                 __m512 p0 = _mm512_loadu_ps(p + 2 * i), p1 = _mm512_loadu_ps(p + 2 * i + 16);
-                __m512 a = _mm512_permutex2var_ps(p0, ev, p1);  /* pe[.,.,r,0] per output lane */
-                __m512 b = _mm512_permutex2var_ps(p0, od, p1);  /* pe[.,.,r,1] */
+                __m512 a = _mm512_permutex2var_ps(p0, ev, p1); /* pe[.,.,r,0] per output lane */
+                __m512 b = _mm512_permutex2var_ps(p0, od, p1); /* pe[.,.,r,1] */
                 __m512 v = _mm512_add_ps(_mm512_mul_ps(a, _mm512_moveldup_ps(y)),
                                          _mm512_mul_ps(b, _mm512_movehdup_ps(y)));
                 _mm512_storeu_ps(o + i, v);
             }
-            for (; i < hd; i += 2) nx_qknorm_rope_pair(xr, invf, wt, p, o, i);  /* tail: the spec */
+            for (; i < hd; i += 2) nx_qknorm_rope_pair(xr, invf, wt, p, o, i); /* tail: the spec */
         }
     }
-}
-
-/* ------------------------------------------------------------------ swiglu, gated residual */
-
-void nx_swiglu_f32_avx512(const float *a, const float *b, float *out, int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; i += 16) {
-        __mmask16 m = nx_mask16(i1 - i);
-        __m512 v = _mm512_mul_ps(nx_silu16(_mm512_maskz_loadu_ps(m, a + i)),
-                                 _mm512_maskz_loadu_ps(m, b + i));
-        _mm512_mask_storeu_ps(out + i, m, v);
-    }
-}
-
-int nx_gated_residual_f32_avx512(const float *resid, const float *y, const float *gate,
-                                 float *out, int64_t D, int64_t r0, int64_t r1) {
-    float *tg = aligned_alloc(64, (size_t)((D + 15) / 16 * 16 + 16) * sizeof(float));
-    if (!tg) return -1;
-    for (int64_t c = 0; c < D; c += 16) {
-        __mmask16 m = nx_mask16(D - c);
-        _mm512_mask_storeu_ps(tg + c, m, nx_tanh16(_mm512_maskz_loadu_ps(m, gate + c)));
-    }
-    for (int64_t r = r0; r < r1; r++) {
-        const float *rr = resid + r * D, *yr = y + r * D;
-        float *o = out + r * D;
-        for (int64_t c = 0; c < D; c += 16) {
-            __mmask16 m = nx_mask16(D - c);
-            __m512 v = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, tg + c), _mm512_maskz_loadu_ps(m, yr + c),
-                                       _mm512_maskz_loadu_ps(m, rr + c));
-            _mm512_mask_storeu_ps(o + c, m, v);
-        }
-    }
-    free(tg);
-    return 0;
 }
 
 /* ------------------------------------------------------------------ flash attention */
@@ -125,13 +57,13 @@ int nx_gated_residual_f32_avx512(const float *resid, const float *y, const float
  * Each row's arithmetic is the same whatever micro-block/tail it lands in (rows never interact). */
 #define NX_BR 6
 #define NX_BC 64
+/* NX_QB: query rows sharing one pass over a K/V tile, multiple of NX_BR: 192 was fastest of
+ * 6/24/48/96/192/384 at T=1024 hd=128 (214 vs 204 GFLOP/s at 48) */
 #ifndef NX_QB
-#define NX_QB 192  /* query rows sharing one pass over a K/V tile, multiple of NX_BR: 192 was
-                      * fastest of 6/24/48/96/192/384 at T=1024 hd=128 (214 vs 204 GFLOP/s at 48) */
+#define NX_QB 192
 #endif
 
-static inline __attribute__((always_inline)) void
-nx_qk_block(const int nr, const float *q, int64_t hd, const float *kt, float *S) {
+NX_INLINE void nx_qk_block(const int nr, const float *q, int64_t hd, const float *kt, float *S) {
     __m512 acc[NX_BR][4];
     for (int r = 0; r < nr; r++)
         for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
@@ -153,28 +85,33 @@ nx_qk_block(const int nr, const float *q, int64_t hd, const float *kt, float *S)
 
 /* O[r, c:c+16*nv] = O * alpha[r] + sum_j P[r, j] v[j, c:c+16*nv] (lanes beyond hd masked to 0);
  * nv in {1, 4} (a compile-time constant after inlining). */
-static inline __attribute__((always_inline)) void
-nx_pv_block(const int nr, const int nv, const float *P, const float *alpha, const float *vt,
-            int64_t W, int64_t nk, int64_t c, int64_t hd, float *O, int64_t hdp) {
+NX_INLINE void nx_pv_block(const int nr, const int nv, const float *P, const float *alpha,
+                           const float *vt, int64_t W, int64_t nk, int64_t c, int64_t hd, float *O,
+                           int64_t hdp) {
     __m512 acc[NX_BR][4];
     __mmask16 mk[4];
-    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) mk[v] = nx_mask16(hd - c - 16 * v);
+#pragma GCC unroll 4
+    for (int v = 0; v < nv; v++) mk[v] = nx_mask16(hd - c - 16 * v);
     for (int r = 0; r < nr; r++) {
         __m512 a = _mm512_set1_ps(alpha[r]);
-        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++)
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++)
             acc[r][v] = _mm512_mul_ps(_mm512_load_ps(O + r * hdp + c + 16 * v), a);
     }
     for (int64_t j = 0; j < nk; j++) {
         const float *vr = vt + j * W + c;
         __m512 vv[4];
-        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) vv[v] = _mm512_maskz_loadu_ps(mk[v], vr + 16 * v);
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++) vv[v] = _mm512_maskz_loadu_ps(mk[v], vr + 16 * v);
         for (int r = 0; r < nr; r++) {
             __m512 p = _mm512_set1_ps(P[r * NX_BC + j]);
-            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(p, vv[v], acc[r][v]);
+#pragma GCC unroll 4
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(p, vv[v], acc[r][v]);
         }
     }
     for (int r = 0; r < nr; r++)
-        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) _mm512_store_ps(O + r * hdp + c + 16 * v, acc[r][v]);
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++) _mm512_store_ps(O + r * hdp + c + 16 * v, acc[r][v]);
 }
 
 /* Online softmax of one micro-block's scores (in place: S -> P). The rescale factors
@@ -189,9 +126,10 @@ static inline void nx_softmax_rows(int nr, float *S, float scale, const float *m
         __m512 x1 = _mm512_fmadd_ps(_mm512_load_ps(s + 16), sc, _mm512_load_ps(madd + 16));
         __m512 x2 = _mm512_fmadd_ps(_mm512_load_ps(s + 32), sc, _mm512_load_ps(madd + 32));
         __m512 x3 = _mm512_fmadd_ps(_mm512_load_ps(s + 48), sc, _mm512_load_ps(madd + 48));
-        float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x0, x1), _mm512_max_ps(x2, x3)));
+        float mx =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x0, x1), _mm512_max_ps(x2, x3)));
         float m_new = mx > m[r] ? mx : m[r];
-        m_use[r] = m_new == -INFINITY ? 0.0f : m_new;  /* all keys masked so far: p = 0 */
+        m_use[r] = m_new == -INFINITY ? 0.0f : m_new; /* all keys masked so far: p = 0 */
         dm[r] = m[r] - m_use[r];
         m[r] = m_new;
         __m512 mu = _mm512_set1_ps(m_use[r]);
@@ -210,10 +148,9 @@ static inline void nx_softmax_rows(int nr, float *S, float scale, const float *m
     }
 }
 
-static inline __attribute__((always_inline)) void
-nx_attn_micro(const int nr, const float *q, int64_t hd, const float *kt, float *S, float scale,
-              const float *madd, float *m, float *l, float *alpha, const float *vt, int64_t W,
-              int64_t nk, float *O, int64_t hdp) {
+NX_INLINE void nx_attn_micro(const int nr, const float *q, int64_t hd, const float *kt, float *S,
+                             float scale, const float *madd, float *m, float *l, float *alpha,
+                             const float *vt, int64_t W, int64_t nk, float *O, int64_t hdp) {
     nx_qk_block(nr, q, hd, kt, S);
     nx_softmax_rows(nr, S, scale, madd, m, l, alpha);
     int64_t c = 0;
@@ -222,11 +159,10 @@ nx_attn_micro(const int nr, const float *q, int64_t hd, const float *kt, float *
     for (; c < hdp; c += 16) nx_pv_block(nr, 1, S, alpha, vt, W, nk, c, hd, O, hdp);
 }
 
-static inline __attribute__((always_inline)) void
-nx_attn_micro_any(int nr, const float *q, int64_t hd, const float *kt, float *S,
-                              float scale, const float *madd, float *m, float *l, float *alpha,
-                              const float *vt, int64_t W, int64_t nk, float *O, int64_t hdp) {
-    switch (nr) {  /* constant row counts so the accumulators stay in registers */
+NX_INLINE void nx_attn_micro_any(int nr, const float *q, int64_t hd, const float *kt, float *S,
+                                 float scale, const float *madd, float *m, float *l, float *alpha,
+                                 const float *vt, int64_t W, int64_t nk, float *O, int64_t hdp) {
+    switch (nr) { /* constant row counts so the accumulators stay in registers */
     case 6: nx_attn_micro(6, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
     case 5: nx_attn_micro(5, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
     case 4: nx_attn_micro(4, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
@@ -239,8 +175,19 @@ nx_attn_micro_any(int nr, const float *q, int64_t hd, const float *kt, float *S,
 _Static_assert(NX_QB <= NX_ATTN_MAX_QB && NX_QB % NX_BR == 0, "query block size");
 static const nx_attn_tiling nx_attn_tiling_avx512 = {NX_BR, NX_BC, NX_QB, nx_attn_micro_any};
 
-int nx_attention_f32_avx512(const float *q, const float *k, const float *qkv,
-                            const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                            int64_t hd, float scale, int64_t h0, int64_t h1) {
-    return nx_attention_tiled(&nx_attn_tiling_avx512, q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1);
+int nx_attention_f32_avx512(const float *q, const float *k, const float *qkv, const uint8_t *mask,
+                            float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
+                            int64_t h0, int64_t h1) {
+    return nx_attention_tiled(&nx_attn_tiling_avx512, q, k, qkv, mask, out, T, H, KVH, hd, scale,
+                              h0, h1);
 }
+
+const nx_ops_table nx_ops_table_avx512 = {
+    .rmsnorm = nx_rmsnorm_f32_avx512,
+    .qknorm_rope = nx_qknorm_rope_f32_avx512,
+    .attention = nx_attention_f32_avx512,
+    .swiglu = nx_swiglu_f32_avx512,
+    .gated_residual = nx_gated_residual_f32_avx512,
+    .vmath = nx_vmath_f32_avx512,
+    .layernorm_mod = nx_layernorm_mod_f32_avx512,
+};

@@ -1,5 +1,6 @@
 /* nx_quants.c -- generic (scalar) dequantizers of the nine GGML block types: the spec that the
- * AVX2/AVX-512 variants reproduce bit for bit; plus the per-type traits table and dispatch.
+ * AVX2/AVX-512 variants reproduce bit for bit. Their traits rows and dispatch are the weight-type
+ * tables' (nx_wtype.c).
  *
  * Owns: the element order and float32 operation order of each type's decoding, written to follow
  * gguf-py's numpy dequantizers op for op (see the contract in nx_quants.h). Compiled with no ISA
@@ -191,43 +192,4 @@ void nx_dequant_q6_K_generic(const uint8_t *blocks /* IN */, float *out /* OUT *
             }
         }
     }
-}
-
-/* ------------------------------------------------------------------ traits and dispatch */
-
-#define NX_FNS(t) { nx_dequant_##t##_generic, NX_X86_ONLY(nx_dequant_##t##_avx2, \
-                                                          nx_dequant_##t##_avx512) }
-static const nx_quant_type nx_quant_types[NX_QUANT_NTYPES] = {
-    { NX_GGML_Q4_0, "Q4_0", NX_QK_LEGACY, sizeof(nx_block_q4_0), NX_FNS(q4_0) },
-    { NX_GGML_Q4_1, "Q4_1", NX_QK_LEGACY, sizeof(nx_block_q4_1), NX_FNS(q4_1) },
-    { NX_GGML_Q5_0, "Q5_0", NX_QK_LEGACY, sizeof(nx_block_q5_0), NX_FNS(q5_0) },
-    { NX_GGML_Q5_1, "Q5_1", NX_QK_LEGACY, sizeof(nx_block_q5_1), NX_FNS(q5_1) },
-    { NX_GGML_Q2_K, "Q2_K", NX_QK_K, sizeof(nx_block_q2_K), NX_FNS(q2_K) },
-    { NX_GGML_Q3_K, "Q3_K", NX_QK_K, sizeof(nx_block_q3_K), NX_FNS(q3_K) },
-    { NX_GGML_Q4_K, "Q4_K", NX_QK_K, sizeof(nx_block_q4_K), NX_FNS(q4_K) },
-    { NX_GGML_Q5_K, "Q5_K", NX_QK_K, sizeof(nx_block_q5_K), NX_FNS(q5_K) },
-    { NX_GGML_Q6_K, "Q6_K", NX_QK_K, sizeof(nx_block_q6_K), NX_FNS(q6_K) },
-};
-#undef NX_FNS
-
-const nx_quant_type *nx_quant_type_at(int i) {
-    return i >= 0 && i < NX_QUANT_NTYPES ? &nx_quant_types[i] : NULL;
-}
-
-const nx_quant_type *nx_quant_type_of(int ggml_type) {
-    for (int i = 0; i < NX_QUANT_NTYPES; i++)
-        if (nx_quant_types[i].ggml_type == ggml_type) return &nx_quant_types[i];
-    return NULL;
-}
-
-nx_isa nx_quant_dequant_level(const nx_quant_type *t, nx_isa isa) {
-    int lv = (int)isa;
-    if (lv > (int)NX_ISA_AVX512) lv = (int)NX_ISA_AVX512;
-    while (lv > (int)NX_ISA_GENERIC && t->dequant[lv] == NULL) lv--;
-    return (nx_isa)lv;
-}
-
-void nx_quant_dequantize(const nx_quant_type *t, nx_isa isa, const uint8_t *blocks /* IN */,
-                         float *out /* OUT */, size_t nblocks) {
-    t->dequant[nx_quant_dequant_level(t, isa)](blocks, out, nblocks);
 }

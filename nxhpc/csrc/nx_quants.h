@@ -1,11 +1,12 @@
 /* nx_quants.h -- GGML weight block types Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K:
  * block layouts and their dequantizers (decode whole blocks to float32).
  *
- * Owns: the nine block layouts (ggml's ggml-common.h, sizes pinned by _Static_assert), the
- * decoding arithmetic of each type (the generic scalar functions in nx_quants.c are the spec), and
- * a small lookup table name/id -> geometry and per-ISA dequantizers. Must not: allocate, spawn
- * threads, or read/write outside [blocks, blocks + nblocks*block_bytes) / [out, out +
- * nblocks*block_elems) (callers validate sizes before entering C).
+ * Owns: the nine block layouts (ggml's ggml-common.h, sizes pinned by _Static_assert) and the
+ * decoding arithmetic of each type (the generic scalar functions in nx_quants.c are the spec).
+ * The traits rows (name, geometry, spec) and the per-ISA dequantize entries of these types live
+ * in the weight-type tables (nx_wtype.c, nx_wtype_avx2.c, nx_wtype_avx512.c): one authority for
+ * dispatch. Must not: allocate, spawn threads, dispatch, or read/write outside [blocks, blocks +
+ * nblocks*block_bytes) / [out, out + nblocks*block_elems) (callers validate sizes before C).
  *
  * Every dequantizer has the same signature; a band of blocks is a pointer offset plus a count:
  *   void nx_dequant_<type>_<isa>(const uint8_t *blocks, float *out, size_t nblocks);
@@ -47,11 +48,7 @@
 
 #include "nx_cpu.h"
 
-/* GGML type ids (ggml.h enum ggml_type / gguf GGMLQuantizationType). */
-enum {
-    NX_GGML_Q4_0 = 2, NX_GGML_Q4_1 = 3, NX_GGML_Q5_0 = 6, NX_GGML_Q5_1 = 7,
-    NX_GGML_Q2_K = 10, NX_GGML_Q3_K = 11, NX_GGML_Q4_K = 12, NX_GGML_Q5_K = 13, NX_GGML_Q6_K = 14,
-};
+#include "nx_wtype.h" /* GGML type ids (NX_GGML_*) */
 
 #define NX_QK_LEGACY 32     /* elements per Q4_0/Q4_1/Q5_0/Q5_1 block */
 #define NX_QK_K 256         /* elements per K-quant super-block */
@@ -95,9 +92,8 @@ _Static_assert(offsetof(nx_block_q5_0, qs) == 6 && offsetof(nx_block_q5_1, qs) =
 _Static_assert(offsetof(nx_block_q2_K, d) == 80 && offsetof(nx_block_q3_K, d) == 108, "K layout");
 _Static_assert(offsetof(nx_block_q5_K, qs) == 48 && offsetof(nx_block_q6_K, d) == 208, "K layout");
 
-/* ---- dequantizers: blocks [nblocks*block_bytes] -> out [nblocks*block_elems] float32. */
-typedef void (*nx_dequant_fn)(const uint8_t *blocks, float *out, size_t nblocks);
-
+/* ---- dequantizers: blocks [nblocks*block_bytes] -> out [nblocks*block_elems] float32, of the
+ * nx_dequant_fn type (nx_wtype.h). The SIMD ones exist only in x86 builds. */
 #define NX_DEQUANT_DECL(t, isa) \
     void nx_dequant_##t##_##isa(const uint8_t *blocks /* IN nblocks*block_bytes */, \
                                 float *out /* OUT nblocks*block_elems */, size_t nblocks);
@@ -115,25 +111,5 @@ NX_DEQUANT_DECL3(q5_K)
 NX_DEQUANT_DECL3(q6_K)
 #undef NX_DEQUANT_DECL3
 #undef NX_DEQUANT_DECL
-
-/* ---- per-type traits (for the Python wrapper; the matmul's weight-type table holds the same). */
-typedef struct {
-    int ggml_type;              /* NX_GGML_* */
-    const char *name;           /* "Q4_0", ..., "Q6_K" (ggml's spelling) */
-    size_t block_elems;         /* 32 or 256 */
-    size_t block_bytes;         /* sizeof(nx_block_*) */
-    nx_dequant_fn dequant[3];   /* indexed by nx_isa; [AVX2], [AVX512] NULL in non-x86 builds */
-} nx_quant_type;
-
-#define NX_QUANT_NTYPES 9
-/* i-th type (0 <= i < NX_QUANT_NTYPES), or NULL. */
-const nx_quant_type *nx_quant_type_at(int i);
-/* The type with this GGML id, or NULL if it is not one of the nine. */
-const nx_quant_type *nx_quant_type_of(int ggml_type);
-/* Level the dequantizer runs for a requested level (the highest compiled level <= isa). */
-nx_isa nx_quant_dequant_level(const nx_quant_type *t, nx_isa isa);
-/* Dispatch: t->dequant[nx_quant_dequant_level(t, isa)](blocks, out, nblocks). */
-void nx_quant_dequantize(const nx_quant_type *t, nx_isa isa, const uint8_t *blocks /* IN */,
-                         float *out /* OUT */, size_t nblocks);
 
 #endif

@@ -1,5 +1,6 @@
 /* nx_vmath_avx2.h -- the 8-lane (ymm) vector math shared by the AVX2+FMA kernel files
- * (nx_ops_avx2.c, nx_bwd_avx2.c): lane masks, exp / tanh / silu polynomials, horizontal max/sum.
+ * (nx_ops_avx2.c, nx_bwd_avx2.c): lane masks, exp / tanh / silu polynomials, horizontal max/sum,
+ * the float64 row statistics of rmsnorm / layernorm.
  * Each helper exists once, here; the forward and backward kernels call the same code, so an
  * exp(x) in the attention forward and backward is bit-identical by construction.
  *
@@ -11,11 +12,14 @@
 #ifndef NX_VMATH_AVX2_H
 #define NX_VMATH_AVX2_H
 
+/* clang-format off */
 #if defined(__GNUC__) && !(defined(__AVX2__) && defined(__FMA__))
 #error "nx_vmath_avx2.h: include only from files compiled with -mavx2 -mfma (the *_avx2.c files)"
 #endif
+/* clang-format on */
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 /* Lane mask for maskload/maskstore: lanes [0, valid) set (valid clamped to [0, 8]). */
@@ -46,11 +50,13 @@ static inline __m256 nx_exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
     p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
-    __m256i ni = _mm256_cvtps_epi32(n);  /* NaN -> INT_MIN; p is NaN then anyway */
+    __m256i ni = _mm256_cvtps_epi32(n); /* NaN -> INT_MIN; p is NaN then anyway */
     __m256i n1 = _mm256_srai_epi32(ni, 1);
     __m256i n2 = _mm256_sub_epi32(ni, n1);
-    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
-    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
+    __m256 s1 =
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
+    __m256 s2 =
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
     return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 
@@ -69,8 +75,9 @@ static inline __m256 nx_tanh8(__m256 x) {
     p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
     __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
     __m256 e = nx_exp8(_mm256_add_ps(ax, ax));
-    __m256 big = _mm256_sub_ps(_mm256_set1_ps(1.0f),
-                               _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+    __m256 big =
+        _mm256_sub_ps(_mm256_set1_ps(1.0f),
+                      _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
     __m256 is_small = _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ);
     /* both branches carry sign(x); OR-ing it in keeps tanh(-0) = -0 */
     return _mm256_or_ps(_mm256_blendv_ps(big, small, is_small), _mm256_and_ps(sign, x));
@@ -104,6 +111,72 @@ static inline float nx_hsum8(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* 16 float64 lane accumulators as four ymm (a0 = lanes 0-3, a1 = 4-7, a2 = 8-11, a3 = 12-15)
+ * summed in the generic tree (l + l+8), (l + l+4), (l + l+2), (l0 + l1) (nx_tree16_pd's). */
+static inline double nx_tree16_pd4(__m256d a0, __m256d a1, __m256d a2, __m256d a3) {
+    __m256d s4 = _mm256_add_pd(_mm256_add_pd(a0, a2), _mm256_add_pd(a1, a3));
+    __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
+    return _mm_cvtsd_f64(s2) + _mm_cvtsd_f64(_mm_unpackhi_pd(s2, s2));
+}
+
+/* Elements [i, i+16) of x (lanes past n zero) as four float64 ymm, exact. */
+static inline void nx_cvt16_pd4(const float *x, int64_t i, int64_t n, __m256d d[4]) {
+    __m256 u = _mm256_maskload_ps(x + i, nx_mask8(n - i));
+    __m256 v = _mm256_maskload_ps(x + i + 8, nx_mask8(n - i - 8));
+    d[0] = _mm256_cvtps_pd(_mm256_castps256_ps128(u));
+    d[1] = _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1));
+    d[2] = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+    d[3] = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+}
+
+/* 1 / sqrt(sum(x^2)/n + eps), the order of nx_rms_inv_generic (nx_ops.c), bit for bit. */
+static inline float nx_rms_inv8(const float *x, int64_t n, float eps) {
+    __m256d a[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
+                    _mm256_setzero_pd()};
+    for (int64_t i = 0; i < n; i += 16) {
+        __m256d d[4];
+        nx_cvt16_pd4(x, i, n, d);
+        for (int j = 0; j < 4; j++) a[j] = _mm256_fmadd_pd(d[j], d[j], a[j]); /* exact products */
+    }
+    return (float)(1.0 / sqrt(nx_tree16_pd4(a[0], a[1], a[2], a[3]) / (double)n + (double)eps));
+}
+
+/* LayerNorm statistics in the order of nx_ln_stats_generic (nx_ops.c), bit for bit (see
+ * nx_ln_stats16). Lanes past n contribute exact zeros. */
+static inline void nx_ln_stats8(const float *x, int64_t n, double *mean, double *var) {
+    __m256d s[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
+                    _mm256_setzero_pd()};
+    for (int64_t i = 0; i < n; i += 16) {
+        __m256d d[4];
+        nx_cvt16_pd4(x, i, n, d);
+        for (int j = 0; j < 4; j++) s[j] = _mm256_add_pd(s[j], d[j]);
+    }
+    const double mu = nx_tree16_pd4(s[0], s[1], s[2], s[3]) / (double)n;
+    const __m256d vmu = _mm256_set1_pd(mu);
+    const __m256i lane = _mm256_setr_epi64x(0, 1, 2, 3);
+    __m256d q[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
+                    _mm256_setzero_pd()};
+    for (int64_t i = 0; i < n; i += 16) {
+        __m256d d[4];
+        nx_cvt16_pd4(x, i, n, d);
+        for (int j = 0; j < 4; j++) {
+            const int64_t valid = n - i - 4 * j; /* lanes of this quarter that exist */
+            __m256d keep = _mm256_castsi256_pd(_mm256_cmpgt_epi64(_mm256_set1_epi64x(valid), lane));
+            __m256d dv = _mm256_and_pd(_mm256_sub_pd(d[j], vmu), keep); /* past n: +0 */
+            q[j] = _mm256_add_pd(q[j], _mm256_mul_pd(dv, dv));
+        }
+    }
+    *mean = mu;
+    *var = nx_tree16_pd4(q[0], q[1], q[2], q[3]) / (double)n;
+}
+
+/* (float)((double)x - mu) per lane: the difference rounded once. */
+static inline __m256 nx_sub_f64_8(__m256 x, __m256d mu) {
+    __m128 a = _mm256_cvtpd_ps(_mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), mu));
+    __m128 b = _mm256_cvtpd_ps(_mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), mu));
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(a), b, 1);
 }
 
 #endif

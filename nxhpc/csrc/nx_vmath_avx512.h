@@ -1,6 +1,7 @@
 /* nx_vmath_avx512.h -- the 16-lane (zmm) vector math shared by the AVX-512 kernel files
  * (nx_ops_avx512.c, nx_bwd_avx512.c): lane masks, exp / tanh / silu polynomials, and the
- * float32 -> float64 split + fixed float64 reduction tree of the bit-identical rmsnorm paths.
+ * float32 -> float64 split + fixed float64 reduction tree of the bit-identical rmsnorm paths, and
+ * the float64 row statistics of rmsnorm / layernorm.
  * Each helper exists once, here; the forward and backward kernels call the same code, so an
  * exp(x) in the attention forward and backward is bit-identical by construction.
  * (Horizontal float32 max/sum use the compiler's _mm512_reduce_max_ps / _mm512_reduce_add_ps.)
@@ -13,16 +14,21 @@
 #ifndef NX_VMATH_AVX512_H
 #define NX_VMATH_AVX512_H
 
+/* clang-format off */
 #if defined(__GNUC__) && !(defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__FMA__))
 #error "nx_vmath_avx512.h: include only from files compiled with -mavx512f -mavx512dq (the *_avx512.c files)"
 #endif
+/* clang-format on */
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 /* Lane mask: lanes [0, valid) set (valid clamped to [0, 16]). */
 static inline __mmask16 nx_mask16(int64_t valid) {
-    return valid >= 16 ? (__mmask16)0xFFFF : valid <= 0 ? (__mmask16)0 : (__mmask16)((1u << valid) - 1u);
+    return valid >= 16  ? (__mmask16)0xFFFF
+           : valid <= 0 ? (__mmask16)0
+                        : (__mmask16)((1u << valid) - 1u);
 }
 
 /* exp(x), 16 lanes. Range reduction x = n*ln2 + r (ln2 split in two, Cody-Waite), |r| <= ln2/2,
@@ -61,8 +67,9 @@ static inline __m512 nx_tanh16(__m512 x) {
     p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
     __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
     __m512 e = nx_exp16(_mm512_add_ps(ax, ax));
-    __m512 big = _mm512_sub_ps(_mm512_set1_ps(1.0f),
-                               _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+    __m512 big =
+        _mm512_sub_ps(_mm512_set1_ps(1.0f),
+                      _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
     __mmask16 is_small = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.625f), _CMP_LT_OQ);
     /* both branches carry sign(x) (the polynomial is odd with 1 + z*P > 0); OR-ing it in keeps tanh(-0) = -0 */
     return _mm512_or_ps(_mm512_mask_blend_ps(is_small, big, small), _mm512_and_ps(sign, x));
@@ -75,7 +82,8 @@ static inline __m512 nx_tanh16(__m512 x) {
 static inline __m512 nx_silu16(__m512 x) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
     __m512 e = nx_exp16(_mm512_or_ps(x, sign));
-    __m512 xc = _mm512_max_ps(_mm512_set1_ps(-3.4028234663852886e38f), x);  /* -inf -> -FLT_MAX, NaN kept */
+    __m512 xc =
+        _mm512_max_ps(_mm512_set1_ps(-3.4028234663852886e38f), x); /* -inf -> -FLT_MAX, NaN kept */
     __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
     __m512 num = _mm512_mask_mul_ps(x, neg, xc, e);
     return _mm512_div_ps(num, _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
@@ -96,6 +104,54 @@ static inline double nx_tree16_pd(__m512d lo, __m512d hi) {
     __m256d s4 = _mm256_add_pd(_mm512_castpd512_pd256(s8), _mm512_extractf64x4_pd(s8, 1));
     __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
     return _mm_cvtsd_f64(s2) + _mm_cvtsd_f64(_mm_unpackhi_pd(s2, s2));
+}
+
+/* 1 / sqrt(sum(x^2)/n + eps): the sum of squares in float64, 16 lanes (lane = i % 16), the fixed
+ * tree of nx_tree16_pd -- the order of nx_rms_inv_generic (nx_ops.c), bit for bit. */
+static inline float nx_rms_inv16(const float *x, int64_t n, float eps) {
+    __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+    for (int64_t i = 0; i < n; i += 16) {
+        __m512d lo, hi;
+        nx_cvt_lohi(_mm512_maskz_loadu_ps(nx_mask16(n - i), x + i), &lo, &hi);
+        a0 = _mm512_fmadd_pd(lo, lo, a0); /* lo*lo is exact in float64: fma == mul + add */
+        a1 = _mm512_fmadd_pd(hi, hi, a1);
+    }
+    return (float)(1.0 / sqrt(nx_tree16_pd(a0, a1) / (double)n + (double)eps));
+}
+
+/* LayerNorm statistics of x[0:n] in the order of nx_ln_stats_generic (nx_ops.c), bit for bit:
+ * mean = (sum x) / n, var = (sum (x - mean)^2) / n, both sums in float64 over 16 lanes with the
+ * tree of nx_tree16_pd; (x - mean) and its square are separate float64 operations. */
+static inline void nx_ln_stats16(const float *x, int64_t n, double *mean, double *var) {
+    __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
+    for (int64_t i = 0; i < n; i += 16) {
+        __m512d lo, hi;
+        nx_cvt_lohi(_mm512_maskz_loadu_ps(nx_mask16(n - i), x + i), &lo, &hi);
+        s0 = _mm512_add_pd(s0, lo);
+        s1 = _mm512_add_pd(s1, hi);
+    }
+    const double mu = nx_tree16_pd(s0, s1) / (double)n;
+    const __m512d vmu = _mm512_set1_pd(mu);
+    __m512d q0 = _mm512_setzero_pd(), q1 = _mm512_setzero_pd();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = nx_mask16(n - i);
+        __m512d lo, hi;
+        nx_cvt_lohi(_mm512_maskz_loadu_ps(m, x + i), &lo, &hi);
+        lo = _mm512_maskz_sub_pd((__mmask8)(m & 0xFF), lo, vmu); /* lanes past n: +0 */
+        hi = _mm512_maskz_sub_pd((__mmask8)(m >> 8), hi, vmu);
+        q0 = _mm512_add_pd(q0, _mm512_mul_pd(lo, lo));
+        q1 = _mm512_add_pd(q1, _mm512_mul_pd(hi, hi));
+    }
+    *mean = mu;
+    *var = nx_tree16_pd(q0, q1) / (double)n;
+}
+
+/* (float)((double)x - mu) per lane: the difference rounded once. */
+static inline __m512 nx_sub_f64_16(__m512 x, __m512d mu) {
+    __m512d lo, hi;
+    nx_cvt_lohi(x, &lo, &hi);
+    __m256 a = _mm512_cvtpd_ps(_mm512_sub_pd(lo, mu)), b = _mm512_cvtpd_ps(_mm512_sub_pd(hi, mu));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1);
 }
 
 #endif

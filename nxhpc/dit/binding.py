@@ -17,14 +17,15 @@ from typing import Any
 import numpy as np
 
 from nxhpc.dit.config import _ROLE, BlockConfig, block_label, layer_tensor_names
-from nxhpc.formats.ggml_blocks import Q8_0_BLOCK_DTYPE
-from nxhpc.formats.gguf_io import ModelFileError, quantize_q8_0
+from nxhpc.formats.ggml_blocks import QUANT_BLOCKS
+from nxhpc.formats.gguf_io import ModelFileError, dequantize_q8_0, quantize_q8_0
 from nxhpc.formats.weights import WeightTensor, as_weight_tensor
 
 __all__ = ["LayerWeights", "bind_gguf_layer", "bind_fixture_layer", "check_finite_weight"]
 
 _CHUNK_BYTES = 1 << 20      # bytes of a matrix scanned at once by the NaN/Inf check
 #: exponent-all-ones masks on the stored bits: such a value is Inf or NaN
+_SCALE_FIELDS = ("d", "m", "dmin")   # the float16 fields of the GGML block types
 _NONFINITE = {"F32": (np.uint32, 0x7F800000), "F16": (np.uint16, 0x7C00),
               "BF16": (np.uint16, 0x7F80)}
 
@@ -82,7 +83,8 @@ class LayerWeights:
 
 
 def check_finite_weight(w: WeightTensor, where: str) -> None:
-    """ModelFileError unless every stored value of ``w`` is finite (Q8_0: every block scale).
+    """ModelFileError unless every stored value of ``w`` is finite (block types: every float16
+    scale d / m / dmin of every block; the integer codes are finite by construction).
 
     Reads the stored bits in chunks of rows (a few MB at a time), so no float copy is made.
     """
@@ -90,16 +92,18 @@ def check_finite_weight(w: WeightTensor, where: str) -> None:
     bad = 0
     for r0 in range(0, w.rows, n_rows):
         rows = w.data[r0:r0 + n_rows]
-        if w.type_name == "Q8_0":
-            d = rows.reshape(-1).view(Q8_0_BLOCK_DTYPE)["d"]
-            bad += int(np.count_nonzero(~np.isfinite(d)))
+        if w.type_name in QUANT_BLOCKS:          # block types: every float16 scale field
+            blk = rows.reshape(-1).view(QUANT_BLOCKS[w.type_name].dtype)
+            for f in _SCALE_FIELDS:
+                if f in blk.dtype.names:
+                    bad += int(np.count_nonzero(~np.isfinite(blk[f])))
         elif w.type_name in _NONFINITE:
             dt, mask = _NONFINITE[w.type_name]
             bits = rows.reshape(-1).view(dt)
             bad += int(np.count_nonzero((bits & dt(mask)) == dt(mask)))
     if bad:
-        what = "Q8_0 blocks have a NaN/Inf scale" if w.type_name == "Q8_0" else \
-            f"{w.type_name} values are NaN/Inf"
+        what = f"{w.type_name} blocks have a NaN/Inf scale" if w.type_name in QUANT_BLOCKS \
+            else f"{w.type_name} values are NaN/Inf"
         raise ModelFileError(f"{where}: {bad} {what}")
 
 
@@ -131,7 +135,8 @@ def bind_gguf_layer(g: Any, cfg: BlockConfig, index: int, prefix: str = "layers"
 def bind_fixture_layer(fx: Any, cfg: BlockConfig, index: int,
                        prefix: str = "layers") -> LayerWeights:
     """Block ``prefix.index`` from a fixture store's float32 weights: projections quantized to
-    Q8_0 (the stored values are Q8_0 values, so this gives back the GGUF's exact bytes), the
+    Q8_0 when that is exact (the stored values are Q8_0 values, so this gives back the GGUF's
+    exact bytes; otherwise, for a model of other types, the float32 values as F32), the
     adaLN matrix kept F32 (``adaln_linear`` gives the same bits for a Q8_0 weight and its
     float32 dequantization)."""
     names = layer_tensor_names(index, cfg.variant, prefix)
@@ -142,7 +147,11 @@ def bind_fixture_layer(fx: Any, cfg: BlockConfig, index: int,
         if key == "adaln_w":
             a = WeightTensor.from_array(name, a)
         elif _ROLE[key] == "matrix":
-            a = WeightTensor.from_raw(name, "Q8_0", exp[key][1], quantize_q8_0(a, name))
+            q = quantize_q8_0(a, name)
+            # a model of another type (Q4_K, BF16 ...): its values are not all Q8_0 values, so
+            # they stay F32 (the matmul gives the same bits as over the stored type's bytes)
+            a = WeightTensor.from_raw(name, "Q8_0", exp[key][1], q) \
+                if np.array_equal(dequantize_q8_0(q), a) else WeightTensor.from_array(name, a)
         vals[key] = a
     lw = LayerWeights(**vals, source="fixtures", layer=int(index), prefix=prefix)
     _check(cfg, lw, f"{fx.path}: {block_label(prefix, index)}")

@@ -14,15 +14,15 @@ weights are bound (matrices stay in the memory map in their stored type, shared 
 """
 from __future__ import annotations
 
-import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 import nxhpc
-from nxhpc.dit.linear import adaln_linear
-from nxhpc.dit.plan import TIMING_KEYS, BlockPlan, Engine
+from nxhpc.dit.linear import DEFAULT_PRECISION, adaln_linear, check_precision
+from nxhpc.dit.plan import TIMING_KEYS, BlockPlan, Engine, check_eps, narrow_finite
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, check_timeout, usable_cpus
 
 __all__ = ["Block", "BlockOutput", "BlockRunner", "run_layers", "adaln", "TIMING_KEYS", "check_config",
@@ -53,12 +53,7 @@ def _finite_f32(name: str, a: Any, shape: tuple[int, ...]) -> np.ndarray:
         raise TypeError(f"{name} must be a floating-point array, got dtype={a.dtype}")
     if a.shape != shape:
         raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
-    fin = np.isfinite(a)
-    if not fin.all():
-        bad = np.argwhere(~fin)
-        raise ValueError(f"{name} has {len(bad)} non-finite values (NaN/inf), first at index "
-                         f"{tuple(int(i) for i in bad[0])}; refusing to run")
-    return np.ascontiguousarray(a, dtype=np.float32)
+    return narrow_finite(name, a)            # checked after narrowing to float32
 
 
 def validate_inputs(cfg, x, pe, mask=None, t_emb=None, adaln_m=None):
@@ -111,12 +106,9 @@ def _check_spawn(spawn) -> str:
 
 
 def _check_eps(eps, cfg) -> float:
-    if eps is None:
-        eps = cfg.norm_eps
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) \
-            or eps <= 0:
-        raise ValueError(f"eps must be a positive finite number, got {eps!r}")
-    return float(eps)
+    """The model's eps when None; a positive number float32 holds as a normal value
+    (:func:`nxhpc.dit.plan.check_eps`), else ValueError."""
+    return check_eps(cfg.norm_eps if eps is None else eps)
 
 
 def adaln(cfg, weights, t_emb: np.ndarray) -> np.ndarray:
@@ -143,8 +135,13 @@ class BlockRunner:
     Create it after the layers' weights are bound: the pool forks here. ``run(layer, adaln)``
     runs one block on ``x`` into ``out``; :func:`run_layers` chains them. ``stage_timeout``
     (seconds, None = none) bounds each parallel stage: a worker that hangs is killed and
-    reported as a :class:`~nxhpc.runtime.workers.WorkerError`.
+    reported as a :class:`~nxhpc.runtime.workers.WorkerError`. ``close()`` is idempotent and
+    safe on a runner whose ``__init__`` did not finish (an interrupt, an error).
     """
+
+    # Defaults at class level: a runner whose __init__ raised (or was interrupted) early still
+    # answers every attribute close() reads.
+    engine: Engine | None = None
 
     def __init__(self, cfg, layers: dict, T: int, *, workers: int, spawn: str = DEFAULT_SPAWN,
                  stage_timeout: float | None = None) -> None:
@@ -158,13 +155,17 @@ class BlockRunner:
         self.qkv_width = cfg.qkv_width
         self.plan = BlockPlan(cfg, "layers", modulated=True)
         D, hd = cfg.dim, cfg.head_dim
-        self.engine = Engine([(self.plan, T)], self.layers, workers=self.workers, spawn=spawn,
-                             stage_timeout=stage_timeout,
-                             buffers={"x": (T, D), "out": (T, D), "pe": (T, hd // 2, 2, 2),
-                                      "mask": ((T,), np.uint8)})
-        self.arena = self.engine.arena
-        self.pool = self.engine.pool
         self._use_mask = False
+        try:
+            self.engine = e = Engine([(self.plan, T)], self.layers, workers=self.workers,
+                                     spawn=spawn, stage_timeout=stage_timeout,
+                                     buffers={"x": (T, D), "out": (T, D),
+                                              "pe": (T, hd // 2, 2, 2), "mask": ((T,), np.uint8)})
+            self.arena = e.arena
+            self.pool = e.pool
+        except BaseException:
+            self.close()
+            raise
 
     def adaln(self, layer: int, t_emb: np.ndarray) -> np.ndarray:
         """m = adaLN(t_emb) for ``layer`` (SiLU first for Lumina-2), float32 [4D], via the kernel."""
@@ -179,14 +180,16 @@ class BlockRunner:
             np.copyto(e.buffer("mask"), mask)
         self._use_mask = mask is not None
 
-    def run(self, layer: int, adaln_m: np.ndarray, eps: float) -> dict:
-        """One block on arena x -> arena out with modulation ``adaln_m`` [4D]. Returns timings."""
+    def run(self, layer: int, adaln_m: np.ndarray, eps: float,
+            precision: str = DEFAULT_PRECISION) -> dict:
+        """One block on arena x -> arena out with modulation ``adaln_m`` [4D], projections in
+        ``precision`` (nxhpc.dit.linear.PRECISIONS). Returns timings."""
         if layer not in self.layers:
             raise KeyError(f"BlockRunner: layer {layer} was not bound (have {sorted(self.layers)})")
         e = self.engine
         return e.run(self.plan, layer, e.buffer("x"), e.buffer("pe"), adaln_m=adaln_m,
                      mask=e.buffer("mask") if self._use_mask else None, out=e.buffer("out"),
-                     eps=eps)
+                     eps=eps, precision=precision)
 
     @property
     def output(self) -> np.ndarray:
@@ -199,7 +202,8 @@ class BlockRunner:
 
     def close(self) -> None:
         """Stop the workers, then unlink and unmap the arena. Idempotent."""
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
 
     def __enter__(self) -> "BlockRunner":
         return self
@@ -214,7 +218,8 @@ def run_layers(model, layers: Sequence[int], x: np.ndarray, pe: np.ndarray, *,
                spawn: str | None = None, eps: float | None = None, source: str = "auto",
                on_layer: Callable[[int, np.ndarray, dict], None] | None = None,
                weights: dict | None = None,
-               stage_timeout: float | None = None, repeat: int = 1) -> BlockOutput:
+               stage_timeout: float | None = None, repeat: int = 1,
+               precision: str = DEFAULT_PRECISION) -> BlockOutput:
     """Run consecutive ``layers`` of ``model``: layer i's output is layer i+1's input.
 
     Each layer's modulation comes from ``t_emb`` with that layer's adaLN weights, or from
@@ -224,9 +229,11 @@ def run_layers(model, layers: Sequence[int], x: np.ndarray, pe: np.ndarray, *,
     ``stage_timeout`` as in :class:`BlockRunner`. ``repeat`` > 1 runs the whole chain that many
     times on the same workers and arena and keeps the fastest time of every stage (the first run
     pays page faults and cold caches); the output is the same bits every time, and ``on_layer``
-    is called during the last run only. Returns the last layer's output and a dict of summed
-    timings plus ``"per_layer"`` (a list of per-layer timing dicts).
+    is called during the last run only. ``precision`` ("f32" default, "bf16", "q8") is the
+    projections' matmul precision (nxhpc.dit.linear). Returns the last layer's output and a dict
+    of summed timings plus ``"per_layer"`` (a list of per-layer timing dicts).
     """
+    precision = check_precision(precision, "run_layers: precision")
     cfg = model.config
     check_config(cfg)
     layers = [int(i) for i in layers]
@@ -262,7 +269,7 @@ def run_layers(model, layers: Sequence[int], x: np.ndarray, pe: np.ndarray, *,
             for j, i in enumerate(layers):
                 if j:
                     runner.advance()
-                t = runner.run(i, mods[i], eps)
+                t = runner.run(i, mods[i], eps, precision)
                 if r == 0:
                     per_layer.append(t)
                 else:
@@ -282,7 +289,12 @@ class Block:
 
     Used as a context manager, the arena and workers are kept between ``forward`` calls with
     the same token count and worker settings (and released on exit); otherwise each call forks
-    its workers and releases everything before returning.
+    its workers and releases everything before returning. ``with`` blocks nest: workers are
+    kept until the outermost one exits (or :meth:`close` is called).
+
+    Threads: one Block runs one call at a time. ``forward`` and ``close`` hold a lock, so
+    calls from several threads are serialized (each waits for the one before; every caller
+    gets its own output array). Use one Block per thread to run in parallel.
     """
 
     def __init__(self, model, index: int, *, source: str = "auto") -> None:
@@ -292,14 +304,16 @@ class Block:
                 or not 0 <= index < cfg.n_layers:
             raise ValueError(f"Block: layer index must be an int in [0, {cfg.n_layers}), "
                              f"got {index!r}")
+        self._lock = threading.RLock()
+        self._depth = 0                       # open ``with`` blocks
+        self._keep = False
+        self._runner: BlockRunner | None = None
+        self._runner_key: tuple | None = None
         self.model = model
         self.index = int(index)
         self.config = cfg
         self.weights = model.layer_weights(self.index, source)
         check_layer_weights(self.weights, cfg, self.index)
-        self._keep = False
-        self._runner: BlockRunner | None = None
-        self._runner_key: tuple | None = None
 
     def adaln(self, t_emb: np.ndarray) -> np.ndarray:
         """m = adaLN(t_emb) (Z-Image: Linear; Lumina-2: SiLU then Linear): float32 [4*dim]."""
@@ -309,16 +323,21 @@ class Block:
                 pe: np.ndarray | None = None, mask: np.ndarray | None = None, *,
                 adaln_m: np.ndarray | None = None, workers: int | None = None,
                 spawn: str | None = None, eps: float | None = None,
-                stage_timeout: float | None = None) -> BlockOutput:
+                stage_timeout: float | None = None,
+                precision: str = DEFAULT_PRECISION) -> BlockOutput:
         """Run the block on ``x`` [T, dim]; returns ``BlockOutput(output, timings)``.
 
         ``t_emb`` [adaln_in] (or ``adaln_m`` [4*dim] precomputed), ``pe`` [T, hd/2, 2, 2] RoPE
         table, ``mask`` [T] bool (True = attend) or None, ``workers`` (default: usable CPUs),
-        ``spawn`` "pool" | "stage", ``eps`` (default: the model's norm eps), ``stage_timeout``
-        (seconds per parallel stage, default none: a hung worker is killed and reported as
-        ``WorkerError``). Inputs with NaN/inf or wrong shapes raise ValueError/TypeError before
-        anything runs.
+        ``spawn`` "pool" | "stage", ``eps`` (default: the model's norm eps; a positive value
+        float32 holds as a normal number, see :data:`nxhpc.dit.plan.EPS_RANGE`),
+        ``stage_timeout`` (seconds per parallel stage, default none: a hung worker is killed
+        and reported as ``WorkerError``). Inputs with NaN/inf -- also values that become inf
+        in float32, the kernels' type -- or wrong shapes raise ValueError/TypeError before
+        anything runs. ``precision`` "f32" (default) | "bf16" | "q8" (the projections' matmuls,
+        nxhpc.dit.linear). Serialized with other threads' calls (see the class docstring).
         """
+        precision = check_precision(precision, "Block.forward: precision")
         cfg = self.config
         if pe is None:
             raise ValueError(f"pe (RoPE table [T, {cfg.head_dim // 2}, 2, 2]) is required")
@@ -329,43 +348,53 @@ class Block:
         stage_timeout = check_timeout(stage_timeout)
         m = self.adaln(t_emb) if adaln_m is None else adaln_m
         key = (x.shape[0], n, spawn, stage_timeout)
-        runner = self._runner if self._runner_key == key else None
-        if runner is None:
-            self._release()
-            runner = BlockRunner(cfg, {self.index: self.weights}, x.shape[0], workers=n,
-                                 spawn=spawn, stage_timeout=stage_timeout)
-            if self._keep:
-                self._runner, self._runner_key = runner, key
-        try:
-            runner.set_inputs(x, pe, mask)
-            t = runner.run(self.index, m, eps)
-            out = runner.output.copy()
-        except BaseException:
-            if runner is self._runner:
-                self._release()
-            else:
+        with self._lock:
+            runner = None
+            try:
+                runner = self._runner if self._runner_key == key else None
+                if runner is None:
+                    self._release()
+                    runner = BlockRunner(cfg, {self.index: self.weights}, x.shape[0],
+                                         workers=n, spawn=spawn, stage_timeout=stage_timeout)
+                    if self._keep:
+                        self._runner, self._runner_key = runner, key
+                runner.set_inputs(x, pe, mask)
+                t = runner.run(self.index, m, eps, precision)
+                out = runner.output.copy()
+            except BaseException:
+                if runner is not None and runner is self._runner:
+                    self._release()
+                elif runner is not None:
+                    runner.close()
+                raise
+            if runner is not self._runner:
                 runner.close()
-            raise
-        if runner is not self._runner:
-            runner.close()
         return BlockOutput(out, t)
 
     def _release(self) -> None:
-        r, self._runner, self._runner_key = self._runner, None, None
-        if r is not None:
-            r.close()
+        with self._lock:
+            r, self._runner, self._runner_key = self._runner, None, None
+            if r is not None:
+                r.close()
 
     def close(self) -> None:
-        """Release kept workers and arena (only relevant inside ``with``)."""
-        self._keep = False
-        self._release()
+        """Release kept workers and arena, and stop keeping them (also inside ``with``)."""
+        with self._lock:
+            self._depth = 0
+            self._keep = False
+            self._release()
 
     def __enter__(self) -> "Block":
-        self._keep = True
+        with self._lock:
+            self._depth += 1
+            self._keep = True
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        with self._lock:
+            self._depth = max(0, self._depth - 1)
+            if self._depth == 0:
+                self.close()
 
     def __repr__(self) -> str:
         return f"<Block layer {self.index} of {self.config.variant} dim={self.config.dim}>"

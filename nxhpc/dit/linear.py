@@ -2,13 +2,23 @@
 
 Owns :func:`matmul` (a band of output columns of ``x @ W^T``) and :func:`adaln_linear`
 (``W @ t + b``), both taking a :class:`~nxhpc.formats.weights.WeightTensor` and passing its raw
-bytes and GGML type to the kernels as stored (no decode, no requantize).
-Must not: compute anything itself, or copy a weight matrix (the TEMP adaLN fallback below
-decodes F16/BF16 adaLN weights, ``4D x adaln_in``, until the typed kernels land).
+bytes and GGML type to the kernels as stored (no decode, no requantize), and the precision
+switch :data:`PRECISIONS` (which kernel a block's projection runs; docs/kernels.md has each
+precision's arithmetic contract):
 
-Kernel API (``nxhpc._kernels``, typed): ``matmul(x, w, wtype, out, n0, n1)``,
-``adaln_linear(t_emb, w, wtype, bias, out, silu_input=...)``, ``weight_types()``. A kernels
-module without ``weight_types`` is the Q8_0-only API; the fallback serves it.
+* ``"f32"`` (default): ``matmul`` -- exact dequantized weights, float32 FMA (unchanged bits).
+* ``"bf16"``: ``matmul_bf16`` -- x and the decoded weights rounded to bfloat16, float32
+  accumulation; every weight type of the traits table.
+* ``"q8"``: ``matmul_q8`` for Q8_0 weights (x quantized per row to Q8_0, int32 block dots).
+  A weight of any other type runs ``bf16`` instead (``q8`` is defined for Q8_0 weights only):
+  :func:`effective_precision` says which, per tensor.
+
+adaLN (:func:`adaln_linear`, O(D) work) stays float32 in every precision.
+Must not: compute anything itself, or copy a weight matrix.
+
+Kernel API (``nxhpc._kernels``): ``matmul(x, w, wtype, out, n0, n1)``, ``matmul_bf16(x, w, wtype,
+out, n0, n1)``, ``matmul_q8(x, w, out, n0, n1)``, ``adaln_linear(t_emb, w, wtype, bias, out,
+silu_input=...)``, ``weight_types()``.
 """
 from __future__ import annotations
 
@@ -18,63 +28,54 @@ import numpy as np
 
 from nxhpc.formats.weights import WeightTensor
 
-__all__ = ["matmul", "adaln_linear", "typed_kernels", "check_runnable"]
+__all__ = ["matmul", "adaln_linear", "check_runnable", "check_precision", "effective_precision",
+           "PRECISIONS", "DEFAULT_PRECISION"]
+
+#: The matmul precisions of a block (see the module docstring).
+PRECISIONS = ("f32", "bf16", "q8")
+DEFAULT_PRECISION = "f32"
 
 
-def typed_kernels(kernels: Any) -> bool:
-    """Whether ``kernels`` has the typed matmul API (``weight_types`` present)."""
-    return hasattr(kernels, "weight_types")
+def check_precision(precision: Any, where: str = "precision") -> str:
+    """``precision`` if it is one of :data:`PRECISIONS`, else ValueError naming ``where``."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"{where} must be one of {', '.join(map(repr, PRECISIONS))}, got "
+                         f"{precision!r}")
+    return precision
+
+
+def effective_precision(weight: WeightTensor, precision: str) -> str:
+    """The precision ``weight``'s matmul runs under the switch ``precision``: ``"q8"`` only for
+    Q8_0 weights (any other type runs ``"bf16"``), else ``precision`` itself."""
+    if precision == "q8" and weight.type_name != "Q8_0":
+        return "bf16"
+    return precision
 
 
 def check_runnable(kernels: Any, weight: WeightTensor, *, adaln: bool = False) -> None:
     """NotImplementedError naming the tensor unless ``kernels`` can run ``weight`` as stored
     (called before the fork, so a missing type fails in the parent, before any work)."""
-    if typed_kernels(kernels):
-        have = kernels.weight_types()
-        if weight.type_name not in have:
-            raise NotImplementedError(f"weight {weight.name!r} is {weight.type_name}; the "
-                                      f"kernels run {', '.join(have)}")
-        return
-    # TEMP until cseam merge: the Q8_0-only kernels (adaLN also takes float32 and, decoded
-    # here, F16/BF16)
-    ok = ("Q8_0", "F32", "F16", "BF16") if adaln else ("Q8_0",)
-    if weight.type_name not in ok:
-        raise NotImplementedError(
-            f"weight {weight.name!r} is {weight.type_name}; these kernels run "
-            f"{' and '.join(ok)} {'adaLN' if adaln else 'projection'} weights only (the typed "
-            f"matmul for F32/F16/BF16 is not built into {kernels.__name__})")
+    have = kernels.weight_types()
+    if weight.type_name not in have:
+        raise NotImplementedError(f"weight {weight.name!r} is {weight.type_name}; the "
+                                  f"kernels run {', '.join(have)}")
 
 
 def matmul(kernels: Any, x: np.ndarray, weight: WeightTensor, out: np.ndarray, lo: int,
-           hi: int) -> None:
-    """out[:, lo:hi] := x @ dequant(weight)[lo:hi]^T   (x float32 [T, K], out float32 [T, N])."""
-    if typed_kernels(kernels):
+           hi: int, precision: str = DEFAULT_PRECISION) -> None:
+    """out[:, lo:hi] := x @ dequant(weight)[lo:hi]^T   (x float32 [T, K], out float32 [T, N]),
+    in ``precision`` ("f32" | "bf16" | "q8"; q8 on a non-Q8_0 weight runs bf16)."""
+    if precision == "f32":
         kernels.matmul(x, weight.data, weight.type_name, out, lo, hi)
-        return
-    # TEMP until cseam merge: the Q8_0-only kernels
-    if weight.type_name == "Q8_0":
-        kernels.q8_0_matmul(x, weight.data, out, n0=lo, n1=hi)
-        return
-    raise NotImplementedError(
-        f"matmul: weight {weight.name!r} is {weight.type_name}; these kernels run Q8_0 only "
-        f"(the typed matmul for F32/F16/BF16 is not built into {kernels.__name__})")
+    elif precision == "q8" and weight.type_name == "Q8_0":
+        kernels.matmul_q8(x, weight.data, out, lo, hi)
+    elif precision in ("bf16", "q8"):
+        kernels.matmul_bf16(x, weight.data, weight.type_name, out, lo, hi)
+    else:
+        check_precision(precision)
 
 
 def adaln_linear(kernels: Any, t_emb: np.ndarray, weight: WeightTensor, bias: np.ndarray,
                  out: np.ndarray, *, silu_input: bool) -> None:
     """out := dequant(weight) @ (silu(t_emb) if silu_input else t_emb) + bias."""
-    if typed_kernels(kernels):
-        kernels.adaln_linear(t_emb, weight.data, weight.type_name, bias, out,
-                             silu_input=silu_input)
-        return
-    # TEMP until cseam merge: the old kernel takes Q8_0 bytes or a float32 matrix
-    if weight.type_name == "Q8_0":
-        w = weight.data
-    elif weight.type_name == "F32":
-        w = weight.data.view(np.float32)
-    elif weight.type_name in ("F16", "BF16"):
-        w = weight.dequantize()        # small (4D x adaln_in); gone with the typed kernel
-    else:
-        raise NotImplementedError(f"adaln_linear: weight {weight.name!r} is "
-                                  f"{weight.type_name}; these kernels run Q8_0 and F32 only")
-    kernels.adaln_linear(t_emb, w, bias, out, silu_input=silu_input)
+    kernels.adaln_linear(t_emb, weight.data, weight.type_name, bias, out, silu_input=silu_input)

@@ -45,8 +45,11 @@ caller's buffers).
 """
 from __future__ import annotations
 
+import functools
 import math
+import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -56,12 +59,13 @@ import numpy as np
 import nxhpc
 from nxhpc.dit.binding import LayerWeights
 from nxhpc.dit.config import BLOCK_STACKS, BlockConfig, block_label
-from nxhpc.dit.linear import adaln_linear, check_runnable, matmul
+from nxhpc.dit.linear import (DEFAULT_PRECISION, adaln_linear, check_precision, check_runnable,
+                              matmul)
 from nxhpc.runtime.shm import SharedArena
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerPool, check_timeout
 
 __all__ = ["Stage", "STAGES", "EXTENTS", "TIMING_KEYS", "UNIT_GATE", "BlockPlan", "Engine",
-           "stage_table"]
+           "stage_table", "check_eps", "narrow_finite", "EPS_RANGE"]
 
 #: A gate value whose tanh rounds to exactly 1.0f (see the module docstring).
 UNIT_GATE = 20.0
@@ -70,7 +74,7 @@ UNIT_GATE = 20.0
 class RunContext:
     """What a stage's task reads in a worker: kernels, config, weights, views, eps."""
     __slots__ = ("kernels", "cfg", "w", "eps", "x", "pe", "out", "mask", "buf", "mod_msa",
-                 "mod_mlp", "gate_msa", "gate_mlp", "scale")
+                 "mod_mlp", "gate_msa", "gate_mlp", "scale", "precision")
 
     def __init__(self, **kw: Any) -> None:
         for k, v in kw.items():
@@ -84,7 +88,7 @@ def _norm1(c: RunContext, lo: int, hi: int) -> None:
 
 
 def _qkv(c: RunContext, lo: int, hi: int) -> None:
-    matmul(c.kernels, c.buf["h"], c.w.qkv, c.buf["qkv"], lo, hi)
+    matmul(c.kernels, c.buf["h"], c.w.qkv, c.buf["qkv"], lo, hi, c.precision)
 
 
 def _qknorm_rope(c: RunContext, lo: int, hi: int) -> None:
@@ -98,7 +102,7 @@ def _sdpa(c: RunContext, lo: int, hi: int) -> None:
 
 
 def _out_proj(c: RunContext, lo: int, hi: int) -> None:
-    matmul(c.kernels, c.buf["attn"], c.w.out, c.buf["atto"], lo, hi)
+    matmul(c.kernels, c.buf["attn"], c.w.out, c.buf["atto"], lo, hi, c.precision)
 
 
 def _attn_tail(c: RunContext, lo: int, hi: int) -> None:
@@ -113,8 +117,8 @@ def _ffn_norm(c: RunContext, lo: int, hi: int) -> None:
 
 
 def _w13(c: RunContext, lo: int, hi: int) -> None:
-    matmul(c.kernels, c.buf["h"], c.w.w1, c.buf["f1"], lo, hi)
-    matmul(c.kernels, c.buf["h"], c.w.w3, c.buf["f3"], lo, hi)
+    matmul(c.kernels, c.buf["h"], c.w.w1, c.buf["f1"], lo, hi, c.precision)
+    matmul(c.kernels, c.buf["h"], c.w.w3, c.buf["f3"], lo, hi, c.precision)
 
 
 def _swiglu(c: RunContext, lo: int, hi: int) -> None:
@@ -123,7 +127,7 @@ def _swiglu(c: RunContext, lo: int, hi: int) -> None:
 
 
 def _w2(c: RunContext, lo: int, hi: int) -> None:
-    matmul(c.kernels, c.buf["f1"], c.w.w2, c.buf["f2"], lo, hi)
+    matmul(c.kernels, c.buf["f1"], c.w.w2, c.buf["f2"], lo, hi, c.precision)
 
 
 def _ffn_tail(c: RunContext, lo: int, hi: int) -> None:
@@ -258,6 +262,7 @@ class RunArgs(NamedTuple):
     tokens: int
     modulated: bool
     eps: float
+    precision: str
     x: BufRef
     pe: BufRef
     out: BufRef
@@ -266,20 +271,75 @@ class RunArgs(NamedTuple):
     def wire(self) -> tuple:
         """Plain nested tuples, what crosses the pipe to the workers: measured 1.8 us to pickle
         and unpickle against 15.5 us for the NamedTuples (once per worker per stage)."""
-        return self[:4] + tuple(None if r is None else tuple(r) for r in self[4:])
+        return self[:5] + tuple(None if r is None else tuple(r) for r in self[5:])
 
     @classmethod
     def from_wire(cls, t: tuple) -> "RunArgs":
-        return cls(*t[:4], *(None if r is None else BufRef(*r) for r in t[4:]))
+        return cls(*t[:5], *(None if r is None else BufRef(*r) for r in t[5:]))
+
+
+def narrow_finite(name: str, a: np.ndarray) -> np.ndarray:
+    """``a`` as C-contiguous float32, checked finite *after* narrowing (a float64 1e300 passes
+    a float64 check and becomes inf); ValueError naming ``name``, the count and the first index."""
+    with np.errstate(over="ignore"):
+        a32 = np.ascontiguousarray(a, dtype=np.float32)
+    fin = np.isfinite(a32)
+    if not fin.all():
+        bad = np.argwhere(~fin.reshape(a32.shape) if a32.ndim else ~fin.reshape(1))
+        where = tuple(int(i) for i in bad[0])
+        if np.isfinite(np.asarray(a)[where] if a32.ndim else a):
+            why = (f"beyond float32's range |v| <= {float(np.finfo(np.float32).max):.4g}: "
+                   f"finite as {a.dtype}, inf once narrowed to float32, the kernels' type")
+        else:
+            why = "NaN/inf"
+        raise ValueError(f"{name} has {len(bad)} non-finite values ({why}), first at index "
+                         f"{where}; refusing to run")
+    return a32
 
 
 def _finite_vector(name: str, a: Any, n: int) -> np.ndarray:
     if not isinstance(a, np.ndarray) or a.dtype.kind != "f" or a.shape != (n,):
         got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
         raise ValueError(f"{name} must be a floating-point array of shape ({n},), got {got}")
-    if not np.isfinite(a).all():
-        raise ValueError(f"{name} has non-finite values (NaN/inf); refusing to run")
-    return np.ascontiguousarray(a, dtype=np.float32)
+    return narrow_finite(name, a)
+
+
+#: The range of ``eps`` the kernels accept: positive normal float32 values. Below the smallest
+#: normal it is subnormal or 0 once narrowed (a zero row -- padding -- then turns NaN); from
+#: float32's largest value up it rounds to inf.
+EPS_RANGE = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))
+
+
+def check_eps(eps: Any) -> float:
+    """``eps`` as a float if float32 holds it as a positive normal number (:data:`EPS_RANGE`);
+    else ValueError naming the range. (The value itself is passed on unchanged.)"""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(float(eps)) or float(eps) <= 0:
+        raise ValueError(f"eps must be a positive finite number, got {eps!r}")
+    e = float(eps)
+    with np.errstate(over="ignore", under="ignore"):
+        e32 = np.float32(e)
+    lo, hi = EPS_RANGE
+    if not np.isfinite(e32):
+        raise ValueError(f"eps {e:g} is inf in float32 (the kernels' type): it must lie in "
+                         f"[{lo:.4g}, {hi:.4g}]")
+    if e32 < lo:
+        why = "0 (a zero row -- padding -- would turn NaN)" if e32 == 0 else "subnormal"
+        raise ValueError(f"eps {e:g} is {why} in float32 (the kernels' type): it must lie in "
+                         f"[{lo:.4g}, {hi:.4g}]")
+    return e
+
+
+def _serialized(method: Callable[..., Any]) -> Callable[..., Any]:
+    """An Engine method run under the engine's lock (one call at a time, across threads)."""
+    @functools.wraps(method)
+    def serialized(self: "Engine", *args: Any, **kwargs: Any) -> Any:
+        lock = self._lock
+        if lock is None:                    # __init__ never got that far
+            raise RuntimeError(f"Engine.{method.__name__}: the engine is closed")
+        with lock:
+            return method(self, *args, **kwargs)
+    return serialized
 
 
 class Engine:
@@ -292,6 +352,16 @@ class Engine:
     T2, hd // 2, 2, 2), "mask": ((T,), np.uint8)}``: inputs/outputs are views of them
     (:meth:`buffer`), so a plan can run on a row range of a joint buffer in place.
     ``workers`` / ``spawn`` / ``stage_timeout`` as for :class:`~nxhpc.runtime.workers.WorkerPool`.
+    ``tasks``: extra named worker tasks ``fn(engine, lo, hi, arg)`` beside the block stages
+    (e.g. a model's embedders and final layer), forked with the pool and run by
+    :meth:`run_task`; in a worker ``engine`` is that process's engine (:meth:`buffer` works).
+
+    Threads: one engine runs one call at a time. :meth:`run` and :meth:`close` hold a lock, so
+    calls from several threads are serialized (each waits for the one before to finish; a
+    ``close`` waits for a running call); the buffers are shared, so a caller filling them from
+    several threads must order that itself. Lifetime: ``close()`` (or ``with``) releases the
+    workers and the arena at once; an engine dropped without it (or whose ``__init__`` was
+    interrupted) is released when its last reference goes -- it holds no reference cycle.
 
     Example (a denoiser call: image rows, caption rows, then the joint rows)::
 
@@ -306,10 +376,21 @@ class Engine:
             eng.run(joint, ("layers", 0), u, pe, adaln_m=m0)
     """
 
+    # Defaults at class level: an engine whose __init__ raised (or was interrupted) early still
+    # answers every attribute close() and the properties read.
+    pool: WorkerPool | None = None
+    arena: SharedArena | None = None
+    _ctx: dict = {}
+    _views: dict = {}
+    _lock: Any = None
+
     def __init__(self, needs: Iterable[tuple[BlockPlan, int]],
                  weights: Mapping[Hashable, LayerWeights], *,
                  buffers: Mapping[str, Any] | None = None, workers: int = 1,
-                 spawn: str = DEFAULT_SPAWN, stage_timeout: float | None = None) -> None:
+                 spawn: str = DEFAULT_SPAWN, stage_timeout: float | None = None,
+                 tasks: Mapping[str, Callable[["Engine", int, int, Any], None]] | None = None
+                 ) -> None:
+        extra_tasks = dict(tasks or {})
         needs = [(p, int(T)) for p, T in needs]
         if not needs:
             raise ValueError("Engine: needs no (plan, T) pairs")
@@ -325,6 +406,7 @@ class Engine:
         if spawn not in SPAWN_MODES:
             raise ValueError(f"spawn must be one of {SPAWN_MODES}, got {spawn!r}")
         stage_timeout = check_timeout(stage_timeout)
+        self._lock = threading.RLock()
         self.config = cfg
         self.needs = needs
         self.kernels = nxhpc.kernels()
@@ -358,6 +440,13 @@ class Engine:
                     raise ValueError(f"Engine: two plans define stage {s.name!r} differently")
                 seen[s.name] = s
                 tasks[s.name] = self._task(s.task)
+        self._extra: dict[str, Callable[..., None]] = {}
+        for name, fn in extra_tasks.items():
+            if name in seen or not callable(fn):
+                raise ValueError(f"Engine: extra task {name!r} must be a callable whose name is "
+                                 f"not a stage's ({', '.join(seen)})")
+            self._extra[name] = fn
+            tasks[name] = self._extra_task(fn)
         # the arena: flat scratch sized for the largest need + modulation + caller buffers
         self._cap = {n: 0 for n in _scratch(cfg, 1)}
         for p, T in needs:
@@ -372,26 +461,41 @@ class Engine:
                                  f"{', '.join(spec)})")
             spec[n] = s
         self._user = list(buffers or {})
-        self.arena = SharedArena(spec)
         self._ctx: dict[tuple, RunContext] = {}
         self._views: dict[int, dict[str, np.ndarray]] = {}
-        self.pool: WorkerPool | None = None
         try:
-            a = self.arena
+            # If an interrupt lands between a constructor's return and the store, the object is
+            # dropped at once and its own finalizer releases it (see the class docstring).
+            self.arena = a = SharedArena(spec)
             self._v = {n: a[n] for n in a}
             self._v["unit_gate"][:] = np.float32(UNIT_GATE)
             self._addr = {n: (buf.__array_interface__["data"][0], buf)
                           for n, buf in self._v.items() if n in self._user}
             self.pool = WorkerPool(workers, tasks, mode=spawn, stage_timeout=stage_timeout)
         except BaseException:
-            self._release_views()
-            self.arena.close()
+            self.close()
             raise
 
     # -- worker side
     def _task(self, fn: Callable[[RunContext, int, int], None]) -> Callable[[int, int, Any], None]:
+        # A weak reference: the pool holds the tasks, so a strong one would make engine -> pool
+        # -> task -> engine a cycle, and an engine dropped without close() (an interrupt between
+        # Engine() returning and the caller's store) would keep its workers and arena until the
+        # cyclic garbage collector happened to run. Workers run inside the frame that forked
+        # them, where the engine is alive.
+        ref = weakref.ref(self)
+
         def run_band(lo: int, hi: int, wire: tuple) -> None:
-            fn(self._context(wire), lo, hi)
+            engine = ref()
+            if engine is None:
+                raise RuntimeError("Engine: the engine was released while its workers ran")
+            fn(engine._context(wire), lo, hi)
+        return run_band
+
+    def _extra_task(self, fn: Callable[["Engine", int, int, Any], None]
+                    ) -> Callable[[int, int, Any], None]:
+        def run_band(lo: int, hi: int, arg: Any) -> None:
+            fn(self, lo, hi, arg)
         return run_band
 
     def _scratch_views(self, T: int) -> dict[str, np.ndarray]:
@@ -420,7 +524,7 @@ class Engine:
                 mod_mlp=views["mod_mlp"] if arg.modulated else None,
                 gate_msa=ada[D:2 * D] if arg.modulated else views["unit_gate"],
                 gate_mlp=ada[3 * D:4 * D] if arg.modulated else views["unit_gate"],
-                scale=1.0 / math.sqrt(self.config.head_dim))
+                scale=1.0 / math.sqrt(self.config.head_dim), precision=arg.precision)
             self._ctx[wire] = c
         return c
 
@@ -474,15 +578,21 @@ class Engine:
         adaln_linear(self.kernels, t, w.adaln_w, w.adaln_b, m, silu_input=self.config.adaln_silu)
         return m
 
+    @_serialized
     def run(self, plan: BlockPlan, weights: Any, x: np.ndarray, pe: np.ndarray, *,
             adaln_m: np.ndarray | None = None, mask: np.ndarray | None = None,
-            out: np.ndarray | None = None, eps: float | None = None) -> dict[str, int]:
+            out: np.ndarray | None = None, eps: float | None = None,
+            precision: str = DEFAULT_PRECISION) -> dict[str, int]:
         """One block of ``plan`` with ``weights`` on ``x`` [T, D] -> ``out`` (default: ``x``,
         in place). ``x``, ``pe`` [T, hd/2, 2, 2], ``out`` and ``mask`` (uint8 [T], 1 = attend)
         are views of the engine's buffers; ``adaln_m`` [4D] for a modulated plan, None for an
-        unmodulated one. Returns microseconds per timing key."""
+        unmodulated one. ``precision`` ("f32" default, "bf16", "q8": nxhpc.dit.linear) is the
+        projections' matmul precision; norms, RoPE, attention, residuals and adaLN stay float32.
+        Returns microseconds per timing key. Serialized with other threads' calls (see the class
+        docstring)."""
         if self.pool is None or self.arena.closed:
             raise RuntimeError("Engine.run: the engine is closed")
+        precision = check_precision(precision, "Engine.run: precision")
         if plan.config != self.config:
             raise ValueError("Engine.run: the plan's config is not the engine's")
         cfg, D = self.config, self.config.dim
@@ -507,7 +617,7 @@ class Engine:
                 raise ValueError(f"Engine.run: {plan.prefix} at T={T} needs more scratch than "
                                  f"this engine was sized for (needs: "
                                  f"{[(p.prefix, t) for p, t in self.needs]})")
-        eps = float(cfg.norm_eps if eps is None else eps)
+        eps = check_eps(cfg.norm_eps if eps is None else eps)
         views = self._v
         if plan.modulated:
             if adaln_m is None:
@@ -520,7 +630,7 @@ class Engine:
             np.add(one, views["adaln"][2 * D:3 * D], out=views["mod_mlp"])
         elif adaln_m is not None:
             raise ValueError(f"Engine.run: the unmodulated {plan.prefix} plan takes no adaln_m")
-        wire = RunArgs(key, T, bool(plan.modulated), eps, xr, pr, orf, mr).wire()
+        wire = RunArgs(key, T, bool(plan.modulated), eps, precision, xr, pr, orf, mr).wire()
         now = time.perf_counter_ns
         spent = dict.fromkeys(plan.timing_keys, 0)
         t_start = now()
@@ -530,6 +640,18 @@ class Engine:
             spent[s.timer] += now() - t0
         spent["block_us"] = now() - t_start
         return {k: ns // 1000 for k, ns in spent.items()}
+
+    def run_task(self, name: str, m: int, arg: Any = None) -> int:
+        """Run extra task ``name`` (given as ``tasks=``) over ``[0, m)`` in the workers (bands
+        ``[i*m//n, (i+1)*m//n)``); ``arg`` is a small picklable value. Returns microseconds."""
+        if self.pool is None or self.arena.closed:
+            raise RuntimeError("Engine.run_task: the engine is closed")
+        if name not in self._extra:
+            raise KeyError(f"Engine.run_task: no extra task {name!r} (have "
+                           f"{sorted(self._extra)})")
+        t0 = time.perf_counter_ns()
+        self.pool.run(name, int(m), arg=arg)
+        return (time.perf_counter_ns() - t0) // 1000
 
     def _release_views(self) -> None:
         """Drop every view of the arena in place (tasks share these dicts), so unmapping the
@@ -543,17 +665,23 @@ class Engine:
         getattr(self, "_addr", {}).clear()
 
     def close(self) -> None:
-        """Stop the workers, then unlink and unmap the arena. Idempotent."""
-        try:
-            if self.pool is not None:
-                self.pool.close()
-        finally:
-            self._release_views()
-            self.arena.close()
+        """Stop the workers, then unlink and unmap the arena. Idempotent; waits for a call
+        running in another thread; safe on an engine whose ``__init__`` did not finish."""
+        lock = self._lock
+        if lock is None:                  # __init__ stopped before anything was acquired
+            return
+        with lock:
+            try:
+                if self.pool is not None:
+                    self.pool.close()
+            finally:
+                self._release_views()
+                if self.arena is not None:
+                    self.arena.close()
 
     @property
     def closed(self) -> bool:
-        return self.arena.closed
+        return self.arena is None or self.arena.closed
 
     def __enter__(self) -> "Engine":
         return self

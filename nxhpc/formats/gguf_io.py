@@ -43,7 +43,7 @@ from nxhpc.formats.ggml_blocks import Q8_0_BLOCK_DTYPE, QK8_0
 
 __all__ = [
     "ModelError", "ModelNotFoundError", "ModelFileError", "MissingTensorError", "QuantizationError",
-    "PREFIX", "Q8_0_BLOCK", "QK8_0", "GGUFFile", "TensorInfo", "Q8_0Tensor",
+    "PREFIX", "Q8_0_BLOCK", "QK8_0", "GGUFFile", "TensorInfo", "Q8_0Tensor", "QuantTensor",
     "quantize_q8_0", "dequantize_q8_0", "should_quantize", "write_gguf", "atomic_output",
 ]
 
@@ -489,6 +489,14 @@ class Q8_0Tensor:
         return (r, b // Q8_0_BLOCK.itemsize * QK8_0)
 
 
+@dataclass(frozen=True)
+class QuantTensor:
+    """Already-encoded data of any GGML type for :func:`write_gguf`: ``blocks`` uint8
+    ``[R, rowbytes]`` holding rows of ``gtype`` blocks (a type name such as ``"Q4_K"``)."""
+    blocks: np.ndarray
+    gtype: str
+
+
 def should_quantize(shape: tuple[int, ...]) -> bool:
     """Converter policy: 2-D, row length a multiple of 32, more than 1024 elements -> Q8_0."""
     return len(shape) == 2 and shape[1] % QK8_0 == 0 and math.prod(shape) > QUANTIZE_MIN_ELEMENTS
@@ -520,6 +528,18 @@ def write_gguf(path: str | os.PathLike, tensors: Mapping[str, Any], *, prefix: b
                 raise ValueError(f"write_gguf: {name}: Q8_0 blocks must be uint8 [R, n*34], "
                                  f"got {b.dtype} {b.shape}")
             prepared.append((full, b, _Q8_0))
+            continue
+        if isinstance(value, QuantTensor):
+            b = np.ascontiguousarray(value.blocks)
+            try:
+                qt = GGMLQuantizationType[value.gtype]
+            except KeyError:
+                raise ValueError(f"write_gguf: {name}: unknown GGML type {value.gtype!r}") from None
+            nbytes = gguf.GGML_QUANT_SIZES[qt][1]
+            if b.dtype != np.uint8 or b.ndim != 2 or b.shape[1] % nbytes:
+                raise ValueError(f"write_gguf: {name}: {value.gtype} blocks must be uint8 "
+                                 f"[R, n*{nbytes}], got {b.dtype} {b.shape}")
+            prepared.append((full, b, qt))
             continue
         a = np.asarray(value)
         if a.dtype.kind != "f":

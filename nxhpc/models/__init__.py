@@ -14,14 +14,19 @@ from nxhpc.dit.config import BlockConfig, infer_config, layer_tensor_names
 from nxhpc.formats.gguf_io import MissingTensorError, ModelError, ModelFileError, ModelNotFoundError
 from nxhpc.models.cli import main
 from nxhpc.models.model import Model
-from nxhpc.models.modeldir import GGUF_FILE, check_replaceable, write_model_dir
-from nxhpc.models.registry import (BUILTIN_MODELS, DEFAULT_MODEL_ID, ensure_builtin, models_dir,
-                                   open_model)
-from nxhpc.models.synthetic import SyntheticSpec, make_synthetic
+from nxhpc.models.modeldir import GGUF_FILE, ModelsDirError, check_replaceable, write_model_dir
+from nxhpc.models.registry import (BUILTIN_DENOISERS, BUILTIN_MODELS, DEFAULT_MODEL_ID,
+                                   builtin_spec, ensure_builtin, models_dir, open_model,
+                                   resolve_model)
+from nxhpc.models.synthetic import (DenoiserSpec, SyntheticSpec, make_synthetic,
+                                    make_synthetic_denoiser)
 
 __all__ = [
     "BlockConfig", "LayerWeights", "Model", "open_model", "models_dir", "DEFAULT_MODEL_ID",
     "BUILTIN_MODELS", "SyntheticSpec", "make_synthetic", "ensure_builtin", "infer_config",
     "layer_tensor_names", "write_model_dir", "check_replaceable", "ModelError",
-    "ModelNotFoundError", "ModelFileError", "MissingTensorError", "GGUF_FILE", "main",
+    "ModelNotFoundError", "ModelFileError", "MissingTensorError", "ModelsDirError", "GGUF_FILE",
+    "main",
+    "BUILTIN_DENOISERS", "DenoiserSpec", "make_synthetic_denoiser", "resolve_model",
+    "builtin_spec",
 ]

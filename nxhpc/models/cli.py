@@ -1,7 +1,8 @@
 """``python -m nxhpc.models list | show <id> | make <id> [...]``: the model-directory CLI.
 
-Owns argument parsing, printing and exit codes (0 ok, 1 model error, 2 usage). Must not import
-the compiled kernels: it works in a source tree whose extension is not built.
+Owns argument parsing, printing and exit codes (:data:`EXIT_CODES`: 0 ok, 1 model error, 2 usage,
+3 models directory unusable, 130 Ctrl-C, 143 SIGTERM; no traceback for any of them). Must not
+import the compiled kernels: it works in a source tree whose extension is not built.
 """
 from __future__ import annotations
 
@@ -12,12 +13,24 @@ from pathlib import Path
 
 from nxhpc.formats.gguf_io import ModelError
 from nxhpc.formats.weights import block_geometry
-from nxhpc.models.modeldir import check_replaceable
-from nxhpc.models.registry import (BUILTIN_MODELS, DEFAULT_MODEL_ID, builtin_current,
-                                   ensure_builtin, models_dir, open_model, stderr_progress)
+from nxhpc.models.modeldir import ModelsDirError, check_models_root, check_replaceable, write_failed
+from nxhpc.models.registry import (BUILTIN_DENOISERS, BUILTIN_MODELS, DEFAULT_MODEL_ID,
+                                   builtin_current, builtin_spec, ensure_builtin, models_dir,
+                                   open_model, stderr_progress)
 from nxhpc.models.synthetic import SyntheticSpec, make_synthetic
+from nxhpc.runtime.proc import Terminated, cli_signals
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "EXIT_CODES"]
+
+EXIT_CODES = {
+    0: "ok",
+    1: "model error (not found, malformed, an existing directory that is not a model)",
+    2: "usage error (bad arguments, dims that do not make a runnable block)",
+    3: "the models directory ($NXHPC_MODELS / --models-dir, or --out's parent) cannot take the "
+       "model: not a directory, not writable, or full (nothing is left behind)",
+    130: "interrupted by Ctrl-C / SIGINT (nothing half-written is left behind)",
+    143: "terminated by SIGTERM (nothing half-written is left behind)",
+}
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -34,9 +47,19 @@ def _cmd_list(args: argparse.Namespace) -> int:
         flag = " (default)" if mid == DEFAULT_MODEL_ID else ""
         print(f"{mid:<11} {c.variant:<8} {c.dim:>5} {heads:>7} {c.ffn_dim:>6} "
               f"{c.n_layers:>2} {spec.n_tokens:>4} {q8 / 1e6:>10.1f} MB  {st}{flag}")
+    print(f"{'denoiser':<13} {'D':>5} {'heads':>7} {'FFN':>6} {'L+refiners':>10} {'cap':>5} "
+          f"{'tokens':>6}  layout        status   (python -m nxhpc.denoise)")
+    for mid, dspec in BUILTIN_DENOISERS.items():
+        c = dspec.config()
+        st = "generated" if builtin_current(root / mid, dspec) else "generated on first use"
+        print(f"{mid:<13} {c.dim:>5} {c.n_heads:>7} {c.ffn_dim:>6} "
+              f"{f'{c.n_layers}+{c.n_noise_refiner}+{c.n_context_refiner}':>10} {c.cap_dim:>5} "
+              f"{dspec.n_tokens:>6}  {dspec.layout:<13} {st}")
+    print("zimage-dit-<N>l: real Z-Image dims with N = 1..30 main layers")
     if root.is_dir():
         others = sorted(p.name for p in root.iterdir() if p.is_dir()
-                        and not p.name.startswith(".") and p.name not in BUILTIN_MODELS)
+                        and not p.name.startswith(".") and p.name not in BUILTIN_MODELS
+                        and builtin_spec(p.name) is None)
         for o in others:
             print(f"{o:<11} (directory)")
     return 0
@@ -52,24 +75,32 @@ def _cmd_make(args: argparse.Namespace) -> int:
     root = Path(args.models_dir) if args.models_dir else models_dir()
     custom = {k: getattr(args, k) for k in ("variant", "dim", "n_heads", "n_kv_heads",
                                             "ffn_dim", "n_layers", "n_caption", "grid",
-                                            "seed", "adaln_in", "norm_eps", "mask_pad")
+                                            "seed", "adaln_in", "norm_eps", "mask_pad",
+                                            "types")
               if getattr(args, k) is not None}
     if args.no_prefix:
         custom["prefix"] = False
     if args.weights is not None:
         custom["include_weights"] = args.weights
     say = stderr_progress(args.id)
-    if args.id in BUILTIN_MODELS and not custom and args.out is None:
+    if builtin_spec(args.id) is not None and not custom and args.out is None:
         d = ensure_builtin(args.id, root, force=args.force, progress=say)
+    elif args.id not in BUILTIN_MODELS and builtin_spec(args.id) is not None:
+        print(f"error: {args.id} is a built-in denoiser: custom dims and --out are for block "
+              f"models only", file=sys.stderr)
+        return 2
     else:
         base = BUILTIN_MODELS.get(args.id, SyntheticSpec())
         if "grid" in custom:
             custom["grid"] = tuple(custom["grid"])
         d = Path(args.out) if args.out else root / args.id
         spec = dataclasses.replace(base, **custom)
+        src = "(from --out)" if args.out else "(from $NXHPC_MODELS / --models-dir)"
         try:
             check_replaceable(d, args.force)
             spec.validate()
+            check_models_root(d.parent, need_bytes=spec.disk_bytes(), what=f"model {args.id!r}",
+                              src=src)
             make_synthetic(d, spec, progress=say, replace=args.force)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
@@ -78,6 +109,8 @@ def _cmd_make(args: argparse.Namespace) -> int:
             hint = "" if args.force else " (use --force to replace it)"
             print(f"error: {e}{hint}", file=sys.stderr)
             return 2
+        except OSError as e:
+            raise write_failed(d.parent, f"model {args.id!r}", e, src) from None
     with open_model(d) as m:
         print(m.describe())
     return 0
@@ -97,7 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m nxhpc.models",
         description="List, inspect and generate nxhpc model directories "
-                    "(model.gguf + fixtures.safetensors).")
+                    "(model.gguf + fixtures.safetensors).",
+        epilog="exit codes:\n" + "\n".join(f"  {k:>3}  {v}" for k, v in EXIT_CODES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models-dir", help="model root (default: $NXHPC_MODELS or "
                                         "~/.cache/nxhpc/models)")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -119,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--adaln-in", type=int)
     mk.add_argument("--eps", dest="norm_eps", type=float)
     mk.add_argument("--mask-pad", type=int, help="mask the last N caption tokens")
+    mk.add_argument("--types", help="weight-type policy: q8_0 (default), q4_k_m, sdcpp-q4_0, "
+                                    "or one type for every matrix (f32, f16, bf16, q4_0, q4_1, "
+                                    "q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k); see "
+                                    "nxhpc/models/typepolicy.py")
     mk.add_argument("--no-prefix", action="store_true",
                     help="write tensor names without 'model.diffusion_model.'")
     mk.add_argument("--weights", action=argparse.BooleanOptionalAction, default=None,
@@ -131,8 +170,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: ``python -m nxhpc.models list | show <id> | make <id> [...]``."""
     args = build_parser().parse_args(argv)
-    try:
-        return {"list": _cmd_list, "show": _cmd_show, "make": _cmd_make}[args.cmd](args)
-    except ModelError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    with cli_signals() as sig:
+        try:
+            try:
+                return {"list": _cmd_list, "show": _cmd_show, "make": _cmd_make}[args.cmd](args)
+            except Exception:
+                interrupt = sig.interrupt()   # a Ctrl-C that C code (numpy's tofile) replaced
+                if interrupt is not None:
+                    raise interrupt from None
+                raise
+        except ModelsDirError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 3
+        except ModelError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("error: interrupted (SIGINT)", file=sys.stderr)
+            return 130
+        except Terminated:
+            print("error: terminated (SIGTERM)", file=sys.stderr)
+            return 143

@@ -26,7 +26,13 @@ __all__ = ["Model"]
 
 
 class Model:
-    """A model directory: its GGUF weights and/or fixtures, and the inferred block config."""
+    """A model directory: its GGUF weights and/or fixtures, and the inferred block config.
+
+    After :meth:`close` (or the end of its ``with`` block) binding weights -- ``block(i)``,
+    ``layer_weights(i)`` -- raises RuntimeError saying so; fixtures can still be read.
+    """
+
+    _closed = False
 
     def __init__(self, path: Path | None, gguf: GGUFFile | None,
                  fixtures: FixtureStore | None) -> None:
@@ -141,6 +147,7 @@ class Model:
         if source not in ("gguf", "fixtures"):
             raise ValueError(f"layer_weights: source must be 'auto', 'gguf' or 'fixtures', "
                              f"got {source!r}")
+        self._check_open("layer_weights")
         n = self.stack_size(prefix)
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < n:
             raise IndexError(f"layer_weights: {prefix} index {i!r} out of range [0, {n})")
@@ -161,8 +168,15 @@ class Model:
 
     def block(self, i: int) -> Any:
         """The runnable block for layer ``i`` (``nxhpc.dit.block.Block``, imported lazily)."""
+        self._check_open("block")
         from nxhpc.dit.block import Block
         return Block(self, i)
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"Model.{what}: the model {self.path or ''} is closed (close() "
+                               f"or the end of its with block released the weights map); open "
+                               f"it again to bind weights")
 
     def describe(self) -> str:
         """A human-readable report: config and how it was inferred, files, fixtures."""
@@ -177,7 +191,7 @@ class Model:
             by_type: dict[str, int] = {}
             for n in g.names():
                 by_type[g.type_name(n)] = by_type.get(g.type_name(n), 0) + 1
-            types = ", ".join(f"{n} {t}" for t, n in sorted(by_type.items()))
+            types = ", ".join(f"{t} {n}" for t, n in sorted(by_type.items()))
             lines.append(f"gguf: {g.path} ({_mb(g.path)}), v{g.version}, arch "
                          f"{g.architecture!r}, prefix {g.prefix!r}, {len(g.names())} tensors "
                          f"({types})")
@@ -203,7 +217,8 @@ class Model:
         return "\n".join(lines)
 
     def close(self) -> None:
-        """Release the GGUF map (views already handed out stay valid)."""
+        """Release the GGUF map (views already handed out stay valid). Idempotent."""
+        self._closed = True
         if self.gguf is not None:
             self.gguf.close()
 

@@ -1,14 +1,18 @@
 """Model ids: the built-in registry, the models directory, and resolving an id or path.
 
-Owns: :data:`BUILTIN_MODELS` (id -> :class:`~nxhpc.models.synthetic.SyntheticSpec`), the models
-root (``$NXHPC_MODELS`` or ``~/.cache/nxhpc/models``), generating a built-in on first use under
-a lock (and again when its fingerprint is stale), and :func:`open_model` (id | directory |
-``.gguf`` -> :class:`~nxhpc.models.model.Model`). Must not: run kernels.
+Owns: :data:`BUILTIN_MODELS` (id -> :class:`~nxhpc.models.synthetic.SyntheticSpec`, block
+models), :data:`BUILTIN_DENOISERS` (id -> :class:`~nxhpc.models.synthetic.DenoiserSpec`, whole
+denoisers; also ``zimage-dit-<N>l`` for N = 1..30 main layers), the models root
+(``$NXHPC_MODELS`` or ``~/.cache/nxhpc/models``), generating a built-in on first use under a
+lock (and again when its fingerprint is stale), :func:`resolve_model` (id | directory |
+``.gguf`` -> the directory and GGUF path) and :func:`open_model` (-> :class:`~nxhpc.models.model.
+Model`). Must not: run kernels.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -17,10 +21,13 @@ from pathlib import Path
 from nxhpc.formats.fixtures import FIXTURES_FILE, FixtureStore
 from nxhpc.formats.gguf_io import GGUFFile, ModelError, ModelNotFoundError
 from nxhpc.models.model import Model
-from nxhpc.models.modeldir import GGUF_FILE, SPEC_FILE, locked
-from nxhpc.models.synthetic import SyntheticSpec, make_synthetic
+from nxhpc.models.modeldir import (GGUF_FILE, SPEC_FILE, ModelsDirError, check_models_root,
+                                   locked, write_failed)
+from nxhpc.models.synthetic import (DenoiserSpec, SyntheticSpec, make_synthetic,
+                                    make_synthetic_denoiser)
 
-__all__ = ["BUILTIN_MODELS", "DEFAULT_MODEL_ID", "models_dir", "ensure_builtin", "open_model",
+__all__ = ["BUILTIN_MODELS", "BUILTIN_DENOISERS", "DEFAULT_MODEL_ID", "models_dir",
+           "ensure_builtin", "open_model", "resolve_model", "builtin_spec", "is_builtin",
            "builtin_current", "stderr_progress"]
 
 BUILTIN_MODELS: dict[str, SyntheticSpec] = {
@@ -40,6 +47,40 @@ BUILTIN_MODELS: dict[str, SyntheticSpec] = {
 }
 DEFAULT_MODEL_ID = "tiny"
 
+BUILTIN_DENOISERS: dict[str, DenoiserSpec] = {
+    # whole denoiser, small dims (D=384, 6x64 heads, FFN 1024, cap_dim 320), 2 layers + 2+2
+    # refiners, ComfyUI-GGUF types (layers Q8_0, refiners/embedders BF16, 1-D F32); stored
+    # inputs 16x14x10 latents (35 image tokens) + 19 caption rows (both padded) and the float64
+    # reference output
+    "tiny-dit": DenoiserSpec(dim=384, n_heads=6, n_layers=2, n_refiner=2, cap_dim=320,
+                             layout="comfyui-q8_0", seed=11, latent_hw=(14, 10),
+                             n_caption=19, timestep=0.6, reference=True),
+    # real Z-Image dims with 2 main layers (benchmarks): stored 512x512 inputs, no reference
+    "zimage-dit-2l": DenoiserSpec.zimage(2),
+}
+#: ``zimage-dit-<N>l``: real Z-Image dims with N main layers (1..30), generated on first use.
+ZIMAGE_DIT_ID = re.compile(r"zimage-dit-([1-9][0-9]?)l")
+
+
+def builtin_spec(model_id: str) -> SyntheticSpec | DenoiserSpec | None:
+    """The spec of a built-in id (block model or denoiser), or None."""
+    if model_id in BUILTIN_MODELS:
+        return BUILTIN_MODELS[model_id]
+    if model_id in BUILTIN_DENOISERS:
+        return BUILTIN_DENOISERS[model_id]
+    m = ZIMAGE_DIT_ID.fullmatch(model_id)
+    if m and 1 <= int(m.group(1)) <= 30:
+        return DenoiserSpec.zimage(int(m.group(1)))
+    return None
+
+
+def is_builtin(model_id: str) -> bool:
+    return builtin_spec(model_id) is not None
+
+
+def _builtin_names() -> str:
+    return ", ".join([*BUILTIN_MODELS, *BUILTIN_DENOISERS, "zimage-dit-<N>l"])
+
 
 def models_dir() -> Path:
     """``$NXHPC_MODELS`` or ``~/.cache/nxhpc/models``."""
@@ -53,7 +94,7 @@ def models_dir() -> Path:
 _models_root = models_dir
 
 
-def builtin_current(d: Path, spec: SyntheticSpec) -> bool:
+def builtin_current(d: Path, spec: SyntheticSpec | DenoiserSpec) -> bool:
     """Whether ``d`` holds the model ``spec`` generates (same fingerprint, GGUF present)."""
     try:
         info = json.loads((d / SPEC_FILE).read_text())
@@ -66,26 +107,37 @@ def ensure_builtin(model_id: str, root: Path | None = None, force: bool = False,
                    progress: Callable[[str], None] | None = None) -> Path:
     """Return the directory of built-in ``model_id``, generating it first if needed.
 
-    Safe under concurrency: one process generates (under a lock file), others wait and reuse.
-    A directory written by an older generator (fingerprint mismatch) is regenerated.
+    Safe under concurrency: one process generates (under a lock file), others wait -- saying
+    so on stderr, with the generator's pid -- and reuse. A directory written by an older
+    generator (fingerprint mismatch) is regenerated; temporaries of a generator that was killed
+    are swept. A models root that cannot take the model (not a directory, not writable, full)
+    raises :class:`~nxhpc.models.modeldir.ModelsDirError` before any work, or -- a write that
+    fails anyway -- as soon as it fails, leaving nothing behind.
     """
-    if model_id not in BUILTIN_MODELS:
+    spec = builtin_spec(model_id)
+    if spec is None:
         raise ModelNotFoundError(f"{model_id!r} is not a built-in model id "
-                                 f"(built-ins: {', '.join(BUILTIN_MODELS)})")
-    spec = BUILTIN_MODELS[model_id]
+                                 f"(built-ins: {_builtin_names()})")
     root = Path(root) if root is not None else models_dir()
     d = root / model_id
     if not force and builtin_current(d, spec):
         return d
-    with locked(root, model_id):
-        if not force and builtin_current(d, spec):
-            return d
-        if progress is None and spec.weights_bytes_f32() > 256 << 20:
-            progress = stderr_progress(model_id)
-        try:
-            make_synthetic(d, spec, progress=progress, replace=True)
-        except FileExistsError as e:
-            raise ModelError(f"built-in model {model_id!r}: {e}") from None
+    what = f"built-in model {model_id!r}"
+    check_models_root(root, need_bytes=spec.disk_bytes(), what=what)
+    make = make_synthetic_denoiser if isinstance(spec, DenoiserSpec) else make_synthetic
+    try:
+        with locked(root, model_id):
+            if not force and builtin_current(d, spec):
+                return d
+            if progress is None and spec.weights_bytes_f32() > 256 << 20:
+                progress = stderr_progress(model_id)
+            make(d, spec, progress=progress, replace=True)
+    except FileExistsError as e:
+        raise ModelError(f"{what}: {e}") from None
+    except ModelsDirError:
+        raise
+    except OSError as e:
+        raise write_failed(root, what, e) from None
     return d
 
 
@@ -99,9 +151,9 @@ def stderr_progress(model_id: str) -> Callable[[str], None]:
     return say
 
 
-def open_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | None = None,
-               gguf_path: str | os.PathLike | None = None) -> Model:
-    """Open a model by id or path.
+def resolve_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | None = None,
+                  gguf_path: str | os.PathLike | None = None) -> tuple[Path | None, Path | None]:
+    """``(model directory or None, GGUF path or None)`` of an id or path.
 
     Resolution: a bare name is looked up as ``<models_dir>/<name>`` (built-in ids are generated
     there on first use, and regenerated if stale); otherwise ``id_or_path`` must be a model
@@ -109,11 +161,15 @@ def open_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | No
     """
     root = Path(models_dir) if models_dir is not None else _models_root()
     s = os.fspath(id_or_path)
+    if not isinstance(s, str) or not s.strip():
+        raise ModelNotFoundError(f"model id {s!r} is empty: give a built-in id "
+                                 f"({', '.join(BUILTIN_MODELS)}), a directory under {root}, or "
+                                 f"a model directory or .gguf path ('.' for this directory)")
     p = Path(s)
     d: Path | None = None
     gpath: Path | None = None
     bare = bool(s) and os.sep not in s and not s.startswith(".") and p.suffix != ".gguf"
-    if bare and s in BUILTIN_MODELS:
+    if bare and is_builtin(s):
         d = ensure_builtin(s, root)
     elif bare and (root / s).is_dir():
         d = root / s
@@ -121,9 +177,12 @@ def open_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | No
         d = p
     elif p.is_file() and p.suffix == ".gguf":
         gpath = p
+    elif bare and root.exists() and not root.is_dir():
+        raise ModelsDirError(root, f"model {s!r} not found: the models directory {root} (from "
+                                   f"$NXHPC_MODELS / --models-dir) is not a directory")
     else:
         raise ModelNotFoundError(
-            f"model {s!r} not found: not a built-in id ({', '.join(BUILTIN_MODELS)}), not a "
+            f"model {s!r} not found: not a built-in id ({_builtin_names()}), not a "
             f"directory under {root}, and not a model directory or .gguf file path")
     if gguf_path is not None:
         gpath = Path(gguf_path)
@@ -131,11 +190,16 @@ def open_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | No
             raise ModelNotFoundError(f"gguf_path {gpath}: no such file")
     elif d is not None and (d / GGUF_FILE).is_file():
         gpath = d / GGUF_FILE
+    return d, gpath
+
+
+def open_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | None = None,
+               gguf_path: str | os.PathLike | None = None) -> Model:
+    """Open a model by id or path (resolved by :func:`resolve_model`)."""
+    d, gpath = resolve_model(id_or_path, models_dir, gguf_path)
     fx = FixtureStore(d / FIXTURES_FILE) if d is not None and (d / FIXTURES_FILE).is_file() \
         else None
     g = GGUFFile(gpath) if gpath is not None else None
     if g is None and fx is None:
         raise ModelNotFoundError(f"{d}: neither {GGUF_FILE} nor {FIXTURES_FILE} found")
     return Model(d, g, fx)
-
-

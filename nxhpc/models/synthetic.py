@@ -1,9 +1,16 @@
 """Synthetic models: deterministic random weights and their float64 reference outputs.
 
-Owns :class:`SyntheticSpec` (everything that determines a synthetic model; same spec ->
-byte-identical files) and :func:`make_synthetic`: weights quantized to Q8_0 by the ``gguf``
-package, ``pe`` from real position ids, each layer's reference output from the float64 oracle
-``nxhpc.dit.reference``, written as a model directory.
+Owns :class:`SyntheticSpec` (everything that determines a synthetic block model; same spec ->
+byte-identical files) and :func:`make_synthetic`: weights stored in the types of the spec's
+``types`` policy (nxhpc.models.typepolicy; default Q8_0, quantized by the ``gguf`` package),
+``pe`` from real position ids, each layer's reference output from the float64 oracle
+``nxhpc.dit.reference`` evaluated on the stored weights' exact values (decoded by
+``gguf.quants.dequantize``), written as a model directory. And the same for a whole denoiser:
+:class:`DenoiserSpec` and :func:`make_synthetic_denoiser` (every tensor of a Z-Image denoiser
+drawn at random, stored as a published file layout of ``nxhpc.models.zimage_files`` by the
+``gguf`` package and streamed tensor by tensor; stored deterministic inputs and, for small
+models, the float64 output of ``nxhpc.dit.denoiser_ref`` on the weights read back by the
+``gguf`` package), with :func:`read_denoiser_fixtures` reading those inputs back checked.
 Must not: run the kernels (the references must not depend on the code they grade).
 """
 from __future__ import annotations
@@ -23,10 +30,12 @@ import numpy as np
 
 from nxhpc.dit import rope as _rope
 from nxhpc.dit.config import DEFAULT_NORM_EPS, NORMS, BlockConfig, layer_tensor_names
-from nxhpc.formats.gguf_io import Q8_0Tensor, dequantize_q8_0, quantize_q8_0
+from nxhpc.formats.gguf_io import Q8_0Tensor, QuantTensor, dequantize_q8_0, quantize_q8_0
+from nxhpc.models import typepolicy
 from nxhpc.models.modeldir import SPEC_FILE, check_replaceable, write_model_dir
 
-__all__ = ["SyntheticSpec", "make_synthetic", "GENERATOR_VERSION"]
+__all__ = ["SyntheticSpec", "make_synthetic", "GENERATOR_VERSION", "DenoiserSpec",
+           "make_synthetic_denoiser", "DenoiserFixtures", "read_denoiser_fixtures"]
 
 #: Part of every fingerprint: bump it when the generator's output changes.
 GENERATOR_VERSION = 2
@@ -50,6 +59,7 @@ class SyntheticSpec:
     include_weights: bool | None = None  # None: only when the float32 weights are < 64 MB
     rope_theta: float | None = None      # None: the variant's
     axes_dims: tuple[int, ...] | None = None
+    types: str = "q8_0"                  # weight-type policy (nxhpc.models.typepolicy.POLICIES)
 
     def config(self) -> BlockConfig:
         H = self.n_heads
@@ -63,10 +73,19 @@ class SyntheticSpec:
         adaln = self.adaln_in or (1024 if self.variant == "lumina2" else 256)
         if self.dim % H:
             raise ValueError(f"SyntheticSpec: dim {self.dim} not divisible by n_heads {H}")
-        return BlockConfig(dim=self.dim, n_heads=H, n_kv_heads=kv, head_dim=self.dim // H,
-                           ffn_dim=ffn, n_layers=self.n_layers, adaln_in=adaln,
-                           variant=self.variant, adaln_silu=self.variant == "lumina2",
-                           norm_eps=self.norm_eps).validate()
+        cfg = BlockConfig(dim=self.dim, n_heads=H, n_kv_heads=kv, head_dim=self.dim // H,
+                          ffn_dim=ffn, n_layers=self.n_layers, adaln_in=adaln,
+                          variant=self.variant, adaln_silu=self.variant == "lumina2",
+                          norm_eps=self.norm_eps)
+        try:
+            return cfg.validate()
+        except ValueError as e:
+            if self.ffn_dim or "ffn_dim" not in str(e):
+                raise
+            rule = "int(dim/3*8)" if self.variant == "zimage" else "4*dim rounded up to 256"
+            raise ValueError(f"{e}. ffn_dim was not given: {ffn} is derived from dim {self.dim} "
+                             f"({self.variant} rule: {rule}); give ffn_dim (--ffn) explicitly"
+                             ) from None
 
     @property
     def n_tokens(self) -> int:
@@ -87,12 +106,26 @@ class SyntheticSpec:
             4 * c.dim * c.adaln_in
         return 4 * per * c.n_layers
 
+    def disk_bytes(self) -> int:
+        """A lower bound of the bytes the model directory takes: Q8_0 projections in the GGUF,
+        the fixtures' activations, and the float32 weights when they are included."""
+        c = self.config()
+        T = self.n_tokens
+        f32 = self.weights_bytes_f32()
+        gguf = f32 // 4 // 32 * 34
+        acts = 4 * (c.adaln_in + T * c.head_dim * 2 + c.n_layers * (2 * T * c.dim + 4 * c.dim))
+        with_w = self.include_weights if self.include_weights is not None else f32 < 64 << 20
+        return gguf + acts + (f32 if with_w else 0)
+
     def fingerprint(self) -> str:
         d = dataclasses.asdict(self)
+        if d["types"] == "q8_0":             # the default: fingerprints of older specs unchanged
+            del d["types"]
         d["generator_version"] = GENERATOR_VERSION
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def validate(self) -> "SyntheticSpec":
+        typepolicy.get_policy(self.types)
         self.config()
         self.rope_params()
         if self.n_caption < 0 or len(self.grid) != 3 or min(self.grid) < 1:
@@ -105,19 +138,28 @@ class SyntheticSpec:
 
 
 def _draw_layer(rng: np.random.Generator, c: BlockConfig, i: int,
-                say: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+                say: Callable[[str], None], types: str = "q8_0"
+                ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Draw layer i: returns (GGUF tensors by short name, float64 dequantized weights)."""
     stored: dict[str, Any] = {}
     f64: dict[str, np.ndarray] = {}
+    names = layer_tensor_names(i, c.variant)
 
     def proj(k: str, rows: int, cols: int, gain: float = 1.0) -> None:
-        say(f"layer {i}: {k} [{rows} x {cols}]")
+        gtype = typepolicy.tensor_type(types, names[k], (rows, cols))
+        say(f"layer {i}: {k} [{rows} x {cols}] {gtype}")
         w = rng.standard_normal((rows, cols), dtype=np.float32)
         w *= np.float32(gain / math.sqrt(cols))
-        q = quantize_q8_0(w, f"layers.{i}.{k}")
+        if gtype == "Q8_0":                  # today's path, byte for byte
+            q = quantize_q8_0(w, f"layers.{i}.{k}")
+            del w
+            stored[k] = Q8_0Tensor(q)
+            f64[k] = dequantize_q8_0(q).astype(np.float64)
+            return
+        raw = typepolicy.encode(w, gtype, names[k])
         del w
-        stored[k] = Q8_0Tensor(q)
-        f64[k] = dequantize_q8_0(q).astype(np.float64)
+        stored[k] = QuantTensor(raw, gtype)
+        f64[k] = typepolicy.decode(raw, gtype, (rows, cols)).astype(np.float64)
 
     proj("qkv", c.qkv_width, c.dim)
     proj("out", c.dim, c.dim)
@@ -176,7 +218,7 @@ def make_synthetic(out_dir: str | os.PathLike, spec: SyntheticSpec,
     if mask is not None:
         fx["mask"] = mask
     for i in range(c.n_layers):
-        stored, w64 = _draw_layer(rng, c, i, say)
+        stored, w64 = _draw_layer(rng, c, i, say, spec.types)
         for k, name in layer_tensor_names(i, c.variant).items():
             gguf_tensors[name] = stored[k]
             if include_w:
@@ -209,3 +251,260 @@ def make_synthetic(out_dir: str | os.PathLike, spec: SyntheticSpec,
     return out_dir
 
 
+# ============================================================================== whole denoisers
+
+#: Part of every denoiser fingerprint: bump it when the denoiser generator's output changes.
+DENOISER_GENERATOR_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DenoiserSpec:
+    """Everything that determines a synthetic Z-Image denoiser (same spec -> same tensors).
+
+    Dims as :class:`~nxhpc.dit.config.DenoiserConfig` (``ffn_dim`` None: int(D/3*8); one
+    refiner count for both refiners), the file ``layout`` (a name of
+    ``nxhpc.models.zimage_files.LAYOUTS``: which GGML type each tensor is stored in), the
+    stored inputs (latents ``[in_channels, *latent_hw]``, ``n_caption`` caption rows,
+    ``timestep``) and whether a float64 reference output is stored (``reference``: only for
+    models whose float64 weights fit in memory comfortably).
+    """
+    dim: int = 384
+    n_heads: int = 6
+    ffn_dim: int | None = None
+    n_layers: int = 2
+    n_refiner: int = 2
+    cap_dim: int = 320
+    in_channels: int = 16
+    patch: int = 2
+    layout: str = "comfyui-q8_0"
+    seed: int = 0
+    latent_hw: tuple[int, int] = (14, 10)
+    n_caption: int = 19
+    timestep: float = 0.6
+    reference: bool = True
+
+    @classmethod
+    def zimage(cls, n_layers: int, **kw: Any) -> "DenoiserSpec":
+        """Real Z-Image dimensions (D=3840, 30x128 heads, FFN 10240, cap_dim 2560, 2+2
+        refiners) with ``n_layers`` main layers; stored inputs of a 512x512 image (64x64
+        latents: 1024 image tokens) and a 100-token caption; no float64 reference."""
+        base = dict(dim=3840, n_heads=30, ffn_dim=10240, n_layers=n_layers, n_refiner=2,
+                    cap_dim=2560, seed=40 + n_layers, latent_hw=(64, 64), n_caption=100,
+                    timestep=0.5, reference=False)
+        base.update(kw)
+        return cls(**base)
+
+    def config(self):
+        from nxhpc.dit.config import DenoiserConfig
+        ffn = self.ffn_dim or int(self.dim / 3 * 8)
+        if self.dim % self.n_heads:
+            raise ValueError(f"DenoiserSpec: dim {self.dim} not divisible by n_heads "
+                             f"{self.n_heads}")
+        return DenoiserConfig(dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_heads,
+                              head_dim=self.dim // self.n_heads, ffn_dim=ffn,
+                              n_layers=self.n_layers, n_noise_refiner=self.n_refiner,
+                              n_context_refiner=self.n_refiner, in_channels=self.in_channels,
+                              patch=self.patch, cap_dim=self.cap_dim)
+
+    @property
+    def n_tokens(self) -> int:
+        """Stored inputs' tokens before padding: image patches + caption rows."""
+        h, w = self.latent_hw
+        return (h // self.patch) * (w // self.patch) + self.n_caption
+
+    def weights_bytes_f32(self) -> int:
+        return 4 * self.config().n_params()
+
+    def disk_bytes(self) -> int:
+        """Bytes the model directory takes (a lower bound): every tensor in its layout's type,
+        plus the stored inputs and reference."""
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        from nxhpc.models.zimage_files import get_layout
+        lay = get_layout(self.layout)
+        total = 0
+        for name, shape in self.config().tensor_shapes().items():
+            stored = tuple(lay.stored_shape(name, shape))
+            elems, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[lay.type_for(name, stored)]]
+            total += math.prod(stored) // elems * nbytes
+        h, w = self.latent_hw
+        lat = self.in_channels * h * w
+        return total + 4 * lat + 4 * self.n_caption * self.cap_dim + \
+            (8 * lat if self.reference else 0)
+
+    def fingerprint(self) -> str:
+        d = dataclasses.asdict(self)
+        d["kind"] = "denoiser"
+        d["generator_version"] = DENOISER_GENERATOR_VERSION
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def validate(self) -> "DenoiserSpec":
+        from nxhpc.models.zimage_files import get_layout
+        self.config().as_block_config()
+        get_layout(self.layout)
+        h, w = self.latent_hw
+        if min(h, w) < self.patch or h % self.patch or w % self.patch:
+            raise ValueError(f"DenoiserSpec: latent_hw {self.latent_hw} must be positive "
+                             f"multiples of the patch {self.patch}")
+        if self.n_caption < 1 or not 0.0 <= self.timestep <= 1.0:
+            raise ValueError(f"DenoiserSpec: need n_caption >= 1 and timestep in [0, 1], got "
+                             f"{self.n_caption}, {self.timestep}")
+        return self
+
+
+def _draw_tensor(spec: DenoiserSpec, index: int, name: str, shape: tuple[int, ...]
+                 ) -> np.ndarray:
+    """Tensor ``index`` of the model, float32, from its own generator (so tensors can be drawn
+    one at a time, in any order). Every parameter is random, with scales that keep the random
+    model's activations O(1) (as ``nxhpc.dit.oracle.random_zimage_model``): Linear weights
+    N(0, 1/fan_in) (adaLN ones N(0, 0.25/fan_in)), biases N(0, 0.1^2), norm weights
+    1 + N(0, 0.2^2), pad tokens N(0, 1)."""
+    rng = np.random.default_rng([spec.seed, index])
+    z = rng.standard_normal(shape, dtype=np.float32)
+    if name.endswith("pad_token"):
+        return z
+    if len(shape) == 1 and name.endswith(".bias"):
+        return z * np.float32(0.1)
+    if len(shape) == 1:
+        z *= np.float32(0.2)
+        z += np.float32(1.0)
+        return z
+    gain = 0.5 if "adaLN_modulation" in name else 1.0
+    z *= np.float32(gain / math.sqrt(shape[1]))
+    return z
+
+
+def _draw_inputs(spec: DenoiserSpec) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([spec.seed, 1 << 30])
+    h, w = spec.latent_hw
+    return {"latents": rng.standard_normal((spec.in_channels, h, w)).astype(np.float32),
+            "cap_feats": rng.standard_normal((spec.n_caption, spec.cap_dim)).astype(np.float32),
+            "timestep": np.float64(spec.timestep)}
+
+
+def _write_denoiser_gguf(path: Path, spec: DenoiserSpec, say: Callable[[str], None]) -> None:
+    """Stream every tensor into ``path`` in ``spec.layout``'s names, shapes and types, encoded
+    by the ``gguf`` package (the same encoding as ``zimage_files.write_zimage_gguf``, one tensor
+    in memory at a time)."""
+    import gguf
+    from gguf.constants import GGMLQuantizationType as GT
+
+    from nxhpc.models.zimage_files import get_layout
+    lay = get_layout(spec.layout)
+    cfg = spec.config()
+    plan = []
+    for i, (name, shape) in enumerate(cfg.tensor_shapes().items()):
+        stored = tuple(lay.stored_shape(name, shape))
+        tname = lay.type_for(name, stored)
+        plan.append((i, name, stored, tname))
+    w = gguf.GGUFWriter(str(path), lay.arch or "unused")
+    if lay.arch is None:                    # this converter writes no architecture key
+        w.kv_data[0].pop("general.architecture", None)
+    w.add_string("general.name", f"nxhpc synthetic denoiser {spec.fingerprint()}")
+    w.add_bool("nxhpc.synthetic", True)
+    w.add_string("nxhpc.fingerprint", spec.fingerprint())
+    try:
+        for _, name, stored, tname in plan:
+            if tname == "F32":
+                w.add_tensor_info(lay.prefix + name, stored, np.dtype(np.float32),
+                                  4 * math.prod(stored))
+            elif tname == "F16":
+                w.add_tensor_info(lay.prefix + name, stored, np.dtype(np.float16),
+                                  2 * math.prod(stored))
+            else:
+                bshape = gguf.quants.quant_shape_to_byte_shape(stored, GT[tname])
+                w.add_tensor_info(lay.prefix + name, bshape, np.dtype(np.uint8),
+                                  math.prod(bshape), raw_dtype=GT[tname])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for i, name, stored, tname in plan:
+            if len(stored) == 2 and math.prod(stored) >= 1 << 22:
+                say(f"tensor {i + 1}/{len(plan)}: {name} {list(stored)} {tname}")
+            a = _draw_tensor(spec, i, name, stored)
+            if tname == "F16":
+                a = a.astype(np.float16)
+            elif tname != "F32":
+                a = gguf.quants.quantize(a, GT[tname])
+            w.write_tensor_data(a)
+            del a
+    finally:
+        w.close()
+
+
+def make_synthetic_denoiser(out_dir: str | os.PathLike, spec: DenoiserSpec,
+                            progress: Callable[[str], None] | None = None, *,
+                            replace: bool = False) -> Path:
+    """Write a synthetic denoiser directory: ``model.gguf`` (``spec.layout``),
+    ``denoiser_fixtures.npz`` (``latents``, ``cap_feats``, ``timestep`` and, when
+    ``spec.reference``, ``reference``: the float64 output of ``nxhpc.dit.denoiser_ref`` on the
+    weights as the ``gguf`` package reads them back) and ``synthetic.json``; all-or-nothing."""
+    from nxhpc.models.modeldir import DENOISER_FIXTURES_FILE, GGUF_FILE, build_model_dir
+    spec.validate()
+    say = progress or (lambda s: None)
+    t0 = time.monotonic()
+
+    def write(tmp: Path) -> None:
+        say(f"writing {GGUF_FILE} ({spec.config().summary()}, layout {spec.layout})")
+        _write_denoiser_gguf(tmp / GGUF_FILE, spec, say)
+        fx = _draw_inputs(spec)
+        if spec.reference:
+            from nxhpc.dit.denoiser_ref import denoiser_forward_f64
+            from nxhpc.models.zimage_files import read_zimage_gguf
+            say("float64 reference (nxhpc.dit.denoiser_ref on the gguf package's read-back)")
+            f = read_zimage_gguf(tmp / GGUF_FILE)
+            ref = denoiser_forward_f64(fx["latents"], float(fx["timestep"]), fx["cap_feats"],
+                                       f.weights, spec.config())
+            if not np.isfinite(ref).all():  # pragma: no cover - a generator bug
+                raise RuntimeError("make_synthetic_denoiser: non-finite reference output")
+            fx["reference"] = ref
+        with open(tmp / DENOISER_FIXTURES_FILE, "wb") as fh:
+            np.savez(fh, **fx)
+        (tmp / SPEC_FILE).write_text(json.dumps(
+            {"kind": "denoiser", "spec": dataclasses.asdict(spec),
+             "fingerprint": spec.fingerprint(),
+             "generator_version": DENOISER_GENERATOR_VERSION}, indent=1, sort_keys=True) + "\n")
+
+    build_model_dir(Path(out_dir), write, replace=replace)
+    say(f"done in {time.monotonic() - t0:.1f} s: {out_dir}")
+    return Path(out_dir)
+
+
+@dataclass
+class DenoiserFixtures:
+    """A denoiser directory's stored inputs and (optional) float64 reference output."""
+    path: Path
+    latents: np.ndarray               # float32 [C, H, W]
+    timestep: float
+    cap_feats: np.ndarray             # float32 [L, cap_dim]
+    reference: np.ndarray | None      # float64 [C, H, W], or None
+
+
+def read_denoiser_fixtures(path: str | os.PathLike) -> DenoiserFixtures:
+    """Read ``denoiser_fixtures.npz`` (no pickles); ModelFileError / MissingTensorError naming
+    the file and the entry for anything malformed, missing or non-finite."""
+    from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            data = {k: np.asarray(z[k]) for k in z.files}
+    except (OSError, ValueError, EOFError) as e:
+        raise ModelFileError(f"{path}: cannot read denoiser fixtures: {e}") from None
+    for k in ("latents", "cap_feats", "timestep"):
+        if k not in data:
+            raise MissingTensorError(f"{path}: denoiser fixture {k!r} is missing")
+    for k, a in data.items():
+        if a.dtype.kind != "f" or not np.isfinite(a).all():
+            raise ModelFileError(f"{path}: denoiser fixture {k!r} must be finite floats, got "
+                                 f"{a.dtype} {a.shape}")
+    lat, cap, t = data["latents"], data["cap_feats"], data["timestep"]
+    ref = data.get("reference")
+    if lat.ndim != 3 or cap.ndim != 2 or t.shape != () or \
+            (ref is not None and ref.shape != lat.shape):
+        raise ModelFileError(f"{path}: denoiser fixtures have shapes latents {lat.shape}, "
+                             f"cap_feats {cap.shape}, timestep {t.shape}, reference "
+                             f"{None if ref is None else ref.shape}; expected [C, H, W], "
+                             f"[L, cap_dim], (), [C, H, W]")
+    return DenoiserFixtures(path, np.ascontiguousarray(lat, np.float32), float(t),
+                            np.ascontiguousarray(cap, np.float32),
+                            None if ref is None else np.asarray(ref, np.float64))

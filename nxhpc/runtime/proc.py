@@ -4,7 +4,8 @@ Owns: holding off asynchronous signals while a resource is acquired or released 
 (:class:`deferred_signals`, :func:`fork_section`), the die-with-parent lifeline
 (:func:`lifeline`, :func:`die_with_parent`), the registry of parent-side file descriptors that
 no forked child may keep (:func:`register_fd`, :func:`close_fd`), reaping with a grace period
-(:func:`reap`), and the text of an exit status (:func:`describe_exit`). Must not: import numpy
+(:func:`reap`), the text of an exit status (:func:`describe_exit`), and a CLI's signal ->
+exception mapping that remembers what arrived (:class:`cli_signals`). Must not: import numpy
 or the compiled kernels, start threads, or touch a descriptor or pid it was not given.
 
 **Interrupt safety.** A ``KeyboardInterrupt`` (Ctrl-C, a notebook's "interrupt kernel", a
@@ -43,9 +44,11 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 __all__ = ["deferred_signals", "fork_section", "lifeline", "die_with_parent", "register_fd",
-           "close_fd", "reap", "describe_exit", "signal_name", "ASYNC_SIGNALS"]
+           "close_fd", "reap", "describe_exit", "signal_name", "ASYNC_SIGNALS", "cli_signals",
+           "Terminated"]
 
 #: Signals held off by :class:`deferred_signals`: every catchable signal except those raised
 #: synchronously by a fault in the running code (blocking those would hide a crash).
@@ -320,3 +323,52 @@ def describe_exit(status: int | None = None, *, exitcode: int | None = None,
     if code is not None:
         return f"exited with code {code}" if brief else f"exited with status {code}"
     return "disappeared without reporting"
+
+
+class Terminated(BaseException):
+    """Raised by :class:`cli_signals`' SIGTERM handler (a BaseException, like
+    KeyboardInterrupt, so every ``finally`` / ``with`` cleanup runs on the way out)."""
+
+
+class cli_signals:
+    """``with cli_signals() as sig:`` -- a CLI's ``main``: SIGINT raises KeyboardInterrupt,
+    SIGTERM raises :class:`Terminated`, and every arrival is recorded in ``sig.received``.
+
+    The record is what lets the CLI exit as the interrupt even when the exception that reaches
+    it is another one: C code that calls back into Python can swallow the KeyboardInterrupt
+    raised there and report a failure of its own instead (numpy's ``tofile`` turns it into a
+    TypeError or an OSError about its file). :meth:`interrupt` gives the exception to raise in
+    place of such a failure (None when no signal arrived). SIGINT is taken over only from
+    Python's default handler (a shell that set it to ignored, ``nohup``, keeps it ignored);
+    installed from the main thread only, and restored on exit.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._old: dict[int, Any] = {}
+
+    def _on_int(self, signum: int, frame: object) -> None:
+        self.received.append(signum)
+        raise KeyboardInterrupt
+
+    def _on_term(self, signum: int, frame: object) -> None:
+        self.received.append(signum)
+        raise Terminated()
+
+    def __enter__(self) -> "cli_signals":
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self._old[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_int)
+            self._old[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_term)
+        return self
+
+    def interrupt(self) -> BaseException | None:
+        """KeyboardInterrupt / :class:`Terminated` for the first signal recorded, or None."""
+        if not self.received:
+            return None
+        return KeyboardInterrupt() if self.received[0] == signal.SIGINT else Terminated()
+
+    def __exit__(self, *exc: object) -> None:
+        while self._old:
+            signum, old = self._old.popitem()
+            signal.signal(signum, old)

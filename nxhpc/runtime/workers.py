@@ -20,7 +20,11 @@ Failure: a worker that raises, segfaults, is killed or exits early closes its st
 parent sees EOF at once, kills and reaps every worker and raises :class:`WorkerError` naming the
 stage, the worker and the reason. A worker that hangs without exiting is caught by the optional
 per-stage timeout (``stage_timeout``): past it, every worker is killed and reaped and the error
-names the stage and the first unfinished worker. A parent interrupted mid-stage (Ctrl-C, SIGTERM
+names the stage and the first unfinished worker. A worker that is *stopped* (SIGSTOP, SIGTSTP:
+it neither runs nor exits, so no EOF comes) is seen with ``waitid(WSTOPPED | WNOWAIT)`` while
+the parent waits; one still stopped after :data:`STOP_GRACE_S` fails the stage the same way, with
+or without a timeout (a stop of the whole process group, Ctrl-Z then ``fg``, resumes every
+process at once and is not a failure). A parent interrupted mid-stage (Ctrl-C, SIGTERM
 turned into an exception) also kills and reaps its workers before the exception propagates.
 Workers ignore SIGINT (the parent decides), die with the parent process -- whichever thread
 forked them -- through the lifeline of :mod:`nxhpc.runtime.proc`, and exit on a ``stop``
@@ -44,6 +48,7 @@ import pickle
 import select
 import signal
 import struct
+import threading
 import time
 import traceback
 import weakref
@@ -51,7 +56,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nxhpc.runtime.proc import (close_fd, deferred_signals, describe_exit, die_with_parent,
-                                 fork_section, lifeline, reap, register_fd)
+                                 fork_section, lifeline, reap, register_fd, signal_name)
 
 __all__ = ["bands", "WorkerPool", "WorkerError", "SPAWN_MODES", "DEFAULT_SPAWN", "usable_cpus",
            "check_timeout"]
@@ -64,6 +69,8 @@ _HDR = struct.Struct("<I")
 _MAX_ERR = 8000             # characters of a worker's traceback sent back
 _POLL_S = 0.05              # select timeout while waiting (EOF wakes us immediately anyway)
 _REAP_S = 1.0               # grace period for a worker to exit before SIGKILL
+#: Seconds a worker may stay stopped (SIGSTOP/SIGTSTP) during a stage before the stage fails.
+STOP_GRACE_S = 1.0
 
 Task = Callable[[int, int, Any], None]
 
@@ -289,6 +296,8 @@ class WorkerPool:
     :class:`WorkerError`. ``stage_timeout`` (seconds, None = wait forever) bounds one stage in
     forked workers; an inline stage cannot be interrupted. Use as a context manager, or call
     :meth:`close`; a pool dropped without ``close()`` is stopped when collected or at exit.
+    Threads: :meth:`run` holds a lock, so stages dispatched from several threads run one after
+    the other (the workers serve one stage at a time).
     """
 
     # Defaults at class level: a pool whose __init__ raised (or was interrupted) early still
@@ -299,6 +308,7 @@ class WorkerPool:
     _closed = True
     _broken: str | None = None
     _w: _Workers | None = None
+    _lock: Any = None
 
     def __init__(self, n_workers: int, tasks: Mapping[str, Task], mode: str = DEFAULT_SPAWN,
                  *, inline: bool = True, stage_timeout: float | None = None) -> None:
@@ -317,6 +327,7 @@ class WorkerPool:
         self.mode = mode
         self.inline = inline
         self._tasks = dict(tasks)
+        self._lock = threading.RLock()
         self._seq = 0
         self.owner_pid = os.getpid()
         # The record and its finalizer exist before any worker does (see _Workers).
@@ -397,7 +408,15 @@ class WorkerPool:
     # -- dispatch ---------------------------------------------------------------------------
     def run(self, stage: str, m: int, *, task: str | None = None, arg: Any = None,
             max_workers: int | None = None) -> int:
-        """Run task ``task`` (default: ``stage``) over ``[0, m)``; returns the workers used."""
+        """Run task ``task`` (default: ``stage``) over ``[0, m)``; returns the workers used.
+        Serialized with other threads' calls (one stage at a time)."""
+        if self._lock is None:
+            raise RuntimeError(f"WorkerPool: closed (stage {stage!r})")
+        with self._lock:
+            return self._run(stage, m, task, arg, max_workers)
+
+    def _run(self, stage: str, m: int, task: str | None, arg: Any,
+             max_workers: int | None) -> int:
         if self._closed:
             raise RuntimeError(f"WorkerPool: closed (stage {stage!r})"
                                + (f"; it broke earlier: {self._broken}" if self._broken else ""))
@@ -432,6 +451,7 @@ class WorkerPool:
         n = len(bs)
         deadline = (None if self.stage_timeout is None
                     else time.monotonic() + self.stage_timeout)
+        stopped_since: dict[int, float] = {}
         while pending:
             if deadline is not None and time.monotonic() >= deadline:
                 late = sorted(pending.values())
@@ -440,6 +460,8 @@ class WorkerPool:
                                   f"{self.stage_timeout:g} s (hung or too slow; unfinished "
                                   f"workers: {', '.join(map(str, late))}); all workers killed")
             ready, _, _ = select.select(list(pending), [], [], _POLL_S)
+            if not ready:               # nothing for a while: is a worker stopped?
+                self._check_stopped(stage, bs, sorted(pending.values()), pids, stopped_since)
             for fd in ready:
                 i = pending.pop(fd)
                 msg = None
@@ -455,6 +477,22 @@ class WorkerPool:
                     status = reap(pids[i], _REAP_S, _forget(pids, i))
                     raise WorkerError(stage, i, n, bs[i], _describe_status(status))
                 raise WorkerError(stage, i, n, bs[i], msg[1], msg[2])
+
+    def _check_stopped(self, stage: str, bs: list[tuple[int, int]], waiting: list[int],
+                       pids: list[int], since: dict[int, float]) -> None:
+        """WorkerError for the first of ``waiting`` stopped for :data:`STOP_GRACE_S` or more
+        (``since``: worker -> when it was first seen stopped; a resumed one is dropped)."""
+        now = time.monotonic()
+        for i in waiting:
+            sig = _stop_signal(pids[i])
+            if sig is None:
+                since.pop(i, None)
+                continue
+            if now - since.setdefault(i, now) >= STOP_GRACE_S:
+                raise WorkerError(stage, i, len(bs), bs[i],
+                                  f"was stopped by {signal_name(sig)} (signal {sig}) and not "
+                                  f"resumed within {STOP_GRACE_S:g} s, so the stage could never "
+                                  f"finish; all workers killed")
 
     def _run_pool(self, stage: str, name: str, bs: list[tuple[int, int]], arg: Any) -> None:
         self._seq += 1
@@ -556,6 +594,21 @@ def _send_stop(fd: int) -> None:
         os.write(fd, _HDR.pack(len(data)) + data)
     except OSError:            # a dead worker (EPIPE), a full pipe: EOF on close does the rest
         pass
+
+
+def _stop_signal(pid: int) -> int | None:
+    """The signal that stopped child ``pid`` if it is stopped now, else None. ``WNOWAIT``: the
+    report stays pending, so this never reaps and never consumes a status; once the child is
+    continued the kernel no longer reports it stopped."""
+    if pid <= 0:
+        return None
+    try:
+        r = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
+    except (ChildProcessError, OSError):
+        return None
+    if r is None or r.si_pid != pid or r.si_code != os.CLD_STOPPED:
+        return None
+    return r.si_status
 
 
 def _poll_status(pid: int, forget=None) -> int | None:

@@ -1,0 +1,246 @@
+"""One whole transformer call at real Z-Image dimensions: nxhpc vs diffusers eager (float32, bf16).
+
+Model: built-in ``zimage-dit-2l`` (D=3840, 30x128 heads, FFN 10240, cap_dim 2560, 2 main layers
++ 2+2 refiners; ComfyUI-GGUF types: layers Q8_0, refiners and embedders BF16, generated on
+first use under $NXHPC_MODELS, 1.8 GB). Inputs: 512x512 (64x64 latents = 1024 image tokens) and
+1024x1024 (128x128 latents = 4096 image tokens), a 100-token caption, t = 0.5. nxhpc runs with
+2 workers; diffusers' ``ZImageTransformer2DModel`` (same config, the same weights as decoded by
+the ``gguf`` package) runs in torch eager float32 and bfloat16 at 2 threads, in the same run,
+same group per token count.
+
+Reported per benchmark (``extra_info``): seconds per main layer, the extrapolated seconds of a
+30-layer step (everything but the main layers + 30 x one layer), the segments, peak RSS
+(Linux VmHWM, reset before each backend; nxhpc: parent and largest worker -- mapped weight
+pages are shared and counted in each), and the output's distance to diffusers float32.
+A table of all of it is printed at the end of the module (and written to
+``.benchmarks/bench_denoise.md``).
+
+Run: ``python -m pytest benchmarks/bench_denoise.py --benchmark-only`` (about 2 GB of weights,
+~10 GB RAM peak for diffusers float32). Quick: ``NXHPC_BENCH_DENOISER=tiny-dit`` and/or
+``NXHPC_BENCH_TOKENS=1024``.
+"""
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from _bench_util import bench_stats
+from nxhpc.dit.denoiser import open_denoiser
+
+MODEL = os.environ.get("NXHPC_BENCH_DENOISER", "zimage-dit-2l")
+TOKENS = [int(t) for t in os.environ.get("NXHPC_BENCH_TOKENS", "1024,4096").split(",")]
+CAPTION = 100
+WORKERS = 2
+STEP_LAYERS = 30
+RESULTS: dict = {}
+
+
+def _side(tokens: int) -> int:
+    s = int(round(math.sqrt(tokens)))
+    assert s * s == tokens, f"image tokens {tokens} must be a square"
+    return 2 * s                              # latents side: 2x2 patches
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's VmHWM (Linux: ``echo 5 > /proc/self/clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mb(pid: int | str = "self") -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e6
+    except OSError:
+        return None
+    return None
+
+
+@pytest.fixture(scope="module")
+def den():
+    d = open_denoiser(MODEL, workers=WORKERS)
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def inputs(den):
+    cfg = den.config
+    rng = np.random.default_rng(0)
+    cap = rng.standard_normal((CAPTION, cfg.cap_dim)).astype(np.float32)
+    return {T: (rng.standard_normal((cfg.in_channels, _side(T), _side(T))).astype(np.float32),
+                0.5, cap) for T in TOKENS}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _summary(request):
+    yield
+    if not RESULTS:
+        return
+    head = ("| backend | image tokens | rows | s / layer | s / 30-layer step (extrap.) | "
+            "peak RSS MB | rel. err vs diffusers f32 |")
+    lines = [f"bench_denoise: {MODEL}, {WORKERS} workers / threads, caption {CAPTION}", "",
+             head, "|" + "---|" * 7]
+    for (name, T), r in sorted(RESULTS.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        err = r.get("rel_err_vs_diffusers_f32")
+        rss = f"{r.get('peak_rss_mb') or 0:.0f}"
+        if r.get("worker_peak_rss_mb"):
+            rss += f" (workers {r['worker_peak_rss_mb']:.0f})"
+        lines.append(f"| {name} | {T} | {r.get('rows', '')} | {r['s_per_layer']:.3f} | "
+                     f"{r['s_per_30_layer_step']:.1f} | {rss} | "
+                     f"{'' if err is None else format(err, '.2e')} |")
+    text = "\n".join(lines)
+    out = Path(".benchmarks")
+    out.mkdir(exist_ok=True)
+    (out / "bench_denoise.md").write_text(text + "\n")
+    (out / "bench_denoise.json").write_text(json.dumps(
+        {f"{k[0]}@{k[1]}": {n: x for n, x in v.items() if n != "output"}
+         for k, v in RESULTS.items()}, indent=1, default=float))
+    cap = request.config.pluginmanager.get_plugin("capturemanager")
+    with cap.global_and_fixture_disabled() if cap is not None else open(os.devnull):
+        print("\n" + text, flush=True)
+
+
+# ----------------------------------------------------------------------------- nxhpc
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_denoise_nxhpc(benchmark, den, inputs, tokens):
+    cfg = den.config
+    lat, t, cap = inputs[tokens]
+    benchmark.group = f"denoise {MODEL} image tokens={tokens} caption={CAPTION}"
+    _reset_peak_rss()
+    den.forward(lat, t, cap)                  # the layout's engine: fork + arena (not timed)
+    out = benchmark.pedantic(lambda: den.forward(lat, t, cap), rounds=2, warmup_rounds=0)
+    tm = dict(den.last_timings)
+    mem = den.memory()
+    s = den.session(lat.shape[1], lat.shape[2], cap.shape[0])
+    per_layer = tm["us_layers"] / cfg.n_layers / 1e6
+    r = {"rows": s.Np + s.Lp, "s_per_layer": per_layer,
+         "s_per_30_layer_step": (tm["us_total"] - tm["us_layers"]) / 1e6 + STEP_LAYERS * per_layer,
+         "s_call": bench_stats(benchmark).median, **tm, **mem, "output": out}
+    RESULTS[("nxhpc", tokens)] = r
+    benchmark.extra_info.update({k: v for k, v in r.items() if k != "output"})
+    assert np.isfinite(out).all()
+
+
+# ----------------------------------------------------------------------------- diffusers
+
+def _diffusers_model(den, torch):
+    """diffusers' ZImageTransformer2DModel (float32) holding the GGUF's weights as decoded by
+    the ``gguf`` package, filled one tensor at a time (no second copy of the model)."""
+    import gguf
+
+    from nxhpc.dit.config import strip_prefix
+    from nxhpc.dit.oracle import diffusers_zimage, zimage_from_canonical
+    cfg = den.config
+    model = diffusers_zimage(cfg, None, torch.float32)
+    params = dict(model.named_parameters())
+    filled = set()
+    r = gguf.GGUFReader(str(den.gguf.path), "r")
+    for tinfo in r.tensors:
+        name = strip_prefix(tinfo.name)
+        if name == "norm_final.weight":
+            continue
+        shape = tuple(int(d) for d in reversed([int(x) for x in tinfo.shape]))
+        a = np.asarray(gguf.quants.dequantize(np.asarray(tinfo.data), tinfo.tensor_type),
+                       dtype=np.float32).reshape(shape)
+        for k, v in zimage_from_canonical({name: a}, cfg, torch.float32).items():
+            with torch.no_grad():
+                params[k].copy_(v.reshape(params[k].shape))
+            filled.add(k)
+    missing = set(params) - filled
+    assert not missing, f"diffusers parameters not filled from the GGUF: {sorted(missing)[:5]}"
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def torch_model(den):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    torch.set_num_threads(WORKERS)
+    return {"model": _diffusers_model(den, torch), "dtype": torch.float32}
+
+
+def _layer_timer(model):
+    """Forward hooks timing each main layer: returns the list of per-layer seconds."""
+    spans: list[float] = []
+    starts: list[float] = []
+    hooks = []
+    for layer in model.layers:
+        hooks.append(layer.register_forward_pre_hook(lambda m, a: starts.append(time.perf_counter())))
+        hooks.append(layer.register_forward_hook(
+            lambda m, a, o: spans.append(time.perf_counter() - starts.pop())))
+    return spans, hooks
+
+
+def _run_diffusers(benchmark, torch_model, den, inputs, tokens, dtype_name):
+    import torch
+
+    from nxhpc.dit.oracle import run_diffusers_zimage
+    tm = torch_model
+    dtype = getattr(torch, dtype_name)
+    if tm["dtype"] != dtype:                  # in place: the float32 copy is not kept
+        tm["model"].to(dtype)
+        tm["dtype"] = dtype
+    model = tm["model"]
+    lat, t, cap = inputs[tokens]
+    benchmark.group = f"denoise {MODEL} image tokens={tokens} caption={CAPTION}"
+    _reset_peak_rss()
+    spans, hooks = _layer_timer(model)
+    last = {}
+
+    def call():
+        t0 = time.perf_counter()
+        o = run_diffusers_zimage(model, lat, t, cap)
+        last["s"] = time.perf_counter() - t0
+        return o
+    try:
+        out = benchmark.pedantic(call, rounds=1, warmup_rounds=1)
+    finally:
+        for h in hooks:
+            h.remove()
+    total = last["s"]
+    n = den.config.n_layers
+    layer_s = sum(spans[-n:])
+    per_layer = layer_s / n
+    r = {"s_per_layer": per_layer,
+         "s_per_30_layer_step": (total - layer_s) + STEP_LAYERS * per_layer,
+         "s_call": total, "peak_rss_mb": _peak_rss_mb(), "output": out}
+    ref = RESULTS.get(("diffusers float32", tokens), {}).get("output")
+    if dtype_name == "float32":
+        ref = out
+        nx = RESULTS.get(("nxhpc", tokens))
+        if nx is not None:
+            nx["rel_err_vs_diffusers_f32"] = float(np.abs(nx["output"] - out).max()
+                                                   / np.abs(out).max())
+    if ref is not None:
+        r["rel_err_vs_diffusers_f32"] = float(np.abs(out - ref).max() / np.abs(ref).max())
+    RESULTS[(f"diffusers {dtype_name}", tokens)] = r
+    benchmark.extra_info.update({k: v for k, v in r.items() if k != "output"})
+    assert np.isfinite(out).all()
+    return r
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_denoise_torch_float32(benchmark, torch_model, den, inputs, tokens):
+    _run_diffusers(benchmark, torch_model, den, inputs, tokens, "float32")
+    nx = RESULTS.get(("nxhpc", tokens))
+    if nx is not None:
+        # float32 both sides, same weights: the rest is diffusers' float32 sinusoid and RoPE
+        # table and summation order (~1e-5 of max|out| at these widths)
+        assert nx["rel_err_vs_diffusers_f32"] <= 1e-3, nx["rel_err_vs_diffusers_f32"]
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_denoise_torch_bfloat16(benchmark, torch_model, den, inputs, tokens):
+    _run_diffusers(benchmark, torch_model, den, inputs, tokens, "bfloat16")

@@ -1,0 +1,161 @@
+/* nx_matmul.c -- the matmul family: the scalar spec (any weight type), the cache-blocked driver
+ * the SIMD variants share, the adaLN linear, and the dispatch (nx_dispatch.h).
+ * Compiled with no ISA flags: runs on any CPU. Must not: use SIMD intrinsics (those live in
+ * nx_matmul_avx2.c / nx_matmul_avx512.c), allocate per tile.
+ */
+#include "nx_matmul.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ dispatch */
+
+NX_DEFINE_DISPATCH(
+    nx_mm, "matmul", NX_MM_SLOTS,
+    {[NX_ISA_GENERIC] = &nx_mm_table_generic,
+     NX_X86_ONLY([NX_ISA_AVX2] = &nx_mm_table_avx2, [NX_ISA_AVX512] = &nx_mm_table_avx512, )})
+
+static int nx_matmul_packer_generic(uint32_t type) {
+    (void)type;
+    return 0; /* the spec dequantizes whole rows; no panels */
+}
+
+const nx_mm_table nx_mm_table_generic = {.matmul = nx_matmul_generic,
+                                         .matmul_packer = nx_matmul_packer_generic};
+
+int nx_matmul_ex(nx_isa isa, uint32_t type, const float *x, const uint8_t *w, const float *bias,
+                 float *out, size_t T, size_t K, size_t N, size_t n0, size_t n1, unsigned flags) {
+    const nx_wtype_traits *wt = nx_wtype(type);
+    if (!wt) return -2;
+    const nx_mm_call c = {
+        wt, nx_wtype_dequant(isa, type),         type, x, w, bias, out, T, K, N, n0,
+        n1, K / wt->blck_elems * wt->blck_bytes, flags};
+    if (T == 0 || n0 >= n1) return 0;
+    return nx_mm_get(isa)->matmul(&c);
+}
+
+int nx_matmul(nx_isa isa, uint32_t type, const float *x, const uint8_t *w, const float *bias,
+              float *out, size_t T, size_t K, size_t N, size_t n0, size_t n1) {
+    return nx_matmul_ex(isa, type, x, w, bias, out, T, K, N, n0, n1, 0);
+}
+
+/* ------------------------------------------------------------------ the spec */
+
+/* Per column n: dequantize row n once with the type's generic spec (exact), then the two-level
+ * sum for NX_MM_DOT_ROWS tokens at a time, then the bias. */
+int nx_matmul_generic(const nx_mm_call *c) {
+    const size_t T = c->T, K = c->K, N = c->N;
+    const size_t nb = K / c->wt->blck_elems;
+    float *wrow = NULL;
+    if (K > 0 && !(wrow = (float *)malloc(K * sizeof(float)))) return -1;
+    for (size_t n = c->n0; n < c->n1; n++) {
+        if (K > 0) c->wt->dequant(c->w + n * c->rowbytes, wrow, nb);
+        for (size_t t = 0; t < T; t += NX_MM_DOT_ROWS) {
+            const size_t rows = T - t < NX_MM_DOT_ROWS ? T - t : NX_MM_DOT_ROWS;
+            nx_mm_dot_rows(c->x + t * K, K, rows, wrow, K, c->out + t * N + n, N);
+        }
+        if (c->bias)
+            for (size_t t = 0; t < T; t++) c->out[t * N + n] = c->out[t * N + n] + c->bias[n];
+    }
+    free(wrow);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ blocked driver (SIMD) */
+
+/* Tokens [t0, t0+mc) of x (all K) into Ap: micro-panel i (MR tokens) at Ap + i*K*MR, element
+ * [k*MR + r] = x[t0 + i*MR + r, k]; rows past mc are zero. */
+static void nx_mm_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t mc, size_t MR,
+                         float *Ap /* OUT */) {
+    for (size_t i = 0; i * MR < mc; i++) {
+        float *dst = Ap + i * K * MR;
+        for (size_t r = 0; r < MR; r++) {
+            const size_t t = i * MR + r;
+            if (t < mc) {
+                const float *src = x + (t0 + t) * K;
+                for (size_t k = 0; k < K; k++) dst[k * MR + r] = src[k];
+            } else {
+                for (size_t k = 0; k < K; k++) dst[k * MR + r] = 0.0f;
+            }
+        }
+    }
+}
+
+static inline size_t nx_min(size_t a, size_t b) { return a < b ? a : b; }
+
+int nx_matmul_blocked(const nx_mm_tiling *tl, const nx_mm_call *c) {
+    const size_t T = c->T, K = c->K, N = c->N, n0 = c->n0, n1 = c->n1;
+    const float *x = c->x, *bias = c->bias;
+    float *out = c->out;
+    if (T == 0 || n0 >= n1) return 0;
+    if (K == 0) { /* the empty sum is +0 */
+        for (size_t t = 0; t < T; t++)
+            for (size_t n = n0; n < n1; n++) out[t * N + n] = bias ? 0.0f + bias[n] : 0.0f;
+        return 0;
+    }
+    const size_t MR = tl->mr, NR = tl->nr, KC = tl->kc, NC = tl->nc, MC = tl->mc;
+    const size_t E = c->wt->blck_elems;
+    nx_mm_pack_fn pack = (c->flags & NX_MM_DEQUANT_PACK) ? NULL : tl->pack_fused[c->type];
+    if (!pack) pack = tl->pack_rows;
+    const size_t mc_max = T < MC ? (T + MR - 1) / MR * MR : MC;
+    const size_t nc_max = n1 - n0 < NC ? (n1 - n0 + NR - 1) / NR * NR : NC;
+    const size_t kc_max = nx_min(K, KC);
+    float *Ap = (float *)aligned_alloc(64, (mc_max * K * sizeof(float) + 63) / 64 * 64);
+    float *Bp = (float *)aligned_alloc(64, (nc_max * kc_max * sizeof(float) + 63) / 64 * 64);
+    if (!Ap || !Bp) {
+        free(Ap);
+        free(Bp);
+        return -1;
+    }
+    for (size_t ic = 0; ic < T; ic += MC) {
+        const size_t mc = nx_min(T - ic, MC);
+        nx_mm_pack_a(x, K, ic, mc, MR, Ap);
+        for (size_t jc = n0; jc < n1; jc += NC) {
+            const size_t nc = nx_min(n1 - jc, NC);
+            for (size_t pc = 0; pc < K; pc += KC) {
+                const size_t kc = nx_min(K - pc, KC); /* a multiple of E: K and KC are */
+                pack(c, jc, nc, pc / E, kc / E, Bp);
+                for (size_t ir = 0; ir < mc; ir += MR) {
+                    const int mr = (int)nx_min(mc - ir, MR);
+                    const float *A = Ap + (ir / MR) * K * MR + pc * MR;
+                    for (size_t jr = 0; jr < nc; jr += NR) {
+                        const int nr = (int)nx_min(nc - jr, NR);
+                        const float *B = Bp + (jr / NR) * kc * NR;
+                        for (size_t s0 = 0; s0 < kc; s0 += NX_MM_CHAIN)
+                            tl->kern(mr, nr, nx_min(kc - s0, NX_MM_CHAIN), A + s0 * MR, B + s0 * NR,
+                                     out + (ic + ir) * N + jc + jr, N, pc + s0 == 0);
+                    }
+                }
+            }
+            if (bias) /* after the two-level sum: one float32 add, as the spec */
+                for (size_t t = ic; t < ic + mc; t++)
+                    for (size_t n = jc; n < jc + nc; n++) out[t * N + n] = out[t * N + n] + bias[n];
+        }
+    }
+    free(Ap);
+    free(Bp);
+    return 0;
+}
+
+int nx_matmul_packer(nx_isa isa, uint32_t type) {
+    return nx_wtype(type) ? nx_mm_get(isa)->matmul_packer(type) : -1;
+}
+
+/* ------------------------------------------------------------------ adaLN linear */
+
+static inline float nx_silu(float t) { return t / (1.0f + expf(-t)); }
+
+int nx_adaln_linear(nx_isa isa, uint32_t type, const float *t_emb /* IN [K] */,
+                    const uint8_t *w /* IN */, const float *bias /* IN [N] or NULL */,
+                    float *out /* OUT [N] */, size_t K, size_t N, int silu_input) {
+    if (!nx_wtype(type)) return -2;
+    float *u = NULL;
+    if (K > 0) {
+        if (!(u = (float *)malloc(K * sizeof(float)))) return -1;
+        for (size_t k = 0; k < K; k++) u[k] = silu_input ? nx_silu(t_emb[k]) : t_emb[k];
+    }
+    const int rc = nx_matmul(isa, type, u, w, bias, out, 1, K, N, 0, N);
+    free(u);
+    return rc;
+}

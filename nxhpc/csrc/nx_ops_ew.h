@@ -1,0 +1,123 @@
+/* nx_ops_ew.h -- the element-wise forward kernels written once for both vector widths (nx_simd.h):
+ * rmsnorm, layernorm_mod, swiglu, gated_residual and the exp/tanh test hook. Included exactly once
+ * by nx_ops_avx2.c and by nx_ops_avx512.c, which defines NXV_FN(nx_swiglu_f32) as
+ * nx_swiglu_f32_avx2 / nx_swiglu_f32_avx512 (declared in nx_ops.h).
+ *
+ * Each loop runs whole vectors, then one masked tail vector; every lane does the operations of
+ * the generic spec (nx_ops.c) in the same order, so results do not depend on the width, and
+ * rmsnorm / layernorm_mod are bit-identical to generic (the others use the vector exp/tanh).
+ * Must not: be included from generic files, allocate per row.
+ */
+#ifndef NX_OPS_EW_H
+#define NX_OPS_EW_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "nx_ops.h"
+#include "nx_simd.h"
+
+/* ------------------------------------------------------------------ vector math (test hook) */
+
+void NXV_FN(nx_vmath_f32)(int which, const float *x, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + NXV_W <= n; i += NXV_W) {
+        const nxv v = nxv_loadu(x + i);
+        nxv_storeu(out + i, which == 0 ? nxv_exp(v) : nxv_tanh(v));
+    }
+    if (i < n) {
+        const nxv_mask m = nxv_mask_n(n - i);
+        const nxv v = nxv_load_n(x + i, m);
+        nxv_store_n(out + i, m, which == 0 ? nxv_exp(v) : nxv_tanh(v));
+    }
+}
+
+/* ------------------------------------------------------------------ rmsnorm */
+
+/* ((x * inv) * w) [* mod] in float32, as the spec. */
+void NXV_FN(nx_rmsnorm_f32)(const float *x, const float *w, const float *mod, float *out, int64_t D,
+                            float eps, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+        const float *xr = x + r * D;
+        float *o = out + r * D;
+        const nxv inv = nxv_set1(nxv_rms_inv(xr, D, eps));
+        int64_t i = 0;
+        for (; i + NXV_W <= D; i += NXV_W) {
+            nxv v = nxv_mul(nxv_mul(nxv_loadu(xr + i), inv), nxv_loadu(w + i));
+            if (mod) v = nxv_mul(v, nxv_loadu(mod + i));
+            nxv_storeu(o + i, v);
+        }
+        if (i < D) {
+            const nxv_mask m = nxv_mask_n(D - i);
+            nxv v = nxv_mul(nxv_mul(nxv_load_n(xr + i, m), inv), nxv_load_n(w + i, m));
+            if (mod) v = nxv_mul(v, nxv_load_n(mod + i, m));
+            nxv_store_n(o + i, m, v);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ layernorm_mod */
+
+void NXV_FN(nx_layernorm_mod_f32)(const float *x, const float *mod, float *out, int64_t D,
+                                  float eps, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+        const float *xr = x + r * D;
+        float *o = out + r * D;
+        double mean, var;
+        nxv_ln_stats(xr, D, &mean, &var);
+        const nxv rs = nxv_set1((float)(1.0 / sqrt(var + (double)eps)));
+        const nxvd_half mu = nxv_set1_f64(mean);
+        int64_t i = 0;
+        for (; i + NXV_W <= D; i += NXV_W)
+            nxv_storeu(o + i, nxv_mul(nxv_mul(nxv_sub_f64(nxv_loadu(xr + i), mu), rs),
+                                      nxv_loadu(mod + i)));
+        if (i < D) {
+            const nxv_mask m = nxv_mask_n(D - i);
+            nxv_store_n(o + i, m,
+                        nxv_mul(nxv_mul(nxv_sub_f64(nxv_load_n(xr + i, m), mu), rs),
+                                nxv_load_n(mod + i, m)));
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ swiglu, gated residual */
+
+void NXV_FN(nx_swiglu_f32)(const float *a, const float *b, float *out, int64_t i0, int64_t i1) {
+    int64_t i = i0;
+    for (; i + NXV_W <= i1; i += NXV_W)
+        nxv_storeu(out + i, nxv_mul(nxv_silu(nxv_loadu(a + i)), nxv_loadu(b + i)));
+    if (i < i1) {
+        const nxv_mask m = nxv_mask_n(i1 - i);
+        nxv_store_n(out + i, m, nxv_mul(nxv_silu(nxv_load_n(a + i, m)), nxv_load_n(b + i, m)));
+    }
+}
+
+int NXV_FN(nx_gated_residual_f32)(const float *resid, const float *y, const float *gate, float *out,
+                                  int64_t D, int64_t r0, int64_t r1) {
+    /* tanh(gate) once per call: D rounded up to whole vectors, plus one (aligned_alloc wants a
+     * multiple of the alignment) */
+    float *tg = aligned_alloc(64, (size_t)((D + NXV_W - 1) / NXV_W * NXV_W + 16) * sizeof(float));
+    if (!tg) return -1;
+    for (int64_t c = 0; c < D; c += NXV_W) {
+        const nxv_mask m = nxv_mask_n(D - c);
+        nxv_store_n(tg + c, m, nxv_tanh(nxv_load_n(gate + c, m)));
+    }
+    for (int64_t r = r0; r < r1; r++) {
+        const float *rr = resid + r * D, *yr = y + r * D;
+        float *o = out + r * D;
+        int64_t c = 0;
+        for (; c + NXV_W <= D; c += NXV_W)
+            nxv_storeu(o + c, nxv_fmadd(nxv_loadu(tg + c), nxv_loadu(yr + c), nxv_loadu(rr + c)));
+        if (c < D) {
+            const nxv_mask m = nxv_mask_n(D - c);
+            nxv_store_n(
+                o + c, m,
+                nxv_fmadd(nxv_load_n(tg + c, m), nxv_load_n(yr + c, m), nxv_load_n(rr + c, m)));
+        }
+    }
+    free(tg);
+    return 0;
+}
+
+#endif

@@ -1,0 +1,172 @@
+/* nx_simd.h -- one float32 vector vocabulary (nxv_*) over AVX-512 (16 lanes) or AVX2 (8 lanes),
+ * including the exact widening of stored weight values (F16, BF16, Q8_0 quants),
+ * chosen by the flags of the including file, so element-wise loops are written once for both
+ * widths (ggml's GGML_F32_VEC, numpy's universal intrinsics): a file nx_<family>_ew.h holds the
+ * loops, and nx_<family>_avx2.c / _avx512.c each include it once. Register micro-kernels (matmul,
+ * attention) stay hand-written per ISA.
+ *
+ * Every nxv_* maps to exactly one intrinsic (or to the shared polynomials of nx_vmath_<isa>.h),
+ * so a loop written with them does the same float32 operations at both widths: lane for lane
+ * the same bits. NXV_FN(nx_swiglu_f32) names the variant: nx_swiglu_f32_avx512 / _avx2.
+ * Must only be included from SIMD files (the vmath headers #error otherwise). No state.
+ */
+#ifndef NX_SIMD_H
+#define NX_SIMD_H
+
+#include <stdint.h>
+
+#if defined(__AVX512F__)
+#include "nx_vmath_avx512.h"
+
+#define NXV_W 16
+#define NXV_FN(name) name##_avx512
+typedef __m512 nxv;
+typedef __m512d nxvd_half; /* float64 broadcast for nxv_sub_f64 */
+typedef __mmask16 nxv_mask;
+static inline nxv_mask nxv_mask_n(int64_t valid) { return nx_mask16(valid); }
+static inline nxv nxv_loadu(const float *p) { return _mm512_loadu_ps(p); }
+static inline nxv nxv_load_n(const float *p, nxv_mask m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline void nxv_storeu(float *p, nxv v) { _mm512_storeu_ps(p, v); }
+static inline void nxv_store_n(float *p, nxv_mask m, nxv v) { _mm512_mask_storeu_ps(p, m, v); }
+static inline nxv nxv_set1(float a) { return _mm512_set1_ps(a); }
+static inline nxv nxv_add(nxv a, nxv b) { return _mm512_add_ps(a, b); }
+static inline nxv nxv_mul(nxv a, nxv b) { return _mm512_mul_ps(a, b); }
+static inline nxv nxv_fmadd(nxv a, nxv b, nxv c) { return _mm512_fmadd_ps(a, b, c); }
+static inline nxv nxv_exp(nxv x) { return nx_exp16(x); }
+static inline nxv nxv_tanh(nxv x) { return nx_tanh16(x); }
+static inline nxv nxv_silu(nxv x) { return nx_silu16(x); }
+static inline nxvd_half nxv_set1_f64(double a) { return _mm512_set1_pd(a); }
+static inline nxv nxv_sub_f64(nxv x, nxvd_half mu) { return nx_sub_f64_16(x, mu); }
+static inline float nxv_rms_inv(const float *x, int64_t n, float eps) {
+    return nx_rms_inv16(x, n, eps);
+}
+static inline void nxv_ln_stats(const float *x, int64_t n, double *mean, double *var) {
+    nx_ln_stats16(x, n, mean, var);
+}
+/* Stored weight values -> float32 lanes, exact (nx_wtype.h): 16 binary16 (NaN payload and the
+ * signalling bit kept: vcvtph2ps quiets sNaN, so NaN lanes are rebuilt from the bits), 16
+ * bfloat16, 16 int8 times a scale. p may be unaligned. */
+static inline nxv nxv_load_f16(const uint8_t *p) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    const __m512i u = _mm512_cvtepu16_epi32(h);
+    const __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7fff));
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32(0x7c00));
+    const __m512i bits = _mm512_or_si512(
+        _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x8000)), 16),
+                        _mm512_set1_epi32(0x7f800000)),
+        _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x3ff)), 13));
+    return _mm512_mask_mov_ps(_mm512_cvtph_ps(h), nan, _mm512_castsi512_ps(bits));
+}
+static inline nxv nxv_load_bf16(const uint8_t *p) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline nxv nxv_load_q8(const uint8_t *q, nxv d) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)q);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), d);
+}
+static inline nxv nxv_zero(void) { return _mm512_setzero_ps(); }
+static inline void nxv_store(float *p, nxv v) { _mm512_store_ps(p, v); } /* p 64-byte aligned */
+/* In-register 16x16 transpose: r[i][j] -> r[j][i]. */
+static inline void nxv_transpose(nxv r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    /* r[4g + c], 128-bit lane L = rows 4g..4g+3 of column 4L + c */
+    for (int c = 0; c < 4; c++) {
+        __m512 a = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
+        __m512 b = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+        __m512 e = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+        __m512 f = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+        t[c] = _mm512_shuffle_f32x4(a, e, 0x88);
+        t[8 + c] = _mm512_shuffle_f32x4(a, e, 0xDD);
+        t[4 + c] = _mm512_shuffle_f32x4(b, f, 0x88);
+        t[12 + c] = _mm512_shuffle_f32x4(b, f, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+#elif defined(__AVX2__)
+#include "nx_vmath_avx2.h"
+
+#define NXV_W 8
+#define NXV_FN(name) name##_avx2
+typedef __m256 nxv;
+typedef __m256d nxvd_half;
+typedef __m256i nxv_mask;
+static inline nxv_mask nxv_mask_n(int64_t valid) { return nx_mask8(valid); }
+static inline nxv nxv_loadu(const float *p) { return _mm256_loadu_ps(p); }
+static inline nxv nxv_load_n(const float *p, nxv_mask m) { return _mm256_maskload_ps(p, m); }
+static inline void nxv_storeu(float *p, nxv v) { _mm256_storeu_ps(p, v); }
+static inline void nxv_store_n(float *p, nxv_mask m, nxv v) { _mm256_maskstore_ps(p, m, v); }
+static inline nxv nxv_set1(float a) { return _mm256_set1_ps(a); }
+static inline nxv nxv_add(nxv a, nxv b) { return _mm256_add_ps(a, b); }
+static inline nxv nxv_mul(nxv a, nxv b) { return _mm256_mul_ps(a, b); }
+static inline nxv nxv_fmadd(nxv a, nxv b, nxv c) { return _mm256_fmadd_ps(a, b, c); }
+static inline nxv nxv_exp(nxv x) { return nx_exp8(x); }
+static inline nxv nxv_tanh(nxv x) { return nx_tanh8(x); }
+static inline nxv nxv_silu(nxv x) { return nx_silu8(x); }
+static inline nxvd_half nxv_set1_f64(double a) { return _mm256_set1_pd(a); }
+static inline nxv nxv_sub_f64(nxv x, nxvd_half mu) { return nx_sub_f64_8(x, mu); }
+static inline float nxv_rms_inv(const float *x, int64_t n, float eps) {
+    return nx_rms_inv8(x, n, eps);
+}
+static inline void nxv_ln_stats(const float *x, int64_t n, double *mean, double *var) {
+    nx_ln_stats8(x, n, mean, var);
+}
+/* As the 16-lane versions above, 8 lanes. */
+static inline nxv nxv_load_f16(const uint8_t *p) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    const __m256i u = _mm256_cvtepu16_epi32(h);
+    const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7fff));
+    const __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7c00));
+    const __m256i bits = _mm256_or_si256(
+        _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x8000)), 16),
+                        _mm256_set1_epi32(0x7f800000)),
+        _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x3ff)), 13));
+    return _mm256_blendv_ps(_mm256_cvtph_ps(h), _mm256_castsi256_ps(bits),
+                            _mm256_castsi256_ps(nan));
+}
+static inline nxv nxv_load_bf16(const uint8_t *p) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline nxv nxv_load_q8(const uint8_t *q, nxv d) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)q);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d);
+}
+static inline nxv nxv_zero(void) { return _mm256_setzero_ps(); }
+static inline void nxv_store(float *p, nxv v) { _mm256_store_ps(p, v); } /* p 32-byte aligned */
+/* In-register 8x8 transpose: r[i][j] -> r[j][i]. */
+static inline void nxv_transpose(nxv r[8]) {
+    __m256 t[8], s[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        s[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        s[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        s[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        s[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    /* s[4g + c], 128-bit lane L = rows 4g..4g+3 of column 4L + c */
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x20);
+        r[4 + c] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x31);
+    }
+}
+
+#else
+#error "nx_simd.h: include only from files compiled with AVX2 or AVX-512 flags"
+#endif
+
+#endif

@@ -1,0 +1,321 @@
+"""``python -m nxhpc.denoise``: one call of the whole Z-Image transformer from a GGUF.
+
+Owns the CLI only: argument parsing, loading the ``.npy`` inputs, printing, grading against a
+reference and writing the output. Exit codes, signal handling and argument types are
+``nxhpc.blockrun``'s (imported, not copied); the model runs in ``nxhpc.dit.denoiser``; grading
+is ``nxhpc.dit.grade``; the output is written by ``nxhpc.runtime.outfile``.
+Must not: compute anything of the model, or define an exit code of its own.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from nxhpc.blockrun import (EXIT_CODES, EXIT_FAIL, EXIT_INTERNAL, EXIT_OUTPUT, EXIT_PASS,
+                            EXIT_SIGINT, EXIT_SIGTERM, EXIT_WORKER, PRECISION_TOL,
+                            _exit_code, _InputError, _on_sigterm, _positive_float,
+                            _positive_int, _Terminated, _UsageError, _workers_arg)
+from nxhpc.dit.grade import fmt_value, grade, json_safe
+from nxhpc.dit.linear import DEFAULT_PRECISION, PRECISIONS
+from nxhpc.runtime.outfile import OutputPathError, check_output_path, write_atomic
+from nxhpc.runtime.workers import usable_cpus
+
+__all__ = ["main", "build_parser", "DEFAULT_TOL", "DENOISE_TOL"]
+
+#: Default pass/fail tolerance on max_rel against a float64 reference on the same weights:
+#: a float32 run sits near 1e-6 (max_rel, rms floor; tests bound it at 1e-5 x max|ref|), a
+#: real mistake (pad rows masked, patch order, a missing SiLU) near 1e-1.
+DEFAULT_TOL = 1e-4
+#: Default --tol per --precision. bf16 / q8 are blockrun's per-block tolerances: the whole
+#: call measured max_rel 8.1e-3 (bf16) and 1.3e-2 (q8) on tiny-dit, below one block's
+#: 1.2e-2 / 3.3e-2 on tiny (the refiners and layers' errors do not simply add up).
+DENOISE_TOL = {"f32": DEFAULT_TOL, "bf16": PRECISION_TOL["bf16"], "q8": PRECISION_TOL["q8"]}
+
+_HELP = """\
+inputs:
+  Give all of --latents, --timestep and --cap-feats, or none: with none, a model that stores
+  inputs (the built-ins tiny-dit, zimage-dit-<N>l) runs on its stored deterministic inputs and
+  is graded against its stored float64 reference when it has one (tiny-dit does).
+  latents: float [16, H, W] or [16, 1, H, W] (H, W even: a 1024x1024 image has 128x128);
+  timestep: t = 1 - sigma in [0, 1] (0 = pure noise); cap-feats: float [L, cap_dim]
+  (Qwen3-4B hidden states for Z-Image: cap_dim 2560). Output: float32, the shape of the
+  latents, the raw model output in the diffusers convention (not negated).
+
+grading (with a stored reference or --reference):
+  rel_i = |out_i - ref_i| / max(|ref_i|, rms(ref)); PASS iff no output is NaN/inf and
+  max_rel <= --tol (default per --precision: %(tols)s).
+  Without a reference the verdict is UNGRADED (exit 0).
+
+timings (microseconds): us_embed (timestep MLP, x/cap embedders, pads, adaLN vectors),
+  us_noise_refiner, us_context_refiner, us_layers, us_final, us_total; s_per_layer and the
+  extrapolated s_per_30_layer_step = everything but the layers + 30 x s_per_layer.
+
+exit codes:
+%(codes)s
+"""
+
+
+def _unit_interval(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {s!r}") from None
+    if not (math.isfinite(v) and 0.0 <= v <= 1.0):
+        raise argparse.ArgumentTypeError(f"must be in [0, 1] (t = 1 - sigma), got {s!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    codes = "\n".join(f"  {k:>3}  {v}" for k, v in EXIT_CODES.items())
+    p = argparse.ArgumentParser(
+        prog="python -m nxhpc.denoise",
+        usage="python -m nxhpc.denoise MODEL [n_workers] --latents L.npy --timestep T "
+              "--cap-feats C.npy --out O.npy [--json] [options]",
+        description="One call of the whole Z-Image transformer (embedders, noise and context "
+                    "refiners, main layers, final layer) on nxhpc's C kernels in forked "
+                    "workers sharing one shared-memory arena, from a GGUF (ComfyUI-GGUF or "
+                    "stable-diffusion.cpp layout; each tensor run in its stored type: "
+                    "F32/F16/BF16/Q8_0, Q4_0/Q4_1/Q5_0/Q5_1, Q2_K..Q6_K). Prints "
+                    "per-segment timings as key=value lines (or one JSON object).",
+        epilog=_HELP % {"tols": ", ".join(f"{k} {v:g}" for k, v in DENOISE_TOL.items()),
+                        "codes": codes},
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL",
+                   help="a .gguf file, a model directory, a directory under --models-dir / "
+                        "$NXHPC_MODELS, or a built-in id (tiny-dit, zimage-dit-2l, "
+                        "zimage-dit-<N>l; generated on first use)")
+    p.add_argument("n_workers", nargs="?", type=_workers_arg, default=None,
+                   help="worker processes (default: the usable CPUs, here %d)" % usable_cpus())
+    p.add_argument("--latents", metavar="L.npy", help="latents [16, H, W] or [16, 1, H, W]")
+    p.add_argument("--timestep", type=_unit_interval, metavar="T",
+                   help="t = 1 - sigma, in [0, 1]")
+    p.add_argument("--cap-feats", metavar="C.npy", help="caption features [L, cap_dim]")
+    p.add_argument("--out", metavar="O.npy",
+                   help="write the output (float32, the latents' shape) here, atomically")
+    p.add_argument("--reference", metavar="R.npy",
+                   help="grade against this array (the latents' shape) instead of the stored "
+                        "reference")
+    p.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
+                   help="matmul precision of the blocks' projections: f32 (default: exact "
+                        "dequantized weights, float32 activations), bf16 (bf16-rounded "
+                        "activations, float32 sums), q8 (ggml's Q8_0 x Q8_0 for Q8_0 weights, "
+                        "bf16 for others); embedders, final layer, norms, attention stay float32")
+    p.add_argument("--tol", type=_positive_float, default=None,
+                   help="pass/fail tolerance on max_rel (default per --precision: "
+                        + ", ".join(f"{k} {v:g}" for k, v in DENOISE_TOL.items()) + ")")
+    p.add_argument("--repeat", type=_positive_int, default=1, metavar="N",
+                   help="run the call N times on the same workers and arena and report the "
+                        "fastest time of each segment (the output is the same bits every run)")
+    p.add_argument("--models-dir", default=None,
+                   help="where model ids are looked up / built-ins generated "
+                        "(default $NXHPC_MODELS or ~/.cache/nxhpc/models)")
+    p.add_argument("--gguf", default=None, metavar="PATH",
+                   help="GGUF weights to use instead of the model directory's model.gguf")
+    p.add_argument("--stage-timeout", type=_positive_float, default=None, metavar="SECONDS",
+                   help="kill the workers and fail (exit 6) when one parallel stage takes longer")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object instead of key=value lines")
+    return p
+
+
+def _err(msg: str) -> None:
+    print(f"denoise: error: {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code (see ``--help``)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:                   # argparse: --help -> 0, usage errors -> 2
+        return int(e.code or 0)
+    old_term = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        _err("interrupted (SIGINT); workers stopped, shared memory released")
+        return EXIT_SIGINT
+    except _Terminated:
+        _err("terminated (SIGTERM); workers stopped, shared memory released")
+        return EXIT_SIGTERM
+    finally:
+        from nxhpc.runtime.shm import cleanup_all
+        cleanup_all()
+        signal.signal(signal.SIGTERM, old_term)
+
+
+def _load_npy(path: str, what: str) -> np.ndarray:
+    """A float array from ``path`` (no pickles); usage error if unreadable as a file, input
+    error (exit 4) if it is not a floating-point array."""
+    p = Path(path)
+    if not p.is_file():
+        raise _UsageError(f"{what} {path}: no such file")
+    try:
+        a = np.load(p, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise _InputError(f"{what} {path}: not a readable .npy array: {e}") from None
+    if not isinstance(a, np.ndarray) or a.dtype.kind != "f":
+        raise _InputError(f"{what} {path}: expected a floating-point array, got "
+                          f"{getattr(a, 'dtype', type(a).__name__)}")
+    return a
+
+
+def _run(args: argparse.Namespace) -> int:
+    from nxhpc.dit.denoiser import open_denoiser
+
+    try:
+        given = [args.latents is not None, args.timestep is not None,
+                 args.cap_feats is not None]
+        if any(given) and not all(given):
+            raise _UsageError("give all of --latents, --timestep and --cap-feats, or none "
+                              "(a built-in model's stored inputs)")
+        out_path = None
+        if args.out is not None:
+            inputs = [x for x in (args.latents, args.cap_feats, args.reference, args.gguf) if x]
+            try:
+                check_output_path(args.out, what="--out", inputs=inputs)
+            except OutputPathError as e:
+                raise _UsageError(str(e)) from None
+            out_path = args.out
+        inputs = None
+        if all(given):
+            inputs = (_load_npy(args.latents, "--latents"), args.timestep,
+                      _load_npy(args.cap_feats, "--cap-feats"))
+        ref = _load_npy(args.reference, "--reference") if args.reference else None
+        if ref is not None and not np.isfinite(ref).all():
+            raise _InputError(f"--reference {args.reference}: has NaN/inf values; a reference "
+                              f"must be finite")
+        workers = args.n_workers if args.n_workers is not None else usable_cpus()
+        with open_denoiser(args.model, workers=workers, models_dir=args.models_dir,
+                           gguf_path=args.gguf, stage_timeout=args.stage_timeout,
+                           precision=args.precision) as den:
+            if out_path is not None and den.directory is not None:
+                try:                              # never overwrite what this run reads
+                    check_output_path(out_path, what="--out",
+                                      inputs=list(den.directory.iterdir()))
+                except OutputPathError as e:
+                    raise _UsageError(str(e)) from None
+            return _run_model(args, den, inputs, ref, out_path)
+    except Exception as e:            # KeyboardInterrupt / _Terminated are not Exceptions
+        code = _exit_code(e)
+        if code is None:
+            traceback.print_exc()
+            _err("internal error (see the traceback above)")
+            return EXIT_INTERNAL
+        _err(f"worker failure: {e}" if code == EXIT_WORKER else str(e))
+        return code
+
+
+def _stored(den):
+    from nxhpc.models.modeldir import DENOISER_FIXTURES_FILE
+    from nxhpc.models.synthetic import read_denoiser_fixtures
+    from nxhpc.models import MissingTensorError
+    f = den.directory / DENOISER_FIXTURES_FILE if den.directory is not None else None
+    if f is None or not f.is_file():
+        raise MissingTensorError(f"{den.directory or den.gguf.path}: no stored inputs "
+                                 f"({DENOISER_FIXTURES_FILE}); give --latents, --timestep and "
+                                 f"--cap-feats")
+    return read_denoiser_fixtures(f)
+
+
+def _run_model(args, den, inputs, ref, out_path) -> int:
+    from nxhpc.dit.denoiser import SEGMENTS, DenoiserInputError
+    cfg = den.config
+    ref_name = args.reference
+    if inputs is None:
+        fx = _stored(den)
+        inputs = (fx.latents, fx.timestep, fx.cap_feats)
+        if ref is None and fx.reference is not None:
+            ref, ref_name = fx.reference, f"{fx.path.name}:reference"
+    lat, t, cap = inputs
+    if ref is not None and ref.shape != lat.shape:
+        raise _InputError(f"reference {ref_name}: shape {list(ref.shape)} is not the latents' "
+                          f"{list(lat.shape)}")
+    best: dict[str, int] = {}
+    out = None
+    for _ in range(args.repeat):
+        try:
+            out = den.forward(lat, t, cap)
+        except DenoiserInputError as e:
+            raise _InputError(str(e)) from None
+        for k, v in den.last_timings.items():
+            best[k] = min(best.get(k, v), v)
+    s = den.session(*lat.shape[-2:], cap.shape[0])
+    mem = den.memory()
+    report: dict = {"model": str(den.directory or den.gguf.path), "dim": cfg.dim,
+                    "heads": cfg.n_heads, "head_dim": cfg.head_dim, "ffn_dim": cfg.ffn_dim,
+                    "layers": cfg.n_layers, "noise_refiner": cfg.n_noise_refiner,
+                    "context_refiner": cfg.n_context_refiner, "cap_dim": cfg.cap_dim,
+                    "latents": list(lat.shape), "timestep": float(t),
+                    "image_tokens": s.n_img, "image_rows": s.Np, "caption_tokens": s.L,
+                    "caption_rows": s.Lp, "joint_rows": s.Np + s.Lp, "workers": den.workers,
+                    "precision": den.precision, "repeat": args.repeat}
+    report.update({f"us_{k}": best[f"us_{k}"] for k in SEGMENTS})
+    per_layer = best["us_layers"] / max(1, cfg.n_layers) / 1e6
+    rest = (best["us_total"] - best["us_layers"]) / 1e6
+    report["s_per_layer"] = per_layer
+    report["s_per_30_layer_step"] = rest + 30 * per_layer
+    report.update(mem)
+
+    g = None
+    if ref is not None:
+        tol = DENOISE_TOL[den.precision] if args.tol is None else args.tol
+        g = grade(out, ref, tol=tol, reference=str(ref_name))
+        code = EXIT_PASS if g.passed else EXIT_FAIL
+    else:
+        code = EXIT_PASS
+    verdict = g.verdict_line() if g is not None else \
+        "UNGRADED: no reference (the model stores none; pass --reference R.npy to grade)"
+
+    def save() -> str | None:
+        try:
+            write_atomic(out_path, lambda f: np.save(f, out.astype(np.float32)))
+        except OSError as e:
+            return (f"--out {out_path}: could not write the output: {e.strerror or e}; an "
+                    f"existing file at that path is unchanged")
+        return None
+
+    save_error = None
+    if args.json:
+        obj = dict(report)
+        if out_path is not None:
+            save_error = save()
+            obj["saved_output"] = None if save_error else str(out_path)
+            if save_error:
+                obj["save_error"] = save_error
+        if g is not None:
+            obj.update(g.as_dict())
+        else:
+            obj["verdict"] = "UNGRADED"
+        obj["verdict_line"] = verdict
+        print(json.dumps(json_safe(obj), allow_nan=False))
+    else:
+        for k, v in report.items():
+            print(f"{k}={fmt_value(v)}")
+        segs = " | ".join(f"{k} {best[f'us_{k}'] / 1e6:.4f} s" for k in SEGMENTS)
+        print(f"segments: {segs}")
+        if g is not None:
+            for line in g.lines():
+                print(line)
+        sys.stdout.flush()
+        if out_path is not None:
+            save_error = save()
+            if save_error is None:
+                print(f"saved_output={out_path}")
+        print(verdict)
+    sys.stdout.flush()
+    if save_error:
+        _err(save_error)
+        return EXIT_OUTPUT
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,544 @@
+"""The whole Z-Image denoiser on nxhpc's kernels: one transformer call, read like the paper.
+
+Owns :class:`Denoiser` (``forward(latents, t, cap_feats)`` -> raw output, ``DENOISER.md``),
+:func:`open_denoiser` (a GGUF path, a model directory or a built-in id; the config inferred
+from the tensors by ``nxhpc.dit.config``), the model-level pieces around the blocks -- the
+timestep sinusoid, patchify/unpatchify, padding to 32 rows, the integer position ids of the
+image and caption rows -- and the session that serves a token layout: ONE
+:class:`~nxhpc.dit.plan.Engine` (one arena, one pool forked once) running the noise-refiner
+plan on the image rows, the context-refiner plan on the caption rows, the main layers on the
+joint rows, and the embedders and final layer as extra worker tasks.
+Must not: compute model arithmetic in Python (every product, norm and nonlinearity of a call
+runs in ``nxhpc._kernels``; Python only reshapes, pads with copies of the pad tokens and builds
+the float64 RoPE table), copy a weight matrix, or import the float64 reference (it is the
+independent check of this file).
+
+Rows of one call (``u``, one arena buffer, nothing copied between stages)::
+
+    u[0 : n_img]           image tokens (h, w) row-major      ids (Lp+1, h, w)
+    u[n_img : Np]          x_pad_token rows                   ids (0, 0, 0)
+    u[Np : Np+L]           caption rows                       ids (1+i, 0, 0)
+    u[Np+L : Np+Lp]        cap_pad_token rows                 ids (1+i, 0, 0)
+
+``Np``/``Lp``: ``n_img``/``L`` rounded up to a multiple of 32. The noise refiner runs in place
+on ``u[:Np]``, the context refiner on ``u[Np:]``, the main layers on all of ``u`` (joint rows =
+image rows then caption rows: no mask at batch 1, RoPE rides with each row), the final layer
+on ``u[:n_img]``.
+
+Parallel split (bands ``[i*m//n, (i+1)*m//n)``, every kernel band-invariant, so the output is
+bit-identical for any worker count): the blocks as their stage table says; ``x_embed`` /
+``cap_embed`` / ``final_norm`` / ``final_linear`` over rows (a row's matmul does not depend on
+the rows beside it). The timestep MLP, the adaLN vectors and the final scale (``[D]``-sized)
+run in the parent, also in C.
+
+Output: the raw model output in the diffusers convention (t = 1 - sigma, 0 = pure noise;
+r ~ x0 - noise), NOT negated: diffusers' pipeline negates it before its scheduler.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+import nxhpc
+from nxhpc.dit.binding import LayerWeights, bind_gguf_layer, check_finite_weight
+from nxhpc.dit.config import (DENOISER_TENSORS, DenoiserConfig, DenoiserConfigError,
+                              check_stack, infer_denoiser_config)
+from nxhpc.dit.linear import DEFAULT_PRECISION, check_precision
+from nxhpc.dit.plan import BlockPlan, Engine
+from nxhpc.dit.rope import rope_table
+from nxhpc.formats.gguf_io import GGUFFile, MissingTensorError, ModelFileError
+from nxhpc.formats.weights import WeightTensor
+from nxhpc.runtime.workers import DEFAULT_SPAWN, check_timeout, max_workers, usable_cpus
+
+__all__ = ["Denoiser", "DenoiserInputError", "DenoiserWeights", "open_denoiser",
+           "TIMING_KEYS", "SEGMENTS", "position_ids", "patchify", "unpatchify",
+           "timestep_sinusoid"]
+
+#: The segments of one call, in order; ``Denoiser.last_timings`` has ``us_<segment>`` for each.
+SEGMENTS = ("embed", "noise_refiner", "context_refiner", "layers", "final", "total")
+TIMING_KEYS = tuple(f"us_{s}" for s in SEGMENTS)
+#: The block stacks in the order a call runs them (image rows, caption rows, joint rows).
+STACKS = ("noise_refiner", "context_refiner", "layers")
+
+
+def stack_counts(cfg: DenoiserConfig) -> dict[str, int]:
+    """Blocks per stack of :data:`STACKS`."""
+    return {"noise_refiner": cfg.n_noise_refiner, "context_refiner": cfg.n_context_refiner,
+            "layers": cfg.n_layers}
+
+
+class DenoiserInputError(ValueError):
+    """A call's input (latents, t, cap_feats) does not fit the model; the message says how."""
+
+
+# ------------------------------------------------------------------------------ the weights
+@dataclass
+class DenoiserWeights:
+    """Every tensor of the model, bound once: matrices as stored (typed, zero-copy views of
+    the map; never decoded), vectors float32. Shapes in torch order."""
+    blocks: dict[tuple[str, int], LayerWeights]   # (stack, i) -> the block's weights
+    x_emb: WeightTensor       # x_embedder.weight         [D, p*p*C]
+    x_emb_b: np.ndarray       # x_embedder.bias           [D]
+    t_mlp0: WeightTensor      # t_embedder.mlp.0.weight   [t_mid, t_freq]
+    t_mlp0_b: np.ndarray      # t_embedder.mlp.0.bias     [t_mid]
+    t_mlp2: WeightTensor      # t_embedder.mlp.2.weight   [adaln_in, t_mid]
+    t_mlp2_b: np.ndarray      # t_embedder.mlp.2.bias     [adaln_in]
+    cap_norm: np.ndarray      # cap_embedder.0.weight     [cap_dim]  (RMSNorm)
+    cap_emb: WeightTensor     # cap_embedder.1.weight     [D, cap_dim]
+    cap_emb_b: np.ndarray     # cap_embedder.1.bias       [D]
+    x_pad: np.ndarray         # x_pad_token               [D]  (stored [1, D] or [D])
+    cap_pad: np.ndarray       # cap_pad_token             [D]
+    final_ada: WeightTensor   # final_layer.adaLN_modulation.1.weight  [D, adaln_in]
+    final_ada_b: np.ndarray   # final_layer.adaLN_modulation.1.bias    [D]
+    final_lin: WeightTensor   # final_layer.linear.weight [p*p*C, D]
+    final_lin_b: np.ndarray   # final_layer.linear.bias   [p*p*C]
+
+    #: field -> tensor name (canonical; DENOISER_TENSORS gives each one's role)
+    FIELDS: ClassVar[dict[str, str]] = {
+        "x_emb": "x_embedder.weight", "x_emb_b": "x_embedder.bias",
+        "t_mlp0": "t_embedder.mlp.0.weight", "t_mlp0_b": "t_embedder.mlp.0.bias",
+        "t_mlp2": "t_embedder.mlp.2.weight", "t_mlp2_b": "t_embedder.mlp.2.bias",
+        "cap_norm": "cap_embedder.0.weight", "cap_emb": "cap_embedder.1.weight",
+        "cap_emb_b": "cap_embedder.1.bias", "x_pad": "x_pad_token", "cap_pad": "cap_pad_token",
+        "final_ada": "final_layer.adaLN_modulation.1.weight",
+        "final_ada_b": "final_layer.adaLN_modulation.1.bias",
+        "final_lin": "final_layer.linear.weight", "final_lin_b": "final_layer.linear.bias"}
+
+    def matrices(self) -> dict[str, WeightTensor]:
+        """Every non-block matrix by tensor name."""
+        return {n: getattr(self, f) for f, n in self.FIELDS.items()
+                if isinstance(getattr(self, f), WeightTensor)}
+
+
+def _bind(g: GGUFFile, cfg: DenoiserConfig, kernels: Any) -> DenoiserWeights:
+    """Bind every tensor of ``g`` (checked: shapes by the config, types runnable, values
+    finite). ModelFileError / MissingTensorError naming the tensor."""
+    where = str(g.path)
+    table = {n: (g.shape(n), g.type_name(n)) for n in g.names()}
+    bc = cfg.as_block_config()
+    blocks: dict[tuple[str, int], LayerWeights] = {}
+    counts = stack_counts(cfg)
+    for prefix in STACKS:
+        check_stack(table, bc, prefix, counts[prefix], where)
+        for i in range(counts[prefix]):
+            blocks[(prefix, i)] = bind_gguf_layer(g, bc, i, prefix)
+    have = kernels.weight_types()
+    vals: dict[str, Any] = {}
+    for field, name in DenoiserWeights.FIELDS.items():
+        tname = g.type_name(name)
+        if DENOISER_TENSORS[name] == "matrix":
+            if tname not in have:
+                raise ModelFileError(f"{where}: tensor {name!r} has type {tname}; nxhpc runs "
+                                     f"{', '.join(have)} for this tensor")
+            w = WeightTensor.from_gguf(g, name)
+            check_finite_weight(w, f"{where}: tensor {name!r}")
+            vals[field] = w
+        else:
+            try:
+                v = np.array(g.load_f32(name), dtype=np.float32).reshape(-1)
+            except ModelFileError as e:
+                raise ModelFileError(f"{e} (tensor {name!r} is decoded to float32)") from None
+            if not np.isfinite(v).all():
+                raise ModelFileError(f"{where}: tensor {name!r} has NaN/Inf values")
+            vals[field] = v
+    return DenoiserWeights(blocks=blocks, **vals)
+
+
+# ------------------------------------------------------------------------------ model pieces
+def timestep_sinusoid(t: float, cfg: DenoiserConfig) -> np.ndarray:
+    """``[cos(a) | sin(a)]``, ``a_k = t_scale * t * max_period^(-k/half)``, k < half =
+    t_freq_dim/2: float32 ``[t_freq_dim]`` (angles and cos/sin in float64, then rounded)."""
+    half = cfg.t_freq_dim // 2
+    a = (cfg.t_scale * float(t)) * np.exp(-math.log(cfg.max_period)
+                                          * np.arange(half, dtype=np.float64) / half)
+    return np.concatenate([np.cos(a), np.sin(a)]).astype(np.float32)
+
+
+def patchify(latents: np.ndarray, p: int, out: np.ndarray) -> np.ndarray:
+    """``out[h*Wt + w, (ph*p + pw)*C + c] = latents[c, p*h + ph, p*w + pw]`` (patch tokens in
+    row-major grid order, each patch flattened as (ph, pw, c))."""
+    C, H, W = latents.shape
+    grid = latents.reshape(C, H // p, p, W // p, p)          # [c, h, ph, w, pw]
+    np.copyto(out.reshape(H // p, W // p, p, p, C), grid.transpose(1, 3, 2, 4, 0))
+    return out
+
+
+def unpatchify(y: np.ndarray, C: int, H: int, W: int, p: int) -> np.ndarray:
+    """The inverse: ``out[c, p*h + ph, p*w + pw] = y[h*Wt + w, (ph*p + pw)*C + c]``."""
+    tok = y.reshape(H // p, W // p, p, p, C)                 # [h, w, ph, pw, c]
+    return np.ascontiguousarray(tok.transpose(4, 0, 2, 1, 3)).reshape(C, H, W)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def position_ids(grid: tuple[int, int], n_caption: int, multiple: int = 32
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Integer RoPE position ids ``(image int64 [Np, 3], caption int64 [Lp, 3])``.
+
+    Caption row i (its pad rows too) is ``(1 + i, 0, 0)``; image token (h, w) of an
+    ``Ht x Wt`` grid is ``(Lp + 1, h, w)`` in row-major order; image pad rows are ``(0, 0, 0)``.
+    """
+    Ht, Wt = grid
+    Lp = _round_up(n_caption, multiple)
+    n_img = Ht * Wt
+    img = np.zeros((_round_up(n_img, multiple), 3), dtype=np.int64)
+    img[:n_img, 0] = Lp + 1
+    img[:n_img, 1] = np.repeat(np.arange(Ht), Wt)
+    img[:n_img, 2] = np.tile(np.arange(Wt), Ht)
+    cap = np.zeros((Lp, 3), dtype=np.int64)
+    cap[:, 0] = 1 + np.arange(Lp)
+    return img, cap
+
+
+# ------------------------------------------------------------------------------ one layout
+class _Tasks:
+    """The non-block worker tasks of one token layout (registered before the fork: a worker
+    reaches the weights through the inherited map and the buffers through its engine)."""
+
+    def __init__(self, kernels: Any, w: DenoiserWeights, cfg: DenoiserConfig, n_img: int,
+                 Np: int) -> None:
+        self.k, self.w, self.cfg, self.n_img, self.Np = kernels, w, cfg, n_img, Np
+
+    def table(self) -> dict:
+        return {"x_embed": self.x_embed, "cap_embed": self.cap_embed,
+                "final_norm": self.final_norm, "final_linear": self.final_linear}
+
+    def x_embed(self, eng: Engine, lo: int, hi: int, arg: Any) -> None:
+        """u[r] = patches[r] @ Wx^T + bx, image rows r in [lo, hi)."""
+        w = self.w.x_emb
+        self.k.matmul(eng.buffer("patches")[lo:hi], w.data, w.type_name,
+                      eng.buffer("u")[lo:hi], bias=self.w.x_emb_b)
+
+    def cap_embed(self, eng: Engine, lo: int, hi: int, arg: Any) -> None:
+        """u[Np + r] = rmsnorm(cap[r], cap_embedder.0) @ Wc^T + bc, caption rows r in [lo, hi)."""
+        h = eng.buffer("cap_h")
+        self.k.rmsnorm(eng.buffer("cap_in"), self.w.cap_norm, h, self.cfg.norm_eps,
+                       r0=lo, r1=hi)
+        w = self.w.cap_emb
+        self.k.matmul(h[lo:hi], w.data, w.type_name, eng.buffer("u")[self.Np + lo:self.Np + hi],
+                      bias=self.w.cap_emb_b)
+
+    def final_norm(self, eng: Engine, lo: int, hi: int, arg: Any) -> None:
+        """u[r] = layernorm(u[r], eps 1e-6, no affine) * (1 + scale), image rows [lo, hi)."""
+        y = eng.buffer("u")[:self.n_img]
+        self.k.layernorm_mod(y, eng.buffer("final_mod"), y, self.cfg.final_eps, r0=lo, r1=hi)
+
+    def final_linear(self, eng: Engine, lo: int, hi: int, arg: Any) -> None:
+        """y[r] = u[r] @ Wf^T + bf, image rows r in [lo, hi)."""
+        w = self.w.final_lin
+        self.k.matmul(eng.buffer("u")[lo:hi], w.data, w.type_name, eng.buffer("y")[lo:hi],
+                      bias=self.w.final_lin_b)
+
+
+class _Session:
+    """Everything one token layout ``(H, W, L)`` needs, built once and reused across calls:
+    the engine (arena + pool), the three plans, the RoPE table (written into the arena)."""
+
+    def __init__(self, den: "Denoiser", H: int, W: int, L: int) -> None:
+        cfg, p = den.config, den.config.patch
+        self.key = (H, W, L)
+        self.grid = (H // p, W // p)
+        self.n_img = self.grid[0] * self.grid[1]
+        self.L = L
+        self.Np = _round_up(self.n_img, cfg.seq_multiple)
+        self.Lp = _round_up(L, cfg.seq_multiple)
+        T = self.Np + self.Lp
+        bc = cfg.as_block_config()
+        self.plans = {s: BlockPlan(bc, s) for s in STACKS}
+        rows = {"noise_refiner": self.Np, "context_refiner": self.Lp, "layers": T}
+        counts = stack_counts(cfg)
+        needs = [(self.plans[s], rows[s]) for s in STACKS if counts[s]]
+        D, hd, P = cfg.dim, cfg.head_dim, cfg.patch_dim
+        buffers = {"u": (T, D), "pe": (T, hd // 2, 2, 2), "patches": (self.n_img, P),
+                   "cap_in": (L, cfg.cap_dim), "cap_h": (L, cfg.cap_dim), "final_mod": (D,),
+                   "y": (self.n_img, P)}
+        tasks = _Tasks(den.kernels, den.weights, cfg, self.n_img, self.Np)
+        self.engine = Engine(needs, den.weights.blocks, buffers=buffers, workers=den.workers,
+                             spawn=den.spawn, stage_timeout=den.stage_timeout,
+                             tasks=tasks.table())
+        try:
+            img_ids, cap_ids = position_ids(self.grid, L, cfg.seq_multiple)
+            pe = rope_table(np.concatenate([img_ids, cap_ids]), cfg.axes_dims, cfg.rope_theta)
+            np.copyto(self.engine.buffer("pe"), pe.astype(np.float32))
+        except BaseException:
+            self.engine.close()
+            raise
+
+    @property
+    def usable(self) -> bool:
+        e = self.engine
+        return not e.closed and e.pool is not None and not e.pool.closed
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+# ------------------------------------------------------------------------------ the model
+class Denoiser:
+    """The Z-Image transformer from one GGUF: ``forward(latents, t, cap_feats)``.
+
+    Weights are bound once (zero copy); a token layout ``(H, W, L)`` gets one engine -- one
+    shared-memory arena and one pool of ``workers`` processes forked once -- reused by every
+    call with that layout (a sampler's steps); a call with another layout replaces it. Use as a
+    context manager or call :meth:`close`. ``precision`` (``"f32"`` default, ``"bf16"``,
+    ``"q8"``: ``nxhpc.dit.linear``; may be changed between calls) is the blocks' projection
+    matmul precision; embedders, final layer, norms, RoPE, attention, adaLN stay float32.
+    ``last_timings``: microseconds of the last call per segment (``us_embed``,
+    ``us_noise_refiner``, ``us_context_refiner``, ``us_layers``, ``us_final``, ``us_total``).
+    """
+
+    def __init__(self, gguf_path: str | os.PathLike, *, workers: int | None = None,
+                 directory: str | os.PathLike | None = None, spawn: str = DEFAULT_SPAWN,
+                 stage_timeout: float | None = None, norm_eps: float | None = None,
+                 precision: str = DEFAULT_PRECISION) -> None:
+        if workers is None:
+            workers = usable_cpus()
+        if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) \
+                or not 1 <= workers <= max_workers():
+            raise ValueError(f"Denoiser: workers must be an int in [1, {max_workers()}], got "
+                             f"{workers!r}")
+        self.workers = int(workers)
+        self.precision = check_precision(precision, "Denoiser: precision")
+        self.spawn = spawn
+        self.stage_timeout = check_timeout(stage_timeout)
+        self.directory = Path(directory) if directory is not None else None
+        self._session: _Session | None = None
+        self.last_timings: dict[str, int] = {}
+        self.kernels = nxhpc.kernels()
+        self.gguf = GGUFFile(gguf_path)
+        try:
+            g = self.gguf
+            if norm_eps is None:
+                v = g.metadata.get("nxhpc.norm_eps")
+                norm_eps = v if isinstance(v, float) else 1e-5
+            table = {n: (g.shape(n), g.type_name(n)) for n in g.names()}
+            try:
+                self.config = infer_denoiser_config(table, norm_eps=norm_eps, where=str(g.path))
+                self.config.as_block_config()
+            except DenoiserConfigError as e:
+                raise (MissingTensorError if e.missing else ModelFileError)(str(e)) from None
+            except ValueError as e:          # the block's runnable rules
+                raise ModelFileError(f"{g.path}: not runnable: {e}") from None
+            self.weights = _bind(g, self.config, self.kernels)
+        except BaseException:
+            self.gguf.close()
+            raise
+
+    # -- checks of one call's inputs
+    def _latents(self, latents: Any) -> tuple[np.ndarray, tuple[int, ...]]:
+        cfg = self.config
+        a = np.asarray(latents)
+        C, p = cfg.in_channels, cfg.patch
+        if a.dtype.kind != "f":
+            raise DenoiserInputError(f"latents must be floating point (float32), got dtype "
+                                     f"{a.dtype}")
+        shape = a.shape
+        if a.ndim == 4 and a.shape[1] == 1:
+            a = a[:, 0]
+        if a.ndim != 3 or a.shape[0] != C:
+            raise DenoiserInputError(f"latents must be [{C}, H, W] or [{C}, 1, H, W], got "
+                                     f"shape {list(shape)}")
+        H, W = a.shape[1:]
+        if H < p or W < p or H % p or W % p:
+            raise DenoiserInputError(f"latents are [{C}, {H}, {W}]: H and W must be positive "
+                                     f"multiples of the patch size {p} (even)")
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if not np.isfinite(a).all():
+            raise DenoiserInputError(f"latents have {int(np.count_nonzero(~np.isfinite(a)))} "
+                                     f"NaN/Inf values")
+        return a, shape
+
+    def _caption(self, cap_feats: Any) -> np.ndarray:
+        d = self.config.cap_dim
+        a = np.asarray(cap_feats)
+        if a.dtype.kind != "f":
+            raise DenoiserInputError(f"cap_feats must be floating point (float32), got dtype "
+                                     f"{a.dtype}")
+        if a.ndim != 2 or a.shape[1] != d or a.shape[0] < 1:
+            raise DenoiserInputError(f"cap_feats must be [L >= 1, {d}] (the model's cap_dim "
+                                     f"is {d}), got shape {list(a.shape)}")
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if not np.isfinite(a).all():
+            raise DenoiserInputError(f"cap_feats have {int(np.count_nonzero(~np.isfinite(a)))} "
+                                     f"NaN/Inf values")
+        return a
+
+    @staticmethod
+    def _timestep(t: Any) -> float:
+        if isinstance(t, (bool, np.bool_)):
+            raise DenoiserInputError(f"t must be a number in [0, 1], got {t!r}")
+        try:
+            v = float(np.asarray(t, dtype=np.float64).reshape(()))
+        except (TypeError, ValueError):
+            raise DenoiserInputError(f"t must be a number in [0, 1], got {t!r}") from None
+        if not (math.isfinite(v) and 0.0 <= v <= 1.0):
+            raise DenoiserInputError(f"t must be in [0, 1] (t = 1 - sigma; 0 is pure noise), "
+                                     f"got {v}")
+        return v
+
+    def session(self, H: int, W: int, L: int) -> _Session:
+        """The engine serving latents ``[C, H, W]`` with ``L`` caption rows (built on first use;
+        kept while calls keep that layout)."""
+        if self.gguf is None:
+            raise RuntimeError("Denoiser: closed")
+        s = self._session
+        if s is not None and s.key == (H, W, L) and s.usable:
+            return s
+        self._session = None
+        if s is not None:
+            s.close()
+        self._session = _Session(self, H, W, L)
+        return self._session
+
+    # -- one call
+    def forward(self, latents: Any, t: float, cap_feats: Any) -> np.ndarray:
+        """One transformer call: latents ``[C, H, W]`` (or ``[C, 1, H, W]``) float32, ``t`` in
+        [0, 1] (t = 1 - sigma), cap_feats ``[L, cap_dim]`` float32 -> the raw output, float32,
+        the input's shape (diffusers convention: not negated). DenoiserInputError for inputs
+        that do not fit the model (nothing runs)."""
+        lat, in_shape = self._latents(latents)
+        cap = self._caption(cap_feats)
+        t = self._timestep(t)
+        prec = check_precision(self.precision, "Denoiser.precision")
+        cfg, w, k = self.config, self.weights, self.kernels
+        C, H, W = lat.shape
+        L = cap.shape[0]
+        s = self.session(H, W, L)
+        eng = s.engine
+        n_img, Np = s.n_img, s.Np
+        u, pe = eng.buffer("u"), eng.buffer("pe")
+        now = time.perf_counter_ns
+        marks = [now()]
+
+        # 1. embedders: t -> temb (parent, C); patches -> X; caption -> Cp; pads; adaLN vectors
+        temb = self._t_embed(t)
+        patchify(lat, cfg.patch, eng.buffer("patches"))
+        eng.run_task("x_embed", n_img)
+        u[n_img:Np] = w.x_pad
+        np.copyto(eng.buffer("cap_in"), cap)
+        eng.run_task("cap_embed", L)
+        u[Np + L:] = w.cap_pad
+        mods = {key: eng.adaln(key, temb) for key, lw in w.blocks.items() if lw.modulated}
+        marks.append(now())
+
+        # 2. noise refiner: modulated blocks on the image rows (pads included)
+        for i in range(cfg.n_noise_refiner):
+            eng.run(s.plans["noise_refiner"], ("noise_refiner", i), u[:Np], pe[:Np],
+                    adaln_m=mods[("noise_refiner", i)], precision=prec)
+        marks.append(now())
+
+        # 3. context refiner: unmodulated blocks on the caption rows
+        for i in range(cfg.n_context_refiner):
+            eng.run(s.plans["context_refiner"], ("context_refiner", i), u[Np:], pe[Np:],
+                    precision=prec)
+        marks.append(now())
+
+        # 4. main layers on the joint rows (image rows, then caption rows)
+        for i in range(cfg.n_layers):
+            eng.run(s.plans["layers"], ("layers", i), u, pe, adaln_m=mods[("layers", i)],
+                    precision=prec)
+        marks.append(now())
+
+        # 5. final layer on the image tokens: layernorm * (1 + Linear(silu(temb))), Linear
+        mod = eng.buffer("final_mod")
+        k.adaln_linear(temb, w.final_ada.data, w.final_ada.type_name, w.final_ada_b, mod,
+                       silu_input=True)
+        np.add(np.float32(1.0), mod, out=mod)
+        eng.run_task("final_norm", n_img)
+        eng.run_task("final_linear", n_img)
+        out = unpatchify(eng.buffer("y"), C, H, W, cfg.patch)
+        marks.append(now())
+
+        spent = [(b - a) // 1000 for a, b in zip(marks, marks[1:])]
+        self.last_timings = dict(zip(TIMING_KEYS, spent + [(marks[-1] - marks[0]) // 1000]))
+        return out.reshape(in_shape)
+
+    __call__ = forward
+
+    def _t_embed(self, t: float) -> np.ndarray:
+        """temb = mlp.2(silu(mlp.0(sinusoid(t)))), no SiLU after: float32 [adaln_in]."""
+        cfg, w, k = self.config, self.weights, self.kernels
+        h = np.empty(cfg.t_mid_dim, dtype=np.float32)
+        k.adaln_linear(timestep_sinusoid(t, cfg), w.t_mlp0.data, w.t_mlp0.type_name,
+                       w.t_mlp0_b, h, silu_input=False)
+        temb = np.empty(cfg.adaln_in, dtype=np.float32)
+        k.adaln_linear(h, w.t_mlp2.data, w.t_mlp2.type_name, w.t_mlp2_b, temb, silu_input=True)
+        return temb
+
+    # -- memory
+    def memory(self) -> dict[str, float | None]:
+        """MB: the mapped GGUF (``weights_mb``), the current layout's arena (``arena_mb``), the
+        peak resident set of this process (``peak_rss_mb``, Linux VmHWM: mapped weight pages
+        touched + arena + Python) and the largest of the workers' (``worker_peak_rss_mb``;
+        None without forked workers). Shared pages count in every process that touches them."""
+        s = self._session
+        pids = [p for p in (s.engine.pool.pids if s is not None and s.usable else []) if p > 0]
+        worker = [v for v in (_vm_hwm_mb(p) for p in pids) if v is not None]
+        size = self.gguf.path.stat().st_size if self.gguf is not None else 0
+        return {"weights_mb": size / 1e6,
+                "arena_mb": s.engine.arena.nbytes / 1e6 if s is not None else None,
+                "peak_rss_mb": _vm_hwm_mb(os.getpid()),
+                "worker_peak_rss_mb": max(worker) if worker else None}
+
+    # -- lifetime
+    def close(self) -> None:
+        """Stop the workers, release the arena and the map. Idempotent."""
+        s, self._session = self._session, None
+        try:
+            if s is not None:
+                s.close()
+        finally:
+            if self.gguf is not None:
+                self.gguf.close()
+                self.gguf = None
+
+    @property
+    def closed(self) -> bool:
+        return self.gguf is None
+
+    def __enter__(self) -> "Denoiser":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = self.directory or (self.gguf.path if self.gguf is not None else "closed")
+        return f"<Denoiser {where}: {self.config.summary()}; {self.workers} workers>"
+
+
+def _vm_hwm_mb(pid: int) -> float | None:
+    """Peak resident set (``VmHWM``) of process ``pid`` in MB, or None where unavailable."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e6
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def open_denoiser(model: str | os.PathLike, *, workers: int | None = None,
+                  models_dir: str | os.PathLike | None = None,
+                  gguf_path: str | os.PathLike | None = None, **options: Any) -> Denoiser:
+    """Open a denoiser: a GGUF path, a model directory, or a built-in id (``tiny-dit``,
+    ``zimage-dit-2l``, ``zimage-dit-<N>l``: generated on first use under ``models_dir`` /
+    ``$NXHPC_MODELS``). ``gguf_path`` overrides the directory's ``model.gguf``. ``workers``:
+    processes per call (default: the usable CPUs). ``options``: ``spawn``, ``stage_timeout``,
+    ``norm_eps``, ``precision`` (see :class:`Denoiser`). Raises ``ModelNotFoundError`` / ``ModelFileError`` /
+    ``MissingTensorError`` (all ``nxhpc.models.ModelError``) naming what is wrong."""
+    from nxhpc.formats.gguf_io import ModelNotFoundError
+    from nxhpc.models.registry import resolve_model
+    d, g = resolve_model(model, models_dir, gguf_path)
+    if g is None:
+        raise ModelNotFoundError(f"{d}: no model.gguf (a denoiser runs from a GGUF file)")
+    return Denoiser(g, workers=workers, directory=d, **options)

@@ -1,0 +1,92 @@
+"""Helpers shared by the kernel tests (tests/test_kernels_*.py): bit comparisons, the float32
+error bound of the matmul's documented summation order, and GGUF weights of each type made by
+the `gguf` package (never by nxhpc).
+
+Owns nothing the kernels use; must not import anything from nxhpc but the compiled kernels.
+"""
+import gguf
+import numpy as np
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from nxhpc import _kernels as K
+
+ISAS = K.supported_isas()
+SIMD_ISAS = [i for i in ISAS if i != "generic"]
+EPS32 = 2.0 ** -24          # unit roundoff of float32 (round to nearest)
+EPS64 = 2.0 ** -53
+CHAIN = 128                 # k-steps per fma chain of the matmul's two-level sum (nx_matmul.h)
+GGML = gguf.GGMLQuantizationType
+
+
+def isa_chain(isa):
+    """isa, its parent, ..., "generic": where a kernel missing at `isa` comes from."""
+    isas = K.cpu_features()["isas"]
+    out = [isa]
+    while out[-1] != "generic":
+        out.append(isas[out[-1]]["parent"])
+    return out
+
+
+def expected_variant(have, isa):
+    """The variant a kernel with SIMD variants at the ISAs in `have` runs when `isa` is requested:
+    the first of them on isa's chain, else generic (stays right when an ISA is added above)."""
+    return next((a for a in isa_chain(isa) if a in have), "generic")
+
+
+def bits(a):
+    """Bit pattern of a float32 array (compares NaNs and signed zeros exactly)."""
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+def assert_bitwise(a, b, what=""):
+    assert a.shape == b.shape, f"{what}: shapes {a.shape} vs {b.shape}"
+    diff = np.flatnonzero(bits(a) != bits(b))
+    assert diff.size == 0, f"{what}: {diff.size} elements differ, first at flat {diff[:5]}"
+
+
+def matmul_bound(K, mag):
+    """Error bound of the matmul's two-level sum vs the exact sum, times sum_k |x_k w_k| = mag.
+
+    The contract: K cut into C = ceil(K/128) chunks; inside a chunk one float32 fma chain from +0
+    (each fma rounds once, relative error <= u = 2^-24); the chunk sums added in order (C - 1
+    float32 additions). Each product therefore passes through at most n = min(K, 128) + C - 1
+    roundings, so |fl - exact| <= gamma_n * sum |x||w| with gamma_n = n u / (1 - n u) (Higham,
+    Accuracy and Stability, sec. 3.1 / 3.5). The float64 reference (BLAS dgemm, any order) adds
+    at most gamma_K(2^-53) * sum |x||w|. Both are strict bounds, not fudge factors. (A single
+    K-long chain would need n = K: at K = 4128 that is 26x looser.)
+    """
+    n = min(K, CHAIN) + max(-(-K // CHAIN) - 1, 0)
+    gamma32 = n * EPS32 / (1.0 - n * EPS32)
+    gamma64 = 2 * K * EPS64 / (1.0 - 2 * K * EPS64)
+    return (gamma32 + gamma64) * mag + 1e-300
+
+
+# ----------------------------------------------------------------------------- GGUF weights
+
+TESTED_TYPES = ("F32", "F16", "BF16", "Q8_0")
+
+
+def gguf_bytes(w32, wtype):
+    """The raw GGUF bytes (uint8 [N, rowbytes]) of float32 [N, K] values stored as `wtype`,
+    written by the gguf package: quants.quantize for Q8_0 and BF16 (ggml's round-to-nearest-even
+    with NaN quieted), numpy's astype for F16, the bytes themselves for F32."""
+    w32 = np.ascontiguousarray(w32, dtype=np.float32)
+    if wtype == "F32":
+        raw = w32.view(np.uint8)
+    elif wtype == "F16":
+        raw = w32.astype(np.float16).view(np.uint8)
+    else:
+        raw = gguf_quantize(w32, GGML[wtype])
+    return np.ascontiguousarray(raw.reshape(w32.shape[0], -1))
+
+
+def gguf_values(raw, wtype):
+    """float32 [N, K] values of GGUF bytes per gguf.quants.dequantize (the independent decoder)."""
+    return np.asarray(gguf_dequantize(raw, GGML[wtype]), dtype=np.float32)
+
+
+def random_weight(rng, n, k, wtype, scale=1.0):
+    """gguf-written bytes of a random [n, k] weight, and their float64 values."""
+    raw = gguf_bytes((rng.standard_normal((n, k)) * scale).astype(np.float32), wtype)
+    return raw, gguf_values(raw, wtype).astype(np.float64)
