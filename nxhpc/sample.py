@@ -22,7 +22,6 @@ import argparse
 import importlib.util
 import json
 import os
-import signal
 import sys
 import textwrap
 import time
@@ -31,13 +30,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from nxhpc.blockrun import (EXIT_BAD_FILE, EXIT_FAIL, EXIT_INTERNAL, EXIT_MISSING, EXIT_NOT_FOUND,
-                            EXIT_OUTPUT, EXIT_PASS, EXIT_SHM, EXIT_SIGINT, EXIT_SIGTERM,
-                            EXIT_USAGE, EXIT_WORKER, _on_sigterm, _positive_float, _positive_int,
-                            _Terminated, _workers_arg)
+from nxhpc.blockrun import (EXIT_BAD_FILE, EXIT_FAIL, EXIT_INTERNAL, EXIT_MISSING,
+                            EXIT_MODELS_DIR, EXIT_NOT_FOUND, EXIT_OUTPUT, EXIT_PASS, EXIT_SHM,
+                            EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE, EXIT_WORKER, _positive_float,
+                            _positive_int, _workers_arg)
 from nxhpc.dit.grade import json_safe
 from nxhpc.dit.sampler import euler_sample, initial_noise, latent_shape, turbo_sigmas
 from nxhpc.runtime.outfile import OutputPathError, check_output_path, write_atomic
+from nxhpc.runtime.proc import Terminated, cli_signals
 
 __all__ = ["EXIT_CODES", "NonFiniteOutputError", "SampleInputError", "build_parser",
            "decode_png", "load_array", "main", "sample", "VAE_SCALING", "VAE_SHIFT"]
@@ -62,6 +62,8 @@ EXIT_CODES = {
     EXIT_SHM: "not enough shared memory for the arena (in a container use --shm-size)",
     EXIT_OUTPUT: "--out or --png could not be written (e.g. disk full); an existing file at "
                  "that path is unchanged (the latents are written before the PNG)",
+    EXIT_MODELS_DIR: "the models directory ($NXHPC_MODELS / --models-dir) cannot take a "
+                     "built-in model: not a directory, not writable, or full",
     EXIT_INTERNAL: "internal error (a bug: please report the traceback)",
     EXIT_SIGINT: "interrupted by Ctrl-C / SIGINT (workers stopped, shared memory released)",
     EXIT_SIGTERM: "terminated by SIGTERM (workers stopped, shared memory released)",
@@ -281,13 +283,15 @@ def _open_denoiser(model: str, *, workers: int, models_dir: str | None):
 
 
 def _exit_code(e: BaseException) -> int | None:
+    from nxhpc.dit.denoiser import DenoiserInputError
     from nxhpc.dit.denoiser_config import DenoiserConfigError
-    from nxhpc.formats.gguf_io import MissingTensorError, ModelError, ModelNotFoundError
+    from nxhpc.models import MissingTensorError, ModelError, ModelNotFoundError, ModelsDirError
     from nxhpc.runtime.shm import ShmSpaceError
     from nxhpc.runtime.workers import WorkerError
     for cls, code in ((_UsageError, EXIT_USAGE), (_NotFound, EXIT_NOT_FOUND),
                       (_OutputError, EXIT_OUTPUT), (NonFiniteOutputError, EXIT_FAIL),
-                      (SampleInputError, EXIT_BAD_FILE), (ModelNotFoundError, EXIT_NOT_FOUND),
+                      (SampleInputError, EXIT_BAD_FILE), (DenoiserInputError, EXIT_BAD_FILE),
+                      (ModelsDirError, EXIT_MODELS_DIR), (ModelNotFoundError, EXIT_NOT_FOUND),
                       (MissingTensorError, EXIT_MISSING), (ModelError, EXIT_BAD_FILE),
                       (DenoiserConfigError, EXIT_BAD_FILE), (WorkerError, EXIT_WORKER),
                       (ShmSpaceError, EXIT_SHM)):
@@ -303,25 +307,27 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_intermixed_args(argv)   # n_workers may follow the options
     except SystemExit as e:                   # argparse: --help -> 0, usage errors -> 2
         return int(e.code or 0)
-    old_term = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        return _run(args)
-    except KeyboardInterrupt:
-        _err("interrupted (SIGINT); workers stopped, shared memory released")
-        return EXIT_SIGINT
-    except _Terminated:
-        _err("terminated (SIGTERM); workers stopped, shared memory released")
-        return EXIT_SIGTERM
-    finally:
-        from nxhpc.runtime.shm import cleanup_all
-        cleanup_all()
-        signal.signal(signal.SIGTERM, old_term)
+    with cli_signals() as sig:
+        try:
+            return _run(args, sig)
+        except KeyboardInterrupt:
+            _err("interrupted (SIGINT); workers stopped, shared memory released")
+            return EXIT_SIGINT
+        except Terminated:
+            _err("terminated (SIGTERM); workers stopped, shared memory released")
+            return EXIT_SIGTERM
+        finally:
+            from nxhpc.runtime.shm import cleanup_all
+            cleanup_all()
 
 
-def _run(args) -> int:
+def _run(args, sig: cli_signals) -> int:
     try:
         return _run_checked(args)
-    except Exception as e:            # KeyboardInterrupt / _Terminated are not Exceptions
+    except Exception as e:            # KeyboardInterrupt / Terminated are not Exceptions
+        interrupt = sig.interrupt()
+        if interrupt is not None:     # a Ctrl-C that C code turned into another exception
+            raise interrupt from e
         code = _exit_code(e)
         if code is None:
             traceback.print_exc()

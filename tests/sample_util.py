@@ -1,8 +1,7 @@
 """Shared test tooling for the sampler, its CLI and the diffusers drop-in.
 
-Owns: which denoiser the tests drive (:func:`open_test_denoiser`: the real
-``nxhpc.dit.denoiser`` when this tree has it, else the API stand-in of
-``tests/denoiser_standin.py``), diffusers' own Turbo loop as the oracle
+Owns: opening the nxhpc denoiser the tests drive (:func:`open_test_denoiser`, 2 workers by
+default), diffusers' own Turbo loop as the oracle
 (:func:`diffusers_turbo_loop`: ``FlowMatchEulerDiscreteScheduler(shift=3.0,
 use_dynamic_shifting=False)`` stepping exactly as ``ZImagePipeline`` does), and small process
 probes (:func:`child_pids`, :func:`shm_entries`). Must not: be imported by the package.
@@ -12,11 +11,8 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from denoiser_standin import open_denoiser as standin_open
-from denoiser_standin import real_denoiser_available
 
-__all__ = ["child_pids", "diffusers_turbo_loop", "open_test_denoiser", "real_denoiser_available",
-           "rel_err", "shm_entries"]
+__all__ = ["child_pids", "diffusers_turbo_loop", "open_test_denoiser", "rel_err", "shm_entries"]
 
 
 def rel_err(a, ref) -> float:
@@ -26,10 +22,9 @@ def rel_err(a, ref) -> float:
 
 
 def open_test_denoiser(model, workers: int = 2, **kw):
-    if real_denoiser_available():
-        from nxhpc.dit.denoiser import open_denoiser
-        return open_denoiser(os.fspath(model), workers=workers, **kw)
-    return standin_open(os.fspath(model), workers=workers, **kw)
+    """``nxhpc.dit.denoiser.open_denoiser`` (the real one: C kernels in forked workers)."""
+    from nxhpc.dit.denoiser import open_denoiser
+    return open_denoiser(os.fspath(model), workers=workers, **kw)
 
 
 def diffusers_turbo_loop(model, cap: np.ndarray, noise, steps: int = 8, shift: float = 3.0):

@@ -4,26 +4,23 @@ The numbers are proved in test_sample.py (the library vs diffusers' scheduler lo
 CLI must produce exactly the library's result (bit-identical: same denoiser, same workers, same
 noise), ``--seed S`` must be ``--noise`` of ``initial_noise(S)``, and every bad argument must
 get its documented exit code and a clear message, before any work and without touching an
-existing output. Model runs use the built-in ``tiny-dit`` in a subprocess when this tree has the
-nxhpc denoiser; until then the CLI runs in-process on a random GGUF through the API stand-in
-(``tests/denoiser_standin.py``), with argument-only checks always run as real subprocesses.
+existing output. Runs use the built-in ``tiny-dit`` (D=384, 2 layers + 2+2 refiners, ComfyUI
+types) on the real nxhpc denoiser, as subprocesses.
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
-from sample_util import open_test_denoiser, real_denoiser_available, shm_entries
+from sample_util import open_test_denoiser, shm_entries
 
 from nxhpc.dit.sampler import initial_noise
 from nxhpc.sample import sample
@@ -49,42 +46,21 @@ class CliModel:
     """``model`` to pass on the command line, its config, ``run(args)`` -> (rc, out, err)."""
     model: str
     cfg: object
-    run: object
     models_dir: Path
 
+    def run(self, args):
+        return run_subprocess(args, self.models_dir)
+
     def open(self):
-        return open_test_denoiser(self.model, workers=2, **(
-            {"models_dir": str(self.models_dir)} if real_denoiser_available() else {}))
+        return open_test_denoiser(self.model, workers=2, models_dir=str(self.models_dir))
 
 
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory):
     models_dir = tmp_path_factory.mktemp("models")
-    if real_denoiser_available():
-        def run(args):
-            return run_subprocess(args, models_dir)
-        with open_test_denoiser("tiny-dit", workers=2, models_dir=str(models_dir)) as d:
-            cfg = d.config
-        return CliModel("tiny-dit", cfg, run, models_dir)
-
-    from denoiser_standin import open_denoiser
-    from pipeline_fixtures import pipeline_config, zimage_file_case
-
-    import nxhpc.sample as ns
-    case = zimage_file_case(models_dir, pipeline_config(cap_dim=64, n_layers=1),
-                            "comfyui-q8_0", seed=21)
-
-    def run(args):
-        out, err = io.StringIO(), io.StringIO()
-        old = ns._open_denoiser
-        ns._open_denoiser = lambda model, workers, models_dir: open_denoiser(model)
-        try:
-            with redirect_stdout(out), redirect_stderr(err):
-                rc = ns.main([str(a) for a in args])
-        finally:
-            ns._open_denoiser = old
-        return rc, out.getvalue(), err.getvalue()
-    return CliModel(str(case.path), case.cfg, run, models_dir)
+    with open_test_denoiser("tiny-dit", workers=2, models_dir=str(models_dir)) as d:
+        cfg = d.config                                  # generates tiny-dit once
+    return CliModel("tiny-dit", cfg, models_dir)
 
 
 @pytest.fixture
@@ -281,7 +257,7 @@ def test_nan_from_the_denoiser_exits_1_and_writes_nothing(cli, files, monkeypatc
                         NaNAtStep1(cli.open()))
     out = d / "nan.npy"
     rc = ns.main([cli.model, "2", "--cap-feats", str(cap), "--noise", str(noise), "--out",
-                  str(out), "--no-progress"])
+                  str(out), "--no-progress", "--models-dir", str(cli.models_dir)])
     err = capsys.readouterr().err
     assert rc == 1 and "step 1" in err and "NaN/inf" in err, err
     assert not out.exists()
@@ -294,7 +270,6 @@ def test_model_not_found_exits_3(cli, files):
     assert not (d / "o.npy").exists()
 
 
-@pytest.mark.skipif(not real_denoiser_available(), reason="needs nxhpc.dit.denoiser (workers)")
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_interrupt_mid_run_stops_cleanly(cli, files, sig, code):
     d, cap, noise = files
