@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import signal
 import sys
 import traceback
 from pathlib import Path
@@ -20,11 +19,12 @@ import numpy as np
 
 from nxhpc.blockrun import (EXIT_CODES, EXIT_FAIL, EXIT_INTERNAL, EXIT_OUTPUT, EXIT_PASS,
                             EXIT_SIGINT, EXIT_SIGTERM, EXIT_WORKER, PRECISION_TOL,
-                            _exit_code, _InputError, _on_sigterm, _positive_float,
-                            _positive_int, _Terminated, _UsageError, _workers_arg)
+                            _exit_code, _InputError, _positive_float, _positive_int,
+                            _UsageError, _workers_arg)
 from nxhpc.dit.grade import fmt_value, grade, json_safe
 from nxhpc.dit.linear import DEFAULT_PRECISION, PRECISIONS
 from nxhpc.runtime.outfile import OutputPathError, check_output_path, write_atomic
+from nxhpc.runtime.proc import Terminated, cli_signals
 from nxhpc.runtime.workers import usable_cpus
 
 __all__ = ["main", "build_parser", "DEFAULT_TOL", "DENOISE_TOL"]
@@ -136,19 +136,22 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:                   # argparse: --help -> 0, usage errors -> 2
         return int(e.code or 0)
-    old_term = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        return _run(args)
-    except KeyboardInterrupt:
-        _err("interrupted (SIGINT); workers stopped, shared memory released")
-        return EXIT_SIGINT
-    except _Terminated:
-        _err("terminated (SIGTERM); workers stopped, shared memory released")
-        return EXIT_SIGTERM
-    finally:
-        from nxhpc.runtime.shm import cleanup_all
-        cleanup_all()
-        signal.signal(signal.SIGTERM, old_term)
+    with cli_signals() as sig:
+        try:
+            code = _run(args)
+            interrupted = sig.interrupt()       # a signal C code turned into another failure
+            if code not in (EXIT_PASS, EXIT_FAIL) and interrupted is not None:
+                raise interrupted
+            return code
+        except KeyboardInterrupt:
+            _err("interrupted (SIGINT); workers stopped, shared memory released")
+            return EXIT_SIGINT
+        except Terminated:
+            _err("terminated (SIGTERM); workers stopped, shared memory released")
+            return EXIT_SIGTERM
+        finally:
+            from nxhpc.runtime.shm import cleanup_all
+            cleanup_all()
 
 
 def _load_npy(path: str, what: str) -> np.ndarray:
@@ -203,7 +206,7 @@ def _run(args: argparse.Namespace) -> int:
                 except OutputPathError as e:
                     raise _UsageError(str(e)) from None
             return _run_model(args, den, inputs, ref, out_path)
-    except Exception as e:            # KeyboardInterrupt / _Terminated are not Exceptions
+    except Exception as e:            # KeyboardInterrupt / Terminated are not Exceptions
         code = _exit_code(e)
         if code is None:
             traceback.print_exc()
