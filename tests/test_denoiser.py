@@ -261,7 +261,7 @@ def test_layout_pieces_agree_with_the_reference_pieces():
         np.testing.assert_array_equal(cap, rcap)
 
 
-def test_engine_reused_across_calls_and_replaced_for_a_new_layout(dens, inputs, outputs):
+def test_engine_reused_across_calls_and_two_layouts_kept(dens, inputs, outputs):
     lat, cap = inputs
     d = dens["comfyui-q8_0"]
     s = d.session(12, 10, N_CAP)
@@ -276,11 +276,19 @@ def test_engine_reused_across_calls_and_replaced_for_a_new_layout(dens, inputs, 
     assert all(isinstance(v, int) and v >= 0 for v in t.values())
     parts = sum(t[k] for k in TIMING_KEYS[:-1])
     assert parts <= t["us_total"] <= parts + len(TIMING_KEYS)
-    # a new layout: the old engine is closed (workers reaped, arena released), a new one made
+    # a second layout (CFG's other caption length) gets its own engine; the first is kept
     d.forward(lat[:, :8], 0.5, cap[:5])
-    assert d.session(8, 10, 5) is not s and s.engine.closed
-    assert not any(alive(p) for p in pids)
+    s2 = d.session(8, 10, 5)
+    assert s2 is not s and not s.engine.closed and all(alive(p) for p in pids)
     assert_bitwise(d.forward(lat, 0.5, cap), out, "back to the first layout")
+    assert d.session(12, 10, N_CAP) is s and s.engine.pool.pids == pids
+    # a third layout: the least recently used engine (s2) is closed, workers reaped
+    pids2 = list(s2.engine.pool.pids)
+    d.forward(lat[:, :6], 0.5, cap[:3])
+    assert s2.engine.closed and not any(alive(p) for p in pids2)
+    assert not s.engine.closed
+    d.forward(lat[:, :4], 0.5, cap[:3])                  # and now s, the older of the two
+    assert s.engine.closed and not any(alive(p) for p in pids)
 
 
 def test_close_releases_everything(cases, inputs):

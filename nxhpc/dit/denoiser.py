@@ -310,7 +310,9 @@ class Denoiser:
         self.spawn = spawn
         self.stage_timeout = check_timeout(stage_timeout)
         self.directory = Path(directory) if directory is not None else None
-        self._session: _Session | None = None
+        # the most recent token layouts' engines, newest last: classifier-free guidance
+        # alternates two caption lengths, and each must keep its workers and arena
+        self._sessions: list[_Session] = []
         self.last_timings: dict[str, int] = {}
         self.kernels = nxhpc.kernels()
         self.gguf = GGUFFile(gguf_path)
@@ -384,19 +386,32 @@ class Denoiser:
                                      f"got {v}")
         return v
 
+    #: How many token layouts keep their engine (workers + arena): two serve CFG's pair.
+    MAX_LAYOUTS = 2
+
+    @property
+    def _session(self) -> _Session | None:
+        """The most recently used layout's engine (None before the first call)."""
+        return self._sessions[-1] if self._sessions else None
+
     def session(self, H: int, W: int, L: int) -> _Session:
         """The engine serving latents ``[C, H, W]`` with ``L`` caption rows (built on first use;
-        kept while calls keep that layout)."""
+        the :attr:`MAX_LAYOUTS` most recently used layouts are kept, older ones closed)."""
         if self.gguf is None:
             raise RuntimeError("Denoiser: closed")
-        s = self._session
-        if s is not None and s.key == (H, W, L) and s.usable:
-            return s
-        self._session = None
-        if s is not None:
+        for s in self._sessions:
+            if s.key == (H, W, L) and s.usable:
+                self._sessions.remove(s)
+                self._sessions.append(s)
+                return s
+        keep = [s for s in self._sessions if s.usable][-(self.MAX_LAYOUTS - 1):]
+        drop = [s for s in self._sessions if s not in keep]
+        self._sessions = keep
+        for s in drop:
             s.close()
-        self._session = _Session(self, H, W, L)
-        return self._session
+        s = _Session(self, H, W, L)
+        self._sessions.append(s)
+        return s
 
     # -- one call
     def forward(self, latents: Any, t: float, cap_feats: Any) -> np.ndarray:
@@ -491,9 +506,9 @@ class Denoiser:
     # -- lifetime
     def close(self) -> None:
         """Stop the workers, release the arena and the map. Idempotent."""
-        s, self._session = self._session, None
+        sessions, self._sessions = self._sessions, []
         try:
-            if s is not None:
+            for s in sessions:
                 s.close()
         finally:
             if self.gguf is not None:
