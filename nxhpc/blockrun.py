@@ -7,6 +7,7 @@ work is done by ``nxhpc.models`` (files), ``nxhpc.dit.block`` (the pipeline) and
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import json
 import math
 import os
@@ -194,14 +195,20 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:                   # argparse: --help -> 0, usage errors -> 2
         return int(e.code or 0)
+    return cli_main(_err, lambda sig: _run(args, sig))
+
+
+def cli_main(err: Callable[[str], None], run: Callable[[cli_signals], int]) -> int:
+    """The frame every nxhpc CLI's ``main`` runs ``run(sig)`` in: SIGINT -> 130 and SIGTERM ->
+    143 with one line through ``err``, shared memory released on every path."""
     with cli_signals() as sig:
         try:
-            return _run(args, sig)
+            return run(sig)
         except KeyboardInterrupt:
-            _err("interrupted (SIGINT); workers stopped, shared memory released")
+            err("interrupted (SIGINT); workers stopped, shared memory released")
             return EXIT_SIGINT
         except Terminated:
-            _err("terminated (SIGTERM); workers stopped, shared memory released")
+            err("terminated (SIGTERM); workers stopped, shared memory released")
             return EXIT_SIGTERM
         finally:
             from nxhpc.runtime.shm import cleanup_all

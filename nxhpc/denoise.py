@@ -18,13 +18,12 @@ from pathlib import Path
 import numpy as np
 
 from nxhpc.blockrun import (EXIT_CODES, EXIT_FAIL, EXIT_INTERNAL, EXIT_OUTPUT, EXIT_PASS,
-                            EXIT_SIGINT, EXIT_SIGTERM, EXIT_WORKER, PRECISION_TOL,
+                            EXIT_WORKER, PRECISION_TOL,
                             _exit_code, _InputError, _positive_float, _positive_int,
-                            _UsageError, _workers_arg)
+                            _UsageError, _workers_arg, cli_main)
 from nxhpc.dit.grade import fmt_value, grade, json_safe
 from nxhpc.dit.linear import DEFAULT_PRECISION, PRECISIONS
 from nxhpc.runtime.outfile import OutputPathError, check_output_path, write_atomic
-from nxhpc.runtime.proc import Terminated, cli_signals
 from nxhpc.runtime.workers import usable_cpus
 
 __all__ = ["main", "build_parser", "DEFAULT_TOL", "DENOISE_TOL"]
@@ -136,22 +135,14 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:                   # argparse: --help -> 0, usage errors -> 2
         return int(e.code or 0)
-    with cli_signals() as sig:
-        try:
-            code = _run(args)
-            interrupted = sig.interrupt()       # a signal C code turned into another failure
-            if code not in (EXIT_PASS, EXIT_FAIL) and interrupted is not None:
-                raise interrupted
-            return code
-        except KeyboardInterrupt:
-            _err("interrupted (SIGINT); workers stopped, shared memory released")
-            return EXIT_SIGINT
-        except Terminated:
-            _err("terminated (SIGTERM); workers stopped, shared memory released")
-            return EXIT_SIGTERM
-        finally:
-            from nxhpc.runtime.shm import cleanup_all
-            cleanup_all()
+
+    def run(sig) -> int:
+        code = _run(args)
+        interrupted = sig.interrupt()           # a signal C code turned into another failure
+        if code not in (EXIT_PASS, EXIT_FAIL) and interrupted is not None:
+            raise interrupted
+        return code
+    return cli_main(_err, run)
 
 
 def _load_npy(path: str, what: str) -> np.ndarray:

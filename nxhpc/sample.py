@@ -33,11 +33,11 @@ import numpy as np
 from nxhpc.blockrun import (EXIT_BAD_FILE, EXIT_FAIL, EXIT_INTERNAL, EXIT_MISSING,
                             EXIT_MODELS_DIR, EXIT_NOT_FOUND, EXIT_OUTPUT, EXIT_PASS, EXIT_SHM,
                             EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE, EXIT_WORKER, _positive_float,
-                            _positive_int, _workers_arg)
+                            _positive_int, _workers_arg, cli_main)
 from nxhpc.dit.grade import json_safe
 from nxhpc.dit.sampler import euler_sample, initial_noise, latent_shape, turbo_sigmas
 from nxhpc.runtime.outfile import OutputPathError, check_output_path, write_atomic
-from nxhpc.runtime.proc import Terminated, cli_signals
+from nxhpc.runtime.proc import cli_signals
 
 __all__ = ["EXIT_CODES", "NonFiniteOutputError", "SampleInputError", "build_parser",
            "decode_png", "load_array", "main", "sample", "VAE_SCALING", "VAE_SHIFT"]
@@ -307,18 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_intermixed_args(argv)   # n_workers may follow the options
     except SystemExit as e:                   # argparse: --help -> 0, usage errors -> 2
         return int(e.code or 0)
-    with cli_signals() as sig:
-        try:
-            return _run(args, sig)
-        except KeyboardInterrupt:
-            _err("interrupted (SIGINT); workers stopped, shared memory released")
-            return EXIT_SIGINT
-        except Terminated:
-            _err("terminated (SIGTERM); workers stopped, shared memory released")
-            return EXIT_SIGTERM
-        finally:
-            from nxhpc.runtime.shm import cleanup_all
-            cleanup_all()
+    return cli_main(_err, lambda sig: _run(args, sig))
 
 
 def _run(args, sig: cli_signals) -> int:
