@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from _bench_util import bench_stats
-from nxhpc.dit.denoiser import open_denoiser
+from nxhpc.models.registry import open_denoiser
 
 MODEL = os.environ.get("NXHPC_BENCH_DENOISER", "zimage-dit-2l")
 TOKENS = [int(t) for t in os.environ.get("NXHPC_BENCH_TOKENS", "1024,4096").split(",")]

@@ -43,6 +43,6 @@ def load_denoiser(model: str | os.PathLike, *, workers: int | None = None,
             r = den.forward(latents, t, cap_feats)   # [16, H, W], t = 1 - sigma, [L, 2560]
             print(den.last_timings)                  # us_embed ... us_total
     """
-    from nxhpc.dit.denoiser import open_denoiser
+    from nxhpc.models.registry import open_denoiser
     return open_denoiser(model, workers=workers, models_dir=models_dir, gguf_path=gguf_path,
                          **options)

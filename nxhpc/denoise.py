@@ -162,7 +162,7 @@ def _load_npy(path: str, what: str) -> np.ndarray:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from nxhpc.dit.denoiser import open_denoiser
+    from nxhpc.models.registry import open_denoiser
 
     try:
         given = [args.latents is not None, args.timestep is not None,

@@ -86,10 +86,10 @@ class NxhpcZImageTransformer:
     @classmethod
     def from_gguf(cls, path_or_id: str | os.PathLike, workers: int | None = None, *,
                   models_dir: str | os.PathLike | None = None) -> NxhpcZImageTransformer:
-        """Open the denoiser (``nxhpc.dit.denoiser.open_denoiser``) from a GGUF file, a model
+        """Open the denoiser (``nxhpc.models.open_denoiser``) from a GGUF file, a model
         directory or a built-in id (e.g. ``tiny-dit``); ``workers`` default: the usable CPUs."""
         _require()
-        from nxhpc.dit.denoiser import open_denoiser
+        from nxhpc.models.registry import open_denoiser
         return cls(open_denoiser(os.fspath(path_or_id), workers=workers, models_dir=models_dir))
 
     # -- lifetime

@@ -278,13 +278,13 @@ def _err(msg: str) -> None:
 
 def _open_denoiser(model: str, *, workers: int, models_dir: str | None):
     """The one place the CLI opens the model (tests may stand in for it)."""
-    from nxhpc.dit.denoiser import open_denoiser
+    from nxhpc.models.registry import open_denoiser
     return open_denoiser(model, workers=workers, models_dir=models_dir)
 
 
 def _exit_code(e: BaseException) -> int | None:
     from nxhpc.dit.denoiser import DenoiserInputError
-    from nxhpc.dit.denoiser_config import DenoiserConfigError
+    from nxhpc.dit.config import DenoiserConfigError
     from nxhpc.models import MissingTensorError, ModelError, ModelNotFoundError, ModelsDirError
     from nxhpc.runtime.shm import ShmSpaceError
     from nxhpc.runtime.workers import WorkerError

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from nxhpc.dit.denoiser_config import DenoiserConfig
+from nxhpc.dit.config import DenoiserConfig
 
 __all__ = [
     "CHAT_TEMPLATE",

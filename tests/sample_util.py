@@ -22,8 +22,8 @@ def rel_err(a, ref) -> float:
 
 
 def open_test_denoiser(model, workers: int = 2, **kw):
-    """``nxhpc.dit.denoiser.open_denoiser`` (the real one: C kernels in forked workers)."""
-    from nxhpc.dit.denoiser import open_denoiser
+    """``nxhpc.models.open_denoiser`` (the real one: C kernels in forked workers)."""
+    from nxhpc.models.registry import open_denoiser
     return open_denoiser(os.fspath(model), workers=workers, **kw)
 
 

@@ -1,4 +1,4 @@
-"""Z-Image denoiser config inference (nxhpc.dit.denoiser_config) from tensor tables.
+"""Z-Image denoiser config inference (nxhpc.dit.config) from tensor tables.
 
 Tables come from files written by ``nxhpc.models.zimage_files`` in both published layouts
 (read back by the ``gguf`` package), and from the real Z-Image dimensions, whose tensor and
@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from nxhpc.dit.denoiser_config import (
+from nxhpc.dit.config import (
     PREFIX,
     DenoiserConfig,
     DenoiserConfigError,

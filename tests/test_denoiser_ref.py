@@ -23,8 +23,9 @@ import pytest
 
 from nxhpc.dit import denoiser_ref as R
 from nxhpc.dit import oracle
-from nxhpc.dit.denoiser_config import PREFIX, DenoiserConfig
-from nxhpc.dit.rope import pe_to_complex, rope_table
+from nxhpc.dit.config import PREFIX, DenoiserConfig
+from nxhpc.dit.reference import block_forward_f64
+from nxhpc.dit.rope import pe_to_complex, position_ids, rope_table
 from nxhpc.models.zimage_files import read_zimage_gguf, write_zimage_gguf
 
 torch = pytest.importorskip("torch")
@@ -166,7 +167,8 @@ def test_position_ids_and_patches_match_diffusers(random_model, inputs):
     lat, cap = inputs
     x, _cap_rows, size, x_ids, c_ids, x_pad, c_pad = (o[0] for o in model.patchify_and_embed(
         [torch.from_numpy(lat)[:, None]], [torch.from_numpy(cap)], 2, 1))
-    cap_ids, img_ids = R.zimage_position_ids(19, 6, 5)
+    ids = position_ids(19, (1, 6, 5), multiple=32)
+    cap_ids, img_ids = ids[:32], ids[32:]
     assert cap_ids.shape == (32, 3) and img_ids.shape == (32, 3)
     np.testing.assert_array_equal(img_ids, x_ids.numpy())
     np.testing.assert_array_equal(cap_ids, c_ids.numpy()[:32])   # diffusers truncates to 32
@@ -196,12 +198,13 @@ def test_context_refiner_block_matches_diffusers(random_model):
     model, w = random_model
     rng = np.random.default_rng(3)
     x = rng.standard_normal((32, CFG.dim))
-    ids, _ = R.zimage_position_ids(19, 6, 5)
+    ids = position_ids(19, (1, 6, 5), multiple=32)[:32]
     pe = rope_table(ids, CFG.axes_dims, CFG.rope_theta)
     freqs = torch.from_numpy(pe_to_complex(pe))
     with torch.no_grad():
         d = model.context_refiner[1](torch.from_numpy(x)[None], None, freqs[None])[0].numpy()
-    ref = R.unmodulated_block_f64(x, R.block_weights(w, "context_refiner", 1), CFG, pe)
+    ref = block_forward_f64(x, R.block_weights(w, "context_refiner", 1), CFG, pe=pe,
+                            modulation=False)
     assert rel_err(d, ref) <= 1e-6     # diffusers rotates q/k in float32 (relative 6e-8)
     # a modulated block with the same weights is a different function
     assert not hasattr(model.context_refiner[1], "adaLN_modulation")

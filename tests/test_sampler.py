@@ -74,7 +74,7 @@ CFG_KW = dict(dim=384, n_heads=6, n_kv_heads=6, head_dim=64, ffn_dim=1024, n_lay
 
 @pytest.fixture(scope="module")
 def setup():
-    from nxhpc.dit.denoiser_config import DenoiserConfig
+    from nxhpc.dit.config import DenoiserConfig
     from nxhpc.dit.oracle import random_zimage_model
     old = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import pytest
 
-from nxhpc.dit.denoiser_config import PREFIX, DenoiserConfig
+from nxhpc.dit.config import PREFIX, DenoiserConfig
 from nxhpc.models.zimage_files import (
     COMFYUI_Q8_0,
     LAYOUTS,
@@ -141,7 +141,7 @@ def test_write_refuses_bad_weights(tmp_path, weights):
 def test_nxhpc_reader_sees_the_same_file(files, layout):
     # nxhpc's own validated reader (what the denoiser loader uses) agrees with the gguf
     # package on every name, shape, type and decoded value of both layouts
-    from nxhpc.dit.denoiser_config import infer_denoiser_config
+    from nxhpc.dit.config import infer_denoiser_config
     from nxhpc.formats.gguf_io import GGUFFile
     f = files[layout]
     with GGUFFile(f.path) as g:

@@ -14,7 +14,7 @@ refiner counts, ``in_channels``, ``patch``, ``cap_dim``, t-embedder widths, RoPE
 tensor names and torch shapes it implies (:meth:`DenoiserConfig.tensor_shapes`, block tensors
 named by :data:`BLOCK_TENSORS` through :func:`block_tensor_names`), and
 :func:`infer_denoiser_config` (a tensor table -> the config, or :class:`DenoiserConfigError`
-naming the tensor). ``nxhpc.dit.denoiser_config`` re-exports those names.
+naming the tensor).
 Must not: read files (it takes ``{name: (shape, type name)}``), import the compiled kernels, or
 decode weights.
 

@@ -1,8 +1,8 @@
 """The whole Z-Image denoiser on nxhpc's kernels: one transformer call, read like the paper.
 
-Owns :class:`Denoiser` (``forward(latents, t, cap_feats)`` -> raw output, ``DENOISER.md``),
-:func:`open_denoiser` (a GGUF path, a model directory or a built-in id; the config inferred
-from the tensors by ``nxhpc.dit.config``), the model-level pieces around the blocks -- the
+Owns :class:`Denoiser` (``forward(latents, t, cap_feats)`` -> raw output, ``docs/denoiser.md``;
+built from a GGUF path, the config inferred from the tensors by ``nxhpc.dit.config``; opening
+by id or model directory is ``nxhpc.models.open_denoiser``), the model-level pieces around the blocks -- the
 timestep sinusoid, patchify/unpatchify, padding to 32 rows, the integer position ids of the
 image and caption rows -- and the session that serves a token layout: ONE
 :class:`~nxhpc.dit.plan.Engine` (one arena, one pool forked once) running the noise-refiner
@@ -51,13 +51,13 @@ from nxhpc.dit.config import (DENOISER_TENSORS, DenoiserConfig, DenoiserConfigEr
                               check_stack, infer_denoiser_config)
 from nxhpc.dit.linear import DEFAULT_PRECISION, check_precision
 from nxhpc.dit.plan import BlockPlan, Engine
-from nxhpc.dit.rope import rope_table
+from nxhpc.dit.rope import position_ids, rope_table
 from nxhpc.formats.gguf_io import GGUFFile, MissingTensorError, ModelFileError
 from nxhpc.formats.weights import WeightTensor
 from nxhpc.runtime.workers import DEFAULT_SPAWN, check_timeout, max_workers, usable_cpus
 
-__all__ = ["Denoiser", "DenoiserInputError", "DenoiserWeights", "open_denoiser",
-           "TIMING_KEYS", "SEGMENTS", "position_ids", "patchify", "unpatchify",
+__all__ = ["Denoiser", "DenoiserInputError", "DenoiserWeights",
+           "TIMING_KEYS", "SEGMENTS", "patchify", "unpatchify",
            "timestep_sinusoid"]
 
 #: The segments of one call, in order; ``Denoiser.last_timings`` has ``us_<segment>`` for each.
@@ -179,25 +179,6 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def position_ids(grid: tuple[int, int], n_caption: int, multiple: int = 32
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """Integer RoPE position ids ``(image int64 [Np, 3], caption int64 [Lp, 3])``.
-
-    Caption row i (its pad rows too) is ``(1 + i, 0, 0)``; image token (h, w) of an
-    ``Ht x Wt`` grid is ``(Lp + 1, h, w)`` in row-major order; image pad rows are ``(0, 0, 0)``.
-    """
-    Ht, Wt = grid
-    Lp = _round_up(n_caption, multiple)
-    n_img = Ht * Wt
-    img = np.zeros((_round_up(n_img, multiple), 3), dtype=np.int64)
-    img[:n_img, 0] = Lp + 1
-    img[:n_img, 1] = np.repeat(np.arange(Ht), Wt)
-    img[:n_img, 2] = np.tile(np.arange(Wt), Ht)
-    cap = np.zeros((Lp, 3), dtype=np.int64)
-    cap[:, 0] = 1 + np.arange(Lp)
-    return img, cap
-
-
 # ------------------------------------------------------------------------------ one layout
 class _Tasks:
     """The non-block worker tasks of one token layout (registered before the fork: a worker
@@ -265,8 +246,9 @@ class _Session:
                              spawn=den.spawn, stage_timeout=den.stage_timeout,
                              tasks=tasks.table())
         try:
-            img_ids, cap_ids = position_ids(self.grid, L, cfg.seq_multiple)
-            pe = rope_table(np.concatenate([img_ids, cap_ids]), cfg.axes_dims, cfg.rope_theta)
+            ids = position_ids(L, (1, *self.grid), multiple=cfg.seq_multiple)
+            pe = rope_table(np.concatenate([ids[self.Lp:], ids[:self.Lp]]), cfg.axes_dims,
+                            cfg.rope_theta)
             np.copyto(self.engine.buffer("pe"), pe.astype(np.float32))
         except BaseException:
             self.engine.close()
@@ -540,20 +522,3 @@ def _vm_hwm_mb(pid: int) -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
-
-
-def open_denoiser(model: str | os.PathLike, *, workers: int | None = None,
-                  models_dir: str | os.PathLike | None = None,
-                  gguf_path: str | os.PathLike | None = None, **options: Any) -> Denoiser:
-    """Open a denoiser: a GGUF path, a model directory, or a built-in id (``tiny-dit``,
-    ``zimage-dit-2l``, ``zimage-dit-<N>l``: generated on first use under ``models_dir`` /
-    ``$NXHPC_MODELS``). ``gguf_path`` overrides the directory's ``model.gguf``. ``workers``:
-    processes per call (default: the usable CPUs). ``options``: ``spawn``, ``stage_timeout``,
-    ``norm_eps``, ``precision`` (see :class:`Denoiser`). Raises ``ModelNotFoundError`` / ``ModelFileError`` /
-    ``MissingTensorError`` (all ``nxhpc.models.ModelError``) naming what is wrong."""
-    from nxhpc.formats.gguf_io import ModelNotFoundError
-    from nxhpc.models.registry import resolve_model
-    d, g = resolve_model(model, models_dir, gguf_path)
-    if g is None:
-        raise ModelNotFoundError(f"{d}: no model.gguf (a denoiser runs from a GGUF file)")
-    return Denoiser(g, workers=workers, directory=d, **options)

@@ -1,9 +1,10 @@
 """The in-repo oracle for the whole Z-Image denoiser: one transformer call in plain float64 numpy.
 
 Owns ``denoiser_forward_f64`` and the model-level pieces around the block (timestep embedder,
-patchify/unpatchify, x/cap embedders with pad tokens, position ids, the unmodulated refiner
-block, the final layer), written from ``DENOISER.md`` alone. Reuses the float64 block
-(``nxhpc.dit.reference``) and the float64 RoPE tables from integer ids (``nxhpc.dit.rope``).
+patchify/unpatchify, x/cap embedders with pad tokens, the final layer), written from
+``docs/denoiser.md`` alone. Reuses the float64 block (``nxhpc.dit.reference``, whose
+``modulation=False`` is the context refiner's block), the position ids and the float64 RoPE
+tables from integer ids (``nxhpc.dit.rope``; checked against diffusers' in the tests).
 Must never import ``nxhpc._kernels`` or torch: it is what the kernels are checked against.
 
 Weights arrive dequantized, float64, under canonical (prefix-free) names
@@ -16,8 +17,8 @@ from collections.abc import Mapping, MutableMapping
 
 import numpy as np
 
-from nxhpc.dit.denoiser_config import DenoiserConfig, block_tensor_names
-from nxhpc.dit.reference import attention_f64, block_forward_f64, rmsnorm_f64, rope_f64
+from nxhpc.dit.config import DenoiserConfig, block_tensor_names
+from nxhpc.dit.reference import block_forward_f64, rmsnorm_f64
 from nxhpc.dit.rope import position_ids, rope_table
 
 __all__ = [
@@ -30,9 +31,7 @@ __all__ = [
     "patchify_f64",
     "t_embed_f64",
     "timestep_embedding_f64",
-    "unmodulated_block_f64",
     "unpatchify_f64",
-    "zimage_position_ids",
 ]
 
 MUTATIONS = ("mask_pads", "patch_order", "token_order", "final_no_silu", "negate")
@@ -102,44 +101,10 @@ def pad_rows_f64(x: np.ndarray, pad_token: np.ndarray, multiple: int) -> np.ndar
     return np.concatenate([x, pad], axis=0)
 
 
-def zimage_position_ids(n_cap: int, Ht: int, Wt: int, multiple: int = 32
-                        ) -> tuple[np.ndarray, np.ndarray]:
-    """Position ids ``(cap_ids int64 [Lp, 3], img_ids int64 [Np, 3])`` for ``n_cap`` caption
-    tokens and an ``Ht x Wt`` token grid, each padded to ``multiple`` rows:
-    caption row i (pads too) ``(1+i, 0, 0)``; image token (h, w) ``(Lp+1, h, w)`` in row-major
-    order; image pad rows ``(0, 0, 0)``."""
-    Lp = n_cap + (-n_cap) % multiple
-    n_img = Ht * Wt
-    ids = position_ids(Lp, (1, Ht, Wt), caption_start=1)    # caption (1+i,0,0), image (Lp+1,h,w)
-    img = np.zeros((n_img + (-n_img) % multiple, 3), dtype=np.int64)
-    img[:n_img] = ids[Lp:]
-    return ids[:Lp], img
-
-
 def block_weights(weights: Mapping[str, np.ndarray], group: str, i: int) -> dict[str, np.ndarray]:
     """Block ``group.i``'s weights under the short names of ``nxhpc.dit.reference``."""
     return {k: np.asarray(weights[n], dtype=np.float64)
             for k, n in block_tensor_names(group, i).items()}
-
-
-def unmodulated_block_f64(x: np.ndarray, w: Mapping[str, np.ndarray], cfg: DenoiserConfig,
-                          pe: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
-    """The context-refiner block: the sandwich block with scale = 1 and gate = 1,
-    ``x += n2(attn(n1(x))); x += f2(ffn(f1(x)))`` (``DENOISER.md``); no adaLN tensors."""
-    H, KVH, hd, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
-    T = x.shape[0]
-    h = rmsnorm_f64(x, w["attention_norm1"], eps)
-    qkv = h @ w["qkv"].T
-    q = qkv[:, :H * hd].reshape(T, H, hd)
-    k = qkv[:, H * hd:(H + KVH) * hd].reshape(T, KVH, hd)
-    v = qkv[:, (H + KVH) * hd:].reshape(T, KVH, hd)
-    q = rope_f64(rmsnorm_f64(q, w["q_norm"], eps), pe)
-    k = rope_f64(rmsnorm_f64(k, w["k_norm"], eps), pe)
-    attn = attention_f64(q, k, v, mask)
-    mid = x + rmsnorm_f64(attn @ w["out"].T, w["attention_norm2"], eps)
-    h2 = rmsnorm_f64(mid, w["ffn_norm1"], eps)
-    f = _silu(h2 @ w["w1"].T) * (h2 @ w["w3"].T)
-    return mid + rmsnorm_f64(f @ w["w2"].T, w["ffn_norm2"], eps)
 
 
 def final_layer_f64(Y: np.ndarray, w: Mapping[str, np.ndarray], temb: np.ndarray,
@@ -212,7 +177,9 @@ def denoiser_forward_f64(latents: np.ndarray, t: float, cap_feats: np.ndarray,
     Cp = rmsnorm_f64(cap, w["cap_embedder.0.weight"], cfg.norm_eps) @ \
         w["cap_embedder.1.weight"].T + w["cap_embedder.1.bias"]
     Cp = pad_rows_f64(Cp, w["cap_pad_token"], M)
-    cap_ids, img_ids = zimage_position_ids(L, Ht, Wt, M)
+    ids = position_ids(L, (1, Ht, Wt), multiple=M)
+    Lp = -(-L // M) * M
+    cap_ids, img_ids = ids[:Lp], ids[Lp:]
     pe_img = rope_table(img_ids, cfg.axes_dims, cfg.rope_theta)
     pe_cap = rope_table(cap_ids, cfg.axes_dims, cfg.rope_theta)
     img_keep = cap_keep = None
@@ -227,8 +194,8 @@ def denoiser_forward_f64(latents: np.ndarray, t: float, cap_feats: np.ndarray,
         X = block_forward_f64(X, block_weights(w, "noise_refiner", i), cfg, t_emb=temb,
                               pe=pe_img, mask=img_keep)
     for i in range(cfg.n_context_refiner):
-        Cp = unmodulated_block_f64(Cp, block_weights(w, "context_refiner", i), cfg, pe_cap,
-                                   mask=cap_keep)
+        Cp = block_forward_f64(Cp, block_weights(w, "context_refiner", i), cfg, pe=pe_cap,
+                               mask=cap_keep, modulation=False)
     U = np.concatenate([X, Cp], axis=0)
     pe_u = np.concatenate([pe_img, pe_cap], axis=0)
     u_keep = None if img_keep is None else np.concatenate([img_keep, cap_keep])

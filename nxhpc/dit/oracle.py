@@ -90,7 +90,7 @@ def run_diffusers_block(blk, x: np.ndarray, t_emb: np.ndarray, pe: np.ndarray,
 
 # ----------------------------------------------------------------------------- the whole model
 # diffusers' ZImageTransformer2DModel <-> the original / ComfyUI tensor names
-# (``nxhpc.dit.denoiser_config``). Only renames and the qkv row split live here.
+# (``nxhpc.dit.config``). Only renames and the qkv row split live here.
 
 __all__ += ["diffusers_zimage", "random_zimage_model", "run_diffusers_zimage",
             "zimage_from_canonical", "zimage_to_canonical"]

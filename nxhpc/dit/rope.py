@@ -49,22 +49,33 @@ def default_axes_dims(head_dim: int, variant: str = "zimage") -> tuple[int, int,
     return tuple(2 * a for a in alloc)  # type: ignore[return-value]
 
 
-def position_ids(n_caption: int, grid: Sequence[int], caption_start: int = 1) -> np.ndarray:
-    """Position ids ``int64 [n_caption + F*H*W, 3]``: caption tokens then an image grid.
+def position_ids(n_caption: int, grid: Sequence[int], caption_start: int = 1, *,
+                 multiple: int = 1) -> np.ndarray:
+    """Position ids ``int64 [Lp + Np, 3]``: the caption rows, then an image grid -- the one
+    token layout of nxhpc (``docs/denoiser.md``, "Position ids").
 
-    Caption token ``i`` is ``(caption_start + i, 0, 0)``; image token ``(f, h, w)`` is
-    ``(caption_start + n_caption + f, h, w)`` in row-major (f, h, w) order — the layout of the
-    Z-Image reference pipeline (whose caption starts at 1).
+    ``Lp`` / ``Np``: ``n_caption`` / ``F*H*W`` rounded up to a multiple of ``multiple`` (1: no
+    padding; the denoiser pads both to 32). Caption row ``i`` -- its pad rows too -- is
+    ``(caption_start + i, 0, 0)``; image token ``(f, h, w)`` is ``(caption_start + Lp + f, h,
+    w)`` in row-major (f, h, w) order; image pad rows are ``(0, 0, 0)``. This is the layout of
+    the Z-Image reference pipeline, whose caption starts at 1. A caller that runs the image
+    rows first (the denoiser) takes ``ids[Lp:]`` then ``ids[:Lp]``.
     """
-    if n_caption < 0 or len(grid) != 3 or any(int(g) < 1 for g in grid):
-        raise ValueError(f"position_ids: need n_caption >= 0 and a 3-axis grid of positive "
-                         f"sizes, got n_caption={n_caption}, grid={tuple(grid)}")
+    if n_caption < 0 or len(grid) != 3 or any(int(g) < 1 for g in grid) or int(multiple) < 1:
+        raise ValueError(f"position_ids: need n_caption >= 0, a 3-axis grid of positive "
+                         f"sizes and multiple >= 1, got n_caption={n_caption}, "
+                         f"grid={tuple(grid)}, multiple={multiple}")
     F, H, W = (int(g) for g in grid)
-    cap = np.zeros((n_caption, 3), dtype=np.int64)
-    cap[:, 0] = caption_start + np.arange(n_caption)
+    m = int(multiple)
+    Lp = -(-int(n_caption) // m) * m
+    n_img = F * H * W
+    Np = -(-n_img // m) * m
+    ids = np.zeros((Lp + Np, 3), dtype=np.int64)
+    ids[:Lp, 0] = caption_start + np.arange(Lp)
     f, h, w = np.meshgrid(np.arange(F), np.arange(H), np.arange(W), indexing="ij")
-    img = np.stack([f.ravel() + caption_start + n_caption, h.ravel(), w.ravel()], axis=1)
-    return np.concatenate([cap, img.astype(np.int64)], axis=0)
+    ids[Lp:Lp + n_img] = np.stack([f.ravel() + caption_start + Lp, h.ravel(), w.ravel()],
+                                  axis=1)
+    return ids
 
 
 def rope_table(ids: np.ndarray, axes_dims: Sequence[int], theta: float) -> np.ndarray:

@@ -16,8 +16,8 @@ from nxhpc.models.cli import main
 from nxhpc.models.model import Model
 from nxhpc.models.modeldir import GGUF_FILE, ModelsDirError, check_replaceable, write_model_dir
 from nxhpc.models.registry import (BUILTIN_DENOISERS, BUILTIN_MODELS, DEFAULT_MODEL_ID,
-                                   builtin_spec, ensure_builtin, models_dir, open_model,
-                                   resolve_model)
+                                   builtin_spec, ensure_builtin, models_dir, open_denoiser,
+                                   open_model, resolve_model)
 from nxhpc.models.synthetic import (DenoiserSpec, SyntheticSpec, make_synthetic,
                                     make_synthetic_denoiser)
 
@@ -28,5 +28,5 @@ __all__ = [
     "ModelNotFoundError", "ModelFileError", "MissingTensorError", "ModelsDirError", "GGUF_FILE",
     "main",
     "BUILTIN_DENOISERS", "DenoiserSpec", "make_synthetic_denoiser", "resolve_model",
-    "builtin_spec",
+    "builtin_spec", "open_denoiser",
 ]

@@ -6,7 +6,8 @@ denoisers; also ``zimage-dit-<N>l`` for N = 1..30 main layers), the models root
 (``$NXHPC_MODELS`` or ``~/.cache/nxhpc/models``), generating a built-in on first use under a
 lock (and again when its fingerprint is stale), :func:`resolve_model` (id | directory |
 ``.gguf`` -> the directory and GGUF path) and :func:`open_model` (-> :class:`~nxhpc.models.model.
-Model`). Must not: run kernels.
+Model`) and :func:`open_denoiser` (-> ``nxhpc.dit.denoiser.Denoiser``): the model code takes
+files, never ids. Must not: run kernels.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from nxhpc.formats.fixtures import FIXTURES_FILE, FixtureStore
 from nxhpc.formats.gguf_io import GGUFFile, ModelError, ModelNotFoundError
@@ -27,7 +29,7 @@ from nxhpc.models.synthetic import (DenoiserSpec, SyntheticSpec, make_synthetic,
                                     make_synthetic_denoiser)
 
 __all__ = ["BUILTIN_MODELS", "BUILTIN_DENOISERS", "DEFAULT_MODEL_ID", "models_dir",
-           "ensure_builtin", "open_model", "resolve_model", "builtin_spec", "is_builtin",
+           "ensure_builtin", "open_model", "open_denoiser", "resolve_model", "builtin_spec", "is_builtin",
            "builtin_current", "stderr_progress"]
 
 BUILTIN_MODELS: dict[str, SyntheticSpec] = {
@@ -191,6 +193,23 @@ def resolve_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike |
     elif d is not None and (d / GGUF_FILE).is_file():
         gpath = d / GGUF_FILE
     return d, gpath
+
+
+def open_denoiser(model: str | os.PathLike, *, workers: int | None = None,
+                  models_dir: str | os.PathLike | None = None,
+                  gguf_path: str | os.PathLike | None = None, **options: Any) -> Any:
+    """Open a whole denoiser (``nxhpc.dit.denoiser.Denoiser``): a GGUF path, a model directory,
+    or a built-in id (``tiny-dit``, ``zimage-dit-2l``, ``zimage-dit-<N>l``: generated on first
+    use under ``models_dir`` / ``$NXHPC_MODELS``). ``gguf_path`` overrides the directory's
+    ``model.gguf``. ``workers``: processes per call (default: the usable CPUs). ``options``:
+    ``spawn``, ``stage_timeout``, ``norm_eps``, ``precision`` (see ``Denoiser``). Raises
+    ``ModelNotFoundError`` / ``ModelFileError`` / ``MissingTensorError`` (all
+    :class:`ModelError`) naming what is wrong."""
+    from nxhpc.dit.denoiser import Denoiser
+    d, g = resolve_model(model, models_dir, gguf_path)
+    if g is None:
+        raise ModelNotFoundError(f"{d}: no {GGUF_FILE} (a denoiser runs from a GGUF file)")
+    return Denoiser(g, workers=workers, directory=d, **options)
 
 
 def open_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | None = None,

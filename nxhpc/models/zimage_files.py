@@ -6,7 +6,7 @@ package (``GGUFWriter``; quantization by ``gguf.quants.quantize``, bit-exact wit
 reading a file back with ``gguf.GGUFReader`` + ``gguf.quants.dequantize`` into the exact
 float64 weights a loader must reproduce. It is test/fixture tooling and an independent
 decoder: it must not use nxhpc's own GGUF reader or kernels, and it never infers the config
-(``nxhpc.dit.denoiser_config`` does).
+(``nxhpc.dit.config`` does).
 
 Layouts (``DENOISER.md``, "What published files hold"):
 
@@ -34,7 +34,7 @@ import gguf
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from nxhpc.dit.denoiser_config import PREFIX, strip_prefix
+from nxhpc.dit.config import PREFIX, strip_prefix
 
 __all__ = [
     "COMFYUI_Q8_0",
