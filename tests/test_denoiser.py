@@ -217,13 +217,14 @@ def test_q4_0_file_decoded_by_its_types(cases, tmp_path, inputs):
     """stable-diffusion.cpp's Q4_0 file mixes Q4_0 (blocks) and Q8_0 (here: the refiners)
     with F32 for the rest: each tensor runs in its stored type, and the call matches the
     float64 reference on the gguf package's decoding of exactly those bytes."""
-    from nxhpc.models.zimage_files import SDCPP_Q8_0, TypeRule, read_zimage_gguf, \
-        write_zimage_gguf
+    from nxhpc.formats.layouts import LAYOUTS, FileLayout, Rule
+    from nxhpc.models.zimage_files import read_zimage_gguf, write_zimage_gguf
     lat, cap = inputs
-    lay = SDCPP_Q8_0.__class__(
-        "sdcpp-q4_0", SDCPP_Q8_0.prefix, None, "D",
-        (TypeRule(r"layers\.\d+\..+", 2, "Q4_0"), TypeRule(r"noise_refiner\.\d+\..+", 2, "Q8_0"),
-         TypeRule(r"context_refiner\.\d+\..+", 2, "Q4_1")) + SDCPP_Q8_0.rules)
+    sdcpp = LAYOUTS["sdcpp-q8_0"]
+    lay = FileLayout(
+        "sdcpp-q4_0", sdcpp.prefix, None, "D",
+        (Rule(r"layers\.\d+\..+", 2, "Q4_0"), Rule(r"noise_refiner\.\d+\..+", 2, "Q8_0"),
+         Rule(r"context_refiner\.\d+\..+", 2, "Q4_1")) + sdcpp.rules)
     p = write_zimage_gguf(tmp_path / "q4.gguf", cases["sdcpp-q8_0"].original, lay)
     f = read_zimage_gguf(p)
     assert {"Q4_0", "Q4_1", "Q8_0", "F32"} == set(f.type_counts())
@@ -353,7 +354,8 @@ def bad_files(cases, tmp_path_factory):
     """GGUFs one mistake away from the comfyui case: a refiner tensor missing; a whole
     noise-refiner block missing (the refiner counts disagree: 1 vs 2); a layer weight in a
     type the kernels do not run (TQ2_0, which the gguf package can write)."""
-    from nxhpc.models.zimage_files import COMFYUI_Q8_0, TypeRule, write_zimage_gguf
+    from nxhpc.formats.layouts import LAYOUTS, FileLayout, Rule
+    from nxhpc.models.zimage_files import write_zimage_gguf
     d = tmp_path_factory.mktemp("bad")
     w = cases["comfyui-q8_0"].original
     out = {}
@@ -365,9 +367,9 @@ def bad_files(cases, tmp_path_factory):
                                        {n: a for n, a in w.items()
                                         if not n.startswith("noise_refiner.1.")},
                                        "comfyui-q8_0"), "noise_refiner.1.attention.qkv.weight")
-    tq = COMFYUI_Q8_0.__class__(
+    tq = FileLayout(
         "tq", "", "lumina2", "1xD",
-        (TypeRule(r"layers\.1\.feed_forward\.w2\.weight", 2, "TQ2_0"),) + COMFYUI_Q8_0.rules)
+        (Rule(r"layers\.1\.feed_forward\.w2\.weight", 2, "TQ2_0"),) + LAYOUTS["comfyui-q8_0"].rules)
     out["type"] = (write_zimage_gguf(d / "tq.gguf", w, tq), "layers.1.feed_forward.w2.weight")
     return out
 

@@ -1,13 +1,13 @@
 """Mixed-type model files (issue 10): ``models make --types POLICY``, ``models show``'s type
 counts, a whole block run on a Q4_K_M-style file, and fuzzing of the new block types in files.
 
-Owns: the policies' per-tensor types (nxhpc.models.typepolicy) checked on the written files
+Owns: the policies' per-tensor types (nxhpc.formats.layouts) checked on the written files
 through the gguf package's reader (independent of nxhpc's); that the stored float64 reference
 is the float64 oracle on exactly ``gguf.quants.dequantize`` of the file's tensors; the block on
 such a file graded against it with blockrun's default tolerance (the one Q8_0 models use) and
 bit-identical for 1/2/3 workers and for the fixture weights; malformed K-quant/legacy tensors ->
 ModelFileError naming file and tensor. Must not: take expected types or values from the code
-under test (types come from the policy text in the docstring of typepolicy, written out here).
+under test (types come from the policy text in the docstring of nxhpc.formats.layouts, written out here).
 """
 import os
 import subprocess
@@ -25,7 +25,12 @@ from nxhpc.dit.config import layer_tensor_names
 from nxhpc.dit.reference import adaln_f64, block_forward_f64, dequantize_layer
 from nxhpc.formats.gguf_io import GGUFFile, ModelFileError
 from nxhpc.models import SyntheticSpec, make_synthetic, open_model
-from nxhpc.models.typepolicy import POLICIES, tensor_type
+from nxhpc.formats.layouts import POLICY_NAMES as POLICIES
+from nxhpc.formats.layouts import get_layout
+
+
+def tensor_type(policy, name, shape):
+    return get_layout(policy, policy=True).type_for(name, shape)
 
 ROOT = Path(__file__).resolve().parents[1]
 GT = gguf.GGMLQuantizationType

@@ -14,16 +14,13 @@ import numpy as np
 import pytest
 
 from nxhpc.dit.config import PREFIX, DenoiserConfig
-from nxhpc.models.zimage_files import (
-    COMFYUI_Q8_0,
-    LAYOUTS,
-    SDCPP_Q8_0,
-    FileLayout,
-    TypeRule,
-    get_layout,
-    read_zimage_gguf,
-    write_zimage_gguf,
-)
+from nxhpc.formats.layouts import LAYOUTS as ALL_LAYOUTS
+from nxhpc.formats.layouts import FileLayout, get_layout
+from nxhpc.formats.layouts import Rule as TypeRule
+from nxhpc.models.zimage_files import read_zimage_gguf, write_zimage_gguf
+
+LAYOUTS = ("comfyui-q8_0", "sdcpp-q8_0")          # the two converters' layouts
+COMFYUI_Q8_0, SDCPP_Q8_0 = (ALL_LAYOUTS[n] for n in LAYOUTS)
 
 CFG = DenoiserConfig(dim=384, n_heads=6, n_kv_heads=6, head_dim=64, ffn_dim=1024, n_layers=2,
                      n_noise_refiner=2, n_context_refiner=2, in_channels=16, patch=2,
@@ -123,7 +120,7 @@ def test_policy_table_extends():
     assert lay.type_for("x_pad_token", (384,)) == "F32"
     with pytest.raises(ValueError, match="'layers.0.out' .* block 32"):
         COMFYUI_Q8_0.type_for("layers.0.out", (384, 100))
-    with pytest.raises(ValueError, match="unknown Z-Image file layout"):
+    with pytest.raises(ValueError, match="unknown file layout 'q5'"):
         get_layout("q5")
 
 

@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--types", help="weight-type policy: q8_0 (default), q4_k_m, sdcpp-q4_0, "
                                     "or one type for every matrix (f32, f16, bf16, q4_0, q4_1, "
                                     "q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k); see "
-                                    "nxhpc/models/typepolicy.py")
+                                    "nxhpc/formats/layouts.py")
     mk.add_argument("--no-prefix", action="store_true",
                     help="write tensor names without 'model.diffusion_model.'")
     mk.add_argument("--weights", action=argparse.BooleanOptionalAction, default=None,

@@ -2,7 +2,7 @@
 
 Owns :class:`SyntheticSpec` (everything that determines a synthetic block model; same spec ->
 byte-identical files) and :func:`make_synthetic`: weights stored in the types of the spec's
-``types`` policy (nxhpc.models.typepolicy; default Q8_0, quantized by the ``gguf`` package),
+``types`` policy (nxhpc.formats.layouts; default Q8_0, quantized by the ``gguf`` package),
 ``pe`` from real position ids, each layer's reference output from the float64 oracle
 ``nxhpc.dit.reference`` evaluated on the stored weights' exact values (decoded by
 ``gguf.quants.dequantize``), written as a model directory. And the same for a whole denoiser:
@@ -31,7 +31,7 @@ import numpy as np
 from nxhpc.dit import rope as _rope
 from nxhpc.dit.config import DEFAULT_NORM_EPS, NORMS, BlockConfig, layer_tensor_names
 from nxhpc.formats.gguf_io import Q8_0Tensor, QuantTensor, dequantize_q8_0, quantize_q8_0
-from nxhpc.models import typepolicy
+from nxhpc.formats import layouts
 from nxhpc.models.modeldir import SPEC_FILE, check_replaceable, write_model_dir
 
 __all__ = ["SyntheticSpec", "make_synthetic", "GENERATOR_VERSION", "DenoiserSpec",
@@ -59,7 +59,7 @@ class SyntheticSpec:
     include_weights: bool | None = None  # None: only when the float32 weights are < 64 MB
     rope_theta: float | None = None      # None: the variant's
     axes_dims: tuple[int, ...] | None = None
-    types: str = "q8_0"                  # weight-type policy (nxhpc.models.typepolicy.POLICIES)
+    types: str = "q8_0"                  # weight-type policy (nxhpc.formats.layouts.POLICY_NAMES)
 
     def config(self) -> BlockConfig:
         H = self.n_heads
@@ -125,7 +125,7 @@ class SyntheticSpec:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def validate(self) -> "SyntheticSpec":
-        typepolicy.get_policy(self.types)
+        layouts.get_layout(self.types, policy=True)
         self.config()
         self.rope_params()
         if self.n_caption < 0 or len(self.grid) != 3 or min(self.grid) < 1:
@@ -146,7 +146,7 @@ def _draw_layer(rng: np.random.Generator, c: BlockConfig, i: int,
     names = layer_tensor_names(i, c.variant)
 
     def proj(k: str, rows: int, cols: int, gain: float = 1.0) -> None:
-        gtype = typepolicy.tensor_type(types, names[k], (rows, cols))
+        gtype = layouts.get_layout(types, policy=True).type_for(names[k], (rows, cols))
         say(f"layer {i}: {k} [{rows} x {cols}] {gtype}")
         w = rng.standard_normal((rows, cols), dtype=np.float32)
         w *= np.float32(gain / math.sqrt(cols))
@@ -156,10 +156,10 @@ def _draw_layer(rng: np.random.Generator, c: BlockConfig, i: int,
             stored[k] = Q8_0Tensor(q)
             f64[k] = dequantize_q8_0(q).astype(np.float64)
             return
-        raw = typepolicy.encode(w, gtype, names[k])
+        raw = layouts.encode(w, gtype, names[k])
         del w
         stored[k] = QuantTensor(raw, gtype)
-        f64[k] = typepolicy.decode(raw, gtype, (rows, cols)).astype(np.float64)
+        f64[k] = layouts.decode(raw, gtype, (rows, cols)).astype(np.float64)
 
     proj("qkv", c.qkv_width, c.dim)
     proj("out", c.dim, c.dim)
@@ -263,7 +263,7 @@ class DenoiserSpec:
 
     Dims as :class:`~nxhpc.dit.config.DenoiserConfig` (``ffn_dim`` None: int(D/3*8); one
     refiner count for both refiners), the file ``layout`` (a name of
-    ``nxhpc.models.zimage_files.LAYOUTS``: which GGML type each tensor is stored in), the
+    ``nxhpc.formats.layouts.LAYOUTS``: which GGML type each tensor is stored in), the
     stored inputs (latents ``[in_channels, *latent_hw]``, ``n_caption`` caption rows,
     ``timestep``) and whether a float64 reference output is stored (``reference``: only for
     models whose float64 weights fit in memory comfortably).
@@ -320,7 +320,7 @@ class DenoiserSpec:
         plus the stored inputs and reference."""
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-        from nxhpc.models.zimage_files import get_layout
+        from nxhpc.formats.layouts import get_layout
         lay = get_layout(self.layout)
         total = 0
         for name, shape in self.config().tensor_shapes().items():
@@ -339,7 +339,7 @@ class DenoiserSpec:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def validate(self) -> "DenoiserSpec":
-        from nxhpc.models.zimage_files import get_layout
+        from nxhpc.formats.layouts import get_layout
         self.config().as_block_config()
         get_layout(self.layout)
         h, w = self.latent_hw
@@ -389,7 +389,7 @@ def _write_denoiser_gguf(path: Path, spec: DenoiserSpec, say: Callable[[str], No
     import gguf
     from gguf.constants import GGMLQuantizationType as GT
 
-    from nxhpc.models.zimage_files import get_layout
+    from nxhpc.formats.layouts import get_layout
     lay = get_layout(spec.layout)
     cfg = spec.config()
     plan = []
