@@ -11,7 +11,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from nxhpc.dit import config as C
 from nxhpc.dit.binding import LayerWeights, check_finite_weight
-from nxhpc.dit.config import BlockConfig, check_stack, infer_config, layer_tensor_names
+from nxhpc.dit.config import BlockConfig, check_stack, infer_config, tensor_names
 from nxhpc.formats.gguf_io import GGUFFile, MissingTensorError, ModelFileError
 from nxhpc.formats.weights import WeightTensor, as_weight_tensor, block_geometry, row_bytes
 from nxhpc.models import open_model
@@ -23,21 +23,21 @@ CFG = BlockConfig(dim=128, n_heads=2, n_kv_heads=1, head_dim=64, ffn_dim=352, n_
 
 # ----------------------------------------------------------------------------- names, shapes
 def test_tensor_names_per_stack_match_denoiser_table():
-    mod = layer_tensor_names(3, "zimage", "noise_refiner")
+    mod = tensor_names("noise_refiner", 3, "zimage")
     assert len(mod) == 13 and all(n.startswith("noise_refiner.3.") for n in mod.values())
     assert mod["adaln_w"] == "noise_refiner.3.adaLN_modulation.0.weight"
-    cr = layer_tensor_names(1, "zimage", "context_refiner")
+    cr = tensor_names("context_refiner", 1, "zimage")
     assert len(cr) == 11 and "adaln_w" not in cr and "adaln_b" not in cr
     assert set(cr.values()) == {n.replace("noise_refiner.3", "context_refiner.1")
                                 for k, n in mod.items() if not k.startswith("adaln")}
-    lum = layer_tensor_names(0, "lumina2")
+    lum = tensor_names("layers", 0, "lumina2")
     assert lum["adaln_b"] == "layers.0.adaLN_modulation.1.bias"
     pre = CFG.tensor_names(2, model_prefix=True)
     assert pre["qkv"] == "model.diffusion_model.layers.2.attention.qkv.weight"
     assert CFG.tensor_names(0, "context_refiner", modulated=True)["adaln_w"] \
         == "context_refiner.0.adaLN_modulation.0.weight"
     with pytest.raises(ValueError, match="unknown block stack prefix 'final_layer'"):
-        layer_tensor_names(0, "zimage", "final_layer")
+        tensor_names("final_layer", 0, "zimage")
 
 
 def test_shapes_and_qkv_width():
@@ -157,7 +157,7 @@ def _denoiser_like(tmp_path, drop=(), prefix=""):
 def test_refiners_bind_from_a_file(tmp_path, prefix):
     p = _denoiser_like(tmp_path, prefix=prefix)
     with open_model(p) as m:
-        assert m.config == CFG
+        assert m.config.block == CFG and m.config.stacks["context_refiner"] == 2
         assert [m.stack_size(s) for s in ("layers", "noise_refiner", "context_refiner")] \
             == [2, 2, 2]
         cr = m.layer_weights(1, prefix="context_refiner")
@@ -207,7 +207,7 @@ def test_infer_config_reports_and_checks_every_layer(denoiser_shapes):
         infer_config({}, "w")
     shapes = denoiser_shapes
     cfg, report = infer_config(shapes, "w")
-    assert cfg == CFG and "GQA" in report["n_kv_heads"]
+    assert cfg.block == CFG and not cfg.whole and "GQA" in report["n_kv_heads"]
     bad = dict(shapes)
     bad["layers.1.attention.out.weight"] = ((128, 128), "IQ4_NL")     # no kernels for it
     with pytest.raises(ModelFileError, match="'layers.1.attention.out.weight' has type IQ4_NL"):

@@ -566,16 +566,15 @@ def test_public_api():
     import nxhpc
     assert nxhpc.load_denoiser is not None and "load_denoiser" in nxhpc.__all__
     from nxhpc.dit import config
-    assert config.GROUPS is config.BLOCK_STACKS
     bc = CFG.as_block_config()
+    assert CFG.block == bc and CFG.stacks == {"noise_refiner": 2, "context_refiner": 2,
+                                              "layers": 2}
     for mod in (True, False):
         assert CFG.block_shapes(mod) == bc.shapes(mod)
-    for g in ("layers", "noise_refiner", "context_refiner"):
-        assert config.block_tensor_names(g, 1) == config.layer_tensor_names(1, "zimage", g)
     assert set(DN.SEGMENTS) == {k[3:] for k in TIMING_KEYS}
     # every non-block tensor of the config authority is bound, by its role
     assert set(DN.DenoiserWeights.FIELDS.values()) == set(config.DENOISER_TENSORS)
-    blocks = [n for n in CFG.tensor_shapes() if n.split(".")[0] in config.GROUPS]
+    blocks = [n for n in CFG.tensor_shapes() if n.split(".")[0] in config.BLOCK_STACKS]
     assert len(blocks) + len(config.DENOISER_TENSORS) == len(CFG.tensor_shapes())
 
 

@@ -2,8 +2,9 @@
 
 Tables come from files written by ``nxhpc.models.zimage_files`` in both published layouts
 (read back by the ``gguf`` package), and from the real Z-Image dimensions, whose tensor and
-parameter counts are checked against the numbers published in DENOISER.md (453 tensors,
-6,154,908,736 parameters). Every bad table must raise DenoiserConfigError naming the tensor.
+parameter counts are checked against the numbers published in docs/denoiser.md (453 tensors,
+6,154,908,736 parameters). Every bad table must raise the formats' ModelFileError (or its
+MissingTensorError) naming the tensor, in the message and in its ``tensor`` attribute.
 """
 from __future__ import annotations
 
@@ -12,12 +13,17 @@ import dataclasses
 import numpy as np
 import pytest
 
-from nxhpc.dit.config import (
-    PREFIX,
-    DenoiserConfig,
-    DenoiserConfigError,
-    infer_denoiser_config,
-)
+from nxhpc.dit.config import PREFIX, DenoiserConfig, infer_config
+from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError
+
+
+def infer_denoiser_config(tensors, **kw):
+    """The whole-denoiser form of the one inference (as ``nxhpc.dit.denoiser.Denoiser``
+    calls it)."""
+    kw.setdefault("where", "tensors")
+    where = kw.pop("where")
+    norm_eps = kw.pop("norm_eps", None)
+    return infer_config(tensors, where, norm_eps, whole=True, **kw)[0]
 
 SMALL = dict(dim=384, n_heads=6, n_kv_heads=6, head_dim=64, ffn_dim=1024, n_layers=2,
              n_noise_refiner=2, n_context_refiner=2, in_channels=16, patch=2, cap_dim=320)
@@ -90,7 +96,7 @@ def test_declared_counts_and_gqa(cfg):
     gqa = dataclasses.replace(cfg, n_kv_heads=2)
     got = infer_denoiser_config(table(gqa))
     assert got.n_kv_heads == 2 and got.qkv_width == (6 + 4) * 64
-    with pytest.raises(DenoiserConfigError, match="GQA"):
+    with pytest.raises(ValueError, match="GQA"):
         got.diffusers_kwargs()
 
 
@@ -103,10 +109,11 @@ def test_patch_resolves_ambiguity(cfg):
 
 
 def test_config_errors_are_value_errors():
-    assert issubclass(DenoiserConfigError, ValueError)
-    with pytest.raises(DenoiserConfigError, match="n_heads\\*head_dim"):
+    with pytest.raises(ValueError, match="n_heads\\*head_dim"):
         DenoiserConfig(**{**SMALL, "n_heads": 5})
-    with pytest.raises(DenoiserConfigError, match="axes_dims"):
+    with pytest.raises(ValueError, match="give all of"):
+        DenoiserConfig(**{**SMALL, "cap_dim": None})
+    with pytest.raises(ValueError, match="axes_dims"):
         DenoiserConfig(**SMALL, axes_dims=(16, 24, 22))
 
 
@@ -178,9 +185,11 @@ def _bad_cases(cfg):
 @pytest.mark.parametrize("case", list(_bad_cases(DenoiserConfig(**SMALL))))
 def test_bad_table_names_the_tensor(cfg, case):
     tensors, kw, name = _bad_cases(cfg)[case]
-    with pytest.raises(DenoiserConfigError) as ei:
+    with pytest.raises(ModelFileError) as ei:
         infer_denoiser_config(tensors, where="f.gguf", **kw)
     assert ei.value.tensor == name, str(ei.value)
+    assert isinstance(ei.value, MissingTensorError) == ("missing" in case or case in (
+        "no layers", "layer gap")), (case, type(ei.value))
     assert repr(name) in str(ei.value) and str(ei.value).startswith("f.gguf: ")
 
 
@@ -189,13 +198,13 @@ def test_unexpected_tensor_allowed_when_asked(cfg):
     assert infer_denoiser_config(t, allow_extra=True) == cfg
     # the context refiner's adaLN is never "extra": it contradicts the model
     t["context_refiner.0.adaLN_modulation.0.bias"] = ((4 * cfg.dim,), "F32")
-    with pytest.raises(DenoiserConfigError, match="unmodulated"):
+    with pytest.raises(ModelFileError, match="unmodulated"):
         infer_denoiser_config(t, allow_extra=True)
 
 
 def test_removed_file_tensor_is_named(file_tables):
     stored, _ = file_tables["sdcpp-q8_0"]
     name = PREFIX + "context_refiner.0.attention.k_norm.weight"
-    with pytest.raises(DenoiserConfigError) as ei:
+    with pytest.raises(MissingTensorError) as ei:
         infer_denoiser_config(_without(stored, name))
     assert ei.value.tensor == "context_refiner.0.attention.k_norm.weight"

@@ -24,7 +24,7 @@ from nxhpc.formats.gguf_io import (GGUFFile, MissingTensorError, ModelFileError,
 from nxhpc.formats.weights import WeightTensor
 from testutil import gguf_weights_f64, t32
 from nxhpc.models import (BUILTIN_MODELS, LayerWeights, SyntheticSpec,
-                          ensure_builtin, layer_tensor_names, make_synthetic, open_model)
+                          ensure_builtin, tensor_names, make_synthetic, open_model)
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,7 +180,7 @@ def test_synthetic_references_match_diffusers(root, mid):
         freqs = torch.complex(t32(pe[..., 0, 0]), t32(pe[..., 1, 0]))[None]
         tm = None if mask is None else torch.from_numpy(mask)[None]
         for i in range(c.n_layers):
-            w = gguf_weights_f64(m.gguf.path, layer_tensor_names(i, c.variant))
+            w = gguf_weights_f64(m.gguf.path, tensor_names("layers", i, c.variant))
             blk = diffusers_block(c, w, layer_id=i)
             x = m.blk_in(i)
             with torch.no_grad():
@@ -252,7 +252,7 @@ def test_float_projections_are_bound_as_stored(tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             lw = m.layer_weights(0)
-        for k, name in layer_tensor_names(0, "zimage").items():
+        for k, name in tensor_names("layers", 0, "zimage").items():
             a = getattr(lw, k)
             if isinstance(a, WeightTensor):
                 assert a.type_name == "F32" and a.name == name, k
@@ -290,7 +290,7 @@ def _write_variant(tmp_path, drop=(), replace=None, name="x.gguf"):
 @pytest.mark.parametrize("case,kw,exc,pattern", [
     ("missing norm", dict(drop=["layers.1.ffn_norm2.weight"]), MissingTensorError,
      "'layers.1.ffn_norm2.weight' is missing"),
-    ("layer gap", dict(drop=[n for n in layer_tensor_names(0, "zimage").values()]),
+    ("layer gap", dict(drop=[n for n in tensor_names("layers", 0, "zimage").values()]),
      MissingTensorError, "'layers.0.attention.qkv.weight' missing"),
     ("wrong q_norm", dict(replace={"layers.1.attention.q_norm.weight": np.ones(16)}),
      ModelFileError, r"'layers.1.attention.q_norm.weight' has shape \[16\], expected \[32\]"),
@@ -398,7 +398,7 @@ def test_cli(tmp_path, root):
 
 
 def test_blockconfig_validate():
-    c = BUILTIN_MODELS["tiny"].config()
+    c = BUILTIN_MODELS["tiny"].config().block
     assert c.qkv_width == 3 * 384
     with pytest.raises(ValueError, match="n_heads\\*head_dim"):
         dataclasses.replace(c, n_heads=5).validate()

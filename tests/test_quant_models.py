@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_gguf_io import raw_gguf, write_bytes
 
-from nxhpc.dit.config import layer_tensor_names
+from nxhpc.dit.config import tensor_names
 from nxhpc.dit.reference import adaln_f64, block_forward_f64, dequantize_layer
 from nxhpc.formats.gguf_io import GGUFFile, ModelFileError
 from nxhpc.models import SyntheticSpec, make_synthetic, open_model
@@ -125,7 +125,7 @@ def test_q4_k_m_file_types_and_exact_reference(qkm):
         cfg = m.config
         for i in range(SPEC.n_layers):
             lw = dequantize_layer(m.layer_weights(i))
-            for k, name in layer_tensor_names(i, cfg.variant).items():   # the loader's values
+            for k, name in tensor_names("layers", i, cfg.variant).items():   # the loader's values
                 assert np.array_equal(lw[k], w[name].reshape(lw[k].shape)), (i, k)
             mod = adaln_f64(fx["t_emb"], lw["adaln_w"], lw["adaln_b"], silu=cfg.adaln_silu)
             ref = block_forward_f64(fx[f"layers.{i}.blk_in"], lw, cfg, adaln_m=mod, pe=fx["pe"])

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import nxhpc._kernels as K
-from nxhpc.dit.config import BlockConfig, layer_tensor_names
+from nxhpc.dit.config import BlockConfig, tensor_names
 from nxhpc.dit.plan import BlockPlan, Engine
 from nxhpc.dit.reference import block_forward_f64
 from nxhpc.models import open_model
@@ -43,7 +43,7 @@ def rotated_types(cfg, stacks):
     for prefix, n in stacks:
         for i in range(n):
             for j, k in enumerate(MATRICES):
-                name = layer_tensor_names(i, cfg.variant, prefix).get(k)
+                name = tensor_names(prefix, i, cfg.variant).get(k)
                 if name:
                     out[name] = TYPES[(b + j) % 3]
             b += 1
@@ -73,7 +73,7 @@ def test_bound_in_the_files_type_zero_copy(typed_file):
     stored = _reader_types(path)
     seen = set()
     with open_model(path) as m:
-        assert m.config == CFG
+        assert m.config.block == CFG
         for prefix, n in STACKS:
             assert m.stack_size(prefix) == n
             for i in range(n):
@@ -113,7 +113,7 @@ def test_typed_layers_match_float64(typed_file):
     x, pe, t_emb = _inputs(5, 45)
     with open_model(path) as m:
         for i in range(CFG.n_layers):
-            w64 = gguf_weights_f64(path, layer_tensor_names(i, CFG.variant))
+            w64 = gguf_weights_f64(path, tensor_names("layers", i, CFG.variant))
             blk = m.block(i)
             out, _ = blk.forward(x, t_emb, pe, workers=2)
             ref = block_forward_f64(x, w64, CFG, t_emb=t_emb, pe=pe)
@@ -122,7 +122,7 @@ def test_typed_layers_match_float64(typed_file):
             for n in (1, 3):
                 assert_bitwise(blk.forward(x, t_emb, pe, workers=n)[0], out, f"workers={n}")
             # negative control: the same weights read as another layer's are far off
-            other = gguf_weights_f64(path, layer_tensor_names(1 - i, CFG.variant))
+            other = gguf_weights_f64(path, tensor_names("layers", 1 - i, CFG.variant))
             bad = block_forward_f64(x, other, CFG, t_emb=t_emb, pe=pe)
             assert errs(out, bad)[0] > 1e3 * errs(out, ref)[0]
     assert live_segments(PID) == []
@@ -151,10 +151,10 @@ def test_typed_refiners_match_float64(typed_file):
         for o, _ in outs[1:]:
             assert_bitwise(o, outs[0][0], "refiners, workers")
         out, m_nr = outs[0]
-        w64 = gguf_weights_f64(path, layer_tensor_names(0, CFG.variant, "noise_refiner"))
+        w64 = gguf_weights_f64(path, tensor_names("noise_refiner", 0, CFG.variant))
         ref = block_forward_f64(x[:T1], w64, CFG, t_emb=t_emb, pe=pe[:T1])
         _check(out[:T1], ref, np32_block(x[:T1], w64, CFG, m_nr, pe[:T1], None, CFG.norm_eps))
-        w64 = gguf_weights_f64(path, layer_tensor_names(0, CFG.variant, "context_refiner"))
+        w64 = gguf_weights_f64(path, tensor_names("context_refiner", 0, CFG.variant))
         ref = block_forward_f64(x[T1:], w64, CFG, pe=pe[T1:], modulation=False)
         _check(out[T1:], ref, np32_block(x[T1:], w64, CFG, None, pe[T1:], None, CFG.norm_eps,
                                          modulation=False))

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 
 from nxhpc.dit.binding import LayerWeights
-from nxhpc.dit.config import BLOCK_STACKS, layer_tensor_names
+from nxhpc.dit.config import BLOCK_STACKS, tensor_names
 from nxhpc.formats.weights import WeightTensor
 
 GT = gguf.GGMLQuantizationType
@@ -122,7 +122,7 @@ def stack_tensors(rng, cfg, prefix, count):
     mod = BLOCK_STACKS[prefix]
     for i in range(count):
         f = draw_layer_floats(rng, cfg, mod)
-        for k, name in layer_tensor_names(i, cfg.variant, prefix).items():
+        for k, name in tensor_names(prefix, i, cfg.variant).items():
             out[name] = f[k]
     return out
 
@@ -140,10 +140,17 @@ def gguf_weights_f64(path, names):
 
 
 class ArrayModel:
-    """Minimal model: config + in-memory LayerWeights (what Block needs)."""
+    """Minimal model: config + in-memory LayerWeights (what Block needs). ``cfg``: a
+    BlockConfig, held as the block model's DenoiserConfig (``config.block`` is ``cfg``)."""
 
     def __init__(self, cfg, layers):
-        self.config, self._layers = cfg, layers
+        from nxhpc.dit.config import DenoiserConfig
+        self.config = DenoiserConfig(
+            dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+            ffn_dim=cfg.ffn_dim, n_layers=cfg.n_layers, adaln_in=cfg.adaln_in,
+            norm_eps=cfg.norm_eps, variant=cfg.variant)
+        assert self.config.as_block_config(validate=False) == cfg
+        self._layers = layers
 
     def layer_weights(self, i, source="auto"):
         return self._layers[i]

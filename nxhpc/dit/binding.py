@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from nxhpc.dit.config import _ROLE, BlockConfig, block_label, layer_tensor_names
+from nxhpc.dit.config import _ROLE, BlockConfig, block_label, tensor_names
 from nxhpc.formats.ggml_blocks import QUANT_BLOCKS
 from nxhpc.formats.gguf_io import ModelFileError, dequantize_q8_0, quantize_q8_0
 from nxhpc.formats.weights import WeightTensor, as_weight_tensor
@@ -117,7 +117,7 @@ def bind_gguf_layer(g: Any, cfg: BlockConfig, index: int, prefix: str = "layers"
                     check_values: bool = True) -> LayerWeights:
     """Block ``prefix.index`` from an open GGUFFile: matrices as stored (zero copy), vectors
     float32. ``check_values`` scans every value once for NaN/Inf (ModelFileError naming it)."""
-    names = layer_tensor_names(index, cfg.variant, prefix)
+    names = tensor_names(prefix, index, cfg.variant)
     vals: dict[str, Any] = {}
     for key, name in names.items():
         if _ROLE[key] == "matrix":
@@ -139,7 +139,7 @@ def bind_fixture_layer(fx: Any, cfg: BlockConfig, index: int,
     exact bytes; otherwise, for a model of other types, the float32 values as F32), the
     adaLN matrix kept F32 (``adaln_linear`` gives the same bits for a Q8_0 weight and its
     float32 dequantization)."""
-    names = layer_tensor_names(index, cfg.variant, prefix)
+    names = tensor_names(prefix, index, cfg.variant)
     exp = cfg.shapes(modulated="adaln_w" in names)
     vals: dict[str, Any] = {}
     for key, name in names.items():

@@ -234,7 +234,7 @@ def run_layers(model, layers: Sequence[int], x: np.ndarray, pe: np.ndarray, *,
     of summed timings plus ``"per_layer"`` (a list of per-layer timing dicts).
     """
     precision = check_precision(precision, "run_layers: precision")
-    cfg = model.config
+    cfg = model.config.as_block_config(validate=False)
     check_config(cfg)
     layers = [int(i) for i in layers]
     if not layers:
@@ -298,7 +298,7 @@ class Block:
     """
 
     def __init__(self, model, index: int, *, source: str = "auto") -> None:
-        cfg = model.config
+        cfg = model.config.as_block_config(validate=False)
         check_config(cfg)
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)) \
                 or not 0 <= index < cfg.n_layers:

@@ -1,55 +1,57 @@
-"""The one authority for a DiT block's config: dims, divisibility rules, tensor names, shapes.
+"""The one config authority of the DiT models: dims, divisibility rules, tensor names, shapes.
 
-Owns :class:`BlockConfig` (dim, heads, kv heads, head_dim, FFN, adaLN width, eps, variant) and
-everything derived from it: ``qkv_width``, the structural rules (:meth:`BlockConfig.validate`),
-the tensor table of a block (:data:`BLOCK_TENSORS`: short name, name inside the block, role,
-whether only modulated blocks have it), tensor names per stack prefix (``layers.N``,
-``noise_refiner.N`` -- modulated; ``context_refiner.N`` -- no adaLN tensors), with or without
-the ``model.diffusion_model.`` prefix, expected shapes, the check of one layer's bound weights
-(:meth:`BlockConfig.check_layer`), and inferring the config from a file's tensor shapes
-(:func:`infer_config`, :func:`check_stack`).
-Also owns the whole denoiser's config (``DENOISER.md``): :class:`DenoiserConfig` (every
-dimension of the model: the shared :class:`BlockConfig` via :meth:`DenoiserConfig.as_block_config`,
-refiner counts, ``in_channels``, ``patch``, ``cap_dim``, t-embedder widths, RoPE, eps), the
-tensor names and torch shapes it implies (:meth:`DenoiserConfig.tensor_shapes`, block tensors
-named by :data:`BLOCK_TENSORS` through :func:`block_tensor_names`), and
-:func:`infer_denoiser_config` (a tensor table -> the config, or :class:`DenoiserConfigError`
-naming the tensor).
+Owns :class:`DenoiserConfig`, the config of a model -- a whole Z-Image denoiser
+(``docs/denoiser.md``, "Configs": blocks, refiner counts, ``in_channels``, ``patch``,
+``cap_dim``, t-embedder widths, RoPE, eps) or a block model holding only blocks (the
+embedders None; ``variant`` Lumina-2 possible) -- with the block count per stack
+(:attr:`DenoiserConfig.stacks`) and the tensors and torch shapes it implies
+(:meth:`DenoiserConfig.tensor_shapes`); :class:`BlockConfig`, the view every block of a model
+shares (:attr:`DenoiserConfig.block`: dim, heads, kv heads, head_dim, FFN, adaLN width, eps,
+variant; ``qkv_width``, the runnable rules of :meth:`BlockConfig.validate`, the check of one
+layer's bound weights :meth:`BlockConfig.check_layer`); the block's tensor table
+(:data:`BLOCK_TENSORS`: short name, name inside the block, role, whether only modulated blocks
+have it) and the one tensor naming :func:`tensor_names` (``layers.N``, ``noise_refiner.N`` --
+modulated; ``context_refiner.N`` -- no adaLN tensors; with or without the
+``model.diffusion_model.`` prefix); and the one inference :func:`infer_config` (a tensor table
+-> the config, raising the ``nxhpc.formats`` error classes naming the tensor), with
+:func:`check_stack`.
 Must not: read files (it takes ``{name: (shape, type name)}``), import the compiled kernels, or
 decode weights.
 
-Denoiser config inference (``DENOISER.md`` "Tensor names"):
+Config inference (``docs/denoiser.md``, "Config inference"):
 
 - dim D = len(``layers.0.attention_norm1.weight``); head_dim = len(``layers.0.attention.q_norm
-  .weight``); n_heads = D / head_dim; n_kv_heads from the fused qkv rows
+  .weight``); n_heads = attention.out inputs / head_dim; n_kv_heads from the fused qkv rows
   ``(n_heads + 2 n_kv_heads) head_dim``; ffn_dim = rows of ``layers.0.feed_forward.w1.weight``;
+  the variant from where the adaLN Linear sits (``adaLN_modulation.0``: Z-Image, ``.1``:
+  Lumina-2, SiLU first);
 - layer and refiner counts from the block indices present (0..n-1, no gaps);
-- in_channels C and patch p from ``x_embedder.weight [D, p*p*C]``: the product is ambiguous, so
-  ``patch`` is given (Z-Image: 2) and C = columns / p^2;
-- cap_dim = columns of ``cap_embedder.1.weight``; t-embedder widths from ``t_embedder.mlp.0``
-  ``[mid, freq]`` and ``t_embedder.mlp.2 [adaln_in, mid]`` (Z-Image: 256 -> 1024 -> 256);
-- everything else (final layer ``[p*p*C, D]``, adaLN ``[4D, adaln_in]``, pad tokens ``[1, D]``
-  or ``[D]``) is then checked against the shapes the config implies.
+- a whole denoiser: in_channels C and patch p from ``x_embedder.weight [D, p*p*C]`` (the
+  product is ambiguous, so ``patch`` is given, Z-Image: 2, and C = columns / p^2); cap_dim =
+  columns of ``cap_embedder.1.weight``; t-embedder widths from ``t_embedder.mlp.0 [mid, freq]``
+  and ``t_embedder.mlp.2 [adaln_in, mid]`` (Z-Image: 256 -> 1024 -> 256);
+- everything else (every block of every stack, final layer ``[p*p*C, D]``, pad tokens
+  ``[1, D]`` or ``[D]``) is then checked against the shapes the config implies.
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from nxhpc.formats.gguf_io import PREFIX, MissingTensorError, ModelFileError
 from nxhpc.formats.weights import RUNNABLE_TYPES, WeightTensor, as_weight_tensor, row_bytes
 
-__all__ = ["BlockConfig", "TensorSpec", "BLOCK_TENSORS", "BLOCK_STACKS", "PROJECTIONS", "NORMS",
-           "MODULATION", "DEFAULT_NORM_EPS", "MATMUL_BLOCK", "VARIANTS", "layer_tensor_names",
-           "block_label", "stack_indices", "check_stack", "infer_config", "VECTOR_TYPES",
-           # the whole denoiser
-           "DenoiserConfig", "DenoiserConfigError", "infer_denoiser_config", "block_tensor_names",
-           "strip_prefix", "PREFIX", "BLOCK_SUFFIXES", "ADALN_SUFFIXES", "GROUPS",
-           "OPTIONAL_TENSORS", "GGML_TYPE_NAMES", "DENOISER_TENSORS"]
+__all__ = ["DenoiserConfig", "BlockConfig", "TensorSpec", "BLOCK_TENSORS", "BLOCK_STACKS",
+           "STACKS", "PROJECTIONS", "NORMS", "MODULATION", "DEFAULT_NORM_EPS", "MATMUL_BLOCK",
+           "VARIANTS", "VECTOR_TYPES", "DENOISER_TENSORS", "OPTIONAL_TENSORS", "PREFIX",
+           "tensor_names", "block_label", "stack_indices", "check_stack", "infer_config",
+           "strip_prefix"]
 
 DEFAULT_NORM_EPS = 1e-5
 #: Every length a matmul reduces over (dim, ffn_dim, adaln_in) is a multiple of this: the
@@ -92,6 +94,7 @@ MODULATION = ("adaln_w", "adaln_b")
 #: Stack prefix -> whether its blocks are modulated (DENOISER.md: the context refiner is not).
 BLOCK_STACKS: dict[str, bool] = {"layers": True, "noise_refiner": True, "context_refiner": False}
 _ROLE = {t.key: t.role for t in BLOCK_TENSORS}
+_SUFFIX = {t.key: t.suffix for t in BLOCK_TENSORS}
 
 
 def block_label(prefix: str, index: int) -> str:
@@ -193,8 +196,8 @@ class BlockConfig:
                      model_prefix: bool = False) -> dict[str, str]:
         """Short name -> tensor name of block ``prefix.index`` (``model_prefix``: with
         ``model.diffusion_model.``). ``modulated`` defaults to the stack's kind."""
-        return layer_tensor_names(index, self.variant, prefix, modulated=modulated,
-                                  model_prefix=model_prefix)
+        return tensor_names(prefix, index, self.variant, modulated=modulated,
+                            model_prefix=model_prefix)
 
     def check_layer(self, weights: Any, where: str = "layer 0",
                     modulated: bool | None = None) -> None:
@@ -245,17 +248,19 @@ def _check_matrix(a: Any, key: str, shape: tuple[int, ...], where: str) -> None:
                          f"{list(w.shape)}) [tensor {w.name}]")
 
 
-def layer_tensor_names(i: int, variant: str, prefix: str = "layers", *,
-                       modulated: bool | None = None,
-                       model_prefix: bool = False) -> dict[str, str]:
-    """Short name -> tensor name for block ``prefix.i`` (canonical, prefix-free by default).
+def tensor_names(stack: str, i: int, variant: str = "zimage", *,
+                 modulated: bool | None = None, model_prefix: bool = False) -> dict[str, str]:
+    """Short name -> tensor name of block ``stack.i`` (``layers``, ``noise_refiner``,
+    ``context_refiner``): the one tensor naming of every block of every model.
 
-    ``modulated`` defaults to the stack's kind (:data:`BLOCK_STACKS`): ``context_refiner``
-    blocks have no ``adaLN_modulation`` tensors.
+    Canonical (prefix-free) unless ``model_prefix``. ``variant`` places the adaLN Linear
+    (``adaLN_modulation.0`` for Z-Image, ``.1`` after Lumina-2's SiLU). ``modulated`` defaults
+    to the stack's kind (:data:`BLOCK_STACKS`): ``context_refiner`` blocks have no
+    ``adaLN_modulation`` tensors.
     """
-    mod = _modulated(prefix, modulated)
+    mod = _modulated(stack, modulated)
     ada = 1 if variant == "lumina2" else 0
-    head = (PREFIX if model_prefix else "") + f"{prefix}.{int(i)}."
+    head = (PREFIX if model_prefix else "") + f"{stack}.{int(i)}."
     return {t.key: head + t.suffix.format(ada=ada) for t in BLOCK_TENSORS
             if mod or not t.modulation}
 
@@ -276,130 +281,31 @@ def check_stack(tensors: Mapping[str, tuple[tuple[int, ...], str]], cfg: BlockCo
                 prefix: str, count: int, where: str, *, modulated: bool | None = None) -> None:
     """Every tensor of blocks ``prefix.0 .. prefix.count-1`` is present, shaped and typed as
     ``cfg`` says; :class:`MissingTensorError` / :class:`ModelFileError` naming ``where`` and
-    the tensor."""
+    the tensor (its ``tensor`` attribute too)."""
     mod = _modulated(prefix, modulated)
     exp = cfg.shapes(mod)
     for i in range(count):
-        for key, name in layer_tensor_names(i, cfg.variant, prefix, modulated=mod).items():
+        for key, name in tensor_names(prefix, i, cfg.variant, modulated=mod).items():
             if name not in tensors:
-                raise MissingTensorError(f"{where}: required tensor {name!r} is missing")
+                raise MissingTensorError(f"{where}: required tensor {name!r} is missing", name)
             shape, tname = tensors[name]
             if tuple(shape) != exp[key]:
                 raise ModelFileError(f"{where}: tensor {name!r} has shape {list(shape)}, "
-                                     f"expected {list(exp[key])} for {cfg.summary()}")
+                                     f"expected {list(exp[key])} for {cfg.summary()}", name)
             allowed = RUNNABLE_TYPES if _ROLE[key] == "matrix" else VECTOR_TYPES
             if tname not in allowed:
                 raise ModelFileError(f"{where}: tensor {name!r} has type {tname}; nxhpc runs "
-                                     f"{', '.join(allowed)} for this tensor")
+                                     f"{', '.join(allowed)} for this tensor", name)
             if _ROLE[key] == "matrix":
                 try:
                     row_bytes(tname, exp[key][1])
                 except ValueError as e:
-                    raise ModelFileError(f"{where}: tensor {name!r}: {e}") from None
+                    raise ModelFileError(f"{where}: tensor {name!r}: {e}", name) from None
 
 
-def infer_config(tensors: Mapping[str, tuple[tuple[int, ...], str]], where: str,
-                 norm_eps: float | None = None) -> tuple[BlockConfig, dict[str, str]]:
-    """Infer the block config from ``{canonical name: (shape, type name)}``.
-
-    Returns the config and a report ``{field: how it was inferred}``. Checks every main
-    layer's tensors for presence, shape and type; raises :class:`MissingTensorError` /
-    :class:`ModelFileError` naming ``where`` and the tensor.
-    """
-    layer_ids = set(stack_indices(tensors, "layers"))
-    if not layer_ids:
-        raise MissingTensorError(f"{where}: no main-layer tensors "
-                                 f"('layers.<i>.attention.qkv.weight', optionally prefixed "
-                                 f"{PREFIX!r}) found among {len(tensors)} tensors")
-    n_layers = max(layer_ids) + 1
-    gaps = sorted(set(range(n_layers)) - layer_ids)
-    if gaps:
-        raise MissingTensorError(f"{where}: tensor 'layers.{gaps[0]}.attention.qkv.weight' "
-                                 f"missing (layers present: {sorted(layer_ids)})")
-
-    def get(name: str) -> tuple[tuple[int, ...], str]:
-        if name not in tensors:
-            raise MissingTensorError(f"{where}: required tensor {name!r} is missing")
-        return tensors[name]
-
-    report: dict[str, str] = {}
-    has0, has1 = ("layers.0.adaLN_modulation.0.weight" in tensors,
-                  "layers.0.adaLN_modulation.1.weight" in tensors)
-    if has0 == has1:
-        raise MissingTensorError(
-            f"{where}: need exactly one of 'layers.0.adaLN_modulation.0.weight' (Z-Image) and "
-            f"'layers.0.adaLN_modulation.1.weight' (Lumina-2, SiLU first); found "
-            f"{'both' if has0 else 'neither'}")
-    variant = "lumina2" if has1 else "zimage"
-    report["variant"] = (f"{variant}: adaLN stored as adaLN_modulation.{1 if has1 else 0}.* "
-                         f"({'SiLU before the Linear' if has1 else 'no SiLU'})")
-    names0 = layer_tensor_names(0, variant)
-    sh = {k: get(v)[0] for k, v in names0.items()}
-    for k, name in names0.items():
-        ndim = 2 if _ROLE[k] == "matrix" else 1
-        if len(sh[k]) != ndim:
-            raise ModelFileError(f"{where}: tensor {name!r} has shape {list(sh[k])}, "
-                                 f"expected {ndim}-D")
-    dim = sh["attention_norm1"][0]
-    report["dim"] = f"{dim} from len(attention_norm1.weight)"
-    head_dim = sh["q_norm"][0]
-    report["head_dim"] = f"{head_dim} from len(attention.q_norm.weight)"
-    if head_dim < 2 or head_dim % 2:
-        raise ModelFileError(f"{where}: tensor {names0['q_norm']!r} has length {head_dim}; "
-                             f"head_dim must be even")
-    out_in = sh["out"][1]
-    if out_in % head_dim:
-        raise ModelFileError(f"{where}: tensor {names0['out']!r} has {out_in} inputs, not a "
-                             f"multiple of head_dim {head_dim}")
-    n_heads = out_in // head_dim
-    report["n_heads"] = f"{n_heads} = attention.out.weight inputs {out_in} / head_dim"
-    qkv_rows = sh["qkv"][0]
-    rest = qkv_rows - n_heads * head_dim
-    if qkv_rows % head_dim or rest <= 0 or rest % (2 * head_dim):
-        raise ModelFileError(f"{where}: tensor {names0['qkv']!r} has {qkv_rows} rows, not "
-                             f"(n_heads + 2*n_kv_heads)*head_dim with n_heads={n_heads}, "
-                             f"head_dim={head_dim}")
-    n_kv = rest // (2 * head_dim)
-    report["n_kv_heads"] = (f"{n_kv} = (qkv rows {qkv_rows} / head_dim - n_heads) / 2"
-                            f"{' (GQA)' if n_kv != n_heads else ''}")
-    ffn = sh["w1"][0]
-    report["ffn_dim"] = f"{ffn} from feed_forward.w1.weight rows"
-    adaln_in = sh["adaln_w"][1]
-    report["adaln_in"] = f"{adaln_in} from adaLN weight columns"
-    report["n_layers"] = f"{n_layers} (layers.0..{n_layers - 1})"
-    if norm_eps is None:
-        norm_eps = DEFAULT_NORM_EPS
-        report["norm_eps"] = f"{norm_eps:g} (default; not recorded in the file)"
-    else:
-        report["norm_eps"] = f"{norm_eps:g} (from metadata)"
-    cfg = BlockConfig(dim=dim, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
-                      ffn_dim=ffn, n_layers=n_layers, adaln_in=adaln_in, variant=variant,
-                      adaln_silu=variant == "lumina2", norm_eps=float(norm_eps))
-    try:
-        cfg.validate()
-    except ValueError as e:
-        raise ModelFileError(f"{where}: inferred config is not runnable: {e}") from None
-    check_stack(tensors, cfg, "layers", n_layers, where)
-    return cfg, report
-
-
-# ============================================================================== the denoiser
-# The whole Z-Image denoiser (DENOISER.md): the blocks above plus embedders, pad tokens and the
-# final layer. Block tensors are named by BLOCK_TENSORS (one table); the order below is the one
-# files and tensor tables list them in.
-
-_DENOISER_BLOCK_ORDER = ("qkv", "out", "q_norm", "k_norm", "attention_norm1", "attention_norm2",
-                         "ffn_norm1", "ffn_norm2", "w1", "w2", "w3")
-_SUFFIX = {t.key: t.suffix for t in BLOCK_TENSORS}
-
-BLOCK_SUFFIXES: dict[str, str] = {k: _SUFFIX[k] for k in _DENOISER_BLOCK_ORDER}
-"""The 11 tensors every block has (the context refiner has only these), from :data:`BLOCK_TENSORS`."""
-
-ADALN_SUFFIXES: dict[str, str] = {k: _SUFFIX[k].format(ada=0) for k in MODULATION}
-"""The 2 adaLN tensors of a modulated Z-Image block (main layers, noise refiner)."""
-
-GROUPS: dict[str, bool] = BLOCK_STACKS
-"""Block groups and whether their blocks are modulated (the same table as :data:`BLOCK_STACKS`)."""
+# ============================================================================== the model
+# A model is the blocks above plus, for a whole denoiser (docs/denoiser.md), the embedders, the
+# pad tokens and the final layer. A block model is the same model holding only blocks.
 
 DENOISER_TENSORS: dict[str, str] = {
     "x_embedder.weight": "matrix", "x_embedder.bias": "vector",
@@ -412,116 +318,123 @@ DENOISER_TENSORS: dict[str, str] = {
     "final_layer.adaLN_modulation.1.bias": "vector",
     "final_layer.linear.weight": "matrix", "final_layer.linear.bias": "vector",
 }
-"""The non-block tensors of the denoiser and their role: a "matrix" is run as stored (a typed
-weight), a "vector" is decoded to float32 (pad tokens ``[1, D]`` or ``[D]`` are vectors)."""
+"""The non-block tensors of a whole denoiser and their role: a "matrix" is run as stored (a
+typed weight), a "vector" is decoded to float32 (pad tokens ``[1, D]`` or ``[D]`` are
+vectors)."""
 
 OPTIONAL_TENSORS = ("norm_final.weight",)
 """Present in some files, unused by the model (diffusers drops it too)."""
 
-GGML_TYPE_NAMES = ("F32", "F16", "BF16", "F64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1",
-                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS",
-                   "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "IQ1_M", "TQ1_0",
-                   "TQ2_0", "MXFP4")
-"""GGML type names a tensor table may carry (the loader decides which it can decode)."""
-
-# values per block for the block-quantized types (row length must be a multiple)
-_BLOCK_SIZE = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q8_1": 32,
-               "Q2_K": 256, "Q3_K": 256, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q8_K": 256,
-               "IQ2_XXS": 256, "IQ2_XS": 256, "IQ3_XXS": 256, "IQ1_S": 256, "IQ4_NL": 32,
-               "IQ3_S": 256, "IQ2_S": 256, "IQ4_XS": 256, "IQ1_M": 256, "TQ1_0": 256,
-               "TQ2_0": 256, "MXFP4": 32}
+#: The block stacks in the order a whole call runs them (image rows, caption rows, joint rows).
+STACKS = ("noise_refiner", "context_refiner", "layers")
 
 
-class DenoiserConfigError(ValueError):
-    """A tensor table does not describe a Z-Image denoiser. ``tensor`` names the tensor the
-    problem was found at (``None`` when none applies); the message always names it.
-    ``missing``: the problem is an absent tensor (a loader reports it as
-    :class:`~nxhpc.formats.gguf_io.MissingTensorError`), not a malformed one."""
-
-    def __init__(self, message: str, tensor: str | None = None, *, missing: bool = False
-                 ) -> None:
-        super().__init__(message)
-        self.tensor = tensor
-        self.missing = bool(missing)
-
-
-def block_tensor_names(group: str, i: int, modulated: bool | None = None) -> dict[str, str]:
-    """Short name -> canonical tensor name for block ``i`` of ``group`` (``layers``,
-    ``noise_refiner``, ``context_refiner``); adaLN included when the group is modulated."""
-    if group not in GROUPS:
-        raise ValueError(f"block_tensor_names: unknown group {group!r} (one of {list(GROUPS)})")
-    mod = GROUPS[group] if modulated is None else modulated
-    sfx = dict(BLOCK_SUFFIXES, **ADALN_SUFFIXES) if mod else BLOCK_SUFFIXES
-    return {k: f"{group}.{i}.{s}" for k, s in sfx.items()}
-
-
-def _default_axes(head_dim: int) -> tuple[int, int, int]:
-    from nxhpc.dit.rope import default_axes_dims
-    return default_axes_dims(head_dim, "zimage")
+def _default_rope(head_dim: int, variant: str) -> tuple[float, tuple[int, ...]]:
+    from nxhpc.dit.rope import VARIANT_ROPE, default_axes_dims
+    return VARIANT_ROPE[variant][0], default_axes_dims(head_dim, variant)
 
 
 @dataclass(frozen=True)
 class DenoiserConfig:
-    """Every dimension of a Z-Image denoiser (``DENOISER.md``). Shape comments are torch
-    order (``[out, in]`` for a Linear weight)."""
+    """The one config of a DiT model (``docs/denoiser.md``, "Configs"): every block's dims, the
+    block count of each stack and, for a whole denoiser, its embedders. Shape comments are torch
+    order (``[out, in]`` for a Linear weight).
+
+    A block model (only ``layers.*``, e.g. the built-in ``tiny``) leaves ``in_channels``,
+    ``patch`` and ``cap_dim`` None (:attr:`whole` is False). :attr:`block` is the view every
+    block shares (:class:`BlockConfig`), :attr:`stacks` the block count per stack.
+    ``variant``: ``"zimage"`` or ``"lumina2"`` (SiLU before a 1024-wide adaLN; block models
+    only). ``rope_theta`` / ``axes_dims`` default to the variant's."""
     dim: int                 # D
     n_heads: int             # H
     n_kv_heads: int          # KVH (Z-Image: = H)
     head_dim: int            # hd = D / H
     ffn_dim: int             # feed_forward.w1 rows (Z-Image: int(D/3*8))
     n_layers: int            # main layers (Z-Image: 30)
-    n_noise_refiner: int     # modulated refiner blocks on image rows (2)
-    n_context_refiner: int   # unmodulated refiner blocks on caption rows (2)
-    in_channels: int         # C latent channels (16); out channels are the same
-    patch: int               # p (2)
-    cap_dim: int             # caption feature width (2560: Qwen3-4B)
+    n_noise_refiner: int = 0     # modulated refiner blocks on image rows (2)
+    n_context_refiner: int = 0   # unmodulated refiner blocks on caption rows (2)
+    in_channels: int | None = None   # C latent channels (16); out channels are the same
+    patch: int | None = None         # p (2)
+    cap_dim: int | None = None       # caption feature width (2560: Qwen3-4B)
     t_freq_dim: int = 256    # sinusoid width fed to t_embedder.mlp.0
     t_mid_dim: int = 1024    # t_embedder.mlp.0 rows
     adaln_in: int = 256      # t_emb width = t_embedder.mlp.2 rows = adaLN input
-    norm_eps: float = 1e-5   # every RMSNorm (blocks, q/k norms, cap_embedder.0)
+    norm_eps: float = DEFAULT_NORM_EPS   # every RMSNorm (blocks, q/k norms, cap_embedder.0)
     final_eps: float = 1e-6  # final LayerNorm (no affine)
-    rope_theta: float = 256.0
-    axes_dims: tuple[int, ...] | None = None   # None -> [hd/4, 3hd/8, rest] ([32,48,48])
+    rope_theta: float | None = None            # None -> the variant's (Z-Image 256)
+    axes_dims: tuple[int, ...] | None = None   # None -> the variant's ([32,48,48] at hd 128)
     t_scale: float = 1000.0
     seq_multiple: int = 32   # image and caption rows are padded to a multiple of this
     max_period: float = 10000.0
-    # duck-typed BlockConfig fields used by nxhpc.dit.reference / nxhpc.dit.oracle
-    variant: str = field(default="zimage", init=False)
-    adaln_silu: bool = field(default=False, init=False)
+    variant: str = "zimage"
 
     def __post_init__(self) -> None:
-        if self.axes_dims is None and isinstance(self.head_dim, int) and self.head_dim >= 6 \
-                and self.head_dim % 2 == 0:
-            object.__setattr__(self, "axes_dims", _default_axes(self.head_dim))
+        hd = self.head_dim
+        rope_ok = self.variant in VARIANTS and isinstance(hd, int) and hd >= 6 and hd % 2 == 0
+        if self.rope_theta is None and rope_ok:
+            object.__setattr__(self, "rope_theta", _default_rope(hd, self.variant)[0])
+        if self.axes_dims is None and rope_ok:
+            object.__setattr__(self, "axes_dims", _default_rope(hd, self.variant)[1])
         elif self.axes_dims is not None:
             object.__setattr__(self, "axes_dims", tuple(int(a) for a in self.axes_dims))
         self.validate()
 
-    # -- derived sizes
+    # -- derived
+    @property
+    def whole(self) -> bool:
+        """Whether this is a whole denoiser (embedders, pad tokens, final layer), not only
+        blocks."""
+        return self.cap_dim is not None
+
+    @property
+    def adaln_silu(self) -> bool:
+        """SiLU before the blocks' adaLN Linear (Lumina-2)."""
+        return self.variant == "lumina2"
+
+    @property
+    def stacks(self) -> dict[str, int]:
+        """Blocks per stack, in :data:`STACKS` order."""
+        return {"noise_refiner": self.n_noise_refiner,
+                "context_refiner": self.n_context_refiner, "layers": self.n_layers}
+
     @property
     def qkv_width(self) -> int:
         """Rows of the fused qkv weight: ``(H + 2 KVH) hd``."""
         return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
 
     @property
-    def out_channels(self) -> int:
+    def out_channels(self) -> int | None:
         return self.in_channels
 
     @property
     def patch_dim(self) -> int:
         """Values per patch token: ``p*p*C`` (x_embedder columns, final_layer rows)."""
+        self._need_whole("patch_dim")
         return self.patch * self.patch * self.in_channels
 
+    def _need_whole(self, what: str) -> None:
+        if not self.whole:
+            raise ValueError(f"DenoiserConfig.{what}: a block model has no embedders")
+
     def validate(self) -> DenoiserConfig:
-        """Raise :class:`DenoiserConfigError` unless the dimensions are consistent."""
+        """Raise ValueError (naming every broken rule) unless the dimensions are consistent."""
         errs = []
-        ints = ("dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "n_layers",
-                "n_noise_refiner", "n_context_refiner", "in_channels", "patch", "cap_dim",
-                "t_freq_dim", "t_mid_dim", "adaln_in", "seq_multiple")
+        ints = ["dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "n_layers",
+                "n_noise_refiner", "n_context_refiner", "t_freq_dim", "t_mid_dim", "adaln_in",
+                "seq_multiple"]
+        emb = ("in_channels", "patch", "cap_dim")
+        given = [n for n in emb if getattr(self, n) is not None]
+        if given and len(given) != len(emb):
+            raise ValueError(f"DenoiserConfig: give all of {list(emb)} (a whole denoiser) or "
+                             f"none (a block model), got {given}")
+        ints += given
         bad = [n for n in ints if not isinstance(getattr(self, n), int)
                or isinstance(getattr(self, n), bool)]
         if bad:
-            raise DenoiserConfigError(f"DenoiserConfig: fields {bad} must be int")
+            raise ValueError(f"DenoiserConfig: fields {bad} must be int")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"DenoiserConfig: variant {self.variant!r} is not one of "
+                             f"{VARIANTS}")
         if min(getattr(self, n) for n in ints if n not in ("n_noise_refiner",
                                                             "n_context_refiner")) < 1:
             errs.append("all dims must be positive")
@@ -547,56 +460,66 @@ class DenoiserConfig:
             if not 0 < getattr(self, n) < 1:
                 errs.append(f"{n} {getattr(self, n)} out of (0, 1)")
         for n in ("rope_theta", "t_scale", "max_period"):
-            if not getattr(self, n) > 0:
+            if not (getattr(self, n) or 0) > 0:
                 errs.append(f"{n} {getattr(self, n)} must be positive")
         if errs:
-            raise DenoiserConfigError("DenoiserConfig: " + "; ".join(errs))
+            raise ValueError("DenoiserConfig: " + "; ".join(errs))
         return self
 
-    # -- the tensors the config implies
+    # -- the block view and the tensors the config implies
+    def as_block_config(self, validate: bool = True) -> BlockConfig:
+        """The :class:`BlockConfig` every block of this model shares (refiners included; its
+        ``n_layers`` is the main stack's depth). ``validate``: also apply the block's runnable
+        rules (:meth:`BlockConfig.validate`: dims multiples of the matmul block, ...)."""
+        c = BlockConfig(dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+                        head_dim=self.head_dim, ffn_dim=self.ffn_dim, n_layers=self.n_layers,
+                        adaln_in=self.adaln_in, variant=self.variant,
+                        adaln_silu=self.adaln_silu, norm_eps=self.norm_eps)
+        return c.validate() if validate else c
+
+    @property
+    def block(self) -> BlockConfig:
+        """The validated block view (:meth:`as_block_config`)."""
+        return self.as_block_config()
+
     def block_shapes(self, modulated: bool) -> dict[str, tuple[int, ...]]:
         """Short name -> torch shape of one block's tensors (:meth:`BlockConfig.shapes`)."""
         return self.as_block_config(validate=False).shapes(modulated)
 
     def tensor_shapes(self, *, norm_final: bool = False) -> dict[str, tuple[int, ...]]:
         """Every canonical (prefix-free) tensor name -> torch shape, in the model's order:
-        embedders, pad tokens, noise refiner, context refiner, layers, final layer.
-        Pad tokens are listed as ``[1, D]`` (files may also store ``[D]``);
-        ``norm_final.weight [D]`` is included only when asked (it is optional and unused)."""
-        D, P = self.dim, self.patch_dim
-        out: dict[str, tuple[int, ...]] = {
-            "x_embedder.weight": (D, P), "x_embedder.bias": (D,),
-            "t_embedder.mlp.0.weight": (self.t_mid_dim, self.t_freq_dim),
-            "t_embedder.mlp.0.bias": (self.t_mid_dim,),
-            "t_embedder.mlp.2.weight": (self.adaln_in, self.t_mid_dim),
-            "t_embedder.mlp.2.bias": (self.adaln_in,),
-            "cap_embedder.0.weight": (self.cap_dim,),
-            "cap_embedder.1.weight": (D, self.cap_dim), "cap_embedder.1.bias": (D,),
-            "x_pad_token": (1, D), "cap_pad_token": (1, D),
-        }
-        for group, n in (("noise_refiner", self.n_noise_refiner),
-                         ("context_refiner", self.n_context_refiner),
-                         ("layers", self.n_layers)):
-            shapes = self.block_shapes(GROUPS[group])
+        embedders, pad tokens, noise refiner, context refiner, layers, final layer (a block
+        model: its blocks only). Pad tokens are listed as ``[1, D]`` (files may also store
+        ``[D]``); ``norm_final.weight [D]`` is included only when asked (optional, unused)."""
+        D = self.dim
+        out: dict[str, tuple[int, ...]] = {}
+        if self.whole:
+            out.update({
+                "x_embedder.weight": (D, self.patch_dim), "x_embedder.bias": (D,),
+                "t_embedder.mlp.0.weight": (self.t_mid_dim, self.t_freq_dim),
+                "t_embedder.mlp.0.bias": (self.t_mid_dim,),
+                "t_embedder.mlp.2.weight": (self.adaln_in, self.t_mid_dim),
+                "t_embedder.mlp.2.bias": (self.adaln_in,),
+                "cap_embedder.0.weight": (self.cap_dim,),
+                "cap_embedder.1.weight": (D, self.cap_dim), "cap_embedder.1.bias": (D,),
+                "x_pad_token": (1, D), "cap_pad_token": (1, D)})
+        for stack, n in self.stacks.items():
+            shapes = self.block_shapes(BLOCK_STACKS[stack])
             for i in range(n):
-                for k, name in block_tensor_names(group, i).items():
+                for k, name in tensor_names(stack, i, self.variant).items():
                     out[name] = shapes[k]
-        out.update({"final_layer.adaLN_modulation.1.weight": (D, self.adaln_in),
-                    "final_layer.adaLN_modulation.1.bias": (D,),
-                    "final_layer.linear.weight": (P, D), "final_layer.linear.bias": (P,)})
-        if norm_final:
-            out["norm_final.weight"] = (D,)
+        if self.whole:
+            P = self.patch_dim
+            out.update({"final_layer.adaLN_modulation.1.weight": (D, self.adaln_in),
+                        "final_layer.adaLN_modulation.1.bias": (D,),
+                        "final_layer.linear.weight": (P, D), "final_layer.linear.bias": (P,)})
+            if norm_final:
+                out["norm_final.weight"] = (D,)
         return out
 
     def n_params(self) -> int:
         """Parameters of the model (without the optional ``norm_final.weight``)."""
-        total = 0
-        for s in self.tensor_shapes().values():
-            n = 1
-            for d in s:
-                n *= d
-            total += n
-        return total
+        return sum(math.prod(s) for s in self.tensor_shapes().values())
 
     # -- bridges
     @classmethod
@@ -608,22 +531,14 @@ class DenoiserConfig:
         kw.update(overrides)
         return cls(**kw)
 
-    def as_block_config(self, validate: bool = True) -> BlockConfig:
-        """The :class:`BlockConfig` every block of this model shares (refiners included; its
-        ``n_layers`` is the main stack's depth). ``validate``: also apply the block's runnable
-        rules (:meth:`BlockConfig.validate`: dims multiples of the matmul block, ...)."""
-        c = BlockConfig(dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-                        head_dim=self.head_dim, ffn_dim=self.ffn_dim, n_layers=self.n_layers,
-                        adaln_in=self.adaln_in, variant="zimage", adaln_silu=False,
-                        norm_eps=self.norm_eps)
-        return c.validate() if validate else c
-
     def diffusers_kwargs(self) -> dict:
         """Constructor kwargs of diffusers' ``ZImageTransformer2DModel`` for this config.
-        Raises :class:`DenoiserConfigError` for what diffusers cannot express (GQA, unequal
+        ValueError for what diffusers cannot express (a block model, Lumina-2, GQA, unequal
         refiner counts, FFN other than int(D/3*8), t-embedder widths other than
         256 -> 1024 -> min(D, 256), final eps other than 1e-6)."""
         why = []
+        if not self.whole or self.variant != "zimage":
+            why.append("not a whole Z-Image denoiser")
         if self.n_kv_heads != self.n_heads:
             why.append("GQA (diffusers' Z-Image attention is MHA)")
         if self.n_noise_refiner != self.n_context_refiner:
@@ -636,8 +551,8 @@ class DenoiserConfig:
         if self.final_eps != 1e-6 or self.seq_multiple != 32 or self.max_period != 10000.0:
             why.append("final_eps / seq_multiple / max_period fixed in diffusers")
         if why:
-            raise DenoiserConfigError("diffusers' ZImageTransformer2DModel cannot express: "
-                                      + "; ".join(why))
+            raise ValueError("diffusers' ZImageTransformer2DModel cannot express: "
+                             + "; ".join(why))
         return dict(all_patch_size=(self.patch,), all_f_patch_size=(1,),
                     in_channels=self.in_channels, dim=self.dim, n_layers=self.n_layers,
                     n_refiner_layers=self.n_noise_refiner, n_heads=self.n_heads,
@@ -647,6 +562,9 @@ class DenoiserConfig:
                     axes_lens=[1536, 512, 512])
 
     def summary(self) -> str:
+        """One line (a block model: its block's :meth:`BlockConfig.summary`)."""
+        if not self.whole:
+            return self.as_block_config(validate=False).summary()
         return (f"zimage denoiser: D={self.dim}, {self.n_heads} heads x {self.head_dim}"
                 f"{'' if self.n_kv_heads == self.n_heads else f' ({self.n_kv_heads} kv)'}, "
                 f"FFN {self.ffn_dim}, {self.n_layers} layers + {self.n_noise_refiner} noise / "
@@ -669,18 +587,9 @@ def _fmt(shape: Iterable[int]) -> str:
     return "[" + ", ".join(str(int(d)) for d in shape) + "]"
 
 
-def infer_denoiser_config(tensors: Mapping[str, tuple[tuple[int, ...], str]], *,
-                          patch: int = 2, norm_eps: float = 1e-5,
-                          n_layers: int | None = None, n_refiner: int | None = None,
-                          allow_extra: bool = False, where: str = "tensors") -> DenoiserConfig:
-    """Infer and fully check the Z-Image denoiser config from ``{name: (torch shape, type)}``.
-
-    Names may carry :data:`PREFIX` (stripped here). ``patch`` resolves the ``p*p*C`` ambiguity
-    of ``x_embedder``; ``norm_eps`` is not recorded in files. ``n_layers`` / ``n_refiner``,
-    when given (e.g. from metadata), must agree with the tensors. Unknown tensors are an error
-    unless ``allow_extra``. Every problem raises :class:`DenoiserConfigError` whose message
-    starts with ``where`` and names the tensor.
-    """
+def _canonical_table(tensors: Mapping[str, Any], where: str
+                     ) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{canonical name: (shape, TYPE NAME)}``; every malformed entry a ModelFileError."""
     t: dict[str, tuple[tuple[int, ...], str]] = {}
     for raw, val in tensors.items():
         name = strip_prefix(str(raw))
@@ -688,134 +597,203 @@ def infer_denoiser_config(tensors: Mapping[str, tuple[tuple[int, ...], str]], *,
             shape, tname = val
             shape = tuple(int(d) for d in shape)
         except (TypeError, ValueError):
-            raise DenoiserConfigError(f"{where}: tensor {raw!r}: expected (shape, type name), "
-                                      f"got {val!r}", raw) from None
+            raise ModelFileError(f"{where}: tensor {raw!r}: expected (shape, type name), got "
+                                 f"{val!r}", raw) from None
         if not shape or any(d < 1 for d in shape):
-            raise DenoiserConfigError(f"{where}: tensor {raw!r} has shape {list(shape)}", raw)
+            raise ModelFileError(f"{where}: tensor {raw!r} has shape {list(shape)}", raw)
         tname = str(tname).upper()
-        if tname not in GGML_TYPE_NAMES:
-            raise DenoiserConfigError(f"{where}: tensor {raw!r} has unknown GGML type "
-                                      f"{tname!r}", raw)
-        bs = _BLOCK_SIZE.get(tname)
-        if bs and shape[-1] % bs:
-            raise DenoiserConfigError(f"{where}: tensor {raw!r} is {tname} but its rows have "
-                                      f"{shape[-1]} values, not a multiple of {bs}", raw)
+        if tname not in GGMLQuantizationType.__members__:
+            raise ModelFileError(f"{where}: tensor {raw!r} has unknown GGML type {tname!r}", raw)
+        bs = GGML_QUANT_SIZES[GGMLQuantizationType[tname]][0]
+        if bs > 1 and shape[-1] % bs:
+            raise ModelFileError(f"{where}: tensor {raw!r} is {tname} but its rows have "
+                                 f"{shape[-1]} values, not a multiple of {bs}", raw)
         if name in t:
-            raise DenoiserConfigError(f"{where}: tensor {name!r} appears twice (with and "
-                                      f"without the {PREFIX!r} prefix)", name)
+            raise ModelFileError(f"{where}: tensor {name!r} appears twice (with and without "
+                                 f"the {PREFIX!r} prefix)", name)
         t[name] = (shape, tname)
+    return t
 
-    def need(name: str) -> tuple[int, ...]:
-        if name not in t:
-            raise DenoiserConfigError(f"{where}: required tensor {name!r} is missing", name,
-                                      missing=True)
-        return t[name][0]
 
-    def ndim(name: str, n: int) -> tuple[int, ...]:
-        s = need(name)
-        if len(s) != n:
-            raise DenoiserConfigError(f"{where}: tensor {name!r} has shape {_fmt(s)}, expected "
-                                      f"{n}-D", name)
-        return s
-
-    # Lumina-2 has the same block names but a SiLU'd 1024-wide adaLN stored at index 1
-    for name in t:
-        m = _BLOCK_RE.match(name)
-        if m and m.group(3).startswith("adaLN_modulation.1."):
-            raise DenoiserConfigError(f"{where}: tensor {name!r} is Lumina-2 naming (adaLN "
-                                      f"behind a SiLU); this is not a Z-Image denoiser", name)
-
-    # block counts per group, from the indices present
-    idx: dict[str, set[int]] = {g: set() for g in GROUPS}
+def _stack_counts(t: Mapping[str, Any], where: str) -> dict[str, int]:
+    """Blocks per stack from the indices present; a gap is a MissingTensorError."""
+    idx: dict[str, set[int]] = {s: set() for s in STACKS}
     for name in t:
         m = _BLOCK_RE.match(name)
         if m:
             idx[m.group(1)].add(int(m.group(2)))
     counts: dict[str, int] = {}
-    for g, ids in idx.items():
+    for s, ids in idx.items():
         n = max(ids) + 1 if ids else 0
         gaps = sorted(set(range(n)) - ids)
         if gaps:
-            miss = f"{g}.{gaps[0]}.{BLOCK_SUFFIXES['qkv']}"
-            raise DenoiserConfigError(f"{where}: tensor {miss!r} missing: block {g}.{gaps[0]} "
-                                      f"absent while {g}.{max(ids)} is present (indices "
-                                      f"{sorted(ids)})", miss, missing=True)
-        counts[g] = n
+            miss = f"{s}.{gaps[0]}.{_SUFFIX['qkv']}"
+            raise MissingTensorError(f"{where}: tensor {miss!r} missing: block {s}.{gaps[0]} "
+                                     f"absent while {s}.{max(ids)} is present (indices "
+                                     f"{sorted(ids)})", miss)
+        counts[s] = n
+    return counts
+
+
+def infer_config(tensors: Mapping[str, tuple[tuple[int, ...], str]], where: str = "tensors",
+                 norm_eps: float | None = None, *, patch: int = 2, whole: bool | None = None,
+                 n_layers: int | None = None, n_refiner: int | None = None,
+                 allow_extra: bool | None = None) -> tuple[DenoiserConfig, dict[str, str]]:
+    """The one config inference: ``{name: (torch shape, GGML type name)}`` -> the model's
+    :class:`DenoiserConfig` and a report ``{field: how it was inferred}``.
+
+    Names may carry :data:`PREFIX` (stripped here). The blocks' dims come from ``layers.0``
+    (``docs/denoiser.md``, "Config inference"); every block of every stack is then checked for
+    presence, shape and a runnable type. ``whole`` (None: whether any embedder tensor is
+    present) asks for a whole denoiser: embedders, pad tokens and final layer inferred and
+    checked too, the refiner counts equal and >= 1. ``patch`` resolves the ``p*p*C`` ambiguity
+    of ``x_embedder``; ``norm_eps`` is not recorded in files (None: the default).
+    ``n_layers`` / ``n_refiner``, when given (e.g. from metadata), must agree with the tensors.
+    Unknown tensors are an error in a whole model unless ``allow_extra``. Every problem raises
+    :class:`MissingTensorError` or :class:`ModelFileError` whose message starts with ``where``
+    and names the tensor (also its ``tensor`` attribute).
+    """
+    t = _canonical_table(tensors, where)
+    if whole is None:
+        whole = any(n in t for n in DENOISER_TENSORS)
+    if allow_extra is None:
+        allow_extra = not whole
+
+    def need(name: str) -> tuple[int, ...]:
+        if name not in t:
+            raise MissingTensorError(f"{where}: required tensor {name!r} is missing", name)
+        return t[name][0]
+
+    def ndim(name: str, n: int) -> tuple[int, ...]:
+        s = need(name)
+        if len(s) != n:
+            raise ModelFileError(f"{where}: tensor {name!r} has shape {_fmt(s)}, expected "
+                                 f"{n}-D", name)
+        return s
+
+    counts = _stack_counts(t, where)
+    qkv0 = f"layers.0.{_SUFFIX['qkv']}"
     if counts["layers"] == 0:
-        raise DenoiserConfigError(f"{where}: no main-layer tensors: required tensor "
-                                  f"'layers.0.{BLOCK_SUFFIXES['qkv']}' is missing (optional "
-                                  f"prefix {PREFIX!r}; {len(t)} tensors given)",
-                                  f"layers.0.{BLOCK_SUFFIXES['qkv']}", missing=True)
+        raise MissingTensorError(f"{where}: no main-layer tensors: required tensor {qkv0!r} "
+                                 f"is missing (optional prefix {PREFIX!r}; {len(t)} tensors "
+                                 f"given)", qkv0)
     if n_layers is not None and n_layers != counts["layers"]:
-        bad = f"layers.{min(n_layers, counts['layers'])}.{BLOCK_SUFFIXES['qkv']}"
-        raise DenoiserConfigError(f"{where}: {n_layers} main layers declared but the tensors "
-                                  f"hold {counts['layers']} (tensor {bad!r} "
-                                  f"{'missing' if n_layers > counts['layers'] else 'present'})",
-                                  bad)
-    nr, cr = counts["noise_refiner"], counts["context_refiner"]
-    want_r = n_refiner if n_refiner is not None else max(nr, cr)
-    for g, n in (("noise_refiner", nr), ("context_refiner", cr)):
-        if n != want_r or n == 0:
-            k = min(n, want_r) if n else 0
-            bad = f"{g}.{k}.{BLOCK_SUFFIXES['qkv']}"
-            state = "present" if n > want_r else "missing"
-            raise DenoiserConfigError(
-                f"{where}: refiner counts disagree: noise_refiner has {nr} blocks, "
-                f"context_refiner {cr}" + (f", {n_refiner} declared" if n_refiner is not None
-                                           else "") +
-                f" (Z-Image has one refiner count, >= 1): tensor {bad!r} {state}", bad)
+        bad = f"layers.{min(n_layers, counts['layers'])}.{_SUFFIX['qkv']}"
+        raise ModelFileError(f"{where}: {n_layers} main layers declared but the tensors hold "
+                             f"{counts['layers']} (tensor {bad!r} "
+                             f"{'missing' if n_layers > counts['layers'] else 'present'})", bad)
 
-    # dims from specific tensors
-    D = ndim("layers.0.attention_norm1.weight", 1)[0]
-    hd = ndim("layers.0.attention.q_norm.weight", 1)[0]
-    if hd < 6 or hd % 2 or D % hd:
-        raise DenoiserConfigError(f"{where}: tensor 'layers.0.attention.q_norm.weight' gives "
-                                  f"head_dim {hd}: must be even, >= 6 and divide dim {D}",
-                                  "layers.0.attention.q_norm.weight")
-    H = D // hd
-    qkv_rows = ndim("layers.0.attention.qkv.weight", 2)[0]
-    rest = qkv_rows - H * hd
-    if qkv_rows % hd or rest <= 0 or rest % (2 * hd) or H % (rest // (2 * hd)):
-        raise DenoiserConfigError(f"{where}: tensor 'layers.0.attention.qkv.weight' has "
-                                  f"{qkv_rows} rows, not (n_heads + 2*n_kv_heads)*head_dim "
-                                  f"with n_heads={H}, head_dim={hd}",
-                                  "layers.0.attention.qkv.weight")
-    KVH = rest // (2 * hd)
-    ffn = ndim("layers.0.feed_forward.w1.weight", 2)[0]
-    adaln_in = ndim("layers.0.adaLN_modulation.0.weight", 2)[1]
-    t_mid, t_freq = ndim("t_embedder.mlp.0.weight", 2)
-    xin = ndim("x_embedder.weight", 2)[1]
-    if xin % (patch * patch):
-        raise DenoiserConfigError(f"{where}: tensor 'x_embedder.weight' has {xin} columns, "
-                                  f"not patch*patch*C for patch {patch}", "x_embedder.weight")
-    C = xin // (patch * patch)
-    cap_dim = ndim("cap_embedder.1.weight", 2)[1]
+    # the variant: where the blocks' adaLN Linear sits
+    report: dict[str, str] = {}
+    ada0, ada1 = (f"layers.0.adaLN_modulation.{k}.weight" for k in (0, 1))
+    if (ada0 in t) == (ada1 in t):
+        raise (ModelFileError if ada0 in t else MissingTensorError)(
+            f"{where}: need exactly one of {ada0!r} (Z-Image) and {ada1!r} (Lumina-2, SiLU "
+            f"first); found {'both' if ada0 in t else 'neither'}", ada0)
+    variant = "lumina2" if ada1 in t else "zimage"
+    if whole and variant == "lumina2":
+        raise ModelFileError(f"{where}: tensor {ada1!r} is Lumina-2 naming (adaLN behind a "
+                             f"SiLU); nxhpc runs Lumina-2 blocks, not a whole Lumina-2 model",
+                             ada1)
+    report["variant"] = (f"{variant}: adaLN stored as adaLN_modulation.{1 if ada1 in t else 0}"
+                         f".* ({'SiLU before the Linear' if ada1 in t else 'no SiLU'})")
+
+    # the blocks' dims, from layers.0
+    names0 = tensor_names("layers", 0, variant)
+    for k, name in names0.items():
+        ndim(name, 2 if _ROLE[k] == "matrix" else 1)
+    sh = {k: t[v][0] for k, v in names0.items()}
+    dim = sh["attention_norm1"][0]
+    report["dim"] = f"{dim} from len(attention_norm1.weight)"
+    head_dim = sh["q_norm"][0]
+    report["head_dim"] = f"{head_dim} from len(attention.q_norm.weight)"
+    if head_dim < 6 or head_dim % 2:
+        raise ModelFileError(f"{where}: tensor {names0['q_norm']!r} has length {head_dim}; "
+                             f"head_dim must be even and >= 6", names0["q_norm"])
+    out_in = sh["out"][1]
+    if out_in % head_dim:
+        raise ModelFileError(f"{where}: tensor {names0['out']!r} has {out_in} inputs, not a "
+                             f"multiple of head_dim {head_dim}", names0["out"])
+    n_heads = out_in // head_dim
+    report["n_heads"] = f"{n_heads} = attention.out.weight inputs {out_in} / head_dim"
+    qkv_rows = sh["qkv"][0]
+    rest = qkv_rows - n_heads * head_dim
+    if qkv_rows % head_dim or rest <= 0 or rest % (2 * head_dim) or \
+            n_heads % (rest // (2 * head_dim)):
+        raise ModelFileError(f"{where}: tensor {names0['qkv']!r} has {qkv_rows} rows, not "
+                             f"(n_heads + 2*n_kv_heads)*head_dim with n_heads={n_heads}, "
+                             f"head_dim={head_dim}", names0["qkv"])
+    n_kv = rest // (2 * head_dim)
+    report["n_kv_heads"] = (f"{n_kv} = (qkv rows {qkv_rows} / head_dim - n_heads) / 2"
+                            f"{' (GQA)' if n_kv != n_heads else ''}")
+    ffn = sh["w1"][0]
+    report["ffn_dim"] = f"{ffn} from feed_forward.w1.weight rows"
+    adaln_in = sh["adaln_w"][1]
+    report["adaln_in"] = f"{adaln_in} from adaLN weight columns"
+    report["n_layers"] = f"{counts['layers']} (layers.0..{counts['layers'] - 1})"
+    if norm_eps is None:
+        norm_eps = DEFAULT_NORM_EPS
+        report["norm_eps"] = f"{norm_eps:g} (default; not recorded in the file)"
+    else:
+        report["norm_eps"] = f"{norm_eps:g} (from metadata)"
+
+    kw: dict[str, Any] = dict(dim=dim, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+                              ffn_dim=ffn, n_layers=counts["layers"], adaln_in=adaln_in,
+                              norm_eps=float(norm_eps), variant=variant,
+                              n_noise_refiner=counts["noise_refiner"],
+                              n_context_refiner=counts["context_refiner"])
+    if whole:
+        nr, cr = counts["noise_refiner"], counts["context_refiner"]
+        want_r = n_refiner if n_refiner is not None else max(nr, cr)
+        for s, n in (("noise_refiner", nr), ("context_refiner", cr)):
+            if n != want_r or n == 0:
+                bad = f"{s}.{min(n, want_r) if n else 0}.{_SUFFIX['qkv']}"
+                state = "present" if n > want_r else "missing"
+                raise ModelFileError(
+                    f"{where}: refiner counts disagree: noise_refiner has {nr} blocks, "
+                    f"context_refiner {cr}" + (f", {n_refiner} declared" if n_refiner is not None
+                                               else "") +
+                    f" (Z-Image has one refiner count, >= 1): tensor {bad!r} {state}", bad)
+        t_mid, t_freq = ndim("t_embedder.mlp.0.weight", 2)
+        xin = ndim("x_embedder.weight", 2)[1]
+        if xin % (patch * patch):
+            raise ModelFileError(f"{where}: tensor 'x_embedder.weight' has {xin} columns, not "
+                                 f"patch*patch*C for patch {patch}", "x_embedder.weight")
+        kw.update(in_channels=xin // (patch * patch), patch=patch,
+                  cap_dim=ndim("cap_embedder.1.weight", 2)[1], t_freq_dim=t_freq,
+                  t_mid_dim=t_mid)
+        report["embedders"] = (f"C={kw['in_channels']} (x_embedder columns / patch^2, patch "
+                               f"{patch}), cap_dim {kw['cap_dim']}, t {t_freq}->{t_mid}->"
+                               f"{adaln_in}")
+    report["stacks"] = ", ".join(f"{s} {n}" for s, n in counts.items())
     try:
-        cfg = DenoiserConfig(dim=D, n_heads=H, n_kv_heads=KVH, head_dim=hd, ffn_dim=ffn,
-                             n_layers=counts["layers"], n_noise_refiner=nr,
-                             n_context_refiner=cr, in_channels=C, patch=patch, cap_dim=cap_dim,
-                             t_freq_dim=t_freq, t_mid_dim=t_mid, adaln_in=adaln_in,
-                             norm_eps=float(norm_eps))
-    except DenoiserConfigError as e:
-        raise DenoiserConfigError(f"{where}: inferred config is not valid: {e}") from None
+        cfg = DenoiserConfig(**kw)
+        cfg.as_block_config()
+    except ValueError as e:
+        raise ModelFileError(f"{where}: inferred config is not runnable: {e}") from None
 
-    # every expected tensor present with its shape
-    expected = cfg.tensor_shapes(norm_final="norm_final.weight" in t)
-    for name, shape in expected.items():
-        got = need(name)
-        ok = got == shape or (name.endswith("pad_token") and got == (D,))
-        if not ok:
-            alt = f" or {_fmt((D,))}" if name.endswith("pad_token") else ""
-            raise DenoiserConfigError(f"{where}: tensor {name!r} has shape {_fmt(got)}, "
-                                      f"expected {_fmt(shape)}{alt} for {cfg.summary()}", name)
-    extra = [n for n in t if n not in expected]
-    for name in extra:
-        m = _BLOCK_RE.match(name)
-        if m and m.group(1) == "context_refiner" and m.group(3).startswith("adaLN_modulation"):
-            raise DenoiserConfigError(f"{where}: tensor {name!r}: the context refiner is "
-                                      f"unmodulated and carries no adaLN tensors", name)
-    if extra and not allow_extra:
-        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise DenoiserConfigError(f"{where}: unexpected tensor {extra[0]!r}{more} for "
-                                  f"{cfg.summary()}", extra[0])
-    return cfg
+    # every block: present, shaped, typed (a block model's refiners, if any, are checked when
+    # they are bound: see nxhpc.models.Model.layer_weights)
+    for s, n in cfg.stacks.items():
+        if whole or s == "layers":
+            check_stack(t, cfg.block, s, n, where)
+    if whole:
+        expected = cfg.tensor_shapes(norm_final="norm_final.weight" in t)
+        D = cfg.dim
+        for name, shape in expected.items():
+            got = need(name)
+            if got != shape and not (name.endswith("pad_token") and got == (D,)):
+                alt = f" or {_fmt((D,))}" if name.endswith("pad_token") else ""
+                raise ModelFileError(f"{where}: tensor {name!r} has shape {_fmt(got)}, "
+                                     f"expected {_fmt(shape)}{alt} for {cfg.summary()}", name)
+        extra = [n for n in t if n not in expected]
+        for name in extra:
+            m = _BLOCK_RE.match(name)
+            if m and m.group(1) == "context_refiner" and m.group(3).startswith("adaLN_"):
+                raise ModelFileError(f"{where}: tensor {name!r}: the context refiner is "
+                                     f"unmodulated and carries no adaLN tensors", name)
+        if extra and not allow_extra:
+            more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+            raise ModelFileError(f"{where}: unexpected tensor {extra[0]!r}{more} for "
+                                 f"{cfg.summary()}", extra[0])
+    return cfg, report

@@ -47,12 +47,11 @@ import numpy as np
 
 import nxhpc
 from nxhpc.dit.binding import LayerWeights, bind_gguf_layer, check_finite_weight
-from nxhpc.dit.config import (DENOISER_TENSORS, DenoiserConfig, DenoiserConfigError,
-                              check_stack, infer_denoiser_config)
+from nxhpc.dit.config import DENOISER_TENSORS, STACKS, DenoiserConfig, infer_config
 from nxhpc.dit.linear import DEFAULT_PRECISION, check_precision
 from nxhpc.dit.plan import BlockPlan, Engine
 from nxhpc.dit.rope import position_ids, rope_table
-from nxhpc.formats.gguf_io import GGUFFile, MissingTensorError, ModelFileError
+from nxhpc.formats.gguf_io import GGUFFile, ModelFileError
 from nxhpc.formats.weights import WeightTensor
 from nxhpc.runtime.workers import DEFAULT_SPAWN, check_timeout, max_workers, usable_cpus
 
@@ -63,16 +62,6 @@ __all__ = ["Denoiser", "DenoiserInputError", "DenoiserWeights",
 #: The segments of one call, in order; ``Denoiser.last_timings`` has ``us_<segment>`` for each.
 SEGMENTS = ("embed", "noise_refiner", "context_refiner", "layers", "final", "total")
 TIMING_KEYS = tuple(f"us_{s}" for s in SEGMENTS)
-#: The block stacks in the order a call runs them (image rows, caption rows, joint rows).
-STACKS = ("noise_refiner", "context_refiner", "layers")
-
-
-def stack_counts(cfg: DenoiserConfig) -> dict[str, int]:
-    """Blocks per stack of :data:`STACKS`."""
-    return {"noise_refiner": cfg.n_noise_refiner, "context_refiner": cfg.n_context_refiner,
-            "layers": cfg.n_layers}
-
-
 class DenoiserInputError(ValueError):
     """A call's input (latents, t, cap_feats) does not fit the model; the message says how."""
 
@@ -117,16 +106,14 @@ class DenoiserWeights:
 
 
 def _bind(g: GGUFFile, cfg: DenoiserConfig, kernels: Any) -> DenoiserWeights:
-    """Bind every tensor of ``g`` (checked: shapes by the config, types runnable, values
-    finite). ModelFileError / MissingTensorError naming the tensor."""
+    """Bind every tensor of ``g``, whose table ``cfg`` was inferred from (so every tensor is
+    present and shaped as the config says): types runnable, values finite. ModelFileError
+    naming the tensor."""
     where = str(g.path)
-    table = {n: (g.shape(n), g.type_name(n)) for n in g.names()}
-    bc = cfg.as_block_config()
+    bc = cfg.block
     blocks: dict[tuple[str, int], LayerWeights] = {}
-    counts = stack_counts(cfg)
     for prefix in STACKS:
-        check_stack(table, bc, prefix, counts[prefix], where)
-        for i in range(counts[prefix]):
+        for i in range(cfg.stacks[prefix]):
             blocks[(prefix, i)] = bind_gguf_layer(g, bc, i, prefix)
     have = kernels.weight_types()
     vals: dict[str, Any] = {}
@@ -235,7 +222,7 @@ class _Session:
         bc = cfg.as_block_config()
         self.plans = {s: BlockPlan(bc, s) for s in STACKS}
         rows = {"noise_refiner": self.Np, "context_refiner": self.Lp, "layers": T}
-        counts = stack_counts(cfg)
+        counts = cfg.stacks
         needs = [(self.plans[s], rows[s]) for s in STACKS if counts[s]]
         D, hd, P = cfg.dim, cfg.head_dim, cfg.patch_dim
         buffers = {"u": (T, D), "pe": (T, hd // 2, 2, 2), "patches": (self.n_img, P),
@@ -304,13 +291,7 @@ class Denoiser:
                 v = g.metadata.get("nxhpc.norm_eps")
                 norm_eps = v if isinstance(v, float) else 1e-5
             table = {n: (g.shape(n), g.type_name(n)) for n in g.names()}
-            try:
-                self.config = infer_denoiser_config(table, norm_eps=norm_eps, where=str(g.path))
-                self.config.as_block_config()
-            except DenoiserConfigError as e:
-                raise (MissingTensorError if e.missing else ModelFileError)(str(e)) from None
-            except ValueError as e:          # the block's runnable rules
-                raise ModelFileError(f"{g.path}: not runnable: {e}") from None
+            self.config, _ = infer_config(table, str(g.path), norm_eps, whole=True)
             self.weights = _bind(g, self.config, self.kernels)
         except BaseException:
             self.gguf.close()

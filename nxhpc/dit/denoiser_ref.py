@@ -17,7 +17,7 @@ from collections.abc import Mapping, MutableMapping
 
 import numpy as np
 
-from nxhpc.dit.config import DenoiserConfig, block_tensor_names
+from nxhpc.dit.config import DenoiserConfig, tensor_names
 from nxhpc.dit.reference import block_forward_f64, rmsnorm_f64
 from nxhpc.dit.rope import position_ids, rope_table
 
@@ -104,7 +104,7 @@ def pad_rows_f64(x: np.ndarray, pad_token: np.ndarray, multiple: int) -> np.ndar
 def block_weights(weights: Mapping[str, np.ndarray], group: str, i: int) -> dict[str, np.ndarray]:
     """Block ``group.i``'s weights under the short names of ``nxhpc.dit.reference``."""
     return {k: np.asarray(weights[n], dtype=np.float64)
-            for k, n in block_tensor_names(group, i).items()}
+            for k, n in tensor_names(group, i).items()}
 
 
 def final_layer_f64(Y: np.ndarray, w: Mapping[str, np.ndarray], temb: np.ndarray,

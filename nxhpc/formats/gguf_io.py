@@ -59,7 +59,13 @@ class ModelNotFoundError(ModelError):
 
 
 class ModelFileError(ModelError):
-    """A GGUF or fixture file is malformed, unsupported, or does not fit the block config."""
+    """A GGUF or fixture file is malformed, unsupported, or does not fit the model's config.
+    ``tensor``: the tensor the problem was found at, when one applies (the message names it
+    too)."""
+
+    def __init__(self, message: str = "", tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
 
 
 class QuantizationError(ModelFileError, ValueError):

@@ -10,7 +10,7 @@ existing callers. Nothing here imports the compiled kernels.
 from __future__ import annotations
 
 from nxhpc.dit.binding import LayerWeights
-from nxhpc.dit.config import BlockConfig, infer_config, layer_tensor_names
+from nxhpc.dit.config import BlockConfig, infer_config, tensor_names
 from nxhpc.formats.gguf_io import MissingTensorError, ModelError, ModelFileError, ModelNotFoundError
 from nxhpc.models.cli import main
 from nxhpc.models.model import Model
@@ -24,7 +24,7 @@ from nxhpc.models.synthetic import (DenoiserSpec, SyntheticSpec, make_synthetic,
 __all__ = [
     "BlockConfig", "LayerWeights", "Model", "open_model", "models_dir", "DEFAULT_MODEL_ID",
     "BUILTIN_MODELS", "SyntheticSpec", "make_synthetic", "ensure_builtin", "infer_config",
-    "layer_tensor_names", "write_model_dir", "check_replaceable", "ModelError",
+    "tensor_names", "write_model_dir", "check_replaceable", "ModelError",
     "ModelNotFoundError", "ModelFileError", "MissingTensorError", "ModelsDirError", "GGUF_FILE",
     "main",
     "BUILTIN_DENOISERS", "DenoiserSpec", "make_synthetic_denoiser", "resolve_model",

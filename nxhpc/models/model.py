@@ -1,7 +1,8 @@
 """The :class:`Model` facade: one model directory (or GGUF file) opened for running.
 
 Owns: reading a model's files through ``nxhpc.formats`` (the GGUF map, the fixture store), the
-config inferred from the tensors (``nxhpc.dit.config.infer_config``), fixture accessors with
+config inferred from the tensors (``nxhpc.dit.config.infer_config``: a
+:class:`~nxhpc.dit.config.DenoiserConfig`; a block model's holds only blocks), fixture accessors with
 shapes checked against the config, binding a block's weights (``nxhpc.dit.binding``) and the
 human-readable report. Must not: resolve ids (``nxhpc.models.registry``), generate models, or
 run kernels (``block(i)`` hands out an ``nxhpc.dit.block.Block``).
@@ -9,6 +10,7 @@ run kernels (``block(i)`` hands out an ``nxhpc.dit.block.Block``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from nxhpc.dit.binding import LayerWeights, bind_fixture_layer, bind_gguf_layer
-from nxhpc.dit.config import check_stack, infer_config, layer_tensor_names, stack_indices
+from nxhpc.dit.config import check_stack, infer_config, tensor_names
 from nxhpc.formats.fixtures import FIXTURES_FILE, FixtureStore
 from nxhpc.formats.gguf_io import (GGUFFile, MissingTensorError, ModelError, ModelFileError,
                                    ModelNotFoundError)
@@ -66,6 +68,13 @@ class Model:
         if eps_src:
             self.config_report["norm_eps"] = f"{eps:g} (from {eps_src} metadata)"
         self.rope = self._rope_params()
+        if self.rope is not None:             # the file's RoPE, not the variant's default
+            try:
+                self.config = dataclasses.replace(self.config, rope_theta=self.rope[0],
+                                                  axes_dims=self.rope[1])
+            except ValueError as e:
+                raise ModelFileError(f"{gguf.path}: RoPE metadata (nxhpc.rope_theta, "
+                                     f"nxhpc.axes_dims) do not fit the model: {e}") from None
 
     # -- metadata
     def _rope_params(self) -> tuple[float, tuple[int, ...]] | None:
@@ -127,12 +136,7 @@ class Model:
     # -- weights
     def stack_size(self, prefix: str = "layers") -> int:
         """Blocks in stack ``prefix`` (``layers``, ``noise_refiner``, ``context_refiner``)."""
-        if prefix == "layers":
-            return self.config.n_layers
-        names = self.gguf.names() if self.gguf is not None else \
-            (self.fixtures.names() if self.fixtures is not None else [])
-        idx = stack_indices(names, prefix)
-        return max(idx) + 1 if idx else 0
+        return self.config.stacks.get(prefix, 0)
 
     def layer_weights(self, i: int, source: str = "auto", *,
                       prefix: str = "layers") -> LayerWeights:
@@ -158,13 +162,13 @@ class Model:
             g = self.gguf
             if prefix != "layers" and prefix not in self._stacks_checked:
                 shapes = {nm: (g.shape(nm), g.type_name(nm)) for nm in g.names()}
-                check_stack(shapes, self.config, prefix, n, str(g.path))
+                check_stack(shapes, self.config.block, prefix, n, str(g.path))
                 self._stacks_checked.add(prefix)
             first = (prefix, i) not in self._checked
-            lw = bind_gguf_layer(g, self.config, i, prefix, check_values=first)
+            lw = bind_gguf_layer(g, self.config.block, i, prefix, check_values=first)
             self._checked.add((prefix, i))
             return lw
-        return bind_fixture_layer(self._fx(), self.config, i, prefix)
+        return bind_fixture_layer(self._fx(), self.config.block, i, prefix)
 
     def block(self, i: int) -> Any:
         """The runnable block for layer ``i`` (``nxhpc.dit.block.Block``, imported lazily)."""
@@ -197,8 +201,8 @@ class Model:
                          f"({types})")
             c = self.config
             mats = [name for i in range(c.n_layers)
-                    for k, name in layer_tensor_names(i, c.variant).items()
-                    if len(c.shapes()[k]) == 2]
+                    for k, name in tensor_names("layers", i, c.variant).items()
+                    if len(c.block.shapes()[k]) == 2]
             n_par = sum(math.prod(g.shape(m)) for m in mats)
             stored = sum(g.info(m).n_bytes for m in mats)
             mtypes = ", ".join(sorted({g.type_name(m) for m in mats}))

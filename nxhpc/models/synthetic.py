@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from nxhpc.dit import rope as _rope
-from nxhpc.dit.config import DEFAULT_NORM_EPS, NORMS, BlockConfig, layer_tensor_names
+from nxhpc.dit.config import DEFAULT_NORM_EPS, NORMS, BlockConfig, DenoiserConfig, tensor_names
 from nxhpc.formats.gguf_io import Q8_0Tensor, QuantTensor, dequantize_q8_0, quantize_q8_0
 from nxhpc.formats import layouts
 from nxhpc.models.modeldir import SPEC_FILE, check_replaceable, write_model_dir
@@ -61,7 +61,16 @@ class SyntheticSpec:
     axes_dims: tuple[int, ...] | None = None
     types: str = "q8_0"                  # weight-type policy (nxhpc.formats.layouts.POLICY_NAMES)
 
-    def config(self) -> BlockConfig:
+    def config(self) -> DenoiserConfig:
+        """The model's config: a block model (no embedders) with the spec's RoPE."""
+        c = self._block()
+        theta, axes = self.rope_params()
+        return DenoiserConfig(dim=c.dim, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
+                              head_dim=c.head_dim, ffn_dim=c.ffn_dim, n_layers=c.n_layers,
+                              adaln_in=c.adaln_in, norm_eps=c.norm_eps, variant=c.variant,
+                              rope_theta=theta, axes_dims=axes)
+
+    def _block(self) -> BlockConfig:
         H = self.n_heads
         kv = self.n_kv_heads or H
         if self.ffn_dim:
@@ -92,7 +101,7 @@ class SyntheticSpec:
         return self.n_caption + math.prod(self.grid)
 
     def rope_params(self) -> tuple[float, tuple[int, ...]]:
-        c = self.config()
+        c = self._block()
         theta = self.rope_theta or _rope.VARIANT_ROPE[self.variant][0]
         axes = self.axes_dims or _rope.default_axes_dims(c.head_dim, self.variant)
         if sum(axes) != c.head_dim:
@@ -101,7 +110,7 @@ class SyntheticSpec:
         return float(theta), tuple(int(a) for a in axes)
 
     def weights_bytes_f32(self) -> int:
-        c = self.config()
+        c = self._block()
         per = (c.qkv_width + c.dim + 2 * c.ffn_dim) * c.dim + c.dim * c.ffn_dim + \
             4 * c.dim * c.adaln_in
         return 4 * per * c.n_layers
@@ -143,7 +152,7 @@ def _draw_layer(rng: np.random.Generator, c: BlockConfig, i: int,
     """Draw layer i: returns (GGUF tensors by short name, float64 dequantized weights)."""
     stored: dict[str, Any] = {}
     f64: dict[str, np.ndarray] = {}
-    names = layer_tensor_names(i, c.variant)
+    names = tensor_names("layers", i, c.variant)
 
     def proj(k: str, rows: int, cols: int, gain: float = 1.0) -> None:
         gtype = layouts.get_layout(types, policy=True).type_for(names[k], (rows, cols))
@@ -219,7 +228,7 @@ def make_synthetic(out_dir: str | os.PathLike, spec: SyntheticSpec,
         fx["mask"] = mask
     for i in range(c.n_layers):
         stored, w64 = _draw_layer(rng, c, i, say, spec.types)
-        for k, name in layer_tensor_names(i, c.variant).items():
+        for k, name in tensor_names("layers", i, c.variant).items():
             gguf_tensors[name] = stored[k]
             if include_w:
                 fx[name] = w64[k].astype(np.float32)
@@ -294,8 +303,7 @@ class DenoiserSpec:
         base.update(kw)
         return cls(**base)
 
-    def config(self):
-        from nxhpc.dit.config import DenoiserConfig
+    def config(self) -> DenoiserConfig:
         ffn = self.ffn_dim or int(self.dim / 3 * 8)
         if self.dim % self.n_heads:
             raise ValueError(f"DenoiserSpec: dim {self.dim} not divisible by n_heads "

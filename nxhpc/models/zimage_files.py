@@ -2,18 +2,16 @@
 
 Owns writing a model's float weights into a file of one of the layouts of
 ``nxhpc.formats.layouts`` (the one type-rule table) with the ``gguf`` package (``GGUFWriter``;
-quantization by ``gguf.quants.quantize``, bit-exact with ggml), and reading a file back with ``gguf.GGUFReader`` + ``gguf.quants.dequantize`` into the exact
-float64 weights a loader must reproduce. It is test/fixture tooling and an independent
-decoder: it must not use nxhpc's own GGUF reader or kernels, and it never infers the config
-(``nxhpc.dit.config`` does).
-
+quantization by ``gguf.quants.quantize``, bit-exact with ggml), and reading a file back with
+``gguf.GGUFReader`` + ``gguf.quants.dequantize`` into the exact float64 weights a loader must
+reproduce. It is test/fixture tooling and an independent decoder: it must not use nxhpc's own
+GGUF reader or kernels, and it never infers the config (``nxhpc.dit.config`` does).
 Types the ``gguf`` package cannot quantize (the K-quants) take a quantizer through
 ``quantizers=``.
 """
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
