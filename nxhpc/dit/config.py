@@ -327,6 +327,10 @@ OPTIONAL_TENSORS = ("norm_final.weight",)
 
 #: The block stacks in the order a whole call runs them (image rows, caption rows, joint rows).
 STACKS = ("noise_refiner", "context_refiner", "layers")
+#: A block's tensors in the order tensor tables and files list them (the order generated
+#: models draw them in: changing it changes every built-in denoiser).
+_FILE_ORDER = ("qkv", "out", "q_norm", "k_norm", "attention_norm1", "attention_norm2",
+               "ffn_norm1", "ffn_norm2", "w1", "w2", "w3", "adaln_w", "adaln_b")
 
 
 def _default_rope(head_dim: int, variant: str) -> tuple[float, tuple[int, ...]]:
@@ -506,8 +510,10 @@ class DenoiserConfig:
         for stack, n in self.stacks.items():
             shapes = self.block_shapes(BLOCK_STACKS[stack])
             for i in range(n):
-                for k, name in tensor_names(stack, i, self.variant).items():
-                    out[name] = shapes[k]
+                names = tensor_names(stack, i, self.variant)
+                for k in _FILE_ORDER:
+                    if k in names:
+                        out[names[k]] = shapes[k]
         if self.whole:
             P = self.patch_dim
             out.update({"final_layer.adaLN_modulation.1.weight": (D, self.adaln_in),

@@ -32,7 +32,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -44,7 +44,8 @@ from nxhpc.formats.ggml_blocks import Q8_0_BLOCK_DTYPE, QK8_0
 __all__ = [
     "ModelError", "ModelNotFoundError", "ModelFileError", "MissingTensorError", "QuantizationError",
     "PREFIX", "Q8_0_BLOCK", "QK8_0", "GGUFFile", "TensorInfo", "Q8_0Tensor", "QuantTensor",
-    "quantize_q8_0", "dequantize_q8_0", "should_quantize", "write_gguf", "atomic_output",
+    "LazyTensor", "quantize_q8_0", "dequantize_q8_0", "should_quantize", "write_gguf",
+    "atomic_output",
 ]
 
 
@@ -510,30 +511,70 @@ def should_quantize(shape: tuple[int, ...]) -> bool:
 
 # ----------------------------------------------------------------------------- writing
 
-def write_gguf(path: str | os.PathLike, tensors: Mapping[str, Any], *, prefix: bool = True,
-               arch: str = "lumina2", metadata: Mapping[str, Any] | None = None,
-               quantize: bool = True, progress: Any = None) -> Path:
-    """Write ``tensors`` (canonical name -> float array or :class:`Q8_0Tensor`) to ``path``.
+@dataclass(frozen=True)
+class LazyTensor:
+    """A tensor :func:`write_gguf` produces only when it reaches it, so a file of any size is
+    written with one tensor in memory: torch ``shape``, GGML type name ``gtype``, ``make()``
+    -> its float values (any float dtype, that shape), encoded by
+    ``nxhpc.formats.layouts.encode``."""
+    shape: tuple[int, ...]
+    gtype: str
+    make: Callable[[], np.ndarray]
 
-    Float tensors are quantized to Q8_0 when :func:`should_quantize` says so (and ``quantize``),
-    else stored F32; :class:`Q8_0Tensor` values are stored as given. ``prefix`` prepends
-    ``model.diffusion_model.`` to every name. ``metadata`` values: str, bool, int (stored
-    int64... or uint32 for ``general.alignment``), float (float64), list of those. The file is
-    written to a temporary name and renamed into place. ``progress(name, i, n)`` is called per
-    tensor when given. Output is byte-identical for identical input.
+
+def _lazy_bytes(name: str, t: LazyTensor) -> np.ndarray:
+    from nxhpc.formats.layouts import encode
+    a = np.asarray(t.make())
+    if a.dtype.kind != "f" or tuple(a.shape) != tuple(t.shape):
+        raise ValueError(f"write_gguf: {name}: make() gave {a.dtype} {a.shape}, expected float "
+                         f"{list(t.shape)}")
+    with np.errstate(over="ignore", invalid="ignore"):
+        a32 = np.ascontiguousarray(a, dtype=np.float32)
+    if not np.isfinite(a32).all():
+        raise ValueError(f"write_gguf: {name} contains NaN or Inf (as float32)")
+    raw = encode(a32.reshape(-1, a32.shape[-1]), t.gtype, name)
+    return raw.reshape(gguf.quants.quant_shape_to_byte_shape(tuple(t.shape),
+                                                              GGMLQuantizationType[t.gtype]))
+
+
+def write_gguf(path: str | os.PathLike, tensors: Mapping[str, Any], *, prefix: bool | str = True,
+               arch: str | None = "lumina2", metadata: Mapping[str, Any] | None = None,
+               quantize: bool = True, progress: Any = None) -> Path:
+    """The one GGUF writer: ``tensors`` (canonical name -> a float array, a :class:`Q8_0Tensor`,
+    a :class:`QuantTensor` or a :class:`LazyTensor`) to ``path``, streamed tensor by tensor.
+
+    Float arrays are quantized to Q8_0 when :func:`should_quantize` says so (and ``quantize``),
+    else stored F32; encoded tensors are stored as given; lazy ones are made and encoded when
+    written (one in memory at a time). ``prefix``: True prepends ``model.diffusion_model.`` to
+    every name, a string prepends that string. ``arch``: ``general.architecture`` (None: no such
+    key, as stable-diffusion.cpp's converter writes). ``metadata`` values: str, bool, int
+    (stored int64, or uint32 for ``general.alignment``), float (float64), list of those. The
+    file is written to a temporary name and renamed into place. ``progress(name, i, n)`` is
+    called per tensor when given. Output is byte-identical for identical input.
     """
     path = Path(path)
-    prepared: list[tuple[str, np.ndarray, GGMLQuantizationType | None]] = []
+    head = PREFIX if prefix is True else (prefix or "")
+    # (name as written, stored shape, dtype, nbytes, raw type, the data or what makes it)
+    plan: list[tuple[str, tuple[int, ...], np.dtype, int, Any, Any]] = []
     for name, value in tensors.items():
         if not isinstance(name, str) or not name:
             raise ValueError(f"write_gguf: tensor names must be non-empty str, got {name!r}")
-        full = (PREFIX + name) if prefix and not name.startswith(PREFIX) else name
+        full = name if name.startswith(head) else head + name
+        if isinstance(value, LazyTensor):
+            try:
+                qt = GGMLQuantizationType[value.gtype]
+            except KeyError:
+                raise ValueError(f"write_gguf: {name}: unknown GGML type {value.gtype!r}") from None
+            bshape = gguf.quants.quant_shape_to_byte_shape(tuple(value.shape), qt)
+            plan.append((full, tuple(bshape), np.dtype(np.uint8), math.prod(bshape), qt,
+                         (name, value)))
+            continue
         if isinstance(value, Q8_0Tensor):
             b = np.ascontiguousarray(value.blocks)
             if b.dtype != np.uint8 or b.ndim != 2 or b.shape[1] % Q8_0_BLOCK.itemsize:
                 raise ValueError(f"write_gguf: {name}: Q8_0 blocks must be uint8 [R, n*34], "
                                  f"got {b.dtype} {b.shape}")
-            prepared.append((full, b, _Q8_0))
+            plan.append((full, b.shape, b.dtype, b.nbytes, _Q8_0, b))
             continue
         if isinstance(value, QuantTensor):
             b = np.ascontiguousarray(value.blocks)
@@ -545,7 +586,7 @@ def write_gguf(path: str | os.PathLike, tensors: Mapping[str, Any], *, prefix: b
             if b.dtype != np.uint8 or b.ndim != 2 or b.shape[1] % nbytes:
                 raise ValueError(f"write_gguf: {name}: {value.gtype} blocks must be uint8 "
                                  f"[R, n*{nbytes}], got {b.dtype} {b.shape}")
-            prepared.append((full, b, qt))
+            plan.append((full, b.shape, b.dtype, b.nbytes, qt, b))
             continue
         a = np.asarray(value)
         if a.dtype.kind != "f":
@@ -553,30 +594,32 @@ def write_gguf(path: str | os.PathLike, tensors: Mapping[str, Any], *, prefix: b
         if a.ndim == 0 or a.ndim > MAX_DIMS or a.size == 0:
             raise ValueError(f"write_gguf: {name}: unsupported shape {a.shape}")
         if quantize and should_quantize(a.shape):
-            prepared.append((full, quantize_q8_0(a, name), _Q8_0))
+            q = quantize_q8_0(a, name)
+            plan.append((full, q.shape, q.dtype, q.nbytes, _Q8_0, q))
         else:
             a32 = np.ascontiguousarray(a, dtype=np.float32)
             if not np.isfinite(a32).all():
                 raise ValueError(f"write_gguf: {name} contains NaN or Inf")
-            prepared.append((full, a32, None))
+            plan.append((full, a32.shape, a32.dtype, a32.nbytes, None, a32))
 
     with atomic_output(path) as tmp:
-        w = gguf.GGUFWriter(tmp, arch)
+        w = gguf.GGUFWriter(tmp, arch or "unused")
+        if arch is None:                    # no general.architecture key at all
+            w.kv_data[0].pop("general.architecture", None)
         try:
             for key, val in (metadata or {}).items():
                 _add_kv(w, key, val)
-            for full, arr, raw in prepared:
-                if raw is None:
-                    w.add_tensor_info(full, arr.shape, arr.dtype, arr.nbytes)
-                else:
-                    w.add_tensor_info(full, arr.shape, arr.dtype, arr.nbytes, raw_dtype=raw)
+            for full, shape, dtype, nbytes, raw, _ in plan:
+                w.add_tensor_info(full, shape, dtype, nbytes, raw_dtype=raw)
             w.write_header_to_file()
             w.write_kv_data_to_file()
             w.write_ti_data_to_file()
-            for i, (full, arr, _raw) in enumerate(prepared):
+            for i, (full, _, _, _, _, data) in enumerate(plan):
+                arr = _lazy_bytes(*data) if isinstance(data, tuple) else data
                 w.write_tensor_data(arr)
+                del arr
                 if progress is not None:
-                    progress(full, i + 1, len(prepared))
+                    progress(full, i + 1, len(plan))
         finally:
             w.close()
     return path

@@ -158,7 +158,9 @@ def get_layout(layout: str | FileLayout, *, policy: bool = False) -> FileLayout:
 def encode(a: np.ndarray, gtype: str, name: str) -> np.ndarray:
     """float32 ``[R, C]`` -> stored uint8 ``[R, rowbytes]`` of ``gtype``: F32/F16 bytes, BF16
     and Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 by ``gguf.quants.quantize`` (Q8_0 through nxhpc's checked
-    wrapper of it, whose bytes are gguf's), the K-quants by ``nxhpc.formats.quants``."""
+    wrapper of it, whose bytes are gguf's), the K-quants Q2_K..Q6_K by
+    ``nxhpc.formats.quants``, any other type the ``gguf`` package can quantize (TQ2_0, ...) by
+    it; ValueError naming the tensor for a type none can."""
     a = np.ascontiguousarray(a, dtype=np.float32)
     if gtype == "F32":
         return a.view(np.uint8)
@@ -170,8 +172,15 @@ def encode(a: np.ndarray, gtype: str, name: str) -> np.ndarray:
     if gtype == "BF16":
         return np.ascontiguousarray(gguf.quants.quantize(a, GGMLQuantizationType.BF16)
                                     ).view(np.uint8).reshape(a.shape[0], -1)
-    from nxhpc.formats.quants import quantize
-    return np.ascontiguousarray(quantize(a, gtype)).reshape(a.shape[0], -1)
+    from nxhpc.formats.quants import QUANTIZABLE, quantize
+    if gtype in QUANTIZABLE:
+        return np.ascontiguousarray(quantize(a, gtype)).reshape(a.shape[0], -1)
+    try:
+        q = gguf.quants.quantize(a, GGMLQuantizationType[gtype])
+    except (NotImplementedError, KeyError):
+        raise ValueError(f"encode: neither nxhpc nor the gguf package can quantize to {gtype} "
+                         f"(tensor {name!r})") from None
+    return np.ascontiguousarray(q).view(np.uint8).reshape(a.shape[0], -1)
 
 
 def decode(raw: np.ndarray, gtype: str, shape: tuple[int, ...]) -> np.ndarray:

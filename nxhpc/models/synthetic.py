@@ -30,7 +30,8 @@ import numpy as np
 
 from nxhpc.dit import rope as _rope
 from nxhpc.dit.config import DEFAULT_NORM_EPS, NORMS, BlockConfig, DenoiserConfig, tensor_names
-from nxhpc.formats.gguf_io import Q8_0Tensor, QuantTensor, dequantize_q8_0, quantize_q8_0
+from nxhpc.formats.gguf_io import (LazyTensor, Q8_0Tensor, QuantTensor, dequantize_q8_0,
+                                   quantize_q8_0, write_gguf)
 from nxhpc.formats import layouts
 from nxhpc.models.modeldir import SPEC_FILE, check_replaceable, write_model_dir
 
@@ -391,53 +392,26 @@ def _draw_inputs(spec: DenoiserSpec) -> dict[str, np.ndarray]:
 
 
 def _write_denoiser_gguf(path: Path, spec: DenoiserSpec, say: Callable[[str], None]) -> None:
-    """Stream every tensor into ``path`` in ``spec.layout``'s names, shapes and types, encoded
-    by the ``gguf`` package (the same encoding as ``zimage_files.write_zimage_gguf``, one tensor
-    in memory at a time)."""
-    import gguf
-    from gguf.constants import GGMLQuantizationType as GT
-
+    """Stream every tensor into ``path`` in ``spec.layout``'s names, shapes and types through
+    the one writer (``nxhpc.formats.gguf_io.write_gguf``: each tensor drawn and encoded when
+    it is written, one in memory at a time)."""
     from nxhpc.formats.layouts import get_layout
     lay = get_layout(spec.layout)
-    cfg = spec.config()
-    plan = []
-    for i, (name, shape) in enumerate(cfg.tensor_shapes().items()):
+    shapes = spec.config().tensor_shapes()
+    tensors: dict[str, LazyTensor] = {}
+    for i, (name, shape) in enumerate(shapes.items()):
         stored = tuple(lay.stored_shape(name, shape))
-        tname = lay.type_for(name, stored)
-        plan.append((i, name, stored, tname))
-    w = gguf.GGUFWriter(str(path), lay.arch or "unused")
-    if lay.arch is None:                    # this converter writes no architecture key
-        w.kv_data[0].pop("general.architecture", None)
-    w.add_string("general.name", f"nxhpc synthetic denoiser {spec.fingerprint()}")
-    w.add_bool("nxhpc.synthetic", True)
-    w.add_string("nxhpc.fingerprint", spec.fingerprint())
-    try:
-        for _, name, stored, tname in plan:
-            if tname == "F32":
-                w.add_tensor_info(lay.prefix + name, stored, np.dtype(np.float32),
-                                  4 * math.prod(stored))
-            elif tname == "F16":
-                w.add_tensor_info(lay.prefix + name, stored, np.dtype(np.float16),
-                                  2 * math.prod(stored))
-            else:
-                bshape = gguf.quants.quant_shape_to_byte_shape(stored, GT[tname])
-                w.add_tensor_info(lay.prefix + name, bshape, np.dtype(np.uint8),
-                                  math.prod(bshape), raw_dtype=GT[tname])
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for i, name, stored, tname in plan:
-            if len(stored) == 2 and math.prod(stored) >= 1 << 22:
-                say(f"tensor {i + 1}/{len(plan)}: {name} {list(stored)} {tname}")
-            a = _draw_tensor(spec, i, name, stored)
-            if tname == "F16":
-                a = a.astype(np.float16)
-            elif tname != "F32":
-                a = gguf.quants.quantize(a, GT[tname])
-            w.write_tensor_data(a)
-            del a
-    finally:
-        w.close()
+        tensors[name] = LazyTensor(stored, lay.type_for(name, stored),
+                                   lambda i=i, name=name, stored=stored:
+                                   _draw_tensor(spec, i, name, stored))
+    big = {lay.prefix + n for n, s in shapes.items() if len(s) == 2 and math.prod(s) >= 1 << 22}
+
+    def progress(name: str, i: int, n: int) -> None:
+        if name in big:
+            say(f"tensor {i}/{n}: {name.removeprefix(lay.prefix)}")
+    write_gguf(path, tensors, prefix=lay.prefix, arch=lay.arch, progress=progress,
+               metadata={"general.name": f"nxhpc synthetic denoiser {spec.fingerprint()}",
+                         "nxhpc.synthetic": True, "nxhpc.fingerprint": spec.fingerprint()})
 
 
 def make_synthetic_denoiser(out_dir: str | os.PathLike, spec: DenoiserSpec,
