@@ -19,7 +19,8 @@ import pytest
 
 from nxhpc.dit.block import Block, run_layers
 from nxhpc.dit.reference import block_forward_f64, dequantize_layer
-from nxhpc.models import BlockConfig, open_model
+from nxhpc.dit.config import BlockConfig
+from nxhpc.models import open_model
 from nxhpc.runtime.shm import live_segments
 from nxhpc.runtime.workers import WorkerError
 from testutil import ArrayModel, errs, mask_for, np32_block, random_layer

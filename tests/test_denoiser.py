@@ -396,12 +396,12 @@ def test_bad_workers():
 def test_tiny_dit_builtin(tmp_path):
     import gguf
 
-    from nxhpc.models import BUILTIN_DENOISERS, builtin_spec, ensure_builtin
+    from nxhpc.models import BUILTINS, builtin_spec, ensure_builtin
     from nxhpc.models.modeldir import DENOISER_FIXTURES_FILE
     from nxhpc.models.synthetic import read_denoiser_fixtures
     from nxhpc.models.zimage_files import read_zimage_gguf
     d = ensure_builtin("tiny-dit", tmp_path)
-    spec = BUILTIN_DENOISERS["tiny-dit"]
+    spec = BUILTINS["tiny-dit"]
     f = read_zimage_gguf(d / "model.gguf")
     # city96/ComfyUI types: layers' matrices Q8_0, refiners/embedders BF16, 1-D F32
     for name, (shape, tname) in f.tensors.items():

@@ -23,8 +23,12 @@ from nxhpc.formats.gguf_io import (GGUFFile, MissingTensorError, ModelFileError,
                                    write_gguf)
 from nxhpc.formats.weights import WeightTensor
 from testutil import gguf_weights_f64, t32
-from nxhpc.models import (BUILTIN_MODELS, LayerWeights, SyntheticSpec,
-                          ensure_builtin, tensor_names, make_synthetic, open_model)
+from nxhpc.dit.binding import LayerWeights
+from nxhpc.dit.config import tensor_names
+from nxhpc.models import (BUILTINS, SyntheticSpec, builtin_ids, ensure_builtin, make_synthetic,
+                          open_model)
+
+BUILTIN_MODELS = {k: BUILTINS[k] for k in builtin_ids("block")}     # the block models
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +50,16 @@ def small_spec(**kw):
 
 
 # ----------------------------------------------------------------------------- built-ins
+
+def test_one_builtin_table_holds_both_kinds():
+    assert builtin_ids("block") == ["tiny", "tiny-gqa", "mid", "zimage-1l"]
+    assert builtin_ids("denoiser") == ["tiny-dit", "zimage-dit-2l"]
+    assert builtin_ids() == [*builtin_ids("block"), *builtin_ids("denoiser")] == list(BUILTINS)
+    for mid, spec in BUILTINS.items():
+        assert registry.builtin_spec(mid) is spec
+        assert spec.config().whole == (spec.kind == "denoiser"), mid
+    assert registry.builtin_spec("zimage-dit-7l").kind == "denoiser"
+
 
 def test_builtin_specs_are_valid_and_sized_as_promised():
     assert M.DEFAULT_MODEL_ID in BUILTIN_MODELS

@@ -26,7 +26,8 @@ from nxhpc.dit.block import run_layers
 from nxhpc.dit.grade import rel_errors
 from nxhpc.dit.reference import block_forward_f64, dequantize_layer
 from nxhpc.formats.weights import WeightTensor
-from nxhpc.models import BlockConfig, open_model
+from nxhpc.dit.config import BlockConfig
+from nxhpc.models import open_model
 from nxhpc.runtime.shm import live_segments
 
 ROOT = Path(__file__).resolve().parents[1]

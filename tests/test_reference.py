@@ -12,7 +12,7 @@ from nxhpc.dit import rope
 from nxhpc.dit.oracle import diffusers_block
 from nxhpc.dit.reference import (adaln_f64, attention_f64, block_forward_f64, dequantize_layer,
                                  rmsnorm_f64)
-from nxhpc.models import BlockConfig
+from nxhpc.dit.config import BlockConfig
 from testutil import t32
 
 torch = pytest.importorskip("torch")

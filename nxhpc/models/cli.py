@@ -14,7 +14,7 @@ from pathlib import Path
 from nxhpc.formats.gguf_io import ModelError
 from nxhpc.formats.weights import block_geometry
 from nxhpc.models.modeldir import ModelsDirError, check_models_root, check_replaceable, write_failed
-from nxhpc.models.registry import (BUILTIN_DENOISERS, BUILTIN_MODELS, DEFAULT_MODEL_ID,
+from nxhpc.models.registry import (BUILTINS, DEFAULT_MODEL_ID, builtin_ids,
                                    builtin_current, builtin_spec, ensure_builtin, models_dir,
                                    open_model, stderr_progress)
 from nxhpc.models.synthetic import SyntheticSpec, make_synthetic
@@ -38,7 +38,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
     print(f"models dir: {root}")
     print(f"{'id':<11} {'variant':<8} {'D':>5} {'heads':>7} {'FFN':>6} {'L':>2} {'T':>4} "
           f"{'weights(Q8_0)':>13}  status")
-    for mid, spec in BUILTIN_MODELS.items():
+    for mid in builtin_ids("block"):
+        spec = BUILTINS[mid]
         c = spec.config()
         elems, nbytes = block_geometry("Q8_0")
         q8 = spec.weights_bytes_f32() // 4 // elems * nbytes
@@ -49,7 +50,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
               f"{c.n_layers:>2} {spec.n_tokens:>4} {q8 / 1e6:>10.1f} MB  {st}{flag}")
     print(f"{'denoiser':<13} {'D':>5} {'heads':>7} {'FFN':>6} {'L+refiners':>10} {'cap':>5} "
           f"{'tokens':>6}  layout        status   (python -m nxhpc.denoise)")
-    for mid, dspec in BUILTIN_DENOISERS.items():
+    for mid in builtin_ids("denoiser"):
+        dspec = BUILTINS[mid]
         c = dspec.config()
         st = "generated" if builtin_current(root / mid, dspec) else "generated on first use"
         print(f"{mid:<13} {c.dim:>5} {c.n_heads:>7} {c.ffn_dim:>6} "
@@ -58,7 +60,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     print("zimage-dit-<N>l: real Z-Image dims with N = 1..30 main layers")
     if root.is_dir():
         others = sorted(p.name for p in root.iterdir() if p.is_dir()
-                        and not p.name.startswith(".") and p.name not in BUILTIN_MODELS
+                        and not p.name.startswith(".") and p.name not in BUILTINS
                         and builtin_spec(p.name) is None)
         for o in others:
             print(f"{o:<11} (directory)")
@@ -85,12 +87,12 @@ def _cmd_make(args: argparse.Namespace) -> int:
     say = stderr_progress(args.id)
     if builtin_spec(args.id) is not None and not custom and args.out is None:
         d = ensure_builtin(args.id, root, force=args.force, progress=say)
-    elif args.id not in BUILTIN_MODELS and builtin_spec(args.id) is not None:
+    elif builtin_spec(args.id) is not None and builtin_spec(args.id).kind == "denoiser":
         print(f"error: {args.id} is a built-in denoiser: custom dims and --out are for block "
               f"models only", file=sys.stderr)
         return 2
     else:
-        base = BUILTIN_MODELS.get(args.id, SyntheticSpec())
+        base = BUILTINS.get(args.id, SyntheticSpec())
         if "grid" in custom:
             custom["grid"] = tuple(custom["grid"])
         d = Path(args.out) if args.out else root / args.id

@@ -1,8 +1,9 @@
 """Model ids: the built-in registry, the models directory, and resolving an id or path.
 
-Owns: :data:`BUILTIN_MODELS` (id -> :class:`~nxhpc.models.synthetic.SyntheticSpec`, block
-models), :data:`BUILTIN_DENOISERS` (id -> :class:`~nxhpc.models.synthetic.DenoiserSpec`, whole
-denoisers; also ``zimage-dit-<N>l`` for N = 1..30 main layers), the models root
+Owns: :data:`BUILTINS`, the one table of built-in models (id -> spec: a
+:class:`~nxhpc.models.synthetic.SyntheticSpec` for a block model, a
+:class:`~nxhpc.models.synthetic.DenoiserSpec` for a whole denoiser; each spec's ``kind`` says
+which; also ``zimage-dit-<N>l`` for N = 1..30 main layers), the models root
 (``$NXHPC_MODELS`` or ``~/.cache/nxhpc/models``), generating a built-in on first use under a
 lock (and again when its fingerprint is stale), :func:`resolve_model` (id | directory |
 ``.gguf`` -> the directory and GGUF path) and :func:`open_model` (-> :class:`~nxhpc.models.model.
@@ -28,11 +29,12 @@ from nxhpc.models.modeldir import (GGUF_FILE, SPEC_FILE, ModelsDirError, check_m
 from nxhpc.models.synthetic import (DenoiserSpec, SyntheticSpec, make_synthetic,
                                     make_synthetic_denoiser)
 
-__all__ = ["BUILTIN_MODELS", "BUILTIN_DENOISERS", "DEFAULT_MODEL_ID", "models_dir",
+__all__ = ["BUILTINS", "DEFAULT_MODEL_ID", "models_dir", "builtin_ids",
            "ensure_builtin", "open_model", "open_denoiser", "resolve_model", "builtin_spec", "is_builtin",
            "builtin_current", "stderr_progress"]
 
-BUILTIN_MODELS: dict[str, SyntheticSpec] = {
+BUILTINS: dict[str, SyntheticSpec | DenoiserSpec] = {
+    # --- block models (python -m nxhpc.blockrun)
     # README default: runs in well under a second; T=45 = 13 caption + 4x8 image tokens
     "tiny": SyntheticSpec(variant="zimage", dim=384, n_heads=6, n_layers=2, n_caption=13,
                           grid=(1, 4, 8), seed=1),
@@ -46,10 +48,7 @@ BUILTIN_MODELS: dict[str, SyntheticSpec] = {
     # real Z-Image dims (D=3840, 30x128, FFN 10240), T=256 = 32 caption + 14x16 image tokens
     "zimage-1l": SyntheticSpec(variant="zimage", dim=3840, n_heads=30, n_layers=1,
                                n_caption=32, grid=(1, 14, 16), seed=4),
-}
-DEFAULT_MODEL_ID = "tiny"
-
-BUILTIN_DENOISERS: dict[str, DenoiserSpec] = {
+    # --- whole denoisers (python -m nxhpc.denoise / sample)
     # whole denoiser, small dims (D=384, 6x64 heads, FFN 1024, cap_dim 320), 2 layers + 2+2
     # refiners, ComfyUI-GGUF types (layers Q8_0, refiners/embedders BF16, 1-D F32); stored
     # inputs 16x14x10 latents (35 image tokens) + 19 caption rows (both padded) and the float64
@@ -60,16 +59,15 @@ BUILTIN_DENOISERS: dict[str, DenoiserSpec] = {
     # real Z-Image dims with 2 main layers (benchmarks): stored 512x512 inputs, no reference
     "zimage-dit-2l": DenoiserSpec.zimage(2),
 }
+DEFAULT_MODEL_ID = "tiny"
 #: ``zimage-dit-<N>l``: real Z-Image dims with N main layers (1..30), generated on first use.
 ZIMAGE_DIT_ID = re.compile(r"zimage-dit-([1-9][0-9]?)l")
 
 
 def builtin_spec(model_id: str) -> SyntheticSpec | DenoiserSpec | None:
     """The spec of a built-in id (block model or denoiser), or None."""
-    if model_id in BUILTIN_MODELS:
-        return BUILTIN_MODELS[model_id]
-    if model_id in BUILTIN_DENOISERS:
-        return BUILTIN_DENOISERS[model_id]
+    if model_id in BUILTINS:
+        return BUILTINS[model_id]
     m = ZIMAGE_DIT_ID.fullmatch(model_id)
     if m and 1 <= int(m.group(1)) <= 30:
         return DenoiserSpec.zimage(int(m.group(1)))
@@ -80,8 +78,13 @@ def is_builtin(model_id: str) -> bool:
     return builtin_spec(model_id) is not None
 
 
+def builtin_ids(kind: str | None = None) -> list[str]:
+    """The ids of :data:`BUILTINS` (of one ``kind``, ``"block"`` or ``"denoiser"``, if given)."""
+    return [k for k, s in BUILTINS.items() if kind is None or s.kind == kind]
+
+
 def _builtin_names() -> str:
-    return ", ".join([*BUILTIN_MODELS, *BUILTIN_DENOISERS, "zimage-dit-<N>l"])
+    return ", ".join([*BUILTINS, "zimage-dit-<N>l"])
 
 
 def models_dir() -> Path:
@@ -126,7 +129,7 @@ def ensure_builtin(model_id: str, root: Path | None = None, force: bool = False,
         return d
     what = f"built-in model {model_id!r}"
     check_models_root(root, need_bytes=spec.disk_bytes(), what=what)
-    make = make_synthetic_denoiser if isinstance(spec, DenoiserSpec) else make_synthetic
+    make = make_synthetic_denoiser if spec.kind == "denoiser" else make_synthetic
     try:
         with locked(root, model_id):
             if not force and builtin_current(d, spec):
@@ -165,7 +168,7 @@ def resolve_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike |
     s = os.fspath(id_or_path)
     if not isinstance(s, str) or not s.strip():
         raise ModelNotFoundError(f"model id {s!r} is empty: give a built-in id "
-                                 f"({', '.join(BUILTIN_MODELS)}), a directory under {root}, or "
+                                 f"({', '.join(BUILTINS)}), a directory under {root}, or "
                                  f"a model directory or .gguf path ('.' for this directory)")
     p = Path(s)
     d: Path | None = None

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -43,7 +43,8 @@ GENERATOR_VERSION = 2
 
 @dataclass(frozen=True)
 class SyntheticSpec:
-    """Everything that determines a synthetic model; same spec -> byte-identical files."""
+    """Everything that determines a synthetic block model; same spec -> byte-identical files."""
+    kind: ClassVar[str] = "block"
     variant: str = "zimage"
     dim: int = 384
     n_heads: int = 6
@@ -292,6 +293,7 @@ class DenoiserSpec:
     n_caption: int = 19
     timestep: float = 0.6
     reference: bool = True
+    kind: ClassVar[str] = "denoiser"
 
     @classmethod
     def zimage(cls, n_layers: int, **kw: Any) -> "DenoiserSpec":
