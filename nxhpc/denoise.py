@@ -208,7 +208,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _stored(den):
-    from nxhpc.models.modeldir import DENOISER_FIXTURES_FILE
+    from nxhpc.formats.fixtures import FIXTURES_FILE as DENOISER_FIXTURES_FILE
     from nxhpc.models.synthetic import read_denoiser_fixtures
     from nxhpc.models import MissingTensorError
     f = den.directory / DENOISER_FIXTURES_FILE if den.directory is not None else None

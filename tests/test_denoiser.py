@@ -396,8 +396,8 @@ def test_bad_workers():
 def test_tiny_dit_builtin(tmp_path):
     import gguf
 
+    from nxhpc.formats.fixtures import FIXTURES_FILE
     from nxhpc.models import BUILTINS, builtin_spec, ensure_builtin
-    from nxhpc.models.modeldir import DENOISER_FIXTURES_FILE
     from nxhpc.models.synthetic import read_denoiser_fixtures
     from nxhpc.models.zimage_files import read_zimage_gguf
     d = ensure_builtin("tiny-dit", tmp_path)
@@ -409,7 +409,7 @@ def test_tiny_dit_builtin(tmp_path):
         assert tname == want, (name, tname)
     assert gguf.GGUFReader(d / "model.gguf").fields["general.architecture"].contents() \
         == "lumina2"
-    fx = read_denoiser_fixtures(d / DENOISER_FIXTURES_FILE)
+    fx = read_denoiser_fixtures(d / FIXTURES_FILE)
     cfg = spec.config()
     size = sum(p.stat().st_size for p in d.iterdir())
     assert 0.95 * size <= spec.disk_bytes() <= size          # a close lower bound

@@ -1,7 +1,9 @@
-"""The fixture store: named float32 activation tensors in one safetensors file.
+"""The fixture store: named activation tensors in one safetensors file, every model's.
 
-Owns reading and writing ``fixtures.safetensors`` (``t_emb``, ``pe``, ``mask``,
-``layers.{i}.blk_in`` / ``adaln_m`` / ``ref_out``, optionally weights under their GGUF names).
+Owns reading and writing ``fixtures.safetensors``: a block model's (``t_emb``, ``pe``,
+``mask``, ``layers.{i}.blk_in`` / ``adaln_m`` / ``ref_out``, optionally weights under their GGUF
+names) and a whole denoiser's (``latents``, ``cap_feats``, ``timestep``, optionally its float64
+``reference``). Every fixture is float32 except those saved with ``float64=``.
 It checks names, dims, dtype and finiteness and raises errors naming the file and the fixture;
 it knows nothing about the block's semantics.
 """
@@ -23,7 +25,7 @@ FIXTURES_FILE = "fixtures.safetensors"
 
 
 class FixtureStore:
-    """Read access to one safetensors file of float32 fixtures (names, dims, load)."""
+    """Read access to one safetensors file of fixtures (names, dims, load)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -101,15 +103,17 @@ class FixtureStore:
                                      f"({len(self._header)} fixtures present)") from None
 
     def load(self, name: str, shape: Sequence[int] | None = None, *,
-             check_finite: bool = True) -> np.ndarray:
-        """Load a fixture as a float32 C-contiguous array.
+             check_finite: bool = True, float64: bool = False) -> np.ndarray:
+        """Load a fixture as a float32 C-contiguous array (``float64``: an F64 fixture, exactly,
+        as float64).
 
-        ``shape`` (optional) is the expected shape; a mismatch, a dtype other than F32, or (with
+        ``shape`` (optional) is the expected shape; a mismatch, another stored dtype, or (with
         ``check_finite``) NaN/Inf raise :class:`ModelFileError` naming the fixture.
         """
         dtype, dims = self._entry(name)
-        if dtype != "F32":
-            raise ModelFileError(f"{self.path}: fixture {name!r} is {dtype}, expected F32")
+        want = "F64" if float64 else "F32"
+        if dtype != want:
+            raise ModelFileError(f"{self.path}: fixture {name!r} is {dtype}, expected {want}")
         if shape is not None and tuple(dims) != tuple(int(s) for s in shape):
             raise ModelFileError(f"{self.path}: fixture {name!r} has dims {list(dims)}, "
                                  f"expected {list(shape)}")
@@ -120,7 +124,7 @@ class FixtureStore:
         except Exception as e:  # SafetensorError and friends on corrupt files
             raise ModelFileError(f"{self.path}: cannot load fixture {name!r}: "
                                  f"{type(e).__name__}: {e}") from None
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        arr = np.array(arr, dtype=np.float64 if float64 else np.float32, order="C")
         if arr.shape != tuple(dims):
             raise ModelFileError(f"{self.path}: fixture {name!r} loaded as {arr.shape}, header "
                                  f"says {list(dims)}")  # pragma: no cover
@@ -140,10 +144,12 @@ class FixtureStore:
 
     @staticmethod
     def save(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
-             metadata: Mapping[str, str] | None = None) -> Path:
-        """Write ``tensors`` (name -> numeric array, stored float32) atomically to ``path``.
+             metadata: Mapping[str, str] | None = None, *,
+             float64: Sequence[str] = ()) -> Path:
+        """Write ``tensors`` (name -> numeric array, stored float32; the names in ``float64``
+        stored float64) atomically to ``path``.
 
-        Floats are rounded to float32 (the store's one dtype); bool and integer arrays (a mask,
+        Floats are rounded to float32 (the store's dtype); bool and integer arrays (a mask,
         position ids) must convert exactly. NaN/Inf, or a value that overflows float32, raises
         ValueError naming the fixture. Names and metadata are sorted, so the same tensors
         always give the same bytes."""
@@ -157,7 +163,8 @@ class FixtureStore:
                 raise ValueError(f"FixtureStore.save: fixture {name!r} has dtype {a.dtype}, "
                                  f"expected a numeric array")
             with np.errstate(over="ignore", invalid="ignore"):
-                a32 = np.ascontiguousarray(a, dtype=np.float32)
+                a32 = np.array(a, dtype=np.float64 if name in float64 else np.float32,
+                               order="C")           # (not ascontiguousarray: keeps 0-d)
             if not np.isfinite(a32).all():
                 raise ValueError(f"FixtureStore.save: fixture {name!r} contains NaN/Inf "
                                  f"(after conversion to float32)")
@@ -174,7 +181,8 @@ class FixtureStore:
         off = 0
         for name in sorted(out):
             a = out[name]
-            header[name] = {"dtype": "F32", "shape": list(a.shape),
+            header[name] = {"dtype": "F64" if a.dtype == np.float64 else "F32",
+                            "shape": list(a.shape),
                             "data_offsets": [off, off + a.nbytes]}
             off += a.nbytes
         hb = json.dumps(header, separators=(",", ":")).encode()
@@ -183,7 +191,9 @@ class FixtureStore:
             fh.write(struct.pack("<Q", len(hb)))
             fh.write(hb)
             for name in sorted(out):
-                fh.write(out[name].astype("<f4", copy=False).tobytes())
+                a = out[name]
+                fh.write(a.astype("<f8" if a.dtype == np.float64 else "<f4",
+                                  copy=False).tobytes())
         return path
 
     def __repr__(self) -> str:

@@ -1,7 +1,7 @@
 """Model directories on disk: the file names, writing a directory all-or-nothing, locking.
 
 Owns: the names inside a model directory (``model.gguf``, ``fixtures.safetensors``,
-``synthetic.json``, ``denoiser_fixtures.npz``), :func:`write_model_dir` and
+``synthetic.json``), :func:`write_model_dir` and
 :func:`build_model_dir` (built in a temporary sibling, renamed into place),
 :func:`check_replaceable` (what may be replaced), the per-id generation lock (:func:`locked`:
 a waiter says that it waits and for which process), sweeping the temporaries a killed writer
@@ -31,14 +31,12 @@ import numpy as np
 from nxhpc.formats.fixtures import FIXTURES_FILE, FixtureStore
 from nxhpc.formats.gguf_io import ModelError, write_gguf
 
-__all__ = ["GGUF_FILE", "FIXTURES_FILE", "SPEC_FILE", "DENOISER_FIXTURES_FILE", "write_model_dir",
+__all__ = ["GGUF_FILE", "FIXTURES_FILE", "SPEC_FILE", "write_model_dir",
            "build_model_dir", "check_replaceable", "locked", "lock_holder", "sweep_stale",
            "check_models_root", "ModelsDirError", "STALE_AGE_S"]
 
 GGUF_FILE = "model.gguf"
 SPEC_FILE = "synthetic.json"
-#: A synthetic denoiser's stored inputs and float64 reference output (``.npz``, no pickles).
-DENOISER_FIXTURES_FILE = "denoiser_fixtures.npz"
 #: A temporary without a writer pid in its name (an older nxhpc's) is stale after this long.
 STALE_AGE_S = 3600.0
 #: How often a waiter for the generation lock repeats that it is waiting.

@@ -264,8 +264,9 @@ def make_synthetic(out_dir: str | os.PathLike, spec: SyntheticSpec,
 
 # ============================================================================== whole denoisers
 
-#: Part of every denoiser fingerprint: bump it when the denoiser generator's output changes.
-DENOISER_GENERATOR_VERSION = 1
+#: Part of every denoiser fingerprint: bump it when the denoiser generator's output changes
+#: (2: the stored inputs moved from denoiser_fixtures.npz into the one fixture store).
+DENOISER_GENERATOR_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -420,10 +421,11 @@ def make_synthetic_denoiser(out_dir: str | os.PathLike, spec: DenoiserSpec,
                             progress: Callable[[str], None] | None = None, *,
                             replace: bool = False) -> Path:
     """Write a synthetic denoiser directory: ``model.gguf`` (``spec.layout``),
-    ``denoiser_fixtures.npz`` (``latents``, ``cap_feats``, ``timestep`` and, when
+    ``fixtures.safetensors`` (``latents``, ``cap_feats``, ``timestep`` and, when
     ``spec.reference``, ``reference``: the float64 output of ``nxhpc.dit.denoiser_ref`` on the
     weights as the ``gguf`` package reads them back) and ``synthetic.json``; all-or-nothing."""
-    from nxhpc.models.modeldir import DENOISER_FIXTURES_FILE, GGUF_FILE, build_model_dir
+    from nxhpc.formats.fixtures import FIXTURES_FILE, FixtureStore
+    from nxhpc.models.modeldir import GGUF_FILE, build_model_dir
     spec.validate()
     say = progress or (lambda s: None)
     t0 = time.monotonic()
@@ -442,8 +444,9 @@ def make_synthetic_denoiser(out_dir: str | os.PathLike, spec: DenoiserSpec,
             if not np.isfinite(ref).all():  # pragma: no cover - a generator bug
                 raise RuntimeError("make_synthetic_denoiser: non-finite reference output")
             fx["reference"] = ref
-        with open(tmp / DENOISER_FIXTURES_FILE, "wb") as fh:
-            np.savez(fh, **fx)
+        FixtureStore.save(tmp / FIXTURES_FILE, fx, float64=("timestep", "reference"),
+                          metadata={"source": "nxhpc synthetic denoiser",
+                                    "fingerprint": spec.fingerprint()})
         (tmp / SPEC_FILE).write_text(json.dumps(
             {"kind": "denoiser", "spec": dataclasses.asdict(spec),
              "fingerprint": spec.fingerprint(),
@@ -465,30 +468,17 @@ class DenoiserFixtures:
 
 
 def read_denoiser_fixtures(path: str | os.PathLike) -> DenoiserFixtures:
-    """Read ``denoiser_fixtures.npz`` (no pickles); ModelFileError / MissingTensorError naming
-    the file and the entry for anything malformed, missing or non-finite."""
-    from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError
-    path = Path(path)
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            data = {k: np.asarray(z[k]) for k in z.files}
-    except (OSError, ValueError, EOFError) as e:
-        raise ModelFileError(f"{path}: cannot read denoiser fixtures: {e}") from None
-    for k in ("latents", "cap_feats", "timestep"):
-        if k not in data:
-            raise MissingTensorError(f"{path}: denoiser fixture {k!r} is missing")
-    for k, a in data.items():
-        if a.dtype.kind != "f" or not np.isfinite(a).all():
-            raise ModelFileError(f"{path}: denoiser fixture {k!r} must be finite floats, got "
-                                 f"{a.dtype} {a.shape}")
-    lat, cap, t = data["latents"], data["cap_feats"], data["timestep"]
-    ref = data.get("reference")
-    if lat.ndim != 3 or cap.ndim != 2 or t.shape != () or \
-            (ref is not None and ref.shape != lat.shape):
-        raise ModelFileError(f"{path}: denoiser fixtures have shapes latents {lat.shape}, "
-                             f"cap_feats {cap.shape}, timestep {t.shape}, reference "
-                             f"{None if ref is None else ref.shape}; expected [C, H, W], "
-                             f"[L, cap_dim], (), [C, H, W]")
-    return DenoiserFixtures(path, np.ascontiguousarray(lat, np.float32), float(t),
-                            np.ascontiguousarray(cap, np.float32),
-                            None if ref is None else np.asarray(ref, np.float64))
+    """Read a denoiser directory's stored inputs from its fixture store (``fixtures.safetensors``,
+    ``nxhpc.formats.fixtures``); ModelFileError / MissingTensorError naming the file and the
+    fixture for anything malformed, missing or non-finite."""
+    from nxhpc.formats.fixtures import FixtureStore
+    from nxhpc.formats.gguf_io import ModelFileError
+    fx = FixtureStore(path)
+    lat = fx.load("latents")
+    cap = fx.load("cap_feats")
+    t = fx.load("timestep", (), float64=True)
+    ref = fx.load("reference", lat.shape, float64=True) if fx.has("reference") else None
+    if lat.ndim != 3 or cap.ndim != 2:
+        raise ModelFileError(f"{fx.path}: denoiser fixtures have shapes latents {lat.shape}, "
+                             f"cap_feats {cap.shape}; expected [C, H, W], [L, cap_dim]")
+    return DenoiserFixtures(fx.path, lat, float(t), cap, ref)
