@@ -18,7 +18,7 @@ import traceback
 import numpy as np
 
 from nxhpc.dit.grade import DEFAULT_TOL, count_exceeding, error_row, fmt_value, grade, json_safe
-from nxhpc.dit.linear import DEFAULT_PRECISION, PRECISIONS
+from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
 from nxhpc.runtime.outfile import OutputPathError, check_output_path, write_atomic
 from nxhpc.runtime.proc import Terminated, cli_signals
 from nxhpc.runtime.shm import ShmSpaceError

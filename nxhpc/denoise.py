@@ -22,7 +22,7 @@ from nxhpc.blockrun import (EXIT_CODES, EXIT_FAIL, EXIT_INTERNAL, EXIT_OUTPUT, E
                             _exit_code, _InputError, _positive_float, _positive_int,
                             _UsageError, _workers_arg, cli_main)
 from nxhpc.dit.grade import fmt_value, grade, json_safe
-from nxhpc.dit.linear import DEFAULT_PRECISION, PRECISIONS
+from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
 from nxhpc.runtime.outfile import OutputPathError, check_output_path, write_atomic
 from nxhpc.runtime.workers import usable_cpus
 

@@ -1,4 +1,4 @@
-"""Tests of the precision switch through the block (nxhpc.dit.linear PRECISIONS: f32, bf16, q8).
+"""Tests of the precision switch through the block (nxhpc.nn.linear PRECISIONS: f32, bf16, q8).
 
 Owns: that the switch reaches every projection (the block's output in bf16 / q8 is the output of
 the kernels those precisions name, not f32's), that block outputs stay bit-identical for every
@@ -21,7 +21,7 @@ from testutil import ArrayModel, random_layer
 
 import nxhpc
 from nxhpc.blockrun import PRECISION_TOL
-from nxhpc.dit import linear
+from nxhpc.nn import linear
 from nxhpc.dit.block import run_layers
 from nxhpc.dit.grade import rel_errors
 from nxhpc.dit.reference import block_forward_f64, dequantize_layer

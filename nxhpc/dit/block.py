@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 import nxhpc
-from nxhpc.dit.linear import DEFAULT_PRECISION, adaln_linear, check_precision
+from nxhpc.nn.linear import DEFAULT_PRECISION, adaln_linear, check_precision
 from nxhpc.dit.plan import TIMING_KEYS, BlockPlan, Engine, check_eps, narrow_finite
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, check_timeout, usable_cpus
 
@@ -183,7 +183,7 @@ class BlockRunner:
     def run(self, layer: int, adaln_m: np.ndarray, eps: float,
             precision: str = DEFAULT_PRECISION) -> dict:
         """One block on arena x -> arena out with modulation ``adaln_m`` [4D], projections in
-        ``precision`` (nxhpc.dit.linear.PRECISIONS). Returns timings."""
+        ``precision`` (nxhpc.nn.linear.PRECISIONS). Returns timings."""
         if layer not in self.layers:
             raise KeyError(f"BlockRunner: layer {layer} was not bound (have {sorted(self.layers)})")
         e = self.engine
@@ -230,7 +230,7 @@ def run_layers(model, layers: Sequence[int], x: np.ndarray, pe: np.ndarray, *,
     times on the same workers and arena and keeps the fastest time of every stage (the first run
     pays page faults and cold caches); the output is the same bits every time, and ``on_layer``
     is called during the last run only. ``precision`` ("f32" default, "bf16", "q8") is the
-    projections' matmul precision (nxhpc.dit.linear). Returns the last layer's output and a dict
+    projections' matmul precision (nxhpc.nn.linear). Returns the last layer's output and a dict
     of summed timings plus ``"per_layer"`` (a list of per-layer timing dicts).
     """
     precision = check_precision(precision, "run_layers: precision")
@@ -335,7 +335,7 @@ class Block:
         and reported as ``WorkerError``). Inputs with NaN/inf -- also values that become inf
         in float32, the kernels' type -- or wrong shapes raise ValueError/TypeError before
         anything runs. ``precision`` "f32" (default) | "bf16" | "q8" (the projections' matmuls,
-        nxhpc.dit.linear). Serialized with other threads' calls (see the class docstring).
+        nxhpc.nn.linear). Serialized with other threads' calls (see the class docstring).
         """
         precision = check_precision(precision, "Block.forward: precision")
         cfg = self.config

@@ -48,7 +48,7 @@ import numpy as np
 import nxhpc
 from nxhpc.dit.binding import LayerWeights, bind_gguf_layer, check_finite_weight
 from nxhpc.dit.config import DENOISER_TENSORS, STACKS, DenoiserConfig, infer_config
-from nxhpc.dit.linear import DEFAULT_PRECISION, check_precision
+from nxhpc.nn.linear import DEFAULT_PRECISION, check_precision
 from nxhpc.dit.plan import BlockPlan, Engine
 from nxhpc.dit.rope import position_ids, rope_table
 from nxhpc.formats.gguf_io import GGUFFile, ModelFileError
@@ -258,7 +258,7 @@ class Denoiser:
     shared-memory arena and one pool of ``workers`` processes forked once -- reused by every
     call with that layout (a sampler's steps); a call with another layout replaces it. Use as a
     context manager or call :meth:`close`. ``precision`` (``"f32"`` default, ``"bf16"``,
-    ``"q8"``: ``nxhpc.dit.linear``; may be changed between calls) is the blocks' projection
+    ``"q8"``: ``nxhpc.nn.linear``; may be changed between calls) is the blocks' projection
     matmul precision; embedders, final layer, norms, RoPE, attention, adaLN stay float32.
     ``last_timings``: microseconds of the last call per segment (``us_embed``,
     ``us_noise_refiner``, ``us_context_refiner``, ``us_layers``, ``us_final``, ``us_total``).

@@ -59,7 +59,7 @@ import numpy as np
 import nxhpc
 from nxhpc.dit.binding import LayerWeights
 from nxhpc.dit.config import BLOCK_STACKS, BlockConfig, block_label
-from nxhpc.dit.linear import (DEFAULT_PRECISION, adaln_linear, check_precision, check_runnable,
+from nxhpc.nn.linear import (DEFAULT_PRECISION, adaln_linear, check_precision, check_runnable,
                               matmul)
 from nxhpc.runtime.shm import SharedArena
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerPool, check_timeout
@@ -586,7 +586,7 @@ class Engine:
         """One block of ``plan`` with ``weights`` on ``x`` [T, D] -> ``out`` (default: ``x``,
         in place). ``x``, ``pe`` [T, hd/2, 2, 2], ``out`` and ``mask`` (uint8 [T], 1 = attend)
         are views of the engine's buffers; ``adaln_m`` [4D] for a modulated plan, None for an
-        unmodulated one. ``precision`` ("f32" default, "bf16", "q8": nxhpc.dit.linear) is the
+        unmodulated one. ``precision`` ("f32" default, "bf16", "q8": nxhpc.nn.linear) is the
         projections' matmul precision; norms, RoPE, attention, residuals and adaLN stay float32.
         Returns microseconds per timing key. Serialized with other threads' calls (see the class
         docstring)."""

@@ -1,4 +1,4 @@
-"""The one seam between the block and the matmul kernels: a typed weight in, float32 out.
+"""The one seam between a model's blocks and the matmul kernels: a typed weight in, float32 out.
 
 Owns :func:`matmul` (a band of output columns of ``x @ W^T``) and :func:`adaln_linear`
 (``W @ t + b``), both taking a :class:`~nxhpc.formats.weights.WeightTensor` and passing its raw
