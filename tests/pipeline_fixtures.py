@@ -53,7 +53,7 @@ _SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>
 
 def pipeline_config(**overrides) -> DenoiserConfig:
     """The transformer config used with the tiny pipeline: the structure-keeping small config
-    of ``DENOISER.md`` (D=384, 6 heads x 64, 2 layers, 2+2 refiners) with cap_dim =
+    of ``docs/denoiser.md`` (D=384, 6 heads x 64, 2 layers, 2+2 refiners) with cap_dim =
     :data:`PIPE_TEXT_DIM`."""
     kw = dict(dim=384, n_heads=6, n_kv_heads=6, head_dim=64, ffn_dim=1024, n_layers=2,
               n_noise_refiner=2, n_context_refiner=2, in_channels=16, patch=2,

@@ -1,6 +1,6 @@
 """The config authority (nxhpc.dit.config) and the typed weight tensor (nxhpc.formats.weights).
 
-Names, shapes and modulation per stack prefix are checked against DENOISER.md's table (13
+Names, shapes and modulation per stack prefix are checked against docs/denoiser.md's table (13
 tensors per modulated block, 11 for the context refiner, optional ``model.diffusion_model.``
 prefix); geometry against the ``gguf`` package's table; every refusal names the tensor.
 """

@@ -1,6 +1,6 @@
 """The whole Z-Image transformer on nxhpc's kernels (nxhpc.dit.denoiser, python -m nxhpc.denoise).
 
-Model: the structure-keeping small config of DENOISER.md (D=384, 6 heads x 64, axes
+Model: the structure-keeping small config of docs/denoiser.md (D=384, 6 heads x 64, axes
 [16, 24, 24], FFN 1024, cap_dim 320, 2 layers, 2+2 refiners), diffusers'
 ZImageTransformer2DModel with EVERY parameter randomized (pad tokens and norms included),
 written in both published GGUF layouts by the ``gguf`` package (ComfyUI-GGUF: no prefix,
@@ -10,7 +10,7 @@ package (``tests/pipeline_fixtures.zimage_file_case``). Latents 16x12x10 (30 ima
 a 19-token caption: both sequences carry pad rows.
 
 Oracles, on exactly those dequantized weights:
-- ``nxhpc.dit.denoiser_ref`` (plain float64 numpy written from DENOISER.md; shares no code
+- ``nxhpc.dit.denoiser_ref`` (plain float64 numpy written from docs/denoiser.md; shares no code
   with the forward under test: its own patchify, position ids, sinusoid, final layer);
 - diffusers in float64 with its timestep sinusoid in float64 (``float64_sinusoid=True``: as
   shipped it forms the sinusoid in float32, ~6e-6 relative at t=0.9, most of the bound).

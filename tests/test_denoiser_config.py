@@ -72,8 +72,8 @@ def test_infers_config_from_both_layouts(cfg, file_tables, layout):
 def test_real_zimage_dimensions_match_published_counts():
     real = DenoiserConfig.zimage()
     shapes = real.tensor_shapes()
-    assert len(shapes) == 453                             # DENOISER.md
-    assert real.n_params() == 6_154_908_736               # DENOISER.md
+    assert len(shapes) == 453                             # docs/denoiser.md
+    assert real.n_params() == 6_154_908_736               # docs/denoiser.md
     assert real.axes_dims == (32, 48, 48)
     assert real.ffn_dim == int(3840 / 3 * 8)
     got = infer_denoiser_config({PREFIX + n: v for n, v in table(real).items()})

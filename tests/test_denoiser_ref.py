@@ -1,6 +1,6 @@
 """The float64 whole-model forward (nxhpc.dit.denoiser_ref) vs diffusers' ZImageTransformer2DModel.
 
-A random small config that keeps Z-Image's structure (DENOISER.md: D=384, 6 heads x 64, axes
+A random small config that keeps Z-Image's structure (docs/denoiser.md: D=384, 6 heads x 64, axes
 [16, 24, 24], cap_dim 320, 2 layers, 2+2 refiners; latents 16x12x10 = 30 image tokens and a
 19-token caption, so both sequences carry pad rows), every diffusers parameter randomized
 (pad tokens and norms included). Its weights are written in both published GGUF layouts by

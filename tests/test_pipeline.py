@@ -2,7 +2,7 @@
 
 Proves the harness the nxhpc drop-in transformer will be tested with: the pipeline runs and
 makes an image; its denoising loop is nxhpc.dit.sampler's Euler loop and its decode is
-``vae.decode(latents / 0.3611 + 0.1159)`` (DENOISER.md); the transformer surface it uses is
+``vae.decode(latents / 0.3611 + 0.1159)`` (docs/denoiser.md); the transformer surface it uses is
 exactly the one ReferenceTransformer implements (recorded through a proxy); and that minimal
 drop-in, running the float64 reference on the same weights, reproduces the diffusers
 transformer's images (uint8: at most 1 level on 99% of pixels, the issue's criterion) with

@@ -130,7 +130,7 @@ def test_block_matches_diffusers_lumina2_gqa(masked):
 
 
 def test_unmodulated_block_matches_diffusers_context_refiner():
-    """modulation=False (the context refiner, DENOISER.md) against diffusers'
+    """modulation=False (the context refiner, docs/denoiser.md) against diffusers'
     ZImageTransformerBlock(modulation=False): no adaLN, no tanh, gate multiplier 1."""
     D, H, T, eps = 384, 3, 29, 1e-6
     hd = D // H

@@ -25,7 +25,7 @@ except ImportError:                  # the pure tests still run
     torch = None
 needs_diffusers = pytest.mark.skipif(torch is None, reason="needs torch and diffusers")
 
-DESIGN_SIGMAS_8 = [1.0, 0.954545, 0.9, 0.833333, 0.75, 0.642857, 0.5, 0.3, 0.0]  # DENOISER.md
+DESIGN_SIGMAS_8 = [1.0, 0.954545, 0.9, 0.833333, 0.75, 0.642857, 0.5, 0.3, 0.0]  # docs/denoiser.md
 REL_TOL = 1e-4
 
 

@@ -91,7 +91,7 @@ BLOCK_TENSORS: tuple[TensorSpec, ...] = (
 PROJECTIONS = ("qkv", "out", "w1", "w3", "w2")
 NORMS = ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2", "q_norm", "k_norm")
 MODULATION = ("adaln_w", "adaln_b")
-#: Stack prefix -> whether its blocks are modulated (DENOISER.md: the context refiner is not).
+#: Stack prefix -> whether its blocks are modulated (docs/denoiser.md: the context refiner is not).
 BLOCK_STACKS: dict[str, bool] = {"layers": True, "noise_refiner": True, "context_refiner": False}
 _ROLE = {t.key: t.role for t in BLOCK_TENSORS}
 _SUFFIX = {t.key: t.suffix for t in BLOCK_TENSORS}

@@ -91,7 +91,7 @@ def block_forward_f64(x: np.ndarray, weights: dict, config: Any, t_emb: np.ndarr
     optional (True/1 = attend); ``eps`` defaults to ``config.norm_eps``. When ``trace`` is a
     dict, the intermediates (``m, h, qkv, q, k, v, attn, mid, h2, f, out``) are stored in it.
 
-    ``modulation=False`` is the unmodulated block of DENOISER.md (the context refiner): no
+    ``modulation=False`` is the unmodulated block of docs/denoiser.md (the context refiner): no
     adaLN, no tanh, ``x += rmsnorm(attn(rmsnorm(x, n1)), n2); x += rmsnorm(ffn(rmsnorm(x, f1)),
     f2)``; give neither ``t_emb`` nor ``adaln_m``, and the weights need no adaLN pair.
     """
