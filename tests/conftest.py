@@ -1,6 +1,7 @@
-"""Shared pytest configuration: hypothesis profiles sized for a 2-core machine."""
+"""Shared pytest configuration: hypothesis profiles sized for a 2-core machine, shared fixtures."""
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # Shared machines are noisy: no per-example deadline. "ci" is the default profile.
@@ -12,3 +13,14 @@ settings.register_profile(
     "dev", deadline=None, max_examples=15,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("NXHPC_HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="module")
+def torch_threads():
+    """torch at 2 intra-op threads (this machine's cores) for a module's oracle runs, restored
+    after. Modules that run torch take it with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    torch = pytest.importorskip("torch")
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)

@@ -11,14 +11,9 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from testutil import rel_err  # noqa: F401  (re-exported for the sampler tests)
 
 __all__ = ["child_pids", "diffusers_turbo_loop", "open_test_denoiser", "rel_err", "shm_entries"]
-
-
-def rel_err(a, ref) -> float:
-    """max |a - ref| / max |ref| (float64)."""
-    ref = np.asarray(ref, np.float64)
-    return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
 
 
 def open_test_denoiser(model, workers: int = 2, **kw):

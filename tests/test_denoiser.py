@@ -48,7 +48,7 @@ from nxhpc.models.registry import open_denoiser
 from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError, ModelNotFoundError
 from nxhpc.runtime.shm import live_segments
 from procutil import alive, children_of
-from testutil import assert_bitwise
+from testutil import assert_bitwise, rel_err
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
@@ -65,16 +65,9 @@ LAT_SHAPE = (16, 12, 10)      # 6 x 5 = 30 image tokens -> 32 rows
 N_CAP = 19                    # -> 32 rows
 
 
-def rel_err(a, ref) -> float:
-    return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("torch_threads")
 
 
 @pytest.fixture(scope="module")

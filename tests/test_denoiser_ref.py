@@ -27,6 +27,7 @@ from nxhpc.dit.config import PREFIX, DenoiserConfig
 from nxhpc.dit.reference import block_forward_f64
 from nxhpc.dit.rope import pe_to_complex, position_ids, rope_table
 from nxhpc.models.zimage_files import read_zimage_gguf, write_zimage_gguf
+from testutil import rel_err
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
@@ -40,16 +41,9 @@ CFG = DenoiserConfig(dim=384, n_heads=6, n_kv_heads=6, head_dim=64, ffn_dim=1024
                      cap_dim=320)
 
 
-def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(np.asarray(a) - ref).max() / np.abs(ref).max())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("torch_threads")
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 from pipeline_fixtures import make_tiny_pipeline, pipeline_config, with_transformer
 from pipeline_fixtures import zimage_file_case
-from sample_util import child_pids, open_test_denoiser, rel_err
+from sample_util import child_pids, open_test_denoiser
+from testutil import rel_err
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
@@ -39,12 +40,7 @@ STEPS = 8
 PROMPT = "a red cube on a table"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("torch_threads")
 
 
 @pytest.fixture(scope="module")

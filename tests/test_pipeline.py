@@ -20,6 +20,7 @@ from pipeline_fixtures import ReferenceTransformer, make_tiny_pipeline, with_tra
 
 from nxhpc.dit.oracle import run_diffusers_zimage
 from nxhpc.dit.sampler import euler_sample
+from testutil import rel_err
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
@@ -30,17 +31,9 @@ STEPS = 4
 PROMPT = "a red cube on a table"
 
 
-def rel_err(a, ref) -> float:
-    ref = np.asarray(ref, np.float64)
-    return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("torch_threads")
 
 
 @pytest.fixture(scope="module")

@@ -203,3 +203,9 @@ def np32_block(x, w, cfg, m, pe, mask, eps, modulation=True):
     a = h2 @ w["w1"].T
     ff = a / (f(1) + np.exp(-a)) * (h2 @ w["w3"].T)
     return mid + tg_mlp * rms(ff @ w["w2"].T, w["ffn_norm2"])
+
+
+def rel_err(a, ref) -> float:
+    """``max |a - ref| / max |ref|`` in float64: an error relative to the reference's scale."""
+    ref = np.asarray(ref, np.float64)
+    return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
