@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_gguf_io import raw_gguf, write_bytes
+from testutil import open_and_decode_all
 
 from nxhpc.dit.config import tensor_names
 from nxhpc.dit.reference import adaln_f64, block_forward_f64, dequantize_layer
@@ -181,19 +182,6 @@ def test_sdcpp_q4_0_file_runs(tmp_path):
 
 # ----------------------------------------------------------------------------- fuzzing
 
-def _open_everything(path):
-    """Open a model file and decode every layer: 'ok' or 'error' (ModelFileError naming it)."""
-    try:
-        with open_model(path) as m:
-            for i in range(m.config.n_layers):
-                w = dequantize_layer(m.layer_weights(i))
-                assert all(np.isfinite(v).all() for v in w.values())
-    except ModelFileError as e:
-        assert str(path) in str(e), f"message does not name the file: {e}"
-        return "error"
-    return "ok"
-
-
 @pytest.mark.parametrize("gtype, ne0, msg", [
     (12, 384, "'w' of type Q4_K has row length 384, not a multiple of its block size 256"),
     (14, 100, "'w' of type Q6_K has row length 100"),
@@ -226,9 +214,9 @@ def test_fuzz_truncating_a_q4_k_m_file(qkm, tmp_path):
     p = tmp_path / "t.gguf"
     for n in list(range(0, len(data), max(1, len(data) // 97))) + [end - 1]:
         p.write_bytes(data[:n])
-        assert _open_everything(p) == "error", n
+        assert open_and_decode_all(p) == "error", n
     p.write_bytes(data[:end])
-    assert _open_everything(p) == "ok"
+    assert open_and_decode_all(p) == "ok"
 
 
 @settings(max_examples=150)
@@ -243,7 +231,7 @@ def test_fuzz_corrupting_a_q4_k_m_file(qkm, tmp_path_factory, data):
         buf[pos] = data.draw(st.integers(0, 255))
     p = tmp_path_factory.mktemp("fz") / "c.gguf"
     p.write_bytes(bytes(buf))
-    _open_everything(p)
+    open_and_decode_all(p)
 
 
 def test_nan_scale_in_a_k_quant_block_is_named(qkm, tmp_path):

@@ -209,3 +209,20 @@ def rel_err(a, ref) -> float:
     """``max |a - ref| / max |ref|`` in float64: an error relative to the reference's scale."""
     ref = np.asarray(ref, np.float64)
     return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
+
+
+def open_and_decode_all(path) -> str:
+    """Open a model file and decode every layer's weights: ``"ok"``, or ``"error"`` when it
+    raises a ModelFileError (which must name the file); anything else propagates."""
+    from nxhpc.dit.reference import dequantize_layer
+    from nxhpc.formats.gguf_io import ModelFileError
+    from nxhpc.models import open_model
+    try:
+        with open_model(path) as m:
+            for i in range(m.config.n_layers):
+                w = dequantize_layer(m.layer_weights(i))
+                assert all(np.isfinite(v).all() for v in w.values())
+    except ModelFileError as e:
+        assert str(path) in str(e), f"message does not name the file: {e}"
+        return "error"
+    return "ok"
