@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 import nxhpc
+from nxhpc.dit.config import block_view
 from nxhpc.nn.linear import DEFAULT_PRECISION, adaln_linear, check_precision
 from nxhpc.dit.plan import TIMING_KEYS, BlockPlan, Engine, check_eps, narrow_finite
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, check_timeout, usable_cpus
@@ -145,6 +146,7 @@ class BlockRunner:
 
     def __init__(self, cfg, layers: dict, T: int, *, workers: int, spawn: str = DEFAULT_SPAWN,
                  stage_timeout: float | None = None) -> None:
+        cfg = block_view(cfg)
         check_config(cfg)
         spawn = _check_spawn(spawn)
         self.cfg = cfg
@@ -234,8 +236,7 @@ def run_layers(model, layers: Sequence[int], x: np.ndarray, pe: np.ndarray, *,
     of summed timings plus ``"per_layer"`` (a list of per-layer timing dicts).
     """
     precision = check_precision(precision, "run_layers: precision")
-    cfg = model.config.as_block_config(validate=False)
-    check_config(cfg)
+    cfg = block_view(model.config)
     layers = [int(i) for i in layers]
     if not layers:
         raise ValueError("run_layers: no layers given")
@@ -298,8 +299,7 @@ class Block:
     """
 
     def __init__(self, model, index: int, *, source: str = "auto") -> None:
-        cfg = model.config.as_block_config(validate=False)
-        check_config(cfg)
+        cfg = block_view(model.config)
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)) \
                 or not 0 <= index < cfg.n_layers:
             raise ValueError(f"Block: layer index must be an int in [0, {cfg.n_layers}), "

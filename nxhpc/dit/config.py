@@ -50,7 +50,8 @@ from nxhpc.formats.weights import RUNNABLE_TYPES, WeightTensor, as_weight_tensor
 __all__ = ["DenoiserConfig", "BlockConfig", "TensorSpec", "BLOCK_TENSORS", "BLOCK_STACKS",
            "STACKS", "PROJECTIONS", "NORMS", "MODULATION", "DEFAULT_NORM_EPS", "MATMUL_BLOCK",
            "VARIANTS", "VECTOR_TYPES", "DENOISER_TENSORS", "OPTIONAL_TENSORS", "PREFIX",
-           "tensor_names", "block_label", "stack_indices", "check_stack", "infer_config",
+           "tensor_names", "block_label", "block_view", "stack_indices", "check_stack",
+           "infer_config",
            "strip_prefix"]
 
 DEFAULT_NORM_EPS = 1e-5
@@ -577,6 +578,16 @@ class DenoiserConfig:
                 f"{self.n_context_refiner} context refiners, C={self.in_channels}, "
                 f"patch {self.patch}, cap_dim {self.cap_dim}, t {self.t_freq_dim}->"
                 f"{self.t_mid_dim}->{self.adaln_in}, axes {list(self.axes_dims)}")
+
+
+def block_view(cfg: BlockConfig | DenoiserConfig) -> BlockConfig:
+    """The :class:`BlockConfig` of ``cfg``: itself, or a model config's (validated) block view.
+    What the block-level entry points (``BlockPlan``, ``BlockRunner``, ``Block``) take."""
+    if isinstance(cfg, DenoiserConfig):
+        return cfg.block
+    if not isinstance(cfg, BlockConfig):
+        raise TypeError(f"expected a BlockConfig or DenoiserConfig, got {type(cfg).__name__}")
+    return cfg
 
 
 # ----------------------------------------------------------------------------- inference

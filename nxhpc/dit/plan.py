@@ -58,7 +58,7 @@ import numpy as np
 
 import nxhpc
 from nxhpc.dit.binding import LayerWeights
-from nxhpc.dit.config import BLOCK_STACKS, BlockConfig, block_label
+from nxhpc.dit.config import BLOCK_STACKS, BlockConfig, block_label, block_view
 from nxhpc.nn.linear import (DEFAULT_PRECISION, adaln_linear, check_precision, check_runnable,
                               matmul)
 from nxhpc.runtime.shm import SharedArena
@@ -211,7 +211,8 @@ def _scratch(cfg: BlockConfig, T: int) -> dict[str, tuple[int, ...]]:
 class BlockPlan:
     """One kind of block as data: its config, stack ``prefix``, ``modulated`` flag and stages.
 
-    ``modulated`` defaults to the stack's kind (``context_refiner``: False). The plan holds no
+    ``config``: a :class:`BlockConfig` (a model's :class:`~nxhpc.dit.config.DenoiserConfig` is
+    taken as its block view). ``modulated`` defaults to the stack's kind (``context_refiner``: False). The plan holds no
     memory and no processes: an :class:`Engine` runs it at any token count it was sized for.
     """
     config: BlockConfig
@@ -220,6 +221,7 @@ class BlockPlan:
     stages: tuple[Stage, ...] = field(default=STAGES, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "config", block_view(self.config))
         self.config.validate()
         if self.modulated is None:
             if self.prefix not in BLOCK_STACKS:
