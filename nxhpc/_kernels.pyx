@@ -33,9 +33,8 @@ _ISA_BY_NAME = {name: i for i, name in enumerate(ISA_NAMES)}
 # here from their .pxi (kernel_variants() merges them with the C registry). Prefer a C table.
 _VARIANT_OF = {}
 
-# Older names of kernel_variants() entries -> the slot that now runs them.
-_VARIANT_ALIASES = {"q8_0_matmul": "matmul", "adaln_linear": "matmul",
-                    "q8_0_dequantize": "dequantize[Q8_0]"}
+# Older names of kernel_variants() entries still read (benchmarks) -> the slot that runs them.
+_VARIANT_ALIASES = {"q8_0_matmul": "matmul"}
 
 
 def _isa_info(int i):
@@ -95,7 +94,8 @@ def kernel_variants():
 
     Read from the C dispatch tables (csrc/nx_dispatch.h): a kernel without a variant at the
     default ISA reports the ISA it inherits from. Weight types appear as ``"dequantize[F16]"``;
-    ``"matmul"`` is the matmul of every type (``q8_0_matmul`` and ``adaln_linear`` run it).
+    ``"matmul"`` is the matmul of every type (``q8_0_matmul``, its older name, and
+    ``adaln_linear`` run it).
     """
     return dict(sorted(_variants_at(<int>nx_cpu_best_isa()).items()))
 
@@ -165,5 +165,4 @@ cdef tuple _band(str fn, str what, object lo, object hi, Py_ssize_t n):
 include "_k_matmul.pxi"
 include "_k_ops.pxi"
 include "_k_bwd.pxi"
-include "_k_quants.pxi"
 include "_k_lowp.pxi"

@@ -116,11 +116,9 @@ def test_documented_inheritance():
     assert v("rmsnorm_backward", "avx2") == "generic" and v("rmsnorm_backward", "avx512") == "avx512"
     assert v("qknorm_rope_backward", "avx512") == "generic"
     assert v("dequantize[F32]", "avx512") == "generic"  # a memcpy: no SIMD variant
-    # the older names follow the slots that run them
-    for old, new in (("q8_0_matmul", "matmul"), ("adaln_linear", "matmul"),
-                     ("q8_0_dequantize", "dequantize[Q8_0]")):
-        for isa in K.ISA_NAMES:
-            assert v(old, isa) == v(new, isa)
+    # the older name follows the slot that runs it
+    for isa in K.ISA_NAMES:
+        assert v("q8_0_matmul", isa) == v("matmul", isa)
     # avx512bf16 has no table of these families: everything inherits avx512's
     for kernel in ("matmul", "rmsnorm", "layernorm_mod", "attention", "dequantize[BF16]",
                    "attention_backward", "qknorm_rope_backward", "q8_0_quantize"):
