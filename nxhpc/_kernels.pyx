@@ -18,8 +18,8 @@ cimport numpy as cnp
 from nxhpc._kernels cimport (nx_isa, NX_ISA_GENERIC, NX_ISA_AVX2, NX_ISA_AVX512, NX_ISA_COUNT,
                              NX_CPU_NFEATURES, nx_cpu_features, nx_cpu_feature_name,
                              nx_cpu_best_isa, nx_cpu_isa_supported, nx_isa_name, nx_isa_parent,
-                             nx_isa_needs, nx_family_info, nx_families, nx_nfamilies,
-                             nx_dispatch_init)
+                             nx_isa_needs, nx_isa_rank, nx_family_info, nx_families,
+                             nx_nfamilies, nx_dispatch_init)
 
 cnp.import_array()
 nx_dispatch_init()  # probe the CPU and resolve every dispatch table once, before any fork
@@ -40,6 +40,7 @@ _VARIANT_ALIASES = {"q8_0_matmul": "matmul"}
 def _isa_info(int i):
     cdef uint32_t needs = nx_isa_needs(<nx_isa>i)
     return {"parent": ISA_NAMES[<int>nx_isa_parent(<nx_isa>i)],
+            "rank": nx_isa_rank(<nx_isa>i),
             "needs": [n for n, bit in _FEATURE_BITS.items() if needs & bit],
             "supported": bool(nx_cpu_isa_supported(<nx_isa>i))}
 
@@ -50,8 +51,9 @@ def cpu_features():
     Returns a dict: each feature name (``"avx2"``, ``"avx512bf16"``, ``"amx_tile"``, the OS-state
     bits ``"os_ymm"``, ``"os_zmm"``, ``"os_amx"``, ``"amx_permitted"``, ...) -> bool;
     ``"best_isa"`` -> the ISA kernels use by default (``"generic"`` when ``NXHPC_DISABLE_SIMD`` is
-    set), ``"supported_isas"`` -> the ISAs this CPU runs, ``"isas"`` -> per ISA its parent (where
-    missing kernels come from), the features it needs and whether they are all present.
+    set; else the supported ISA of highest rank), ``"supported_isas"`` -> the ISAs this CPU runs,
+    ``"isas"`` -> per ISA its parent (where missing kernels come from), its preference rank, the
+    features it needs and whether they are all present.
     """
     cdef uint32_t f = nx_cpu_features()
     out = {name: bool(f & bit) for name, bit in _FEATURE_BITS.items()}

@@ -81,9 +81,19 @@ def test_isa_tree():
     assert "avx512bw" in isas["avx512"]["needs"] and "os_zmm" in isas["avx512"]["needs"]
 
 
-def test_best_isa_is_the_last_supported():
+def test_best_isa_is_the_supported_one_of_highest_rank():
+    """Preference is an explicit rank, not list order: ranks are distinct, a child ranks above
+    its parent, avx512 above avx2 (an ISA added under avx2, e.g. AVX-VNNI, must rank below
+    avx512), and the default is the supported ISA of highest rank."""
     f = K.cpu_features()
-    want = "generic" if f["simd_disabled"] else K.supported_isas()[-1]
+    isas = f["isas"]
+    ranks = {n: i["rank"] for n, i in isas.items()}
+    assert len(set(ranks.values())) == len(ranks), ranks
+    for name, info in isas.items():
+        if name != "generic":
+            assert ranks[name] > ranks[info["parent"]], name
+    assert ranks["generic"] < ranks["avx2"] < ranks["avx512"] < ranks["avx512bf16"]
+    want = "generic" if f["simd_disabled"] else max(K.supported_isas(), key=ranks.__getitem__)
     assert f["best_isa"] == want
 
 
