@@ -67,6 +67,26 @@ static inline nxv nxv_load_q8(const uint8_t *q, nxv d) {
 }
 static inline nxv nxv_zero(void) { return _mm512_setzero_ps(); }
 static inline void nxv_store(float *p, nxv v) { _mm512_store_ps(p, v); } /* p 64-byte aligned */
+/* int32 lanes, and the float ops by the intrinsic's own name (NXV_PS(mul)(a, b) is
+ * _mm512_mul_ps(a, b), no wrapper): the block decoders (nx_quants_ew.h) are spelled with these so
+ * that their 16-lane code is exactly the intrinsics code they were first written as. */
+typedef __m512i nxvi;
+#define NXV_PS(op) _mm512_##op##_ps
+#define nxvi_set1 _mm512_set1_epi32
+#define nxvi_and _mm512_and_si512
+#define nxvi_or _mm512_or_si512
+#define nxvi_sub _mm512_sub_epi32
+#define nxvi_srli _mm512_srli_epi32
+#define nxvi_slli _mm512_slli_epi32
+static inline nxvi nxvi_srl(nxvi a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+static inline nxv nxvi_cvt(nxvi a) { return _mm512_cvtepi32_ps(a); }
+/* 16 bytes at p (any alignment) -> 16 lanes, zero- / sign-extended */
+static inline nxvi nxvi_load_u8(const uint8_t *p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+static inline nxvi nxvi_load_i8(const uint8_t *p) {
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
 /* In-register 16x16 transpose: r[i][j] -> r[j][i]. */
 static inline void nxv_transpose(nxv r[16]) {
     __m512 t[16];
@@ -145,6 +165,23 @@ static inline nxv nxv_load_q8(const uint8_t *q, nxv d) {
 }
 static inline nxv nxv_zero(void) { return _mm256_setzero_ps(); }
 static inline void nxv_store(float *p, nxv v) { _mm256_store_ps(p, v); } /* p 32-byte aligned */
+typedef __m256i nxvi;
+#define NXV_PS(op) _mm256_##op##_ps
+#define nxvi_set1 _mm256_set1_epi32
+#define nxvi_and _mm256_and_si256
+#define nxvi_or _mm256_or_si256
+#define nxvi_sub _mm256_sub_epi32
+#define nxvi_srli _mm256_srli_epi32
+#define nxvi_slli _mm256_slli_epi32
+static inline nxvi nxvi_srl(nxvi a, int n) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+static inline nxv nxvi_cvt(nxvi a) { return _mm256_cvtepi32_ps(a); }
+/* 8 bytes at p (any alignment) -> 8 lanes, zero- / sign-extended */
+static inline nxvi nxvi_load_u8(const uint8_t *p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+static inline nxvi nxvi_load_i8(const uint8_t *p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
 /* In-register 8x8 transpose: r[i][j] -> r[j][i]. */
 static inline void nxv_transpose(nxv r[8]) {
     __m256 t[8], s[8];
