@@ -131,36 +131,7 @@ void nx_rope_bwd_f32_avx512(const float *dy, const float *pe, float *dx, int64_t
 
 /* ------------------------------------------------------------------ swiglu */
 
-/* silu and silu' from one e = exp(-|x|) and d = 1 / (1 + e): silu = xc * sigmoid, with
- * sigmoid = d (x >= 0) or e*d. This is deliberately not the forward's nx_silu16
- * ((x or x*e) / (1 + e), one division): the two round differently, and this kernel's
- * results (tolerance-checked against the spec, not bit-matched to the forward) are kept as
- * they are. It also clamps +inf to FLT_MAX inside silu', which the forward does not need. */
-void nx_swiglu_bwd_f32_avx512(const float *a, const float *b, const float *dout, float *da,
-                              float *db, int64_t i0, int64_t i1) {
-    const __m512 big = _mm512_set1_ps(3.4028234663852886e38f),
-                 nbig = _mm512_set1_ps(-3.4028234663852886e38f);
-    const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
-    for (int64_t i = i0; i < i1; i += 16) {
-        __mmask16 m = nx_mask16(i1 - i);
-        __m512 av = _mm512_maskz_loadu_ps(m, a + i), bv = _mm512_maskz_loadu_ps(m, b + i);
-        __m512 g = _mm512_maskz_loadu_ps(m, dout + i);
-        __m512 xc = _mm512_max_ps(nbig, av); /* -inf -> -FLT_MAX; NaN kept (second operand) */
-        __m512 x = _mm512_min_ps(big, xc);   /* +inf -> FLT_MAX only inside silu' */
-        __m512 e = nx_exp16(_mm512_or_ps(x, sign));
-        __m512 d = _mm512_div_ps(one, _mm512_add_ps(one, e));
-        __m512 ed = _mm512_mul_ps(e, d);
-        __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
-        __m512 s = _mm512_mask_blend_ps(pos, ed, d);  /* sigmoid */
-        __m512 sc = _mm512_mask_blend_ps(pos, d, ed); /* 1 - sigmoid */
-        __m512 silu = _mm512_mul_ps(xc, s);
-        __m512 dsilu = _mm512_mul_ps(s, _mm512_add_ps(one, _mm512_mul_ps(x, sc)));
-        __m512 vda = _mm512_mul_ps(_mm512_mul_ps(g, bv), dsilu);
-        __m512 vdb = _mm512_mul_ps(g, silu);
-        _mm512_mask_storeu_ps(da + i, m, vda);
-        _mm512_mask_storeu_ps(db + i, m, vdb);
-    }
-}
+#include "nx_bwd_ew.h" /* swiglu_backward (both widths) */
 
 /* ------------------------------------------------------------------ gated residual */
 

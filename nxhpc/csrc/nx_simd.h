@@ -78,6 +78,16 @@ typedef __m512i nxvi;
 #define nxvi_sub _mm512_sub_epi32
 #define nxvi_srli _mm512_srli_epi32
 #define nxvi_slli _mm512_slli_epi32
+/* Masked / predicated steps by the intrinsic's own name, for the same reason (nx_bwd_ew.h):
+ * NXV_MASKN(n) lanes [0, n) (nxv_mask), NXV_LOADN / NXV_STOREN masked, NXV_CMP(a, b, _CMP_*) a
+ * lane predicate (nxv_pred), NXV_SELECT(m, f, t) lane m ? t : f, NXV_EXP the exp polynomial. */
+typedef __mmask16 nxv_pred;
+#define NXV_MASKN(n) nx_mask16(n)
+#define NXV_LOADN(p, m) _mm512_maskz_loadu_ps(m, p)
+#define NXV_STOREN(p, m, v) _mm512_mask_storeu_ps(p, m, v)
+#define NXV_CMP(a, b, pred) _mm512_cmp_ps_mask(a, b, pred)
+#define NXV_SELECT(m, f, t) _mm512_mask_blend_ps(m, f, t)
+#define NXV_EXP(x) nx_exp16(x)
 static inline nxvi nxvi_srl(nxvi a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
 static inline nxv nxvi_cvt(nxvi a) { return _mm512_cvtepi32_ps(a); }
 /* 16 bytes at p (any alignment) -> 16 lanes, zero- / sign-extended */
@@ -173,6 +183,13 @@ typedef __m256i nxvi;
 #define nxvi_sub _mm256_sub_epi32
 #define nxvi_srli _mm256_srli_epi32
 #define nxvi_slli _mm256_slli_epi32
+typedef __m256 nxv_pred;
+#define NXV_MASKN(n) nx_mask8(n)
+#define NXV_LOADN(p, m) _mm256_maskload_ps(p, m)
+#define NXV_STOREN(p, m, v) _mm256_maskstore_ps(p, m, v)
+#define NXV_CMP(a, b, pred) _mm256_cmp_ps(a, b, pred)
+#define NXV_SELECT(m, f, t) _mm256_blendv_ps(f, t, m)
+#define NXV_EXP(x) nx_exp8(x)
 static inline nxvi nxvi_srl(nxvi a, int n) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }
 static inline nxv nxvi_cvt(nxvi a) { return _mm256_cvtepi32_ps(a); }
 /* 8 bytes at p (any alignment) -> 8 lanes, zero- / sign-extended */
