@@ -88,42 +88,7 @@ static inline void nx_b2_pv_rows(const float *P, int64_t ld, const float *Y, int
     for (; c < hdp; c += 8) nx_b2_pv(1, P, ld, Y, hd, nk, c, O, hdp);
 }
 
-/* Phase 2 for one row (as nx_b_softmax_ds of the AVX-512 variant, 8 lanes). */
-static inline void nx_b2_softmax_ds(float *S, float *dP, const float *madd, int64_t Tp,
-                                    float scale) {
-    const __m256 sc = _mm256_set1_ps(scale);
-    __m256 mx = _mm256_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < Tp; j += 8) {
-        __m256 x = _mm256_fmadd_ps(_mm256_load_ps(S + j), sc, _mm256_load_ps(madd + j));
-        _mm256_store_ps(S + j, x);
-        mx = _mm256_max_ps(mx, x);
-    }
-    const float m = nx_hmax8(mx);
-    if (m == -INFINITY) { /* every key masked: no gradient */
-        memset(S, 0, sizeof(float) * (size_t)Tp);
-        memset(dP, 0, sizeof(float) * (size_t)Tp);
-        return;
-    }
-    const __m256 vm = _mm256_set1_ps(m);
-    __m256 l = _mm256_setzero_ps();
-    for (int64_t j = 0; j < Tp; j += 8) {
-        __m256 p = nx_exp8(_mm256_sub_ps(_mm256_load_ps(S + j), vm));
-        _mm256_store_ps(S + j, p);
-        l = _mm256_add_ps(l, p);
-    }
-    const __m256 inv = _mm256_set1_ps(1.0f / nx_hsum8(l));
-    __m256 dl = _mm256_setzero_ps();
-    for (int64_t j = 0; j < Tp; j += 8) {
-        __m256 p = _mm256_mul_ps(_mm256_load_ps(S + j), inv);
-        _mm256_store_ps(S + j, p);
-        dl = _mm256_fmadd_ps(p, _mm256_load_ps(dP + j), dl);
-    }
-    const __m256 delta = _mm256_set1_ps(nx_hsum8(dl));
-    for (int64_t j = 0; j < Tp; j += 8) {
-        __m256 p = _mm256_mul_ps(_mm256_load_ps(S + j), sc);
-        _mm256_store_ps(dP + j, _mm256_mul_ps(p, _mm256_sub_ps(_mm256_load_ps(dP + j), delta)));
-    }
-}
+/* nx_b2_softmax_ds: phase 2 for one row, nx_bwd_ew.h (both widths) */
 
 static const nx_attn_bwd_tiling nx_attn_bwd_tiling_avx2 = {
     NX_B2R, NX_B2C, NX_B2QB, 8, nx_b2_qk, nx_b2_outer, nx_b2_pv_rows, nx_b2_softmax_ds};

@@ -260,42 +260,7 @@ NX_INLINE void nx_b_pv(const int nv, const float *P, int64_t ld, const float *Y,
         for (int v = 0; v < nv; v++) _mm512_store_ps(O + r * hdp + c + 16 * v, acc[r][v]);
 }
 
-/* Softmax row + dS for one query row: S (scores, in) -> P (out, in place); dP -> scale*dS. */
-static inline void nx_b_softmax_ds(float *S, float *dP, const float *madd, int64_t Tp,
-                                   float scale) {
-    const __m512 sc = _mm512_set1_ps(scale);
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < Tp; j += 16) {
-        __m512 x = _mm512_fmadd_ps(_mm512_load_ps(S + j), sc, _mm512_load_ps(madd + j));
-        _mm512_store_ps(S + j, x);
-        mx = _mm512_max_ps(mx, x);
-    }
-    const float m = _mm512_reduce_max_ps(mx);
-    if (m == -INFINITY) { /* every key masked: the output row is constant, no gradient */
-        memset(S, 0, sizeof(float) * (size_t)Tp);
-        memset(dP, 0, sizeof(float) * (size_t)Tp);
-        return;
-    }
-    const __m512 vm = _mm512_set1_ps(m);
-    __m512 l = _mm512_setzero_ps();
-    for (int64_t j = 0; j < Tp; j += 16) {
-        __m512 p = nx_exp16(_mm512_sub_ps(_mm512_load_ps(S + j), vm));
-        _mm512_store_ps(S + j, p);
-        l = _mm512_add_ps(l, p);
-    }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(l));
-    __m512 dl = _mm512_setzero_ps();
-    for (int64_t j = 0; j < Tp; j += 16) {
-        __m512 p = _mm512_mul_ps(_mm512_load_ps(S + j), inv);
-        _mm512_store_ps(S + j, p);
-        dl = _mm512_fmadd_ps(p, _mm512_load_ps(dP + j), dl);
-    }
-    const __m512 delta = _mm512_set1_ps(_mm512_reduce_add_ps(dl));
-    for (int64_t j = 0; j < Tp; j += 16) {
-        __m512 p = _mm512_mul_ps(_mm512_load_ps(S + j), sc);
-        _mm512_store_ps(dP + j, _mm512_mul_ps(p, _mm512_sub_ps(_mm512_load_ps(dP + j), delta)));
-    }
-}
+/* nx_b_softmax_ds: phase 2 for one row, nx_bwd_ew.h (both widths) */
 
 /* dQ rows: 64-column chunks (4 zmm) then 16-column remainders */
 static inline void nx_b_pv_rows(const float *P, int64_t ld, const float *Y, int64_t hd, int64_t nk,

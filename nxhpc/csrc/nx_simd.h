@@ -88,6 +88,8 @@ typedef __mmask16 nxv_pred;
 #define NXV_CMP(a, b, pred) _mm512_cmp_ps_mask(a, b, pred)
 #define NXV_SELECT(m, f, t) _mm512_mask_blend_ps(m, f, t)
 #define NXV_EXP(x) nx_exp16(x)
+#define NXV_HMAX(v) _mm512_reduce_max_ps(v) /* horizontal max / sum of the lanes */
+#define NXV_HSUM(v) _mm512_reduce_add_ps(v)
 static inline nxvi nxvi_srl(nxvi a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
 static inline nxv nxvi_cvt(nxvi a) { return _mm512_cvtepi32_ps(a); }
 /* 16 bytes at p (any alignment) -> 16 lanes, zero- / sign-extended */
@@ -190,6 +192,8 @@ typedef __m256 nxv_pred;
 #define NXV_CMP(a, b, pred) _mm256_cmp_ps(a, b, pred)
 #define NXV_SELECT(m, f, t) _mm256_blendv_ps(f, t, m)
 #define NXV_EXP(x) nx_exp8(x)
+#define NXV_HMAX(v) nx_hmax8(v)
+#define NXV_HSUM(v) nx_hsum8(v)
 static inline nxvi nxvi_srl(nxvi a, int n) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }
 static inline nxv nxvi_cvt(nxvi a) { return _mm256_cvtepi32_ps(a); }
 /* 8 bytes at p (any alignment) -> 8 lanes, zero- / sign-extended */
