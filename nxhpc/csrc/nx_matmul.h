@@ -55,6 +55,20 @@ typedef struct {
     unsigned flags; /* NX_MM_* */
 } nx_mm_call;
 
+/* What every matmul driver (nx_matmul_blocked, nx_lowp_blocked) does before blocking: nothing for
+ * T = 0 or an empty band; for K = 0 the empty sum is +0, so out[t, n] = 0 (+ bias[n]) on the band.
+ * Returns 1 if the call is thereby done. */
+static inline int nx_mm_trivial(const nx_mm_call *c) {
+    if (c->T == 0 || c->n0 >= c->n1) return 1;
+    if (c->K == 0) {
+        for (size_t t = 0; t < c->T; t++)
+            for (size_t n = c->n0; n < c->n1; n++)
+                c->out[t * c->N + n] = c->bias ? 0.0f + c->bias[n] : 0.0f;
+        return 1;
+    }
+    return 0;
+}
+
 /* Test hook: pack panels with the ISA's generic dequantize-and-transpose packer even where a
  * fused packer exists (so the generic packer is tested on every type). */
 #define NX_MM_DEQUANT_PACK 1u

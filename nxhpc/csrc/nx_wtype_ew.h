@@ -41,20 +41,13 @@ void NXV_FN(nx_dequant_q8_0)(const uint8_t *blocks /* IN */, float *out /* OUT *
 }
 
 /* This ISA's row of the wtype dispatch family (nx_wtype_table_avx2 / _avx512): every type with a
- * variant here. F32 has none (the spec is a memcpy): it inherits generic. */
-const nx_wtype_table NXV_FN(nx_wtype_table) = {.dequant = {
-                                                   [NX_GGML_F16] = NXV_FN(nx_dequant_f16),
-                                                   [NX_GGML_BF16] = NXV_FN(nx_dequant_bf16),
-                                                   [NX_GGML_Q8_0] = NXV_FN(nx_dequant_q8_0),
-                                                   [NX_GGML_Q4_0] = NXV_FN(nx_dequant_q4_0),
-                                                   [NX_GGML_Q4_1] = NXV_FN(nx_dequant_q4_1),
-                                                   [NX_GGML_Q5_0] = NXV_FN(nx_dequant_q5_0),
-                                                   [NX_GGML_Q5_1] = NXV_FN(nx_dequant_q5_1),
-                                                   [NX_GGML_Q2_K] = NXV_FN(nx_dequant_q2_K),
-                                                   [NX_GGML_Q3_K] = NXV_FN(nx_dequant_q3_K),
-                                                   [NX_GGML_Q4_K] = NXV_FN(nx_dequant_q4_K),
-                                                   [NX_GGML_Q5_K] = NXV_FN(nx_dequant_q5_K),
-                                                   [NX_GGML_Q6_K] = NXV_FN(nx_dequant_q6_K),
-                                               }};
+ * variant here, X(TYPE, name) -> [NX_GGML_TYPE] = nx_dequant_<name>_<isa>. F32 has none (the spec
+ * is a memcpy): it inherits generic. */
+#define NX_WTYPE_SIMD_TYPES(X)                                                                     \
+    X(F16, f16) X(BF16, bf16) X(Q8_0, q8_0) X(Q4_0, q4_0) X(Q4_1, q4_1) X(Q5_0, q5_0)            \
+    X(Q5_1, q5_1) X(Q2_K, q2_K) X(Q3_K, q3_K) X(Q4_K, q4_K) X(Q5_K, q5_K) X(Q6_K, q6_K)
+#define NX_WTYPE_ROW_(T, t) [NX_GGML_##T] = NXV_FN(nx_dequant_##t),
+const nx_wtype_table NXV_FN(nx_wtype_table) = {.dequant = {NX_WTYPE_SIMD_TYPES(NX_WTYPE_ROW_)}};
+#undef NX_WTYPE_ROW_
 
 #endif
