@@ -66,6 +66,16 @@ void nx_dispatch_resolve(int nslots, const nx_slot_fn *const tables[NX_ISA_COUNT
         nx_slot_fn slot_[0 SLOTS(NX_TBL_COUNT_)];                                                  \
     } T;
 
+/* A family's header declares its table type and what NX_DEFINE_DISPATCH defines for it:
+ *     PFX##_table; const PFX##_table *PFX##_get(nx_isa); nx_isa PFX##_variant(int slot, nx_isa);
+ *     extern const nx_family_info PFX##_family;
+ * (the resolved table for `isa`, missing variants inherited, and which ISA runs slot `slot`). */
+#define NX_DECLARE_FAMILY(PFX, SLOTS)                                                              \
+    NX_TABLE_TYPE(PFX##_table, SLOTS)                                                              \
+    const PFX##_table *PFX##_get(nx_isa isa);                                                      \
+    nx_isa PFX##_variant(int slot, nx_isa isa);                                                    \
+    extern const nx_family_info PFX##_family;
+
 #define NX_DEFINE_DISPATCH(PFX, FAMNAME, SLOTS, ...)                                               \
     enum {                                                                                         \
         PFX##_nslots_ = 0 SLOTS(NX_TBL_COUNT_)                                                     \

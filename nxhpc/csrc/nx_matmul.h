@@ -90,13 +90,10 @@ int nx_matmul_ex(nx_isa isa, uint32_t type, const float *x, const uint8_t *w, co
 #define NX_MM_SLOTS(X)                                                                             \
     X(matmul, int, (const nx_mm_call *c))                                                          \
     X(matmul_packer, int, (uint32_t type))
-NX_TABLE_TYPE(nx_mm_table, NX_MM_SLOTS)
+NX_DECLARE_FAMILY(nx_mm, NX_MM_SLOTS)
 extern const nx_mm_table nx_mm_table_generic; /* nx_matmul.c */
 extern const nx_mm_table nx_mm_table_avx2;    /* nx_matmul_avx2.c */
 extern const nx_mm_table nx_mm_table_avx512;  /* nx_matmul_avx512.c */
-extern const nx_family_info nx_mm_family;
-const nx_mm_table *nx_mm_get(nx_isa isa);
-nx_isa nx_mm_variant(int slot, nx_isa isa);
 
 int nx_matmul_generic(const nx_mm_call *c);
 int nx_matmul_avx2(const nx_mm_call *c);

@@ -50,14 +50,10 @@
       (const float *x, const float *mod, float *out, int64_t D, float eps, int64_t r0,             \
        int64_t r1))
 
-NX_TABLE_TYPE(nx_ops_table, NX_OPS_SLOTS)
+NX_DECLARE_FAMILY(nx_ops, NX_OPS_SLOTS)
 extern const nx_ops_table nx_ops_table_generic; /* nx_ops.c: every slot */
 extern const nx_ops_table nx_ops_table_avx2;    /* nx_ops_avx2.c */
 extern const nx_ops_table nx_ops_table_avx512;  /* nx_ops_avx512.c */
-extern const nx_family_info nx_ops_family;
-/* The resolved table for `isa` (missing variants inherited) and which ISA runs slot `slot`. */
-const nx_ops_table *nx_ops_get(nx_isa isa);
-nx_isa nx_ops_variant(int slot, nx_isa isa);
 
 /* The variants nx_<slot>_f32_<isa> (isa: generic, avx2, avx512), declared from the slot list:
  * their parameters are the slot's; the dispatching nx_<slot>_f32(isa, ...) below documents them. */
