@@ -1,6 +1,7 @@
 # Weight types and the matmul family (included by _kernels.pyx): weight_types, dequantize,
-# matmul (any weight type, optional bias), adaln_linear, the Q8_0 quantizer, and the Q8_0 names
-# kept for older callers (q8_0_matmul, q8_0_dequantize).
+# matmul (any weight type, optional bias), adaln_linear, the Q8_0 quantizer, and the names kept
+# for older callers (q8_0_matmul, q8_0_dequantize; dequantize_blocks and quant_block_sizes for
+# the nine block types Q4_0 .. Q6_K).
 # Owns the validation of these wrappers: weight-type names/ids against the C traits table, raw
 # GGML bytes per row, bands, aliasing. Must not: copy or write weight bytes (they may be a
 # read-only memory map), or enter C before every shape, dtype, band and aliasing check passed.
@@ -83,12 +84,6 @@ cdef tuple _wtype(str fn, object wtype):
     name = _WTYPE_NAME_OF_ID[tid]
     t, e, b = _WTYPES[name]
     return t, name, e, b
-
-
-cdef inline bint _is_wtype_arg(object v):
-    """A weight-type argument (name or id), as opposed to a bias array / None."""
-    return isinstance(v, str) or (isinstance(v, (int, np.integer))
-                                  and not isinstance(v, (bool, np.bool_)))
 
 
 cdef object _weight_bytes(str fn, str name, object w, str tname, Py_ssize_t E, Py_ssize_t B,
@@ -186,6 +181,35 @@ def dequantize(w, wtype, out=None, *, isa=None):
     may also be given as float32/float16 arrays. Returns out.
     """
     return _dequantize("dequantize", w, wtype, out, isa)
+
+
+# The older wrapper of the nine block types (Q4_0 .. Q6_K): dequantize() restricted to them.
+_QUANT_NAMES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def quant_block_sizes():
+    """{name: (ggml_type, block_elems, block_bytes)} of the nine block types Q4_0 .. Q6_K, from
+    the C traits table (``weight_types()`` restricted to them)."""
+    return {n: _WTYPES[n] for n in _QUANT_NAMES}
+
+
+def dequantize_blocks(raw, wtype, out=None, *, isa=None):
+    """out := decode(raw): ``dequantize(raw, wtype, out, isa=isa)`` restricted to the nine block
+    types "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K" (a name, GGML
+    type id or gguf.GGMLQuantizationType); the same checks, the argument named `raw`."""
+    fn = "dequantize_blocks"
+    name = None
+    if isinstance(wtype, str):
+        name = wtype.upper()
+    elif isinstance(wtype, (int, np.integer)) and not isinstance(wtype, (bool, np.bool_)):
+        name = _WTYPE_NAME_OF_ID.get(int(wtype))
+    if name not in _QUANT_NAMES:
+        raise ValueError(f"{fn}: wtype must be one of {sorted(_QUANT_NAMES)} (a name or its GGML "
+                         f"type id), got {wtype!r}"
+                         + (" (Q8_0 has q8_0_dequantize; dequantize() takes every type)"
+                            if str(wtype).upper() in ("Q8_0", "8")
+                            or getattr(wtype, "name", None) == "Q8_0" else ""))
+    return _dequantize(fn, raw, name, out, isa, "raw")
 
 
 def q8_0_dequantize(w, out=None, isa=None):
@@ -321,43 +345,15 @@ def q8_0_matmul(x, w, out, n0=0, n1=None, isa=None):
 
 # ----------------------------------------------------------------------------- adaLN linear
 
-_UNSET = object()
-
-
-def adaln_linear(t_emb, w, wtype=None, bias=_UNSET, out=_UNSET, silu_input=_UNSET, *, isa=None):
+def adaln_linear(t_emb, w, wtype, bias=None, out=None, silu_input=False, *, isa=None):
     """out := w @ (silu(t_emb) if silu_input else t_emb) + bias.
 
-    ``adaln_linear(t_emb, w, wtype, bias, out, silu_input=False, *, isa=None)``: t_emb float32
-    [K]; w: raw GGML bytes of `wtype` [N, rowbytes] (or float32/float16 [N, K] for F32/F16);
-    bias: float32 [N] or None; out: float32 [N], writeable. It is ``matmul`` with T = 1 plus the
-    bias, so a weight in any type and its float32 dequantization give bit-identical output at
-    every isa. The older form ``adaln_linear(t_emb, w, bias, out, silu_input=False, *, isa=None)``
-    (no wtype; w float32 [N, K] or Q8_0 uint8 [N, K//32*34]) keeps working.
+    t_emb: float32 [K]; w: raw GGML bytes of `wtype` [N, rowbytes] (or float32/float16 [N, K]
+    for F32/F16); bias: float32 [N] or None; out: float32 [N], writeable. It is ``matmul`` with
+    T = 1 plus the bias, so a weight in any type and its float32 dequantization give
+    bit-identical output at every isa.
     """
     fn = "adaln_linear"
-    if not _is_wtype_arg(wtype):  # the older form: (t_emb, w, bias, out[, silu_input])
-        if out is not _UNSET and silu_input is not _UNSET:
-            raise TypeError(f"{fn}: silu_input given twice (older form: adaln_linear(t_emb, w, "
-                            f"bias, out, silu_input, *, isa))")
-        if bias is _UNSET:
-            raise TypeError(f"{fn}: missing out (adaln_linear(t_emb, w, wtype, bias, out, ...))")
-        wtype, bias, out, silu_input = (None, wtype, bias,
-                                        out if out is not _UNSET else silu_input)
-        if isinstance(w, np.ndarray) and w.dtype == np.uint8:
-            wtype = "Q8_0"
-        elif isinstance(w, np.ndarray) and w.dtype == np.float32:
-            wtype = "F32"
-        elif not isinstance(w, np.ndarray):
-            raise TypeError(f"{fn}: w must be a numpy.ndarray (float32 [N, K] or uint8 Q8_0 "
-                            f"[N, K//32*34]), got {type(w).__name__}")
-        else:
-            raise TypeError(f"{fn}: w must be float32 or uint8 (Q8_0) when no wtype is given, "
-                            f"got dtype={w.dtype}")
-    elif bias is _UNSET or out is _UNSET:
-        raise TypeError(f"{fn}: bias and out are required (adaln_linear(t_emb, w, wtype, bias, "
-                        f"out, silu_input=False))")
-    if silu_input is _UNSET:
-        silu_input = False
     _f32(fn, "t_emb", t_emb, 1)
     cdef Py_ssize_t K = t_emb.shape[0], N
     tid, tname, E, B = _wtype(fn, wtype)

@@ -16,6 +16,7 @@ cdef extern from "nx_cpu.h" nogil:
     const char *nx_isa_name(nx_isa isa)
     nx_isa nx_isa_parent(nx_isa isa)
     uint32_t nx_isa_needs(nx_isa isa)
+    int nx_isa_rank(nx_isa isa)
 
 cdef extern from "nx_dispatch.h" nogil:
     ctypedef struct nx_family_info:

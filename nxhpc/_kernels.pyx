@@ -18,8 +18,8 @@ cimport numpy as cnp
 from nxhpc._kernels cimport (nx_isa, NX_ISA_GENERIC, NX_ISA_AVX2, NX_ISA_AVX512, NX_ISA_COUNT,
                              NX_CPU_NFEATURES, nx_cpu_features, nx_cpu_feature_name,
                              nx_cpu_best_isa, nx_cpu_isa_supported, nx_isa_name, nx_isa_parent,
-                             nx_isa_needs, nx_family_info, nx_families, nx_nfamilies,
-                             nx_dispatch_init)
+                             nx_isa_needs, nx_isa_rank, nx_family_info, nx_families,
+                             nx_nfamilies, nx_dispatch_init)
 
 cnp.import_array()
 nx_dispatch_init()  # probe the CPU and resolve every dispatch table once, before any fork
@@ -33,14 +33,14 @@ _ISA_BY_NAME = {name: i for i, name in enumerate(ISA_NAMES)}
 # here from their .pxi (kernel_variants() merges them with the C registry). Prefer a C table.
 _VARIANT_OF = {}
 
-# Older names of kernel_variants() entries -> the slot that now runs them.
-_VARIANT_ALIASES = {"q8_0_matmul": "matmul", "adaln_linear": "matmul",
-                    "q8_0_dequantize": "dequantize[Q8_0]"}
+# Older names of kernel_variants() entries still read (benchmarks) -> the slot that runs them.
+_VARIANT_ALIASES = {"q8_0_matmul": "matmul"}
 
 
 def _isa_info(int i):
     cdef uint32_t needs = nx_isa_needs(<nx_isa>i)
     return {"parent": ISA_NAMES[<int>nx_isa_parent(<nx_isa>i)],
+            "rank": nx_isa_rank(<nx_isa>i),
             "needs": [n for n, bit in _FEATURE_BITS.items() if needs & bit],
             "supported": bool(nx_cpu_isa_supported(<nx_isa>i))}
 
@@ -51,8 +51,9 @@ def cpu_features():
     Returns a dict: each feature name (``"avx2"``, ``"avx512bf16"``, ``"amx_tile"``, the OS-state
     bits ``"os_ymm"``, ``"os_zmm"``, ``"os_amx"``, ``"amx_permitted"``, ...) -> bool;
     ``"best_isa"`` -> the ISA kernels use by default (``"generic"`` when ``NXHPC_DISABLE_SIMD`` is
-    set), ``"supported_isas"`` -> the ISAs this CPU runs, ``"isas"`` -> per ISA its parent (where
-    missing kernels come from), the features it needs and whether they are all present.
+    set; else the supported ISA of highest rank), ``"supported_isas"`` -> the ISAs this CPU runs,
+    ``"isas"`` -> per ISA its parent (where missing kernels come from), its preference rank, the
+    features it needs and whether they are all present.
     """
     cdef uint32_t f = nx_cpu_features()
     out = {name: bool(f & bit) for name, bit in _FEATURE_BITS.items()}
@@ -95,7 +96,8 @@ def kernel_variants():
 
     Read from the C dispatch tables (csrc/nx_dispatch.h): a kernel without a variant at the
     default ISA reports the ISA it inherits from. Weight types appear as ``"dequantize[F16]"``;
-    ``"matmul"`` is the matmul of every type (``q8_0_matmul`` and ``adaln_linear`` run it).
+    ``"matmul"`` is the matmul of every type (``q8_0_matmul``, its older name, and
+    ``adaln_linear`` run it).
     """
     return dict(sorted(_variants_at(<int>nx_cpu_best_isa()).items()))
 
@@ -165,5 +167,4 @@ cdef tuple _band(str fn, str what, object lo, object hi, Py_ssize_t n):
 include "_k_matmul.pxi"
 include "_k_ops.pxi"
 include "_k_bwd.pxi"
-include "_k_quants.pxi"
 include "_k_lowp.pxi"

@@ -81,9 +81,19 @@ def test_isa_tree():
     assert "avx512bw" in isas["avx512"]["needs"] and "os_zmm" in isas["avx512"]["needs"]
 
 
-def test_best_isa_is_the_last_supported():
+def test_best_isa_is_the_supported_one_of_highest_rank():
+    """Preference is an explicit rank, not list order: ranks are distinct, a child ranks above
+    its parent, avx512 above avx2 (an ISA added under avx2, e.g. AVX-VNNI, must rank below
+    avx512), and the default is the supported ISA of highest rank."""
     f = K.cpu_features()
-    want = "generic" if f["simd_disabled"] else K.supported_isas()[-1]
+    isas = f["isas"]
+    ranks = {n: i["rank"] for n, i in isas.items()}
+    assert len(set(ranks.values())) == len(ranks), ranks
+    for name, info in isas.items():
+        if name != "generic":
+            assert ranks[name] > ranks[info["parent"]], name
+    assert ranks["generic"] < ranks["avx2"] < ranks["avx512"] < ranks["avx512bf16"]
+    want = "generic" if f["simd_disabled"] else max(K.supported_isas(), key=ranks.__getitem__)
     assert f["best_isa"] == want
 
 
@@ -116,11 +126,9 @@ def test_documented_inheritance():
     assert v("rmsnorm_backward", "avx2") == "generic" and v("rmsnorm_backward", "avx512") == "avx512"
     assert v("qknorm_rope_backward", "avx512") == "generic"
     assert v("dequantize[F32]", "avx512") == "generic"  # a memcpy: no SIMD variant
-    # the older names follow the slots that run them
-    for old, new in (("q8_0_matmul", "matmul"), ("adaln_linear", "matmul"),
-                     ("q8_0_dequantize", "dequantize[Q8_0]")):
-        for isa in K.ISA_NAMES:
-            assert v(old, isa) == v(new, isa)
+    # the older name follows the slot that runs it
+    for isa in K.ISA_NAMES:
+        assert v("q8_0_matmul", isa) == v("matmul", isa)
     # avx512bf16 has no table of these families: everything inherits avx512's
     for kernel in ("matmul", "rmsnorm", "layernorm_mod", "attention", "dequantize[BF16]",
                    "attention_backward", "qknorm_rope_backward", "q8_0_quantize"):

@@ -24,7 +24,7 @@ import nxhpc
 from nxhpc import _kernels as K
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
-MATMUL_FAMILIES = ("q8_0_quantize", "q8_0_dequantize", "q8_0_matmul", "adaln_linear")
+MATMUL_FAMILIES = ("q8_0_quantize", "dequantize[Q8_0]", "q8_0_matmul", "matmul")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -280,9 +280,9 @@ def test_matmul_two_level_order_exact(Kd, expected):
     for isa in ISAS:
         np.testing.assert_array_equal(bits(_matmul(x, w, isa)), bits(want), err_msg=f"isa={isa}")
         out = np.full(N, np.nan, np.float32)                  # adaLN runs the same order
-        K.adaln_linear(x[0], w, None, out, isa=isa)
+        K.adaln_linear(x[0], w, "Q8_0", None, out, isa=isa)
         np.testing.assert_array_equal(bits(out), bits(want[0]), err_msg=f"adaln isa={isa}")
-        K.adaln_linear(x[0], np.ones((N, Kd), np.float32), None, out, isa=isa)
+        K.adaln_linear(x[0], np.ones((N, Kd), np.float32), "F32", None, out, isa=isa)
         np.testing.assert_array_equal(bits(out), bits(want[0]), err_msg=f"adaln f32 isa={isa}")
 
 
@@ -457,7 +457,7 @@ def test_adaln_linear_f32_weights(silu_input, with_bias):
     tol = (4 * EPS32 + matmul_bound(Kd, 1.0)) * mag + EPS32 * (np.abs(ref) + mag) + 1e-30
     for isa in ISAS:
         out = np.full(N, np.nan, np.float32)
-        K.adaln_linear(t, w, b, out, silu_input=silu_input, isa=isa)
+        K.adaln_linear(t, w, "F32", b, out, silu_input=silu_input, isa=isa)
         assert (np.abs(out - ref) <= tol).all(), np.max(np.abs(out - ref) / tol)
 
 
@@ -476,7 +476,7 @@ def test_adaln_linear_q8_weights(silu_input):
     outs = {}
     for isa in ISAS:
         out = np.full(N, np.nan, np.float32)
-        K.adaln_linear(t, w, b, out, silu_input=silu_input, isa=isa)
+        K.adaln_linear(t, w, "Q8_0", b, out, silu_input=silu_input, isa=isa)
         assert (np.abs(out - ref) <= tol).all(), np.max(np.abs(out - ref) / tol)
         outs[isa] = out
     for isa in ISAS:
@@ -485,7 +485,7 @@ def test_adaln_linear_q8_weights(silu_input):
     w32 = gguf_dequantize(w, Q8)
     for isa in ISAS:
         out = np.full(N, np.nan, np.float32)
-        K.adaln_linear(t, w32, b, out, silu_input=silu_input, isa=isa)
+        K.adaln_linear(t, w32, "F32", b, out, silu_input=silu_input, isa=isa)
         np.testing.assert_array_equal(bits(out), bits(outs["generic"]), err_msg=f"f32 {isa}")
     # Q8_0 path equals the matmul with T=1 plus the bias, bit for bit.
     uu = (t / (1 + np.exp(-t))).astype(np.float32) if silu_input else t
@@ -565,24 +565,24 @@ def _bad_cases():
         ("dq out float64", lambda: K.q8_0_dequantize(np.ones((2, 34), np.uint8), out=np.zeros((2, 32))),
          TypeError),
         # adaln_linear
-        ("ad t float64", lambda: K.adaln_linear(t.astype(np.float64), wf, None, o6), TypeError),
-        ("ad t 2-D", lambda: K.adaln_linear(t[None], wf, None, o6), ValueError),
-        ("ad w float64", lambda: K.adaln_linear(t, wf.astype(np.float64), None, o6), TypeError),
-        ("ad w list", lambda: K.adaln_linear(t, wf.tolist(), None, o6), TypeError),
-        ("ad w K mismatch", lambda: K.adaln_linear(t, np.ones((6, 32), f), None, o6), ValueError),
-        ("ad w q8 K mismatch", lambda: K.adaln_linear(t, np.ones((6, 34), np.uint8), None, o6),
+        ("ad t float64", lambda: K.adaln_linear(t.astype(np.float64), wf, "F32", None, o6), TypeError),
+        ("ad t 2-D", lambda: K.adaln_linear(t[None], wf, "F32", None, o6), ValueError),
+        ("ad w float64", lambda: K.adaln_linear(t, wf.astype(np.float64), "F32", None, o6), TypeError),
+        ("ad w list", lambda: K.adaln_linear(t, wf.tolist(), "F32", None, o6), TypeError),
+        ("ad w K mismatch", lambda: K.adaln_linear(t, np.ones((6, 32), f), "F32", None, o6), ValueError),
+        ("ad w q8 K mismatch", lambda: K.adaln_linear(t, np.ones((6, 34), np.uint8), "Q8_0", None, o6),
          ValueError),
-        ("ad w q8 bytes % 34", lambda: K.adaln_linear(t, np.ones((6, 67), np.uint8), None, o6),
+        ("ad w q8 bytes % 34", lambda: K.adaln_linear(t, np.ones((6, 67), np.uint8), "Q8_0", None, o6),
          ValueError),
-        ("ad q8 K % 32", lambda: K.adaln_linear(np.ones(48, f), np.ones((6, 51), np.uint8), None, o6),
+        ("ad q8 K % 32", lambda: K.adaln_linear(np.ones(48, f), np.ones((6, 51), np.uint8), "Q8_0", None, o6),
          ValueError),
-        ("ad bias shape", lambda: K.adaln_linear(t, wf, np.ones(5, f), o6), ValueError),
-        ("ad bias float64", lambda: K.adaln_linear(t, wf, np.ones(6), o6), TypeError),
-        ("ad out shape", lambda: K.adaln_linear(t, wf, None, np.zeros(5, f)), ValueError),
-        ("ad out None", lambda: K.adaln_linear(t, wf, None, None), TypeError),
-        ("ad out read-only", lambda: K.adaln_linear(t, wf, None, _ro(np.zeros(6, f))), ValueError),
-        ("ad silu not bool", lambda: K.adaln_linear(t, wf, None, o6, silu_input="yes"), TypeError),
-        ("ad out aliases t", lambda: K.adaln_linear(t[:64], np.ones((64, 64), f), None,
+        ("ad bias shape", lambda: K.adaln_linear(t, wf, "F32", np.ones(5, f), o6), ValueError),
+        ("ad bias float64", lambda: K.adaln_linear(t, wf, "F32", np.ones(6), o6), TypeError),
+        ("ad out shape", lambda: K.adaln_linear(t, wf, "F32", None, np.zeros(5, f)), ValueError),
+        ("ad out None", lambda: K.adaln_linear(t, wf, "F32", None, None), TypeError),
+        ("ad out read-only", lambda: K.adaln_linear(t, wf, "F32", None, _ro(np.zeros(6, f))), ValueError),
+        ("ad silu not bool", lambda: K.adaln_linear(t, wf, "F32", None, o6, silu_input="yes"), TypeError),
+        ("ad out aliases t", lambda: K.adaln_linear(t[:64], np.ones((64, 64), f), "F32", None,
                                                     t[:64]), ValueError),
     ]
     return cases

@@ -318,7 +318,7 @@ def test_adaln_linear_all_types(wtype, silu_input):
     tol = (4 * EPS32 + matmul_bound(Kd, 1.0)) * mag + EPS32 * (np.abs(ref) + mag) + 1e-30
     w32 = gguf_values(raw, wtype)
     want = np.full(N, np.nan, np.float32)
-    K.adaln_linear(t, w32, b, want, silu_input=silu_input, isa="generic")   # older form, F32
+    K.adaln_linear(t, w32, "F32", b, want, silu_input=silu_input, isa="generic")
     assert (np.abs(want - ref) <= tol).all()
     for isa in ISAS:
         out = np.full(N, np.nan, np.float32)
@@ -394,7 +394,7 @@ def _bad_cases():
         ("dq out read-only", lambda: dq(w16, "F16", out=_ro(np.zeros((6, 64), f))), ValueError,
          ("out",)),
         ("dq isa bogus", lambda: dq(w16, "F16", isa="avx9"), ValueError, ("isa",)),
-        # adaln_linear, new form
+        # adaln_linear
         ("ad unknown type", lambda: ad(t, w16, "Q9_9", None, o6), ValueError, ("wtype",)),
         ("ad K % block", lambda: ad(np.ones(48, f), np.ones((6, 34), np.uint8), "Q8_0", None, o6),
          ValueError, ("t_emb", "Q8_0")),
@@ -403,10 +403,10 @@ def _bad_cases():
         ("ad out None", lambda: ad(t, w16, "F16", None, None), TypeError, ("out",)),
         ("ad bias shape", lambda: ad(t, w16, "F16", np.ones(5, f), o6), ValueError, ("bias",)),
         ("ad silu not bool", lambda: ad(t, w16, "F16", None, o6, "yes"), TypeError, ("silu_input",)),
-        ("ad silu twice", lambda: ad(t, np.ones((6, 64), f), None, o6, True, silu_input=True),
-         TypeError, ("silu_input",)),
-        ("ad old form float16", lambda: ad(t, np.ones((6, 64), np.float16), None, o6), TypeError,
-         ("w",)),
+        ("ad silu twice", lambda: ad(t, np.ones((6, 64), f), "F32", None, o6, True,
+                                     silu_input=True), TypeError, ("silu_input",)),
+        ("ad no wtype", lambda: ad(t, np.ones((6, 64), np.float16), None, o6),
+         TypeError, ("wtype",)),
         ("ad out aliases w", lambda: ad(np.ones(2, f), wsq, "F32", None, wsq[0]), ValueError,
          ("out", "w")),
     ]

@@ -59,17 +59,13 @@
        float *dq, float *dk, float *dv, int64_t T, int64_t H, int64_t KVH, int64_t hd,             \
        float scale, int64_t g0, int64_t g1))
 
-NX_TABLE_TYPE(nx_bwd_table, NX_BWD_SLOTS)
+NX_DECLARE_FAMILY(nx_bwd, NX_BWD_SLOTS)
 /* AVX-512 variants exist for every kernel except qknorm_rope_backward (whose cost is the float64
  * row arithmetic, not memory); AVX2 variants for swiglu and attention only (the others are
  * within 1.5x of generic, or bound by float64 arithmetic): the other slots inherit. */
 extern const nx_bwd_table nx_bwd_table_generic; /* nx_bwd.c */
 extern const nx_bwd_table nx_bwd_table_avx2;    /* nx_bwd_avx2.c */
 extern const nx_bwd_table nx_bwd_table_avx512;  /* nx_bwd_avx512.c */
-extern const nx_family_info nx_bwd_family;
-const nx_bwd_table *nx_bwd_get(nx_isa isa);
-/* The ISA whose code runs slot `slot` (list order above) when `isa` is requested. */
-nx_isa nx_bwd_variant(int slot, nx_isa isa);
 
 /* ---- rmsnorm_backward. Forward: y[r] = x[r] * inv_r * w [* mod], inv_r = 1/sqrt(mean(x[r]^2)+eps).
  * For rows r in [r0, r1), with g = dy*w[*mod] and xhat = x*inv:

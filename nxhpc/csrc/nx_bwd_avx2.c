@@ -14,36 +14,7 @@
 
 /* ------------------------------------------------------------------ swiglu */
 
-/* silu and silu' from one e = exp(-|x|) and d = 1 / (1 + e): silu = xc * sigmoid, with
- * sigmoid = d (x >= 0) or e*d. This is deliberately not the forward's nx_silu8
- * ((x or x*e) / (1 + e), one division): the two round differently, and this kernel's
- * results (tolerance-checked against the spec, not bit-matched to the forward) are kept as
- * they are. It also clamps +inf to FLT_MAX inside silu', which the forward does not need. */
-void nx_swiglu_bwd_f32_avx2(const float *a, const float *b, const float *dout, float *da, float *db,
-                            int64_t i0, int64_t i1) {
-    const __m256 big = _mm256_set1_ps(3.4028234663852886e38f),
-                 nbig = _mm256_set1_ps(-3.4028234663852886e38f);
-    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-    for (int64_t i = i0; i < i1; i += 8) {
-        __m256i m = nx_mask8(i1 - i);
-        __m256 av = _mm256_maskload_ps(a + i, m), bv = _mm256_maskload_ps(b + i, m);
-        __m256 g = _mm256_maskload_ps(dout + i, m);
-        __m256 xc = _mm256_max_ps(nbig, av); /* -inf -> -FLT_MAX; NaN kept (second operand) */
-        __m256 x = _mm256_min_ps(big, xc);   /* +inf -> FLT_MAX only inside silu' */
-        __m256 e = nx_exp8(_mm256_or_ps(x, sign));
-        __m256 d = _mm256_div_ps(one, _mm256_add_ps(one, e));
-        __m256 ed = _mm256_mul_ps(e, d);
-        __m256 pos = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
-        __m256 s = _mm256_blendv_ps(ed, d, pos);  /* sigmoid */
-        __m256 sc = _mm256_blendv_ps(d, ed, pos); /* 1 - sigmoid */
-        __m256 silu = _mm256_mul_ps(xc, s);
-        __m256 dsilu = _mm256_mul_ps(s, _mm256_add_ps(one, _mm256_mul_ps(x, sc)));
-        __m256 vda = _mm256_mul_ps(_mm256_mul_ps(g, bv), dsilu);
-        __m256 vdb = _mm256_mul_ps(g, silu);
-        _mm256_maskstore_ps(da + i, m, vda);
-        _mm256_maskstore_ps(db + i, m, vdb);
-    }
-}
+#include "nx_bwd_ew.h" /* swiglu_backward (both widths) */
 
 /* ------------------------------------------------------------------ attention */
 
@@ -117,42 +88,7 @@ static inline void nx_b2_pv_rows(const float *P, int64_t ld, const float *Y, int
     for (; c < hdp; c += 8) nx_b2_pv(1, P, ld, Y, hd, nk, c, O, hdp);
 }
 
-/* Phase 2 for one row (as nx_b_softmax_ds of the AVX-512 variant, 8 lanes). */
-static inline void nx_b2_softmax_ds(float *S, float *dP, const float *madd, int64_t Tp,
-                                    float scale) {
-    const __m256 sc = _mm256_set1_ps(scale);
-    __m256 mx = _mm256_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < Tp; j += 8) {
-        __m256 x = _mm256_fmadd_ps(_mm256_load_ps(S + j), sc, _mm256_load_ps(madd + j));
-        _mm256_store_ps(S + j, x);
-        mx = _mm256_max_ps(mx, x);
-    }
-    const float m = nx_hmax8(mx);
-    if (m == -INFINITY) { /* every key masked: no gradient */
-        memset(S, 0, sizeof(float) * (size_t)Tp);
-        memset(dP, 0, sizeof(float) * (size_t)Tp);
-        return;
-    }
-    const __m256 vm = _mm256_set1_ps(m);
-    __m256 l = _mm256_setzero_ps();
-    for (int64_t j = 0; j < Tp; j += 8) {
-        __m256 p = nx_exp8(_mm256_sub_ps(_mm256_load_ps(S + j), vm));
-        _mm256_store_ps(S + j, p);
-        l = _mm256_add_ps(l, p);
-    }
-    const __m256 inv = _mm256_set1_ps(1.0f / nx_hsum8(l));
-    __m256 dl = _mm256_setzero_ps();
-    for (int64_t j = 0; j < Tp; j += 8) {
-        __m256 p = _mm256_mul_ps(_mm256_load_ps(S + j), inv);
-        _mm256_store_ps(S + j, p);
-        dl = _mm256_fmadd_ps(p, _mm256_load_ps(dP + j), dl);
-    }
-    const __m256 delta = _mm256_set1_ps(nx_hsum8(dl));
-    for (int64_t j = 0; j < Tp; j += 8) {
-        __m256 p = _mm256_mul_ps(_mm256_load_ps(S + j), sc);
-        _mm256_store_ps(dP + j, _mm256_mul_ps(p, _mm256_sub_ps(_mm256_load_ps(dP + j), delta)));
-    }
-}
+/* nx_b2_softmax_ds: phase 2 for one row, nx_bwd_ew.h (both widths) */
 
 static const nx_attn_bwd_tiling nx_attn_bwd_tiling_avx2 = {
     NX_B2R, NX_B2C, NX_B2QB, 8, nx_b2_qk, nx_b2_outer, nx_b2_pv_rows, nx_b2_softmax_ds};

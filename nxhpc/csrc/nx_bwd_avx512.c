@@ -131,36 +131,7 @@ void nx_rope_bwd_f32_avx512(const float *dy, const float *pe, float *dx, int64_t
 
 /* ------------------------------------------------------------------ swiglu */
 
-/* silu and silu' from one e = exp(-|x|) and d = 1 / (1 + e): silu = xc * sigmoid, with
- * sigmoid = d (x >= 0) or e*d. This is deliberately not the forward's nx_silu16
- * ((x or x*e) / (1 + e), one division): the two round differently, and this kernel's
- * results (tolerance-checked against the spec, not bit-matched to the forward) are kept as
- * they are. It also clamps +inf to FLT_MAX inside silu', which the forward does not need. */
-void nx_swiglu_bwd_f32_avx512(const float *a, const float *b, const float *dout, float *da,
-                              float *db, int64_t i0, int64_t i1) {
-    const __m512 big = _mm512_set1_ps(3.4028234663852886e38f),
-                 nbig = _mm512_set1_ps(-3.4028234663852886e38f);
-    const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
-    for (int64_t i = i0; i < i1; i += 16) {
-        __mmask16 m = nx_mask16(i1 - i);
-        __m512 av = _mm512_maskz_loadu_ps(m, a + i), bv = _mm512_maskz_loadu_ps(m, b + i);
-        __m512 g = _mm512_maskz_loadu_ps(m, dout + i);
-        __m512 xc = _mm512_max_ps(nbig, av); /* -inf -> -FLT_MAX; NaN kept (second operand) */
-        __m512 x = _mm512_min_ps(big, xc);   /* +inf -> FLT_MAX only inside silu' */
-        __m512 e = nx_exp16(_mm512_or_ps(x, sign));
-        __m512 d = _mm512_div_ps(one, _mm512_add_ps(one, e));
-        __m512 ed = _mm512_mul_ps(e, d);
-        __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
-        __m512 s = _mm512_mask_blend_ps(pos, ed, d);  /* sigmoid */
-        __m512 sc = _mm512_mask_blend_ps(pos, d, ed); /* 1 - sigmoid */
-        __m512 silu = _mm512_mul_ps(xc, s);
-        __m512 dsilu = _mm512_mul_ps(s, _mm512_add_ps(one, _mm512_mul_ps(x, sc)));
-        __m512 vda = _mm512_mul_ps(_mm512_mul_ps(g, bv), dsilu);
-        __m512 vdb = _mm512_mul_ps(g, silu);
-        _mm512_mask_storeu_ps(da + i, m, vda);
-        _mm512_mask_storeu_ps(db + i, m, vdb);
-    }
-}
+#include "nx_bwd_ew.h" /* swiglu_backward (both widths) */
 
 /* ------------------------------------------------------------------ gated residual */
 
@@ -289,42 +260,7 @@ NX_INLINE void nx_b_pv(const int nv, const float *P, int64_t ld, const float *Y,
         for (int v = 0; v < nv; v++) _mm512_store_ps(O + r * hdp + c + 16 * v, acc[r][v]);
 }
 
-/* Softmax row + dS for one query row: S (scores, in) -> P (out, in place); dP -> scale*dS. */
-static inline void nx_b_softmax_ds(float *S, float *dP, const float *madd, int64_t Tp,
-                                   float scale) {
-    const __m512 sc = _mm512_set1_ps(scale);
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < Tp; j += 16) {
-        __m512 x = _mm512_fmadd_ps(_mm512_load_ps(S + j), sc, _mm512_load_ps(madd + j));
-        _mm512_store_ps(S + j, x);
-        mx = _mm512_max_ps(mx, x);
-    }
-    const float m = _mm512_reduce_max_ps(mx);
-    if (m == -INFINITY) { /* every key masked: the output row is constant, no gradient */
-        memset(S, 0, sizeof(float) * (size_t)Tp);
-        memset(dP, 0, sizeof(float) * (size_t)Tp);
-        return;
-    }
-    const __m512 vm = _mm512_set1_ps(m);
-    __m512 l = _mm512_setzero_ps();
-    for (int64_t j = 0; j < Tp; j += 16) {
-        __m512 p = nx_exp16(_mm512_sub_ps(_mm512_load_ps(S + j), vm));
-        _mm512_store_ps(S + j, p);
-        l = _mm512_add_ps(l, p);
-    }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(l));
-    __m512 dl = _mm512_setzero_ps();
-    for (int64_t j = 0; j < Tp; j += 16) {
-        __m512 p = _mm512_mul_ps(_mm512_load_ps(S + j), inv);
-        _mm512_store_ps(S + j, p);
-        dl = _mm512_fmadd_ps(p, _mm512_load_ps(dP + j), dl);
-    }
-    const __m512 delta = _mm512_set1_ps(_mm512_reduce_add_ps(dl));
-    for (int64_t j = 0; j < Tp; j += 16) {
-        __m512 p = _mm512_mul_ps(_mm512_load_ps(S + j), sc);
-        _mm512_store_ps(dP + j, _mm512_mul_ps(p, _mm512_sub_ps(_mm512_load_ps(dP + j), delta)));
-    }
-}
+/* nx_b_softmax_ds: phase 2 for one row, nx_bwd_ew.h (both widths) */
 
 /* dQ rows: 64-column chunks (4 zmm) then 16-column remainders */
 static inline void nx_b_pv_rows(const float *P, int64_t ld, const float *Y, int64_t hd, int64_t nk,

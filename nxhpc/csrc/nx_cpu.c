@@ -109,11 +109,12 @@ uint32_t nx_cpu_features(void) {
     return nx_features_cache;
 }
 
-#define NX_ISA_ROW_(id, name, needs, parent) {name, (needs), NX_ISA_##parent},
+#define NX_ISA_ROW_(id, name, needs, parent, rank) {name, (needs), NX_ISA_##parent, rank},
 static const struct {
     const char *name;
     uint32_t needs;
     nx_isa parent;
+    int rank;
 } nx_isas[NX_ISA_COUNT] = {NX_ISA_LIST(NX_ISA_ROW_)};
 #undef NX_ISA_ROW_
 
@@ -127,10 +128,14 @@ int nx_cpu_isa_supported(nx_isa isa) {
 nx_isa nx_cpu_best_isa(void) {
     const char *e = getenv("NXHPC_DISABLE_SIMD");
     if (e && *e && strcmp(e, "0") != 0) return NX_ISA_GENERIC;
-    for (int i = NX_ISA_COUNT - 1; i > 0; i--)
-        if (nx_cpu_isa_supported((nx_isa)i)) return (nx_isa)i;
-    return NX_ISA_GENERIC;
+    nx_isa best = NX_ISA_GENERIC;
+    for (int i = 1; i < NX_ISA_COUNT; i++)
+        if (nx_cpu_isa_supported((nx_isa)i) && nx_isas[i].rank > nx_isas[best].rank)
+            best = (nx_isa)i;
+    return best;
 }
+
+int nx_isa_rank(nx_isa isa) { return nx_isa_valid(isa) ? nx_isas[isa].rank : -1; }
 
 const char *nx_isa_name(nx_isa isa) { return nx_isa_valid(isa) ? nx_isas[isa].name : "unknown"; }
 

@@ -63,22 +63,26 @@ const char *nx_cpu_feature_name(int i);
     (NX_ISA_NEEDS_AVX2 | NX_CPU_AVX512F | NX_CPU_AVX512BW | NX_CPU_AVX512VL | NX_CPU_AVX512DQ |    \
      NX_CPU_AVX512VNNI | NX_CPU_OS_ZMM)
 
-/* The ISA targets: X(ID, "name", needed feature bits, parent). Dispatch for a target walks
+/* The ISA targets: X(ID, "name", needed feature bits, parent, rank). Dispatch for a target walks
  * target -> parent -> ... -> GENERIC and takes each kernel from the first target that has it
  * (nx_dispatch.h), so the targets form a tree, not a total order: a new target (say AVX-VNNI
- * under AVX2, or AVX512_BF16 under AVX512) is one line here. The list is in order of preference:
- * the default target is the last one this CPU supports. Adding an ISA: a line here (and a probe
- * bit above if it needs a new feature), its files `nx_<family>_<isa>.c` exporting one table per
- * family, one line in each such family's table list, and its suffix + flags in setup.py.
+ * under AVX2, or AVX512_BF16 under AVX512) is one line here. Preference is explicit: the default
+ * target is the supported one of highest rank (ranks are distinct, and a child ranks above its
+ * parent, whose code it runs anyway; tests/test_kernels_dispatch.py checks both). The position
+ * in the list means nothing beyond a parent coming before its children: an AVX-VNNI target
+ * (rank 15, between AVX2's 10 and AVX512's 20) can be appended after AVX512BF16 and never wins
+ * over AVX-512 on a CPU that has both. Adding an ISA: a line here (and a probe bit above if it
+ * needs a new feature), its files `nx_<family>_<isa>.c` exporting one table per family, one
+ * line in each such family's table list, and its suffix + flags in setup.py.
  * AVX512BF16's only table is the lowp family's (nx_lowp_avx512bf16.c: the bf16 matmul and
  * rounding); every other kernel inherits AVX512's. */
 #define NX_ISA_LIST(X)                                                                             \
-    X(GENERIC, "generic", 0u, GENERIC)                                                             \
-    X(AVX2, "avx2", NX_ISA_NEEDS_AVX2, GENERIC)                                                    \
-    X(AVX512, "avx512", NX_ISA_NEEDS_AVX512, AVX2)                                                 \
-    X(AVX512BF16, "avx512bf16", NX_ISA_NEEDS_AVX512 | NX_CPU_AVX512BF16, AVX512)
+    X(GENERIC, "generic", 0u, GENERIC, 0)                                                          \
+    X(AVX2, "avx2", NX_ISA_NEEDS_AVX2, GENERIC, 10)                                                \
+    X(AVX512, "avx512", NX_ISA_NEEDS_AVX512, AVX2, 20)                                             \
+    X(AVX512BF16, "avx512bf16", NX_ISA_NEEDS_AVX512 | NX_CPU_AVX512BF16, AVX512, 30)
 
-#define NX_ISA_ENUM_(id, name, needs, parent) NX_ISA_##id,
+#define NX_ISA_ENUM_(id, name, needs, parent, rank) NX_ISA_##id,
 typedef enum {
     NX_ISA_LIST(NX_ISA_ENUM_) NX_ISA_COUNT
 } nx_isa;
@@ -90,9 +94,12 @@ uint32_t nx_cpu_features(void);
 /* 1 if every feature bit the target needs is present (ignoring NXHPC_DISABLE_SIMD), else 0. */
 int nx_cpu_isa_supported(nx_isa isa);
 
-/* The default target: GENERIC when NXHPC_DISABLE_SIMD is set (and not "0"), else the last
- * supported entry of NX_ISA_LIST. */
+/* The default target: GENERIC when NXHPC_DISABLE_SIMD is set (and not "0"), else the supported
+ * target of highest rank (NX_ISA_LIST). */
 nx_isa nx_cpu_best_isa(void);
+
+/* The target's preference rank (NX_ISA_LIST); -1 outside [0, NX_ISA_COUNT). */
+int nx_isa_rank(nx_isa isa);
 
 /* "generic" / "avx2" / "avx512" ...; "unknown" outside [0, NX_ISA_COUNT). */
 const char *nx_isa_name(nx_isa isa);

@@ -15,8 +15,9 @@
  *                                                    numbered in list order); NX_ISA_COUNT if none
  *     const nx_family_info nx_ops_family;            names + variants, for kernel_variants()
  * Resolution runs once, on first use (the extension triggers it at import, before any fork or
- * thread): for each ISA, each slot is taken from the first table on the chain
- * isa -> parent -> ... -> GENERIC (nx_cpu.h, NX_ISA_LIST) that has it. The generic table fills
+ * thread), by the one resolver nx_dispatch_resolve (also the weight-type family's): for each ISA,
+ * each slot is taken from the first table on the chain isa -> parent -> ... -> GENERIC
+ * (nx_cpu.h, NX_ISA_LIST) that has it. The generic table fills
  * every slot; tests/test_kernels_dispatch.py checks that every slot of every family resolves.
  * Must not: know any family (families register themselves in nx_dispatch.c).
  */
@@ -41,25 +42,39 @@ extern const int nx_nfamilies;
 /* Resolves every family's tables now (idempotent). */
 void nx_dispatch_init(void);
 
+/* Any slot's function pointer as the resolver sees it: every family's table type is a union of
+ * its typed slots and this array view, slot_[k] = the k-th slot (same size, no padding). */
+typedef void (*nx_slot_fn)(void);
+
+/* The one ISA resolver, for every family (the X-macro families below and the weight-type family,
+ * nx_wtype.c): for each ISA i and slot s < nslots, resolved[i * nslots + s] := tables[a][s] and
+ * from[i * nslots + s] := a for the first a on the chain i -> parent -> ... -> GENERIC whose table
+ * is non-NULL and has slot s; NULL and NX_ISA_COUNT if none. (nx_dispatch.c) */
+void nx_dispatch_resolve(int nslots, const nx_slot_fn *const tables[NX_ISA_COUNT],
+                         nx_slot_fn *resolved /* OUT [NX_ISA_COUNT * nslots] */,
+                         unsigned char *from /* OUT [NX_ISA_COUNT * nslots] */);
+
 #define NX_TBL_FIELD_(name, ret, params) ret(*name) params;
 #define NX_TBL_NAME_(name, ret, params) #name,
 #define NX_TBL_COUNT_(name, ret, params) +1
-#define NX_TBL_RESOLVE_(name, ret, params)                                                         \
-    for (int d_ = 0; d_ <= NX_ISA_COUNT; d_++) {                                                   \
-        const nx_tbl_t_ *t_ = tables_[a_[d_]];                                                     \
-        if (t_ && t_->name) {                                                                      \
-            r_->name = t_->name;                                                                   \
-            from_[k_] = (unsigned char)a_[d_];                                                     \
-            break;                                                                                 \
-        }                                                                                          \
-        if (a_[d_] == NX_ISA_GENERIC) break;                                                       \
-    }                                                                                              \
-    k_++;
 
 #define NX_TABLE_TYPE(T, SLOTS)                                                                    \
-    typedef struct {                                                                               \
-        SLOTS(NX_TBL_FIELD_)                                                                       \
+    typedef union {                                                                                \
+        struct {                                                                                   \
+            SLOTS(NX_TBL_FIELD_)                                                                   \
+        };                                                                                         \
+        nx_slot_fn slot_[0 SLOTS(NX_TBL_COUNT_)];                                                  \
     } T;
+
+/* A family's header declares its table type and what NX_DEFINE_DISPATCH defines for it:
+ *     PFX##_table; const PFX##_table *PFX##_get(nx_isa); nx_isa PFX##_variant(int slot, nx_isa);
+ *     extern const nx_family_info PFX##_family;
+ * (the resolved table for `isa`, missing variants inherited, and which ISA runs slot `slot`). */
+#define NX_DECLARE_FAMILY(PFX, SLOTS)                                                              \
+    NX_TABLE_TYPE(PFX##_table, SLOTS)                                                              \
+    const PFX##_table *PFX##_get(nx_isa isa);                                                      \
+    nx_isa PFX##_variant(int slot, nx_isa isa);                                                    \
+    extern const nx_family_info PFX##_family;
 
 #define NX_DEFINE_DISPATCH(PFX, FAMNAME, SLOTS, ...)                                               \
     enum {                                                                                         \
@@ -69,20 +84,13 @@ void nx_dispatch_init(void);
     static unsigned char PFX##_from_[NX_ISA_COUNT][PFX##_nslots_];                                 \
     static int PFX##_done_;                                                                        \
     static void PFX##_resolve_(void) {                                                             \
-        typedef PFX##_table nx_tbl_t_;                                                             \
-        static const nx_tbl_t_ *const tables_[NX_ISA_COUNT] = __VA_ARGS__;                         \
-        for (int i_ = 0; i_ < NX_ISA_COUNT; i_++) {                                                \
-            nx_isa a_[NX_ISA_COUNT + 1]; /* the chain i_ -> parent -> ... -> GENERIC */            \
-            a_[0] = (nx_isa)i_;                                                                    \
-            for (int d_ = 1; d_ <= NX_ISA_COUNT; d_++) a_[d_] = nx_isa_parent(a_[d_ - 1]);         \
-            a_[NX_ISA_COUNT] = NX_ISA_GENERIC;                                                     \
-            nx_tbl_t_ *r_ = &PFX##_resolved_[i_];                                                  \
-            unsigned char *from_ = PFX##_from_[i_];                                                \
-            int k_ = 0;                                                                            \
-            for (int s_ = 0; s_ < PFX##_nslots_; s_++) from_[s_] = (unsigned char)NX_ISA_COUNT;    \
-            SLOTS(NX_TBL_RESOLVE_)                                                                 \
-            (void)k_;                                                                              \
-        }                                                                                          \
+        static const PFX##_table *const tables_[NX_ISA_COUNT] = __VA_ARGS__;                       \
+        const nx_slot_fn *slots_[NX_ISA_COUNT];                                                    \
+        nx_slot_fn flat_[NX_ISA_COUNT][PFX##_nslots_];                                             \
+        for (int i_ = 0; i_ < NX_ISA_COUNT; i_++) slots_[i_] = tables_[i_] ? tables_[i_]->slot_ : 0; \
+        nx_dispatch_resolve(PFX##_nslots_, slots_, &flat_[0][0], &PFX##_from_[0][0]);             \
+        for (int i_ = 0; i_ < NX_ISA_COUNT; i_++)                                                  \
+            for (int s_ = 0; s_ < PFX##_nslots_; s_++) PFX##_resolved_[i_].slot_[s_] = flat_[i_][s_]; \
         PFX##_done_ = 1;                                                                           \
     }                                                                                              \
     const PFX##_table *PFX##_get(nx_isa isa) {                                                     \

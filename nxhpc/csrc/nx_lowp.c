@@ -129,12 +129,7 @@ int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_mm_call *c) {
     const float *x = c->x, *bias = c->bias;
     float *out = c->out;
     const size_t T = c->T, K = c->K, N = c->N, n0 = c->n0, n1 = c->n1;
-    if (T == 0 || n0 >= n1) return 0;
-    if (K == 0) { /* the empty sum is +0 */
-        for (size_t t = 0; t < T; t++)
-            for (size_t n = n0; n < n1; n++) out[t * N + n] = bias ? 0.0f + bias[n] : 0.0f;
-        return 0;
-    }
+    if (nx_mm_trivial(c)) return 0;
     const size_t MR = tl->mr, NR = tl->nr, KC = tl->kc, NC = tl->nc, MC = tl->mc;
     const size_t G = (K + 31) / 32; /* 32-k groups of all of K */
     const size_t mc_max = nx_min(T, MC), nc_max = nx_min(n1 - n0, NC), kc_max = nx_min(K, KC);

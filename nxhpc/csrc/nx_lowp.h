@@ -85,13 +85,10 @@
     X(matmul_bf16, int, (const nx_mm_call *c))                                                     \
     X(matmul_q8, int, (const nx_mm_call *c))                                                       \
     X(round_bf16, void, (const float *x /* IN [n] */, uint16_t *out /* OUT [n] */, size_t n))
-NX_TABLE_TYPE(nx_lowp_table, NX_LOWP_SLOTS)
+NX_DECLARE_FAMILY(nx_lowp, NX_LOWP_SLOTS)
 extern const nx_lowp_table nx_lowp_table_generic;    /* nx_lowp.c */
 extern const nx_lowp_table nx_lowp_table_avx512;     /* nx_lowp_avx512.c */
 extern const nx_lowp_table nx_lowp_table_avx512bf16; /* nx_lowp_avx512bf16.c */
-extern const nx_family_info nx_lowp_family;
-const nx_lowp_table *nx_lowp_get(nx_isa isa);
-nx_isa nx_lowp_variant(int slot, nx_isa isa);
 
 /* ---- bfloat16 rounding (see bf above) */
 static inline uint16_t nx_bf16_round(float f) {

@@ -88,12 +88,7 @@ int nx_matmul_blocked(const nx_mm_tiling *tl, const nx_mm_call *c) {
     const size_t T = c->T, K = c->K, N = c->N, n0 = c->n0, n1 = c->n1;
     const float *x = c->x, *bias = c->bias;
     float *out = c->out;
-    if (T == 0 || n0 >= n1) return 0;
-    if (K == 0) { /* the empty sum is +0 */
-        for (size_t t = 0; t < T; t++)
-            for (size_t n = n0; n < n1; n++) out[t * N + n] = bias ? 0.0f + bias[n] : 0.0f;
-        return 0;
-    }
+    if (nx_mm_trivial(c)) return 0;
     const size_t MR = tl->mr, NR = tl->nr, KC = tl->kc, NC = tl->nc, MC = tl->mc;
     const size_t E = c->wt->blck_elems;
     nx_mm_pack_fn pack = (c->flags & NX_MM_DEQUANT_PACK) ? NULL : tl->pack_fused[c->type];

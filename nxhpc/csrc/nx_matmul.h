@@ -55,6 +55,20 @@ typedef struct {
     unsigned flags; /* NX_MM_* */
 } nx_mm_call;
 
+/* What every matmul driver (nx_matmul_blocked, nx_lowp_blocked) does before blocking: nothing for
+ * T = 0 or an empty band; for K = 0 the empty sum is +0, so out[t, n] = 0 (+ bias[n]) on the band.
+ * Returns 1 if the call is thereby done. */
+static inline int nx_mm_trivial(const nx_mm_call *c) {
+    if (c->T == 0 || c->n0 >= c->n1) return 1;
+    if (c->K == 0) {
+        for (size_t t = 0; t < c->T; t++)
+            for (size_t n = c->n0; n < c->n1; n++)
+                c->out[t * c->N + n] = c->bias ? 0.0f + c->bias[n] : 0.0f;
+        return 1;
+    }
+    return 0;
+}
+
 /* Test hook: pack panels with the ISA's generic dequantize-and-transpose packer even where a
  * fused packer exists (so the generic packer is tested on every type). */
 #define NX_MM_DEQUANT_PACK 1u
@@ -76,13 +90,10 @@ int nx_matmul_ex(nx_isa isa, uint32_t type, const float *x, const uint8_t *w, co
 #define NX_MM_SLOTS(X)                                                                             \
     X(matmul, int, (const nx_mm_call *c))                                                          \
     X(matmul_packer, int, (uint32_t type))
-NX_TABLE_TYPE(nx_mm_table, NX_MM_SLOTS)
+NX_DECLARE_FAMILY(nx_mm, NX_MM_SLOTS)
 extern const nx_mm_table nx_mm_table_generic; /* nx_matmul.c */
 extern const nx_mm_table nx_mm_table_avx2;    /* nx_matmul_avx2.c */
 extern const nx_mm_table nx_mm_table_avx512;  /* nx_matmul_avx512.c */
-extern const nx_family_info nx_mm_family;
-const nx_mm_table *nx_mm_get(nx_isa isa);
-nx_isa nx_mm_variant(int slot, nx_isa isa);
 
 int nx_matmul_generic(const nx_mm_call *c);
 int nx_matmul_avx2(const nx_mm_call *c);

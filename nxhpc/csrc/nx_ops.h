@@ -50,14 +50,19 @@
       (const float *x, const float *mod, float *out, int64_t D, float eps, int64_t r0,             \
        int64_t r1))
 
-NX_TABLE_TYPE(nx_ops_table, NX_OPS_SLOTS)
+NX_DECLARE_FAMILY(nx_ops, NX_OPS_SLOTS)
 extern const nx_ops_table nx_ops_table_generic; /* nx_ops.c: every slot */
 extern const nx_ops_table nx_ops_table_avx2;    /* nx_ops_avx2.c */
 extern const nx_ops_table nx_ops_table_avx512;  /* nx_ops_avx512.c */
-extern const nx_family_info nx_ops_family;
-/* The resolved table for `isa` (missing variants inherited) and which ISA runs slot `slot`. */
-const nx_ops_table *nx_ops_get(nx_isa isa);
-nx_isa nx_ops_variant(int slot, nx_isa isa);
+
+/* The variants nx_<slot>_f32_<isa> (isa: generic, avx2, avx512), declared from the slot list:
+ * their parameters are the slot's; the dispatching nx_<slot>_f32(isa, ...) below documents them. */
+#define NX_OPS_VARIANTS_(name, ret, params)                                                        \
+    ret nx_##name##_f32_generic params;                                                            \
+    ret nx_##name##_f32_avx2 params;                                                               \
+    ret nx_##name##_f32_avx512 params;
+NX_OPS_SLOTS(NX_OPS_VARIANTS_)
+#undef NX_OPS_VARIANTS_
 
 /* ---- rmsnorm: out[r] := x[r] / sqrt(mean(x[r]^2) + eps) * w [* mod], rows [r0, r1) of [T, D].
  * out may equal x (in place). mod may be NULL. */
@@ -67,12 +72,6 @@ void nx_rmsnorm_f32(nx_isa isa,       /* the ISA to run (nx_cpu.h) */
                     const float *mod, /* IN  [D] or NULL */
                     float *out,       /* OUT [T, D], rows [r0, r1) */
                     int64_t D, float eps, int64_t r0, int64_t r1);
-void nx_rmsnorm_f32_generic(const float *x, const float *w, const float *mod, float *out, int64_t D,
-                            float eps, int64_t r0, int64_t r1);
-void nx_rmsnorm_f32_avx2(const float *x, const float *w, const float *mod, float *out, int64_t D,
-                         float eps, int64_t r0, int64_t r1);
-void nx_rmsnorm_f32_avx512(const float *x, const float *w, const float *mod, float *out, int64_t D,
-                           float eps, int64_t r0, int64_t r1);
 
 /* ---- qknorm_rope: per (token t, head j in [h0, h1) of the combined [q heads | k heads] index):
  * y = rmsnorm(qkv[t, j*hd:(j+1)*hd], w) with w = q_w (j < H) or k_w; then
@@ -86,15 +85,6 @@ void nx_qknorm_rope_f32(nx_isa isa,       /* the ISA to run (nx_cpu.h) */
                         float *k_out,     /* OUT [KVH, T, hd] */
                         int64_t T, int64_t H, int64_t KVH, int64_t hd, float eps, int64_t h0,
                         int64_t h1);
-void nx_qknorm_rope_f32_generic(const float *qkv, const float *q_w, const float *k_w,
-                                const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
-                                int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1);
-void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_w, const float *pe,
-                             float *q_out, float *k_out, int64_t T, int64_t H, int64_t KVH,
-                             int64_t hd, float eps, int64_t h0, int64_t h1);
-void nx_qknorm_rope_f32_avx512(const float *qkv, const float *q_w, const float *k_w,
-                               const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
-                               int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1);
 
 /* ---- attention: for query heads h in [h0, h1), kv head g = h / (H / KVH):
  * out[t, h*hd:(h+1)*hd] = sum_j softmax_j(scale * q[h,t].k[g,j], masked j excluded) * v_g[j]
@@ -110,23 +100,11 @@ int nx_attention_f32(nx_isa isa,          /* the ISA to run (nx_cpu.h) */
                      float *out,          /* OUT [T, H*hd], columns of heads [h0, h1) */
                      int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0,
                      int64_t h1);
-int nx_attention_f32_generic(const float *q, const float *k, const float *qkv, const uint8_t *mask,
-                             float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
-                             int64_t h0, int64_t h1);
-int nx_attention_f32_avx2(const float *q, const float *k, const float *qkv, const uint8_t *mask,
-                          float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
-                          int64_t h0, int64_t h1);
-int nx_attention_f32_avx512(const float *q, const float *k, const float *qkv, const uint8_t *mask,
-                            float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
-                            int64_t h0, int64_t h1);
 
 /* ---- swiglu: out[i] := silu(a[i]) * b[i] for flat i in [i0, i1); silu(x) = x / (1 + exp(-x)),
  * evaluated as (x < 0 ? x*e : x) / (1 + e) with e = exp(-|x|) (no overflow; silu(-inf) = -0).
  * out may equal a or b. */
 void nx_swiglu_f32(nx_isa isa, const float *a, const float *b, float *out, int64_t i0, int64_t i1);
-void nx_swiglu_f32_generic(const float *a, const float *b, float *out, int64_t i0, int64_t i1);
-void nx_swiglu_f32_avx2(const float *a, const float *b, float *out, int64_t i0, int64_t i1);
-void nx_swiglu_f32_avx512(const float *a, const float *b, float *out, int64_t i0, int64_t i1);
 
 /* ---- gated_residual: out[r, c] := resid[r, c] + tanh(gate[c]) * y[r, c], rows [r0, r1).
  * out may equal resid (or y). Returns 0, or -1 if the D-float scratch could not be allocated. */
@@ -136,12 +114,6 @@ int nx_gated_residual_f32(nx_isa isa,         /* the ISA to run (nx_cpu.h) */
                           const float *gate,  /* IN  [D] */
                           float *out,         /* OUT [T, D] */
                           int64_t D, int64_t r0, int64_t r1);
-int nx_gated_residual_f32_generic(const float *resid, const float *y, const float *gate, float *out,
-                                  int64_t D, int64_t r0, int64_t r1);
-int nx_gated_residual_f32_avx2(const float *resid, const float *y, const float *gate, float *out,
-                               int64_t D, int64_t r0, int64_t r1);
-int nx_gated_residual_f32_avx512(const float *resid, const float *y, const float *gate, float *out,
-                                 int64_t D, int64_t r0, int64_t r1);
 
 /* ---- layernorm_mod: out[r] := (x[r] - mean_r) / sqrt(var_r + eps) * mod, rows [r0, r1) of
  * [T, D] (LayerNorm without affine, population variance, times a per-column modulation).
@@ -158,19 +130,10 @@ void nx_layernorm_mod_f32(nx_isa isa,       /* the ISA to run (nx_cpu.h) */
                           const float *mod, /* IN  [D] */
                           float *out,       /* OUT [T, D], rows [r0, r1) */
                           int64_t D, float eps, int64_t r0, int64_t r1);
-void nx_layernorm_mod_f32_generic(const float *x, const float *mod, float *out, int64_t D,
-                                  float eps, int64_t r0, int64_t r1);
-void nx_layernorm_mod_f32_avx2(const float *x, const float *mod, float *out, int64_t D, float eps,
-                               int64_t r0, int64_t r1);
-void nx_layernorm_mod_f32_avx512(const float *x, const float *mod, float *out, int64_t D, float eps,
-                                 int64_t r0, int64_t r1);
 
 /* ---- element-wise exp / tanh of the variant (test hook for the SIMD polynomials):
  * out[i] := exp(x[i]) (which = 0) or tanh(x[i]) (which = 1), i in [0, n). */
 void nx_vmath_f32(nx_isa isa, int which, const float *x, float *out, int64_t n);
-void nx_vmath_f32_generic(int which, const float *x, float *out, int64_t n);
-void nx_vmath_f32_avx2(int which, const float *x, float *out, int64_t n);
-void nx_vmath_f32_avx512(int which, const float *x, float *out, int64_t n);
 
 /* One RoPE pair of qk-norm + RoPE, scalar: y = (x * inv) * w for the pair's two values, then the
  * 2x2 rotation from pe ([hd/2][2][2] per token). The generic kernel is this loop; the SIMD

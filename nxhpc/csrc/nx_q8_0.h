@@ -36,12 +36,9 @@ void nx_q8_0_quantize_generic(const float *x /* IN */, uint8_t *out /* OUT */, s
 void nx_q8_0_quantize_avx512(const float *x /* IN */, uint8_t *out /* OUT */, size_t nblocks);
 
 #define NX_Q8_0_SLOTS(X) X(q8_0_quantize, void, (const float *x, uint8_t *out, size_t nblocks))
-NX_TABLE_TYPE(nx_q8_0_table, NX_Q8_0_SLOTS)
+NX_DECLARE_FAMILY(nx_q8_0, NX_Q8_0_SLOTS)
 extern const nx_q8_0_table nx_q8_0_table_generic; /* nx_q8_0.c */
 extern const nx_q8_0_table nx_q8_0_table_avx512;  /* nx_q8_0_avx512.c (no AVX2 variant) */
-extern const nx_family_info nx_q8_0_family;
-const nx_q8_0_table *nx_q8_0_get(nx_isa isa);
-nx_isa nx_q8_0_variant(int slot, nx_isa isa);
 
 /* ---- the Q8_0 weight type under its old names (same arithmetic: nx_wtype.h, nx_matmul.h). */
 static inline void nx_q8_0_dequantize(nx_isa isa, const uint8_t *w /* IN [nblocks*34] */,

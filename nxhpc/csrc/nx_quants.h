@@ -4,7 +4,7 @@
  * Owns: the nine block layouts (ggml's ggml-common.h, sizes pinned by _Static_assert) and the
  * decoding arithmetic of each type (the generic scalar functions in nx_quants.c are the spec).
  * The traits rows (name, geometry, spec) and the per-ISA dequantize entries of these types live
- * in the weight-type tables (nx_wtype.c, nx_wtype_avx2.c, nx_wtype_avx512.c): one authority for
+ * in the weight-type tables (nx_wtype.c, nx_wtype_ew.h for both SIMD widths): one authority for
  * dispatch. Must not: allocate, spawn threads, dispatch, or read/write outside [blocks, blocks +
  * nblocks*block_bytes) / [out, out + nblocks*block_elems) (callers validate sizes before C).
  *

@@ -67,6 +67,38 @@ static inline nxv nxv_load_q8(const uint8_t *q, nxv d) {
 }
 static inline nxv nxv_zero(void) { return _mm512_setzero_ps(); }
 static inline void nxv_store(float *p, nxv v) { _mm512_store_ps(p, v); } /* p 64-byte aligned */
+/* int32 lanes, and the float ops by the intrinsic's own name (NXV_PS(mul)(a, b) is
+ * _mm512_mul_ps(a, b), no wrapper): the block decoders (nx_quants_ew.h) are spelled with these so
+ * that their 16-lane code is exactly the intrinsics code they were first written as. */
+typedef __m512i nxvi;
+#define NXV_PS(op) _mm512_##op##_ps
+#define nxvi_set1 _mm512_set1_epi32
+#define nxvi_and _mm512_and_si512
+#define nxvi_or _mm512_or_si512
+#define nxvi_sub _mm512_sub_epi32
+#define nxvi_srli _mm512_srli_epi32
+#define nxvi_slli _mm512_slli_epi32
+/* Masked / predicated steps by the intrinsic's own name, for the same reason (nx_bwd_ew.h):
+ * NXV_MASKN(n) lanes [0, n) (nxv_mask), NXV_LOADN / NXV_STOREN masked, NXV_CMP(a, b, _CMP_*) a
+ * lane predicate (nxv_pred), NXV_SELECT(m, f, t) lane m ? t : f, NXV_EXP the exp polynomial. */
+typedef __mmask16 nxv_pred;
+#define NXV_MASKN(n) nx_mask16(n)
+#define NXV_LOADN(p, m) _mm512_maskz_loadu_ps(m, p)
+#define NXV_STOREN(p, m, v) _mm512_mask_storeu_ps(p, m, v)
+#define NXV_CMP(a, b, pred) _mm512_cmp_ps_mask(a, b, pred)
+#define NXV_SELECT(m, f, t) _mm512_mask_blend_ps(m, f, t)
+#define NXV_EXP(x) nx_exp16(x)
+#define NXV_HMAX(v) _mm512_reduce_max_ps(v) /* horizontal max / sum of the lanes */
+#define NXV_HSUM(v) _mm512_reduce_add_ps(v)
+static inline nxvi nxvi_srl(nxvi a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+static inline nxv nxvi_cvt(nxvi a) { return _mm512_cvtepi32_ps(a); }
+/* 16 bytes at p (any alignment) -> 16 lanes, zero- / sign-extended */
+static inline nxvi nxvi_load_u8(const uint8_t *p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+static inline nxvi nxvi_load_i8(const uint8_t *p) {
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
 /* In-register 16x16 transpose: r[i][j] -> r[j][i]. */
 static inline void nxv_transpose(nxv r[16]) {
     __m512 t[16];
@@ -145,6 +177,32 @@ static inline nxv nxv_load_q8(const uint8_t *q, nxv d) {
 }
 static inline nxv nxv_zero(void) { return _mm256_setzero_ps(); }
 static inline void nxv_store(float *p, nxv v) { _mm256_store_ps(p, v); } /* p 32-byte aligned */
+typedef __m256i nxvi;
+#define NXV_PS(op) _mm256_##op##_ps
+#define nxvi_set1 _mm256_set1_epi32
+#define nxvi_and _mm256_and_si256
+#define nxvi_or _mm256_or_si256
+#define nxvi_sub _mm256_sub_epi32
+#define nxvi_srli _mm256_srli_epi32
+#define nxvi_slli _mm256_slli_epi32
+typedef __m256 nxv_pred;
+#define NXV_MASKN(n) nx_mask8(n)
+#define NXV_LOADN(p, m) _mm256_maskload_ps(p, m)
+#define NXV_STOREN(p, m, v) _mm256_maskstore_ps(p, m, v)
+#define NXV_CMP(a, b, pred) _mm256_cmp_ps(a, b, pred)
+#define NXV_SELECT(m, f, t) _mm256_blendv_ps(f, t, m)
+#define NXV_EXP(x) nx_exp8(x)
+#define NXV_HMAX(v) nx_hmax8(v)
+#define NXV_HSUM(v) nx_hsum8(v)
+static inline nxvi nxvi_srl(nxvi a, int n) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+static inline nxv nxvi_cvt(nxvi a) { return _mm256_cvtepi32_ps(a); }
+/* 8 bytes at p (any alignment) -> 8 lanes, zero- / sign-extended */
+static inline nxvi nxvi_load_u8(const uint8_t *p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+static inline nxvi nxvi_load_i8(const uint8_t *p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
 /* In-register 8x8 transpose: r[i][j] -> r[j][i]. */
 static inline void nxv_transpose(nxv r[8]) {
     __m256 t[8], s[8];

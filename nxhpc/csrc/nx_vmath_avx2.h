@@ -28,28 +28,11 @@ static inline __m256i nx_mask8(int64_t valid) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* exp(x), 8 lanes: same reduction and polynomial as the AVX-512 variant (nx_exp16 in
- * nx_vmath_avx512.h): x clamped to [-110, 89] (NaN kept: the clamp returns its second operand on
- * NaN), x = n*ln2 + r (Cody-Waite, ln2 in two parts), exp(r) = 1 + r + r^2 * P5(r) (Cephes expf
- * minimax coefficients). 2^n (n in [-159, 129]) is applied as two exact power-of-two factors
- * 2^(n>>1) * 2^(n-(n>>1)) so overflow gives inf and subnormal results are rounded once.
- * exp(+inf) = inf, exp(-inf) = 0. <= 2 ulp measured (tests/test_kernels_ops.py). p * 2^(n>>1)
- * stays normal, hence exact, so only the last product rounds, as nx_exp16's scalef does: the
- * two give the same results lane for lane. */
-static inline __m256 nx_exp8(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-110.0f), _mm256_min_ps(_mm256_set1_ps(89.0f), x));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
-    p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+/* p * 2^n for the 8-lane exp (n in [-159, 129], integral): as two exact power-of-two factors
+ * 2^(n>>1) * 2^(n-(n>>1)), so overflow gives inf and subnormal results are rounded once; p *
+ * 2^(n>>1) stays normal, hence exact, so only the last product rounds, as AVX-512's scalef does:
+ * the two give the same results lane for lane. */
+static inline __m256 nx_scale2n8(__m256 p, __m256 n) {
     __m256i ni = _mm256_cvtps_epi32(n); /* NaN -> INT_MIN; p is NaN then anyway */
     __m256i n1 = _mm256_srai_epi32(ni, 1);
     __m256i n2 = _mm256_sub_epi32(ni, n1);
@@ -60,28 +43,16 @@ static inline __m256 nx_exp8(__m256 x) {
     return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 
-/* tanh(x), 8 lanes, same formula as nx_tanh16: |x| < 0.625: odd minimax polynomial
- * x + x^3 P4(x^2) (Cephes tanhf); otherwise sign(x) * (1 - 2 / (exp(2|x|) + 1)) with nx_exp8,
- * which saturates to +-1 and keeps NaN. tanh(-0) = -0. Measured <= 1.2 ulp (test bound 3 ulp,
- * tests/test_kernels_ops.py). */
-static inline __m256 nx_tanh8(__m256 x) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 ax = _mm256_andnot_ps(sign, x);
-    __m256 z = _mm256_mul_ps(x, x);
-    __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
-    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
-    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
-    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
-    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
-    __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
-    __m256 e = nx_exp8(_mm256_add_ps(ax, ax));
-    __m256 big =
-        _mm256_sub_ps(_mm256_set1_ps(1.0f),
-                      _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
-    __m256 is_small = _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ);
-    /* both branches carry sign(x); OR-ing it in keeps tanh(-0) = -0 */
-    return _mm256_or_ps(_mm256_blendv_ps(big, small, is_small), _mm256_and_ps(sign, x));
-}
+/* 8-lane spellings of the shared polynomials (nx_vmath_ew.h) */
+#define NXM_FN(name) name##8
+#define NXM_PS(op) _mm256_##op##_ps
+typedef __m256 nxm_v;
+typedef __m256 nxm_cmp; /* a lane predicate (all-ones lanes) */
+#define NXM_ROUND(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define NXM_SCALE2N(p, n) nx_scale2n8(p, n)
+#define NXM_CMP(a, b, pred) _mm256_cmp_ps(a, b, pred)
+#define NXM_SELECT(m, f, t) _mm256_blendv_ps(f, t, m) /* lane: m ? t : f */
+#include "nx_vmath_ew.h" /* nx_exp8, nx_tanh8 */
 
 /* silu(x) = (x < 0 ? x*e : x) / (1 + e), e = exp(-|x|) (nx_exp8), 8 lanes, same formula as
  * nx_silu16: never overflows; -inf is clamped to -FLT_MAX first so silu(-inf) = -0; NaN kept.

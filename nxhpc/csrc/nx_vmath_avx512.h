@@ -31,49 +31,16 @@ static inline __mmask16 nx_mask16(int64_t valid) {
                         : (__mmask16)((1u << valid) - 1u);
 }
 
-/* exp(x), 16 lanes. Range reduction x = n*ln2 + r (ln2 split in two, Cody-Waite), |r| <= ln2/2,
- * exp(r) = 1 + r + r^2 * P5(r) (Cephes expf minimax coefficients), result = scalef(p, n).
- * Input clamped to [-110, 89] first (NaN kept: the clamp returns its second operand on NaN), so
- * exp(+inf) = inf, exp(-inf) = 0, subnormal results are rounded once by scalef.
- * Max error measured over the float range: <= 2 ulp (tests/test_kernels_ops.py). */
-static inline __m512 nx_exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-110.0f), _mm512_min_ps(_mm512_set1_ps(89.0f), x));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* tanh(x), 16 lanes. |x| < 0.625: odd minimax polynomial x + x^3 P4(x^2) (Cephes tanhf);
- * otherwise sign(x) * (1 - 2 / (exp(2|x|) + 1)) with nx_exp16, which saturates to +-1 and keeps
- * NaN. tanh(-0) = -0. Measured <= 1.2 ulp (test bound 3 ulp, tests/test_kernels_ops.py). */
-static inline __m512 nx_tanh16(__m512 x) {
-    const __m512 sign = _mm512_set1_ps(-0.0f);
-    __m512 ax = _mm512_andnot_ps(sign, x);
-    __m512 z = _mm512_mul_ps(x, x);
-    __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954e-2f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531e-2f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036e-1f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
-    __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
-    __m512 e = nx_exp16(_mm512_add_ps(ax, ax));
-    __m512 big =
-        _mm512_sub_ps(_mm512_set1_ps(1.0f),
-                      _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
-    __mmask16 is_small = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.625f), _CMP_LT_OQ);
-    /* both branches carry sign(x) (the polynomial is odd with 1 + z*P > 0); OR-ing it in keeps tanh(-0) = -0 */
-    return _mm512_or_ps(_mm512_mask_blend_ps(is_small, big, small), _mm512_and_ps(sign, x));
-}
+/* 16-lane spellings of the shared polynomials (nx_vmath_ew.h) */
+#define NXM_FN(name) name##16
+#define NXM_PS(op) _mm512_##op##_ps
+typedef __m512 nxm_v;
+typedef __mmask16 nxm_cmp; /* a lane predicate */
+#define NXM_ROUND(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define NXM_SCALE2N(p, n) _mm512_scalef_ps(p, n) /* p * 2^n, rounded once */
+#define NXM_CMP(a, b, pred) _mm512_cmp_ps_mask(a, b, pred)
+#define NXM_SELECT(m, f, t) _mm512_mask_blend_ps(m, f, t) /* lane: m ? t : f */
+#include "nx_vmath_ew.h" /* nx_exp16, nx_tanh16 */
 
 /* silu(x) = (x < 0 ? x*e : x) / (1 + e), e = exp(-|x|) (nx_exp16): never overflows; -inf is
  * clamped to -FLT_MAX first so silu(-inf) = -0; NaN kept. Used by the forward swiglu only: the

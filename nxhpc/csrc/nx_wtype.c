@@ -124,41 +124,43 @@ const nx_wtype_traits *nx_wtype(uint32_t ggml_type) {
 static const nx_wtype_table *const nx_wtype_tables[NX_ISA_COUNT] = {
     NX_X86_ONLY([NX_ISA_AVX2] = &nx_wtype_table_avx2, [NX_ISA_AVX512] = &nx_wtype_table_avx512, )};
 
-static nx_dequant_fn nx_wtype_resolved[NX_ISA_COUNT][NX_GGML_TYPE_COUNT];
+static nx_wtype_table nx_wtype_resolved[NX_ISA_COUNT];
 static unsigned char nx_wtype_from[NX_ISA_COUNT][NX_GGML_TYPE_COUNT];
 static char nx_wtype_names[NX_GGML_TYPE_COUNT][32];
 static int nx_wtype_done;
 
-/* Per ISA and type: the first variant on the chain isa -> parent -> ... ; the spec at GENERIC. */
+/* The shared resolver (nx_dispatch.h) over the ISA tables, with the traits table's specs as the
+ * GENERIC table: per ISA and type, the first variant on the chain isa -> parent -> ... -> the
+ * spec. Ids without a traits row resolve to nothing. */
 static void nx_wtype_resolve(void) {
-    for (int i = 0; i < NX_ISA_COUNT; i++) {
-        for (uint32_t t = 0; t < NX_GGML_TYPE_COUNT; t++) {
-            nx_wtype_resolved[i][t] = NULL;
-            nx_wtype_from[i][t] = (unsigned char)NX_ISA_COUNT;
-            if (!nx_wtype(t)) continue;
+    static nx_wtype_table generic;
+    const nx_slot_fn *tables[NX_ISA_COUNT];
+    nx_slot_fn flat[NX_ISA_COUNT][NX_GGML_TYPE_COUNT];
+    for (uint32_t t = 0; t < NX_GGML_TYPE_COUNT; t++) {
+        generic.dequant[t] = nx_wtype(t) ? nx_wtype_traits_table[t].dequant : NULL;
+        if (nx_wtype(t))
             snprintf(nx_wtype_names[t], sizeof nx_wtype_names[t], "dequantize[%s]",
                      nx_wtype_traits_table[t].name);
-            nx_isa a = (nx_isa)i;
-            for (int depth = 0; depth <= NX_ISA_COUNT; depth++, a = nx_isa_parent(a)) {
-                const nx_wtype_table *tab = nx_wtype_tables[a];
-                nx_dequant_fn f = a == NX_ISA_GENERIC ? nx_wtype_traits_table[t].dequant
-                                                      : (tab ? tab->dequant[t] : NULL);
-                if (f) {
-                    nx_wtype_resolved[i][t] = f;
-                    nx_wtype_from[i][t] = (unsigned char)a;
-                    break;
-                }
-                if (a == NX_ISA_GENERIC) break;
-            }
-        }
     }
+    for (int i = 0; i < NX_ISA_COUNT; i++)
+        tables[i] = i == NX_ISA_GENERIC ? generic.slot_
+                                        : (nx_wtype_tables[i] ? nx_wtype_tables[i]->slot_ : NULL);
+    nx_dispatch_resolve(NX_GGML_TYPE_COUNT, tables, &flat[0][0], &nx_wtype_from[0][0]);
+    for (int i = 0; i < NX_ISA_COUNT; i++)
+        for (uint32_t t = 0; t < NX_GGML_TYPE_COUNT; t++) {
+            if (!nx_wtype(t)) { /* a SIMD table never gives a type the traits table lacks */
+                flat[i][t] = NULL;
+                nx_wtype_from[i][t] = (unsigned char)NX_ISA_COUNT;
+            }
+            nx_wtype_resolved[i].slot_[t] = flat[i][t];
+        }
     nx_wtype_done = 1;
 }
 
 nx_dequant_fn nx_wtype_dequant(nx_isa isa, uint32_t type) {
     if (!nx_wtype_done) nx_wtype_resolve();
     if ((int)isa < 0 || (int)isa >= NX_ISA_COUNT || type >= NX_GGML_TYPE_COUNT) return NULL;
-    return nx_wtype_resolved[isa][type];
+    return nx_wtype_resolved[isa].dequant[type];
 }
 
 nx_isa nx_wtype_variant(uint32_t type, nx_isa isa) {

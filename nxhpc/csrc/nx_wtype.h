@@ -105,8 +105,9 @@ const nx_wtype_traits *nx_wtype(uint32_t ggml_type);
 
 /* Per-ISA dequantize table (the "wtype" dispatch family): dequant[t] = a variant of type t's
  * spec, NULL = none at this ISA. Each ISA file exports one (nx_wtype_avx2.c, nx_wtype_avx512.c). */
-typedef struct {
+typedef union {
     nx_dequant_fn dequant[NX_GGML_TYPE_COUNT];
+    nx_slot_fn slot_[NX_GGML_TYPE_COUNT]; /* the resolver's view (nx_dispatch.h) */
 } nx_wtype_table;
 extern const nx_wtype_table nx_wtype_table_avx2;
 extern const nx_wtype_table nx_wtype_table_avx512;

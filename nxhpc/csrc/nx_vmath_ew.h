@@ -1,0 +1,59 @@
+/* nx_vmath_ew.h -- the exp and tanh polynomials, written once for both vector widths: included
+ * exactly once by nx_vmath_avx512.h (nx_exp16, nx_tanh16) and by nx_vmath_avx2.h (nx_exp8,
+ * nx_tanh8), each after defining its spellings: NXM_FN(name) (name16 / name8), NXM_PS(op) (the
+ * _ps intrinsic of its width, by its own name), nxm_v, nxm_cmp, NXM_ROUND, NXM_SCALE2N, NXM_CMP,
+ * NXM_SELECT. Every lane runs the same float32 operations at both widths (the same bits).
+ * Must not: be included from anywhere else (it has no include guard of its own: one copy per
+ * width), keep state, or emit symbols (static inline only).
+ */
+
+/* exp(x). Range reduction x = n*ln2 + r (ln2 split in two, Cody-Waite), |r| <= ln2/2,
+ * exp(r) = 1 + r + r^2 * P5(r) (Cephes expf minimax coefficients), result = p * 2^n
+ * (NXM_SCALE2N: AVX-512 scalef, AVX2 two exact power-of-two factors; both round once).
+ * Input clamped to [-110, 89] first (NaN kept: the clamp returns its second operand on NaN), so
+ * exp(+inf) = inf, exp(-inf) = 0, subnormal results are rounded once.
+ * Max error measured over the float range: <= 2 ulp (tests/test_kernels_ops.py). */
+static inline nxm_v NXM_FN(nx_exp)(nxm_v x) {
+    x = NXM_PS(max)(NXM_PS(set1)(-110.0f), NXM_PS(min)(NXM_PS(set1)(89.0f), x));
+    nxm_v n = NXM_ROUND(NXM_PS(mul)(x, NXM_PS(set1)(1.44269504088896341f)));
+    nxm_v r = NXM_PS(fnmadd)(n, NXM_PS(set1)(0.693359375f), x);
+    r = NXM_PS(fnmadd)(n, NXM_PS(set1)(-2.12194440e-4f), r);
+    nxm_v p = NXM_PS(set1)(1.9875691500e-4f);
+    p = NXM_PS(fmadd)(p, r, NXM_PS(set1)(1.3981999507e-3f));
+    p = NXM_PS(fmadd)(p, r, NXM_PS(set1)(8.3334519073e-3f));
+    p = NXM_PS(fmadd)(p, r, NXM_PS(set1)(4.1665795894e-2f));
+    p = NXM_PS(fmadd)(p, r, NXM_PS(set1)(1.6666665459e-1f));
+    p = NXM_PS(fmadd)(p, r, NXM_PS(set1)(5.0000001201e-1f));
+    p = NXM_PS(fmadd)(p, NXM_PS(mul)(r, r), r);
+    p = NXM_PS(add)(p, NXM_PS(set1)(1.0f));
+    return NXM_SCALE2N(p, n);
+}
+
+/* tanh(x). |x| < 0.625: odd minimax polynomial x + x^3 P4(x^2) (Cephes tanhf); otherwise
+ * sign(x) * (1 - 2 / (exp(2|x|) + 1)) with the exp above, which saturates to +-1 and keeps NaN.
+ * tanh(-0) = -0. Measured <= 1.2 ulp (test bound 3 ulp, tests/test_kernels_ops.py). */
+static inline nxm_v NXM_FN(nx_tanh)(nxm_v x) {
+    const nxm_v sign = NXM_PS(set1)(-0.0f);
+    nxm_v ax = NXM_PS(andnot)(sign, x);
+    nxm_v z = NXM_PS(mul)(x, x);
+    nxm_v p = NXM_PS(set1)(-5.70498872745e-3f);
+    p = NXM_PS(fmadd)(p, z, NXM_PS(set1)(2.06390887954e-2f));
+    p = NXM_PS(fmadd)(p, z, NXM_PS(set1)(-5.37397155531e-2f));
+    p = NXM_PS(fmadd)(p, z, NXM_PS(set1)(1.33314422036e-1f));
+    p = NXM_PS(fmadd)(p, z, NXM_PS(set1)(-3.33332819422e-1f));
+    nxm_v small = NXM_PS(fmadd)(NXM_PS(mul)(p, z), x, x);
+    nxm_v e = NXM_FN(nx_exp)(NXM_PS(add)(ax, ax));
+    nxm_v big = NXM_PS(sub)(NXM_PS(set1)(1.0f),
+                            NXM_PS(div)(NXM_PS(set1)(2.0f), NXM_PS(add)(e, NXM_PS(set1)(1.0f))));
+    nxm_cmp is_small = NXM_CMP(ax, NXM_PS(set1)(0.625f), _CMP_LT_OQ);
+    /* both branches carry sign(x) (the polynomial is odd with 1 + z*P > 0); OR-ing it in keeps
+     * tanh(-0) = -0 */
+    return NXM_PS(or)(NXM_SELECT(is_small, big, small), NXM_PS(and)(sign, x));
+}
+
+#undef NXM_FN
+#undef NXM_PS
+#undef NXM_ROUND
+#undef NXM_SCALE2N
+#undef NXM_CMP
+#undef NXM_SELECT
