@@ -48,7 +48,8 @@ from nxhpc.models.registry import open_denoiser
 from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError, ModelNotFoundError
 from nxhpc.runtime.shm import live_segments
 from procutil import alive, children_of
-from testutil import assert_bitwise, rel_err
+from testutil import rel_err
+from kernelutil import assert_bitwise
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")

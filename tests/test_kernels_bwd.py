@@ -21,7 +21,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from kernelutil import isa_chain
+from kernelutil import assert_bitwise, isa_chain
 from nxhpc import _kernels as K
 
 ISAS = K.supported_isas()
@@ -40,14 +40,6 @@ def d64(a):
     return np.asarray(a, dtype=np.float64)
 
 
-def bits(a):
-    return np.ascontiguousarray(a).view(np.uint32)
-
-
-def assert_bitwise(a, b, what=""):
-    assert a.shape == b.shape, what
-    diff = np.flatnonzero(bits(a) != bits(b))
-    assert diff.size == 0, f"{what}: {diff.size} elements differ, first at flat {diff[:5]}"
 
 
 def assert_within(got, ref, bound, what=""):

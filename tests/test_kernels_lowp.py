@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nxhpc
-from kernelutil import ISAS, expected_variant
+from kernelutil import ISAS, bits, expected_variant
 from nxhpc import _kernels as K
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
@@ -42,9 +42,6 @@ UBF = 2.0 ** -8              # unit roundoff of bfloat16 (8-bit significand, rou
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def bits(a):
-    return np.ascontiguousarray(a, dtype=np.float32).view(U32)
 
 
 def same_bits_or_both_nan(a, b):

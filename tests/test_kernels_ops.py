@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from kernelutil import expected_variant
+from kernelutil import assert_bitwise, bits, expected_variant
 from nxhpc import _kernels as K
 
 ISAS = K.supported_isas()
@@ -28,14 +28,6 @@ def f32(*shape, rng=None, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
-def bits(a):
-    return np.ascontiguousarray(a).view(np.uint32)
-
-
-def assert_bitwise(a, b, what=""):
-    assert a.shape == b.shape
-    diff = np.flatnonzero(bits(a) != bits(b))
-    assert diff.size == 0, f"{what}: {diff.size} elements differ, first at flat {diff[:5]}"
 
 
 def assert_within(got, ref, bound, what=""):

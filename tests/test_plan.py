@@ -26,7 +26,8 @@ from nxhpc.dit.config import BlockConfig
 from nxhpc.dit.plan import STAGES, TIMING_KEYS, UNIT_GATE, BlockPlan, Engine, stage_table
 from nxhpc.dit.reference import adaln_f64, block_forward_f64, dequantize_layer
 from nxhpc.runtime.shm import live_segments
-from testutil import assert_bitwise, errs, np32_block, random_layer
+from testutil import errs, np32_block, random_layer
+from kernelutil import assert_bitwise
 
 PID = os.getpid()
 CFG = BlockConfig(dim=192, n_heads=3, n_kv_heads=3, head_dim=64, ffn_dim=512, n_layers=1,

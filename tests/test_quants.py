@@ -24,7 +24,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernelutil import expected_variant
+from kernelutil import bits, expected_variant
 
 import nxhpc
 from nxhpc import _kernels as K
@@ -47,9 +47,6 @@ F16_SPECIALS = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x03ff, 0x83ff, 0x0400,
 def qt(name):
     return gguf.GGMLQuantizationType[name]
 
-
-def bits(a):
-    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
 
 
 def ref_gguf(raw, name):

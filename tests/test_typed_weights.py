@@ -25,8 +25,8 @@ from nxhpc.dit.plan import BlockPlan, Engine
 from nxhpc.dit.reference import block_forward_f64
 from nxhpc.models import open_model
 from nxhpc.runtime.shm import live_segments
-from testutil import assert_bitwise, errs, gguf_weights_f64, np32_block, stack_tensors, \
-    write_gguf_typed
+from kernelutil import assert_bitwise
+from testutil import errs, gguf_weights_f64, np32_block, stack_tensors, write_gguf_typed
 
 ROOT = Path(__file__).resolve().parents[1]
 PID = os.getpid()

@@ -17,15 +17,6 @@ GT = gguf.GGMLQuantizationType
 Q8 = GT.Q8_0
 
 
-def bits(a):
-    """Bit pattern of a float32 array (compares NaNs and signed zeros exactly)."""
-    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-
-
-def assert_bitwise(a, b, what=""):
-    assert a.shape == b.shape, (what, a.shape, b.shape)
-    diff = np.flatnonzero(bits(a) != bits(b))
-    assert diff.size == 0, f"{what}: {diff.size} elements differ, first at flat {diff[:5]}"
 
 
 def errs(a, ref):
