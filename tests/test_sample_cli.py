@@ -23,7 +23,7 @@ import pytest
 from sample_util import open_test_denoiser, shm_entries
 
 from nxhpc.dit.sampler import initial_noise
-from nxhpc.sample import sample
+from nxhpc.dit.sampler import sample
 
 ROOT = Path(__file__).resolve().parents[1]
 
