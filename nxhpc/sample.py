@@ -133,7 +133,7 @@ def _check_args(args) -> tuple[int, tuple[int, int] | None]:
     if args.n_workers is not None and args.workers is not None \
             and args.n_workers != args.workers:
         raise UsageError(f"n_workers {args.n_workers} and --workers {args.workers} disagree; "
-                          f"give one")
+                         f"give one")
     from nxhpc.runtime.workers import usable_cpus
     workers = args.workers or args.n_workers or usable_cpus()
     if (args.height is None) != (args.width is None):
@@ -161,10 +161,10 @@ def _check_args(args) -> tuple[int, tuple[int, int] | None]:
     if args.decode is not None:
         if not os.path.isdir(args.decode):
             raise NotFound(f"--decode {args.decode}: no such directory (a diffusers "
-                            f"AutoencoderKL directory with config.json)")
+                           f"AutoencoderKL directory with config.json)")
         if not os.path.isfile(os.path.join(args.decode, "config.json")):
             raise NotFound(f"--decode {args.decode}: no config.json there (expected a "
-                            f"diffusers AutoencoderKL directory)")
+                           f"diffusers AutoencoderKL directory)")
     return workers, px
 
 
