@@ -48,21 +48,51 @@ def isa_of(src: str):
     return []
 
 
+#: Where the objects live between builds: in the checkout (gitignored), not in pip's throw-away
+#: build directory, so that `pip install -e '.[extra]'` recompiles only what changed.
+OBJ_CACHE = HERE / "build" / f"obj-{sys.implementation.cache_tag}-{platform.machine()}"
+
+
+def _stale(obj: Path, src: Path, flags: list[str], headers: list[Path]) -> bool:
+    """Recompile unless ``obj`` exists, is newer than its source and every header, and was
+    built with exactly ``flags`` (recorded next to it)."""
+    stamp = obj.with_suffix(".flags")
+    if not obj.is_file() or not stamp.is_file() or stamp.read_text() != " ".join(flags):
+        return True
+    t = obj.stat().st_mtime
+    return any(p.stat().st_mtime > t for p in [src, *headers])
+
+
 class BuildExt(build_ext):
-    """Compile each C source with its own ISA flags, then link them into the extension."""
+    """Compile each C source with its own ISA flags into :data:`OBJ_CACHE` (skipping objects
+    that are up to date), then link them into the extension."""
 
     def build_extension(self, ext):
         if sys.platform == "win32":  # MSVC: no per-file GCC flags; SIMD files use /arch
             return super().build_extension(ext)
-        c_sources = [s for s in ext.sources if s.endswith(".c") and "csrc" in s]
-        ext.sources = [s for s in ext.sources if s not in c_sources]
+        headers = sorted((HERE / CSRC).glob("*.h"))
+        macros = [(n, v) for n, v in ext.define_macros]
         objects = []
-        for src in c_sources:
-            objects += self.compiler.compile(
-                [src], output_dir=self.build_temp, include_dirs=ext.include_dirs,
-                extra_postargs=BASE_FLAGS + isa_of(src), depends=ext.depends)
-        ext.extra_objects = list(ext.extra_objects or []) + objects
-        super().build_extension(ext)
+        for src in [s for s in ext.sources if s.endswith(".c")]:
+            ours = "csrc" in src
+            flags = BASE_FLAGS + isa_of(src) if ours else list(ext.extra_compile_args)
+            obj = OBJ_CACHE / Path(src).with_suffix(".o")
+            record = flags + [f"-D{n}={v}" for n, v in macros] + [np.get_include(),
+                                                                    self.compiler.compiler_so[0]]
+            if self.force or _stale(obj, HERE / src, record, headers):
+                out = self.compiler.compile(
+                    [src], output_dir=str(OBJ_CACHE), include_dirs=ext.include_dirs,
+                    macros=macros, extra_postargs=flags)
+                assert Path(out[0]).resolve() == obj.resolve(), (out, obj)
+                obj.with_suffix(".flags").write_text(" ".join(record))
+            objects.append(str(obj))
+        ext_path = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(ext_path) or ".", exist_ok=True)
+        self.compiler.link_shared_object(
+            objects, ext_path, libraries=self.get_libraries(ext),
+            library_dirs=ext.library_dirs, runtime_library_dirs=ext.runtime_library_dirs,
+            extra_postargs=ext.extra_link_args or [], export_symbols=self.get_export_symbols(ext),
+            debug=self.debug, build_temp=self.build_temp, target_lang="c")
 
 
 debug = os.environ.get("NXHPC_CYTHON_DEBUG") == "1"
@@ -76,7 +106,7 @@ ext = Extension(
     "nxhpc._kernels",
     sources=["nxhpc/_kernels.pyx"] + c_files,
     include_dirs=[str(CSRC), np.get_include()],
-    # Every C file too: an edited .c recompiles its object, and must also relink the module.
+    # Every C file too: an edited .c recompiles its object (BuildExt), and relinks the module.
     depends=[str(p) for p in (HERE / CSRC).glob("*.[ch]")] + [str(p) for p in (HERE / "nxhpc").glob("*.pxi")],
     extra_compile_args=["-O3", "-fno-math-errno", "-Wno-unused-function"],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

@@ -6,10 +6,11 @@ the scalar path). The kernels load lazily: ``import nxhpc`` and the pure-Python 
 (``python -m nxhpc.models list``, ``python -m nxhpc.ddp``) work in a tree whose extension is not
 built; the clear "not built" error appears on first use of a kernel.
 
-Layout: ``runtime`` (shared-memory arena, worker pool), ``formats`` (GGUF, fixtures, block
-layouts), ``dit`` (config, block, references, grading), ``models`` (ids, model directories,
-synthetic models), ``train`` (Q16 tape, ring, DDP); CLIs ``blockrun``, ``denoise``, ``ddp``,
-``models``.
+Layout: ``runtime`` (shared-memory arena, worker pool, boundary checks), ``formats`` (GGUF,
+fixtures, block layouts), ``dit`` (config, block, stack runs, denoiser, sampler, references,
+grading), ``models`` (ids, model directories, synthetic models), ``train`` (Q16 tape, ring,
+DDP), ``cli`` (the one CLI layer); CLIs ``blockrun``, ``denoise``, ``sample``, ``models``,
+``ddp`` (each also a console command, and ``nxhpc <command>``).
 """
 from __future__ import annotations
 

@@ -1,32 +1,31 @@
-"""``python -m nxhpc.denoise``: one call of the whole Z-Image transformer from a GGUF.
+"""``python -m nxhpc.denoise`` (``nxhpc-denoise``, ``nxhpc denoise``): one call of the whole
+Z-Image transformer from a GGUF.
 
-Owns the CLI only: argument parsing, loading the ``.npy`` inputs, printing, grading against a
-reference and writing the output. Exit codes, signal handling and argument types are
-``nxhpc.blockrun``'s (imported, not copied); the model runs in ``nxhpc.dit.denoiser``; grading
-is ``nxhpc.dit.grade``; the output is written by ``nxhpc.runtime.outfile``.
-Must not: compute anything of the model, or define an exit code of its own.
+Owns the CLI only: parse -> ``Denoiser.forward`` (``nxhpc.dit.denoiser``) -> grade
+(``nxhpc.dit.grade``) -> report. Exit codes, the signal frame, the argparse types, the ``.npy``
+input checks and the report writer are :mod:`nxhpc.cli`'s and :mod:`nxhpc.runtime.checks`'.
+Must not: compute anything of the model, define an exit code of its own, or import another CLI.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
-import traceback
-from pathlib import Path
 
 import numpy as np
 
-from nxhpc.blockrun import (EXIT_CODES, EXIT_FAIL, EXIT_INTERNAL, EXIT_OUTPUT, EXIT_PASS,
-                            EXIT_WORKER, PRECISION_TOL,
-                            _exit_code, _InputError, _positive_float, _positive_int,
-                            _UsageError, _workers_arg, cli_main)
-from nxhpc.dit.grade import fmt_value, grade, json_safe
+from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
+from nxhpc.cli.codes import Exit, InputError, UsageError, codes_epilog
+from nxhpc.cli.frame import run_cli
+from nxhpc.cli.report import emit_graded, save_npy
+from nxhpc.dit.grade import grade
 from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
-from nxhpc.runtime.outfile import OutputPathError, check_output_path, write_atomic
-from nxhpc.runtime.workers import usable_cpus
+from nxhpc.dit.stackrun import PRECISION_TOL
+from nxhpc.runtime.checks import load_npy
+from nxhpc.runtime.outfile import OutputPathError, check_output_path
 
-__all__ = ["main", "build_parser", "DEFAULT_TOL", "DENOISE_TOL"]
+__all__ = ["main", "build_parser", "DEFAULT_TOL", "DENOISE_TOL", "EXIT_CODES"]
+
+PROG = "denoise"
 
 #: Default pass/fail tolerance on max_rel against a float64 reference on the same weights:
 #: a float32 run sits near 1e-6 (max_rel, rms floor; tests bound it at 1e-5 x max|ref|), a
@@ -36,6 +35,30 @@ DEFAULT_TOL = 1e-4
 #: call measured max_rel 8.1e-3 (bf16) and 1.3e-2 (q8) on tiny-dit, below one block's
 #: 1.2e-2 / 3.3e-2 on tiny (the refiners and layers' errors do not simply add up).
 DENOISE_TOL = {"f32": DEFAULT_TOL, "bf16": PRECISION_TOL["bf16"], "q8": PRECISION_TOL["q8"]}
+
+#: The codes denoise returns, in its words (the numbers are nxhpc.cli.codes.Exit's).
+EXIT_CODES = {
+    Exit.PASS: "pass: the output is within tolerance of the reference, or UNGRADED (no "
+               "reference); --out was written when given",
+    Exit.FAIL: "graded fail: max_rel above the tolerance, or non-finite outputs",
+    Exit.USAGE: "usage error (bad arguments, e.g. n_workers 'abc' or 0, only some of "
+                "--latents/--timestep/--cap-feats, a missing input file, an --out path that "
+                "cannot be written or is one of the inputs)",
+    Exit.NOT_FOUND: "model not found (id, directory or GGUF path)",
+    Exit.BAD_INPUT: "bad input: a malformed/unsupported GGUF, or latents/caption features/"
+                    "reference that are not readable float arrays or do not fit the model",
+    Exit.MISSING: "a tensor is missing from the GGUF, or a model without stored inputs was "
+                  "given none",
+    Exit.WORKER: "a worker process failed (raised, crashed, was killed, or exceeded "
+                 "--stage-timeout)",
+    Exit.SHM: None,
+    Exit.OUTPUT: "--out could not be written (e.g. disk full): the report was printed, an "
+                 "existing file at that path is unchanged",
+    Exit.MODELS_DIR: None,
+    Exit.INTERNAL: None,
+    Exit.SIGINT: None,
+    Exit.SIGTERM: None,
+}
 
 _HELP = """\
 inputs:
@@ -56,23 +79,10 @@ timings (microseconds): us_embed (timestep MLP, x/cap embedders, pads, adaLN vec
   us_noise_refiner, us_context_refiner, us_layers, us_final, us_total; s_per_layer and the
   extrapolated s_per_30_layer_step = everything but the layers + 30 x s_per_layer.
 
-exit codes:
-%(codes)s
 """
 
 
-def _unit_interval(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {s!r}") from None
-    if not (math.isfinite(v) and 0.0 <= v <= 1.0):
-        raise argparse.ArgumentTypeError(f"must be in [0, 1] (t = 1 - sigma), got {s!r}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
-    codes = "\n".join(f"  {k:>3}  {v}" for k, v in EXIT_CODES.items())
     p = argparse.ArgumentParser(
         prog="python -m nxhpc.denoise",
         usage="python -m nxhpc.denoise MODEL [n_workers] --latents L.npy --timestep T "
@@ -83,17 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "stable-diffusion.cpp layout; each tensor run in its stored type: "
                     "F32/F16/BF16/Q8_0, Q4_0/Q4_1/Q5_0/Q5_1, Q2_K..Q6_K). Prints "
                     "per-segment timings as key=value lines (or one JSON object).",
-        epilog=_HELP % {"tols": ", ".join(f"{k} {v:g}" for k, v in DENOISE_TOL.items()),
-                        "codes": codes},
+        epilog=_HELP % {"tols": ", ".join(f"{k} {v:g}" for k, v in DENOISE_TOL.items())}
+        + codes_epilog(EXIT_CODES),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODEL",
                    help="a .gguf file, a model directory, a directory under --models-dir / "
                         "$NXHPC_MODELS, or a built-in id (tiny-dit, zimage-dit-2l, "
                         "zimage-dit-<N>l; generated on first use)")
-    p.add_argument("n_workers", nargs="?", type=_workers_arg, default=None,
-                   help="worker processes (default: the usable CPUs, here %d)" % usable_cpus())
+    p.add_argument("n_workers", nargs="?", type=types.workers, default=None,
+                   help=types.workers_help())
     p.add_argument("--latents", metavar="L.npy", help="latents [16, H, W] or [16, 1, H, W]")
-    p.add_argument("--timestep", type=_unit_interval, metavar="T",
+    p.add_argument("--timestep", type=types.unit_interval, metavar="T",
                    help="t = 1 - sigma, in [0, 1]")
     p.add_argument("--cap-feats", metavar="C.npy", help="caption features [L, cap_dim]")
     p.add_argument("--out", metavar="O.npy",
@@ -106,10 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "dequantized weights, float32 activations), bf16 (bf16-rounded "
                         "activations, float32 sums), q8 (ggml's Q8_0 x Q8_0 for Q8_0 weights, "
                         "bf16 for others); embedders, final layer, norms, attention stay float32")
-    p.add_argument("--tol", type=_positive_float, default=None,
+    p.add_argument("--tol", type=types.positive_float, default=None,
                    help="pass/fail tolerance on max_rel (default per --precision: "
                         + ", ".join(f"{k} {v:g}" for k, v in DENOISE_TOL.items()) + ")")
-    p.add_argument("--repeat", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--repeat", type=types.positive_int, default=1, metavar="N",
                    help="run the call N times on the same workers and arena and report the "
                         "fastest time of each segment (the output is the same bits every run)")
     p.add_argument("--models-dir", default=None,
@@ -117,104 +127,66 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default $NXHPC_MODELS or ~/.cache/nxhpc/models)")
     p.add_argument("--gguf", default=None, metavar="PATH",
                    help="GGUF weights to use instead of the model directory's model.gguf")
-    p.add_argument("--stage-timeout", type=_positive_float, default=None, metavar="SECONDS",
+    p.add_argument("--stage-timeout", type=types.positive_float, default=None, metavar="SECONDS",
                    help="kill the workers and fail (exit 6) when one parallel stage takes longer")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of key=value lines")
     return p
 
 
-def _err(msg: str) -> None:
-    print(f"denoise: error: {msg}", file=sys.stderr, flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (see ``--help``)."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:                   # argparse: --help -> 0, usage errors -> 2
-        return int(e.code or 0)
-
-    def run(sig) -> int:
-        code = _run(args)
-        interrupted = sig.interrupt()           # a signal C code turned into another failure
-        if code not in (EXIT_PASS, EXIT_FAIL) and interrupted is not None:
-            raise interrupted
-        return code
-    return cli_main(_err, run)
+    return run_cli(PROG, build_parser(), argv, _run)
 
 
 def _load_npy(path: str, what: str) -> np.ndarray:
-    """A float array from ``path`` (no pickles); usage error if unreadable as a file, input
-    error (exit 4) if it is not a floating-point array."""
-    p = Path(path)
-    if not p.is_file():
-        raise _UsageError(f"{what} {path}: no such file")
-    try:
-        a = np.load(p, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as e:
-        raise _InputError(f"{what} {path}: not a readable .npy array: {e}") from None
-    if not isinstance(a, np.ndarray) or a.dtype.kind != "f":
-        raise _InputError(f"{what} {path}: expected a floating-point array, got "
-                          f"{getattr(a, 'dtype', type(a).__name__)}")
+    """A float array from ``path`` (no pickles): missing -> usage error, unreadable or not
+    floating-point -> bad input (exit 4)."""
+    a = load_npy(path, what, error=InputError)
+    if a.dtype.kind != "f":
+        raise InputError(f"{what} {path}: expected a floating-point array, got {a.dtype}")
     return a
 
 
 def _run(args: argparse.Namespace) -> int:
     from nxhpc.models.registry import open_denoiser
 
-    try:
-        given = [args.latents is not None, args.timestep is not None,
-                 args.cap_feats is not None]
-        if any(given) and not all(given):
-            raise _UsageError("give all of --latents, --timestep and --cap-feats, or none "
-                              "(a built-in model's stored inputs)")
-        out_path = None
-        if args.out is not None:
-            inputs = [x for x in (args.latents, args.cap_feats, args.reference, args.gguf) if x]
-            try:
-                check_output_path(args.out, what="--out", inputs=inputs)
+    given = [args.latents is not None, args.timestep is not None, args.cap_feats is not None]
+    if any(given) and not all(given):
+        raise UsageError("give all of --latents, --timestep and --cap-feats, or none "
+                         "(a built-in model's stored inputs)")
+    out_path = None
+    if args.out is not None:
+        inputs = [x for x in (args.latents, args.cap_feats, args.reference, args.gguf) if x]
+        check_output_path(args.out, what="--out", inputs=inputs)
+        out_path = args.out
+    inputs = None
+    if all(given):
+        inputs = (_load_npy(args.latents, "--latents"), args.timestep,
+                  _load_npy(args.cap_feats, "--cap-feats"))
+    ref = _load_npy(args.reference, "--reference") if args.reference else None
+    if ref is not None and not np.isfinite(ref).all():
+        raise InputError(f"--reference {args.reference}: has NaN/inf values; a reference "
+                         f"must be finite")
+    with open_denoiser(args.model, workers=args.n_workers, models_dir=args.models_dir,
+                       gguf_path=args.gguf, stage_timeout=args.stage_timeout,
+                       precision=args.precision) as den:
+        if out_path is not None and den.directory is not None:
+            try:                              # never overwrite what this run reads
+                check_output_path(out_path, what="--out", inputs=list(den.directory.iterdir()))
             except OutputPathError as e:
-                raise _UsageError(str(e)) from None
-            out_path = args.out
-        inputs = None
-        if all(given):
-            inputs = (_load_npy(args.latents, "--latents"), args.timestep,
-                      _load_npy(args.cap_feats, "--cap-feats"))
-        ref = _load_npy(args.reference, "--reference") if args.reference else None
-        if ref is not None and not np.isfinite(ref).all():
-            raise _InputError(f"--reference {args.reference}: has NaN/inf values; a reference "
-                              f"must be finite")
-        workers = args.n_workers if args.n_workers is not None else usable_cpus()
-        with open_denoiser(args.model, workers=workers, models_dir=args.models_dir,
-                           gguf_path=args.gguf, stage_timeout=args.stage_timeout,
-                           precision=args.precision) as den:
-            if out_path is not None and den.directory is not None:
-                try:                              # never overwrite what this run reads
-                    check_output_path(out_path, what="--out",
-                                      inputs=list(den.directory.iterdir()))
-                except OutputPathError as e:
-                    raise _UsageError(str(e)) from None
-            return _run_model(args, den, inputs, ref, out_path)
-    except Exception as e:            # KeyboardInterrupt / Terminated are not Exceptions
-        code = _exit_code(e)
-        if code is None:
-            traceback.print_exc()
-            _err("internal error (see the traceback above)")
-            return EXIT_INTERNAL
-        _err(f"worker failure: {e}" if code == EXIT_WORKER else str(e))
-        return code
+                raise UsageError(str(e)) from None
+        return _run_model(args, den, inputs, ref, out_path)
 
 
 def _stored(den):
-    from nxhpc.formats.fixtures import FIXTURES_FILE as DENOISER_FIXTURES_FILE
+    from nxhpc.formats.fixtures import FIXTURES_FILE
     from nxhpc.models.synthetic import read_denoiser_fixtures
     from nxhpc.models import MissingTensorError
-    f = den.directory / DENOISER_FIXTURES_FILE if den.directory is not None else None
+    f = den.directory / FIXTURES_FILE if den.directory is not None else None
     if f is None or not f.is_file():
         raise MissingTensorError(f"{den.directory or den.gguf.path}: no stored inputs "
-                                 f"({DENOISER_FIXTURES_FILE}); give --latents, --timestep and "
+                                 f"({FIXTURES_FILE}); give --latents, --timestep and "
                                  f"--cap-feats")
     return read_denoiser_fixtures(f)
 
@@ -230,15 +202,15 @@ def _run_model(args, den, inputs, ref, out_path) -> int:
             ref, ref_name = fx.reference, f"{fx.path.name}:reference"
     lat, t, cap = inputs
     if ref is not None and ref.shape != lat.shape:
-        raise _InputError(f"reference {ref_name}: shape {list(ref.shape)} is not the latents' "
-                          f"{list(lat.shape)}")
+        raise InputError(f"reference {ref_name}: shape {list(ref.shape)} is not the latents' "
+                         f"{list(lat.shape)}")
     best: dict[str, int] = {}
     out = None
     for _ in range(args.repeat):
         try:
             out = den.forward(lat, t, cap)
         except DenoiserInputError as e:
-            raise _InputError(str(e)) from None
+            raise InputError(str(e)) from None
         for k, v in den.last_timings.items():
             best[k] = min(best.get(k, v), v)
     s = den.session(*lat.shape[-2:], cap.shape[0])
@@ -262,53 +234,18 @@ def _run_model(args, den, inputs, ref, out_path) -> int:
     if ref is not None:
         tol = DENOISE_TOL[den.precision] if args.tol is None else args.tol
         g = grade(out, ref, tol=tol, reference=str(ref_name))
-        code = EXIT_PASS if g.passed else EXIT_FAIL
-    else:
-        code = EXIT_PASS
     verdict = g.verdict_line() if g is not None else \
         "UNGRADED: no reference (the model stores none; pass --reference R.npy to grade)"
-
-    def save() -> str | None:
-        try:
-            write_atomic(out_path, lambda f: np.save(f, out.astype(np.float32)))
-        except OSError as e:
-            return (f"--out {out_path}: could not write the output: {e.strerror or e}; an "
-                    f"existing file at that path is unchanged")
-        return None
-
-    save_error = None
-    if args.json:
-        obj = dict(report)
-        if out_path is not None:
-            save_error = save()
-            obj["saved_output"] = None if save_error else str(out_path)
-            if save_error:
-                obj["save_error"] = save_error
-        if g is not None:
-            obj.update(g.as_dict())
-        else:
-            obj["verdict"] = "UNGRADED"
-        obj["verdict_line"] = verdict
-        print(json.dumps(json_safe(obj), allow_nan=False))
-    else:
-        for k, v in report.items():
-            print(f"{k}={fmt_value(v)}")
-        segs = " | ".join(f"{k} {best[f'us_{k}'] / 1e6:.4f} s" for k in SEGMENTS)
-        print(f"segments: {segs}")
-        if g is not None:
-            for line in g.lines():
-                print(line)
-        sys.stdout.flush()
-        if out_path is not None:
-            save_error = save()
-            if save_error is None:
-                print(f"saved_output={out_path}")
-        print(verdict)
-    sys.stdout.flush()
+    segs = " | ".join(f"{k} {best[f'us_{k}'] / 1e6:.4f} s" for k in SEGMENTS)
+    save = None
+    if out_path is not None:
+        save = lambda: save_npy(out_path, out, "--out")  # noqa: E731
+    save_error = emit_graded(report, as_json=args.json, grade=g, verdict=verdict,
+                             text_lines=[f"segments: {segs}"], save=save, saved_path=out_path)
     if save_error:
-        _err(save_error)
-        return EXIT_OUTPUT
-    return code
+        print(f"{PROG}: error: {save_error}", file=sys.stderr, flush=True)
+        return Exit.OUTPUT
+    return Exit.FAIL if g is not None and not g.passed else Exit.PASS
 
 
 if __name__ == "__main__":

@@ -91,6 +91,37 @@ def test_layers_all_table_and_equals_layer_by_layer(models_root, tmp_path):
     assert np.array_equal(np.load(out_path), cur)
 
 
+def test_run_stack_library_is_the_cli_run(models_root, tmp_path):
+    """blockrun's orchestration is the library function nxhpc.dit.stackrun.run_stack: its output
+    is the layer-by-layer chain of Block.forward (an independent path), its grade and per-layer
+    rows what the CLI prints, and it refuses a slice the model does not have."""
+    from nxhpc.dit.stackrun import StackRangeError, run_stack
+    m = open_model("mid", models_dir=models_root)
+    res = run_stack(m, layers=2, workers=2)
+    cur = m.blk_in(0)
+    for i in range(2):
+        cur, _ = m.block(i).forward(cur, m.t_emb(), m.pe(), workers=1)
+    assert res.output.tobytes() == cur.tobytes()
+    assert res.grade.passed and res.reference == "layers.2.blk_in"
+    assert [r["layer"] for r in res.per_layer] == [0, 1]
+    assert res.per_layer[1]["reference"] == "layers.2.blk_in"
+    assert res.report["layers"] == 2 and res.report["adaln"] == "t_emb"
+    out_path = tmp_path / "o.npy"
+    r = _cli(["mid", "2", "--layers", "2", "--json", "--save-output", str(out_path)],
+             models_root)
+    assert r.returncode == 0, r.stderr
+    obj = json.loads(r.stdout)
+    assert np.load(out_path).tobytes() == res.output.tobytes()
+    assert obj["max_rel"] == res.grade.as_dict()["max_rel"]
+    with pytest.raises(StackRangeError, match="only 3 layers"):
+        run_stack(m, layers=4, workers=1)
+    with pytest.raises(ValueError, match="workers must be an integer >= 1"):
+        run_stack(m, workers=0)
+    with pytest.raises(ValueError, match="spawn must be one of"):
+        run_stack(m, workers=1, spawn="threads")
+    m.close()
+
+
 def test_repeat_same_output_as_single_run(models_root, tmp_path):
     a, b = tmp_path / "a.npy", tmp_path / "b.npy"
     r1 = _cli(["tiny", "2", "--save-output", str(a)], models_root)

@@ -99,12 +99,13 @@ def test_mpi_rank_failure_aborts_the_job_with_its_error():
 _ONE_RANK_FAILS = r"""
 import sys
 from mpi4py import MPI
+import nxhpc.ddp as cli
 import nxhpc.train.ddp as ddp
 if MPI.COMM_WORLD.Get_rank() == 1:          # only rank 1 fails; its peers wait in Sendrecv
     def broken(*args, **kwargs):
         raise RuntimeError("injected fault on one rank")
     ddp.q16_shard_grad = broken
-sys.exit(ddp.main(["--backend", "mpi", "--steps", "5"]))
+sys.exit(cli.main(["--backend", "mpi", "--steps", "5"]))
 """
 
 

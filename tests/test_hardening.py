@@ -295,24 +295,24 @@ def _assert_models_dir_error(r, root, code, *words):
 
 
 def test_models_dir_not_a_directory(tmp_path):
-    """NXHPC_MODELS / --models-dir naming a file: blockrun exit 9, ``models`` exit 3, one line
+    """NXHPC_MODELS / --models-dir naming a file: exit 9 in blockrun and ``models`` alike, one line
     naming the path. Before: exit 70 / 1 with a FileExistsError traceback."""
     root = tmp_path / "models"
     root.write_text("not a directory")
     for args in (["tiny", "1"], ["mymodel", "1"]):
         _assert_models_dir_error(_cli("nxhpc.blockrun", args, root), root, 9, "not a directory")
-    _assert_models_dir_error(_cli("nxhpc.models", ["show", "tiny"], root), root, 3,
+    _assert_models_dir_error(_cli("nxhpc.models", ["show", "tiny"], root), root, 9,
                              "not a directory")
     _assert_models_dir_error(_cli("nxhpc.models", ["--models-dir", str(root), "make", "x",
                                                    "--dim", "96", "--heads", "1"], tmp_path),
-                             root, 3, "not a directory")
+                             root, 9, "not a directory")
     with pytest.raises(ModelsDirError, match="not a directory"):
         open_model("tiny", models_dir=root)
     assert root.read_text() == "not a directory"
 
 
 def test_models_dir_read_only(models_root, tiny, tmp_path):
-    """A read-only models directory: generating a built-in there is exit 9 / 3 naming it
+    """A read-only models directory: generating a built-in there is exit 9 (every CLI) naming it
     (before: a traceback); a model already in it runs (read-only is fine for reading)."""
     require_private_mounts()
     ro = tmp_path / "ro"
@@ -337,14 +337,14 @@ def test_models_dir_read_only(models_root, tiny, tmp_path):
     r = run_script(script, env=_env(ro), timeout=300)
     out = r.stdout
     e1, e2, e3 = ((tmp_path / f"e{i}").read_text() for i in (1, 2, 3))
-    assert "rc1=9" in out and "rc2=3" in out, (out, r.stderr, e1, e2)
+    assert "rc1=9" in out and "rc2=9" in out, (out, r.stderr, e1, e2)
     for e in (e1, e2):
         assert "Traceback" not in e and str(ro) in e and "not writable" in e, e
     assert "writable\n" not in out and "rc3=0" in out, (out, e3)     # positive control
 
 
 def test_models_dir_full(tmp_path):
-    """A models directory too small for the model: refused before the work (exit 9/3, needed
+    """A models directory too small for the model: refused before the work (exit 9, needed
     and free MB named); a write that fails anyway (a file-size limit standing in for a disk
     that fills meanwhile) is exit 9 too, leaving no temporary behind. Before: exit 70 / 1
     with a traceback."""
@@ -360,7 +360,7 @@ def test_models_dir_full(tmp_path):
     """)
     r = run_script(script, env=_env(small), timeout=300)
     e1, e2 = ((tmp_path / f"e{i}").read_text() for i in (1, 2))
-    assert "rc1=9" in r.stdout and "rc2=3" in r.stdout, (r.stdout, r.stderr, e1, e2)
+    assert "rc1=9" in r.stdout and "rc2=9" in r.stdout, (r.stdout, r.stderr, e1, e2)
     for e in (e1, e2):
         assert "Traceback" not in e and str(small) in e and "too full" in e and "free" in e, e
     assert (tmp_path / "left").read_text().split() in ([], [".tiny.lock"])

@@ -406,7 +406,7 @@ def test_cli(tmp_path, root):
     r = _cli("make", "bad", "--dim", "70", "--heads", "2", env_dir=tmp_path)
     assert r.returncode == 2 and "error:" in r.stderr
     r = _cli("show", "nonesuch", env_dir=tmp_path)
-    assert r.returncode == 1 and "not found" in r.stderr
+    assert r.returncode == 3 and "not found" in r.stderr      # Exit.NOT_FOUND, as in blockrun
     r = _cli("make", "x", "--grid", "banana", env_dir=tmp_path)
     assert r.returncode == 2 and "FxHxW" in r.stderr
 

@@ -1,4 +1,4 @@
-"""The Turbo sampler on the nxhpc denoiser (nxhpc.sample.sample) vs diffusers' scheduler loop.
+"""The Turbo sampler on the nxhpc denoiser (nxhpc.dit.sampler.sample) vs diffusers' scheduler loop.
 
 Oracle: diffusers' ``FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False)``
 stepping exactly as ``ZImagePipeline`` does (``sample_util.diffusers_turbo_loop``), driving
@@ -21,7 +21,7 @@ from pipeline_fixtures import pipeline_config, zimage_file_case
 from sample_util import child_pids, diffusers_turbo_loop, open_test_denoiser, rel_err, shm_entries
 
 from nxhpc.dit.sampler import turbo_sigmas
-from nxhpc.sample import NonFiniteOutputError, SampleInputError, sample
+from nxhpc.dit.sampler import NonFiniteOutputError, SampleInputError, sample
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")

@@ -23,7 +23,7 @@ import pytest
 from sample_util import open_test_denoiser, shm_entries
 
 from nxhpc.dit.sampler import initial_noise
-from nxhpc.sample import sample
+from nxhpc.dit.sampler import sample
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -315,7 +315,7 @@ def test_decode_writes_the_vae_image(cli, files):
     assert rc == 0, se
     img = np.asarray(Image.open(png))
     assert img.shape == (48, 32, 3) and img.dtype == np.uint8
-    # independent decode: DENOISER.md's normalization, diffusers' [-1, 1] -> [0, 255]
+    # independent decode: docs/denoiser.md's normalization, diffusers' [-1, 1] -> [0, 255]
     lat = torch.from_numpy(np.load(out))[None]
     with torch.no_grad():
         dec = vae.decode(lat / 0.3611 + 0.1159, return_dict=False)[0][0]

@@ -24,7 +24,8 @@ import nxhpc
 from nxhpc.dit.config import block_view
 from nxhpc.nn.linear import DEFAULT_PRECISION, adaln_linear, check_precision
 from nxhpc.dit.plan import TIMING_KEYS, BlockPlan, Engine, check_eps, narrow_finite
-from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, check_timeout, usable_cpus
+from nxhpc.runtime.checks import check_workers
+from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, check_timeout
 
 __all__ = ["Block", "BlockOutput", "BlockRunner", "run_layers", "adaln", "TIMING_KEYS", "check_config",
            "check_layer_weights", "validate_inputs"]
@@ -91,11 +92,7 @@ def validate_inputs(cfg, x, pe, mask=None, t_emb=None, adaln_m=None):
 
 
 def _check_workers(workers) -> int:
-    if workers is None:
-        return usable_cpus()
-    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
-        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
-    return int(workers)
+    return check_workers(workers)        # the one rule: None -> usable CPUs, 1..max_workers()
 
 
 def _check_spawn(spawn) -> str:

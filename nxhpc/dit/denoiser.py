@@ -53,7 +53,8 @@ from nxhpc.dit.plan import BlockPlan, Engine
 from nxhpc.dit.rope import position_ids, rope_table
 from nxhpc.formats.gguf_io import GGUFFile, ModelFileError
 from nxhpc.formats.weights import WeightTensor
-from nxhpc.runtime.workers import DEFAULT_SPAWN, check_timeout, max_workers, usable_cpus
+from nxhpc.runtime.checks import check_workers
+from nxhpc.runtime.workers import DEFAULT_SPAWN, check_timeout
 
 __all__ = ["Denoiser", "DenoiserInputError", "DenoiserWeights",
            "TIMING_KEYS", "SEGMENTS", "patchify", "unpatchify",
@@ -268,13 +269,7 @@ class Denoiser:
                  directory: str | os.PathLike | None = None, spawn: str = DEFAULT_SPAWN,
                  stage_timeout: float | None = None, norm_eps: float | None = None,
                  precision: str = DEFAULT_PRECISION) -> None:
-        if workers is None:
-            workers = usable_cpus()
-        if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) \
-                or not 1 <= workers <= max_workers():
-            raise ValueError(f"Denoiser: workers must be an int in [1, {max_workers()}], got "
-                             f"{workers!r}")
-        self.workers = int(workers)
+        self.workers = check_workers(workers, "Denoiser: workers")   # the one rule
         self.precision = check_precision(precision, "Denoiser: precision")
         self.spawn = spawn
         self.stage_timeout = check_timeout(stage_timeout)

@@ -1,9 +1,15 @@
-"""The Z-Image-Turbo sampler: static-shift flow-matching sigmas and the Euler loop.
+"""The Z-Image-Turbo sampler: static-shift flow-matching sigmas, the Euler loop, and the
+sampling entry over an open denoiser.
 
-Owns the sigma schedule and the update rule (``DENOISER.md``, "The sampler"), driving any
+Owns the sigma schedule and the update rule (``docs/denoiser.md``, "The sampler"), driving any
 callable ``model(x [C, H, W], t) -> raw output`` in the diffusers convention (t = 1 - sigma;
-r ~ x0 - noise, not negated). It knows nothing about what the model runs on and never imports
-torch or the kernels.
+r ~ x0 - noise, not negated) (:func:`euler_sample`); the public entry :func:`sample` (checks the
+caption features and noise against the model once -- :func:`check_cap_feats`,
+:func:`check_noise` on :mod:`nxhpc.runtime.checks` -- then runs every step on ONE open
+``Denoiser``: the same mapped weights, worker pool and shared-memory arena); and
+:func:`decode_png` (the FLUX VAE decode through ``diffusers.AutoencoderKL``).
+Must not: compute the transformer (``nxhpc.dit.denoiser`` does), or import torch or the kernels
+outside :func:`decode_png`.
 
 Sign: diffusers' ``ZImagePipeline`` negates the transformer output and its
 ``FlowMatchEulerDiscreteScheduler`` steps ``x += (sigma_{i+1} - sigma_i) * (-r)``, which is
@@ -11,12 +17,30 @@ Sign: diffusers' ``ZImagePipeline`` negates the transformer output and its
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["euler_sample", "initial_noise", "latent_shape", "turbo_sigmas"]
+from nxhpc.runtime.checks import CheckError, check_float_array
+
+__all__ = ["euler_sample", "initial_noise", "latent_shape", "turbo_sigmas", "sample",
+           "check_cap_feats", "check_noise", "decode_png", "require_decode_deps",
+           "SampleInputError", "NonFiniteOutputError", "VAE_SCALING", "VAE_SHIFT"]
+
+VAE_SCALING, VAE_SHIFT = 0.3611, 0.1159
+"""The FLUX VAE's latent normalization (``docs/denoiser.md``): pixels = decode(latents / 0.3611 +
+0.1159). Used when the VAE's config does not carry ``scaling_factor`` / ``shift_factor``."""
+
+
+class SampleInputError(CheckError):
+    """Caption features or noise that do not fit the model (shape, dtype, NaN/inf)."""
+
+
+class NonFiniteOutputError(ArithmeticError):
+    """The denoiser returned NaN/inf at a step (names the step and t)."""
 
 Model = Callable[[np.ndarray, float], np.ndarray]
 
@@ -85,3 +109,85 @@ def euler_sample(model: Model, noise: np.ndarray, sigmas: np.ndarray | None = No
         if on_step is not None:
             on_step(i, n, time.perf_counter() - t0)
     return x
+
+
+def check_cap_feats(cap_feats, cfg) -> np.ndarray:
+    """``[L >= 1, cfg.cap_dim]`` finite float -> C-contiguous float32, else SampleInputError."""
+    a = np.asarray(cap_feats)
+    if a.ndim != 2 or a.shape[0] < 1 or a.shape[1] != cfg.cap_dim:
+        raise SampleInputError(f"cap_feats: shape {list(a.shape)}, expected [L, {cfg.cap_dim}] "
+                               f"(L >= 1 caption tokens x the model's cap_dim {cfg.cap_dim})")
+    return check_float_array(a, "cap_feats", error=SampleInputError)
+
+
+def check_noise(noise, cfg, shape: tuple[int, int, int] | None = None) -> np.ndarray:
+    """``[C, H, W]`` (or ``[1, C, H, W]``) finite float noise, C = ``cfg.in_channels``, H, W
+    positive multiples of ``cfg.patch`` (and equal to ``shape`` when given) -> float32 [C,H,W]."""
+    a = np.asarray(noise)
+    if a.ndim == 4 and a.shape[0] == 1:
+        a = a[0]
+    C, p = cfg.in_channels, cfg.patch
+    if a.ndim != 3 or a.shape[0] != C or min(a.shape[1:]) < p or a.shape[1] % p \
+            or a.shape[2] % p:
+        raise SampleInputError(f"noise: shape {list(np.shape(noise))}, expected [{C}, H, W] "
+                               f"with H, W positive multiples of {p} (image pixels / 8)")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise SampleInputError(f"noise: shape {list(a.shape)} does not match --height/--width "
+                               f"(latents {list(shape)})")
+    return check_float_array(a, "noise", error=SampleInputError)
+
+
+def sample(denoiser, cap_feats, noise, *, steps: int = 8, shift: float = 3.0,
+           on_step: Callable[[int, int, float], None] | None = None) -> np.ndarray:
+    """Denoise ``noise [C, H, W]`` into latents with the Turbo sampler on ``denoiser`` (an open
+    ``nxhpc.dit.denoiser.Denoiser``: ``config`` and ``forward(latents, t, cap_feats)``), caption
+    features ``cap_feats [L, cap_dim]``, ``steps`` calls, static ``shift``. Every call goes to
+    the same ``denoiser`` (its weights, pool and arena are reused). ``on_step(i, n, seconds)``
+    after each call. Returns float32 ``[C, H, W]``.
+
+    The public boundary: the inputs are checked here, once, before any call; the denoiser's
+    forward and :func:`euler_sample` trust them. Raises :class:`SampleInputError` (ValueError)
+    for inputs that do not fit the model; :class:`NonFiniteOutputError` when the model
+    returns NaN/inf."""
+    cfg = denoiser.config
+    cap = check_cap_feats(cap_feats, cfg)
+    x0 = check_noise(noise, cfg)
+    sigmas = turbo_sigmas(steps, shift)
+    calls = [0]
+
+    def model(x: np.ndarray, t: float) -> np.ndarray:
+        i, calls[0] = calls[0], calls[0] + 1
+        r = np.asarray(denoiser.forward(x, t, cap))
+        if not np.isfinite(r).all():
+            raise NonFiniteOutputError(f"step {i} (t={t:.6g}): the denoiser returned NaN/inf")
+        return r
+
+    return euler_sample(model, x0, sigmas, on_step=on_step)
+
+
+def require_decode_deps() -> None:
+    """ImportError naming what :func:`decode_png` lacks (torch, diffusers), else nothing."""
+    missing = [m for m in ("torch", "diffusers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(f"--decode needs {' and '.join(missing)} (not installed): "
+                          f"pip install 'nxhpc[diffusers]'")
+
+
+def decode_png(latents: np.ndarray, vae_dir: str | os.PathLike):
+    """Decode ``latents [16, h, w]`` with ``diffusers.AutoencoderKL.from_pretrained(vae_dir)``
+    (float32, CPU): ``vae.decode(latents / scaling_factor + shift_factor)`` (FLUX VAE: 0.3611,
+    0.1159), then diffusers' own post-processing to an 8-bit RGB ``PIL.Image`` (what
+    ``ZImagePipeline(output_type="pil")`` returns). Imports torch and diffusers here only."""
+    require_decode_deps()
+    import torch
+    from diffusers import AutoencoderKL
+    from diffusers.image_processor import VaeImageProcessor
+    vae = AutoencoderKL.from_pretrained(os.fspath(vae_dir), torch_dtype=torch.float32).eval()
+    scale = getattr(vae.config, "scaling_factor", None) or VAE_SCALING
+    shift = getattr(vae.config, "shift_factor", None)
+    shift = VAE_SHIFT if shift is None else shift
+    z = torch.from_numpy(np.ascontiguousarray(latents, dtype=np.float32))[None]
+    with torch.no_grad():
+        img = vae.decode(z / scale + shift, return_dict=False)[0]
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    return VaeImageProcessor(vae_scale_factor=factor * 2).postprocess(img, output_type="pil")[0]

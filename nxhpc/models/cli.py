@@ -1,35 +1,48 @@
-"""``python -m nxhpc.models list | show <id> | make <id> [...]``: the model-directory CLI.
+"""``python -m nxhpc.models list | show <id> | make <id> [...]`` (``nxhpc-models``, ``nxhpc
+models``): the model-directory CLI.
 
-Owns argument parsing, printing and exit codes (:data:`EXIT_CODES`: 0 ok, 1 model error, 2 usage,
-3 models directory unusable, 130 Ctrl-C, 143 SIGTERM; no traceback for any of them). Must not
-import the compiled kernels: it works in a source tree whose extension is not built.
+Owns the CLI only: parse -> the registry / synthetic generator (``nxhpc.models``) -> print.
+Exit codes (:data:`EXIT_CODES`, the numbers of :class:`nxhpc.cli.codes.Exit`: 0 ok, 2 usage, 3
+not found, 4 bad model file, 5 missing tensor, 9 models directory unusable, 130 / 143 signals;
+no traceback for any of them), the signal frame and the argparse types are :mod:`nxhpc.cli`'s.
+Must not: import the compiled kernels (it works in a source tree whose extension is not
+built), or import another CLI.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 
-from nxhpc.formats.gguf_io import ModelError
+from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
+from nxhpc.cli.codes import Exit, UsageError, codes_epilog
+from nxhpc.cli.frame import run_cli
 from nxhpc.formats.weights import block_geometry
-from nxhpc.models.modeldir import ModelsDirError, check_models_root, check_replaceable, write_failed
+from nxhpc.models.modeldir import check_models_root, check_replaceable, write_failed
 from nxhpc.models.registry import (BUILTINS, DEFAULT_MODEL_ID, builtin_ids,
                                    builtin_current, builtin_spec, ensure_builtin, models_dir,
                                    open_model, stderr_progress)
 from nxhpc.models.synthetic import SyntheticSpec, make_synthetic
-from nxhpc.runtime.proc import Terminated, cli_signals
 
 __all__ = ["main", "build_parser", "EXIT_CODES"]
 
+PROG = "models"
+
+#: The codes this CLI returns, in its words (the numbers are nxhpc.cli.codes.Exit's).
 EXIT_CODES = {
-    0: "ok",
-    1: "model error (not found, malformed, an existing directory that is not a model)",
-    2: "usage error (bad arguments, dims that do not make a runnable block)",
-    3: "the models directory ($NXHPC_MODELS / --models-dir, or --out's parent) cannot take the "
-       "model: not a directory, not writable, or full (nothing is left behind)",
-    130: "interrupted by Ctrl-C / SIGINT (nothing half-written is left behind)",
-    143: "terminated by SIGTERM (nothing half-written is left behind)",
+    Exit.PASS: "ok",
+    Exit.USAGE: "usage error (bad arguments, dims that do not make a runnable block, an "
+                "existing --out without --force)",
+    Exit.NOT_FOUND: "model not found (id, directory or .gguf file)",
+    Exit.BAD_INPUT: "bad model file (malformed or unsupported GGUF or fixtures, an existing "
+                    "directory that is not a model)",
+    Exit.MISSING: "a tensor or fixture is missing from the model",
+    Exit.MODELS_DIR: "the models directory ($NXHPC_MODELS / --models-dir, or --out's parent) "
+                     "cannot take the model: not a directory, not writable, or full (nothing "
+                     "is left behind)",
+    Exit.INTERNAL: None,
+    Exit.SIGINT: "interrupted by Ctrl-C / SIGINT (nothing half-written is left behind)",
+    Exit.SIGTERM: "terminated by SIGTERM (nothing half-written is left behind)",
 }
 
 
@@ -88,9 +101,8 @@ def _cmd_make(args: argparse.Namespace) -> int:
     if builtin_spec(args.id) is not None and not custom and args.out is None:
         d = ensure_builtin(args.id, root, force=args.force, progress=say)
     elif builtin_spec(args.id) is not None and builtin_spec(args.id).kind == "denoiser":
-        print(f"error: {args.id} is a built-in denoiser: custom dims and --out are for block "
-              f"models only", file=sys.stderr)
-        return 2
+        raise UsageError(f"{args.id} is a built-in denoiser: custom dims and --out are for "
+                         f"block models only")
     else:
         base = BUILTINS.get(args.id, SyntheticSpec())
         if "grid" in custom:
@@ -105,12 +117,10 @@ def _cmd_make(args: argparse.Namespace) -> int:
                               src=src)
             make_synthetic(d, spec, progress=say, replace=args.force)
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            raise UsageError(str(e)) from None
         except FileExistsError as e:
             hint = "" if args.force else " (use --force to replace it)"
-            print(f"error: {e}{hint}", file=sys.stderr)
-            return 2
+            raise UsageError(f"{e}{hint}") from None
         except OSError as e:
             raise write_failed(d.parent, f"model {args.id!r}", e, src) from None
     with open_model(d) as m:
@@ -118,22 +128,12 @@ def _cmd_make(args: argparse.Namespace) -> int:
     return 0
 
 
-def _grid(s: str) -> tuple[int, int, int]:
-    try:
-        g = tuple(int(v) for v in s.lower().split("x"))
-    except ValueError:
-        g = ()
-    if len(g) != 3 or min(g) < 1:
-        raise argparse.ArgumentTypeError(f"grid must look like FxHxW (e.g. 1x4x8), got {s!r}")
-    return g  # type: ignore[return-value]
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m nxhpc.models",
         description="List, inspect and generate nxhpc model directories "
                     "(model.gguf + fixtures.safetensors).",
-        epilog="exit codes:\n" + "\n".join(f"  {k:>3}  {v}" for k, v in EXIT_CODES.items()),
+        epilog=codes_epilog(EXIT_CODES),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models-dir", help="model root (default: $NXHPC_MODELS or "
                                         "~/.cache/nxhpc/models)")
@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--ffn", dest="ffn_dim", type=int)
     mk.add_argument("--layers", dest="n_layers", type=int)
     mk.add_argument("--caption", dest="n_caption", type=int, help="caption tokens")
-    mk.add_argument("--grid", type=_grid, help="image token grid FxHxW, e.g. 1x4x8")
+    mk.add_argument("--grid", type=types.grid, help="image token grid FxHxW, e.g. 1x4x8")
     mk.add_argument("--seed", type=int)
     mk.add_argument("--adaln-in", type=int)
     mk.add_argument("--eps", dest="norm_eps", type=float)
@@ -171,25 +171,5 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: ``python -m nxhpc.models list | show <id> | make <id> [...]``."""
-    args = build_parser().parse_args(argv)
-    with cli_signals() as sig:
-        try:
-            try:
-                return {"list": _cmd_list, "show": _cmd_show, "make": _cmd_make}[args.cmd](args)
-            except Exception:
-                interrupt = sig.interrupt()   # a Ctrl-C that C code (numpy's tofile) replaced
-                if interrupt is not None:
-                    raise interrupt from None
-                raise
-        except ModelsDirError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 3
-        except ModelError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print("error: interrupted (SIGINT)", file=sys.stderr)
-            return 130
-        except Terminated:
-            print("error: terminated (SIGTERM)", file=sys.stderr)
-            return 143
+    cmds = {"list": _cmd_list, "show": _cmd_show, "make": _cmd_make}
+    return run_cli(PROG, build_parser(), argv, lambda args: cmds[args.cmd](args))

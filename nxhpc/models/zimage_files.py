@@ -54,7 +54,7 @@ class ZImageFile:
 
     ``weights``: canonical name -> exact dequantized values, float64, in the stored torch shape
     (pad tokens as stored); ``tensors``: canonical name -> (torch shape, GGML type name), the
-    table ``infer_denoiser_config`` takes; ``stored_names``: names as in the file;
+    table ``nxhpc.dit.config.infer_config`` takes; ``stored_names``: names as in the file;
     ``metadata``: the scalar/string key-values."""
     path: Path
     weights: dict[str, np.ndarray]

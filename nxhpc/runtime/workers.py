@@ -41,7 +41,6 @@ while another is open takes milliseconds, not a second per worker.
 from __future__ import annotations
 
 import functools
-import math
 import operator
 import os
 import pickle
@@ -95,12 +94,8 @@ def max_workers() -> int:
 
 def check_timeout(timeout: float | None, what: str = "stage_timeout") -> float | None:
     """None, or a positive finite number of seconds (as float); ValueError naming ``what``."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-            or not math.isfinite(timeout) or timeout <= 0:
-        raise ValueError(f"{what} must be None or a positive number of seconds, got {timeout!r}")
-    return float(timeout)
+    from nxhpc.runtime.checks import check_seconds      # the one rule (checks imports us)
+    return check_seconds(timeout, what)
 
 
 def _as_index(v: object) -> int | None:
@@ -312,12 +307,10 @@ class WorkerPool:
 
     def __init__(self, n_workers: int, tasks: Mapping[str, Task], mode: str = DEFAULT_SPAWN,
                  *, inline: bool = True, stage_timeout: float | None = None) -> None:
-        if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
-            raise ValueError(f"WorkerPool: n_workers must be an int >= 1, got {n_workers!r}")
-        if n_workers > max_workers():
-            raise ValueError(f"WorkerPool: n_workers={n_workers} is more than {max_workers()} "
-                             f"(8x the {usable_cpus()} usable CPUs, at least 64): extra workers "
-                             f"only add fork, memory and scheduling cost")
+        from nxhpc.runtime.checks import check_workers      # the one worker-count rule
+        if n_workers is None:
+            raise ValueError("WorkerPool: n_workers must be an integer >= 1, got None")
+        n_workers = check_workers(n_workers, "WorkerPool: n_workers")
         if mode not in SPAWN_MODES:
             raise ValueError(f"WorkerPool: mode must be one of {SPAWN_MODES}, got {mode!r}")
         if not isinstance(tasks, Mapping) or not all(callable(t) for t in tasks.values()):

@@ -3,7 +3,7 @@
 Owns the workload (a 2-layer relu MLP regressing sklearn's bundled diabetes data), the per-shard
 gradient on the exact-integer tape (:mod:`nxhpc.train.q16`), the data-parallel driver (D forked workers,
 shards and gradients in one shared-memory segment, ring all-reduce from :mod:`nxhpc.train.ring`, SGD on
-every replica), the MPI driver, the float32 contrast and the CLI::
+every replica), the MPI driver and the float32 contrast. Its CLI is :mod:`nxhpc.ddp`::
 
     python -m nxhpc.ddp --workers 4 --steps 300 [--backend shm|mpi]
     mpirun -n 4 python -m nxhpc.ddp --backend mpi --steps 300
@@ -19,13 +19,10 @@ started the run) and the words for a worker's exit come from :mod:`nxhpc.runtime
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import multiprocessing as mp
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -35,16 +32,13 @@ from multiprocessing.connection import wait as mp_wait
 import numpy as np
 
 from nxhpc.runtime import proc
-from nxhpc.runtime.outfile import OutputPathError, check_output_path, write_atomic
-from nxhpc.runtime.shm import ShmSpaceError
-from nxhpc.train import q16
 from nxhpc.train.q16 import Tape, from_q16, q16_add, sgd_step, to_q16
 from nxhpc.train.ring import ShmSegment, ring_allreduce_mpi, ring_allreduce_shm
 
 __all__ = [
     "MLPConfig", "Dataset", "TrainResult", "DDPWorkerError", "DDPTimeoutError", "SHM_PREFIX",
     "load_diabetes", "init_params", "param_layout", "q16_shard_grad", "f32_shard_grad",
-    "train_full_batch", "train_shm", "train_mpi", "weights_sha256", "main",
+    "train_full_batch", "train_shm", "train_mpi", "weights_sha256",
 ]
 
 SHM_PREFIX = "nxddp_"
@@ -487,241 +481,3 @@ def train_mpi(comm, steps: int, *, arith: str = "q16", cfg: MLPConfig = MLPConfi
     if len(set(hashes)) != 1:
         raise RuntimeError(f"MPI replicas diverged: hashes per rank {hashes}")
     return TrainResult(flat, np.array(losses), sha, D, "mpi", arith, time.perf_counter() - t0)
-
-
-# ----------------------------------------------------------------------------------------------
-# CLI
-# ----------------------------------------------------------------------------------------------
-
-def _parse_int_list(text: str) -> list[int]:
-    try:
-        vals = [int(v) for v in text.split(",")]     # an empty item is an error, not skipped
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not vals or any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return vals
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m nxhpc.ddp",
-        description="Bit-reproducible data-parallel training of a 2-layer relu MLP on sklearn's "
-                    "diabetes data with the exact-integer Q16.16 tape. Prints the per-step loss "
-                    "and the SHA-256 of the final weights (identical for every worker count and "
-                    "backend), then the float32 data-parallel contrast.")
-    ap.add_argument("--workers", type=int, default=None,
-                    help="number of data-parallel workers D (shm: forked processes, default 4; "
-                         "mpi: must equal the MPI world size if given)")
-    ap.add_argument("--steps", type=int, default=300, help="SGD steps (default 300)")
-    ap.add_argument("--backend", choices=["shm", "mpi"], default="shm",
-                    help="shm: forked workers over shared memory; mpi: run under mpirun")
-    ap.add_argument("--hidden", type=int, default=16, help="hidden width (default 16)")
-    ap.add_argument("--lr", type=float, default=0.05, help="learning rate on the mean loss (default 0.05)")
-    ap.add_argument("--seed", type=int, default=0, help="init seed (default 0)")
-    ap.add_argument("--log-every", type=int, default=1, help="print the loss every N steps (default 1)")
-    ap.add_argument("--contrast", type=_parse_int_list, default=[1, 2, 3, 4, 5, 8], metavar="D,D,...",
-                    help="worker counts for the float32 contrast (default 1,2,3,4,5,8; shm only)")
-    ap.add_argument("--no-contrast", action="store_true", help="skip the float32 contrast")
-    ap.add_argument("--sweep", type=_parse_int_list, default=None, metavar="D,D,...",
-                    help="also train the Q16 model with each of these worker counts (shm) and "
-                         "print a hash table, checked against the single-process full batch")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds before a shm run is "
-                    "declared hung (default 600; inf: no limit)")
-    ap.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
-    return ap
-
-
-def _print_run(res: TrainResult, head: str, every: int, out, report: dict) -> None:
-    """Print one Q16 run (header, loss every `every` steps and the last, endpoints, SHA-256)
-    and record it in `report`."""
-    print(f"{head}; backend={res.backend}, workers={res.workers}", file=out)
-    n = len(res.losses)
-    for i, v in enumerate(res.losses):
-        if every <= 1 or i % every == 0 or i == n - 1:
-            print(f"step {i + 1:5d}  loss {v:.6f}", file=out)
-    print(f"loss {res.losses[0]:.6f} -> {res.losses[-1]:.6f}", file=out)
-    print(f"weights sha256 {res.sha256}  (q16, backend={res.backend}, workers={res.workers}, "
-          f"{res.seconds:.2f}s)", file=out)
-    report.update(backend=res.backend, workers=res.workers, sha256=res.sha256,
-                  losses=res.losses.tolist())
-
-
-def _write_json(path: str | None, report: dict) -> str | None:
-    """Write the report atomically (the path was checked up front); the error text, or None."""
-    if not path:
-        return None
-    try:
-        write_atomic(path, lambda f: f.write(json.dumps(report, indent=1).encode()))
-    except OSError as e:
-        return f"--json {path}: could not write the report: {e.strerror or e}"
-    return None
-
-
-class _Terminated(BaseException):
-    """Raised from the CLI's SIGTERM handler so that every cleanup (finally/with) runs."""
-
-
-def _on_sigterm(signum, frame):
-    raise _Terminated()
-
-
-#: The CLI's exit codes.
-EXIT_CODES = {0: "ok (and, with --sweep, every worker count gave the full-batch bytes)",
-              1: "failure: a worker died, raised or hung, Q16 overflow, not enough shared "
-                 "memory, a --sweep mismatch, or the --json report could not be written",
-              2: "bad arguments (including an unwritable --json path)",
-              130: "interrupted by Ctrl-C / SIGINT (workers stopped, shared memory released)",
-              143: "terminated by SIGTERM (workers stopped, shared memory released)"}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the exit code (:data:`EXIT_CODES`: 0 ok, 1 failure, 2 bad
-    arguments, 130 SIGINT, 143 SIGTERM). No traceback for any of them."""
-    old_term = signal.signal(signal.SIGTERM, _on_sigterm) \
-        if threading.current_thread() is threading.main_thread() else None
-    try:
-        return _main(argv)
-    except KeyboardInterrupt:
-        print("error: interrupted (SIGINT); workers stopped, shared memory released",
-              file=sys.stderr, flush=True)
-        return 130
-    except _Terminated:
-        print("error: terminated (SIGTERM); workers stopped, shared memory released",
-              file=sys.stderr, flush=True)
-        return 143
-    finally:
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)
-
-
-def _run_shm(args, workers: int, cfg: MLPConfig, data: Dataset, head: str, out,
-             report: dict) -> int:
-    """The shm backend's runs (main, --sweep, float32 contrast), printed and recorded."""
-    res = train_shm(workers, args.steps, cfg=cfg, data=data, timeout=args.timeout)
-    _print_run(res, head, args.log_every, out, report)
-    rc = 0
-
-    if args.sweep:
-        ref = train_full_batch(args.steps, cfg=cfg, data=data)
-        print(f"\nQ16 sweep ({args.steps} steps): single-process full batch sha256 {ref.sha256}",
-              file=out)
-        sweep = {}
-        for d in args.sweep:
-            r = res if d == workers else train_shm(d, args.steps, cfg=cfg, data=data,
-                                                   timeout=args.timeout)
-            same = r.sha256 == ref.sha256
-            rc = rc if same else 1
-            sweep[d] = r.sha256
-            print(f"  D={d}: sha256 {r.sha256}  {'== full batch' if same else 'DIFFERS'}  "
-                  f"({r.seconds:.2f}s)", file=out)
-        report["sweep"] = {"full_batch": ref.sha256, **{str(k): v for k, v in sweep.items()}}
-
-    if not args.no_contrast:
-        print(f"\nfloat32 contrast: the same model, data, init and ring in numpy float32 "
-              f"({args.steps} steps)", file=out)
-        fres = {d: train_shm(d, args.steps, arith="float32", cfg=cfg, data=data,
-                             timeout=args.timeout) for d in args.contrast}
-        base_d = args.contrast[0]
-        base = fres[base_d].params.astype(np.float64)
-        contrast = {}
-        for d, r in fres.items():
-            diff = float(np.max(np.abs(r.params.astype(np.float64) - base)))
-            contrast[d] = {"sha256": r.sha256, "max_abs_diff": diff,
-                           "final_loss": float(r.losses[-1])}
-            print(f"  D={d}: sha256 {r.sha256[:16]}..  max|W_D - W_{base_d}| = {diff:.3e}  "
-                  f"final loss {r.losses[-1]:.6f}", file=out)
-        distinct = len({r.sha256 for r in fres.values()})
-        print(f"  float32: {distinct} distinct weight vectors over D in {args.contrast}; "
-              f"max difference {max(c['max_abs_diff'] for c in contrast.values()):.3e}", file=out)
-        report["float32_contrast"] = {str(k): v for k, v in contrast.items()}
-    return rc
-
-
-def _main(argv: list[str] | None) -> int:
-    ap = _build_parser()
-    args = ap.parse_args(argv)
-    if args.steps < 1:
-        ap.error(f"--steps must be >= 1, got {args.steps}")
-    if args.workers is not None and args.workers < 1:
-        ap.error(f"--workers must be >= 1, got {args.workers}")
-    if args.log_every < 1:
-        ap.error(f"--log-every must be >= 1, got {args.log_every}")
-    if not args.timeout > 0:
-        ap.error(f"--timeout must be > 0 seconds, got {args.timeout}")
-    if args.json:                                  # up front: not after the whole run
-        try:
-            check_output_path(args.json, what="--json")
-        except OutputPathError as e:
-            ap.error(str(e))
-    try:
-        cfg = MLPConfig(hidden=args.hidden, lr=args.lr, seed=args.seed)
-        cfg.lr_q16
-    except ValueError as e:
-        ap.error(str(e))
-    out = sys.stdout
-    try:
-        data = load_diabetes()
-    except ImportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    n_rows = data.x.shape[0]
-    for opt, ds in (("--workers", [args.workers] if args.workers else []),
-                    ("--sweep", args.sweep or []), ("--contrast", args.contrast or [])):
-        too_many = [d for d in ds if d > n_rows]
-        if too_many:   # a shard would be empty
-            ap.error(f"{opt}: {too_many} exceeds the {n_rows} data rows (at most one worker per row)")
-    head = (f"Q16.16 MLP {data.x.shape[1]}-{cfg.hidden}-1 (relu), SSE loss, SGD lr={cfg.lr} "
-            f"(Q16 {cfg.lr_q16}/65536, mean over {data.x.shape[0]} rows), diabetes data "
-            f"{data.x.shape[0]}x{data.x.shape[1]} standardized")
-    report: dict = {"steps": args.steps, "hidden": cfg.hidden, "lr": cfg.lr, "seed": cfg.seed}
-
-    if args.backend == "mpi":
-        try:
-            from mpi4py import MPI
-        except ImportError:
-            print("error: --backend mpi needs mpi4py (pip install mpi4py) and an MPI runtime",
-                  file=sys.stderr)
-            return 2
-        comm = MPI.COMM_WORLD
-        rank = comm.Get_rank()
-        if args.workers is not None and args.workers != comm.Get_size():
-            if rank == 0:
-                print(f"error: --workers {args.workers} but the MPI world has {comm.Get_size()} "
-                      "ranks (start with mpirun -n D)", file=sys.stderr)
-            return 2
-        try:
-            res = train_mpi(comm, args.steps, cfg=cfg, data=data)
-        except KeyboardInterrupt:       # peers block in Sendrecv: abort the whole job
-            print(f"error: MPI rank {rank} interrupted (SIGINT)", file=sys.stderr, flush=True)
-            comm.Abort(130)
-            return 130
-        except Exception as e:  # noqa: BLE001 - peers block in Sendrecv: abort the whole job
-            print(f"error: MPI rank {rank} of {comm.Get_size()} failed: {type(e).__name__}: {e}",
-                  file=sys.stderr, flush=True)
-            comm.Abort(1)
-            return 1
-        if rank != 0:
-            return 0
-        _print_run(res, head, args.log_every, out, report)
-        err = _write_json(args.json, report)
-        if err:
-            print(f"error: {err}", file=sys.stderr)
-            return 1
-        return 0
-
-    workers = 4 if args.workers is None else args.workers
-    try:
-        rc = _run_shm(args, workers, cfg, data, head, out, report)
-    except (DDPWorkerError, DDPTimeoutError, q16.Q16OverflowError, ShmSpaceError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    err = _write_json(args.json, report)
-    if err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    return rc
-
-
-if __name__ == "__main__":
-    sys.exit(main())

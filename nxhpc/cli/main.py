@@ -1,0 +1,54 @@
+"""``nxhpc <command> [args]``: one entry point for every nxhpc CLI (``nxhpc blockrun tiny 2``
+is ``python -m nxhpc.blockrun tiny 2`` is ``nxhpc-blockrun tiny 2``).
+
+Owns the command table (:data:`COMMANDS`: name -> the CLI module whose ``main(argv)`` runs it)
+and the top-level ``--help`` (the commands and the shared exit-code table). Must not: parse a
+command's own options (each CLI does) or import a command's module before it is chosen.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+from nxhpc.cli.codes import DEFAULT_TEXT, Exit, codes_epilog
+
+__all__ = ["COMMANDS", "main"]
+
+#: command -> (module with ``main(argv) -> int``, one-line summary)
+COMMANDS = {
+    "blockrun": ("nxhpc.blockrun", "run DiT blocks of a model from the block input and grade "
+                                   "the output"),
+    "denoise": ("nxhpc.denoise", "one call of the whole Z-Image transformer from a GGUF"),
+    "sample": ("nxhpc.sample", "the Z-Image-Turbo sampling loop (caption features -> latents "
+                               "[-> PNG])"),
+    "models": ("nxhpc.models.cli", "list, inspect and generate model directories"),
+    "ddp": ("nxhpc.ddp", "bit-reproducible data-parallel training on the Q16 tape"),
+}
+
+
+def _help() -> str:
+    width = max(map(len, COMMANDS))
+    cmds = "\n".join(f"  {k:<{width}}  {v[1]}" for k, v in COMMANDS.items())
+    return (f"usage: nxhpc <command> [args]   (nxhpc <command> --help for its options)\n\n"
+            f"commands:\n{cmds}\n\n"
+            + codes_epilog({c: DEFAULT_TEXT[c] for c in Exit})
+            + "\n  (every command uses this one table; its --help lists the codes it can "
+              "return)\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_help(), end="", file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else int(Exit.USAGE)
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"nxhpc: error: unknown command {cmd!r}; choose from {', '.join(COMMANDS)}",
+              file=sys.stderr)
+        return int(Exit.USAGE)
+    mod = importlib.import_module(COMMANDS[cmd][0])
+    return int(mod.main(rest))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The report writer of every nxhpc CLI: ``key=value`` lines or one ``--json`` object, atomic
+result files, and the verdict line printed last.
+
+Owns :func:`kv_lines` / :func:`print_kv` (one ``key=value`` per line, values through a
+formatter), :func:`print_json` (strict JSON: NaN/inf become null), :func:`save_npy` and
+:func:`save_bytes` (atomic writes via :mod:`nxhpc.runtime.outfile`, returning the error text
+instead of raising) and :func:`emit_graded` (the graded report of ``blockrun``/``denoise``: the
+report comes first and always, so a failing save cannot cost the verdict).
+Must not: compute grades (``nxhpc.dit.grade``), choose exit codes, or import the kernels.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from typing import IO, Any
+
+from nxhpc.runtime.outfile import write_atomic
+
+__all__ = ["fmt_value", "fmt_compact", "kv_lines", "print_kv", "print_json", "save_npy", "save_bytes",
+           "emit_graded"]
+
+
+def fmt_value(v) -> str:
+    """A report value as printed in ``key=value`` lines (``nxhpc.dit.grade.fmt_value``)."""
+    from nxhpc.dit.grade import fmt_value as f
+    return f(v)
+
+
+def fmt_compact(v) -> str:
+    """The compact ``key=value`` style of ``sample``: a dict as ``a=b a=b``, a list
+    comma-separated (floats ``%g``), a float ``%.6g``, anything else ``str``."""
+    if isinstance(v, dict):
+        return " ".join(f"{a}={b}" for a, b in v.items())
+    if isinstance(v, list):
+        return ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v)
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def kv_lines(report: Mapping[str, Any], fmt: Callable[[Any], str] = fmt_value) -> list[str]:
+    return [f"{k}={fmt(v)}" for k, v in report.items()]
+
+
+def print_kv(report: Mapping[str, Any], fmt: Callable[[Any], str] = fmt_value) -> None:
+    for line in kv_lines(report, fmt):
+        print(line)
+
+
+def print_json(obj: Mapping[str, Any]) -> None:
+    """One strict JSON object on stdout (NaN/Infinity -> null)."""
+    from nxhpc.dit.grade import json_safe
+    print(json.dumps(json_safe(dict(obj)), allow_nan=False))
+
+
+def save_bytes(path: str | os.PathLike, write: Callable[[IO[bytes]], None], what: str,
+               noun: str, keep: str = "an existing file at that path is unchanged") -> str | None:
+    """``write_atomic(path, write)``; the error text (``WHAT PATH: could not write NOUN: why;
+    KEEP``) or None."""
+    try:
+        write_atomic(path, write)
+    except OSError as e:
+        return f"{what} {path}: could not write {noun}: {e.strerror or e}; {keep}"
+    return None
+
+
+def save_npy(path: str | os.PathLike, array, what: str, noun: str = "the output",
+             **kw) -> str | None:
+    """Save ``array`` as float32 ``.npy`` at exactly ``path`` (np.save would add ``.npy``)."""
+    import numpy as np
+    return save_bytes(path, lambda f: np.save(f, array.astype(np.float32)), what, noun, **kw)
+
+
+def emit_graded(report: Mapping[str, Any], *, as_json: bool, grade=None, verdict: str,
+                text_lines: Iterable[str] = (), json_extra: Mapping[str, Any] | None = None,
+                save: Callable[[], str | None] | None = None, saved_path=None) -> str | None:
+    """Print ``report`` then the grade (``nxhpc.dit.grade.Grade`` or None = UNGRADED), the
+    save's outcome and the ``verdict`` line. key=value: the report, ``text_lines``, the grade
+    lines, ``saved_output=`` after ``save()`` succeeded, the verdict. JSON: the report,
+    ``saved_output`` / ``save_error``, the grade's fields (or ``verdict: UNGRADED``),
+    ``json_extra``, ``verdict_line``. Returns the save's error text, or None."""
+    save_error = None
+    if as_json:
+        obj = dict(report)
+        if save is not None:
+            save_error = save()
+            obj["saved_output"] = None if save_error else str(saved_path)
+            if save_error:
+                obj["save_error"] = save_error
+        if grade is not None:
+            obj.update(grade.as_dict())
+        else:
+            obj["verdict"] = "UNGRADED"
+        obj.update(json_extra or {})
+        obj["verdict_line"] = verdict
+        print_json(obj)
+    else:
+        print_kv(report)
+        for line in text_lines:
+            print(line)
+        if grade is not None:
+            for line in grade.lines():
+                print(line)
+        sys.stdout.flush()
+        if save is not None:
+            save_error = save()
+            if save_error is None:
+                print(f"saved_output={saved_path}")
+        print(verdict)
+    sys.stdout.flush()
+    return save_error

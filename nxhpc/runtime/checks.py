@@ -1,0 +1,135 @@
+"""Argument checks at the public boundary, one rule each (scikit-learn's ``check_*`` style).
+
+Owns the rules for what a caller may pass to a public entry point (``WorkerPool``,
+``BlockEngine``/``run_block``/``run_layers``, ``Denoiser``, ``sample``, the CLIs' argparse types):
+counts (:func:`check_count`), worker counts (:func:`check_workers`: an int in ``[1,
+max_workers()]``, None = the usable CPUs), seconds (:func:`check_seconds`), choices
+(:func:`check_choice`), floating-point arrays of a shape, finite, as C-contiguous float32
+(:func:`check_float_array`) and ``.npy`` inputs (:func:`load_npy`). Each raises
+:class:`CheckError` (a ValueError) or TypeError with a message naming the argument, the rule and
+the value. Internal hops below an entry point trust what it checked and say so.
+Must not: import numpy at import time (the worker pool imports this module), the compiled
+kernels or model code; print; or decide exit codes (``nxhpc.cli`` maps these errors to codes).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+import os
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["CheckError", "InputFileMissing", "check_count", "check_workers", "check_seconds",
+           "check_positive", "check_choice", "check_float_array", "load_npy"]
+
+
+class CheckError(ValueError):
+    """An argument or input array that breaks its rule (the message names it)."""
+
+
+class InputFileMissing(CheckError):
+    """An input file that does not exist (or is a directory): a usage error, not a bad file."""
+
+
+def _as_int(v: Any) -> int | None:
+    """An integer (int, numpy integer; not bool, not float), else None."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
+def _is_real(v: Any) -> bool:
+    """A real number (int, float, numpy's; not bool)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def check_count(v: Any, what: str, *, minimum: int = 1, maximum: int | None = None) -> int:
+    """``v`` as an int in ``[minimum, maximum]`` (bool and float refused), else CheckError."""
+    n = _as_int(v)
+    hi = "" if maximum is None else f" and <= {maximum}"
+    if n is None or n < minimum or (maximum is not None and n > maximum):
+        raise CheckError(f"{what} must be an integer >= {minimum}{hi}, got {v!r}")
+    return n
+
+
+def check_workers(v: Any, what: str = "workers") -> int:
+    """The one worker-count rule: None -> the usable CPUs; else an int in ``[1, max_workers()]``
+    (8x the usable CPUs, at least 64: more only add fork, memory and scheduling cost, and a
+    mistyped 100000 would fork until the machine runs out of memory)."""
+    from nxhpc.runtime.workers import max_workers, usable_cpus   # workers.py imports this module
+    if v is None:
+        return usable_cpus()
+    n = _as_int(v)
+    top = max_workers()
+    if n is None or n < 1:
+        raise CheckError(f"{what} must be an integer >= 1, got {v!r}")
+    if n > top:
+        raise CheckError(f"{what} must be at most {top} (8x the {usable_cpus()} usable CPUs, "
+                         f"at least 64: more than that only adds fork, memory and scheduling "
+                         f"cost), got {n}")
+    return n
+
+
+def check_positive(v: Any, what: str) -> float:
+    """A positive finite number as float (bool refused), else CheckError."""
+    if not _is_real(v) or not math.isfinite(float(v)) or float(v) <= 0:
+        raise CheckError(f"{what} must be a positive finite number, got {v!r}")
+    return float(v)
+
+
+def check_seconds(v: Any, what: str = "stage_timeout") -> float | None:
+    """None (no limit), or a positive finite number of seconds as float, else CheckError."""
+    if v is None:
+        return None
+    if not _is_real(v) or not math.isfinite(float(v)) or float(v) <= 0:
+        raise CheckError(f"{what} must be None or a positive number of seconds, got {v!r}")
+    return float(v)
+
+
+def check_choice(v: Any, choices: Iterable[Any], what: str) -> Any:
+    """``v`` if it is one of ``choices``, else CheckError listing them."""
+    choices = tuple(choices)
+    if isinstance(v, (str, int, float, type(None))) and v in choices:
+        return v
+    raise CheckError(f"{what} must be one of {choices}, got {v!r}")
+
+
+def check_float_array(a: Any, what: str, *, ndim: int | None = None,
+                      shape: tuple[int | None, ...] | None = None,
+                      error: type[Exception] = CheckError):
+    """``a`` as a C-contiguous float32 array: floating-point dtype, every value finite, of
+    ``ndim`` dimensions and of ``shape`` (None entries match any length) when given. Raises
+    ``error`` (a CheckError unless a caller names its own ValueError subclass)."""
+    import numpy as np
+    arr = np.asarray(a)
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and arr.ndim != ndim or shape is not None and any(
+            s is not None and s != n for s, n in zip(shape, arr.shape)):
+        want = "x".join("*" if s is None else str(s) for s in shape) if shape else f"{ndim}-d"
+        raise error(f"{what}: shape {list(arr.shape)}, expected {want}")
+    if arr.dtype.kind != "f":
+        raise error(f"{what}: dtype {arr.dtype}, expected a floating-point array")
+    bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+    if bad:
+        raise error(f"{what}: {bad} of {arr.size} values are NaN or inf")
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def load_npy(path: str | os.PathLike, what: str, *, error: type[Exception] = CheckError):
+    """``np.load(path)`` without pickles: a missing path or a directory is
+    :class:`InputFileMissing` (a usage error), an unreadable file ``error`` (a bad input)."""
+    import numpy as np
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        raise InputFileMissing(f"{what} {p}: no such file")
+    if os.path.isdir(p):
+        raise InputFileMissing(f"{what} {p}: is a directory, expected a .npy file")
+    try:
+        return np.load(p, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise error(f"{what} {p}: cannot read a .npy array: {e}") from None

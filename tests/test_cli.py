@@ -1,0 +1,421 @@
+"""The one CLI layer (``nxhpc.cli``): one exit-code table shared by every CLI, console commands,
+each ``--help`` naming only its own options and codes, the ``nxhpc <command>`` entry point, the
+shadowed-package repair, and the boundary checks (``nxhpc.runtime.checks``) with their negative
+cases. The CLIs' behaviour per command is tested in test_blockrun.py, test_denoiser.py,
+test_sample_cli.py, test_models.py and test_ddp.py."""
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nxhpc.cli import args as types
+from nxhpc.cli.codes import DEFAULT_TEXT, Exit, code_for, codes_epilog
+from nxhpc.cli.main import COMMANDS
+from nxhpc.runtime import checks
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI_MODULES = [mod for mod, _ in COMMANDS.values()]
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = None
+
+
+# ------------------------------------------------------------------ one exit-code table
+
+def test_exit_numbers_are_the_documented_ones():
+    """The table the README documents; a number never changes meaning."""
+    assert {c.name: int(c) for c in Exit} == {
+        "PASS": 0, "FAIL": 1, "USAGE": 2, "NOT_FOUND": 3, "BAD_INPUT": 4, "MISSING": 5,
+        "WORKER": 6, "SHM": 7, "OUTPUT": 8, "MODELS_DIR": 9, "INTERNAL": 70, "SIGINT": 130,
+        "SIGTERM": 143}
+    assert set(DEFAULT_TEXT) == set(Exit)
+
+
+@pytest.mark.parametrize("mod", CLI_MODULES)
+def test_every_cli_uses_the_shared_codes_only(mod):
+    m = importlib.import_module(mod)
+    assert m.EXIT_CODES and all(isinstance(k, Exit) for k in m.EXIT_CODES), m.EXIT_CODES
+    for always in (Exit.PASS, Exit.USAGE, Exit.INTERNAL, Exit.SIGINT, Exit.SIGTERM):
+        assert always in m.EXIT_CODES, (mod, always)
+    # no CLI keeps a private number: no EXIT_* integer constants of its own
+    own = {k for k, v in vars(m).items() if k.startswith("EXIT_") and isinstance(v, int)}
+    assert not own, (mod, own)
+
+
+def test_the_same_condition_has_the_same_code_everywhere():
+    """The models directory that cannot take the model was 9 in blockrun/denoise/sample but 3
+    in ``models``; a model not found was 3 in blockrun but 1 in ``models``."""
+    from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError, ModelNotFoundError
+    from nxhpc.models.modeldir import ModelsDirError
+    from nxhpc.runtime.outfile import OutputPathError
+    from nxhpc.runtime.shm import ShmSpaceError
+    from nxhpc.runtime.workers import WorkerError
+    from nxhpc.train.ddp import DDPTimeoutError, DDPWorkerError
+    from nxhpc.train.q16 import Q16OverflowError
+    import nxhpc.dit.sampler as sampler
+    cases = [(ModelsDirError, Exit.MODELS_DIR), (ModelNotFoundError, Exit.NOT_FOUND),
+             (MissingTensorError, Exit.MISSING), (ModelFileError, Exit.BAD_INPUT),
+             (WorkerError, Exit.WORKER), (DDPWorkerError, Exit.WORKER),
+             (DDPTimeoutError, Exit.WORKER), (ShmSpaceError, Exit.SHM),
+             (OutputPathError, Exit.USAGE), (Q16OverflowError, Exit.FAIL),
+             (sampler.NonFiniteOutputError, Exit.FAIL),
+             (sampler.SampleInputError, Exit.BAD_INPUT),
+             (checks.InputFileMissing, Exit.USAGE), (checks.CheckError, Exit.BAD_INPUT)]
+    cases = [(cls.__new__(cls), code) for cls, code in cases]   # no constructor arguments needed
+    for e, code in cases:
+        assert code_for(e) == code, (type(e).__name__, code_for(e), code)
+    assert code_for(TypeError("a bug")) is None and code_for(KeyError("a bug")) is None
+
+
+def _help(mod: str, *extra: str) -> str:
+    r = subprocess.run([sys.executable, "-m", mod, *extra, "--help"], capture_output=True,
+                       text=True, cwd=ROOT, env=_env(), timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def _env(**kw) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(kw)
+    return env
+
+
+def _listed_codes(help_text: str) -> list[int]:
+    block = help_text.split("exit codes:\n", 1)[1]
+    return [int(m.group(1)) for m in re.finditer(r"^\s{1,4}(\d+)\s{2}", block, re.M)]
+
+
+def _own_options(p: argparse.ArgumentParser) -> set[str]:
+    own = set()
+    for a in p._actions:
+        own.update(a.option_strings)
+        if isinstance(getattr(a, "choices", None), dict):     # subcommands
+            for sub in a.choices.values():
+                own |= _own_options(sub)
+    return own
+
+
+@pytest.mark.parametrize("mod", CLI_MODULES)
+def test_help_lists_its_own_codes_and_options_only(mod):
+    """``denoise --help`` named ``--save-output`` and ``--layers`` (blockrun's codes' text),
+    which denoise rejects. Now every option a --help names is one of that CLI's (Docker's
+    ``--shm-size`` aside), and its code list is exactly its EXIT_CODES, in order."""
+    m = importlib.import_module(mod)
+    text = _help(mod if mod != "nxhpc.models.cli" else "nxhpc.models")
+    assert _listed_codes(text) == sorted(int(c) for c in m.EXIT_CODES)
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text))
+    foreign = named - _own_options(m.build_parser()) - {"--shm-size"}
+    assert not foreign, (mod, foreign)
+
+
+def test_denoise_help_does_not_name_blockrun_options():
+    text = _help("nxhpc.denoise")
+    assert "--save-output" not in text and "--layers" not in text
+    assert "--out" in text                                       # positive control
+
+
+def test_codes_epilog_wraps_and_defaults():
+    text = codes_epilog({Exit.PASS: None, Exit.MODELS_DIR: "x " * 80})
+    lines = text.splitlines()
+    assert lines[0] == "exit codes:" and lines[1] == "    0  ok"
+    assert lines[2].startswith("    9  x x") and all(len(l) <= 92 for l in lines)
+    assert lines[3].startswith("       x")
+
+
+# ------------------------------------------------------------------ console commands
+
+def _scripts() -> dict:
+    text = (ROOT / "pyproject.toml").read_text()
+    if tomllib is not None:
+        return tomllib.loads(text)["project"]["scripts"]
+    block = text.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+    return dict(re.findall(r'^([\w-]+)\s*=\s*"([^"]+)"', block, re.M))
+
+
+def test_every_cli_is_a_console_command():
+    scripts = _scripts()
+    assert scripts["nxhpc"] == "nxhpc.cli.main:main"
+    for name, (mod, _) in COMMANDS.items():
+        assert scripts[f"nxhpc-{name}"] == f"{mod}:main", name
+    for target in scripts.values():
+        mod, func = target.split(":")
+        assert callable(getattr(importlib.import_module(mod), func)), target
+
+
+def test_packages_list_holds_every_package():
+    """setuptools' explicit package list must name nxhpc.cli (or the commands do not install)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    pkgs = set(re.findall(r'"(nxhpc(?:\.\w+)*)"', text.split("packages = [", 1)[1].split("]")[0]))
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts)
+               for p in (ROOT / "nxhpc").rglob("__init__.py")}
+    assert on_disk <= pkgs, on_disk - pkgs
+
+
+def test_test_extra_brings_what_the_tests_import():
+    """The README's `pip install -e '.[test]'` must bring every package a test imports or
+    skips on, so that no test skips for a missing package (transformers was missing)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    extra = text.split("test = [", 1)[1].split("]", 1)[0]
+    listed = {re.split(r"[<>=!~\[]", s)[0].lower()
+              for s in re.findall(r'"([^"]+)"', extra)}
+    needed = set()
+    for f in (ROOT / "tests").glob("*.py"):
+        src = f.read_text()
+        needed |= set(re.findall(r'importorskip\("([\w-]+)', src))
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.Import):
+                needed |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                needed.add(node.module.split(".")[0])
+    third_party = {n for n in needed if n not in sys.stdlib_module_names
+                   and not (ROOT / "tests" / f"{n}.py").exists() and n != "nxhpc"}
+    aliases = {"sklearn": "scikit-learn"}
+    # brought by a listed package or the build: Pillow by diffusers, tokenizers by
+    # transformers, setuptools by [build-system] (and pip)
+    brought = {"numpy", "gguf", "safetensors", "PIL", "tokenizers", "setuptools"}
+    missing = {aliases.get(n, n) for n in third_party - brought} - listed
+    assert not missing, missing
+    assert "transformers" in listed and "diffusers" in listed
+
+
+def test_nxhpc_entry_point_dispatches(tmp_path):
+    from nxhpc.cli.main import main
+    assert main(["no-such-command"]) == Exit.USAGE
+    r = subprocess.run([sys.executable, "-m", "nxhpc", "--help"], capture_output=True,
+                       text=True, cwd=ROOT, env=_env(), timeout=120)
+    assert r.returncode == 0 and all(c in r.stdout for c in COMMANDS), r.stderr
+    assert _listed_codes(r.stdout) == sorted(int(c) for c in Exit)
+    r = subprocess.run([sys.executable, "-m", "nxhpc", "models", "list"], capture_output=True,
+                       text=True, cwd=ROOT, env=_env(NXHPC_MODELS=str(tmp_path)), timeout=120)
+    assert r.returncode == 0 and "tiny" in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, "-m", "nxhpc", "blockrun", "tiny", "0"],
+                       capture_output=True, text=True, cwd=ROOT,
+                       env=_env(NXHPC_MODELS=str(tmp_path)), timeout=120)
+    assert r.returncode == Exit.USAGE and "n_workers" in r.stderr
+
+
+def test_no_cli_imports_a_private_name_of_another():
+    clis = {m for m in CLI_MODULES}
+    for mod in CLI_MODULES:
+        path = ROOT / (mod.replace(".", "/") + ".py")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in clis - {mod}:
+                raise AssertionError(f"{mod} imports from the CLI {node.module}")
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("nxhpc"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, (mod, node.module, private)
+
+
+# ------------------------------------------------------------------ the shadowed package
+
+_SHADOW = r"""
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path             # drop the env's own nxhpc finder
+                    if not getattr(f, "__module__", "").startswith("__editable__")]
+sys.path[:] = [p for p in sys.path if p not in ("", ".") and not p.startswith({root!r})]
+sys.path.insert(0, "")                                    # python -m: the current directory
+import finder                                             # setuptools' editable finder
+finder.install()
+import runpy
+sys.argv = ["nxhpc.blockrun", *sys.argv[1:]]
+runpy.run_module("nxhpc.blockrun", run_name="__main__", alter_sys=True)
+"""
+
+
+def _editable_finder(tmp_path: Path) -> Path:
+    """setuptools' own editable finder module, mapping ``nxhpc`` to this checkout."""
+    ew = pytest.importorskip("setuptools.command.editable_wheel")
+    src = ew._finder_template("__editable___nxhpc_test_finder", {"nxhpc": str(ROOT / "nxhpc")},
+                              {})
+    d = tmp_path / "site"
+    d.mkdir()
+    (d / "finder.py").write_text(src)
+    return d
+
+
+def test_run_from_the_directory_holding_the_clone(tmp_path, models_dir_env):
+    """``git clone ... nxhpc; pip install -e nxhpc; python -m nxhpc.blockrun tiny`` from the
+    directory holding the clone: the clone folder (no __init__.py) is found on sys.path before
+    setuptools' editable finder and becomes a namespace package ``nxhpc``; nxhpc/__init__.py
+    never ran, and blockrun died with exit 70 ``module 'nxhpc' has no attribute 'kernels'``.
+    Reproduced with setuptools' real finder; the CLI layer now loads the real package."""
+    site = _editable_finder(tmp_path)
+    work = tmp_path / "work"
+    (work / "nxhpc").mkdir(parents=True)          # the clone folder: a checkout, no __init__
+    (work / "nxhpc" / "pyproject.toml").write_text("")
+    env = dict(os.environ, PYTHONPATH=str(site), NXHPC_MODELS=models_dir_env)
+    code = _SHADOW.format(root=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", code, "tiny", "1"], capture_output=True,
+                       text=True, cwd=work, env=env, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    assert "PASS" in r.stdout and "Traceback" not in r.stderr
+
+    # the state itself, checked: the namespace package is what the finder order gives
+    probe = textwrap.dedent(f"""
+        import sys
+        sys.meta_path[:] = [f for f in sys.meta_path
+                            if not getattr(f, "__module__", "").startswith("__editable__")]
+        sys.path[:] = [p for p in sys.path if p not in ("", ".") and not p.startswith({str(ROOT)!r})]
+        sys.path.insert(0, "")
+        import finder; finder.install()
+        import nxhpc
+        before = getattr(nxhpc, "__file__", None)
+        import nxhpc.cli
+        after = sys.modules["nxhpc"]
+        print(before, after.__file__, hasattr(after, "kernels"))
+    """)
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=work,
+                       env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    before, after, has_kernels = r.stdout.split()
+    assert before == "None"                                   # the namespace package
+    assert after == str(ROOT / "nxhpc" / "__init__.py") and has_kernels == "True"
+
+
+@pytest.fixture
+def models_dir_env(tmp_path_factory):
+    return os.environ.get("NXHPC_MODELS") or str(tmp_path_factory.mktemp("models"))
+
+
+# ------------------------------------------------------------------ boundary checks
+
+@pytest.mark.parametrize("v", [1, 3, np.int64(2), np.int32(5)])
+def test_check_workers_accepts(v):
+    assert checks.check_workers(v) == int(v) and type(checks.check_workers(v)) is int
+
+
+def test_check_workers_default_and_cap():
+    from nxhpc.runtime.workers import max_workers, usable_cpus
+    assert checks.check_workers(None) == usable_cpus()
+    assert checks.check_workers(max_workers()) == max_workers()
+    with pytest.raises(checks.CheckError, match="at most"):
+        checks.check_workers(max_workers() + 1)
+
+
+@pytest.mark.parametrize("v", [0, -1, True, False, 2.0, 2.5, "2", [2], float("nan")])
+def test_check_workers_refuses(v):
+    with pytest.raises(ValueError, match="workers must be an integer >= 1"):
+        checks.check_workers(v)
+
+
+def test_one_worker_rule_at_every_entry():
+    """Worker counts were checked four times with three rules (WorkerPool capped, Block not,
+    Denoiser capped with another text). Now every entry says the same about the same value."""
+    from nxhpc.dit import block
+    from nxhpc.runtime.workers import WorkerPool, max_workers
+    too_many = max_workers() + 1
+    for bad in (0, True, 2.5, too_many):
+        msgs = []
+        for call in (lambda: WorkerPool(bad, {}), lambda: block._check_workers(bad),
+                     lambda: checks.check_workers(bad, "workers")):
+            with pytest.raises(ValueError) as e:
+                call()
+            msgs.append(str(e.value).split("workers ", 1)[1])
+        assert len(set(msgs)) == 1, msgs
+    src = (ROOT / "nxhpc" / "dit" / "denoiser.py").read_text()
+    assert "check_workers(workers" in src
+
+
+@pytest.mark.parametrize("v, ok", [(None, None), (1, 1.0), (0.5, 0.5), (np.float32(2), 2.0)])
+def test_check_seconds_accepts(v, ok):
+    assert checks.check_seconds(v) == ok
+
+
+@pytest.mark.parametrize("v", [0, -1, math.inf, math.nan, True, "5", [1]])
+def test_check_seconds_refuses(v):
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        checks.check_seconds(v, "stage_timeout")
+
+
+def test_workers_check_timeout_is_the_checks_rule():
+    from nxhpc.runtime.workers import check_timeout
+    assert check_timeout(None) is None and check_timeout(3) == 3.0
+    with pytest.raises(ValueError, match="stage_timeout must be None or a positive number"):
+        check_timeout(0)
+
+
+def test_check_count_and_choice():
+    assert checks.check_count(3, "n") == 3 and checks.check_count(0, "n", minimum=0) == 0
+    for bad in (0, -2, 1.0, True, "1"):
+        with pytest.raises(checks.CheckError, match="n must be an integer >= 1"):
+            checks.check_count(bad, "n")
+    with pytest.raises(checks.CheckError, match="<= 4"):
+        checks.check_count(5, "n", maximum=4)
+    assert checks.check_choice("pool", ("pool", "stage"), "spawn") == "pool"
+    for bad in ("threads", None, ["pool"]):
+        with pytest.raises(checks.CheckError, match=r"spawn must be one of \('pool', 'stage'\)"):
+            checks.check_choice(bad, ("pool", "stage"), "spawn")
+    assert checks.check_positive(2, "tol") == 2.0
+    for bad in (0, -1e-3, math.inf, math.nan, True):
+        with pytest.raises(checks.CheckError, match="tol must be a positive finite number"):
+            checks.check_positive(bad, "tol")
+
+
+def test_check_float_array():
+    a = np.arange(6, dtype=np.float64).reshape(2, 3)[:, ::-1]      # not contiguous, float64
+    out = checks.check_float_array(a, "x", shape=(2, None))
+    assert out.dtype == np.float32 and out.flags.c_contiguous and np.array_equal(out, a)
+    with pytest.raises(checks.CheckError, match=r"x: shape \[2, 3\], expected 3x\*"):
+        checks.check_float_array(a, "x", shape=(3, None))
+    with pytest.raises(checks.CheckError, match="expected 1-d"):
+        checks.check_float_array(a, "x", ndim=1)
+    with pytest.raises(checks.CheckError, match="dtype int64, expected a floating-point"):
+        checks.check_float_array(np.zeros(3, np.int64), "x")
+    b = np.ones(4, np.float32)
+    b[2] = np.nan
+    with pytest.raises(checks.CheckError, match="1 of 4 values are NaN or inf"):
+        checks.check_float_array(b, "x")
+
+    class Mine(ValueError):
+        pass
+    with pytest.raises(Mine):
+        checks.check_float_array(b, "x", error=Mine)
+
+
+def test_load_npy(tmp_path):
+    np.save(tmp_path / "a.npy", np.ones(3, np.float32))
+    assert checks.load_npy(tmp_path / "a.npy", "--x").tolist() == [1, 1, 1]
+    with pytest.raises(checks.InputFileMissing, match="--x .*: no such file"):
+        checks.load_npy(tmp_path / "none.npy", "--x")
+    with pytest.raises(checks.InputFileMissing, match="is a directory"):
+        checks.load_npy(tmp_path, "--x")
+    (tmp_path / "bad.npy").write_bytes(b"junk")
+    with pytest.raises(checks.CheckError, match="cannot read a .npy array") as e:
+        checks.load_npy(tmp_path / "bad.npy", "--x")
+    assert not isinstance(e.value, checks.InputFileMissing)
+    pickled = tmp_path / "obj.npy"
+    np.save(pickled, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(checks.CheckError):                        # never unpickles
+        checks.load_npy(pickled, "--x")
+
+
+@pytest.mark.parametrize("fn, good, bad", [
+    (types.positive_int, [("1", 1), ("64", 64)], ["0", "-1", "1.5", "x", ""]),
+    (types.positive_float, [("0.5", 0.5), ("3", 3.0)], ["0", "-1", "inf", "nan", "x"]),
+    (types.seed, [("0", 0), ("7", 7)], ["-1", "x"]),
+    (types.pixels, [("16", 16), ("1024", 1024)], ["0", "8", "100", "x"]),
+    (types.unit_interval, [("0", 0.0), ("1", 1.0), ("0.25", 0.25)], ["-0.1", "1.5", "nan"]),
+    (types.layers, [("all", "all"), ("3", 3)], ["0", "some"]),
+    (types.int_list, [("1,2", [1, 2])], ["1,,2", "0", "a"]),
+    (types.grid, [("1x4x8", (1, 4, 8))], ["1x4", "0x1x1", "banana"]),
+    (types.workers, [("1", 1), ("2", 2)], ["0", "abc", "100000"]),
+])
+def test_argparse_types(fn, good, bad):
+    for s, v in good:
+        assert fn(s) == v
+    for s in bad:
+        with pytest.raises(argparse.ArgumentTypeError):
+            fn(s)
