@@ -197,16 +197,7 @@ _LOOP = textwrap.dedent(r"""
     CYCLES = (kept, single, chain, engine)
 
     def children():
-        me, out = os.getpid(), []
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    with open(f"/proc/{d}/stat") as fh:
-                        if int(fh.read().rsplit(")", 1)[1].split()[1]) == me:
-                            out.append(int(d))
-                except (OSError, ValueError, IndexError):
-                    pass
-        return out
+        return children_of(os.getpid())
 
     def mapped():
         with open("/proc/self/maps") as fh:

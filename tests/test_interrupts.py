@@ -46,16 +46,7 @@ _LOOP = textwrap.dedent(r"""
                 p.run("f", 64)
 
     def children():
-        me, out = os.getpid(), []
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    with open(f"/proc/{d}/stat") as fh:
-                        if int(fh.read().rsplit(")", 1)[1].split()[1]) == me:
-                            out.append(int(d))
-                except (OSError, ValueError, IndexError):
-                    pass
-        return out
+        return children_of(os.getpid())
 
     def fds():
         return {f: os.readlink(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd")

@@ -252,6 +252,19 @@ class _Session:
 
 
 # ------------------------------------------------------------------------------ the model
+def _check_float(what: str, a: np.ndarray) -> None:
+    if a.dtype.kind != "f":
+        raise DenoiserInputError(f"{what} must be floating point (float32), got dtype {a.dtype}")
+
+
+def _finite_f32(what: str, a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if not np.isfinite(a).all():
+        raise DenoiserInputError(f"{what} have {int(np.count_nonzero(~np.isfinite(a)))} NaN/Inf "
+                                 f"values")
+    return a
+
+
 class Denoiser:
     """The Z-Image transformer from one GGUF: ``forward(latents, t, cap_feats)``.
 
@@ -297,9 +310,7 @@ class Denoiser:
         cfg = self.config
         a = np.asarray(latents)
         C, p = cfg.in_channels, cfg.patch
-        if a.dtype.kind != "f":
-            raise DenoiserInputError(f"latents must be floating point (float32), got dtype "
-                                     f"{a.dtype}")
+        _check_float("latents", a)
         shape = a.shape
         if a.ndim == 4 and a.shape[1] == 1:
             a = a[:, 0]
@@ -310,26 +321,16 @@ class Denoiser:
         if H < p or W < p or H % p or W % p:
             raise DenoiserInputError(f"latents are [{C}, {H}, {W}]: H and W must be positive "
                                      f"multiples of the patch size {p} (even)")
-        a = np.ascontiguousarray(a, dtype=np.float32)
-        if not np.isfinite(a).all():
-            raise DenoiserInputError(f"latents have {int(np.count_nonzero(~np.isfinite(a)))} "
-                                     f"NaN/Inf values")
-        return a, shape
+        return _finite_f32("latents", a), shape
 
     def _caption(self, cap_feats: Any) -> np.ndarray:
         d = self.config.cap_dim
         a = np.asarray(cap_feats)
-        if a.dtype.kind != "f":
-            raise DenoiserInputError(f"cap_feats must be floating point (float32), got dtype "
-                                     f"{a.dtype}")
+        _check_float("cap_feats", a)
         if a.ndim != 2 or a.shape[1] != d or a.shape[0] < 1:
             raise DenoiserInputError(f"cap_feats must be [L >= 1, {d}] (the model's cap_dim "
                                      f"is {d}), got shape {list(a.shape)}")
-        a = np.ascontiguousarray(a, dtype=np.float32)
-        if not np.isfinite(a).all():
-            raise DenoiserInputError(f"cap_feats have {int(np.count_nonzero(~np.isfinite(a)))} "
-                                     f"NaN/Inf values")
-        return a
+        return _finite_f32("cap_feats", a)
 
     @staticmethod
     def _timestep(t: Any) -> float:

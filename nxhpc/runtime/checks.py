@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 import os
 from collections.abc import Iterable
 from typing import Any
+
+from nxhpc.runtime.workers import as_index, max_workers, usable_cpus   # (workers imports us lazily)
 
 __all__ = ["CheckError", "InputFileMissing", "check_count", "check_workers", "check_seconds",
            "check_positive", "check_choice", "check_float_array", "load_npy"]
@@ -32,14 +33,6 @@ class InputFileMissing(CheckError):
     """An input file that does not exist (or is a directory): a usage error, not a bad file."""
 
 
-def _as_int(v: Any) -> int | None:
-    """An integer (int, numpy integer; not bool, not float), else None."""
-    if isinstance(v, bool):
-        return None
-    try:
-        return operator.index(v)
-    except TypeError:
-        return None
 
 
 def _is_real(v: Any) -> bool:
@@ -49,7 +42,7 @@ def _is_real(v: Any) -> bool:
 
 def check_count(v: Any, what: str, *, minimum: int = 1, maximum: int | None = None) -> int:
     """``v`` as an int in ``[minimum, maximum]`` (bool and float refused), else CheckError."""
-    n = _as_int(v)
+    n = as_index(v)
     hi = "" if maximum is None else f" and <= {maximum}"
     if n is None or n < minimum or (maximum is not None and n > maximum):
         raise CheckError(f"{what} must be an integer >= {minimum}{hi}, got {v!r}")
@@ -60,10 +53,9 @@ def check_workers(v: Any, what: str = "workers") -> int:
     """The one worker-count rule: None -> the usable CPUs; else an int in ``[1, max_workers()]``
     (8x the usable CPUs, at least 64: more only add fork, memory and scheduling cost, and a
     mistyped 100000 would fork until the machine runs out of memory)."""
-    from nxhpc.runtime.workers import max_workers, usable_cpus   # workers.py imports this module
     if v is None:
         return usable_cpus()
-    n = _as_int(v)
+    n = as_index(v)
     top = max_workers()
     if n is None or n < 1:
         raise CheckError(f"{what} must be an integer >= 1, got {v!r}")

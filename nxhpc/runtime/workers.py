@@ -98,8 +98,9 @@ def check_timeout(timeout: float | None, what: str = "stage_timeout") -> float |
     return check_seconds(timeout, what)
 
 
-def _as_index(v: object) -> int | None:
-    """An integer (int, numpy integer; not bool), else None."""
+def as_index(v: object) -> int | None:
+    """An integer (int, numpy integer; not bool, not float), else None (the one such rule:
+    ``nxhpc.runtime.checks`` uses it too)."""
     if isinstance(v, bool):
         return None
     try:
@@ -111,7 +112,7 @@ def _as_index(v: object) -> int | None:
 def bands(m: int, n: int) -> list[tuple[int, int]]:
     """Split ``[0, m)`` into ``n`` deterministic bands ``[i*m//n, (i+1)*m//n)`` (some may be
     empty). The one split of the package: worker stages here, the ring's chunks in training."""
-    mi, ni = _as_index(m), _as_index(n)
+    mi, ni = as_index(m), as_index(n)
     if mi is None or mi < 0:
         raise ValueError(f"bands: m must be a non-negative int, got {m!r}")
     if ni is None or ni < 1:
