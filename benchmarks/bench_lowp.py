@@ -99,28 +99,30 @@ def _group(benchmark, T, Kd, N):
     benchmark.group = f"matmul precisions T={T} K={Kd} N={N}"
 
 
+def _bench(benchmark, T, Kd, N, slot, label, fn, args, out, precision, w_ref, x):
+    """Time one nxhpc kernel on one shape (its variant named), then check its output."""
+    v = nxhpc.kernel_variants()[slot]
+    _group(benchmark, T, Kd, N)
+    benchmark.name = f"nxhpc {label} ({v})"
+    benchmark.pedantic(fn, args=args, rounds=_rounds(T), warmup_rounds=1)
+    _info(benchmark, T, Kd, N, v, precision)
+    _check(precision, out, x, w_ref)
+
+
 @pytest.mark.parametrize("T,Kd,N", SHAPES, ids=str)
 def test_bench_q8_0_matmul_f32(benchmark, T, Kd, N):
     x, w, w_f32, _ = _case(T, Kd, N)
     out = np.empty((T, N), np.float32)
-    isa = nxhpc.kernel_variants()["q8_0_matmul"]
-    _group(benchmark, T, Kd, N)
-    benchmark.name = f"nxhpc q8_0_matmul f32 ({isa})"
-    benchmark.pedantic(K.q8_0_matmul, args=(x, w, out), rounds=_rounds(T), warmup_rounds=1)
-    _info(benchmark, T, Kd, N, isa, "f32")
-    _check("f32", out, x, w_f32)
+    _bench(benchmark, T, Kd, N, "q8_0_matmul", "q8_0_matmul f32", K.q8_0_matmul, (x, w, out),
+           out, "f32", w_f32, x)
 
 
 @pytest.mark.parametrize("T,Kd,N", SHAPES, ids=str)
 def test_bench_matmul_bf16_q8_0_weights(benchmark, T, Kd, N):
     x, w, w_f32, _ = _case(T, Kd, N)
     out = np.empty((T, N), np.float32)
-    v = nxhpc.kernel_variants()["matmul_bf16"]
-    _group(benchmark, T, Kd, N)
-    benchmark.name = f"nxhpc matmul_bf16 Q8_0 weights ({v})"
-    benchmark.pedantic(K.matmul_bf16, args=(x, w, "Q8_0", out), rounds=_rounds(T), warmup_rounds=1)
-    _info(benchmark, T, Kd, N, v, "bf16")
-    _check("bf16", out, x, w_f32)
+    _bench(benchmark, T, Kd, N, "matmul_bf16", "matmul_bf16 Q8_0 weights", K.matmul_bf16,
+           (x, w, "Q8_0", out), out, "bf16", w_f32, x)
 
 
 @pytest.mark.parametrize("T,Kd,N", SHAPES, ids=str)
@@ -128,24 +130,16 @@ def test_bench_matmul_bf16_bf16_weights(benchmark, T, Kd, N):
     x, _, _, w_bf16 = _case(T, Kd, N)
     w_b = (w_bf16.astype(np.uint32) << 16).view(np.float32)        # the BF16 weights' values
     out = np.empty((T, N), np.float32)
-    v = nxhpc.kernel_variants()["matmul_bf16"]
-    _group(benchmark, T, Kd, N)
-    benchmark.name = f"nxhpc matmul_bf16 BF16 weights ({v})"
-    benchmark.pedantic(K.matmul_bf16, args=(x, w_bf16, "BF16", out), rounds=_rounds(T), warmup_rounds=1)
-    _info(benchmark, T, Kd, N, v, "bf16")
-    _check("bf16", out, x, w_b)
+    _bench(benchmark, T, Kd, N, "matmul_bf16", "matmul_bf16 BF16 weights", K.matmul_bf16,
+           (x, w_bf16, "BF16", out), out, "bf16", w_b, x)
 
 
 @pytest.mark.parametrize("T,Kd,N", SHAPES, ids=str)
 def test_bench_matmul_q8(benchmark, T, Kd, N):
     x, w, w_f32, _ = _case(T, Kd, N)
     out = np.empty((T, N), np.float32)
-    v = nxhpc.kernel_variants()["matmul_q8"]
-    _group(benchmark, T, Kd, N)
-    benchmark.name = f"nxhpc matmul_q8 ({v})"
-    benchmark.pedantic(K.matmul_q8, args=(x, w, out), rounds=_rounds(T), warmup_rounds=1)
-    _info(benchmark, T, Kd, N, v, "q8")
-    _check("q8", out, x, w_f32)
+    _bench(benchmark, T, Kd, N, "matmul_q8", "matmul_q8", K.matmul_q8, (x, w, out), out, "q8",
+           w_f32, x)
 
 
 @pytest.mark.parametrize("T,Kd,N", SHAPES, ids=str)

@@ -23,3 +23,12 @@ def children_of(pid: int) -> list[int]:
             except (OSError, ValueError, IndexError):
                 pass
     return out
+
+
+def wait_until(pred, timeout: float, step: float = 0.02):
+    """Poll ``pred()`` until it is truthy or ``timeout`` seconds pass; its last value."""
+    import time
+    deadline = time.monotonic() + timeout
+    while not (v := pred()) and time.monotonic() < deadline:
+        time.sleep(step)
+    return v

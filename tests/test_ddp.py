@@ -21,7 +21,7 @@ from nxhpc.train.ddp import (DDPTimeoutError, DDPWorkerError, MLPConfig, load_di
                        train_full_batch, train_shm)
 from nxhpc.train.q16 import Q16_MAX, Q16OverflowError, from_q16, q16_add, to_q16
 from nxhpc.train.ring import ShmSegment, chunk_bounds, ring_allreduce_shm
-from procutil import children_of                  # /proc helpers (tests/ is on sys.path)
+from procutil import children_of, wait_until      # /proc helpers (tests/ is on sys.path)
 
 SHM_DIR = "/dev/shm"
 TEST_STEPS = 25
@@ -404,10 +404,7 @@ def test_run_from_a_thread_still_dies_with_the_parent(prefix):
     proc = subprocess.Popen([sys.executable, "-c", _KILL_THREAD_PARENT, prefix],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not leftovers(prefix) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert leftovers(prefix), "the segment never appeared (negative control)"
+        assert wait_until(lambda: leftovers(prefix), 60, 0.05), "the segment never appeared (negative control)"
         time.sleep(0.5)
         kids = children_of(proc.pid)
         assert len(kids) >= 3
@@ -459,10 +456,7 @@ def test_cli_signal_clean_exit_no_traceback(sig, code):
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         mine = f"nxddp_{p.pid}_"
-        deadline = time.monotonic() + 60
-        while not leftovers(mine) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert leftovers(mine), "the run never started (negative control)"
+        assert wait_until(lambda: leftovers(mine), 60, 0.05), "the run never started (negative control)"
         time.sleep(0.5)
         kids = children_of(p.pid)
         assert len(kids) >= 2

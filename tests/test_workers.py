@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from nxhpc.runtime.shm import SharedArena, live_segments
 from nxhpc.runtime.workers import (SPAWN_MODES, WorkerError, WorkerPool, bands, max_workers,
                            usable_cpus)
-from procutil import alive, children_of          # /proc helpers (tests/ is on sys.path)
+from procutil import alive, children_of, wait_until   # /proc helpers (tests/ is on sys.path)
 
 PID = os.getpid()
 MODES = list(SPAWN_MODES)
@@ -239,10 +239,7 @@ def test_parent_sigkill_leaves_no_orphans():
     assert len(kids) == 2 and all(alive(q) for q in kids)
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=10)
-    deadline = time.monotonic() + 2.0
-    while any(alive(q) for q in kids) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not any(alive(q) for q in kids), "workers outlived their parent"
+    assert wait_until(lambda: not any(alive(q) for q in kids), 2.0), "workers outlived their parent"
     assert live_segments(p.pid) == []
 
 
@@ -342,10 +339,7 @@ def test_thread_forked_workers_still_die_with_the_parent():
         assert all(alive(q) for q in kids)          # negative control: alive before the kill
         p.send_signal(signal.SIGKILL)
         p.wait(timeout=10)
-        deadline = time.monotonic() + 2.0
-        while any(alive(q) for q in kids) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not any(alive(q) for q in kids), "workers outlived their parent"
+        assert wait_until(lambda: not any(alive(q) for q in kids), 2.0), "workers outlived their parent"
     finally:
         if p.poll() is None:
             p.kill()

@@ -229,15 +229,7 @@ class _Workers:
                 while lst:
                     close_fd(lst)
             for lst in (self.pids, self.last_pids):
-                for pid in lst:
-                    if pid > 0:
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-                for i, pid in enumerate(lst):
-                    if pid > 0:
-                        reap(pid, 5.0, _forget(lst, i))
+                _kill_and_reap(lst)
             self.pids.clear()
 
     def end_stage(self) -> None:
@@ -247,16 +239,7 @@ class _Workers:
         with deferred_signals():
             while self.stage_fds:
                 close_fd(self.stage_fds)
-            pids = self.last_pids
-            for pid in pids:
-                if pid > 0:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-            for i, pid in enumerate(pids):
-                if pid > 0:
-                    reap(pid, 5.0, _forget(pids, i))
+            _kill_and_reap(self.last_pids)
 
     def stop(self) -> None:
         """Send ``stop``, close the command pipes, reap (SIGKILL stragglers after a grace
@@ -578,6 +561,20 @@ def _forget(lst: list[int], i: int):
     def forget() -> None:
         lst[i] = -1
     return forget
+
+
+def _kill_and_reap(pids: list[int]) -> None:
+    """SIGKILL every live pid of ``pids`` (all first, so none waits on another), then reap each;
+    a reaped pid is forgotten in the list. The caller defers signals."""
+    for pid in pids:
+        if pid > 0:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for i, pid in enumerate(pids):
+        if pid > 0:
+            reap(pid, 5.0, _forget(pids, i))
 
 
 def _send_stop(fd: int) -> None:
