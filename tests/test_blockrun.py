@@ -19,7 +19,7 @@ from nxhpc.blockrun import main
 from nxhpc.dit.grade import grade
 from nxhpc.models import open_model
 from nxhpc.runtime.shm import live_segments
-from procutil import alive, children_of          # /proc helpers (tests/ is on sys.path)
+from procutil import alive, children_of, wait_until   # /proc helpers (tests/ is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 PID = os.getpid()
@@ -286,8 +286,11 @@ def test_signal_during_run(models_root, spawn, workers, sig, code):
     while line and not line.startswith("started"):            # config lines come first
         line = p.stdout.readline()
     assert line.startswith("started")                        # a stage is running
-    kids = [k for k in children_of(p.pid)]
-    assert len(kids) >= (0 if workers == "1" else 2)        # (+ multiprocessing's tracker)
+    need = 0 if workers == "1" else 2                       # (+ multiprocessing's tracker)
+    # the first worker prints "started"; in stage mode the second may be forked a moment later
+    wait_until(lambda: len(children_of(p.pid)) >= need, 10.0)
+    kids = children_of(p.pid)
+    assert len(kids) >= need
     # the arena is in /dev/shm but already unlinked (so a leak is impossible by construction):
     # the check below after the signal is about that segment, not a vacuous empty listing
     with open(f"/proc/{p.pid}/maps") as f:
