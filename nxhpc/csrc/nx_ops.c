@@ -219,12 +219,4 @@ void nx_vmath_f32_generic(int which, const float *x, float *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = which == 0 ? expf(x[i]) : tanhf(x[i]);
 }
 
-const nx_ops_table nx_ops_table_generic = {
-    .rmsnorm = nx_rmsnorm_f32_generic,
-    .qknorm_rope = nx_qknorm_rope_f32_generic,
-    .attention = nx_attention_f32_generic,
-    .swiglu = nx_swiglu_f32_generic,
-    .gated_residual = nx_gated_residual_f32_generic,
-    .vmath = nx_vmath_f32_generic,
-    .layernorm_mod = nx_layernorm_mod_f32_generic,
-};
+const nx_ops_table nx_ops_table_generic = NX_OPS_TABLE(generic);

@@ -64,6 +64,14 @@ extern const nx_ops_table nx_ops_table_avx512;  /* nx_ops_avx512.c */
 NX_OPS_SLOTS(NX_OPS_VARIANTS_)
 #undef NX_OPS_VARIANTS_
 
+/* The variant table of one ISA file (every slot's nx_<slot>_f32_<isa>), from the slot list:
+ * ``const nx_ops_table nx_ops_table_avx2 = NX_OPS_TABLE(avx2);``. */
+#define NX_OPS_ENTRY_(name, isa) .name = nx_##name##_f32_##isa,
+#define NX_OPS_ENTRY_generic(name, ret, params) NX_OPS_ENTRY_(name, generic)
+#define NX_OPS_ENTRY_avx2(name, ret, params) NX_OPS_ENTRY_(name, avx2)
+#define NX_OPS_ENTRY_avx512(name, ret, params) NX_OPS_ENTRY_(name, avx512)
+#define NX_OPS_TABLE(isa) {NX_OPS_SLOTS(NX_OPS_ENTRY_##isa)}
+
 /* ---- rmsnorm: out[r] := x[r] / sqrt(mean(x[r]^2) + eps) * w [* mod], rows [r0, r1) of [T, D].
  * out may equal x (in place). mod may be NULL. */
 void nx_rmsnorm_f32(nx_isa isa,       /* the ISA to run (nx_cpu.h) */

@@ -155,12 +155,4 @@ int nx_attention_f32_avx2(const float *q, const float *k, const float *qkv, cons
                               h1);
 }
 
-const nx_ops_table nx_ops_table_avx2 = {
-    .rmsnorm = nx_rmsnorm_f32_avx2,
-    .qknorm_rope = nx_qknorm_rope_f32_avx2,
-    .attention = nx_attention_f32_avx2,
-    .swiglu = nx_swiglu_f32_avx2,
-    .gated_residual = nx_gated_residual_f32_avx2,
-    .vmath = nx_vmath_f32_avx2,
-    .layernorm_mod = nx_layernorm_mod_f32_avx2,
-};
+const nx_ops_table nx_ops_table_avx2 = NX_OPS_TABLE(avx2);

@@ -182,12 +182,4 @@ int nx_attention_f32_avx512(const float *q, const float *k, const float *qkv, co
                               h0, h1);
 }
 
-const nx_ops_table nx_ops_table_avx512 = {
-    .rmsnorm = nx_rmsnorm_f32_avx512,
-    .qknorm_rope = nx_qknorm_rope_f32_avx512,
-    .attention = nx_attention_f32_avx512,
-    .swiglu = nx_swiglu_f32_avx512,
-    .gated_residual = nx_gated_residual_f32_avx512,
-    .vmath = nx_vmath_f32_avx512,
-    .layernorm_mod = nx_layernorm_mod_f32_avx512,
-};
+const nx_ops_table nx_ops_table_avx512 = NX_OPS_TABLE(avx512);
