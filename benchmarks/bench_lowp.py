@@ -117,21 +117,16 @@ def test_bench_q8_0_matmul_f32(benchmark, T, Kd, N):
            out, "f32", w_f32, x)
 
 
+@pytest.mark.parametrize("wtype", ["Q8_0", "BF16"])
 @pytest.mark.parametrize("T,Kd,N", SHAPES, ids=str)
-def test_bench_matmul_bf16_q8_0_weights(benchmark, T, Kd, N):
-    x, w, w_f32, _ = _case(T, Kd, N)
+def test_bench_matmul_bf16(benchmark, T, Kd, N, wtype):
+    """matmul_bf16 on Q8_0 weights and on BF16 weights (checked against their own values)."""
+    x, w, w_f32, w_bf16 = _case(T, Kd, N)
+    if wtype == "BF16":
+        w, w_f32 = w_bf16, (w_bf16.astype(np.uint32) << 16).view(np.float32)
     out = np.empty((T, N), np.float32)
-    _bench(benchmark, T, Kd, N, "matmul_bf16", "matmul_bf16 Q8_0 weights", K.matmul_bf16,
-           (x, w, "Q8_0", out), out, "bf16", w_f32, x)
-
-
-@pytest.mark.parametrize("T,Kd,N", SHAPES, ids=str)
-def test_bench_matmul_bf16_bf16_weights(benchmark, T, Kd, N):
-    x, _, _, w_bf16 = _case(T, Kd, N)
-    w_b = (w_bf16.astype(np.uint32) << 16).view(np.float32)        # the BF16 weights' values
-    out = np.empty((T, N), np.float32)
-    _bench(benchmark, T, Kd, N, "matmul_bf16", "matmul_bf16 BF16 weights", K.matmul_bf16,
-           (x, w_bf16, "BF16", out), out, "bf16", w_b, x)
+    _bench(benchmark, T, Kd, N, "matmul_bf16", f"matmul_bf16 {wtype} weights", K.matmul_bf16,
+           (x, w, wtype, out), out, "bf16", w_f32, x)
 
 
 @pytest.mark.parametrize("T,Kd,N", SHAPES, ids=str)
