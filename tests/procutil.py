@@ -25,6 +25,15 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def with_tests_on_path(env=None) -> dict:
+    """A copy of ``env`` (default: os.environ) whose PYTHONPATH starts with this tests folder, so
+    that a child script can import these helpers."""
+    env = dict(os.environ if env is None else env)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def wait_until(pred, timeout: float, step: float = 0.02):
     """Poll ``pred()`` until it is truthy or ``timeout`` seconds pass; its last value."""
     import time

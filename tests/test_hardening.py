@@ -30,7 +30,7 @@ from nxhpc.models.modeldir import sweep_stale
 from nxhpc.runtime.shm import live_segments
 from nxhpc.runtime.workers import STOP_GRACE_S
 from nsutil import require_private_mounts, run_script      # tests/ is on sys.path
-from procutil import alive, children_of
+from procutil import alive, children_of, with_tests_on_path
 
 ROOT = Path(__file__).resolve().parents[1]
 PID = os.getpid()
@@ -156,6 +156,7 @@ def test_dropped_engine_frees_workers_and_arena_without_gc(tiny, spawn):
 _LOOP = textwrap.dedent(r"""
     import collections, gc, json, os, random, signal, sys, time, traceback
     import numpy as np
+    from procutil import children_of                  # tests/, on this child's PYTHONPATH
     from nxhpc.models import open_model
     from nxhpc.dit.block import run_layers
     from nxhpc.dit.plan import BlockPlan, Engine
@@ -263,7 +264,8 @@ def test_random_interrupts_in_block_runs_leak_nothing(models_root, tiny, seed):
     worker, mapped arena or descriptor survives -- already before any garbage collection.
     Before: 2 live workers and 3 mapped arenas after 300 interrupts (freed only by gc)."""
     r = subprocess.run([sys.executable, "-c", _LOOP, "300", str(seed), str(models_root)],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+                       capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env=with_tests_on_path())
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     # negative controls: the interrupts happened, at many places, in the block code too

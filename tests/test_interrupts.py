@@ -20,12 +20,14 @@ import sys
 import textwrap
 
 import pytest
+from procutil import with_tests_on_path
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd") or not os.path.isdir("/dev/shm"),
                                 reason="needs Linux /proc and /dev/shm")
 
 _LOOP = textwrap.dedent(r"""
     import collections, gc, json, os, random, signal, sys, time, traceback
+    from procutil import children_of                  # tests/, on this child's PYTHONPATH
     from nxhpc.runtime.shm import SharedArena, live_segments
     from nxhpc.runtime.workers import WorkerPool
 
@@ -113,7 +115,7 @@ def test_random_interrupts_leak_nothing(seed, tmp_path):
     sentinel = tmp_path / "user-file"
     sentinel.write_text("mine")
     r = subprocess.run([sys.executable, "-c", _LOOP, "600", str(seed), str(sentinel)],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, env=with_tests_on_path())
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     # the interrupts happened, at many places inside the runtime (negative controls)
