@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from testutil import rel_err  # noqa: F401  (re-exported for the sampler tests)
 
-__all__ = ["child_pids", "diffusers_turbo_loop", "open_test_denoiser", "rel_err", "shm_entries"]
+
+__all__ = ["child_pids", "diffusers_turbo_loop", "open_test_denoiser", "shm_entries"]
 
 
 def open_test_denoiser(model, workers: int = 2, **kw):

@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from pipeline_fixtures import pipeline_config, zimage_file_case
-from sample_util import child_pids, diffusers_turbo_loop, open_test_denoiser, rel_err, shm_entries
+from sample_util import child_pids, diffusers_turbo_loop, open_test_denoiser, shm_entries
+from testutil import rel_err
 
 from nxhpc.dit.sampler import turbo_sigmas
 from nxhpc.dit.sampler import NonFiniteOutputError, SampleInputError, sample
