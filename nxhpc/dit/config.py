@@ -50,7 +50,7 @@ from nxhpc.formats.weights import RUNNABLE_TYPES, WeightTensor, as_weight_tensor
 __all__ = ["DenoiserConfig", "BlockConfig", "TensorSpec", "BLOCK_TENSORS", "BLOCK_STACKS",
            "STACKS", "PROJECTIONS", "NORMS", "MODULATION", "DEFAULT_NORM_EPS", "MATMUL_BLOCK",
            "VARIANTS", "VECTOR_TYPES", "DENOISER_TENSORS", "OPTIONAL_TENSORS", "PREFIX",
-           "tensor_names", "block_label", "block_view", "stack_indices", "check_stack",
+           "tensor_names", "block_label", "block_view", "check_stack",
            "infer_config",
            "strip_prefix"]
 
@@ -264,18 +264,6 @@ def tensor_names(stack: str, i: int, variant: str = "zimage", *,
     head = (PREFIX if model_prefix else "") + f"{stack}.{int(i)}."
     return {t.key: head + t.suffix.format(ada=ada) for t in BLOCK_TENSORS
             if mod or not t.modulation}
-
-
-def stack_indices(names: Iterable[str], prefix: str) -> list[int]:
-    """Block indices ``i`` with a ``{prefix}.{i}.attention.qkv.weight`` among ``names``."""
-    out = set()
-    for n in names:
-        n = n[len(PREFIX):] if n.startswith(PREFIX) else n
-        parts = n.split(".")
-        if len(parts) > 2 and parts[0] == prefix and parts[1].isdigit() \
-                and n.endswith(".attention.qkv.weight"):
-            out.add(int(parts[1]))
-    return sorted(out)
 
 
 def check_stack(tensors: Mapping[str, tuple[tuple[int, ...], str]], cfg: BlockConfig,
