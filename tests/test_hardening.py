@@ -1,5 +1,5 @@
 """Issue 12, the items that live in the block, the engine, the models package and the CLIs:
-4 (Engine / BlockRunner / Block part), 6, 10, 11, 12, 14. (Items 1-5, 7-9, 13: test_interrupts.py,
+4 (Engine / BlockRunner / Block part), 6, 10, 11, 12, 14. (Items 1-5, 7-9, 13: test_workers.py (interrupts),
 test_shm.py, test_workers.py, test_outfile.py, test_blockrun.py, test_ddp.py.)
 
 Owns: one test (or a few) per defect, each written to fail on the code before its fix, with a
@@ -259,7 +259,7 @@ _LOOP = textwrap.dedent(r"""
 @linux_only
 @pytest.mark.parametrize("seed", [1, 2])
 def test_random_interrupts_in_block_runs_leak_nothing(models_root, tiny, seed):
-    """The random-interrupt loop of test_interrupts.py on block runs (a kept Block, a one-call
+    """The random-interrupt loop of test_workers.py (the runtime alone) on block runs (a kept Block, a one-call
     Block, run_layers, the Engine), both spawn modes: every interrupt surfaces as itself; no
     worker, mapped arena or descriptor survives -- already before any garbage collection.
     Before: 2 live workers and 3 mapped arenas after 300 interrupts (freed only by gc)."""
