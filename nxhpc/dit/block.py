@@ -27,7 +27,7 @@ from nxhpc.dit.plan import TIMING_KEYS, BlockPlan, Engine, check_eps, narrow_fin
 from nxhpc.runtime.checks import check_workers
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, check_timeout
 
-__all__ = ["Block", "BlockOutput", "BlockRunner", "run_layers", "adaln", "TIMING_KEYS", "check_config",
+__all__ = ["Block", "BlockOutput", "BlockRunner", "run_layers", "adaln", "TIMING_KEYS",
            "check_layer_weights", "validate_inputs"]
 
 
@@ -38,11 +38,6 @@ class BlockOutput(NamedTuple):
 
 
 # --------------------------------------------------------------------------------- validation
-def check_config(cfg) -> None:
-    """The block's structural requirements on a BlockConfig (``cfg.validate()``); ValueError."""
-    cfg.validate()
-
-
 def check_layer_weights(w, cfg, layer: int) -> None:
     """Check every tensor of a LayerWeights against the config; ValueError naming the tensor."""
     cfg.check_layer(w, f"layer {layer}")
@@ -89,10 +84,6 @@ def validate_inputs(cfg, x, pe, mask=None, t_emb=None, adaln_m=None):
                                  f"got dtype={m.dtype} with other values")
         mask = np.ascontiguousarray(m != 0, dtype=np.uint8)
     return x, pe, mask, t_emb, adaln_m
-
-
-def _check_workers(workers) -> int:
-    return check_workers(workers)        # the one rule: None -> usable CPUs, 1..max_workers()
 
 
 def _check_spawn(spawn) -> str:
@@ -144,11 +135,10 @@ class BlockRunner:
     def __init__(self, cfg, layers: dict, T: int, *, workers: int, spawn: str = DEFAULT_SPAWN,
                  stage_timeout: float | None = None) -> None:
         cfg = block_view(cfg)
-        check_config(cfg)
         spawn = _check_spawn(spawn)
         self.cfg = cfg
         self.T = T
-        self.workers = _check_workers(workers)
+        self.workers = check_workers(workers)
         self.spawn = spawn
         self.layers = dict(layers)
         self.qkv_width = cfg.qkv_width
@@ -249,7 +239,7 @@ def run_layers(model, layers: Sequence[int], x: np.ndarray, pe: np.ndarray, *,
     else:
         x, pe, mask, t_emb, _ = validate_inputs(cfg, x, pe, mask, t_emb=t_emb)
         ms = None
-    n = _check_workers(workers)
+    n = check_workers(workers)
     eps = _check_eps(eps, cfg)
     spawn = _check_spawn(spawn)
     if isinstance(repeat, bool) or not isinstance(repeat, (int, np.integer)) or repeat < 1:
@@ -339,7 +329,7 @@ class Block:
         if pe is None:
             raise ValueError(f"pe (RoPE table [T, {cfg.head_dim // 2}, 2, 2]) is required")
         x, pe, mask, t_emb, adaln_m = validate_inputs(cfg, x, pe, mask, t_emb, adaln_m)
-        n = _check_workers(workers)
+        n = check_workers(workers)
         eps = _check_eps(eps, cfg)
         spawn = _check_spawn(spawn)
         stage_timeout = check_timeout(stage_timeout)

@@ -569,13 +569,14 @@ class DenoiserConfig:
 
 
 def block_view(cfg: BlockConfig | DenoiserConfig) -> BlockConfig:
-    """The :class:`BlockConfig` of ``cfg``: itself, or a model config's (validated) block view.
-    What the block-level entry points (``BlockPlan``, ``BlockRunner``, ``Block``) take."""
+    """The :class:`BlockConfig` of ``cfg`` (itself, or a model config's block view), checked
+    against the block's runnable rules (ValueError): what the block-level entry points
+    (``BlockPlan``, ``BlockRunner``, ``Block``, ``run_layers``) take."""
     if isinstance(cfg, DenoiserConfig):
         return cfg.block
     if not isinstance(cfg, BlockConfig):
         raise TypeError(f"expected a BlockConfig or DenoiserConfig, got {type(cfg).__name__}")
-    return cfg
+    return cfg.validate()
 
 
 # ----------------------------------------------------------------------------- inference

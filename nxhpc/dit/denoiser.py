@@ -2,7 +2,8 @@
 
 Owns :class:`Denoiser` (``forward(latents, t, cap_feats)`` -> raw output, ``docs/denoiser.md``;
 built from a GGUF path, the config inferred from the tensors by ``nxhpc.dit.config``; opening
-by id or model directory is ``nxhpc.models.open_denoiser``), the model-level pieces around the blocks -- the
+by id or model directory is ``nxhpc.models.open_denoiser``), the model-level pieces around the
+blocks -- the
 timestep sinusoid, patchify/unpatchify, padding to 32 rows, the integer position ids of the
 image and caption rows -- and the session that serves a token layout: ONE
 :class:`~nxhpc.dit.plan.Engine` (one arena, one pool forked once) running the noise-refiner
@@ -63,6 +64,8 @@ __all__ = ["Denoiser", "DenoiserInputError", "DenoiserWeights",
 #: The segments of one call, in order; ``Denoiser.last_timings`` has ``us_<segment>`` for each.
 SEGMENTS = ("embed", "noise_refiner", "context_refiner", "layers", "final", "total")
 TIMING_KEYS = tuple(f"us_{s}" for s in SEGMENTS)
+
+
 class DenoiserInputError(ValueError):
     """A call's input (latents, t, cap_feats) does not fit the model; the message says how."""
 
@@ -220,7 +223,7 @@ class _Session:
         self.Np = _round_up(self.n_img, cfg.seq_multiple)
         self.Lp = _round_up(L, cfg.seq_multiple)
         T = self.Np + self.Lp
-        bc = cfg.as_block_config()
+        bc = cfg.block
         self.plans = {s: BlockPlan(bc, s) for s in STACKS}
         rows = {"noise_refiner": self.Np, "context_refiner": self.Lp, "layers": T}
         counts = cfg.stacks

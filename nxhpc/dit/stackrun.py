@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from nxhpc.dit.config import block_view
 from nxhpc.dit.grade import DEFAULT_TOL, Grade, count_exceeding, error_row, grade
 from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
 from nxhpc.runtime import checks
@@ -95,10 +96,9 @@ def _load_ref(model, name: str, shape: tuple[int, int]) -> np.ndarray:
 def check_slice(model, layers: int | str = 1) -> int:
     """The number of layers ``layers`` (an int >= 1 or ``'all'``) means for ``model``;
     StackRangeError beyond its depth, StackInputError for a config the block cannot run."""
-    from nxhpc.dit.block import check_config
     cfg = model.config
     try:
-        check_config(cfg)
+        block_view(cfg)                   # the block's runnable rules, on the block view
     except ValueError as e:
         raise StackInputError(f"{model.path}: {e}") from None
     n = cfg.n_layers if layers == "all" else checks.check_count(layers, "layers")
