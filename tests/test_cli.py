@@ -315,11 +315,15 @@ def test_one_worker_rule_at_every_entry():
     """Worker counts were checked four times with three rules (WorkerPool capped, Block not,
     Denoiser capped with another text). Now every entry says the same about the same value."""
     from nxhpc.dit import block
+    from nxhpc.dit.config import BlockConfig
     from nxhpc.runtime.workers import WorkerPool, max_workers
     too_many = max_workers() + 1
+    cfg = BlockConfig(dim=64, n_heads=2, n_kv_heads=2, head_dim=32, ffn_dim=128, n_layers=1,
+                      adaln_in=64, variant="zimage", adaln_silu=False)
     for bad in (0, True, 2.5, too_many):
         msgs = []
-        for call in (lambda: WorkerPool(bad, {}), lambda: block._check_workers(bad),
+        for call in (lambda: WorkerPool(bad, {}),
+                     lambda: block.BlockRunner(cfg, {}, 4, workers=bad),   # Block's own check
                      lambda: checks.check_workers(bad, "workers")):
             with pytest.raises(ValueError) as e:
                 call()
