@@ -136,17 +136,22 @@ class PlainBPE:
         return out + self._pieces(text[pos:])
 
 
+HF_SPECIAL = {t for t, _ in QWEN3_ADDED_TOKENS[:14]}
+"""The added tokens Qwen3's ``tokenizer_config.json`` marks ``special`` (ids 151643..151656);
+llama.cpp makes the fill-in-the-middle ones control tokens too (they look special)."""
+
+
 def write_hf_dir(d: Path, vocab, chat_template: str | None = None) -> Path:
     """``vocab.json`` (the BPE tokens), ``merges.txt``, ``tokenizer_config.json`` (the added
-    tokens with their ids and flags, eos ``<|im_end|>``, pad ``<|endoftext|>``) as in Qwen's
-    repos."""
+    tokens with their ids and Qwen's flags, eos ``<|im_end|>``, pad ``<|endoftext|>``) as in
+    Qwen's repos."""
     tokens, types, merges = vocab
     d.mkdir(parents=True, exist_ok=True)
     bpe = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == 1}
     (d / "vocab.json").write_text(json.dumps(bpe, ensure_ascii=False), encoding="utf-8")
     (d / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
     added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                      "single_word": False, "special": ty == 3}
+                      "single_word": False, "special": t in HF_SPECIAL}
              for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (3, 4)}
     cfg = {"tokenizer_class": "Qwen2Tokenizer", "added_tokens_decoder": added,
            "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
@@ -465,6 +470,35 @@ def test_gguf_round_trip(tmp_path, tok):
         assert t.pad_id == t.bos_id == VOCAB[0].index("<|endoftext|>")
         for p in PROMPTS:
             assert t.tokenize(p) == tok.tokenize(p)
+
+
+def test_gguf_written_by_the_gguf_package(tmp_path, tok):
+    """A file laid out by gguf's own tokenizer API, as llama.cpp's converter calls it (uint32
+    ids, int32 types), with the padding of unused tokens; numpy fields to from_fields."""
+    tokens, types, merges = VOCAB
+    tokens = tokens + [f"[PAD{i}]" for i in range(len(tokens), 640)]
+    types = types + [5] * (640 - len(types))
+    path = tmp_path / "llamacpp.gguf"
+    w = gguf.GGUFWriter(path, "qwen3")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_pad_token_id(tokens.index("<|endoftext|>"))
+    w.add_bos_token_id(tokens.index("<|endoftext|>"))
+    w.add_add_bos_token(False)
+    w.add_tensor("output_norm.weight", np.ones(8, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    t = Qwen3Tokenizer.from_gguf(path)
+    assert t.vocab_size == 640 and t.eos_id == tokens.index("<|im_end|>")
+    n = Qwen3Tokenizer.from_fields(np.array(tokens), np.array(types, np.int32), np.array(merges))
+    for p in PROMPTS:
+        assert t.tokenize(p) == n.tokenize(p) == tok.tokenize(p)
 
 
 def test_gguf_field_reading(tmp_path):

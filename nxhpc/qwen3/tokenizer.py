@@ -44,20 +44,19 @@ TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
 _TYPES = {TOKEN_NORMAL: "normal", TOKEN_CONTROL: "control", TOKEN_USER_DEFINED: "user-defined",
           TOKEN_UNUSED: "unused"}
 
-QWEN3_ADDED_TOKENS: tuple[tuple[str, int], ...] = (
-    *((t, TOKEN_CONTROL) for t in (
+QWEN3_ADDED_TOKENS: tuple[tuple[str, int], ...] = tuple(
+    (t, TOKEN_USER_DEFINED if t[1] != "|" else TOKEN_CONTROL) for t in (
         "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
         "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>",
         "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
-        "<|video_pad|>")),
-    *((t, TOKEN_USER_DEFINED) for t in (
-        "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
-        "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
-        "<think>", "</think>")),
-)
+        "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+        "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>",
+        "</tool_response>", "<think>", "</think>"))
 """Qwen3's 26 added tokens (ids 151643..151668 in the real vocab) in id order, with the type
-llama.cpp's converter gives them: control for the ``special`` ones of ``tokenizer.json``,
-user-defined for the others (``<think>``, the tool and fill-in-the-middle markers)."""
+llama.cpp's converter gives them: control for the ones ``tokenizer.json`` marks special and
+for those that look special (``<|...|>``: the fill-in-the-middle markers too), user-defined
+for the others (``<think>``, ``</think>``, the tool-call and tool-response tags). The type
+does not change the ids: both kinds are matched whole."""
 
 
 class VocabError(ModelFileError, ValueError):
