@@ -405,6 +405,31 @@ def read_fields(path: str | os.PathLike, keys: Sequence[str] | None = None) -> d
 
 # ----------------------------------------------------------------------------- reading
 
+# numpy dtypes of the types stored one value per element; every other type (BF16 and the
+# block quants) is viewed as uint8 rows of its stored bytes, as the gguf package's reader does
+_ELEMENT_DTYPES = {int(GGMLQuantizationType.F32): np.float32,
+                   int(GGMLQuantizationType.F16): np.float16,
+                   int(GGMLQuantizationType.F64): np.float64,
+                   int(GGMLQuantizationType.I8): np.int8,
+                   int(GGMLQuantizationType.I16): np.int16,
+                   int(GGMLQuantizationType.I32): np.int32,
+                   int(GGMLQuantizationType.I64): np.int64}
+
+
+def _tensor_view(mapping: np.ndarray, info: TensorInfo) -> np.ndarray:
+    """Read-only view of one tensor's bytes in ``mapping`` (layout checked by the scan)."""
+    raw = mapping[info.offset:info.offset + info.n_bytes]
+    dt = _ELEMENT_DTYPES.get(info.ggml_type)
+    if dt is not None:
+        v = raw.view(dt).reshape(info.shape)
+    else:
+        block, tsize = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+        v = raw.reshape(info.shape[:-1] + (info.shape[-1] // block * tsize,))
+    v = v.view(np.ndarray)
+    v.flags.writeable = False
+    return v
+
+
 class GGUFFile:
     """A validated, memory-mapped GGUF file; tensors addressed with or without the prefix.
 
@@ -417,17 +442,15 @@ class GGUFFile:
         (self.version, self.alignment, self.data_start, self.metadata, infos,
          self._fields) = _scan_file(self.path)
         try:
-            self._reader = gguf.GGUFReader(self.path, "r")
-        except Exception as e:  # the package's reader raises assorted types on odd input
-            raise ModelFileError(f"{self.path}: the gguf reader rejected the file: "
-                                 f"{type(e).__name__}: {e}") from None
-        rt = {t.name: t for t in self._reader.tensors}
-        for info in infos:
-            r = rt.get(info.name)
-            if r is None or int(r.tensor_type) != info.ggml_type or r.data_offset != info.offset:
-                raise ModelFileError(f"{self.path}: tensor {info.name!r}: the gguf reader and "
-                                     f"the validating scan disagree about its layout")
-        self._views = {name: r.data for name, r in rt.items()}
+            self._map: np.ndarray | None = np.memmap(self.path, dtype=np.uint8, mode="r")
+        except (OSError, ValueError) as e:
+            raise ModelFileError(f"{self.path}: cannot map the GGUF file: {e}") from None
+        if self._map.shape[0] < max((i.offset + i.n_bytes for i in infos), default=0):
+            raise ModelFileError(f"{self.path}: the file shrank while it was opened")
+        # views are made from the validated scan (offsets, types and sizes checked there), not
+        # by the gguf package's reader: that one builds numpy parts for every metadata string,
+        # tens of seconds for a 150k-token vocab
+        self._views = {i.name: _tensor_view(self._map, i) for i in infos}
         self._infos: dict[str, TensorInfo] = {}
         prefixed = [i for i in infos if i.name.startswith(PREFIX)]
         self.prefix = PREFIX if infos and len(prefixed) * 2 > len(infos) else ""
@@ -442,7 +465,9 @@ class GGUFFile:
     @property
     def mapping(self) -> np.ndarray:
         """The whole file as a read-only ``uint8`` memory map (tensor views alias it)."""
-        return self._reader.data
+        if self._map is None:
+            raise ModelFileError(f"{self.path}: the GGUF file is closed")
+        return self._map
 
     @property
     def architecture(self) -> str | None:
@@ -454,7 +479,7 @@ class GGUFFile:
         """The whole value of metadata ``key`` (None when absent): a str, int, float or bool,
         or a list (every item -- :attr:`metadata` summarises arrays of more than 64 items),
         from the validating scan (strings already checked as UTF-8)."""
-        if self._reader is None:
+        if self._map is None:
             raise ModelFileError(f"{self.path}: the GGUF file is closed")
         return _full(self._fields.get(key), self.path)
 
@@ -530,7 +555,7 @@ class GGUFFile:
     def close(self) -> None:
         """Drop this object's references to the map (outstanding views keep it alive)."""
         self._views = {}
-        self._reader = None
+        self._map = None
 
     def __enter__(self) -> "GGUFFile":
         return self
