@@ -15,7 +15,7 @@ cdef extern from "nx_ops.h" nogil:
                             int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1)
     int nx_attention_f32(nx_isa isa, const float *q, const float *k, const float *qkv,
                          const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                         int64_t hd, float scale, int64_t h0, int64_t h1)
+                         int64_t hd, float scale, int64_t h0, int64_t h1, int causal)
     void nx_swiglu_f32(nx_isa isa, const float *a, const float *b, float *out,
                        int64_t i0, int64_t i1)
     int nx_gated_residual_f32(nx_isa isa, const float *resid, const float *y, const float *gate,
@@ -193,17 +193,23 @@ def qknorm_rope(qkv, q_w, k_w, pe, q_out, k_out, n_heads, n_kv_heads, eps, h0=0,
     return q_out, k_out
 
 
-def attention(q, k, qkv, out, n_kv_heads, scale, mask=None, h0=0, h1=None, isa=None):
+def attention(q, k, qkv, out, n_kv_heads, scale, mask=None, h0=0, h1=None, isa=None, *,
+              causal=False):
     """out[:, h*hd:(h+1)*hd] := softmax(q[h] k[g]^T * scale, masked keys excluded) v[g], h in [h0, h1).
 
     q: float32 [H, T, hd]; k: [KVH, T, hd]; v is read from qkv [T, (H+2*KVH)*hd] at columns
     (H+KVH)*hd + g*hd, g = h // (H/KVH); out: [T, H*hd], other heads' columns untouched.
     mask: None or bool/uint8 [T] over keys (True/nonzero = attend); a query whose keys are all
-    masked gets zeros. Flash-style (key tiles, online softmax): scratch is one packed K^T per kv
-    head (T*hd floats) plus O(tile*hd), never T^2. Returns out.
+    masked gets zeros. causal: if True, query row t attends keys j <= t only (the mask, if given,
+    still applies to those); the default False is the full attention, unchanged. Flash-style (key
+    tiles, online softmax): scratch is one packed K^T per kv head (T*hd floats) plus
+    O(tile*hd), never T^2. Returns out.
     """
     fn = "attention"
     cdef nx_isa lvl = _resolve_isa(fn, isa)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"{fn}: causal must be a bool, got {type(causal).__name__} {causal!r}")
+    cdef int icausal = 1 if causal else 0
     cdef Py_ssize_t KVH = _count(fn, "n_kv_heads", n_kv_heads)
     _f32(fn, "q", q, 3)
     cdef Py_ssize_t H = q.shape[0], T = q.shape[1], hd = q.shape[2]
@@ -246,7 +252,7 @@ def attention(q, k, qkv, out, n_kv_heads, scale, mask=None, h0=0, h1=None, isa=N
     cdef float *po = _wptr(out)
     cdef int rc
     with nogil:
-        rc = nx_attention_f32(lvl, pq, pk, pqkv, pm, po, T, H, KVH, hd, fscale, a, b)
+        rc = nx_attention_f32(lvl, pq, pk, pqkv, pm, po, T, H, KVH, hd, fscale, a, b, icausal)
     if rc != 0:
         raise MemoryError(f"{fn}: could not allocate scratch for T={T}, hd={hd}")
     return out

@@ -40,7 +40,8 @@
        int64_t h1))                                                                                \
     X(attention, int,                                                                              \
       (const float *q, const float *k, const float *qkv, const uint8_t *mask, float *out,          \
-       int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1))        \
+       int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1,         \
+       int causal))                                                                                \
     X(swiglu, void, (const float *a, const float *b, float *out, int64_t i0, int64_t i1))          \
     X(gated_residual, int,                                                                         \
       (const float *resid, const float *y, const float *gate, float *out, int64_t D, int64_t r0,   \
@@ -97,8 +98,15 @@ void nx_qknorm_rope_f32(nx_isa isa,       /* the ISA to run (nx_cpu.h) */
 /* ---- attention: for query heads h in [h0, h1), kv head g = h / (H / KVH):
  * out[t, h*hd:(h+1)*hd] = sum_j softmax_j(scale * q[h,t].k[g,j], masked j excluded) * v_g[j]
  * with v_g[j] = qkv[j, (H+KVH)*hd + g*hd : ... + hd]. mask: [T] bytes, nonzero = attend, or NULL.
+ * causal != 0: query t attends keys j <= t only (and, of those, the unmasked ones); causal == 0
+ * is the full attention, with exactly the arithmetic it had before the option existed.
  * A query whose keys are all masked gets zeros. Flash-style: keys in tiles with an online softmax;
  * scratch is O(T*hd) (one packed copy of K^T per kv head) + O(tile*hd), never O(T^2).
+ * Causal in the SIMD driver (nx_attn_tiled.h): key tiles after a micro-block's last row are not
+ * run; a tile holding keys after some of its rows (the diagonal) runs with a per-row key mask, so
+ * an excluded key enters a row exactly as a masked key does (score -inf, weight exactly 0). A
+ * row's arithmetic still depends on nothing but t, T and the variant, so results stay
+ * bit-identical for every head band; the generic spec never visits keys j > t at all.
  * Returns 0, or -1 if scratch could not be allocated (nothing written then). */
 int nx_attention_f32(nx_isa isa,          /* the ISA to run (nx_cpu.h) */
                      const float *q,      /* IN  [H, T, hd] */
@@ -107,7 +115,7 @@ int nx_attention_f32(nx_isa isa,          /* the ISA to run (nx_cpu.h) */
                      const uint8_t *mask, /* IN  [T] or NULL */
                      float *out,          /* OUT [T, H*hd], columns of heads [h0, h1) */
                      int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0,
-                     int64_t h1);
+                     int64_t h1, int causal);
 
 /* ---- swiglu: out[i] := silu(a[i]) * b[i] for flat i in [i0, i1); silu(x) = x / (1 + exp(-x)),
  * evaluated as (x < 0 ? x*e : x) / (1 + e) with e = exp(-|x|) (no overflow; silu(-inf) = -0).
