@@ -22,8 +22,8 @@ void nx_rmsnorm_f32(nx_isa isa, const float *x, const float *w, const float *mod
 
 void nx_qknorm_rope_f32(nx_isa isa, const float *qkv, const float *q_w, const float *k_w,
                         const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
-                        int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1) {
-    nx_ops_get(isa)->qknorm_rope(qkv, q_w, k_w, pe, q_out, k_out, T, H, KVH, hd, eps, h0, h1);
+                        int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1, int half) {
+    nx_ops_get(isa)->qknorm_rope(qkv, q_w, k_w, pe, q_out, k_out, T, H, KVH, hd, eps, h0, h1, half);
 }
 
 int nx_attention_f32(nx_isa isa, const float *q, const float *k, const float *qkv,
@@ -121,7 +121,8 @@ void nx_layernorm_mod_f32_generic(const float *x, const float *mod, float *out, 
 
 void nx_qknorm_rope_f32_generic(const float *qkv, const float *q_w, const float *k_w,
                                 const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
-                                int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1) {
+                                int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1,
+                                int half) {
     const int64_t W = (H + 2 * KVH) * hd;
     for (int64_t j = h0; j < h1; j++) {
         const float *wt = j < H ? q_w : k_w;
@@ -131,7 +132,12 @@ void nx_qknorm_rope_f32_generic(const float *qkv, const float *q_w, const float 
             const float *p = pe + t * hd * 2; /* [hd/2][2][2] */
             float *o = dst + t * hd;
             float inv = nx_rms_inv_generic(xr, hd, eps);
-            for (int64_t i = 0; i < hd; i += 2) nx_qknorm_rope_pair(xr, inv, wt, p, o, i);
+            if (half) {
+                for (int64_t i = 0; i < hd / 2; i++)
+                    nx_qknorm_rope_half_pair(xr, inv, wt, p, o, i, hd / 2);
+            } else {
+                for (int64_t i = 0; i < hd; i += 2) nx_qknorm_rope_pair(xr, inv, wt, p, o, i);
+            }
         }
     }
 }

@@ -18,7 +18,7 @@
 
 void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_w, const float *pe,
                              float *q_out, float *k_out, int64_t T, int64_t H, int64_t KVH,
-                             int64_t hd, float eps, int64_t h0, int64_t h1) {
+                             int64_t hd, float eps, int64_t h0, int64_t h1, int half) {
     const int64_t W = (H + 2 * KVH) * hd;
     for (int64_t j = h0; j < h1; j++) {
         const float *wt = j < H ? q_w : k_w;
@@ -28,6 +28,10 @@ void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_
             const float *p = pe + t * hd * 2;
             float *o = dst + t * hd;
             float invf = nx_rms_inv8(xr, hd, eps);
+            if (half) { /* pairs (i, i + hd/2): nx_ops_ew.h */
+                nxv_qknorm_rope_half_row(xr, invf, wt, p, o, hd);
+                continue;
+            }
             __m256 inv = _mm256_set1_ps(invf);
             int64_t i = 0;
             for (; i + 8 <= hd; i += 8) {

@@ -19,7 +19,8 @@
 
 void nx_qknorm_rope_f32_avx512(const float *qkv, const float *q_w, const float *k_w,
                                const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
-                               int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1) {
+                               int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1,
+                               int half) {
     const int64_t W = (H + 2 * KVH) * hd;
     const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
@@ -31,6 +32,10 @@ void nx_qknorm_rope_f32_avx512(const float *qkv, const float *q_w, const float *
             const float *p = pe + t * hd * 2;
             float *o = dst + t * hd;
             float invf = nx_rms_inv16(xr, hd, eps);
+            if (half) { /* pairs (i, i + hd/2): nx_ops_ew.h */
+                nxv_qknorm_rope_half_row(xr, invf, wt, p, o, hd);
+                continue;
+            }
             __m512 inv = _mm512_set1_ps(invf);
             int64_t i = 0;
             for (; i + 16 <= hd; i += 16) {
