@@ -11,7 +11,6 @@ Attention: T=1024, hd=128, H heads in one process; GFLOP/s = 4*T^2*hd*H / time (
 zmm-FMA peak. The other kernels report GB/s of compulsory traffic. Correctness is checked after
 timing (float64 reference with the error bound from tests/test_kernels_ops.py for attention).
 """
-import math
 
 import numpy as np
 import pytest
