@@ -74,7 +74,8 @@ def test_half_vs_float64(T, heads, hd, eps, seed, rotations):
     qkv = f32(rng, T, (H + 2 * KVH) * hd, scale=3.0)
     q_w, k_w = f32(rng, hd), f32(rng, hd)
     # real rotations, or arbitrary 2x2 matrices (the kernel must not assume rotation structure)
-    pe = rotation_pe(rng.uniform(-50, 50, (T, hd // 2))) if rotations else f32(rng, T, hd // 2, 2, 2)
+    pe = (rotation_pe(rng.uniform(-50, 50, (T, hd // 2))) if rotations
+          else f32(rng, T, hd // 2, 2, 2))
     rq, rk, aq, ak = ref_half(qkv, q_w, k_w, pe, H, KVH, eps)
     # y = ((x*r)*w): 3u on each y; (pe0*y0) + (pe1*y1): two products and a sum -> error
     # <= (3u + 2u) * (|pe0 y0| + |pe1 y1|); 6u for margin (the adjacent layout's bound).
