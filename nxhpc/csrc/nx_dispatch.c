@@ -5,6 +5,7 @@
 #include "nx_dispatch.h"
 
 #include "nx_bwd.h"
+#include "nx_conv.h"
 #include "nx_lowp.h"
 #include "nx_matmul.h"
 #include "nx_ops.h"
@@ -13,7 +14,7 @@
 
 const nx_family_info *const nx_families[] = {
     &nx_ops_family,   &nx_bwd_family,  &nx_mm_family,
-    &nx_wtype_family, &nx_q8_0_family, &nx_lowp_family,
+    &nx_wtype_family, &nx_q8_0_family, &nx_lowp_family, &nx_conv_family,
 };
 const int nx_nfamilies = (int)(sizeof nx_families / sizeof nx_families[0]);
 

@@ -1,0 +1,112 @@
+/* nx_conv.h -- the convolutional network's non-matmul kernels (the FLUX autoencoder's decoder):
+ * GroupNorm in three band-able steps (per-chunk statistics, per-channel coefficients, the affine
+ * map with an optional SiLU), the im2col panel of a 3x3 convolution (padding 1, optionally
+ * reading through a nearest x2 upsampling), the nearest x2 upsampling itself and the residual
+ * add. Generic scalar functions are the spec (nx_conv.c); the AVX2 / AVX-512 files fill the
+ * slots that pay (the affine + SiLU map, written once for both widths in nx_conv_ew.h); the rest
+ * inherit the spec at every ISA. Callers (nxhpc/_k_conv.pxi) validate every shape first.
+ *
+ * Layout: activations are channels-last rows, x[p, c] = x[(y * W + x) * C + c] for the P = H * W
+ * pixels of an H x W image with C channels. A 3x3 convolution is then a plain matmul of the
+ * im2col panel [pixels, C * 9] with the weight as stored, [C_out, C_in, 3, 3] = [C_out, C * 9]
+ * (column c * 9 + ky * 3 + kx), and a 1x1 convolution is the matmul of x itself.
+ *
+ * Numerics (what is bit-identical):
+ *  - gn_partials: per chunk k of `chunk` rows (the last one shorter) and group g (channels
+ *    [g*C/G, (g+1)*C/G)): mean_kg = (sum over rows, channels of x in float64) / n_kg, then
+ *    M2_kg = sum (x - mean_kg)^2 in float64. Each channel's sums run over the rows in order (one
+ *    float64 chain per channel), the group's channel sums are added in channel order; x - mean
+ *    and its square are separate operations. The chunking is fixed by the caller, never by the
+ *    band, so the partials are bit-identical for any band split (and every ISA: generic only).
+ *  - gn_coeffs: chunks merged in order k = 0, 1, ... (Chan et al.: n = na + nb, d = mb - ma,
+ *    m = ma + d * (nb / n), M2 = M2a + M2b + d * d * (na * nb / n)), var = M2 / n (population),
+ *    r = 1 / sqrt(var + eps); scale[c] = (float)(gamma[c] * r), shift[c] = (float)(beta[c] -
+ *    m * (gamma[c] * r)), all in float64, rounded once each. Generic only.
+ *  - affine_act: y = (x * scale[c]) + shift[c] in float32, never fused (bit-identical across
+ *    ISAs); with silu, out = silu(y) = (y < 0 ? y*e : y) / (1 + e), e = exp(-|y|): libm expf in
+ *    generic, the vector exp polynomial (nx_vmath_ew.h) in the SIMD variants, so silu agrees
+ *    with generic to a tolerance (<= 8u relative, as swiglu), not bit for bit.
+ *  - im2col3x3, upsample2x: copies and zeros only: bit-exact everywhere.
+ *  - add: one float32 add per element: bit-exact everywhere.
+ *  - Band invariance: no output element depends on the band bounds.
+ */
+#ifndef NX_CONV_H
+#define NX_CONV_H
+
+#include <stdint.h>
+
+#include "nx_cpu.h"
+#include "nx_dispatch.h"
+
+/* The family's slots (nx_dispatch.h), in kernel_variants() order. */
+#define NX_CONV_SLOTS(X)                                                                           \
+    X(gn_partials, int,                                                                            \
+      (const float *x, int64_t P, int64_t C, int64_t G, int64_t chunk, double *part, int64_t k0,   \
+       int64_t k1))                                                                                \
+    X(gn_coeffs, void,                                                                             \
+      (const double *part, int64_t P, int64_t C, int64_t G, int64_t chunk, const float *gamma,     \
+       const float *beta, float eps, float *scale, float *shift))                                  \
+    X(affine_act, void,                                                                            \
+      (const float *x, const float *scale, const float *shift, float *out, int64_t C, int silu,    \
+       int64_t r0, int64_t r1))                                                                    \
+    X(im2col3x3, void,                                                                             \
+      (const float *x, int64_t H, int64_t W, int64_t C, int up, float *panel, int64_t p0,          \
+       int64_t p1))                                                                                \
+    X(upsample2x, void,                                                                            \
+      (const float *x, int64_t H, int64_t W, int64_t C, float *out, int64_t p0, int64_t p1))      \
+    X(add, void, (const float *a, const float *b, float *out, int64_t i0, int64_t i1))
+
+NX_DECLARE_FAMILY(nx_conv, NX_CONV_SLOTS)
+extern const nx_conv_table nx_conv_table_generic; /* nx_conv.c: every slot */
+extern const nx_conv_table nx_conv_table_avx2;    /* nx_conv_avx2.c */
+extern const nx_conv_table nx_conv_table_avx512;  /* nx_conv_avx512.c */
+
+/* The variants nx_<slot>_f32_<isa> (declared for every slot; only some are defined). */
+#define NX_CONV_VARIANTS_(name, ret, params)                                                       \
+    ret nx_##name##_f32_generic params;                                                            \
+    ret nx_##name##_f32_avx2 params;                                                               \
+    ret nx_##name##_f32_avx512 params;
+NX_CONV_SLOTS(NX_CONV_VARIANTS_)
+#undef NX_CONV_VARIANTS_
+
+/* ---- gn_partials: for chunks k in [k0, k1) of `chunk` rows of x [P, C] (chunk k = rows
+ * [k*chunk, min((k+1)*chunk, P))) and groups g < G (C % G == 0):
+ * part[(k*G + g)*2 + 0] = mean of the chunk's group, part[... + 1] = sum of squared deviations
+ * from it (see the numerics above). Returns 0, or -1 if its 2*C-double scratch could not be
+ * allocated (nothing written then). */
+int nx_gn_partials_f32(nx_isa isa, const float *x /* IN [P, C] */, int64_t P, int64_t C,
+                       int64_t G, int64_t chunk, double *part /* OUT [nchunks, G, 2] */,
+                       int64_t k0, int64_t k1);
+
+/* ---- gn_coeffs: the per-channel affine map of GroupNorm from every chunk's partials
+ * (nchunks = ceil(P / chunk)): out = x * scale[c] + shift[c] normalizes group g(c) and applies
+ * gamma, beta. */
+void nx_gn_coeffs_f32(nx_isa isa, const double *part /* IN [nchunks, G, 2] */, int64_t P,
+                      int64_t C, int64_t G, int64_t chunk, const float *gamma /* IN [C] */,
+                      const float *beta /* IN [C] */, float eps, float *scale /* OUT [C] */,
+                      float *shift /* OUT [C] */);
+
+/* ---- affine_act: out[r, c] := act((x[r, c] * scale[c]) + shift[c]), rows [r0, r1) of [P, C];
+ * act = silu if silu != 0, else the identity. out may equal x. */
+void nx_affine_act_f32(nx_isa isa, const float *x /* IN [P, C] */, const float *scale /* IN [C] */,
+                       const float *shift /* IN [C] */, float *out /* OUT [P, C] */, int64_t C,
+                       int silu, int64_t r0, int64_t r1);
+
+/* ---- im2col3x3: the panel of a 3x3 convolution (stride 1, padding 1) of the image x [H*W, C],
+ * read through a nearest x2 upsampling if up != 0 (output grid Ho x Wo = (H << up) x (W << up)),
+ * for output pixels p in [p0, p1) of that grid (yo = p / Wo, xo = p % Wo):
+ *   panel[(p - p0) * 9C + c * 9 + ky * 3 + kx] = u(yo + ky - 1, xo + kx - 1)[c], ky, kx < 3,
+ * where u(y, x) = x[((y >> up) * W + (x >> up)) * C + c] inside the grid and 0 outside it. */
+void nx_im2col3x3_f32(nx_isa isa, const float *x /* IN [H*W, C] */, int64_t H, int64_t W,
+                      int64_t C, int up, float *panel /* OUT [p1-p0, 9C] */, int64_t p0,
+                      int64_t p1);
+
+/* ---- upsample2x: nearest x2 upsampling, out pixel p of the (2H) x (2W) grid, p in [p0, p1):
+ * out[p, :] = x[((yo / 2) * W + xo / 2), :] (yo = p / 2W, xo = p % 2W). */
+void nx_upsample2x_f32(nx_isa isa, const float *x /* IN [H*W, C] */, int64_t H, int64_t W,
+                       int64_t C, float *out /* OUT [4*H*W, C] */, int64_t p0, int64_t p1);
+
+/* ---- add: out[i] := a[i] + b[i], flat i in [i0, i1). out may equal a or b. */
+void nx_add_f32(nx_isa isa, const float *a, const float *b, float *out, int64_t i0, int64_t i1);
+
+#endif
