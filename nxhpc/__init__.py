@@ -19,7 +19,7 @@ import os as _os
 
 __version__ = "0.1.0"
 
-__all__ = ["load_model", "load_denoiser", "cpu_features", "kernel_variants", "supported_isas",
+__all__ = ["load_model", "load_denoiser", "load_vae", "cpu_features", "kernel_variants", "supported_isas",
            "kernels", "__version__"]
 
 _KERNEL_FUNCS = ("cpu_features", "kernel_variants", "supported_isas")
@@ -55,6 +55,15 @@ def load_denoiser(*args, **kwargs):
 
 
 load_denoiser.__doc__ = _importlib.import_module("nxhpc.api").load_denoiser.__doc__
+
+
+def load_vae(*args, **kwargs):
+    """Open the FLUX autoencoder's decoder (see :func:`nxhpc.api.load_vae`)."""
+    from nxhpc.api import load_vae as _load
+    return _load(*args, **kwargs)
+
+
+load_vae.__doc__ = _importlib.import_module("nxhpc.api").load_vae.__doc__
 
 
 def __getattr__(name: str):

@@ -1,5 +1,5 @@
-"""Library entry points for downstream scripts: ``load_model`` and ``load_denoiser`` (re-exported as
-``nxhpc.load_model`` / ``nxhpc.load_denoiser``).
+"""Library entry points for downstream scripts: ``load_model``, ``load_denoiser`` and ``load_vae``
+(re-exported as ``nxhpc.load_model`` / ``nxhpc.load_denoiser`` / ``nxhpc.load_vae``).
 
 Owns nothing but the public spelling: it delegates to ``nxhpc.models.open_model``; the returned
 model's ``block(i)`` is an ``nxhpc.dit.block.Block`` whose ``forward`` returns ``(output, timings)``.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["load_model", "load_denoiser"]
+__all__ = ["load_model", "load_denoiser", "load_vae"]
 
 
 def load_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | None = None,
@@ -46,3 +46,17 @@ def load_denoiser(model: str | os.PathLike, *, workers: int | None = None,
     from nxhpc.models.registry import open_denoiser
     return open_denoiser(model, workers=workers, models_dir=models_dir, gguf_path=gguf_path,
                          **options)
+
+
+def load_vae(path: str | os.PathLike, *, workers: int | None = None, precision: str = "f32"):
+    """Open the FLUX autoencoder's decoder: a BFL/ComfyUI ``ae.safetensors`` file or a diffusers
+    VAE directory (``config.json`` + ``diffusion_pytorch_model.safetensors``, or a pipeline
+    directory holding ``vae/``), float32/float16/bfloat16. Returns an
+    ``nxhpc.vae.model.VaeDecoder`` (context manager). Example::
+
+        with nxhpc.load_vae("ae.safetensors", workers=8) as vae:
+            x = vae.decode(latents)                  # [16, h, w] -> float32 [3, 8h, 8w]
+            nxhpc.vae.write_png("out.png", nxhpc.vae.to_uint8(x))
+    """
+    from nxhpc.vae.model import VaeDecoder
+    return VaeDecoder(path, workers=workers, precision=precision)

@@ -1,0 +1,299 @@
+"""The FLUX autoencoder decoder's config and tensor names, inferred from a checkpoint's keys.
+
+Owns :class:`VaeConfig` (the decoder's shape, its latent scaling and shift), the canonical
+tensor names (diffusers' ``decoder.*`` names, :func:`tensor_names`), the LDM (BFL / ComfyUI
+``ae.safetensors``) spelling of each (:func:`ldm_name`: ``up_blocks.{i}`` is LDM's
+``up.{n-1-i}``), and :func:`infer_config` from the shapes (and a diffusers ``config.json``).
+Must not: import compiled code, the registry, or another family.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError
+
+__all__ = ["VaeConfig", "FLUX_SCALING", "FLUX_SHIFT", "tensor_names", "ldm_name",
+           "infer_config", "count_levels", "expected_shape", "detect_layout", "LAYOUTS",
+           "resnet_names", "attention_names"]
+
+#: The FLUX VAE's latent scaling and shift (diffusers ``AutoencoderKL`` config of FLUX.1 and
+#: Z-Image): the decoder reads ``z / scaling + shift``.
+FLUX_SCALING = 0.3611
+FLUX_SHIFT = 0.1159
+
+#: The two key layouts read: diffusers' names and the LDM names of the BFL single file.
+LAYOUTS = ("diffusers", "ldm")
+
+
+@dataclass(frozen=True)
+class VaeConfig:
+    """The decoder's shape. Channels are listed as diffusers' ``block_out_channels`` (highest
+    resolution first); the decoder runs them reversed (``up_blocks.0`` has the most)."""
+    latent_channels: int = 16                       # z: [latent_channels, h, w]
+    block_out_channels: tuple[int, ...] = (128, 256, 512, 512)
+    layers_per_block: int = 2                       # the decoder has this + 1 ResNets a level
+    norm_num_groups: int = 32                       # every GroupNorm
+    out_channels: int = 3                           # pixels: [out_channels, 8h, 8w] for 4 levels
+    mid_attention: bool = True                      # one single-head attention in the mid block
+    scaling_factor: float = FLUX_SCALING
+    shift_factor: float = FLUX_SHIFT
+    eps: float = 1e-6                               # every GroupNorm's epsilon
+    conv_dtype: str = field(default="F32", compare=False)  # the file's dtype (informational)
+
+    @property
+    def levels(self) -> int:
+        return len(self.block_out_channels)
+
+    @property
+    def up_channels(self) -> tuple[int, ...]:
+        """Output channels of ``up_blocks.0, 1, ...`` (block_out_channels reversed)."""
+        return tuple(reversed(self.block_out_channels))
+
+    @property
+    def upscale(self) -> int:
+        """Pixels per latent along each side: 2^(levels - 1)."""
+        return 2 ** (self.levels - 1)
+
+    def level_in_channels(self, i: int) -> int:
+        """Input channels of ``up_blocks.{i}``: the previous level's output (the mid block's
+        width for level 0)."""
+        return self.up_channels[max(i - 1, 0)]
+
+
+def resnet_names(prefix: str, cin: int, cout: int) -> list[str]:
+    """The tensors of one ResnetBlock2D under ``prefix`` (diffusers names)."""
+    parts = ["norm1", "conv1", "norm2", "conv2"] + (["conv_shortcut"] if cin != cout else [])
+    return [f"{prefix}.{p}.{wb}" for p in parts for wb in ("weight", "bias")]
+
+
+def attention_names(prefix: str) -> list[str]:
+    """The tensors of the mid block's attention under ``prefix`` (diffusers names)."""
+    return [f"{prefix}.{p}.{wb}" for p in ("group_norm", "to_q", "to_k", "to_v", "to_out.0")
+            for wb in ("weight", "bias")]
+
+
+def tensor_names(cfg: VaeConfig) -> list[str]:
+    """Every decoder tensor of ``cfg``, by its diffusers name, in the order the network reads."""
+    top = cfg.up_channels[0]
+    names = [f"decoder.conv_in.{wb}" for wb in ("weight", "bias")]
+    names += resnet_names("decoder.mid_block.resnets.0", top, top)
+    if cfg.mid_attention:
+        names += attention_names("decoder.mid_block.attentions.0")
+    names += resnet_names("decoder.mid_block.resnets.1", top, top)
+    for i, cout in enumerate(cfg.up_channels):
+        cin = cfg.level_in_channels(i)
+        for j in range(cfg.layers_per_block + 1):
+            names += resnet_names(f"decoder.up_blocks.{i}.resnets.{j}", cin if j == 0 else cout,
+                                  cout)
+        if i < cfg.levels - 1:
+            names += [f"decoder.up_blocks.{i}.upsamplers.0.conv.{wb}" for wb in ("weight", "bias")]
+    names += [f"decoder.{p}.{wb}" for p in ("conv_norm_out", "conv_out")
+              for wb in ("weight", "bias")]
+    return names
+
+
+def expected_shape(cfg: VaeConfig, name: str) -> tuple[int, ...]:
+    """The diffusers shape of decoder tensor ``name`` under ``cfg``."""
+    top = cfg.up_channels[0]
+    suffix = name.rsplit(".", 1)[1]
+
+    def conv(cout: int, cin: int, k: int) -> tuple[int, ...]:
+        return (cout, cin, k, k) if suffix == "weight" else (cout,)
+
+    if name.startswith("decoder.conv_in."):
+        return conv(top, cfg.latent_channels, 3)
+    if name.startswith("decoder.conv_out."):
+        return conv(cfg.out_channels, cfg.up_channels[-1], 3)
+    if name.startswith("decoder.conv_norm_out."):
+        return (cfg.up_channels[-1],)
+    if name.startswith("decoder.mid_block.attentions.0."):
+        if ".group_norm." in name or suffix == "bias":
+            return (top,)
+        return (top, top)
+    m = re.match(r"decoder\.(?:mid_block|up_blocks\.(\d+))\.(resnets\.(\d+)|upsamplers\.0)\.(\w+)\.",
+                 name)
+    if not m:
+        raise KeyError(name)
+    level = m.group(1)
+    if level is None:
+        cin = cout = top
+    else:
+        i = int(level)
+        cout = cfg.up_channels[i]
+        cin = cfg.level_in_channels(i) if m.group(3) == "0" else cout
+    if m.group(2) == "upsamplers.0":
+        return conv(cout, cout, 3)
+    part = m.group(4)
+    if part == "norm1":
+        return (cin,)
+    if part == "norm2":
+        return (cout,)
+    if part == "conv1":
+        return conv(cout, cin, 3)
+    if part == "conv2":
+        return conv(cout, cout, 3)
+    return conv(cout, cin, 1)            # conv_shortcut
+
+
+_LDM_RESNET = {"conv_shortcut": "nin_shortcut"}
+_LDM_ATTN = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
+
+
+def ldm_name(name: str, levels: int) -> str:
+    """The LDM (BFL ``ae.safetensors``) key of diffusers decoder tensor ``name``: LDM counts
+    ``up.{k}`` from the highest resolution and runs them in reverse, so diffusers'
+    ``up_blocks.{i}`` is ``up.{levels - 1 - i}``; the mid attention's linears are 1x1 convs."""
+    n = name
+    n = n.replace("decoder.conv_norm_out.", "decoder.norm_out.")
+    n = n.replace("decoder.mid_block.resnets.0.", "decoder.mid.block_1.")
+    n = n.replace("decoder.mid_block.resnets.1.", "decoder.mid.block_2.")
+    if n.startswith("decoder.mid_block.attentions.0."):
+        rest = n[len("decoder.mid_block.attentions.0."):]
+        part, wb = rest.rsplit(".", 1)
+        return f"decoder.mid.attn_1.{_LDM_ATTN[part]}.{wb}"
+    m = re.match(r"decoder\.up_blocks\.(\d+)\.(.*)$", n)
+    if m:
+        k = levels - 1 - int(m.group(1))
+        rest = m.group(2)
+        rest = re.sub(r"^resnets\.(\d+)\.", r"block.\1.", rest)
+        rest = rest.replace("upsamplers.0.conv.", "upsample.conv.")
+        for a, b in _LDM_RESNET.items():
+            rest = rest.replace(f"{a}.", f"{b}.")
+        return f"decoder.up.{k}.{rest}"
+    if ".conv_shortcut." in n:
+        n = n.replace(".conv_shortcut.", ".nin_shortcut.")
+    return n
+
+
+#: Prefixes a decoder may sit under in a file (whole-model checkpoints, ComfyUI VAE files).
+PREFIXES = ("", "first_stage_model.", "vae.")
+
+
+def detect_layout(keys: Mapping[str, Any] | list[str], where: str) -> tuple[str, str]:
+    """(layout, prefix) of a checkpoint's keys: ``"ldm"`` if it has ``decoder.mid.block_1``,
+    ``"diffusers"`` if ``decoder.mid_block.resnets.0``; ModelFileError naming what is missing."""
+    ks = set(keys)
+    for prefix in PREFIXES:
+        if f"{prefix}decoder.mid.block_1.norm1.weight" in ks:
+            return "ldm", prefix
+        if f"{prefix}decoder.mid_block.resnets.0.norm1.weight" in ks:
+            return "diffusers", prefix
+    raise MissingTensorError(
+        f"{where}: not a FLUX/SD autoencoder checkpoint: no decoder found (neither the LDM key "
+        f"'decoder.mid.block_1.norm1.weight' nor the diffusers key "
+        f"'decoder.mid_block.resnets.0.norm1.weight', under any of the prefixes "
+        f"{[p for p in PREFIXES if p]})", tensor="decoder.mid_block.resnets.0.norm1.weight")
+
+
+def count_levels(keys: Iterable[str], layout: str, where: str) -> int:
+    """The number of up levels: the distinct ``decoder.up.{k}`` (LDM) or ``decoder.up_blocks.{i}``
+    (diffusers) holding a first ResNet; they must be numbered 0 .. n-1."""
+    pat = (r"decoder\.up\.(\d+)\.block\.0\.norm1\.weight$" if layout == "ldm"
+           else r"decoder\.up_blocks\.(\d+)\.resnets\.0\.norm1\.weight$")
+    found = sorted({int(m.group(1)) for k in keys if (m := re.match(pat, k))})
+    if not found:
+        key = ("decoder.up.0.block.0.norm1.weight" if layout == "ldm"
+               else "decoder.up_blocks.0.resnets.0.norm1.weight")
+        raise MissingTensorError(f"{where}: missing tensor {key!r} (no up blocks)", tensor=key)
+    if found != list(range(len(found))) or len(found) > 16:
+        raise ModelFileError(f"{where}: up blocks numbered {found}, expected 0 .. n-1")
+    return len(found)
+
+
+def infer_config(shapes: Mapping[str, tuple[int, ...]], layout: str, where: str,
+                 config_json: Mapping[str, Any] | None = None,
+                 dtype: str = "F32") -> VaeConfig:
+    """The decoder's config from its tensors' shapes (``shapes``: stored name, prefix removed ->
+    shape, in ``layout``'s naming) and, where given, a diffusers ``config.json`` (which must
+    agree with the shapes). Every tensor's shape is then checked; errors name the tensor as the
+    file spells it."""
+    levels = count_levels(shapes, layout, where)
+
+    def stored(name: str, n: int = levels) -> str:
+        return ldm_name(name, n) if layout == "ldm" else name
+
+    def shape_of(name: str) -> tuple[int, ...] | None:
+        s = shapes.get(stored(name))
+        return None if s is None else tuple(int(d) for d in s)
+
+    def need(name: str, n: int = levels) -> tuple[int, ...]:
+        s = shape_of(name)
+        if s is None:
+            key = stored(name, n)
+            raise MissingTensorError(f"{where}: missing tensor {key!r}", tensor=key)
+        return s
+
+    cin_shape = need("decoder.conv_in.weight")
+    if len(cin_shape) != 4 or cin_shape[2:] != (3, 3):
+        raise ModelFileError(f"{where}: tensor {stored('decoder.conv_in.weight')!r} has shape "
+                             f"{list(cin_shape)}, expected [C, z, 3, 3]",
+                             tensor="decoder.conv_in.weight")
+    # up_channels[i] from up_blocks.i.resnets.0.conv1 (output channels)
+    up = []
+    for i in range(levels):
+        s = need(f"decoder.up_blocks.{i}.resnets.0.conv1.weight")
+        up.append(int(s[0]))
+    per_level = 0
+    while shape_of(f"decoder.up_blocks.0.resnets.{per_level}.norm1.weight") is not None:
+        per_level += 1
+    out_shape = need("decoder.conv_out.weight")
+    groups = 32
+    scaling, shift = FLUX_SCALING, FLUX_SHIFT
+    mid_attn = shape_of("decoder.mid_block.attentions.0.to_q.weight") is not None
+    if config_json is not None:
+        cj = config_json
+        boc = cj.get("block_out_channels")
+        if boc is not None and tuple(boc) != tuple(reversed(up)):
+            raise ModelFileError(f"{where}: config.json block_out_channels {list(boc)} disagree "
+                                 f"with the tensors' {list(reversed(up))}")
+        lc = cj.get("latent_channels")
+        if lc is not None and int(lc) != int(cin_shape[1]):
+            raise ModelFileError(f"{where}: config.json latent_channels {lc} disagrees with "
+                                 f"decoder.conv_in.weight's {cin_shape[1]}")
+        lpb = cj.get("layers_per_block")
+        if lpb is not None and int(lpb) + 1 != per_level:
+            raise ModelFileError(f"{where}: config.json layers_per_block {lpb} disagrees with "
+                                 f"the {per_level} ResNets per up block")
+        if cj.get("use_post_quant_conv", False):
+            raise ModelFileError(f"{where}: config.json has use_post_quant_conv=true; the FLUX "
+                                 f"decoder has no post-quant conv (not supported)")
+        groups = int(cj.get("norm_num_groups", groups))
+        if cj.get("scaling_factor") is not None:
+            scaling = float(cj["scaling_factor"])
+        if cj.get("shift_factor") is not None:
+            shift = float(cj["shift_factor"])
+        if cj.get("mid_block_add_attention") is not None and \
+                bool(cj["mid_block_add_attention"]) != mid_attn:
+            raise ModelFileError(f"{where}: config.json mid_block_add_attention="
+                                 f"{cj['mid_block_add_attention']} but the mid attention's "
+                                 f"tensors are {'present' if mid_attn else 'absent'}")
+    if not (math.isfinite(scaling) and scaling > 0 and math.isfinite(shift)):
+        raise ModelFileError(f"{where}: scaling_factor {scaling} / shift_factor {shift} must be "
+                             f"finite and the scaling positive")
+    cfg = VaeConfig(latent_channels=int(cin_shape[1]),
+                    block_out_channels=tuple(reversed(up)),
+                    layers_per_block=per_level - 1, norm_num_groups=groups,
+                    out_channels=int(out_shape[0]), mid_attention=mid_attn,
+                    scaling_factor=scaling, shift_factor=shift, conv_dtype=dtype)
+    if int(cin_shape[0]) != cfg.up_channels[0]:
+        raise ModelFileError(f"{where}: tensor {stored('decoder.conv_in.weight')!r} has "
+                             f"{cin_shape[0]} output channels but up block 0 has "
+                             f"{cfg.up_channels[0]}", tensor="decoder.conv_in.weight")
+    bad = [c for c in up if c % groups]
+    if bad:
+        raise ModelFileError(f"{where}: channel counts {bad} are not multiples of "
+                             f"norm_num_groups={groups}")
+    for name in tensor_names(cfg):
+        s = need(name)
+        want = expected_shape(cfg, name)
+        if tuple(s) != want and not (".attentions.0." in name and tuple(s) == want + (1, 1)):
+            key = stored(name)
+            raise ModelFileError(f"{where}: tensor {key!r} has shape {list(s)}, expected "
+                                 f"{list(want)} for this decoder ({cfg.block_out_channels})",
+                                 tensor=key)
+    return cfg
+

@@ -1,0 +1,49 @@
+"""Pixels out: the decoder's float output as the uint8 picture, and PNG files.
+
+Owns :func:`to_uint8` (exactly diffusers' ``VaeImageProcessor`` postprocess: ``(x / 2 + 0.5)``
+clamped to [0, 1], times 255, rounded half to even, in float32) and :func:`write_png` (Pillow,
+optional text chunks, written atomically: a temporary sibling renamed over the target when
+complete). Must not: import compiled code, torch or diffusers.
+"""
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Mapping
+
+import numpy as np
+
+from nxhpc.runtime.checks import check_float_array
+from nxhpc.runtime.outfile import check_output_path, write_atomic
+
+__all__ = ["to_uint8", "write_png"]
+
+
+def to_uint8(image: np.ndarray) -> np.ndarray:
+    """uint8 [H, W, C] of decoder output float [C, H, W] (about [-1, 1]), as diffusers'
+    ``VaeImageProcessor.postprocess`` + ``numpy_to_pil``: ``round(clamp(x/2 + 0.5, 0, 1) * 255)``
+    in float32 (numpy's round: half to even)."""
+    x = check_float_array(image, "image", ndim=3)
+    y = np.clip(x / np.float32(2) + np.float32(0.5), np.float32(0), np.float32(1))
+    return np.ascontiguousarray((y.transpose(1, 2, 0) * np.float32(255)).round().astype(np.uint8))
+
+
+def write_png(path: str | os.PathLike, pixels: np.ndarray,
+              text: Mapping[str, str] | None = None) -> None:
+    """Write uint8 [H, W, 3] (or [H, W] / [H, W, 1] grey) ``pixels`` as a PNG at ``path``, with
+    ``text`` as tEXt chunks; atomically (the old file stays untouched on any failure)."""
+    from PIL import Image, PngImagePlugin
+    a = np.asarray(pixels)
+    if a.dtype != np.uint8 or a.ndim not in (2, 3) or (a.ndim == 3 and a.shape[2] not in (1, 3)):
+        raise ValueError(f"write_png: pixels must be uint8 [H, W, 3] or [H, W], got {a.dtype} "
+                         f"{list(a.shape)}")
+    if a.ndim == 3 and a.shape[2] == 1:
+        a = a[:, :, 0]
+    check_output_path(path, what="PNG output")
+    info = PngImagePlugin.PngInfo()
+    for k, v in (text or {}).items():
+        info.add_text(str(k), str(v))
+    buf = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(a)).save(buf, format="PNG", pnginfo=info)
+    data = buf.getvalue()
+    write_atomic(path, lambda fh: fh.write(data))

@@ -1,0 +1,326 @@
+"""The FLUX autoencoder's decoder on nxhpc's kernels: latents [16, h, w] -> pixels [3, 8h, 8w].
+
+Owns :class:`VaeDecoder` (open a file, bind its weights zero copy, ``decode``), the forward in
+the order the network reads (:func:`forward`), the step program it records (each step one
+banded kernel call over named buffers) and its run: in this process (``workers=1``), or in one
+forked :class:`~nxhpc.runtime.workers.WorkerPool` over one
+:class:`~nxhpc.runtime.shm.SharedArena` (sized for the largest latent seen; a bigger one
+rebuilds both). Every step is a kernel over a band whose bits do not depend on the band, so the
+output is bit-identical for every worker count. Activations are channels-last rows [H*W, C].
+Must not: import the registry, torch or diffusers; make a whole im2col or score matrix.
+
+    h = conv_in(z / scaling + shift)                                3x3, 16 -> 512
+    h = mid.resnets[0](h); h = mid.attentions[0](h); h = mid.resnets[1](h)
+    for level in up_blocks (512, 512, 256, 128): 3 x resnet; nearest x2 + 3x3 conv (not last)
+    x = conv_out(silu(conv_norm_out(h)))                            3x3, 128 -> 3
+"""
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from typing import Any
+
+import numpy as np
+
+import nxhpc
+from nxhpc.nn.conv import CONV_PRECISIONS, Panel, conv1x1_band, conv3x3_band
+from nxhpc.runtime.checks import CheckError, check_choice, check_float_array, check_workers
+from nxhpc.vae.config import VaeConfig
+from nxhpc.vae.files import Conv, Norm, VaeFile, bind, open_vae_file
+
+__all__ = ["VaeDecoder", "forward", "Program", "Step"]
+
+Step = tuple[str, int, tuple]        # (kind, extent m, params): bands split [0, m)
+
+
+class Program:
+    """The decoder's steps for one latent size, recorded in the order :func:`forward` issues
+    them, with the size every buffer needs (floats). Buffers: ``z`` (the scaled latents as rows),
+    ``a`` (the running activation), ``t`` and ``b`` (scratch), ``q``, ``k``, ``qkv`` (the mid
+    attention), ``part`` (GroupNorm partials, float64), ``img`` (the output rows)."""
+
+    def __init__(self, config: VaeConfig, chunk: int) -> None:
+        self.config = config
+        self.chunk = chunk
+        self.steps: list[Step] = []
+        self.sizes: dict[str, int] = {}
+        self.cur, self.tmp = "a", "t"       # the running activation and its scratch twin
+
+    def need(self, buf: str, n: int) -> None:
+        self.sizes[buf] = max(self.sizes.get(buf, 0), int(n))
+
+    def add(self, kind: str, m: int, *params: Any) -> None:
+        self.steps.append((kind, int(m), tuple(params)))
+
+    # -- layers, each a few banded steps
+    def group_norm(self, mod: str, src: str, dst: str, P: int, C: int, silu: bool) -> None:
+        nk = -(-P // self.chunk)
+        self.need("part", nk * self.config.norm_num_groups * 2)
+        self.need(dst, P * C)
+        self.add("gn_partials", nk, mod, src, P, C)
+        self.add("gn_apply", P, mod, src, dst, P, C, silu)
+
+    def conv3x3(self, mod: str, src: str, dst: str, H: int, W: int, cin: int, cout: int,
+                upsample: bool = False) -> None:
+        Ho, Wo = (2 * H, 2 * W) if upsample else (H, W)
+        self.need(dst, Ho * Wo * cout)
+        self.add("conv3x3", Ho * Wo, mod, src, dst, H, W, cin, cout, upsample)
+
+    def conv1x1(self, mod: str, src: str, dst: str, P: int, cin: int, cout: int) -> None:
+        self.need(dst, P * cout)
+        self.add("conv1x1", P, mod, src, dst, P, cin, cout)
+
+    def add_into(self, dst: str, a: str, b: str, n: int) -> None:
+        """dst := a + b over n floats."""
+        self.need(dst, n)
+        self.add("add", n, dst, a, b)
+
+    def resnet(self, mod: str, H: int, W: int, cin: int, cout: int) -> None:
+        """x := shortcut(x) + conv2(silu(norm2(conv1(silu(norm1(x)))))), x the running
+        activation (shortcut: identity, or a 1x1 conv where the width changes)."""
+        P, x, t = H * W, self.cur, self.tmp
+        self.group_norm(f"{mod}.norm1", x, t, P, cin, True)
+        self.conv3x3(f"{mod}.conv1", t, "b", H, W, cin, cout)
+        self.group_norm(f"{mod}.norm2", "b", "b", P, cout, True)
+        self.conv3x3(f"{mod}.conv2", "b", t, H, W, cout, cout)
+        if cin != cout:
+            self.conv1x1(f"{mod}.conv_shortcut", x, "b", P, cin, cout)
+            self.add_into(x, "b", t, P * cout)
+        else:
+            self.add_into(x, x, t, P * cout)
+
+    def upsample_conv(self, mod: str, H: int, W: int, C: int) -> None:
+        """x := conv3x3(nearest x2(x)) (the upsampling read through the im2col panel: no
+        upsampled copy), into the scratch twin, which then becomes the running activation."""
+        self.conv3x3(mod, self.cur, self.tmp, H, W, C, C, upsample=True)
+        self.cur, self.tmp = self.tmp, self.cur
+
+    def attention(self, mod: str, H: int, W: int, C: int) -> None:
+        """a := a + to_out(softmax(q k^T / sqrt(C)) v), q, k, v = linears of group_norm(a)."""
+        P, x, t = H * W, self.cur, self.tmp
+        self.group_norm(f"{mod}.group_norm", x, t, P, C, False)
+        self.need("qkv", P * 3 * C)
+        self.conv1x1(f"{mod}.to_q", t, "q", P, C, C)
+        self.conv1x1(f"{mod}.to_k", t, "k", P, C, C)
+        self.conv1x1(f"{mod}.to_v", t, "b", P, C, C)
+        self.add("v_into_qkv", P, "b", P, C)
+        self.add("attention", 1, t, P, C)                 # t := attention (the head band)
+        self.conv1x1(f"{mod}.to_out.0", t, "b", P, C, C)
+        self.add_into(x, x, "b", P * C)
+
+
+def forward(prog: Program, h: int, w: int) -> None:
+    """Record the decoder on latents of h x w into ``prog`` (the layer order of the network)."""
+    cfg = prog.config
+    top = cfg.up_channels[0]
+    prog.need("z", h * w * cfg.latent_channels)
+    prog.conv3x3("decoder.conv_in", "z", prog.cur, h, w, cfg.latent_channels, top)
+    H, W = h, w
+    prog.resnet("decoder.mid_block.resnets.0", H, W, top, top)
+    if cfg.mid_attention:
+        prog.attention("decoder.mid_block.attentions.0", H, W, top)
+    prog.resnet("decoder.mid_block.resnets.1", H, W, top, top)
+    for i, cout in enumerate(cfg.up_channels):
+        cin = cfg.level_in_channels(i)
+        for j in range(cfg.layers_per_block + 1):
+            prog.resnet(f"decoder.up_blocks.{i}.resnets.{j}", H, W, cin if j == 0 else cout, cout)
+        if i < cfg.levels - 1:
+            prog.upsample_conv(f"decoder.up_blocks.{i}.upsamplers.0.conv", H, W, cout)
+            H, W = 2 * H, 2 * W
+    last = cfg.up_channels[-1]
+    prog.group_norm("decoder.conv_norm_out", prog.cur, prog.tmp, H * W, last, True)
+    prog.conv3x3("decoder.conv_out", prog.tmp, "img", H, W, last, cfg.out_channels)
+
+
+class _Executor:
+    """Runs one step's band in whichever process holds it: buffers by name (numpy arrays or the
+    arena's views), modules by name, the kernels, one im2col panel per process."""
+
+    def __init__(self, mods: dict[str, Conv | Norm], precision: str, groups: int, eps: float,
+                 chunk: int) -> None:
+        self.kern = nxhpc.kernels()
+        self.mods = mods
+        self.precision = precision
+        self.groups = groups
+        self.eps = eps
+        self.chunk = chunk
+        self.bufs: dict[str, np.ndarray] = {}
+        self.panel = Panel()
+
+    def view(self, name: str, *shape: int) -> np.ndarray:
+        return self.bufs[name][:math.prod(shape)].reshape(shape)
+
+    def run(self, kind: str, lo: int, hi: int, p: tuple) -> None:
+        K, v = self.kern, self.view
+        if kind == "conv3x3":
+            mod, src, dst, H, W, cin, cout, up = p
+            c = self.mods[mod]
+            n = (4 if up else 1) * H * W
+            conv3x3_band(K, v(src, H * W, cin), H, W, c.w, c.b, v(dst, n, cout), lo, hi,
+                         upsample=up, precision=self.precision, panel=self.panel)
+        elif kind == "conv1x1":
+            mod, src, dst, P, cin, cout = p
+            c = self.mods[mod]
+            conv1x1_band(K, v(src, P, cin), c.w, c.b, v(dst, P, cout), lo, hi, self.precision)
+        elif kind == "gn_partials":
+            mod, src, P, C = p
+            nk = -(-P // self.chunk)
+            K.group_norm_partials(v(src, P, C), self.groups, self._part(nk), lo, hi,
+                                  chunk=self.chunk)
+        elif kind == "gn_apply":
+            mod, src, dst, P, C, silu = p
+            nrm = self.mods[mod]
+            nk = -(-P // self.chunk)
+            scale = np.empty(C, np.float32)
+            shift = np.empty(C, np.float32)
+            # every process merges the same partials in the same order: the same coefficients
+            K.group_norm_coeffs(self._part(nk), P, nrm.gamma, nrm.beta, self.eps, scale, shift,
+                                chunk=self.chunk)
+            K.affine_act(v(src, P, C), scale, shift, v(dst, P, C), lo, hi, silu=silu)
+        elif kind == "add":
+            dst, a, b = p
+            K.add(self.bufs[a][lo:hi], self.bufs[b][lo:hi], self.bufs[dst][lo:hi])
+        elif kind == "v_into_qkv":
+            src, P, C = p
+            v("qkv", P, 3 * C)[lo:hi, 2 * C:] = v(src, P, C)[lo:hi]
+        elif kind == "attention":
+            dst, P, C = p
+            if hi > lo:
+                K.attention(v("q", 1, P, C), v("k", 1, P, C), v("qkv", P, 3 * C), v(dst, P, C),
+                            1, 1.0 / math.sqrt(C))
+        else:                                                      # pragma: no cover
+            raise ValueError(f"VaeDecoder: unknown step {kind!r}")
+
+    def _part(self, nk: int) -> np.ndarray:
+        return self.bufs["part"][:nk * self.groups * 2].reshape(nk, self.groups, 2)
+
+
+#: The GroupNorm statistics chunk of the decoder (rows); fixed, so never a function of workers.
+GN_CHUNK = 128
+
+
+class VaeDecoder:
+    """The FLUX autoencoder's decoder from ``path`` (a BFL/ComfyUI ``ae.safetensors`` or a
+    diffusers VAE directory), weights zero copy from the map (float32/float16/bfloat16).
+
+    ``workers``: processes (None = the usable CPUs; 1 = this process only). ``precision``:
+    ``"f32"`` (the matmul on exact weights) or ``"bf16"`` (activations and weights rounded to
+    bfloat16 in every convolution). ``decode(latents)`` takes the sampler's latents
+    ``[16, h, w]`` (scaling and shift applied inside) and returns float32 ``[3, 8h, 8w]``, the
+    decoder's output before clamping (about [-1, 1]). A context manager; ``close()`` releases
+    the workers and the shared memory.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, workers: int | None = None,
+                 precision: str = "f32") -> None:
+        self.precision = check_choice(precision, CONV_PRECISIONS, "precision")
+        self.workers = check_workers(workers)
+        self._pool = None
+        self._arena = None
+        self._capacity: dict[str, int] = {}
+        self.file: VaeFile = open_vae_file(path)
+        try:
+            self.config = self.file.config
+            self.mods = bind(self.file)
+            kern = nxhpc.kernels()
+            for m in self.mods.values():
+                if isinstance(m, Conv) and m.w.type_name not in kern.weight_types():
+                    raise NotImplementedError(f"{m.name}: {m.w.type_name} weights")
+            self._exec = _Executor(self.mods, self.precision, self.config.norm_num_groups,
+                                   self.config.eps, GN_CHUNK)
+        except BaseException:
+            self.file.close()
+            raise
+        self.last_timings: dict[str, float] = {}
+
+    # -- running
+    def _buffers(self, prog: Program) -> None:
+        """Make the buffers of ``prog`` (and, with workers, the arena and the pool) if the ones
+        held are too small."""
+        sizes = dict(prog.sizes)
+        if self._capacity and all(self._capacity.get(n, -1) >= s for n, s in sizes.items()):
+            return
+        self._release()
+        dtype = {"part": np.float64}
+        if self.workers == 1:
+            self._exec.bufs = {n: np.empty(max(s, 1), dtype=dtype.get(n, np.float32))
+                               for n, s in sizes.items()}
+        else:
+            from nxhpc.runtime.shm import SharedArena
+            from nxhpc.runtime.workers import WorkerPool
+            spec = {n: ((max(s, 1),), dtype.get(n, np.float32)) for n, s in sizes.items()}
+            self._arena = SharedArena(spec)
+            self._exec.bufs = {n: self._arena[n] for n in self._arena}
+            ref = weakref.ref(self._exec)
+
+            def step(lo: int, hi: int, arg: tuple) -> None:
+                ex = ref()
+                if ex is None:
+                    raise RuntimeError("VaeDecoder: released while its workers ran")
+                ex.run(arg[0], lo, hi, arg[1])
+            self._pool = WorkerPool(self.workers, {"vae_step": step})
+        self._capacity = sizes
+
+    def _run(self, prog: Program) -> None:
+        for kind, m, params in prog.steps:
+            if self._pool is None:
+                self._exec.run(kind, 0, m, params)
+            else:
+                self._pool.run("vae_step", m, arg=(kind, params))
+
+    def decode(self, latents: Any) -> np.ndarray:
+        """Pixels float32 [out_channels, 8h, 8w] (before clamping) of latents [C_z, h, w] in the
+        sampler's space (the decoder reads ``latents / scaling + shift``)."""
+        cfg = self.config
+        if self.file is None:
+            raise RuntimeError("VaeDecoder.decode: the decoder is closed")
+        z = check_float_array(latents, "latents", ndim=3)
+        if z.shape[0] != cfg.latent_channels:
+            raise CheckError(f"latents: shape {list(z.shape)}, expected [{cfg.latent_channels}, "
+                             f"h, w] (this decoder reads {cfg.latent_channels} channels)")
+        c, h, w = z.shape
+        if h < 1 or w < 1:
+            raise CheckError(f"latents: shape {list(z.shape)}, expected positive sizes")
+        prog = Program(cfg, GN_CHUNK)
+        forward(prog, h, w)
+        self._buffers(prog)
+        rows = self._exec.view("z", h * w, c)
+        zz = (z / np.float32(cfg.scaling_factor) + np.float32(cfg.shift_factor))
+        rows[...] = zz.reshape(c, h * w).T
+        self._run(prog)
+        s = cfg.upscale
+        img = self._exec.view("img", h * s * w * s, cfg.out_channels)
+        return np.ascontiguousarray(img.T).reshape(cfg.out_channels, h * s, w * s)
+
+    # -- lifetime
+    def _release(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            pool.close()
+        self._exec.bufs = {}
+        if self._arena is not None:
+            arena, self._arena = self._arena, None
+            arena.close()
+        self._capacity = {}
+
+    def close(self) -> None:
+        """Stop the workers, release the shared memory, drop the file map. Idempotent."""
+        if getattr(self, "_exec", None) is not None:
+            self._release()
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+    def __enter__(self) -> "VaeDecoder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"<VaeDecoder {c.block_out_channels} z={c.latent_channels} "
+                f"{self.file.layout if self.file else 'closed'} {self.precision} "
+                f"workers={self.workers}>")
+

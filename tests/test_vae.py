@@ -1,0 +1,255 @@
+"""The FLUX autoencoder's decoder (nxhpc.vae) against diffusers' AutoencoderKL in float64.
+
+Small random FLUX-style VAEs (block channels 32/32/64/64, every parameter random, norms
+included) stored both ways (a diffusers ``vae/`` directory; a BFL single file with LDM names,
+whose mapping tests/vae_util checks against diffusers' ``convert_ldm_vae_checkpoint``) in each
+dtype; the reference is diffusers' decode in float64 over the same (rounded) weights.
+Tolerance: f32 within 1e-4 of max|ref| (the issue's bound; measured ~1e-6); bf16 measured
+(~1e-2) and bounded at 4e-2. Negative controls must fail the same bound: a wrong GroupNorm eps,
+conv-then-upsample, no shift factor, the BFL up blocks read unreversed, 8-group norms read as 32.
+"""
+import os
+import struct
+
+import numpy as np
+import pytest
+from vae_util import diffusers_decode, make_vae, rounded, write_vae
+
+import nxhpc
+from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError
+from nxhpc.runtime.checks import CheckError
+from nxhpc.runtime.outfile import OutputPathError
+from nxhpc.vae import config as vcfg
+from nxhpc.vae import to_uint8, write_png
+from nxhpc.vae.files import bind, open_vae_file
+from nxhpc.vae.reference import decode_ref
+
+F32_TOL = 1e-4
+BF16_TOL = 4e-2
+LATENTS = np.random.default_rng(0).standard_normal((16, 4, 6)).astype(np.float32)
+
+
+def rel(out, ref):
+    return float(np.max(np.abs(np.asarray(out, np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+@pytest.fixture(scope="module")
+def vaes():
+    """diffusers layout: 8-group norms (config.json says so); LDM: FLUX's 32 groups (the file
+    carries no config)."""
+    return {"diffusers": make_vae(1, norm_num_groups=8), "ldm": make_vae(2, norm_num_groups=32)}
+
+
+@pytest.fixture(scope="module")
+def files(vaes, tmp_path_factory):
+    root = tmp_path_factory.mktemp("vae")
+    out = {}
+    for layout, vae in vaes.items():
+        for dt in ("F32", "F16", "BF16"):
+            out[layout, dt] = write_vae(vae, root / f"{layout}-{dt}", layout, dt)
+    return out
+
+
+@pytest.fixture(scope="module")
+def refs(vaes):
+    return {(layout, dt): diffusers_decode(rounded(vae, dt), LATENTS)
+            for layout, vae in vaes.items() for dt in ("F32", "F16", "BF16")}
+
+
+@pytest.mark.parametrize("layout", ["diffusers", "ldm"])
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+def test_decode_matches_diffusers(files, refs, layout, dtype):
+    with nxhpc.load_vae(files[layout, dtype], workers=1) as vae:
+        assert vae.file.layout == layout and vae.file.dtype == dtype
+        out = vae.decode(LATENTS)
+    ref = refs[layout, dtype]
+    assert out.dtype == np.float32 and out.shape == ref.shape == (3, 32, 48)
+    assert rel(out, ref) < F32_TOL, rel(out, ref)
+
+
+def test_config_inferred(files):
+    with open_vae_file(files["diffusers", "F32"]) as f:
+        assert f.config.block_out_channels == (32, 32, 64, 64)
+        assert (f.config.latent_channels, f.config.layers_per_block) == (16, 2)
+        assert f.config.norm_num_groups == 8          # from config.json
+        assert (f.config.scaling_factor, f.config.shift_factor) == (0.3611, 0.1159)
+    with open_vae_file(files["ldm", "BF16"]) as f:
+        assert f.layout == "ldm" and f.config.norm_num_groups == 32
+        assert f.config.block_out_channels == (32, 32, 64, 64)
+
+
+def test_weights_zero_copy(files):
+    """F32/F16/BF16 convolution weights are views of the file's map, not copies."""
+    for dt in ("F32", "F16", "BF16"):
+        with open_vae_file(files["ldm", dt]) as f:
+            mods = bind(f)
+            w = mods["decoder.up_blocks.0.resnets.0.conv1"].w
+            base = w.data
+            while isinstance(base, np.ndarray) and not isinstance(base, np.memmap):
+                base = base.base
+            assert isinstance(base, np.memmap), dt
+            assert w.type_name == dt
+
+
+def test_reference_and_negative_controls(vaes, files, refs):
+    """The float64 reference equals diffusers (1e-12); each deliberate bug breaks the 1e-4
+    bound the decoder is held to."""
+    ref = refs["ldm", "F32"]
+    with open_vae_file(files["ldm", "F32"]) as f:
+        w = {n: f.float64(n) for n in vcfg.tensor_names(f.config)}
+        cfg = f.config
+    assert rel(decode_ref(w, cfg, LATENTS), ref) < 1e-12
+    for knob in (dict(eps=1e-2), dict(upsample_first=False), dict(shift=0.0)):
+        assert rel(decode_ref(w, cfg, LATENTS, **knob), ref) > 10 * F32_TOL, knob
+    # the group count matters: the 32-group file's weights normed in 8 groups
+    cfg8 = vcfg.VaeConfig(norm_num_groups=8, block_out_channels=(32, 32, 64, 64))
+    assert rel(decode_ref(w, cfg8, LATENTS), ref) > 10 * F32_TOL
+
+
+def test_bfl_up_order_reversed_is_caught(tmp_path, monkeypatch):
+    """Reading LDM's up.{k} as diffusers' up_blocks.{k} (not reversed) is caught: wholly, by the
+    missing upsampler of LDM's up.0 (or by the shapes, for 32/32/64/64); for the ResNets alone
+    (equal widths, so the shapes fit), by a wrong picture."""
+    import re
+
+    import nxhpc.vae.files as vfiles
+    vae = make_vae(3, block_out_channels=(32, 32, 32, 32), norm_num_groups=32)
+    path = write_vae(vae, tmp_path / "eq", "ldm", "F32")
+    ref = diffusers_decode(vae, LATENTS)
+    with nxhpc.load_vae(path, workers=1) as d:
+        assert rel(d.decode(LATENTS), ref) < F32_TOL
+    orig = vcfg.ldm_name
+
+    def unreversed(resnets_only):
+        def name_of(name, levels):
+            m = re.match(r"decoder\.up_blocks\.(\d+)\.(.*)$", name)
+            if not m or (resnets_only and not m.group(2).startswith("resnets.")):
+                return orig(name, levels)
+            return orig(f"decoder.up_blocks.{levels - 1 - int(m.group(1))}.{m.group(2)}", levels)
+        return name_of
+
+    for mod in (vcfg, vfiles):
+        monkeypatch.setattr(mod, "ldm_name", unreversed(False))
+    with pytest.raises(MissingTensorError, match=r"'decoder\.up\.0\.upsample\.conv\.weight'"):
+        nxhpc.load_vae(path, workers=1)
+    asym = write_vae(make_vae(4, norm_num_groups=32), tmp_path / "asym", "ldm", "F32")
+    with pytest.raises(ModelFileError, match="has shape|missing tensor|output channels"):
+        nxhpc.load_vae(asym, workers=1)
+    for mod in (vcfg, vfiles):
+        monkeypatch.setattr(mod, "ldm_name", unreversed(True))
+    with nxhpc.load_vae(path, workers=1) as d:
+        assert rel(d.decode(LATENTS), ref) > 10 * F32_TOL
+
+
+def test_bf16_precision_measured(files, refs):
+    with nxhpc.load_vae(files["diffusers", "F32"], workers=1, precision="bf16") as vae:
+        out = vae.decode(LATENTS)
+    err = rel(out, refs["diffusers", "F32"])
+    assert 1e-4 < err < BF16_TOL, err           # bf16 is really in use, and within its bound
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_workers_bit_identical(files, precision):
+    outs = []
+    for workers in (1, 2, 3):
+        with nxhpc.load_vae(files["ldm", "BF16"], workers=workers, precision=precision) as vae:
+            outs.append(vae.decode(LATENTS))
+            outs.append(vae.decode(LATENTS[:, :3, :5]))        # a smaller size reuses the arena
+    for o in outs[2::2]:
+        assert np.array_equal(o.view(np.uint32), outs[0].view(np.uint32))
+    for o in outs[3::2]:
+        assert np.array_equal(o.view(np.uint32), outs[1].view(np.uint32))
+
+
+def test_no_shared_memory_left(files):
+    from nxhpc.runtime.shm import live_segments
+    before = set(live_segments(os.getpid()))
+    vae = nxhpc.load_vae(files["ldm", "F32"], workers=2)
+    vae.decode(LATENTS)
+    vae.close()
+    vae.close()
+    assert set(live_segments(os.getpid())) == before
+
+
+def test_to_uint8_is_diffusers_postprocess():
+    import torch
+    from diffusers.image_processor import VaeImageProcessor
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((3, 17, 23)) * 0.8).astype(np.float32)
+    x[0, 0, :6] = [-1.0, 1.0, 2.0, -3.0, 0.0, (0.5 / 255 - 0.5) * 2]   # clamps and a tie
+    proc = VaeImageProcessor(vae_scale_factor=8)
+    pil = proc.postprocess(torch.from_numpy(x)[None], output_type="pil")[0]
+    assert np.array_equal(to_uint8(x), np.asarray(pil))
+
+
+def test_write_png_round_trip_and_atomic(tmp_path):
+    from PIL import Image
+    px = np.random.default_rng(4).integers(0, 256, (9, 7, 3), dtype=np.uint8)
+    p = tmp_path / "a.png"
+    write_png(p, px, {"prompt": "a fox", "seed": "7"})
+    im = Image.open(p)
+    assert np.array_equal(np.asarray(im), px) and im.text["prompt"] == "a fox"
+    with pytest.raises(OutputPathError, match="does not exist"):
+        write_png(tmp_path / "no" / "b.png", px)
+    with pytest.raises(ValueError, match="uint8"):
+        write_png(tmp_path / "c.png", px.astype(np.float32))
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["a.png"]
+
+
+def test_bad_latents(files):
+    with nxhpc.load_vae(files["ldm", "F32"], workers=1) as vae:
+        with pytest.raises(CheckError, match=r"expected \[16, h, w\]"):
+            vae.decode(np.zeros((4, 4, 6), np.float32))
+        bad = LATENTS.copy()
+        bad[3, 1, 2] = np.nan
+        with pytest.raises(CheckError, match="1 of 384 values are NaN or inf"):
+            vae.decode(bad)
+        with pytest.raises(CheckError, match="positive sizes"):
+            vae.decode(np.zeros((16, 0, 6), np.float32))
+        with pytest.raises(CheckError, match="shape"):
+            vae.decode(np.zeros((16, 6), np.float32))
+    with pytest.raises(CheckError, match="precision"):
+        nxhpc.load_vae(files["ldm", "F32"], precision="q8")
+
+
+def test_bad_files(files, tmp_path):
+    src = files["ldm", "F32"]
+    data = src.read_bytes()
+    trunc = tmp_path / "trunc.safetensors"
+    trunc.write_bytes(data[:-100])
+    with pytest.raises(ModelFileError, match="runs past the end .* truncated"):
+        nxhpc.load_vae(trunc)
+    absurd = tmp_path / "absurd.safetensors"
+    absurd.write_bytes(struct.pack("<Q", 1 << 60) + data[8:200])
+    with pytest.raises(ModelFileError, match="header length .* is absurd"):
+        nxhpc.load_vae(absurd)
+    notjson = tmp_path / "nj.safetensors"
+    notjson.write_bytes(struct.pack("<Q", 4) + b"{{{{")
+    with pytest.raises(ModelFileError, match="not valid JSON"):
+        nxhpc.load_vae(notjson)
+    # a decoder tensor missing: named as the file spells it
+    from safetensors.numpy import load_file, save_file
+    sd = load_file(str(src))
+    del sd["decoder.up.1.block.2.conv2.bias"]
+    miss = tmp_path / "miss.safetensors"
+    save_file(sd, str(miss))
+    with pytest.raises(MissingTensorError, match=r"'decoder\.up\.1\.block\.2\.conv2\.bias'"):
+        nxhpc.load_vae(miss)
+    sd = load_file(str(src))
+    sd["decoder.mid.attn_1.q.weight"] = sd["decoder.mid.attn_1.q.weight"][:, :8]
+    shp = tmp_path / "shape.safetensors"
+    save_file(sd, str(shp))
+    with pytest.raises(ModelFileError, match=r"'decoder\.mid\.attn_1\.q\.weight' has shape"):
+        nxhpc.load_vae(shp)
+    sd = load_file(str(src))
+    sd["decoder.conv_out.weight"][0, 0, 0, 0] = np.inf
+    nan = tmp_path / "inf.safetensors"
+    save_file(sd, str(nan))
+    with pytest.raises(ModelFileError, match=r"'decoder\.conv_out\.weight' holds NaN or inf"):
+        nxhpc.load_vae(nan)
+    enc = tmp_path / "enc.safetensors"
+    save_file({k: v for k, v in load_file(str(src)).items() if k.startswith("encoder.")}, str(enc))
+    with pytest.raises(MissingTensorError, match="no decoder found"):
+        nxhpc.load_vae(enc)
+    with pytest.raises(nxhpc.formats.gguf_io.ModelNotFoundError):
+        nxhpc.load_vae(tmp_path / "nowhere")
