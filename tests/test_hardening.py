@@ -663,8 +663,8 @@ def test_sigkilled_generator_temporary_is_swept(tmp_path):
 
 _SWALLOW = textwrap.dedent(r"""
     import os, signal, sys
-    import nxhpc.models.modeldir as md
-    real, mode = md.write_gguf, sys.argv[1]
+    import nxhpc.models.synthetic as gen                # the generator's GGUF writer
+    real, mode = gen.write_gguf, sys.argv[1]
 
     def write_gguf(*a, **k):
         # what numpy's tofile does with a KeyboardInterrupt raised inside it: it catches it
@@ -677,7 +677,7 @@ _SWALLOW = textwrap.dedent(r"""
         except KeyboardInterrupt:
             pass
         raise TypeError("expected str, bytes or os.PathLike object, not BufferedWriter")
-    md.write_gguf = write_gguf
+    gen.write_gguf = write_gguf
     if sys.argv[2] == "blockrun":
         from nxhpc.blockrun import main
         sys.exit(main(["tiny", "1"]))

@@ -76,6 +76,45 @@ def test_builtin_specs_are_valid_and_sized_as_promised():
     assert 768 <= m.config().dim <= 1024 and 100 <= m.n_tokens <= 200
 
 
+#: The fingerprints of the built-ins as generated before the block and denoiser specs became one
+#: spec: a change of a spec's identity (its fields, their names, GENERATOR_VERSION) shows here
+#: before it regenerates every user's models.
+PINNED_FINGERPRINTS = {
+    "tiny": "adc4a44d7e209441", "tiny-gqa": "0173d2dd460a2061", "mid": "4b0df528e2a1c00f",
+    "zimage-1l": "4c830a01607bb22e", "tiny-dit": "b3ea256497fd4c6c",
+    "zimage-dit-1l": "e51a25a273e208bf", "zimage-dit-2l": "31fd10db6b362feb",
+}
+
+
+def test_builtin_fingerprints_are_pinned():
+    got = {mid: registry.builtin_spec(mid).fingerprint() for mid in PINNED_FINGERPRINTS}
+    assert got == PINNED_FINGERPRINTS
+    # negative control: every identifying field moves the fingerprint
+    tiny, dit = BUILTINS["tiny"], BUILTINS["tiny-dit"]
+    assert dataclasses.replace(tiny, types="q4_0").fingerprint() != tiny.fingerprint()
+    assert dataclasses.replace(dit, timestep=0.5).fingerprint() != dit.fingerprint()
+
+
+def test_one_spec_kind_follows_the_embedders():
+    """One spec class for both kinds: ``cap_dim`` makes it a denoiser; each kind stores and
+    fingerprints its own fields only, and a field of the other kind is refused."""
+    block, den = SyntheticSpec(), SyntheticSpec(cap_dim=64)
+    assert (block.kind, den.kind) == ("block", "denoiser")
+    assert (block.n_caption, den.n_caption) == (13, 19)               # per-kind defaults
+    assert not block.config().whole and den.config().whole
+    assert den.config().cap_dim == 64 and den.config().n_noise_refiner == 2
+    assert "grid" in block.fields() and "cap_dim" not in block.fields()
+    assert "latent_hw" in den.fields() and "grid" not in den.fields()
+    assert den.token_grid == (1, 7, 5) and den.n_tokens == 19 + 35
+    with pytest.raises(ValueError, match="grid does not apply to a denoiser"):
+        SyntheticSpec(cap_dim=64, grid=(1, 2, 2)).validate()
+    with pytest.raises(ValueError, match="layout, timestep do not apply to a block"):
+        SyntheticSpec(layout="sdcpp-q8_0", timestep=0.5).validate()
+    with pytest.raises(ValueError, match="latent_hw"):
+        SyntheticSpec(cap_dim=64, latent_hw=(3, 4)).validate()
+    SyntheticSpec(cap_dim=64, n_caption=19, seed=3).validate()         # shared fields are fine
+
+
 @pytest.mark.parametrize("mid", ["tiny", "tiny-gqa", "mid"])
 def test_builtin_opens_with_inferred_config(root, mid):
     with open_model(mid, models_dir=root) as m:
@@ -409,6 +448,23 @@ def test_cli(tmp_path, root):
     assert r.returncode == 3 and "not found" in r.stderr      # Exit.NOT_FOUND, as in blockrun
     r = _cli("make", "x", "--grid", "banana", env_dir=tmp_path)
     assert r.returncode == 2 and "FxHxW" in r.stderr
+
+
+def test_cli_makes_a_custom_denoiser_from_a_builtin(tmp_path):
+    """``make tiny-dit --dim ... --out``: the built-in denoiser's spec with custom dims, through
+    the one generator; an option only block models take is a usage error naming it."""
+    out = tmp_path / "den"
+    r = _cli("make", "tiny-dit", "--dim", "128", "--heads", "2", "--ffn", "256", "--layers",
+             "1", "--seed", "4", "--out", out, env_dir=tmp_path)
+    assert r.returncode == 0, r.stderr
+    info = json.loads((out / "synthetic.json").read_text())
+    want = dataclasses.replace(BUILTINS["tiny-dit"], dim=128, n_heads=2, ffn_dim=256,
+                               n_layers=1, seed=4)
+    assert info["kind"] == "denoiser" and info["fingerprint"] == want.fingerprint()
+    assert FixtureStore(out / "fixtures.safetensors").has("reference")
+    r = _cli("make", "tiny-dit", "--grid", "1x2x2", "--out", tmp_path / "no", env_dir=tmp_path)
+    assert r.returncode == 2 and "grid does not apply to a denoiser" in r.stderr, r.stderr
+    assert not (tmp_path / "no").exists()
 
 
 def test_blockconfig_validate():
