@@ -71,6 +71,8 @@ def test_one_builtin_table_holds_both_kinds():
         assert registry.builtin_spec(mid) is spec
         assert spec.config().whole == (spec.kind == "denoiser"), mid
     assert registry.builtin_spec("zimage-dit-7l").kind == "denoiser"
+    with pytest.raises(ValueError, match="kind must be one of"):
+        builtin_ids("denoisers")
 
 
 def test_builtin_specs_are_valid_and_sized_as_promised():

@@ -25,7 +25,7 @@ from nxhpc.formats.gguf_io import GGUFFile, ModelError, ModelNotFoundError
 from nxhpc.models.model import Model
 from nxhpc.models.modeldir import (GGUF_FILE, SPEC_FILE, ModelsDirError, check_models_root,
                                    locked, write_failed)
-from nxhpc.models.synthetic import SyntheticSpec, make_synthetic
+from nxhpc.models.synthetic import KINDS, SyntheticSpec, make_synthetic
 
 __all__ = ["BUILTINS", "DEFAULT_MODEL_ID", "models_dir", "builtin_ids",
            "ensure_builtin", "open_model", "open_denoiser", "resolve_model", "builtin_spec", "is_builtin",
@@ -78,6 +78,8 @@ def is_builtin(model_id: str) -> bool:
 
 def builtin_ids(kind: str | None = None) -> list[str]:
     """The ids of :data:`BUILTINS` (of one ``kind``, ``"block"`` or ``"denoiser"``, if given)."""
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"builtin_ids: kind must be one of {KINDS} or None, got {kind!r}")
     return [k for k, s in BUILTINS.items() if kind is None or s.kind == kind]
 
 
