@@ -25,7 +25,7 @@ __all__ = ["WeightTensor", "RUNNABLE_TYPES", "type_id", "type_name", "block_geom
            "row_bytes", "as_weight_tensor"]
 
 #: Types a block's matrices may be stored in (the kernels run them as stored; every one is a
-#: row of the C weight-type traits table, nxhpc/csrc/nx_wtype.c -- tests/test_kernels_quants.py
+#: row of the C weight-type traits table, nxhpc/csrc/nx_wtype.c -- tests/test_kernels_wtype.py
 #: checks the two agree). Rows must fill whole blocks: 32 values for Q8_0 and Q4_0..Q5_1, 256
 #: for the K-quants Q2_K..Q6_K (checked per tensor, naming it, by row_bytes' callers).
 RUNNABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
