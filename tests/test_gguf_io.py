@@ -341,3 +341,39 @@ def test_fuzz_random_truncation(cut):
     out = _open_everything(src[:n])
     if n < _data_end(src):
         assert out == "error"
+
+
+def test_views_equal_the_gguf_readers_for_every_stored_type(tmp_path):
+    """GGUFFile views tensors from its own scan; the gguf package's reader is the reference
+    (same dtype, shape and bytes) for element types, BF16 and block quants, 1-D to 3-D."""
+    rng = np.random.default_rng(7)
+    path = tmp_path / "types.gguf"
+    w = gguf.GGUFWriter(str(path), "test")
+    qt = gguf.GGMLQuantizationType
+    shapes = {"f32": ((3, 5), qt.F32), "f16": ((4, 64), qt.F16), "i32": ((7,), qt.I32),
+              "bf16": ((2, 3, 32), qt.BF16), "q8_0": ((6, 64), qt.Q8_0),
+              "q4_k": ((2, 256), qt.Q4_K), "q6_k": ((1, 512), qt.Q6_K)}
+    for name, (shape, t) in shapes.items():
+        if t == qt.I32:
+            w.add_tensor(name, rng.integers(-9, 9, shape).astype(np.int32))
+            continue
+        x = rng.standard_normal(shape).astype(np.float32)
+        if t in (qt.F32, qt.F16):
+            w.add_tensor(name, x.astype(np.float16) if t == qt.F16 else x)
+        else:  # stored bytes (only views are compared: random bytes will do)
+            nbytes = gguf.quants.quant_shape_to_byte_shape(shape, t)
+            w.add_tensor(name, rng.integers(0, 256, nbytes, dtype=np.uint8), raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ref = {t.name: t.data for t in gguf.GGUFReader(str(path), "r").tensors}
+    with GGUFFile(path) as g:
+        assert sorted(g.names()) == sorted(shapes)
+        for name, r in ref.items():
+            v = g.raw(name)
+            assert (v.dtype, v.shape) == (r.dtype, r.shape), name
+            assert np.array_equal(v.view(np.uint8), r.view(np.uint8)), name
+            assert not v.flags.writeable
+    with pytest.raises(ModelFileError, match="closed"):
+        g.field("general.architecture")

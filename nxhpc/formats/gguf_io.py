@@ -32,7 +32,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -45,7 +45,7 @@ __all__ = [
     "ModelError", "ModelNotFoundError", "ModelFileError", "MissingTensorError", "QuantizationError",
     "PREFIX", "Q8_0_BLOCK", "QK8_0", "GGUFFile", "TensorInfo", "Q8_0Tensor", "QuantTensor",
     "LazyTensor", "quantize_q8_0", "dequantize_q8_0", "should_quantize", "write_gguf",
-    "atomic_output",
+    "atomic_output", "read_field", "read_fields",
 ]
 
 
@@ -170,7 +170,19 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
+@dataclass(frozen=True)
+class _NumArray:
+    """A numeric metadata array of more than 64 items, left in the file: ``count`` items of
+    struct format ``fmt`` at byte ``start`` (decoded only when asked for)."""
+    start: int
+    fmt: str
+    count: int
+    type_name: str
+
+
 def _read_value(cur: _Cursor, vtype: int, what: str, depth: int = 0) -> Any:
+    """One value; arrays come back whole (strings decoded) except numeric ones of more than 64
+    items, which stay in the file as a :class:`_NumArray`."""
     try:
         vt = GGUFValueType(vtype)
     except ValueError:
@@ -197,16 +209,68 @@ def _read_value(cur: _Cursor, vtype: int, what: str, depth: int = 0) -> Any:
         cur.pos += count * size
         if count <= 64:
             return list(struct.unpack_from("<" + fmt[1] * count, cur.buf, start))
-        return f"<array of {count} {ivt.name}>"
+        return _NumArray(start, fmt, count, ivt.name)
     # strings or nested arrays: each item is at least 8 bytes (a length/count)
     if count > (cur.size - cur.pos) // 8:
         raise _Truncated(f"{what}: array of {count} x {ivt.name} runs past the end of the file")
-    items = [_read_value(cur, itype, f"{what}[{i}]", depth + 1) for i in range(count)]
-    return items if count <= 64 else f"<array of {count} {ivt.name}>"
+    if ivt == GGUFValueType.STRING:
+        return _read_strings(cur, count, what)
+    return [_read_value(cur, itype, f"{what}[{i}]", depth + 1) for i in range(count)]
 
 
-def _scan(path: Path, buf: memoryview, size: int) -> tuple[int, int, int, dict, list[TensorInfo]]:
-    """Validate the whole layout; return (version, alignment, data_start, metadata, tensors)."""
+def _read_strings(cur: _Cursor, count: int, what: str) -> list[str]:
+    """``count`` length-prefixed UTF-8 strings: :meth:`_Cursor.string` inlined, since a vocab
+    holds 300k of them (3x faster than a call per item)."""
+    buf, size, pos = cur.buf, cur.size, cur.pos
+    length = struct.Struct("<Q").unpack_from
+    items: list[str] = []
+    add = items.append
+    try:
+        for _ in range(count):
+            if pos + 8 > size:
+                raise _Truncated(f"needs 8 bytes at offset {pos}, file has {size}")
+            n = length(buf, pos)[0]
+            pos += 8
+            if n > size - pos:
+                raise _Truncated(f"needs {n} bytes at offset {pos}, file has {size}")
+            add(str(buf[pos:pos + n], "utf-8"))
+            pos += n
+    except UnicodeDecodeError:
+        raise ValueError(f"{what}[{len(items)}]: string is not valid UTF-8") from None
+    except _Truncated as e:
+        raise _Truncated(f"{what}[{len(items)}]: {e}") from None
+    cur.pos = pos
+    return items
+
+
+def _summary(value: Any) -> Any:
+    """A metadata value as :attr:`GGUFFile.metadata` shows it: arrays of more than 64 items
+    as ``"<array of N TYPE>"``."""
+    if isinstance(value, _NumArray):
+        return f"<array of {value.count} {value.type_name}>"
+    if isinstance(value, list):
+        if len(value) > 64:
+            kind = "STRING" if isinstance(value[0], str) else "ARRAY"
+            return f"<array of {len(value)} {kind}>"
+        return [_summary(v) for v in value]
+    return value
+
+
+def _full(value: Any, path: Path) -> Any:
+    """A scanned value with every :class:`_NumArray` read from the file, as lists."""
+    if isinstance(value, _NumArray):
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+        n = value.count * struct.calcsize(value.fmt)
+        return mm[value.start:value.start + n].view(np.dtype(value.fmt)).tolist()
+    if isinstance(value, list) and value and not isinstance(value[0], str):
+        return [_full(v, path) for v in value]
+    return value
+
+
+def _scan(path: Path, buf: memoryview, size: int
+          ) -> tuple[int, int, int, dict, list[TensorInfo], dict]:
+    """Validate the whole layout; return (version, alignment, data_start, metadata, tensors,
+    fields): ``metadata`` with long arrays summarised, ``fields`` whole (see _read_value)."""
     cur = _Cursor(buf, size)
     where = "header"
     try:
@@ -227,6 +291,7 @@ def _scan(path: Path, buf: memoryview, size: int) -> tuple[int, int, int, dict, 
             raise ModelFileError(f"{path}: header claims {n_tensors} tensors and {n_kv} "
                                  f"metadata keys, more than a {size}-byte file can hold")
         metadata: dict[str, Any] = {}
+        fields: dict[str, Any] = {}
         for i in range(n_kv):
             where = f"metadata key #{i}"
             key = cur.string(where)
@@ -239,7 +304,8 @@ def _scan(path: Path, buf: memoryview, size: int) -> tuple[int, int, int, dict, 
                 if vtype != GGUFValueType.UINT32:
                     raise ModelFileError(f"{path}: general.alignment must be uint32, "
                                          f"got value type {vtype}")
-            metadata[key] = value
+            fields[key] = value
+            metadata[key] = _summary(value)
         alignment = metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise ModelFileError(f"{path}: general.alignment {alignment!r} is not a power of two")
@@ -298,10 +364,71 @@ def _scan(path: Path, buf: memoryview, size: int) -> tuple[int, int, int, dict, 
     for a, b in zip(by_start, by_start[1:]):
         if a.offset + a.n_bytes > b.offset:
             raise ModelFileError(f"{path}: tensors {a.name!r} and {b.name!r} overlap in the file")
-    return version, alignment, data_start, metadata, infos
+    return version, alignment, data_start, metadata, infos, fields
+
+
+def _scan_file(path: Path) -> tuple[int, int, int, dict, list[TensorInfo], dict]:
+    """:func:`_scan` of the file at ``path`` (mapped for the scan only)."""
+    try:
+        size = path.stat().st_size
+        if not path.is_file():
+            raise ModelFileError(f"{path}: not a regular file")
+    except FileNotFoundError:
+        raise ModelFileError(f"{path}: GGUF file not found") from None
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot open GGUF file: {e}") from None
+    if size < 24:
+        raise ModelFileError(f"{path}: truncated GGUF ({size} bytes, header needs 24)")
+    with open(path, "rb") as fh:
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        view = memoryview(mm)
+        try:
+            return _scan(path, view, size)
+        finally:
+            view.release()
+    finally:
+        mm.close()
+
+
+def read_fields(path: str | os.PathLike, keys: Sequence[str] | None = None) -> dict[str, Any]:
+    """The whole values of metadata ``keys`` (every key when None; absent keys are left out)
+    of the GGUF at ``path``, after the same validating scan as :class:`GGUFFile` but without
+    mapping the tensors or running the ``gguf`` package's reader (which builds numpy parts for
+    every vocab string: tens of seconds for a 150k-token vocab). Values as
+    :meth:`GGUFFile.field` gives them."""
+    path = Path(path)
+    fields = _scan_file(path)[5]
+    wanted = fields if keys is None else [k for k in keys if k in fields]
+    return {k: _full(fields[k], path) for k in wanted}
 
 
 # ----------------------------------------------------------------------------- reading
+
+# numpy dtypes of the types stored one value per element; every other type (BF16 and the
+# block quants) is viewed as uint8 rows of its stored bytes, as the gguf package's reader does
+_ELEMENT_DTYPES = {int(GGMLQuantizationType.F32): np.float32,
+                   int(GGMLQuantizationType.F16): np.float16,
+                   int(GGMLQuantizationType.F64): np.float64,
+                   int(GGMLQuantizationType.I8): np.int8,
+                   int(GGMLQuantizationType.I16): np.int16,
+                   int(GGMLQuantizationType.I32): np.int32,
+                   int(GGMLQuantizationType.I64): np.int64}
+
+
+def _tensor_view(mapping: np.ndarray, info: TensorInfo) -> np.ndarray:
+    """Read-only view of one tensor's bytes in ``mapping`` (layout checked by the scan)."""
+    raw = mapping[info.offset:info.offset + info.n_bytes]
+    dt = _ELEMENT_DTYPES.get(info.ggml_type)
+    if dt is not None:
+        v = raw.view(dt).reshape(info.shape)
+    else:
+        block, tsize = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+        v = raw.reshape(info.shape[:-1] + (info.shape[-1] // block * tsize,))
+    v = v.view(np.ndarray)
+    v.flags.writeable = False
+    return v
+
 
 class GGUFFile:
     """A validated, memory-mapped GGUF file; tensors addressed with or without the prefix.
@@ -312,39 +439,18 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        (self.version, self.alignment, self.data_start, self.metadata, infos,
+         self._fields) = _scan_file(self.path)
         try:
-            size = self.path.stat().st_size
-            if not self.path.is_file():
-                raise ModelFileError(f"{self.path}: not a regular file")
-        except FileNotFoundError:
-            raise ModelFileError(f"{self.path}: GGUF file not found") from None
-        except OSError as e:
-            raise ModelFileError(f"{self.path}: cannot open GGUF file: {e}") from None
-        if size < 24:
-            raise ModelFileError(f"{self.path}: truncated GGUF ({size} bytes, header needs 24)")
-        with open(self.path, "rb") as fh:
-            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
-            view = memoryview(mm)
-            try:
-                (self.version, self.alignment, self.data_start, self.metadata,
-                 infos) = _scan(self.path, view, size)
-            finally:
-                view.release()
-        finally:
-            mm.close()
-        try:
-            self._reader = gguf.GGUFReader(self.path, "r")
-        except Exception as e:  # the package's reader raises assorted types on odd input
-            raise ModelFileError(f"{self.path}: the gguf reader rejected the file: "
-                                 f"{type(e).__name__}: {e}") from None
-        rt = {t.name: t for t in self._reader.tensors}
-        for info in infos:
-            r = rt.get(info.name)
-            if r is None or int(r.tensor_type) != info.ggml_type or r.data_offset != info.offset:
-                raise ModelFileError(f"{self.path}: tensor {info.name!r}: the gguf reader and "
-                                     f"the validating scan disagree about its layout")
-        self._views = {name: r.data for name, r in rt.items()}
+            self._map: np.ndarray | None = np.memmap(self.path, dtype=np.uint8, mode="r")
+        except (OSError, ValueError) as e:
+            raise ModelFileError(f"{self.path}: cannot map the GGUF file: {e}") from None
+        if self._map.shape[0] < max((i.offset + i.n_bytes for i in infos), default=0):
+            raise ModelFileError(f"{self.path}: the file shrank while it was opened")
+        # views are made from the validated scan (offsets, types and sizes checked there), not
+        # by the gguf package's reader: that one builds numpy parts for every metadata string,
+        # tens of seconds for a 150k-token vocab
+        self._views = {i.name: _tensor_view(self._map, i) for i in infos}
         self._infos: dict[str, TensorInfo] = {}
         prefixed = [i for i in infos if i.name.startswith(PREFIX)]
         self.prefix = PREFIX if infos and len(prefixed) * 2 > len(infos) else ""
@@ -359,13 +465,23 @@ class GGUFFile:
     @property
     def mapping(self) -> np.ndarray:
         """The whole file as a read-only ``uint8`` memory map (tensor views alias it)."""
-        return self._reader.data
+        if self._map is None:
+            raise ModelFileError(f"{self.path}: the GGUF file is closed")
+        return self._map
 
     @property
     def architecture(self) -> str | None:
         """``general.architecture`` (``"lumina2"`` from ComfyUI-GGUF), or None."""
         a = self.metadata.get("general.architecture")
         return a if isinstance(a, str) else None
+
+    def field(self, key: str) -> Any:
+        """The whole value of metadata ``key`` (None when absent): a str, int, float or bool,
+        or a list (every item -- :attr:`metadata` summarises arrays of more than 64 items),
+        from the validating scan (strings already checked as UTF-8)."""
+        if self._map is None:
+            raise ModelFileError(f"{self.path}: the GGUF file is closed")
+        return _full(self._fields.get(key), self.path)
 
     def names(self) -> list[str]:
         """Canonical tensor names (prefix removed), in file order."""
@@ -439,7 +555,7 @@ class GGUFFile:
     def close(self) -> None:
         """Drop this object's references to the map (outstanding views keep it alive)."""
         self._views = {}
-        self._reader = None
+        self._map = None
 
     def __enter__(self) -> "GGUFFile":
         return self
@@ -450,6 +566,46 @@ class GGUFFile:
     def __repr__(self) -> str:
         return (f"GGUFFile({str(self.path)!r}, v{self.version}, {len(self._infos)} tensors, "
                 f"arch={self.architecture!r}, prefix={self.prefix!r})")
+
+
+def read_field(reader: "gguf.GGUFReader", key: str, where: str = "GGUF") -> Any:
+    """The whole value of metadata ``key`` in a ``gguf.GGUFReader`` (None when absent): a str,
+    int, float or bool, or a list of one of those (an empty array is ``[]``). The reader keeps
+    values as numpy parts (strings as ``uint8`` arrays); they are decoded here, strings as strict
+    UTF-8. An undecodable string or an array of arrays is a :class:`ModelFileError` naming
+    ``where`` and the key."""
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    types = list(f.types)
+    try:
+        if not types:
+            raise ValueError("has no value type")
+        if types[0] == GGUFValueType.STRING:
+            return bytes(f.parts[-1]).decode("utf-8")
+        if types[0] != GGUFValueType.ARRAY:
+            return f.parts[-1].tolist()[0]
+        if len(types) == 1:                    # an empty array records no item type
+            return []
+        if len(types) > 2:
+            raise ValueError("is an array of arrays")
+        if types[1] == GGUFValueType.STRING:
+            items = []
+            for n, i in enumerate(f.data):
+                try:
+                    items.append(bytes(f.parts[i]).decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    raise ModelFileError(f"{where}: metadata {key!r}[{n}] is not valid UTF-8 "
+                                         f"({e.reason} at byte {e.start})") from None
+            return items
+        if not f.data:
+            return []
+        return np.concatenate([np.asarray(f.parts[i]).ravel() for i in f.data]).tolist()
+    except UnicodeDecodeError as e:
+        raise ModelFileError(f"{where}: metadata {key!r} holds a string that is not valid "
+                             f"UTF-8 ({e.reason} at byte {e.start})") from None
+    except (ValueError, IndexError, TypeError) as e:
+        raise ModelFileError(f"{where}: metadata {key!r} cannot be read: {e}") from None
 
 
 # ----------------------------------------------------------------------------- quantization
