@@ -2,10 +2,11 @@
 
 Models: small random Qwen3s written as llama.cpp-layout GGUFs (``nxhpc.models.qwen3_files``,
 the one GGUF writer; arch ``qwen3``, ``qwen3.*`` metadata in llama.cpp's value types, a
-placeholder vocab with the chat tokens) with EVERY parameter randomized (norm weights
+tokenizer's tiny vocab) with EVERY parameter randomized (norm weights
 ``1 + 0.3 N(0, 1)``, so no norm is the identity): SMALL (D=64, 4 query heads / 2 kv heads of
 16, FFN 96, 3 blocks of which 2 run, vocab 300) for the model-level checks, K256 (D=256, 4/2
-heads of 64, FFN 512) where every weight type -- K-quants need rows of 256 -- is written.
+heads of 128 -- H*hd = 512 != D, as in Qwen3-4B --, FFN 512) where every weight type (K-quants
+need rows of 256) is written.
 
 Oracles, on the weights read back and dequantized by the ``gguf`` package:
 - transformers' ``Qwen3Model`` in float64 (eager attention), every parameter loaded strictly
@@ -30,8 +31,8 @@ import pytest
 
 import nxhpc.qwen3.model as QM
 from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError, QuantTensor, write_gguf
-from nxhpc.models.qwen3_files import (CHAT_TOKENS, placeholder_tokenizer, qwen3_metadata,
-                                      random_qwen3_weights, read_qwen3_gguf, write_qwen3_gguf)
+from nxhpc.models.qwen3_files import (qwen3_metadata, random_qwen3_weights, read_qwen3_gguf,
+                                      tiny_tokenizer, write_qwen3_gguf)
 from nxhpc.qwen3.config import Qwen3Config, infer_config, layer_names
 from nxhpc.qwen3.model import (TIMING_KEYS, TextEncoderInputError, TextEncoderModel,
                                rope_table, stage_table)
@@ -55,13 +56,13 @@ NEEDS_TE_KERNELS = pytest.mark.skipif(not hasattr(nxhpc.kernels(), "embed_rows")
 PID = os.getpid()
 SMALL = Qwen3Config(vocab=300, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
                     ffn=96, eps=1e-6, rope_theta=1e6, context_length=96)
-K256 = Qwen3Config(vocab=260, dim=256, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=64,
+K256 = Qwen3Config(vocab=260, dim=256, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=128,
                    ffn=512, eps=1e-6, rope_theta=1e6, context_length=64)
 #: every weight type the kernels run, each written for every matrix (token_embd included)
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
          "Q5_K", "Q6_K")
 F32_BOUND = 1e-5
-IDS = [298, 5, 17, 17, 250, 3, 0, 299, 120, 64, 7, 297, 33]     # 13 tokens, chat ids included
+IDS = [275, 5, 17, 17, 250, 3, 0, 299, 120, 64, 7, 276, 33]     # 13 tokens, chat ids included
 
 
 def _ids(cfg: Qwen3Config, n: int = 13, seed: int = 0) -> list[int]:
@@ -83,7 +84,7 @@ def _no_leak(kids: set[int]) -> None:
 def small(tmp_path_factory):
     """SMALL as Q8_0 (1-D F32): path, float64 weights read back, transformers' features."""
     p = write_qwen3_gguf(tmp_path_factory.mktemp("q3") / "small.gguf", SMALL, seed=1,
-                         matrix_type="Q8_0", tokenizer=placeholder_tokenizer(SMALL.vocab))
+                         matrix_type="Q8_0", tokenizer=tiny_tokenizer(SMALL.vocab))
     w = read_qwen3_gguf(p).weights
     hf = hidden_states_m2(transformers_model(_file_cfg(SMALL), w), IDS)
     return p, w, hf
@@ -131,8 +132,9 @@ def test_metadata_written_in_llama_cpp_types(small):
     assert vt["tokenizer.ggml.token_type"] == [ARR, I32]
     f = read_qwen3_gguf(small[0], names=())
     assert f.metadata["general.architecture"] == "qwen3"
-    assert f.metadata["tokenizer.ggml.tokens"][-3:] == list(CHAT_TOKENS)
-    assert len(f.metadata["tokenizer.ggml.tokens"]) == SMALL.vocab
+    toks = f.metadata["tokenizer.ggml.tokens"]
+    assert len(toks) == SMALL.vocab and toks[274:277] == ["<|endoftext|>", "<|im_start|>",
+                                                          "<|im_end|>"]
 
 
 # ------------------------------------------------------------------------------ the oracles
@@ -195,6 +197,19 @@ def test_f32_every_weight_type_vs_transformers(tmp_path, wtype):
     assert _rel(out, hf) <= F32_BOUND, (wtype, _rel(out, hf))
     assert _rel(out, encode_f64(ids, f.weights, cfg)) <= F32_BOUND
     assert live_segments(PID) == []
+
+
+@NEEDS_TE_KERNELS
+def test_prompt_to_features_from_one_file(small):
+    """The tokenizer and the model from the same file compose: the templated prompt's ids
+    (``Qwen3Tokenizer.tokenize``) -> features equal to transformers' on those ids."""
+    from nxhpc.qwen3.tokenizer import Qwen3Tokenizer
+    p, w, _ = small
+    ids = Qwen3Tokenizer.from_gguf(p).tokenize("a red fox, 12 ways")
+    assert ids[0] == 275 and 276 in ids and len(ids) > 8       # <|im_start|> ... <|im_end|>
+    hf = hidden_states_m2(transformers_model(_file_cfg(SMALL), w), ids)
+    with TextEncoderModel(p, workers=2) as m:
+        assert _rel(m.encode_ids(ids), hf) <= F32_BOUND
 
 
 #: measured max |out - ref| / max|ref| (SMALL, Q8_0 weights, 13 tokens) and the bound set:

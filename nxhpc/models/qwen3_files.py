@@ -2,7 +2,8 @@
 
 Owns :func:`random_qwen3_weights` (every parameter of a Qwen3 of given dims, seeded),
 :func:`qwen3_metadata` (the ``general.*`` / ``qwen3.*`` keys llama.cpp's converter writes,
-in its value types), :func:`placeholder_tokenizer` (tokenizer metadata of a stand-in vocab),
+in its value types), :func:`tiny_tokenizer` (the tokenizer fields of the tokenizer's tiny vocab
+at a given size),
 :func:`write_qwen3_gguf` (weights -> a file through the one writer
 ``nxhpc.formats.gguf_io.write_gguf``, any GGML type per tensor, the caller's tokenizer fields)
 and :func:`read_qwen3_gguf` (every tensor read back with ``gguf.GGUFReader`` and decoded with
@@ -23,12 +24,10 @@ import numpy as np
 
 from nxhpc.formats.gguf_io import LazyTensor, write_gguf
 from nxhpc.qwen3.config import ARCH, Qwen3Config, layer_names
+from nxhpc.qwen3.tokenizer import QWEN3_ADDED_TOKENS, tiny_vocab, vocab_metadata
 
-__all__ = ["random_qwen3_weights", "qwen3_metadata", "placeholder_tokenizer",
-           "write_qwen3_gguf", "read_qwen3_gguf", "Qwen3File", "CHAT_TOKENS"]
-
-#: Qwen's special tokens the chat template uses (their ids in the real vocab: 151643..151645).
-CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+__all__ = ["random_qwen3_weights", "qwen3_metadata", "tiny_tokenizer", "write_qwen3_gguf",
+           "read_qwen3_gguf", "Qwen3File"]
 
 
 def random_qwen3_weights(cfg: Qwen3Config, seed: int = 0, *, norm_spread: float = 0.3,
@@ -68,23 +67,20 @@ def qwen3_metadata(cfg: Qwen3Config, name: str = "nxhpc synthetic qwen3") -> dic
             a + "attention.layer_norm_rms_epsilon": f32(cfg.eps)}
 
 
-def placeholder_tokenizer(vocab: int) -> dict[str, Any]:
-    """Tokenizer metadata of a stand-in vocab of ``vocab`` entries: ``<t0>``, ``<t1>``, ...
-    (normal tokens), then :data:`CHAT_TOKENS` as the last ids (control tokens); eos and padding
-    are ``<|endoftext|>``. It tokenizes nothing meaningfully -- it fills the fields a Qwen3 file
-    has, for tests of the model; a real vocab comes from the caller."""
-    n = vocab - len(CHAT_TOKENS)
-    if n < 1:
-        raise ValueError(f"placeholder_tokenizer: vocab {vocab} leaves no room beside the "
-                         f"{len(CHAT_TOKENS)} chat tokens")
-    tokens = [f"<t{i}>" for i in range(n)] + list(CHAT_TOKENS)
-    types = np.array([1] * n + [3] * len(CHAT_TOKENS), dtype=np.int32)
-    eos = np.uint32(n)
-    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
-            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
-            "tokenizer.ggml.merges": ["< t"],
-            "tokenizer.ggml.eos_token_id": eos, "tokenizer.ggml.padding_token_id": eos,
-            "tokenizer.ggml.bos_token_id": eos, "tokenizer.ggml.add_bos_token": False}
+def tiny_tokenizer(vocab: int = 582) -> dict[str, Any]:
+    """The ``tokenizer.*`` metadata of the tokenizer's deterministic tiny vocab
+    (``nxhpc.qwen3.tokenizer.tiny_vocab``: the 256 byte symbols, learnt merges, Qwen3's 26
+    added tokens) with exactly ``vocab`` entries (at least 282; 582 with the default 300
+    merges), so a file written with it tokenizes and encodes like a real one."""
+    added = len(QWEN3_ADDED_TOKENS)
+    n_merges = vocab - 256 - added
+    if n_merges < 0:
+        raise ValueError(f"tiny_tokenizer: vocab {vocab} is below the 256 byte symbols and the "
+                         f"{added} added tokens")
+    tokens, types, merges = tiny_vocab(n_merges)
+    if len(tokens) < vocab:               # a merge that made no new token: pad with unused ids
+        tokens, types, merges = tiny_vocab(n_merges, pad_to=vocab)
+    return vocab_metadata(tokens, types, merges)
 
 
 def write_qwen3_gguf(path: str | os.PathLike, cfg: Qwen3Config,
@@ -97,8 +93,8 @@ def write_qwen3_gguf(path: str | os.PathLike, cfg: Qwen3Config,
     default :func:`random_qwen3_weights` of ``seed``), every 2-D tensor stored as
     ``matrix_type`` and every 1-D one F32 unless ``types`` names its type (any GGML type the
     codec ``nxhpc.formats.layouts.encode`` writes); ``general.architecture = qwen3`` and
-    :func:`qwen3_metadata`, then ``tokenizer`` (e.g. :func:`placeholder_tokenizer`, or a real
-    vocab's ``tokenizer.ggml.*`` fields) and ``metadata`` (added last: may replace a key).
+    :func:`qwen3_metadata`, then ``tokenizer`` (e.g. :func:`tiny_tokenizer` of ``cfg.vocab``,
+    or ``nxhpc.qwen3.tokenizer.vocab_metadata`` of a real vocab) and ``metadata`` (added last: may replace a key).
     ``overrides``: tensor name -> any :func:`~nxhpc.formats.gguf_io.write_gguf` value (e.g. a
     ``QuantTensor`` of another type) or None (leave the tensor out) -- for bad-file tests.
     Returns the path."""
