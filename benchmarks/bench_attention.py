@@ -11,7 +11,6 @@ Attention: T=1024, hd=128, H heads in one process; GFLOP/s = 4*T^2*hd*H / time (
 zmm-FMA peak. The other kernels report GB/s of compulsory traffic. Correctness is checked after
 timing (float64 reference with the error bound from tests/test_kernels_ops.py for attention).
 """
-import math
 
 import numpy as np
 import pytest
@@ -111,6 +110,76 @@ def test_bench_attention_numpy(benchmark, H):
     benchmark.pedantic(run, rounds=5, warmup_rounds=1)
     _attn_info(benchmark, H, "numpy float32 (1 thread)")
     _attn_check(out, q, k, qkv, H)
+
+
+# ------------------------------------------------------------------ causal attention (text encoder)
+
+# Qwen3-4B's attention at the caption length cap: T=512, hd=128, query heads 4 per kv head (8 of
+# its 32 query heads here). GFLOP/s counts the causal half only: 2*T*(T+1)*hd*H.
+T_C, H_C, KVH_C = 512, 8, 2
+
+
+def _causal_case(seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((H_C, T_C, HD), dtype=np.float32)
+    k = rng.standard_normal((KVH_C, T_C, HD), dtype=np.float32)
+    qkv = rng.standard_normal((T_C, (H_C + 2 * KVH_C) * HD), dtype=np.float32)
+    return q, k, qkv
+
+
+def _causal_info(benchmark, name):
+    flop = 2.0 * T_C * (T_C + 1) * HD * H_C
+    benchmark.extra_info.update({"impl": name, "T": T_C, "hd": HD, "H": H_C, "KVH": KVH_C,
+                                 "gflops_best": round(flop / bench_stats(benchmark).min / 1e9, 1)})
+
+
+def _causal_check(out, q, k, qkv, rows=(0, 1, 63, 64, 200, 511)):
+    """float64 causal reference on sampled rows of head 0 and the last head, the bound of
+    tests/test_kernels_attn_causal.py."""
+    scale = HD ** -0.5
+    for h in (0, H_C - 1):
+        g = h // (H_C // KVH_C)
+        v = qkv[:, (H_C + KVH_C) * HD + g * HD:(H_C + KVH_C) * HD + (g + 1) * HD]
+        for t in rows:
+            q64, k64, v64 = (a.astype(np.float64) for a in (q[h, t], k[g, :t + 1], v[:t + 1]))
+            s = k64 @ q64 * scale
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            ds = (HD * U * scale * (np.abs(k64) @ np.abs(q64)) + U * np.abs(s)).max()
+            bound = 2 * (2 * ds + 2 * (t + 17) * U + 4 * U) * (p @ np.abs(v64))
+            assert (np.abs(out[t, h * HD:(h + 1) * HD] - p @ v64) <= bound + 1e-30).all()
+
+
+@pytest.mark.parametrize("isa", SIMD)
+def test_bench_attention_causal_nxhpc(benchmark, isa):
+    benchmark.group = f"causal attention T={T_C} hd={HD} H={H_C} KVH={KVH_C}"
+    q, k, qkv = _causal_case()
+    out = np.empty((T_C, H_C * HD), np.float32)
+    benchmark.pedantic(K.attention, args=(q, k, qkv, out, KVH_C, HD ** -0.5),
+                       kwargs={"isa": isa, "causal": True}, rounds=7, warmup_rounds=1)
+    _causal_info(benchmark, f"nxhpc[{isa}]")
+    _causal_check(out, q, k, qkv)
+
+
+def test_bench_attention_causal_torch_sdpa(benchmark):
+    torch = pytest.importorskip("torch")
+    benchmark.group = f"causal attention T={T_C} hd={HD} H={H_C} KVH={KVH_C}"
+    torch.set_num_threads(1)
+    q, k, qkv = _causal_case()
+    rep = H_C // KVH_C
+    v = qkv[:, (H_C + KVH_C) * HD:].reshape(T_C, KVH_C, HD).transpose(1, 0, 2)
+    tq = torch.from_numpy(q)[None]
+    tk = torch.from_numpy(np.repeat(k, rep, axis=0))[None]
+    tv = torch.from_numpy(np.ascontiguousarray(np.repeat(v, rep, axis=0)))[None]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def run():
+        with torch.no_grad():
+            return sdpa(tq, tk, tv, is_causal=True, scale=HD ** -0.5)
+
+    res = benchmark.pedantic(run, rounds=7, warmup_rounds=1)
+    _causal_info(benchmark, "torch.sdpa is_causal (1 thread)")
+    _causal_check(res[0].permute(1, 0, 2).reshape(T_C, H_C * HD).numpy(), q, k, qkv)
 
 
 # ------------------------------------------------------------------ memory-bound kernels, T=256, D=3840

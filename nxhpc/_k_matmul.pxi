@@ -1,5 +1,6 @@
 # Weight types and the matmul family (included by _kernels.pyx): weight_types, dequantize,
-# matmul (any weight type, optional bias), adaln_linear, the Q8_0 quantizer, and the names kept
+# embed_rows (row gather from a typed matrix), matmul (any weight type, optional bias),
+# adaln_linear, the Q8_0 quantizer, and the names kept
 # for older callers (q8_0_matmul, q8_0_dequantize; dequantize_blocks and quant_block_sizes for
 # the nine block types Q4_0 .. Q6_K).
 # Owns the validation of these wrappers: weight-type names/ids against the C traits table, raw
@@ -17,6 +18,8 @@ cdef extern from "nx_wtype.h" nogil:
         uint32_t blck_bytes
     const nx_wtype_traits *nx_wtype(uint32_t ggml_type)
     int nx_dequantize(nx_isa isa, uint32_t type, const uint8_t *w, float *out, size_t nblocks)
+    int nx_embed_rows(nx_isa isa, uint32_t type, const uint8_t *w, size_t rowbytes,
+                      const void *ids, int id_bytes, float *out, size_t K, size_t r0, size_t r1)
 
 cdef extern from "nx_matmul.h" nogil:
     enum: NX_MM_DEQUANT_PACK
@@ -181,6 +184,66 @@ def dequantize(w, wtype, out=None, *, isa=None):
     may also be given as float32/float16 arrays. Returns out.
     """
     return _dequantize("dequantize", w, wtype, out, isa)
+
+
+_ID_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+
+
+def embed_rows(w, wtype, ids, out, r0=0, r1=None, *, isa=None):
+    """out[i, :] := dequantize(w[ids[i]]) for rows i in [r0, r1): an embedding lookup.
+
+    w: an [N, K] matrix of any type of ``weight_types()`` in the form ``matmul`` takes (uint8
+    raw GGML rows [N, K//block_elems*block_bytes], or float32/float16 [N, K] for F32/F16; a
+    read-only memory map is fine, never copied or written). ids: int32 or int64 [n],
+    C-contiguous; every id must lie in [0, N) (checked over all of ids before any row is
+    written). out: float32 [n, K], writeable; only rows [r0, r1) are written. Each row is
+    decoded on its own with the type's dequantize (no decode of the whole matrix; memory O(rows
+    asked)), so a row is byte-identical to ``gguf.quants.dequantize`` of that row, at every isa
+    and for any band split. Returns out.
+    """
+    fn = "embed_rows"
+    tid, tname, E, B = _wtype(fn, wtype)
+    w = _weight_bytes(fn, "w", w, tname, E, B, 2)
+    cdef Py_ssize_t N = w.shape[0], rowbytes = w.shape[1]
+    cdef Py_ssize_t K = rowbytes // B * E
+    if not isinstance(ids, np.ndarray):
+        raise TypeError(f"{fn}: ids must be a numpy.ndarray of int32 or int64, "
+                        f"got {type(ids).__name__}")
+    if ids.dtype not in _ID_DTYPES:
+        raise TypeError(f"{fn}: ids must be int32 or int64, got dtype={ids.dtype}")
+    if ids.ndim != 1:
+        raise ValueError(f"{fn}: ids must be 1-D, got shape {ids.shape}")
+    if not ids.flags.c_contiguous:
+        raise ValueError(f"{fn}: ids must be C-contiguous, got strides {ids.strides}")
+    cdef Py_ssize_t n = ids.shape[0]
+    if out is None:
+        raise TypeError(f"{fn}: out must be a float32 array of shape ({n}, {K}), got None")
+    _out_f32(fn, "out", out, (n, K))
+    lo, hi = _band(fn, "rows of out", _index(fn, "r0", r0), _index(fn, "r1", r1), n)
+    cdef nx_isa level = _resolve_isa(fn, isa)
+    _no_alias(fn, "out", out, "w", w)
+    _no_alias(fn, "out", out, "ids", ids)
+    if n:
+        bad = np.flatnonzero((ids < 0) | (ids >= N))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{fn}: ids[{i}] = {int(ids[i])} is out of range for w with N={N} "
+                             f"rows (every id must be in [0, {N}); {bad.size} bad id"
+                             f"{'s' if bad.size > 1 else ''})")
+    if lo == hi or K == 0:
+        return out
+    cdef const uint8_t *wp = <const uint8_t *>cnp.PyArray_DATA(w)
+    cdef const void *ip = <const void *>cnp.PyArray_DATA(ids)
+    cdef int id_bytes = ids.dtype.itemsize
+    cdef float *op = <float *>cnp.PyArray_DATA(out)
+    cdef uint32_t t = tid
+    cdef size_t a = lo, b = hi, rb = rowbytes, k = K
+    cdef int rc
+    with nogil:
+        rc = nx_embed_rows(level, t, wp, rb, ip, id_bytes, op, k, a, b)
+    if rc != 0:
+        raise ValueError(f"{fn}: wtype {tname} has no dequantize in this build")
+    return out
 
 
 # The older wrapper of the nine block types (Q4_0 .. Q6_K): dequantize() restricted to them.

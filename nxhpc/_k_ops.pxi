@@ -12,10 +12,11 @@ cdef extern from "nx_ops.h" nogil:
                         int64_t D, float eps, int64_t r0, int64_t r1)
     void nx_qknorm_rope_f32(nx_isa isa, const float *qkv, const float *q_w, const float *k_w,
                             const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
-                            int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1)
+                            int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1,
+                            int half)
     int nx_attention_f32(nx_isa isa, const float *q, const float *k, const float *qkv,
                          const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                         int64_t hd, float scale, int64_t h0, int64_t h1)
+                         int64_t hd, float scale, int64_t h0, int64_t h1, int causal)
     void nx_swiglu_f32(nx_isa isa, const float *a, const float *b, float *out,
                        int64_t i0, int64_t i1)
     int nx_gated_residual_f32(nx_isa isa, const float *resid, const float *y, const float *gate,
@@ -137,18 +138,29 @@ def layernorm_mod(x, mod, out, eps, r0=0, r1=None, *, isa=None):
     return out
 
 
+_ROPE_PAIRS = {"adjacent": 0, "half": 1}
+
+
 def qknorm_rope(qkv, q_w, k_w, pe, q_out, k_out, n_heads, n_kv_heads, eps, h0=0, h1=None,
-                isa=None):
+                isa=None, *, rope_pairs="adjacent"):
     """q_out[j, t], k_out[j-H, t] := rope(rmsnorm(qkv[t, head j], q_w|k_w), pe[t]), heads [h0, h1).
 
     qkv: float32 [T, (H+2*KVH)*hd] (row = [q heads | k heads | v heads]); q_w, k_w: [hd];
-    pe: [T, hd/2, 2, 2] with out[2i+r] = pe[t,i,r,0]*y[2i] + pe[t,i,r,1]*y[2i+1];
-    q_out: [H, T, hd]; k_out: [KVH, T, hd]. The band runs over the combined head index
-    j in [0, H+KVH): j < H is query head j, else key head j-H. Bit-identical across ISA variants.
-    Returns (q_out, k_out).
+    pe: [T, hd/2, 2, 2], pe[t, i] the 2x2 matrix of pair i; q_out: [H, T, hd]; k_out: [KVH, T,
+    hd]. rope_pairs: "adjacent" (default) rotates the pairs (2i, 2i+1),
+    out[2i+r] = pe[t,i,r,0]*y[2i] + pe[t,i,r,1]*y[2i+1]; "half" (NEOX / HF rotate_half, Qwen3)
+    the pairs (i, i+hd/2), out[i + r*hd/2] = pe[t,i,r,0]*y[i] + pe[t,i,r,1]*y[i+hd/2]. The band
+    runs over the combined head index j in [0, H+KVH): j < H is query head j, else key head
+    j-H. Bit-identical across ISA variants. Returns (q_out, k_out).
     """
     fn = "qknorm_rope"
     cdef nx_isa lvl = _resolve_isa(fn, isa)
+    if not isinstance(rope_pairs, str):
+        raise TypeError(f"{fn}: rope_pairs must be a str ('adjacent' or 'half'), got "
+                        f"{type(rope_pairs).__name__}")
+    if rope_pairs not in _ROPE_PAIRS:
+        raise ValueError(f"{fn}: rope_pairs must be 'adjacent' or 'half', got {rope_pairs!r}")
+    cdef int half = _ROPE_PAIRS[rope_pairs]
     cdef Py_ssize_t H = _count(fn, "n_heads", n_heads)
     cdef Py_ssize_t KVH = _count(fn, "n_kv_heads", n_kv_heads)
     if H % KVH != 0:
@@ -189,21 +201,27 @@ def qknorm_rope(qkv, q_w, k_w, pe, q_out, k_out, n_heads, n_kv_heads, eps, h0=0,
     cdef float *pqo = _wptr(q_out)
     cdef float *pko = _wptr(k_out)
     with nogil:
-        nx_qknorm_rope_f32(lvl, pqkv, pqw, pkw, ppe, pqo, pko, T, H, KVH, hd, feps, a, b)
+        nx_qknorm_rope_f32(lvl, pqkv, pqw, pkw, ppe, pqo, pko, T, H, KVH, hd, feps, a, b, half)
     return q_out, k_out
 
 
-def attention(q, k, qkv, out, n_kv_heads, scale, mask=None, h0=0, h1=None, isa=None):
+def attention(q, k, qkv, out, n_kv_heads, scale, mask=None, h0=0, h1=None, isa=None, *,
+              causal=False):
     """out[:, h*hd:(h+1)*hd] := softmax(q[h] k[g]^T * scale, masked keys excluded) v[g], h in [h0, h1).
 
     q: float32 [H, T, hd]; k: [KVH, T, hd]; v is read from qkv [T, (H+2*KVH)*hd] at columns
     (H+KVH)*hd + g*hd, g = h // (H/KVH); out: [T, H*hd], other heads' columns untouched.
     mask: None or bool/uint8 [T] over keys (True/nonzero = attend); a query whose keys are all
-    masked gets zeros. Flash-style (key tiles, online softmax): scratch is one packed K^T per kv
-    head (T*hd floats) plus O(tile*hd), never T^2. Returns out.
+    masked gets zeros. causal: if True, query row t attends keys j <= t only (the mask, if given,
+    still applies to those); the default False is the full attention, unchanged. Flash-style (key
+    tiles, online softmax): scratch is one packed K^T per kv head (T*hd floats) plus
+    O(tile*hd), never T^2. Returns out.
     """
     fn = "attention"
     cdef nx_isa lvl = _resolve_isa(fn, isa)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"{fn}: causal must be a bool, got {type(causal).__name__} {causal!r}")
+    cdef int icausal = 1 if causal else 0
     cdef Py_ssize_t KVH = _count(fn, "n_kv_heads", n_kv_heads)
     _f32(fn, "q", q, 3)
     cdef Py_ssize_t H = q.shape[0], T = q.shape[1], hd = q.shape[2]
@@ -246,7 +264,7 @@ def attention(q, k, qkv, out, n_kv_heads, scale, mask=None, h0=0, h1=None, isa=N
     cdef float *po = _wptr(out)
     cdef int rc
     with nogil:
-        rc = nx_attention_f32(lvl, pq, pk, pqkv, pm, po, T, H, KVH, hd, fscale, a, b)
+        rc = nx_attention_f32(lvl, pq, pk, pqkv, pm, po, T, H, KVH, hd, fscale, a, b, icausal)
     if rc != 0:
         raise MemoryError(f"{fn}: could not allocate scratch for T={T}, hd={hd}")
     return out

@@ -22,14 +22,14 @@ void nx_rmsnorm_f32(nx_isa isa, const float *x, const float *w, const float *mod
 
 void nx_qknorm_rope_f32(nx_isa isa, const float *qkv, const float *q_w, const float *k_w,
                         const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
-                        int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1) {
-    nx_ops_get(isa)->qknorm_rope(qkv, q_w, k_w, pe, q_out, k_out, T, H, KVH, hd, eps, h0, h1);
+                        int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1, int half) {
+    nx_ops_get(isa)->qknorm_rope(qkv, q_w, k_w, pe, q_out, k_out, T, H, KVH, hd, eps, h0, h1, half);
 }
 
 int nx_attention_f32(nx_isa isa, const float *q, const float *k, const float *qkv,
                      const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd,
-                     float scale, int64_t h0, int64_t h1) {
-    return nx_ops_get(isa)->attention(q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1);
+                     float scale, int64_t h0, int64_t h1, int causal) {
+    return nx_ops_get(isa)->attention(q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1, causal);
 }
 
 void nx_swiglu_f32(nx_isa isa, const float *a, const float *b, float *out, int64_t i0, int64_t i1) {
@@ -121,7 +121,8 @@ void nx_layernorm_mod_f32_generic(const float *x, const float *mod, float *out, 
 
 void nx_qknorm_rope_f32_generic(const float *qkv, const float *q_w, const float *k_w,
                                 const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
-                                int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1) {
+                                int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1,
+                                int half) {
     const int64_t W = (H + 2 * KVH) * hd;
     for (int64_t j = h0; j < h1; j++) {
         const float *wt = j < H ? q_w : k_w;
@@ -131,7 +132,12 @@ void nx_qknorm_rope_f32_generic(const float *qkv, const float *q_w, const float 
             const float *p = pe + t * hd * 2; /* [hd/2][2][2] */
             float *o = dst + t * hd;
             float inv = nx_rms_inv_generic(xr, hd, eps);
-            for (int64_t i = 0; i < hd; i += 2) nx_qknorm_rope_pair(xr, inv, wt, p, o, i);
+            if (half) {
+                for (int64_t i = 0; i < hd / 2; i++)
+                    nx_qknorm_rope_half_pair(xr, inv, wt, p, o, i, hd / 2);
+            } else {
+                for (int64_t i = 0; i < hd; i += 2) nx_qknorm_rope_pair(xr, inv, wt, p, o, i);
+            }
         }
     }
 }
@@ -142,7 +148,7 @@ void nx_qknorm_rope_f32_generic(const float *qkv, const float *q_w, const float 
 
 int nx_attention_f32_generic(const float *q, const float *k, const float *qkv, const uint8_t *mask,
                              float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
-                             int64_t h0, int64_t h1) {
+                             int64_t h0, int64_t h1, int causal) {
     const int64_t W = (H + 2 * KVH) * hd, group = H / KVH, OW = H * hd;
     float *acc = malloc(sizeof(float) * (size_t)hd);
     float s[NX_ATTN_GEN_TILE];
@@ -154,9 +160,10 @@ int nx_attention_f32_generic(const float *q, const float *k, const float *qkv, c
         for (int64_t t = 0; t < T; t++) {
             const float *qr = q + (h * T + t) * hd;
             float m = -INFINITY, l = 0.0f;
+            const int64_t nkeys = causal ? t + 1 : T; /* keys [0, nkeys) exist for this row */
             for (int64_t d = 0; d < hd; d++) acc[d] = 0.0f;
-            for (int64_t j0 = 0; j0 < T; j0 += NX_ATTN_GEN_TILE) {
-                int64_t n = T - j0 < NX_ATTN_GEN_TILE ? T - j0 : NX_ATTN_GEN_TILE;
+            for (int64_t j0 = 0; j0 < nkeys; j0 += NX_ATTN_GEN_TILE) {
+                int64_t n = nkeys - j0 < NX_ATTN_GEN_TILE ? nkeys - j0 : NX_ATTN_GEN_TILE;
                 float mx = -INFINITY;
                 for (int64_t jj = 0; jj < n; jj++) {
                     const float *kr = kh + (j0 + jj) * hd;

@@ -37,10 +37,11 @@
     X(qknorm_rope, void,                                                                           \
       (const float *qkv, const float *q_w, const float *k_w, const float *pe, float *q_out,        \
        float *k_out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float eps, int64_t h0,         \
-       int64_t h1))                                                                                \
+       int64_t h1, int half))                                                                      \
     X(attention, int,                                                                              \
       (const float *q, const float *k, const float *qkv, const uint8_t *mask, float *out,          \
-       int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1))        \
+       int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1,         \
+       int causal))                                                                                \
     X(swiglu, void, (const float *a, const float *b, float *out, int64_t i0, int64_t i1))          \
     X(gated_residual, int,                                                                         \
       (const float *resid, const float *y, const float *gate, float *out, int64_t D, int64_t r0,   \
@@ -82,8 +83,14 @@ void nx_rmsnorm_f32(nx_isa isa,       /* the ISA to run (nx_cpu.h) */
                     int64_t D, float eps, int64_t r0, int64_t r1);
 
 /* ---- qknorm_rope: per (token t, head j in [h0, h1) of the combined [q heads | k heads] index):
- * y = rmsnorm(qkv[t, j*hd:(j+1)*hd], w) with w = q_w (j < H) or k_w; then
- * o[2i+r] = pe[t,i,r,0]*y[2i] + pe[t,i,r,1]*y[2i+1]; written to q_out[j, t] or k_out[j-H, t]. */
+ * y = rmsnorm(qkv[t, j*hd:(j+1)*hd], w) with w = q_w (j < H) or k_w; then pair i (i < hd/2) of
+ * the head is rotated by its 2x2 matrix pe[t,i] and written to q_out[j, t] or k_out[j-H, t]:
+ *   half == 0 (adjacent pairs (2i, 2i+1), the DiT's):
+ *     o[2i+r] = pe[t,i,r,0]*y[2i] + pe[t,i,r,1]*y[2i+1]
+ *   half != 0 (pairs (i, i+hd/2), NEOX / HF rotate_half, Qwen3's; the same pe table):
+ *     o[i] = pe[t,i,0,0]*y[i] + pe[t,i,0,1]*y[i+hd/2], o[i+hd/2] = pe[t,i,1,0]*y[i] + ...[1,1]*...
+ * Each output is (p0*y0) + (p1*y1) in float32, never fused, y = (x * r) * w: bit-identical
+ * across variants in both layouts (nx_qknorm_rope_pair / _half_pair below are the spec). */
 void nx_qknorm_rope_f32(nx_isa isa,       /* the ISA to run (nx_cpu.h) */
                         const float *qkv, /* IN  [T, (H+2*KVH)*hd] */
                         const float *q_w, /* IN  [hd] */
@@ -92,13 +99,20 @@ void nx_qknorm_rope_f32(nx_isa isa,       /* the ISA to run (nx_cpu.h) */
                         float *q_out,     /* OUT [H, T, hd] */
                         float *k_out,     /* OUT [KVH, T, hd] */
                         int64_t T, int64_t H, int64_t KVH, int64_t hd, float eps, int64_t h0,
-                        int64_t h1);
+                        int64_t h1, int half);
 
 /* ---- attention: for query heads h in [h0, h1), kv head g = h / (H / KVH):
  * out[t, h*hd:(h+1)*hd] = sum_j softmax_j(scale * q[h,t].k[g,j], masked j excluded) * v_g[j]
  * with v_g[j] = qkv[j, (H+KVH)*hd + g*hd : ... + hd]. mask: [T] bytes, nonzero = attend, or NULL.
+ * causal != 0: query t attends keys j <= t only (and, of those, the unmasked ones); causal == 0
+ * is the full attention, with exactly the arithmetic it had before the option existed.
  * A query whose keys are all masked gets zeros. Flash-style: keys in tiles with an online softmax;
  * scratch is O(T*hd) (one packed copy of K^T per kv head) + O(tile*hd), never O(T^2).
+ * Causal in the SIMD driver (nx_attn_tiled.h): key tiles after a micro-block's last row are not
+ * run; a tile holding keys after some of its rows (the diagonal) runs with a per-row key mask, so
+ * an excluded key enters a row exactly as a masked key does (score -inf, weight exactly 0). A
+ * row's arithmetic still depends on nothing but t, T and the variant, so results stay
+ * bit-identical for every head band; the generic spec never visits keys j > t at all.
  * Returns 0, or -1 if scratch could not be allocated (nothing written then). */
 int nx_attention_f32(nx_isa isa,          /* the ISA to run (nx_cpu.h) */
                      const float *q,      /* IN  [H, T, hd] */
@@ -107,7 +121,7 @@ int nx_attention_f32(nx_isa isa,          /* the ISA to run (nx_cpu.h) */
                      const uint8_t *mask, /* IN  [T] or NULL */
                      float *out,          /* OUT [T, H*hd], columns of heads [h0, h1) */
                      int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0,
-                     int64_t h1);
+                     int64_t h1, int causal);
 
 /* ---- swiglu: out[i] := silu(a[i]) * b[i] for flat i in [i0, i1); silu(x) = x / (1 + exp(-x)),
  * evaluated as (x < 0 ? x*e : x) / (1 + e) with e = exp(-|x|) (no overflow; silu(-inf) = -0).
@@ -153,6 +167,17 @@ static inline void nx_qknorm_rope_pair(const float *xr /* IN */, float inv,
     const float y1 = (xr[i + 1] * inv) * wt[i + 1];
     o[i] = p[2 * i] * y0 + p[2 * i + 1] * y1;
     o[i + 1] = p[2 * i + 2] * y0 + p[2 * i + 3] * y1;
+}
+
+/* One rotate-half pair (i, i + h) of qk-norm + RoPE, h = hd/2, i < h: the same steps, pair i's
+ * matrix at p + 4*i. The generic kernel is this loop; the SIMD variants use it for their tails. */
+static inline void nx_qknorm_rope_half_pair(const float *xr /* IN */, float inv,
+                                            const float *wt /* IN */, const float *p /* IN */,
+                                            float *o /* OUT */, int64_t i, int64_t h) {
+    const float y0 = (xr[i] * inv) * wt[i];
+    const float y1 = (xr[i + h] * inv) * wt[i + h];
+    o[i] = p[4 * i] * y0 + p[4 * i + 1] * y1;
+    o[i + h] = p[4 * i + 2] * y0 + p[4 * i + 3] * y1;
 }
 
 #endif

@@ -18,7 +18,7 @@
 
 void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_w, const float *pe,
                              float *q_out, float *k_out, int64_t T, int64_t H, int64_t KVH,
-                             int64_t hd, float eps, int64_t h0, int64_t h1) {
+                             int64_t hd, float eps, int64_t h0, int64_t h1, int half) {
     const int64_t W = (H + 2 * KVH) * hd;
     for (int64_t j = h0; j < h1; j++) {
         const float *wt = j < H ? q_w : k_w;
@@ -28,6 +28,10 @@ void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_
             const float *p = pe + t * hd * 2;
             float *o = dst + t * hd;
             float invf = nx_rms_inv8(xr, hd, eps);
+            if (half) { /* pairs (i, i + hd/2): nx_ops_ew.h */
+                nxv_qknorm_rope_half_row(xr, invf, wt, p, o, hd);
+                continue;
+            }
             __m256 inv = _mm256_set1_ps(invf);
             int64_t i = 0;
             for (; i + 8 <= hd; i += 8) {
@@ -100,14 +104,15 @@ NX_INLINE void nx2_pv_block(const int nr, const float *P, const float *alpha, co
 
 /* Online softmax of one micro-block's scores (in place: S -> P); the rescale factors
  * alpha[r] = exp(m_old - m_new) of all rows go through one vector exp. */
-static inline void nx2_softmax_rows(int nr, float *S, float scale, const float *madd, float *m,
-                                    float *l, float *alpha) {
+static inline void nx2_softmax_rows(int nr, float *S, float scale, const float *madd, int64_t ms,
+                                    float *m, float *l, float *alpha) {
     const __m256 sc = _mm256_set1_ps(scale);
     float sums[NX2_BR], dm[8] = {0};
     for (int r = 0; r < nr; r++) {
         float *s = S + r * NX2_BC;
-        __m256 x0 = _mm256_fmadd_ps(_mm256_load_ps(s), sc, _mm256_load_ps(madd));
-        __m256 x1 = _mm256_fmadd_ps(_mm256_load_ps(s + 8), sc, _mm256_load_ps(madd + 8));
+        const float *ma = madd + r * ms; /* this row's key mask (ms = 0: shared) */
+        __m256 x0 = _mm256_fmadd_ps(_mm256_load_ps(s), sc, _mm256_load_ps(ma));
+        __m256 x1 = _mm256_fmadd_ps(_mm256_load_ps(s + 8), sc, _mm256_load_ps(ma + 8));
         float mx = nx_hmax8(_mm256_max_ps(x0, x1));
         float m_new = mx > m[r] ? mx : m[r];
         float m_use = m_new == -INFINITY ? 0.0f : m_new; /* all keys masked so far: p = 0 */
@@ -127,21 +132,25 @@ static inline void nx2_softmax_rows(int nr, float *S, float scale, const float *
 }
 
 NX_INLINE void nx2_attn_micro(const int nr, const float *q, int64_t hd, const float *kt, float *S,
-                              float scale, const float *madd, float *m, float *l, float *alpha,
-                              const float *vt, int64_t W, int64_t nk, float *O, int64_t hdp) {
+                              float scale, const float *madd, int64_t ms, float *m, float *l,
+                              float *alpha, const float *vt, int64_t W, int64_t nk, float *O,
+                              int64_t hdp) {
     nx2_qk_block(nr, q, hd, kt, S);
-    nx2_softmax_rows(nr, S, scale, madd, m, l, alpha);
+    nx2_softmax_rows(nr, S, scale, madd, ms, m, l, alpha);
     for (int64_t c = 0; c < hdp; c += 16) nx2_pv_block(nr, S, alpha, vt, W, nk, c, hd, O, hdp);
 }
 
 NX_INLINE void nx2_attn_micro_any(int nr, const float *q, int64_t hd, const float *kt, float *S,
-                                  float scale, const float *madd, float *m, float *l, float *alpha,
-                                  const float *vt, int64_t W, int64_t nk, float *O, int64_t hdp) {
+                                  float scale, const float *madd, int64_t ms, float *m, float *l,
+                                  float *alpha, const float *vt, int64_t W, int64_t nk, float *O,
+                                  int64_t hdp) {
     switch (nr) {
-    case 4: nx2_attn_micro(4, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
-    case 3: nx2_attn_micro(3, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
-    case 2: nx2_attn_micro(2, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
-    default: nx2_attn_micro(1, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
+    case 4: nx2_attn_micro(4, q, hd, kt, S, scale, madd, ms, m, l, alpha, vt, W, nk, O, hdp); break;
+    case 3: nx2_attn_micro(3, q, hd, kt, S, scale, madd, ms, m, l, alpha, vt, W, nk, O, hdp); break;
+    case 2: nx2_attn_micro(2, q, hd, kt, S, scale, madd, ms, m, l, alpha, vt, W, nk, O, hdp); break;
+    default:
+        nx2_attn_micro(1, q, hd, kt, S, scale, madd, ms, m, l, alpha, vt, W, nk, O, hdp);
+        break;
     }
 }
 
@@ -150,9 +159,9 @@ static const nx_attn_tiling nx2_attn_tiling_avx2 = {NX2_BR, NX2_BC, NX2_QB, nx2_
 
 int nx_attention_f32_avx2(const float *q, const float *k, const float *qkv, const uint8_t *mask,
                           float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
-                          int64_t h0, int64_t h1) {
+                          int64_t h0, int64_t h1, int causal) {
     return nx_attention_tiled(&nx2_attn_tiling_avx2, q, k, qkv, mask, out, T, H, KVH, hd, scale, h0,
-                              h1);
+                              h1, causal);
 }
 
 const nx_ops_table nx_ops_table_avx2 = NX_OPS_TABLE(avx2);

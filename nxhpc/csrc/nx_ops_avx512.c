@@ -19,7 +19,8 @@
 
 void nx_qknorm_rope_f32_avx512(const float *qkv, const float *q_w, const float *k_w,
                                const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
-                               int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1) {
+                               int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1,
+                               int half) {
     const int64_t W = (H + 2 * KVH) * hd;
     const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
@@ -31,6 +32,10 @@ void nx_qknorm_rope_f32_avx512(const float *qkv, const float *q_w, const float *
             const float *p = pe + t * hd * 2;
             float *o = dst + t * hd;
             float invf = nx_rms_inv16(xr, hd, eps);
+            if (half) { /* pairs (i, i + hd/2): nx_ops_ew.h */
+                nxv_qknorm_rope_half_row(xr, invf, wt, p, o, hd);
+                continue;
+            }
             __m512 inv = _mm512_set1_ps(invf);
             int64_t i = 0;
             for (; i + 16 <= hd; i += 16) {
@@ -116,16 +121,17 @@ NX_INLINE void nx_pv_block(const int nr, const int nv, const float *P, const flo
 
 /* Online softmax of one micro-block's scores (in place: S -> P). The rescale factors
  * alpha[r] = exp(m_old - m_new) of all rows go through one vector exp. */
-static inline void nx_softmax_rows(int nr, float *S, float scale, const float *madd, float *m,
-                                   float *l, float *alpha) {
+static inline void nx_softmax_rows(int nr, float *S, float scale, const float *madd, int64_t ms,
+                                   float *m, float *l, float *alpha) {
     const __m512 sc = _mm512_set1_ps(scale);
     float m_use[NX_BR], sums[NX_BR], dm[16] = {0};
     for (int r = 0; r < nr; r++) {
         float *s = S + r * NX_BC;
-        __m512 x0 = _mm512_fmadd_ps(_mm512_load_ps(s), sc, _mm512_load_ps(madd));
-        __m512 x1 = _mm512_fmadd_ps(_mm512_load_ps(s + 16), sc, _mm512_load_ps(madd + 16));
-        __m512 x2 = _mm512_fmadd_ps(_mm512_load_ps(s + 32), sc, _mm512_load_ps(madd + 32));
-        __m512 x3 = _mm512_fmadd_ps(_mm512_load_ps(s + 48), sc, _mm512_load_ps(madd + 48));
+        const float *ma = madd + r * ms; /* this row's key mask (ms = 0: shared) */
+        __m512 x0 = _mm512_fmadd_ps(_mm512_load_ps(s), sc, _mm512_load_ps(ma));
+        __m512 x1 = _mm512_fmadd_ps(_mm512_load_ps(s + 16), sc, _mm512_load_ps(ma + 16));
+        __m512 x2 = _mm512_fmadd_ps(_mm512_load_ps(s + 32), sc, _mm512_load_ps(ma + 32));
+        __m512 x3 = _mm512_fmadd_ps(_mm512_load_ps(s + 48), sc, _mm512_load_ps(ma + 48));
         float mx =
             _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x0, x1), _mm512_max_ps(x2, x3)));
         float m_new = mx > m[r] ? mx : m[r];
@@ -149,10 +155,11 @@ static inline void nx_softmax_rows(int nr, float *S, float scale, const float *m
 }
 
 NX_INLINE void nx_attn_micro(const int nr, const float *q, int64_t hd, const float *kt, float *S,
-                             float scale, const float *madd, float *m, float *l, float *alpha,
-                             const float *vt, int64_t W, int64_t nk, float *O, int64_t hdp) {
+                             float scale, const float *madd, int64_t ms, float *m, float *l,
+                             float *alpha, const float *vt, int64_t W, int64_t nk, float *O,
+                             int64_t hdp) {
     nx_qk_block(nr, q, hd, kt, S);
-    nx_softmax_rows(nr, S, scale, madd, m, l, alpha);
+    nx_softmax_rows(nr, S, scale, madd, ms, m, l, alpha);
     int64_t c = 0;
     for (; c + 64 <= hdp; c += 64) nx_pv_block(nr, 4, S, alpha, vt, W, nk, c, hd, O, hdp);
     /* remainder one vector at a time: measured faster than a 2-vector chunk at hd=96 (193 vs 161) */
@@ -160,15 +167,16 @@ NX_INLINE void nx_attn_micro(const int nr, const float *q, int64_t hd, const flo
 }
 
 NX_INLINE void nx_attn_micro_any(int nr, const float *q, int64_t hd, const float *kt, float *S,
-                                 float scale, const float *madd, float *m, float *l, float *alpha,
-                                 const float *vt, int64_t W, int64_t nk, float *O, int64_t hdp) {
+                                 float scale, const float *madd, int64_t ms, float *m, float *l,
+                                 float *alpha, const float *vt, int64_t W, int64_t nk, float *O,
+                                 int64_t hdp) {
     switch (nr) { /* constant row counts so the accumulators stay in registers */
-    case 6: nx_attn_micro(6, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
-    case 5: nx_attn_micro(5, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
-    case 4: nx_attn_micro(4, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
-    case 3: nx_attn_micro(3, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
-    case 2: nx_attn_micro(2, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
-    default: nx_attn_micro(1, q, hd, kt, S, scale, madd, m, l, alpha, vt, W, nk, O, hdp); break;
+    case 6: nx_attn_micro(6, q, hd, kt, S, scale, madd, ms, m, l, alpha, vt, W, nk, O, hdp); break;
+    case 5: nx_attn_micro(5, q, hd, kt, S, scale, madd, ms, m, l, alpha, vt, W, nk, O, hdp); break;
+    case 4: nx_attn_micro(4, q, hd, kt, S, scale, madd, ms, m, l, alpha, vt, W, nk, O, hdp); break;
+    case 3: nx_attn_micro(3, q, hd, kt, S, scale, madd, ms, m, l, alpha, vt, W, nk, O, hdp); break;
+    case 2: nx_attn_micro(2, q, hd, kt, S, scale, madd, ms, m, l, alpha, vt, W, nk, O, hdp); break;
+    default: nx_attn_micro(1, q, hd, kt, S, scale, madd, ms, m, l, alpha, vt, W, nk, O, hdp); break;
     }
 }
 
@@ -177,9 +185,9 @@ static const nx_attn_tiling nx_attn_tiling_avx512 = {NX_BR, NX_BC, NX_QB, nx_att
 
 int nx_attention_f32_avx512(const float *q, const float *k, const float *qkv, const uint8_t *mask,
                             float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
-                            int64_t h0, int64_t h1) {
+                            int64_t h0, int64_t h1, int causal) {
     return nx_attention_tiled(&nx_attn_tiling_avx512, q, k, qkv, mask, out, T, H, KVH, hd, scale,
-                              h0, h1);
+                              h0, h1, causal);
 }
 
 const nx_ops_table nx_ops_table_avx512 = NX_OPS_TABLE(avx512);

@@ -1,5 +1,6 @@
 /* nx_ops_ew.h -- the element-wise forward kernels written once for both vector widths (nx_simd.h):
- * rmsnorm, layernorm_mod, swiglu, gated_residual and the exp/tanh test hook. Included exactly once
+ * rmsnorm, layernorm_mod, swiglu, gated_residual, the exp/tanh test hook and the row loop of
+ * rotate-half RoPE (called by each file's qknorm_rope). Included exactly once
  * by nx_ops_avx2.c and by nx_ops_avx512.c, which defines NXV_FN(nx_swiglu_f32) as
  * nx_swiglu_f32_avx2 / nx_swiglu_f32_avx512 (declared in nx_ops.h).
  *
@@ -79,6 +80,30 @@ void NXV_FN(nx_layernorm_mod_f32)(const float *x, const float *mod, float *out, 
                                 nxv_load_n(mod + i, m)));
         }
     }
+}
+
+/* ------------------------------------------------------------------ rotate-half RoPE */
+
+/* One head row of qk-norm + rotate-half RoPE (pairs (i, i + hd/2), nx_ops.h): y = (x * inv) * w
+ * for both halves, pair matrices de-interleaved from pe's [hd/2][2][2] layout, then
+ * (p0 * y0) + (p1 * y1) lane-wise, unfused: the spec's operations (nx_qknorm_rope_half_pair,
+ * which also runs the tail), so every width gives the generic bits. */
+static inline void nxv_qknorm_rope_half_row(const float *xr /* IN [hd] */, float invf,
+                                            const float *wt /* IN [hd] */,
+                                            const float *p /* IN [hd/2][2][2] */,
+                                            float *o /* OUT [hd] */, int64_t hd) {
+    const int64_t h = hd / 2;
+    const nxv inv = nxv_set1(invf);
+    int64_t i = 0;
+    for (; i + NXV_W <= h; i += NXV_W) {
+        const nxv y0 = nxv_mul(nxv_mul(nxv_loadu(xr + i), inv), nxv_loadu(wt + i));
+        const nxv y1 = nxv_mul(nxv_mul(nxv_loadu(xr + h + i), inv), nxv_loadu(wt + h + i));
+        nxv c[4]; /* c[2r + s][lane] = pe[t, i + lane, r, s] */
+        nxv_deinterleave4(p + 4 * i, c);
+        nxv_storeu(o + i, nxv_add(nxv_mul(c[0], y0), nxv_mul(c[1], y1)));
+        nxv_storeu(o + h + i, nxv_add(nxv_mul(c[2], y0), nxv_mul(c[3], y1)));
+    }
+    for (; i < h; i++) nx_qknorm_rope_half_pair(xr, invf, wt, p, o, i, h);
 }
 
 /* ------------------------------------------------------------------ swiglu, gated residual */

@@ -99,6 +99,20 @@ static inline nxvi nxvi_load_u8(const uint8_t *p) {
 static inline nxvi nxvi_load_i8(const uint8_t *p) {
     return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
 }
+/* De-interleave 16 groups of 4 floats (p[4i + c], i < 16, any alignment): c[k][i] = p[4i + k].
+ * In-lane 4x4 transposes leave group 4k + L's values at lane 4L + k; one permute each restores
+ * the order. */
+static inline void nxv_deinterleave4(const float *p, nxv c[4]) {
+    const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+    const __m512 e = _mm512_loadu_ps(p + 32), f = _mm512_loadu_ps(p + 48);
+    const __m512 t0 = _mm512_unpacklo_ps(a, b), t1 = _mm512_unpackhi_ps(a, b);
+    const __m512 t2 = _mm512_unpacklo_ps(e, f), t3 = _mm512_unpackhi_ps(e, f);
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    c[0] = _mm512_permutexvar_ps(idx, _mm512_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)));
+    c[1] = _mm512_permutexvar_ps(idx, _mm512_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2)));
+    c[2] = _mm512_permutexvar_ps(idx, _mm512_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)));
+    c[3] = _mm512_permutexvar_ps(idx, _mm512_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2)));
+}
 /* In-register 16x16 transpose: r[i][j] -> r[j][i]. */
 static inline void nxv_transpose(nxv r[16]) {
     __m512 t[16];
@@ -202,6 +216,19 @@ static inline nxvi nxvi_load_u8(const uint8_t *p) {
 }
 static inline nxvi nxvi_load_i8(const uint8_t *p) {
     return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+/* As the 16-lane version: 8 groups of 4 floats, c[k][i] = p[4i + k]; after the in-lane
+ * transposes group 2k + L sits at lane 4L + k. */
+static inline void nxv_deinterleave4(const float *p, nxv c[4]) {
+    const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
+    const __m256 e = _mm256_loadu_ps(p + 16), f = _mm256_loadu_ps(p + 24);
+    const __m256 t0 = _mm256_unpacklo_ps(a, b), t1 = _mm256_unpackhi_ps(a, b);
+    const __m256 t2 = _mm256_unpacklo_ps(e, f), t3 = _mm256_unpackhi_ps(e, f);
+    const __m256i idx = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    c[0] = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)), idx);
+    c[1] = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2)), idx);
+    c[2] = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)), idx);
+    c[3] = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2)), idx);
 }
 /* In-register 8x8 transpose: r[i][j] -> r[j][i]. */
 static inline void nxv_transpose(nxv r[8]) {

@@ -177,6 +177,26 @@ int nx_dequantize(nx_isa isa, uint32_t type, const uint8_t *w /* IN */, float *o
     return 0;
 }
 
+int nx_embed_rows(nx_isa isa, uint32_t type, const uint8_t *w /* IN */, size_t rowbytes,
+                  const void *ids /* IN */, int id_bytes, float *out /* OUT */, size_t K, size_t r0,
+                  size_t r1) {
+    nx_dequant_fn f = nx_wtype_dequant(isa, type);
+    if (!f) return -2;
+    const size_t nblocks = K / nx_wtype_traits_table[type].blck_elems;
+    for (size_t i = r0; i < r1; i++) {
+        int64_t id; /* memcpy: ids may come from any buffer, aligned or not */
+        if (id_bytes == 4) {
+            int32_t v;
+            memcpy(&v, (const uint8_t *)ids + 4 * i, 4);
+            id = v;
+        } else {
+            memcpy(&id, (const uint8_t *)ids + 8 * i, 8);
+        }
+        if (nblocks) f(w + (size_t)id * rowbytes, out + i * K, nblocks);
+    }
+    return 0;
+}
+
 /* kernel_variants(): slot t = GGML type t, named "dequantize[<TYPE>]"; unsupported ids have no
  * name (NULL) and are skipped. */
 static const char *nx_wtype_slot_name(int slot) {

@@ -123,6 +123,18 @@ extern const nx_family_info nx_wtype_family;
 int nx_dequantize(nx_isa isa, uint32_t type, const uint8_t *w /* IN */, float *out /* OUT */,
                   size_t nblocks);
 
+/* ---- embed_rows: out[i, 0:K] := dequantize(row ids[i] of w) for i in [r0, r1) (an embedding
+ * lookup on a typed matrix). w: N rows of rowbytes = K / blck_elems * blck_bytes bytes of `type`;
+ * ids: int32 (id_bytes == 4) or int64 (id_bytes == 8), every id in [0, N) -- the caller checks
+ * ids, N, K and the band; nothing is re-checked here. Each row is decoded straight into its out
+ * row by the dequantize of `type` at `isa` (so bit-identical to the spec, and to
+ * gguf.quants.dequantize, at every ISA and for any band split): no scratch, memory O(1) beyond
+ * the rows asked. Rows of out outside [r0, r1) are untouched. Returns 0, or -2 for an
+ * unsupported type. */
+int nx_embed_rows(nx_isa isa, uint32_t type, const uint8_t *w /* IN [N, rowbytes] */,
+                  size_t rowbytes, const void *ids /* IN [n] int32 or int64 */, int id_bytes,
+                  float *out /* OUT [n, K], rows [r0, r1) */, size_t K, size_t r0, size_t r1);
+
 /* The specs (generic) and SIMD variants of the types implemented here. */
 void nx_dequant_f32_generic(const uint8_t *blocks /* IN */, float *out /* OUT */, size_t n);
 void nx_dequant_f16_generic(const uint8_t *blocks /* IN */, float *out /* OUT */, size_t n);
