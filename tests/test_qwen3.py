@@ -47,12 +47,6 @@ from nxhpc.qwen3.oracle import hidden_states_m2, transformers_model  # noqa: E40
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
 
-import nxhpc  # noqa: E402
-# TEMPORARY (until the te-kernels commits reach main): the forward needs embed_rows, causal
-# attention and rotate-half qknorm_rope; the file, config and oracle tests run without them.
-NEEDS_TE_KERNELS = pytest.mark.skipif(not hasattr(nxhpc.kernels(), "embed_rows"),
-                                      reason="the text-encoder kernels are not built yet")
-
 PID = os.getpid()
 SMALL = Qwen3Config(vocab=300, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
                     ffn=96, eps=1e-6, rope_theta=1e6, context_length=96)
@@ -147,7 +141,6 @@ def test_reference_matches_transformers(small):
     assert _rel(w["token_embd.weight"][IDS], hf) > 0.1        # the blocks did something
 
 
-@NEEDS_TE_KERNELS
 def test_f32_features_vs_both_oracles(small, small_out):
     _, w, hf = small
     ref = encode_f64(IDS, w, _file_cfg(SMALL))
@@ -156,7 +149,6 @@ def test_f32_features_vs_both_oracles(small, small_out):
     assert _rel(small_out, ref) <= F32_BOUND, _rel(small_out, ref)
 
 
-@NEEDS_TE_KERNELS
 @pytest.mark.parametrize("control", ["no_qk_norm", "interleaved_rope", "no_causal_mask",
                                      "final_norm", "one_block_more", "one_block_less"])
 def test_negative_controls_fail_the_bound(small, small_out, control):
@@ -170,7 +162,6 @@ def test_negative_controls_fail_the_bound(small, small_out, control):
     assert _rel(small_out, wrong) > 100 * F32_BOUND, (control, _rel(small_out, wrong))
 
 
-@NEEDS_TE_KERNELS
 @pytest.mark.parametrize("wtype", TYPES + ("mixed",))
 def test_f32_every_weight_type_vs_transformers(tmp_path, wtype):
     """Every matrix -- the embedding too -- in ``wtype`` (``mixed``: a Q4_K_M-like file,
@@ -199,7 +190,6 @@ def test_f32_every_weight_type_vs_transformers(tmp_path, wtype):
     assert live_segments(PID) == []
 
 
-@NEEDS_TE_KERNELS
 def test_prompt_to_features_from_one_file(small):
     """The tokenizer and the model from the same file compose: the templated prompt's ids
     (``Qwen3Tokenizer.tokenize``) -> features equal to transformers' on those ids."""
@@ -218,7 +208,6 @@ def test_prompt_to_features_from_one_file(small):
 LOWP_BOUND = {"bf16": 1.5e-2, "q8": 3e-2}
 
 
-@NEEDS_TE_KERNELS
 @pytest.mark.parametrize("precision", ["bf16", "q8"])
 def test_low_precision_errors_bounded(small, small_out, precision):
     _, w, _ = small
@@ -233,7 +222,6 @@ def test_low_precision_errors_bounded(small, small_out, precision):
 
 
 # ------------------------------------------------------------------------------ the engine
-@NEEDS_TE_KERNELS
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
 def test_bit_identical_for_any_worker_count(small, small_out, precision):
     outs = {}
@@ -248,7 +236,6 @@ def test_bit_identical_for_any_worker_count(small, small_out, precision):
         assert_bitwise(base, small_out, "f32 1 worker vs the module's 2-worker run")
 
 
-@NEEDS_TE_KERNELS
 def test_one_session_serves_every_length_and_prefixes_are_exact(small, small_out):
     """Calls of different lengths reuse one arena and one pool; causal attention makes the
     features of a prefix the first rows of the whole, bit for bit (every kernel is
@@ -291,7 +278,6 @@ def test_rope_table_is_rotate_half_of_the_reference():
 
 
 # ------------------------------------------------------------------------------ bad input
-@NEEDS_TE_KERNELS
 def test_bad_ids_refused_before_any_work(small):
     kids = set(children_of(PID))
     with TextEncoderModel(small[0], workers=2) as m:
@@ -389,7 +375,6 @@ def test_infer_config_checks_without_a_file():
 
 
 # ------------------------------------------------------------------------------ lifetime
-@NEEDS_TE_KERNELS
 def test_close_and_interrupt_release_everything(small, small_out, monkeypatch):
     kids = set(children_of(PID))
     m = TextEncoderModel(small[0], workers=2)
