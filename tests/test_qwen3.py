@@ -399,3 +399,40 @@ def test_close_and_interrupt_release_everything(small, small_out, monkeypatch):
     with pytest.raises(RuntimeError, match="closed"):
         m.encode_ids(IDS)
     _no_leak(kids)
+
+
+# ------------------------------------------------------------------------------ import rules
+def _imports(path) -> set[str]:
+    """Every module a file imports (``from a.b import c`` gives ``a.b`` and ``a.b.c``)."""
+    import ast
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def test_import_rules_of_the_shared_engine_and_the_family():
+    """docs/architecture.md: nn imports no family; dit and qwen3 import nothing of each other
+    nor the registry; the qwen3 oracles and the file tooling import no engine code."""
+    from pathlib import Path
+    pkg = Path(QM.__file__).resolve().parents[1]
+
+    def hits(files, banned):
+        return {(f.name, m) for f in files for m in _imports(f)
+                if any(m == b or m.startswith(b + ".") for b in banned)}
+    nn, qwen3, dit = (sorted((pkg / d).glob("*.py")) for d in ("nn", "qwen3", "dit"))
+    assert hits(nn, ["nxhpc.dit", "nxhpc.qwen3", "nxhpc.models"]) == set()
+    assert hits(qwen3, ["nxhpc.dit", "nxhpc.models"]) == set()
+    assert hits(dit, ["nxhpc.qwen3"]) == set()
+    engine = ["nxhpc._kernels", "nxhpc.nn", "nxhpc.runtime", "nxhpc.qwen3.model"]
+    oracles = [pkg / "qwen3" / "reference.py", pkg / "qwen3" / "oracle.py",
+               pkg / "models" / "qwen3_files.py"]
+    assert hits(oracles, engine) == set()
+    assert "kernels()" not in "".join(f.read_text() for f in oracles)
+    # negative control: the scan sees the imports that do exist
+    assert ("model.py", "nxhpc.nn.engine") in hits(qwen3, ["nxhpc.nn"])
+    assert ("plan.py", "nxhpc.nn.engine") in hits(dit, ["nxhpc.nn"])
