@@ -28,9 +28,12 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import nxhpc.qwen3.model as QM
-from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError, QuantTensor, write_gguf
+from nxhpc.formats.gguf_io import (GGUFFile, MissingTensorError, ModelFileError, QuantTensor,
+                                   write_gguf)
 from nxhpc.models.qwen3_files import (qwen3_metadata, random_qwen3_weights, read_qwen3_gguf,
                                       tiny_tokenizer, write_qwen3_gguf)
 from nxhpc.qwen3.config import Qwen3Config, infer_config, layer_names
@@ -66,7 +69,8 @@ def _ids(cfg: Qwen3Config, n: int = 13, seed: int = 0) -> list[int]:
 def _file_cfg(cfg: Qwen3Config) -> Qwen3Config:
     """The config as a file stores it: eps and RoPE base rounded to float32."""
     from dataclasses import replace
-    return replace(cfg, eps=float(np.float32(cfg.eps)), rope_theta=float(np.float32(cfg.rope_theta)))
+    return replace(cfg, eps=float(np.float32(cfg.eps)),
+                   rope_theta=float(np.float32(cfg.rope_theta)))
 
 
 def _no_leak(kids: set[int]) -> None:
@@ -356,6 +360,63 @@ def test_bad_files_are_one_line_errors_without_leaks(tmp_path):
     _no_leak(kids)
 
 
+@settings(max_examples=150)
+@given(st.data())
+def test_fuzzed_header_is_an_error_or_a_working_model(small, data):
+    """1-4 bytes of the header (metadata, tensor infos) replaced at random: opening either
+    raises a ModelFileError (one line, naming the file) or gives a model that encodes (or
+    refuses the ids as input). Nothing else escapes; nothing is left mapped or forked."""
+    src = small[0].read_bytes()
+    with GGUFFile(small[0]) as g:
+        header_end = g.data_start
+    buf = bytearray(src)
+    for _ in range(data.draw(st.integers(1, 4), label="n_bytes")):
+        buf[data.draw(st.integers(0, header_end - 1), label="pos")] = data.draw(
+            st.integers(0, 255), label="value")
+    path = small[0].with_name("fuzz.gguf")
+    path.write_bytes(bytes(buf))
+    try:
+        m = TextEncoderModel(path, workers=1)
+    except ModelFileError as e:
+        assert "\n" not in str(e) and str(path) in str(e), str(e)
+        return
+    with m:
+        try:
+            out = m.encode_ids(IDS[:3])
+        except TextEncoderInputError:
+            return
+        assert out.shape == (3, m.config.dim)
+    assert live_segments(PID) == []
+
+
+def test_hostile_hyper_parameters_are_file_errors(tmp_path):
+    """Every qwen3.* number set to an extreme (0, 1, 2^32-1 for counts; 0, -1, NaN, inf, a
+    subnormal, 1 for the floats): a one-line ModelFileError at once (a huge block_count fails
+    at the first absent block), or -- for values that still describe these tensors -- a model
+    that runs. Negative control: some extremes are accepted (a context of 2^32-1)."""
+    from nxhpc.qwen3.config import METADATA_KEYS
+    kids = set(children_of(PID))
+    w = random_qwen3_weights(SMALL, 1)
+    ok = []
+    for field, key in METADATA_KEYS.items():
+        floats = field in ("eps", "rope_theta")
+        values = [np.float32(v) for v in (0.0, -1.0, np.nan, np.inf, 1e-45, 1.0)] if floats \
+            else [np.uint32(v) for v in (0, 1, 2**32 - 1)]
+        for v in values:
+            p = write_qwen3_gguf(tmp_path / "h.gguf", SMALL, w, metadata={f"qwen3.{key}": v})
+            try:
+                with TextEncoderModel(p, workers=1) as m:
+                    n = min(4, m.config.context_length)
+                    assert np.isfinite(m.encode_ids(IDS[:n])).all(), (key, v)
+                ok.append((field, float(v)))
+            except ModelFileError as e:
+                msg = str(e)                        # names the key, or the tensor it breaks
+                assert "\n" not in msg and (key in msg or "tensor '" in msg), (key, v, msg)
+    assert ("context_length", 2.0**32 - 1) in ok and ("rope_theta", 1.0) in ok
+    assert len(ok) < 10
+    _no_leak(kids)
+
+
 def test_infer_config_checks_without_a_file():
     meta = {"general.architecture": "qwen3", **{k: v.item() if hasattr(v, "item") else v
                                                 for k, v in qwen3_metadata(SMALL).items()}}
@@ -368,7 +429,8 @@ def test_infer_config_checks_without_a_file():
         infer_config(dict(meta, **{"qwen3.attention.value_length": 8}), table, "t")
     with pytest.raises(ModelFileError, match="vocab_size = 301 but 'token_embd.weight' has 300"):
         infer_config(dict(meta, **{"qwen3.vocab_size": 301}), table, "t")
-    with pytest.raises(ModelFileError, match="n_heads 4 is not a multiple of n_kv_heads 3"):
+    with pytest.raises(ModelFileError, match="head_count = 4 is not a multiple of "
+                                             "qwen3.attention.head_count_kv = 3"):
         infer_config(dict(meta, **{"qwen3.attention.head_count_kv": 3}), table, "t")
     with pytest.raises(ModelFileError, match="general.architecture is missing"):
         infer_config({k: v for k, v in meta.items() if k != "general.architecture"}, table, "t")

@@ -94,7 +94,8 @@ def write_qwen3_gguf(path: str | os.PathLike, cfg: Qwen3Config,
     ``matrix_type`` and every 1-D one F32 unless ``types`` names its type (any GGML type the
     codec ``nxhpc.formats.layouts.encode`` writes); ``general.architecture = qwen3`` and
     :func:`qwen3_metadata`, then ``tokenizer`` (e.g. :func:`tiny_tokenizer` of ``cfg.vocab``,
-    or ``nxhpc.qwen3.tokenizer.vocab_metadata`` of a real vocab) and ``metadata`` (added last: may replace a key).
+    or ``nxhpc.qwen3.tokenizer.vocab_metadata`` of a real vocab) and ``metadata`` (added
+    last: may replace a key, ``general.architecture`` included).
     ``overrides``: tensor name -> any :func:`~nxhpc.formats.gguf_io.write_gguf` value (e.g. a
     ``QuantTensor`` of another type) or None (leave the tensor out) -- for bad-file tests.
     Returns the path."""

@@ -232,8 +232,8 @@ class Engine:
         self._by_id: dict[int, Hashable] = {}
         for key, w in weights.items():
             typed = first.bind(key, w, self.kernels)
-            for k, m in first.matrices(typed).items():
-                check_runnable(self.kernels, m, adaln=k == "adaln_w")
+            for m in first.matrices(typed).values():
+                check_runnable(self.kernels, m)
             self._weights[key] = typed
             self._given[key] = w         # held, so id(w) cannot be reused while we map it
             self._by_id[id(w)] = key

@@ -222,20 +222,30 @@ def infer_config(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[tuple[
         if v != vocab:
             raise ModelFileError(f"{where}: metadata {ARCH}.vocab_size = {v} but "
                                  f"'token_embd.weight' has {vocab} rows", "token_embd.weight")
+    a = f"{ARCH}."
+    rules = [(vals["n_layers"] >= 2, f"{a}block_count = {vals['n_layers']}: hidden_states[-2] "
+                                     f"needs at least 2 blocks"),
+             (vals["n_heads"] % vals["n_kv_heads"] == 0,
+              f"{a}attention.head_count = {vals['n_heads']} is not a multiple of "
+              f"{a}attention.head_count_kv = {vals['n_kv_heads']}"),
+             (hd % 2 == 0, f"head_dim {hd} ({a}attention.key_length or the q-norm's length) is "
+                           f"odd: RoPE rotates pairs"),
+             (vals["eps"] < 1, f"{a}attention.layer_norm_rms_epsilon = {vals['eps']} is not "
+                               f"below 1")]
+    for ok, why in rules:
+        if not ok:
+            raise ModelFileError(f"{where}: metadata {why}")
     cfg = Qwen3Config(vocab=vocab, head_dim=hd, **vals)
     try:
         cfg.validate()
     except ValueError as e:
         raise ModelFileError(f"{where}: {e}") from None
-    # every tensor against the dims
-    expected: dict[str, tuple[tuple[int, ...], str]] = {
-        n: (s, GLOBAL_TENSORS[n]) for n, s in cfg.global_shapes().items()}
+    # every tensor against the dims, block by block (a hostile block_count fails at the first
+    # block that is not there, before anything is built for it)
     shapes = cfg.shapes()
     roles = {t.key: t.role for t in LAYER_TENSORS}
-    for i in range(cfg.n_layers):
-        for key, name in layer_names(i).items():
-            expected[name] = (shapes[key], roles[key])
-    for name, (shape, role) in expected.items():
+
+    def check(name: str, shape: tuple[int, ...], role: str) -> None:
         got, tname = need(name)
         if got != shape:
             raise ModelFileError(f"{where}: tensor {name!r} has shape {list(got)}, but the "
@@ -245,6 +255,11 @@ def infer_config(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[tuple[
             what = "matrix" if role == "matrix" else "1-D tensor"
             raise ModelFileError(f"{where}: tensor {name!r} has type {tname}, which nxhpc does "
                                  f"not run for a {what} (it runs {', '.join(allowed)})", name)
+    for name, shape in cfg.global_shapes().items():
+        check(name, shape, GLOBAL_TENSORS[name])
+    for i in range(cfg.n_layers):
+        for key, name in layer_names(i).items():
+            check(name, shapes[key], roles[key])
     extra = sorted(n for n in tensors if n.startswith("blk.")
                    and n.split(".")[1].isdigit() and int(n.split(".")[1]) >= cfg.n_layers)
     if extra:

@@ -1,4 +1,4 @@
-"""The Qwen3 text encoder on nxhpc's kernels: token ids -> ``hidden_states[-2]``, read like the paper.
+"""The Qwen3 text encoder on nxhpc's kernels: ids -> ``hidden_states[-2]``, read like the paper.
 
 Owns :class:`TextEncoderModel` (a llama.cpp qwen3 GGUF opened, its config inferred by
 ``nxhpc.qwen3.config``, every weight bound zero-copy; ``encode_ids(ids)`` -> float32
@@ -31,8 +31,8 @@ sync)::
     stage        split over         timer           task
     norm1        token rows         us_attn         h = rmsnorm(x, attn_norm)
     qkv          qkv columns        us_attn         qkv = [h @ Wq^T | h @ Wk^T | h @ Wv^T]
-    qknorm_rope  q+k heads          us_attn         q, k = rope_half(rmsnorm_hd(q|k)) as [H, T, hd] / [KVH, T, hd]
-    sdpa         query heads        us_attn         attn = softmax(q k^T / sqrt(hd) + causal) v, kv head h // (H/KVH)
+    qknorm_rope  q+k heads          us_attn         q, k = rope_half(rmsnorm_hd(q|k)): [H|KVH, T, hd]
+    sdpa         query heads        us_attn         attn = softmax(q k^T / sqrt(hd) + causal) v[h // (H/KVH)]
     out_proj     dim columns        us_attn         y = attn @ Wo^T
     attn_res     token rows         us_attn         mid = x + y
     ffn_norm     token rows         us_ffn          h = rmsnorm(mid, ffn_norm)
@@ -75,7 +75,7 @@ from nxhpc.nn.linear import DEFAULT_PRECISION, check_precision, matmul
 from nxhpc.nn.residual import UNIT_GATE, residual_add
 from nxhpc.qwen3.config import LAYER_TENSORS, Qwen3Config, infer_config, layer_names
 from nxhpc.runtime.checks import check_workers
-from nxhpc.runtime.workers import DEFAULT_SPAWN, check_timeout
+from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, check_timeout
 
 __all__ = ["TextEncoderModel", "TextEncoderInputError", "LayerWeights", "Qwen3Weights",
            "LayerPlan", "STAGES", "EXTENTS", "TIMING_KEYS", "rope_table", "stage_table",
@@ -161,11 +161,11 @@ def bind_weights(g: GGUFFile, cfg: Qwen3Config, kernels: Any, *,
     matrices zero copy in a type the kernels run, vectors float32, values finite (scanned on
     the stored bits when ``check_values``). ModelFileError naming the tensor."""
     have = kernels.weight_types()
-    for name, (_, tname) in ((n, (g.shape(n), g.type_name(n))) for n in g.names()):
-        if name == "token_embd.weight" or name.startswith("blk."):
-            if len(g.shape(name)) == 2 and tname not in have:
-                raise ModelFileError(f"{g.path}: tensor {name!r} has type {tname}; the kernels "
-                                     f"run {', '.join(have)}", name)
+    for name in ["token_embd.weight"] + [n for i in range(cfg.layers_needed)
+                                         for n in layer_names(i).values()]:
+        if len(g.shape(name)) == 2 and g.type_name(name) not in have:   # infer_config's list
+            raise ModelFileError(f"{g.path}: tensor {name!r} has type {g.type_name(name)}; "
+                                 f"the kernels run {', '.join(have)}", name)
     layers: dict[int, LayerWeights] = {}
     for i in range(cfg.layers_needed):
         vals: dict[str, Any] = {}
@@ -259,9 +259,9 @@ STAGES: tuple[Stage, ...] = (
     Stage("norm1", "rows", "us_attn", _norm1, "h = rmsnorm(x, attn_norm)"),
     Stage("qkv", "qkv_cols", "us_attn", _qkv, "qkv = [h @ Wq^T | h @ Wk^T | h @ Wv^T]"),
     Stage("qknorm_rope", "qk_heads", "us_attn", _qknorm_rope,
-          "q, k = rope_half(rmsnorm_hd(q|k)) as [H, T, hd] / [KVH, T, hd]"),
+          "q, k = rope_half(rmsnorm_hd(q|k)): [H|KVH, T, hd]"),
     Stage("sdpa", "query_heads", "us_attn", _sdpa,
-          "attn = softmax(q k^T / sqrt(hd) + causal) v, kv head h // (H/KVH)"),
+          "attn = softmax(q k^T / sqrt(hd) + causal) v[h // (H/KVH)]"),
     Stage("out_proj", "dim_cols", "us_attn", _out_proj, "y = attn @ Wo^T"),
     Stage("attn_res", "rows", "us_attn", _attn_res, "mid = x + y"),
     Stage("ffn_norm", "rows", "us_ffn", _ffn_norm, "h = rmsnorm(mid, ffn_norm)"),
@@ -412,6 +412,9 @@ class TextEncoderModel:
                  check_values: bool = True) -> None:
         self.workers = check_workers(workers, "TextEncoderModel: workers")
         self.precision = check_precision(precision, "TextEncoderModel: precision")
+        if spawn not in SPAWN_MODES:
+            raise ValueError(f"TextEncoderModel: spawn must be one of {SPAWN_MODES}, got "
+                             f"{spawn!r}")
         self.spawn = spawn
         self.stage_timeout = check_timeout(stage_timeout)
         self._session: _Session | None = None
@@ -422,7 +425,11 @@ class TextEncoderModel:
             g = self.gguf
             table = {n: (g.shape(n), g.type_name(n)) for n in g.names()}
             self.config = infer_config(g.metadata, table, str(g.path))
-            self.eps = check_eps(self.config.eps)
+            try:
+                self.eps = check_eps(self.config.eps)
+            except ValueError as e:
+                raise ModelFileError(f"{g.path}: metadata qwen3.attention."
+                                     f"layer_norm_rms_epsilon: {e}") from None
             if max_tokens is None:
                 max_tokens = min(DEFAULT_MAX_TOKENS, self.config.context_length)
             if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) \

@@ -65,7 +65,7 @@ def hidden_states_m2(model: Any, ids: Sequence[int]) -> np.ndarray:
         out = model(torch.as_tensor(np.asarray(ids, dtype=np.int64))[None],
                     output_hidden_states=True)
     hs = out.hidden_states
-    if len(hs) != model.config.num_hidden_layers + 1:      # pragma: no cover - a transformers change
+    if len(hs) != model.config.num_hidden_layers + 1:   # pragma: no cover - transformers changed
         raise RuntimeError(f"Qwen3Model returned {len(hs)} hidden states, expected "
                            f"{model.config.num_hidden_layers + 1}")
     return hs[-2][0].to(torch.float64).numpy()
