@@ -262,7 +262,7 @@ def test_interrupt_in_setup_is_the_interrupt_and_frees_all(tiny, monkeypatch, wh
     garbage collection. Before: the last case left the engine's workers and arena alive (a
     reference cycle) until the cyclic GC ran; the first two are regression checks."""
     import nxhpc.dit.block as block
-    import nxhpc.dit.plan as plan
+    import nxhpc.nn.engine as plan
     mod, name = (block, "Engine") if where == "after Engine()" else (plan, where[3:-2])
     real = getattr(mod, name)
     calls = []
