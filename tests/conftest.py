@@ -24,3 +24,16 @@ def torch_threads():
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def models_root(tmp_path_factory):
+    """A module's own models directory (built-ins are generated there on first use)."""
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module")
+def tiny(models_root):
+    """The built-in ``tiny`` block model, opened from the module's models directory."""
+    from nxhpc.models import open_model
+    return open_model("tiny", models_dir=models_root)

@@ -64,13 +64,18 @@ def matmul_bound(K, mag):
 
 # ----------------------------------------------------------------------------- GGUF weights
 
-TESTED_TYPES = ("F32", "F16", "BF16", "Q8_0")
+#: Every weight type the kernels run -- the tests' own list, not read from the kernels: the
+#: tests of each type are parametrized over it, and test_kernels_wtype.py's guard fails when the
+#: C traits table holds a type missing here.
+WEIGHT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
+                "Q4_K", "Q5_K", "Q6_K")
 
 
 def gguf_bytes(w32, wtype):
     """The raw GGUF bytes (uint8 [N, rowbytes]) of float32 [N, K] values stored as `wtype`,
-    written by the gguf package: quants.quantize for Q8_0 and BF16 (ggml's round-to-nearest-even
-    with NaN quieted), numpy's astype for F16, the bytes themselves for F32."""
+    written by the gguf package: quants.quantize for BF16, Q8_0 and Q4_0 .. Q5_1 (for BF16
+    ggml's round-to-nearest-even with NaN quieted), numpy's astype for F16, the bytes themselves
+    for F32. (gguf has no K-quant encoder: NotImplementedError.)"""
     w32 = np.ascontiguousarray(w32, dtype=np.float32)
     if wtype == "F32":
         raw = w32.view(np.uint8)

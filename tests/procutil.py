@@ -1,5 +1,18 @@
-"""/proc helpers shared by the process-lifecycle tests (workers, blockrun, ddp): Linux only."""
+"""Process helpers shared by the process-lifecycle tests (workers, plan, block, models, CLIs):
+/proc readers (Linux only: :data:`linux_only` skips elsewhere), running a CLI module on a models
+directory, reading a child's pipe while it runs."""
 import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINUX = os.path.isdir("/proc/self/fd") and os.path.isdir("/dev/shm")
+linux_only = pytest.mark.skipif(not LINUX, reason="needs Linux /proc and /dev/shm")
 
 
 def alive(pid: int) -> bool:
@@ -36,8 +49,42 @@ def with_tests_on_path(env=None) -> dict:
 
 def wait_until(pred, timeout: float, step: float = 0.02):
     """Poll ``pred()`` until it is truthy or ``timeout`` seconds pass; its last value."""
-    import time
     deadline = time.monotonic() + timeout
     while not (v := pred()) and time.monotonic() < deadline:
         time.sleep(step)
     return v
+
+
+def mapped_arenas() -> list[str]:
+    """Arena segments still mapped into this process (unlinked ones show as '(deleted)')."""
+    with open("/proc/self/maps") as f:
+        return [ln for ln in f if "/dev/shm/nxhpc_" in ln]
+
+
+def models_env(root, **extra) -> dict:
+    """A copy of os.environ with ``NXHPC_MODELS=root`` (and ``extra``)."""
+    return dict(os.environ, NXHPC_MODELS=str(root), **extra)
+
+
+def run_cli(module: str, args, root, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    """``python -m module *args`` from the repository root with ``NXHPC_MODELS=root``."""
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True,
+                          text=True, env=models_env(root), timeout=timeout, cwd=ROOT, **kw)
+
+
+class PipeReader(threading.Thread):
+    """Collects a pipe's text as it comes (a waiter's message must arrive while it waits)."""
+
+    def __init__(self, stream):
+        super().__init__(daemon=True)
+        self.stream, self.text = stream, ""
+
+    def run(self):
+        for line in self.stream:
+            self.text += line
+
+    def wait_for(self, s, timeout=60):
+        end = time.monotonic() + timeout
+        while s not in self.text and time.monotonic() < end:
+            time.sleep(0.05)
+        return s in self.text

@@ -8,29 +8,29 @@
    all six norms: max abs error <= 1e-5 * max|reference| (6x64 and 3x128 heads, T=37).
 3. Bit-identical outputs for workers in {1, 2, 3, 5, 16} and both spawn modes; fixture weights
    == GGUF weights; a chained run == layer-by-layer runs.
-Negative controls show each comparison can fail. Input errors are checked before anything runs.
+Negative controls show each comparison can fail. Input errors are checked before anything runs,
+after narrowing to float32 (inputs and eps that float32 cannot hold are refused). A kept Block
+used from several threads is serialized; nested ``with`` keeps its workers to the outer exit.
 """
 import gc
 import os
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from nxhpc.dit.block import Block, run_layers
+from nxhpc.dit.block import Block, run_layers, validate_inputs
 from nxhpc.dit.reference import block_forward_f64, dequantize_layer
 from nxhpc.dit.config import BlockConfig
 from nxhpc.models import open_model
 from nxhpc.runtime.shm import live_segments
 from nxhpc.runtime.workers import WorkerError
-from testutil import ArrayModel, errs, mask_for, np32_block, random_layer
+from nxhpc.dit.plan import EPS_RANGE, BlockPlan, Engine
+from testutil import ArrayModel, block_inputs, errs, mask_for, np32_block, random_layer
+from procutil import alive, linux_only, mapped_arenas, run_cli
 
 PID = os.getpid()
-
-
-@pytest.fixture(scope="module")
-def models_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("models")
 
 
 def _open(mid, root):
@@ -170,12 +170,6 @@ def test_context_manager_reuses_workers(models_root):
     assert live_segments(PID) == []
 
 
-def _mapped_arenas() -> list[str]:
-    """Arena segments still mapped into this process (unlinked ones show as '(deleted)')."""
-    with open("/proc/self/maps") as f:
-        return [ln for ln in f if "/dev/shm/nxhpc_" in ln]
-
-
 def test_arena_unmapped_after_each_forward(models_root):
     """The arena's memory is returned when forward() returns, not at some later GC cycle
     (at Z-Image size and T=4096 one arena is ~1 GB); inside ``with`` it stays mapped."""
@@ -184,16 +178,16 @@ def test_arena_unmapped_after_each_forward(models_root):
     blk = model.block(0)
     gc.disable()
     try:
-        assert _mapped_arenas() == []
+        assert mapped_arenas() == []
         for spawn in ("pool", "stage"):
             blk.forward(x, t, pe, workers=2, spawn=spawn)
-            assert _mapped_arenas() == [], spawn
+            assert mapped_arenas() == [], spawn
         run_layers(model, [0, 1], x, pe, t_emb=t, workers=2)
-        assert _mapped_arenas() == []
+        assert mapped_arenas() == []
         with model.block(0) as kept:
             kept.forward(x, t, pe, workers=2)
-            assert len(_mapped_arenas()) == 1           # negative control: the check sees it
-        assert _mapped_arenas() == []
+            assert len(mapped_arenas()) == 1           # negative control: the check sees it
+        assert mapped_arenas() == []
     finally:
         gc.enable()
 
@@ -221,7 +215,7 @@ def test_hung_worker_stage_timeout(models_root, monkeypatch):
     assert time.monotonic() - t0 < 5
     with pytest.raises(ValueError, match="stage_timeout"):
         blk.forward(x, t, pe, workers=2, stage_timeout=-1)
-    assert live_segments(PID) == [] and _mapped_arenas() == []
+    assert live_segments(PID) == [] and mapped_arenas() == []
 
 
 # ------------------------------------------------------------------ bad inputs
@@ -256,6 +250,128 @@ def test_bad_inputs_clear_errors(models_root):
         blk.forward(x, t, pe, eps=-1.0)
     with pytest.raises(ValueError, match="layer index"):
         model.block(99)
+    assert live_segments(PID) == []
+
+
+def test_inputs_checked_after_narrowing_to_float32(tiny):
+    """A float64 input of 1e300 is finite but inf in float32: refused, naming the input and the
+    index. Before: accepted, and the block returned all-NaN silently."""
+    x, t, pe = block_inputs(tiny)
+    blk = tiny.block(0)
+    big = x.astype(np.float64)
+    big[3, 7] = 1e300
+    with pytest.raises(ValueError, match=r"x has 1 non-finite.*float32.*\(3, 7\)"):
+        blk.forward(big, t, pe, workers=1)
+    t64 = t.astype(np.float64)
+    t64[0] = -1e40
+    with pytest.raises(ValueError, match=r"t_emb .*float32"):
+        blk.forward(x, t64, pe, workers=1)
+    with pytest.raises(ValueError, match=r"t_emb .*float32"):
+        blk.adaln(t64)
+    m64 = blk.adaln(t).astype(np.float64)
+    m64[5] = 1e39
+    with pytest.raises(ValueError, match=r"adaln_m .*float32"):
+        blk.forward(x, pe=pe, adaln_m=m64, workers=1)
+    T, D, hd = x.shape[0], tiny.config.dim, tiny.config.head_dim
+    plan = BlockPlan(tiny.config)
+    with Engine([(plan, T)], {0: blk.weights}, workers=1,
+                buffers={"x": (T, D), "pe": (T, hd // 2, 2, 2)}) as e:
+        with pytest.raises(ValueError, match=r"adaln_m .*float32"):
+            e.run(plan, 0, e.buffer("x"), e.buffer("pe"), adaln_m=m64)
+        with pytest.raises(ValueError, match=r"t_emb .*float32"):
+            e.adaln(0, t64)
+    # negative controls: float64 inputs within float32's range run, bit-identical to float32;
+    # the largest float32 value itself passes the check
+    ref, _ = blk.forward(x, t, pe, workers=1)
+    out, _ = blk.forward(x.astype(np.float64), t.astype(np.float64), pe.astype(np.float64),
+                         workers=1)
+    assert np.array_equal(out, ref)
+    edge = x.astype(np.float64)
+    edge[0, 0] = float(np.finfo(np.float32).max)
+    validate_inputs(tiny.config, edge, pe, t_emb=t)
+
+
+@pytest.mark.parametrize("eps", [1e-50, 1e-39, 3.5e38, 1e39])
+def test_eps_outside_float32_is_refused(tiny, eps):
+    """eps is narrowed to float32 in the kernels: 1e-50 -> 0 (a zero row, i.e. padding, turns
+    NaN), 1e-39 -> subnormal, >= 3.5e38 -> inf. Refused in Block.forward, run_layers,
+    Engine.run and blockrun --eps (exit 2). Before: accepted everywhere (Engine.run did not
+    check eps at all)."""
+    x, t, pe = block_inputs(tiny)
+    T, D, hd = x.shape[0], tiny.config.dim, tiny.config.head_dim
+    with pytest.raises(ValueError, match="eps .*float32"):
+        tiny.block(0).forward(x, t, pe, workers=1, eps=eps)
+    with pytest.raises(ValueError, match="eps .*float32"):
+        run_layers(tiny, [0], x, pe, t_emb=t, workers=1, eps=eps)
+    plan = BlockPlan(tiny.config)
+    with Engine([(plan, T)], {0: tiny.layer_weights(0)}, workers=1,
+                buffers={"x": (T, D), "pe": (T, hd // 2, 2, 2)}) as e:
+        for bad in (eps, 0.0, -1.0):
+            with pytest.raises(ValueError, match="eps"):
+                e.run(plan, 0, e.buffer("x"), e.buffer("pe"), adaln_m=e.adaln(0, t), eps=bad)
+
+
+def test_eps_bounds_run_finite_on_a_zero_row(tiny, models_root):
+    """Positive control of the eps bound: at both ends of EPS_RANGE a block whose input has an
+    all-zero row (padding) gives a finite output; blockrun --eps 1e-50 is a usage error."""
+    x, t, pe = block_inputs(tiny)
+    x = x.copy()
+    x[2] = 0.0
+    for eps in EPS_RANGE:
+        out, _ = tiny.block(0).forward(x, t, pe, workers=2, eps=eps)
+        assert np.isfinite(out).all(), eps
+    r = run_cli("nxhpc.blockrun", ["tiny", "1", "--eps", "1e-50"], models_root)
+    assert r.returncode == 2 and "float32" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_kept_block_from_threads_is_serialized(tiny):
+    """One kept Block used from 4 threads (3 calls each): calls are serialized by the Block's
+    lock -- every output is the single-thread result bit for bit, no error, the workers are
+    the same ones throughout. Before: spurious worker errors, EBADF and 1 s stalls."""
+    x, t, pe = block_inputs(tiny)
+    ref, _ = tiny.block(0).forward(x, t, pe, workers=2)
+    outcomes, pids = [], set()
+    with tiny.block(0) as blk:
+        blk.forward(x, t, pe, workers=2)
+        pids0 = tuple(blk._runner.pool.pids)
+
+        def call():
+            for _ in range(3):
+                try:
+                    out, _ = blk.forward(x, t, pe, workers=2)
+                    outcomes.append("same" if np.array_equal(out, ref) else "DIFFERENT")
+                    pids.add(tuple(blk._runner.pool.pids))
+                except BaseException as e:  # noqa: BLE001
+                    outcomes.append(f"{type(e).__name__}: {e}")
+        ts = [threading.Thread(target=call) for _ in range(4)]
+        for th in ts:
+            th.start()
+        for th in ts:
+            th.join(120)
+    assert outcomes == ["same"] * 12, outcomes
+    assert pids == {pids0}
+    assert live_segments(PID) == []
+
+
+@linux_only
+def test_nested_with_keeps_workers_until_the_outermost_exit(tiny):
+    """``with blk:`` inside ``with blk:``: leaving the inner block keeps the workers (same
+    pids on the next call); leaving the outer one releases them. Before: the inner exit
+    silently stopped keeping them."""
+    x, t, pe = block_inputs(tiny)
+    with tiny.block(0) as blk:
+        with blk:
+            out1, _ = blk.forward(x, t, pe, workers=2)
+            pids = list(blk._runner.pool.pids)
+        assert blk._runner is not None and all(map(alive, pids))
+        out2, _ = blk.forward(x, t, pe, workers=2)
+        assert list(blk._runner.pool.pids) == pids and np.array_equal(out1, out2)
+    assert blk._runner is None and not any(map(alive, pids))
+    with blk:                                                   # reusable afterwards
+        blk.forward(x, t, pe, workers=2)
+        assert blk._runner is not None
+        blk.close()                                             # close() inside: released
+        assert blk._runner is None
     assert live_segments(PID) == []
 
 

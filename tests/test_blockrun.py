@@ -25,11 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PID = os.getpid()
 
 
-@pytest.fixture(scope="module")
-def models_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("models")
-
-
 def _cli(args, root, timeout=300, **kw):
     env = dict(os.environ, NXHPC_MODELS=str(root))
     return subprocess.run([sys.executable, "-m", "nxhpc.blockrun", *args], capture_output=True,

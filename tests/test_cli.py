@@ -1,8 +1,9 @@
 """The one CLI layer (``nxhpc.cli``): one exit-code table shared by every CLI, console commands,
 each ``--help`` naming only its own options and codes, the ``nxhpc <command>`` entry point, the
 shadowed-package repair, and the boundary checks (``nxhpc.runtime.checks``) with their negative
-cases. The CLIs' behaviour per command is tested in test_blockrun.py, test_denoiser.py,
-test_sample_cli.py, test_models.py and test_ddp.py."""
+cases; and exit codes in hard cases (a Ctrl-C that C code turned into another error during
+generation: 130; a worker stopped mid-run: 6). The CLIs' behaviour per command is tested in
+test_blockrun.py, test_denoiser.py, test_sample_cli.py, test_models.py and test_ddp.py."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +15,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +25,7 @@ from nxhpc.cli import args as types
 from nxhpc.cli.codes import DEFAULT_TEXT, Exit, code_for, codes_epilog
 from nxhpc.cli.main import COMMANDS
 from nxhpc.runtime import checks
+from procutil import linux_only, models_env
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_MODULES = [mod for mod, _ in COMMANDS.values()]
@@ -423,3 +426,70 @@ def test_argparse_types(fn, good, bad):
     for s in bad:
         with pytest.raises(argparse.ArgumentTypeError):
             fn(s)
+
+
+# ----------------------------------------------------------------------------- exit codes in hard cases
+
+_SWALLOW = textwrap.dedent(r"""
+    import os, signal, sys
+    import nxhpc.models.synthetic as gen                # the generator's GGUF writer
+    real, mode = gen.write_gguf, sys.argv[1]
+
+    def write_gguf(*a, **k):
+        # what numpy's tofile does with a KeyboardInterrupt raised inside it: it catches it
+        # and raises its own TypeError ("expected str, bytes or os.PathLike object, not
+        # BufferedWriter"; measured: 1 in ~300 interrupts of a tofile loop)
+        try:
+            if mode != "no-signal":
+                os.kill(os.getpid(), signal.SIGINT)
+            real(*a, **k)
+        except KeyboardInterrupt:
+            pass
+        raise TypeError("expected str, bytes or os.PathLike object, not BufferedWriter")
+    gen.write_gguf = write_gguf
+    if sys.argv[2] == "blockrun":
+        from nxhpc.blockrun import main
+        sys.exit(main(["tiny", "1"]))
+    from nxhpc.models.cli import main
+    sys.exit(main(["make", "tiny"]))
+""")
+
+
+@pytest.mark.parametrize("cli", ["blockrun", "models"])
+def test_ctrl_c_replaced_by_c_code_during_generation_exits_130(tmp_path, cli):
+    """A Ctrl-C during generation whose KeyboardInterrupt numpy's tofile swallowed (raising a
+    TypeError instead) exits 130 like any Ctrl-C, leaving no temporary. Before: exit 70 (an
+    'internal error' traceback; the models CLI: a traceback). Negative control: the same
+    TypeError with no signal is still reported as the bug it is."""
+    root = tmp_path / "models"
+    r = subprocess.run([sys.executable, "-c", _SWALLOW, "signal", cli], capture_output=True,
+                       text=True, env=models_env(root), cwd=ROOT, timeout=300)
+    assert r.returncode == 130, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr and "interrupted" in r.stderr, r.stderr[-2000:]
+    assert not [q for q in root.iterdir() if ".tmp-" in q.name]
+    r = subprocess.run([sys.executable, "-c", _SWALLOW, "no-signal", cli], capture_output=True,
+                       text=True, env=models_env(root), cwd=ROOT, timeout=300)
+    assert r.returncode in (70, 1) and "TypeError" in r.stderr, (r.returncode, r.stderr[-2000:])
+
+
+@linux_only
+def test_stopped_worker_fails_a_block_run_with_exit_6(models_root, tiny):
+    """The same through ``blockrun`` (no --stage-timeout): exit 6 naming the worker."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        import nxhpc._kernels as K
+        real = K.swiglu
+        def stopping(a, b, out, i0=0, i1=None, isa=None):
+            if i0 > 0:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return real(a, b, out, i0=i0, i1=i1, isa=isa)
+        K.swiglu = stopping
+        from nxhpc.blockrun import main
+        sys.exit(main(["tiny", "2", "--models-dir", {str(models_root)!r}]))
+    """)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 6, (r.returncode, r.stderr[-2000:])
+    assert "stage 'swiglu': worker 1 of 2" in r.stderr and "SIGSTOP" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 60

@@ -428,14 +428,14 @@ def test_tiny_dit_builtin(tmp_path):
 def test_generator_deterministic_and_same_tensors_as_the_layout_writer(tmp_path):
     """The streaming generator writes what zimage_files.write_zimage_gguf writes for the same
     float weights (names, stored shapes, types, dequantized values); twice -> same bytes."""
-    from nxhpc.models.synthetic import DenoiserSpec, _draw_tensor, make_synthetic_denoiser
+    from nxhpc.models.synthetic import SyntheticSpec, _draw_tensor, make_synthetic
     from nxhpc.models.zimage_files import read_zimage_gguf, write_zimage_gguf
     for layout in LAYOUTS:
-        spec = DenoiserSpec(dim=256, n_heads=4, ffn_dim=512, n_layers=1, n_refiner=1,
-                            cap_dim=64, layout=layout, seed=9, latent_hw=(4, 6), n_caption=3,
-                            reference=False)
-        a = make_synthetic_denoiser(tmp_path / f"a-{layout}", spec)
-        b = make_synthetic_denoiser(tmp_path / f"b-{layout}", spec)
+        spec = SyntheticSpec(dim=256, n_heads=4, ffn_dim=512, n_layers=1, n_refiner=1,
+                             cap_dim=64, layout=layout, seed=9, latent_hw=(4, 6), n_caption=3,
+                             reference=False)
+        a = make_synthetic(tmp_path / f"a-{layout}", spec)
+        b = make_synthetic(tmp_path / f"b-{layout}", spec)
         assert (a / "model.gguf").read_bytes() == (b / "model.gguf").read_bytes()
         ours = read_zimage_gguf(a / "model.gguf")
         floats = {n: _draw_tensor(spec, i, n, s)

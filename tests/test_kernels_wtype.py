@@ -1,12 +1,16 @@
 """Tests of the weight-type seam: the traits table, dequantize, and matmul / adaln_linear over
-F32, F16, BF16 and Q8_0 weights.
+every weight type the kernels run (F32, F16, BF16, Q8_0 and the nine block types Q4_0 .. Q6_K;
+``kernelutil.WEIGHT_TYPES``, which a guard holds equal to the C traits table).
 
-Independent references only: weights are written by the `gguf` package (quants.quantize for
-Q8_0 and BF16, numpy's astype for F16) and decoded by gguf.quants.dequantize; products are
-checked against float64 numpy `x @ W.T` with the bound of the documented summation order
-(kernelutil.matmul_bound, derived there). Bit-identity is checked where the contract promises it:
-across ISAs, column bands, token batchings, the two panel packers, and -- since these four types
-dequantize exactly -- against the same matmul over the float32 dequantization stored as F32.
+Independent references only: weights are written by the `gguf` package where it has an encoder
+(quants.quantize for BF16, Q8_0, Q4_0 .. Q5_1; numpy's astype for F16) and otherwise (the
+K-quants) by nxhpc.formats.quants' encoders or as random blocks with finite scales -- only the
+bytes matter: every reference decodes them with gguf.quants.dequantize. Products are checked
+against float64 numpy `x @ W.T` with the bound of the documented summation order
+(kernelutil.matmul_bound, derived there). Bit-identity is checked where the contract promises
+it: dequantize against gguf, and the matmul across ISAs, column bands, token batchings, the two
+panel packers, and -- since every type dequantizes exactly -- against the same matmul over the
+float32 dequantization stored as F32.
 """
 import itertools
 import os
@@ -17,23 +21,49 @@ import textwrap
 import gguf
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from kernelutil import (
     EPS32,
     GGML,
     ISAS,
     SIMD_ISAS,
-    TESTED_TYPES,
+    WEIGHT_TYPES,
     assert_bitwise,
     gguf_bytes,
     gguf_values,
     matmul_bound,
     random_weight,
 )
+from test_quants import edge_blocks, finite_blocks
 
 from nxhpc import _kernels as K
 from nxhpc.formats import ggml_blocks
+from nxhpc.formats.ggml_blocks import QUANT_BLOCKS
+from nxhpc.formats.quants import quantize
+from nxhpc.formats.weights import RUNNABLE_TYPES
+
+#: The nine block types (a row of ggml_blocks.QUANT_BLOCKS each; Q8_0 is a table row too).
+BLOCK_TYPES = tuple(t for t in WEIGHT_TYPES if t in QUANT_BLOCKS and t != "Q8_0")
+#: Types the gguf package cannot write (its quantize lacks the K-quant encoders).
+NO_GGUF_ENCODER = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def _elems(wtype):
+    return gguf.GGML_QUANT_SIZES[GGML[wtype]][0]
+
+
+def typed_weight(rng, n, k, wtype, scale=1.0, kind="encoded"):
+    """(raw uint8 [n, row bytes], float64 [n, k] values per gguf.quants.dequantize) of a random
+    weight stored as ``wtype``. ``kind="encoded"``: Gaussian values times ``scale``, written by
+    the gguf package (kernelutil.random_weight) or, for the K-quants, nxhpc.formats.quants;
+    ``"random"`` (block types): random blocks with finite float16 scales (every code random)."""
+    if kind == "random":
+        raw = finite_blocks(rng, wtype, n * (k // _elems(wtype))).reshape(n, -1)
+    elif wtype in NO_GGUF_ENCODER:
+        raw = quantize((rng.standard_normal((n, k)) * scale).astype(np.float32), wtype)
+    else:
+        return random_weight(rng, n, k, wtype, scale)
+    raw = np.ascontiguousarray(raw)
+    return raw, gguf_values(raw, wtype).astype(np.float64)
 
 
 def _mm(x, raw, wtype, isa, n0=0, n1=None, bias=None, fn=None):
@@ -60,13 +90,32 @@ def assert_matmul_close(out, x, w64, what, bias=None):
 
 # ----------------------------------------------------------------------------- the traits table
 
+def test_every_type_the_kernels_run_is_tested():
+    """Guard: the tests walk kernelutil.WEIGHT_TYPES, which must be every type of the C traits
+    table -- a type added to the kernels without being added there fails here -- and the types
+    the Python side lets a block hold (formats.weights.RUNNABLE_TYPES)."""
+    assert len(set(WEIGHT_TYPES)) == len(WEIGHT_TYPES)
+    assert set(WEIGHT_TYPES) == set(K.weight_types()), sorted(set(K.weight_types()) ^
+                                                              set(WEIGHT_TYPES))
+    assert set(RUNNABLE_TYPES) == set(K.weight_types())
+
+
 def test_weight_types_match_gguf_geometry():
     wt = K.weight_types()
-    assert set(TESTED_TYPES) <= set(wt), wt
     for name, info in wt.items():
         q = GGML[name]
         assert info["ggml_type"] == int(q), name
         assert (info["block_elems"], info["block_bytes"]) == gguf.GGML_QUANT_SIZES[q], name
+
+
+def test_every_type_is_a_table_row():
+    wt = K.weight_types()
+    for n in BLOCK_TYPES:
+        b = QUANT_BLOCKS[n]
+        assert wt[n] == {"ggml_type": b.ggml_type, "block_elems": b.elems,
+                         "block_bytes": b.nbytes}, n
+    assert K.quant_block_sizes() == {n: (wt[n]["ggml_type"], wt[n]["block_elems"],
+                                         wt[n]["block_bytes"]) for n in BLOCK_TYPES}
 
 
 def _python_block_itemsize(name):
@@ -100,20 +149,52 @@ def test_matmul_packer_reports():
 
 # ----------------------------------------------------------------------------- dequantize
 
-@pytest.mark.parametrize("wtype", TESTED_TYPES)
-@pytest.mark.parametrize("nblocks", [1, 7, 31, 33, 4097])
-def test_dequantize_random_bytes_match_gguf(wtype, nblocks):
-    """Random bytes: every bit pattern class (subnormal, inf, quiet and signalling NaN) occurs;
-    the vector tails (n % 16, n % 8) run the spec."""
-    _, B = gguf.GGML_QUANT_SIZES[GGML[wtype]]
-    rng = np.random.default_rng(nblocks)
-    w = rng.integers(0, 256, size=(3, nblocks * B), dtype=np.uint8)
-    with np.errstate(all="ignore"):
-        ref = gguf_values(w, wtype)
-    for isa in ISAS:
-        got = K.dequantize(w, wtype, isa=isa)
-        assert got.shape == ref.shape
-        assert_bitwise(got, ref, f"{wtype} isa={isa}")
+#: Reduction lengths per block size: element types hit the vector tails (K % 16, % 8), blocks of
+#: 32 a K > 1024 (two k-blocks), K-quants K > 1024 with a partial last k-block.
+K_LENGTHS = {1: (1, 7, 16, 33, 289, 1040), 32: (32, 96, 288, 1056), 256: (256, 512, 1280)}
+
+
+@pytest.mark.parametrize("wtype", WEIGHT_TYPES)
+def test_dequantize_and_matmul_match_gguf_and_float64(wtype):
+    """Every weight type, through the table's entry points.
+
+    dequantize: random bytes (every bit-pattern class: subnormal, inf, quiet and signalling NaN
+    values or scales; 1 .. 4097 blocks, so the vector tails run the spec) and, for the block
+    types, the edge battery of test_quants -- bit for bit gguf.quants.dequantize, at every ISA
+    (and through dequantize_blocks for the nine block types).
+    matmul: T x N x K over a grid with tails; the output within the float64 bound of
+    ``x @ W.T``, W the gguf-dequantized weight; every ISA and the generic packer give the generic
+    spec's bits, and so does the weight stored as its float32 dequantization (F32)."""
+    E, B = gguf.GGML_QUANT_SIZES[GGML[wtype]]
+    rng = np.random.default_rng(WEIGHT_TYPES.index(wtype))
+    raws = [rng.integers(0, 256, size=(3, nb * B), dtype=np.uint8) for nb in (1, 7, 31, 33, 4097)]
+    if wtype in BLOCK_TYPES:
+        raws.append(edge_blocks(wtype))
+    for raw in raws:
+        with np.errstate(all="ignore"):
+            ref = gguf_values(raw, wtype)
+        for isa in ISAS:
+            got = K.dequantize(raw, wtype, isa=isa)
+            assert got.shape == ref.shape
+            assert_bitwise(got, ref, f"{wtype} dequantize {raw.shape} isa={isa}")
+            if wtype in BLOCK_TYPES:
+                assert_bitwise(K.dequantize_blocks(raw, wtype, isa=isa), ref,
+                               f"{wtype} dequantize_blocks {raw.shape} isa={isa}")
+    kinds = ("encoded", "random") if wtype in BLOCK_TYPES else ("encoded",)
+    grid = itertools.product((1, 7, 33), (1, 17, 65), K_LENGTHS[E])
+    for case, (T, N, Kd) in enumerate(grid):
+        kind = kinds[case % len(kinds)]
+        x = _x(rng, T, Kd)
+        raw, w64 = typed_weight(rng, N, Kd, wtype, scale=10.0 ** rng.uniform(-3, 3), kind=kind)
+        what = f"{wtype} T={T} N={N} K={Kd} {kind}"
+        gen = _mm(x, raw, wtype, "generic")
+        assert_matmul_close(gen, x, w64, f"{what} generic")
+        as_f32 = gguf_bytes(w64.astype(np.float32), "F32")
+        for isa in ISAS:
+            assert_bitwise(_mm(x, raw, wtype, isa), gen, f"{what} isa={isa}")
+            assert_bitwise(_mm(x, raw, wtype, isa, fn=K._matmul_dequant_pack), gen,
+                           f"{what} isa={isa} generic packer")
+            assert_bitwise(_mm(x, as_f32, "F32", isa), gen, f"{what} vs F32 dequant isa={isa}")
 
 
 @pytest.mark.parametrize("wtype", ["F16", "BF16"])
@@ -130,8 +211,8 @@ def test_dequantize_every_16_bit_pattern(wtype):
 def test_dequantize_names_ids_and_element_arrays():
     rng = np.random.default_rng(1)
     w32 = rng.standard_normal((5, 64)).astype(np.float32)
-    for wtype in TESTED_TYPES:
-        raw = gguf_bytes(w32, wtype)
+    for wtype in WEIGHT_TYPES:
+        raw, _ = typed_weight(rng, 5, 256, wtype)
         ref = gguf_values(raw, wtype)
         for spec in (wtype, wtype.lower(), int(GGML[wtype]), GGML[wtype], np.int64(int(GGML[wtype]))):
             assert_bitwise(K.dequantize(raw, spec), ref, f"{wtype} as {spec!r}")
@@ -145,55 +226,33 @@ def test_dequantize_names_ids_and_element_arrays():
 
 # ----------------------------------------------------------------------------- matmul
 
-KS = {"F32": [1, 7, 31, 33, 288, 1040], "F16": [1, 7, 33, 288, 1040], "BF16": [1, 16, 33, 289, 1040],
-      "Q8_0": [32, 96, 288, 1056]}
-
-
-@settings(max_examples=25)
-@given(wtype=st.sampled_from(TESTED_TYPES), T=st.sampled_from([1, 2, 7, 13, 33]),
-       N=st.sampled_from([1, 7, 16, 17, 31, 33, 65]), kidx=st.integers(0, 5),
-       seed=st.integers(0, 2**32 - 1))
-def test_matmul_vs_float64_bit_identical_everywhere(wtype, T, N, kidx, seed):
-    """For each type: within the float64 bound; every isa gives the generic spec's bits; the
-    generic packer gives the fused packer's bits; and the weight stored as its float32
-    dequantization (F32) gives the same bits (the values are exact in float32)."""
-    Kd = KS[wtype][kidx % len(KS[wtype])]
-    rng = np.random.default_rng(seed)
-    x = _x(rng, T, Kd)
-    raw, w64 = random_weight(rng, N, Kd, wtype, scale=10.0 ** rng.uniform(-3, 3))
-    gen = _mm(x, raw, wtype, "generic")
-    assert_matmul_close(gen, x, w64, f"{wtype} generic")
-    as_f32 = gguf_bytes(w64.astype(np.float32), "F32")
-    for isa in ISAS:
-        assert_bitwise(_mm(x, raw, wtype, isa), gen, f"{wtype} isa={isa}")
-        assert_bitwise(_mm(x, raw, wtype, isa, fn=K._matmul_dequant_pack), gen,
-                       f"{wtype} isa={isa} generic packer")
-        assert_bitwise(_mm(x, as_f32, "F32", isa), gen, f"{wtype} vs F32 dequant isa={isa}")
-
-
-@pytest.mark.parametrize("wtype", TESTED_TYPES)
+@pytest.mark.parametrize("wtype", WEIGHT_TYPES)
 def test_matmul_crosses_every_blocking_level(wtype):
-    """T > MC (264), K > KC (1024 / 512) with a partial last k-block whose length is no multiple
-    of 16 for the element types, N > NC (128 / 256) with a partial panel."""
+    """T > MC (264), K > KC (1024 / 512) with a partial last k-block (for the element types of
+    a length no multiple of 16), N > NC (128 / 256) with a partial panel: the SIMD drivers and
+    both packers give the spec's bits."""
     rng = np.random.default_rng(2)
-    T, N = 300, 300
-    Kd = 1088 if wtype == "Q8_0" else 1093
+    E = _elems(wtype)
+    T, N = 270, 300
+    Kd = 1093 if E == 1 else -(-1040 // E) * E
     x = _x(rng, T, Kd)
-    raw, w64 = random_weight(rng, N, Kd, wtype)
+    raw, w64 = typed_weight(rng, N, Kd, wtype)
     gen = _mm(x, raw, wtype, "generic")
     assert_matmul_close(gen, x, w64, wtype)
     for isa in SIMD_ISAS:
-        assert_bitwise(_mm(x, raw, wtype, isa), gen, f"isa={isa}")
-        assert_bitwise(_mm(x, raw, wtype, isa, fn=K._matmul_dequant_pack), gen, f"isa={isa} deq")
+        assert_bitwise(_mm(x, raw, wtype, isa), gen, f"{wtype} isa={isa}")
+        assert_bitwise(_mm(x, raw, wtype, isa, fn=K._matmul_dequant_pack), gen,
+                       f"{wtype} isa={isa} deq")
 
 
-@pytest.mark.parametrize("wtype", TESTED_TYPES)
+@pytest.mark.parametrize("wtype", WEIGHT_TYPES)
 @pytest.mark.parametrize("isa", ISAS)
 def test_matmul_band_and_batch_invariance_with_bias(wtype, isa):
     rng = np.random.default_rng(3)
-    T, Kd, N = 29, 320, 101
+    T, N = 29, 101
+    Kd = 320 if _elems(wtype) <= 32 else 512
     x = _x(rng, T, Kd)
-    raw, w64 = random_weight(rng, N, Kd, wtype)
+    raw, w64 = typed_weight(rng, N, Kd, wtype)
     bias = rng.standard_normal(N).astype(np.float32)
     full = _mm(x, raw, wtype, isa, bias=bias)
     assert_matmul_close(full, x, w64, f"{wtype} bias", bias=bias)
@@ -236,6 +295,24 @@ def test_matmul_bound_is_not_vacuous():
         assert_matmul_close(_mm(x, rq, "Q8_0", "generic"), x, wq, "one quant off")
 
 
+def test_matmul_bound_is_not_vacuous_for_k_quants():
+    """Negative controls: one Q4_K 4-bit code off by one, and a decoder that dropped the
+    "- dmin * min" term (the mins zeroed), both fail the float64 check."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((5, 512)).astype(np.float32)
+    raw, w64 = typed_weight(rng, 9, 512, "Q4_K")
+    assert_matmul_close(_mm(x, raw, "Q4_K", "generic"), x, w64, "ok")
+    bad = raw.copy()
+    bad[4, 16 + 40] ^= np.uint8(0x01)             # qs byte of block 0 of row 4
+    with pytest.raises(AssertionError):
+        assert_matmul_close(_mm(x, bad, "Q4_K", "generic"), x, w64, "one code off")
+    nomin = raw.copy()
+    blk = nomin.reshape(-1).view(QUANT_BLOCKS["Q4_K"].dtype)
+    blk["dmin"] = 0
+    with pytest.raises(AssertionError):
+        assert_matmul_close(_mm(x, nomin, "Q4_K", "generic"), x, w64, "mins dropped")
+
+
 @pytest.mark.parametrize("wtype", ["F16", "BF16", "F32"])
 def test_matmul_non_finite_weights_propagate_identically(wtype):
     rng = np.random.default_rng(5)
@@ -253,22 +330,23 @@ def test_matmul_non_finite_weights_propagate_identically(wtype):
         assert_bitwise(_mm(x, raw, wtype, isa, fn=K._matmul_dequant_pack), gen, f"isa={isa} deq")
 
 
-def test_matmul_reads_read_only_unaligned_maps(tmp_path):
+@pytest.mark.parametrize("wtype", WEIGHT_TYPES)
+def test_matmul_reads_read_only_unaligned_maps(tmp_path, wtype):
     """Weights straight from a read-only memory map at an odd file offset (GGUF data is only
     32-byte aligned per tensor, rows may be at any byte): same bits, file unchanged."""
     rng = np.random.default_rng(6)
-    x = _x(rng, 5, 130)
-    for wtype in ("F32", "F16", "BF16"):
-        raw, _ = random_weight(rng, 41, 130, wtype)
-        path = tmp_path / f"{wtype}.bin"
-        path.write_bytes(b"\x07" + raw.tobytes())
-        wm = np.memmap(path, dtype=np.uint8, mode="r", offset=1, shape=raw.shape)
-        assert not wm.flags.writeable
-        ref = _mm(x, raw, wtype, "generic")
-        for isa in ISAS:
-            assert_bitwise(_mm(x, wm, wtype, isa), ref, f"{wtype} map isa={isa}")
-        del wm
-        assert path.read_bytes()[1:] == raw.tobytes()
+    Kd = 130 if _elems(wtype) == 1 else 512
+    x = _x(rng, 5, Kd)
+    raw, _ = typed_weight(rng, 41, Kd, wtype)
+    path = tmp_path / f"{wtype}.bin"
+    path.write_bytes(b"\x07" + raw.tobytes())
+    wm = np.memmap(path, dtype=np.uint8, mode="r", offset=1, shape=raw.shape)
+    assert not wm.flags.writeable
+    ref = _mm(x, raw, wtype, "generic")
+    for isa in ISAS:
+        assert_bitwise(_mm(x, wm, wtype, isa), ref, f"{wtype} map isa={isa}")
+    del wm
+    assert path.read_bytes()[1:] == raw.tobytes()
 
 
 def test_matmul_converts_panel_by_panel_no_float32_copy(tmp_path):
@@ -301,13 +379,15 @@ def test_matmul_converts_panel_by_panel_no_float32_copy(tmp_path):
 
 # ----------------------------------------------------------------------------- adaln_linear
 
-@pytest.mark.parametrize("wtype", TESTED_TYPES)
+@pytest.mark.parametrize("wtype", WEIGHT_TYPES)
 @pytest.mark.parametrize("silu_input", [False, True])
-def test_adaln_linear_all_types(wtype, silu_input):
+def test_adaln_linear_every_type(wtype, silu_input):
+    """Within the float64 bound of ``W u + b`` (u = t or silu(t)); every ISA gives the generic
+    spec's bits, and so does the weight stored as its float32 dequantization (F32)."""
     rng = np.random.default_rng(8)
     Kd, N = 256, 4 * 48 + 3
     t = (rng.standard_normal(Kd) * 3).astype(np.float32)
-    raw, w64 = random_weight(rng, N, Kd, wtype, scale=0.05)
+    raw, w64 = typed_weight(rng, N, Kd, wtype, scale=0.05)
     b = rng.standard_normal(N).astype(np.float32)
     u = t.astype(np.float64)
     if silu_input:
@@ -316,10 +396,10 @@ def test_adaln_linear_all_types(wtype, silu_input):
     mag = np.abs(w64) @ np.abs(u)
     # silu in float32 (expf: a few ulp) perturbs u by <= 4u|u|; the matmul bound; the bias add.
     tol = (4 * EPS32 + matmul_bound(Kd, 1.0)) * mag + EPS32 * (np.abs(ref) + mag) + 1e-30
-    w32 = gguf_values(raw, wtype)
     want = np.full(N, np.nan, np.float32)
-    K.adaln_linear(t, w32, "F32", b, want, silu_input=silu_input, isa="generic")
+    K.adaln_linear(t, raw, wtype, b, want, silu_input=silu_input, isa="generic")
     assert (np.abs(want - ref) <= tol).all()
+    w32 = gguf_values(raw, wtype)
     for isa in ISAS:
         out = np.full(N, np.nan, np.float32)
         assert K.adaln_linear(t, raw, wtype, b, out, silu_input, isa=isa) is out
@@ -327,6 +407,8 @@ def test_adaln_linear_all_types(wtype, silu_input):
         out2 = np.full(N, np.nan, np.float32)
         K.adaln_linear(t, raw, wtype, bias=b, out=out2, silu_input=silu_input, isa=isa)
         assert_bitwise(out2, want, "keywords")
+        K.adaln_linear(t, w32, "F32", b, out2, silu_input=silu_input, isa=isa)
+        assert_bitwise(out2, want, f"{wtype} isa={isa} vs F32 dequant")
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -444,3 +526,24 @@ def test_bad_input_loses_nothing():
         K.matmul(np.ones((4, 64), np.float32), raw, "Q9_9", out)
     assert_bitwise(out, keep)
     np.testing.assert_array_equal(raw, before)
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+def test_k_not_a_multiple_of_the_block_is_refused(name):
+    E, B = _elems(name), QUANT_BLOCKS[name].nbytes
+    Kd = E + 16                                   # not whole blocks
+    x = np.zeros((2, Kd), np.float32)
+    w = np.zeros((3, B * 2), np.uint8)
+    out = np.zeros((2, 3), np.float32)
+    with pytest.raises(ValueError, match=rf"matmul: x has K={Kd}, which is not a multiple of "
+                                         rf"{E} \(the {name} block size"):
+        K.matmul(x, w, name, out)
+    with pytest.raises(ValueError, match=rf"adaln_linear: t_emb has K={Kd}, which is not a "
+                                         rf"multiple of {E}"):
+        K.adaln_linear(np.zeros(Kd, np.float32), w, name, None, np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match=rf"rows must be a multiple of {B} bytes \({name}"):
+        K.dequantize(np.zeros((2, B + 1), np.uint8), name)
+    # whole blocks but a weight of the wrong row length: named with the expected shape
+    with pytest.raises(ValueError, match=rf"expected w of shape \(3, {B}\) uint8"):
+        K.matmul(np.zeros((2, E), np.float32), w, name, out)
+    assert not out.any()

@@ -1,14 +1,22 @@
-"""Model ids, directories, config inference, layer binding and synthetic models (nxhpc.models).
+"""Model ids, directories, config inference, layer binding and synthetic models (nxhpc.models);
+models directories that cannot take a model (a file, read-only, full: exit 9), the generation
+lock and the sweeping of dead writers' temporaries, and the API's edges (a closed model, an
+empty id).
 
 The synthetic references are checked against diffusers' blocks (an independent oracle), not
 against the float64 module that produced them.
 """
 import dataclasses
+import fcntl
 import json
 import multiprocessing as mp
 import os
+import resource
+import signal
 import subprocess
 import sys
+import textwrap
+import time
 import warnings
 from pathlib import Path
 
@@ -23,15 +31,19 @@ from nxhpc.formats.gguf_io import (GGUFFile, MissingTensorError, ModelFileError,
                                    write_gguf)
 from nxhpc.formats.weights import WeightTensor
 from testutil import gguf_weights_f64, t32
+from nsutil import require_private_mounts, run_script
+from procutil import PipeReader, linux_only, models_env, run_cli
 from nxhpc.dit.binding import LayerWeights
 from nxhpc.dit.config import tensor_names
-from nxhpc.models import (BUILTINS, SyntheticSpec, builtin_ids, ensure_builtin, make_synthetic,
-                          open_model)
+from nxhpc.models import (BUILTINS, ModelsDirError, SyntheticSpec, builtin_ids, ensure_builtin,
+                          make_synthetic, open_model)
+from nxhpc.models.modeldir import sweep_stale
 
 BUILTIN_MODELS = {k: BUILTINS[k] for k in builtin_ids("block")}     # the block models
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
 ROOT = Path(__file__).resolve().parents[1]
+PID = os.getpid()
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +71,8 @@ def test_one_builtin_table_holds_both_kinds():
         assert registry.builtin_spec(mid) is spec
         assert spec.config().whole == (spec.kind == "denoiser"), mid
     assert registry.builtin_spec("zimage-dit-7l").kind == "denoiser"
+    with pytest.raises(ValueError, match="kind must be one of"):
+        builtin_ids("denoisers")
 
 
 def test_builtin_specs_are_valid_and_sized_as_promised():
@@ -74,6 +88,45 @@ def test_builtin_specs_are_valid_and_sized_as_promised():
     assert g.n_kv_heads < g.n_heads and g.adaln_silu and g.adaln_in == 1024
     m = BUILTIN_MODELS["mid"]
     assert 768 <= m.config().dim <= 1024 and 100 <= m.n_tokens <= 200
+
+
+#: The fingerprints of the built-ins as generated before the block and denoiser specs became one
+#: spec: a change of a spec's identity (its fields, their names, GENERATOR_VERSION) shows here
+#: before it regenerates every user's models.
+PINNED_FINGERPRINTS = {
+    "tiny": "adc4a44d7e209441", "tiny-gqa": "0173d2dd460a2061", "mid": "4b0df528e2a1c00f",
+    "zimage-1l": "4c830a01607bb22e", "tiny-dit": "b3ea256497fd4c6c",
+    "zimage-dit-1l": "e51a25a273e208bf", "zimage-dit-2l": "31fd10db6b362feb",
+}
+
+
+def test_builtin_fingerprints_are_pinned():
+    got = {mid: registry.builtin_spec(mid).fingerprint() for mid in PINNED_FINGERPRINTS}
+    assert got == PINNED_FINGERPRINTS
+    # negative control: every identifying field moves the fingerprint
+    tiny, dit = BUILTINS["tiny"], BUILTINS["tiny-dit"]
+    assert dataclasses.replace(tiny, types="q4_0").fingerprint() != tiny.fingerprint()
+    assert dataclasses.replace(dit, timestep=0.5).fingerprint() != dit.fingerprint()
+
+
+def test_one_spec_kind_follows_the_embedders():
+    """One spec class for both kinds: ``cap_dim`` makes it a denoiser; each kind stores and
+    fingerprints its own fields only, and a field of the other kind is refused."""
+    block, den = SyntheticSpec(), SyntheticSpec(cap_dim=64)
+    assert (block.kind, den.kind) == ("block", "denoiser")
+    assert (block.n_caption, den.n_caption) == (13, 19)               # per-kind defaults
+    assert not block.config().whole and den.config().whole
+    assert den.config().cap_dim == 64 and den.config().n_noise_refiner == 2
+    assert "grid" in block.fields() and "cap_dim" not in block.fields()
+    assert "latent_hw" in den.fields() and "grid" not in den.fields()
+    assert den.token_grid == (1, 7, 5) and den.n_tokens == 19 + 35
+    with pytest.raises(ValueError, match="grid does not apply to a denoiser"):
+        SyntheticSpec(cap_dim=64, grid=(1, 2, 2)).validate()
+    with pytest.raises(ValueError, match="layout, timestep do not apply to a block"):
+        SyntheticSpec(layout="sdcpp-q8_0", timestep=0.5).validate()
+    with pytest.raises(ValueError, match="latent_hw"):
+        SyntheticSpec(cap_dim=64, latent_hw=(3, 4)).validate()
+    SyntheticSpec(cap_dim=64, n_caption=19, seed=3).validate()         # shared fields are fine
 
 
 @pytest.mark.parametrize("mid", ["tiny", "tiny-gqa", "mid"])
@@ -411,6 +464,23 @@ def test_cli(tmp_path, root):
     assert r.returncode == 2 and "FxHxW" in r.stderr
 
 
+def test_cli_makes_a_custom_denoiser_from_a_builtin(tmp_path):
+    """``make tiny-dit --dim ... --out``: the built-in denoiser's spec with custom dims, through
+    the one generator; an option only block models take is a usage error naming it."""
+    out = tmp_path / "den"
+    r = _cli("make", "tiny-dit", "--dim", "128", "--heads", "2", "--ffn", "256", "--layers",
+             "1", "--seed", "4", "--out", out, env_dir=tmp_path)
+    assert r.returncode == 0, r.stderr
+    info = json.loads((out / "synthetic.json").read_text())
+    want = dataclasses.replace(BUILTINS["tiny-dit"], dim=128, n_heads=2, ffn_dim=256,
+                               n_layers=1, seed=4)
+    assert info["kind"] == "denoiser" and info["fingerprint"] == want.fingerprint()
+    assert FixtureStore(out / "fixtures.safetensors").has("reference")
+    r = _cli("make", "tiny-dit", "--grid", "1x2x2", "--out", tmp_path / "no", env_dir=tmp_path)
+    assert r.returncode == 2 and "grid does not apply to a denoiser" in r.stderr, r.stderr
+    assert not (tmp_path / "no").exists()
+
+
 def test_blockconfig_validate():
     c = BUILTIN_MODELS["tiny"].config().block
     assert c.qkv_width == 3 * 384
@@ -482,3 +552,247 @@ def test_mixed_stored_types_via_the_gguf_writer(tmp_path):
     pi = write(tmp_path / "iq4.gguf", iq4=True)
     with pytest.raises(ModelFileError, match="'layers.0.feed_forward.w1.weight' has type IQ4_NL"):
         open_model(pi)
+
+
+# ----------------------------------------------------------------------------- models directory problems, generation
+
+def _assert_models_dir_error(r, root, code, *words):
+    assert r.returncode == code, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert str(root) in r.stderr and all(w in r.stderr for w in words), r.stderr
+
+
+def test_models_dir_not_a_directory(tmp_path):
+    """NXHPC_MODELS / --models-dir naming a file: exit 9 in blockrun and ``models`` alike, one line
+    naming the path. Before: exit 70 / 1 with a FileExistsError traceback."""
+    root = tmp_path / "models"
+    root.write_text("not a directory")
+    for args in (["tiny", "1"], ["mymodel", "1"]):
+        _assert_models_dir_error(run_cli("nxhpc.blockrun", args, root), root, 9, "not a directory")
+    _assert_models_dir_error(run_cli("nxhpc.models", ["show", "tiny"], root), root, 9,
+                             "not a directory")
+    _assert_models_dir_error(run_cli("nxhpc.models", ["--models-dir", str(root), "make", "x",
+                                                   "--dim", "96", "--heads", "1"], tmp_path),
+                             root, 9, "not a directory")
+    with pytest.raises(ModelsDirError, match="not a directory"):
+        open_model("tiny", models_dir=root)
+    assert root.read_text() == "not a directory"
+
+
+def test_models_dir_read_only(root, tmp_path):
+    """A read-only models directory: generating a built-in there is exit 9 (every CLI) naming it
+    (before: a traceback); a model already in it runs (read-only is fine for reading)."""
+    require_private_mounts()
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    src = root / "tiny"
+    assert (src / "model.gguf").is_file()
+    script = textwrap.dedent(f"""
+        set -e
+        mount -t tmpfs -o size=64k,ro nxtest "{ro}"
+        cd "{ROOT}"
+        set +e
+        "{sys.executable}" -m nxhpc.blockrun tiny 1 2>"{tmp_path}/e1"; echo "rc1=$?"
+        "{sys.executable}" -m nxhpc.models show tiny 2>"{tmp_path}/e2" >/dev/null; echo "rc2=$?"
+        umount "{ro}"
+        cp -r "{src}" "{ro}/tiny"
+        mount --bind "{ro}" "{ro}"
+        mount -o remount,ro,bind "{ro}"
+        touch "{ro}/x" 2>/dev/null && echo writable
+        "{sys.executable}" -m nxhpc.blockrun tiny 1 --models-dir "{ro}" >/dev/null \\
+            2>"{tmp_path}/e3"; echo "rc3=$?"
+    """)
+    r = run_script(script, env=models_env(ro), timeout=300)
+    out = r.stdout
+    e1, e2, e3 = ((tmp_path / f"e{i}").read_text() for i in (1, 2, 3))
+    assert "rc1=9" in out and "rc2=9" in out, (out, r.stderr, e1, e2)
+    for e in (e1, e2):
+        assert "Traceback" not in e and str(ro) in e and "not writable" in e, e
+    assert "writable\n" not in out and "rc3=0" in out, (out, e3)     # positive control
+
+
+def test_models_dir_full(tmp_path):
+    """A models directory too small for the model: refused before the work (exit 9, needed
+    and free MB named); a write that fails anyway (a file-size limit standing in for a disk
+    that fills meanwhile) is exit 9 too, leaving no temporary behind. Before: exit 70 / 1
+    with a traceback."""
+    require_private_mounts()
+    small = tmp_path / "small"
+    small.mkdir()
+    script = textwrap.dedent(f"""
+        mount -t tmpfs -o size=2m nxtest "{small}" || exit 99
+        cd "{ROOT}"
+        "{sys.executable}" -m nxhpc.blockrun tiny 1 2>"{tmp_path}/e1"; echo "rc1=$?"
+        "{sys.executable}" -m nxhpc.models make tiny 2>"{tmp_path}/e2"; echo "rc2=$?"
+        ls -A "{small}" > "{tmp_path}/left"
+    """)
+    r = run_script(script, env=models_env(small), timeout=300)
+    e1, e2 = ((tmp_path / f"e{i}").read_text() for i in (1, 2))
+    assert "rc1=9" in r.stdout and "rc2=9" in r.stdout, (r.stdout, r.stderr, e1, e2)
+    for e in (e1, e2):
+        assert "Traceback" not in e and str(small) in e and "too full" in e and "free" in e, e
+    assert (tmp_path / "left").read_text().split() in ([], [".tiny.lock"])
+
+    limited = tmp_path / "limited"               # the write itself fails: EFBIG at 1 MB
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    r = subprocess.run([sys.executable, "-m", "nxhpc.blockrun", "tiny", "1"], capture_output=True,
+                       text=True, env=models_env(limited), cwd=ROOT, timeout=300, preexec_fn=limit)
+    _assert_models_dir_error(r, limited, 9, "cannot write built-in model 'tiny'")
+    assert sorted(p.name for p in limited.iterdir()) == [".tiny.lock"]
+
+
+def _blockrun_tiny(root):
+    """``blockrun tiny 1`` on the models directory ``root``, its stderr read as it comes."""
+    p = subprocess.Popen([sys.executable, "-m", "nxhpc.blockrun", "tiny", "1"],
+                         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                         cwd=ROOT, env=models_env(root))
+    rd = PipeReader(p.stderr)
+    rd.start()
+    return p, rd
+
+
+@linux_only
+def test_generation_waiter_says_for_whom_and_ctrl_c_is_130(tmp_path):
+    """While another process holds a built-in's generation lock, a run says that it waits,
+    for which lock and pid -- and that the holder is stopped, when it is; Ctrl-C then exits 130
+    without a traceback; once the holder is gone the run generates and passes. Before: it
+    waited silently (forever, for a stopped holder)."""
+    root = tmp_path / "models"
+    root.mkdir()
+    lock = root / ".tiny.lock"
+    with open(lock, "a+") as fh:                            # this process holds it
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        p, rd = _blockrun_tiny(root)
+        assert rd.wait_for("waiting"), rd.text
+        p.send_signal(signal.SIGINT)
+        assert p.wait(30) == 130
+        rd.join(5)
+    assert f"waiting for the lock {lock}: pid {PID} is generating 'tiny'" in rd.text, rd.text
+    assert "it is stopped" not in rd.text and "Traceback" not in rd.text, rd.text
+    # a stopped holder (another process): the waiter says so, and goes on once it is gone
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, sys, time
+        fh = open({str(lock)!r}, "a+"); fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        print("locked", flush=True); time.sleep(600)""")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        holder.send_signal(signal.SIGSTOP)
+        p, rd = _blockrun_tiny(root)
+        assert rd.wait_for("kill -CONT"), rd.text
+        assert f"pid {holder.pid} is generating 'tiny' (it is stopped" in rd.text, rd.text
+    finally:
+        holder.kill()
+        holder.wait()
+    assert p.wait(300) == 0, rd.text
+    assert not [q for q in root.iterdir() if ".tmp-" in q.name]
+
+
+def test_stale_temporaries_are_swept(tmp_path):
+    """Temporaries of dead writers are removed on the next generation: one named with a pid
+    that is gone, one without a pid (an older writer) untouched for over an hour; a live
+    writer's and a fresh pid-less one are kept (negative controls). Before: never swept."""
+    root = tmp_path / "models"
+    root.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    live = subprocess.Popen(["sleep", "600"])
+    try:
+        paths = {k: root / n for k, n in {
+            "dead": f".tiny.tmp-{dead}-abc123", "old_format": ".tiny.tmp-deadbeef",
+            "live": f".tiny.tmp-{live.pid}-xyz789", "fresh_old_format": ".tiny.tmp-0a1b2c3d",
+            "other_model": f".mid.tmp-{dead}-abc123"}.items()}
+        for q in paths.values():
+            q.mkdir()
+            (q / "model.gguf").write_bytes(b"partial")
+        os.utime(paths["old_format"], (0, 0))
+        m = open_model("tiny", models_dir=root)
+        assert m.config.dim == 384
+        assert not paths["dead"].exists() and not paths["old_format"].exists()
+        assert paths["live"].exists() and paths["fresh_old_format"].exists()
+        assert paths["other_model"].exists()
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_sweep_puts_back_a_dead_replacers_old_model(tmp_path):
+    """A writer killed between its two renames left the previous model as ``...-old`` and no
+    model: the sweep puts it back instead of deleting it."""
+    old = tmp_path / ".m.tmp-999999999-abc-old"
+    old.mkdir()
+    (old / "model.gguf").write_bytes(b"the previous model")
+    assert sweep_stale(tmp_path, "m") == []
+    assert (tmp_path / "m" / "model.gguf").read_bytes() == b"the previous model"
+    assert not old.exists()
+
+
+@linux_only
+def test_sigkilled_generator_temporary_is_swept(tmp_path):
+    """The real case: a generator SIGKILLed while writing leaves ``.mid.tmp-<pid>-*``; the next
+    run sweeps it (and generates, exit 0)."""
+    root = tmp_path / "models"
+    for _attempt in range(4):
+        p = subprocess.Popen([sys.executable, "-m", "nxhpc.models", "make", "mid"], cwd=ROOT,
+                             env=models_env(root), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        left = []
+        while p.poll() is None and not left:
+            left = [q for q in root.glob(".mid.tmp-*") if q.is_dir()] if root.is_dir() else []
+            time.sleep(0.002)
+        p.kill()
+        p.wait()
+        left = [q for q in root.glob(".mid.tmp-*") if q.is_dir()]
+        if left:
+            break
+        if (root / "mid").exists():
+            import shutil
+            shutil.rmtree(root / "mid")
+    assert left, "never caught the generator while it wrote"
+    r = run_cli("nxhpc.blockrun", ["mid", "1"], root)
+    assert r.returncode == 0, r.stderr
+    assert not [q for q in root.iterdir() if ".tmp-" in q.name]
+
+
+def test_block_after_model_close_is_a_clear_error(root):
+    m = open_model("tiny", models_dir=root)
+    m.block(0)                                                 # open: fine
+    m.close()
+    with pytest.raises(RuntimeError, match="closed"):          # before: a bare KeyError
+        m.block(0)
+    with pytest.raises(RuntimeError, match="closed"):
+        m.layer_weights(1)
+    with open_model("tiny", models_dir=root) as m2:
+        pass
+    with pytest.raises(RuntimeError, match="closed"):
+        m2.block(1)
+
+
+def test_empty_model_id_is_an_error(root, tmp_path, monkeypatch):
+    """``""`` is not the current directory (before: it opened the cwd when that was a model
+    directory); ``"."`` still is (negative control)."""
+    src = root / "tiny"
+    open_model("tiny", models_dir=root)
+    monkeypatch.chdir(src)
+    with pytest.raises(ModelNotFoundError, match="empty"):
+        open_model("", models_dir=tmp_path)
+    with pytest.raises(ModelNotFoundError, match="empty"):
+        open_model("  ", models_dir=tmp_path)
+    assert open_model(".", models_dir=tmp_path).config.dim == 384
+    r = subprocess.run([sys.executable, "-m", "nxhpc.blockrun", "", "1"], capture_output=True,
+                       text=True, env=dict(models_env(tmp_path), PYTHONPATH=str(ROOT)), cwd=src,
+                       timeout=300)
+    assert r.returncode == 3 and "empty" in r.stderr, (r.returncode, r.stderr)
+
+
+def test_make_with_a_derived_ffn_says_it_was_derived(tmp_path):
+    """``models make x --dim 64 --heads 1``: the FFN width nobody gave is derived from --dim
+    (int(64/3*8) = 170, not a multiple of 32); the message says so. Control: given explicitly
+    (--ffn 170) it is blamed as given."""
+    r = run_cli("nxhpc.models", ["make", "x", "--dim", "64", "--heads", "1"], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "not given" in r.stderr and "derived from dim 64" in r.stderr, r.stderr
+    r = run_cli("nxhpc.models", ["make", "x", "--dim", "64", "--heads", "1", "--ffn", "170"],
+             tmp_path)
+    assert r.returncode == 2 and "ffn_dim 170" in r.stderr and "derived" not in r.stderr
+    assert not (tmp_path / "x").exists()

@@ -35,11 +35,6 @@ PID = os.getpid()
 K = nxhpc.kernels()
 
 
-@pytest.fixture(scope="module")
-def models_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("models")
-
-
 def _cfg(**kw):
     base = dict(variant="zimage", dim=128, n_heads=2, n_kv_heads=2, head_dim=64, ffn_dim=256,
                 norm_eps=1e-5, adaln_in=64, adaln_silu=False, n_layers=1)

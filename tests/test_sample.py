@@ -30,14 +30,7 @@ pytest.importorskip("diffusers")
 REL_TOL = 1e-4
 CAP_DIM = 320
 LAT = (16, 12, 10)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("torch_threads")    # conftest: 2 intra-op threads
 
 
 @pytest.fixture(scope="module")

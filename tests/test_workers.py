@@ -1,6 +1,7 @@
 """WorkerPool: band arithmetic, identical results for every worker count and spawn mode, and
 failure handling (raise / segfault / SIGKILL / early exit / Ctrl-C / SIGTERM / parent death):
-error within a second naming stage and worker, no hang, no orphan, no leaked segment.
+error within a second naming stage and worker, no hang, no orphan, no leaked segment; a stopped
+worker is a WorkerError too; stages from several threads at once run one after the other.
 """
 import faulthandler
 import json
@@ -18,9 +19,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nxhpc.runtime.shm import SharedArena, live_segments
-from nxhpc.runtime.workers import (SPAWN_MODES, WorkerError, WorkerPool, bands, max_workers,
+from nxhpc.runtime.workers import (STOP_GRACE_S, SPAWN_MODES, WorkerError, WorkerPool, bands, max_workers,
                            usable_cpus)
-from procutil import alive, children_of, wait_until, with_tests_on_path   # /proc helpers
+from procutil import (ROOT, alive, children_of, linux_only, wait_until,   # /proc helpers
+                      with_tests_on_path)
 
 PID = os.getpid()
 MODES = list(SPAWN_MODES)
@@ -538,3 +540,84 @@ def test_random_interrupts_leak_nothing(seed, tmp_path):
     assert rep["children"] == [], rep
     assert rep["new_fds"] == {}, rep
     assert rep["user_fds_clobbered"] == 0, rep
+
+
+@pytest.mark.parametrize("mode", ["pool", "stage"])
+def test_worker_pool_from_threads_is_serialized(mode):
+    """The pool itself (used directly, as the trainer does): stages dispatched from 3 threads
+    at once run one after the other -- no garbled replies, no EBADF -- and each stage did its
+    whole band split (a per-stage counter in shared memory)."""
+    from nxhpc.runtime.shm import SharedArena
+    from nxhpc.runtime.workers import WorkerPool
+    errors = []
+    with SharedArena({"hits": ((3, 64), np.int64)}) as a:
+        def f(lo, hi, k):
+            a["hits"][k, lo:hi] += 1
+        with WorkerPool(2, {"f": f}, mode=mode) as p:
+            def call(k):
+                for _ in range(15 if mode == "pool" else 4):
+                    try:
+                        p.run("f", 64, arg=k)
+                    except BaseException as e:  # noqa: BLE001
+                        errors.append(f"{type(e).__name__}: {e}")
+                        return
+            ts = [threading.Thread(target=call, args=(k,)) for k in range(3)]
+            for th in ts:
+                th.start()
+            for th in ts:
+                th.join(120)
+        runs = 15 if mode == "pool" else 4
+        assert errors == [], errors[:3]
+        assert (a["hits"] == runs).all(), a["hits"]
+
+
+_STOPPED = textwrap.dedent(r"""
+    import os, signal, sys, threading, time
+    from nxhpc.runtime.workers import WorkerError, WorkerPool
+    mode, resume = sys.argv[1], sys.argv[2] == "resume"
+
+    def task(lo, hi, arg):
+        if lo > 0:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def resumer(pool):              # SIGCONT a stopped worker 0.3 s after it stopped
+        while True:
+            for pid in (pool.pids or pool.last_pids):
+                try:
+                    st = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+                except (OSError, IndexError):
+                    continue
+                if st == "T":
+                    time.sleep(0.3)
+                    os.kill(pid, signal.SIGCONT)
+                    return
+            time.sleep(0.01)
+    with WorkerPool(2, {"s": task}, mode=mode) as p:
+        if resume:
+            threading.Thread(target=resumer, args=(p,), daemon=True).start()
+        t0 = time.monotonic()
+        try:
+            p.run("s", 4)
+            print("ok", round(time.monotonic() - t0, 2))
+        except WorkerError as e:
+            print("WorkerError", round(time.monotonic() - t0, 2), e)
+""")
+
+
+@linux_only
+@pytest.mark.parametrize("mode", ["pool", "stage"])
+def test_stopped_worker_is_a_worker_error(mode):
+    """A worker SIGSTOPped during a stage, no stage timeout: WorkerError naming the worker and
+    the signal within a few seconds, nothing left. Before: waited forever (here: the 60 s
+    subprocess timeout). Control: a worker stopped and resumed within the grace is no failure.
+    """
+    r = subprocess.run([sys.executable, "-c", _STOPPED, mode, "stop"], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    what, secs, *msg = r.stdout.split(maxsplit=2)
+    assert what == "WorkerError" and STOP_GRACE_S <= float(secs) < 5, r.stdout
+    assert "worker 1 of 2 (band [2, 4)) was stopped by SIGSTOP" in msg[0], r.stdout
+    assert "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-c", _STOPPED, mode, "resume"], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), (r.stdout, r.stderr[-2000:])

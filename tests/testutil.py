@@ -217,3 +217,8 @@ def open_and_decode_all(path) -> str:
         assert str(path) in str(e), f"message does not name the file: {e}"
         return "error"
     return "ok"
+
+
+def block_inputs(m):
+    """A block model's stored inputs of layer 0: ``(x, t_emb, pe)``."""
+    return m.blk_in(0), m.t_emb(), m.pe()

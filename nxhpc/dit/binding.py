@@ -17,17 +17,11 @@ from typing import Any
 import numpy as np
 
 from nxhpc.dit.config import _ROLE, BlockConfig, block_label, tensor_names
-from nxhpc.formats.ggml_blocks import QUANT_BLOCKS
 from nxhpc.formats.gguf_io import ModelFileError, dequantize_q8_0, quantize_q8_0
-from nxhpc.formats.weights import WeightTensor, as_weight_tensor
+from nxhpc.formats.weights import WeightTensor, as_weight_tensor, check_finite_weight
 
 __all__ = ["LayerWeights", "bind_gguf_layer", "bind_fixture_layer", "check_finite_weight"]
 
-_CHUNK_BYTES = 1 << 20      # bytes of a matrix scanned at once by the NaN/Inf check
-#: exponent-all-ones masks on the stored bits: such a value is Inf or NaN
-_SCALE_FIELDS = ("d", "m", "dmin")   # the float16 fields of the GGML block types
-_NONFINITE = {"F32": (np.uint32, 0x7F800000), "F16": (np.uint16, 0x7C00),
-              "BF16": (np.uint16, 0x7F80)}
 
 
 @dataclass
@@ -80,31 +74,6 @@ class LayerWeights:
         t = self.typed()
         return {k: getattr(t, k) for k, r in _ROLE.items()
                 if r == "matrix" and getattr(t, k) is not None}
-
-
-def check_finite_weight(w: WeightTensor, where: str) -> None:
-    """ModelFileError unless every stored value of ``w`` is finite (block types: every float16
-    scale d / m / dmin of every block; the integer codes are finite by construction).
-
-    Reads the stored bits in chunks of rows (a few MB at a time), so no float copy is made.
-    """
-    n_rows = max(1, _CHUNK_BYTES // max(1, w.rowbytes))
-    bad = 0
-    for r0 in range(0, w.rows, n_rows):
-        rows = w.data[r0:r0 + n_rows]
-        if w.type_name in QUANT_BLOCKS:          # block types: every float16 scale field
-            blk = rows.reshape(-1).view(QUANT_BLOCKS[w.type_name].dtype)
-            for f in _SCALE_FIELDS:
-                if f in blk.dtype.names:
-                    bad += int(np.count_nonzero(~np.isfinite(blk[f])))
-        elif w.type_name in _NONFINITE:
-            dt, mask = _NONFINITE[w.type_name]
-            bits = rows.reshape(-1).view(dt)
-            bad += int(np.count_nonzero((bits & dt(mask)) == dt(mask)))
-    if bad:
-        what = f"{w.type_name} blocks have a NaN/Inf scale" if w.type_name in QUANT_BLOCKS \
-            else f"{w.type_name} values are NaN/Inf"
-        raise ModelFileError(f"{where}: {bad} {what}")
 
 
 def _finite_vector(a: np.ndarray, path: Any, name: str) -> np.ndarray:

@@ -704,7 +704,10 @@ def write_gguf(path: str | os.PathLike, tensors: Mapping[str, Any], *, prefix: b
     written (one in memory at a time). ``prefix``: True prepends ``model.diffusion_model.`` to
     every name, a string prepends that string. ``arch``: ``general.architecture`` (None: no such
     key, as stable-diffusion.cpp's converter writes). ``metadata`` values: str, bool, int
-    (stored int64, or uint32 for ``general.alignment``), float (float64), list of those. The
+    (stored int64, or uint32 for ``general.alignment``), float (float64), a non-empty list of
+    one of those (strings: an array of strings, e.g. ``tokenizer.ggml.tokens``), or a numpy
+    scalar / 1-D array, stored in its own type (``np.uint32(36)``, ``np.float32(1e-6)``,
+    ``np.int32`` token types) as llama.cpp's converter writes them. The
     file is written to a temporary name and renamed into place. ``progress(name, i, n)`` is
     called per tensor when given. Output is byte-identical for identical input.
     """
@@ -794,8 +797,32 @@ def atomic_output(path: Path) -> Iterator[Path]:
             tmp.unlink()
 
 
+#: numpy scalar dtype -> the GGUF value type it is written as (kept exactly, as llama.cpp's
+#: converter writes ``uint32`` counts and ``float32`` epsilons)
+_NUMPY_VALUE_TYPES = {np.dtype(np.uint8): GGUFValueType.UINT8,
+                      np.dtype(np.int8): GGUFValueType.INT8,
+                      np.dtype(np.uint16): GGUFValueType.UINT16,
+                      np.dtype(np.int16): GGUFValueType.INT16,
+                      np.dtype(np.uint32): GGUFValueType.UINT32,
+                      np.dtype(np.int32): GGUFValueType.INT32,
+                      np.dtype(np.uint64): GGUFValueType.UINT64,
+                      np.dtype(np.int64): GGUFValueType.INT64,
+                      np.dtype(np.float32): GGUFValueType.FLOAT32,
+                      np.dtype(np.float64): GGUFValueType.FLOAT64,
+                      np.dtype(np.bool_): GGUFValueType.BOOL}
+
+
 def _add_kv(w: "gguf.GGUFWriter", key: str, val: Any) -> None:
-    if isinstance(val, bool):
+    if isinstance(val, (np.generic, np.ndarray)) and val.dtype in _NUMPY_VALUE_TYPES:
+        vt = _NUMPY_VALUE_TYPES[val.dtype]
+        if isinstance(val, np.generic):
+            w.add_key_value(key, val.item(), vt)
+        elif val.ndim == 1 and val.size:
+            w.add_key_value(key, val.tolist(), GGUFValueType.ARRAY, sub_type=vt)
+        else:
+            raise ValueError(f"write_gguf: metadata {key!r}: a numpy array value must be 1-D "
+                             f"and non-empty, got shape {val.shape}")
+    elif isinstance(val, bool):
         w.add_bool(key, val)
     elif isinstance(val, str):
         w.add_string(key, val)
@@ -807,6 +834,9 @@ def _add_kv(w: "gguf.GGUFWriter", key: str, val: Any) -> None:
     elif isinstance(val, (float, np.floating)):
         w.add_float64(key, float(val))
     elif isinstance(val, (list, tuple)):
+        if not val:
+            raise ValueError(f"write_gguf: metadata {key!r}: an empty list cannot be written "
+                             f"(a GGUF array needs an item type)")
         w.add_array(key, list(val))
     else:
         raise ValueError(f"write_gguf: metadata {key!r}: unsupported value {val!r}")

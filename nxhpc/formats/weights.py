@@ -3,8 +3,9 @@
 Owns :class:`WeightTensor` (tensor name, GGML type, torch shape ``(rows, cols)``, raw bytes as a
 zero-copy ``uint8 [rows, rowbytes]`` view of the file's memory map) and the block geometry of
 the GGML types (``block_elems`` values in ``block_bytes`` bytes per block, from the ``gguf``
-package's table). It is what binding, the shape checks and the matmul call pass around, so a
-weight is never decoded, copied or requantized on its way to the kernels.
+package's table), and :func:`check_finite_weight` (the NaN/Inf scan of an untrusted file's
+matrix, on its stored bits). It is what binding, the shape checks and the matmul call pass
+around, so a weight is never decoded, copied or requantized on its way to the kernels.
 Must not: import the compiled kernels (pure-Python tools use it), or decode a matrix except in
 :meth:`WeightTensor.dequantize` (float64/float32 references and tests only).
 
@@ -19,13 +20,14 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from nxhpc.formats.ggml_blocks import QUANT_BLOCKS
 from nxhpc.formats.gguf_io import ModelFileError
 
 __all__ = ["WeightTensor", "RUNNABLE_TYPES", "type_id", "type_name", "block_geometry",
-           "row_bytes", "as_weight_tensor"]
+           "row_bytes", "as_weight_tensor", "check_finite_weight"]
 
 #: Types a block's matrices may be stored in (the kernels run them as stored; every one is a
-#: row of the C weight-type traits table, nxhpc/csrc/nx_wtype.c -- tests/test_kernels_quants.py
+#: row of the C weight-type traits table, nxhpc/csrc/nx_wtype.c -- tests/test_kernels_wtype.py
 #: checks the two agree). Rows must fill whole blocks: 32 values for Q8_0 and Q4_0..Q5_1, 256
 #: for the K-quants Q2_K..Q6_K (checked per tensor, naming it, by row_bytes' callers).
 RUNNABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -181,3 +183,35 @@ def as_weight_tensor(value: Any, name: str) -> WeightTensor:
                              f"{nbytes}-byte blocks; got {value.shape[1]} bytes per row")
         return WeightTensor.from_raw(name, "Q8_0", value.shape[1] // nbytes * elems, value)
     return WeightTensor.from_array(name, value)
+
+
+_CHUNK_BYTES = 1 << 20      # bytes of a matrix scanned at once by the NaN/Inf check
+_SCALE_FIELDS = ("d", "m", "dmin")   # the float16 fields of the GGML block types
+#: exponent-all-ones masks on the stored bits: such a value is Inf or NaN
+_NONFINITE = {"F32": (np.uint32, 0x7F800000), "F16": (np.uint16, 0x7C00),
+              "BF16": (np.uint16, 0x7F80)}
+
+
+def check_finite_weight(w: WeightTensor, where: str) -> None:
+    """ModelFileError unless every stored value of ``w`` is finite (block types: every float16
+    scale d / m / dmin of every block; the integer codes are finite by construction).
+
+    Reads the stored bits in chunks of rows (a few MB at a time), so no float copy is made.
+    """
+    n_rows = max(1, _CHUNK_BYTES // max(1, w.rowbytes))
+    bad = 0
+    for r0 in range(0, w.rows, n_rows):
+        rows = w.data[r0:r0 + n_rows]
+        if w.type_name in QUANT_BLOCKS:          # block types: every float16 scale field
+            blk = rows.reshape(-1).view(QUANT_BLOCKS[w.type_name].dtype)
+            for f in _SCALE_FIELDS:
+                if f in blk.dtype.names:
+                    bad += int(np.count_nonzero(~np.isfinite(blk[f])))
+        elif w.type_name in _NONFINITE:
+            dt, mask = _NONFINITE[w.type_name]
+            bits = rows.reshape(-1).view(dt)
+            bad += int(np.count_nonzero((bits & dt(mask)) == dt(mask)))
+    if bad:
+        what = f"{w.type_name} blocks have a NaN/Inf scale" if w.type_name in QUANT_BLOCKS \
+            else f"{w.type_name} values are NaN/Inf"
+        raise ModelFileError(f"{where}: {bad} {what}")

@@ -17,8 +17,7 @@ from nxhpc.models.modeldir import GGUF_FILE, ModelsDirError, check_replaceable, 
 from nxhpc.models.registry import (BUILTINS, DEFAULT_MODEL_ID, builtin_ids, builtin_spec,
                                    ensure_builtin, models_dir, open_denoiser, open_model,
                                    resolve_model)
-from nxhpc.models.synthetic import (DenoiserSpec, SyntheticSpec, make_synthetic,
-                                    make_synthetic_denoiser)
+from nxhpc.models.synthetic import SyntheticSpec, make_synthetic
 
 __all__ = [
     "Model", "open_model", "models_dir", "DEFAULT_MODEL_ID",
@@ -26,6 +25,6 @@ __all__ = [
     "write_model_dir", "check_replaceable", "ModelError",
     "ModelNotFoundError", "ModelFileError", "MissingTensorError", "ModelsDirError", "GGUF_FILE",
     "main",
-    "DenoiserSpec", "make_synthetic_denoiser", "resolve_model",
+    "resolve_model",
     "builtin_spec", "open_denoiser",
 ]

@@ -98,13 +98,11 @@ def _cmd_make(args: argparse.Namespace) -> int:
     if args.weights is not None:
         custom["include_weights"] = args.weights
     say = stderr_progress(args.id)
-    if builtin_spec(args.id) is not None and not custom and args.out is None:
+    base = builtin_spec(args.id)
+    if base is not None and not custom and args.out is None:
         d = ensure_builtin(args.id, root, force=args.force, progress=say)
-    elif builtin_spec(args.id) is not None and builtin_spec(args.id).kind == "denoiser":
-        raise UsageError(f"{args.id} is a built-in denoiser: custom dims and --out are for "
-                         f"block models only")
-    else:
-        base = BUILTINS.get(args.id, SyntheticSpec())
+    else:                        # a built-in's spec with custom fields, or a new block model
+        base = base or SyntheticSpec()
         if "grid" in custom:
             custom["grid"] = tuple(custom["grid"])
         d = Path(args.out) if args.out else root / args.id
@@ -142,7 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     sh = sub.add_parser("show", help="config (and how it was inferred), files, fixtures")
     sh.add_argument("model", help="model id, model directory, or .gguf file")
     sh.add_argument("--gguf", help="use this GGUF instead of the directory's model.gguf")
-    mk = sub.add_parser("make", help="generate a synthetic model (a built-in id, or custom dims)")
+    mk = sub.add_parser("make", help="generate a synthetic model (a built-in id, or custom dims)",
+                        description="Generate a synthetic model: a built-in id as it is, or its "
+                                    "spec (a new id: the default block model's) with the fields "
+                                    "given. A built-in denoiser takes --dim, --heads, --ffn, "
+                                    "--layers, --caption and --seed; the other options are for "
+                                    "block models only.")
     mk.add_argument("id", help="model id (directory name under the models dir)")
     mk.add_argument("--variant", choices=("zimage", "lumina2"))
     mk.add_argument("--dim", type=int)

@@ -1,9 +1,8 @@
 """Model ids: the built-in registry, the models directory, and resolving an id or path.
 
-Owns: :data:`BUILTINS`, the one table of built-in models (id -> spec: a
-:class:`~nxhpc.models.synthetic.SyntheticSpec` for a block model, a
-:class:`~nxhpc.models.synthetic.DenoiserSpec` for a whole denoiser; each spec's ``kind`` says
-which; also ``zimage-dit-<N>l`` for N = 1..30 main layers), the models root
+Owns: :data:`BUILTINS`, the one table of built-in models (id -> its
+:class:`~nxhpc.models.synthetic.SyntheticSpec`, a block model or a whole denoiser: each spec's
+``kind`` says which; also ``zimage-dit-<N>l`` for N = 1..30 main layers), the models root
 (``$NXHPC_MODELS`` or ``~/.cache/nxhpc/models``), generating a built-in on first use under a
 lock (and again when its fingerprint is stale), :func:`resolve_model` (id | directory |
 ``.gguf`` -> the directory and GGUF path) and :func:`open_model` (-> :class:`~nxhpc.models.model.
@@ -26,14 +25,13 @@ from nxhpc.formats.gguf_io import GGUFFile, ModelError, ModelNotFoundError
 from nxhpc.models.model import Model
 from nxhpc.models.modeldir import (GGUF_FILE, SPEC_FILE, ModelsDirError, check_models_root,
                                    locked, write_failed)
-from nxhpc.models.synthetic import (DenoiserSpec, SyntheticSpec, make_synthetic,
-                                    make_synthetic_denoiser)
+from nxhpc.models.synthetic import KINDS, SyntheticSpec, make_synthetic
 
 __all__ = ["BUILTINS", "DEFAULT_MODEL_ID", "models_dir", "builtin_ids",
            "ensure_builtin", "open_model", "open_denoiser", "resolve_model", "builtin_spec", "is_builtin",
            "builtin_current", "stderr_progress"]
 
-BUILTINS: dict[str, SyntheticSpec | DenoiserSpec] = {
+BUILTINS: dict[str, SyntheticSpec] = {
     # --- block models (python -m nxhpc.blockrun)
     # README default: runs in well under a second; T=45 = 13 caption + 4x8 image tokens
     "tiny": SyntheticSpec(variant="zimage", dim=384, n_heads=6, n_layers=2, n_caption=13,
@@ -53,24 +51,24 @@ BUILTINS: dict[str, SyntheticSpec | DenoiserSpec] = {
     # refiners, ComfyUI-GGUF types (layers Q8_0, refiners/embedders BF16, 1-D F32); stored
     # inputs 16x14x10 latents (35 image tokens) + 19 caption rows (both padded) and the float64
     # reference output
-    "tiny-dit": DenoiserSpec(dim=384, n_heads=6, n_layers=2, n_refiner=2, cap_dim=320,
-                             layout="comfyui-q8_0", seed=11, latent_hw=(14, 10),
-                             n_caption=19, timestep=0.6, reference=True),
+    "tiny-dit": SyntheticSpec(dim=384, n_heads=6, n_layers=2, n_refiner=2, cap_dim=320,
+                              layout="comfyui-q8_0", seed=11, latent_hw=(14, 10),
+                              n_caption=19, timestep=0.6, reference=True),
     # real Z-Image dims with 2 main layers (benchmarks): stored 512x512 inputs, no reference
-    "zimage-dit-2l": DenoiserSpec.zimage(2),
+    "zimage-dit-2l": SyntheticSpec.zimage_dit(2),
 }
 DEFAULT_MODEL_ID = "tiny"
 #: ``zimage-dit-<N>l``: real Z-Image dims with N main layers (1..30), generated on first use.
 ZIMAGE_DIT_ID = re.compile(r"zimage-dit-([1-9][0-9]?)l")
 
 
-def builtin_spec(model_id: str) -> SyntheticSpec | DenoiserSpec | None:
+def builtin_spec(model_id: str) -> SyntheticSpec | None:
     """The spec of a built-in id (block model or denoiser), or None."""
     if model_id in BUILTINS:
         return BUILTINS[model_id]
     m = ZIMAGE_DIT_ID.fullmatch(model_id)
     if m and 1 <= int(m.group(1)) <= 30:
-        return DenoiserSpec.zimage(int(m.group(1)))
+        return SyntheticSpec.zimage_dit(int(m.group(1)))
     return None
 
 
@@ -80,6 +78,8 @@ def is_builtin(model_id: str) -> bool:
 
 def builtin_ids(kind: str | None = None) -> list[str]:
     """The ids of :data:`BUILTINS` (of one ``kind``, ``"block"`` or ``"denoiser"``, if given)."""
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"builtin_ids: kind must be one of {KINDS} or None, got {kind!r}")
     return [k for k, s in BUILTINS.items() if kind is None or s.kind == kind]
 
 
@@ -99,7 +99,7 @@ def models_dir() -> Path:
 _models_root = models_dir
 
 
-def builtin_current(d: Path, spec: SyntheticSpec | DenoiserSpec) -> bool:
+def builtin_current(d: Path, spec: SyntheticSpec) -> bool:
     """Whether ``d`` holds the model ``spec`` generates (same fingerprint, GGUF present)."""
     try:
         info = json.loads((d / SPEC_FILE).read_text())
@@ -129,14 +129,13 @@ def ensure_builtin(model_id: str, root: Path | None = None, force: bool = False,
         return d
     what = f"built-in model {model_id!r}"
     check_models_root(root, need_bytes=spec.disk_bytes(), what=what)
-    make = make_synthetic_denoiser if spec.kind == "denoiser" else make_synthetic
     try:
         with locked(root, model_id):
             if not force and builtin_current(d, spec):
                 return d
             if progress is None and spec.weights_bytes_f32() > 256 << 20:
                 progress = stderr_progress(model_id)
-            make(d, spec, progress=progress, replace=True)
+            make_synthetic(d, spec, progress=progress, replace=True)
     except FileExistsError as e:
         raise ModelError(f"{what}: {e}") from None
     except ModelsDirError:

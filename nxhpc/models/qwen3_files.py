@@ -1,0 +1,153 @@
+"""Qwen3 text-encoder GGUFs in llama.cpp's layout, for tests and built-ins, and their read-back.
+
+Owns :func:`random_qwen3_weights` (every parameter of a Qwen3 of given dims, seeded),
+:func:`qwen3_metadata` (the ``general.*`` / ``qwen3.*`` keys llama.cpp's converter writes,
+in its value types), :func:`tiny_tokenizer` (the tokenizer fields of the tokenizer's tiny vocab
+at a given size),
+:func:`write_qwen3_gguf` (weights -> a file through the one writer
+``nxhpc.formats.gguf_io.write_gguf``, any GGML type per tensor, the caller's tokenizer fields)
+and :func:`read_qwen3_gguf` (every tensor read back with ``gguf.GGUFReader`` and decoded with
+``gguf.quants.dequantize`` to float64: the exact weights a loader must reproduce).
+Must not: use nxhpc's GGUF reader or kernels when reading back (it is the independent side),
+or infer the config (``nxhpc.qwen3.config`` does).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from nxhpc.formats.gguf_io import LazyTensor, write_gguf
+from nxhpc.qwen3.config import ARCH, Qwen3Config, layer_names
+from nxhpc.qwen3.tokenizer import QWEN3_ADDED_TOKENS, tiny_vocab, vocab_metadata
+
+__all__ = ["random_qwen3_weights", "qwen3_metadata", "tiny_tokenizer", "write_qwen3_gguf",
+           "read_qwen3_gguf", "Qwen3File"]
+
+
+def random_qwen3_weights(cfg: Qwen3Config, seed: int = 0, *, norm_spread: float = 0.3,
+                         embed_scale: float = 1.0) -> dict[str, np.ndarray]:
+    """Every tensor of a Qwen3 of ``cfg``'s dims (all blocks and ``output_norm``), float32 by
+    llama.cpp name: matrices N(0, 1/fan_in), the embedding N(0, embed_scale^2), every norm
+    weight ``1 + norm_spread * N(0, 1)`` (so that no norm is the identity and a missing one
+    shows)."""
+    rng = np.random.default_rng(seed)
+    shapes = cfg.shapes()
+    out: dict[str, np.ndarray] = {
+        "token_embd.weight": rng.standard_normal((cfg.vocab, cfg.dim)) * embed_scale}
+    for i in range(cfg.n_layers):
+        for key, name in layer_names(i).items():
+            s = shapes[key]
+            if len(s) == 2:
+                out[name] = rng.standard_normal(s) / np.sqrt(s[1])
+            else:
+                out[name] = 1.0 + norm_spread * rng.standard_normal(s)
+    out["output_norm.weight"] = 1.0 + norm_spread * rng.standard_normal(cfg.dim)
+    return {k: v.astype(np.float32) for k, v in out.items()}
+
+
+def qwen3_metadata(cfg: Qwen3Config, name: str = "nxhpc synthetic qwen3") -> dict[str, Any]:
+    """The hyper-parameter keys of a llama.cpp qwen3 file, in the value types its converter
+    writes (uint32 counts, float32 epsilon and RoPE base)."""
+    u32, f32 = np.uint32, np.float32
+    a = f"{ARCH}."
+    return {"general.name": name,
+            a + "block_count": u32(cfg.n_layers), a + "context_length": u32(cfg.context_length),
+            a + "embedding_length": u32(cfg.dim), a + "feed_forward_length": u32(cfg.ffn),
+            a + "attention.head_count": u32(cfg.n_heads),
+            a + "attention.head_count_kv": u32(cfg.n_kv_heads),
+            a + "attention.key_length": u32(cfg.head_dim),
+            a + "attention.value_length": u32(cfg.head_dim),
+            a + "rope.freq_base": f32(cfg.rope_theta),
+            a + "attention.layer_norm_rms_epsilon": f32(cfg.eps)}
+
+
+def tiny_tokenizer(vocab: int = 582) -> dict[str, Any]:
+    """The ``tokenizer.*`` metadata of the tokenizer's deterministic tiny vocab
+    (``nxhpc.qwen3.tokenizer.tiny_vocab``: the 256 byte symbols, learnt merges, Qwen3's 26
+    added tokens) with exactly ``vocab`` entries (at least 282; 582 with the default 300
+    merges), so a file written with it tokenizes and encodes like a real one."""
+    added = len(QWEN3_ADDED_TOKENS)
+    n_merges = vocab - 256 - added
+    if n_merges < 0:
+        raise ValueError(f"tiny_tokenizer: vocab {vocab} is below the 256 byte symbols and the "
+                         f"{added} added tokens")
+    tokens, types, merges = tiny_vocab(n_merges)
+    if len(tokens) < vocab:               # a merge that made no new token: pad with unused ids
+        tokens, types, merges = tiny_vocab(n_merges, pad_to=vocab)
+    return vocab_metadata(tokens, types, merges)
+
+
+def write_qwen3_gguf(path: str | os.PathLike, cfg: Qwen3Config,
+                     weights: Mapping[str, np.ndarray] | None = None, *, seed: int = 0,
+                     matrix_type: str = "F32", types: Mapping[str, str] | None = None,
+                     tokenizer: Mapping[str, Any] | None = None,
+                     metadata: Mapping[str, Any] | None = None,
+                     overrides: Mapping[str, Any] | None = None) -> Path:
+    """Write a llama.cpp-layout qwen3 GGUF: ``weights`` (llama.cpp names -> float arrays;
+    default :func:`random_qwen3_weights` of ``seed``), every 2-D tensor stored as
+    ``matrix_type`` and every 1-D one F32 unless ``types`` names its type (any GGML type the
+    codec ``nxhpc.formats.layouts.encode`` writes); ``general.architecture = qwen3`` and
+    :func:`qwen3_metadata`, then ``tokenizer`` (e.g. :func:`tiny_tokenizer` of ``cfg.vocab``,
+    or ``nxhpc.qwen3.tokenizer.vocab_metadata`` of a real vocab) and ``metadata`` (added
+    last: may replace a key, ``general.architecture`` included).
+    ``overrides``: tensor name -> any :func:`~nxhpc.formats.gguf_io.write_gguf` value (e.g. a
+    ``QuantTensor`` of another type) or None (leave the tensor out) -- for bad-file tests.
+    Returns the path."""
+    w = dict(random_qwen3_weights(cfg, seed) if weights is None else weights)
+    tensors: dict[str, Any] = {}
+    for name, a in w.items():
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        gtype = (types or {}).get(name, matrix_type if a.ndim == 2 else "F32")
+        tensors[name] = LazyTensor(a.shape, gtype, lambda a=a: a)
+    for name, v in (overrides or {}).items():
+        if v is None:
+            tensors.pop(name, None)
+        else:
+            tensors[name] = v
+    meta = qwen3_metadata(cfg)
+    meta.update(tokenizer or {})
+    meta.update(metadata or {})
+    arch = meta.pop("general.architecture", ARCH)        # a caller may write another arch
+    return write_gguf(path, tensors, prefix="", arch=arch, metadata=meta)
+
+
+@dataclass
+class Qwen3File:
+    """A qwen3 GGUF read back by the ``gguf`` package: ``weights`` (name -> exact dequantized
+    values, float64, torch shape), ``types`` (name -> GGML type name), ``metadata`` (every
+    key's decoded value: strings, numbers, lists)."""
+    path: Path
+    weights: dict[str, np.ndarray]
+    types: dict[str, str]
+    metadata: dict[str, Any]
+
+
+def read_qwen3_gguf(path: str | os.PathLike, *, names: Any = None) -> Qwen3File:
+    """Read ``path`` with ``gguf.GGUFReader`` and decode tensors (``names``: an iterable of the
+    ones wanted; default all) with ``gguf.quants.dequantize`` to float64."""
+    r = gguf.GGUFReader(os.fspath(path), "r")
+    want = None if names is None else set(names)
+    weights: dict[str, np.ndarray] = {}
+    types: dict[str, str] = {}
+    for t in r.tensors:
+        types[t.name] = t.tensor_type.name
+        if want is not None and t.name not in want:
+            continue
+        shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
+        deq = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        weights[t.name] = np.asarray(deq, dtype=np.float64).reshape(shape)
+    meta: dict[str, Any] = {}
+    for k, f in r.fields.items():
+        if k.startswith("GGUF."):
+            continue
+        try:
+            meta[k] = f.contents()
+        except Exception:  # a field of a type the package cannot decode: not needed here
+            continue
+    return Qwen3File(Path(path), weights, types, meta)

@@ -1,0 +1,503 @@
+"""The model-agnostic engine: ONE arena and ONE forked pool running stage-table plans.
+
+Owns :class:`Stage` (one parallel stage: a name, the extent it is split over, its timing key,
+its task and its formula), :class:`Plan` (what a family's block plan must answer: its config,
+stages, extents, scratch shapes, the inputs it reads, how its weights are checked and how a
+worker's context is built) and :class:`Engine`: it sizes ONE
+:class:`~nxhpc.runtime.shm.SharedArena` for every ``(plan, tokens)`` it is told it will run
+(flat scratch per name, sized for the largest need), holds the caller's named buffers and the
+family's state buffers, checks and types every block's weights in the parent, forks ONE
+:class:`~nxhpc.runtime.workers.WorkerPool` after that, and runs any of those plans on views of
+its buffers: workers find buffers by name and row range, never by pointer.
+Must not: know any model family (``nxhpc.dit``, ``nxhpc.qwen3``: their plans say what a stage
+does), parse files, or compute anything itself (the stages' tasks call ``nxhpc._kernels``).
+
+A run: :meth:`Engine.run_plan` maps each input view to ``(buffer, r0, r1)``, checks the scratch
+sizing, and sends the workers one small hashable tuple per stage (the "wire"); a worker turns
+it into the plan's context once (cached) and runs the stage's task on its band
+``[i*m//n, (i+1)*m//n)``. Every kernel is band-invariant, so a plan whose tasks only call
+kernels gives bit-identical outputs for every worker count.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import time
+import weakref
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+import nxhpc
+from nxhpc.nn.linear import check_runnable
+from nxhpc.runtime.shm import SharedArena
+from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerPool, check_timeout
+
+__all__ = ["Stage", "Plan", "Engine", "RunContext", "BufRef", "IOSpec", "TOTAL_KEY",
+           "timing_keys", "stage_table", "serialized"]
+
+#: The timing key of a whole plan run (every stage), after the stages' own keys.
+TOTAL_KEY = "block_us"
+
+
+class Stage(NamedTuple):
+    """One parallel stage: ``name`` (worker task and error label), ``extent`` (a key of the
+    plan's extents), ``timer`` (timing key), ``task(ctx, lo, hi)``, ``doc`` (its formula)."""
+    name: str
+    extent: str
+    timer: str
+    task: Callable[[Any, int, int], None]
+    doc: str
+
+
+class IOSpec(NamedTuple):
+    """One input/output of a plan run: its shape at ``T`` tokens, dtype, and whether a run may
+    omit it (the context then sees None)."""
+    shape: tuple[int, ...]
+    dtype: Any = np.float32
+    optional: bool = False
+
+
+class BufRef(NamedTuple):
+    """Rows ``[r0, r1)`` of arena buffer ``name`` (how a view travels to the workers)."""
+    name: str
+    r0: int
+    r1: int
+
+
+class RunContext:
+    """Base of the per-run context a family's plan builds for its tasks: subclasses declare
+    ``__slots__``; :meth:`release` drops every one of them (views of the arena included)."""
+    __slots__ = ()
+
+    def __init__(self, **kw: Any) -> None:
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+    def release(self) -> None:
+        for cls in type(self).__mro__:
+            for name in getattr(cls, "__slots__", ()):
+                setattr(self, name, None)
+
+
+def timing_keys(stages: Iterable[Stage]) -> tuple[str, ...]:
+    """The stages' timing keys in first-use order, then :data:`TOTAL_KEY`."""
+    keys: list[str] = []
+    for s in stages:
+        if s.timer not in keys:
+            keys.append(s.timer)
+    return tuple(keys) + (TOTAL_KEY,)
+
+
+def stage_table(stages: Iterable[Stage], extent_names: Mapping[str, str]) -> str:
+    """A plan's stage table as its module docstring shows it (``extent_names``: extent key ->
+    what it splits over)."""
+    rows = [("stage", "split over", "timer", "task")]
+    rows += [(s.name, extent_names[s.extent], s.timer, s.doc) for s in stages]
+    return "\n".join(f"{a:<12} {b:<18} {c:<15} {d}".rstrip() for a, b, c, d in rows)
+
+
+class Plan:
+    """What an :class:`Engine` needs from a family's block plan (subclasses: the DiT's
+    ``BlockPlan``, the Qwen3 ``LayerPlan``). A plan holds no memory and no processes.
+
+    Attributes: ``config`` (compared with ``==``: one engine serves one config), ``stages``
+    (tuple of :class:`Stage`), ``label`` (names the plan in messages).
+    """
+    config: Any
+    stages: tuple[Stage, ...]
+
+    @property
+    def label(self) -> str:
+        return type(self).__name__
+
+    @property
+    def timing_keys(self) -> tuple[str, ...]:
+        return timing_keys(self.stages)
+
+    def extent(self, stage: Stage, T: int) -> int:
+        """The ``m`` of ``stage`` at ``T`` tokens (its bands split ``[0, m)``)."""
+        raise NotImplementedError
+
+    def scratch(self, T: int) -> dict[str, tuple[int, ...]]:
+        """Scratch buffer shapes (float32) of a run at ``T`` tokens."""
+        raise NotImplementedError
+
+    def io(self, T: int) -> dict[str, IOSpec]:
+        """The views a run at ``T`` tokens reads and writes, by name."""
+        raise NotImplementedError
+
+    def state(self) -> dict[str, Any]:
+        """Family state buffers (``SharedArena`` specs) every run of this config may read."""
+        return {}
+
+    def init_state(self, views: Mapping[str, np.ndarray]) -> None:
+        """Fill the state buffers once, before the fork."""
+
+    def bind(self, key: Hashable, weights: Any, kernels: Any) -> Any:
+        """``weights`` checked against the config and typed (matrices as WeightTensor, no
+        copy); raise naming the tensor. Called once per block, in the parent."""
+        raise NotImplementedError
+
+    def matrices(self, weights: Any) -> dict[str, Any]:
+        """The bound block's matrices by short name (each checked runnable by the kernels)."""
+        raise NotImplementedError
+
+    def context(self, kernels: Any, weights: Any, T: int, buf: Mapping[str, np.ndarray],
+                io: Mapping[str, np.ndarray | None], state: Mapping[str, np.ndarray],
+                params: tuple) -> RunContext:
+        """The context every task of one run reads (built once per process and run)."""
+        raise NotImplementedError
+
+
+def serialized(method: Callable[..., Any]) -> Callable[..., Any]:
+    """An Engine method run under the engine's lock (one call at a time, across threads)."""
+    @functools.wraps(method)
+    def run_serialized(self: "Engine", *args: Any, **kwargs: Any) -> Any:
+        lock = self._lock
+        if lock is None:                    # __init__ never got that far
+            raise RuntimeError(f"Engine.{method.__name__}: the engine is closed")
+        with lock:
+            return method(self, *args, **kwargs)
+    return run_serialized
+
+
+class Engine:
+    """ONE arena and ONE forked pool serving several plans (of one config) at several token
+    counts.
+
+    ``needs``: the ``(plan, T)`` pairs that will run (scratch is sized for the largest).
+    ``weights``: ``{key: weights}`` -- every block's weights, bound before the fork (checked and
+    typed by the plan's :meth:`Plan.bind`). ``buffers``: the caller's arena buffers
+    (``SharedArena`` specs); a run's inputs/outputs are row ranges of them (:meth:`buffer`),
+    so a plan can run on part of a joint buffer in place. ``workers`` / ``spawn`` /
+    ``stage_timeout`` as for :class:`~nxhpc.runtime.workers.WorkerPool`. ``tasks``: extra named
+    worker tasks ``fn(engine, lo, hi, arg)`` beside the stages (a model's embedders, its final
+    layer), forked with the pool and run by :meth:`run_task`; in a worker ``engine`` is that
+    process's engine (:meth:`buffer` works).
+
+    Threads: one engine runs one call at a time (:meth:`run_plan` and :meth:`close` hold a
+    lock). Lifetime: ``close()`` (or ``with``) releases the workers and the arena at once; an
+    engine dropped without it (or whose ``__init__`` was interrupted) is released when its last
+    reference goes -- it holds no reference cycle.
+    """
+
+    #: The plan class this engine runs (a family's engine narrows it).
+    plan_type: type = Plan
+
+    # Defaults at class level: an engine whose __init__ raised (or was interrupted) early still
+    # answers every attribute close() and the properties read.
+    pool: WorkerPool | None = None
+    arena: SharedArena | None = None
+    _ctx: dict = {}
+    _views: dict = {}
+    _lock: Any = None
+
+    def __init__(self, needs: Iterable[tuple[Plan, int]], weights: Mapping[Hashable, Any], *,
+                 buffers: Mapping[str, Any] | None = None, workers: int = 1,
+                 spawn: str = DEFAULT_SPAWN, stage_timeout: float | None = None,
+                 tasks: Mapping[str, Callable[["Engine", int, int, Any], None]] | None = None
+                 ) -> None:
+        extra_tasks = dict(tasks or {})
+        needs = [(p, int(T)) for p, T in needs]
+        if not needs:
+            raise ValueError("Engine: needs no (plan, T) pairs")
+        for p, T in needs:
+            if not isinstance(p, self.plan_type):
+                raise TypeError(f"Engine: needs must be ({self.plan_type.__name__}, T) pairs, "
+                                f"got {type(p).__name__}")
+            if T < 1:
+                raise ValueError(f"Engine: token count must be >= 1, got {T}")
+        cfg = needs[0][0].config
+        if any(p.config != cfg for p, _ in needs):
+            raise ValueError(f"Engine: every plan of one engine must share one "
+                             f"{type(cfg).__name__}")
+        if spawn not in SPAWN_MODES:
+            raise ValueError(f"spawn must be one of {SPAWN_MODES}, got {spawn!r}")
+        stage_timeout = check_timeout(stage_timeout)
+        self._lock = threading.RLock()
+        self.config = cfg
+        self.needs = needs
+        self.kernels = nxhpc.kernels()
+        self._plans: list[Plan] = []
+        for p, _ in needs:
+            if not any(p is q for q in self._plans):
+                self._plans.append(p)
+        first = self._plans[0]
+        # weights: checked and typed once, in the parent, before the fork
+        self._weights: dict[Hashable, Any] = {}
+        self._given: dict[Hashable, Any] = {}
+        self._by_id: dict[int, Hashable] = {}
+        for key, w in weights.items():
+            typed = first.bind(key, w, self.kernels)
+            for m in first.matrices(typed).values():
+                check_runnable(self.kernels, m)
+            self._weights[key] = typed
+            self._given[key] = w         # held, so id(w) cannot be reused while we map it
+            self._by_id[id(w)] = key
+        # tasks: the union of the plans' stage tables (one task per stage name)
+        task_fns: dict[str, Callable[[int, int, Any], None]] = {}
+        seen: dict[str, Stage] = {}
+        for p in self._plans:
+            for s in p.stages:
+                if s.name in seen and seen[s.name].task is not s.task:
+                    raise ValueError(f"Engine: two plans define stage {s.name!r} differently")
+                seen[s.name] = s
+                task_fns[s.name] = self._task(s.task)
+        self._extra: dict[str, Callable[..., None]] = {}
+        for name, fn in extra_tasks.items():
+            if name in seen or not callable(fn):
+                raise ValueError(f"Engine: extra task {name!r} must be a callable whose name is "
+                                 f"not a stage's ({', '.join(seen)})")
+            self._extra[name] = fn
+            task_fns[name] = self._extra_task(fn)
+        # the arena: flat scratch sized for the largest need + the plans' state + the caller's
+        self._cap: dict[str, int] = {}
+        for p, T in needs:
+            for n, shape in p.scratch(T).items():
+                self._cap[n] = max(self._cap.get(n, 0), math.prod(shape))
+        spec: dict[str, Any] = {n: (c,) for n, c in self._cap.items()}
+        self._state_names: list[str] = []
+        for p in self._plans:
+            for n, s in p.state().items():
+                if n in spec and n not in self._state_names:
+                    raise ValueError(f"Engine: state buffer {n!r} clashes with a scratch name")
+                spec[n] = s
+                if n not in self._state_names:
+                    self._state_names.append(n)
+        for n, s in (buffers or {}).items():
+            if n in spec:
+                raise ValueError(f"Engine: buffer name {n!r} is reserved (scratch: "
+                                 f"{', '.join(spec)})")
+            spec[n] = s
+        self._user = list(buffers or {})
+        self._ctx: dict[tuple, RunContext] = {}
+        self._views: dict[tuple, dict[str, np.ndarray]] = {}
+        try:
+            # If an interrupt lands between a constructor's return and the store, the object is
+            # dropped at once and its own finalizer releases it (see the class docstring).
+            self.arena = a = SharedArena(spec)
+            self._v = {n: a[n] for n in a}
+            self._state = {n: self._v[n] for n in self._state_names}
+            for p in self._plans:
+                p.init_state(self._state)
+            self._addr = {n: (buf.__array_interface__["data"][0], buf)
+                          for n, buf in self._v.items() if n in self._user}
+            self.pool = WorkerPool(workers, task_fns, mode=spawn, stage_timeout=stage_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- worker side
+    def _task(self, fn: Callable[[Any, int, int], None]) -> Callable[[int, int, Any], None]:
+        # A weak reference: the pool holds the tasks, so a strong one would make engine -> pool
+        # -> task -> engine a cycle, and an engine dropped without close() (an interrupt between
+        # Engine() returning and the caller's store) would keep its workers and arena until the
+        # cyclic garbage collector happened to run. Workers run inside the frame that forked
+        # them, where the engine is alive.
+        ref = weakref.ref(self)
+
+        def run_band(lo: int, hi: int, wire: tuple) -> None:
+            engine = ref()
+            if engine is None:
+                raise RuntimeError("Engine: the engine was released while its workers ran")
+            fn(engine._context(wire), lo, hi)
+        return run_band
+
+    def _extra_task(self, fn: Callable[["Engine", int, int, Any], None]
+                    ) -> Callable[[int, int, Any], None]:
+        ref = weakref.ref(self)
+
+        def run_band(lo: int, hi: int, arg: Any) -> None:
+            engine = ref()
+            if engine is None:
+                raise RuntimeError("Engine: the engine was released while its workers ran")
+            fn(engine, lo, hi, arg)
+        return run_band
+
+    def _scratch_views(self, index: int, T: int) -> dict[str, np.ndarray]:
+        views = self._views.get((index, T))
+        if views is None:
+            views = {n: self._v[n][:math.prod(s)].reshape(s)
+                     for n, s in self._plans[index].scratch(T).items()}
+            self._views[(index, T)] = views
+        return views
+
+    def _context(self, wire: tuple) -> RunContext:
+        """The plan's context of one run (built once per process and run, then cached).
+        ``wire`` = (plan index, weights key, T, params, ((io name, BufRef tuple | None), ...))."""
+        c = self._ctx.get(wire)
+        if c is None:
+            index, key, T, params, refs = wire
+            views = self._v
+            io = {n: None if r is None else views[r[0]][r[1]:r[2]] for n, r in refs}
+            plan = self._plans[index]
+            c = plan.context(self.kernels, self._weights[key], T, self._scratch_views(index, T),
+                             io, self._state, params)
+            self._ctx[wire] = c
+        return c
+
+    # -- parent side
+    def buffer(self, name: str) -> np.ndarray:
+        """The caller's arena buffer ``name`` (a writeable view; shared with the workers)."""
+        if name not in self._user:
+            raise KeyError(f"Engine: no buffer {name!r} (buffers: {', '.join(self._user)})")
+        return self._v[name]
+
+    def ref(self, what: str, view: Any, shape: tuple[int, ...], dtype: Any) -> BufRef:
+        """Which arena buffer and rows ``view`` is; ValueError unless it is whole rows of one."""
+        if not isinstance(view, np.ndarray) or view.dtype != dtype or view.shape != shape:
+            got = f"{view.dtype} {view.shape}" if isinstance(view, np.ndarray) \
+                else type(view).__name__
+            raise ValueError(f"Engine.run: {what} must be {np.dtype(dtype)} {shape}, got {got}")
+        p = view.__array_interface__["data"][0]
+        for name, (base, buf) in self._addr.items():
+            if buf.shape[1:] != shape[1:] or buf.dtype != view.dtype:
+                continue
+            row = buf.strides[0]
+            off = p - base
+            if 0 <= off < buf.nbytes and off % row == 0 and view.flags.c_contiguous:
+                r0 = off // row
+                if r0 + shape[0] <= buf.shape[0]:
+                    return BufRef(name, int(r0), int(r0 + shape[0]))
+        raise ValueError(f"Engine.run: {what} must be a row range of one of the engine's "
+                         f"buffers ({', '.join(self._user) or 'none declared'}), with their "
+                         f"trailing shape: workers reach buffers by name")
+
+    def weights_key(self, weights: Any) -> Hashable:
+        """The registry key of ``weights`` (a key, or a registered weights object)."""
+        key = self._by_id.get(id(weights))
+        if key is not None and self._given.get(key) is weights:
+            return key
+        kinds = {type(w) for w in self._given.values()}
+        try:
+            if weights in self._weights:
+                return weights
+        except TypeError:                      # unhashable: a weights object, not a key
+            pass
+        if type(weights) in kinds or not isinstance(weights, Hashable):
+            raise KeyError(f"Engine.run: these {type(weights).__name__} were not given to the "
+                           f"engine (weights must be bound before the workers fork)")
+        raise KeyError(f"Engine.run: no weights under key {weights!r} (have "
+                       f"{sorted(self._weights, key=repr)})")
+
+    def bound(self, key: Hashable) -> Any:
+        """The typed weights bound under ``key`` (what the tasks read)."""
+        return self._weights[self.weights_key(key)]
+
+    def _plan_index(self, plan: Plan) -> int:
+        for i, p in enumerate(self._plans):
+            if p is plan or p == plan:
+                return i
+        raise ValueError(f"Engine.run: the {plan.label} plan was not among this engine's needs "
+                         f"({', '.join(p.label for p in self._plans)})")
+
+    @serialized
+    def run_plan(self, plan: Plan, weights: Any, T: int,
+                 views: Mapping[str, np.ndarray | None], params: tuple = ()) -> dict[str, int]:
+        """Every stage of ``plan`` in order, with ``weights`` (a key or a bound object), at
+        ``T`` tokens, on ``views`` (io name -> a row range of an engine buffer, shaped as
+        ``plan.io(T)`` says; None or absent for an optional one) and the plan's ``params`` (a
+        small hashable tuple its context reads). Returns microseconds per timing key."""
+        return self.execute(plan, T, self.prepare(plan, weights, T, views, params))
+
+    def prepare(self, plan: Plan, weights: Any, T: int,
+                views: Mapping[str, np.ndarray | None], params: tuple = ()) -> tuple:
+        """The checks of :meth:`run_plan`, before any work: the wire of that run. (A family's
+        own ``run`` calls this, writes its state buffers, then :meth:`execute`, all under the
+        engine's lock.)"""
+        if self.pool is None or self.arena is None or self.arena.closed:
+            raise RuntimeError("Engine.run: the engine is closed")
+        if plan.config != self.config:
+            raise ValueError("Engine.run: the plan's config is not the engine's")
+        index = self._plan_index(plan)
+        key = self.weights_key(weights)
+        spec = plan.io(T)
+        unknown = [n for n, v in views.items() if n not in spec and v is not None]
+        if unknown:
+            raise ValueError(f"Engine.run: the {plan.label} plan takes no {sorted(unknown)}")
+        refs = []
+        for name, io in spec.items():
+            v = views.get(name)
+            if v is None:
+                if not io.optional:
+                    raise ValueError(f"Engine.run: the {plan.label} plan needs {name!r}")
+                refs.append((name, None))
+            else:
+                refs.append((name, tuple(self.ref(name, v, io.shape, io.dtype))))
+        for n, shape in plan.scratch(T).items():
+            if math.prod(shape) > self._cap.get(n, 0):
+                raise ValueError(f"Engine.run: {plan.label} at T={T} needs more scratch than "
+                                 f"this engine was sized for (needs: "
+                                 f"{[(p.label, t) for p, t in self.needs]})")
+        return (index, key, int(T), tuple(params), tuple(refs))
+
+    @serialized
+    def execute(self, plan: Plan, T: int, wire: tuple) -> dict[str, int]:
+        """Run the stages of a prepared ``wire`` (from :meth:`prepare`); microseconds per key."""
+        if self.pool is None:
+            raise RuntimeError("Engine.run: the engine is closed")
+        now = time.perf_counter_ns
+        spent = dict.fromkeys(plan.timing_keys, 0)
+        t_start = now()
+        for s in plan.stages:
+            t0 = now()
+            self.pool.run(s.name, plan.extent(s, T), arg=wire)
+            spent[s.timer] += now() - t0
+        spent[TOTAL_KEY] = now() - t_start
+        return {k: ns // 1000 for k, ns in spent.items()}
+
+    def run_task(self, name: str, m: int, arg: Any = None) -> int:
+        """Run extra task ``name`` (given as ``tasks=``) over ``[0, m)`` in the workers (bands
+        ``[i*m//n, (i+1)*m//n)``); ``arg`` is a small picklable value. Returns microseconds."""
+        if self.pool is None or self.arena is None or self.arena.closed:
+            raise RuntimeError("Engine.run_task: the engine is closed")
+        if name not in self._extra:
+            raise KeyError(f"Engine.run_task: no extra task {name!r} (have "
+                           f"{sorted(self._extra)})")
+        t0 = time.perf_counter_ns()
+        self.pool.run(name, int(m), arg=arg)
+        return (time.perf_counter_ns() - t0) // 1000
+
+    def _release_views(self) -> None:
+        """Drop every view of the arena in place (tasks share these dicts), so unmapping the
+        segment releases it now rather than at the next cyclic garbage collection."""
+        for c in self._ctx.values():
+            c.release()
+        self._ctx.clear()
+        self._views.clear()
+        getattr(self, "_v", {}).clear()
+        getattr(self, "_state", {}).clear()
+        getattr(self, "_addr", {}).clear()
+
+    def close(self) -> None:
+        """Stop the workers, then unlink and unmap the arena. Idempotent; waits for a call
+        running in another thread; safe on an engine whose ``__init__`` did not finish."""
+        lock = self._lock
+        if lock is None:                  # __init__ stopped before anything was acquired
+            return
+        with lock:
+            try:
+                if self.pool is not None:
+                    self.pool.close()
+            finally:
+                self._release_views()
+                if self.arena is not None:
+                    self.arena.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.arena is None or self.arena.closed
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        needs = ", ".join(f"{p.label}@{T}" for p, T in self.needs)
+        mb = self.arena.nbytes / 1e6 if self.arena is not None else 0.0
+        return f"<{type(self).__name__} {needs}; {len(self._weights)} blocks; arena {mb:.1f} MB>"
