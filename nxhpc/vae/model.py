@@ -2,10 +2,10 @@
 
 Owns :class:`VaeDecoder` (open a file, bind its weights zero copy, ``decode``), the forward in
 the order the network reads (:func:`forward`), the step program it records (each step one
-banded kernel call over named buffers) and its run: in this process (``workers=1``), or in one
-forked :class:`~nxhpc.runtime.workers.WorkerPool` over one
-:class:`~nxhpc.runtime.shm.SharedArena` (sized for the largest latent seen; a bigger one
-rebuilds both). Every step is a kernel over a band whose bits do not depend on the band, so the
+banded kernel call over named buffers) and its run: in this process (``workers=1``, numpy
+buffers), or on one arena and one forked pool (sized for the largest latent seen; a bigger one
+rebuilds both) -- the shared :class:`~nxhpc.nn.engine.Engine`, each step one run of its extra
+task ``vae_step``. Every step is a kernel over a band whose bits do not depend on the band, so the
 output is bit-identical for every worker count. Activations are channels-last rows [H*W, C].
 Must not: import the registry, torch or diffusers; make a whole im2col or score matrix.
 
@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import math
 import os
-import weakref
 from typing import Any
 
 import numpy as np
 
 import nxhpc
+from nxhpc.nn.engine import Engine, Plan
 from nxhpc.nn.conv import CONV_PRECISIONS, Panel, conv1x1_band, conv3x3_band
 from nxhpc.runtime.checks import CheckError, check_choice, check_float_array, check_workers
 from nxhpc.vae.config import VaeConfig
@@ -196,6 +196,31 @@ class _Executor:
         return self.bufs["part"][:nk * self.groups * 2].reshape(nk, self.groups, 2)
 
 
+class _StepPlan(Plan):
+    """The decoder as the shared engine sees it: no stage table (every step runs as the extra
+    task ``vae_step`` over the caller's named buffers), the convolution weights checked
+    runnable once, in the parent, before the fork."""
+    stages = ()
+
+    def __init__(self, config: VaeConfig) -> None:
+        self.config = config
+
+    def extent(self, stage: Any, T: int) -> int:          # pragma: no cover - no stages
+        raise NotImplementedError
+
+    def scratch(self, T: int) -> dict[str, tuple[int, ...]]:
+        return {}
+
+    def io(self, T: int) -> dict:
+        return {}
+
+    def bind(self, key: Any, weights: Any, kernels: Any) -> Any:
+        return weights
+
+    def matrices(self, weights: Any) -> dict[str, Any]:
+        return {n: m.w for n, m in weights.items() if isinstance(m, Conv)}
+
+
 #: The GroupNorm statistics chunk of the decoder (rows); fixed, so never a function of workers.
 GN_CHUNK = 128
 
@@ -216,8 +241,7 @@ class VaeDecoder:
                  precision: str = "f32") -> None:
         self.precision = check_choice(precision, CONV_PRECISIONS, "precision")
         self.workers = check_workers(workers)
-        self._pool = None
-        self._arena = None
+        self._engine: Engine | None = None
         self._capacity: dict[str, int] = {}
         self.file: VaeFile = open_vae_file(path)
         try:
@@ -247,27 +271,26 @@ class VaeDecoder:
             self._exec.bufs = {n: np.empty(max(s, 1), dtype=dtype.get(n, np.float32))
                                for n, s in sizes.items()}
         else:
-            from nxhpc.runtime.shm import SharedArena
-            from nxhpc.runtime.workers import WorkerPool
             spec = {n: ((max(s, 1),), dtype.get(n, np.float32)) for n, s in sizes.items()}
-            self._arena = SharedArena(spec)
-            self._exec.bufs = {n: self._arena[n] for n in self._arena}
-            ref = weakref.ref(self._exec)
+            ex = self._exec
 
-            def step(lo: int, hi: int, arg: tuple) -> None:
-                ex = ref()
-                if ex is None:
-                    raise RuntimeError("VaeDecoder: released while its workers ran")
+            def step(eng: Engine, lo: int, hi: int, arg: tuple) -> None:
+                """One program step's band, in whichever process runs it (views by name)."""
+                if not ex.bufs:
+                    ex.bufs = {n: eng.buffer(n) for n in spec}
                 ex.run(arg[0], lo, hi, arg[1])
-            self._pool = WorkerPool(self.workers, {"vae_step": step})
+            self._engine = Engine([(_StepPlan(self.config), 1)], {"vae": self.mods},
+                                  buffers=spec, workers=self.workers,
+                                  tasks={"vae_step": step})
+            self._exec.bufs = {n: self._engine.buffer(n) for n in spec}
         self._capacity = sizes
 
     def _run(self, prog: Program) -> None:
         for kind, m, params in prog.steps:
-            if self._pool is None:
+            if self._engine is None:
                 self._exec.run(kind, 0, m, params)
             else:
-                self._pool.run("vae_step", m, arg=(kind, params))
+                self._engine.run_task("vae_step", m, (kind, params))
 
     def decode(self, latents: Any) -> np.ndarray:
         """Pixels float32 [out_channels, 8h, 8w] (before clamping) of latents [C_z, h, w] in the
@@ -295,13 +318,10 @@ class VaeDecoder:
 
     # -- lifetime
     def _release(self) -> None:
-        if self._pool is not None:
-            pool, self._pool = self._pool, None
-            pool.close()
         self._exec.bufs = {}
-        if self._arena is not None:
-            arena, self._arena = self._arena, None
-            arena.close()
+        if self._engine is not None:
+            eng, self._engine = self._engine, None
+            eng.close()
         self._capacity = {}
 
     def close(self) -> None:
