@@ -12,13 +12,14 @@ import sys
 import time
 
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
-from nxhpc.cli.codes import Exit, UsageError, codes_epilog
+from nxhpc.cli.codes import Exit, codes_epilog
 from nxhpc.cli.frame import run_cli
 from nxhpc.cli.report import emit_graded, fmt_value, save_npy
 from nxhpc.dit.grade import DEFAULT_TOL
 from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
 from nxhpc.dit.stackrun import PRECISION_TOL
-from nxhpc.runtime.outfile import OutputPathError, check_output_path
+from nxhpc.models.modeldir import model_files
+from nxhpc.runtime.outfile import check_output_path
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES
 
 __all__ = ["main", "build_parser", "EXIT_CODES", "PRECISION_TOL", "DEFAULT_TOL"]
@@ -133,12 +134,10 @@ def _run(args: argparse.Namespace) -> int:
     with open_model(args.model_id, models_dir=args.models_dir, gguf_path=args.gguf_path) as model:
         n_layers = check_slice(model, args.layers)
         if args.save_output is not None:       # never overwrite what this run reads
-            inputs = list(model.path.iterdir()) if model.path and model.path.is_dir() else []
-            inputs += [p for p in (args.gguf_path, args.reference_name) if p]
-            try:
-                check_output_path(args.save_output, what="--save-output", inputs=inputs)
-            except OutputPathError as e:
-                raise UsageError(str(e)) from None
+            gguf = model.gguf.path if model.gguf is not None else None
+            check_output_path(args.save_output, what="--save-output",
+                              inputs=[p for p in (args.reference_name,) if p],
+                              model_files=model_files(model.path, gguf))
         t_start = time.monotonic()
 
         def progress(row: dict, n: int) -> None:

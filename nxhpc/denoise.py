@@ -21,7 +21,8 @@ from nxhpc.dit.grade import grade
 from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
 from nxhpc.dit.stackrun import PRECISION_TOL
 from nxhpc.runtime.checks import load_npy
-from nxhpc.runtime.outfile import OutputPathError, check_output_path
+from nxhpc.models.modeldir import model_files
+from nxhpc.runtime.outfile import check_output_path
 
 __all__ = ["main", "build_parser", "DEFAULT_TOL", "DENOISE_TOL", "EXIT_CODES"]
 
@@ -171,11 +172,9 @@ def _run(args: argparse.Namespace) -> int:
     with open_denoiser(args.model, workers=args.n_workers, models_dir=args.models_dir,
                        gguf_path=args.gguf, stage_timeout=args.stage_timeout,
                        precision=args.precision) as den:
-        if out_path is not None and den.directory is not None:
-            try:                              # never overwrite what this run reads
-                check_output_path(out_path, what="--out", inputs=list(den.directory.iterdir()))
-            except OutputPathError as e:
-                raise UsageError(str(e)) from None
+        if out_path is not None:              # never overwrite a file of the opened model
+            check_output_path(out_path, what="--out",
+                              model_files=model_files(den.directory, den.gguf.path))
         return _run_model(args, den, inputs, ref, out_path)
 
 

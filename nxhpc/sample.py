@@ -32,6 +32,7 @@ from nxhpc.dit.sampler import (SampleInputError, check_cap_feats, check_noise, d
                                initial_noise, latent_shape,
                                require_decode_deps, sample, turbo_sigmas)
 from nxhpc.runtime.checks import load_npy
+from nxhpc.models.modeldir import model_files
 from nxhpc.runtime.outfile import check_output_path
 
 __all__ = ["EXIT_CODES", "build_parser", "main"]
@@ -168,6 +169,15 @@ def _check_args(args) -> tuple[int, tuple[int, int] | None]:
     return workers, px
 
 
+def _protect_model_files(args, den) -> None:
+    """Refuse (exit 2, before sampling) an --out / --png that is a file of the opened model --
+    whether MODEL was an id, a directory or a GGUF path (links resolved)."""
+    gguf = getattr(getattr(den, "gguf", None), "path", None)
+    files = model_files(getattr(den, "directory", None), gguf)
+    for what, path in [("--out", args.out)] + ([("--png", args.png)] if args.png else []):
+        check_output_path(path, what=what, model_files=files)
+
+
 class _Progress:
     """One tqdm bar over the steps on stderr (seconds per step in the postfix); plain lines
     when tqdm is not installed."""
@@ -204,6 +214,7 @@ def _run(args) -> int:
 
     t_open = time.perf_counter()
     with _open_denoiser(args.model, workers=workers, models_dir=args.models_dir) as den:
+        _protect_model_files(args, den)
         cfg = den.config
         try:
             cap = check_cap_feats(cap_raw, cfg)

@@ -423,3 +423,91 @@ def test_argparse_types(fn, good, bad):
     for s in bad:
         with pytest.raises(argparse.ArgumentTypeError):
             fn(s)
+
+
+# ------------------------------------------------------------------ hardening round 3 (issue 19)
+# Every CLI, through its main() in this process (the checks come before any run) or as a
+# subprocess where a limit or a hang is the point. The model directories are private copies
+# so that a failing check cannot damage the shared built-ins.
+
+def _digest(d: Path) -> dict:
+    import hashlib
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def h3_root(tmp_path_factory):
+    """A models root holding the built-ins ``tiny`` (block model) and ``tiny-dit`` (denoiser),
+    and a tiny-dit's caption features / latents as .npy inputs."""
+    from nxhpc.formats.fixtures import FixtureStore
+    from nxhpc.models.registry import ensure_builtin
+    root = tmp_path_factory.mktemp("h3models")
+    for mid in ("tiny", "tiny-dit"):
+        ensure_builtin(mid, root)
+    fx = FixtureStore(root / "tiny-dit" / "fixtures.safetensors")
+    np.save(root / "cap.npy", fx.load("cap_feats"))
+    np.save(root / "lat.npy", fx.load("latents"))
+    return root
+
+
+def _main(mod: str, argv: list, capsys) -> tuple[int, str, str]:
+    code = importlib.import_module(mod).main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_outputs_never_overwrite_a_file_of_the_opened_model(h3_root, tmp_path, capsys):
+    """Issue 19, item 2: ``sample tiny-dit --out <models>/tiny-dit/model.gguf`` replaced the
+    GGUF with a .npy (exit 0); only a .gguf MODEL argument was protected, not an id or a
+    directory; ``denoise <dir>/model.gguf --out <dir>/fixtures...`` replaced the fixtures. Every
+    CLI refuses (exit 2, before any work) every file of the model it opened -- by id, directory
+    or GGUF path; symbolic and hard links resolved -- and leaves the files as they were."""
+    for mid in ("tiny", "tiny-dit"):
+        import shutil
+        shutil.copytree(h3_root / mid, tmp_path / mid)
+    dit, blk = tmp_path / "tiny-dit", tmp_path / "tiny"
+    before = {d: _digest(d) for d in (dit, blk)}
+    (tmp_path / "link.npy").symlink_to(dit / "model.gguf")
+    os.link(dit / "fixtures.safetensors", tmp_path / "hard.npy")
+    cap, lat = h3_root / "cap.npy", h3_root / "lat.npy"
+    px = ["--height", "32", "--width", "32", "--steps", "1", "--no-progress"]
+    dn = ["--latents", lat, "--timestep", "0.5", "--cap-feats", cap]
+    root = ["--models-dir", tmp_path]
+    runs = {
+        "sample id -> gguf": ("nxhpc.sample", ["tiny-dit", "1", "--cap-feats", cap, *px,
+                                               "--out", dit / "model.gguf", *root]),
+        "sample id -> fixtures": ("nxhpc.sample", ["tiny-dit", "1", "--cap-feats", cap, *px,
+                                                   "--out", dit / "fixtures.safetensors",
+                                                   *root]),
+        "sample dir -> spec": ("nxhpc.sample", [dit, "1", "--cap-feats", cap, *px, "--out",
+                                                dit / "synthetic.json"]),
+        "sample gguf -> sibling": ("nxhpc.sample", [dit / "model.gguf", "1", "--cap-feats", cap,
+                                                    *px, "--out", dit / "fixtures.safetensors"]),
+        "sample id -> symlink": ("nxhpc.sample", ["tiny-dit", "1", "--cap-feats", cap, *px,
+                                                  "--out", tmp_path / "link.npy", *root]),
+        "denoise id -> gguf": ("nxhpc.denoise", ["tiny-dit", "1", "--out", dit / "model.gguf",
+                                                 *root]),
+        "denoise gguf -> sibling": ("nxhpc.denoise", [dit / "model.gguf", "1", *dn, "--out",
+                                                      dit / "fixtures.safetensors"]),
+        "denoise gguf -> hardlink": ("nxhpc.denoise", [dit / "model.gguf", "1", *dn, "--out",
+                                                       tmp_path / "hard.npy"]),
+        "denoise --gguf -> it": ("nxhpc.denoise", ["tiny-dit", "1", "--gguf", dit / "model.gguf",
+                                                   "--out", tmp_path / "link.npy", *root]),
+        "blockrun id -> gguf": ("nxhpc.blockrun", ["tiny", "1", "--save-output",
+                                                   blk / "model.gguf", *root]),
+        "blockrun dir -> fixtures": ("nxhpc.blockrun", [blk, "1", "--save-output",
+                                                        blk / "fixtures.safetensors"]),
+    }
+    for name, (mod, argv) in runs.items():
+        code, out, err = _main(mod, argv, capsys)
+        assert code == 2, (name, code, err[-800:])
+        assert "input of this run" in err, (name, err)
+        assert "Traceback" not in err and "PASS" not in out, name
+        assert {d: _digest(d) for d in (dit, blk)} == before, name
+    # control: the same commands with a free output path run and write it
+    code, _, err = _main("nxhpc.sample", ["tiny-dit", "1", "--cap-feats", cap, *px, "--out",
+                                          tmp_path / "free.npy", *root], capsys)
+    assert code == 0 and (tmp_path / "free.npy").is_file(), err
+    code, _, err = _main("nxhpc.denoise", [dit / "model.gguf", "1", *dn, "--out",
+                                           tmp_path / "free2.npy"], capsys)
+    assert code == 0 and (tmp_path / "free2.npy").is_file(), err
