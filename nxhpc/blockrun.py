@@ -155,13 +155,17 @@ def _run(args: argparse.Namespace) -> int:
                         stage_timeout=args.stage_timeout, repeat=args.repeat,
                         on_layer=progress)
     save = None
-    if args.save_output is not None:
+    bad = res.grade.non_finite
+    if args.save_output is not None and not bad:    # a NaN/inf output is never written
         save = lambda: save_npy(args.save_output, res.output, "--save-output")  # noqa: E731
     rows = [" ".join(f"{k}={fmt_value(v)}" for k, v in row.items()) for row in res.per_layer]
     save_error = emit_graded(res.report, as_json=args.json, grade=res.grade,
                              verdict=res.grade.verdict_line(), text_lines=rows,
                              json_extra={"per_layer": res.per_layer} if n_layers > 1 else None,
                              save=save, saved_path=args.save_output)
+    if args.save_output is not None and bad:
+        print(f"{PROG}: error: --save-output {args.save_output} not written: {bad} of "
+              f"{res.grade.n} output values are NaN/inf", file=sys.stderr, flush=True)
     if save_error:
         print(f"{PROG}: error: {save_error}", file=sys.stderr, flush=True)
         return Exit.OUTPUT

@@ -191,7 +191,7 @@ def _stored(den):
 
 
 def _run_model(args, den, inputs, ref, out_path) -> int:
-    from nxhpc.dit.denoiser import SEGMENTS, DenoiserInputError
+    from nxhpc.dit.denoiser import SEGMENTS, DenoiserInputError, NonFiniteOutputError
     cfg = den.config
     ref_name = args.reference
     if inputs is None:
@@ -210,8 +210,12 @@ def _run_model(args, den, inputs, ref, out_path) -> int:
             out = den.forward(lat, t, cap)
         except DenoiserInputError as e:
             raise InputError(str(e)) from None
+        except NonFiniteOutputError as e:   # reported and failed below, never written
+            out = e.output
         for k, v in den.last_timings.items():
             best[k] = min(best.get(k, v), v)
+        if not np.isfinite(out).all():
+            break                           # the same bits every run: no need to repeat
     s = den.session(*lat.shape[-2:], cap.shape[0])
     mem = den.memory()
     report: dict = {"model": str(den.directory or den.gguf.path), "dim": cfg.dim,
@@ -228,23 +232,39 @@ def _run_model(args, den, inputs, ref, out_path) -> int:
     report["s_per_layer"] = per_layer
     report["s_per_30_layer_step"] = rest + 30 * per_layer
     report.update(mem)
+    bad = int(out.size - np.count_nonzero(np.isfinite(out)))
+    report["non_finite"] = bad              # in every report, graded or not
 
     g = None
     if ref is not None:
         tol = DENOISE_TOL[den.precision] if args.tol is None else args.tol
         g = grade(out, ref, tol=tol, reference=str(ref_name))
-    verdict = g.verdict_line() if g is not None else \
-        "UNGRADED: no reference (the model stores none; pass --reference R.npy to grade)"
+    if g is not None:
+        verdict = g.verdict_line()
+    elif bad:
+        verdict = (f"FAIL: {bad} of {out.size} output values are NaN/inf (finite inputs "
+                   f"overflowed inside the model; ungraded: no reference)")
+    else:
+        verdict = "UNGRADED: no reference (the model stores none; pass --reference R.npy to grade)"
     segs = " | ".join(f"{k} {best[f'us_{k}'] / 1e6:.4f} s" for k in SEGMENTS)
     save = None
-    if out_path is not None:
+    if out_path is not None and not bad:    # a NaN/inf output is never written
         save = lambda: save_npy(out_path, out, "--out")  # noqa: E731
+    extra: dict = {}
+    not_written = f"--out {out_path} not written: {bad} of {out.size} output values are NaN/inf"
+    if g is None and bad:
+        extra["verdict"] = "FAIL"
+    if out_path is not None and bad:
+        extra.update(saved_output=None, save_error=not_written)
     save_error = emit_graded(report, as_json=args.json, grade=g, verdict=verdict,
-                             text_lines=[f"segments: {segs}"], save=save, saved_path=out_path)
+                             text_lines=[f"segments: {segs}"], json_extra=extra, save=save,
+                             saved_path=out_path)
+    if out_path is not None and bad:
+        print(f"{PROG}: error: {not_written}", file=sys.stderr, flush=True)
     if save_error:
         print(f"{PROG}: error: {save_error}", file=sys.stderr, flush=True)
         return Exit.OUTPUT
-    return Exit.FAIL if g is not None and not g.passed else Exit.PASS
+    return Exit.FAIL if bad or (g is not None and not g.passed) else Exit.PASS
 
 
 if __name__ == "__main__":

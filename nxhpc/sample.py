@@ -257,6 +257,7 @@ def _run(args) -> int:
               "step_s": [round(s, 6) for s in step_s], "total_s": round(total_s, 6),
               "s_per_step": round(total_s / args.steps, 6),
               "latents_mean": float(lat.mean()), "latents_std": float(lat.std()),
+              "non_finite": int(lat.size - np.count_nonzero(np.isfinite(lat))),
               "out": str(args.out), "png": None}
     if step_timings and step_timings[-1]:
         report["last_step_timings"] = step_timings[-1]

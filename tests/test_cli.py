@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import json
 import math
 import os
 import re
@@ -511,3 +512,74 @@ def test_outputs_never_overwrite_a_file_of_the_opened_model(h3_root, tmp_path, c
     code, _, err = _main("nxhpc.denoise", [dit / "model.gguf", "1", *dn, "--out",
                                            tmp_path / "free2.npy"], capsys)
     assert code == 0 and (tmp_path / "free2.npy").is_file(), err
+
+
+def test_non_finite_outputs_are_counted_and_fail_graded_or_not(h3_root, tmp_path, capsys):
+    """Issue 19, item 3: finite latents that overflow inside the model (3e38) made ``denoise``
+    write 2240 NaN of 2240 and print UNGRADED, exit 0. Every report counts the non-finite
+    outputs (``non_finite=``); any of them fails the run -- exit 1, nothing written -- whether
+    or not it is graded; an existing file at --out is unchanged."""
+    lat = np.load(h3_root / "lat.npy")
+    big = tmp_path / "big.npy"
+    np.save(big, np.full_like(lat, 3e38))
+    ref = tmp_path / "ref.npy"
+    np.save(ref, np.ones_like(lat))
+    out = tmp_path / "o.npy"
+    out.write_bytes(b"previous")
+    base = ["tiny-dit", "1", "--models-dir", h3_root, "--timestep", "0.5", "--cap-feats",
+            h3_root / "cap.npy", "--out", out]
+    for extra in ([], ["--reference", ref]):
+        code, so, se = _main("nxhpc.denoise", [*base, "--latents", big, *extra], capsys)
+        assert code == 1, (extra, code, se[-800:])
+        assert f"non_finite={lat.size}" in so and so.splitlines()[-1].startswith("FAIL"), so
+        assert "saved_output=" not in so and out.read_bytes() == b"previous"
+        assert "Traceback" not in se
+    code, so, se = _main("nxhpc.denoise", [*base, "--latents", big, "--json"], capsys)
+    obj = json.loads(so)
+    assert code == 1 and obj["non_finite"] == lat.size and obj["verdict"] == "FAIL"
+    assert obj["saved_output"] is None and out.read_bytes() == b"previous"
+    # control: the stored inputs run finite, report non_finite=0 and write --out
+    code, so, se = _main("nxhpc.denoise", [*base, "--latents", h3_root / "lat.npy"], capsys)
+    assert code == 0 and "non_finite=0" in so and np.load(out).shape == lat.shape, se
+    # sample: the report counts them too (0 here); NaN from the denoiser exits 1
+    s_out = tmp_path / "s.npy"
+    px = ["--height", "32", "--width", "32", "--steps", "1", "--no-progress"]
+    code, so, se = _main("nxhpc.sample", ["tiny-dit", "1", "--models-dir", h3_root,
+                                          "--cap-feats", h3_root / "cap.npy", *px, "--out",
+                                          s_out], capsys)
+    assert code == 0 and "non_finite=0" in so, se
+    noise = tmp_path / "noise.npy"
+    np.save(noise, np.full((16, 4, 4), 3e38, np.float32))
+    code, so, se = _main("nxhpc.sample", ["tiny-dit", "1", "--models-dir", h3_root,
+                                          "--cap-feats", h3_root / "cap.npy", "--noise", noise,
+                                          "--steps", "1", "--no-progress", "--out",
+                                          tmp_path / "s2.npy"], capsys)
+    assert code == 1 and "NaN/inf" in se and not (tmp_path / "s2.npy").exists(), se
+
+
+def test_blockrun_non_finite_output_writes_nothing(h3_root, tmp_path, capsys, monkeypatch):
+    """blockrun grades every run and fails NaN outputs; --save-output is not written then (the
+    block itself stays finite even at 3e38 inputs, so the run's output is poisoned after it)."""
+    import dataclasses
+    import nxhpc.dit.stackrun as stackrun
+    from nxhpc.dit.grade import grade
+    real = stackrun.run_stack
+
+    def poisoned(model, **kw):
+        r = real(model, **kw)
+        out = r.output.copy()
+        out[0, :5] = np.nan
+        ref = model.fixtures.load(r.grade.reference)
+        return dataclasses.replace(r, output=out, grade=grade(out, ref, tol=r.grade.tol,
+                                                              reference=r.grade.reference))
+    monkeypatch.setattr(stackrun, "run_stack", poisoned)
+    out = tmp_path / "b.npy"
+    out.write_bytes(b"previous")
+    code, so, se = _main("nxhpc.blockrun", ["tiny", "1", "--models-dir", h3_root,
+                                            "--save-output", out], capsys)
+    assert code == 1 and "non_finite=5" in so and so.splitlines()[-1].startswith("FAIL"), se
+    assert out.read_bytes() == b"previous" and "saved_output=" not in so
+    monkeypatch.setattr(stackrun, "run_stack", real)                  # control
+    code, so, se = _main("nxhpc.blockrun", ["tiny", "1", "--models-dir", h3_root,
+                                            "--save-output", out], capsys)
+    assert code == 0 and "non_finite=0" in so and np.load(out).shape == (45, 384), se

@@ -85,6 +85,7 @@ _TABLE: tuple[tuple[str, str, Exit], ...] = (
     ("nxhpc.runtime.checks", "InputFileMissing", Exit.USAGE),
     ("nxhpc.runtime.outfile", "OutputPathError", Exit.USAGE),
     ("nxhpc.dit.stackrun", "StackRangeError", Exit.USAGE),
+    ("nxhpc.runtime.checks", "NonFiniteOutputError", Exit.FAIL),
     ("nxhpc.dit.sampler", "NonFiniteOutputError", Exit.FAIL),
     ("nxhpc.train.q16", "Q16OverflowError", Exit.FAIL),
     ("nxhpc.runtime.checks", "CheckError", Exit.BAD_INPUT),

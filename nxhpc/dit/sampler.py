@@ -25,6 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from nxhpc.runtime.checks import CheckError, check_float_array
+from nxhpc.runtime.checks import NonFiniteOutputError as _NonFinite
 
 __all__ = ["euler_sample", "initial_noise", "latent_shape", "turbo_sigmas", "sample",
            "check_cap_feats", "check_noise", "decode_png", "require_decode_deps",
@@ -39,8 +40,9 @@ class SampleInputError(CheckError):
     """Caption features or noise that do not fit the model (shape, dtype, NaN/inf)."""
 
 
-class NonFiniteOutputError(ArithmeticError):
-    """The denoiser returned NaN/inf at a step (names the step and t)."""
+NonFiniteOutputError = _NonFinite
+"""The denoiser returned NaN/inf at a step, or the latents left float32's range (names the
+step and t): :class:`nxhpc.runtime.checks.NonFiniteOutputError`, the denoiser's own."""
 
 Model = Callable[[np.ndarray, float], np.ndarray]
 
@@ -157,12 +159,27 @@ def sample(denoiser, cap_feats, noise, *, steps: int = 8, shift: float = 3.0,
 
     def model(x: np.ndarray, t: float) -> np.ndarray:
         i, calls[0] = calls[0], calls[0] + 1
-        r = np.asarray(denoiser.forward(x, t, cap))
-        if not np.isfinite(r).all():
-            raise NonFiniteOutputError(f"step {i} (t={t:.6g}): the denoiser returned NaN/inf")
+        if not np.isfinite(x).all():          # the previous update overflowed float32
+            raise NonFiniteOutputError(f"step {i} (t={t:.6g}): the latents left float32's "
+                                       f"range (NaN/inf after step {i - 1})")
+        try:
+            r = np.asarray(denoiser.forward(x, t, cap))
+        except NonFiniteOutputError as e:
+            raise NonFiniteOutputError(f"step {i} (t={t:.6g}): the denoiser returned NaN/inf "
+                                       f"({e})", count=e.count, size=e.size) from None
+        bad = int(r.size - np.count_nonzero(np.isfinite(r)))
+        if bad:
+            raise NonFiniteOutputError(f"step {i} (t={t:.6g}): the denoiser returned NaN/inf "
+                                       f"({bad} of {r.size} values)", count=bad, size=r.size)
         return r
 
-    return euler_sample(model, x0, sigmas, on_step=on_step)
+    x = euler_sample(model, x0, sigmas, on_step=on_step)
+    bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+    if bad:
+        raise NonFiniteOutputError(f"the final latents have {bad} of {x.size} values NaN/inf "
+                                   f"(the last update left float32's range)", count=bad,
+                                   size=x.size)
+    return x
 
 
 def require_decode_deps() -> None:

@@ -5,7 +5,8 @@ Owns the rules for what a caller may pass to a public entry point (``WorkerPool`
 counts (:func:`check_count`), worker counts (:func:`check_workers`: an int in ``[1,
 max_workers()]``, None = the usable CPUs), seconds (:func:`check_seconds`), choices
 (:func:`check_choice`), floating-point arrays of a shape, finite, as C-contiguous float32
-(:func:`check_float_array`) and ``.npy`` inputs (:func:`load_npy`). Each raises
+(:func:`check_float_array`) and ``.npy`` inputs (:func:`load_npy`), and the one error for a
+model output that is not finite (:class:`NonFiniteOutputError`). Each check raises
 :class:`CheckError` (a ValueError) or TypeError with a message naming the argument, the rule and
 the value. Internal hops below an entry point trust what it checked and say so.
 Must not: import numpy at import time (the worker pool imports this module), the compiled
@@ -21,7 +22,7 @@ from typing import Any
 
 from nxhpc.runtime.workers import as_index, max_workers, usable_cpus   # (workers imports us lazily)
 
-__all__ = ["CheckError", "InputFileMissing", "check_count", "check_workers", "check_seconds",
+__all__ = ["CheckError", "InputFileMissing", "NonFiniteOutputError", "check_count", "check_workers", "check_seconds",
            "check_positive", "check_choice", "check_float_array", "load_npy"]
 
 
@@ -31,6 +32,18 @@ class CheckError(ValueError):
 
 class InputFileMissing(CheckError):
     """An input file that does not exist (or is a directory): a usage error, not a bad file."""
+
+
+class NonFiniteOutputError(ArithmeticError):
+    """A model returned NaN/inf outputs from finite inputs (an overflow inside the model).
+
+    ``count`` of ``size`` values are not finite; ``output`` is the array itself (None where the
+    raiser does not keep it), for a caller that reports or inspects it."""
+
+    def __init__(self, message: str, *, count: int | None = None, size: int | None = None,
+                 output: Any = None) -> None:
+        super().__init__(message)
+        self.count, self.size, self.output = count, size, output
 
 
 
