@@ -19,6 +19,7 @@ from nxhpc.dit.grade import DEFAULT_TOL
 from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
 from nxhpc.dit.stackrun import PRECISION_TOL
 from nxhpc.models.modeldir import model_files
+from nxhpc.runtime.checks import check_input_file
 from nxhpc.runtime.outfile import check_output_path
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES
 
@@ -129,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from nxhpc.dit.stackrun import check_slice, run_stack
     from nxhpc.models import open_model
+    if args.gguf_path is not None:             # a FIFO or /dev/null is not "no such file"
+        check_input_file(args.gguf_path, "gguf_path")
     if args.save_output is not None:           # up front: not after the whole run
         check_output_path(args.save_output, what="--save-output")
     with open_model(args.model_id, models_dir=args.models_dir, gguf_path=args.gguf_path) as model:

@@ -20,7 +20,7 @@ from nxhpc.cli.report import emit_graded, save_npy
 from nxhpc.dit.grade import grade
 from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
 from nxhpc.dit.stackrun import PRECISION_TOL
-from nxhpc.runtime.checks import load_npy
+from nxhpc.runtime.checks import check_input_file, load_npy
 from nxhpc.models.modeldir import model_files
 from nxhpc.runtime.outfile import check_output_path
 
@@ -156,6 +156,8 @@ def _run(args: argparse.Namespace) -> int:
     if any(given) and not all(given):
         raise UsageError("give all of --latents, --timestep and --cap-feats, or none "
                          "(a built-in model's stored inputs)")
+    if args.gguf is not None:
+        check_input_file(args.gguf, "--gguf")   # a FIFO or /dev/null is not "no such file"
     out_path = None
     if args.out is not None:
         inputs = [x for x in (args.latents, args.cap_feats, args.reference, args.gguf) if x]

@@ -28,7 +28,8 @@ from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed pack
 from nxhpc.cli.codes import Exit, NotFound, OutputError, UsageError, codes_epilog
 from nxhpc.cli.frame import run_cli
 from nxhpc.cli.report import fmt_compact, print_json, print_kv, save_bytes
-from nxhpc.dit.sampler import (SampleInputError, check_cap_feats, check_noise, decode_png,
+from nxhpc.dit.sampler import (MAX_STEPS, SampleInputError, check_cap_feats, check_noise,
+                               decode_png,
                                initial_noise, latent_shape,
                                require_decode_deps, sample, turbo_sigmas)
 from nxhpc.runtime.checks import load_npy
@@ -142,6 +143,12 @@ def _check_args(args) -> tuple[int, tuple[int, int] | None]:
     if args.height is None and args.noise is None:
         raise UsageError("--height and --width are required unless --noise is given")
     px = None if args.height is None else (args.height, args.width)
+    if args.steps > MAX_STEPS:
+        raise UsageError(f"--steps {args.steps}: at most {MAX_STEPS}")
+    try:
+        turbo_sigmas(args.steps, args.shift)
+    except ValueError as e:
+        raise UsageError(f"--shift {args.shift:g}: {e}") from None
     if args.png is not None and args.decode is None:
         raise UsageError("--png needs --decode VAE_DIR (the VAE to decode with)")
     if args.decode is not None and args.png is None:

@@ -583,3 +583,122 @@ def test_blockrun_non_finite_output_writes_nothing(h3_root, tmp_path, capsys, mo
     code, so, se = _main("nxhpc.blockrun", ["tiny", "1", "--models-dir", h3_root,
                                             "--save-output", out], capsys)
     assert code == 0 and "non_finite=0" in so and np.load(out).shape == (45, 384), se
+
+
+def _bad_npy_files(d: Path) -> dict:
+    """Files named .npy that np.load cannot turn into one array (issue 19, item 8)."""
+    import struct
+    np.savez(d / "arrays.npz", a=np.zeros(3, np.float32))
+    data = (d / "arrays.npz").read_bytes()
+    (d / "zip.npy").write_bytes(data)                          # a valid zip: not one array
+    (d / "broken-zip.npy").write_bytes(data[:len(data) // 2])  # a zip cut in half
+    hdr = "{'descr': '<f4', 'fortran_order': False, 'shape': (16, 1048576, 1048576), }"
+    hdr = hdr + " " * (117 - len(hdr)) + "\n"
+    raw = b"\x93NUMPY\x01\x00" + struct.pack("<H", len(hdr)) + hdr.encode()
+    (d / "huge.npy").write_bytes(raw + b"\0" * (242 - len(raw)))   # claims 64 TiB in 242 bytes
+    return {"zip": (d / "zip.npy", "not a .npy"), "broken": (d / "broken-zip.npy", "not a .npy"),
+            "huge": (d / "huge.npy", "64.0 TiB")}
+
+
+def test_unreadable_inputs_exit_4_not_70(h3_root, tmp_path, capsys):
+    """Issue 19, item 8: a broken zip (or any zip) as --latents / --cap-feats / --reference /
+    --noise / a blockrun reference, and a 242-byte .npy whose header claims 64 TiB, ended in a
+    traceback and exit 70. They are bad inputs: exit 4, one line naming the file."""
+    bad = _bad_npy_files(tmp_path)
+    lat, cap = h3_root / "lat.npy", h3_root / "cap.npy"
+    root = ["--models-dir", h3_root]
+    for kind, (f, needle) in bad.items():
+        runs = {
+            "--latents": ("nxhpc.denoise", ["tiny-dit", "1", *root, "--latents", f,
+                                            "--timestep", "0.5", "--cap-feats", cap]),
+            "--cap-feats": ("nxhpc.denoise", ["tiny-dit", "1", *root, "--latents", lat,
+                                              "--timestep", "0.5", "--cap-feats", f]),
+            "--reference": ("nxhpc.denoise", ["tiny-dit", "1", *root, "--reference", f]),
+            "sample --cap-feats": ("nxhpc.sample", ["tiny-dit", "1", *root, "--cap-feats", f,
+                                                    "--height", "32", "--width", "32", "--out",
+                                                    tmp_path / "o.npy"]),
+            "sample --noise": ("nxhpc.sample", ["tiny-dit", "1", *root, "--cap-feats", cap,
+                                                "--noise", f, "--out", tmp_path / "o.npy"]),
+            "blockrun reference": ("nxhpc.blockrun", ["tiny", "1", str(f), *root]),
+        }
+        for name, (mod, argv) in runs.items():
+            code, _, err = _main(mod, argv, capsys)
+            assert code == 4, (kind, name, code, err[-1500:])
+            assert needle in err and str(f) in err and "Traceback" not in err, (kind, name, err)
+    assert not (tmp_path / "o.npy").exists()
+
+
+def test_sample_numbers_beyond_what_can_run_exit_2(h3_root, tmp_path, capsys):
+    """Issue 19, item 8: ``sample --shift 1e-300`` / ``1e300`` (no strictly falling schedule),
+    ``--steps 1e12`` and ``--height 1.6e16`` (memory for the schedule / the noise) exited 70."""
+    base = ["tiny-dit", "1", "--models-dir", h3_root, "--cap-feats", h3_root / "cap.npy",
+            "--out", tmp_path / "o.npy", "--no-progress"]
+    px = ["--height", "32", "--width", "32"]
+    for extra, needle in [(["--shift", "1e-300", *px], "--shift"),
+                          (["--shift", "1e300", *px], "--shift"),
+                          (["--steps", str(10 ** 12), *px], "--steps"),
+                          (["--height", "16000000000000000", "--width", "32"], "--height")]:
+        code, _, err = _main("nxhpc.sample", [*base, *extra], capsys)
+        assert code == 2, (extra, code, err[-1500:])
+        assert needle in err and "Traceback" not in err, (extra, err)
+    assert not (tmp_path / "o.npy").exists()
+    code, _, err = _main("nxhpc.sample", [*base, "--shift", "50", "--steps", "2", *px], capsys)
+    assert code == 0, err                                            # control: still a schedule
+
+
+def test_too_many_open_files_is_a_clear_error(h3_root, tmp_path):
+    """Issue 19, item 8: a run that hits the open-files limit (``ulimit -n``) ended in a
+    traceback and exit 70; now exit 2 with one line naming the limit, no shared memory left."""
+    import resource
+    before = sorted(os.listdir("/dev/shm"))
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (12, 12))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), NXHPC_MODELS=str(h3_root))
+    r = subprocess.run([sys.executable, "-m", "nxhpc.denoise", "tiny-dit", "2"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120, preexec_fn=limit)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "too many open files" in r.stderr and "ulimit -n" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert sorted(os.listdir("/dev/shm")) == before
+
+
+def test_wording_of_odd_input_paths_and_values(h3_root, tmp_path, capsys):
+    """Issue 19, item 10: a FIFO as --latents hung (or was "no such file"), /dev/null and a
+    FIFO as --gguf were "no such file"; a finite 1e300 float64 input was "NaN/inf"; ``models
+    make --eps 1e-50`` wrote a model every run refuses. Each now says what it is."""
+    fifo = tmp_path / "fifo.npy"
+    os.mkfifo(fifo)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), NXHPC_MODELS=str(h3_root))
+    lat, cap = h3_root / "lat.npy", h3_root / "cap.npy"
+    r = subprocess.run([sys.executable, "-m", "nxhpc.denoise", "tiny-dit", "1", "--latents",
+                        str(fifo), "--timestep", "0.5", "--cap-feats", str(cap)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "FIFO" in r.stderr and "regular file" in r.stderr, r.stderr
+    root = ["--models-dir", h3_root]
+    for path, kind in (("/dev/null", "character device"), (str(fifo), "FIFO")):
+        code, _, err = _main("nxhpc.denoise", ["tiny-dit", "1", *root, "--latents", path,
+                                               "--timestep", "0.5", "--cap-feats", cap], capsys)
+        assert code == 2 and kind in err and "no such file" not in err, err
+        code, _, err = _main("nxhpc.denoise", ["tiny-dit", "1", *root, "--gguf", path], capsys)
+        assert code == 2 and kind in err and "no such file" not in err, err
+        code, _, err = _main("nxhpc.blockrun", ["tiny", "1", "layers.1.blk_in", path, *root],
+                             capsys)
+        assert code == 2 and kind in err and "no such file" not in err, err
+    big = tmp_path / "big64.npy"
+    c = np.load(cap).astype(np.float64)
+    c[0, 0] = 1e300
+    np.save(big, c)
+    code, _, err = _main("nxhpc.sample", ["tiny-dit", "1", *root, "--cap-feats", big,
+                                          "--height", "32", "--width", "32", "--out",
+                                          tmp_path / "o.npy"], capsys)
+    assert code == 4 and "beyond float32's range" in err and "NaN" not in err, err
+    code, _, err = _main("nxhpc.denoise", ["tiny-dit", "1", *root, "--latents", lat,
+                                           "--timestep", "0.5", "--cap-feats", big], capsys)
+    assert code == 4 and "beyond float32's range" in err and "NaN" not in err, err
+    mroot = tmp_path / "made"
+    code, _, err = _main("nxhpc.models", ["--models-dir", mroot, "make", "epsm", "--dim", "64",
+                                          "--heads", "2", "--ffn", "192", "--layers", "1",
+                                          "--grid", "1x2x2", "--eps", "1e-50"], capsys)
+    assert code == 2 and "--eps" in err and "float32" in err, err
+    assert not (mroot / "epsm").exists()

@@ -29,7 +29,8 @@ from nxhpc.runtime.checks import NonFiniteOutputError as _NonFinite
 
 __all__ = ["euler_sample", "initial_noise", "latent_shape", "turbo_sigmas", "sample",
            "check_cap_feats", "check_noise", "decode_png", "require_decode_deps",
-           "SampleInputError", "NonFiniteOutputError", "VAE_SCALING", "VAE_SHIFT"]
+           "SampleInputError", "NonFiniteOutputError", "VAE_SCALING", "VAE_SHIFT",
+           "MAX_STEPS"]
 
 VAE_SCALING, VAE_SHIFT = 0.3611, 0.1159
 """The FLUX VAE's latent normalization (``docs/denoiser.md``): pixels = decode(latents / 0.3611 +
@@ -47,17 +48,32 @@ step and t): :class:`nxhpc.runtime.checks.NonFiniteOutputError`, the denoiser's 
 Model = Callable[[np.ndarray, float], np.ndarray]
 
 
+#: The most steps a schedule may have: far beyond any use (Turbo takes 8, flow-matching
+#: schedulers train on 1000), and a mistyped 1e12 would allocate terabytes.
+MAX_STEPS = 10_000
+
+
 def turbo_sigmas(steps: int = 8, shift: float = 3.0) -> np.ndarray:
     """float64 ``[steps + 1]``: ``s_i = 1 - i/steps`` (i < steps),
     ``sigma_i = shift*s / (1 + (shift - 1)*s)``, then ``sigma_steps = 0``.
-    For 8 steps at shift 3: [1, .954545, .9, .833333, .75, .642857, .5, .3, 0]."""
-    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-        raise ValueError(f"turbo_sigmas: steps must be an int >= 1, got {steps!r}")
-    if not (np.isfinite(shift) and shift > 0):
+    For 8 steps at shift 3: [1, .954545, .9, .833333, .75, .642857, .5, .3, 0].
+    ValueError for steps outside [1, MAX_STEPS], a shift that is not a positive finite
+    number, or a shift so extreme that the sigmas do not fall strictly in float64 (1e300:
+    all 1; 1e-300: the first one inf)."""
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1 \
+            or steps > MAX_STEPS:
+        raise ValueError(f"turbo_sigmas: steps must be an int in [1, {MAX_STEPS}], got "
+                         f"{steps!r}")
+    if isinstance(shift, bool) or not (np.isfinite(shift) and shift > 0):
         raise ValueError(f"turbo_sigmas: shift must be positive, got {shift!r}")
     s = 1.0 - np.arange(int(steps), dtype=np.float64) / int(steps)
-    sig = shift * s / (1.0 + (shift - 1.0) * s)
-    return np.concatenate([sig, [0.0]])
+    with np.errstate(all="ignore"):
+        sig = np.concatenate([shift * s / (1.0 + (shift - 1.0) * s), [0.0]])
+    if not np.isfinite(sig).all() or sig[0] > 1.0 or np.any(np.diff(sig) >= 0):
+        raise ValueError(f"turbo_sigmas: shift {shift:g} gives no strictly falling schedule of "
+                         f"{steps} steps in float64 (sigmas start {sig[:3].tolist()}); use a "
+                         f"shift nearer 1 (Z-Image-Turbo: 3.0)")
+    return sig
 
 
 def latent_shape(height_px: int, width_px: int, channels: int = 16,
