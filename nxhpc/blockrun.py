@@ -30,7 +30,8 @@ PROG = "blockrun"
 #: The codes blockrun returns, in its words (the numbers are nxhpc.cli.codes.Exit's).
 EXIT_CODES = {
     Exit.PASS: "pass: the output is within tolerance of the reference",
-    Exit.FAIL: "graded fail: max_rel above the tolerance, or non-finite outputs",
+    Exit.FAIL: "graded fail: max_rel above the tolerance, or non-finite outputs (then "
+               "--save-output is not written)",
     Exit.USAGE: "usage error (bad arguments, e.g. n_workers 'abc' or 0, --layers beyond the model, "
                 "a --save-output path that cannot be written or is one of the model's files)",
     Exit.NOT_FOUND: "model not found (id, directory or gguf_path)",

@@ -41,10 +41,12 @@ DENOISE_TOL = {"f32": DEFAULT_TOL, "bf16": PRECISION_TOL["bf16"], "q8": PRECISIO
 EXIT_CODES = {
     Exit.PASS: "pass: the output is within tolerance of the reference, or UNGRADED (no "
                "reference); --out was written when given",
-    Exit.FAIL: "graded fail: max_rel above the tolerance, or non-finite outputs",
+    Exit.FAIL: "graded fail: max_rel above the tolerance; or non-finite outputs, graded or "
+               "not (counted as non_finite; --out is not written)",
     Exit.USAGE: "usage error (bad arguments, e.g. n_workers 'abc' or 0, only some of "
-                "--latents/--timestep/--cap-feats, a missing input file, an --out path that "
-                "cannot be written or is one of the inputs)",
+                "--latents/--timestep/--cap-feats, a missing input file or one that is not a "
+                "regular file, an --out path that cannot be written or is one of the inputs or "
+                "a file of the model; the open-files limit reached)",
     Exit.NOT_FOUND: "model not found (id, directory or GGUF path)",
     Exit.BAD_INPUT: "bad input: a malformed/unsupported GGUF, or latents/caption features/"
                     "reference that are not readable float arrays or do not fit the model",
@@ -74,7 +76,8 @@ inputs:
 grading (with a stored reference or --reference):
   rel_i = |out_i - ref_i| / max(|ref_i|, rms(ref)); PASS iff no output is NaN/inf and
   max_rel <= --tol (default per --precision: %(tols)s).
-  Without a reference the verdict is UNGRADED (exit 0).
+  Without a reference the verdict is UNGRADED (exit 0), unless an output is NaN/inf: FAIL
+  (exit 1) graded or not, and --out is not written.
 
 timings (microseconds): us_embed (timestep MLP, x/cap embedders, pads, adaLN vectors),
   us_noise_refiner, us_context_refiner, us_layers, us_final, us_total; s_per_layer and the

@@ -43,11 +43,14 @@ PROG = "sample"
 #: The codes sample returns, in its words (the numbers are nxhpc.cli.codes.Exit's).
 EXIT_CODES = {
     Exit.PASS: "the latents (and the PNG) were written",
-    Exit.FAIL: "the denoiser returned NaN/inf at some step (nothing was written)",
-    Exit.USAGE: "usage error: bad arguments (--height/--width not a positive multiple of 16, "
-                "--steps 0, both --seed and --noise, a missing --cap-feats/--noise file, "
+    Exit.FAIL: "the denoiser returned NaN/inf at some step, or the latents left float32's "
+               "range (nothing was written)",
+    Exit.USAGE: "usage error: bad arguments (--height/--width not a positive multiple of 16 "
+                "up to 16384, --steps 0 or above 10000, a --shift with no strictly falling "
+                "schedule, both --seed and --noise, a missing --cap-feats/--noise file, "
                 "--png without --decode, --decode without torch/diffusers, an output path that "
-                "cannot be written or is one of the inputs)",
+                "cannot be written or is one of the inputs or a file of the model; the "
+                "open-files limit reached)",
     Exit.NOT_FOUND: "model not found (id, directory or GGUF path), or --decode VAE_DIR missing",
     Exit.BAD_INPUT: "bad input: a malformed model file, or --cap-feats/--noise that do not fit "
                     "the model ([L, cap_dim] caption features; [16, H/8, W/8] noise; float, "
