@@ -8,6 +8,7 @@ opened by ``nxhpc.models``. Must not: run or grade anything itself, or import an
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -131,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from nxhpc.dit.stackrun import check_slice, run_stack
     from nxhpc.models import open_model
-    if args.gguf_path is not None:             # a FIFO or /dev/null is not "no such file"
+    if args.gguf_path is not None and os.path.exists(args.gguf_path):   # missing: exit 3
+        # a FIFO or /dev/null is not "no such file"
         check_input_file(args.gguf_path, "gguf_path")
     if args.save_output is not None:           # up front: not after the whole run
         check_output_path(args.save_output, what="--save-output")

@@ -46,7 +46,7 @@ EXIT_CODES = {
     Exit.FAIL: "the denoiser returned NaN/inf at some step, or the latents left float32's "
                "range (nothing was written)",
     Exit.USAGE: "usage error: bad arguments (--height/--width not a positive multiple of 16 "
-                "up to 16384, --steps 0 or above 10000, a --shift with no strictly falling "
+                "up to 16384, --steps 0 or above 1000000, a --shift with no strictly falling "
                 "schedule, both --seed and --noise, a missing --cap-feats/--noise file, "
                 "--png without --decode, --decode without torch/diffusers, an output path that "
                 "cannot be written or is one of the inputs or a file of the model; the "

@@ -49,8 +49,9 @@ Model = Callable[[np.ndarray, float], np.ndarray]
 
 
 #: The most steps a schedule may have: far beyond any use (Turbo takes 8, flow-matching
-#: schedulers train on 1000), and a mistyped 1e12 would allocate terabytes.
-MAX_STEPS = 10_000
+#: schedulers train on 1000; the schedule is then 8 MB), where a mistyped 1e12 would allocate
+#: terabytes.
+MAX_STEPS = 1_000_000
 
 
 def turbo_sigmas(steps: int = 8, shift: float = 3.0) -> np.ndarray:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
@@ -82,7 +83,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    if args.gguf is not None:                  # a FIFO or /dev/null is not "no such file"
+    if args.gguf is not None and os.path.exists(args.gguf):   # a FIFO, /dev/null: not "missing"
         check_input_file(args.gguf, "--gguf")
     with open_model(args.model, models_dir=args.models_dir, gguf_path=args.gguf) as m:
         print(m.describe())
