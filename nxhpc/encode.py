@@ -63,7 +63,7 @@ what it computes:
   byte-level BPE (the qwen2 pre-tokenizer, NFC, the special tokens matched whole -- also when
   typed), the first 512 kept; then hidden_states[-2] of those ids (every block but the last,
   no final norm) on nxhpc's kernels. --out: float32 [n_tokens, dim] (Qwen3-4B: dim 2560), the
-  --cap-feats of python -m nxhpc.sample / nxhpc.denoise.
+  caption features python -m nxhpc.sample and nxhpc.denoise take.
 
 report (key=value, or one object with --json): model, config, n_tokens, templated_tokens
   (before truncation), truncated, dim, precision, workers, timings in microseconds
