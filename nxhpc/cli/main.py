@@ -21,6 +21,8 @@ COMMANDS = {
     "denoise": ("nxhpc.denoise", "one call of the whole Z-Image transformer from a GGUF"),
     "sample": ("nxhpc.sample", "the Z-Image-Turbo sampling loop (caption features -> latents "
                                "[-> PNG])"),
+    "encode": ("nxhpc.encode", "a prompt -> Z-Image's caption features (the Qwen3 text "
+                               "encoder from a GGUF)"),
     "models": ("nxhpc.models.cli", "list, inspect and generate model directories"),
     "ddp": ("nxhpc.ddp", "bit-reproducible data-parallel training on the Q16 tape"),
 }
