@@ -83,7 +83,11 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
 def _ranked_printer(prog: str, ranks: Any, err: Callable[[str], None]) -> Callable[[str], None]:
     """``err`` of a rank: a signal's line from rank 0 only (every rank got the signal)."""
     def ranked_err(msg: str) -> None:
-        if ranks.rank == 0 or not msg.startswith(("interrupted", "terminated")):
+        if msg.startswith("terminated"):
+            if ranks.rank == 0:
+                err(f"{ranks.label}: terminated (SIGTERM: mpirun ends every rank when one dies "
+                    f"or the job is cancelled); workers stopped, shared memory released")
+        elif ranks.rank == 0 or not msg.startswith("interrupted"):
             err(msg)
     return ranked_err
 
@@ -105,7 +109,8 @@ def _ranked_failure(e: Exception, ranks: Any, err: Callable[[str], None],
     elif describe is not None:
         msg = describe(e, known)
     else:
-        msg = f"worker failure: {e}" if known == Exit.WORKER else str(e)
+        own = known == Exit.WORKER and type(e).__module__ != "nxhpc.runtime.ranks"
+        msg = f"worker failure: {e}" if own else str(e)
     if getattr(e, "collective", False):
         if ranks.rank == 0:
             err(msg)

@@ -178,7 +178,7 @@ class Ranks:
             self._check_notice()
             if timeout is not None and time.monotonic() - t0 > timeout:
                 raise ExchangeTimeoutError(
-                    f"{self.label}: {what} did not complete within {timeout:g} s (the stage "
+                    f"{what} did not complete within {timeout:g} s (the stage "
                     f"timeout): another rank is hung, stopped or dead")
             n += 1
             if n > _SPIN:
