@@ -28,19 +28,20 @@ rank (:mod:`nxhpc.runtime.shm`, :mod:`nxhpc.runtime.proc`).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from nxhpc.runtime.workers import bands
 
-__all__ = ["Ranks", "world", "init_world", "mpi_launched", "file_fingerprint",
+__all__ = ["Ranks", "world", "init_world", "alone", "mpi_launched", "file_fingerprint",
            "RankMismatchError", "RankFailedError", "ExchangeTimeoutError"]
 
 _NOTICE_TAG, _ACK_TAG = 71, 72
@@ -105,6 +106,18 @@ def init_world() -> "Ranks | None":
         if comm.Get_size() > 1:
             _WORLD = Ranks(comm)
     return _WORLD
+
+
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """``with alone():`` engines built inside run on this rank alone (:func:`world` is None),
+    e.g. a rank sampling whole images of its own; the world is back afterwards."""
+    global _WORLD
+    saved, _WORLD = _WORLD, None
+    try:
+        yield
+    finally:
+        _WORLD = saved
 
 
 def file_fingerprint(path: str | os.PathLike, *, sample: int = 1 << 16,
