@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from nxhpc.runtime.shm import SHM_DIR, SHM_PREFIX
@@ -270,3 +271,53 @@ def test_a_hung_rank_is_caught_by_the_stage_timeout(models, tmp_path):
     assert codes.get(0) == 6, r.stderr
     assert "MPI rank 0 of 2: the exchange of 'qkv' after stage 'qkv' did not complete " \
            "within 3 s" in r.stderr
+
+
+_SAMPLE = ["-m", "nxhpc.sample", "tiny-dit", "1", "--height", "64", "--width", "96",
+           "--steps", "2", "--no-progress", "--json"]
+
+
+@pytest.fixture(scope="module")
+def sample_ref(models, tmp_path_factory):
+    """Single-process ``sample --seed S`` for three seeds, and the caption features used."""
+    d = tmp_path_factory.mktemp("sample")
+    cap = d / "cap.npy"
+    np.save(cap, np.random.default_rng(7).standard_normal((7, 320)).astype(np.float32))
+    ref = {}
+    for s in (3, 5, 9):
+        out = d / f"ref_{s}.npy"
+        r = _single([*_SAMPLE, "--cap-feats", str(cap), "--seed", str(s), "--out", str(out)],
+                    models)
+        assert r.returncode == 0, r.stdout + r.stderr
+        ref[s] = out.read_bytes()
+    assert len(set(ref.values())) == 3                      # the seeds give different images
+    return cap, ref
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_sample_seeds_across_ranks_whole_images(ranks, models, sample_ref, tmp_path):
+    cap, ref = sample_ref
+    pattern = str(tmp_path / "lat_{seed}.npy")
+    args = [*_SAMPLE, "--cap-feats", str(cap), "--seeds", "3,5,9", "--out", pattern]
+    r = _mpirun(ranks, args, models) if ranks > 1 else _single(args, models)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["seeds"] == [3, 5, 9]
+    for s in (3, 5, 9):
+        assert (tmp_path / f"lat_{s}.npy").read_bytes() == ref[s], s
+    owners = rep["rank_of_seed"]
+    if ranks == 1:
+        assert owners == [0, 0, 0] and "ranks" not in rep
+    else:
+        assert rep["ranks"] == ranks and sorted(set(owners)) == list(range(ranks))
+
+
+def test_sample_one_seed_split_across_ranks(models, sample_ref, tmp_path):
+    cap, ref = sample_ref
+    out = tmp_path / "split.npy"
+    r = _mpirun(3, ["-m", "nxhpc.sample", "tiny-dit", "2", "--height", "64", "--width", "96",
+                    "--steps", "2", "--no-progress", "--json", "--cap-feats", str(cap),
+                    "--seed", "5", "--out", str(out)], models)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert out.read_bytes() == ref[5]
+    assert json.loads(r.stdout)["ranks"] == 3
