@@ -21,6 +21,9 @@ COMMANDS = {
     "denoise": ("nxhpc.denoise", "one call of the whole Z-Image transformer from a GGUF"),
     "sample": ("nxhpc.sample", "the Z-Image-Turbo sampling loop (caption features -> latents "
                                "[-> PNG])"),
+    "decode": ("nxhpc.decode", "latents -> a PNG through the FLUX autoencoder's decoder"),
+    "generate": ("nxhpc.generate", "a prompt -> a PNG: text encoder, Z-Image sampling, "
+                                   "autoencoder"),
     "models": ("nxhpc.models.cli", "list, inspect and generate model directories"),
     "ddp": ("nxhpc.ddp", "bit-reproducible data-parallel training on the Q16 tape"),
 }

@@ -71,6 +71,13 @@ def _cmd_list(args: argparse.Namespace) -> int:
               f"{f'{c.n_layers}+{c.n_noise_refiner}+{c.n_context_refiner}':>10} {c.cap_dim:>5} "
               f"{dspec.n_tokens:>6}  {dspec.layout:<13} {st}")
     print("zimage-dit-<N>l: real Z-Image dims with N = 1..30 main layers")
+    print(f"{'autoencoder':<13} {'channels':<16} {'z':>3} {'dtype':>5}  status   "
+          f"(python -m nxhpc.decode)")
+    for mid in builtin_ids("vae"):
+        vspec = BUILTINS[mid]
+        st = "generated" if builtin_current(root / mid, vspec) else "generated on first use"
+        chans = "/".join(str(c) for c in vspec.block_out_channels)
+        print(f"{mid:<13} {chans:<16} {vspec.latent_channels:>3} {vspec.dtype:>5}  {st}")
     if root.is_dir():
         others = sorted(p.name for p in root.iterdir() if p.is_dir()
                         and not p.name.startswith(".") and p.name not in BUILTINS

@@ -6,7 +6,9 @@ Owns: :data:`BUILTINS`, the one table of built-in models (id -> its
 (``$NXHPC_MODELS`` or ``~/.cache/nxhpc/models``), generating a built-in on first use under a
 lock (and again when its fingerprint is stale), :func:`resolve_model` (id | directory |
 ``.gguf`` -> the directory and GGUF path) and :func:`open_model` (-> :class:`~nxhpc.models.model.
-Model`) and :func:`open_denoiser` (-> ``nxhpc.dit.denoiser.Denoiser``): the model code takes
+Model`), :func:`open_denoiser` (-> ``nxhpc.dit.denoiser.Denoiser``) and :func:`open_vae` (->
+``nxhpc.vae.model.VaeDecoder``; the built-in autoencoders are
+a :class:`~nxhpc.models.vae_files.VaeSpec` each, kind ``"vae"``): the model code takes
 files, never ids. Must not: run kernels.
 """
 from __future__ import annotations
@@ -26,12 +28,16 @@ from nxhpc.models.model import Model
 from nxhpc.models.modeldir import (GGUF_FILE, SPEC_FILE, ModelsDirError, check_models_root,
                                    locked, write_failed)
 from nxhpc.models.synthetic import KINDS, SyntheticSpec, make_synthetic
+from nxhpc.models.vae_files import VAE_FILE, VAE_KIND, VaeSpec, make_vae_model
 
 __all__ = ["BUILTINS", "DEFAULT_MODEL_ID", "models_dir", "builtin_ids",
            "ensure_builtin", "open_model", "open_denoiser", "resolve_model", "builtin_spec", "is_builtin",
-           "builtin_current", "stderr_progress"]
+           "builtin_current", "stderr_progress", "open_vae", "VAE_KINDS"]
 
-BUILTINS: dict[str, SyntheticSpec] = {
+#: The kinds of built-in besides the DiT's (``synthetic.KINDS``): autoencoders.
+VAE_KINDS = (VAE_KIND,)
+
+BUILTINS: dict[str, SyntheticSpec | VaeSpec] = {
     # --- block models (python -m nxhpc.blockrun)
     # README default: runs in well under a second; T=45 = 13 caption + 4x8 image tokens
     "tiny": SyntheticSpec(variant="zimage", dim=384, n_heads=6, n_layers=2, n_caption=13,
@@ -56,13 +62,17 @@ BUILTINS: dict[str, SyntheticSpec] = {
                               n_caption=19, timestep=0.6, reference=True),
     # real Z-Image dims with 2 main layers (benchmarks): stored 512x512 inputs, no reference
     "zimage-dit-2l": SyntheticSpec.zimage_dit(2),
+    # --- autoencoders (python -m nxhpc.decode / generate)
+    # FLUX-style decoder, small: channels 32/32/64/64, 3 ResNets a level, 32 groups, 16 latent
+    # channels, one mid attention; F32 ae.safetensors in the BFL layout, random weights
+    "tiny-vae": VaeSpec(seed=0),
 }
 DEFAULT_MODEL_ID = "tiny"
 #: ``zimage-dit-<N>l``: real Z-Image dims with N main layers (1..30), generated on first use.
 ZIMAGE_DIT_ID = re.compile(r"zimage-dit-([1-9][0-9]?)l")
 
 
-def builtin_spec(model_id: str) -> SyntheticSpec | None:
+def builtin_spec(model_id: str) -> SyntheticSpec | VaeSpec | None:
     """The spec of a built-in id (block model or denoiser), or None."""
     if model_id in BUILTINS:
         return BUILTINS[model_id]
@@ -78,8 +88,9 @@ def is_builtin(model_id: str) -> bool:
 
 def builtin_ids(kind: str | None = None) -> list[str]:
     """The ids of :data:`BUILTINS` (of one ``kind``, ``"block"`` or ``"denoiser"``, if given)."""
-    if kind is not None and kind not in KINDS:
-        raise ValueError(f"builtin_ids: kind must be one of {KINDS} or None, got {kind!r}")
+    if kind is not None and kind not in (*KINDS, *VAE_KINDS):
+        raise ValueError(f"builtin_ids: kind must be one of {(*KINDS, *VAE_KINDS)} or None, "
+                         f"got {kind!r}")
     return [k for k, s in BUILTINS.items() if kind is None or s.kind == kind]
 
 
@@ -103,7 +114,8 @@ def builtin_current(d: Path, spec: SyntheticSpec) -> bool:
     """Whether ``d`` holds the model ``spec`` generates (same fingerprint, GGUF present)."""
     try:
         info = json.loads((d / SPEC_FILE).read_text())
-        return info.get("fingerprint") == spec.fingerprint() and (d / GGUF_FILE).is_file()
+        main = getattr(spec, "main_file", GGUF_FILE)
+        return info.get("fingerprint") == spec.fingerprint() and (d / main).is_file()
     except (OSError, ValueError):
         return False
 
@@ -135,7 +147,8 @@ def ensure_builtin(model_id: str, root: Path | None = None, force: bool = False,
                 return d
             if progress is None and spec.weights_bytes_f32() > 256 << 20:
                 progress = stderr_progress(model_id)
-            make_synthetic(d, spec, progress=progress, replace=True)
+            make = make_vae_model if spec.kind == VAE_KIND else make_synthetic
+            make(d, spec, progress=progress, replace=True)
     except FileExistsError as e:
         raise ModelError(f"{what}: {e}") from None
     except ModelsDirError:
@@ -224,3 +237,33 @@ def open_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | No
     if g is None and fx is None:
         raise ModelNotFoundError(f"{d}: neither {GGUF_FILE} nor {FIXTURES_FILE} found")
     return Model(d, g, fx)
+
+
+def open_vae(model: str | os.PathLike, *, workers: int | None = None, precision: str = "f32",
+             models_dir: str | os.PathLike | None = None) -> Any:
+    """Open the FLUX autoencoder's decoder (``nxhpc.vae.model.VaeDecoder``): a BFL/ComfyUI
+    ``ae.safetensors`` file, a diffusers VAE directory (or a pipeline directory holding
+    ``vae/``), a directory holding an ``ae.safetensors``, or a built-in id (``tiny-vae``:
+    generated on first use under ``models_dir`` / ``$NXHPC_MODELS``). The id of a built-in of
+    another kind is refused before anything is generated. Raises ``ModelNotFoundError`` /
+    ``ModelFileError`` / ``MissingTensorError`` (all :class:`ModelError`)."""
+    from nxhpc.vae.model import VaeDecoder
+    s = os.fspath(model)
+    if not isinstance(s, str) or not s.strip():
+        raise ModelNotFoundError(f"autoencoder {s!r} is empty: give an ae.safetensors file, a "
+                                 f"diffusers VAE directory or a built-in id "
+                                 f"({', '.join(builtin_ids(VAE_KIND))})")
+    root = Path(models_dir) if models_dir is not None else _models_root()
+    bare = os.sep not in s and not s.startswith(".") and not Path(s).exists()
+    spec = builtin_spec(s) if bare else None
+    path = Path(s)
+    if spec is not None and spec.kind != VAE_KIND:
+        raise ModelNotFoundError(f"{s!r} is a built-in {spec.kind} model, not an autoencoder "
+                                 f"(built-in autoencoders: {', '.join(builtin_ids(VAE_KIND))})")
+    if spec is not None:
+        path = ensure_builtin(s, root) / VAE_FILE
+    elif bare and (root / s).is_dir():
+        path = root / s
+    if path.is_dir() and (path / VAE_FILE).is_file():
+        path = path / VAE_FILE
+    return VaeDecoder(path, workers=workers, precision=precision)
