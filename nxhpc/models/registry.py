@@ -32,7 +32,7 @@ from nxhpc.models.vae_files import VAE_FILE, VAE_KIND, VaeSpec, make_vae_model
 
 __all__ = ["BUILTINS", "DEFAULT_MODEL_ID", "models_dir", "builtin_ids",
            "ensure_builtin", "open_model", "open_denoiser", "resolve_model", "builtin_spec", "is_builtin",
-           "builtin_current", "stderr_progress", "open_vae", "VAE_KINDS"]
+           "builtin_current", "stderr_progress", "open_vae", "resolve_vae", "VAE_KINDS"]
 
 #: The kinds of built-in besides the DiT's (``synthetic.KINDS``): autoencoders.
 VAE_KINDS = (VAE_KIND,)
@@ -239,15 +239,12 @@ def open_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | No
     return Model(d, g, fx)
 
 
-def open_vae(model: str | os.PathLike, *, workers: int | None = None, precision: str = "f32",
-             models_dir: str | os.PathLike | None = None) -> Any:
-    """Open the FLUX autoencoder's decoder (``nxhpc.vae.model.VaeDecoder``): a BFL/ComfyUI
-    ``ae.safetensors`` file, a diffusers VAE directory (or a pipeline directory holding
-    ``vae/``), a directory holding an ``ae.safetensors``, or a built-in id (``tiny-vae``:
-    generated on first use under ``models_dir`` / ``$NXHPC_MODELS``). The id of a built-in of
-    another kind is refused before anything is generated. Raises ``ModelNotFoundError`` /
-    ``ModelFileError`` / ``MissingTensorError`` (all :class:`ModelError`)."""
-    from nxhpc.vae.model import VaeDecoder
+def resolve_vae(model: str | os.PathLike, models_dir: str | os.PathLike | None = None) -> Path:
+    """The path an autoencoder ``model`` names: a built-in id (``tiny-vae``: generated on first
+    use under ``models_dir`` / ``$NXHPC_MODELS``) -> its ``ae.safetensors``; a directory holding
+    an ``ae.safetensors`` -> that file; a name under the models directory -> that directory;
+    anything else as given (``nxhpc.vae.files`` reads a file or a diffusers directory). The id
+    of a built-in of another kind is refused before anything is generated."""
     s = os.fspath(model)
     if not isinstance(s, str) or not s.strip():
         raise ModelNotFoundError(f"autoencoder {s!r} is empty: give an ae.safetensors file, a "
@@ -266,4 +263,15 @@ def open_vae(model: str | os.PathLike, *, workers: int | None = None, precision:
         path = root / s
     if path.is_dir() and (path / VAE_FILE).is_file():
         path = path / VAE_FILE
-    return VaeDecoder(path, workers=workers, precision=precision)
+    return path
+
+
+def open_vae(model: str | os.PathLike, *, workers: int | None = None, precision: str = "f32",
+             models_dir: str | os.PathLike | None = None) -> Any:
+    """Open the FLUX autoencoder's decoder (``nxhpc.vae.model.VaeDecoder``) of what
+    :func:`resolve_vae` makes of ``model``: a BFL/ComfyUI ``ae.safetensors`` file, a diffusers
+    VAE directory (or a pipeline directory holding ``vae/``), a directory holding an
+    ``ae.safetensors``, or a built-in id (``tiny-vae``). Raises ``ModelNotFoundError`` /
+    ``ModelFileError`` / ``MissingTensorError`` (all :class:`ModelError`)."""
+    from nxhpc.vae.model import VaeDecoder
+    return VaeDecoder(resolve_vae(model, models_dir), workers=workers, precision=precision)
