@@ -378,8 +378,8 @@ def _run(args: argparse.Namespace) -> int:
             # 3. decode and write each picture
             t3 = time.perf_counter()
             progress.stage("decode")
-            meta = dict(model=dit_gguf.name if dit_gguf else names["model"],
-                        text_encoder=te_file, vae=vae.file.path.name)
+            meta = dict(model=_label(dit_gguf) if dit_gguf else names["model"],
+                        text_encoder=te_file, vae=_label(vae.file.path))
             for job in jobs:
                 pixels = to_uint8(vae.decode(job.latents))
                 text = _png_fields(args, prompts[job.prompt], negative, job, height, width,
@@ -443,7 +443,15 @@ def _encode(te: str, prompts: list[str], negative: str | None, workers: int,
         if negative is not None:
             neg = enc.encode(negative)
             progress.step()
-        return feats, neg, Path(enc.path).name
+        return feats, neg, _label(Path(enc.path))
+
+
+def _label(path: Path) -> str:
+    """A model file's name as the PNG records it: the file name, with the built-in's id in
+    front for a generated built-in (``tiny-dit/model.gguf``)."""
+    from nxhpc.models.modeldir import SPEC_FILE
+    return f"{path.parent.name}/{path.name}" if (path.parent / SPEC_FILE).is_file() \
+        else path.name
 
 
 def _png_fields(args, prompt: str, negative: str | None, job: Job, height: int, width: int,

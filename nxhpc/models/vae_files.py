@@ -141,7 +141,7 @@ def make_vae_model(out_dir: str | os.PathLike, spec: VaeSpec,
                    progress: Callable[[str], None] | None = None, *,
                    replace: bool = False) -> Path:
     """Write the model directory of ``spec`` at ``out_dir``: ``ae.safetensors`` (BFL layout,
-    decoder tensors in ``spec.dtype``, metadata naming the fingerprint) and ``synthetic.json``;
+    decoder tensors in ``spec.dtype``, metadata ``nxhpc.synthetic``: the fingerprint) and ``synthetic.json``;
     built in a temporary sibling and renamed into place (``replace`` swaps out an existing
     model directory once the new one is complete)."""
     from safetensors.numpy import save_file
@@ -158,8 +158,9 @@ def make_vae_model(out_dir: str | os.PathLike, spec: VaeSpec,
         tensors = {name: np.ascontiguousarray(draw_vae_tensor(spec, i, name, shape)
                                               .astype(np_dtype))
                    for i, (name, shape) in enumerate(spec.shapes().items())}
+        # one metadata key: safetensors writes its metadata map in no fixed order
         save_file(tensors, str(tmp / VAE_FILE),
-                  metadata={"nxhpc.synthetic": "true", "nxhpc.fingerprint": spec.fingerprint()})
+                  metadata={"nxhpc.synthetic": spec.fingerprint()})
         os.chmod(tmp / VAE_FILE, 0o644)
         (tmp / SPEC_FILE).write_text(spec.spec_file_text())
     build_model_dir(out_dir, write, replace=replace)
