@@ -8,17 +8,20 @@ opened by ``nxhpc.models``. Must not: run or grade anything itself, or import an
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
-from nxhpc.cli.codes import Exit, UsageError, codes_epilog
+from nxhpc.cli.codes import Exit, codes_epilog
 from nxhpc.cli.frame import run_cli
 from nxhpc.cli.report import emit_graded, fmt_value, save_npy
 from nxhpc.dit.grade import DEFAULT_TOL
 from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
 from nxhpc.dit.stackrun import PRECISION_TOL
-from nxhpc.runtime.outfile import OutputPathError, check_output_path
+from nxhpc.models.modeldir import model_files
+from nxhpc.runtime.checks import check_input_file
+from nxhpc.runtime.outfile import check_output_path
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES
 
 __all__ = ["main", "build_parser", "EXIT_CODES", "PRECISION_TOL", "DEFAULT_TOL"]
@@ -28,7 +31,8 @@ PROG = "blockrun"
 #: The codes blockrun returns, in its words (the numbers are nxhpc.cli.codes.Exit's).
 EXIT_CODES = {
     Exit.PASS: "pass: the output is within tolerance of the reference",
-    Exit.FAIL: "graded fail: max_rel above the tolerance, or non-finite outputs",
+    Exit.FAIL: "graded fail: max_rel above the tolerance, or non-finite outputs (then "
+               "--save-output is not written)",
     Exit.USAGE: "usage error (bad arguments, e.g. n_workers 'abc' or 0, --layers beyond the model, "
                 "a --save-output path that cannot be written or is one of the model's files)",
     Exit.NOT_FOUND: "model not found (id, directory or gguf_path)",
@@ -128,17 +132,18 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from nxhpc.dit.stackrun import check_slice, run_stack
     from nxhpc.models import open_model
+    if args.gguf_path is not None and os.path.exists(args.gguf_path):   # missing: exit 3
+        # a FIFO or /dev/null is not "no such file"
+        check_input_file(args.gguf_path, "gguf_path")
     if args.save_output is not None:           # up front: not after the whole run
         check_output_path(args.save_output, what="--save-output")
     with open_model(args.model_id, models_dir=args.models_dir, gguf_path=args.gguf_path) as model:
         n_layers = check_slice(model, args.layers)
         if args.save_output is not None:       # never overwrite what this run reads
-            inputs = list(model.path.iterdir()) if model.path and model.path.is_dir() else []
-            inputs += [p for p in (args.gguf_path, args.reference_name) if p]
-            try:
-                check_output_path(args.save_output, what="--save-output", inputs=inputs)
-            except OutputPathError as e:
-                raise UsageError(str(e)) from None
+            gguf = model.gguf.path if model.gguf is not None else None
+            check_output_path(args.save_output, what="--save-output",
+                              inputs=[p for p in (args.reference_name,) if p],
+                              model_files=model_files(model.path, gguf))
         t_start = time.monotonic()
 
         def progress(row: dict, n: int) -> None:
@@ -156,13 +161,17 @@ def _run(args: argparse.Namespace) -> int:
                         stage_timeout=args.stage_timeout, repeat=args.repeat,
                         on_layer=progress)
     save = None
-    if args.save_output is not None:
+    bad = res.grade.non_finite
+    if args.save_output is not None and not bad:    # a NaN/inf output is never written
         save = lambda: save_npy(args.save_output, res.output, "--save-output")  # noqa: E731
     rows = [" ".join(f"{k}={fmt_value(v)}" for k, v in row.items()) for row in res.per_layer]
     save_error = emit_graded(res.report, as_json=args.json, grade=res.grade,
                              verdict=res.grade.verdict_line(), text_lines=rows,
                              json_extra={"per_layer": res.per_layer} if n_layers > 1 else None,
                              save=save, saved_path=args.save_output)
+    if args.save_output is not None and bad:
+        print(f"{PROG}: error: --save-output {args.save_output} not written: {bad} of "
+              f"{res.grade.n} output values are NaN/inf", file=sys.stderr, flush=True)
     if save_error:
         print(f"{PROG}: error: {save_error}", file=sys.stderr, flush=True)
         return Exit.OUTPUT

@@ -20,8 +20,7 @@ import numpy as np
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
 from nxhpc.cli.codes import Exit, InputError, OutputError, codes_epilog
 from nxhpc.cli.frame import run_cli
-from nxhpc.cli.report import (fmt_compact, model_inputs, peak_rss_mb, png_text, print_json,
-                              print_kv)
+from nxhpc.cli.report import fmt_compact, peak_rss_mb, png_text, print_json, print_kv
 from nxhpc.runtime.checks import load_npy
 from nxhpc.runtime.outfile import check_output_path
 
@@ -106,18 +105,21 @@ def _latents(path: str) -> np.ndarray:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from nxhpc.models.modeldir import model_files
     from nxhpc.models.registry import open_vae
     from nxhpc.runtime.checks import CheckError
     from nxhpc.vae.image import to_uint8, write_png
 
     out = args.out
-    inputs = [args.latents, *model_inputs(args.vae)]
-    check_output_path(out, what="--out", inputs=inputs)
+    check_output_path(out, what="--out", inputs=[args.latents])
     z = _latents(args.latents)
     t0 = time.perf_counter()
     with open_vae(args.vae, workers=args.n_workers, precision=args.precision,
                   models_dir=args.models_dir) as vae:
-        check_output_path(out, what="--out", inputs=[vae.file.path])   # a built-in's file too
+        # never over a file of the model (the safetensors file, a directory's other files)
+        d = vae.file.path.parent
+        check_output_path(out, what="--out", inputs=[args.latents],
+                          model_files=[vae.file.path, *model_files(d)])
         open_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:

@@ -9,6 +9,7 @@ Must not: compute anything of the model, define an exit code of its own, or impo
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -20,8 +21,9 @@ from nxhpc.cli.report import emit_graded, save_npy
 from nxhpc.dit.grade import grade
 from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
 from nxhpc.dit.stackrun import PRECISION_TOL
-from nxhpc.runtime.checks import load_npy
-from nxhpc.runtime.outfile import OutputPathError, check_output_path
+from nxhpc.runtime.checks import check_input_file, load_npy
+from nxhpc.models.modeldir import model_files
+from nxhpc.runtime.outfile import check_output_path
 
 __all__ = ["main", "build_parser", "DEFAULT_TOL", "DENOISE_TOL", "EXIT_CODES"]
 
@@ -40,10 +42,12 @@ DENOISE_TOL = {"f32": DEFAULT_TOL, "bf16": PRECISION_TOL["bf16"], "q8": PRECISIO
 EXIT_CODES = {
     Exit.PASS: "pass: the output is within tolerance of the reference, or UNGRADED (no "
                "reference); --out was written when given",
-    Exit.FAIL: "graded fail: max_rel above the tolerance, or non-finite outputs",
+    Exit.FAIL: "graded fail: max_rel above the tolerance; or non-finite outputs, graded or "
+               "not (counted as non_finite; --out is not written)",
     Exit.USAGE: "usage error (bad arguments, e.g. n_workers 'abc' or 0, only some of "
-                "--latents/--timestep/--cap-feats, a missing input file, an --out path that "
-                "cannot be written or is one of the inputs)",
+                "--latents/--timestep/--cap-feats, a missing input file or one that is not a "
+                "regular file, an --out path that cannot be written or is one of the inputs or "
+                "a file of the model; the open-files limit reached)",
     Exit.NOT_FOUND: "model not found (id, directory or GGUF path)",
     Exit.BAD_INPUT: "bad input: a malformed/unsupported GGUF, or latents/caption features/"
                     "reference that are not readable float arrays or do not fit the model",
@@ -73,7 +77,8 @@ inputs:
 grading (with a stored reference or --reference):
   rel_i = |out_i - ref_i| / max(|ref_i|, rms(ref)); PASS iff no output is NaN/inf and
   max_rel <= --tol (default per --precision: %(tols)s).
-  Without a reference the verdict is UNGRADED (exit 0).
+  Without a reference the verdict is UNGRADED (exit 0), unless an output is NaN/inf: FAIL
+  (exit 1) graded or not, and --out is not written.
 
 timings (microseconds): us_embed (timestep MLP, x/cap embedders, pads, adaLN vectors),
   us_noise_refiner, us_context_refiner, us_layers, us_final, us_total; s_per_layer and the
@@ -155,6 +160,8 @@ def _run(args: argparse.Namespace) -> int:
     if any(given) and not all(given):
         raise UsageError("give all of --latents, --timestep and --cap-feats, or none "
                          "(a built-in model's stored inputs)")
+    if args.gguf is not None and os.path.exists(args.gguf):   # missing: not found (exit 3)
+        check_input_file(args.gguf, "--gguf")   # a FIFO or /dev/null is not "no such file"
     out_path = None
     if args.out is not None:
         inputs = [x for x in (args.latents, args.cap_feats, args.reference, args.gguf) if x]
@@ -171,11 +178,9 @@ def _run(args: argparse.Namespace) -> int:
     with open_denoiser(args.model, workers=args.n_workers, models_dir=args.models_dir,
                        gguf_path=args.gguf, stage_timeout=args.stage_timeout,
                        precision=args.precision) as den:
-        if out_path is not None and den.directory is not None:
-            try:                              # never overwrite what this run reads
-                check_output_path(out_path, what="--out", inputs=list(den.directory.iterdir()))
-            except OutputPathError as e:
-                raise UsageError(str(e)) from None
+        if out_path is not None:              # never overwrite a file of the opened model
+            check_output_path(out_path, what="--out",
+                              model_files=model_files(den.directory, den.gguf.path))
         return _run_model(args, den, inputs, ref, out_path)
 
 
@@ -192,7 +197,7 @@ def _stored(den):
 
 
 def _run_model(args, den, inputs, ref, out_path) -> int:
-    from nxhpc.dit.denoiser import SEGMENTS, DenoiserInputError
+    from nxhpc.dit.denoiser import SEGMENTS, DenoiserInputError, NonFiniteOutputError
     cfg = den.config
     ref_name = args.reference
     if inputs is None:
@@ -211,8 +216,12 @@ def _run_model(args, den, inputs, ref, out_path) -> int:
             out = den.forward(lat, t, cap)
         except DenoiserInputError as e:
             raise InputError(str(e)) from None
+        except NonFiniteOutputError as e:   # reported and failed below, never written
+            out = e.output
         for k, v in den.last_timings.items():
             best[k] = min(best.get(k, v), v)
+        if not np.isfinite(out).all():
+            break                           # the same bits every run: no need to repeat
     s = den.session(*lat.shape[-2:], cap.shape[0])
     mem = den.memory()
     report: dict = {"model": str(den.directory or den.gguf.path), "dim": cfg.dim,
@@ -229,23 +238,40 @@ def _run_model(args, den, inputs, ref, out_path) -> int:
     report["s_per_layer"] = per_layer
     report["s_per_30_layer_step"] = rest + 30 * per_layer
     report.update(mem)
+    bad = int(out.size - np.count_nonzero(np.isfinite(out)))
+    if ref is None:                         # in every report: a grade prints its own
+        report["non_finite"] = bad
 
     g = None
     if ref is not None:
         tol = DENOISE_TOL[den.precision] if args.tol is None else args.tol
         g = grade(out, ref, tol=tol, reference=str(ref_name))
-    verdict = g.verdict_line() if g is not None else \
-        "UNGRADED: no reference (the model stores none; pass --reference R.npy to grade)"
+    if g is not None:
+        verdict = g.verdict_line()
+    elif bad:
+        verdict = (f"FAIL: {bad} of {out.size} output values are NaN/inf (finite inputs "
+                   f"overflowed inside the model; ungraded: no reference)")
+    else:
+        verdict = "UNGRADED: no reference (the model stores none; pass --reference R.npy to grade)"
     segs = " | ".join(f"{k} {best[f'us_{k}'] / 1e6:.4f} s" for k in SEGMENTS)
     save = None
-    if out_path is not None:
+    if out_path is not None and not bad:    # a NaN/inf output is never written
         save = lambda: save_npy(out_path, out, "--out")  # noqa: E731
+    extra: dict = {}
+    not_written = f"--out {out_path} not written: {bad} of {out.size} output values are NaN/inf"
+    if g is None and bad:
+        extra["verdict"] = "FAIL"
+    if out_path is not None and bad:
+        extra.update(saved_output=None, save_error=not_written)
     save_error = emit_graded(report, as_json=args.json, grade=g, verdict=verdict,
-                             text_lines=[f"segments: {segs}"], save=save, saved_path=out_path)
+                             text_lines=[f"segments: {segs}"], json_extra=extra, save=save,
+                             saved_path=out_path)
+    if out_path is not None and bad:
+        print(f"{PROG}: error: {not_written}", file=sys.stderr, flush=True)
     if save_error:
         print(f"{PROG}: error: {save_error}", file=sys.stderr, flush=True)
         return Exit.OUTPUT
-    return Exit.FAIL if g is not None and not g.passed else Exit.PASS
+    return Exit.FAIL if bad or (g is not None and not g.passed) else Exit.PASS
 
 
 if __name__ == "__main__":

@@ -184,11 +184,9 @@ class NxhpcZImageTransformer:
             raise NotImplementedError("NxhpcZImageTransformer: omni mode (nested lists) is not "
                                       "supported")
         B = len(xs)
-        if isinstance(t, numbers.Real):
-            ts = [float(t)] * B
-        else:
-            tv = torch.as_tensor(t).detach().reshape(-1).to("cpu", torch.float64)
-            ts = tv.tolist() if tv.numel() != 1 else [float(tv[0])] * B
+        ts = [v for v in _timesteps(torch, t)]
+        if len(ts) == 1:
+            ts = ts * B
         if B == 0 or not (len(caps) == len(ts) == B):
             raise ValueError(f"NxhpcZImageTransformer: batch sizes differ or are empty: {B} "
                              f"latents, {len(ts)} timesteps, {len(caps)} captions")
@@ -198,10 +196,47 @@ class NxhpcZImageTransformer:
                 shape = tuple(lat.shape) if torch.is_tensor(lat) else type(lat).__name__
                 raise ValueError(f"NxhpcZImageTransformer: latents item {i} is {shape}, "
                                  f"expected a [C, 1, H, W] tensor")
-            a = lat.detach().to("cpu", torch.float32).numpy()
-            c = torch.as_tensor(cap).detach().to("cpu", torch.float32).numpy()
-            r = self.denoiser.forward(np.ascontiguousarray(a), float(ti),
-                                      np.ascontiguousarray(c))
+            a = _as_numpy(torch, lat, f"latents item {i}")
+            c = _as_numpy(torch, cap, f"cap_feats item {i}")
+            r = self.denoiser.forward(a, float(ti), c)
             out.append(torch.from_numpy(np.asarray(r, dtype=np.float32).reshape(a.shape))
                        .to(device=lat.device, dtype=lat.dtype))
         return Output(sample=out) if return_dict else (out,)
+
+
+def _as_numpy(torch, v, what: str) -> np.ndarray:
+    """A floating-point tensor as a C-contiguous numpy array for the denoiser, checked before
+    any conversion: float32 and float64 as they are (the denoiser refuses float64 values beyond
+    float32's range), float16 / bfloat16 widened to float32 (exact); anything else -- integers,
+    bool, complex, not a tensor -- ValueError (a cast would run on truncated values)."""
+    if not torch.is_tensor(v):
+        raise ValueError(f"NxhpcZImageTransformer: {what} is a {type(v).__name__}, expected a "
+                         f"floating-point tensor")
+    if not v.is_floating_point():
+        raise ValueError(f"NxhpcZImageTransformer: {what} has dtype {v.dtype}, expected a "
+                         f"floating-point tensor (float32, bfloat16, float16, float64)")
+    v = v.detach().to("cpu")
+    if v.dtype not in (torch.float32, torch.float64):
+        v = v.to(torch.float32)
+    a = np.ascontiguousarray(v.numpy())
+    with np.errstate(over="ignore"):
+        over = int(np.count_nonzero(np.isfinite(a) & ~np.isfinite(a.astype(np.float32))))
+    if over:
+        raise ValueError(f"NxhpcZImageTransformer: {what} has {over} values beyond float32's "
+                         f"range (|x| > 3.4e38): nxhpc computes in float32")
+    return a
+
+
+def _timesteps(torch, t) -> list[float]:
+    """``t`` (a real number, or a real tensor / array of one or B values) as floats; ValueError
+    for a bool, a complex or a non-number (``True`` is not the timestep 1.0)."""
+    if isinstance(t, (bool, np.bool_)):
+        raise ValueError(f"NxhpcZImageTransformer: timestep {t!r} is a bool, expected t = "
+                         f"1 - sigma as a number or a floating-point tensor")
+    if isinstance(t, numbers.Real):
+        return [float(t)]
+    tv = torch.as_tensor(t).detach()
+    if tv.dtype == torch.bool or tv.is_complex():
+        raise ValueError(f"NxhpcZImageTransformer: timestep has dtype {tv.dtype}, expected "
+                         f"real numbers t = 1 - sigma")
+    return tv.reshape(-1).to("cpu", torch.float64).tolist()

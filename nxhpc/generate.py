@@ -31,8 +31,7 @@ import numpy as np
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
 from nxhpc.cli.codes import Exit, InputError, NotFound, OutputError, UsageError, codes_epilog
 from nxhpc.cli.frame import run_cli
-from nxhpc.cli.report import (fmt_compact, model_inputs, peak_rss_mb, png_text, print_json,
-                              print_kv)
+from nxhpc.cli.report import fmt_compact, peak_rss_mb, png_text, print_json, print_kv
 from nxhpc.runtime.checks import load_npy
 from nxhpc.runtime.outfile import check_output_path
 
@@ -277,8 +276,9 @@ def _outputs(out: str, n_prompts: int, seeds: list[int | None]) -> list[Job]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from nxhpc.dit.sampler import (SampleInputError, check_noise, euler_sample, initial_noise,
-                                   latent_shape, sample, turbo_sigmas)
+    from nxhpc.dit.sampler import (MAX_STEPS, SampleInputError, check_noise, euler_sample,
+                                   initial_noise, latent_shape, sample, turbo_sigmas)
+    from nxhpc.models.modeldir import model_files
     from nxhpc.models.registry import open_denoiser, open_vae, resolve_model, resolve_vae
     from nxhpc.runtime.workers import usable_cpus
     from nxhpc.vae.image import to_uint8, write_png
@@ -298,6 +298,12 @@ def _run(args: argparse.Namespace) -> int:
         (args.seeds if args.seeds is not None else [0 if args.seed is None else args.seed])
     if (args.height is None) != (args.width is None):
         raise UsageError("give both --height and --width (or neither)")
+    if args.steps > MAX_STEPS:
+        raise UsageError(f"--steps {args.steps}: at most {MAX_STEPS}")
+    try:
+        turbo_sigmas(args.steps, args.shift)
+    except ValueError as e:
+        raise UsageError(f"--shift {args.shift:g}: {e}") from None
     jobs = _outputs(args.out, len(prompts), seeds)
     outs = [str(j.out) for j in jobs]
     if len(set(map(os.path.realpath, outs))) != len(outs):       # pragma: no cover - by naming
@@ -308,12 +314,12 @@ def _run(args: argparse.Namespace) -> int:
     _, dit_gguf = resolve_model(names["model"], args.models_dir)
     vae_path = resolve_vae(names["vae"], args.models_dir)
     te_d, te_g = resolve_model(names["text_encoder"], args.models_dir)
-    reads: list[Any] = [args.prompts, args.noise]
-    for path in (dit_gguf, vae_path, te_g, te_d):
-        if path is not None:
-            reads += model_inputs(path)
+    reads = [r for r in (args.prompts, args.noise) if r is not None]
+    files = [*model_files(None, dit_gguf), *model_files(te_d, te_g),
+             *(model_files(vae_path) + model_files(vae_path / "vae") if vae_path.is_dir()
+               else model_files(None, vae_path))]
     for o in outs:
-        check_output_path(o, what="--out", inputs=[r for r in reads if r is not None])
+        check_output_path(o, what="--out", inputs=reads, model_files=files)
 
     vae_precision = "bf16" if args.precision == "q8" else args.precision
     progress = _Progress(len(prompts) + (1 if cfg_on else 0)

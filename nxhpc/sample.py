@@ -28,10 +28,12 @@ from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed pack
 from nxhpc.cli.codes import Exit, NotFound, OutputError, UsageError, codes_epilog
 from nxhpc.cli.frame import run_cli
 from nxhpc.cli.report import fmt_compact, print_json, print_kv, save_bytes
-from nxhpc.dit.sampler import (SampleInputError, check_cap_feats, check_noise, decode_png,
+from nxhpc.dit.sampler import (MAX_STEPS, SampleInputError, check_cap_feats, check_noise,
+                               decode_png,
                                initial_noise, latent_shape,
                                require_decode_deps, sample, turbo_sigmas)
 from nxhpc.runtime.checks import load_npy
+from nxhpc.models.modeldir import model_files
 from nxhpc.runtime.outfile import check_output_path
 
 __all__ = ["EXIT_CODES", "build_parser", "main"]
@@ -41,11 +43,14 @@ PROG = "sample"
 #: The codes sample returns, in its words (the numbers are nxhpc.cli.codes.Exit's).
 EXIT_CODES = {
     Exit.PASS: "the latents (and the PNG) were written",
-    Exit.FAIL: "the denoiser returned NaN/inf at some step (nothing was written)",
-    Exit.USAGE: "usage error: bad arguments (--height/--width not a positive multiple of 16, "
-                "--steps 0, both --seed and --noise, a missing --cap-feats/--noise file, "
+    Exit.FAIL: "the denoiser returned NaN/inf at some step, or the latents left float32's "
+               "range (nothing was written)",
+    Exit.USAGE: "usage error: bad arguments (--height/--width not a positive multiple of 16 "
+                "up to 16384, --steps 0 or above 1000000, a --shift with no strictly falling "
+                "schedule, both --seed and --noise, a missing --cap-feats/--noise file, "
                 "--png without --decode, --decode without torch/diffusers, an output path that "
-                "cannot be written or is one of the inputs)",
+                "cannot be written or is one of the inputs or a file of the model; the "
+                "open-files limit reached)",
     Exit.NOT_FOUND: "model not found (id, directory or GGUF path), or --decode VAE_DIR missing",
     Exit.BAD_INPUT: "bad input: a malformed model file, or --cap-feats/--noise that do not fit "
                     "the model ([L, cap_dim] caption features; [16, H/8, W/8] noise; float, "
@@ -141,6 +146,12 @@ def _check_args(args) -> tuple[int, tuple[int, int] | None]:
     if args.height is None and args.noise is None:
         raise UsageError("--height and --width are required unless --noise is given")
     px = None if args.height is None else (args.height, args.width)
+    if args.steps > MAX_STEPS:
+        raise UsageError(f"--steps {args.steps}: at most {MAX_STEPS}")
+    try:
+        turbo_sigmas(args.steps, args.shift)
+    except ValueError as e:
+        raise UsageError(f"--shift {args.shift:g}: {e}") from None
     if args.png is not None and args.decode is None:
         raise UsageError("--png needs --decode VAE_DIR (the VAE to decode with)")
     if args.decode is not None and args.png is None:
@@ -166,6 +177,15 @@ def _check_args(args) -> tuple[int, tuple[int, int] | None]:
             raise NotFound(f"--decode {args.decode}: no config.json there (expected a "
                            f"diffusers AutoencoderKL directory)")
     return workers, px
+
+
+def _protect_model_files(args, den) -> None:
+    """Refuse (exit 2, before sampling) an --out / --png that is a file of the opened model --
+    whether MODEL was an id, a directory or a GGUF path (links resolved)."""
+    gguf = getattr(getattr(den, "gguf", None), "path", None)
+    files = model_files(getattr(den, "directory", None), gguf)
+    for what, path in [("--out", args.out)] + ([("--png", args.png)] if args.png else []):
+        check_output_path(path, what=what, model_files=files)
 
 
 class _Progress:
@@ -204,6 +224,7 @@ def _run(args) -> int:
 
     t_open = time.perf_counter()
     with _open_denoiser(args.model, workers=workers, models_dir=args.models_dir) as den:
+        _protect_model_files(args, den)
         cfg = den.config
         try:
             cap = check_cap_feats(cap_raw, cfg)
@@ -246,6 +267,7 @@ def _run(args) -> int:
               "step_s": [round(s, 6) for s in step_s], "total_s": round(total_s, 6),
               "s_per_step": round(total_s / args.steps, 6),
               "latents_mean": float(lat.mean()), "latents_std": float(lat.std()),
+              "non_finite": int(lat.size - np.count_nonzero(np.isfinite(lat))),
               "out": str(args.out), "png": None}
     if step_timings and step_timings[-1]:
         report["last_step_timings"] = step_timings[-1]

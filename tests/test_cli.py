@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import json
 import math
 import os
 import re
@@ -493,3 +494,281 @@ def test_stopped_worker_fails_a_block_run_with_exit_6(models_root, tiny):
     assert r.returncode == 6, (r.returncode, r.stderr[-2000:])
     assert "stage 'swiglu': worker 1 of 2" in r.stderr and "SIGSTOP" in r.stderr, r.stderr
     assert time.monotonic() - t0 < 60
+
+
+# ------------------------------------------------------------------ hardening round 3 (issue 19)
+# Every CLI, through its main() in this process (the checks come before any run) or as a
+# subprocess where a limit or a hang is the point. The model directories are private copies
+# so that a failing check cannot damage the shared built-ins.
+
+def _digest(d: Path) -> dict:
+    import hashlib
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def h3_root(tmp_path_factory):
+    """A models root holding the built-ins ``tiny`` (block model) and ``tiny-dit`` (denoiser),
+    and a tiny-dit's caption features / latents as .npy inputs."""
+    from nxhpc.formats.fixtures import FixtureStore
+    from nxhpc.models.registry import ensure_builtin
+    root = tmp_path_factory.mktemp("h3models")
+    for mid in ("tiny", "tiny-dit"):
+        ensure_builtin(mid, root)
+    fx = FixtureStore(root / "tiny-dit" / "fixtures.safetensors")
+    np.save(root / "cap.npy", fx.load("cap_feats"))
+    np.save(root / "lat.npy", fx.load("latents"))
+    return root
+
+
+def _main(mod: str, argv: list, capsys) -> tuple[int, str, str]:
+    code = importlib.import_module(mod).main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_outputs_never_overwrite_a_file_of_the_opened_model(h3_root, tmp_path, capsys):
+    """Issue 19, item 2: ``sample tiny-dit --out <models>/tiny-dit/model.gguf`` replaced the
+    GGUF with a .npy (exit 0); only a .gguf MODEL argument was protected, not an id or a
+    directory; ``denoise <dir>/model.gguf --out <dir>/fixtures...`` replaced the fixtures. Every
+    CLI refuses (exit 2, before any work) every file of the model it opened -- by id, directory
+    or GGUF path; symbolic and hard links resolved -- and leaves the files as they were."""
+    for mid in ("tiny", "tiny-dit"):
+        import shutil
+        shutil.copytree(h3_root / mid, tmp_path / mid)
+    dit, blk = tmp_path / "tiny-dit", tmp_path / "tiny"
+    before = {d: _digest(d) for d in (dit, blk)}
+    (tmp_path / "link.npy").symlink_to(dit / "model.gguf")
+    os.link(dit / "fixtures.safetensors", tmp_path / "hard.npy")
+    cap, lat = h3_root / "cap.npy", h3_root / "lat.npy"
+    px = ["--height", "32", "--width", "32", "--steps", "1", "--no-progress"]
+    dn = ["--latents", lat, "--timestep", "0.5", "--cap-feats", cap]
+    root = ["--models-dir", tmp_path]
+    runs = {
+        "sample id -> gguf": ("nxhpc.sample", ["tiny-dit", "1", "--cap-feats", cap, *px,
+                                               "--out", dit / "model.gguf", *root]),
+        "sample id -> fixtures": ("nxhpc.sample", ["tiny-dit", "1", "--cap-feats", cap, *px,
+                                                   "--out", dit / "fixtures.safetensors",
+                                                   *root]),
+        "sample dir -> spec": ("nxhpc.sample", [dit, "1", "--cap-feats", cap, *px, "--out",
+                                                dit / "synthetic.json"]),
+        "sample gguf -> sibling": ("nxhpc.sample", [dit / "model.gguf", "1", "--cap-feats", cap,
+                                                    *px, "--out", dit / "fixtures.safetensors"]),
+        "sample id -> symlink": ("nxhpc.sample", ["tiny-dit", "1", "--cap-feats", cap, *px,
+                                                  "--out", tmp_path / "link.npy", *root]),
+        "denoise id -> gguf": ("nxhpc.denoise", ["tiny-dit", "1", "--out", dit / "model.gguf",
+                                                 *root]),
+        "denoise gguf -> sibling": ("nxhpc.denoise", [dit / "model.gguf", "1", *dn, "--out",
+                                                      dit / "fixtures.safetensors"]),
+        "denoise gguf -> hardlink": ("nxhpc.denoise", [dit / "model.gguf", "1", *dn, "--out",
+                                                       tmp_path / "hard.npy"]),
+        "denoise --gguf -> it": ("nxhpc.denoise", ["tiny-dit", "1", "--gguf", dit / "model.gguf",
+                                                   "--out", tmp_path / "link.npy", *root]),
+        "blockrun id -> gguf": ("nxhpc.blockrun", ["tiny", "1", "--save-output",
+                                                   blk / "model.gguf", *root]),
+        "blockrun dir -> fixtures": ("nxhpc.blockrun", [blk, "1", "--save-output",
+                                                        blk / "fixtures.safetensors"]),
+    }
+    for name, (mod, argv) in runs.items():
+        code, out, err = _main(mod, argv, capsys)
+        assert code == 2, (name, code, err[-800:])
+        assert "input of this run" in err, (name, err)
+        assert "Traceback" not in err and "PASS" not in out, name
+        assert {d: _digest(d) for d in (dit, blk)} == before, name
+    # control: the same commands with a free output path run and write it
+    code, _, err = _main("nxhpc.sample", ["tiny-dit", "1", "--cap-feats", cap, *px, "--out",
+                                          tmp_path / "free.npy", *root], capsys)
+    assert code == 0 and (tmp_path / "free.npy").is_file(), err
+    code, _, err = _main("nxhpc.denoise", [dit / "model.gguf", "1", *dn, "--out",
+                                           tmp_path / "free2.npy"], capsys)
+    assert code == 0 and (tmp_path / "free2.npy").is_file(), err
+
+
+def test_non_finite_outputs_are_counted_and_fail_graded_or_not(h3_root, tmp_path, capsys):
+    """Issue 19, item 3: finite latents that overflow inside the model (3e38) made ``denoise``
+    write 2240 NaN of 2240 and print UNGRADED, exit 0. Every report counts the non-finite
+    outputs (``non_finite=``); any of them fails the run -- exit 1, nothing written -- whether
+    or not it is graded; an existing file at --out is unchanged."""
+    lat = np.load(h3_root / "lat.npy")
+    big = tmp_path / "big.npy"
+    np.save(big, np.full_like(lat, 3e38))
+    ref = tmp_path / "ref.npy"
+    np.save(ref, np.ones_like(lat))
+    out = tmp_path / "o.npy"
+    out.write_bytes(b"previous")
+    base = ["tiny-dit", "1", "--models-dir", h3_root, "--timestep", "0.5", "--cap-feats",
+            h3_root / "cap.npy", "--out", out]
+    for extra in ([], ["--reference", ref]):
+        code, so, se = _main("nxhpc.denoise", [*base, "--latents", big, *extra], capsys)
+        assert code == 1, (extra, code, se[-800:])
+        assert f"non_finite={lat.size}" in so and so.splitlines()[-1].startswith("FAIL"), so
+        assert "saved_output=" not in so and out.read_bytes() == b"previous"
+        assert "Traceback" not in se
+    code, so, se = _main("nxhpc.denoise", [*base, "--latents", big, "--json"], capsys)
+    obj = json.loads(so)
+    assert code == 1 and obj["non_finite"] == lat.size and obj["verdict"] == "FAIL"
+    assert obj["saved_output"] is None and out.read_bytes() == b"previous"
+    # control: the stored inputs run finite, report non_finite=0 and write --out
+    code, so, se = _main("nxhpc.denoise", [*base, "--latents", h3_root / "lat.npy"], capsys)
+    assert code == 0 and "non_finite=0" in so and np.load(out).shape == lat.shape, se
+    # sample: the report counts them too (0 here); NaN from the denoiser exits 1
+    s_out = tmp_path / "s.npy"
+    px = ["--height", "32", "--width", "32", "--steps", "1", "--no-progress"]
+    code, so, se = _main("nxhpc.sample", ["tiny-dit", "1", "--models-dir", h3_root,
+                                          "--cap-feats", h3_root / "cap.npy", *px, "--out",
+                                          s_out], capsys)
+    assert code == 0 and "non_finite=0" in so, se
+    noise = tmp_path / "noise.npy"
+    np.save(noise, np.full((16, 4, 4), 3e38, np.float32))
+    code, so, se = _main("nxhpc.sample", ["tiny-dit", "1", "--models-dir", h3_root,
+                                          "--cap-feats", h3_root / "cap.npy", "--noise", noise,
+                                          "--steps", "1", "--no-progress", "--out",
+                                          tmp_path / "s2.npy"], capsys)
+    assert code == 1 and "NaN/inf" in se and not (tmp_path / "s2.npy").exists(), se
+
+
+def test_blockrun_non_finite_output_writes_nothing(h3_root, tmp_path, capsys, monkeypatch):
+    """blockrun grades every run and fails NaN outputs; --save-output is not written then (the
+    block itself stays finite even at 3e38 inputs, so the run's output is poisoned after it)."""
+    import dataclasses
+    import nxhpc.dit.stackrun as stackrun
+    from nxhpc.dit.grade import grade
+    real = stackrun.run_stack
+
+    def poisoned(model, **kw):
+        r = real(model, **kw)
+        out = r.output.copy()
+        out[0, :5] = np.nan
+        ref = model.fixtures.load(r.grade.reference)
+        return dataclasses.replace(r, output=out, grade=grade(out, ref, tol=r.grade.tol,
+                                                              reference=r.grade.reference))
+    monkeypatch.setattr(stackrun, "run_stack", poisoned)
+    out = tmp_path / "b.npy"
+    out.write_bytes(b"previous")
+    code, so, se = _main("nxhpc.blockrun", ["tiny", "1", "--models-dir", h3_root,
+                                            "--save-output", out], capsys)
+    assert code == 1 and "non_finite=5" in so and so.splitlines()[-1].startswith("FAIL"), se
+    assert out.read_bytes() == b"previous" and "saved_output=" not in so
+    monkeypatch.setattr(stackrun, "run_stack", real)                  # control
+    code, so, se = _main("nxhpc.blockrun", ["tiny", "1", "--models-dir", h3_root,
+                                            "--save-output", out], capsys)
+    assert code == 0 and "non_finite=0" in so and np.load(out).shape == (45, 384), se
+
+
+def _bad_npy_files(d: Path) -> dict:
+    """Files named .npy that np.load cannot turn into one array (issue 19, item 8)."""
+    import struct
+    np.savez(d / "arrays.npz", a=np.zeros(3, np.float32))
+    data = (d / "arrays.npz").read_bytes()
+    (d / "zip.npy").write_bytes(data)                          # a valid zip: not one array
+    (d / "broken-zip.npy").write_bytes(data[:len(data) // 2])  # a zip cut in half
+    hdr = "{'descr': '<f4', 'fortran_order': False, 'shape': (16, 1048576, 1048576), }"
+    hdr = hdr + " " * (117 - len(hdr)) + "\n"
+    raw = b"\x93NUMPY\x01\x00" + struct.pack("<H", len(hdr)) + hdr.encode()
+    (d / "huge.npy").write_bytes(raw + b"\0" * (242 - len(raw)))   # claims 64 TiB in 242 bytes
+    return {"zip": (d / "zip.npy", "not a .npy"), "broken": (d / "broken-zip.npy", "not a .npy"),
+            "huge": (d / "huge.npy", "64.0 TiB")}
+
+
+def test_unreadable_inputs_exit_4_not_70(h3_root, tmp_path, capsys):
+    """Issue 19, item 8: a broken zip (or any zip) as --latents / --cap-feats / --reference /
+    --noise / a blockrun reference, and a 242-byte .npy whose header claims 64 TiB, ended in a
+    traceback and exit 70. They are bad inputs: exit 4, one line naming the file."""
+    bad = _bad_npy_files(tmp_path)
+    lat, cap = h3_root / "lat.npy", h3_root / "cap.npy"
+    root = ["--models-dir", h3_root]
+    for kind, (f, needle) in bad.items():
+        runs = {
+            "--latents": ("nxhpc.denoise", ["tiny-dit", "1", *root, "--latents", f,
+                                            "--timestep", "0.5", "--cap-feats", cap]),
+            "--cap-feats": ("nxhpc.denoise", ["tiny-dit", "1", *root, "--latents", lat,
+                                              "--timestep", "0.5", "--cap-feats", f]),
+            "--reference": ("nxhpc.denoise", ["tiny-dit", "1", *root, "--reference", f]),
+            "sample --cap-feats": ("nxhpc.sample", ["tiny-dit", "1", *root, "--cap-feats", f,
+                                                    "--height", "32", "--width", "32", "--out",
+                                                    tmp_path / "o.npy"]),
+            "sample --noise": ("nxhpc.sample", ["tiny-dit", "1", *root, "--cap-feats", cap,
+                                                "--noise", f, "--out", tmp_path / "o.npy"]),
+            "blockrun reference": ("nxhpc.blockrun", ["tiny", "1", str(f), *root]),
+        }
+        for name, (mod, argv) in runs.items():
+            code, _, err = _main(mod, argv, capsys)
+            assert code == 4, (kind, name, code, err[-1500:])
+            assert needle in err and str(f) in err and "Traceback" not in err, (kind, name, err)
+    assert not (tmp_path / "o.npy").exists()
+
+
+def test_sample_numbers_beyond_what_can_run_exit_2(h3_root, tmp_path, capsys):
+    """Issue 19, item 8: ``sample --shift 1e-300`` / ``1e300`` (no strictly falling schedule),
+    ``--steps 1e12`` and ``--height 1.6e16`` (memory for the schedule / the noise) exited 70."""
+    base = ["tiny-dit", "1", "--models-dir", h3_root, "--cap-feats", h3_root / "cap.npy",
+            "--out", tmp_path / "o.npy", "--no-progress"]
+    px = ["--height", "32", "--width", "32"]
+    for extra, needle in [(["--shift", "1e-300", *px], "--shift"),
+                          (["--shift", "1e300", *px], "--shift"),
+                          (["--steps", str(10 ** 12), *px], "--steps"),
+                          (["--height", "16000000000000000", "--width", "32"], "--height")]:
+        code, _, err = _main("nxhpc.sample", [*base, *extra], capsys)
+        assert code == 2, (extra, code, err[-1500:])
+        assert needle in err and "Traceback" not in err, (extra, err)
+    assert not (tmp_path / "o.npy").exists()
+    code, _, err = _main("nxhpc.sample", [*base, "--shift", "50", "--steps", "2", *px], capsys)
+    assert code == 0, err                                            # control: still a schedule
+
+
+def test_too_many_open_files_is_a_clear_error(h3_root, tmp_path):
+    """Issue 19, item 8: a run that hits the open-files limit (``ulimit -n``) ended in a
+    traceback and exit 70; now exit 2 with one line naming the limit, no shared memory left."""
+    import resource
+    before = sorted(os.listdir("/dev/shm"))
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (12, 12))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), NXHPC_MODELS=str(h3_root))
+    r = subprocess.run([sys.executable, "-m", "nxhpc.denoise", "tiny-dit", "2"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120, preexec_fn=limit)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "too many open files" in r.stderr and "ulimit -n" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert sorted(os.listdir("/dev/shm")) == before
+
+
+def test_wording_of_odd_input_paths_and_values(h3_root, tmp_path, capsys):
+    """Issue 19, item 10: a FIFO as --latents hung (or was "no such file"), /dev/null and a
+    FIFO as --gguf were "no such file"; a finite 1e300 float64 input was "NaN/inf"; ``models
+    make --eps 1e-50`` wrote a model every run refuses. Each now says what it is."""
+    fifo = tmp_path / "fifo.npy"
+    os.mkfifo(fifo)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), NXHPC_MODELS=str(h3_root))
+    lat, cap = h3_root / "lat.npy", h3_root / "cap.npy"
+    r = subprocess.run([sys.executable, "-m", "nxhpc.denoise", "tiny-dit", "1", "--latents",
+                        str(fifo), "--timestep", "0.5", "--cap-feats", str(cap)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "FIFO" in r.stderr and "regular file" in r.stderr, r.stderr
+    root = ["--models-dir", h3_root]
+    for path, kind in (("/dev/null", "character device"), (str(fifo), "FIFO")):
+        code, _, err = _main("nxhpc.denoise", ["tiny-dit", "1", *root, "--latents", path,
+                                               "--timestep", "0.5", "--cap-feats", cap], capsys)
+        assert code == 2 and kind in err and "no such file" not in err, err
+        code, _, err = _main("nxhpc.denoise", ["tiny-dit", "1", *root, "--gguf", path], capsys)
+        assert code == 2 and kind in err and "no such file" not in err, err
+        code, _, err = _main("nxhpc.blockrun", ["tiny", "1", "layers.1.blk_in", path, *root],
+                             capsys)
+        assert code == 2 and kind in err and "no such file" not in err, err
+    big = tmp_path / "big64.npy"
+    c = np.load(cap).astype(np.float64)
+    c[0, 0] = 1e300
+    np.save(big, c)
+    code, _, err = _main("nxhpc.sample", ["tiny-dit", "1", *root, "--cap-feats", big,
+                                          "--height", "32", "--width", "32", "--out",
+                                          tmp_path / "o.npy"], capsys)
+    assert code == 4 and "beyond float32's range" in err and "NaN" not in err, err
+    code, _, err = _main("nxhpc.denoise", ["tiny-dit", "1", *root, "--latents", lat,
+                                           "--timestep", "0.5", "--cap-feats", big], capsys)
+    assert code == 4 and "beyond float32's range" in err and "NaN" not in err, err
+    mroot = tmp_path / "made"
+    code, _, err = _main("nxhpc.models", ["--models-dir", mroot, "make", "epsm", "--dim", "64",
+                                          "--heads", "2", "--ffn", "192", "--layers", "1",
+                                          "--grid", "1x2x2", "--eps", "1e-50"], capsys)
+    assert code == 2 and "--eps" in err and "float32" in err, err
+    assert not (mroot / "epsm").exists()

@@ -644,3 +644,82 @@ def test_engine_rebuilt_after_a_worker_failure(dens, inputs, outputs, monkeypatc
     assert not d._session.usable                # the broken pool is not reused ...
     assert_bitwise(d.forward(lat, 0.5, cap), outputs[("comfyui-q8_0", 0.5)], "rebuilt")  # ... rebuilt
     assert live_segments(PID) == []
+
+
+# ----------------------------------------------------------------------------- hardening round 3
+
+@pytest.fixture(scope="module")
+def tiny_dit(tmp_path_factory):
+    """The built-in tiny-dit (generated once) and its stored inputs."""
+    from nxhpc.models.synthetic import read_denoiser_fixtures
+    root = os.environ.get("NXHPC_MODELS") or str(tmp_path_factory.mktemp("models"))
+    with open_denoiser("tiny-dit", workers=1, models_dir=root) as d:
+        fx = read_denoiser_fixtures(d.directory / "fixtures.safetensors")
+        return d.directory, fx
+
+
+def _maps_of(path) -> int:
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if line.rstrip().endswith(real))
+
+
+def test_non_finite_output_raises_with_the_count(tiny_dit):
+    """Issue 19, item 3: finite latents that overflow inside the model (3e38) returned an
+    all-NaN array silently (a black image in a pipeline). forward raises NonFiniteOutputError
+    (count, size, the output) instead; the denoiser stays usable and exact afterwards."""
+    from nxhpc.dit.denoiser import NonFiniteOutputError
+    d, fx = tiny_dit
+    with open_denoiser(d, workers=2) as den:
+        good = den.forward(fx.latents, fx.timestep, fx.cap_feats)
+        with pytest.raises(NonFiniteOutputError, match=r"2240 of 2240 output values") as e:
+            den.forward(np.full_like(fx.latents, 3e38), fx.timestep, fx.cap_feats)
+        assert e.value.count == e.value.size == fx.latents.size
+        assert e.value.output.shape == fx.latents.shape and not np.isfinite(e.value.output).any()
+        assert_bitwise(den.forward(fx.latents, fx.timestep, fx.cap_feats), good, "after")
+        assert np.isfinite(good).all()                             # control
+
+
+def test_float64_beyond_float32_is_not_called_nan(tiny_dit):
+    """Issue 19, item 10: a finite 1e300 float64 input was reported as "NaN/Inf"."""
+    d, fx = tiny_dit
+    with open_denoiser(d, workers=1) as den:
+        with pytest.raises(DenoiserInputError, match="beyond float32's range") as e:
+            den.forward(np.full(fx.latents.shape, 1e300), fx.timestep, fx.cap_feats)
+        assert "NaN" not in str(e.value)
+        big_cap = fx.cap_feats.astype(np.float64)
+        big_cap[0, 0] = -1e39
+        with pytest.raises(DenoiserInputError, match=r"cap_feats .*1 value.* beyond float32"):
+            den.forward(fx.latents, fx.timestep, big_cap)
+        nan = fx.latents.astype(np.float64)
+        nan[0, 0, 0] = np.nan
+        with pytest.raises(DenoiserInputError, match="NaN/Inf"):          # still named so
+            den.forward(nan, fx.timestep, fx.cap_feats)
+
+
+def test_close_unmaps_the_gguf_without_del(tiny_dit):
+    """Issue 19, item 7: closed Denoisers kept the GGUF mapped until ``del`` -- close() dropped
+    the GGUFFile but the bound weights still viewed its map. close() now drops the weights
+    too: a closed Denoiser holds no view of the file, and one that never ran is unmapped at
+    once (no del, no gc). One that ran is unmapped at the next garbage collection: its engine
+    (nxhpc.dit.plan.Engine, another module) keeps typed copies of the block weights inside a
+    reference cycle after close -- the remaining part of item 7."""
+    import gc
+    d, fx = tiny_dit
+    g = d / "model.gguf"
+    gc.collect()
+    start = _maps_of(g)
+    dens = [open_denoiser(d, workers=1) for _ in range(3)]
+    assert _maps_of(g) == start + 3                                 # each maps the file
+    for den in dens:
+        den.close()
+    assert _maps_of(g) == start, open("/proc/self/maps").read()[-3000:]
+    assert all(den.closed and den.weights is None for den in dens)
+    ran = open_denoiser(d, workers=1)
+    ran.forward(fx.latents, fx.timestep, fx.cap_feats)
+    ran.close()
+    assert ran.weights is None and ran.gguf is None
+    gc.collect()
+    assert _maps_of(g) == start
+    with pytest.raises(RuntimeError, match="closed"):
+        ran.forward(fx.latents, fx.timestep, fx.cap_feats)

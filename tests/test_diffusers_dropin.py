@@ -234,3 +234,45 @@ def test_import_needs_no_torch_and_errors_name_the_extra():
                        cwd=ROOT, capture_output=True, text=True,
                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=60)
     assert p.stdout.split() == ["False", "False"], p.stderr
+
+
+def test_inputs_are_validated_before_any_conversion(nx, case):
+    """Issue 19, item 9: int64 or bool latents were converted to float32, run, and the output
+    cast back (truncated to integers); ``t=True`` was taken as 1.0. The drop-in now refuses
+    what ZImageTransformer2DModel could not mean -- non-floating latents or caption features,
+    a bool or complex timestep, a float64 value beyond float32 -- before converting anything;
+    float16 / bfloat16 / float64 inputs still run (the output in the latents' dtype)."""
+    D = case.cfg.cap_dim
+    lat = torch.randn((16, 1, 4, 4), generator=torch.Generator().manual_seed(0))
+    cap = torch.randn((3, D), generator=torch.Generator().manual_seed(1))
+    t = torch.tensor([0.5])
+    for bad in (lat.to(torch.int64), lat > 0, lat.to(torch.complex64)):
+        with pytest.raises(ValueError, match=r"latents item 0 .*floating"):
+            nx([bad], t, [cap])
+    for bad in (cap.to(torch.int32), cap > 0):
+        with pytest.raises(ValueError, match=r"cap_feats item 0 .*floating"):
+            nx([lat], t, [bad])
+    for bad in (True, np.bool_(True), torch.tensor([True]), torch.tensor([0.5j])):
+        with pytest.raises(ValueError, match="timestep"):
+            nx([lat], bad, [cap])
+    with pytest.raises(ValueError, match="beyond float32's range"):
+        nx([lat.double() * 1e300], t, [cap])
+    ref = nx([lat], t, [cap], return_dict=False)[0][0]
+    for dt in (torch.float16, torch.bfloat16, torch.float64):
+        got = nx([lat.to(dt)], t.to(dt), [cap.to(dt)], return_dict=False)[0][0]
+        assert got.dtype == dt
+        if dt == torch.float64:
+            assert torch.equal(got, ref.double())        # float64 in float32's range: exact
+    for good_t in (0.5, 1, np.float32(0.5), torch.tensor(0.5, dtype=torch.float64)):
+        nx([lat], good_t, [cap])
+
+
+def test_nan_output_raises_instead_of_a_black_image(nx, case):
+    """Issue 19, item 3: a finite input that overflows inside the model returned NaN tensors
+    (a black image). The drop-in raises the denoiser's NonFiniteOutputError."""
+    from nxhpc.runtime.checks import NonFiniteOutputError
+    cap = torch.zeros((3, case.cfg.cap_dim))
+    with pytest.raises(NonFiniteOutputError, match="NaN/inf"):
+        nx([torch.full((16, 1, 4, 4), 3e38)], torch.tensor([0.5]), [cap])
+    out = nx([torch.ones((16, 1, 4, 4))], torch.tensor([0.5]), [cap], return_dict=False)[0]
+    assert torch.isfinite(out[0]).all()                               # control

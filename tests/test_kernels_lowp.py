@@ -156,18 +156,40 @@ def split_q8(b, rows, nb):
     return d, q
 
 
-def q8_model(x, w, fused=True):
-    """The q8 contract: gguf's Q8_0 quantization of x, int64 block dots (exact), s = dx*dw in
-    float32 (exact: 11 x 11 significant bits), acc = fma32(isum, s, acc) in block order."""
+Q8_FLUSH = 2.0 ** -126      # activation scales below float32's smallest normal are flushed
+
+
+def q8_act_scale(x):
+    """The q8 activation scale of each 32-block, written plainly: float32 max|x| / 127 (NaN
+    propagates, as numpy's max does), 0 when below 2^-126 (the contract, nx_lowp.h)."""
+    T, Kd = x.shape
+    with np.errstate(all="ignore"):
+        d = np.abs(x.reshape(T, Kd // 32, 32)).max(axis=2) / np.float32(127)
+    return np.where(d < Q8_FLUSH, np.float32(0), d).astype(np.float32)
+
+
+def q8_act_dequant(x):
+    """x~ = q * dx in float64: gguf's Q8_0 bytes of x with the float32 activation scale."""
+    T, Kd = x.shape
+    _, qx = split_q8(gguf_quantize(x, Q8), T, Kd // 32)
+    return (qx * q8_act_scale(x)[:, :, None].astype(np.float64)).reshape(T, Kd)
+
+
+def q8_model(x, w, fused=True, scale="f32"):
+    """The q8 contract: gguf's Q8_0 quantization bytes of x, its scale dx kept in float32
+    (``scale="f16"``: gguf's stored float16 d instead, the old contract -- a negative control),
+    int64 block dots (exact), s = dx*dw rounded once to float32, acc = fma32(isum, s, acc) in
+    block order."""
     T, Kd = x.shape
     N, nb = w.shape[0], Kd // 32
-    dx, qx = split_q8(gguf_quantize(x, Q8), T, nb)
+    d16, qx = split_q8(gguf_quantize(x, Q8), T, nb)
+    dx = q8_act_scale(x) if scale == "f32" else d16
     dw, qw = split_q8(w, N, nb)
     acc = np.zeros((T, N), np.float32)
     with np.errstate(all="ignore"):
         for b in range(nb):
             isum = np.einsum("ti,ni->tn", qx[:, b, :], qw[:, b, :])              # exact int64
-            s = dx[:, b, None] * dw[None, :, b]                                 # float32, exact
+            s = dx[:, b, None] * dw[None, :, b]                                 # float32, RN
             p = isum.astype(np.float64) * s.astype(np.float64)                  # exact (< 2^53)
             acc = fma32(p, acc) if fused else (p.astype(np.float32) + acc).astype(np.float32)
     return acc
@@ -471,7 +493,7 @@ def test_q8_simd_bit_identical_to_generic(isa, T, Kd, N):
 @pytest.mark.parametrize("isa", SIMD_Q8)
 def test_q8_simd_extreme_dots_and_specials(isa):
     """The +128 offset at the int8 extremes (qw = -128 / 127 against qx = +-127: |isum| = 32*127*128),
-    subnormal fp16 scales, NaN and inf in the activations."""
+    subnormal fp16 scales, activations beyond a float16 scale, NaN and inf in the activations."""
     Kd, N = 128, 35
     x = np.ones((9, Kd), np.float32)
     x[1] = -1.0
@@ -481,6 +503,7 @@ def test_q8_simd_extreme_dots_and_specials(isa):
     x[5, 7] = np.nan
     x[6, 40] = np.inf
     x[7] = 6.0e-5 * np.sign(np.sin(np.arange(Kd))).astype(np.float32)   # subnormal fp16 scale
+    x[8] = 2.0e7 * np.sin(np.arange(Kd)).astype(np.float32)     # beyond a float16 scale's range
     w = rand_q8_raw(np.random.default_rng(8), N, Kd)
     blocks = w.reshape(N, Kd // 32, 34)
     blocks[0, :, 2:] = 0x80                                 # qw = -128
@@ -488,7 +511,8 @@ def test_q8_simd_extreme_dots_and_specials(isa):
     blocks[2, :, :2] = np.array([1], "<u2").view(np.uint8)  # subnormal fp16 scale 2^-24
     got, want = run_q8(x, w, isa), run_q8(x, w, "generic")
     assert same_bits_or_both_nan(got, want)
-    assert same_bits_or_both_nan(want[[0, 1, 2, 3, 4, 7]], q8_model(x[[0, 1, 2, 3, 4, 7]], w))
+    keep = [0, 1, 2, 3, 4, 7, 8]
+    assert same_bits_or_both_nan(want[keep], q8_model(x[keep], w))
     assert np.isnan(got[5]).all() and np.isnan(got[6]).all()
 
 
@@ -509,14 +533,31 @@ def test_q8_band_and_batch_invariance(isa):
     assert same_bits_or_both_nan(rows, full)
 
 
-def test_q8_activations_quantized_exactly_like_gguf():
-    """matmul_q8 depends on x only through its Q8_0 bytes: x and gguf's dequantization of
-    gguf's Q8_0(x) (which requantizes to the same bytes) give the same bits."""
+def test_q8_activations_enter_through_gguf_bytes_and_the_float32_scale():
+    """matmul_q8 sees x only as gguf's Q8_0 bytes and the float32 scale max|x|/127: moving every
+    non-maximal element halfway to its quantization point (same bytes, same max) keeps every
+    output bit; changing one block's max by one float32 ulp -- invisible to a float16 scale --
+    changes the bits (the scale is not rounded to float16)."""
     rng = np.random.default_rng(10)
     x, w = rand_x(rng, 6, 192), gguf_quantize(rand_x(rng, 20, 192, 0.1), Q8)
-    xt = gguf_dequantize(gguf_quantize(x, Q8), Q8).astype(np.float32)
-    np.testing.assert_array_equal(gguf_quantize(xt, Q8), gguf_quantize(x, Q8))   # precondition
-    assert same_bits_or_both_nan(run_q8(x, w, None), run_q8(xt, w, None))
+    blocks = x.reshape(6, 6, 32)
+    top = np.abs(blocks).argmax(axis=2)
+    xt = q8_act_dequant(x).reshape(6, 6, 32)
+    moved = ((blocks.astype(np.float64) + xt) / 2).astype(np.float32)
+    np.put_along_axis(moved, top[..., None], np.take_along_axis(blocks, top[..., None], 2), 2)
+    moved = moved.reshape(6, 192)
+    assert not np.array_equal(moved, x)
+    np.testing.assert_array_equal(gguf_quantize(moved, Q8), gguf_quantize(x, Q8))  # precondition
+    np.testing.assert_array_equal(q8_act_scale(moved), q8_act_scale(x))
+    assert same_bits_or_both_nan(run_q8(x, w, None), run_q8(moved, w, None))
+    nudged = x.copy().reshape(6, 6, 32)
+    r, b = 2, 3
+    v = nudged[r, b, top[r, b]]
+    nudged[r, b, top[r, b]] = np.nextafter(v, np.float32(np.inf) * np.sign(v))
+    nudged = nudged.reshape(6, 192)
+    d16 = split_q8(gguf_quantize(nudged, Q8), 6, 6)[0]
+    assert np.array_equal(d16, split_q8(gguf_quantize(x, Q8), 6, 6)[0])   # same float16 d
+    assert not same_bits_or_both_nan(run_q8(x, w, None)[r], run_q8(nudged, w, None)[r])
 
 
 # ----------------------------------------------------------------------------- accuracy vs float64
@@ -538,30 +579,96 @@ def bf16_bound(x, wf, u=UBF):
 
 
 def q8_bound(x, wf):
-    """|out - x @ w.T| <= sum|x - x~||w| + gamma_{K/32} sum|x~ w| (+ float64's own gamma_2K),
-    x~ = gguf's dequantized Q8_0(x): block dots are exact, s = dx*dw is exact, and each block's
-    term passes through <= K/32 fma roundings (nx_lowp.h)."""
+    """|out - x @ w.T| <= sum|x - x~||w| + gamma_{K/32+1} sum|x~ w| + (K/32) 2^-130 (+ float64's
+    own gamma_2K), x~ = q * dx (gguf's Q8_0 bytes of x, the float32 scale): block dots are
+    exact, s = dx*dw is one rounding, and each block's term passes through <= K/32 fma roundings
+    (nx_lowp.h); the absolute term covers s and acc in float32's subnormal range."""
     Kd = x.shape[1]
-    xt = gguf_dequantize(gguf_quantize(x, Q8), Q8).astype(np.float64)
+    xt = q8_act_dequant(x)
     w64 = np.abs(wf.astype(np.float64))
     nb = Kd // 32
-    g = nb * EPS32 / (1 - nb * EPS32)
+    g = (nb + 1) * EPS32 / (1 - (nb + 1) * EPS32)
     g64 = 2 * Kd * EPS64 / (1 - 2 * Kd * EPS64)
-    return np.abs(x - xt) @ w64.T + (g + g64) * (np.abs(xt) @ w64.T) + g64 * (np.abs(x) @ w64.T)
+    return (np.abs(x - xt) @ w64.T + (g + g64) * (np.abs(xt) @ w64.T)
+            + g64 * (np.abs(x.astype(np.float64)) @ w64.T) + nb * 2.0 ** -130)
+
+
+def q8_elem_bound(x):
+    """The a-priori per-element bound of nx_lowp.h: (0.5/127 + 2^-22) amax_b for blocks with
+    amax_b >= 127 * 2^-126; |x| itself (flushed) below."""
+    T, Kd = x.shape
+    amax = np.abs(x.reshape(T, Kd // 32, 32)).max(axis=2, keepdims=True).astype(np.float64)
+    b = np.where(amax >= 127 * Q8_FLUSH, (0.5 / 127 + 2.0 ** -22) * amax,
+                 np.abs(x.reshape(T, Kd // 32, 32)).astype(np.float64))
+    return b.reshape(T, Kd)
 
 
 def test_q8_activation_error_a_priori_bound():
-    """Per element |x - x~| <= (0.5/127 + 2^-11 + 2^-22) amax_b + 127 * 2^-25 (the stated a-priori
-    bound, nx_lowp.h) on blocks of widely varying scale, fp16-subnormal scales included; and
-    not vacuous (some element uses > half of it)."""
+    """Per element |x - x~| within the stated a-priori bound (nx_lowp.h) on blocks of widely
+    varying scale -- float32's whole normal range, the flushed blocks below it included; and not
+    vacuous (some element uses > half of it)."""
     rng = np.random.default_rng(11)
-    x = rand_x(rng, 64, 256) * np.float32(2.0) ** rng.integers(-40, 18, (64, 1)).astype(np.float32)
-    xt = gguf_dequantize(gguf_quantize(x, Q8), Q8).astype(np.float64)
-    amax = np.abs(x.reshape(64, 8, 32)).max(axis=2, keepdims=True).astype(np.float64)
-    err = np.abs(x.reshape(64, 8, 32) - xt.reshape(64, 8, 32))
-    bound = (0.5 / 127 + 2.0 ** -11 + 2.0 ** -22) * amax + 127 * 2.0 ** -25
+    x = rand_x(rng, 64, 256) * np.float32(2.0) ** rng.integers(-130, 120, (64, 1)).astype(
+        np.float32)
+    assert np.isfinite(x).all()
+    err = np.abs(x.astype(np.float64) - q8_act_dequant(x))
+    bound = q8_elem_bound(x)
+    assert (err <= bound).all(), (err / np.maximum(bound, 1e-300)).max()
+    assert (err / np.maximum(bound, 1e-300)).max() > 0.5
+
+
+def _q8_range_rows(Kd):
+    """Activation rows at the edges of the range (issue 19): whole rows and single blocks of max
+    |x| around 127 * 65504 (where a float16 scale overflows), near float32's top, around 1e-6
+    (where a float16 scale underflows), near the flush point 127 * 2^-126, and mixed."""
+    rng = np.random.default_rng(21)
+    base = rng.standard_normal((1, Kd)).astype(np.float32)
+    base /= np.abs(base).max()
+    edge16 = 127.0 * 65504.0
+    scales = [edge16 * 0.999, edge16, edge16 * 1.001, 1e7, 1e12, 1e30, 3e36,
+              1e-6, 7.6e-6, 1e-9, 1e-20, 127 * 2.0 ** -126 * 1.01, 1e-37]
+    rows = [base * np.float32(v) for v in scales]
+    mixed = base.copy()
+    mixed[0, :32] *= np.float32(1e8)                   # one huge block beside ordinary ones
+    mixed[0, 32:64] *= np.float32(1e-6)                # and one tiny block
+    rows.append(mixed)
+    return np.concatenate(rows).astype(np.float32)
+
+
+@pytest.mark.parametrize("isa", Q8_VARIANTS)
+def test_q8_range_edges_vs_float64(isa):
+    """Every finite activation runs: blocks at and beyond 127 * 65504, near 3e36, around 1e-6
+    and below the flush point give finite outputs within the q8 bound of float64 numpy (before
+    the float32 scale: whole rows NaN above ~8.3e6, zeros below ~7.6e-6)."""
+    Kd, N = 256, 24
+    x = _q8_range_rows(Kd)
+    w = gguf_quantize(rand_x(np.random.default_rng(22), N, Kd, 0.05), Q8)
+    wf = decode_np(w, "Q8_0", N, Kd)
+    out = run_q8(x, w, isa)
+    ref = x.astype(np.float64) @ wf.astype(np.float64).T
+    assert np.isfinite(out).all(), np.argwhere(~np.isfinite(out))[:5]
+    err = np.abs(out - ref)
+    bound = q8_bound(x, wf)
     assert (err <= bound).all(), (err / bound).max()
-    assert (err / bound).max() > 0.5
+    # relative to each row's own size, rows down to 1e-20 are as accurate as ordinary ones (below
+    # that s = dx*dw leaves float32's normal range: only the absolute term of the bound holds)
+    rel = err.max(axis=1) / np.abs(ref).max(axis=1)
+    normal = np.abs(x).max(axis=1) >= 1e-20
+    assert normal.sum() == 12 and (rel[normal] < 2e-2).all(), rel
+    assert same_bits_or_both_nan(out, q8_model(x, w))
+
+
+def test_q8_range_negative_control():
+    """The float16 scale (the old contract) fails the same edges: rows of inf/NaN above
+    127 * 65504 and a lost (zero) result at 1e-9, so the edge test exercises the range."""
+    Kd, N = 256, 8
+    x = _q8_range_rows(Kd)
+    w = gguf_quantize(rand_x(np.random.default_rng(22), N, Kd, 0.05), Q8)
+    old = q8_model(x, w, scale="f16")
+    assert not np.isfinite(old[2]).any() and not np.isfinite(old[5]).any()
+    wf = decode_np(w, "Q8_0", N, Kd)
+    ref = x.astype(np.float64) @ wf.astype(np.float64).T
+    assert (np.abs(old[9] - ref[9]) > 0.5 * np.abs(ref[9])).any()       # 1e-9: lost
 
 
 @pytest.mark.parametrize("prec", ["bf16", "q8"])

@@ -88,9 +88,18 @@ def unit_interval(s: str) -> float:
     return v
 
 
+#: The largest image side a CLI takes: 16384 px is 1M image tokens at 16384 x 16384 (beyond
+#: that even the noise no longer fits a machine's memory: 1.6e16 px asked for exabytes).
+MAX_PIXELS = 16384
+
+
 def pixels(s: str) -> int:
-    """An image side in pixels: a positive multiple of 16 (the VAE's 8x times the 2x2 patch)."""
+    """An image side in pixels: a positive multiple of 16 (the VAE's 8x times the 2x2 patch),
+    at most :data:`MAX_PIXELS`."""
     v = positive_int(s)
+    if v > MAX_PIXELS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_PIXELS} pixels (1M image tokens "
+                                         f"at {MAX_PIXELS} x {MAX_PIXELS}), got {v}")
     if v % 16:
         raise argparse.ArgumentTypeError(f"must be a positive multiple of 16 pixels (the VAE's "
                                          f"8x times the 2x2 patch), got {v}; e.g. "

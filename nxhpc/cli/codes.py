@@ -16,7 +16,7 @@ import textwrap
 from collections.abc import Mapping
 
 __all__ = ["Exit", "DEFAULT_TEXT", "UsageError", "NotFound", "InputError", "OutputError",
-           "code_for", "codes_epilog"]
+           "code_for", "codes_epilog", "too_many_open_files"]
 
 
 class Exit(enum.IntEnum):
@@ -40,7 +40,7 @@ class Exit(enum.IntEnum):
 DEFAULT_TEXT: dict[Exit, str] = {
     Exit.PASS: "ok",
     Exit.FAIL: "graded fail: an output above the tolerance, or NaN/inf outputs",
-    Exit.USAGE: "usage error (bad arguments)",
+    Exit.USAGE: "usage error (bad arguments; also the open-files limit, ulimit -n, reached)",
     Exit.NOT_FOUND: "model not found (id, directory or file)",
     Exit.BAD_INPUT: "bad input: a malformed or unsupported model file, or an input array that "
                     "does not fit the model (shape, dtype, NaN/inf)",
@@ -85,6 +85,7 @@ _TABLE: tuple[tuple[str, str, Exit], ...] = (
     ("nxhpc.runtime.checks", "InputFileMissing", Exit.USAGE),
     ("nxhpc.runtime.outfile", "OutputPathError", Exit.USAGE),
     ("nxhpc.dit.stackrun", "StackRangeError", Exit.USAGE),
+    ("nxhpc.runtime.checks", "NonFiniteOutputError", Exit.FAIL),
     ("nxhpc.dit.sampler", "NonFiniteOutputError", Exit.FAIL),
     ("nxhpc.train.q16", "Q16OverflowError", Exit.FAIL),
     ("nxhpc.runtime.checks", "CheckError", Exit.BAD_INPUT),
@@ -100,8 +101,17 @@ _TABLE: tuple[tuple[str, str, Exit], ...] = (
 )
 
 
+def too_many_open_files(e: BaseException) -> bool:
+    """Whether ``e`` is the process (EMFILE) or system (ENFILE) running out of file
+    descriptors: the environment's limit (``ulimit -n``), not a bug -- a usage error."""
+    import errno
+    return isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE)
+
+
 def code_for(e: BaseException) -> Exit | None:
     """The documented exit code for an expected failure; None for anything else (a bug)."""
+    if too_many_open_files(e):
+        return Exit.USAGE
     for mod, name, code in _TABLE:
         cls = getattr(sys.modules.get(mod), name, None)
         if isinstance(cls, type) and isinstance(e, cls):

@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nxhpc.cli.codes import Exit, code_for
+from nxhpc.cli.codes import Exit, code_for, too_many_open_files
 from nxhpc.runtime.proc import Terminated, cli_signals
 
 __all__ = ["run_cli", "error_printer"]
@@ -52,7 +52,9 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
                     traceback.print_exc()
                     err("internal error (see the traceback above)")
                     return int(Exit.INTERNAL)
-                if describe is not None:
+                if too_many_open_files(e):
+                    err(_open_files_text(e))
+                elif describe is not None:
                     err(describe(e, known))
                 else:
                     err(f"worker failure: {e}" if known == Exit.WORKER else str(e))
@@ -69,6 +71,18 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
             return int(Exit.SIGTERM)
         finally:
             _cleanup()
+
+
+def _open_files_text(e: OSError) -> str:
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+    except (ImportError, OSError, ValueError):
+        limit = "unknown"
+    return (f"too many open files ({e.strerror or e}): the limit on open files (ulimit -n) is "
+            f"{limit}; each worker takes two pipes -- raise it (e.g. ulimit -n 4096) or run "
+            f"fewer workers")
 
 
 def _cleanup() -> None:

@@ -7,8 +7,7 @@ formatter), :func:`print_json` (strict JSON: NaN/inf become null), :func:`save_n
 instead of raising) and :func:`emit_graded` (the graded report of ``blockrun``/``denoise``: the
 report comes first and always, so a failing save cannot cost the verdict); for the picture
 commands (``decode``, ``generate``) the peak resident sets (:func:`peak_rss_mb`), the PNG text
-chunks of a run (:func:`png_text`) and the files a model path stands for
-(:func:`model_inputs`: what an output must never replace).
+chunks of a run (:func:`png_text`).
 Must not: compute grades (``nxhpc.dit.grade``), choose exit codes, or import the kernels.
 """
 from __future__ import annotations
@@ -17,13 +16,12 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
 from typing import IO, Any
 
 from nxhpc.runtime.outfile import write_atomic
 
 __all__ = ["fmt_value", "fmt_compact", "kv_lines", "print_kv", "print_json", "save_npy", "save_bytes",
-           "emit_graded", "peak_rss_mb", "png_text", "model_inputs"]
+           "emit_graded", "peak_rss_mb", "png_text"]
 
 
 def fmt_value(v) -> str:
@@ -124,17 +122,6 @@ def peak_rss_mb() -> dict[str, float]:
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     return {"peak_rss_mb": round(own, 1), "worker_peak_rss_mb": round(kids, 1) or None}
-
-
-def model_inputs(path: str | os.PathLike) -> list[Path]:
-    """The files a model path stands for (the file itself, or every file of a directory and of
-    its ``vae/``): what an output must never replace."""
-    p = Path(path)
-    if p.is_file():
-        return [p]
-    if p.is_dir():
-        return [f for d in (p, p / "vae") if d.is_dir() for f in d.iterdir() if f.is_file()]
-    return []
 
 
 def png_text(**fields) -> dict[str, str]:

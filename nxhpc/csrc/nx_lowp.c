@@ -93,8 +93,14 @@ int nx_matmul_q8_generic(const nx_mm_call *c) {
     if (T == 0 || n0 >= n1) return 0;
     const size_t nb = K / NX_QK8_0, rowbytes = nb * NX_Q8_0_BLOCK_BYTES;
     uint8_t *xq = (uint8_t *)malloc(T * rowbytes + 1);
-    if (!xq) return -1;
+    float *dx = (float *)malloc((T * nb + 1) * sizeof(float)); /* float32 activation scales */
+    if (!xq || !dx) {
+        free(xq);
+        free(dx);
+        return -1;
+    }
     if (nb > 0) nx_q8_0_quantize_generic(x, xq, T * nb); /* rows are consecutive blocks */
+    for (size_t i = 0; i < T * nb; i++) dx[i] = nx_q8_0_act_scale(x + i * NX_QK8_0);
     for (size_t n = n0; n < n1; n++) {
         const uint8_t *wr = w + n * rowbytes;
         for (size_t t = 0; t < T; t++) {
@@ -106,16 +112,16 @@ int nx_matmul_q8_generic(const nx_mm_call *c) {
                 int32_t isum = 0;
                 for (int i = 0; i < NX_QK8_0; i++)
                     isum += (int32_t)(int8_t)xb[2 + i] * (int8_t)wb[2 + i];
-                uint16_t dx, dw;
-                memcpy(&dx, xb, 2);
+                uint16_t dw;
                 memcpy(&dw, wb, 2);
-                const float s = nx_f16_to_f32(dx) * nx_f16_to_f32(dw); /* exact */
+                const float s = dx[t * nb + b] * nx_f16_to_f32(dw); /* one rounding */
                 acc = fmaf((float)isum, s, acc);
             }
             out[t * N + n] = bias ? acc + bias[n] : acc;
         }
     }
     free(xq);
+    free(dx);
     return 0;
 }
 

@@ -41,19 +41,29 @@
  *
  * ---- `q8` contract (bit-identical: generic spec == AVX-512 VNNI, every band, every T batching)
  *   Weights must be Q8_0 (ggml block_q8_0: fp16 d, 32 int8 q). Each row of x is quantized to
- *   Q8_0 by nx_q8_0_quantize (byte-identical to gguf.quants.quantize): blocks (dx, qx).
+ *   Q8_0 bytes by nx_q8_0_quantize (byte-identical to gguf.quants.quantize): qx; the block scale
+ *   is kept in float32, dx = nx_q8_0_act_scale (nx_q8_0.h: the quantizer's own d = amax/127
+ *   before its float16 rounding, 0 for amax < 127 * 2^-126). A float16 dx would give q8 no
+ *   range: inf for amax >= 127 * 65504 (~8.3e6: the whole output row NaN) and 0 below ~7.6e-6.
  *   For each block b = 0, 1, ..., K/32-1 in order, from acc = +0:
  *     isum = sum_{i<32} qx[t,b,i] * qw[n,b,i]          exact int32 (|isum| <= 32*128*128)
- *     s    = f32(dx[t,b]) * f32(dw[n,b])                float32 product, exact (11 x 11 bits)
+ *     s    = dx[t,b] * f32(dw[n,b])                     float32 product, one rounding
  *     acc  = fmaf((float)isum, s, acc)                  (float)isum exact (|isum| < 2^24)
- *   out[t,n] = acc (+ bias[n]).  This is ggml's Q8_0 x Q8_0 arithmetic with one fixed block order.
- *   Error vs float64 x @ dequant(w).T (x~ = the dequantized Q8_0 activations):
- *     |out - ref| <= sum_k |x - x~| |w| + gamma_{K/32} * sum_k |x~ w|   (dots and s are exact;
- *     each block term passes <= K/32 fma roundings), where per element, for block maxima
- *     amax_b < 65504 * 127 (the fp16 scale does not overflow):
- *       |x - x~| <= (0.5/127 + 2^-11 + 2^-22) * amax_b + 127 * 2^-25
- *     (half a quantization step, the fp16 rounding of d, float32 roundings of d, 1/d and x/d;
- *     the last term is fp16's subnormal scale spacing), i.e. ~0.44% of the block's max |x|.
+ *   out[t,n] = acc (+ bias[n]).  ggml's Q8_0 x Q8_0 arithmetic with one fixed block order, and
+ *   the activation scale not rounded to float16 (so not ggml's bits).
+ *   Range: every finite x. A block of max |x| below 127 * 2^-126 (~1.5e-36) contributes 0; the
+ *   result is finite whenever every s is (amax_b * |dw| / 127 <= FLT_MAX: beyond that the
+ *   float32 products x*w overflow in every precision) and the sum does not overflow.
+ *   Error vs float64 x @ dequant(w).T (x~ = q * dx, the activations the sum sees):
+ *     |out - ref| <= sum_k |x - x~| |w| + gamma_{K/32+1} * sum_k |x~ w| + (K/32) * 2^-130
+ *     (dots exact; s one rounding; each block term passes <= K/32 fma roundings; the last term
+ *     covers s and acc in float32's subnormal range), where per element
+ *       |x - x~| <= (0.5/127 + 2^-22) * amax_b       (amax_b >= 127 * 2^-126)
+ *       |x - x~| =  |x| < 127 * 2^-126               (smaller blocks, flushed)
+ *     (half a quantization step, and the float32 roundings of d, 1/d and x/d), i.e. ~0.39% of
+ *     the block's max |x|, for any block scale. The error stays relative while s is a normal
+ *     float32 (amax_b * |dw| >= 127 * 2^-126, e.g. amax_b >= ~1e-33 against |dw| ~ 1e-4);
+ *     below that the absolute term, ~1e-39 per block, is what is promised.
  *   VNNI detail: vpdpbusd multiplies unsigned by signed bytes. The weights are repacked per panel
  *   as qw + 128 (unsigned), the activations stay signed (the broadcast operand), and the int32
  *   accumulator of each block starts at -128 * sum_i qx[t,b,i]: the result is the exact isum.

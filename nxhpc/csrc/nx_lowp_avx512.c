@@ -72,8 +72,6 @@ static void nx_q8_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t ro
                 continue;
             }
             const uint8_t *blk = q + b * NX_Q8_0_BLOCK_BYTES;
-            uint16_t dh;
-            memcpy(&dh, blk, 2);
             const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 2));
             const __m512i s16 = _mm512_cvtepi8_epi16(qs);
             const int32_t sum =
@@ -81,7 +79,7 @@ static void nx_q8_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t ro
             int32_t quad[8];
             _mm256_storeu_si256((__m256i *)quad, qs);
             for (int i = 0; i < 8; i++) g[i * NX_Q8_MR + r] = quad[i];
-            const float dx = _cvtsh_ss(dh);
+            const float dx = nx_q8_0_act_scale(x + (t0 + r) * K + b * NX_QK8_0); /* as the spec */
             memcpy(&g[8 * NX_Q8_MR + r], &dx, 4);
             g[9 * NX_Q8_MR + r] = -128 * sum;
         }

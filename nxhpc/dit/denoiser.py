@@ -54,10 +54,10 @@ from nxhpc.dit.plan import BlockPlan, Engine
 from nxhpc.dit.rope import position_ids, rope_table
 from nxhpc.formats.gguf_io import GGUFFile, ModelFileError
 from nxhpc.formats.weights import WeightTensor
-from nxhpc.runtime.checks import check_workers
+from nxhpc.runtime.checks import NonFiniteOutputError, check_workers
 from nxhpc.runtime.workers import DEFAULT_SPAWN, check_timeout
 
-__all__ = ["Denoiser", "DenoiserInputError", "DenoiserWeights",
+__all__ = ["Denoiser", "DenoiserInputError", "DenoiserWeights", "NonFiniteOutputError",
            "TIMING_KEYS", "SEGMENTS", "patchify", "unpatchify",
            "timestep_sinusoid"]
 
@@ -261,11 +261,19 @@ def _check_float(what: str, a: np.ndarray) -> None:
 
 
 def _finite_f32(what: str, a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    if not np.isfinite(a).all():
-        raise DenoiserInputError(f"{what} have {int(np.count_nonzero(~np.isfinite(a)))} NaN/Inf "
-                                 f"values")
-    return a
+    """``a`` as C-contiguous float32: NaN/inf in the given dtype, and finite values beyond
+    float32's range (a float64 1e300), are refused with what they are."""
+    bad = int(a.size - np.count_nonzero(np.isfinite(a)))
+    if bad:
+        raise DenoiserInputError(f"{what} have {bad} NaN/Inf values")
+    with np.errstate(over="ignore"):
+        f = np.ascontiguousarray(a, dtype=np.float32)
+    over = int(f.size - np.count_nonzero(np.isfinite(f)))
+    if over:
+        raise DenoiserInputError(f"{what} have {over} value{'s' if over > 1 else ''} beyond "
+                                 f"float32's range (|x| > 3.4e38; max |x| "
+                                 f"{float(np.abs(a).max()):.3g}): the model computes in float32")
+    return f
 
 
 class Denoiser:
@@ -380,7 +388,9 @@ class Denoiser:
         """One transformer call: latents ``[C, H, W]`` (or ``[C, 1, H, W]``) float32, ``t`` in
         [0, 1] (t = 1 - sigma), cap_feats ``[L, cap_dim]`` float32 -> the raw output, float32,
         the input's shape (diffusers convention: not negated). DenoiserInputError for inputs
-        that do not fit the model (nothing runs)."""
+        that do not fit the model (nothing runs); NonFiniteOutputError
+        (``nxhpc.runtime.checks``: ``count``, ``size``, ``output``) when finite inputs give a
+        NaN/inf output (an overflow inside the model), never the NaN array itself."""
         lat, in_shape = self._latents(latents)
         cap = self._caption(cap_feats)
         t = self._timestep(t)
@@ -436,7 +446,15 @@ class Denoiser:
 
         spent = [(b - a) // 1000 for a, b in zip(marks, marks[1:])]
         self.last_timings = dict(zip(TIMING_KEYS, spent + [(marks[-1] - marks[0]) // 1000]))
-        return out.reshape(in_shape)
+        out = out.reshape(in_shape)
+        bad = int(out.size - np.count_nonzero(np.isfinite(out)))
+        if bad:        # finite inputs overflowed inside the model: never a silent NaN image
+            raise NonFiniteOutputError(
+                f"Denoiser.forward: {bad} of {out.size} output values are NaN/inf (finite "
+                f"inputs overflowed float32 inside the model; max |latents| "
+                f"{float(np.abs(lat).max()):.3g}, max |cap_feats| {float(np.abs(cap).max()):.3g})",
+                count=bad, size=out.size, output=out)
+        return out
 
     __call__ = forward
 
@@ -467,12 +485,15 @@ class Denoiser:
 
     # -- lifetime
     def close(self) -> None:
-        """Stop the workers, release the arena and the map. Idempotent."""
+        """Stop the workers, release the arena and the map: the GGUFFile and every weight view
+        of it are dropped, so the file is unmapped here, not when the object is collected.
+        Idempotent."""
         sessions, self._sessions = self._sessions, []
         try:
             for s in sessions:
                 s.close()
         finally:
+            self.weights = None               # views of the map (zero-copy weights)
             if self.gguf is not None:
                 self.gguf.close()
                 self.gguf = None

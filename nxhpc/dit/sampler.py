@@ -25,10 +25,12 @@ from collections.abc import Callable
 import numpy as np
 
 from nxhpc.runtime.checks import CheckError, check_float_array
+from nxhpc.runtime.checks import NonFiniteOutputError as _NonFinite
 
 __all__ = ["euler_sample", "initial_noise", "latent_shape", "turbo_sigmas", "sample",
            "check_cap_feats", "check_noise", "decode_png", "require_decode_deps",
-           "SampleInputError", "NonFiniteOutputError", "VAE_SCALING", "VAE_SHIFT"]
+           "SampleInputError", "NonFiniteOutputError", "VAE_SCALING", "VAE_SHIFT",
+           "MAX_STEPS"]
 
 VAE_SCALING, VAE_SHIFT = 0.3611, 0.1159
 """The FLUX VAE's latent normalization (``docs/denoiser.md``): pixels = decode(latents / 0.3611 +
@@ -39,23 +41,40 @@ class SampleInputError(CheckError):
     """Caption features or noise that do not fit the model (shape, dtype, NaN/inf)."""
 
 
-class NonFiniteOutputError(ArithmeticError):
-    """The denoiser returned NaN/inf at a step (names the step and t)."""
+NonFiniteOutputError = _NonFinite
+"""The denoiser returned NaN/inf at a step, or the latents left float32's range (names the
+step and t): :class:`nxhpc.runtime.checks.NonFiniteOutputError`, the denoiser's own."""
 
 Model = Callable[[np.ndarray, float], np.ndarray]
+
+
+#: The most steps a schedule may have: far beyond any use (Turbo takes 8, flow-matching
+#: schedulers train on 1000; the schedule is then 8 MB), where a mistyped 1e12 would allocate
+#: terabytes.
+MAX_STEPS = 1_000_000
 
 
 def turbo_sigmas(steps: int = 8, shift: float = 3.0) -> np.ndarray:
     """float64 ``[steps + 1]``: ``s_i = 1 - i/steps`` (i < steps),
     ``sigma_i = shift*s / (1 + (shift - 1)*s)``, then ``sigma_steps = 0``.
-    For 8 steps at shift 3: [1, .954545, .9, .833333, .75, .642857, .5, .3, 0]."""
-    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-        raise ValueError(f"turbo_sigmas: steps must be an int >= 1, got {steps!r}")
-    if not (np.isfinite(shift) and shift > 0):
+    For 8 steps at shift 3: [1, .954545, .9, .833333, .75, .642857, .5, .3, 0].
+    ValueError for steps outside [1, MAX_STEPS], a shift that is not a positive finite
+    number, or a shift so extreme that the sigmas do not fall strictly in float64 (1e300:
+    all 1; 1e-300: the first one inf)."""
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1 \
+            or steps > MAX_STEPS:
+        raise ValueError(f"turbo_sigmas: steps must be an int in [1, {MAX_STEPS}], got "
+                         f"{steps!r}")
+    if isinstance(shift, bool) or not (np.isfinite(shift) and shift > 0):
         raise ValueError(f"turbo_sigmas: shift must be positive, got {shift!r}")
     s = 1.0 - np.arange(int(steps), dtype=np.float64) / int(steps)
-    sig = shift * s / (1.0 + (shift - 1.0) * s)
-    return np.concatenate([sig, [0.0]])
+    with np.errstate(all="ignore"):
+        sig = np.concatenate([shift * s / (1.0 + (shift - 1.0) * s), [0.0]])
+    if not np.isfinite(sig).all() or sig[0] > 1.0 or np.any(np.diff(sig) >= 0):
+        raise ValueError(f"turbo_sigmas: shift {shift:g} gives no strictly falling schedule of "
+                         f"{steps} steps in float64 (sigmas start {sig[:3].tolist()}); use a "
+                         f"shift nearer 1 (Z-Image-Turbo: 3.0)")
+    return sig
 
 
 def latent_shape(height_px: int, width_px: int, channels: int = 16,
@@ -157,12 +176,27 @@ def sample(denoiser, cap_feats, noise, *, steps: int = 8, shift: float = 3.0,
 
     def model(x: np.ndarray, t: float) -> np.ndarray:
         i, calls[0] = calls[0], calls[0] + 1
-        r = np.asarray(denoiser.forward(x, t, cap))
-        if not np.isfinite(r).all():
-            raise NonFiniteOutputError(f"step {i} (t={t:.6g}): the denoiser returned NaN/inf")
+        if not np.isfinite(x).all():          # the previous update overflowed float32
+            raise NonFiniteOutputError(f"step {i} (t={t:.6g}): the latents left float32's "
+                                       f"range (NaN/inf after step {i - 1})")
+        try:
+            r = np.asarray(denoiser.forward(x, t, cap))
+        except NonFiniteOutputError as e:
+            raise NonFiniteOutputError(f"step {i} (t={t:.6g}): the denoiser returned NaN/inf "
+                                       f"({e})", count=e.count, size=e.size) from None
+        bad = int(r.size - np.count_nonzero(np.isfinite(r)))
+        if bad:
+            raise NonFiniteOutputError(f"step {i} (t={t:.6g}): the denoiser returned NaN/inf "
+                                       f"({bad} of {r.size} values)", count=bad, size=r.size)
         return r
 
-    return euler_sample(model, x0, sigmas, on_step=on_step)
+    x = euler_sample(model, x0, sigmas, on_step=on_step)
+    bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+    if bad:
+        raise NonFiniteOutputError(f"the final latents have {bad} of {x.size} values NaN/inf "
+                                   f"(the last update left float32's range)", count=bad,
+                                   size=x.size)
+    return x
 
 
 def require_decode_deps() -> None:

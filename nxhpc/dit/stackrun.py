@@ -75,10 +75,7 @@ def _load_ref(model, name: str, shape: tuple[int, int]) -> np.ndarray:
     """A fixture by name, or a ``.npy`` file (kept at its own float precision)."""
     from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError
     if name.endswith(".npy") and os.path.isfile(name):
-        try:
-            a = np.load(name, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise ModelFileError(f"reference {name}: cannot read: {e}") from None
+        a = checks.load_npy(name, "reference", error=ModelFileError)
         if a.shape != shape or a.dtype.kind != "f":
             raise ModelFileError(f"reference {name}: {a.dtype} {a.shape}, expected a "
                                  f"floating-point array of shape {shape}")

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
 from nxhpc.cli.codes import Exit, UsageError, codes_epilog
 from nxhpc.cli.frame import run_cli
 from nxhpc.formats.weights import block_geometry
+from nxhpc.runtime.checks import check_input_file
 from nxhpc.models.modeldir import check_models_root, check_replaceable, write_failed
 from nxhpc.models.registry import (BUILTINS, DEFAULT_MODEL_ID, builtin_ids,
                                    builtin_current, builtin_spec, ensure_builtin, models_dir,
@@ -88,6 +90,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
+    if args.gguf is not None and os.path.exists(args.gguf):   # a FIFO, /dev/null: not "missing"
+        check_input_file(args.gguf, "--gguf")
     with open_model(args.model, models_dir=args.models_dir, gguf_path=args.gguf) as m:
         print(m.describe())
     return 0
@@ -164,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--grid", type=types.grid, help="image token grid FxHxW, e.g. 1x4x8")
     mk.add_argument("--seed", type=int)
     mk.add_argument("--adaln-in", type=int)
-    mk.add_argument("--eps", dest="norm_eps", type=float)
+    mk.add_argument("--eps", dest="norm_eps", type=types.eps,
+                    help="RMSNorm eps, a normal float32 number (default 1e-5)")
     mk.add_argument("--mask-pad", type=int, help="mask the last N caption tokens")
     mk.add_argument("--types", help="weight-type policy: q8_0 (default), q4_k_m, sdcpp-q4_0, "
                                     "or one type for every matrix (f32, f16, bf16, q4_0, q4_1, "

@@ -5,7 +5,9 @@ Owns the rules for what a caller may pass to a public entry point (``WorkerPool`
 counts (:func:`check_count`), worker counts (:func:`check_workers`: an int in ``[1,
 max_workers()]``, None = the usable CPUs), seconds (:func:`check_seconds`), choices
 (:func:`check_choice`), floating-point arrays of a shape, finite, as C-contiguous float32
-(:func:`check_float_array`) and ``.npy`` inputs (:func:`load_npy`). Each raises
+(:func:`check_float_array`), input files (:func:`check_input_file`) and ``.npy`` inputs
+(:func:`load_npy`), and the one error for a
+model output that is not finite (:class:`NonFiniteOutputError`). Each check raises
 :class:`CheckError` (a ValueError) or TypeError with a message naming the argument, the rule and
 the value. Internal hops below an entry point trust what it checked and say so.
 Must not: import numpy at import time (the worker pool imports this module), the compiled
@@ -21,7 +23,8 @@ from typing import Any
 
 from nxhpc.runtime.workers import as_index, max_workers, usable_cpus   # (workers imports us lazily)
 
-__all__ = ["CheckError", "InputFileMissing", "check_count", "check_workers", "check_seconds",
+__all__ = ["CheckError", "InputFileMissing", "NonFiniteOutputError", "check_input_file",
+           "check_count", "check_workers", "check_seconds",
            "check_positive", "check_choice", "check_float_array", "load_npy"]
 
 
@@ -31,6 +34,18 @@ class CheckError(ValueError):
 
 class InputFileMissing(CheckError):
     """An input file that does not exist (or is a directory): a usage error, not a bad file."""
+
+
+class NonFiniteOutputError(ArithmeticError):
+    """A model returned NaN/inf outputs from finite inputs (an overflow inside the model).
+
+    ``count`` of ``size`` values are not finite; ``output`` is the array itself (None where the
+    raiser does not keep it), for a caller that reports or inspects it."""
+
+    def __init__(self, message: str, *, count: int | None = None, size: int | None = None,
+                 output: Any = None) -> None:
+        super().__init__(message)
+        self.count, self.size, self.output = count, size, output
 
 
 
@@ -109,19 +124,98 @@ def check_float_array(a: Any, what: str, *, ndim: int | None = None,
     bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
     if bad:
         raise error(f"{what}: {bad} of {arr.size} values are NaN or inf")
-    return np.ascontiguousarray(arr, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        out = np.ascontiguousarray(arr, dtype=np.float32)
+    over = int(out.size - np.count_nonzero(np.isfinite(out)))
+    if over:
+        raise error(f"{what}: {over} of {arr.size} values are beyond float32's range "
+                    f"(|x| > 3.4e38; max |x| {float(np.abs(arr).max()):.3g}); the model "
+                    f"computes in float32")
+    return out
+
+
+def _file_kind(mode: int) -> str:
+    import stat
+    for test, name in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def check_input_file(path: str | os.PathLike, what: str) -> str:
+    """``path`` as a str if it names an existing regular file (symlinks followed); else
+    :class:`InputFileMissing` saying what it is: missing, a directory, or a FIFO / device /
+    socket (reading one would block or read nothing: never opened)."""
+    import stat
+    p = os.fspath(path)
+    try:
+        mode = os.stat(p).st_mode
+    except FileNotFoundError:
+        raise InputFileMissing(f"{what} {p}: no such file") from None
+    except OSError as e:
+        raise InputFileMissing(f"{what} {p}: cannot stat: {e.strerror or e}") from None
+    if stat.S_ISDIR(mode):
+        raise InputFileMissing(f"{what} {p}: is a directory, expected a .npy file")
+    if not stat.S_ISREG(mode):
+        raise InputFileMissing(f"{what} {p}: is a {_file_kind(mode)}, not a regular file")
+    return p
+
+
+def _size(n: int) -> str:
+    for unit, k in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << k:
+            return f"{n / (1 << k):.1f} {unit}"
+    return f"{n} bytes"
+
+
+def _too_many_files(e: OSError) -> bool:
+    import errno
+    return e.errno in (errno.EMFILE, errno.ENFILE)
 
 
 def load_npy(path: str | os.PathLike, what: str, *, error: type[Exception] = CheckError):
-    """``np.load(path)`` without pickles: a missing path or a directory is
-    :class:`InputFileMissing` (a usage error), an unreadable file ``error`` (a bad input)."""
+    """One array from the ``.npy`` file ``path``, without pickles. A missing path, a directory
+    or a non-regular file (a FIFO, ``/dev/null``) is :class:`InputFileMissing` (a usage error);
+    a file that does not hold one readable array is ``error`` (a bad input), checked before
+    anything is allocated: a zip (``.npz``) or broken zip, a header that is not numpy's, an
+    object dtype, or a header whose shape needs more bytes than the file has (a 242-byte file
+    claiming 64 TiB). Running out of file descriptors is re-raised as the OSError it is."""
     import numpy as np
-    p = os.fspath(path)
-    if not os.path.exists(p):
-        raise InputFileMissing(f"{what} {p}: no such file")
-    if os.path.isdir(p):
-        raise InputFileMissing(f"{what} {p}: is a directory, expected a .npy file")
+    from numpy.lib import format as npf
+    p = check_input_file(path, what)
+    size = os.path.getsize(p)
     try:
+        with open(p, "rb") as f:
+            head = f.read(6)
+            if head[:2] == b"PK":
+                raise error(f"{what} {p}: not a .npy array: a zip archive (an .npz holds "
+                            f"several arrays, or is broken); give one array saved by np.save")
+            f.seek(0)
+            try:
+                version = npf.read_magic(f)
+                if version == (1, 0):
+                    shape, fortran, dtype = npf.read_array_header_1_0(f)
+                else:
+                    shape, fortran, dtype = npf.read_array_header_2_0(f)
+            except (ValueError, EOFError, SyntaxError, TypeError) as e:
+                raise error(f"{what} {p}: not a .npy array (cannot read a .npy array: "
+                            f"{e})") from None
+            if dtype.hasobject:
+                raise error(f"{what} {p}: cannot read a .npy array: dtype {dtype} holds Python "
+                            f"objects (never unpickled)")
+            need = math.prod(shape) * dtype.itemsize
+            have = size - f.tell()
+            if need > have:
+                raise error(f"{what} {p}: cannot read a .npy array: its header claims shape "
+                            f"{list(shape)} {dtype} ({_size(need)}) but the file holds "
+                            f"{_size(max(have, 0))} of data")
         return np.load(p, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as e:
+    except OSError as e:
+        if _too_many_files(e):
+            raise
+        raise error(f"{what} {p}: cannot read a .npy array: {e.strerror or e}") from None
+    except (ValueError, EOFError) as e:
+        if isinstance(e, error):
+            raise
         raise error(f"{what} {p}: cannot read a .npy array: {e}") from None

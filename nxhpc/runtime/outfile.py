@@ -41,11 +41,13 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def check_output_path(path: str | os.PathLike, *, what: str = "output",
-                      inputs: Iterable[str | os.PathLike] = ()) -> Path:
+                      inputs: Iterable[str | os.PathLike] = (),
+                      model_files: Iterable[str | os.PathLike] = ()) -> Path:
     """Check, before the run, that ``path`` can be written as a result file; returns the path
     to write (symlinks followed). Raises :class:`OutputPathError` naming ``what`` and the reason:
     a directory, a missing directory, a directory that refuses a new file (read-only, no
-    permission), or the same file as one of ``inputs`` (hard and symbolic links resolved).
+    permission), or the same file as one of ``inputs`` or of ``model_files`` (the files of the
+    model the run opened; hard and symbolic links resolved).
     An existing non-regular file (``/dev/null``, a FIFO) and an existing path under /dev or
     /proc (``/dev/stdout``) are written in place if writable."""
     given = str(path)
@@ -59,6 +61,10 @@ def check_output_path(path: str | os.PathLike, *, what: str = "output",
         if src is not None and p.exists() and _same_file(given, str(src)):
             raise OutputPathError(f"{what} {given} is an input of this run ({src}); refusing "
                                   f"to overwrite it")
+    for src in model_files:
+        if src is not None and p.exists() and _same_file(given, str(src)):
+            raise OutputPathError(f"{what} {given} is an input of this run (a file of the "
+                                  f"model it opened: {src}); refusing to overwrite it")
     if _in_place(given):
         if p.exists() and not os.access(given, os.W_OK):
             raise OutputPathError(f"{what} {given}: not writable")
