@@ -73,7 +73,7 @@ EXIT_CODES = {
 
 
 def _fill(text: str) -> str:
-    return textwrap.fill(text, 92)
+    return textwrap.fill(text, 92, break_on_hyphens=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
