@@ -8,9 +8,10 @@ built; the clear "not built" error appears on first use of a kernel.
 
 Layout: ``runtime`` (shared-memory arena, worker pool, boundary checks), ``formats`` (GGUF,
 fixtures, block layouts), ``dit`` (config, block, stack runs, denoiser, sampler, references,
-grading), ``models`` (ids, model directories, synthetic models), ``train`` (Q16 tape, ring,
-DDP), ``cli`` (the one CLI layer); CLIs ``blockrun``, ``denoise``, ``sample``, ``models``,
-``ddp`` (each also a console command, and ``nxhpc <command>``).
+grading), ``qwen3`` (the Qwen3 text encoder: tokenizer, model, ``TextEncoder``), ``models``
+(ids, model directories, synthetic models), ``train`` (Q16 tape, ring, DDP), ``cli`` (the one
+CLI layer); CLIs ``blockrun``, ``denoise``, ``sample``, ``encode``, ``models``, ``ddp`` (each
+also a console command, and ``nxhpc <command>``).
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import os as _os
 
 __version__ = "0.1.0"
 
-__all__ = ["load_model", "load_denoiser", "load_vae", "cpu_features", "kernel_variants", "supported_isas",
-           "kernels", "__version__"]
+__all__ = ["load_model", "load_denoiser", "load_text_encoder", "load_vae", "cpu_features",
+           "kernel_variants", "supported_isas", "kernels", "__version__"]
 
 _KERNEL_FUNCS = ("cpu_features", "kernel_variants", "supported_isas")
 
@@ -55,6 +56,15 @@ def load_denoiser(*args, **kwargs):
 
 
 load_denoiser.__doc__ = _importlib.import_module("nxhpc.api").load_denoiser.__doc__
+
+
+def load_text_encoder(*args, **kwargs):
+    """Open Z-Image's Qwen3 text encoder (see :func:`nxhpc.api.load_text_encoder`)."""
+    from nxhpc.api import load_text_encoder as _load
+    return _load(*args, **kwargs)
+
+
+load_text_encoder.__doc__ = _importlib.import_module("nxhpc.api").load_text_encoder.__doc__
 
 
 def load_vae(*args, **kwargs):

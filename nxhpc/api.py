@@ -1,5 +1,6 @@
-"""Library entry points for downstream scripts: ``load_model``, ``load_denoiser`` and ``load_vae``
-(re-exported as ``nxhpc.load_model`` / ``nxhpc.load_denoiser`` / ``nxhpc.load_vae``).
+"""Library entry points for downstream scripts: ``load_model``, ``load_denoiser``,
+``load_text_encoder`` and ``load_vae`` (re-exported as ``nxhpc.load_model`` /
+``nxhpc.load_denoiser`` / ``nxhpc.load_text_encoder`` / ``nxhpc.load_vae``).
 
 Owns nothing but the public spelling: it delegates to ``nxhpc.models.open_model``; the returned
 model's ``block(i)`` is an ``nxhpc.dit.block.Block`` whose ``forward`` returns ``(output, timings)``.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["load_model", "load_denoiser", "load_vae"]
+__all__ = ["load_model", "load_denoiser", "load_text_encoder", "load_vae"]
 
 
 def load_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | None = None,
@@ -46,6 +47,27 @@ def load_denoiser(model: str | os.PathLike, *, workers: int | None = None,
     from nxhpc.models.registry import open_denoiser
     return open_denoiser(model, workers=workers, models_dir=models_dir, gguf_path=gguf_path,
                          **options)
+
+
+def load_text_encoder(path_or_id: str | os.PathLike, workers: int | None = None,
+                      precision: str = "f32", *, models_dir: str | os.PathLike | None = None,
+                      **options):
+    """Open Z-Image's text encoder (Qwen3): a llama.cpp-layout ``.gguf`` path (Qwen3-4B in
+    F16, BF16, Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q3_K; IQ types are refused naming the type), a
+    directory holding one, or a built-in id (``tiny-te``: generated on first use under
+    ``models_dir`` / ``$NXHPC_MODELS``). Returns an ``nxhpc.qwen3.encoder.TextEncoder``
+    (context manager): ``tokenize(prompt)`` -> ids (chat template, first 512),
+    ``encode(prompt)`` -> float32 ``[L, dim]`` caption features, ``config``, ``close()``.
+    ``options``: ``spawn``, ``stage_timeout``, ``max_tokens``, ``check_values``. Example::
+
+        with nxhpc.load_text_encoder("Qwen3-4B-Q8_0.gguf", workers=8) as te:
+            cap_feats = te.encode("a red fox in the snow")      # [L, 2560] float32
+        with nxhpc.load_denoiser("z_image_turbo-Q8_0.gguf", workers=8) as den:
+            r = den.forward(latents, t, cap_feats)
+    """
+    from nxhpc.models.registry import open_text_encoder
+    return open_text_encoder(path_or_id, workers=workers, precision=precision,
+                             models_dir=models_dir, **options)
 
 
 def load_vae(path_or_id: str | os.PathLike, *, workers: int | None = None,

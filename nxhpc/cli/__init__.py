@@ -5,8 +5,8 @@ table, the ``--help`` block of codes), :mod:`nxhpc.cli.args` (argparse types),
 :mod:`nxhpc.cli.frame` (:func:`~nxhpc.cli.frame.run_cli`: parse -> call under the signal
 frame -> code), :mod:`nxhpc.cli.report` (key=value / ``--json``, atomic saves, the verdict) and
 :mod:`nxhpc.cli.main` (the ``nxhpc <command>`` entry point). Every CLI module (``blockrun``,
-``denoise``, ``sample``, ``models``, ``ddp``) is parse -> call -> report on these and imports no
-private name of another CLI.
+``denoise``, ``sample``, ``encode``, ``models``, ``ddp``) is parse -> call -> report on these
+and imports no private name of another CLI.
 
 Importing this package first repairs one start-up trap (:func:`_repair_shadowed_package`): run
 from the directory that holds a checkout named ``nxhpc`` (``git clone ... nxhpc; pip install -e

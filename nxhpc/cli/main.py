@@ -21,6 +21,8 @@ COMMANDS = {
     "denoise": ("nxhpc.denoise", "one call of the whole Z-Image transformer from a GGUF"),
     "sample": ("nxhpc.sample", "the Z-Image-Turbo sampling loop (caption features -> latents "
                                "[-> PNG])"),
+    "encode": ("nxhpc.encode", "a prompt -> Z-Image's caption features (the Qwen3 text "
+                               "encoder from a GGUF)"),
     "decode": ("nxhpc.decode", "latents -> a PNG through the FLUX autoencoder's decoder"),
     "generate": ("nxhpc.generate", "a prompt -> a PNG: text encoder, Z-Image sampling, "
                                    "autoencoder"),

@@ -21,9 +21,10 @@ from nxhpc.cli.frame import run_cli
 from nxhpc.formats.weights import block_geometry
 from nxhpc.runtime.checks import check_input_file
 from nxhpc.models.modeldir import check_models_root, check_replaceable, write_failed
+from nxhpc.models.qwen3_files import TEXT_ENCODER_KIND
 from nxhpc.models.registry import (BUILTINS, DEFAULT_MODEL_ID, builtin_ids,
                                    builtin_current, builtin_spec, ensure_builtin, models_dir,
-                                   open_model, stderr_progress)
+                                   open_model, resolve_model, stderr_progress)
 from nxhpc.models.synthetic import SyntheticSpec, make_synthetic
 
 __all__ = ["main", "build_parser", "EXIT_CODES"]
@@ -73,6 +74,16 @@ def _cmd_list(args: argparse.Namespace) -> int:
               f"{f'{c.n_layers}+{c.n_noise_refiner}+{c.n_context_refiner}':>10} {c.cap_dim:>5} "
               f"{dspec.n_tokens:>6}  {dspec.layout:<13} {st}")
     print("zimage-dit-<N>l: real Z-Image dims with N = 1..30 main layers")
+    print(f"{'text encoder':<13} {'D':>5} {'heads':>7} {'FFN':>6} {'layers':>10} {'vocab':>5} "
+          f"{'ctx':>6}  types         status   (python -m nxhpc.encode)")
+    for mid in builtin_ids(TEXT_ENCODER_KIND):
+        tspec = BUILTINS[mid]
+        c = tspec.config()
+        st = "generated" if builtin_current(root / mid, tspec) else "generated on first use"
+        heads = f"{c.n_heads}/{c.n_kv_heads}x{c.head_dim}"
+        print(f"{mid:<13} {c.dim:>5} {heads:>7} {c.ffn:>6} "
+              f"{f'{c.n_layers} (runs {c.layers_needed})':>10} {c.vocab:>5} "
+              f"{c.context_length:>6}  {tspec.matrix_type:<13} {st}")
     print(f"{'autoencoder':<13} {'channels':<16} {'z':>3} {'dtype':>5}  status   "
           f"(python -m nxhpc.decode)")
     for mid in builtin_ids("vae"):
@@ -89,9 +100,41 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _describe_text_encoder(d: Path | None, gpath: Path) -> str | None:
+    """The report of a Qwen3 text-encoder GGUF (config from its metadata, checked against
+    every tensor; tensor types; the tokenizer), or None when the file is not a qwen3 one.
+    Reads metadata and shapes only (no kernels, no weights decoded)."""
+    from nxhpc.formats.gguf_io import GGUFFile
+    from nxhpc.qwen3.config import infer_config
+    from nxhpc.qwen3.tokenizer import Qwen3Tokenizer
+    with GGUFFile(gpath) as g:
+        if g.architecture != "qwen3":
+            return None
+        table = {n: (g.shape(n), g.type_name(n)) for n in g.names()}
+        cfg = infer_config(g.metadata, table, str(g.path))
+        tok = Qwen3Tokenizer.from_gguf(g)
+        by_type: dict[str, int] = {}
+        for n in g.names():
+            by_type[g.type_name(n)] = by_type.get(g.type_name(n), 0) + 1
+        types = ", ".join(f"{t} {n}" for t, n in sorted(by_type.items()))
+        size = gpath.stat().st_size / 1e6
+        return "\n".join([
+            f"model: {d if d is not None else '(no directory)'}",
+            f"text encoder: {cfg.summary()}",
+            f"  features    hidden_states[-2]: [L, {cfg.dim}] float32 (python -m nxhpc.encode)",
+            f"gguf: {g.path} ({size:.1f} MB), v{g.version}, arch 'qwen3', {len(g.names())} "
+            f"tensors ({types})",
+            f"tokenizer: {tok.vocab_size} tokens, {len(tok.special_ids)} special"])
+
+
 def _cmd_show(args: argparse.Namespace) -> int:
     if args.gguf is not None and os.path.exists(args.gguf):   # a FIFO, /dev/null: not "missing"
         check_input_file(args.gguf, "--gguf")
+    d, g = resolve_model(args.model, args.models_dir, args.gguf)
+    text = _describe_text_encoder(d, g) if g is not None else None
+    if text is not None:
+        print(text)
+        return 0
     with open_model(args.model, models_dir=args.models_dir, gguf_path=args.gguf) as m:
         print(m.describe())
     return 0
@@ -110,6 +153,13 @@ def _cmd_make(args: argparse.Namespace) -> int:
         custom["include_weights"] = args.weights
     say = stderr_progress(args.id)
     base = builtin_spec(args.id)
+    if base is not None and base.kind == TEXT_ENCODER_KIND:
+        if custom or args.out is not None:
+            raise UsageError(f"{args.id!r} is a built-in text encoder: it is generated as it "
+                             f"is (no custom fields, no --out)")
+        d = ensure_builtin(args.id, root, force=args.force, progress=say)
+        print(_describe_text_encoder(d, d / "model.gguf"))
+        return 0
     if base is not None and not custom and args.out is None:
         d = ensure_builtin(args.id, root, force=args.force, progress=say)
     else:                        # a built-in's spec with custom fields, or a new block model

@@ -1,14 +1,16 @@
 """Model ids: the built-in registry, the models directory, and resolving an id or path.
 
-Owns: :data:`BUILTINS`, the one table of built-in models (id -> its
-:class:`~nxhpc.models.synthetic.SyntheticSpec`, a block model or a whole denoiser: each spec's
-``kind`` says which; also ``zimage-dit-<N>l`` for N = 1..30 main layers), the models root
+Owns: :data:`BUILTINS`, the one table of built-in models (id -> its spec: a
+:class:`~nxhpc.models.synthetic.SyntheticSpec`, a block model or a whole denoiser, or a
+:class:`~nxhpc.models.qwen3_files.TextEncoderSpec`; each spec's ``kind`` says which; also
+``zimage-dit-<N>l`` for N = 1..30 main layers), the models root
 (``$NXHPC_MODELS`` or ``~/.cache/nxhpc/models``), generating a built-in on first use under a
 lock (and again when its fingerprint is stale), :func:`resolve_model` (id | directory |
 ``.gguf`` -> the directory and GGUF path) and :func:`open_model` (-> :class:`~nxhpc.models.model.
-Model`), :func:`open_denoiser` (-> ``nxhpc.dit.denoiser.Denoiser``) and :func:`open_vae` (->
-``nxhpc.vae.model.VaeDecoder``; the built-in autoencoders are
-a :class:`~nxhpc.models.vae_files.VaeSpec` each, kind ``"vae"``): the model code takes
+Model`), :func:`open_denoiser` (-> ``nxhpc.dit.denoiser.Denoiser``),
+:func:`open_text_encoder` (-> ``nxhpc.qwen3.encoder.TextEncoder``) and :func:`open_vae` (->
+``nxhpc.vae.model.VaeDecoder``; the built-in autoencoders are a
+:class:`~nxhpc.models.vae_files.VaeSpec` each, kind ``"vae"``): the model code takes
 files, never ids. Must not: run kernels.
 """
 from __future__ import annotations
@@ -27,17 +29,21 @@ from nxhpc.formats.gguf_io import GGUFFile, ModelError, ModelNotFoundError
 from nxhpc.models.model import Model
 from nxhpc.models.modeldir import (GGUF_FILE, SPEC_FILE, ModelsDirError, check_models_root,
                                    locked, write_failed)
+from nxhpc.models.qwen3_files import TEXT_ENCODER_KIND, TextEncoderSpec, make_text_encoder
 from nxhpc.models.synthetic import KINDS, SyntheticSpec, make_synthetic
 from nxhpc.models.vae_files import VAE_FILE, VAE_KIND, VaeSpec, make_vae_model
 
-__all__ = ["BUILTINS", "DEFAULT_MODEL_ID", "models_dir", "builtin_ids",
-           "ensure_builtin", "open_model", "open_denoiser", "resolve_model", "builtin_spec", "is_builtin",
-           "builtin_current", "stderr_progress", "open_vae", "resolve_vae", "VAE_KINDS"]
+__all__ = ["BUILTINS", "BUILTIN_KINDS", "DEFAULT_MODEL_ID", "models_dir", "builtin_ids",
+           "ensure_builtin", "open_model", "open_denoiser", "open_text_encoder",
+           "resolve_model", "builtin_spec", "is_builtin", "builtin_current", "stderr_progress",
+           "open_vae", "resolve_vae"]
 
-#: The kinds of built-in besides the DiT's (``synthetic.KINDS``): autoencoders.
-VAE_KINDS = (VAE_KIND,)
+#: The kinds of built-in: DiT block models, whole denoisers, text encoders, autoencoders.
+BUILTIN_KINDS = (*KINDS, TEXT_ENCODER_KIND, VAE_KIND)
+#: A built-in's spec: its ``kind`` says which generator writes it.
+BuiltinSpec = SyntheticSpec | TextEncoderSpec | VaeSpec
 
-BUILTINS: dict[str, SyntheticSpec | VaeSpec] = {
+BUILTINS: dict[str, BuiltinSpec] = {
     # --- block models (python -m nxhpc.blockrun)
     # README default: runs in well under a second; T=45 = 13 caption + 4x8 image tokens
     "tiny": SyntheticSpec(variant="zimage", dim=384, n_heads=6, n_layers=2, n_caption=13,
@@ -62,6 +68,13 @@ BUILTINS: dict[str, SyntheticSpec | VaeSpec] = {
                               n_caption=19, timestep=0.6, reference=True),
     # real Z-Image dims with 2 main layers (benchmarks): stored 512x512 inputs, no reference
     "zimage-dit-2l": SyntheticSpec.zimage_dit(2),
+    # --- text encoders (python -m nxhpc.encode)
+    # a Qwen3 of width 320 (tiny-dit's cap_dim: its features feed tiny-dit), 4 query / 2 kv
+    # heads of 64 (H*hd = 256 != D, as in Qwen3-4B), FFN 768, 3 blocks (2 run), the tiny
+    # vocab (582 ids, Qwen3's chat tokens), context 1024; every matrix Q8_0, norms F32
+    "tiny-te": TextEncoderSpec(dim=320, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=64,
+                               ffn=768, vocab=582, context_length=1024, matrix_type="Q8_0",
+                               seed=21),
     # --- autoencoders (python -m nxhpc.decode / generate)
     # FLUX-style decoder, small: channels 32/32/64/64, 3 ResNets a level, 32 groups, 16 latent
     # channels, one mid attention; F32 ae.safetensors in the BFL layout, random weights
@@ -72,8 +85,8 @@ DEFAULT_MODEL_ID = "tiny"
 ZIMAGE_DIT_ID = re.compile(r"zimage-dit-([1-9][0-9]?)l")
 
 
-def builtin_spec(model_id: str) -> SyntheticSpec | VaeSpec | None:
-    """The spec of a built-in id (block model or denoiser), or None."""
+def builtin_spec(model_id: str) -> BuiltinSpec | None:
+    """The spec of a built-in id (block model, denoiser, text encoder or autoencoder), or None."""
     if model_id in BUILTINS:
         return BUILTINS[model_id]
     m = ZIMAGE_DIT_ID.fullmatch(model_id)
@@ -87,10 +100,10 @@ def is_builtin(model_id: str) -> bool:
 
 
 def builtin_ids(kind: str | None = None) -> list[str]:
-    """The ids of :data:`BUILTINS` (of one ``kind``, ``"block"`` or ``"denoiser"``, if given)."""
-    if kind is not None and kind not in (*KINDS, *VAE_KINDS):
-        raise ValueError(f"builtin_ids: kind must be one of {(*KINDS, *VAE_KINDS)} or None, "
-                         f"got {kind!r}")
+    """The ids of :data:`BUILTINS` (of one ``kind`` of :data:`BUILTIN_KINDS`, if given)."""
+    if kind is not None and kind not in BUILTIN_KINDS:
+        raise ValueError(f"builtin_ids: kind must be one of {BUILTIN_KINDS} or None, got "
+                         f"{kind!r}")
     return [k for k, s in BUILTINS.items() if kind is None or s.kind == kind]
 
 
@@ -110,7 +123,7 @@ def models_dir() -> Path:
 _models_root = models_dir
 
 
-def builtin_current(d: Path, spec: SyntheticSpec) -> bool:
+def builtin_current(d: Path, spec: BuiltinSpec) -> bool:
     """Whether ``d`` holds the model ``spec`` generates (same fingerprint, GGUF present)."""
     try:
         info = json.loads((d / SPEC_FILE).read_text())
@@ -147,7 +160,8 @@ def ensure_builtin(model_id: str, root: Path | None = None, force: bool = False,
                 return d
             if progress is None and spec.weights_bytes_f32() > 256 << 20:
                 progress = stderr_progress(model_id)
-            make = make_vae_model if spec.kind == VAE_KIND else make_synthetic
+            make = {TEXT_ENCODER_KIND: make_text_encoder,
+                    VAE_KIND: make_vae_model}.get(spec.kind, make_synthetic)
             make(d, spec, progress=progress, replace=True)
     except FileExistsError as e:
         raise ModelError(f"{what}: {e}") from None
@@ -237,6 +251,47 @@ def open_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | No
     if g is None and fx is None:
         raise ModelNotFoundError(f"{d}: neither {GGUF_FILE} nor {FIXTURES_FILE} found")
     return Model(d, g, fx)
+
+
+def _one_gguf(d: Path) -> Path:
+    """The GGUF of a directory: its ``model.gguf``, else its only ``*.gguf`` file (a folder a
+    download went into); ModelNotFoundError naming them when there are none or several."""
+    if (d / GGUF_FILE).is_file():
+        return d / GGUF_FILE
+    found = sorted(p for p in d.glob("*.gguf") if p.is_file())
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise ModelNotFoundError(f"{d}: no .gguf file in this directory (a text encoder runs "
+                                 f"from a llama.cpp-layout Qwen3 GGUF)")
+    names = ", ".join(p.name for p in found[:6]) + (", ..." if len(found) > 6 else "")
+    raise ModelNotFoundError(f"{d}: {len(found)} .gguf files ({names}); give the path of the "
+                             f"one to use")
+
+
+def open_text_encoder(model: str | os.PathLike, *, workers: int | None = None,
+                      precision: str = "f32", models_dir: str | os.PathLike | None = None,
+                      gguf_path: str | os.PathLike | None = None, **options: Any) -> Any:
+    """Open a Qwen3 text encoder (``nxhpc.qwen3.encoder.TextEncoder``): a llama.cpp-layout
+    ``.gguf`` path, a directory holding one (its ``model.gguf``, else its only ``.gguf``), or
+    a built-in id (``tiny-te``: generated on first use under ``models_dir`` /
+    ``$NXHPC_MODELS``). ``gguf_path`` overrides the directory's file. ``workers``,
+    ``precision`` and ``options`` (``spawn``, ``stage_timeout``, ``max_tokens``,
+    ``check_values``) as for ``TextEncoder``. The id of a built-in of another kind (a DiT) is
+    refused before anything is generated. Raises ``ModelNotFoundError`` /
+    ``ModelFileError`` / ``MissingTensorError`` (all :class:`ModelError`)."""
+    from nxhpc.qwen3.encoder import TextEncoder
+    s = os.fspath(model)
+    spec = builtin_spec(s) if isinstance(s, str) else None
+    if spec is not None and spec.kind != TEXT_ENCODER_KIND and os.sep not in s \
+            and not Path(s).exists():
+        raise ModelNotFoundError(f"{s!r} is a built-in {spec.kind.replace('_', ' ')} model, "
+                                 f"not a text encoder (built-in text encoders: "
+                                 f"{', '.join(builtin_ids(TEXT_ENCODER_KIND))})")
+    d, g = resolve_model(model, models_dir, gguf_path)
+    if g is None:
+        g = _one_gguf(d)
+    return TextEncoder(g, workers=workers, precision=precision, directory=d, **options)
 
 
 def resolve_vae(model: str | os.PathLike, models_dir: str | os.PathLike | None = None) -> Path:

@@ -12,6 +12,9 @@ Owns, in the order the model reads (``docs/text_encoder.md``; facts in
   (embedding-row gather, 35 of the 36 blocks: RMSNorm, q/k-norm + rotate-half RoPE, causal
   grouped-query attention, SwiGLU), returning ``hidden_states[-2]`` (no final norm), the
   caption features the denoiser takes;
+- ``encoder``: :class:`~nxhpc.qwen3.encoder.TextEncoder` -- prompt in, features out (the
+  tokenizer and the model of one file, one worker pool reused, a lock for threads): what
+  ``nxhpc.load_text_encoder`` and ``python -m nxhpc.encode`` return and run;
 - oracles apart from the engine: ``reference`` (float64 numpy) and ``oracle`` (transformers'
   ``Qwen3Model`` wiring).
 
