@@ -14,7 +14,7 @@ import time
 
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
 from nxhpc.cli.codes import Exit, codes_epilog
-from nxhpc.cli.frame import run_cli
+from nxhpc.cli.frame import run_ranked
 from nxhpc.cli.report import emit_graded, fmt_value, save_npy
 from nxhpc.dit.grade import DEFAULT_TOL
 from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
@@ -126,19 +126,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (see ``--help``)."""
-    return run_cli(PROG, build_parser(), argv, _run)
+    return run_ranked(PROG, build_parser(), argv, _run)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, ranks=None) -> int:
+    """One run; under mpirun (``ranks``) every rank runs the slice's stages split across the
+    ranks (``nxhpc.nn.engine``) on its own copy of the model (checked to be the same files),
+    and rank 0 alone saves and reports."""
     from nxhpc.dit.stackrun import check_slice, run_stack
     from nxhpc.models import open_model
     if args.gguf_path is not None and os.path.exists(args.gguf_path):   # missing: exit 3
         # a FIFO or /dev/null is not "no such file"
         check_input_file(args.gguf_path, "gguf_path")
+    lead = ranks is None or ranks.rank == 0
+    if not lead:
+        args.save_output = None
     if args.save_output is not None:           # up front: not after the whole run
         check_output_path(args.save_output, what="--save-output")
     with open_model(args.model_id, models_dir=args.models_dir, gguf_path=args.gguf_path) as model:
         n_layers = check_slice(model, args.layers)
+        if ranks is not None:
+            from nxhpc.runtime.ranks import file_fingerprint
+            files = sorted(p.name for p in model.path.iterdir() if p.is_file()) \
+                if model.path and model.path.is_dir() else []
+            ranks.same("the model files (name, size, fingerprint)",
+                       [(n, *file_fingerprint(model.path / n)) for n in files]
+                       + ([file_fingerprint(args.gguf_path)] if args.gguf_path else []))
+            ranks.same("the arguments", (n_layers, args.precision, args.source, args.adaln,
+                                         args.eps, args.tol, args.repeat, args.json))
         if args.save_output is not None:       # never overwrite what this run reads
             gguf = model.gguf.path if model.gguf is not None else None
             check_output_path(args.save_output, what="--save-output",
@@ -147,7 +162,7 @@ def _run(args: argparse.Namespace) -> int:
         t_start = time.monotonic()
 
         def progress(row: dict, n: int) -> None:
-            if n < 2:
+            if n < 2 or not lead:
                 return
             el = time.monotonic() - t_start
             extra = (f", max_rel {row['max_rel']:.2e}" if row.get("max_rel") is not None
@@ -160,6 +175,10 @@ def _run(args: argparse.Namespace) -> int:
                         adaln=args.adaln, reference=args.reference_name, tol=args.tol,
                         stage_timeout=args.stage_timeout, repeat=args.repeat,
                         on_layer=progress)
+    if not lead:
+        return Exit.PASS
+    if ranks is not None:
+        res.report["ranks"] = ranks.size
     save = None
     bad = res.grade.non_finite
     if args.save_output is not None and not bad:    # a NaN/inf output is never written

@@ -5,6 +5,12 @@ Owns the CLI only: parse -> ``Denoiser.forward`` (``nxhpc.dit.denoiser``) -> gra
 (``nxhpc.dit.grade``) -> report. Exit codes, the signal frame, the argparse types, the ``.npy``
 input checks and the report writer are :mod:`nxhpc.cli`'s and :mod:`nxhpc.runtime.checks`'.
 Must not: compute anything of the model, define an exit code of its own, or import another CLI.
+
+Under ``mpirun -n R`` (``nxhpc.cli.frame.run_ranked``) every rank maps the model and runs its
+own workers; the call's stages are split across the ranks by the engine
+(``nxhpc.nn.engine``); rank 0 reads the inputs (broadcast to the others), grades, writes
+``--out`` and prints the one report, which then has ``ranks`` and each rank's bands. The ranks
+first check they run the same model file (size and fingerprint) and arguments.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ import numpy as np
 
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
 from nxhpc.cli.codes import Exit, InputError, UsageError, codes_epilog
-from nxhpc.cli.frame import run_cli
+from nxhpc.cli.frame import run_ranked
 from nxhpc.cli.report import emit_graded, save_npy
 from nxhpc.dit.grade import grade
 from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
@@ -141,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (see ``--help``)."""
-    return run_cli(PROG, build_parser(), argv, _run)
+    return run_ranked(PROG, build_parser(), argv, _run)
 
 
 def _load_npy(path: str, what: str) -> np.ndarray:
@@ -153,8 +159,18 @@ def _load_npy(path: str, what: str) -> np.ndarray:
     return a
 
 
-def _run(args: argparse.Namespace) -> int:
+#: Arguments every rank must agree on (paths may differ between machines; the model file is
+#: checked by its size and fingerprint instead).
+_SAME_ARGS = ("timestep", "precision", "tol", "repeat", "json")
+
+
+def _run(args: argparse.Namespace, ranks=None) -> int:
     from nxhpc.models.registry import open_denoiser
+
+    if ranks is not None:
+        ranks.same("the arguments " + ", ".join(_SAME_ARGS),
+                   tuple(getattr(args, a) for a in _SAME_ARGS))
+    lead = ranks is None or ranks.rank == 0          # reads inputs, writes outputs, reports
 
     given = [args.latents is not None, args.timestep is not None, args.cap_feats is not None]
     if any(given) and not all(given):
@@ -163,25 +179,30 @@ def _run(args: argparse.Namespace) -> int:
     if args.gguf is not None and os.path.exists(args.gguf):   # missing: not found (exit 3)
         check_input_file(args.gguf, "--gguf")   # a FIFO or /dev/null is not "no such file"
     out_path = None
-    if args.out is not None:
+    if args.out is not None and lead:
         inputs = [x for x in (args.latents, args.cap_feats, args.reference, args.gguf) if x]
         check_output_path(args.out, what="--out", inputs=inputs)
         out_path = args.out
     inputs = None
-    if all(given):
-        inputs = (_load_npy(args.latents, "--latents"), args.timestep,
-                  _load_npy(args.cap_feats, "--cap-feats"))
-    ref = _load_npy(args.reference, "--reference") if args.reference else None
-    if ref is not None and not np.isfinite(ref).all():
-        raise InputError(f"--reference {args.reference}: has NaN/inf values; a reference "
-                         f"must be finite")
+    ref = None
+    if lead:
+        if all(given):
+            inputs = (_load_npy(args.latents, "--latents"), args.timestep,
+                      _load_npy(args.cap_feats, "--cap-feats"))
+        ref = _load_npy(args.reference, "--reference") if args.reference else None
+        if ref is not None and not np.isfinite(ref).all():
+            raise InputError(f"--reference {args.reference}: has NaN/inf values; a reference "
+                             f"must be finite")
     with open_denoiser(args.model, workers=args.n_workers, models_dir=args.models_dir,
                        gguf_path=args.gguf, stage_timeout=args.stage_timeout,
                        precision=args.precision) as den:
         if out_path is not None:              # never overwrite a file of the opened model
             check_output_path(out_path, what="--out",
                               model_files=model_files(den.directory, den.gguf.path))
-        return _run_model(args, den, inputs, ref, out_path)
+        if ranks is not None:
+            from nxhpc.runtime.ranks import file_fingerprint
+            ranks.same("the model file (size, fingerprint)", file_fingerprint(den.gguf.path))
+        return _run_model(args, den, inputs, ref, out_path, ranks)
 
 
 def _stored(den):
@@ -196,15 +217,18 @@ def _stored(den):
     return read_denoiser_fixtures(f)
 
 
-def _run_model(args, den, inputs, ref, out_path) -> int:
+def _run_model(args, den, inputs, ref, out_path, ranks=None) -> int:
     from nxhpc.dit.denoiser import SEGMENTS, DenoiserInputError, NonFiniteOutputError
     cfg = den.config
     ref_name = args.reference
-    if inputs is None:
+    lead = ranks is None or ranks.rank == 0
+    if inputs is None and lead:
         fx = _stored(den)
         inputs = (fx.latents, fx.timestep, fx.cap_feats)
         if ref is None and fx.reference is not None:
             ref, ref_name = fx.reference, f"{fx.path.name}:reference"
+    if ranks is not None:                     # rank 0's inputs on every rank (startup only)
+        inputs = ranks.bcast(inputs, "the inputs from rank 0")
     lat, t, cap = inputs
     if ref is not None and ref.shape != lat.shape:
         raise InputError(f"reference {ref_name}: shape {list(ref.shape)} is not the latents' "
@@ -241,6 +265,10 @@ def _run_model(args, den, inputs, ref, out_path) -> int:
     bad = int(out.size - np.count_nonzero(np.isfinite(out)))
     if ref is None:                         # in every report: a grade prints its own
         report["non_finite"] = bad
+    if ranks is not None:
+        report.update(_rank_report(den, s, ranks))
+        if not lead:
+            return Exit.PASS
 
     g = None
     if ref is not None:
@@ -272,6 +300,21 @@ def _run_model(args, den, inputs, ref, out_path) -> int:
         print(f"{PROG}: error: {save_error}", file=sys.stderr, flush=True)
         return Exit.OUTPUT
     return Exit.FAIL if bad or (g is not None and not g.passed) else Exit.PASS
+
+
+def _rank_report(den, s, ranks) -> dict:
+    """``ranks``, each rank's bands of the main layers' split stages (rows: all, on every
+    rank) and rank 0's exchange: bytes received and time waited (the whole run)."""
+    eng = s.engine
+    bands = eng.rank_bands(s.plans["layers"], s.Np + s.Lp)
+    split = {"rank_qkv_columns": "qkv", "rank_heads": "sdpa", "rank_dim_columns": "out_proj",
+             "rank_ffn_columns": "w13"}
+    rep: dict = {"ranks": ranks.size}
+    rep.update({k: [list(b) for b in bands[v]] for k, v in split.items() if bands.get(v)})
+    rep["rank_rows"] = [[0, s.Np + s.Lp]] * ranks.size
+    rep["exchange_bytes"] = eng.exchange_bytes
+    rep["us_exchange"] = eng.exchange_us
+    return rep
 
 
 if __name__ == "__main__":

@@ -13,10 +13,17 @@ Sign and time: the denoiser returns the raw output r in the diffusers convention
 sigma, r ~ x0 - noise, not negated); step i is ``x += (sigma_i - sigma_{i+1}) * r_i``, which is
 diffusers' ``ZImagePipeline`` + ``FlowMatchEulerDiscreteScheduler(shift=3.0,
 use_dynamic_shifting=False)`` without classifier-free guidance.
+
+Several seeds (``--seeds A,B,...``, ``--out`` naming ``{seed}``): one image per seed; under
+``mpirun -n R`` each rank samples whole images of its own (seed band ``[r*n//R, (r+1)*n//R)``,
+no exchange) and rank 0 gathers and writes them all and prints the one report. One seed under
+``mpirun``: each call is split across the ranks (``nxhpc.nn.engine``), rank 0 writes. Either
+way every image has the bytes a single process makes.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import textwrap
@@ -26,7 +33,7 @@ import numpy as np
 
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
 from nxhpc.cli.codes import Exit, NotFound, OutputError, UsageError, codes_epilog
-from nxhpc.cli.frame import run_cli
+from nxhpc.cli.frame import run_ranked
 from nxhpc.cli.report import fmt_compact, print_json, print_kv, save_bytes
 from nxhpc.dit.sampler import (MAX_STEPS, SampleInputError, check_cap_feats, check_noise,
                                decode_png,
@@ -104,10 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--seed", type=types.seed, default=None,
                      help="seed for the starting noise (default 0)")
+    src.add_argument("--seeds", type=_seed_list, default=None, metavar="A,B,...",
+                     help="one image per seed (--out must contain {seed}); under mpirun each "
+                          "rank samples whole images, rank 0 writes them all")
     src.add_argument("--noise", metavar="N.npy", default=None,
                      help="start from this float [16, PX/8, PX/8] noise instead of drawing it")
     p.add_argument("--out", required=True, metavar="LATENTS.npy",
-                   help="where the final latents go (float32 .npy, written atomically)")
+                   help="where the final latents go (float32 .npy, written atomically; with "
+                        "--seeds a pattern with {seed}, e.g. out/lat_{seed}.npy)")
     p.add_argument("--decode", metavar="VAE_DIR", default=None,
                    help="a diffusers AutoencoderKL directory (the FLUX VAE) to decode with; "
                         "needs torch and diffusers (pip install 'nxhpc[diffusers]')")
@@ -122,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _seed_list(text: str) -> list[int]:
+    """Comma-separated distinct seeds (integers >= 0)."""
+    vals = [types.seed(v) for v in text.split(",")]
+    if len(set(vals)) != len(vals):
+        raise argparse.ArgumentTypeError(f"seeds must be distinct, got {text!r}")
+    return vals
+
+
 def _open_denoiser(model: str, *, workers: int, models_dir: str | None):
     """The one place the CLI opens the model (tests may stand in for it)."""
     from nxhpc.models.registry import open_denoiser
@@ -130,7 +149,7 @@ def _open_denoiser(model: str, *, workers: int, models_dir: str | None):
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (see ``--help``). n_workers may follow the options."""
-    return run_cli(PROG, build_parser(), argv, _run, intermixed=True)
+    return run_ranked(PROG, build_parser(), argv, _run, intermixed=True)
 
 
 def _check_args(args) -> tuple[int, tuple[int, int] | None]:
@@ -165,6 +184,13 @@ def _check_args(args) -> tuple[int, tuple[int, int] | None]:
     if os.path.isfile(args.model):
         inputs.append(args.model)
     outs = [("--out", args.out)] + ([("--png", args.png)] if args.png else [])
+    if args.seeds is not None:
+        if "{seed}" not in args.out:
+            raise UsageError(f"--seeds needs an --out pattern with {{seed}} (one file per seed), "
+                             f"got {args.out!r}")
+        if args.png is not None:
+            raise UsageError("--seeds writes latents only: decode them one by one (no --png)")
+        outs = [("--out", args.out.replace("{seed}", str(v))) for v in args.seeds]
     if len(outs) == 2 and os.path.realpath(args.out) == os.path.realpath(args.png):
         raise UsageError(f"--out and --png are the same file ({args.out})")
     for what, path in outs:
@@ -215,17 +241,50 @@ class _Progress:
             self.bar.close()
 
 
-def _run(args) -> int:
+def _sample_one(den, cap, noise, args, progress_on: bool) -> tuple:
+    """One image: (latents, seconds per step, the last step's timings, total seconds)."""
+    step_s: list[float] = []
+    step_timings: list[dict] = []
+    progress = _Progress(args.steps, progress_on)
+
+    def on_step(i, n, seconds):
+        step_s.append(seconds)
+        step_timings.append(dict(getattr(den, "last_timings", None) or {}))
+        progress(i, n, seconds)
+
+    t0 = time.perf_counter()
+    try:
+        lat = sample(den, cap, noise, steps=args.steps, shift=args.shift, on_step=on_step)
+    finally:
+        progress.close()
+    return lat, step_s, step_timings[-1] if step_timings else {}, time.perf_counter() - t0
+
+
+def _run(args, ranks=None) -> int:
     workers, px = _check_args(args)
-    cap_raw = load_npy(args.cap_feats, "--cap-feats", error=SampleInputError)
-    noise_raw = load_npy(args.noise, "--noise", error=SampleInputError) \
-        if args.noise is not None else None
-    seed = None if noise_raw is not None else (0 if args.seed is None else args.seed)
+    lead = ranks is None or ranks.rank == 0        # reads inputs, writes outputs, reports
+    if ranks is not None:
+        ranks.same("the arguments (steps, shift, size, seeds, json)",
+                   (args.steps, args.shift, args.height, args.width, args.seed, args.seeds,
+                    args.json, args.noise is not None))
+    cap_raw = noise_raw = None
+    if lead:
+        cap_raw = load_npy(args.cap_feats, "--cap-feats", error=SampleInputError)
+        noise_raw = load_npy(args.noise, "--noise", error=SampleInputError) \
+            if args.noise is not None else None
+    if ranks is not None:                     # rank 0's inputs on every rank (startup only)
+        cap_raw, noise_raw = ranks.bcast((cap_raw, noise_raw), "the inputs from rank 0")
+    seed = None if noise_raw is not None or args.seeds is not None else \
+        (0 if args.seed is None else args.seed)
+    seeds = args.seeds if args.seeds is not None else [seed]
 
     t_open = time.perf_counter()
     with _open_denoiser(args.model, workers=workers, models_dir=args.models_dir) as den:
         _protect_model_files(args, den)
         cfg = den.config
+        if ranks is not None:
+            from nxhpc.runtime.ranks import file_fingerprint
+            ranks.same("the model file (size, fingerprint)", file_fingerprint(den.gguf.path))
         try:
             cap = check_cap_feats(cap_raw, cfg)
         except SampleInputError as e:
@@ -237,27 +296,29 @@ def _run(args) -> int:
             except SampleInputError as e:
                 raise SampleInputError(f"--noise {args.noise}: {e}") from None
         else:
-            noise = initial_noise(seed, shape)
+            noise = initial_noise(seeds[0], shape)
         height, width = noise.shape[1] * 8, noise.shape[2] * 8
         open_s = time.perf_counter() - t_open
+        progress_on = not args.no_progress and lead
+        if args.seeds is None:                  # one image (split across ranks under mpirun)
+            runs = {seed: _sample_one(den, cap, noise, args, progress_on)}
+        else:                                   # whole images, a band of the seeds per rank
+            from nxhpc.runtime import ranks as _ranks
+            lo, hi = (0, len(seeds)) if ranks is None else ranks.band(len(seeds))
+            with _ranks.alone() if ranks is not None else contextlib.nullcontext():
+                runs = {v: _sample_one(den, cap, initial_noise(v, shape), args, progress_on)
+                        for v in seeds[lo:hi]}
+    owner = {v: 0 for v in seeds}
+    if ranks is not None and args.seeds is not None:
+        got = ranks.allgather(runs, "the images to rank 0")
+        runs = {}
+        for r, part in enumerate(got):
+            runs.update(part)
+            owner.update({v: r for v in part})
+    if not lead:
+        return Exit.PASS
 
-        step_s: list[float] = []
-        step_timings: list[dict] = []
-
-        progress = _Progress(args.steps, not args.no_progress)
-
-        def on_step(i, n, seconds):
-            step_s.append(seconds)
-            step_timings.append(dict(getattr(den, "last_timings", None) or {}))
-            progress(i, n, seconds)
-
-        t0 = time.perf_counter()
-        try:
-            lat = sample(den, cap, noise, steps=args.steps, shift=args.shift, on_step=on_step)
-        finally:
-            progress.close()
-        total_s = time.perf_counter() - t0
-
+    lat, step_s, last, total_s = runs[seeds[0]]
     report = {"model": args.model, "config": cfg.summary() if hasattr(cfg, "summary") else None,
               "workers": workers, "height": height, "width": width,
               "latent_shape": list(lat.shape), "caption_tokens": int(cap.shape[0]),
@@ -269,12 +330,21 @@ def _run(args) -> int:
               "latents_mean": float(lat.mean()), "latents_std": float(lat.std()),
               "non_finite": int(lat.size - np.count_nonzero(np.isfinite(lat))),
               "out": str(args.out), "png": None}
-    if step_timings and step_timings[-1]:
-        report["last_step_timings"] = step_timings[-1]
-    error = save_bytes(args.out, lambda f: np.save(f, lat.astype(np.float32, copy=False)),
-                       "--out", "the latents")
-    if error:
-        raise OutputError(error)
+    if ranks is not None:
+        report["ranks"] = ranks.size
+    if args.seeds is not None:
+        report["seeds"] = seeds
+        report["outs"] = [args.out.replace("{seed}", str(v)) for v in seeds]
+        report["rank_of_seed"] = [owner[v] for v in seeds]
+        report["total_s_per_seed"] = [round(runs[v][3], 6) for v in seeds]
+    if last:
+        report["last_step_timings"] = last
+    for v, path in zip(seeds, report.get("outs", [args.out])):
+        img = runs[v][0]
+        error = save_bytes(path, lambda f, a=img: np.save(f, a.astype(np.float32, copy=False)),
+                           "--out", "the latents")
+        if error:
+            raise OutputError(error)
     if args.decode is not None:
         t1 = time.perf_counter()
         try:

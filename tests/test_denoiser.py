@@ -290,6 +290,66 @@ def test_engine_reused_across_calls_and_two_layouts_kept(dens, inputs, outputs):
     assert s.engine.closed and not any(alive(p) for p in pids)
 
 
+def test_one_denoiser_from_several_threads_gives_each_caller_its_own_output(dens, inputs,
+                                                                            outputs):
+    """One Denoiser shared by threads (a web server's pipeline): calls are serialized, so each
+    thread gets exactly the output of its own inputs, also across two token layouts (which
+    replace each other's engines when a third comes). Before: forward filled the arena and
+    then issued ~30 engine calls with nothing ordering two callers (79 of 80 wrong)."""
+    import threading
+    lat, cap = inputs
+    d = dens["comfyui-q8_0"]
+    jobs = [(lat, t, cap) for t in TIMES] + [(lat[:, :8], 0.5, cap[:5])]
+    want = [d.forward(*j) for j in jobs]
+    got: dict[tuple[int, int], np.ndarray] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def caller(n: int) -> None:
+        try:
+            start.wait()
+            for r in range(3):
+                for i in range(len(jobs)):
+                    k = (i + n) % len(jobs)
+                    got[(n, r * len(jobs) + k)] = (k, d.forward(*jobs[k]))
+        except BaseException as e:          # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(n,)) for n in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=600)
+    assert not errors, errors
+    assert len(got) == 4 * 3 * len(jobs)
+    wrong = [key for key, (k, out) in got.items() if not np.array_equal(out, want[k])]
+    assert not wrong, f"{len(wrong)} of {len(got)} outputs are another call's or corrupt"
+
+
+def test_forked_child_is_refused_before_any_lock_or_buffer(dens, inputs, outputs):
+    """A forked child calling an inherited Denoiser gets a clear RuntimeError at once -- no
+    hang on a lock a parent thread held at the fork, no write into the parent's arena -- and
+    its close() leaves the parent's workers and arena alone. Before: the pool lock was taken
+    before the owner check (a hang), and children wrote into the parent's arena."""
+    lat, cap = inputs
+    d = dens["comfyui-q8_0"]
+    d.forward(lat, 0.5, cap)                                   # a session exists
+    pid = os.fork()
+    if pid == 0:                                               # the child
+        code = 3
+        try:
+            d.forward(lat, 0.5, cap)
+        except RuntimeError as e:
+            code = 0 if "forked child must open its own" in str(e) else 4
+        except BaseException:
+            code = 5
+        d.close()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert_bitwise(d.forward(lat, 0.5, cap), outputs[("comfyui-q8_0", 0.5)], "parent after")
+
+
 def test_close_releases_everything(cases, inputs):
     lat, cap = inputs
     d = open_denoiser(cases["sdcpp-q8_0"].path, workers=3)

@@ -98,6 +98,9 @@ _TABLE: tuple[tuple[str, str, Exit], ...] = (
     ("nxhpc.train.ddp", "DDPWorkerError", Exit.WORKER),
     ("nxhpc.train.ddp", "DDPTimeoutError", Exit.WORKER),
     ("nxhpc.runtime.shm", "ShmSpaceError", Exit.SHM),
+    ("nxhpc.runtime.ranks", "RankMismatchError", Exit.BAD_INPUT),
+    ("nxhpc.runtime.ranks", "ExchangeTimeoutError", Exit.WORKER),
+    ("nxhpc.runtime.ranks", "RankFailedError", Exit.WORKER),
 )
 
 

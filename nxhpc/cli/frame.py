@@ -5,11 +5,14 @@ Owns :func:`run_cli`: argparse's exits (``--help`` 0, usage 2) returned, not rai
 that C code turned into another exception still exits as the interrupt); an expected library
 exception -> its code from :func:`nxhpc.cli.codes.code_for` with one ``PROG: error: ...`` line;
 anything else -> a traceback and 70; the shared-memory registry swept on every path.
+:func:`run_ranked` is the same frame for a command that may run as several MPI ranks
+(``mpirun -n R``): one error, one exit code on every rank (:mod:`nxhpc.runtime.ranks`).
 Must not: parse arguments of its own, print reports, or import the compiled kernels.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -18,7 +21,7 @@ from typing import Any
 from nxhpc.cli.codes import Exit, code_for, too_many_open_files
 from nxhpc.runtime.proc import Terminated, cli_signals
 
-__all__ = ["run_cli", "error_printer"]
+__all__ = ["run_cli", "run_ranked", "error_printer"]
 
 
 def error_printer(prog: str) -> Callable[[str], None]:
@@ -30,15 +33,19 @@ def error_printer(prog: str) -> Callable[[str], None]:
 
 def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None,
             call: Callable[[argparse.Namespace], int], *, intermixed: bool = False,
-            describe: Callable[[BaseException, Exit], str] | None = None) -> int:
+            describe: Callable[[BaseException, Exit], str] | None = None,
+            ranks: Any = None) -> int:
     """``call(args)`` for the parsed ``argv``, returning the exit code (see the module
     docstring). ``describe(e, code)`` words an expected failure (default ``str(e)``; a worker
-    failure is prefixed ``worker failure:``)."""
+    failure is prefixed ``worker failure:``). ``ranks``: the MPI world (see
+    :func:`run_ranked`)."""
     try:
         args = parser.parse_intermixed_args(argv) if intermixed else parser.parse_args(argv)
     except SystemExit as e:                   # argparse: --help -> 0, usage errors -> 2
         return int(e.code or 0) if not isinstance(e.code, str) else Exit.USAGE
     err = error_printer(prog)
+    if ranks is not None:
+        err = _ranked_printer(prog, ranks, err)
     with cli_signals() as sig:
         try:
             try:
@@ -47,6 +54,8 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
                 interrupt = sig.interrupt()
                 if interrupt is not None:  # a Ctrl-C that C code (numpy's tofile) turned into e
                     raise interrupt from e
+                if ranks is not None:
+                    return _ranked_failure(e, ranks, err, describe)
                 known = code_for(e)
                 if known is None:
                     traceback.print_exc()
@@ -83,6 +92,80 @@ def _open_files_text(e: OSError) -> str:
     return (f"too many open files ({e.strerror or e}): the limit on open files (ulimit -n) is "
             f"{limit}; each worker takes two pipes -- raise it (e.g. ulimit -n 4096) or run "
             f"fewer workers")
+
+
+def _ranked_printer(prog: str, ranks: Any, err: Callable[[str], None]) -> Callable[[str], None]:
+    """``err`` of a rank: a signal's line from rank 0 only (every rank got the signal)."""
+    def ranked_err(msg: str) -> None:
+        if msg.startswith("terminated"):
+            if ranks.rank == 0:
+                err(f"{ranks.label}: terminated (SIGTERM: mpirun ends every rank when one dies "
+                    f"or the job is cancelled); workers stopped, shared memory released")
+        elif ranks.rank == 0 or not msg.startswith("interrupted"):
+            err(msg)
+    return ranked_err
+
+
+def _ranked_failure(e: Exception, ranks: Any, err: Callable[[str], None],
+                    describe: Callable[[BaseException, Exit], str] | None) -> int:
+    """The code of a rank's failure: a peer's (nothing printed; acknowledged), a failure
+    every rank saw at once (printed by rank 0), or this rank's own (printed here, naming the
+    rank, then sent to every peer)."""
+    from nxhpc.runtime.ranks import RankFailedError
+    if isinstance(e, RankFailedError):
+        ranks.acknowledge(e)
+        return int(e.code)
+    known = code_for(e)
+    if known is None:
+        traceback.print_exc()
+        msg = f"internal error: {type(e).__name__}: {e} (see the traceback above)"
+        known = Exit.INTERNAL
+    elif describe is not None:
+        msg = describe(e, known)
+    else:
+        own = known == Exit.WORKER and type(e).__module__ != "nxhpc.runtime.ranks"
+        msg = f"worker failure: {e}" if own else str(e)
+    if getattr(e, "collective", False):
+        if ranks.rank == 0:
+            err(msg)
+        return int(known)
+    msg = f"{ranks.label}: {msg}"
+    err(msg)
+    ranks.fail(int(known), msg)
+    return int(known)
+
+
+def run_ranked(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None,
+               call: Callable[[argparse.Namespace, Any], int], **options: Any) -> int:
+    """:func:`run_cli` of ``call(args, ranks)`` for a command that may run as MPI ranks.
+
+    One rank (no MPI launcher): exactly ``run_cli`` with ``ranks`` None, and mpi4py is never
+    imported. Several: ``ranks`` is the :class:`~nxhpc.runtime.ranks.Ranks` world; the exit
+    code is rank 0's on every rank; a rank's failure is printed once (by that rank, naming
+    it) and every other rank exits with its code, printing nothing; a signal's line comes
+    from rank 0. A failed rank leaves with ``os._exit`` (its peers may be gone: MPI_Finalize
+    could wait for them forever), after the frame released its workers and arena."""
+    from nxhpc.runtime import ranks as _ranks
+    if not _ranks.mpi_launched():
+        return run_cli(prog, parser, argv, lambda args: call(args, None), **options)
+    try:
+        world = _ranks.init_world()
+    except ImportError as e:
+        error_printer(prog)(str(e))
+        return int(Exit.USAGE)
+    if world is None:
+        return run_cli(prog, parser, argv, lambda args: call(args, None), **options)
+
+    def ranked_call(args: argparse.Namespace) -> int:
+        code = int(call(args, world))
+        return int(world.bcast(code, "the exit code"))
+
+    code = run_cli(prog, parser, argv, ranked_call, ranks=world, **options)
+    if world.failed or code not in (Exit.PASS, Exit.FAIL, Exit.USAGE):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _cleanup() -> None:

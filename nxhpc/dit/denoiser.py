@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -302,6 +303,10 @@ class Denoiser:
         # alternates two caption lengths, and each must keep its workers and arena
         self._sessions: list[_Session] = []
         self.last_timings: dict[str, int] = {}
+        # one call at a time: forward fills arena buffers, then issues many engine calls, and
+        # session() replaces engines; a second thread must wait (a web server's pipeline)
+        self._lock = threading.RLock()
+        self._owner = os.getpid()
         self.kernels = nxhpc.kernels()
         self.gguf = GGUFFile(gguf_path)
         try:
@@ -364,9 +369,22 @@ class Denoiser:
         """The most recently used layout's engine (None before the first call)."""
         return self._sessions[-1] if self._sessions else None
 
+    def _check_owner(self, what: str) -> None:
+        """Refuse use from a forked child before any lock or buffer is touched: the arena and
+        the workers are the parent's (a lock held by a parent thread at the fork would never
+        be released in the child)."""
+        if os.getpid() != self._owner:
+            raise RuntimeError(f"Denoiser.{what}: this Denoiser belongs to process "
+                               f"{self._owner}; a forked child must open its own")
+
     def session(self, H: int, W: int, L: int) -> _Session:
         """The engine serving latents ``[C, H, W]`` with ``L`` caption rows (built on first use;
         the :attr:`MAX_LAYOUTS` most recently used layouts are kept, older ones closed)."""
+        self._check_owner("session")
+        with self._lock:
+            return self._session_for(H, W, L)
+
+    def _session_for(self, H: int, W: int, L: int) -> _Session:
         if self.gguf is None:
             raise RuntimeError("Denoiser: closed")
         for s in self._sessions:
@@ -390,7 +408,13 @@ class Denoiser:
         the input's shape (diffusers convention: not negated). DenoiserInputError for inputs
         that do not fit the model (nothing runs); NonFiniteOutputError
         (``nxhpc.runtime.checks``: ``count``, ``size``, ``output``) when finite inputs give a
-        NaN/inf output (an overflow inside the model), never the NaN array itself."""
+        NaN/inf output (an overflow inside the model), never the NaN array itself.
+        Thread-safe: calls from several threads are serialized (one runs at a time)."""
+        self._check_owner("forward")
+        with self._lock:
+            return self._forward(latents, t, cap_feats)
+
+    def _forward(self, latents: Any, t: float, cap_feats: Any) -> np.ndarray:
         lat, in_shape = self._latents(latents)
         cap = self._caption(cap_feats)
         t = self._timestep(t)
@@ -398,7 +422,7 @@ class Denoiser:
         cfg, w, k = self.config, self.weights, self.kernels
         C, H, W = lat.shape
         L = cap.shape[0]
-        s = self.session(H, W, L)
+        s = self._session_for(H, W, L)
         eng = s.engine
         n_img, Np = s.n_img, s.Np
         u, pe = eng.buffer("u"), eng.buffer("pe")
@@ -487,7 +511,13 @@ class Denoiser:
     def close(self) -> None:
         """Stop the workers, release the arena and the map: the GGUFFile and every weight view
         of it are dropped, so the file is unmapped here, not when the object is collected.
-        Idempotent."""
+        Idempotent; waits for a call running in another thread."""
+        if os.getpid() != self._owner:       # a forked child: the parent's to close
+            return
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         sessions, self._sessions = self._sessions, []
         try:
             for s in sessions:

@@ -57,7 +57,7 @@ from nxhpc.dit.binding import LayerWeights
 from nxhpc.dit.config import BLOCK_STACKS, BlockConfig, block_label, block_view
 from nxhpc.nn import engine as _engine
 from nxhpc.nn.checks import EPS_RANGE, check_eps, finite_vector, narrow_finite
-from nxhpc.nn.engine import IOSpec, Plan, Stage, serialized
+from nxhpc.nn.engine import Gather, IOSpec, Plan, Stage, serialized
 from nxhpc.nn.linear import DEFAULT_PRECISION, adaln_linear, check_precision, matmul
 from nxhpc.nn.residual import UNIT_GATE
 
@@ -167,6 +167,33 @@ def stage_table(stages: Iterable[Stage] = STAGES) -> str:
     return _engine.stage_table(stages, {k: v[0] for k, v in EXTENTS.items()})
 
 
+def _cols(name: str, width: Callable[[BlockConfig], int], unit: int | None = None
+          ) -> Callable[[BlockConfig, int], tuple[Gather, ...]]:
+    """A stage split by columns of ``name`` [T, width] (``unit`` columns per extent index)."""
+    return lambda cfg, T: (Gather(name, (T, width(cfg)), 1, 0,
+                                  cfg.head_dim if unit is None else unit),)
+
+
+def _whole(cfg: BlockConfig, T: int) -> None:
+    return None
+
+
+#: stage name -> its split across MPI ranks (None: whole on every rank; see BlockPlan.split)
+_SPLITS: dict[str, Callable[[BlockConfig, int], tuple[Gather, ...] | None]] = {
+    "norm1": _whole,
+    "qkv": _cols("qkv", lambda c: c.qkv_width, 1),
+    "qknorm_rope": _whole,
+    "sdpa": _cols("attn", lambda c: c.n_heads * c.head_dim),
+    "out_proj": _cols("atto", lambda c: c.dim, 1),
+    "attn_tail": _whole,
+    "ffn_norm": _whole,
+    "w13": lambda cfg, T: (Gather("f1", (T, cfg.ffn_dim), 1), Gather("f3", (T, cfg.ffn_dim), 1)),
+    "swiglu": _whole,
+    "w2": _cols("f2", lambda c: c.dim, 1),
+    "ffn_tail": _whole,
+}
+
+
 def _scratch(cfg: BlockConfig, T: int) -> dict[str, tuple[int, ...]]:
     """Scratch buffer shapes of one block run at ``T`` tokens."""
     D, H, KVH, hd, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
@@ -214,6 +241,14 @@ class BlockPlan(Plan):
     def scratch(self, T: int) -> dict[str, tuple[int, ...]]:
         """Scratch buffer shapes for a run at ``T`` tokens."""
         return _scratch(self.config, T)
+
+    def split(self, stage: Stage, T: int) -> tuple[Gather, ...] | None:
+        """Across MPI ranks: the projections (by columns) and attention (by query heads) are
+        split, each followed by a gather of what it wrote; the norms, RoPE, SwiGLU and the
+        residual tails (O(T*D) element-wise work, cheaper to repeat than to exchange) run whole
+        on every rank. Per block that exchanges ``qkv``, ``attn``, ``atto``, ``f1``, ``f3`` and
+        ``f2``: ``T * (qkv_width + H*hd + 2*D + 2*F)`` floats (``benchmarks/README.md``)."""
+        return _SPLITS.get(stage.name, _whole)(self.config, T)
 
     def tensor_names(self, index: int, *, model_prefix: bool = False) -> dict[str, str]:
         """Short name -> tensor name of block ``prefix.index`` of this kind."""

@@ -17,6 +17,17 @@ sizing, and sends the workers one small hashable tuple per stage (the "wire"); a
 it into the plan's context once (cached) and runs the stage's task on its band
 ``[i*m//n, (i+1)*m//n)``. Every kernel is band-invariant, so a plan whose tasks only call
 kernels gives bit-identical outputs for every worker count.
+
+Ranks. Under ``mpirun -n R`` (:func:`nxhpc.runtime.ranks.init_world` called by the CLI) every
+rank maps the weights and builds its own engine, arena and pool; a stage its plan splits across
+ranks (:meth:`Plan.split` returns the :class:`Gather` regions it writes) runs rank ``r``'s band
+``[r*m//R, (r+1)*m//R)`` of its extent, split again over that rank's W workers, and after it
+the ranks gather those regions into every rank's copy of the buffers (in-place ``Allgatherv``
+of row bands, or of column bands packed through a scratch); a stage the plan does not split
+(:meth:`Plan.split` returns None: the default, so any plan is correct under mpirun) runs whole
+on every rank, with no exchange. The bands are the same bands, so the bits are those of one
+process with any W. Extra tasks (:meth:`Engine.run_task`) run whole on every rank. With one
+rank (no launcher, ``ranks=False``) nothing of this runs and MPI is never imported.
 """
 from __future__ import annotations
 
@@ -32,10 +43,11 @@ import numpy as np
 
 import nxhpc
 from nxhpc.nn.linear import check_runnable
+from nxhpc.runtime import ranks as _ranks
 from nxhpc.runtime.shm import SharedArena
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerPool, check_timeout
 
-__all__ = ["Stage", "Plan", "Engine", "RunContext", "BufRef", "IOSpec", "TOTAL_KEY",
+__all__ = ["Stage", "Plan", "Engine", "RunContext", "BufRef", "IOSpec", "Gather", "TOTAL_KEY",
            "timing_keys", "stage_table", "serialized"]
 
 #: The timing key of a whole plan run (every stage), after the stages' own keys.
@@ -58,6 +70,25 @@ class IOSpec(NamedTuple):
     shape: tuple[int, ...]
     dtype: Any = np.float32
     optional: bool = False
+
+
+class Gather(NamedTuple):
+    """What a stage split across ranks wrote, to be gathered after it: buffer ``name`` (an io
+    name of the run or a scratch name) viewed as ``shape`` ``[rows, cols]`` (C order), where
+    band ``[lo, hi)`` of the stage's extent wrote indices ``[offset + lo*unit, offset +
+    hi*unit)`` of ``axis`` (0: rows, 1: columns), clipped to ``[0, shape[axis])``."""
+    name: str
+    shape: tuple[int, int]
+    axis: int = 0
+    offset: int = 0
+    unit: int = 1
+
+    def bounds(self, band: tuple[int, int]) -> tuple[int, int]:
+        """The index range of ``axis`` that stage band ``band`` wrote."""
+        n = self.shape[self.axis]
+        a = min(n, max(0, self.offset + band[0] * self.unit))
+        b = min(n, max(0, self.offset + band[1] * self.unit))
+        return a, max(a, b)
 
 
 class BufRef(NamedTuple):
@@ -125,6 +156,14 @@ class Plan:
         """Scratch buffer shapes (float32) of a run at ``T`` tokens."""
         raise NotImplementedError
 
+    def split(self, stage: Stage, T: int) -> tuple[Gather, ...] | None:
+        """How ``stage`` runs across MPI ranks at ``T`` tokens: None (the default) -- whole on
+        every rank, no exchange -- or the :class:`Gather` regions its band writes that later
+        stages read beyond that band: each rank then runs its rank band and the regions are
+        gathered after the stage. A region the plan leaves out stays partial on each rank, so
+        it must only be read band by band with the same split afterwards."""
+        return None
+
     def io(self, T: int) -> dict[str, IOSpec]:
         """The views a run at ``T`` tokens reads and writes, by name."""
         raise NotImplementedError
@@ -173,7 +212,10 @@ class Engine:
     typed by the plan's :meth:`Plan.bind`). ``buffers``: the caller's arena buffers
     (``SharedArena`` specs); a run's inputs/outputs are row ranges of them (:meth:`buffer`),
     so a plan can run on part of a joint buffer in place. ``workers`` / ``spawn`` /
-    ``stage_timeout`` as for :class:`~nxhpc.runtime.workers.WorkerPool`. ``tasks``: extra named
+    ``stage_timeout`` as for :class:`~nxhpc.runtime.workers.WorkerPool` (``stage_timeout`` also
+    bounds each exchange between ranks). ``ranks``: a :class:`~nxhpc.runtime.ranks.Ranks` to
+    split the plans' stages across, None for the active world (:func:`nxhpc.runtime.ranks.world`:
+    none on one rank), False for this process alone. ``tasks``: extra named
     worker tasks ``fn(engine, lo, hi, arg)`` beside the stages (a model's embedders, its final
     layer), forked with the pool and run by :meth:`run_task`; in a worker ``engine`` is that
     process's engine (:meth:`buffer` works).
@@ -198,8 +240,8 @@ class Engine:
     def __init__(self, needs: Iterable[tuple[Plan, int]], weights: Mapping[Hashable, Any], *,
                  buffers: Mapping[str, Any] | None = None, workers: int = 1,
                  spawn: str = DEFAULT_SPAWN, stage_timeout: float | None = None,
-                 tasks: Mapping[str, Callable[["Engine", int, int, Any], None]] | None = None
-                 ) -> None:
+                 tasks: Mapping[str, Callable[["Engine", int, int, Any], None]] | None = None,
+                 ranks: Any = None) -> None:
         extra_tasks = dict(tasks or {})
         needs = [(p, int(T)) for p, T in needs]
         if not needs:
@@ -217,6 +259,13 @@ class Engine:
         if spawn not in SPAWN_MODES:
             raise ValueError(f"spawn must be one of {SPAWN_MODES}, got {spawn!r}")
         stage_timeout = check_timeout(stage_timeout)
+        if ranks is None:
+            ranks = _ranks.world()
+        self.ranks = ranks if ranks and ranks.size > 1 else None
+        self.stage_timeout = stage_timeout
+        #: cumulative exchange between ranks: microseconds waited and bytes received
+        self.exchange_us = 0
+        self.exchange_bytes = 0
         self._lock = threading.RLock()
         self.config = cfg
         self.needs = needs
@@ -273,6 +322,11 @@ class Engine:
                                  f"{', '.join(spec)})")
             spec[n] = s
         self._user = list(buffers or {})
+        self._splits: dict[tuple[int, str, int], tuple[Gather, ...] | None] = {}
+        if self.ranks is not None:
+            for p, T in needs:
+                for s in p.stages:
+                    self._splits[(self._plans.index(p), s.name, T)] = self._check_split(p, s, T)
         self._ctx: dict[tuple, RunContext] = {}
         self._views: dict[tuple, dict[str, np.ndarray]] = {}
         try:
@@ -289,6 +343,55 @@ class Engine:
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def _check_split(plan: Plan, stage: Stage, T: int) -> tuple[Gather, ...] | None:
+        """``plan.split(stage, T)``, each region checked against the plan's buffers."""
+        split = plan.split(stage, T)
+        if split is None:
+            return None
+        sizes = {n: math.prod(s) for n, s in plan.scratch(T).items()}
+        sizes.update({n: math.prod(io.shape) for n, io in plan.io(T).items()})
+        for g in split:
+            if not isinstance(g, Gather) or g.axis not in (0, 1) or len(g.shape) != 2:
+                raise ValueError(f"Engine: {plan.label} stage {stage.name!r}: a split must be "
+                                 f"Gather regions with a 2-D shape and axis 0 or 1, got {g!r}")
+            if g.name not in sizes or sizes[g.name] != math.prod(g.shape):
+                raise ValueError(f"Engine: {plan.label} stage {stage.name!r} gathers "
+                                 f"{g.name!r} as {g.shape}, which is not one of the plan's "
+                                 f"buffers at T={T} ({sorted(sizes)})")
+        return tuple(split)
+
+    def rank_bands(self, plan: Plan, T: int) -> dict[str, list[tuple[int, int]] | None]:
+        """Stage name -> every rank's band of its extent at ``T`` tokens (None: whole on every
+        rank). Empty on one rank."""
+        if self.ranks is None:
+            return {}
+        index = self._plan_index(plan)
+        return {s.name: None if self._splits.get((index, s.name, T)) is None
+                else self.ranks.bounds(plan.extent(s, T)) for s in plan.stages}
+
+    def _exchange(self, index: int, T: int, wire: tuple, stage: Stage, m: int,
+                  split: tuple[Gather, ...]) -> None:
+        """After rank-split ``stage``: gather each region of ``split`` into every rank."""
+        refs = dict(wire[4])
+        ranks = self.ranks
+        bounds = ranks.bounds(m)
+        for g in split:
+            r = refs.get(g.name)
+            a = self._v[r[0]][r[1]:r[2]] if r is not None \
+                else self._scratch_views(index, T)[g.name]
+            a = a.reshape(g.shape)
+            bs = [g.bounds(b) for b in bounds]
+            what = f"the exchange of {g.name!r} after stage {stage.name!r}"
+            if g.axis == 0:
+                ranks.gather_rows(a, bs, what, self.stage_timeout)
+                per = a.nbytes // g.shape[0]
+            else:
+                ranks.gather_cols(a, bs, what, self.stage_timeout)
+                per = a.nbytes // g.shape[1]
+            lo, hi = bs[ranks.rank]
+            self.exchange_bytes += per * (sum(b - a_ for a_, b in bs) - (hi - lo))
 
     # -- worker side
     def _task(self, fn: Callable[[Any, int, int], None]) -> Callable[[int, int, Any], None]:
@@ -441,10 +544,25 @@ class Engine:
             raise RuntimeError("Engine.run: the engine is closed")
         now = time.perf_counter_ns
         spent = dict.fromkeys(plan.timing_keys, 0)
+        index = wire[0]
         t_start = now()
         for s in plan.stages:
             t0 = now()
-            self.pool.run(s.name, plan.extent(s, T), arg=wire)
+            m = plan.extent(s, T)
+            split = None
+            if self.ranks is not None:
+                key = (index, s.name, T)
+                if key not in self._splits:          # a T below the needs': same rule
+                    self._splits[key] = self._check_split(plan, s, T)
+                split = self._splits[key]
+            if split is None:
+                self.pool.run(s.name, m, arg=wire)
+            else:
+                lo, hi = self.ranks.band(m)
+                self.pool.run(s.name, hi, lo=lo, arg=wire)
+                t1 = now()
+                self._exchange(index, T, wire, s, m, split)
+                self.exchange_us += (now() - t1) // 1000
             spent[s.timer] += now() - t0
         spent[TOTAL_KEY] = now() - t_start
         return {k: ns // 1000 for k, ns in spent.items()}

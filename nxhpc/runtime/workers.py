@@ -384,16 +384,18 @@ class WorkerPool:
 
     # -- dispatch ---------------------------------------------------------------------------
     def run(self, stage: str, m: int, *, task: str | None = None, arg: Any = None,
-            max_workers: int | None = None) -> int:
-        """Run task ``task`` (default: ``stage``) over ``[0, m)``; returns the workers used.
+            max_workers: int | None = None, lo: int = 0) -> int:
+        """Run task ``task`` (default: ``stage``) over ``[lo, m)`` (``lo``: where this
+        process's share of a larger range starts, e.g. an MPI rank's band; the workers split
+        ``[lo, m)`` as :func:`bands` splits ``[0, m - lo)``); returns the workers used.
         Serialized with other threads' calls (one stage at a time)."""
         if self._lock is None:
             raise RuntimeError(f"WorkerPool: closed (stage {stage!r})")
         with self._lock:
-            return self._run(stage, m, task, arg, max_workers)
+            return self._run(stage, m, task, arg, max_workers, lo)
 
     def _run(self, stage: str, m: int, task: str | None, arg: Any,
-             max_workers: int | None) -> int:
+             max_workers: int | None, lo: int = 0) -> int:
         if self._closed:
             raise RuntimeError(f"WorkerPool: closed (stage {stage!r})"
                                + (f"; it broke earlier: {self._broken}" if self._broken else ""))
@@ -402,18 +404,20 @@ class WorkerPool:
         name = stage if task is None else task
         if name not in self._tasks:
             raise KeyError(f"WorkerPool: no task named {name!r} (has: {sorted(self._tasks)})")
-        if m <= 0:
+        if lo < 0:
+            raise ValueError(f"WorkerPool.run: lo must be >= 0, got {lo}")
+        if m - lo <= 0:
             return 0
-        n = min(self.n_workers, m, max_workers or self.n_workers)
-        bs = bands(m, n)
+        n = min(self.n_workers, m - lo, max_workers or self.n_workers)
+        bs = [(lo + a, lo + b) for a, b in bands(m - lo, n)]
         if n == 1 and self.inline:
             # In the calling process: Ctrl-C / SIGTERM exceptions (BaseException) pass through
             # untouched for the caller to handle; errors become WorkerError like a worker's.
             try:
-                self._tasks[name](0, m, arg)
+                self._tasks[name](lo, m, arg)
             except Exception as e:
                 _, reason, tb = _error_result(e)
-                raise WorkerError(stage, 0, 1, (0, m), reason + " (in process)", tb) from e
+                raise WorkerError(stage, 0, 1, (lo, m), reason + " (in process)", tb) from e
             return 1
         if self.mode == "pool":
             self._run_pool(stage, name, bs, arg)

@@ -1,0 +1,306 @@
+"""Ranks: the MPI world one call is split across, when ``mpirun`` / ``srun`` started us.
+
+Owns :class:`Ranks` (an mpi4py communicator seen as ``rank`` of ``size``, the rank band of an
+extent, the exchanges the engine makes after a split stage -- in-place ``Allgatherv`` of row
+bands or column bands of an arena buffer -- the startup broadcasts and agreement checks, and
+the failure protocol below), :func:`world` / :func:`init_world` (the active world: None on one
+rank, and then mpi4py is never imported), :func:`mpi_launched` and :func:`file_fingerprint`.
+Must not: compute model arithmetic, pickle arrays in the hot path (exchanges move the arena's
+bytes with MPI datatypes), or import compiled or model code.
+
+Failure protocol (every wait polls, so signals are seen and a peer's failure ends it):
+
+* A rank that fails (a worker error, a bad input on rank 0, an exchange past the stage timeout)
+  prints its one error, then :meth:`Ranks.fail` sends ``(rank, exit code, message)`` to every
+  peer on a side communicator and waits (briefly) for their acknowledgements.
+* A rank waiting in an exchange or a broadcast that receives such a notice raises
+  :class:`RankFailedError` carrying the failed rank's code; the CLI frame acknowledges it,
+  prints nothing more and exits with that same code: one error, one exit code on every
+  surviving rank.
+* A rank that dies outright (SIGKILL, a crash) cannot tell anyone: ``mpirun`` sees it and
+  sends SIGTERM to the others, which their poll loops turn into :class:`~nxhpc.runtime.proc.
+  Terminated` (exit 143 on every surviving rank; mpirun names the rank that died).
+* A rank that hangs is caught by the waits' timeout (``--stage-timeout``): the first rank to
+  time out fails as above.
+
+Nothing leaks either way: the arena is unlinked when it is created and workers die with their
+rank (:mod:`nxhpc.runtime.shm`, :mod:`nxhpc.runtime.proc`).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import pickle
+import struct
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from nxhpc.runtime.workers import bands
+
+__all__ = ["Ranks", "world", "init_world", "alone", "mpi_launched", "file_fingerprint",
+           "RankMismatchError", "RankFailedError", "ExchangeTimeoutError"]
+
+_NOTICE_TAG, _ACK_TAG = 71, 72
+_NOTICE = struct.Struct("<ii")          # failed rank, exit code; then the message (utf-8)
+_NOTICE_BYTES = 4096
+#: Seconds a failing rank waits for its peers to acknowledge its notice.
+ACK_TIMEOUT_S = 20.0
+_SPIN = 64                              # Test() calls before a wait starts sleeping
+_SLEEP_MAX_S = 1e-3
+
+
+class RankMismatchError(ValueError):
+    """The ranks disagree on what they run (model file size / fingerprint, command line).
+    Raised on every rank at once (``collective``): only rank 0 needs to say it."""
+    collective = True
+
+
+class RankFailedError(RuntimeError):
+    """Another rank failed; ``rank`` and ``code`` (its exit code) are that rank's."""
+
+    def __init__(self, rank: int, code: int, message: str) -> None:
+        self.rank, self.code, self.message = rank, code, message
+        super().__init__(f"MPI rank {rank} failed (exit {code}): {message}")
+
+
+class ExchangeTimeoutError(RuntimeError):
+    """An exchange between ranks did not complete within the stage timeout."""
+
+
+def mpi_launched() -> bool:
+    """Whether an MPI launcher started this process as one of several ranks (Open MPI's
+    ``OMPI_COMM_WORLD_SIZE``, MPICH/Hydra and Slurm's PMI ``PMI_SIZE``; no MPI import)."""
+    for key in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS"):
+        v = os.environ.get(key)
+        if v is not None:
+            try:
+                return int(v) > 1
+            except ValueError:
+                return False
+    return False
+
+
+_WORLD: "Ranks | None" = None
+
+
+def world() -> "Ranks | None":
+    """The active world (set by :func:`init_world`), or None: one rank, no MPI."""
+    return _WORLD
+
+
+def init_world() -> "Ranks | None":
+    """The world of this job: imports mpi4py only when an MPI launcher started several ranks
+    (:func:`mpi_launched`); None otherwise. Idempotent. ImportError names what to install."""
+    global _WORLD
+    if _WORLD is None and mpi_launched():
+        try:
+            from mpi4py import MPI
+        except ImportError as e:
+            raise ImportError(f"this process was started by mpirun/srun as one of several "
+                              f"ranks, which needs mpi4py (pip install mpi4py): {e}") from None
+        comm = MPI.COMM_WORLD
+        if comm.Get_size() > 1:
+            _WORLD = Ranks(comm)
+    return _WORLD
+
+
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """``with alone():`` engines built inside run on this rank alone (:func:`world` is None),
+    e.g. a rank sampling whole images of its own; the world is back afterwards."""
+    global _WORLD
+    saved, _WORLD = _WORLD, None
+    try:
+        yield
+    finally:
+        _WORLD = saved
+
+
+def file_fingerprint(path: str | os.PathLike, *, sample: int = 1 << 16,
+                     pieces: int = 64) -> tuple[int, str]:
+    """``(size, sha256)`` of a file's size, first and last MiB and ``pieces`` evenly spaced
+    ``sample``-byte pieces: cheap on a 12 GB model (5 MB read), and different for files that
+    differ in size, header, tensor table or any sampled piece. Not a full-content hash."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(str(size).encode())
+    mib = 1 << 20
+    reads = [(0, mib), (max(0, size - mib), mib)]
+    reads += [(i * max(0, size - sample) // max(1, pieces - 1), sample) for i in range(pieces)]
+    with open(path, "rb") as f:
+        for off, n in reads:
+            f.seek(off)
+            h.update(f.read(n))
+    return size, h.hexdigest()
+
+
+class Ranks:
+    """``comm`` (an mpi4py intracommunicator, size > 1) as the ranks one call is split over.
+
+    ``band(m)``: this rank's ``[r*m//R, (r+1)*m//R)``. :meth:`gather_rows` /
+    :meth:`gather_cols`: every rank's band of a buffer into every rank's copy, in place.
+    :meth:`bcast` / :meth:`same`: startup values from rank 0; agreement checks. Every wait
+    polls (signals, peers' failure notices, ``timeout``)."""
+
+    def __init__(self, comm: Any) -> None:
+        from mpi4py import MPI
+        self.MPI = MPI
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.failed = False
+        self._types: dict[int, Any] = {}
+        self._scratch = np.empty(0, dtype=np.uint8)
+        self._side = comm.Dup()              # notices and acks never meet a collective
+        self._note = bytearray(_NOTICE_BYTES)
+        self._note_req = self._side.Irecv([self._note, MPI.BYTE], source=MPI.ANY_SOURCE,
+                                          tag=_NOTICE_TAG)
+
+    def __repr__(self) -> str:
+        return f"<Ranks {self.rank} of {self.size}>"
+
+    @property
+    def label(self) -> str:
+        return f"MPI rank {self.rank} of {self.size}"
+
+    def band(self, m: int) -> tuple[int, int]:
+        """This rank's band of ``[0, m)``."""
+        return bands(m, self.size)[self.rank]
+
+    def bounds(self, m: int) -> list[tuple[int, int]]:
+        """Every rank's band of ``[0, m)``."""
+        return bands(m, self.size)
+
+    # -- waiting
+    def _check_notice(self) -> None:
+        if self._note_req is not None and self._note_req.Test():
+            self._note_req = None
+            rank, code = _NOTICE.unpack_from(self._note)
+            msg = bytes(self._note[_NOTICE.size:]).rstrip(b"\0").decode("utf-8", "replace")
+            raise RankFailedError(rank, code, msg)
+
+    def wait(self, req: Any, what: str, timeout: float | None = None) -> None:
+        """Wait for request ``req`` (``what`` names it in errors), polling: a peer's failure
+        notice raises :class:`RankFailedError`, ``timeout`` seconds :class:`ExchangeTimeoutError`;
+        Python signal handlers run between polls."""
+        t0 = time.monotonic()
+        sleep, n = 0.0, 0
+        while not req.Test():
+            self._check_notice()
+            if timeout is not None and time.monotonic() - t0 > timeout:
+                raise ExchangeTimeoutError(
+                    f"{what} did not complete within {timeout:g} s (the stage "
+                    f"timeout): another rank is hung, stopped or dead")
+            n += 1
+            if n > _SPIN:
+                sleep = min(_SLEEP_MAX_S, sleep * 2 if sleep else 2e-5)
+                time.sleep(sleep)
+
+    # -- exchanges (the hot path: no pickling, the buffer's own bytes)
+    def _unit(self, nbytes: int) -> Any:
+        t = self._types.get(nbytes)
+        if t is None:
+            t = self.MPI.BYTE.Create_contiguous(nbytes).Commit()
+            self._types[nbytes] = t
+        return t
+
+    def gather_rows(self, a: np.ndarray, bounds: Sequence[tuple[int, int]], what: str,
+                    timeout: float | None = None) -> None:
+        """Rows ``bounds[k]`` of C-contiguous ``a`` [n, ...] from rank ``k`` into every rank's
+        ``a`` (in place: each rank has written its own rows)."""
+        counts = [hi - lo for lo, hi in bounds]
+        displs = [lo for lo, _ in bounds]
+        if sum(counts) == 0:
+            return
+        row = a.nbytes // a.shape[0]
+        buf = a.reshape(-1).view(np.uint8)
+        req = self.comm.Iallgatherv(self.MPI.IN_PLACE, [buf, (counts, displs), self._unit(row)])
+        self.wait(req, what, timeout)
+
+    def gather_cols(self, a: np.ndarray, bounds: Sequence[tuple[int, int]], what: str,
+                    timeout: float | None = None) -> None:
+        """Columns ``bounds[k]`` of C-contiguous ``a`` [n, c] from rank ``k`` into every
+        rank's ``a``: each band packed to a contiguous block, gathered, copied back."""
+        n, c = a.shape
+        counts = [hi - lo for lo, hi in bounds]
+        if sum(counts) == 0:
+            return
+        item = a.itemsize
+        need = n * c * item
+        if self._scratch.nbytes < need:
+            self._scratch = np.empty(need, dtype=np.uint8)
+        flat = self._scratch[:need].view(a.dtype)
+        lo, hi = bounds[self.rank]
+        mine = flat[n * lo:n * hi].reshape(n, hi - lo)
+        np.copyto(mine, a[:, lo:hi])
+        req = self.comm.Iallgatherv(
+            self.MPI.IN_PLACE, [self._scratch[:need], (counts, [b[0] for b in bounds]),
+                                self._unit(n * item)])
+        self.wait(req, what, timeout)
+        for k, (b0, b1) in enumerate(bounds):
+            if k != self.rank and b1 > b0:
+                np.copyto(a[:, b0:b1], flat[n * b0:n * b1].reshape(n, b1 - b0))
+
+    # -- startup (small values: pickled)
+    def bcast(self, obj: Any, what: str, root: int = 0) -> Any:
+        """``obj`` of rank ``root`` on every rank (pickled: for startup values, not arrays
+        of the hot path)."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == root else b""
+        n = np.array([len(data)], dtype=np.int64)
+        self.wait(self.comm.Ibcast([n, self.MPI.INT64_T], root=root), what)
+        buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root \
+            else np.empty(int(n[0]), dtype=np.uint8)
+        self.wait(self.comm.Ibcast([buf, self.MPI.BYTE], root=root), what)
+        return obj if self.rank == root else pickle.loads(buf.tobytes())
+
+    def allgather(self, obj: Any, what: str) -> list[Any]:
+        """Every rank's ``obj`` (pickled, fixed-size frames: small startup values)."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        sizes = np.zeros(self.size, dtype=np.int64)
+        sizes[self.rank] = len(data)
+        self.wait(self.comm.Iallgather(self.MPI.IN_PLACE, [sizes, self.MPI.INT64_T]), what)
+        width = int(sizes.max())
+        frames = np.zeros((self.size, width), dtype=np.uint8)
+        frames[self.rank, :len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self.wait(self.comm.Iallgather(self.MPI.IN_PLACE, [frames, self.MPI.BYTE]), what)
+        return [pickle.loads(frames[k, :int(sizes[k])].tobytes()) for k in range(self.size)]
+
+    def same(self, what: str, value: Any) -> None:
+        """:class:`RankMismatchError` on every rank unless every rank's ``value`` is equal
+        (the message lists each rank's)."""
+        vals = self.allgather(value, f"the check of {what}")
+        if any(v != vals[0] for v in vals):
+            listing = "; ".join(f"rank {k}: {v}" for k, v in enumerate(vals))
+            raise RankMismatchError(f"the {self.size} MPI ranks disagree on {what} ({listing}); "
+                                    f"every rank must run the same files and arguments")
+
+    # -- failures
+    def fail(self, code: int, message: str, ack_timeout: float = ACK_TIMEOUT_S) -> None:
+        """Tell every peer this rank failed with exit ``code`` (``message``: its error), then
+        wait up to ``ack_timeout`` s for their acknowledgements. Once per rank."""
+        if self.failed:
+            return
+        self.failed = True
+        MPI = self.MPI
+        note = bytearray(_NOTICE_BYTES)
+        _NOTICE.pack_into(note, 0, self.rank, int(code))
+        text = message.encode("utf-8", "replace")[:_NOTICE_BYTES - _NOTICE.size - 1]
+        note[_NOTICE.size:_NOTICE.size + len(text)] = text
+        peers = [k for k in range(self.size) if k != self.rank]
+        acks = [bytearray(1) for _ in peers]
+        reqs = [self._side.Isend([note, MPI.BYTE], dest=k, tag=_NOTICE_TAG) for k in peers]
+        reqs += [self._side.Irecv([a, MPI.BYTE], source=k, tag=_ACK_TAG)
+                 for a, k in zip(acks, peers)]
+        t0 = time.monotonic()
+        while not MPI.Request.Testall(reqs) and time.monotonic() - t0 < ack_timeout:
+            time.sleep(1e-3)
+
+    def acknowledge(self, err: RankFailedError, timeout: float = 2.0) -> None:
+        """Tell the failed rank of ``err`` this rank has stopped (it waits for that)."""
+        self.failed = True
+        req = self._side.Isend([bytearray(1), self.MPI.BYTE], dest=err.rank, tag=_ACK_TAG)
+        t0 = time.monotonic()
+        while not req.Test() and time.monotonic() - t0 < timeout:
+            time.sleep(1e-3)

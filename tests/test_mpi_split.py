@@ -1,0 +1,323 @@
+"""One call split across MPI ranks (``mpirun -n R python -m nxhpc.denoise|blockrun``) gives the
+bytes of one process, and its faults end the job with one error and one exit code.
+
+References: the same CLI run as one process without mpirun (its ``--out`` file, byte for byte);
+a negative control drops the exchanges (the same split without its gathers) and must differ.
+Runs ``mpirun --oversubscribe`` on localhost (2 cores here: 3 ranks x 2 workers share them);
+skipped only when mpirun or mpi4py is absent (CI installs both).
+"""
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from nxhpc.runtime.shm import SHM_DIR, SHM_PREFIX
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(shutil.which("mpirun") is None,
+                       reason="mpirun not on PATH (apt install openmpi-bin)"),
+    pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None,
+                       reason="mpi4py not installed (pip install mpi4py)"),
+]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env(models: str) -> dict:
+    env = dict(os.environ, NXHPC_MODELS=str(models), PYTHONPATH=ROOT)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")          # root in containers/CI
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    return env
+
+
+def _mpirun(n: int, args: list[str], models, timeout: float = 120,
+            extra_env: dict | None = None, apps: list[list[str]] | None = None
+            ) -> subprocess.CompletedProcess:
+    """``mpirun -n n python ARGS`` (or an MPMD line of ``apps``, one rank each)."""
+    cmd = ["mpirun", "--oversubscribe"]
+    if apps is None:
+        cmd += ["-n", str(n), sys.executable, *args]
+    else:
+        for i, a in enumerate(apps):
+            cmd += ([":"] if i else []) + ["-n", "1", sys.executable, *a]
+    env = _env(models)
+    env.update(extra_env or {})
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=ROOT)
+
+
+def _single(args: list[str], models) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
+                          env=_env(models), cwd=ROOT)
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    for mid, cli in (("tiny-dit", "nxhpc.denoise"), ("tiny", "nxhpc.blockrun")):
+        r = _single(["-m", cli, mid, "1"], d)          # generate the built-ins once
+        assert r.returncode == 0, r.stdout + r.stderr
+    return d
+
+
+@pytest.fixture(scope="module")
+def denoise_ref(models, tmp_path_factory):
+    """One process, one worker, no mpirun: the output file of each precision."""
+    out = {}
+    d = tmp_path_factory.mktemp("ref")
+    for prec in ("f32", "bf16", "q8"):
+        path = d / f"{prec}.npy"
+        r = _single(["-m", "nxhpc.denoise", "tiny-dit", "1", "--precision", prec,
+                     "--out", str(path), "--json"], models)
+        assert r.returncode == 0, r.stdout + r.stderr
+        rep = json.loads(r.stdout)
+        assert "ranks" not in rep and "exchange_bytes" not in rep
+        out[prec] = path.read_bytes()
+    return out
+
+
+@pytest.mark.parametrize("ranks,workers,prec", [
+    (1, 2, "f32"), (2, 1, "f32"), (2, 2, "f32"), (3, 1, "f32"), (3, 2, "f32"),
+    (2, 2, "bf16"), (3, 1, "q8")])
+def test_denoise_across_ranks_same_bytes(ranks, workers, prec, models, denoise_ref, tmp_path):
+    out = tmp_path / "o.npy"
+    r = _mpirun(ranks, ["-m", "nxhpc.denoise", "tiny-dit", str(workers), "--precision", prec,
+                        "--out", str(out), "--json"], models)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert out.read_bytes() == denoise_ref[prec]
+    reps = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert len(reps) == 1                                   # rank 0's one report
+    rep = reps[0]
+    assert rep["verdict"] == "PASS"
+    if ranks == 1:                                          # mpirun -n 1: one process as today
+        assert "ranks" not in rep
+        return
+    assert rep["ranks"] == ranks and rep["exchange_bytes"] > 0
+    heads = rep["rank_heads"]
+    assert len(heads) == ranks and heads[0][0] == 0 and heads[-1][1] == rep["heads"]
+    assert all(a[1] == b[0] for a, b in zip(heads, heads[1:]))      # bands tile [0, H)
+    ffn = rep["rank_ffn_columns"]
+    assert ffn[-1][1] == rep["ffn_dim"] and len(ffn) == ranks
+    assert rep["rank_rows"] == [[0, rep["joint_rows"]]] * ranks
+
+
+_NO_GATHER = r"""
+import sys
+import nxhpc.dit.plan as plan
+real = plan.BlockPlan.split
+plan.BlockPlan.split = lambda self, s, T: None if real(self, s, T) is None else ()
+import importlib
+cli = importlib.import_module(sys.argv[1])
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def test_negative_control_without_the_exchange_differs(models, denoise_ref, tmp_path):
+    """The same rank split without its gathers: each rank misses the others' bands."""
+    out = tmp_path / "o.npy"
+    r = _mpirun(2, ["-c", _NO_GATHER, "nxhpc.denoise", "tiny-dit", "1", "--out", str(out),
+                    "--json"], models)
+    assert r.returncode in (0, 1) and out.is_file(), r.stdout + r.stderr
+    assert out.read_bytes() != denoise_ref["f32"]
+    assert json.loads(r.stdout)["ranks"] == 2
+
+
+def test_blockrun_across_ranks_same_bytes(models, tmp_path):
+    ref = tmp_path / "ref.npy"
+    r = _single(["-m", "nxhpc.blockrun", "tiny", "2", "--layers", "all",
+                 "--save-output", str(ref)], models)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for ranks, workers in ((2, 1), (3, 2)):
+        out = tmp_path / f"o{ranks}.npy"
+        r = _mpirun(ranks, ["-m", "nxhpc.blockrun", "tiny", str(workers), "--layers", "all",
+                            "--save-output", str(out), "--json"], models)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert out.read_bytes() == ref.read_bytes()
+        rep = json.loads(r.stdout)
+        assert rep["ranks"] == ranks and rep["verdict"] == "PASS"
+    out = tmp_path / "no_gather.npy"                  # negative control: the split is real
+    r = _mpirun(2, ["-c", _NO_GATHER, "nxhpc.blockrun", "tiny", "1", "--layers", "all",
+                    "--save-output", str(out)], models)
+    assert r.returncode in (0, 1) and out.is_file(), r.stdout + r.stderr
+    assert out.read_bytes() != ref.read_bytes()
+
+
+def test_without_mpirun_no_mpi_is_imported(models, denoise_ref, tmp_path):
+    out = tmp_path / "o.npy"
+    code = ("import sys, nxhpc.denoise as d\n"
+            f"rc = d.main(['tiny-dit', '2', '--out', {str(out)!r}])\n"
+            "assert 'mpi4py' not in sys.modules, 'mpi4py imported on one rank'\n"
+            "sys.exit(rc)\n")
+    r = _single(["-c", code], models)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert out.read_bytes() == denoise_ref["f32"]
+    assert "ranks=" not in r.stdout
+
+
+def _flipped_copy(models, tmp_path):
+    """tiny-dit's GGUF with one byte of its last tensor changed (same size)."""
+    from nxhpc.formats.gguf_io import GGUFFile
+    src = models / "tiny-dit" / "model.gguf"
+    dst = tmp_path / "other.gguf"
+    shutil.copyfile(src, dst)
+    g = GGUFFile(src)
+    try:
+        off = g.info(g.names()[-1]).offset          # lowest mantissa byte of a float32 value
+    finally:
+        g.close()
+    with open(dst, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)[0]
+        f.seek(off)
+        f.write(bytes([b ^ 1]))
+    return dst
+
+
+def test_mismatched_model_files_refused_before_compute(models, tmp_path):
+    other = _flipped_copy(models, tmp_path)
+    alone = _single(["-m", "nxhpc.denoise", "tiny-dit", "1", "--gguf", str(other)], models)
+    assert alone.returncode == 0, alone.stderr     # a good file: only the mismatch is wrong
+    base = ["-m", "nxhpc.denoise", "tiny-dit", "1"]
+    for apps in ([base, base + ["--gguf", str(other)]],
+                 [base, ["-m", "nxhpc.denoise", "tiny-dit", "1", "--precision", "bf16"]]):
+        r = _mpirun(2, [], models, apps=apps)
+        assert r.returncode == 4, r.stdout + r.stderr
+        assert r.stderr.count("denoise: error:") == 1
+        assert "the 2 MPI ranks disagree on" in r.stderr
+        assert "verdict" not in r.stdout and "PASS" not in r.stdout and "us_total" not in r.stdout
+
+
+_FAULT = r"""
+import os, signal, sys, time
+from mpi4py import MPI
+rank = MPI.COMM_WORLD.Get_rank()
+mode, who = sys.argv[1], int(sys.argv[2])
+if rank == who and mode == "raise":            # a worker's task raises on this rank only
+    import nxhpc.dit.plan as plan
+    real = plan.matmul
+    def broken(k, x, w, out, lo, hi, prec):
+        if w is not None and x.shape[1] == 1024:        # w2 (ffn_dim 1024)
+            raise RuntimeError("injected fault in w2")
+        return real(k, x, w, out, lo, hi, prec)
+    plan.matmul = broken
+elif rank == who:                              # the rank itself dies / hangs in an exchange
+    from nxhpc.runtime.ranks import Ranks
+    def stop(self, *a, **k):
+        if mode == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(300)
+    Ranks.gather_cols = stop
+import nxhpc.cli.frame as frame
+import nxhpc.denoise as cli
+def record(code):                              # each rank's exit code, for the test to read
+    with open(os.path.join(os.environ["RC_DIR"], f"rc.{rank}"), "w") as f:
+        f.write(str(code))
+class Os:
+    def __getattr__(self, name):
+        return getattr(os, name)
+    @staticmethod
+    def _exit(code):
+        record(code)
+        os._exit(code)
+frame.os = Os()
+code = cli.main(sys.argv[3:])
+record(code)
+sys.exit(code)
+"""
+
+
+def _fault(mode: str, models, tmp_path, n: int = 3, extra: tuple = ()):
+    rc_dir = tmp_path / "rc"
+    rc_dir.mkdir()
+    before = _segments()
+    r = _mpirun(n, ["-c", _FAULT, mode, "1", "tiny-dit", "2", *extra], models,
+                extra_env={"RC_DIR": str(rc_dir)}, timeout=120)
+    codes = {int(p.name.split(".")[1]): int(p.read_text()) for p in rc_dir.iterdir()}
+    assert _segments() <= before, "leaked /dev/shm segments"
+    return r, codes
+
+
+def test_a_failing_rank_ends_the_job_with_one_error_and_its_code(models, tmp_path):
+    r, codes = _fault("raise", models, tmp_path)
+    assert r.returncode != 0
+    assert codes == {0: 6, 1: 6, 2: 6}, r.stderr
+    assert r.stderr.count("denoise: error:") == 1, r.stderr
+    assert "denoise: error: MPI rank 1 of 3: worker failure: stage 'w2'" in r.stderr
+    assert "injected fault in w2" in r.stderr and "verdict" not in r.stdout
+
+
+def test_a_rank_that_dies_ends_every_survivor_with_one_code(models, tmp_path):
+    r, codes = _fault("die", models, tmp_path)
+    assert r.returncode != 0
+    assert 1 not in codes                                   # it died: no code of its own
+    assert codes == {0: 143, 2: 143}, r.stderr
+    assert r.stderr.count("denoise: error:") == 1, r.stderr
+    assert "MPI rank 0 of 3: terminated (SIGTERM: mpirun ends every rank" in r.stderr
+
+
+def test_a_hung_rank_is_caught_by_the_stage_timeout(models, tmp_path):
+    r, codes = _fault("hang", models, tmp_path, n=2, extra=("--stage-timeout", "3"))
+    assert codes.get(0) == 6, r.stderr
+    assert "MPI rank 0 of 2: the exchange of 'qkv' after stage 'qkv' did not complete " \
+           "within 3 s" in r.stderr
+
+
+_SAMPLE = ["-m", "nxhpc.sample", "tiny-dit", "1", "--height", "64", "--width", "96",
+           "--steps", "2", "--no-progress", "--json"]
+
+
+@pytest.fixture(scope="module")
+def sample_ref(models, tmp_path_factory):
+    """Single-process ``sample --seed S`` for three seeds, and the caption features used."""
+    d = tmp_path_factory.mktemp("sample")
+    cap = d / "cap.npy"
+    np.save(cap, np.random.default_rng(7).standard_normal((7, 320)).astype(np.float32))
+    ref = {}
+    for s in (3, 5, 9):
+        out = d / f"ref_{s}.npy"
+        r = _single([*_SAMPLE, "--cap-feats", str(cap), "--seed", str(s), "--out", str(out)],
+                    models)
+        assert r.returncode == 0, r.stdout + r.stderr
+        ref[s] = out.read_bytes()
+    assert len(set(ref.values())) == 3                      # the seeds give different images
+    return cap, ref
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_sample_seeds_across_ranks_whole_images(ranks, models, sample_ref, tmp_path):
+    cap, ref = sample_ref
+    pattern = str(tmp_path / "lat_{seed}.npy")
+    args = [*_SAMPLE, "--cap-feats", str(cap), "--seeds", "3,5,9", "--out", pattern]
+    r = _mpirun(ranks, args, models) if ranks > 1 else _single(args, models)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["seeds"] == [3, 5, 9]
+    for s in (3, 5, 9):
+        assert (tmp_path / f"lat_{s}.npy").read_bytes() == ref[s], s
+    owners = rep["rank_of_seed"]
+    if ranks == 1:
+        assert owners == [0, 0, 0] and "ranks" not in rep
+    else:
+        assert rep["ranks"] == ranks and sorted(set(owners)) == list(range(ranks))
+
+
+def test_sample_one_seed_split_across_ranks(models, sample_ref, tmp_path):
+    cap, ref = sample_ref
+    out = tmp_path / "split.npy"
+    r = _mpirun(3, ["-m", "nxhpc.sample", "tiny-dit", "2", "--height", "64", "--width", "96",
+                    "--steps", "2", "--no-progress", "--json", "--cap-feats", str(cap),
+                    "--seed", "5", "--out", str(out)], models)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert out.read_bytes() == ref[5]
+    assert json.loads(r.stdout)["ranks"] == 3
