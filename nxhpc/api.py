@@ -70,15 +70,17 @@ def load_text_encoder(path_or_id: str | os.PathLike, workers: int | None = None,
                              models_dir=models_dir, **options)
 
 
-def load_vae(path: str | os.PathLike, *, workers: int | None = None, precision: str = "f32"):
-    """Open the FLUX autoencoder's decoder: a BFL/ComfyUI ``ae.safetensors`` file or a diffusers
+def load_vae(path_or_id: str | os.PathLike, *, workers: int | None = None,
+             precision: str = "f32", models_dir: str | os.PathLike | None = None):
+    """Open the FLUX autoencoder's decoder: a BFL/ComfyUI ``ae.safetensors`` file, a diffusers
     VAE directory (``config.json`` + ``diffusion_pytorch_model.safetensors``, or a pipeline
-    directory holding ``vae/``), float32/float16/bfloat16. Returns an
-    ``nxhpc.vae.model.VaeDecoder`` (context manager). Example::
+    directory holding ``vae/``), float32/float16/bfloat16, or a built-in id (``tiny-vae``:
+    random weights, generated on first use under ``models_dir`` / ``$NXHPC_MODELS``). Returns
+    an ``nxhpc.vae.model.VaeDecoder`` (context manager). Example::
 
         with nxhpc.load_vae("ae.safetensors", workers=8) as vae:
             x = vae.decode(latents)                  # [16, h, w] -> float32 [3, 8h, 8w]
             nxhpc.vae.write_png("out.png", nxhpc.vae.to_uint8(x))
     """
-    from nxhpc.vae.model import VaeDecoder
-    return VaeDecoder(path, workers=workers, precision=precision)
+    from nxhpc.models.registry import open_vae
+    return open_vae(path_or_id, workers=workers, precision=precision, models_dir=models_dir)

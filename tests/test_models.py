@@ -67,11 +67,12 @@ def test_one_builtin_table_holds_both_kinds():
     assert builtin_ids("block") == ["tiny", "tiny-gqa", "mid", "zimage-1l"]
     assert builtin_ids("denoiser") == ["tiny-dit", "zimage-dit-2l"]
     assert builtin_ids("text_encoder") == ["tiny-te"]
+    assert builtin_ids("vae") == ["tiny-vae"]
     assert builtin_ids() == [*builtin_ids("block"), *builtin_ids("denoiser"),
-                             *builtin_ids("text_encoder")] == list(BUILTINS)
+                             *builtin_ids("text_encoder"), *builtin_ids("vae")] == list(BUILTINS)
     for mid, spec in BUILTINS.items():
         assert registry.builtin_spec(mid) is spec
-        if spec.kind != "text_encoder":
+        if spec.kind not in ("text_encoder", "vae"):
             assert spec.config().whole == (spec.kind == "denoiser"), mid
     assert registry.builtin_spec("zimage-dit-7l").kind == "denoiser"
     with pytest.raises(ValueError, match="kind must be one of"):

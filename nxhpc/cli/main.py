@@ -23,6 +23,9 @@ COMMANDS = {
                                "[-> PNG])"),
     "encode": ("nxhpc.encode", "a prompt -> Z-Image's caption features (the Qwen3 text "
                                "encoder from a GGUF)"),
+    "decode": ("nxhpc.decode", "latents -> a PNG through the FLUX autoencoder's decoder"),
+    "generate": ("nxhpc.generate", "a prompt -> a PNG: text encoder, Z-Image sampling, "
+                                   "autoencoder"),
     "models": ("nxhpc.models.cli", "list, inspect and generate model directories"),
     "ddp": ("nxhpc.ddp", "bit-reproducible data-parallel training on the Q16 tape"),
 }

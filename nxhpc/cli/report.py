@@ -5,7 +5,9 @@ Owns :func:`kv_lines` / :func:`print_kv` (one ``key=value`` per line, values thr
 formatter), :func:`print_json` (strict JSON: NaN/inf become null), :func:`save_npy` and
 :func:`save_bytes` (atomic writes via :mod:`nxhpc.runtime.outfile`, returning the error text
 instead of raising) and :func:`emit_graded` (the graded report of ``blockrun``/``denoise``: the
-report comes first and always, so a failing save cannot cost the verdict).
+report comes first and always, so a failing save cannot cost the verdict); for the picture
+commands (``decode``, ``generate``) the peak resident sets (:func:`peak_rss_mb`), the PNG text
+chunks of a run (:func:`png_text`).
 Must not: compute grades (``nxhpc.dit.grade``), choose exit codes, or import the kernels.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import IO, Any
 from nxhpc.runtime.outfile import write_atomic
 
 __all__ = ["fmt_value", "fmt_compact", "kv_lines", "print_kv", "print_json", "save_npy", "save_bytes",
-           "emit_graded"]
+           "emit_graded", "peak_rss_mb", "png_text"]
 
 
 def fmt_value(v) -> str:
@@ -111,3 +113,21 @@ def emit_graded(report: Mapping[str, Any], *, as_json: bool, grade=None, verdict
         print(verdict)
     sys.stdout.flush()
     return save_error
+
+
+def peak_rss_mb() -> dict[str, float]:
+    """MB: this process's peak resident set and the largest of its finished children's (the
+    workers, once reaped), from ``getrusage`` (Linux reports KiB)."""
+    import resource
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return {"peak_rss_mb": round(own, 1), "worker_peak_rss_mb": round(kids, 1) or None}
+
+
+def png_text(**fields) -> dict[str, str]:
+    """The PNG text chunks of a run: every field given (None dropped) as a string, plus
+    ``software`` (nxhpc and its version)."""
+    import nxhpc
+    out = {k: str(v) for k, v in fields.items() if v is not None}
+    out["software"] = f"nxhpc {nxhpc.__version__}"
+    return out

@@ -84,6 +84,13 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print(f"{mid:<13} {c.dim:>5} {heads:>7} {c.ffn:>6} "
               f"{f'{c.n_layers} (runs {c.layers_needed})':>10} {c.vocab:>5} "
               f"{c.context_length:>6}  {tspec.matrix_type:<13} {st}")
+    print(f"{'autoencoder':<13} {'channels':<16} {'z':>3} {'dtype':>5}  status   "
+          f"(python -m nxhpc.decode)")
+    for mid in builtin_ids("vae"):
+        vspec = BUILTINS[mid]
+        st = "generated" if builtin_current(root / mid, vspec) else "generated on first use"
+        chans = "/".join(str(c) for c in vspec.block_out_channels)
+        print(f"{mid:<13} {chans:<16} {vspec.latent_channels:>3} {vspec.dtype:>5}  {st}")
     if root.is_dir():
         others = sorted(p.name for p in root.iterdir() if p.is_dir()
                         and not p.name.startswith(".") and p.name not in BUILTINS

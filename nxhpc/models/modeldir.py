@@ -1,8 +1,8 @@
 """Model directories on disk: the file names, writing a directory all-or-nothing, locking.
 
 Owns: the names inside a model directory (``model.gguf``, ``fixtures.safetensors``,
-``synthetic.json``), the files an opened model consists of (:func:`model_files`: what no
-result may overwrite), :func:`write_model_dir` and
+``synthetic.json``; an autoencoder's ``ae.safetensors``), the files an opened model consists
+of (:func:`model_files`: what no result may overwrite), :func:`write_model_dir` and
 :func:`build_model_dir` (built in a temporary sibling, renamed into place),
 :func:`check_replaceable` (what may be replaced), the per-id generation lock (:func:`locked`:
 a waiter says that it waits and for which process), sweeping the temporaries a killed writer
@@ -32,12 +32,17 @@ import numpy as np
 from nxhpc.formats.fixtures import FIXTURES_FILE, FixtureStore
 from nxhpc.formats.gguf_io import ModelError, write_gguf
 
-__all__ = ["GGUF_FILE", "FIXTURES_FILE", "SPEC_FILE", "model_files", "write_model_dir",
+__all__ = ["GGUF_FILE", "FIXTURES_FILE", "SPEC_FILE", "VAE_FILE", "MODEL_FILES", "model_files",
+           "write_model_dir",
            "build_model_dir", "check_replaceable", "locked", "lock_holder", "sweep_stale",
            "check_models_root", "ModelsDirError", "STALE_AGE_S"]
 
 GGUF_FILE = "model.gguf"
 SPEC_FILE = "synthetic.json"
+#: The weights of a built-in autoencoder (the BFL single-file layout).
+VAE_FILE = "ae.safetensors"
+#: A directory holding one of these is a model directory (what may be replaced).
+MODEL_FILES = (GGUF_FILE, FIXTURES_FILE, VAE_FILE)
 #: A temporary without a writer pid in its name (an older nxhpc's) is stale after this long.
 STALE_AGE_S = 3600.0
 #: How often a waiter for the generation lock repeats that it is waiting.
@@ -162,7 +167,8 @@ def build_model_dir(out_dir: str | os.PathLike, write: Callable[[Path], None], *
                     replace: bool = False) -> Path:
     """Run ``write(tmp)`` to fill a temporary sibling of ``out_dir``, then rename it into place
     (all-or-nothing; ``replace`` as for :func:`write_model_dir`). ``write`` must leave a
-    ``model.gguf`` or ``fixtures.safetensors`` in ``tmp`` (what makes it a model directory)."""
+    ``model.gguf``, ``fixtures.safetensors`` or ``ae.safetensors`` in ``tmp`` (what makes it a
+    model directory: :data:`MODEL_FILES`)."""
     out_dir = Path(out_dir)
     check_replaceable(out_dir, replace)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -172,9 +178,9 @@ def build_model_dir(out_dir: str | os.PathLike, write: Callable[[Path], None], *
     old = tmp.with_name(tmp.name + "-old")
     try:
         write(tmp)
-        if not ((tmp / GGUF_FILE).is_file() or (tmp / FIXTURES_FILE).is_file()):
-            raise RuntimeError(f"build_model_dir: {out_dir}: neither {GGUF_FILE} nor "
-                               f"{FIXTURES_FILE} was written")
+        if not any((tmp / name).is_file() for name in MODEL_FILES):
+            raise RuntimeError(f"build_model_dir: {out_dir}: none of {', '.join(MODEL_FILES)} "
+                               f"was written")
         os.chmod(tmp, 0o755)
         if out_dir.exists():
             os.rename(out_dir, old)
@@ -196,8 +202,7 @@ def check_replaceable(out_dir: Path, replace: bool) -> None:
     if not replace:
         raise FileExistsError(f"{out_dir} already exists")
     if out_dir.is_symlink() or not out_dir.is_dir() or (
-            any(out_dir.iterdir()) and not ((out_dir / GGUF_FILE).is_file()
-                                            or (out_dir / FIXTURES_FILE).is_file())):
+            any(out_dir.iterdir()) and not any((out_dir / n).is_file() for n in MODEL_FILES)):
         raise FileExistsError(f"{out_dir} exists and is not a model directory (no {GGUF_FILE} "
                               f"or {FIXTURES_FILE}); refusing to replace it")
 

@@ -7,8 +7,10 @@ Owns: :data:`BUILTINS`, the one table of built-in models (id -> its spec: a
 (``$NXHPC_MODELS`` or ``~/.cache/nxhpc/models``), generating a built-in on first use under a
 lock (and again when its fingerprint is stale), :func:`resolve_model` (id | directory |
 ``.gguf`` -> the directory and GGUF path) and :func:`open_model` (-> :class:`~nxhpc.models.model.
-Model`), :func:`open_denoiser` (-> ``nxhpc.dit.denoiser.Denoiser``) and
-:func:`open_text_encoder` (-> ``nxhpc.qwen3.encoder.TextEncoder``): the model code takes
+Model`), :func:`open_denoiser` (-> ``nxhpc.dit.denoiser.Denoiser``),
+:func:`open_text_encoder` (-> ``nxhpc.qwen3.encoder.TextEncoder``) and :func:`open_vae` (->
+``nxhpc.vae.model.VaeDecoder``; the built-in autoencoders are a
+:class:`~nxhpc.models.vae_files.VaeSpec` each, kind ``"vae"``): the model code takes
 files, never ids. Must not: run kernels.
 """
 from __future__ import annotations
@@ -29,15 +31,17 @@ from nxhpc.models.modeldir import (GGUF_FILE, SPEC_FILE, ModelsDirError, check_m
                                    locked, write_failed)
 from nxhpc.models.qwen3_files import TEXT_ENCODER_KIND, TextEncoderSpec, make_text_encoder
 from nxhpc.models.synthetic import KINDS, SyntheticSpec, make_synthetic
+from nxhpc.models.vae_files import VAE_FILE, VAE_KIND, VaeSpec, make_vae_model
 
 __all__ = ["BUILTINS", "BUILTIN_KINDS", "DEFAULT_MODEL_ID", "models_dir", "builtin_ids",
            "ensure_builtin", "open_model", "open_denoiser", "open_text_encoder",
-           "resolve_model", "builtin_spec", "is_builtin", "builtin_current", "stderr_progress"]
+           "resolve_model", "builtin_spec", "is_builtin", "builtin_current", "stderr_progress",
+           "open_vae", "resolve_vae"]
 
-#: The kinds of built-in: DiT block models, whole denoisers, text encoders.
-BUILTIN_KINDS = (*KINDS, TEXT_ENCODER_KIND)
+#: The kinds of built-in: DiT block models, whole denoisers, text encoders, autoencoders.
+BUILTIN_KINDS = (*KINDS, TEXT_ENCODER_KIND, VAE_KIND)
 #: A built-in's spec: its ``kind`` says which generator writes it.
-BuiltinSpec = SyntheticSpec | TextEncoderSpec
+BuiltinSpec = SyntheticSpec | TextEncoderSpec | VaeSpec
 
 BUILTINS: dict[str, BuiltinSpec] = {
     # --- block models (python -m nxhpc.blockrun)
@@ -71,6 +75,10 @@ BUILTINS: dict[str, BuiltinSpec] = {
     "tiny-te": TextEncoderSpec(dim=320, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=64,
                                ffn=768, vocab=582, context_length=1024, matrix_type="Q8_0",
                                seed=21),
+    # --- autoencoders (python -m nxhpc.decode / generate)
+    # FLUX-style decoder, small: channels 32/32/64/64, 3 ResNets a level, 32 groups, 16 latent
+    # channels, one mid attention; F32 ae.safetensors in the BFL layout, random weights
+    "tiny-vae": VaeSpec(seed=0),
 }
 DEFAULT_MODEL_ID = "tiny"
 #: ``zimage-dit-<N>l``: real Z-Image dims with N main layers (1..30), generated on first use.
@@ -78,7 +86,7 @@ ZIMAGE_DIT_ID = re.compile(r"zimage-dit-([1-9][0-9]?)l")
 
 
 def builtin_spec(model_id: str) -> BuiltinSpec | None:
-    """The spec of a built-in id (block model, denoiser or text encoder), or None."""
+    """The spec of a built-in id (block model, denoiser, text encoder or autoencoder), or None."""
     if model_id in BUILTINS:
         return BUILTINS[model_id]
     m = ZIMAGE_DIT_ID.fullmatch(model_id)
@@ -119,7 +127,8 @@ def builtin_current(d: Path, spec: BuiltinSpec) -> bool:
     """Whether ``d`` holds the model ``spec`` generates (same fingerprint, GGUF present)."""
     try:
         info = json.loads((d / SPEC_FILE).read_text())
-        return info.get("fingerprint") == spec.fingerprint() and (d / GGUF_FILE).is_file()
+        main = getattr(spec, "main_file", GGUF_FILE)
+        return info.get("fingerprint") == spec.fingerprint() and (d / main).is_file()
     except (OSError, ValueError):
         return False
 
@@ -151,7 +160,8 @@ def ensure_builtin(model_id: str, root: Path | None = None, force: bool = False,
                 return d
             if progress is None and spec.weights_bytes_f32() > 256 << 20:
                 progress = stderr_progress(model_id)
-            make = make_text_encoder if spec.kind == TEXT_ENCODER_KIND else make_synthetic
+            make = {TEXT_ENCODER_KIND: make_text_encoder,
+                    VAE_KIND: make_vae_model}.get(spec.kind, make_synthetic)
             make(d, spec, progress=progress, replace=True)
     except FileExistsError as e:
         raise ModelError(f"{what}: {e}") from None
@@ -282,3 +292,41 @@ def open_text_encoder(model: str | os.PathLike, *, workers: int | None = None,
     if g is None:
         g = _one_gguf(d)
     return TextEncoder(g, workers=workers, precision=precision, directory=d, **options)
+
+
+def resolve_vae(model: str | os.PathLike, models_dir: str | os.PathLike | None = None) -> Path:
+    """The path an autoencoder ``model`` names: a built-in id (``tiny-vae``: generated on first
+    use under ``models_dir`` / ``$NXHPC_MODELS``) -> its ``ae.safetensors``; a directory holding
+    an ``ae.safetensors`` -> that file; a name under the models directory -> that directory;
+    anything else as given (``nxhpc.vae.files`` reads a file or a diffusers directory). The id
+    of a built-in of another kind is refused before anything is generated."""
+    s = os.fspath(model)
+    if not isinstance(s, str) or not s.strip():
+        raise ModelNotFoundError(f"autoencoder {s!r} is empty: give an ae.safetensors file, a "
+                                 f"diffusers VAE directory or a built-in id "
+                                 f"({', '.join(builtin_ids(VAE_KIND))})")
+    root = Path(models_dir) if models_dir is not None else _models_root()
+    bare = os.sep not in s and not s.startswith(".") and not Path(s).exists()
+    spec = builtin_spec(s) if bare else None
+    path = Path(s)
+    if spec is not None and spec.kind != VAE_KIND:
+        raise ModelNotFoundError(f"{s!r} is a built-in {spec.kind} model, not an autoencoder "
+                                 f"(built-in autoencoders: {', '.join(builtin_ids(VAE_KIND))})")
+    if spec is not None:
+        path = ensure_builtin(s, root) / VAE_FILE
+    elif bare and (root / s).is_dir():
+        path = root / s
+    if path.is_dir() and (path / VAE_FILE).is_file():
+        path = path / VAE_FILE
+    return path
+
+
+def open_vae(model: str | os.PathLike, *, workers: int | None = None, precision: str = "f32",
+             models_dir: str | os.PathLike | None = None) -> Any:
+    """Open the FLUX autoencoder's decoder (``nxhpc.vae.model.VaeDecoder``) of what
+    :func:`resolve_vae` makes of ``model``: a BFL/ComfyUI ``ae.safetensors`` file, a diffusers
+    VAE directory (or a pipeline directory holding ``vae/``), a directory holding an
+    ``ae.safetensors``, or a built-in id (``tiny-vae``). Raises ``ModelNotFoundError`` /
+    ``ModelFileError`` / ``MissingTensorError`` (all :class:`ModelError`)."""
+    from nxhpc.vae.model import VaeDecoder
+    return VaeDecoder(resolve_vae(model, models_dir), workers=workers, precision=precision)

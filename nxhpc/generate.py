@@ -1,0 +1,484 @@
+"""``python -m nxhpc.generate`` (``nxhpc-generate``, ``nxhpc generate``): a prompt -> a PNG on
+nxhpc's kernels, without torch: the Qwen3 text encoder, Z-Image sampling, the FLUX decoder.
+
+Owns the composition only (the CLI layer composes the model families): parse -> open the three
+models once (the denoiser and the autoencoder first: their files are checked before any work;
+neither builds its arena yet) -> encode every prompt (and the negative prompt) -> release the
+text encoder -> sample every image with ``nxhpc.dit.sampler`` (initial noise as
+``nxhpc.sample`` draws it from a seed) -> release the denoiser -> decode and write each PNG
+atomically with the generation parameters in text chunks -> report (seconds per stage, peak
+RSS). With no model arguments it runs on the built-in tiny components (``tiny-dit``,
+``tiny-te``, ``tiny-vae``: random weights, so a noise picture). Must not: compute model
+arithmetic, change the schedule or update rule, define an exit code, or import another CLI.
+
+Classifier-free guidance (``--guidance-scale G > 0``, for the non-Turbo Z-Image) is
+diffusers' ``ZImagePipeline``'s: each step runs the prompt and the negative prompt and uses
+``pos + G * (pos - neg)`` as the raw output.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
+from nxhpc.cli.codes import Exit, InputError, NotFound, OutputError, UsageError, codes_epilog
+from nxhpc.cli.frame import run_cli
+from nxhpc.cli.report import fmt_compact, peak_rss_mb, png_text, print_json, print_kv
+from nxhpc.runtime.checks import load_npy
+from nxhpc.runtime.outfile import check_output_path
+
+__all__ = ["main", "build_parser", "EXIT_CODES", "TINY", "TINY_PX", "guided", "Job"]
+
+PROG = "generate"
+
+#: The built-in components used when no model argument is given (random weights).
+TINY = {"model": "tiny-dit", "text_encoder": "tiny-te", "vae": "tiny-vae"}
+#: The default image side of the tiny fallback (the real models' default is 1024).
+TINY_PX = 64
+DEFAULT_PX = 1024
+RANDOM_NOTE = "random weights: a noise picture (the built-in tiny components)"
+
+#: The codes generate returns, in its words (the numbers are nxhpc.cli.codes.Exit's).
+EXIT_CODES = {
+    Exit.PASS: "every PNG was written",
+    Exit.FAIL: "the denoiser returned NaN/inf at some step (no PNG was written)",
+    Exit.USAGE: "usage error: bad arguments (--height/--width not a positive multiple of 16, "
+                "--steps 0, both --seed/--seeds and --noise, only some of --model/"
+                "--text-encoder/--vae, an empty prompt list, several images but --out not a "
+                "folder, an --out that cannot be written or is one of the inputs, a missing "
+                "--prompts/--noise file)",
+    Exit.NOT_FOUND: "a model was not found (id, directory or file)",
+    Exit.BAD_INPUT: "bad input: a malformed or unsupported model file, models that do not fit "
+                    "each other (the text encoder's width vs the denoiser's cap_dim, the "
+                    "autoencoder's latent channels vs the denoiser's), or --noise that does "
+                    "not fit ([16, H/8, W/8], float, finite)",
+    Exit.MISSING: "a tensor is missing from a model file",
+    Exit.WORKER: "a worker process failed (raised, crashed or was killed)",
+    Exit.SHM: "not enough shared memory for an arena (in a container use --shm-size)",
+    Exit.OUTPUT: "a PNG could not be written (e.g. disk full): an existing file at that path "
+                 "is unchanged; the PNGs written before it are complete",
+    Exit.MODELS_DIR: "the models directory cannot take a built-in component",
+    Exit.INTERNAL: None,
+    Exit.SIGINT: None,
+    Exit.SIGTERM: None,
+}
+
+
+def _fill(text: str) -> str:
+    return textwrap.fill(text, 92, break_on_hyphens=False)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m nxhpc.generate",
+        description=_fill(
+            "Text to image on nxhpc's CPU kernels, without torch: the prompt through the Qwen3 "
+            "text encoder (a llama.cpp GGUF), Z-Image-Turbo sampling on the Z-Image transformer "
+            "(a ComfyUI-GGUF / stable-diffusion.cpp GGUF; flow-matching Euler, static shift), "
+            "the latents through the FLUX autoencoder's decoder (ae.safetensors or a diffusers "
+            "vae/ directory). Writes each PNG atomically with the parameters in PNG text "
+            "chunks. With none of --model/--text-encoder/--vae it runs on the built-in tiny "
+            "components (tiny-dit, tiny-te, tiny-vae: random weights, a noise picture; "
+            f"{TINY_PX}x{TINY_PX} by default), generated on first use."),
+        epilog=_fill("noise from a seed: numpy.random.default_rng(seed).standard_normal "
+                     "(float32) [16, H/8, W/8], as nxhpc.sample draws it (not torch's "
+                     "generator: pass diffusers' noise with --noise to compare).") + "\n"
+               + _fill("several images (--prompts with more than one line, --seeds with more "
+                       "than one seed): --out must be an existing folder; each image is "
+                       "NNN-seedS.png there (NNN counts prompts x seeds, prompt-major).") + "\n\n"
+               + codes_epilog(EXIT_CODES),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="the prompt")
+    src.add_argument("--prompts", metavar="FILE",
+                     help="a text file of prompts, one per line (blank lines skipped)")
+    p.add_argument("--model", metavar="DIT", default=None,
+                   help="the Z-Image transformer: a .gguf, a model directory, or a built-in id")
+    p.add_argument("--text-encoder", metavar="TE", default=None,
+                   help="the Qwen3 text encoder: a llama.cpp-layout .gguf (Qwen3-4B), a "
+                        "directory holding one, or a built-in id (tiny-te)")
+    p.add_argument("--vae", metavar="VAE", default=None,
+                   help="the autoencoder: ae.safetensors, a diffusers vae/ directory, or a "
+                        "built-in id (tiny-vae)")
+    p.add_argument("--height", type=types.pixels, default=None, metavar="PX",
+                   help=f"image height, a multiple of 16 (default {DEFAULT_PX}; {TINY_PX} with "
+                        f"the built-in tiny components)")
+    p.add_argument("--width", type=types.pixels, default=None, metavar="PX",
+                   help=f"image width, a multiple of 16 (default {DEFAULT_PX}; {TINY_PX} with "
+                        f"the built-in tiny components)")
+    p.add_argument("--steps", type=types.positive_int, default=8,
+                   help="transformer calls per image (default 8)")
+    p.add_argument("--shift", type=types.positive_float, default=3.0,
+                   help="static timestep shift (default 3.0, Z-Image-Turbo's)")
+    noise = p.add_mutually_exclusive_group()
+    noise.add_argument("--seed", type=types.seed, default=None, help="noise seed (default 0)")
+    noise.add_argument("--seeds", type=_seed_list, default=None, metavar="A,B,...",
+                       help="one image per seed (per prompt)")
+    noise.add_argument("--noise", metavar="N.npy", default=None,
+                       help="start from this float [16, H/8, W/8] noise (sets the size)")
+    p.add_argument("--guidance-scale", type=_guidance, default=0.0, metavar="G",
+                   help="classifier-free guidance scale: pos + G * (pos - neg) (default 0: off, "
+                        "as Z-Image-Turbo runs; each step then costs two transformer calls)")
+    p.add_argument("--negative-prompt", metavar="TEXT", default=None,
+                   help="the negative prompt of classifier-free guidance (default empty)")
+    p.add_argument("--precision", choices=("f32", "bf16", "q8"), default="f32",
+                   help="matmul precision: f32 (default); bf16 (bf16-rounded activations, "
+                        "float32 sums; every model); q8 (Q8_0 x Q8_0 in the text encoder's and "
+                        "the denoiser's projections; the autoencoder then runs bf16)")
+    p.add_argument("--workers", type=types.workers, default=None, metavar="N",
+                   help=types.workers_help())
+    p.add_argument("--out", required=True, metavar="IMG.png",
+                   help="the PNG (written atomically; never over an input), or an existing "
+                        "folder for several images")
+    p.add_argument("--models-dir", default=None,
+                   help="where built-in ids are generated (default $NXHPC_MODELS or "
+                        "~/.cache/nxhpc/models)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object instead of key=value lines")
+    return p
+
+
+def _seed_list(s: str) -> list[int]:
+    """Comma-separated seeds >= 0 (an empty item is an error)."""
+    try:
+        vals = [types.seed(v.strip()) for v in s.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got "
+                                         f"{s!r}") from None
+    return vals
+
+
+def _guidance(s: str) -> float:
+    """A guidance scale: a finite number >= 0 (0 = off)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {s!r}") from None
+    if not np.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0 = off), got {s!r}")
+    return v
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code (see ``--help``)."""
+    return run_cli(PROG, build_parser(), argv, _run)
+
+
+@dataclass
+class Job:
+    """One image: its prompt (index into the prompts), seed (None: --noise), output path, and
+    what the run fills in (latents, seconds per step)."""
+    prompt: int
+    seed: int | None
+    out: Path
+    latents: np.ndarray | None = None
+    step_s: list[float] = field(default_factory=list)
+
+
+def guided(denoiser: Any, cap: np.ndarray, neg: np.ndarray, scale: float):
+    """The raw-output function of classifier-free guidance, as ``ZImagePipeline`` computes it:
+    ``pos + scale * (pos - neg)`` in float32, pos and neg the denoiser's outputs for the
+    caption features ``cap`` and ``neg`` (both calls on the one open denoiser: it keeps an
+    engine for each caption length)."""
+    from nxhpc.dit.sampler import NonFiniteOutputError
+    g = np.float32(scale)
+    calls = [0]
+
+    def model(x: np.ndarray, t: float) -> np.ndarray:
+        i, calls[0] = calls[0], calls[0] + 1
+        pos = np.asarray(denoiser.forward(x, t, cap), dtype=np.float32)
+        ngt = np.asarray(denoiser.forward(x, t, neg), dtype=np.float32)
+        r = pos + g * (pos - ngt)
+        if not np.isfinite(r).all():
+            raise NonFiniteOutputError(f"step {i} (t={t:.6g}): the guided output is NaN/inf")
+        return r
+    return model
+
+
+class _Progress:
+    """One tqdm bar on stderr across the stages (encode, steps, decode): one unit per prompt
+    encoded, per transformer step, per image decoded; the stage in the description."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc=PROG, unit="op", file=sys.stderr,
+                            dynamic_ncols=True, leave=True)
+
+    def stage(self, name: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description_str(f"{PROG}: {name}", refresh=True)
+
+    def step(self, note: str | None = None) -> None:
+        if self.bar is not None:
+            if note:
+                self.bar.set_postfix_str(note, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompt is not None:
+        return [args.prompt]
+    p = Path(args.prompts)
+    if not p.is_file():
+        raise UsageError(f"--prompts {p}: no such file")
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--prompts {p}: cannot read it as UTF-8 text: {e}") from None
+    out = [s for s in lines if s.strip()]
+    if not out:
+        raise UsageError(f"--prompts {p}: no prompt in it (every line is blank)")
+    return out
+
+
+def _models(args: argparse.Namespace) -> tuple[dict[str, str], bool]:
+    """The three model arguments (the tiny built-ins when none is given) and whether the
+    fallback is used."""
+    given = {"model": args.model, "text_encoder": args.text_encoder, "vae": args.vae}
+    if all(v is None for v in given.values()):
+        return dict(TINY), True
+    missing = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is None]
+    if missing:
+        raise UsageError(f"give all of --model, --text-encoder and --vae, or none (the built-in "
+                         f"tiny components); missing: {', '.join(missing)} (a built-in id such "
+                         f"as {', '.join(TINY[k] for k, v in given.items() if v is None)} may "
+                         f"be given explicitly)")
+    return given, False  # type: ignore[return-value]
+
+
+def _outputs(out: str, n_prompts: int, seeds: list[int | None]) -> list[Job]:
+    """The jobs (prompt-major) and their output paths; --out a file for one image, an existing
+    folder for any number."""
+    pairs = [(i, s) for i in range(n_prompts) for s in seeds]
+    p = Path(out)
+    if p.is_dir():
+        return [Job(i, s, p / f"{k:03d}-seed{'noise' if s is None else s}.png")
+                for k, (i, s) in enumerate(pairs)]
+    if len(pairs) > 1:
+        raise UsageError(f"--out {out}: {len(pairs)} images ({n_prompts} prompt(s) x "
+                         f"{len(seeds)} seed(s)) need an existing folder, not a file path")
+    return [Job(pairs[0][0], pairs[0][1], p)]
+
+
+def _run(args: argparse.Namespace) -> int:
+    from nxhpc.dit.sampler import (MAX_STEPS, SampleInputError, check_noise, euler_sample,
+                                   initial_noise, latent_shape, sample, turbo_sigmas)
+    from nxhpc.models.modeldir import model_files
+    from nxhpc.models.registry import open_denoiser, open_vae, resolve_model, resolve_vae
+    from nxhpc.runtime.workers import usable_cpus
+    from nxhpc.vae.image import to_uint8, write_png
+
+    t_start = time.perf_counter()
+    prompts = _prompts(args)
+    names, tiny = _models(args)
+    cfg_on = args.guidance_scale > 0
+    if args.negative_prompt is not None and not cfg_on:
+        raise UsageError("--negative-prompt needs --guidance-scale G > 0 (guidance is off)")
+    negative = (args.negative_prompt or "") if cfg_on else None
+    workers = args.workers or usable_cpus()
+    noise_raw = None
+    if args.noise is not None:
+        noise_raw = load_npy(args.noise, "--noise", error=SampleInputError)
+    seeds: list[int | None] = [None] if noise_raw is not None else \
+        (args.seeds if args.seeds is not None else [0 if args.seed is None else args.seed])
+    if (args.height is None) != (args.width is None):
+        raise UsageError("give both --height and --width (or neither)")
+    if args.steps > MAX_STEPS:
+        raise UsageError(f"--steps {args.steps}: at most {MAX_STEPS}")
+    try:
+        turbo_sigmas(args.steps, args.shift)
+    except ValueError as e:
+        raise UsageError(f"--shift {args.shift:g}: {e}") from None
+    jobs = _outputs(args.out, len(prompts), seeds)
+    outs = [str(j.out) for j in jobs]
+    if len(set(map(os.path.realpath, outs))) != len(outs):       # pragma: no cover - by naming
+        raise UsageError("two images would go to the same file")
+
+    # resolve every model (built-ins are generated here) and check the outputs against every
+    # file this run reads, before any model work
+    _, dit_gguf = resolve_model(names["model"], args.models_dir)
+    vae_path = resolve_vae(names["vae"], args.models_dir)
+    te_d, te_g = resolve_model(names["text_encoder"], args.models_dir)
+    reads = [r for r in (args.prompts, args.noise) if r is not None]
+    files = [*model_files(None, dit_gguf), *model_files(te_d, te_g),
+             *(model_files(vae_path) + model_files(vae_path / "vae") if vae_path.is_dir()
+               else model_files(None, vae_path))]
+    for o in outs:
+        check_output_path(o, what="--out", inputs=reads, model_files=files)
+
+    vae_precision = "bf16" if args.precision == "q8" else args.precision
+    progress = _Progress(len(prompts) + (1 if cfg_on else 0)
+                         + len(jobs) * (args.steps + 1), not args.no_progress)
+    stages: dict[str, float] = {}
+    try:
+        t0 = time.perf_counter()
+        with open_denoiser(names["model"], workers=workers, models_dir=args.models_dir,
+                           precision=args.precision) as den, \
+                open_vae(names["vae"], workers=workers, precision=vae_precision,
+                         models_dir=args.models_dir) as vae:
+            dcfg = den.config
+            if vae.config.latent_channels != dcfg.in_channels:
+                raise InputError(f"--vae {names['vae']}: its decoder reads "
+                                 f"{vae.config.latent_channels} latent channels but the "
+                                 f"denoiser makes {dcfg.in_channels}")
+            if noise_raw is not None:
+                shape = None if args.height is None else latent_shape(
+                    args.height, args.width, dcfg.in_channels, vae.config.upscale, dcfg.patch)
+                try:
+                    noise_raw = check_noise(noise_raw, dcfg, shape)
+                except SampleInputError as e:
+                    raise SampleInputError(f"--noise {args.noise}: {e}") from None
+                height = noise_raw.shape[1] * vae.config.upscale
+                width = noise_raw.shape[2] * vae.config.upscale
+            else:
+                px = TINY_PX if tiny else DEFAULT_PX
+                height = args.height or px
+                width = args.width or px
+                shape = latent_shape(height, width, dcfg.in_channels, vae.config.upscale,
+                                     dcfg.patch)
+            stages["open_s"] = time.perf_counter() - t0
+
+            # 1. every prompt through the text encoder, which is then released
+            t1 = time.perf_counter()
+            progress.stage("encode")
+            feats, neg_feats, te_file = _encode(names["text_encoder"], prompts, negative,
+                                                workers, args, dcfg.cap_dim, progress)
+            stages["encode_s"] = time.perf_counter() - t1
+
+            # 2. every image's latents on the one denoiser (its arena is built now)
+            t2 = time.perf_counter()
+            progress.stage("denoise")
+            for job in jobs:
+                x0 = noise_raw if job.seed is None else initial_noise(job.seed, shape)
+
+                def on_step(i: int, n: int, seconds: float, job: Job = job) -> None:
+                    job.step_s.append(seconds)
+                    progress.step(f"{seconds:.2f} s/step")
+                cap = feats[job.prompt]
+                if cfg_on:
+                    job.latents = euler_sample(guided(den, cap, neg_feats, args.guidance_scale),
+                                               x0, steps=args.steps, shift=args.shift,
+                                               on_step=on_step)
+                else:
+                    job.latents = sample(den, cap, x0, steps=args.steps, shift=args.shift,
+                                         on_step=on_step)
+            den_mem = den.memory()
+            stages["denoise_s"] = time.perf_counter() - t2
+            den.close()                       # the denoiser's arena and workers go first
+
+            # 3. decode and write each picture
+            t3 = time.perf_counter()
+            progress.stage("decode")
+            meta = dict(model=_label(dit_gguf) if dit_gguf else names["model"],
+                        text_encoder=te_file, vae=_label(vae.file.path))
+            for job in jobs:
+                pixels = to_uint8(vae.decode(job.latents))
+                text = _png_fields(args, prompts[job.prompt], negative, job, height, width,
+                                   meta)
+                try:
+                    write_png(job.out, pixels, text)
+                except OSError as e:
+                    done = [str(j.out) for j in jobs[:jobs.index(job)]]
+                    raise OutputError(f"--out {job.out}: could not write the PNG: "
+                                      f"{e.strerror or e}; an existing file at that path is "
+                                      f"unchanged" + (f"; written: {', '.join(done)}"
+                                                      if done else "")) from None
+                progress.step()
+            stages["decode_s"] = time.perf_counter() - t3
+    finally:
+        progress.close()
+    stages["total_s"] = time.perf_counter() - t_start
+
+    report: dict[str, Any] = {
+        "model": names["model"], "text_encoder": names["text_encoder"], "vae": names["vae"],
+        "prompts": len(prompts), "images": len(jobs), "height": height, "width": width,
+        "steps": args.steps, "shift": args.shift,
+        "sigmas": [round(float(s), 9) for s in turbo_sigmas(args.steps, args.shift)],
+        "guidance_scale": args.guidance_scale, "precision": args.precision,
+        "workers": workers, "seeds": [j.seed for j in jobs] if args.noise is None else None,
+        "noise": args.noise, **{k: round(v, 6) for k, v in stages.items()},
+        "s_per_step": round(stages["denoise_s"] / (len(jobs) * args.steps), 6),
+        "arena_mb": den_mem.get("arena_mb"), **peak_rss_mb(),
+        "out": [str(j.out) for j in jobs]}
+    if tiny or any(n in TINY.values() for n in names.values()):
+        report["note"] = RANDOM_NOTE
+    if args.json:
+        report["prompt_list"] = prompts
+        report["step_s"] = [[round(s, 6) for s in j.step_s] for j in jobs]
+        print_json(report)
+    else:
+        print_kv(report, fmt_compact)
+    sys.stdout.flush()
+    return Exit.PASS
+
+
+def _encode(te: str, prompts: list[str], negative: str | None, workers: int,
+            args: argparse.Namespace, cap_dim: int, progress: _Progress
+            ) -> tuple[list[np.ndarray], np.ndarray | None, str]:
+    """Caption features of every prompt (and of ``negative``), then the encoder is closed.
+    Returns (features, negative features or None, the encoder's file name)."""
+    import nxhpc
+    if not hasattr(nxhpc, "load_text_encoder"):       # pragma: no cover - an older tree
+        raise NotFound("this nxhpc has no text encoder (nxhpc.load_text_encoder)")
+    with nxhpc.load_text_encoder(te, workers=workers, precision=args.precision,
+                                 models_dir=args.models_dir) as enc:
+        if enc.config.dim != cap_dim:
+            raise InputError(f"--text-encoder {te}: its features are {enc.config.dim} wide but "
+                             f"the denoiser's cap_dim is {cap_dim}: these models do not go "
+                             f"together")
+        feats = []
+        for p in prompts:
+            feats.append(enc.encode(p))
+            progress.step()
+        neg = None
+        if negative is not None:
+            neg = enc.encode(negative)
+            progress.step()
+        return feats, neg, _label(Path(enc.path))
+
+
+def _label(path: Path) -> str:
+    """A model file's name as the PNG records it: the file name, with the built-in's id in
+    front for a generated built-in (``tiny-dit/model.gguf``)."""
+    from nxhpc.models.modeldir import SPEC_FILE
+    return f"{path.parent.name}/{path.name}" if (path.parent / SPEC_FILE).is_file() \
+        else path.name
+
+
+def _png_fields(args, prompt: str, negative: str | None, job: Job, height: int, width: int,
+                meta: dict[str, str]) -> dict[str, str]:
+    """The PNG text chunks: each parameter on its own key, and ``parameters`` in the one-block
+    form other image tools write (prompt, ``Negative prompt:`` line, then ``Key: value``)."""
+    seed = job.seed if job.seed is not None else None
+    line = ", ".join(f"{k}: {v}" for k, v in (
+        ("Steps", args.steps), ("Sampler", "Euler (flow matching)"), ("Shift", args.shift),
+        ("CFG scale", args.guidance_scale), ("Seed", seed if seed is not None else "noise"),
+        ("Size", f"{width}x{height}"), ("Model", meta["model"]),
+        ("Text encoder", meta["text_encoder"]), ("VAE", meta["vae"]),
+        ("Precision", args.precision)))
+    block = prompt + (f"\nNegative prompt: {negative}" if negative is not None else "") + \
+        "\n" + line
+    return png_text(prompt=prompt, negative_prompt=negative, seed=seed,
+                    noise=os.path.basename(args.noise) if args.noise else None,
+                    steps=args.steps, shift=args.shift, guidance_scale=args.guidance_scale,
+                    height=height, width=width, precision=args.precision,
+                    parameters=block, **meta)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,397 @@
+"""Pixels out as users reach them: the built-in ``tiny-vae``, ``python -m nxhpc.decode`` and
+``python -m nxhpc.generate`` (prompt -> PNG on nxhpc's kernels, no torch in the run).
+
+Oracles, independent of the code under test:
+- ``tiny-vae``: diffusers' ``AutoencoderKL`` (float64) holding the file's weights through
+  diffusers' own ``convert_ldm_vae_checkpoint`` (the BFL -> diffusers key mapping);
+- ``decode``: the library's ``VaeDecoder`` + ``to_uint8`` on the same latents (bit equal: the
+  decoder is bit-identical for any worker count);
+- ``generate``: diffusers' ``ZImagePipeline`` built from the same tiny components --
+  transformers' ``Qwen2Tokenizer`` (the file's vocab and merges, Qwen's chat template) and
+  float64 ``Qwen3Model`` (``nxhpc.qwen3.oracle``) for ``tiny-te``, the float64 diffusers
+  ``ZImageTransformer2DModel`` on ``tiny-dit``'s dequantized weights, the ``AutoencoderKL``
+  above, ``FlowMatchEulerDiscreteScheduler(shift=3)`` -- 8 steps from the same initial noise:
+  the PNG within 2 levels everywhere (measured: 0-1), with and without CFG. Negative controls:
+  another prompt, a flipped guidance sign and another seed must miss that bound.
+Bad input: a clear error, the documented exit code, nothing written, no /dev/shm left behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import nxhpc
+from nxhpc.cli.codes import Exit
+from nxhpc.dit.sampler import initial_noise
+from nxhpc.formats.gguf_io import ModelNotFoundError
+from nxhpc.models import registry
+from nxhpc.models.vae_files import VaeSpec, make_vae_model
+from procutil import run_cli
+from sample_util import shm_entries
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+
+pytestmark = pytest.mark.usefixtures("torch_threads")
+
+PX = 64
+PROMPT = "a red fox in the snow"
+HAS_TE = registry.builtin_spec("tiny-te") is not None
+needs_te = pytest.mark.skipif(not HAS_TE, reason="the tiny-te built-in text encoder (branch "
+                                                 "te-cli) is not in this tree")
+#: A change of tiny-vae's identity shows here before it regenerates every user's copy.
+PINNED_TINY_VAE = "006087d02757e375"
+
+
+def _png(path):
+    from PIL import Image
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB")).astype(int), dict(im.text)
+
+
+def _leftovers(d) -> list[str]:
+    return sorted(n for n in os.listdir(d) if ".tmp-" in n or ".probe-" in n)
+
+
+# ------------------------------------------------------------------------------ tiny-vae
+@pytest.fixture(scope="module")
+def vae_dir(models_root):
+    return registry.ensure_builtin("tiny-vae", models_root)
+
+
+def _diffusers_vae(path, dtype=None):
+    """diffusers' AutoencoderKL (float64) of a BFL-layout tiny-vae file, converted by
+    diffusers' own LDM mapping; the encoder stays random (unused)."""
+    from diffusers import AutoencoderKL
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+    from safetensors.torch import load_file
+    spec = VaeSpec()
+    n = len(spec.block_out_channels)
+    vae = AutoencoderKL(in_channels=3, out_channels=3,
+                        down_block_types=("DownEncoderBlock2D",) * n,
+                        up_block_types=("UpDecoderBlock2D",) * n,
+                        block_out_channels=spec.block_out_channels,
+                        layers_per_block=spec.layers_per_block,
+                        latent_channels=spec.latent_channels, norm_num_groups=32,
+                        use_quant_conv=False, use_post_quant_conv=False,
+                        mid_block_add_attention=True, scaling_factor=0.3611,
+                        shift_factor=0.1159).to(dtype or torch.float64).eval()
+    sd = convert_ldm_vae_checkpoint(load_file(str(path)), dict(vae.config))
+    missing, unexpected = vae.load_state_dict({k: v.to(vae.dtype) for k, v in sd.items()},
+                                              strict=False)
+    assert not unexpected and all(k.startswith("encoder.") for k in missing), unexpected
+    assert len(sd) == len([k for k in vae.state_dict() if k.startswith("decoder.")])
+    return vae
+
+
+def test_tiny_vae_builtin(vae_dir, tmp_path):
+    spec = registry.BUILTINS["tiny-vae"]
+    assert spec.kind == "vae" and registry.builtin_ids("vae") == ["tiny-vae"]
+    assert spec.latent_channels == registry.BUILTINS["tiny-dit"].in_channels == 16
+    assert sorted(os.listdir(vae_dir)) == ["ae.safetensors", "synthetic.json"]
+    info = json.loads((vae_dir / "synthetic.json").read_text())
+    assert info["kind"] == "vae" and info["fingerprint"] == spec.fingerprint() == PINNED_TINY_VAE
+    assert registry.builtin_current(vae_dir, spec)
+    from dataclasses import replace
+    assert not registry.builtin_current(vae_dir, replace(spec, seed=1))   # negative control
+    # the same spec gives the same bytes; a size estimate that is a close lower bound
+    again = make_vae_model(tmp_path / "again", spec)
+    assert (again / "ae.safetensors").read_bytes() == (vae_dir / "ae.safetensors").read_bytes()
+    size = (vae_dir / "ae.safetensors").stat().st_size
+    assert 0.98 * size <= spec.disk_bytes() <= size
+    with nxhpc.load_vae("tiny-vae", workers=1, models_dir=vae_dir.parent) as vae:
+        assert vae.file.layout == "ldm" and vae.file.dtype == "F32"
+        assert vae.config.block_out_channels == (32, 32, 64, 64)
+        assert vae.config.norm_num_groups == 32 and vae.config.upscale == 8
+    with pytest.raises(ValueError, match="multiples of 32"):
+        VaeSpec(block_out_channels=(32, 48)).validate()
+
+
+def test_tiny_vae_matches_diffusers(vae_dir, tmp_path):
+    from vae_util import diffusers_decode
+    z = np.random.default_rng(5).standard_normal((16, 6, 8)).astype(np.float32)
+    ref = diffusers_decode(_diffusers_vae(vae_dir / "ae.safetensors"), z)
+    with nxhpc.load_vae(vae_dir / "ae.safetensors", workers=2) as vae:
+        out = vae.decode(z)
+    rel = np.abs(out - ref).max() / np.abs(ref).max()
+    assert out.shape == (3, 48, 64) and rel < 1e-4, rel
+    assert 0.05 < np.mean(np.abs(ref) > 0.1) and np.mean(np.abs(ref) > 1) < 0.05  # not flat
+    other = make_vae_model(tmp_path / "other", VaeSpec(seed=1))
+    ref2 = diffusers_decode(_diffusers_vae(other / "ae.safetensors"), z)
+    assert np.abs(out - ref2).max() / np.abs(ref2).max() > 1e-1          # negative control
+
+
+def test_load_vae_refuses_other_kinds(models_root, tmp_path):
+    with pytest.raises(ModelNotFoundError, match="not an autoencoder"):
+        nxhpc.load_vae("tiny-dit", models_dir=tmp_path)
+    assert not (tmp_path / "tiny-dit").exists()                          # nothing generated
+    with pytest.raises(ModelNotFoundError, match="no such file"):
+        nxhpc.load_vae(tmp_path / "absent.safetensors")
+
+
+# ------------------------------------------------------------------------------ decode CLI
+@pytest.fixture()
+def latents_file(tmp_path):
+    z = np.random.default_rng(7).standard_normal((16, 8, 6)).astype(np.float32)
+    p = tmp_path / "z.npy"
+    np.save(p, z)
+    return p, z
+
+
+def test_decode_cli_matches_the_library(vae_dir, latents_file, tmp_path):
+    from nxhpc.vae import to_uint8
+    p, z = latents_file
+    out = tmp_path / "img.png"
+    r = run_cli("nxhpc.decode", ["tiny-vae", "--latents", p, "--out", out, "--json", "2"],
+                vae_dir.parent)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["image"] == [64, 48] and rep["workers"] == 2 and rep["out"] == str(out)
+    assert rep["peak_rss_mb"] > 0 and rep["decode_s"] > 0
+    with nxhpc.load_vae("tiny-vae", workers=1, models_dir=vae_dir.parent) as vae:
+        want = to_uint8(vae.decode(z)).astype(int)
+    got, text = _png(out)
+    np.testing.assert_array_equal(got, want)
+    assert text["latents"] == "z.npy" and text["vae"] == "ae.safetensors"
+    assert text["software"] == f"nxhpc {nxhpc.__version__}"
+    # bf16 runs and stays near (measured ~1 level)
+    r = run_cli("nxhpc", ["decode", "tiny-vae", "--latents", p, "--out", out, "--precision",
+                          "bf16"], vae_dir.parent)
+    assert r.returncode == 0, r.stderr and "precision=bf16" in r.stdout
+    assert np.abs(_png(out)[0] - want).max() <= 8
+    assert _leftovers(tmp_path) == []
+
+
+def test_decode_cli_bad_input(vae_dir, latents_file, tmp_path):
+    p, z = latents_file
+    root = vae_dir.parent
+    out = tmp_path / "img.png"
+    before = shm_entries()
+    bad = {}
+    for name, arr in (("wrong_channels", z[:4]), ("nan", np.where(z > 2, np.nan, z)),
+                      ("flat", z[0]), ("ints", z.astype(np.int32))):
+        bad[name] = tmp_path / f"{name}.npy"
+        np.save(bad[name], arr)
+    (tmp_path / "trunc").mkdir()
+    blob = (vae_dir / "ae.safetensors").read_bytes()
+    (tmp_path / "trunc" / "ae.safetensors").write_bytes(blob[:len(blob) // 2])
+    (tmp_path / "junk.safetensors").write_bytes((10 ** 15).to_bytes(8, "little") + b"{}")
+    (tmp_path / "file").write_text("x")
+    cases = [
+        (["tiny-vae", "--latents", bad["wrong_channels"]], Exit.BAD_INPUT, "16"),
+        (["tiny-vae", "--latents", bad["nan"]], Exit.BAD_INPUT, "NaN"),
+        (["tiny-vae", "--latents", bad["flat"]], Exit.BAD_INPUT, "expected [C, h, w]"),
+        (["tiny-vae", "--latents", bad["ints"]], Exit.BAD_INPUT, "floating-point"),
+        (["tiny-vae", "--latents", tmp_path / "absent.npy"], Exit.USAGE, "no such file"),
+        (["tiny-vae", "0", "--latents", p], Exit.USAGE, "n_workers"),
+        ([tmp_path / "absent", "--latents", p], Exit.NOT_FOUND, "no such file"),
+        (["tiny-dit", "--latents", p], Exit.NOT_FOUND, "not an autoencoder"),
+        ([tmp_path / "trunc", "--latents", p], Exit.BAD_INPUT, "ae.safetensors"),
+        ([tmp_path / "junk.safetensors", "--latents", p], Exit.BAD_INPUT, "header"),
+    ]
+    for args, code, msg in cases:
+        r = run_cli("nxhpc.decode", [*args, "--out", out], root)
+        assert r.returncode == code, (args, r.returncode, r.stderr)
+        assert msg in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        assert not out.exists()
+    # outputs that cannot be written, or that are inputs: refused before any work
+    for o, msg in ((tmp_path, "is a directory"), (tmp_path / "no" / "x.png", "does not exist"),
+                   (tmp_path / "file" / "x.png", "does not exist"), (p, "is an input"),
+                   (vae_dir / "ae.safetensors", "is an input")):
+        r = run_cli("nxhpc.decode", ["tiny-vae", "--latents", p, "--out", o], root)
+        assert r.returncode == Exit.USAGE and msg in r.stderr, (o, r.stderr)
+    assert np.array_equal(np.load(p), z)
+    # a write that fails (a full disk): exit 8, an existing file unchanged
+    r = run_cli("nxhpc.decode", ["tiny-vae", "--latents", p, "--out", "/dev/full"], root)
+    assert r.returncode == Exit.OUTPUT and "could not write" in r.stderr, r.stderr
+    out.write_bytes(b"old")
+    r = run_cli("nxhpc.decode", ["tiny-vae", "--latents", bad["nan"], "--out", out, "2"], root)
+    assert r.returncode == Exit.BAD_INPUT and out.read_bytes() == b"old"
+    assert _leftovers(tmp_path) == [] and shm_entries() <= before
+    r = run_cli("nxhpc.decode", ["--help"], root)
+    assert r.returncode == 0 and "exit codes:" in r.stdout and "  4  bad input" in r.stdout
+
+
+# ------------------------------------------------------------------------------ generate
+def _generate(root, *args, expect=Exit.PASS):
+    r = run_cli("nxhpc.generate", [*args, "--no-progress", "--json"], root, timeout=600)
+    assert r.returncode == expect, (r.returncode, r.stderr[-3000:])
+    return json.loads(r.stdout) if expect == Exit.PASS else r
+
+
+@pytest.fixture(scope="module")
+def pipeline(models_root, tmp_path_factory):
+    """diffusers' ZImagePipeline of the tiny built-ins (float64 transformer, text encoder and
+    autoencoder; transformers' tokenizer of the tiny-te file)."""
+    from dataclasses import replace
+
+    from diffusers import ZImagePipeline
+    from pipeline_fixtures import CHAT_TEMPLATE, make_scheduler
+    from transformers import Qwen2Tokenizer
+
+    from nxhpc.dit.oracle import diffusers_zimage
+    from nxhpc.models.qwen3_files import read_qwen3_gguf
+    from nxhpc.models.zimage_files import read_zimage_gguf
+    from nxhpc.qwen3.oracle import transformers_model
+    from test_qwen3_tokenizer import write_hf_dir
+    te_dir = registry.ensure_builtin("tiny-te", models_root)
+    f = read_qwen3_gguf(te_dir / "model.gguf")
+    vocab = (list(f.metadata["tokenizer.ggml.tokens"]),
+             [int(t) for t in f.metadata["tokenizer.ggml.token_type"]],
+             list(f.metadata["tokenizer.ggml.merges"]))
+    tok = Qwen2Tokenizer.from_pretrained(str(write_hf_dir(tmp_path_factory.mktemp("hf"), vocab,
+                                                          CHAT_TEMPLATE)))
+    spec = registry.BUILTINS["tiny-te"]
+    te_cfg = replace(spec.config(), eps=float(np.float32(spec.eps)),
+                     rope_theta=float(np.float32(spec.rope_theta)))
+    text_encoder = transformers_model(te_cfg, f.weights)
+    dit_dir = registry.ensure_builtin("tiny-dit", models_root)
+    dit = diffusers_zimage(registry.BUILTINS["tiny-dit"].config(),
+                           read_zimage_gguf(dit_dir / "model.gguf").weights)
+    vae_dir = registry.ensure_builtin("tiny-vae", models_root)
+    pipe = ZImagePipeline(scheduler=make_scheduler(), vae=_diffusers_vae(vae_dir /
+                                                                         "ae.safetensors"),
+                          text_encoder=text_encoder, tokenizer=tok, transformer=dit)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _pipeline_png(pipe, prompt, seed, guidance=0.0, negative=None):
+    noise = torch.from_numpy(initial_noise(seed, (16, PX // 8, PX // 8)))[None]
+    img = pipe(prompt, height=PX, width=PX, num_inference_steps=8, guidance_scale=guidance,
+               negative_prompt=negative, latents=noise, output_type="pil").images[0]
+    return np.asarray(img).astype(int)
+
+
+@needs_te
+@pytest.mark.parametrize("guidance", [0.0, 2.5])
+def test_generate_matches_zimage_pipeline(models_root, pipeline, tmp_path, guidance):
+    out = tmp_path / "fox.png"
+    extra = ["--guidance-scale", guidance, "--negative-prompt", "blurry"] if guidance else []
+    rep = _generate(models_root, "--prompt", PROMPT, "--seed", 3, "--out", out,
+                    "--workers", 2, *extra)
+    got, text = _png(out)
+    ref = _pipeline_png(pipeline, PROMPT, 3, guidance, "blurry" if guidance else None)
+    diff = np.abs(got - ref)
+    assert got.shape == (PX, PX, 3) and diff.max() <= 2, (diff.max(), np.mean(diff > 0))
+    assert ref.std() > 10                                      # a picture, not a flat field
+    assert rep["images"] == 1 and rep["height"] == rep["width"] == PX
+    print(f"generate vs ZImagePipeline (guidance {guidance}): max {diff.max()} levels, "
+          f"{np.mean(diff > 0):.4f} of the values differ")
+    # negative controls: the same bound catches another prompt, another seed, swapped roles
+    if not guidance:
+        assert np.abs(got - _pipeline_png(pipeline, "a blue cube", 3)).max() > 2
+        assert np.abs(got - _pipeline_png(pipeline, PROMPT, 4)).max() > 2
+    else:
+        flipped = _pipeline_png(pipeline, "blurry", 3, guidance, PROMPT)   # roles swapped
+        assert np.abs(got - flipped).max() > 2
+        assert text["negative_prompt"] == "blurry" and text["guidance_scale"] == str(guidance)
+
+
+@needs_te
+def test_generate_fresh_machine_defaults(tmp_path):
+    """No model arguments: the tiny built-ins are generated into an empty models directory,
+    64x64, the report says the weights are random; the PNG carries the parameters."""
+    root = tmp_path / "models"
+    out = tmp_path / "fox.png"
+    r = run_cli("nxhpc.generate", ["--prompt", "a fox", "--out", out], root, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "note=random weights: a noise picture" in r.stdout
+    assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == \
+        ["tiny-dit", "tiny-te", "tiny-vae"]
+    for stage in ("encode_s", "denoise_s", "decode_s", "total_s", "peak_rss_mb"):
+        assert f"\n{stage}=" in r.stdout, stage
+    assert "generate: decode" in r.stderr and "100%" in r.stderr     # the one progress bar
+    got, text = _png(out)
+    assert got.shape == (64, 64, 3) and got.std() > 5
+    assert text["prompt"] == "a fox" and text["seed"] == "0" and text["steps"] == "8"
+    assert text["shift"] == "3.0" and text["model"] == "tiny-dit/model.gguf"
+    assert text["text_encoder"] == "tiny-te/model.gguf" and text["vae"] == "tiny-vae/ae.safetensors"
+    assert text["software"] == f"nxhpc {nxhpc.__version__}"
+    assert text["parameters"].startswith("a fox\nSteps: 8, ") and "Seed: 0" in text["parameters"]
+    # the noise is nxhpc.sample's: the same seed's noise given as a file gives the same PNG
+    noise = tmp_path / "n.npy"
+    np.save(noise, initial_noise(0, (16, 8, 8)))
+    rep = _generate(root, "--prompt", "a fox", "--noise", noise, "--out", tmp_path / "n.png")
+    assert rep["seeds"] is None and rep["height"] == 64
+    np.testing.assert_array_equal(_png(tmp_path / "n.png")[0], got)
+
+
+@needs_te
+def test_generate_several_images(models_root, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a fox\n\nan owl at night\n")
+    outd = tmp_path / "out"
+    outd.mkdir()
+    rep = _generate(models_root, "--prompts", prompts, "--seeds", "5,6", "--out", outd,
+                    "--height", 32, "--width", 48)
+    names = ["000-seed5.png", "001-seed6.png", "002-seed5.png", "003-seed6.png"]
+    assert sorted(os.listdir(outd)) == names and rep["images"] == 4
+    assert rep["prompts"] == 2 and rep["seeds"] == [5, 6, 5, 6]
+    imgs = [_png(outd / n) for n in names]
+    assert [t["prompt"] for _, t in imgs] == ["a fox", "a fox", "an owl at night",
+                                             "an owl at night"]
+    assert all(a.shape == (32, 48, 3) for a, _ in imgs)
+    # each image is what a run of its own makes (one open denoiser serves them all)
+    one = tmp_path / "one.png"
+    _generate(models_root, "--prompt", "an owl at night", "--seed", 6, "--out", one,
+              "--height", 32, "--width", 48)
+    np.testing.assert_array_equal(_png(one)[0], imgs[3][0])
+    assert np.abs(imgs[2][0] - imgs[3][0]).max() > 0
+
+
+@needs_te
+def test_generate_bad_input(models_root, tmp_path):
+    before = shm_entries()
+    out = tmp_path / "x.png"
+    nan = tmp_path / "nan.npy"
+    np.save(nan, np.full((16, 8, 8), np.nan, np.float32))
+    wrong = tmp_path / "wrong.npy"
+    np.save(wrong, np.zeros((4, 8, 8), np.float32))
+    te = tmp_path / "te"
+    from nxhpc.models.qwen3_files import TextEncoderSpec, make_text_encoder
+    make_text_encoder(te, TextEncoderSpec(dim=128, n_heads=2, n_kv_heads=1, ffn=256))
+    (tmp_path / "empty.txt").write_text("\n \n")
+    (tmp_path / "p.txt").write_text("a fox\n")
+    P = ["--prompt", "a fox"]
+    cases = [
+        ([*P, "--height", 100, "--width", 64], Exit.USAGE, "multiple of 16"),
+        ([*P, "--height", 64], Exit.USAGE, "both --height and --width"),
+        ([*P, "--model", "tiny-dit"], Exit.USAGE, "--text-encoder, --vae"),
+        ([*P, "--steps", 0], Exit.USAGE, "--steps"),
+        ([*P, "--seed", 1, "--noise", nan], Exit.USAGE, "not allowed with"),
+        ([*P, "--seeds", "1,,2"], Exit.USAGE, "comma-separated"),
+        ([*P, "--negative-prompt", "x"], Exit.USAGE, "--guidance-scale"),
+        ([*P, "--guidance-scale", "-1"], Exit.USAGE, ">= 0"),
+        ([*P, "--seeds", "1,2"], Exit.USAGE, "need an existing folder"),
+        (["--prompts", tmp_path / "empty.txt"], Exit.USAGE, "no prompt"),
+        (["--prompts", tmp_path / "absent.txt"], Exit.USAGE, "no such file"),
+        ([*P, "--noise", tmp_path / "absent.npy"], Exit.USAGE, "no such file"),
+        ([*P, "--noise", nan], Exit.BAD_INPUT, "NaN"),
+        ([*P, "--noise", wrong], Exit.BAD_INPUT, "expected [16, H, W]"),
+        ([*P, "--model", "tiny-dit", "--text-encoder", te, "--vae", "tiny-vae"],
+         Exit.BAD_INPUT, "cap_dim is 320"),
+        ([*P, "--model", "tiny-dit", "--text-encoder", "tiny-te", "--vae", tmp_path / "no"],
+         Exit.NOT_FOUND, "no such file"),
+        ([*P, "--model", "tiny-dit", "--text-encoder", "tiny-te", "--vae", "tiny-te"],
+         Exit.NOT_FOUND, "not an autoencoder"),
+    ]
+    for args, code, msg in cases:
+        r = _generate(models_root, *args, "--out", out, expect=code)
+        assert msg in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        assert not out.exists()
+    for o, msg in ((tmp_path / "no" / "x.png", "does not exist"),
+                   (models_root / "tiny-vae" / "ae.safetensors", "is an input"),
+                   (tmp_path / "p.txt", "is an input")):
+        extra = ["--prompts", o] if o.name == "p.txt" else P
+        r = _generate(models_root, *extra, "--out", o, expect=Exit.USAGE)
+        assert msg in r.stderr, (o, r.stderr)
+    assert (tmp_path / "p.txt").read_text() == "a fox\n"
+    r = _generate(models_root, *P, "--out", "/dev/full", expect=Exit.OUTPUT)
+    assert "could not write the PNG" in r.stderr
+    assert _leftovers(tmp_path) == [] and shm_entries() <= before
+    r = run_cli("nxhpc.generate", ["--help"], models_root)
+    assert r.returncode == 0 and "exit codes:" in r.stdout and "tiny-vae" in r.stdout
