@@ -195,6 +195,43 @@ def test_builtin_is_generated_once_and_regenerated_when_stale(tmp_path):
     assert json.loads((d / "synthetic.json").read_text())["fingerprint"] != "stale"
 
 
+@pytest.mark.parametrize("model_id", ["tiny", "tiny-dit", "tiny-te", "tiny-vae"])
+def test_damaged_builtin_is_detected_and_generated_again(tmp_path, model_id):
+    """Issue 19, item 2: a built-in whose files were overwritten (a result saved over
+    model.gguf), truncated or deleted was used as is -- every later run failed -- because the
+    freshness check read only the fingerprint. Each damage is now detected and the built-in
+    generated again, byte-identical to the first generation (sha256 of every file); an
+    untouched directory is reused as it is (negative control: nothing regenerated)."""
+    import hashlib
+
+    def digests(d):
+        return {f.name: hashlib.sha256(f.read_bytes()).hexdigest()
+                for f in sorted(d.iterdir()) if f.is_file() and not f.name.startswith(".")}
+
+    d = ensure_builtin(model_id, tmp_path)
+    first = digests(d)
+    spec = registry.builtin_spec(model_id)
+    assert registry.builtin_current(d, spec)
+    mtime = {n: (d / n).stat().st_mtime_ns for n in first}
+    assert ensure_builtin(model_id, tmp_path) == d                       # reused, untouched
+    assert {n: (d / n).stat().st_mtime_ns for n in first} == mtime
+    main = getattr(spec, "main_file", "model.gguf")
+    some = d / sorted(first)[0]
+    def result_over_it():                                 # what `--out <dir>/model.gguf` did
+        with open(d / main, "wb") as f:
+            np.save(f, np.zeros(48, np.float32))
+
+    damages = [result_over_it,
+               lambda: os.truncate(some, some.stat().st_size // 2),
+               lambda: (d / sorted(first)[-1]).unlink()]
+    for damage in damages:
+        damage()
+        assert not registry.builtin_current(d, spec)
+        assert ensure_builtin(model_id, tmp_path) == d
+        assert digests(d) == first
+        assert registry.builtin_current(d, spec)
+
+
 def test_large_builtin_reports_progress_on_stderr(tmp_path, monkeypatch, capsys):
     """Generating zimage-1l (about 10 s) shows progress unasked; tiny stays quiet. The
     generator is replaced by a stub that only reports, so nothing large is built here."""

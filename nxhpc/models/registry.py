@@ -123,13 +123,44 @@ def models_dir() -> Path:
 _models_root = models_dir
 
 
+#: Written into a built-in's directory after it was generated: each file's name, size and
+#: sampled sha256 (``runtime.ranks.file_fingerprint``: ~5 MB read per file, whatever its size).
+#: A file that was overwritten, truncated or replaced since (say an output saved over the
+#: model) no longer matches, and the built-in is generated again.
+FILES_MANIFEST = ".nxhpc-files.json"
+
+
+def _manifest(d: Path) -> dict[str, list]:
+    """``{name: [size, sampled sha256]}`` of every regular file of ``d`` but the manifest."""
+    from nxhpc.runtime.ranks import file_fingerprint
+    return {f.name: list(file_fingerprint(f)) for f in sorted(d.iterdir())
+            if f.is_file() and not f.is_symlink() and f.name != FILES_MANIFEST
+            and not f.name.startswith(".")}
+
+
+def _write_manifest(d: Path) -> None:
+    """Record ``d``'s files (atomically: a half-written manifest reads as damaged)."""
+    tmp = d / f"{FILES_MANIFEST}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(_manifest(d), indent=1, sort_keys=True))
+    os.replace(tmp, d / FILES_MANIFEST)
+
+
 def builtin_current(d: Path, spec: BuiltinSpec) -> bool:
-    """Whether ``d`` holds the model ``spec`` generates (same fingerprint, GGUF present)."""
+    """Whether ``d`` holds the model ``spec`` generates: the same fingerprint, the main file
+    present, and every generated file as it was written (size and sampled hash,
+    :data:`FILES_MANIFEST`; files added later are not looked at; a directory without the
+    manifest counts as stale and is generated again)."""
     try:
         info = json.loads((d / SPEC_FILE).read_text())
         main = getattr(spec, "main_file", GGUF_FILE)
-        return info.get("fingerprint") == spec.fingerprint() and (d / main).is_file()
-    except (OSError, ValueError):
+        if info.get("fingerprint") != spec.fingerprint() or not (d / main).is_file():
+            return False
+        from nxhpc.runtime.ranks import file_fingerprint
+        files = json.loads((d / FILES_MANIFEST).read_text())
+        return bool(files) and all(
+            (d / n).is_file() and not (d / n).is_symlink()
+            and list(file_fingerprint(d / n)) == v for n, v in files.items())
+    except (OSError, ValueError, TypeError, AttributeError):
         return False
 
 
@@ -163,6 +194,7 @@ def ensure_builtin(model_id: str, root: Path | None = None, force: bool = False,
             make = {TEXT_ENCODER_KIND: make_text_encoder,
                     VAE_KIND: make_vae_model}.get(spec.kind, make_synthetic)
             make(d, spec, progress=progress, replace=True)
+            _write_manifest(d)
     except FileExistsError as e:
         raise ModelError(f"{what}: {e}") from None
     except ModelsDirError:
