@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -241,6 +242,7 @@ class VaeDecoder:
                  precision: str = "f32") -> None:
         self.precision = check_choice(precision, CONV_PRECISIONS, "precision")
         self.workers = check_workers(workers)
+        self._lock = threading.RLock()     # one decode at a time: the buffers are shared
         self._engine: Engine | None = None
         self._capacity: dict[str, int] = {}
         self.file: VaeFile = open_vae_file(path)
@@ -294,7 +296,12 @@ class VaeDecoder:
 
     def decode(self, latents: Any) -> np.ndarray:
         """Pixels float32 [out_channels, 8h, 8w] (before clamping) of latents [C_z, h, w] in the
-        sampler's space (the decoder reads ``latents / scaling + shift``)."""
+        sampler's space (the decoder reads ``latents / scaling + shift``). Thread-safe: calls
+        from several threads are serialized."""
+        with self._lock:
+            return self._decode(latents)
+
+    def _decode(self, latents: Any) -> np.ndarray:
         cfg = self.config
         if self.file is None:
             raise RuntimeError("VaeDecoder.decode: the decoder is closed")
@@ -325,12 +332,14 @@ class VaeDecoder:
         self._capacity = {}
 
     def close(self) -> None:
-        """Stop the workers, release the shared memory, drop the file map. Idempotent."""
-        if getattr(self, "_exec", None) is not None:
-            self._release()
-        if self.file is not None:
-            self.file.close()
-            self.file = None
+        """Stop the workers, release the shared memory, drop the file map. Idempotent; waits
+        for a decode running in another thread."""
+        with self._lock:
+            if getattr(self, "_exec", None) is not None:
+                self._release()
+            if self.file is not None:
+                self.file.close()
+                self.file = None
 
     def __enter__(self) -> "VaeDecoder":
         return self
