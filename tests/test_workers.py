@@ -541,6 +541,46 @@ def test_random_interrupts_leak_nothing(seed, tmp_path):
     assert rep["new_fds"] == {}, rep
     assert rep["user_fds_clobbered"] == 0, rep
 
+def test_deferred_signals_hold_the_python_handler_with_another_thread_alive():
+    """The handler of a signal sent to the process inside a main-thread block runs after the
+    block, even though another (idle) thread is what received it; a handler installed inside
+    the block stays installed. Before the fix the handler ran inside the block."""
+    from nxhpc.runtime.proc import deferred_signals
+    stop = threading.Event()
+    idle = threading.Thread(target=stop.wait, daemon=True)
+    idle.start()
+    state, ran = ["before"], []
+
+    def handler(signum, frame):
+        ran.append((signum, state[0]))
+        raise KeyboardInterrupt
+
+    def other(signum, frame):
+        ran.append((signum, "other"))
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    old2 = signal.getsignal(signal.SIGUSR2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with deferred_signals():
+                state[0] = "inside"
+                signal.signal(signal.SIGUSR2, other)      # installed inside: kept
+                os.kill(os.getpid(), signal.SIGUSR1)      # the main thread blocks it
+                end = time.monotonic() + 0.3
+                while time.monotonic() < end:             # many bytecodes, GIL handed over
+                    time.sleep(0.005)
+                state[0] = "after"
+        assert ran == [(signal.SIGUSR1, "after")]
+        assert signal.getsignal(signal.SIGUSR1) is handler
+        assert signal.getsignal(signal.SIGUSR2) is other
+        os.kill(os.getpid(), signal.SIGUSR2)              # delivered at once, outside a block
+        assert wait_until(lambda: len(ran) == 2, 5)
+        assert ran[1] == (signal.SIGUSR2, "other")
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        signal.signal(signal.SIGUSR2, old2 if old2 is not None else signal.SIG_DFL)
+        stop.set()
+
 
 # Interrupts with a second thread alive (issue 19, item 5). Python runs signal handlers in the
 # main thread only, but with another thread alive the kernel hands a process-directed signal to
