@@ -15,9 +15,10 @@ inside :class:`deferred_signals`: asynchronous signals are blocked for the calli
 resource is acquired and recorded, and a signal that arrived meanwhile is delivered (its Python
 handler runs) when the block ends -- after the record exists. Releasing works the same way:
 forget the record, then close/unlink/reap, in one deferred block, so nothing is released twice.
-(Python runs signal handlers in the main thread only; if *another* thread receives the signal
-while the main thread holds it off, the handler can still run in the block. Single-threaded
-programs -- the notebook case -- are covered exactly.)
+With other threads alive (``import torch``, a Jupyter kernel) blocking the signal in the main
+thread is not enough -- another thread receives it and Python runs the handler in the main thread
+anyway -- so the outermost main-thread block also swaps Python-level handlers for a recorder and
+re-sends what it recorded after the block (details in :class:`deferred_signals`).
 
 **Die with the parent, whichever thread forked.** ``PR_SET_PDEATHSIG`` fires when the *thread*
 that forked exits, so a pool first used from a worker thread (a thread pool, a web request)
@@ -60,13 +61,75 @@ _F_SETSIG = getattr(fcntl, "F_SETSIG", 10)       # Linux value; Python < 3.12 ma
 _PR_SET_PDEATHSIG = 1
 
 
+class _Held:
+    """The Python-level handlers a main-thread :class:`deferred_signals` block replaced with
+    :func:`_record`, and the signals recorded meanwhile (see :class:`deferred_signals`)."""
+
+    __slots__ = ("owner", "pid", "saved", "pending")
+
+    def __init__(self, owner: "deferred_signals") -> None:
+        self.owner = owner
+        self.pid = os.getpid()
+        self.saved: dict[int, Any] = {}
+        self.pending: list[int] = []
+
+
+_held: _Held | None = None            # the outermost main-thread block's record (main thread only)
+_SIGNAL_ORDER = tuple(sorted(ASYNC_SIGNALS))
+
+
+def _record(signum: int, frame: object) -> None:
+    """Stand-in Python handler while a block holds signals off: note the signal for later."""
+    h = _held
+    if h is not None and h.pid == os.getpid():
+        h.pending.append(signum)
+    elif signal.getsignal(signum) is not _record:     # restored meanwhile: deliver it now
+        signal.raise_signal(signum)
+
+
+def _hold_handlers(owner: "deferred_signals") -> None:
+    """Replace every Python-level handler of an asynchronous signal with :func:`_record`,
+    recording each one (and the record itself) before it is replaced."""
+    global _held
+    h = _Held(owner)
+    _held = h
+    for sig in _SIGNAL_ORDER:
+        cur = signal.getsignal(sig)
+        if callable(cur) and cur is not _record:
+            h.saved[sig] = cur
+            signal.signal(sig, _record)
+
+
+def _release_handlers(h: _Held) -> list[int]:
+    """Put back the handlers ``h`` replaced (those still replaced: a handler installed inside
+    the block stays) and forget ``h``; returns the signals recorded meanwhile, once each."""
+    global _held
+    try:
+        for sig, old in h.saved.items():
+            if signal.getsignal(sig) is _record:
+                signal.signal(sig, old)
+    finally:
+        if _held is h:
+            _held = None
+    return list(dict.fromkeys(h.pending)) if h.pid == os.getpid() else []
+
+
 class deferred_signals:
-    """``with deferred_signals():`` -- asynchronous signals to this thread wait for the block's end.
+    """``with deferred_signals():`` -- asynchronous signals wait for the block's end.
 
     Nestable (the outer mask is restored). A signal arriving inside is delivered, and its Python
     handler runs, right after the block: an exception it raises comes out of the ``with``
     statement once the block's bookkeeping is complete. :meth:`restore` puts the mask back early
     (a forked child calls it after its own signal setup).
+
+    Two layers. The signals are blocked for the calling thread, which covers a single-threaded
+    process exactly. With other threads alive the kernel hands a process-directed signal to one
+    of them, and Python then runs the handler in the main thread between any two bytecodes --
+    inside the block. So the outermost block entered from the main thread also replaces every
+    Python-level handler of :data:`ASYNC_SIGNALS` by a recorder (record first, then replace),
+    and on leaving puts them back, restores the mask and re-sends each recorded signal to
+    itself (``signal.raise_signal``), so its real handler runs after the block. (A block in
+    another thread needs no more: Python never runs a handler in a thread other than main.)
     """
 
     __slots__ = ("_old",)
@@ -79,15 +142,26 @@ class deferred_signals:
         self._old = old
         try:
             signal.pthread_sigmask(signal.SIG_BLOCK, ASYNC_SIGNALS)
+            if _held is None and threading.current_thread() is threading.main_thread():
+                _hold_handlers(self)
         except BaseException:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+            self.restore()
             raise
         return self
 
     def restore(self) -> None:
-        if self._old is not None:
-            old, self._old = self._old, None
+        if self._old is None:
+            return
+        old, self._old = self._old, None
+        h = _held
+        pending: list[int] = []
+        try:
+            if h is not None and h.owner is self:
+                pending = _release_handlers(h)
+        finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for sig in pending:                 # its real handler runs now (or stays pending, if
+            signal.raise_signal(sig)        # an outer mask blocks it)
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
@@ -171,6 +245,8 @@ def _after_fork_in_child() -> None:
     """In every child forked by ``os.fork``: drop the parent's private descriptors."""
     global _fork_lock, _lock_owner_pid, _life_r, _life_w, _parent_life_r
     _fork_lock = threading.Lock()        # a copy held by the forking thread would never open
+    if _held is not None:                # single-threaded now: the inherited mask is exact
+        _release_handlers(_held)
     _lock_owner_pid = os.getpid()
     for fd in list(_owned_fds):
         try:
