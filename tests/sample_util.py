@@ -61,8 +61,26 @@ def child_pids() -> set[int]:
 
 
 def shm_entries() -> set[str]:
-    """nxhpc's shared-memory names visible in /dev/shm."""
+    """nxhpc's shared-memory names visible in /dev/shm that this test could have left: made by
+    this process or by one that has exited (a CLI child). A segment of another live process
+    (a concurrent job on a shared machine, ``nxhpc_<pid>_...``) is not this test's."""
     try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("nxhpc_")}
+        names = [n for n in os.listdir("/dev/shm") if n.startswith("nxhpc_")]
     except FileNotFoundError:
         return set()
+
+    def ours(name: str) -> bool:
+        try:
+            pid = int(name.split("_")[1])
+        except (IndexError, ValueError):
+            return True
+        if pid == os.getpid():
+            return True
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True                    # its maker is gone: a leak
+        except PermissionError:
+            return False
+        return False
+    return {n for n in names if ours(n)}
