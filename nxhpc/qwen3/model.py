@@ -66,6 +66,7 @@ from typing import Any
 import numpy as np
 
 import nxhpc
+from nxhpc.formats.closing import Closing
 from nxhpc.formats.gguf_io import GGUFFile, ModelFileError
 from nxhpc.formats.weights import WeightTensor, check_finite_weight
 from nxhpc.nn import engine as _engine
@@ -75,6 +76,7 @@ from nxhpc.nn.linear import DEFAULT_PRECISION, check_precision, matmul
 from nxhpc.nn.residual import UNIT_GATE, residual_add
 from nxhpc.qwen3.config import LAYER_TENSORS, Qwen3Config, infer_config, layer_names
 from nxhpc.runtime.checks import check_workers
+from nxhpc.runtime.memory import memory_report
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, check_timeout
 
 __all__ = ["TextEncoderModel", "TextEncoderInputError", "LayerWeights", "Qwen3Weights",
@@ -384,7 +386,7 @@ class _Session:
 
 
 # ------------------------------------------------------------------------------ the model
-class TextEncoderModel:
+class TextEncoderModel(Closing):
     """Z-Image's text encoder (Qwen3) from a llama.cpp-layout GGUF: ``encode_ids(ids)`` ->
     ``hidden_states[-2]``, float32 ``[L, dim]``.
 
@@ -537,10 +539,8 @@ class TextEncoderModel:
         """MB: the mapped GGUF (``weights_mb``), the session's arena (``arena_mb``) and this
         process's peak resident set (``peak_rss_mb``, Linux VmHWM)."""
         s = self._session
-        size = self.gguf.path.stat().st_size if self.gguf is not None else 0
-        return {"weights_mb": size / 1e6,
-                "arena_mb": s.engine.arena.nbytes / 1e6 if s is not None and s.usable else None,
-                "peak_rss_mb": _vm_hwm_mb(os.getpid())}
+        return memory_report(self.gguf.path.stat().st_size if self.gguf is not None else 0,
+                             s.engine.arena.nbytes if s is not None and s.usable else None)
 
     # -- lifetime
     def close(self) -> None:
@@ -558,24 +558,7 @@ class TextEncoderModel:
     def closed(self) -> bool:
         return self.gguf is None
 
-    def __enter__(self) -> "TextEncoderModel":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         where = self.gguf.path if self.gguf is not None else "closed"
         return f"<TextEncoderModel {where}: {self.config.summary()}; {self.workers} workers>"
 
-
-def _vm_hwm_mb(pid: int) -> float | None:
-    """Peak resident set (``VmHWM``) of process ``pid`` in MB, or None where unavailable."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024 / 1e6
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
