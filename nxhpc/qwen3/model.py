@@ -74,6 +74,7 @@ from nxhpc.nn.checks import check_eps
 from nxhpc.nn.engine import Engine, IOSpec, Plan, Stage
 from nxhpc.nn.linear import DEFAULT_PRECISION, check_precision, matmul
 from nxhpc.nn.residual import UNIT_GATE, residual_add
+from nxhpc.nn.stages import Project, SwiGLU
 from nxhpc.qwen3.config import LAYER_TENSORS, Qwen3Config, infer_config, layer_names
 from nxhpc.runtime.checks import check_workers
 from nxhpc.runtime.memory import memory_report
@@ -216,30 +217,12 @@ def _sdpa(c: RunContext, lo: int, hi: int) -> None:
                         c.scale, h0=lo, h1=hi, causal=True)
 
 
-def _out_proj(c: RunContext, lo: int, hi: int) -> None:
-    matmul(c.kernels, c.buf["attn"], c.w.wo, c.buf["y"], lo, hi, c.precision)
-
-
 def _attn_res(c: RunContext, lo: int, hi: int) -> None:
     residual_add(c.kernels, c.x, c.buf["y"], c.unit_gate, c.buf["mid"], lo, hi)
 
 
 def _ffn_norm(c: RunContext, lo: int, hi: int) -> None:
     c.kernels.rmsnorm(c.buf["mid"], c.w.ffn_norm, c.buf["h"], c.eps, r0=lo, r1=hi)
-
-
-def _w13(c: RunContext, lo: int, hi: int) -> None:
-    matmul(c.kernels, c.buf["h"], c.w.w_gate, c.buf["g"], lo, hi, c.precision)
-    matmul(c.kernels, c.buf["h"], c.w.w_up, c.buf["u"], lo, hi, c.precision)
-
-
-def _swiglu(c: RunContext, lo: int, hi: int) -> None:
-    g = c.buf["g"]
-    c.kernels.swiglu(g, c.buf["u"], g, i0=lo, i1=hi)
-
-
-def _w2(c: RunContext, lo: int, hi: int) -> None:
-    matmul(c.kernels, c.buf["g"], c.w.w_down, c.buf["y"], lo, hi, c.precision)
 
 
 def _ffn_res(c: RunContext, lo: int, hi: int) -> None:
@@ -264,12 +247,13 @@ STAGES: tuple[Stage, ...] = (
           "q, k = rope_half(rmsnorm_hd(q|k)): [H|KVH, T, hd]"),
     Stage("sdpa", "query_heads", "us_attn", _sdpa,
           "attn = softmax(q k^T / sqrt(hd) + causal) v[h // (H/KVH)]"),
-    Stage("out_proj", "dim_cols", "us_attn", _out_proj, "y = attn @ Wo^T"),
+    Stage("out_proj", "dim_cols", "us_attn", Project("attn", (("wo", "y"),)), "y = attn @ Wo^T"),
     Stage("attn_res", "rows", "us_attn", _attn_res, "mid = x + y"),
     Stage("ffn_norm", "rows", "us_ffn", _ffn_norm, "h = rmsnorm(mid, ffn_norm)"),
-    Stage("w13", "ffn_cols", "us_ffn", _w13, "g = h @ Wgate^T; u = h @ Wup^T"),
-    Stage("swiglu", "ffn_elems", "us_ffn", _swiglu, "g = silu(g) * u"),
-    Stage("w2", "dim_cols", "us_ffn", _w2, "y = g @ Wdown^T"),
+    Stage("w13", "ffn_cols", "us_ffn", Project("h", (("w_gate", "g"), ("w_up", "u"))),
+          "g = h @ Wgate^T; u = h @ Wup^T"),
+    Stage("swiglu", "ffn_elems", "us_ffn", SwiGLU("g", "u"), "g = silu(g) * u"),
+    Stage("w2", "dim_cols", "us_ffn", Project("g", (("w_down", "y"),)), "y = g @ Wdown^T"),
     Stage("ffn_res", "rows", "us_ffn", _ffn_res, "x = mid + y"),
 )
 
