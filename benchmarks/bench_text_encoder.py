@@ -25,7 +25,6 @@ transformers float32 (checked after timing). A table is printed at the end and w
 
 Run: ``python -m pytest benchmarks/bench_text_encoder.py --benchmark-only`` (~3 GB RAM peak).
 """
-import json
 import math
 import os
 import time
@@ -34,7 +33,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _bench_util import bench_stats
+from _bench_util import (bench_stats, children, layer_timer, peak_rss_mb, reset_peak_rss,
+                         rss_cell, write_summary)
 from nxhpc.formats.gguf_io import LazyTensor
 from nxhpc.models.qwen3_files import write_qwen3_gguf
 from nxhpc.models.registry import models_dir
@@ -98,38 +98,6 @@ def _prompt(te: TextEncoder, n: int) -> str:
     return text
 
 
-def _reset_peak_rss(pids=("self",)) -> None:
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
-
-
-def _peak_rss_mb(pid="self"):
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024 / 1e6
-    except OSError:
-        return None
-    return None
-
-
-def _children() -> list[int]:
-    out = []
-    base = f"/proc/{os.getpid()}/task"
-    for tid in os.listdir(base):
-        try:
-            with open(f"{base}/{tid}/children") as f:
-                out += [int(p) for p in f.read().split()]
-        except OSError:
-            pass
-    return out
-
-
 def _block_gflop(L: int) -> float:
     """Multiply-adds x 2 of one block at L tokens: the seven projections and causal
     attention (q k^T and p v over the L(L+1)/2 visible pairs of each head)."""
@@ -162,22 +130,10 @@ def _summary(request):
              f"{WORKERS} workers / threads", "", head, "|" + "---|" * 7]
     for (name, n), r in sorted(RESULTS.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         err = r.get("rel_err_vs_torch_f32")
-        rss = f"{r.get('peak_rss_mb') or 0:.0f}"
-        if r.get("worker_peak_rss_mb"):
-            rss += f" (workers {r['worker_peak_rss_mb']:.0f})"
         lines.append(f"| {name} | {n} | {r['s_per_layer']:.3f} | {r['s_35_layers']:.2f} | "
-                     f"{r['gflops']:.1f} | {rss} | "
+                     f"{r['gflops']:.1f} | {rss_cell(r)} | "
                      f"{'' if err is None else format(err, '.1e')} |")
-    text = "\n".join(lines)
-    out = Path(".benchmarks")
-    out.mkdir(exist_ok=True)
-    (out / "bench_text_encoder.md").write_text(text + "\n")
-    (out / "bench_text_encoder.json").write_text(json.dumps(
-        {f"{k[0]}@{k[1]}": {a: b for a, b in v.items() if a != "output"}
-         for k, v in RESULTS.items()}, indent=1, default=float))
-    cap = request.config.pluginmanager.get_plugin("capturemanager")
-    with cap.global_and_fixture_disabled() if cap is not None else open(os.devnull):
-        print("\n" + text, flush=True)
+    write_summary(request, "bench_text_encoder", "\n".join(lines), RESULTS)
 
 
 def _group(n: int) -> str:
@@ -193,13 +149,13 @@ def test_text_encoder_nxhpc(benchmark, te, prompts, tokens, precision):
     prompt = prompts[tokens]
     te.precision = precision
     te.encode(prompt)                             # the session: fork + arena (not timed)
-    _reset_peak_rss(["self", *_children()])
+    reset_peak_rss(["self", *children()])
     slow = precision != "f32"
     out = benchmark.pedantic(lambda: te.encode(prompt), rounds=1 if slow else 3,
                              warmup_rounds=0)
     tm = dict(te.last_timings)
     per_layer = tm["us_layers"] / CFG.layers_needed / 1e6
-    kids = [_peak_rss_mb(p) or 0 for p in _children()]
+    kids = [peak_rss_mb(p) or 0 for p in children()]
     r = {"n_tokens": out.shape[0], "s_per_layer": per_layer,
          "s_35_layers": (tm["us_total"] - tm["us_layers"]) / 1e6 + LAYERS_RUN * per_layer,
          "gflops": _block_gflop(out.shape[0]) / per_layer, "s_call": bench_stats(benchmark).median,
@@ -252,13 +208,7 @@ def _run_torch(benchmark, torch_model, te, prompts, tokens, dtype_name):
     model = tm["model"]
     benchmark.group = _group(tokens)
     prompt = prompts[tokens]
-    spans: list[float] = []
-    starts: list[float] = []
-    hooks = [layer.register_forward_pre_hook(lambda m, a: starts.append(time.perf_counter()))
-             for layer in model.layers]
-    hooks += [layer.register_forward_hook(
-        lambda m, a, o: spans.append(time.perf_counter() - starts.pop()))
-        for layer in model.layers]
+    spans, hooks = layer_timer(model.layers)
     last = {}
 
     def call():
@@ -269,7 +219,7 @@ def _run_torch(benchmark, torch_model, te, prompts, tokens, dtype_name):
         o = hs[-2][0].float().numpy()
         last["s"] = time.perf_counter() - t0
         return o
-    _reset_peak_rss()
+    reset_peak_rss()
     try:
         out = benchmark.pedantic(call, rounds=2, warmup_rounds=1)
     finally:
@@ -281,7 +231,7 @@ def _run_torch(benchmark, torch_model, te, prompts, tokens, dtype_name):
     r = {"n_tokens": out.shape[0], "s_per_layer": per_layer,
          "s_35_layers": (last["s"] - layer_s) + LAYERS_RUN * per_layer,
          "gflops": _block_gflop(out.shape[0]) / per_layer, "s_call": last["s"],
-         "peak_rss_mb": _peak_rss_mb(), "output": out}
+         "peak_rss_mb": peak_rss_mb(), "output": out}
     RESULTS[(f"torch {dtype_name}", tokens)] = r
     benchmark.extra_info.update({k: v for k, v in r.items() if k != "output"})
     assert np.isfinite(out).all()
