@@ -18,7 +18,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from hypothesis import given
 from hypothesis import strategies as st
-from kernelutil import CHAIN, EPS32, ISAS, bits, expected_variant, matmul_bound
+from kernelutil import CHAIN, EPS32, ISAS, band_edges, bits, expected_variant, matmul_bound
 
 import nxhpc
 from nxhpc import _kernels as K
@@ -329,8 +329,7 @@ def test_matmul_band_invariance(isa):
     x, w = rand_x(rng, T, Kd), rand_q8(rng, N, Kd)
     full = _matmul(x, w, isa)
     for trial in range(6):
-        cuts = np.sort(rng.integers(0, N + 1, size=rng.integers(1, 12)))
-        edges = [0, *cuts.tolist(), N]
+        edges = band_edges(rng, N, 12)
         out = np.full((T, N), np.nan, np.float32)
         for a, b in zip(edges[:-1], edges[1:]):
             K.q8_0_matmul(x, w, out, a, b, isa=isa)
