@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from nxhpc.formats.closing import Closing
+from nxhpc.formats.closing import Closing, MapHolder
 from nxhpc.runtime.memory import memory_report, peak_rss_mb
 
 
@@ -52,6 +52,27 @@ def test_the_closable_classes_use_the_mixin_and_define_close(cls):
     c = getattr(importlib.import_module(mod), name)
     assert issubclass(c, Closing)
     assert c.close is not Closing.close        # each defines its own
+
+
+def test_map_holder_drops_its_map_once():
+    class Holder(MapHolder):
+        def __init__(self, m):
+            self.gguf = m
+
+        def close(self):
+            self._drop_map()
+    m = _Counted()
+    h = Holder(m)
+    assert not h.closed
+    with h:
+        pass
+    assert h.closed and h.gguf is None and m.closes == 1
+    h.close()                                  # idempotent: the map is not closed twice
+    assert m.closes == 1
+    for cls in ("nxhpc.dit.denoiser:Denoiser", "nxhpc.qwen3.model:TextEncoderModel"):
+        import importlib
+        mod, name = cls.split(":")
+        assert issubclass(getattr(importlib.import_module(mod), name), MapHolder)
 
 
 def _vm_hwm_kib(pid) -> int:

@@ -53,9 +53,10 @@ from nxhpc.dit.config import DENOISER_TENSORS, STACKS, DenoiserConfig, infer_con
 from nxhpc.nn.linear import DEFAULT_PRECISION, check_precision
 from nxhpc.dit.plan import BlockPlan, Engine
 from nxhpc.dit.rope import position_ids, rope_table
-from nxhpc.formats.closing import Closing
+from nxhpc.formats.closing import MapHolder
 from nxhpc.formats.gguf_io import GGUFFile, ModelFileError
 from nxhpc.formats.weights import WeightTensor
+from nxhpc.nn.engine import EngineSession
 from nxhpc.runtime.checks import NonFiniteOutputError, check_float_array, check_workers
 from nxhpc.runtime.memory import memory_report
 from nxhpc.runtime.workers import DEFAULT_SPAWN, check_timeout
@@ -213,7 +214,7 @@ class _Tasks:
                       bias=self.w.final_lin_b)
 
 
-class _Session:
+class _Session(EngineSession):
     """Everything one token layout ``(H, W, L)`` needs, built once and reused across calls:
     the engine (arena + pool), the three plans, the RoPE table (written into the arena)."""
 
@@ -248,13 +249,6 @@ class _Session:
             self.engine.close()
             raise
 
-    @property
-    def usable(self) -> bool:
-        e = self.engine
-        return not e.closed and e.pool is not None and not e.pool.closed
-
-    def close(self) -> None:
-        self.engine.close()
 
 
 # ------------------------------------------------------------------------------ the model
@@ -263,7 +257,7 @@ def _check_float(what: str, a: np.ndarray) -> None:
         raise DenoiserInputError(f"{what} must be floating point (float32), got dtype {a.dtype}")
 
 
-class Denoiser(Closing):
+class Denoiser(MapHolder):
     """The Z-Image transformer from one GGUF: ``forward(latents, t, cap_feats)``.
 
     Weights are bound once (zero copy); a token layout ``(H, W, L)`` gets one engine -- one
@@ -506,13 +500,7 @@ class Denoiser(Closing):
                 s.close()
         finally:
             self.weights = None               # views of the map (zero-copy weights)
-            if self.gguf is not None:
-                self.gguf.close()
-                self.gguf = None
-
-    @property
-    def closed(self) -> bool:
-        return self.gguf is None
+            self._drop_map()
 
     def __repr__(self) -> str:
         where = self.directory or (self.gguf.path if self.gguf is not None else "closed")

@@ -60,7 +60,7 @@ from nxhpc.nn.checks import EPS_RANGE, check_eps, finite_vector, narrow_finite
 from nxhpc.nn.engine import Gather, IOSpec, Plan, Stage, serialized
 from nxhpc.nn.linear import DEFAULT_PRECISION, adaln_linear, check_precision
 from nxhpc.nn.residual import UNIT_GATE
-from nxhpc.nn.stages import Project, SwiGLU
+from nxhpc.nn.stages import Project, SwiGLU, block_extents
 
 __all__ = ["Stage", "STAGES", "EXTENTS", "TIMING_KEYS", "UNIT_GATE", "BlockPlan", "Engine",
            "stage_table", "check_eps", "narrow_finite", "EPS_RANGE"]
@@ -106,15 +106,8 @@ def _ffn_tail(c: RunContext, lo: int, hi: int) -> None:
 
 # ------------------------------------------------------------------------------ the table
 #: extent name -> (description, m(cfg, T)): the range [0, m) a stage splits over workers
-EXTENTS: dict[str, tuple[str, Callable[[BlockConfig, int], int]]] = {
-    "rows": ("token rows", lambda cfg, T: T),
-    "qkv_cols": ("qkv columns", lambda cfg, T: cfg.qkv_width),
-    "qk_heads": ("q+k heads", lambda cfg, T: cfg.n_heads + cfg.n_kv_heads),
-    "query_heads": ("query heads", lambda cfg, T: cfg.n_heads),
-    "dim_cols": ("dim columns", lambda cfg, T: cfg.dim),
-    "ffn_cols": ("ffn columns", lambda cfg, T: cfg.ffn_dim),
-    "ffn_elems": ("ffn elements", lambda cfg, T: T * cfg.ffn_dim),
-}
+EXTENTS: dict[str, tuple[str, Callable[[BlockConfig, int], int]]] = block_extents(
+    lambda cfg: cfg.ffn_dim)
 
 
 STAGES: tuple[Stage, ...] = (

@@ -66,15 +66,15 @@ from typing import Any
 import numpy as np
 
 import nxhpc
-from nxhpc.formats.closing import Closing
+from nxhpc.formats.closing import MapHolder
 from nxhpc.formats.gguf_io import GGUFFile, ModelFileError
 from nxhpc.formats.weights import WeightTensor, check_finite_weight
 from nxhpc.nn import engine as _engine
 from nxhpc.nn.checks import check_eps
-from nxhpc.nn.engine import Engine, IOSpec, Plan, Stage
+from nxhpc.nn.engine import Engine, EngineSession, IOSpec, Plan, Stage
 from nxhpc.nn.linear import DEFAULT_PRECISION, check_precision, matmul
 from nxhpc.nn.residual import UNIT_GATE, residual_add
-from nxhpc.nn.stages import Project, SwiGLU
+from nxhpc.nn.stages import Project, SwiGLU, block_extents
 from nxhpc.qwen3.config import LAYER_TENSORS, Qwen3Config, infer_config, layer_names
 from nxhpc.runtime.checks import check_workers
 from nxhpc.runtime.memory import memory_report
@@ -230,15 +230,8 @@ def _ffn_res(c: RunContext, lo: int, hi: int) -> None:
 
 
 #: extent name -> (description, m(cfg, T)): the range [0, m) a stage splits over workers
-EXTENTS: dict[str, tuple[str, Callable[[Qwen3Config, int], int]]] = {
-    "rows": ("token rows", lambda cfg, T: T),
-    "qkv_cols": ("qkv columns", lambda cfg, T: cfg.qkv_width),
-    "qk_heads": ("q+k heads", lambda cfg, T: cfg.n_heads + cfg.n_kv_heads),
-    "query_heads": ("query heads", lambda cfg, T: cfg.n_heads),
-    "dim_cols": ("dim columns", lambda cfg, T: cfg.dim),
-    "ffn_cols": ("ffn columns", lambda cfg, T: cfg.ffn),
-    "ffn_elems": ("ffn elements", lambda cfg, T: T * cfg.ffn),
-}
+EXTENTS: dict[str, tuple[str, Callable[[Qwen3Config, int], int]]] = block_extents(
+    lambda cfg: cfg.ffn)
 
 STAGES: tuple[Stage, ...] = (
     Stage("norm1", "rows", "us_attn", _norm1, "h = rmsnorm(x, attn_norm)"),
@@ -332,7 +325,7 @@ def rope_table(T: int, head_dim: int, theta: float) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------ one session
-class _Session:
+class _Session(EngineSession):
     """Everything calls of up to ``capacity`` tokens need, built once: the engine (arena +
     pool, the embedding gather as an extra task) and the RoPE table of positions 0 ..
     capacity-1 (written into the arena)."""
@@ -360,17 +353,10 @@ class _Session:
             self.engine.close()
             raise
 
-    @property
-    def usable(self) -> bool:
-        e = self.engine
-        return not e.closed and e.pool is not None and not e.pool.closed
-
-    def close(self) -> None:
-        self.engine.close()
 
 
 # ------------------------------------------------------------------------------ the model
-class TextEncoderModel(Closing):
+class TextEncoderModel(MapHolder):
     """Z-Image's text encoder (Qwen3) from a llama.cpp-layout GGUF: ``encode_ids(ids)`` ->
     ``hidden_states[-2]``, float32 ``[L, dim]``.
 
@@ -534,13 +520,7 @@ class TextEncoderModel(Closing):
             if s is not None:
                 s.close()
         finally:
-            if self.gguf is not None:
-                self.gguf.close()
-                self.gguf = None
-
-    @property
-    def closed(self) -> bool:
-        return self.gguf is None
+            self._drop_map()
 
     def __repr__(self) -> str:
         where = self.gguf.path if self.gguf is not None else "closed"
