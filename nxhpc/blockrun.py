@@ -17,7 +17,6 @@ from nxhpc.cli.codes import Exit
 from nxhpc.cli.frame import run_ranked
 from nxhpc.cli.report import emit_graded, fmt_value, save_npy
 from nxhpc.dit.grade import DEFAULT_TOL
-from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
 from nxhpc.dit.stackrun import PRECISION_TOL
 from nxhpc.models.modeldir import model_files
 from nxhpc.runtime.checks import check_input_file
@@ -92,11 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eps", type=types.eps, default=None,
                    help="RMSNorm eps (default: the model's, 1e-5 for Z-Image; the source "
                         "runner used 1e-6)")
-    p.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
-                   help="matmul precision of the projections: f32 (default, exact dequantized "
-                        "weights), bf16 (bfloat16 inputs, float32 accumulation), q8 (Q8_0 "
-                        "activations x Q8_0 weights; other weight types run bf16). Norms, RoPE, "
-                        "attention, residuals and adaLN stay float32")
+    types.add_precision(p, "matmul precision of the projections: f32 (default, exact "
+                           "dequantized weights), bf16 (bfloat16 inputs, float32 accumulation), "
+                           "q8 (Q8_0 activations x Q8_0 weights; other weight types run bf16). "
+                           "Norms, RoPE, attention, residuals and adaLN stay float32")
     types.add_tol(p, PRECISION_TOL)
     p.add_argument("--source", choices=("auto", "gguf", "fixtures"), default="auto",
                    help="where the weights come from (default auto: the GGUF when present)")

@@ -25,7 +25,6 @@ from nxhpc.cli.codes import Exit, InputError, UsageError
 from nxhpc.cli.frame import run_ranked
 from nxhpc.cli.report import emit_graded, save_npy
 from nxhpc.dit.grade import grade
-from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
 from nxhpc.dit.stackrun import PRECISION_TOL
 from nxhpc.runtime.checks import check_input_file, load_npy
 from nxhpc.models.modeldir import model_files
@@ -120,11 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", metavar="R.npy",
                    help="grade against this array (the latents' shape) instead of the stored "
                         "reference")
-    p.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
-                   help="matmul precision of the blocks' projections: f32 (default: exact "
-                        "dequantized weights, float32 activations), bf16 (bf16-rounded "
-                        "activations, float32 sums), q8 (ggml's Q8_0 x Q8_0 for Q8_0 weights, "
-                        "bf16 for others); embedders, final layer, norms, attention stay float32")
+    types.add_precision(p, "matmul precision of the blocks' projections: f32 (default: exact "
+                           "dequantized weights, float32 activations), bf16 (bf16-rounded "
+                           "activations, float32 sums), q8 (ggml's Q8_0 x Q8_0 for Q8_0 "
+                           "weights, bf16 for others); embedders, final layer, norms, attention "
+                           "stay float32")
     types.add_tol(p, DENOISE_TOL)
     p.add_argument("--repeat", type=types.positive_int, default=1, metavar="N",
                    help="run the call N times on the same workers and arena and report the "

@@ -20,7 +20,6 @@ from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed pack
 from nxhpc.cli.codes import Exit, InputError, OutputError, UsageError
 from nxhpc.cli.frame import run_cli
 from nxhpc.cli.report import fmt_compact, print_json, print_kv, save_npy
-from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
 from nxhpc.runtime.outfile import OutputPathError, check_output_path
 
 __all__ = ["main", "build_parser", "EXIT_CODES"]
@@ -95,10 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "is dropped)")
     p.add_argument("--out", required=True, metavar="FEATS.npy",
                    help="write the features (float32 [n_tokens, dim]) here, atomically")
-    p.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
-                   help="matmul precision of the projections: f32 (default: the exactly "
-                        "decoded weights, float32 activations), bf16, q8 (Q8_0 weights; bf16 "
-                        "for others); the gather, norms, RoPE and attention stay float32")
+    types.add_precision(p, "matmul precision of the projections: f32 (default: the exactly "
+                           "decoded weights, float32 activations), bf16, q8 (Q8_0 weights; "
+                           "bf16 for others); the gather, norms, RoPE and attention stay float32")
     p.add_argument("--print-ids", action="store_true",
                    help="also print the token ids (always in the --json object)")
     types.add_models_dir(p)

@@ -5,7 +5,8 @@ Owns the ``type=`` callables (:func:`positive_int`, :func:`workers`, :func:`laye
 :func:`seed`, :func:`int_list`, :func:`grid`): each turns a string into a value or raises
 ``argparse.ArgumentTypeError`` (exit 2) naming the rule and the text given; the rules themselves
 are :mod:`nxhpc.runtime.checks`'. Also the arguments several commands share, spelled once
-(:func:`cli_parser`, :func:`add_workers`, :func:`add_tol`, :func:`add_models_dir`,
+(:func:`cli_parser`, :func:`add_workers`, :func:`add_precision`, :func:`add_tol`,
+:func:`add_models_dir`,
 :func:`add_stage_timeout`, :func:`add_json`). Must not: import the compiled kernels or model
 code at import time (the ``models`` CLI runs in an unbuilt tree).
 """
@@ -20,7 +21,8 @@ from nxhpc.runtime import checks
 
 __all__ = ["positive_int", "workers", "layers", "positive_float", "seconds", "eps",
            "unit_interval", "pixels", "seed", "int_list", "grid", "workers_help", "cli_parser",
-           "add_workers", "add_tol", "add_models_dir", "add_stage_timeout", "add_json"]
+           "add_workers", "add_precision", "add_tol", "add_models_dir", "add_stage_timeout",
+           "add_json"]
 
 
 def _int(s: str, rule: str) -> int:
@@ -157,6 +159,12 @@ def cli_parser(module: str, description: str, epilog: str, exit_codes: Mapping[A
 def add_workers(p: argparse.ArgumentParser) -> None:
     """The optional positional ``n_workers`` (:func:`workers`; default: the usable CPUs)."""
     p.add_argument("n_workers", nargs="?", type=workers, default=None, help=workers_help())
+
+
+def add_precision(p: argparse.ArgumentParser, what: str) -> None:
+    """``--precision`` (``nxhpc.nn.linear``'s switch; default f32); ``what``: its help text."""
+    from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
+    p.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION, help=what)
 
 
 def add_tol(p: argparse.ArgumentParser, tols: Mapping[str, float]) -> None:
