@@ -1,5 +1,6 @@
 """Helpers shared by the benchmarks: timing statistics, peak RSS of this process and its
-workers, per-layer timing hooks on a torch model, and the end-of-module summary table."""
+workers, a torch model timed per layer (in a dtype switched in place), and the end-of-module
+summary table."""
 import json
 import math
 import os
@@ -10,7 +11,8 @@ from pathlib import Path
 from nxhpc.runtime.memory import peak_rss_mb
 
 __all__ = ["bench_stats", "rope_pe", "peak_rss_mb", "reset_peak_rss", "children", "rss_cell",
-           "layer_timer", "write_summary"]
+           "layer_timer", "model_as", "run_timed_layers", "record", "err_cell", "write_summary",
+           "summary_fixture"]
 
 # With --benchmark-disable each benchmark runs once as a smoke test (its correctness check
 # included) and pytest-benchmark keeps no statistics: report NaN rates instead of failing.
@@ -78,10 +80,58 @@ def layer_timer(layers):
     return spans, hooks
 
 
-def write_summary(request, name: str, text: str, results: dict) -> None:
-    """Write ``text`` to ``.benchmarks/NAME.md`` and ``results`` (keyed ``(backend, size)``,
-    each result's ``output`` array left out) to ``.benchmarks/NAME.json``, then print ``text``
-    past pytest's capture."""
+def model_as(tm: dict, dtype):
+    """``tm["model"]`` (a torch module, its dtype in ``tm["dtype"]``) converted to ``dtype`` in
+    place: the previous copy is not kept."""
+    if tm["dtype"] != dtype:
+        tm["model"].to(dtype)
+        tm["dtype"] = dtype
+    return tm["model"]
+
+
+def run_timed_layers(benchmark, layers, fn, n: int, rounds: int):
+    """``benchmark.pedantic(fn)`` (``rounds`` after one warm-up; this process's peak RSS reset
+    just before) with each module of ``layers`` timed by hooks: (the last call's output, its
+    seconds, the seconds of its last ``n`` layers)."""
+    spans, hooks = layer_timer(layers)
+    last = {}
+
+    def call():
+        t0 = time.perf_counter()
+        o = fn()
+        last["s"] = time.perf_counter() - t0
+        return o
+    reset_peak_rss()
+    try:
+        out = benchmark.pedantic(call, rounds=rounds, warmup_rounds=1)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, last["s"], sum(spans[-n:])
+
+
+def record(benchmark, results: dict, key, r: dict) -> None:
+    """Keep result ``r`` under ``key`` and show it (but its ``output`` array) in the
+    benchmark's ``extra_info``."""
+    results[key] = r
+    benchmark.extra_info.update({k: v for k, v in r.items() if k != "output"})
+
+
+def err_cell(err: float | None, fmt: str) -> str:
+    """A relative error as a table cell: ``format(err, fmt)``, empty when there is none."""
+    return "" if err is None else format(err, fmt)
+
+
+def write_summary(request, name: str, title: str, head: str, row, results: dict) -> None:
+    """The table ``title``, ``head`` (a Markdown header row) and a row of the cells
+    ``row((backend, size), r)`` for each result, sorted by size then backend: written to
+    ``.benchmarks/NAME.md``, the
+    results (keyed ``(backend, size)``, each ``output`` array left out) to
+    ``.benchmarks/NAME.json``, and printed past pytest's capture."""
+    lines = [title, "", head, "|" + "---|" * (head.count("|") - 1)]
+    lines += ["| " + " | ".join(str(c) for c in row(k, r)) + " |"
+              for k, r in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
+    text = "\n".join(lines)
     out = Path(".benchmarks")
     out.mkdir(exist_ok=True)
     (out / f"{name}.md").write_text(text + "\n")
@@ -91,3 +141,16 @@ def write_summary(request, name: str, text: str, results: dict) -> None:
     cap = request.config.pluginmanager.get_plugin("capturemanager")
     with cap.global_and_fixture_disabled() if cap is not None else open(os.devnull):
         print("\n" + text, flush=True)
+
+
+def summary_fixture(results: dict, name: str, title: str, head: str, row):
+    """A module-scoped autouse fixture: after the module's benchmarks, :func:`write_summary`
+    of whatever ``results`` holds (nothing when it is empty). Assign it to a module name."""
+    import pytest
+
+    @pytest.fixture(scope="module", autouse=True)
+    def _summary(request):
+        yield
+        if results:
+            write_summary(request, name, title, head, row, results)
+    return _summary

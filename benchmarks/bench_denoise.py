@@ -21,13 +21,12 @@ Run: ``python -m pytest benchmarks/bench_denoise.py --benchmark-only`` (about 2 
 """
 import math
 import os
-import time
 
 import numpy as np
 import pytest
 
-from _bench_util import (bench_stats, layer_timer, peak_rss_mb, reset_peak_rss, rss_cell,
-                         write_summary)
+from _bench_util import (bench_stats, err_cell, model_as, peak_rss_mb, record, reset_peak_rss,
+                         rss_cell, run_timed_layers, summary_fixture)
 from nxhpc.models.registry import open_denoiser
 
 MODEL = os.environ.get("NXHPC_BENCH_DENOISER", "zimage-dit-2l")
@@ -36,6 +35,9 @@ CAPTION = 100
 WORKERS = 2
 STEP_LAYERS = 30
 RESULTS: dict = {}
+_TITLE = f"bench_denoise: {MODEL}, {WORKERS} workers / threads, caption {CAPTION}"
+_HEAD = ("| backend | image tokens | rows | s / layer | s / 30-layer step (extrap.) | "
+         "peak RSS MB | rel. err vs diffusers f32 |")
 
 
 def _side(tokens: int) -> int:
@@ -60,21 +62,12 @@ def inputs(den):
                 0.5, cap) for T in TOKENS}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _summary(request):
-    yield
-    if not RESULTS:
-        return
-    head = ("| backend | image tokens | rows | s / layer | s / 30-layer step (extrap.) | "
-            "peak RSS MB | rel. err vs diffusers f32 |")
-    lines = [f"bench_denoise: {MODEL}, {WORKERS} workers / threads, caption {CAPTION}", "",
-             head, "|" + "---|" * 7]
-    for (name, T), r in sorted(RESULTS.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        err = r.get("rel_err_vs_diffusers_f32")
-        lines.append(f"| {name} | {T} | {r.get('rows', '')} | {r['s_per_layer']:.3f} | "
-                     f"{r['s_per_30_layer_step']:.1f} | {rss_cell(r)} | "
-                     f"{'' if err is None else format(err, '.2e')} |")
-    write_summary(request, "bench_denoise", "\n".join(lines), RESULTS)
+def _row(key, r) -> list:
+    return [*key, r.get("rows", ""), f"{r['s_per_layer']:.3f}", f"{r['s_per_30_layer_step']:.1f}",
+            rss_cell(r), err_cell(r.get("rel_err_vs_diffusers_f32"), ".2e")]
+
+
+_summary = summary_fixture(RESULTS, "bench_denoise", _TITLE, _HEAD, _row)
 
 
 # ----------------------------------------------------------------------------- nxhpc
@@ -94,8 +87,7 @@ def test_denoise_nxhpc(benchmark, den, inputs, tokens):
     r = {"rows": s.Np + s.Lp, "s_per_layer": per_layer,
          "s_per_30_layer_step": (tm["us_total"] - tm["us_layers"]) / 1e6 + STEP_LAYERS * per_layer,
          "s_call": bench_stats(benchmark).median, **tm, **mem, "output": out}
-    RESULTS[("nxhpc", tokens)] = r
-    benchmark.extra_info.update({k: v for k, v in r.items() if k != "output"})
+    record(benchmark, RESULTS, ("nxhpc", tokens), r)
     assert np.isfinite(out).all()
 
 
@@ -141,31 +133,12 @@ def _run_diffusers(benchmark, torch_model, den, inputs, tokens, dtype_name):
     import torch
 
     from nxhpc.dit.oracle import run_diffusers_zimage
-    tm = torch_model
-    dtype = getattr(torch, dtype_name)
-    if tm["dtype"] != dtype:                  # in place: the float32 copy is not kept
-        tm["model"].to(dtype)
-        tm["dtype"] = dtype
-    model = tm["model"]
+    model = model_as(torch_model, getattr(torch, dtype_name))
     lat, t, cap = inputs[tokens]
     benchmark.group = f"denoise {MODEL} image tokens={tokens} caption={CAPTION}"
-    reset_peak_rss()
-    spans, hooks = layer_timer(model.layers)
-    last = {}
-
-    def call():
-        t0 = time.perf_counter()
-        o = run_diffusers_zimage(model, lat, t, cap)
-        last["s"] = time.perf_counter() - t0
-        return o
-    try:
-        out = benchmark.pedantic(call, rounds=1, warmup_rounds=1)
-    finally:
-        for h in hooks:
-            h.remove()
-    total = last["s"]
     n = den.config.n_layers
-    layer_s = sum(spans[-n:])
+    out, total, layer_s = run_timed_layers(
+        benchmark, model.layers, lambda: run_diffusers_zimage(model, lat, t, cap), n, rounds=1)
     per_layer = layer_s / n
     r = {"s_per_layer": per_layer,
          "s_per_30_layer_step": (total - layer_s) + STEP_LAYERS * per_layer,
@@ -179,8 +152,7 @@ def _run_diffusers(benchmark, torch_model, den, inputs, tokens, dtype_name):
                                                    / np.abs(out).max())
     if ref is not None:
         r["rel_err_vs_diffusers_f32"] = float(np.abs(out - ref).max() / np.abs(ref).max())
-    RESULTS[(f"diffusers {dtype_name}", tokens)] = r
-    benchmark.extra_info.update({k: v for k, v in r.items() if k != "output"})
+    record(benchmark, RESULTS, (f"diffusers {dtype_name}", tokens), r)
     assert np.isfinite(out).all()
     return r
 

@@ -27,14 +27,13 @@ Run: ``python -m pytest benchmarks/bench_text_encoder.py --benchmark-only`` (~3 
 """
 import math
 import os
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from _bench_util import (bench_stats, children, layer_timer, peak_rss_mb, reset_peak_rss,
-                         rss_cell, write_summary)
+from _bench_util import (bench_stats, children, err_cell, model_as, peak_rss_mb, record,
+                         reset_peak_rss, rss_cell, run_timed_layers, summary_fixture)
 from nxhpc.formats.gguf_io import LazyTensor
 from nxhpc.models.qwen3_files import write_qwen3_gguf
 from nxhpc.models.registry import models_dir
@@ -49,6 +48,10 @@ TOKENS = [int(t) for t in os.environ.get("NXHPC_BENCH_TE_TOKENS", "100,512").spl
 WORKERS = 2
 PRECISIONS = ["f32", "q8"] + (["bf16"] if os.environ.get("NXHPC_BENCH_TE_BF16") else [])
 RESULTS: dict = {}
+_TITLE = (f"bench_text_encoder: Qwen3-4B dims, 2-block Q8_0 slice (vocab 4096), {WORKERS} "
+          f"workers / threads")
+_HEAD = ("| backend | tokens | s / block | s prompt -> features, 35 blocks (extrap.) | "
+         "GFLOP/s | peak RSS MB | rel. err vs torch f32 |")
 _WORDS = ("a red fox runs through the snowy forest at dawn, light falls between tall pines; "
           "its breath rises in small clouds and the river shines like glass below the hill. ")
 
@@ -119,21 +122,12 @@ def prompts(te):
     return {n: _prompt(te, n) for n in TOKENS}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _summary(request):
-    yield
-    if not RESULTS:
-        return
-    head = ("| backend | tokens | s / block | s prompt -> features, 35 blocks (extrap.) | "
-            "GFLOP/s | peak RSS MB | rel. err vs torch f32 |")
-    lines = [f"bench_text_encoder: Qwen3-4B dims, 2-block Q8_0 slice (vocab 4096), "
-             f"{WORKERS} workers / threads", "", head, "|" + "---|" * 7]
-    for (name, n), r in sorted(RESULTS.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        err = r.get("rel_err_vs_torch_f32")
-        lines.append(f"| {name} | {n} | {r['s_per_layer']:.3f} | {r['s_35_layers']:.2f} | "
-                     f"{r['gflops']:.1f} | {rss_cell(r)} | "
-                     f"{'' if err is None else format(err, '.1e')} |")
-    write_summary(request, "bench_text_encoder", "\n".join(lines), RESULTS)
+def _row(key, r) -> list:
+    return [*key, f"{r['s_per_layer']:.3f}", f"{r['s_35_layers']:.2f}", f"{r['gflops']:.1f}",
+            rss_cell(r), err_cell(r.get("rel_err_vs_torch_f32"), ".1e")]
+
+
+_summary = summary_fixture(RESULTS, "bench_text_encoder", _TITLE, _HEAD, _row)
 
 
 def _group(n: int) -> str:
@@ -160,8 +154,7 @@ def test_text_encoder_nxhpc(benchmark, te, prompts, tokens, precision):
          "s_35_layers": (tm["us_total"] - tm["us_layers"]) / 1e6 + LAYERS_RUN * per_layer,
          "gflops": _block_gflop(out.shape[0]) / per_layer, "s_call": bench_stats(benchmark).median,
          **tm, **te.memory(), "worker_peak_rss_mb": max(kids, default=None), "output": out}
-    RESULTS[(f"nxhpc {precision}", tokens)] = r
-    benchmark.extra_info.update({k: v for k, v in r.items() if k != "output"})
+    record(benchmark, RESULTS, (f"nxhpc {precision}", tokens), r)
     te.precision = "f32"
     assert out.shape == (tokens, CFG.dim) and np.isfinite(out).all()
 
@@ -200,40 +193,23 @@ def torch_model(te):
 
 def _run_torch(benchmark, torch_model, te, prompts, tokens, dtype_name):
     import torch
-    tm = torch_model
-    dtype = getattr(torch, dtype_name)
-    if tm["dtype"] != dtype:
-        tm["model"].to(dtype)
-        tm["dtype"] = dtype
-    model = tm["model"]
+    model = model_as(torch_model, getattr(torch, dtype_name))
     benchmark.group = _group(tokens)
     prompt = prompts[tokens]
-    spans, hooks = layer_timer(model.layers)
-    last = {}
 
-    def call():
-        t0 = time.perf_counter()
+    def features():
         ids = te.tokenize(prompt)                # the same tokenizer: prompt -> features
         with torch.no_grad():
             hs = model(torch.as_tensor([ids]), output_hidden_states=True).hidden_states
-        o = hs[-2][0].float().numpy()
-        last["s"] = time.perf_counter() - t0
-        return o
-    reset_peak_rss()
-    try:
-        out = benchmark.pedantic(call, rounds=2, warmup_rounds=1)
-    finally:
-        for h in hooks:
-            h.remove()
-    n = CFG.n_layers
-    layer_s = sum(spans[-n:])
-    per_layer = layer_s / n
+        return hs[-2][0].float().numpy()
+    out, total, layer_s = run_timed_layers(benchmark, model.layers, features, CFG.n_layers,
+                                           rounds=2)
+    per_layer = layer_s / CFG.n_layers
     r = {"n_tokens": out.shape[0], "s_per_layer": per_layer,
-         "s_35_layers": (last["s"] - layer_s) + LAYERS_RUN * per_layer,
-         "gflops": _block_gflop(out.shape[0]) / per_layer, "s_call": last["s"],
+         "s_35_layers": (total - layer_s) + LAYERS_RUN * per_layer,
+         "gflops": _block_gflop(out.shape[0]) / per_layer, "s_call": total,
          "peak_rss_mb": peak_rss_mb(), "output": out}
-    RESULTS[(f"torch {dtype_name}", tokens)] = r
-    benchmark.extra_info.update({k: v for k, v in r.items() if k != "output"})
+    record(benchmark, RESULTS, (f"torch {dtype_name}", tokens), r)
     assert np.isfinite(out).all()
     return r
 
