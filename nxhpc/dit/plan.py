@@ -59,7 +59,7 @@ from nxhpc.nn import engine as _engine
 from nxhpc.nn.checks import EPS_RANGE, check_eps, finite_vector, narrow_finite
 from nxhpc.nn.engine import Gather, IOSpec, Plan, Stage, serialized
 from nxhpc.nn.linear import DEFAULT_PRECISION, adaln_linear, check_precision
-from nxhpc.nn.residual import UNIT_GATE
+from nxhpc.nn.residual import UNIT_GATE, UnitGateState
 from nxhpc.nn.stages import Project, SwiGLU, block_extents
 
 __all__ = ["Stage", "STAGES", "EXTENTS", "TIMING_KEYS", "UNIT_GATE", "BlockPlan", "Engine",
@@ -179,7 +179,7 @@ def _scratch(cfg: BlockConfig, T: int) -> dict[str, tuple[int, ...]]:
 
 # ------------------------------------------------------------------------------ the plan
 @dataclass(frozen=True)
-class BlockPlan(Plan):
+class BlockPlan(UnitGateState, Plan):
     """One kind of block as data: its config, stack ``prefix``, ``modulated`` flag and stages.
 
     ``config``: a :class:`BlockConfig` (a model's :class:`~nxhpc.dit.config.DenoiserConfig` is
@@ -241,9 +241,6 @@ class BlockPlan(Plan):
         """adaLN output ``m`` [4D], the multipliers ``1 + scale`` [D] and the unit gate [D]."""
         D = self.config.dim
         return {"adaln": (4 * D,), "mod_msa": (D,), "mod_mlp": (D,), "unit_gate": (D,)}
-
-    def init_state(self, views: Mapping[str, np.ndarray]) -> None:
-        views["unit_gate"][:] = np.float32(UNIT_GATE)
 
     def bind(self, key: Hashable, weights: Any, kernels: Any) -> LayerWeights:
         """A block's :class:`LayerWeights` checked against the config, matrices typed."""

@@ -73,7 +73,7 @@ from nxhpc.nn import engine as _engine
 from nxhpc.nn.checks import check_eps
 from nxhpc.nn.engine import Engine, EngineSession, IOSpec, Plan, Stage
 from nxhpc.nn.linear import DEFAULT_PRECISION, check_precision, matmul
-from nxhpc.nn.residual import UNIT_GATE, residual_add
+from nxhpc.nn.residual import UnitGateState, residual_add
 from nxhpc.nn.stages import Project, SwiGLU, block_extents
 from nxhpc.qwen3.config import LAYER_TENSORS, Qwen3Config, infer_config, layer_names
 from nxhpc.runtime.checks import check_workers
@@ -260,7 +260,7 @@ def stage_table() -> str:
 
 
 @dataclass(frozen=True)
-class LayerPlan(Plan):
+class LayerPlan(UnitGateState, Plan):
     """A Qwen3 block as data for the shared engine: config and stages. Inputs (:meth:`io`):
     ``x`` [T, D] (updated in place) and ``pe`` [T, hd/2, 2, 2]; state: the unit gate [D];
     params of a run: ``(eps, precision)``."""
@@ -288,9 +288,6 @@ class LayerPlan(Plan):
 
     def state(self) -> dict[str, Any]:
         return {"unit_gate": (self.config.dim,)}
-
-    def init_state(self, views: Mapping[str, np.ndarray]) -> None:
-        views["unit_gate"][:] = np.float32(UNIT_GATE)
 
     def bind(self, key: Hashable, weights: Any, kernels: Any) -> LayerWeights:
         if not isinstance(weights, LayerWeights):
