@@ -32,7 +32,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +46,7 @@ from nxhpc.dit.rope import position_ids
 from nxhpc.models.registry import open_denoiser
 from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError, ModelNotFoundError
 from nxhpc.runtime.shm import live_segments
-from procutil import alive, children_of
+from procutil import alive, assert_signal_releases, children_of
 from testutil import rel_err
 from kernelutil import assert_bitwise
 
@@ -668,15 +667,7 @@ def test_cli_signal_during_run(tiny_root, workers, sig, code):
     assert p.stdout.readline().startswith("started")
     kids = children_of(p.pid)
     assert len(kids) >= (0 if workers == "1" else 2)
-    with open(f"/proc/{p.pid}/maps") as f:                # the arena exists (unlinked)
-        assert any("/dev/shm/nxhpc_" in ln and "(deleted)" in ln for ln in f)
-    p.send_signal(sig)
-    out, err = p.communicate(timeout=30)
-    assert p.returncode == code, err
-    assert "shared memory released" in err
-    assert live_segments(p.pid) == []
-    time.sleep(0.2)
-    assert not any(alive(k) for k in kids)
+    assert_signal_releases(p, sig, code, kids, timeout=30)   # the arena exists (unlinked)
 
 
 def test_cli_worker_failure_exit_6(tiny_root):
