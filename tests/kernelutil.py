@@ -149,3 +149,15 @@ def band_edges(rng, m, max_cuts):
     ``1 <= k < max_cuts`` sorted cuts drawn from ``[0, m]`` (empty bands included)."""
     cuts = np.sort(rng.integers(0, m + 1, size=rng.integers(1, max_cuts)))
     return [0, *cuts.tolist(), m]
+
+
+def assert_error_names(case, functions):
+    """``case`` = (name, call, exception type, ...): ``call()`` raises that type with a message
+    naming one of ``functions``; returns the message."""
+    import pytest
+    name, call, exc = case[:3]
+    with pytest.raises(exc) as info:
+        call()
+    msg = str(info.value)
+    assert any(fn in msg for fn in functions), f"{name}: error does not name the function: {msg}"
+    return msg
