@@ -10,9 +10,9 @@ from pathlib import Path
 
 from nxhpc.runtime.memory import peak_rss_mb
 
-__all__ = ["bench_stats", "rope_pe", "peak_rss_mb", "reset_peak_rss", "children", "rss_cell",
-           "layer_timer", "model_as", "run_timed_layers", "record", "err_cell", "write_summary",
-           "summary_fixture"]
+__all__ = ["bench_stats", "rope_pe", "qknorm_rope_inputs", "peak_rss_mb", "reset_peak_rss",
+           "children", "rss_cell", "layer_timer", "model_as", "run_timed_layers", "record",
+           "err_cell", "write_summary", "summary_fixture"]
 
 # With --benchmark-disable each benchmark runs once as a smoke test (its correctness check
 # included) and pytest-benchmark keeps no statistics: report NaN rates instead of failing.
@@ -32,6 +32,15 @@ def rope_pe(rng, T: int, hd: int):
     ang = rng.uniform(-10, 10, (T, hd // 2))
     return np.stack([np.stack([np.cos(ang), -np.sin(ang)], -1),
                      np.stack([np.sin(ang), np.cos(ang)], -1)], -2).astype(np.float32)
+
+
+def qknorm_rope_inputs(rng, T: int, heads: int, hd: int):
+    """(qkv [T, 3*heads*hd], q_w [hd], k_w [hd], pe [T, hd/2, 2, 2]) float32 standard normal
+    (pe: :func:`rope_pe`), drawn in that order."""
+    import numpy as np
+    qkv = rng.standard_normal((T, 3 * heads * hd), dtype=np.float32)
+    qw, kw = rng.standard_normal(hd, dtype=np.float32), rng.standard_normal(hd, dtype=np.float32)
+    return qkv, qw, kw, rope_pe(rng, T, hd)
 
 
 def reset_peak_rss(pids=("self",)) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from nxhpc import _kernels as K
-from _bench_util import bench_stats, rope_pe
+from _bench_util import bench_stats, qknorm_rope_inputs, rope_pe
 
 torch = pytest.importorskip("torch")
 
@@ -200,9 +200,7 @@ def test_bench_rope_backward(benchmark, impl):
 def test_bench_qknorm_rope_backward(benchmark, impl):
     benchmark.group = f"qknorm_rope_backward T={T_MB} H={NH} hd={HD}"
     rng = np.random.default_rng(6)
-    qkv = rng.standard_normal((T_MB, 3 * D), dtype=np.float32)
-    qw, kw = rng.standard_normal(HD, dtype=np.float32), rng.standard_normal(HD, dtype=np.float32)
-    pe = rope_pe(rng, T_MB, HD)
+    qkv, qw, kw, pe = qknorm_rope_inputs(rng, T_MB, NH, HD)
     dq, dk = (rng.standard_normal((NH, T_MB, HD), dtype=np.float32) for _ in range(2))
     if impl == "torch":
         pt = torch.from_numpy(pe)
