@@ -17,7 +17,7 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 from nxhpc import _kernels as K
-from _bench_util import bench_stats
+from _bench_util import bench_stats, qknorm_rope_inputs
 
 PEAK_QUOTED = 116.0    # GFLOP/s per core, figure given for this machine (= the ymm FMA peak)
 PEAK_MEASURED = 250.0  # GFLOP/s per core, 12 independent zmm FMA chains in a register-only loop
@@ -215,11 +215,7 @@ def test_bench_rmsnorm(benchmark, impl):
 def test_bench_qknorm_rope(benchmark, impl):
     benchmark.group = f"qknorm_rope T={T_MB} H={NH} hd={HD}"
     rng = np.random.default_rng(2)
-    qkv = rng.standard_normal((T_MB, 3 * D), dtype=np.float32)
-    qw, kw = rng.standard_normal(HD, dtype=np.float32), rng.standard_normal(HD, dtype=np.float32)
-    ang = rng.uniform(-10, 10, (T_MB, HD // 2))
-    pe = np.stack([np.stack([np.cos(ang), -np.sin(ang)], -1),
-                   np.stack([np.sin(ang), np.cos(ang)], -1)], -2).astype(np.float32)
+    qkv, qw, kw, pe = qknorm_rope_inputs(rng, T_MB, NH, HD)
     qo, ko = np.empty((NH, T_MB, HD), np.float32), np.empty((NH, T_MB, HD), np.float32)
     if impl == "nxhpc":
         benchmark(K.qknorm_rope, qkv, qw, kw, pe, qo, ko, NH, NH, 1e-6)

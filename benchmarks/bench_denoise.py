@@ -19,16 +19,14 @@ Run: ``python -m pytest benchmarks/bench_denoise.py --benchmark-only`` (about 2 
 ~10 GB RAM peak for diffusers float32). Quick: ``NXHPC_BENCH_DENOISER=tiny-dit`` and/or
 ``NXHPC_BENCH_TOKENS=1024``.
 """
-import json
 import math
 import os
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from _bench_util import bench_stats
+from _bench_util import (bench_stats, err_cell, model_as, peak_rss_mb, record, reset_peak_rss,
+                         rss_cell, run_timed_layers, summary_fixture)
 from nxhpc.models.registry import open_denoiser
 
 MODEL = os.environ.get("NXHPC_BENCH_DENOISER", "zimage-dit-2l")
@@ -37,33 +35,15 @@ CAPTION = 100
 WORKERS = 2
 STEP_LAYERS = 30
 RESULTS: dict = {}
+_TITLE = f"bench_denoise: {MODEL}, {WORKERS} workers / threads, caption {CAPTION}"
+_HEAD = ("| backend | image tokens | rows | s / layer | s / 30-layer step (extrap.) | "
+         "peak RSS MB | rel. err vs diffusers f32 |")
 
 
 def _side(tokens: int) -> int:
     s = int(round(math.sqrt(tokens)))
     assert s * s == tokens, f"image tokens {tokens} must be a square"
     return 2 * s                              # latents side: 2x2 patches
-
-
-def _reset_peak_rss() -> bool:
-    """Reset this process's VmHWM (Linux: ``echo 5 > /proc/self/clear_refs``)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss_mb(pid: int | str = "self") -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024 / 1e6
-    except OSError:
-        return None
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -82,33 +62,12 @@ def inputs(den):
                 0.5, cap) for T in TOKENS}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _summary(request):
-    yield
-    if not RESULTS:
-        return
-    head = ("| backend | image tokens | rows | s / layer | s / 30-layer step (extrap.) | "
-            "peak RSS MB | rel. err vs diffusers f32 |")
-    lines = [f"bench_denoise: {MODEL}, {WORKERS} workers / threads, caption {CAPTION}", "",
-             head, "|" + "---|" * 7]
-    for (name, T), r in sorted(RESULTS.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        err = r.get("rel_err_vs_diffusers_f32")
-        rss = f"{r.get('peak_rss_mb') or 0:.0f}"
-        if r.get("worker_peak_rss_mb"):
-            rss += f" (workers {r['worker_peak_rss_mb']:.0f})"
-        lines.append(f"| {name} | {T} | {r.get('rows', '')} | {r['s_per_layer']:.3f} | "
-                     f"{r['s_per_30_layer_step']:.1f} | {rss} | "
-                     f"{'' if err is None else format(err, '.2e')} |")
-    text = "\n".join(lines)
-    out = Path(".benchmarks")
-    out.mkdir(exist_ok=True)
-    (out / "bench_denoise.md").write_text(text + "\n")
-    (out / "bench_denoise.json").write_text(json.dumps(
-        {f"{k[0]}@{k[1]}": {n: x for n, x in v.items() if n != "output"}
-         for k, v in RESULTS.items()}, indent=1, default=float))
-    cap = request.config.pluginmanager.get_plugin("capturemanager")
-    with cap.global_and_fixture_disabled() if cap is not None else open(os.devnull):
-        print("\n" + text, flush=True)
+def _row(key, r) -> list:
+    return [*key, r.get("rows", ""), f"{r['s_per_layer']:.3f}", f"{r['s_per_30_layer_step']:.1f}",
+            rss_cell(r), err_cell(r.get("rel_err_vs_diffusers_f32"), ".2e")]
+
+
+_summary = summary_fixture(RESULTS, "bench_denoise", _TITLE, _HEAD, _row)
 
 
 # ----------------------------------------------------------------------------- nxhpc
@@ -118,7 +77,7 @@ def test_denoise_nxhpc(benchmark, den, inputs, tokens):
     cfg = den.config
     lat, t, cap = inputs[tokens]
     benchmark.group = f"denoise {MODEL} image tokens={tokens} caption={CAPTION}"
-    _reset_peak_rss()
+    reset_peak_rss()
     den.forward(lat, t, cap)                  # the layout's engine: fork + arena (not timed)
     out = benchmark.pedantic(lambda: den.forward(lat, t, cap), rounds=2, warmup_rounds=0)
     tm = dict(den.last_timings)
@@ -128,8 +87,7 @@ def test_denoise_nxhpc(benchmark, den, inputs, tokens):
     r = {"rows": s.Np + s.Lp, "s_per_layer": per_layer,
          "s_per_30_layer_step": (tm["us_total"] - tm["us_layers"]) / 1e6 + STEP_LAYERS * per_layer,
          "s_call": bench_stats(benchmark).median, **tm, **mem, "output": out}
-    RESULTS[("nxhpc", tokens)] = r
-    benchmark.extra_info.update({k: v for k, v in r.items() if k != "output"})
+    record(benchmark, RESULTS, ("nxhpc", tokens), r)
     assert np.isfinite(out).all()
 
 
@@ -171,51 +129,20 @@ def torch_model(den):
     return {"model": _diffusers_model(den, torch), "dtype": torch.float32}
 
 
-def _layer_timer(model):
-    """Forward hooks timing each main layer: returns the list of per-layer seconds."""
-    spans: list[float] = []
-    starts: list[float] = []
-    hooks = []
-    for layer in model.layers:
-        hooks.append(layer.register_forward_pre_hook(lambda m, a: starts.append(time.perf_counter())))
-        hooks.append(layer.register_forward_hook(
-            lambda m, a, o: spans.append(time.perf_counter() - starts.pop())))
-    return spans, hooks
-
-
 def _run_diffusers(benchmark, torch_model, den, inputs, tokens, dtype_name):
     import torch
 
     from nxhpc.dit.oracle import run_diffusers_zimage
-    tm = torch_model
-    dtype = getattr(torch, dtype_name)
-    if tm["dtype"] != dtype:                  # in place: the float32 copy is not kept
-        tm["model"].to(dtype)
-        tm["dtype"] = dtype
-    model = tm["model"]
+    model = model_as(torch_model, getattr(torch, dtype_name))
     lat, t, cap = inputs[tokens]
     benchmark.group = f"denoise {MODEL} image tokens={tokens} caption={CAPTION}"
-    _reset_peak_rss()
-    spans, hooks = _layer_timer(model)
-    last = {}
-
-    def call():
-        t0 = time.perf_counter()
-        o = run_diffusers_zimage(model, lat, t, cap)
-        last["s"] = time.perf_counter() - t0
-        return o
-    try:
-        out = benchmark.pedantic(call, rounds=1, warmup_rounds=1)
-    finally:
-        for h in hooks:
-            h.remove()
-    total = last["s"]
     n = den.config.n_layers
-    layer_s = sum(spans[-n:])
+    out, total, layer_s = run_timed_layers(
+        benchmark, model.layers, lambda: run_diffusers_zimage(model, lat, t, cap), n, rounds=1)
     per_layer = layer_s / n
     r = {"s_per_layer": per_layer,
          "s_per_30_layer_step": (total - layer_s) + STEP_LAYERS * per_layer,
-         "s_call": total, "peak_rss_mb": _peak_rss_mb(), "output": out}
+         "s_call": total, "peak_rss_mb": peak_rss_mb(), "output": out}
     ref = RESULTS.get(("diffusers float32", tokens), {}).get("output")
     if dtype_name == "float32":
         ref = out
@@ -225,8 +152,7 @@ def _run_diffusers(benchmark, torch_model, den, inputs, tokens, dtype_name):
                                                    / np.abs(out).max())
     if ref is not None:
         r["rel_err_vs_diffusers_f32"] = float(np.abs(out - ref).max() / np.abs(ref).max())
-    RESULTS[(f"diffusers {dtype_name}", tokens)] = r
-    benchmark.extra_info.update({k: v for k, v in r.items() if k != "output"})
+    record(benchmark, RESULTS, (f"diffusers {dtype_name}", tokens), r)
     assert np.isfinite(out).all()
     return r
 

@@ -25,16 +25,15 @@ transformers float32 (checked after timing). A table is printed at the end and w
 
 Run: ``python -m pytest benchmarks/bench_text_encoder.py --benchmark-only`` (~3 GB RAM peak).
 """
-import json
 import math
 import os
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from _bench_util import bench_stats
+from _bench_util import (bench_stats, children, err_cell, model_as, peak_rss_mb, record,
+                         reset_peak_rss, rss_cell, run_timed_layers, summary_fixture)
 from nxhpc.formats.gguf_io import LazyTensor
 from nxhpc.models.qwen3_files import write_qwen3_gguf
 from nxhpc.models.registry import models_dir
@@ -49,6 +48,10 @@ TOKENS = [int(t) for t in os.environ.get("NXHPC_BENCH_TE_TOKENS", "100,512").spl
 WORKERS = 2
 PRECISIONS = ["f32", "q8"] + (["bf16"] if os.environ.get("NXHPC_BENCH_TE_BF16") else [])
 RESULTS: dict = {}
+_TITLE = (f"bench_text_encoder: Qwen3-4B dims, 2-block Q8_0 slice (vocab 4096), {WORKERS} "
+          f"workers / threads")
+_HEAD = ("| backend | tokens | s / block | s prompt -> features, 35 blocks (extrap.) | "
+         "GFLOP/s | peak RSS MB | rel. err vs torch f32 |")
 _WORDS = ("a red fox runs through the snowy forest at dawn, light falls between tall pines; "
           "its breath rises in small clouds and the river shines like glass below the hill. ")
 
@@ -98,38 +101,6 @@ def _prompt(te: TextEncoder, n: int) -> str:
     return text
 
 
-def _reset_peak_rss(pids=("self",)) -> None:
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
-
-
-def _peak_rss_mb(pid="self"):
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024 / 1e6
-    except OSError:
-        return None
-    return None
-
-
-def _children() -> list[int]:
-    out = []
-    base = f"/proc/{os.getpid()}/task"
-    for tid in os.listdir(base):
-        try:
-            with open(f"{base}/{tid}/children") as f:
-                out += [int(p) for p in f.read().split()]
-        except OSError:
-            pass
-    return out
-
-
 def _block_gflop(L: int) -> float:
     """Multiply-adds x 2 of one block at L tokens: the seven projections and causal
     attention (q k^T and p v over the L(L+1)/2 visible pairs of each head)."""
@@ -151,33 +122,12 @@ def prompts(te):
     return {n: _prompt(te, n) for n in TOKENS}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _summary(request):
-    yield
-    if not RESULTS:
-        return
-    head = ("| backend | tokens | s / block | s prompt -> features, 35 blocks (extrap.) | "
-            "GFLOP/s | peak RSS MB | rel. err vs torch f32 |")
-    lines = [f"bench_text_encoder: Qwen3-4B dims, 2-block Q8_0 slice (vocab 4096), "
-             f"{WORKERS} workers / threads", "", head, "|" + "---|" * 7]
-    for (name, n), r in sorted(RESULTS.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        err = r.get("rel_err_vs_torch_f32")
-        rss = f"{r.get('peak_rss_mb') or 0:.0f}"
-        if r.get("worker_peak_rss_mb"):
-            rss += f" (workers {r['worker_peak_rss_mb']:.0f})"
-        lines.append(f"| {name} | {n} | {r['s_per_layer']:.3f} | {r['s_35_layers']:.2f} | "
-                     f"{r['gflops']:.1f} | {rss} | "
-                     f"{'' if err is None else format(err, '.1e')} |")
-    text = "\n".join(lines)
-    out = Path(".benchmarks")
-    out.mkdir(exist_ok=True)
-    (out / "bench_text_encoder.md").write_text(text + "\n")
-    (out / "bench_text_encoder.json").write_text(json.dumps(
-        {f"{k[0]}@{k[1]}": {a: b for a, b in v.items() if a != "output"}
-         for k, v in RESULTS.items()}, indent=1, default=float))
-    cap = request.config.pluginmanager.get_plugin("capturemanager")
-    with cap.global_and_fixture_disabled() if cap is not None else open(os.devnull):
-        print("\n" + text, flush=True)
+def _row(key, r) -> list:
+    return [*key, f"{r['s_per_layer']:.3f}", f"{r['s_35_layers']:.2f}", f"{r['gflops']:.1f}",
+            rss_cell(r), err_cell(r.get("rel_err_vs_torch_f32"), ".1e")]
+
+
+_summary = summary_fixture(RESULTS, "bench_text_encoder", _TITLE, _HEAD, _row)
 
 
 def _group(n: int) -> str:
@@ -193,19 +143,18 @@ def test_text_encoder_nxhpc(benchmark, te, prompts, tokens, precision):
     prompt = prompts[tokens]
     te.precision = precision
     te.encode(prompt)                             # the session: fork + arena (not timed)
-    _reset_peak_rss(["self", *_children()])
+    reset_peak_rss(["self", *children()])
     slow = precision != "f32"
     out = benchmark.pedantic(lambda: te.encode(prompt), rounds=1 if slow else 3,
                              warmup_rounds=0)
     tm = dict(te.last_timings)
     per_layer = tm["us_layers"] / CFG.layers_needed / 1e6
-    kids = [_peak_rss_mb(p) or 0 for p in _children()]
+    kids = [peak_rss_mb(p) or 0 for p in children()]
     r = {"n_tokens": out.shape[0], "s_per_layer": per_layer,
          "s_35_layers": (tm["us_total"] - tm["us_layers"]) / 1e6 + LAYERS_RUN * per_layer,
          "gflops": _block_gflop(out.shape[0]) / per_layer, "s_call": bench_stats(benchmark).median,
          **tm, **te.memory(), "worker_peak_rss_mb": max(kids, default=None), "output": out}
-    RESULTS[(f"nxhpc {precision}", tokens)] = r
-    benchmark.extra_info.update({k: v for k, v in r.items() if k != "output"})
+    record(benchmark, RESULTS, (f"nxhpc {precision}", tokens), r)
     te.precision = "f32"
     assert out.shape == (tokens, CFG.dim) and np.isfinite(out).all()
 
@@ -244,46 +193,23 @@ def torch_model(te):
 
 def _run_torch(benchmark, torch_model, te, prompts, tokens, dtype_name):
     import torch
-    tm = torch_model
-    dtype = getattr(torch, dtype_name)
-    if tm["dtype"] != dtype:
-        tm["model"].to(dtype)
-        tm["dtype"] = dtype
-    model = tm["model"]
+    model = model_as(torch_model, getattr(torch, dtype_name))
     benchmark.group = _group(tokens)
     prompt = prompts[tokens]
-    spans: list[float] = []
-    starts: list[float] = []
-    hooks = [layer.register_forward_pre_hook(lambda m, a: starts.append(time.perf_counter()))
-             for layer in model.layers]
-    hooks += [layer.register_forward_hook(
-        lambda m, a, o: spans.append(time.perf_counter() - starts.pop()))
-        for layer in model.layers]
-    last = {}
 
-    def call():
-        t0 = time.perf_counter()
+    def features():
         ids = te.tokenize(prompt)                # the same tokenizer: prompt -> features
         with torch.no_grad():
             hs = model(torch.as_tensor([ids]), output_hidden_states=True).hidden_states
-        o = hs[-2][0].float().numpy()
-        last["s"] = time.perf_counter() - t0
-        return o
-    _reset_peak_rss()
-    try:
-        out = benchmark.pedantic(call, rounds=2, warmup_rounds=1)
-    finally:
-        for h in hooks:
-            h.remove()
-    n = CFG.n_layers
-    layer_s = sum(spans[-n:])
-    per_layer = layer_s / n
+        return hs[-2][0].float().numpy()
+    out, total, layer_s = run_timed_layers(benchmark, model.layers, features, CFG.n_layers,
+                                           rounds=2)
+    per_layer = layer_s / CFG.n_layers
     r = {"n_tokens": out.shape[0], "s_per_layer": per_layer,
-         "s_35_layers": (last["s"] - layer_s) + LAYERS_RUN * per_layer,
-         "gflops": _block_gflop(out.shape[0]) / per_layer, "s_call": last["s"],
-         "peak_rss_mb": _peak_rss_mb(), "output": out}
-    RESULTS[(f"torch {dtype_name}", tokens)] = r
-    benchmark.extra_info.update({k: v for k, v in r.items() if k != "output"})
+         "s_35_layers": (total - layer_s) + LAYERS_RUN * per_layer,
+         "gflops": _block_gflop(out.shape[0]) / per_layer, "s_call": total,
+         "peak_rss_mb": peak_rss_mb(), "output": out}
+    record(benchmark, RESULTS, (f"torch {dtype_name}", tokens), r)
     assert np.isfinite(out).all()
     return r
 

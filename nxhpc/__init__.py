@@ -40,40 +40,19 @@ def kernels():
             f"build_ext --inplace`), or run from outside the checkout.") from None
 
 
-def load_model(*args, **kwargs):
-    """Open a model (see :func:`nxhpc.api.load_model`)."""
-    from nxhpc.api import load_model as _load
-    return _load(*args, **kwargs)
+def _api_function(name: str):
+    """``nxhpc.<name>``: calls ``nxhpc.api.<name>`` (looked up at each call), with its docstring."""
+    def call(*args, **kwargs):
+        return getattr(_importlib.import_module("nxhpc.api"), name)(*args, **kwargs)
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = getattr(_importlib.import_module("nxhpc.api"), name).__doc__
+    return call
 
 
-load_model.__doc__ = _importlib.import_module("nxhpc.api").load_model.__doc__
-
-
-def load_denoiser(*args, **kwargs):
-    """Open a whole Z-Image denoiser (see :func:`nxhpc.api.load_denoiser`)."""
-    from nxhpc.api import load_denoiser as _load
-    return _load(*args, **kwargs)
-
-
-load_denoiser.__doc__ = _importlib.import_module("nxhpc.api").load_denoiser.__doc__
-
-
-def load_text_encoder(*args, **kwargs):
-    """Open Z-Image's Qwen3 text encoder (see :func:`nxhpc.api.load_text_encoder`)."""
-    from nxhpc.api import load_text_encoder as _load
-    return _load(*args, **kwargs)
-
-
-load_text_encoder.__doc__ = _importlib.import_module("nxhpc.api").load_text_encoder.__doc__
-
-
-def load_vae(*args, **kwargs):
-    """Open the FLUX autoencoder's decoder (see :func:`nxhpc.api.load_vae`)."""
-    from nxhpc.api import load_vae as _load
-    return _load(*args, **kwargs)
-
-
-load_vae.__doc__ = _importlib.import_module("nxhpc.api").load_vae.__doc__
+load_model = _api_function("load_model")
+load_denoiser = _api_function("load_denoiser")
+load_text_encoder = _api_function("load_text_encoder")
+load_vae = _api_function("load_vae")
 
 
 def __getattr__(name: str):

@@ -13,11 +13,10 @@ import sys
 import time
 
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
-from nxhpc.cli.codes import Exit, codes_epilog
+from nxhpc.cli.codes import Exit
 from nxhpc.cli.frame import run_ranked
 from nxhpc.cli.report import emit_graded, fmt_value, save_npy
 from nxhpc.dit.grade import DEFAULT_TOL
-from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
 from nxhpc.dit.stackrun import PRECISION_TOL
 from nxhpc.models.modeldir import model_files
 from nxhpc.runtime.checks import check_input_file
@@ -67,19 +66,17 @@ grading:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m nxhpc.blockrun",
+    p = types.cli_parser(
+        "blockrun",
         description="Run a DiT block (or --layers consecutive blocks) of a model end to end on "
                     "nxhpc's C kernels in forked workers, from only the block input "
                     "(layers.0.blk_in) and the weights, and grade the output against a "
                     "reference. Prints key=value lines (or one JSON object) and a verdict.",
-        epilog=_GRADING_HELP % {"tol": ", ".join(f"{k} {v:g}" for k, v in PRECISION_TOL.items())}
-        + codes_epilog(EXIT_CODES),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=_GRADING_HELP % {"tol": ", ".join(f"{k} {v:g}" for k, v in PRECISION_TOL.items())},
+        exit_codes=EXIT_CODES)
     p.add_argument("model_id", help="built-in model id (e.g. tiny, mid, zimage-1l), a directory "
                                     "under --models-dir / $NXHPC_MODELS, or a model directory path")
-    p.add_argument("n_workers", nargs="?", type=types.workers, default=None,
-                   help=types.workers_help())
+    types.add_workers(p)
     p.add_argument("reference_name", nargs="?", default=None,
                    help="fixture to grade the final output against (default: see grading "
                         "below); a path to a .npy file also works")
@@ -94,33 +91,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eps", type=types.eps, default=None,
                    help="RMSNorm eps (default: the model's, 1e-5 for Z-Image; the source "
                         "runner used 1e-6)")
-    p.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
-                   help="matmul precision of the projections: f32 (default, exact dequantized "
-                        "weights), bf16 (bfloat16 inputs, float32 accumulation), q8 (Q8_0 "
-                        "activations x Q8_0 weights; other weight types run bf16). Norms, RoPE, "
-                        "attention, residuals and adaLN stay float32")
-    p.add_argument("--tol", type=types.positive_float, default=None,
-                   help="pass/fail tolerance on max_rel (default per --precision: "
-                        + ", ".join(f"{k} {v:g}" for k, v in PRECISION_TOL.items()) + ")")
+    types.add_precision(p, "matmul precision of the projections: f32 (default, exact "
+                           "dequantized weights), bf16 (bfloat16 inputs, float32 accumulation), "
+                           "q8 (Q8_0 activations x Q8_0 weights; other weight types run bf16). "
+                           "Norms, RoPE, attention, residuals and adaLN stay float32")
+    types.add_tol(p, PRECISION_TOL)
     p.add_argument("--source", choices=("auto", "gguf", "fixtures"), default="auto",
                    help="where the weights come from (default auto: the GGUF when present)")
     p.add_argument("--adaln", choices=("auto", "t_emb", "fixture"), default="auto",
                    help="modulation: computed from t_emb with each layer's adaLN weights, or the "
                         "tapped layers.N.adaln_m (default auto: t_emb when present)")
-    p.add_argument("--models-dir", default=None,
-                   help="where model ids are looked up / built-ins generated "
-                        "(default $NXHPC_MODELS or ~/.cache/nxhpc/models)")
-    p.add_argument("--stage-timeout", type=types.positive_float, default=None, metavar="SECONDS",
-                   help="kill the workers and fail (exit 6) when one parallel stage takes longer "
-                        "than this, e.g. a hung worker (default: no limit)")
+    types.add_models_dir(p)
+    types.add_stage_timeout(p)
     p.add_argument("--repeat", type=types.positive_int, default=1, metavar="N",
                    help="run the block(s) N times on the same workers and report the fastest "
                         "time of each stage (the first run pays page faults and cold caches; "
                         "the output is the same bits every run; default 1)")
     p.add_argument("--save-output", metavar="PATH", default=None,
                    help="write the final block output as a float32 .npy array")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object instead of key=value lines")
+    types.add_json(p)
     return p
 
 

@@ -21,11 +21,10 @@ import sys
 import numpy as np
 
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
-from nxhpc.cli.codes import Exit, InputError, UsageError, codes_epilog
+from nxhpc.cli.codes import Exit, InputError, UsageError
 from nxhpc.cli.frame import run_ranked
 from nxhpc.cli.report import emit_graded, save_npy
 from nxhpc.dit.grade import grade
-from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
 from nxhpc.dit.stackrun import PRECISION_TOL
 from nxhpc.runtime.checks import check_input_file, load_npy
 from nxhpc.models.modeldir import model_files
@@ -94,8 +93,8 @@ timings (microseconds): us_embed (timestep MLP, x/cap embedders, pads, adaLN vec
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m nxhpc.denoise",
+    p = types.cli_parser(
+        "denoise",
         usage="python -m nxhpc.denoise MODEL [n_workers] --latents L.npy --timestep T "
               "--cap-feats C.npy --out O.npy [--json] [options]",
         description="One call of the whole Z-Image transformer (embedders, noise and context "
@@ -104,15 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "stable-diffusion.cpp layout; each tensor run in its stored type: "
                     "F32/F16/BF16/Q8_0, Q4_0/Q4_1/Q5_0/Q5_1, Q2_K..Q6_K). Prints "
                     "per-segment timings as key=value lines (or one JSON object).",
-        epilog=_HELP % {"tols": ", ".join(f"{k} {v:g}" for k, v in DENOISE_TOL.items())}
-        + codes_epilog(EXIT_CODES),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=_HELP % {"tols": ", ".join(f"{k} {v:g}" for k, v in DENOISE_TOL.items())},
+        exit_codes=EXIT_CODES)
     p.add_argument("model", metavar="MODEL",
                    help="a .gguf file, a model directory, a directory under --models-dir / "
                         "$NXHPC_MODELS, or a built-in id (tiny-dit, zimage-dit-2l, "
                         "zimage-dit-<N>l; generated on first use)")
-    p.add_argument("n_workers", nargs="?", type=types.workers, default=None,
-                   help=types.workers_help())
+    types.add_workers(p)
     p.add_argument("--latents", metavar="L.npy", help="latents [16, H, W] or [16, 1, H, W]")
     p.add_argument("--timestep", type=types.unit_interval, metavar="T",
                    help="t = 1 - sigma, in [0, 1]")
@@ -122,26 +119,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", metavar="R.npy",
                    help="grade against this array (the latents' shape) instead of the stored "
                         "reference")
-    p.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
-                   help="matmul precision of the blocks' projections: f32 (default: exact "
-                        "dequantized weights, float32 activations), bf16 (bf16-rounded "
-                        "activations, float32 sums), q8 (ggml's Q8_0 x Q8_0 for Q8_0 weights, "
-                        "bf16 for others); embedders, final layer, norms, attention stay float32")
-    p.add_argument("--tol", type=types.positive_float, default=None,
-                   help="pass/fail tolerance on max_rel (default per --precision: "
-                        + ", ".join(f"{k} {v:g}" for k, v in DENOISE_TOL.items()) + ")")
+    types.add_precision(p, "matmul precision of the blocks' projections: f32 (default: exact "
+                           "dequantized weights, float32 activations), bf16 (bf16-rounded "
+                           "activations, float32 sums), q8 (ggml's Q8_0 x Q8_0 for Q8_0 "
+                           "weights, bf16 for others); embedders, final layer, norms, attention "
+                           "stay float32")
+    types.add_tol(p, DENOISE_TOL)
     p.add_argument("--repeat", type=types.positive_int, default=1, metavar="N",
                    help="run the call N times on the same workers and arena and report the "
                         "fastest time of each segment (the output is the same bits every run)")
-    p.add_argument("--models-dir", default=None,
-                   help="where model ids are looked up / built-ins generated "
-                        "(default $NXHPC_MODELS or ~/.cache/nxhpc/models)")
+    types.add_models_dir(p)
     p.add_argument("--gguf", default=None, metavar="PATH",
                    help="GGUF weights to use instead of the model directory's model.gguf")
-    p.add_argument("--stage-timeout", type=types.positive_float, default=None, metavar="SECONDS",
-                   help="kill the workers and fail (exit 6) when one parallel stage takes longer")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object instead of key=value lines")
+    types.add_stage_timeout(p)
+    types.add_json(p)
     return p
 
 

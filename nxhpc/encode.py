@@ -17,10 +17,9 @@ import time
 import numpy as np
 
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
-from nxhpc.cli.codes import Exit, InputError, OutputError, UsageError, codes_epilog
+from nxhpc.cli.codes import Exit, InputError, OutputError, UsageError
 from nxhpc.cli.frame import run_cli
 from nxhpc.cli.report import fmt_compact, print_json, print_kv, save_npy
-from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
 from nxhpc.runtime.outfile import OutputPathError, check_output_path
 
 __all__ = ["main", "build_parser", "EXIT_CODES"]
@@ -75,42 +74,34 @@ report (key=value, or one object with --json): model, config, n_tokens, template
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m nxhpc.encode",
+    p = types.cli_parser(
+        "encode",
         usage="python -m nxhpc.encode TEXT_ENCODER (--prompt TEXT | --prompt-file P.txt) "
               "--out FEATS.npy [--json] [--precision f32|bf16|q8] [n_workers]",
         description="Z-Image's caption features of a prompt: the Qwen3 text encoder "
                     "(tokenizer and weights from one llama.cpp-layout GGUF: F32/F16/BF16/"
                     "Q8_0, Q4_0..Q5_1, Q2_K..Q6_K) on nxhpc's C kernels in forked workers "
                     "sharing one shared-memory arena.",
-        epilog=_HELP + codes_epilog(EXIT_CODES),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=_HELP, exit_codes=EXIT_CODES)
     p.add_argument("text_encoder", metavar="TEXT_ENCODER",
                    help="a llama.cpp-layout Qwen3 .gguf (e.g. Qwen3-4B-Q8_0.gguf), a directory "
                         "holding one, a directory under --models-dir / $NXHPC_MODELS, or the "
                         "built-in id tiny-te (generated on first use)")
-    p.add_argument("n_workers", nargs="?", type=types.workers, default=None,
-                   help=types.workers_help())
+    types.add_workers(p)
     p.add_argument("--prompt", metavar="TEXT", help="the prompt (may be empty: '')")
     p.add_argument("--prompt-file", metavar="P.txt",
                    help="read the prompt from this UTF-8 file instead (one trailing newline "
                         "is dropped)")
     p.add_argument("--out", required=True, metavar="FEATS.npy",
                    help="write the features (float32 [n_tokens, dim]) here, atomically")
-    p.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
-                   help="matmul precision of the projections: f32 (default: the exactly "
-                        "decoded weights, float32 activations), bf16, q8 (Q8_0 weights; bf16 "
-                        "for others); the gather, norms, RoPE and attention stay float32")
+    types.add_precision(p, "matmul precision of the projections: f32 (default: the exactly "
+                           "decoded weights, float32 activations), bf16, q8 (Q8_0 weights; "
+                           "bf16 for others); the gather, norms, RoPE and attention stay float32")
     p.add_argument("--print-ids", action="store_true",
                    help="also print the token ids (always in the --json object)")
-    p.add_argument("--models-dir", default=None,
-                   help="where ids are looked up / built-ins generated (default "
-                        "$NXHPC_MODELS or ~/.cache/nxhpc/models)")
-    p.add_argument("--stage-timeout", type=types.positive_float, default=None,
-                   metavar="SECONDS",
-                   help="kill the workers and fail (exit 6) when one parallel stage takes longer")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object instead of key=value lines")
+    types.add_models_dir(p)
+    types.add_stage_timeout(p)
+    types.add_json(p)
     return p
 
 

@@ -95,3 +95,69 @@ def random_weight(rng, n, k, wtype, scale=1.0):
     """gguf-written bytes of a random [n, k] weight, and their float64 values."""
     raw = gguf_bytes((rng.standard_normal((n, k)) * scale).astype(np.float32), wtype)
     return raw, gguf_values(raw, wtype).astype(np.float64)
+
+
+def ref_attention_gqa(q, k, qkv, KVH, scale, allowed, terms):
+    """float64 attention with GQA (query head h reads kv group h // (H/KVH), values from the
+    joint ``qkv`` row), each query row t over the keys ``allowed[t]`` ([T, T] bool); returns
+    (out [T, H*hd], bound [T, H*hd]). A row with no allowed key is 0.
+
+    Bound: logits s_j = scale * q.k_j are float32 FMA chains over hd, so
+    |ds_j| <= hd*u*|scale|*sum_d |q_d k_jd| + u|s_j| =: D_j; the softmax weights then carry a
+    relative error <= 2 max_j D_j + (exp polynomial, 2 ulp) + (running sum and per-tile
+    rescaling over ``terms`` keys, <= (terms + 16) u); the output, a float32 sum of p_j v_j,
+    adds (terms + 16) u sum_j p_j|v_j|. Total: (2 max D + 2 (terms + 16) u + 4u) *
+    sum_j p_j |v_j|, doubled for safety, plus a floor of a few subnormal ulps.
+    """
+    H, T, hd = q.shape
+    out = np.zeros((T, H * hd))
+    bound = np.zeros((T, H * hd))
+    for h in range(H):
+        g = h // (H // KVH)
+        q64, k64 = q[h].astype(np.float64), k[g].astype(np.float64)
+        v = qkv[:, (H + KVH) * hd + g * hd:(H + KVH) * hd + (g + 1) * hd].astype(np.float64)
+        s = q64 @ k64.T * scale
+        ds = hd * EPS32 * abs(scale) * (np.abs(q64) @ np.abs(k64).T) + EPS32 * np.abs(s)
+        s[~allowed] = -np.inf
+        ds[~allowed] = 0.0
+        m = s.max(axis=1, keepdims=True) if T else 0.0
+        m = np.where(np.isfinite(m), m, 0.0)
+        p = np.exp(s - m)
+        l = p.sum(axis=1, keepdims=True)
+        p = np.divide(p, l, out=np.zeros_like(p), where=l > 0)
+        out[:, h * hd:(h + 1) * hd] = p @ v
+        dmax = ds.max(axis=1, keepdims=True) if T else 0
+        bound[:, h * hd:(h + 1) * hd] = 2 * (2 * dmax + 2 * (terms + 16) * EPS32 + 4 * EPS32) \
+            * (p @ np.abs(v))
+    return out, bound + 2.0 ** -149 * 4
+
+
+def assert_within(got, ref, bound, what=""):
+    """|got - ref| <= bound element-wise (float64); equal values (infinities included) count as
+    exact, and NaN where ``ref`` is NaN too."""
+    got = np.asarray(got).astype(np.float64)
+    same = (got == ref) | (np.isnan(got) & np.isnan(ref))
+    with np.errstate(invalid="ignore"):
+        err = np.where(same, 0.0, np.abs(got - ref))
+    bad = ~(err <= bound)
+    assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} outside the bound; worst ratio "
+                           f"{np.nanmax(err / np.maximum(bound, 1e-300)):.3g}")
+
+
+def band_edges(rng, m, max_cuts):
+    """A random split of ``[0, m)`` into bands, as edges ``[0, c_1, ..., c_k, m]`` with
+    ``1 <= k < max_cuts`` sorted cuts drawn from ``[0, m]`` (empty bands included)."""
+    cuts = np.sort(rng.integers(0, m + 1, size=rng.integers(1, max_cuts)))
+    return [0, *cuts.tolist(), m]
+
+
+def assert_error_names(case, functions):
+    """``case`` = (name, call, exception type, ...): ``call()`` raises that type with a message
+    naming one of ``functions``; returns the message."""
+    import pytest
+    name, call, exc = case[:3]
+    with pytest.raises(exc) as info:
+        call()
+    msg = str(info.value)
+    assert any(fn in msg for fn in functions), f"{name}: error does not name the function: {msg}"
+    return msg

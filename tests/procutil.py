@@ -61,6 +61,24 @@ def mapped_arenas() -> list[str]:
         return [ln for ln in f if "/dev/shm/nxhpc_" in ln]
 
 
+def assert_signal_releases(p: subprocess.Popen, sig: int, code: int, kids: list[int],
+                           timeout: float) -> None:
+    """``p`` holds an arena (mapped, already unlinked: checked first, so the checks after are
+    about that segment and not a vacuous empty listing); ``sig`` must make it exit ``code``
+    saying the shared memory was released, leaving no segment of its own and none of ``kids``
+    alive."""
+    from nxhpc.runtime.shm import live_segments
+    with open(f"/proc/{p.pid}/maps") as f:
+        assert any("/dev/shm/nxhpc_" in ln and "(deleted)" in ln for ln in f)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=timeout)
+    assert p.returncode == code, err
+    assert "shared memory released" in err
+    assert live_segments(p.pid) == []
+    time.sleep(0.2)
+    assert not any(alive(k) for k in kids)
+
+
 def models_env(root, **extra) -> dict:
     """A copy of os.environ with ``NXHPC_MODELS=root`` (and ``extra``)."""
     return dict(os.environ, NXHPC_MODELS=str(root), **extra)

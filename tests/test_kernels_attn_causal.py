@@ -12,7 +12,8 @@ import math
 import numpy as np
 import pytest
 
-from kernelutil import ISAS, SIMD_ISAS, assert_bitwise, bits
+from kernelutil import (ISAS, SIMD_ISAS, assert_bitwise, assert_within, band_edges, bits,
+                        ref_attention_gqa)
 from nxhpc import _kernels as K
 
 U = 2.0 ** -24           # float32 unit roundoff
@@ -33,42 +34,15 @@ def inputs(T, H, KVH, hd, seed, scale=1.0):
 def ref_causal(q, k, qkv, KVH, scale, mask=None):
     """float64 causal attention with GQA; returns (out [T, H*hd], bound [T, H*hd]).
 
-    Row t sums over n_t <= t + 1 keys. Bound, as ref_attention in test_kernels_ops.py: each logit
-    is a float32 fma chain over hd, |ds_j| <= hd*u*|scale|*sum_d |q_d k_jd| + u|s_j| =: D_j; the
-    weights carry a relative error <= 2 max_j D_j + 2 (n_t + 16) u + 4u (exp polynomial, running
-    sum, per-tile rescale), times sum_j p_j |v_j|; doubled for safety.
+    Row t sums over n_t <= t + 1 keys: the bound of :func:`kernelutil.ref_attention_gqa` over
+    n_t terms.
     """
-    H, T, hd = q.shape
+    T = q.shape[1]
     allowed = np.tril(np.ones((T, T), bool))
     if mask is not None:
         allowed &= mask.astype(bool)[None, :]
-    n = allowed.sum(axis=1, keepdims=True).astype(np.float64)
-    out = np.zeros((T, H * hd))
-    bound = np.zeros((T, H * hd))
-    for h in range(H):
-        g = h // (H // KVH)
-        q64, k64 = q[h].astype(np.float64), k[g].astype(np.float64)
-        v = qkv[:, (H + KVH) * hd + g * hd:(H + KVH) * hd + (g + 1) * hd].astype(np.float64)
-        s = q64 @ k64.T * scale
-        ds = hd * U * abs(scale) * (np.abs(q64) @ np.abs(k64).T) + U * np.abs(s)
-        s[~allowed] = -np.inf
-        ds[~allowed] = 0.0
-        m = s.max(axis=1, keepdims=True)
-        m = np.where(np.isfinite(m), m, 0.0)
-        p = np.exp(s - m)
-        l = p.sum(axis=1, keepdims=True)
-        p = np.divide(p, l, out=np.zeros_like(p), where=l > 0)
-        out[:, h * hd:(h + 1) * hd] = p @ v
-        dmax = ds.max(axis=1, keepdims=True)
-        bound[:, h * hd:(h + 1) * hd] = 2 * (2 * dmax + 2 * (n + 16) * U + 4 * U) * (p @ np.abs(v))
-    return out, bound + TINY
-
-
-def assert_within(got, ref, bound, what=""):
-    err = np.abs(got.astype(np.float64) - ref)
-    bad = ~(err <= bound)
-    assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} outside the bound; worst ratio "
-                           f"{np.max(err / bound):.3g}")
+    return ref_attention_gqa(q, k, qkv, KVH, scale, allowed,
+                             allowed.sum(axis=1, keepdims=True).astype(np.float64))
 
 
 def run(q, k, qkv, KVH, scale, isa, causal=True, **kw):
@@ -184,8 +158,7 @@ def test_causal_band_invariance_and_untouched(isa):
     mask = rng.random(T) < 0.8
     full = run(q, k, qkv, KVH, 0.2, isa, mask=mask)
     for _ in range(5):
-        cuts = np.sort(rng.integers(0, H + 1, size=rng.integers(1, 5)))
-        edges = [0, *cuts.tolist(), H]
+        edges = band_edges(rng, H, 5)
         out = np.full_like(full, 7.0)
         for a, b in zip(edges[:-1], edges[1:]):
             K.attention(q, k, qkv, out, KVH, 0.2, mask=mask, h0=a, h1=b, isa=isa, causal=True)

@@ -21,7 +21,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from kernelutil import assert_bitwise, isa_chain
+from kernelutil import assert_bitwise, assert_within, isa_chain
 from nxhpc import _kernels as K
 
 ISAS = K.supported_isas()
@@ -41,17 +41,6 @@ def d64(a):
 
 
 
-
-def assert_within(got, ref, bound, what=""):
-    """|got - ref| <= bound element-wise (float64); equal values (incl. infinities) and NaN where
-    ref is NaN count as exact."""
-    got = d64(got)
-    same = (got == ref) | (np.isnan(got) & np.isnan(ref))
-    with np.errstate(invalid="ignore"):
-        err = np.where(same, 0.0, np.abs(got - ref))
-    bad = ~(err <= bound)
-    assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} outside the bound; worst ratio "
-                           f"{np.nanmax(err / np.maximum(bound, 1e-300)):.3g}")
 
 
 def rope_pe(rng, T, hd, rotation=True):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize as gguf_dequantize
 
-from kernelutil import ISAS, assert_bitwise, gguf_bytes
+from kernelutil import ISAS, assert_bitwise, band_edges, gguf_bytes
 from nxhpc import _kernels as K
 
 TYPES = sorted(K.weight_types())
@@ -111,8 +111,7 @@ def test_band_splits_and_untouched_rows(name, isa):
     full = gather(raw, name, ids, isa)
     n = len(ids)
     for _ in range(5):
-        cuts = np.sort(rng.integers(0, n + 1, size=rng.integers(1, 5)))
-        edges = [0, *cuts.tolist(), n]
+        edges = band_edges(rng, n, 5)
         out = np.full_like(full, 7.0)
         for a, b in zip(edges[:-1], edges[1:]):
             K.embed_rows(raw, name, ids, out, a, b, isa=isa)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from kernelutil import assert_bitwise, bits, expected_variant
+from kernelutil import (assert_bitwise, assert_within, band_edges, bits, expected_variant,
+                        ref_attention_gqa)
 from nxhpc import _kernels as K
 
 ISAS = K.supported_isas()
@@ -26,19 +27,6 @@ rng_global = np.random.default_rng(1234)
 def f32(*shape, rng=None, scale=1.0):
     rng = rng or rng_global
     return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-
-
-
-def assert_within(got, ref, bound, what=""):
-    """|got - ref| <= bound element-wise (float64), NaN in ref must be NaN in got."""
-    got = got.astype(np.float64)
-    same = (got == ref) | (np.isnan(got) & np.isnan(ref))  # equal infinities, NaN where NaN
-    with np.errstate(invalid="ignore"):
-        err = np.where(same, 0.0, np.abs(got - ref))
-    bad = ~(err <= bound)
-    assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} outside the bound; worst ratio "
-                           f"{np.nanmax(err / np.maximum(bound, 1e-300)):.3g}")
 
 
 # ----------------------------------------------------------------------------- references (float64)
@@ -74,35 +62,12 @@ def ref_qknorm_rope(qkv, q_w, k_w, pe, H, KVH, eps):
 
 
 def ref_attention(q, k, qkv, KVH, scale, mask=None):
-    """Returns (out [T, H*hd], bound [T, H*hd]) in float64.
-
-    Bound: logits s_j = scale * q.k_j are float32 FMA chains over hd, so
-    |ds_j| <= hd*u*scale*sum_d |q_d k_jd| + u|s_j| =: D_j; the softmax weights then carry a relative
-    error <= 2 max_j D_j + (exp polynomial, 2 ulp) + (T-term running sum and per-tile rescaling,
-    <= (T + 16) u); the output, a T-term float32 sum of p_j v_j, adds (T + 16) u sum_j p_j|v_j|.
-    Total: (2 max D + 2 (T + 16) u + 4u) * sum_j p_j |v_j|, doubled for safety.
+    """Returns (out [T, H*hd], bound [T, H*hd]) in float64: every query row over the keys of
+    ``mask`` (all without one), the bound of :func:`kernelutil.ref_attention_gqa` over T terms.
     """
-    H, T, hd = q.shape
-    out = np.zeros((T, H * hd))
-    bound = np.zeros((T, H * hd))
-    for h in range(H):
-        g = h // (H // KVH)
-        q64, k64 = q[h].astype(np.float64), k[g].astype(np.float64)
-        v = qkv[:, (H + KVH) * hd + g * hd:(H + KVH) * hd + (g + 1) * hd].astype(np.float64)
-        s = q64 @ k64.T * scale
-        ds = hd * U * abs(scale) * (np.abs(q64) @ np.abs(k64).T) + U * np.abs(s)
-        if mask is not None:
-            s[:, ~mask.astype(bool)] = -np.inf
-            ds[:, ~mask.astype(bool)] = 0.0
-        m = s.max(axis=1, keepdims=True)
-        m = np.where(np.isfinite(m), m, 0.0)
-        p = np.exp(s - m)
-        l = p.sum(axis=1, keepdims=True)
-        p = np.divide(p, l, out=np.zeros_like(p), where=l > 0)
-        out[:, h * hd:(h + 1) * hd] = p @ v
-        dmax = ds.max(axis=1, keepdims=True) if T else 0
-        bound[:, h * hd:(h + 1) * hd] = 2 * (2 * dmax + 2 * (T + 16) * U + 4 * U) * (p @ np.abs(v))
-    return out, bound + TINY
+    T = q.shape[1]
+    keys = np.ones(T, bool) if mask is None else mask.astype(bool)
+    return ref_attention_gqa(q, k, qkv, KVH, scale, np.broadcast_to(keys, (T, T)), T)
 
 
 def ref_silu(a):
@@ -195,8 +160,7 @@ def test_rmsnorm_band_invariance_and_untouched(isa):
     K.rmsnorm(x, w, full, 1e-6, mod=mod, isa=isa)
     rng = np.random.default_rng(5)
     for _ in range(5):
-        cuts = np.sort(rng.integers(0, T + 1, size=rng.integers(1, 6)))
-        edges = [0, *cuts.tolist(), T]
+        edges = band_edges(rng, T, 6)
         out = np.full((T, D), 7.0, np.float32)
         for a, b in zip(edges[:-1], edges[1:]):
             K.rmsnorm(x, w, out, 1e-6, mod=mod, r0=a, r1=b, isa=isa)
@@ -266,8 +230,7 @@ def test_qknorm_rope_band_invariance_and_untouched(isa):
     K.qknorm_rope(qkv, q_w, k_w, pe, fq, fk, H, KVH, 1e-6, isa=isa)
     rng = np.random.default_rng(9)
     for _ in range(5):
-        cuts = np.sort(rng.integers(0, H + KVH + 1, size=rng.integers(1, 5)))
-        edges = [0, *cuts.tolist(), H + KVH]
+        edges = band_edges(rng, H + KVH, 5)
         qo, ko = np.full_like(fq, 7.0), np.full_like(fk, 7.0)
         for a, b in zip(edges[:-1], edges[1:]):
             K.qknorm_rope(qkv, q_w, k_w, pe, qo, ko, H, KVH, 1e-6, h0=a, h1=b, isa=isa)
@@ -402,8 +365,7 @@ def test_attention_band_invariance_and_untouched(isa):
     full = np.zeros((T, H * hd), np.float32)
     K.attention(q, k, qkv, full, KVH, 0.2, mask=mask, isa=isa)
     for _ in range(5):
-        cuts = np.sort(rng.integers(0, H + 1, size=rng.integers(1, 4)))
-        edges = [0, *cuts.tolist(), H]
+        edges = band_edges(rng, H, 4)
         out = np.full_like(full, 7.0)
         for a, b in zip(edges[:-1], edges[1:]):
             K.attention(q, k, qkv, out, KVH, 0.2, mask=mask, h0=a, h1=b, isa=isa)
@@ -457,8 +419,7 @@ def test_swiglu_band_invariance_and_untouched(isa):
     n = a.size
     rng = np.random.default_rng(1)
     for _ in range(5):
-        cuts = np.sort(rng.integers(0, n + 1, size=rng.integers(1, 8)))
-        edges = [0, *cuts.tolist(), n]
+        edges = band_edges(rng, n, 8)
         out = np.full_like(a, 7.0)
         for lo, hi in zip(edges[:-1], edges[1:]):
             K.swiglu(a, b, out, i0=lo, i1=hi, isa=isa)
@@ -499,8 +460,7 @@ def test_gated_residual_band_invariance_alias_untouched(isa):
     K.gated_residual(resid, y, gate, full, isa=isa)
     rng = np.random.default_rng(3)
     for _ in range(5):
-        cuts = np.sort(rng.integers(0, T + 1, size=rng.integers(1, 5)))
-        edges = [0, *cuts.tolist(), T]
+        edges = band_edges(rng, T, 5)
         out = np.full((T, D), 7.0, np.float32)
         for a, b in zip(edges[:-1], edges[1:]):
             K.gated_residual(resid, y, gate, out, r0=a, r1=b, isa=isa)

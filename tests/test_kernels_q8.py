@@ -18,7 +18,8 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from hypothesis import given
 from hypothesis import strategies as st
-from kernelutil import CHAIN, EPS32, ISAS, bits, expected_variant, matmul_bound
+from kernelutil import (CHAIN, EPS32, ISAS, assert_error_names, band_edges, bits, expected_variant,
+                        matmul_bound)
 
 import nxhpc
 from nxhpc import _kernels as K
@@ -61,6 +62,12 @@ def rand_q8(rng, n, k, scale=1.0):
 
 def rand_x(rng, t, k):
     return rng.standard_normal((t, k)).astype(np.float32)
+
+
+def _case(seed, T, Kd, N):
+    """(rng, x [T, Kd] float32, Q8_0 w [N, Kd]) drawn from ``seed`` in that order."""
+    rng = np.random.default_rng(seed)
+    return rng, rand_x(rng, T, Kd), rand_q8(rng, N, Kd)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -324,13 +331,11 @@ def test_matmul_crosses_every_blocking_level(T, Kd, N):
 @pytest.mark.parametrize("isa", ISAS)
 def test_matmul_band_invariance(isa):
     """Any split of the columns into bands gives the same bits; columns outside a band untouched."""
-    rng = np.random.default_rng(10)
     T, Kd, N = 13, 320, 301
-    x, w = rand_x(rng, T, Kd), rand_q8(rng, N, Kd)
+    rng, x, w = _case(10, T, Kd, N)
     full = _matmul(x, w, isa)
     for trial in range(6):
-        cuts = np.sort(rng.integers(0, N + 1, size=rng.integers(1, 12)))
-        edges = [0, *cuts.tolist(), N]
+        edges = band_edges(rng, N, 12)
         out = np.full((T, N), np.nan, np.float32)
         for a, b in zip(edges[:-1], edges[1:]):
             K.q8_0_matmul(x, w, out, a, b, isa=isa)
@@ -344,9 +349,8 @@ def test_matmul_band_invariance(isa):
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_matmul_leaves_columns_outside_band_untouched(isa):
-    rng = np.random.default_rng(11)
     T, Kd, N = 7, 96, 70
-    x, w = rand_x(rng, T, Kd), rand_q8(rng, N, Kd)
+    rng, x, w = _case(11, T, Kd, N)
     sentinel = rng.standard_normal((T, N)).astype(np.float32)
     out = sentinel.copy()
     K.q8_0_matmul(x, w, out, 17, 50, isa=isa)
@@ -361,9 +365,8 @@ def test_matmul_leaves_columns_outside_band_untouched(isa):
 @pytest.mark.parametrize("isa", ISAS)
 def test_matmul_token_invariance(isa):
     """A token's output does not depend on how many tokens share the call (T=1 .. T > MC)."""
-    rng = np.random.default_rng(12)
     T, Kd, N = 290, 320, 45
-    x, w = rand_x(rng, T, Kd), rand_q8(rng, N, Kd)
+    rng, x, w = _case(12, T, Kd, N)
     full = _matmul(x, w, isa)
     for t in (0, 5, 11, 12, 263, 264, 289):
         one = _matmul(np.ascontiguousarray(x[t:t + 1]), w, isa)
@@ -595,12 +598,7 @@ def _ro(a):
 
 @pytest.mark.parametrize("case", _bad_cases(), ids=lambda c: c[0])
 def test_bad_input_raises_clear_error(case):
-    name, call, exc = case
-    with pytest.raises(exc) as info:
-        call()
-    msg = str(info.value)
-    assert any(fn in msg for fn in ("q8_0_matmul", "q8_0_quantize", "q8_0_dequantize",
-                                    "adaln_linear")), f"{name}: error does not name the function: {msg}"
+    assert_error_names(case, ("q8_0_matmul", "q8_0_quantize", "q8_0_dequantize", "adaln_linear"))
 
 
 def test_matmul_rejects_out_aliasing_x():

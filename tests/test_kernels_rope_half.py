@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from kernelutil import ISAS, SIMD_ISAS, assert_bitwise
+from kernelutil import ISAS, SIMD_ISAS, assert_bitwise, assert_within, band_edges
 from nxhpc import _kernels as K
 
 U = 2.0 ** -24
@@ -41,13 +41,6 @@ def ref_half(qkv, q_w, k_w, pe, H, KVH, eps):
         outs.append(o)
         mags.append(a)
     return np.stack(outs[:H]), np.stack(outs[H:]), np.stack(mags[:H]), np.stack(mags[H:])
-
-
-def assert_within(got, ref, bound, what=""):
-    err = np.abs(got.astype(np.float64) - ref)
-    bad = ~(err <= bound)
-    assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} outside the bound; worst ratio "
-                           f"{np.max(err / bound):.3g}")
 
 
 def run(qkv, q_w, k_w, pe, H, KVH, eps, isa, **kw):
@@ -168,8 +161,7 @@ def test_half_band_invariance_and_untouched(isa):
     q_w, k_w, pe = f32(rng, hd), f32(rng, hd), f32(rng, T, hd // 2, 2, 2)
     fq, fk = run(qkv, q_w, k_w, pe, H, KVH, 1e-6, isa, rope_pairs="half")
     for _ in range(5):
-        cuts = np.sort(rng.integers(0, H + KVH + 1, size=rng.integers(1, 5)))
-        edges = [0, *cuts.tolist(), H + KVH]
+        edges = band_edges(rng, H + KVH, 5)
         qo, ko = np.full_like(fq, 7.0), np.full_like(fk, 7.0)
         for a, b in zip(edges[:-1], edges[1:]):
             K.qknorm_rope(qkv, q_w, k_w, pe, qo, ko, H, KVH, 1e-6, h0=a, h1=b, isa=isa,

@@ -4,18 +4,25 @@ Owns the ``type=`` callables (:func:`positive_int`, :func:`workers`, :func:`laye
 :func:`positive_float`, :func:`seconds`, :func:`eps`, :func:`unit_interval`, :func:`pixels`,
 :func:`seed`, :func:`int_list`, :func:`grid`): each turns a string into a value or raises
 ``argparse.ArgumentTypeError`` (exit 2) naming the rule and the text given; the rules themselves
-are :mod:`nxhpc.runtime.checks`'. Must not: import the compiled kernels or model code at import
-time (the ``models`` CLI runs in an unbuilt tree).
+are :mod:`nxhpc.runtime.checks`'. Also the arguments several commands share, spelled once
+(:func:`cli_parser`, :func:`add_workers`, :func:`add_precision`, :func:`add_tol`,
+:func:`add_models_dir`,
+:func:`add_stage_timeout`, :func:`add_json`). Must not: import the compiled kernels or model
+code at import time (the ``models`` CLI runs in an unbuilt tree).
 """
 from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from nxhpc.runtime import checks
 
 __all__ = ["positive_int", "workers", "layers", "positive_float", "seconds", "eps",
-           "unit_interval", "pixels", "seed", "int_list", "grid", "workers_help"]
+           "unit_interval", "pixels", "seed", "int_list", "grid", "workers_help", "cli_parser",
+           "add_workers", "add_precision", "add_tol", "add_models_dir", "add_stage_timeout",
+           "add_json"]
 
 
 def _int(s: str, rule: str) -> int:
@@ -135,3 +142,54 @@ def grid(s: str) -> tuple[int, int, int]:
     if len(g) != 3 or min(g) < 1:
         raise argparse.ArgumentTypeError(f"grid must look like FxHxW (e.g. 1x4x8), got {s!r}")
     return g  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------------------ shared arguments
+def cli_parser(module: str, description: str, epilog: str, exit_codes: Mapping[Any, str | None],
+               usage: str | None = None) -> argparse.ArgumentParser:
+    """The parser of ``python -m nxhpc.MODULE``: ``epilog`` then the exit-code table of
+    ``exit_codes`` (:func:`nxhpc.cli.codes.codes_epilog`), both laid out as written."""
+    from nxhpc.cli.codes import codes_epilog
+    return argparse.ArgumentParser(prog=f"python -m nxhpc.{module}", usage=usage,
+                                   description=description,
+                                   epilog=epilog + codes_epilog(exit_codes),
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_workers(p: argparse.ArgumentParser) -> None:
+    """The optional positional ``n_workers`` (:func:`workers`; default: the usable CPUs)."""
+    p.add_argument("n_workers", nargs="?", type=workers, default=None, help=workers_help())
+
+
+def add_precision(p: argparse.ArgumentParser, what: str) -> None:
+    """``--precision`` (``nxhpc.nn.linear``'s switch; default f32); ``what``: its help text."""
+    from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
+    p.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION, help=what)
+
+
+def add_tol(p: argparse.ArgumentParser, tols: Mapping[str, float]) -> None:
+    """``--tol``: the pass/fail bound on max_rel; default None (the caller's per-precision
+    ``tols``, named in the help)."""
+    p.add_argument("--tol", type=positive_float, default=None,
+                   help="pass/fail tolerance on max_rel (default per --precision: "
+                        + ", ".join(f"{k} {v:g}" for k, v in tols.items()) + ")")
+
+
+def add_models_dir(p: argparse.ArgumentParser) -> None:
+    """``--models-dir``: where ids are resolved and built-ins generated."""
+    p.add_argument("--models-dir", default=None,
+                   help="where model ids are looked up / built-ins generated "
+                        "(default $NXHPC_MODELS or ~/.cache/nxhpc/models)")
+
+
+def add_stage_timeout(p: argparse.ArgumentParser) -> None:
+    """``--stage-timeout SECONDS`` (:func:`positive_float`; default None: no limit)."""
+    p.add_argument("--stage-timeout", type=positive_float, default=None, metavar="SECONDS",
+                   help="kill the workers and fail (exit 6) when one parallel stage takes longer "
+                        "than this, e.g. a hung worker (default: no limit)")
+
+
+def add_json(p: argparse.ArgumentParser) -> None:
+    """``--json``: one JSON object instead of key=value lines."""
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object instead of key=value lines")

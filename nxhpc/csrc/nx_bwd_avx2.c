@@ -25,21 +25,10 @@
 #define NX_B2QB 48 /* query rows per block, multiple of NX_B2R (as the AVX-512 variant) */
 _Static_assert(NX_B2QB % NX_B2R == 0, "query block must hold whole micro-blocks");
 
+_Static_assert(NX_B2R <= 4 && NX_B2C == 16, "the score tile is nx_dot_4x16's");
+
 static inline void nx_b2_qk(const float *X, int64_t hd, const float *YT, float *S, int64_t ld) {
-    __m256 acc[NX_B2R][2];
-    for (int r = 0; r < NX_B2R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < hd; d++) {
-        __m256 y0 = _mm256_load_ps(YT + d * NX_B2C), y1 = _mm256_load_ps(YT + d * NX_B2C + 8);
-        for (int r = 0; r < NX_B2R; r++) {
-            __m256 bb = _mm256_broadcast_ss(X + r * hd + d);
-            acc[r][0] = _mm256_fmadd_ps(bb, y0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(bb, y1, acc[r][1]);
-        }
-    }
-    for (int r = 0; r < NX_B2R; r++) {
-        _mm256_store_ps(S + r * ld, acc[r][0]);
-        _mm256_store_ps(S + r * ld + 8, acc[r][1]);
-    }
+    nx_dot_4x16(NX_B2R, X, hd, YT, S, ld);
 }
 
 static inline void nx_b2_outer(const float *X, int64_t hd, const float *P, int64_t ld, float *ZT) {

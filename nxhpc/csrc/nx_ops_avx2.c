@@ -61,22 +61,7 @@ void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_
 #define NX2_QB 64
 #endif
 
-NX_INLINE void nx2_qk_block(const int nr, const float *q, int64_t hd, const float *kt, float *S) {
-    __m256 acc[NX2_BR][2];
-    for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < hd; d++) {
-        __m256 k0 = _mm256_load_ps(kt + d * NX2_BC), k1 = _mm256_load_ps(kt + d * NX2_BC + 8);
-        for (int r = 0; r < nr; r++) {
-            __m256 b = _mm256_broadcast_ss(q + r * hd + d);
-            acc[r][0] = _mm256_fmadd_ps(b, k0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(b, k1, acc[r][1]);
-        }
-    }
-    for (int r = 0; r < nr; r++) {
-        _mm256_store_ps(S + r * NX2_BC, acc[r][0]);
-        _mm256_store_ps(S + r * NX2_BC + 8, acc[r][1]);
-    }
-}
+_Static_assert(NX2_BR <= 4 && NX2_BC == 16, "the score tile is nx_dot_4x16's");
 
 NX_INLINE void nx2_pv_block(const int nr, const float *P, const float *alpha, const float *vt,
                             int64_t W, int64_t nk, int64_t c, int64_t hd, float *O, int64_t hdp) {
@@ -135,7 +120,7 @@ NX_INLINE void nx2_attn_micro(const int nr, const float *q, int64_t hd, const fl
                               float scale, const float *madd, int64_t ms, float *m, float *l,
                               float *alpha, const float *vt, int64_t W, int64_t nk, float *O,
                               int64_t hdp) {
-    nx2_qk_block(nr, q, hd, kt, S);
+    nx_dot_4x16(nr, q, hd, kt, S, NX2_BC);
     nx2_softmax_rows(nr, S, scale, madd, ms, m, l, alpha);
     for (int64_t c = 0; c < hdp; c += 16) nx2_pv_block(nr, S, alpha, vt, W, nk, c, hd, O, hdp);
 }

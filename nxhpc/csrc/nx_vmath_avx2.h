@@ -1,6 +1,7 @@
 /* nx_vmath_avx2.h -- the 8-lane (ymm) vector math shared by the AVX2+FMA kernel files
  * (nx_ops_avx2.c, nx_bwd_avx2.c): lane masks, exp / tanh / silu polynomials, horizontal max/sum,
- * the float64 row statistics of rmsnorm / layernorm.
+ * the float64 row statistics of rmsnorm / layernorm, and the 4x16 tile of X Y^T the attention
+ * forward and backward both compute.
  * Each helper exists once, here; the forward and backward kernels call the same code, so an
  * exp(x) in the attention forward and backward is bit-identical by construction.
  *
@@ -148,6 +149,28 @@ static inline __m256 nx_sub_f64_8(__m256 x, __m256d mu) {
     __m128 a = _mm256_cvtpd_ps(_mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), mu));
     __m128 b = _mm256_cvtpd_ps(_mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), mu));
     return _mm256_insertf128_ps(_mm256_castps128_ps256(a), b, 1);
+}
+
+/* S[r * ld + 0..15] := sum_d X[r * hd + d] * YT[d * 16 + 0..15] for the rows r < nr <= 4: one
+ * 4 x 16 tile of X Y^T (YT 32-byte aligned, 16 floats a row), each element one FMA chain over d
+ * in order. 8 accumulators + 2 loads + 1 broadcast: the 16 ymm registers. */
+static inline __attribute__((always_inline)) void nx_dot_4x16(const int nr, const float *X,
+                                                              int64_t hd, const float *YT,
+                                                              float *S, int64_t ld) {
+    __m256 acc[4][2];
+    for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d++) {
+        __m256 y0 = _mm256_load_ps(YT + d * 16), y1 = _mm256_load_ps(YT + d * 16 + 8);
+        for (int r = 0; r < nr; r++) {
+            __m256 b = _mm256_broadcast_ss(X + r * hd + d);
+            acc[r][0] = _mm256_fmadd_ps(b, y0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(b, y1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        _mm256_store_ps(S + r * ld, acc[r][0]);
+        _mm256_store_ps(S + r * ld + 8, acc[r][1]);
+    }
 }
 
 #endif

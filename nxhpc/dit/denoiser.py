@@ -53,9 +53,12 @@ from nxhpc.dit.config import DENOISER_TENSORS, STACKS, DenoiserConfig, infer_con
 from nxhpc.nn.linear import DEFAULT_PRECISION, check_precision
 from nxhpc.dit.plan import BlockPlan, Engine
 from nxhpc.dit.rope import position_ids, rope_table
+from nxhpc.formats.closing import MapHolder
 from nxhpc.formats.gguf_io import GGUFFile, ModelFileError
 from nxhpc.formats.weights import WeightTensor
-from nxhpc.runtime.checks import NonFiniteOutputError, check_workers
+from nxhpc.nn.engine import EngineSession
+from nxhpc.runtime.checks import NonFiniteOutputError, check_float_array, check_workers
+from nxhpc.runtime.memory import memory_report
 from nxhpc.runtime.workers import DEFAULT_SPAWN, check_timeout
 
 __all__ = ["Denoiser", "DenoiserInputError", "DenoiserWeights", "NonFiniteOutputError",
@@ -211,7 +214,7 @@ class _Tasks:
                       bias=self.w.final_lin_b)
 
 
-class _Session:
+class _Session(EngineSession):
     """Everything one token layout ``(H, W, L)`` needs, built once and reused across calls:
     the engine (arena + pool), the three plans, the RoPE table (written into the arena)."""
 
@@ -246,13 +249,6 @@ class _Session:
             self.engine.close()
             raise
 
-    @property
-    def usable(self) -> bool:
-        e = self.engine
-        return not e.closed and e.pool is not None and not e.pool.closed
-
-    def close(self) -> None:
-        self.engine.close()
 
 
 # ------------------------------------------------------------------------------ the model
@@ -261,23 +257,7 @@ def _check_float(what: str, a: np.ndarray) -> None:
         raise DenoiserInputError(f"{what} must be floating point (float32), got dtype {a.dtype}")
 
 
-def _finite_f32(what: str, a: np.ndarray) -> np.ndarray:
-    """``a`` as C-contiguous float32: NaN/inf in the given dtype, and finite values beyond
-    float32's range (a float64 1e300), are refused with what they are."""
-    bad = int(a.size - np.count_nonzero(np.isfinite(a)))
-    if bad:
-        raise DenoiserInputError(f"{what} have {bad} NaN/Inf values")
-    with np.errstate(over="ignore"):
-        f = np.ascontiguousarray(a, dtype=np.float32)
-    over = int(f.size - np.count_nonzero(np.isfinite(f)))
-    if over:
-        raise DenoiserInputError(f"{what} have {over} value{'s' if over > 1 else ''} beyond "
-                                 f"float32's range (|x| > 3.4e38; max |x| "
-                                 f"{float(np.abs(a).max()):.3g}): the model computes in float32")
-    return f
-
-
-class Denoiser:
+class Denoiser(MapHolder):
     """The Z-Image transformer from one GGUF: ``forward(latents, t, cap_feats)``.
 
     Weights are bound once (zero copy); a token layout ``(H, W, L)`` gets one engine -- one
@@ -337,7 +317,7 @@ class Denoiser:
         if H < p or W < p or H % p or W % p:
             raise DenoiserInputError(f"latents are [{C}, {H}, {W}]: H and W must be positive "
                                      f"multiples of the patch size {p} (even)")
-        return _finite_f32("latents", a), shape
+        return check_float_array(a, "latents", error=DenoiserInputError), shape
 
     def _caption(self, cap_feats: Any) -> np.ndarray:
         d = self.config.cap_dim
@@ -346,7 +326,7 @@ class Denoiser:
         if a.ndim != 2 or a.shape[1] != d or a.shape[0] < 1:
             raise DenoiserInputError(f"cap_feats must be [L >= 1, {d}] (the model's cap_dim "
                                      f"is {d}), got shape {list(a.shape)}")
-        return _finite_f32("cap_feats", a)
+        return check_float_array(a, "cap_feats", error=DenoiserInputError)
 
     @staticmethod
     def _timestep(t: Any) -> float:
@@ -500,12 +480,8 @@ class Denoiser:
         None without forked workers). Shared pages count in every process that touches them."""
         s = self._session
         pids = [p for p in (s.engine.pool.pids if s is not None and s.usable else []) if p > 0]
-        worker = [v for v in (_vm_hwm_mb(p) for p in pids) if v is not None]
-        size = self.gguf.path.stat().st_size if self.gguf is not None else 0
-        return {"weights_mb": size / 1e6,
-                "arena_mb": s.engine.arena.nbytes / 1e6 if s is not None else None,
-                "peak_rss_mb": _vm_hwm_mb(os.getpid()),
-                "worker_peak_rss_mb": max(worker) if worker else None}
+        return memory_report(self.gguf.path.stat().st_size if self.gguf is not None else 0,
+                             s.engine.arena.nbytes if s is not None else None, pids)
 
     # -- lifetime
     def close(self) -> None:
@@ -524,32 +500,9 @@ class Denoiser:
                 s.close()
         finally:
             self.weights = None               # views of the map (zero-copy weights)
-            if self.gguf is not None:
-                self.gguf.close()
-                self.gguf = None
-
-    @property
-    def closed(self) -> bool:
-        return self.gguf is None
-
-    def __enter__(self) -> "Denoiser":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+            self._drop_map()
 
     def __repr__(self) -> str:
         where = self.directory or (self.gguf.path if self.gguf is not None else "closed")
         return f"<Denoiser {where}: {self.config.summary()}; {self.workers} workers>"
 
-
-def _vm_hwm_mb(pid: int) -> float | None:
-    """Peak resident set (``VmHWM``) of process ``pid`` in MB, or None where unavailable."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024 / 1e6
-    except (OSError, ValueError, IndexError):
-        return None
-    return None

@@ -58,8 +58,9 @@ from nxhpc.dit.config import BLOCK_STACKS, BlockConfig, block_label, block_view
 from nxhpc.nn import engine as _engine
 from nxhpc.nn.checks import EPS_RANGE, check_eps, finite_vector, narrow_finite
 from nxhpc.nn.engine import Gather, IOSpec, Plan, Stage, serialized
-from nxhpc.nn.linear import DEFAULT_PRECISION, adaln_linear, check_precision, matmul
-from nxhpc.nn.residual import UNIT_GATE
+from nxhpc.nn.linear import DEFAULT_PRECISION, adaln_linear, check_precision
+from nxhpc.nn.residual import UNIT_GATE, UnitGateState
+from nxhpc.nn.stages import Project, SwiGLU, block_extents
 
 __all__ = ["Stage", "STAGES", "EXTENTS", "TIMING_KEYS", "UNIT_GATE", "BlockPlan", "Engine",
            "stage_table", "check_eps", "narrow_finite", "EPS_RANGE"]
@@ -76,10 +77,6 @@ def _norm1(c: RunContext, lo: int, hi: int) -> None:
     c.kernels.rmsnorm(c.x, c.w.attention_norm1, c.buf["h"], c.eps, mod=c.mod_msa, r0=lo, r1=hi)
 
 
-def _qkv(c: RunContext, lo: int, hi: int) -> None:
-    matmul(c.kernels, c.buf["h"], c.w.qkv, c.buf["qkv"], lo, hi, c.precision)
-
-
 def _qknorm_rope(c: RunContext, lo: int, hi: int) -> None:
     c.kernels.qknorm_rope(c.buf["qkv"], c.w.q_norm, c.w.k_norm, c.pe, c.buf["q"], c.buf["k"],
                           c.cfg.n_heads, c.cfg.n_kv_heads, c.eps, h0=lo, h1=hi)
@@ -88,10 +85,6 @@ def _qknorm_rope(c: RunContext, lo: int, hi: int) -> None:
 def _sdpa(c: RunContext, lo: int, hi: int) -> None:
     c.kernels.attention(c.buf["q"], c.buf["k"], c.buf["qkv"], c.buf["attn"], c.cfg.n_kv_heads,
                         c.scale, mask=c.mask, h0=lo, h1=hi)
-
-
-def _out_proj(c: RunContext, lo: int, hi: int) -> None:
-    matmul(c.kernels, c.buf["attn"], c.w.out, c.buf["atto"], lo, hi, c.precision)
 
 
 def _attn_tail(c: RunContext, lo: int, hi: int) -> None:
@@ -105,20 +98,6 @@ def _ffn_norm(c: RunContext, lo: int, hi: int) -> None:
                       r1=hi)
 
 
-def _w13(c: RunContext, lo: int, hi: int) -> None:
-    matmul(c.kernels, c.buf["h"], c.w.w1, c.buf["f1"], lo, hi, c.precision)
-    matmul(c.kernels, c.buf["h"], c.w.w3, c.buf["f3"], lo, hi, c.precision)
-
-
-def _swiglu(c: RunContext, lo: int, hi: int) -> None:
-    f1 = c.buf["f1"]
-    c.kernels.swiglu(f1, c.buf["f3"], f1, i0=lo, i1=hi)
-
-
-def _w2(c: RunContext, lo: int, hi: int) -> None:
-    matmul(c.kernels, c.buf["f1"], c.w.w2, c.buf["f2"], lo, hi, c.precision)
-
-
 def _ffn_tail(c: RunContext, lo: int, hi: int) -> None:
     f2 = c.buf["f2"]
     c.kernels.rmsnorm(f2, c.w.ffn_norm2, f2, c.eps, r0=lo, r1=hi)
@@ -127,32 +106,28 @@ def _ffn_tail(c: RunContext, lo: int, hi: int) -> None:
 
 # ------------------------------------------------------------------------------ the table
 #: extent name -> (description, m(cfg, T)): the range [0, m) a stage splits over workers
-EXTENTS: dict[str, tuple[str, Callable[[BlockConfig, int], int]]] = {
-    "rows": ("token rows", lambda cfg, T: T),
-    "qkv_cols": ("qkv columns", lambda cfg, T: cfg.qkv_width),
-    "qk_heads": ("q+k heads", lambda cfg, T: cfg.n_heads + cfg.n_kv_heads),
-    "query_heads": ("query heads", lambda cfg, T: cfg.n_heads),
-    "dim_cols": ("dim columns", lambda cfg, T: cfg.dim),
-    "ffn_cols": ("ffn columns", lambda cfg, T: cfg.ffn_dim),
-    "ffn_elems": ("ffn elements", lambda cfg, T: T * cfg.ffn_dim),
-}
+EXTENTS: dict[str, tuple[str, Callable[[BlockConfig, int], int]]] = block_extents(
+    lambda cfg: cfg.ffn_dim)
 
 
 STAGES: tuple[Stage, ...] = (
     Stage("norm1", "rows", "us_prenorm_qkv", _norm1,
           "h = rmsnorm(x, attention_norm1) * (1+scale_msa)"),
-    Stage("qkv", "qkv_cols", "us_prenorm_qkv", _qkv, "qkv = h @ Wqkv^T"),
+    Stage("qkv", "qkv_cols", "us_prenorm_qkv", Project("h", (("qkv", "qkv"),)),
+          "qkv = h @ Wqkv^T"),
     Stage("qknorm_rope", "qk_heads", "us_qknorm_rope", _qknorm_rope,
           "q, k = rope(rmsnorm_hd(q|k)) as [H, T, hd] / [KVH, T, hd]"),
     Stage("sdpa", "query_heads", "us_sdpa", _sdpa,
           "attn = softmax(q k^T / sqrt(hd) [+ mask]) v"),
-    Stage("out_proj", "dim_cols", "us_attn_tail", _out_proj, "atto = attn @ Wout^T"),
+    Stage("out_proj", "dim_cols", "us_attn_tail", Project("attn", (("out", "atto"),)),
+          "atto = attn @ Wout^T"),
     Stage("attn_tail", "rows", "us_attn_tail", _attn_tail,
           "mid = x + tanh(gate_msa) * rmsnorm(atto, attention_norm2)"),
     Stage("ffn_norm", "rows", "us_ffn", _ffn_norm, "h = rmsnorm(mid, ffn_norm1) * (1+scale_mlp)"),
-    Stage("w13", "ffn_cols", "us_ffn", _w13, "f1 = h @ W1^T; f3 = h @ W3^T"),
-    Stage("swiglu", "ffn_elems", "us_ffn", _swiglu, "f1 = silu(f1) * f3"),
-    Stage("w2", "dim_cols", "us_ffn", _w2, "f2 = f1 @ W2^T"),
+    Stage("w13", "ffn_cols", "us_ffn", Project("h", (("w1", "f1"), ("w3", "f3"))),
+          "f1 = h @ W1^T; f3 = h @ W3^T"),
+    Stage("swiglu", "ffn_elems", "us_ffn", SwiGLU("f1", "f3"), "f1 = silu(f1) * f3"),
+    Stage("w2", "dim_cols", "us_ffn", Project("f1", (("w2", "f2"),)), "f2 = f1 @ W2^T"),
     Stage("ffn_tail", "rows", "us_ffn", _ffn_tail,
           "out = mid + tanh(gate_mlp) * rmsnorm(f2, ffn_norm2)"),
 )
@@ -204,7 +179,7 @@ def _scratch(cfg: BlockConfig, T: int) -> dict[str, tuple[int, ...]]:
 
 # ------------------------------------------------------------------------------ the plan
 @dataclass(frozen=True)
-class BlockPlan(Plan):
+class BlockPlan(UnitGateState, Plan):
     """One kind of block as data: its config, stack ``prefix``, ``modulated`` flag and stages.
 
     ``config``: a :class:`BlockConfig` (a model's :class:`~nxhpc.dit.config.DenoiserConfig` is
@@ -266,9 +241,6 @@ class BlockPlan(Plan):
         """adaLN output ``m`` [4D], the multipliers ``1 + scale`` [D] and the unit gate [D]."""
         D = self.config.dim
         return {"adaln": (4 * D,), "mod_msa": (D,), "mod_mlp": (D,), "unit_gate": (D,)}
-
-    def init_state(self, views: Mapping[str, np.ndarray]) -> None:
-        views["unit_gate"][:] = np.float32(UNIT_GATE)
 
     def bind(self, key: Hashable, weights: Any, kernels: Any) -> LayerWeights:
         """A block's :class:`LayerWeights` checked against the config, matrices typed."""

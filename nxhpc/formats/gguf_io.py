@@ -39,6 +39,7 @@ import numpy as np
 import gguf
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from nxhpc.formats.closing import Closing
 from nxhpc.formats.ggml_blocks import Q8_0_BLOCK_DTYPE, QK8_0
 
 __all__ = [
@@ -430,7 +431,7 @@ def _tensor_view(mapping: np.ndarray, info: TensorInfo) -> np.ndarray:
     return v
 
 
-class GGUFFile:
+class GGUFFile(Closing):
     """A validated, memory-mapped GGUF file; tensors addressed with or without the prefix.
 
     ``names()`` lists canonical names (prefix removed); every accessor accepts both forms.
@@ -556,12 +557,6 @@ class GGUFFile:
         """Drop this object's references to the map (outstanding views keep it alive)."""
         self._views = {}
         self._map = None
-
-    def __enter__(self) -> "GGUFFile":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"GGUFFile({str(self.path)!r}, v{self.version}, {len(self._infos)} tensors, "

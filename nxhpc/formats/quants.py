@@ -224,13 +224,21 @@ def _enc_q2_k(x):
     return blk
 
 
-def _enc_q3_k(x):
+def _sym16(x, nmax, smin, smax):
+    """Q3_K/Q6_K: 16 sub-blocks of 16 with signed scale codes in [smin, smax] -> (fp16 super
+    scale, scale codes [nb, 16], value codes + nmax in [0, 2 nmax) [nb, 16, 16])."""
     nb = x.shape[0]
     xs = x.reshape(nb, 16, 16)
-    s = _fit_sym(xs, 4)
-    dh, d, ls = _scales_signed(s, -32, 31)
+    s = _fit_sym(xs, nmax)
+    dh, d, ls = _scales_signed(s, smin, smax)
     dl = _f32(d[:, None] * ls)[..., None]
-    code = (_codes_sym(xs, dl, 4) + 4).reshape(nb, 2, 4, 32)   # 0..7, e = 128h + 32s + l
+    return dh, ls, _codes_sym(xs, dl, nmax) + nmax
+
+
+def _enc_q3_k(x):
+    nb = x.shape[0]
+    dh, ls, code = _sym16(x, 4, -32, 31)
+    code = code.reshape(nb, 2, 4, 32)                # 0..7, e = 128h + 32s + l
     lo, hi = (code & 3).astype(np.uint8), (code >> 2).astype(np.uint8)
     sc6 = (ls + 32).astype(np.uint8)                 # 16 6-bit codes
     scales = np.zeros((nb, 12), np.uint8)
@@ -280,11 +288,8 @@ def _enc_q45_k(x, name, nmax):
 
 def _enc_q6_k(x):
     nb = x.shape[0]
-    xs = x.reshape(nb, 16, 16)
-    s = _fit_sym(xs, 32)
-    dh, d, ls = _scales_signed(s, -128, 127)
-    dl = _f32(d[:, None] * ls)[..., None]
-    code = (_codes_sym(xs, dl, 32) + 32).astype(np.uint8).reshape(nb, 2, 128)   # e = 128h + r
+    dh, ls, code = _sym16(x, 32, -128, 127)
+    code = code.astype(np.uint8).reshape(nb, 2, 128)   # e = 128h + r
     lo, hi = code & 15, code >> 4
     blk = np.zeros(nb, BLOCK_DTYPES["Q6_K"])
     lo = lo.reshape(nb, 2, 2, 64)                    # r = 64k + i -> ql[64h + i] nibble k

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from nxhpc.formats.closing import Closing
 from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError
 
 __all__ = ["SafetensorsFile", "STInfo", "DTYPES", "MAX_HEADER_BYTES"]
@@ -103,7 +104,7 @@ def _parse_header(path: Path, size: int, head: bytes) -> tuple[int, dict[str, st
     return data_start, dict(meta), infos
 
 
-class SafetensorsFile:
+class SafetensorsFile(Closing):
     """A validated, read-only memory map of one safetensors file.
 
     ``names()`` lists the tensors, :meth:`info` gives one's dtype and shape, :meth:`array` a
@@ -162,12 +163,6 @@ class SafetensorsFile:
     def close(self) -> None:
         """Drop this object's reference to the map (outstanding views keep it alive)."""
         self._map = None
-
-    def __enter__(self) -> "SafetensorsFile":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"SafetensorsFile({str(self.path)!r}, {len(self._infos)} tensors)"

@@ -19,6 +19,7 @@ import numpy as np
 
 from nxhpc.dit.binding import LayerWeights, bind_fixture_layer, bind_gguf_layer
 from nxhpc.dit.config import check_stack, infer_config, tensor_names
+from nxhpc.formats.closing import Closing
 from nxhpc.formats.fixtures import FIXTURES_FILE, FixtureStore
 from nxhpc.formats.gguf_io import (GGUFFile, MissingTensorError, ModelError, ModelFileError,
                                    ModelNotFoundError)
@@ -27,7 +28,7 @@ from nxhpc.models.modeldir import GGUF_FILE
 __all__ = ["Model"]
 
 
-class Model:
+class Model(Closing):
     """A model directory: its GGUF weights and/or fixtures, and the inferred block config.
 
     After :meth:`close` (or the end of its ``with`` block) binding weights -- ``block(i)``,
@@ -225,12 +226,6 @@ class Model:
         self._closed = True
         if self.gguf is not None:
             self.gguf.close()
-
-    def __enter__(self) -> "Model":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"Model({str(self.path)!r}, {self.config.summary()})"

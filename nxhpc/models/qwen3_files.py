@@ -32,6 +32,7 @@ import numpy as np
 
 from nxhpc.formats.gguf_io import LazyTensor, write_gguf
 from nxhpc.models.modeldir import GGUF_FILE, SPEC_FILE, build_model_dir, check_replaceable
+from nxhpc.models.zimage_files import package_metadata, package_tensor_f64
 from nxhpc.qwen3.config import ARCH, Qwen3Config, layer_names
 from nxhpc.qwen3.tokenizer import QWEN3_ADDED_TOKENS, tiny_vocab, vocab_metadata
 
@@ -154,18 +155,8 @@ def read_qwen3_gguf(path: str | os.PathLike, *, names: Any = None) -> Qwen3File:
         types[t.name] = t.tensor_type.name
         if want is not None and t.name not in want:
             continue
-        shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
-        deq = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-        weights[t.name] = np.asarray(deq, dtype=np.float64).reshape(shape)
-    meta: dict[str, Any] = {}
-    for k, f in r.fields.items():
-        if k.startswith("GGUF."):
-            continue
-        try:
-            meta[k] = f.contents()
-        except Exception:  # a field of a type the package cannot decode: not needed here
-            continue
-    return Qwen3File(Path(path), weights, types, meta)
+        weights[t.name] = package_tensor_f64(t)[1]
+    return Qwen3File(Path(path), weights, types, package_metadata(r))
 
 
 # ------------------------------------------------------------------------------ built-ins

@@ -21,7 +21,8 @@ from nxhpc.dit.config import strip_prefix
 from nxhpc.formats.gguf_io import LazyTensor, write_gguf
 from nxhpc.formats.layouts import FileLayout, get_layout
 
-__all__ = ["ZImageFile", "read_zimage_gguf", "write_zimage_gguf"]
+__all__ = ["ZImageFile", "read_zimage_gguf", "write_zimage_gguf", "package_tensor_f64",
+           "package_metadata"]
 
 
 def write_zimage_gguf(path: str | os.PathLike, weights: Mapping[str, np.ndarray],
@@ -69,6 +70,28 @@ class ZImageFile:
         return out
 
 
+def package_tensor_f64(t) -> tuple[tuple[int, ...], np.ndarray]:
+    """(torch shape, exact float64 values) of a ``gguf.GGUFReader`` tensor, decoded by
+    ``gguf.quants.dequantize`` (the independent side: never nxhpc's reader)."""
+    shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
+    deq = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+    return shape, np.asarray(deq, dtype=np.float64).reshape(shape)
+
+
+def package_metadata(r: gguf.GGUFReader) -> dict[str, object]:
+    """Every key-value of a ``gguf.GGUFReader`` file but the ``GGUF.*`` header fields, decoded;
+    a field of a type the package cannot decode is left out (not needed here)."""
+    meta: dict[str, object] = {}
+    for k, f in r.fields.items():
+        if k.startswith("GGUF."):
+            continue
+        try:
+            meta[k] = f.contents()
+        except Exception:
+            continue
+    return meta
+
+
 def read_zimage_gguf(path: str | os.PathLike) -> ZImageFile:
     """Read every tensor of ``path`` with ``gguf.GGUFReader`` and decode it with
     ``gguf.quants.dequantize`` (F32/F16/BF16/Q* alike) to float64."""
@@ -77,18 +100,8 @@ def read_zimage_gguf(path: str | os.PathLike) -> ZImageFile:
     tensors: dict[str, tuple[tuple[int, ...], str]] = {}
     stored = []
     for t in r.tensors:
-        shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
-        deq = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
         canon = strip_prefix(t.name)
-        weights[canon] = np.asarray(deq, dtype=np.float64).reshape(shape)
+        shape, weights[canon] = package_tensor_f64(t)
         tensors[canon] = (shape, t.tensor_type.name)
         stored.append(t.name)
-    meta: dict[str, object] = {}
-    for k, f in r.fields.items():
-        if k.startswith("GGUF."):
-            continue
-        try:
-            meta[k] = f.contents()
-        except Exception:  # arrays of odd types: not needed here
-            continue
-    return ZImageFile(Path(path), weights, tensors, stored, meta)
+    return ZImageFile(Path(path), weights, tensors, stored, package_metadata(r))

@@ -8,7 +8,8 @@ worker's context is built) and :class:`Engine`: it sizes ONE
 (flat scratch per name, sized for the largest need), holds the caller's named buffers and the
 family's state buffers, checks and types every block's weights in the parent, forks ONE
 :class:`~nxhpc.runtime.workers.WorkerPool` after that, and runs any of those plans on views of
-its buffers: workers find buffers by name and row range, never by pointer.
+its buffers: workers find buffers by name and row range, never by pointer; and
+:class:`EngineSession`, the base of a family's session holding one engine.
 Must not: know any model family (``nxhpc.dit``, ``nxhpc.qwen3``: their plans say what a stage
 does), parse files, or compute anything itself (the stages' tasks call ``nxhpc._kernels``).
 
@@ -42,13 +43,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 import nxhpc
+from nxhpc.formats.closing import Closing
 from nxhpc.nn.linear import check_runnable
 from nxhpc.runtime import ranks as _ranks
 from nxhpc.runtime.shm import SharedArena
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerPool, check_timeout
 
-__all__ = ["Stage", "Plan", "Engine", "RunContext", "BufRef", "IOSpec", "Gather", "TOTAL_KEY",
-           "timing_keys", "stage_table", "serialized"]
+__all__ = ["Stage", "Plan", "Engine", "EngineSession", "RunContext", "BufRef", "IOSpec",
+           "Gather", "TOTAL_KEY", "timing_keys", "stage_table", "serialized"]
 
 #: The timing key of a whole plan run (every stage), after the stages' own keys.
 TOTAL_KEY = "block_us"
@@ -619,3 +621,19 @@ class Engine:
         needs = ", ".join(f"{p.label}@{T}" for p, T in self.needs)
         mb = self.arena.nbytes / 1e6 if self.arena is not None else 0.0
         return f"<{type(self).__name__} {needs}; {len(self._weights)} blocks; arena {mb:.1f} MB>"
+
+
+class EngineSession(Closing):
+    """Base of a family's session: ``engine``, the one :class:`Engine` (arena + forked pool)
+    reused by every call it was sized for. ``usable`` while the engine and its pool are open;
+    ``close()`` (or ``with``) closes the engine."""
+
+    engine: Engine
+
+    @property
+    def usable(self) -> bool:
+        e = self.engine
+        return not e.closed and e.pool is not None and not e.pool.closed
+
+    def close(self) -> None:
+        self.engine.close()

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from nxhpc.formats.closing import Closing
 from nxhpc.formats.gguf_io import ModelFileError
 from nxhpc.nn.linear import DEFAULT_PRECISION, check_precision
 from nxhpc.qwen3.config import Qwen3Config
@@ -28,7 +29,7 @@ from nxhpc.qwen3.tokenizer import MAX_TOKENS, Qwen3Tokenizer, template
 __all__ = ["TextEncoder", "MAX_TOKENS"]
 
 
-class TextEncoder:
+class TextEncoder(Closing):
     """Z-Image's text encoder from a llama.cpp-layout Qwen3 GGUF (weights and tokenizer from
     the one file): ``tokenize(prompt)`` -> the ids ``ZImagePipeline`` feeds it (chat template
     applied, the first 512 kept), ``encode(prompt)`` -> their ``hidden_states[-2]``, float32
@@ -146,12 +147,6 @@ class TextEncoder:
     @property
     def closed(self) -> bool:
         return self._model is None
-
-    def __enter__(self) -> "TextEncoder":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.workers} workers, {self.precision}"

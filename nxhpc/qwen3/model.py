@@ -66,15 +66,18 @@ from typing import Any
 import numpy as np
 
 import nxhpc
+from nxhpc.formats.closing import MapHolder
 from nxhpc.formats.gguf_io import GGUFFile, ModelFileError
 from nxhpc.formats.weights import WeightTensor, check_finite_weight
 from nxhpc.nn import engine as _engine
 from nxhpc.nn.checks import check_eps
-from nxhpc.nn.engine import Engine, IOSpec, Plan, Stage
+from nxhpc.nn.engine import Engine, EngineSession, IOSpec, Plan, Stage
 from nxhpc.nn.linear import DEFAULT_PRECISION, check_precision, matmul
-from nxhpc.nn.residual import UNIT_GATE, residual_add
+from nxhpc.nn.residual import UnitGateState, residual_add
+from nxhpc.nn.stages import Project, SwiGLU, block_extents
 from nxhpc.qwen3.config import LAYER_TENSORS, Qwen3Config, infer_config, layer_names
 from nxhpc.runtime.checks import check_workers
+from nxhpc.runtime.memory import memory_report
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, check_timeout
 
 __all__ = ["TextEncoderModel", "TextEncoderInputError", "LayerWeights", "Qwen3Weights",
@@ -214,10 +217,6 @@ def _sdpa(c: RunContext, lo: int, hi: int) -> None:
                         c.scale, h0=lo, h1=hi, causal=True)
 
 
-def _out_proj(c: RunContext, lo: int, hi: int) -> None:
-    matmul(c.kernels, c.buf["attn"], c.w.wo, c.buf["y"], lo, hi, c.precision)
-
-
 def _attn_res(c: RunContext, lo: int, hi: int) -> None:
     residual_add(c.kernels, c.x, c.buf["y"], c.unit_gate, c.buf["mid"], lo, hi)
 
@@ -226,34 +225,13 @@ def _ffn_norm(c: RunContext, lo: int, hi: int) -> None:
     c.kernels.rmsnorm(c.buf["mid"], c.w.ffn_norm, c.buf["h"], c.eps, r0=lo, r1=hi)
 
 
-def _w13(c: RunContext, lo: int, hi: int) -> None:
-    matmul(c.kernels, c.buf["h"], c.w.w_gate, c.buf["g"], lo, hi, c.precision)
-    matmul(c.kernels, c.buf["h"], c.w.w_up, c.buf["u"], lo, hi, c.precision)
-
-
-def _swiglu(c: RunContext, lo: int, hi: int) -> None:
-    g = c.buf["g"]
-    c.kernels.swiglu(g, c.buf["u"], g, i0=lo, i1=hi)
-
-
-def _w2(c: RunContext, lo: int, hi: int) -> None:
-    matmul(c.kernels, c.buf["g"], c.w.w_down, c.buf["y"], lo, hi, c.precision)
-
-
 def _ffn_res(c: RunContext, lo: int, hi: int) -> None:
     residual_add(c.kernels, c.buf["mid"], c.buf["y"], c.unit_gate, c.x, lo, hi)
 
 
 #: extent name -> (description, m(cfg, T)): the range [0, m) a stage splits over workers
-EXTENTS: dict[str, tuple[str, Callable[[Qwen3Config, int], int]]] = {
-    "rows": ("token rows", lambda cfg, T: T),
-    "qkv_cols": ("qkv columns", lambda cfg, T: cfg.qkv_width),
-    "qk_heads": ("q+k heads", lambda cfg, T: cfg.n_heads + cfg.n_kv_heads),
-    "query_heads": ("query heads", lambda cfg, T: cfg.n_heads),
-    "dim_cols": ("dim columns", lambda cfg, T: cfg.dim),
-    "ffn_cols": ("ffn columns", lambda cfg, T: cfg.ffn),
-    "ffn_elems": ("ffn elements", lambda cfg, T: T * cfg.ffn),
-}
+EXTENTS: dict[str, tuple[str, Callable[[Qwen3Config, int], int]]] = block_extents(
+    lambda cfg: cfg.ffn)
 
 STAGES: tuple[Stage, ...] = (
     Stage("norm1", "rows", "us_attn", _norm1, "h = rmsnorm(x, attn_norm)"),
@@ -262,12 +240,13 @@ STAGES: tuple[Stage, ...] = (
           "q, k = rope_half(rmsnorm_hd(q|k)): [H|KVH, T, hd]"),
     Stage("sdpa", "query_heads", "us_attn", _sdpa,
           "attn = softmax(q k^T / sqrt(hd) + causal) v[h // (H/KVH)]"),
-    Stage("out_proj", "dim_cols", "us_attn", _out_proj, "y = attn @ Wo^T"),
+    Stage("out_proj", "dim_cols", "us_attn", Project("attn", (("wo", "y"),)), "y = attn @ Wo^T"),
     Stage("attn_res", "rows", "us_attn", _attn_res, "mid = x + y"),
     Stage("ffn_norm", "rows", "us_ffn", _ffn_norm, "h = rmsnorm(mid, ffn_norm)"),
-    Stage("w13", "ffn_cols", "us_ffn", _w13, "g = h @ Wgate^T; u = h @ Wup^T"),
-    Stage("swiglu", "ffn_elems", "us_ffn", _swiglu, "g = silu(g) * u"),
-    Stage("w2", "dim_cols", "us_ffn", _w2, "y = g @ Wdown^T"),
+    Stage("w13", "ffn_cols", "us_ffn", Project("h", (("w_gate", "g"), ("w_up", "u"))),
+          "g = h @ Wgate^T; u = h @ Wup^T"),
+    Stage("swiglu", "ffn_elems", "us_ffn", SwiGLU("g", "u"), "g = silu(g) * u"),
+    Stage("w2", "dim_cols", "us_ffn", Project("g", (("w_down", "y"),)), "y = g @ Wdown^T"),
     Stage("ffn_res", "rows", "us_ffn", _ffn_res, "x = mid + y"),
 )
 
@@ -281,7 +260,7 @@ def stage_table() -> str:
 
 
 @dataclass(frozen=True)
-class LayerPlan(Plan):
+class LayerPlan(UnitGateState, Plan):
     """A Qwen3 block as data for the shared engine: config and stages. Inputs (:meth:`io`):
     ``x`` [T, D] (updated in place) and ``pe`` [T, hd/2, 2, 2]; state: the unit gate [D];
     params of a run: ``(eps, precision)``."""
@@ -309,9 +288,6 @@ class LayerPlan(Plan):
 
     def state(self) -> dict[str, Any]:
         return {"unit_gate": (self.config.dim,)}
-
-    def init_state(self, views: Mapping[str, np.ndarray]) -> None:
-        views["unit_gate"][:] = np.float32(UNIT_GATE)
 
     def bind(self, key: Hashable, weights: Any, kernels: Any) -> LayerWeights:
         if not isinstance(weights, LayerWeights):
@@ -346,7 +322,7 @@ def rope_table(T: int, head_dim: int, theta: float) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------ one session
-class _Session:
+class _Session(EngineSession):
     """Everything calls of up to ``capacity`` tokens need, built once: the engine (arena +
     pool, the embedding gather as an extra task) and the RoPE table of positions 0 ..
     capacity-1 (written into the arena)."""
@@ -374,17 +350,10 @@ class _Session:
             self.engine.close()
             raise
 
-    @property
-    def usable(self) -> bool:
-        e = self.engine
-        return not e.closed and e.pool is not None and not e.pool.closed
-
-    def close(self) -> None:
-        self.engine.close()
 
 
 # ------------------------------------------------------------------------------ the model
-class TextEncoderModel:
+class TextEncoderModel(MapHolder):
     """Z-Image's text encoder (Qwen3) from a llama.cpp-layout GGUF: ``encode_ids(ids)`` ->
     ``hidden_states[-2]``, float32 ``[L, dim]``.
 
@@ -537,10 +506,8 @@ class TextEncoderModel:
         """MB: the mapped GGUF (``weights_mb``), the session's arena (``arena_mb``) and this
         process's peak resident set (``peak_rss_mb``, Linux VmHWM)."""
         s = self._session
-        size = self.gguf.path.stat().st_size if self.gguf is not None else 0
-        return {"weights_mb": size / 1e6,
-                "arena_mb": s.engine.arena.nbytes / 1e6 if s is not None and s.usable else None,
-                "peak_rss_mb": _vm_hwm_mb(os.getpid())}
+        return memory_report(self.gguf.path.stat().st_size if self.gguf is not None else 0,
+                             s.engine.arena.nbytes if s is not None and s.usable else None)
 
     # -- lifetime
     def close(self) -> None:
@@ -550,32 +517,9 @@ class TextEncoderModel:
             if s is not None:
                 s.close()
         finally:
-            if self.gguf is not None:
-                self.gguf.close()
-                self.gguf = None
-
-    @property
-    def closed(self) -> bool:
-        return self.gguf is None
-
-    def __enter__(self) -> "TextEncoderModel":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+            self._drop_map()
 
     def __repr__(self) -> str:
         where = self.gguf.path if self.gguf is not None else "closed"
         return f"<TextEncoderModel {where}: {self.config.summary()}; {self.workers} workers>"
 
-
-def _vm_hwm_mb(pid: int) -> float | None:
-    """Peak resident set (``VmHWM``) of process ``pid`` in MB, or None where unavailable."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024 / 1e6
-    except (OSError, ValueError, IndexError):
-        return None
-    return None

@@ -1,4 +1,5 @@
 """Process runtime shared by inference and training: ``shm`` (the shared-memory arena), ``workers``
 (the forked worker pool, the one ``bands()``), ``proc`` (deferred signals, die-with-parent,
-reaping, exit text), ``outfile`` (result files checked up front, written atomically).
+reaping, exit text), ``outfile`` (result files checked up front, written atomically), ``memory``
+(peak resident sets, the models' ``memory()`` report).
 Must not import the compiled kernels."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from nxhpc.formats.closing import Closing
 from nxhpc.formats.gguf_io import ModelFileError, ModelNotFoundError
 from nxhpc.formats.safetensors_io import SafetensorsFile
 from nxhpc.formats.weights import WeightTensor
@@ -31,7 +32,7 @@ FLOAT_DTYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16"}
 
 
 @dataclass
-class VaeFile:
+class VaeFile(Closing):
     """An opened checkpoint: ``config``, ``layout`` ("ldm" | "diffusers"), ``path`` (the
     safetensors file), ``dtype`` (of the decoder's tensors), the open file."""
     config: VaeConfig
@@ -63,12 +64,6 @@ class VaeFile:
 
     def close(self) -> None:
         self.st.close()
-
-    def __enter__(self) -> "VaeFile":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _resolve(path: str | os.PathLike) -> tuple[Path, dict[str, Any] | None]:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 import nxhpc
+from nxhpc.formats.closing import Closing
 from nxhpc.nn.engine import Engine, Plan
 from nxhpc.nn.conv import CONV_PRECISIONS, Panel, conv1x1_band, conv3x3_band
 from nxhpc.runtime.checks import CheckError, check_choice, check_float_array, check_workers
@@ -226,7 +227,7 @@ class _StepPlan(Plan):
 GN_CHUNK = 128
 
 
-class VaeDecoder:
+class VaeDecoder(Closing):
     """The FLUX autoencoder's decoder from ``path`` (a BFL/ComfyUI ``ae.safetensors`` or a
     diffusers VAE directory), weights zero copy from the map (float32/float16/bfloat16).
 
@@ -340,12 +341,6 @@ class VaeDecoder:
             if self.file is not None:
                 self.file.close()
                 self.file = None
-
-    def __enter__(self) -> "VaeDecoder":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         c = self.config
