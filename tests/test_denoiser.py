@@ -295,34 +295,11 @@ def test_one_denoiser_from_several_threads_gives_each_caller_its_own_output(dens
     thread gets exactly the output of its own inputs, also across two token layouts (which
     replace each other's engines when a third comes). Before: forward filled the arena and
     then issued ~30 engine calls with nothing ordering two callers (79 of 80 wrong)."""
-    import threading
+    from testutil import shared_by_threads
     lat, cap = inputs
     d = dens["comfyui-q8_0"]
     jobs = [(lat, t, cap) for t in TIMES] + [(lat[:, :8], 0.5, cap[:5])]
-    want = [d.forward(*j) for j in jobs]
-    got: dict[tuple[int, int], np.ndarray] = {}
-    errors: list[BaseException] = []
-    start = threading.Barrier(4)
-
-    def caller(n: int) -> None:
-        try:
-            start.wait()
-            for r in range(3):
-                for i in range(len(jobs)):
-                    k = (i + n) % len(jobs)
-                    got[(n, r * len(jobs) + k)] = (k, d.forward(*jobs[k]))
-        except BaseException as e:          # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=caller, args=(n,)) for n in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=600)
-    assert not errors, errors
-    assert len(got) == 4 * 3 * len(jobs)
-    wrong = [key for key, (k, out) in got.items() if not np.array_equal(out, want[k])]
-    assert not wrong, f"{len(wrong)} of {len(got)} outputs are another call's or corrupt"
+    shared_by_threads(d.forward, jobs, threads=4, rounds=3)
 
 
 def test_forked_child_is_refused_before_any_lock_or_buffer(dens, inputs, outputs):

@@ -165,31 +165,10 @@ def test_one_decoder_from_several_threads(files):
     """One VaeDecoder shared by threads (a server's pipeline) gives each caller the pixels of
     its own latents, at two sizes that replace each other's buffers (issue 19, item 1, on
     the autoencoder): calls are serialized."""
-    import threading
-    jobs = [LATENTS, LATENTS[:, :3, :5], -LATENTS]
+    from testutil import shared_by_threads
+    jobs = [(LATENTS,), (LATENTS[:, :3, :5],), (-LATENTS,)]
     with nxhpc.load_vae(files["ldm", "F32"], workers=2) as vae:
-        want = [vae.decode(z) for z in jobs]
-        got, errors = [], []
-        start = threading.Barrier(3)
-
-        def caller(n):
-            try:
-                start.wait()
-                for r in range(4):
-                    k = (n + r) % len(jobs)
-                    got.append((k, vae.decode(jobs[k])))
-            except BaseException as e:      # noqa: BLE001 - reported below
-                errors.append(e)
-        threads = [threading.Thread(target=caller, args=(n,)) for n in range(3)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(timeout=600)
-    assert not errors, errors
-    assert len(got) == 12
-    wrong = [k for k, out in got if out.shape != want[k].shape
-             or not np.array_equal(out, want[k])]
-    assert not wrong, f"{len(wrong)} of {len(got)} decodes are another call's or corrupt"
+        shared_by_threads(vae.decode, jobs, threads=3, rounds=4)
 
 
 def test_no_shared_memory_left(files):

@@ -222,3 +222,35 @@ def open_and_decode_all(path) -> str:
 def block_inputs(m):
     """A block model's stored inputs of layer 0: ``(x, t_emb, pe)``."""
     return m.blk_in(0), m.t_emb(), m.pe()
+
+
+def shared_by_threads(call, jobs, *, threads: int, rounds: int) -> None:
+    """Call ``call(*jobs[k])`` from ``threads`` threads at once (each walks every job
+    ``rounds`` times, starting at its own offset) and assert that every result is bit-equal to
+    the same job run alone first: an object shared by request threads must give each caller
+    its own result (a serialized call), never another call's or a corrupt one."""
+    import threading
+    want = [call(*j) for j in jobs]
+    got: list[tuple[int, np.ndarray]] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads)
+
+    def caller(n: int) -> None:
+        try:
+            start.wait()
+            for r in range(rounds * len(jobs)):
+                k = (n + r) % len(jobs)
+                got.append((k, call(*jobs[k])))
+        except BaseException as e:          # noqa: BLE001 - reported below
+            errors.append(e)
+
+    pool = [threading.Thread(target=caller, args=(n,)) for n in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join(timeout=600)
+    assert not errors, errors
+    assert len(got) == threads * rounds * len(jobs)
+    wrong = [k for k, out in got if out.shape != want[k].shape
+             or not np.array_equal(out.view(np.uint8), want[k].view(np.uint8))]
+    assert not wrong, f"{len(wrong)} of {len(got)} results are another call's or corrupt"
