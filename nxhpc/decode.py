@@ -20,7 +20,7 @@ import numpy as np
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
 from nxhpc.cli.codes import Exit, InputError, OutputError, codes_epilog
 from nxhpc.cli.frame import run_cli
-from nxhpc.cli.report import fmt_compact, peak_rss_mb, png_text, print_json, print_kv
+from nxhpc.cli.report import peak_rss_mb, png_text, print_report
 from nxhpc.runtime.checks import load_npy
 from nxhpc.runtime.outfile import check_output_path
 
@@ -77,11 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=("f32", "bf16"), default="f32",
                    help="convolution precision: f32 (default) or bf16 (activations and weights "
                         "rounded to bfloat16, float32 sums)")
-    p.add_argument("--models-dir", default=None,
-                   help="where built-in ids are generated (default $NXHPC_MODELS or "
-                        "~/.cache/nxhpc/models)")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object instead of key=value lines")
+    types.add_models_dir(p)
+    types.add_json(p)
     return p
 
 
@@ -143,11 +140,7 @@ def _run(args: argparse.Namespace) -> int:
               "open_s": round(open_s, 6), "decode_s": round(decode_s, 6),
               "out_of_range": round(float(np.mean(np.abs(img) > 1.0)), 6),
               **peak_rss_mb(), "out": str(out)}
-    if args.json:
-        print_json(report)
-    else:
-        print_kv(report, fmt_compact)
-    sys.stdout.flush()
+    print_report(report, args.json)
     return Exit.PASS
 
 

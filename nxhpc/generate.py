@@ -31,7 +31,7 @@ import numpy as np
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
 from nxhpc.cli.codes import Exit, InputError, NotFound, OutputError, UsageError, codes_epilog
 from nxhpc.cli.frame import run_cli
-from nxhpc.cli.report import fmt_compact, peak_rss_mb, png_text, print_json, print_kv
+from nxhpc.cli.report import peak_rss_mb, png_text, print_report
 from nxhpc.runtime.checks import load_npy
 from nxhpc.runtime.outfile import check_output_path
 
@@ -138,12 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="IMG.png",
                    help="the PNG (written atomically; never over an input), or an existing "
                         "folder for several images")
-    p.add_argument("--models-dir", default=None,
-                   help="where built-in ids are generated (default $NXHPC_MODELS or "
-                        "~/.cache/nxhpc/models)")
+    types.add_models_dir(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object instead of key=value lines")
+    types.add_json(p)
     return p
 
 
@@ -420,10 +417,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         report["prompt_list"] = prompts
         report["step_s"] = [[round(s, 6) for s in j.step_s] for j in jobs]
-        print_json(report)
-    else:
-        print_kv(report, fmt_compact)
-    sys.stdout.flush()
+    print_report(report, args.json)
     return Exit.PASS
 
 

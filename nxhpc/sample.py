@@ -34,7 +34,7 @@ import numpy as np
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
 from nxhpc.cli.codes import Exit, NotFound, OutputError, UsageError, codes_epilog
 from nxhpc.cli.frame import run_ranked
-from nxhpc.cli.report import fmt_compact, print_json, print_kv, save_bytes
+from nxhpc.cli.report import print_report, save_bytes
 from nxhpc.dit.sampler import (MAX_STEPS, SampleInputError, check_cap_feats, check_noise,
                                decode_png,
                                initial_noise, latent_shape,
@@ -124,12 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "needs torch and diffusers (pip install 'nxhpc[diffusers]')")
     p.add_argument("--png", metavar="OUT.png", default=None,
                    help="where the decoded image goes (with --decode; written atomically)")
-    p.add_argument("--models-dir", default=None,
-                   help="where model ids are looked up / built-ins generated "
-                        "(default $NXHPC_MODELS or ~/.cache/nxhpc/models)")
+    types.add_models_dir(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object instead of key=value lines")
+    types.add_json(p)
     return p
 
 
@@ -358,11 +355,7 @@ def _run(args, ranks=None) -> int:
             raise OutputError(error)
         report["png"] = str(args.png)
         report["decode_s"] = round(time.perf_counter() - t1, 6)
-    if args.json:
-        print_json(report)
-    else:
-        print_kv(report, fmt_compact)
-    sys.stdout.flush()
+    print_report(report, args.json)
     return Exit.PASS
 
 

@@ -91,7 +91,8 @@ def test_tiny_vae_builtin(vae_dir, tmp_path):
     spec = registry.BUILTINS["tiny-vae"]
     assert spec.kind == "vae" and registry.builtin_ids("vae") == ["tiny-vae"]
     assert spec.latent_channels == registry.BUILTINS["tiny-dit"].in_channels == 16
-    assert sorted(os.listdir(vae_dir)) == ["ae.safetensors", "synthetic.json"]
+    assert sorted(os.listdir(vae_dir)) == sorted([registry.FILES_MANIFEST, "ae.safetensors",
+                                                  "synthetic.json"])
     info = json.loads((vae_dir / "synthetic.json").read_text())
     assert info["kind"] == "vae" and info["fingerprint"] == spec.fingerprint() == PINNED_TINY_VAE
     assert registry.builtin_current(vae_dir, spec)

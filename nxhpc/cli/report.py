@@ -51,6 +51,16 @@ def print_kv(report: Mapping[str, Any], fmt: Callable[[Any], str] = fmt_value) -
         print(line)
 
 
+def print_report(report: Mapping[str, Any], as_json: bool) -> None:
+    """An ungraded command's report on stdout: one JSON object, or compact key=value lines;
+    flushed (a report is the last thing a command prints)."""
+    if as_json:
+        print_json(report)
+    else:
+        print_kv(report, fmt_compact)
+    sys.stdout.flush()
+
+
 def print_json(obj: Mapping[str, Any]) -> None:
     """One strict JSON object on stdout (NaN/Infinity -> null)."""
     from nxhpc.dit.grade import json_safe
