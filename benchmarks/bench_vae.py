@@ -23,12 +23,14 @@ Backends, 2 workers / 2 torch threads, in one run, one group per size:
 
 ``extra_info``: seconds per decode, nxhpc's first call (the pool's fork and the arena's first
 touch included), GFLOP/s (:func:`decoder_gflop`), peak RSS (Linux VmHWM, reset before each
-backend; nxhpc: the parent and its largest worker -- the arena is shared memory counted in each
-process that touched it), the arena's size, and the distance of the pixels to torch float32
-(max abs, and relative to max|torch f32|; checked after timing: nxhpc f32 within 1e-4). A table
-is printed at the end and written to ``.benchmarks/bench_vae.md``.
+backend, with VmRSS at the reset beside it: the imported libraries, torch's model; nxhpc: the
+parent and its largest worker -- the arena is shared memory counted in each process that
+touched it, the mapped weights too), the arena's size, the 1-min load average, and the
+distance of the pixels to torch float32 (max abs, and relative to max|torch f32|; checked after
+timing: nxhpc f32 within 1e-4). A table is printed at the end and written to
+``.benchmarks/bench_vae.md``.
 
-Run: ``python -m pytest benchmarks/bench_vae.py --benchmark-only -s`` (~10 min on 2 cores,
+Run: ``python -m pytest benchmarks/bench_vae.py --benchmark-only -s`` (~13 min on 2 shared cores,
 ~1.5 GB RAM peak at 512x512).
 """
 import json
@@ -55,6 +57,7 @@ if os.environ.get("NXHPC_BENCH_VAE_1024") and 1024 not in PX:
 WORKERS = 2
 NX_BF16 = bool(os.environ.get("NXHPC_BENCH_VAE_BF16"))
 TORCH_BF16_ALL = bool(os.environ.get("NXHPC_BENCH_VAE_TORCH_BF16"))
+LOAD_START = os.getloadavg()[0]        # the cores are shared: every figure notes the load
 F32_BOUND = 1e-4                      # nxhpc f32 vs torch f32, same weights (tests/test_vae.py)
 RESULTS: dict = {}
 
@@ -124,11 +127,12 @@ def _reset_peak_rss(pids=("self",)) -> None:
             pass
 
 
-def _peak_rss_mb(pid="self"):
+def _peak_rss_mb(pid="self", field="VmHWM"):
+    """VmHWM (or another ``field``) of ``pid`` in MB; None where /proc cannot tell."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024 / 1e6
     except OSError:
         return None
@@ -157,8 +161,8 @@ def _rounds(px: int) -> int:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """The F32 and BF16 ``ae.safetensors`` (BFL layout, decoder tensors only), the same
-    bfloat16-representable values in both."""
+    """The F32 and BF16 ``ae.safetensors`` (BFL layout, decoder tensors only, 198 / 99 MB), the
+    same bfloat16-representable values in both; removed at the end of the module."""
     torch = pytest.importorskip("torch")
     from safetensors.torch import save_file
     d = tmp_path_factory.mktemp("bench-vae")
@@ -171,7 +175,10 @@ def files(tmp_path_factory):
         out[dtype] = d / dtype / "ae.safetensors"
         out[dtype].parent.mkdir()
         save_file({k: v.to(tdt).contiguous() for k, v in tensors.items()}, str(out[dtype]))
-    return out
+    del tensors
+    yield out
+    for f in out.values():                        # 300 MB: not left behind in the temp dir
+        f.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -179,9 +186,8 @@ def latents():
     for px in PX + [1024]:          # the config's count and nxhpc's program: the same network
         h = px // 8
         assert math.isclose(decoder_gflop(CFG, h, h), _program_gflop(h, h), rel_tol=1e-12)
-    rng = np.random.default_rng(17)
-    return {px: rng.standard_normal((CFG.latent_channels, px // 8, px // 8)).astype(np.float32)
-            for px in PX}
+    return {px: np.random.default_rng([17, px]).standard_normal(
+        (CFG.latent_channels, px // 8, px // 8)).astype(np.float32) for px in PX}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -189,13 +195,14 @@ def _summary(request):
     yield
     if not RESULTS:
         return
-    head = ("| backend | weights | px | s / decode | first call s | GFLOP/s | peak RSS MB | "
-            "max abs err vs torch f32 | rel. err |")
+    head = ("| backend | weights | px | s / decode | first call s | GFLOP/s | "
+            "peak RSS MB (at start) | max abs err vs torch f32 | rel. err | load |")
     lines = [f"bench_vae: FLUX VAE decoder {list(CFG.block_out_channels)}, random weights, "
-             f"{WORKERS} workers / threads; load average {os.getloadavg()[0]:.1f} at the end",
-             "", head, "|" + "---|" * 9]
+             f"{WORKERS} workers / threads; 1-min load average {LOAD_START:.1f} at the start, "
+             f"{os.getloadavg()[0]:.1f} at the end",
+             "", head, "|" + "---|" * 10]
     for (name, wt, px), r in sorted(RESULTS.items(), key=lambda kv: (kv[0][2], kv[0][:2])):
-        rss = f"{r.get('peak_rss_mb') or 0:.0f}"
+        rss = f"{r.get('peak_rss_mb') or 0:.0f} ({r.get('rss_at_start_mb') or 0:.0f})"
         if r.get("worker_peak_rss_mb"):
             rss += f" (workers {r['worker_peak_rss_mb']:.0f})"
         first = r.get("s_first_call")
@@ -203,7 +210,7 @@ def _summary(request):
         lines.append(f"| {name} | {wt} | {px} | {r['s_decode']:.2f} | "
                      f"{'' if first is None else format(first, '.2f')} | {r['gflops']:.1f} | "
                      f"{rss} | {'' if err is None else format(err, '.1e')} | "
-                     f"{'' if rel is None else format(rel, '.1e')} |")
+                     f"{'' if rel is None else format(rel, '.1e')} | {r['load_avg']:.1f} |")
     lines.append("")
     lines += [f"decoder GFLOP at {p}x{p}: {decoder_gflop(CFG, p // 8, p // 8):.0f}; nxhpc arena "
               f"{arena_bytes(p // 8, p // 8) / 2**30:.2f} GiB" for p in (512, 1024)]
@@ -243,6 +250,7 @@ def test_vae_nxhpc(benchmark, files, latents, px, precision, weights):
     z = latents[px]
     with VaeDecoder(files[weights], workers=WORKERS, precision=precision) as vae:
         _reset_peak_rss()
+        start = _peak_rss_mb(field="VmRSS")
         t0 = time.perf_counter()
         vae.decode(z)                             # fork + arena + first touch (not in stats)
         first = time.perf_counter() - t0
@@ -256,8 +264,10 @@ def test_vae_nxhpc(benchmark, files, latents, px, precision, weights):
         s = first
     r = {"px": px, "s_decode": s, "s_first_call": first,
          "gflops": decoder_gflop(CFG, px // 8, px // 8) / s, "peak_rss_mb": parent,
+         "rss_at_start_mb": start,
          "worker_peak_rss_mb": max(kids, default=None),
-         "arena_mb": arena_bytes(px // 8, px // 8) / 1e6, "output": out}
+         "arena_mb": arena_bytes(px // 8, px // 8) / 1e6, "load_avg": os.getloadavg()[0],
+         "output": out}
     RESULTS[(f"nxhpc {precision}", weights, px)] = r
     _grade(px)
     benchmark.extra_info.update({k: v for k, v in r.items() if k != "output"})
@@ -312,6 +322,7 @@ def _run_torch(benchmark, torch_model, latents, px, dtype_name):
             x = (z / CFG.scaling_factor + CFG.shift_factor).to(dtype)
             return model.decode(x).sample[0].float().numpy()
     _reset_peak_rss()
+    start = _peak_rss_mb(field="VmRSS")
     t0 = time.perf_counter()
     out = benchmark.pedantic(call, rounds=_rounds(px) if dtype_name == "float32" else 1,
                              warmup_rounds=1 if px <= 128 and dtype_name == "float32" else 0)
@@ -320,8 +331,9 @@ def _run_torch(benchmark, torch_model, latents, px, dtype_name):
     if math.isnan(s):
         s = wall
     r = {"px": px, "s_decode": s, "gflops": decoder_gflop(CFG, px // 8, px // 8) / s,
-         "peak_rss_mb": _peak_rss_mb(), "output": out}
-    RESULTS[(f"torch {dtype_name}", "F32" if dtype_name == "float32" else "BF16", px)] = r
+         "peak_rss_mb": _peak_rss_mb(), "rss_at_start_mb": start, "load_avg": os.getloadavg()[0],
+         "output": out}
+    RESULTS[(f"torch {dtype_name}", "F32" if dtype_name == "float32" else "F32, cast", px)] = r
     benchmark.extra_info.update({k: v for k, v in r.items() if k != "output"})
     assert out.shape == (3, px, px) and np.isfinite(out).all()
     return r
