@@ -42,7 +42,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _bench_util import bench_stats
+from _bench_util import bench_stats, children, reset_peak_rss
+from nxhpc.runtime.memory import peak_rss_mb
 from nxhpc.models.vae_files import VaeSpec, draw_vae_tensor
 from nxhpc.vae.config import VaeConfig
 from nxhpc.vae.model import GN_CHUNK, Program, VaeDecoder, forward
@@ -115,40 +116,6 @@ def arena_bytes(h: int, w: int) -> int:
     prog = Program(CFG, GN_CHUNK)
     forward(prog, h, w)
     return sum(n * (8 if b == "part" else 4) for b, n in prog.sizes.items())
-
-
-def _reset_peak_rss(pids=("self",)) -> None:
-    """Reset VmHWM of each pid to its current RSS (``echo 5 > /proc/PID/clear_refs``)."""
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
-
-
-def _peak_rss_mb(pid="self", field="VmHWM"):
-    """VmHWM (or another ``field``) of ``pid`` in MB; None where /proc cannot tell."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024 / 1e6
-    except OSError:
-        return None
-    return None
-
-
-def _children() -> list[int]:
-    out = []
-    base = f"/proc/{os.getpid()}/task"
-    for tid in os.listdir(base):
-        try:
-            with open(f"{base}/{tid}/children") as f:
-                out += [int(p) for p in f.read().split()]
-        except OSError:
-            pass
-    return out
 
 
 def _group(px: int) -> str:
@@ -249,16 +216,16 @@ def test_vae_nxhpc(benchmark, files, latents, px, precision, weights):
     benchmark.group = _group(px)
     z = latents[px]
     with VaeDecoder(files[weights], workers=WORKERS, precision=precision) as vae:
-        _reset_peak_rss()
-        start = _peak_rss_mb(field="VmRSS")
+        reset_peak_rss()
+        start = peak_rss_mb(field="VmRSS")
         t0 = time.perf_counter()
         vae.decode(z)                             # fork + arena + first touch (not in stats)
         first = time.perf_counter() - t0
         slow = precision != "f32"
         out = benchmark.pedantic(lambda: vae.decode(z), rounds=1 if slow else _rounds(px),
                                  warmup_rounds=0)
-        kids = [_peak_rss_mb(p) or 0 for p in _children()]
-        parent = _peak_rss_mb()
+        kids = [peak_rss_mb(p) or 0 for p in children()]
+        parent = peak_rss_mb()
     s = bench_stats(benchmark).median
     if math.isnan(s):                             # --benchmark-disable: the one call counts
         s = first
@@ -321,8 +288,8 @@ def _run_torch(benchmark, torch_model, latents, px, dtype_name):
         with torch.no_grad():
             x = (z / CFG.scaling_factor + CFG.shift_factor).to(dtype)
             return model.decode(x).sample[0].float().numpy()
-    _reset_peak_rss()
-    start = _peak_rss_mb(field="VmRSS")
+    reset_peak_rss()
+    start = peak_rss_mb(field="VmRSS")
     t0 = time.perf_counter()
     out = benchmark.pedantic(call, rounds=_rounds(px) if dtype_name == "float32" else 1,
                              warmup_rounds=1 if px <= 128 and dtype_name == "float32" else 0)
@@ -331,7 +298,7 @@ def _run_torch(benchmark, torch_model, latents, px, dtype_name):
     if math.isnan(s):
         s = wall
     r = {"px": px, "s_decode": s, "gflops": decoder_gflop(CFG, px // 8, px // 8) / s,
-         "peak_rss_mb": _peak_rss_mb(), "rss_at_start_mb": start, "load_avg": os.getloadavg()[0],
+         "peak_rss_mb": peak_rss_mb(), "rss_at_start_mb": start, "load_avg": os.getloadavg()[0],
          "output": out}
     RESULTS[(f"torch {dtype_name}", "F32" if dtype_name == "float32" else "F32, cast", px)] = r
     benchmark.extra_info.update({k: v for k, v in r.items() if k != "output"})

@@ -106,3 +106,16 @@ class PipeReader(threading.Thread):
         while s not in self.text and time.monotonic() < end:
             time.sleep(0.05)
         return s in self.text
+
+
+def arena_pool_cycle(mode: str, named: bool) -> None:
+    """One SharedArena (named or not) and a 2-worker WorkerPool in ``mode`` running two
+    stages: the unit of work the interrupt loops of tests/test_workers.py interrupt."""
+    from nxhpc.runtime.shm import SharedArena
+    from nxhpc.runtime.workers import WorkerPool
+    with SharedArena({"x": (64, 64), "n": ((8,), "int64")}, named=named) as a:
+        def f(lo, hi, arg):
+            a["x"][lo:hi] += 1
+        with WorkerPool(2, {"f": f}, mode=mode) as p:
+            p.run("f", 64)
+            p.run("f", 64)

@@ -451,13 +451,7 @@ _INTERRUPT_LOOP = textwrap.dedent(r"""
         raise KeyboardInterrupt
     signal.signal(signal.SIGALRM, on_alarm)
 
-    def cycle(mode, named):
-        with SharedArena({"x": (64, 64), "n": ((8,), "int64")}, named=named) as a:
-            def f(lo, hi, arg):
-                a["x"][lo:hi] += 1
-            with WorkerPool(2, {"f": f}, mode=mode) as p:
-                p.run("f", 64)
-                p.run("f", 64)
+    from procutil import arena_pool_cycle as cycle
 
     def children():
         return children_of(os.getpid())
@@ -638,13 +632,7 @@ _THREADED_LOOP = textwrap.dedent(r"""
         else:
             signal.setitimer(signal.ITIMER_REAL, 0)
 
-    def cycle(mode, named):
-        with SharedArena({"x": (64, 64), "n": ((8,), "int64")}, named=named) as a:
-            def f(lo, hi, arg):
-                a["x"][lo:hi] += 1
-            with WorkerPool(2, {"f": f}, mode=mode) as p:
-                p.run("f", 64)
-                p.run("f", 64)
+    from procutil import arena_pool_cycle as cycle
 
     def fds():
         return {f: os.readlink(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd")

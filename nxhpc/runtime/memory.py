@@ -12,12 +12,13 @@ from collections.abc import Iterable
 __all__ = ["peak_rss_mb", "memory_report"]
 
 
-def peak_rss_mb(pid: int | str = "self") -> float | None:
-    """Peak resident set (``VmHWM``) of process ``pid`` in MB, or None where unavailable."""
+def peak_rss_mb(pid: int | str = "self", field: str = "VmHWM") -> float | None:
+    """Peak resident set (``VmHWM``; or another ``/proc/PID/status`` field in kB, e.g.
+    ``VmRSS``) of process ``pid`` in MB, or None where unavailable."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024 / 1e6
     except (OSError, ValueError, IndexError):
         return None
