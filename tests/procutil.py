@@ -119,3 +119,38 @@ def arena_pool_cycle(mode: str, named: bool) -> None:
         with WorkerPool(2, {"f": f}, mode=mode) as p:
             p.run("f", 64)
             p.run("f", 64)
+
+
+def open_fds() -> dict[str, str]:
+    """This process's open file descriptors: ``{fd: what it points at}``."""
+    return {f: os.readlink(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{f}")}
+
+
+def warm_cycle_seconds(cycle) -> float:
+    """Warm ``cycle(mode, named)`` up (imports, lifeline, tracker), then return the median
+    length of 8 cycles over both spawn modes and both arena kinds (an interrupt timer's
+    range)."""
+    import time
+    for mode in ("pool", "stage", "pool", "stage"):
+        cycle(mode, mode == "pool")
+    times = []
+    for i in range(8):
+        t0 = time.perf_counter()
+        cycle(("pool", "stage")[i % 2], i % 4 < 2)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def note_interrupt(e: BaseException, where, errors, prefix: str) -> int:
+    """Book one exception of an interrupt loop: a KeyboardInterrupt counts in ``where`` under
+    the innermost function below ``prefix`` (a source path) it came out of, and returns 1;
+    anything else counts in ``errors`` by type and message, and returns 0."""
+    import traceback
+    if not isinstance(e, KeyboardInterrupt):
+        errors[f"{type(e).__name__}: {str(e)[:80]}"] += 1
+        return 0
+    inner = [fr for fr in traceback.extract_tb(e.__traceback__) if fr.filename.startswith(prefix)]
+    if inner:
+        where[inner[-1].name] += 1
+    return 1

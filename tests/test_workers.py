@@ -456,18 +456,8 @@ _INTERRUPT_LOOP = textwrap.dedent(r"""
     def children():
         return children_of(os.getpid())
 
-    def fds():
-        return {f: os.readlink(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd")
-                if os.path.exists(f"/proc/self/fd/{f}")}
-
-    for mode in ("pool", "stage", "pool", "stage"):   # warm up: imports, lifeline, tracker
-        cycle(mode, mode == "pool")
-    times = []
-    for i in range(8):                             # the cycle's length: the timer's range
-        t0 = time.perf_counter()
-        cycle(("pool", "stage")[i % 2], i % 4 < 2)
-        times.append(time.perf_counter() - t0)
-    per = sorted(times)[len(times) // 2]
+    from procutil import note_interrupt, open_fds as fds, warm_cycle_seconds
+    per = warm_cycle_seconds(cycle)                # the cycle's length: the timer's range
     fds0, kids0 = fds(), set(children())
     errors, where = collections.Counter(), collections.Counter()
     user = []                                      # (fd, inode) the "user" opened meanwhile
@@ -482,14 +472,8 @@ _INTERRUPT_LOOP = textwrap.dedent(r"""
                 cycle(mode, named)
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
-        except KeyboardInterrupt as e:
-            interrupted += 1
-            inner = [fr for fr in traceback.extract_tb(e.__traceback__)
-                     if fr.filename.startswith(RUNTIME)]
-            if inner:
-                where[inner[-1].name] += 1
         except BaseException as e:  # noqa: BLE001
-            errors[f"{type(e).__name__}: {str(e)[:80]}"] += 1
+            interrupted += note_interrupt(e, where, errors, RUNTIME)
         for fd, ino in user:                       # the user's files are still theirs
             try:
                 if os.fstat(fd).st_ino != ino:
@@ -634,18 +618,8 @@ _THREADED_LOOP = textwrap.dedent(r"""
 
     from procutil import arena_pool_cycle as cycle
 
-    def fds():
-        return {f: os.readlink(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd")
-                if os.path.exists(f"/proc/self/fd/{f}")}
-
-    for mode in ("pool", "stage", "pool", "stage"):   # warm up: imports, lifeline, tracker
-        cycle(mode, mode == "pool")
-    times = []
-    for i in range(8):
-        t0 = time.perf_counter()
-        cycle(("pool", "stage")[i % 2], i % 4 < 2)
-        times.append(time.perf_counter() - t0)
-    per = sorted(times)[len(times) // 2]
+    from procutil import note_interrupt, open_fds as fds, warm_cycle_seconds
+    per = warm_cycle_seconds(cycle)                # the cycle's length: the timer's range
     fds0, kids0 = fds(), set(children_of(os.getpid()))
     errors, where = collections.Counter(), collections.Counter()
     caught = stray = 0
@@ -662,14 +636,8 @@ _THREADED_LOOP = textwrap.dedent(r"""
                         cycle(mode, named)
                     finally:
                         disarm()
-                except KeyboardInterrupt as e:
-                    caught += 1
-                    inner = [fr for fr in traceback.extract_tb(e.__traceback__)
-                             if fr.filename.startswith(RUNTIME)]
-                    if inner:
-                        where[inner[-1].name] += 1
                 except BaseException as e:  # noqa: BLE001
-                    errors[f"{type(e).__name__}: {str(e)[:80]}"] += 1
+                    caught += note_interrupt(e, where, errors, RUNTIME)
         except KeyboardInterrupt:
             stray += 1
     disarm()
