@@ -72,7 +72,7 @@ def group_norm_partials(x, groups, partials, k0=0, k1=None, *, chunk=GN_CHUNK, i
     band split and ISA. Returns partials.
     """
     fn = "group_norm_partials"
-    cdef nx_isa lvl = _verified_isa(_resolve_isa(fn, isa))
+    cdef nx_isa lvl = _resolve_isa(fn, isa)
     P, C, G = _gn_shape(fn, x, groups)
     cdef Py_ssize_t ch = _chunk(fn, chunk)
     cdef Py_ssize_t nk = (P + ch - 1) // ch
@@ -102,7 +102,7 @@ def group_norm_coeffs(partials, P, gamma, beta, eps, scale, shift, *, chunk=GN_C
     in float64, each coefficient rounded once (csrc/nx_conv.h). Returns (scale, shift).
     """
     fn = "group_norm_coeffs"
-    cdef nx_isa lvl = _verified_isa(_resolve_isa(fn, isa))
+    cdef nx_isa lvl = _resolve_isa(fn, isa)
     if not isinstance(partials, np.ndarray) or partials.ndim != 3:
         raise ValueError(f"{fn}: partials must be a float64 [chunks, G, 2] array, got "
                          f"{getattr(partials, 'shape', type(partials).__name__)}")
@@ -146,7 +146,7 @@ def affine_act(x, scale, shift, out, r0=0, r1=None, *, silu=False, isa=None):
     Returns out.
     """
     fn = "affine_act"
-    cdef nx_isa lvl = _verified_isa(_resolve_isa(fn, isa))
+    cdef nx_isa lvl = _resolve_isa(fn, isa)
     if not isinstance(silu, (bool, np.bool_)):
         raise TypeError(f"{fn}: silu must be a bool, got {type(silu).__name__} {silu!r}")
     _f32(fn, "x", x, 2)
@@ -216,7 +216,7 @@ def im2col3x3(x, H, W, panel, p0=0, p1=None, *, upsample=False, isa=None):
     Copies only (bit-exact at every ISA). Returns panel.
     """
     fn = "im2col3x3"
-    cdef nx_isa lvl = _verified_isa(_resolve_isa(fn, isa))
+    cdef nx_isa lvl = _resolve_isa(fn, isa)
     if not isinstance(upsample, (bool, np.bool_)):
         raise TypeError(f"{fn}: upsample must be a bool, got {type(upsample).__name__}")
     h, w, C = _image(fn, x, H, W)
@@ -240,7 +240,7 @@ def upsample_nearest2x(x, H, W, out, p0=0, p1=None, *, isa=None):
     (yo, xo = divmod(p, 2W)): nearest x2 upsampling of x [H*W, C] into out [4*H*W, C]; other
     rows untouched. Returns out."""
     fn = "upsample_nearest2x"
-    cdef nx_isa lvl = _verified_isa(_resolve_isa(fn, isa))
+    cdef nx_isa lvl = _resolve_isa(fn, isa)
     h, w, C = _image(fn, x, H, W)
     _out_f32(fn, "out", out, (4 * h * w, C))
     _no_overlap(fn, "out", out, "x", x, False)
@@ -259,7 +259,7 @@ def add(a, b, out, i0=0, i1=None, *, isa=None):
     """out := a + b over flat elements [i0, i1) (the residual add); a, b, out float32 of one
     shape (any ndim, C-contiguous); out may be a or b itself. Returns out."""
     fn = "add"
-    cdef nx_isa lvl = _verified_isa(_resolve_isa(fn, isa))
+    cdef nx_isa lvl = _resolve_isa(fn, isa)
     _f32(fn, "a", a, -1)
     _f32(fn, "b", b, -1)
     if b.shape != a.shape:

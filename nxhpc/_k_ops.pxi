@@ -161,8 +161,6 @@ def qknorm_rope(qkv, q_w, k_w, pe, q_out, k_out, n_heads, n_kv_heads, eps, h0=0,
     if rope_pairs not in _ROPE_PAIRS:
         raise ValueError(f"{fn}: rope_pairs must be 'adjacent' or 'half', got {rope_pairs!r}")
     cdef int half = _ROPE_PAIRS[rope_pairs]
-    if half:
-        lvl = _verified_isa(lvl)
     cdef Py_ssize_t H = _count(fn, "n_heads", n_heads)
     cdef Py_ssize_t KVH = _count(fn, "n_kv_heads", n_kv_heads)
     if H % KVH != 0:
@@ -224,8 +222,6 @@ def attention(q, k, qkv, out, n_kv_heads, scale, mask=None, h0=0, h1=None, isa=N
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"{fn}: causal must be a bool, got {type(causal).__name__} {causal!r}")
     cdef int icausal = 1 if causal else 0
-    if icausal:
-        lvl = _verified_isa(lvl)
     cdef Py_ssize_t KVH = _count(fn, "n_kv_heads", n_kv_heads)
     _f32(fn, "q", q, 3)
     cdef Py_ssize_t H = q.shape[0], T = q.shape[1], hd = q.shape[2]

@@ -112,14 +112,6 @@ def _variant(str kernel, str isa):
     return table[kernel]
 
 
-cdef inline nx_isa _verified_isa(nx_isa lvl):
-    """``lvl``, but the AVX2 code where it would be AVX-512: for kernels (modes) added while no
-    AVX-512 machine was at hand to run them (causal attention, rotate-half RoPE, the conv
-    family). Their AVX-512 code compiles but is not dispatched until a run on such a machine
-    verifies it (every AVX-512 CPU has AVX2, so the result is the verified AVX2 bits)."""
-    return NX_ISA_AVX2 if lvl == NX_ISA_AVX512 else lvl
-
-
 cdef nx_isa _resolve_isa(str fn, object isa) except *:
     """None -> best usable level; a name -> that level, if this CPU supports it."""
     if isa is None:

@@ -63,6 +63,13 @@ const char *nx_cpu_feature_name(int i);
     (NX_ISA_NEEDS_AVX2 | NX_CPU_AVX512F | NX_CPU_AVX512BW | NX_CPU_AVX512VL | NX_CPU_AVX512DQ |    \
      NX_CPU_AVX512VNNI | NX_CPU_OS_ZMM)
 
+/* AMX (Sapphire Rapids and later): the tile unit with its int8 and bf16 dot products, granted to
+ * the process by the OS (XCR0 tile state and, on Linux, the XTILEDATA permission the probe asks
+ * for). Everything else an AMX file may use is AVX512BF16's. */
+#define NX_ISA_NEEDS_AMX                                                                           \
+    (NX_ISA_NEEDS_AVX512 | NX_CPU_AVX512BF16 | NX_CPU_AMX_TILE | NX_CPU_AMX_INT8 |                 \
+     NX_CPU_AMX_BF16 | NX_CPU_OS_AMX | NX_CPU_AMX_PERMITTED)
+
 /* The ISA targets: X(ID, "name", needed feature bits, parent, rank). Dispatch for a target walks
  * target -> parent -> ... -> GENERIC and takes each kernel from the first target that has it
  * (nx_dispatch.h), so the targets form a tree, not a total order: a new target (say AVX-VNNI
@@ -75,12 +82,14 @@ const char *nx_cpu_feature_name(int i);
  * needs a new feature), its files `nx_<family>_<isa>.c` exporting one table per family, one
  * line in each such family's table list, and its suffix + flags in setup.py.
  * AVX512BF16's only table is the lowp family's (nx_lowp_avx512bf16.c: the bf16 matmul and
- * rounding); every other kernel inherits AVX512's. */
+ * rounding); every other kernel inherits AVX512's. AMX's tables (nx_*_amx.c) hold only what the
+ * tile unit speeds up; the rest inherits AVX512BF16's. */
 #define NX_ISA_LIST(X)                                                                             \
     X(GENERIC, "generic", 0u, GENERIC, 0)                                                          \
     X(AVX2, "avx2", NX_ISA_NEEDS_AVX2, GENERIC, 10)                                                \
     X(AVX512, "avx512", NX_ISA_NEEDS_AVX512, AVX2, 20)                                             \
-    X(AVX512BF16, "avx512bf16", NX_ISA_NEEDS_AVX512 | NX_CPU_AVX512BF16, AVX512, 30)
+    X(AVX512BF16, "avx512bf16", NX_ISA_NEEDS_AVX512 | NX_CPU_AVX512BF16, AVX512, 30)            \
+    X(AMX, "amx", NX_ISA_NEEDS_AMX, AVX512BF16, 40)
 
 #define NX_ISA_ENUM_(id, name, needs, parent, rank) NX_ISA_##id,
 typedef enum {
