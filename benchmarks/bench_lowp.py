@@ -172,3 +172,21 @@ def test_bench_torch_linear(benchmark, T, Kd, N, dtype):
     _info(benchmark, T, Kd, N, f"torch {torch.__version__}", prec)
     w_eff = wt.float().numpy()
     _check(prec, out.float().numpy(), x, w_eff, any_order=True, out_rounded=dtype == "bfloat16")
+
+
+Q8_SIMD = K.lowp_variants("q8")[1:]   # the ISAs with a q8 kernel of their own (VNNI, AMX)
+
+
+@pytest.mark.skipif(len(Q8_SIMD) < 2, reason="one q8 SIMD variant: nothing to compare")
+@pytest.mark.parametrize("isa", Q8_SIMD)
+@pytest.mark.parametrize("T,Kd,N", SHAPES[:1] + SHAPES[3:4], ids=str)
+def test_bench_matmul_q8_isa(benchmark, T, Kd, N, isa):
+    """Every q8 kernel of this CPU on the same shape (same bits: the lowp contract), side by side."""
+    x, w, w_f32, _ = _case(T, Kd, N)
+    out = np.empty((T, N), np.float32)
+    _group(benchmark, T, Kd, N)
+    benchmark.name = f"nxhpc matmul_q8 isa={isa}"
+    benchmark.pedantic(K.matmul_q8, args=(x, w, out), kwargs={"isa": isa}, rounds=_rounds(T),
+                       warmup_rounds=1)
+    _info(benchmark, T, Kd, N, isa, "q8")
+    _check("q8", out, x, w_f32)

@@ -474,8 +474,11 @@ def test_q8_model_negative_control():
 
 def _q8_cases():
     # tails of the 6 x 32 tile; T > MC (264); N > NC (128); K > KC (2048)
+    # AMX (16 x 16 block, groups in pipelined rounds of 2): 1, 2, 3 groups; T > 512; N > 256;
+    # an odd number of groups in the last k-block
     return [(1, 32, 1), (5, 64, 31), (7, 96, 33), (13, 256, 97), (270, 64, 20), (6, 2080, 45),
-            (4, 4128, 130), (11, 32, 300)]
+            (4, 4128, 130), (11, 32, 300), (16, 64, 16), (17, 96, 17), (520, 32, 260),
+            (3, 2144, 19)]
 
 
 @pytest.mark.skipif(not SIMD_Q8, reason="no SIMD q8 variant on this CPU")
@@ -745,11 +748,14 @@ def test_variants_registered_and_env_forces_generic():
 def test_lowp_slots_follow_the_isa_chain():
     """The lowp slots live in the per-ISA tables: at every ISA each slot runs the nearest ISA on
     its chain that has its own code (bf16 at avx512bf16, q8's VNNI kernel at avx512, whose
-    required features include VNNI), else the generic spec; lowp_variants lists exactly those."""
+    required features include VNNI, and its AMX kernel at amx), else the generic spec;
+    lowp_variants lists exactly those."""
     feats = K.cpu_features()
     assert "avx512vnni" in feats["isas"]["avx512"]["needs"]
     assert "avx512bf16" in feats["isas"]["avx512bf16"]["needs"]
-    own = {"matmul_bf16": {"avx512bf16"}, "matmul_q8": {"avx512"}, "round_bf16": {"avx512bf16"}}
+    assert {"amx_int8", "os_amx", "amx_permitted"} <= set(feats["isas"]["amx"]["needs"])
+    own = {"matmul_bf16": {"avx512bf16"}, "matmul_q8": {"avx512", "amx"},
+           "round_bf16": {"avx512bf16"}}
     for isa in K.ISA_NAMES:
         for slot, have in own.items():
             assert K._variant(slot, isa) == expected_variant(have, isa), (slot, isa)

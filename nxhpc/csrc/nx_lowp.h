@@ -90,7 +90,8 @@
  *   round_bf16(x, out, n) out[i] = bits of bf(x[i])
  * Tables: generic (the specs, nx_lowp.c), avx512 (q8 on VNNI: VNNI is part of the avx512 ISA's
  * required bits, nx_cpu.h; nx_lowp_avx512.c), avx512bf16 (bf16 on vdpbf16ps,
- * nx_lowp_avx512bf16.c). A missing slot inherits down the ISA chain to the spec. */
+ * nx_lowp_avx512bf16.c), amx (q8 of Q8_0 weights on the AMX tile unit's tdpbssd, the same bits:
+ * nx_lowp_amx.c). A missing slot inherits down the ISA chain to the spec. */
 #define NX_LOWP_SLOTS(X)                                                                           \
     X(matmul_bf16, int, (const nx_mm_call *c))                                                     \
     X(matmul_q8, int, (const nx_mm_call *c))                                                       \
@@ -99,6 +100,7 @@ NX_DECLARE_FAMILY(nx_lowp, NX_LOWP_SLOTS)
 extern const nx_lowp_table nx_lowp_table_generic;    /* nx_lowp.c */
 extern const nx_lowp_table nx_lowp_table_avx512;     /* nx_lowp_avx512.c */
 extern const nx_lowp_table nx_lowp_table_avx512bf16; /* nx_lowp_avx512bf16.c */
+extern const nx_lowp_table nx_lowp_table_amx;        /* nx_lowp_amx.c (q8 of Q8_0 on tdpbssd) */
 
 /* ---- bfloat16 rounding (see bf above) */
 static inline uint16_t nx_bf16_round(float f) {
@@ -127,6 +129,7 @@ int nx_matmul_bf16_generic(const nx_mm_call *c);
 int nx_matmul_bf16_avx512bf16(const nx_mm_call *c);
 int nx_matmul_q8_generic(const nx_mm_call *c);
 int nx_matmul_q8_avx512(const nx_mm_call *c);
+int nx_matmul_q8_amx(const nx_mm_call *c);
 
 /* ---- the per-step arithmetic of the specs, scalar (exported for the generic matmuls) */
 float nx_dpbf16_step(float acc, float a, float b); /* ftz(fmaf(daz(a), daz(b), daz(acc))) */
