@@ -18,15 +18,19 @@ Each shape is one ``benchmark.group`` ("matmul precisions T=.. K=.. N=.."):
   numpy f32                x @ w_f32.T, OpenBLAS limited to 1 thread (threadpoolctl)
   torch f32 / torch bf16   torch.nn.functional.linear, torch.set_num_threads(1); the bf16 case
                            gets inputs already in bfloat16 (conversion not timed)
-GFLOP/s = 2*T*K*N / time (for q8 these are int8 ops + the float32 block epilogue).
-Peaks measured on this project's Zen 4 host with register-only loops (24 independent chains,
-1 core): float32 FMA 116 GFLOP/s, vdpbf16ps 233 GFLOP/s, vpdpbusd 467 GOP/s. For reference,
+GFLOP/s = 2*T*K*N / time (for q8 these are int8 ops + the float32 block epilogue), with
+``frac_of_peak`` against this CPU's peak measured once per session (``_bench_util.peak_fields``,
+the kind recorded as ``peak_kind``): f32 -> fma_zmm (AVX-512 code) or fma_ymm (AVX2 code);
+bf16 -> bf16_zmm (the avx512bf16 variant) or amx_bf16 (an amx variant); q8 -> vnni_zmm (the
+avx512 variant) or amx_int8 (amx); generic code and the numpy / torch baselines against the
+fastest kind of their precision here. Where the CPU has AMX but the variant does not use it,
+``frac_of_machine_peak`` sets the figure against the tile unit too. For reference,
 ggml's Q8_0 x Q8_0 matmul (llama.cpp's default tinyBLAS path) is cited at ~110 GFLOP/s per Zen 4
 core in issue 11.
 """
 import numpy as np
 import pytest
-from _bench_util import bench_stats
+from _bench_util import bench_stats, peak_fields
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
@@ -37,7 +41,6 @@ from nxhpc import _kernels as K
 
 SHAPES = [(256, 3840, 3840), (256, 3840, 10240), (256, 3840, 11520), (256, 10240, 3840),
           (4096, 3840, 3840)]       # the last: weights decoded once per 264-token block
-PEAK = {"f32": 116.0, "bf16": 233.0, "q8": 467.0}
 EPS32, UBF = 2.0 ** -24, 2.0 ** -8
 _CACHE = {}
 
@@ -62,7 +65,7 @@ def _info(benchmark, T, Kd, N, variant, prec):
     benchmark.extra_info.update({
         "T": T, "K": Kd, "N": N, "variant": variant, "precision": prec,
         "gflops_best": round(g, 1), "gflops_mean": round(2.0 * T * Kd * N / st.mean / 1e9, 1),
-        "frac_of_peak": round(g / PEAK[prec], 3), "peak": PEAK[prec],
+        **peak_fields(g, prec, variant),
     })
 
 
