@@ -193,3 +193,21 @@ def test_bench_matmul_q8_isa(benchmark, T, Kd, N, isa):
                        warmup_rounds=1)
     _info(benchmark, T, Kd, N, isa, "q8")
     _check("q8", out, x, w_f32)
+
+
+BF16_SIMD = K.lowp_variants("bf16")[1:]   # vdpbf16ps (avx512bf16), tdpbf16ps (amx)
+
+
+@pytest.mark.skipif(len(BF16_SIMD) < 2, reason="one bf16 SIMD variant: nothing to compare")
+@pytest.mark.parametrize("isa", BF16_SIMD)
+@pytest.mark.parametrize("T,Kd,N", SHAPES[:1] + SHAPES[3:4], ids=str)
+def test_bench_matmul_bf16_isa(benchmark, T, Kd, N, isa):
+    """Every bf16 kernel of this CPU on Q8_0 weights, side by side (AMX within the same bound)."""
+    x, w, w_f32, _ = _case(T, Kd, N)
+    out = np.empty((T, N), np.float32)
+    _group(benchmark, T, Kd, N)
+    benchmark.name = f"nxhpc matmul_bf16 isa={isa}"
+    benchmark.pedantic(K.matmul_bf16, args=(x, w, "Q8_0", out), kwargs={"isa": isa},
+                       rounds=_rounds(T), warmup_rounds=1)
+    _info(benchmark, T, Kd, N, isa, "bf16")
+    _check("bf16", out, x, w_f32)

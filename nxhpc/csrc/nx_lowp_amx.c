@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "nx_lowp_bf16_pack.h"
 #include "nx_q8_0.h"
 
 /* The block: 16 tokens x 16 columns, up to 4 consecutive 32-k groups per round. Each group g of
@@ -177,20 +178,23 @@ static void nx_amx_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C,
     for (int r = 0; r < mr; r++) _mm512_mask_storeu_ps(C + r * ldc, m, f[r]);
 }
 
-/* Palette 1: tmm0-3 results (16 rows x 64 bytes), tmm4-5 A (16 x 32), tmm6-7 B (8 x 64). */
+/* Palette 1, q8: tmm0-3 results (16 rows x 64 bytes), tmm4-5 A (16 x 32), tmm6-7 B (8 x 64);
+ * bf16: every tile 16 rows x 64 bytes. */
 typedef struct {
     uint8_t palette_id, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
 } nx_amx_tilecfg;
 
-static void nx_amx_configure(void) {
+static void nx_amx_configure(int bf16) {
     nx_amx_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
-    for (int t = 0; t < 4; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-    for (int t = 4; t < 6; t++) cfg.colsb[t] = 32, cfg.rows[t] = 16;
-    for (int t = 6; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 8;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    if (!bf16) {
+        for (int t = 4; t < 6; t++) cfg.colsb[t] = 32;
+        for (int t = 6; t < 8; t++) cfg.rows[t] = 8;
+    }
     _tile_loadconfig(&cfg);
 }
 
@@ -202,10 +206,132 @@ int nx_matmul_q8_amx(const nx_mm_call *c) {
         0,          NX_AMX_JR, nx_amx_pack_a, nx_amx_pack_b,
         nx_amx_kern,
     };
-    nx_amx_configure();
+    nx_amx_configure(0);
     const int rc = nx_lowp_blocked(&tl, c);
     _tile_release();
     return rc;
 }
 
-const nx_lowp_table nx_lowp_table_amx = {.matmul_q8 = nx_matmul_q8_amx};
+/* ------------------------------------------------------------------ bf16 matmul
+ *
+ * x and the decoded weights rounded by bf() exactly as the bf16 contract says (the same packers'
+ * arithmetic as the vdpbf16ps kernel), the products summed by tdpbf16ps in float32 tiles over all
+ * of K: per 32-k group one tdpbf16ps of 16 x 16 x 32 per result tile, the groups in order, the
+ * tile's float32 sums carried between k-blocks through `out` (exact). tdpbf16ps's own rounding
+ * of its 32 products into the accumulator is not the contract's pair chain (Intel documents
+ * DAZ/FTZ and round-to-nearest, not the order or the intermediate roundings; on this project's
+ * AMX Xeon it matched neither order of fused steps, nor one rounding per pair, nor per group), so
+ * this kernel is the one `bf16` variant whose bits are not the spec's (nx_lowp.h: its own
+ * clause). What it keeps: every output's operations depend only on K (never on the tile, band,
+ * token batch or worker split), so outputs are bit-identical across bands, batches and workers
+ * on one machine; and the bf16 error bound of nx_lowp.h, whose chain term it stays inside.
+ *
+ * Block: 32 tokens x 32 columns = 2 x 2 result tiles (tmm0-3), 2 A tiles (16 tokens x 16
+ * pairs, tmm4/5) and 2 B tiles (16 pairs x 16 columns, tmm6/7) per group. */
+#define NX_AMXBF_MR 32
+#define NX_AMXBF_NV 2
+#define NX_AMXBF_NR (16 * NX_AMXBF_NV)
+#ifndef NX_AMXBF_KC
+#define NX_AMXBF_KC 256
+#endif
+#ifndef NX_AMXBF_NC
+#define NX_AMXBF_NC 512
+#endif
+#ifndef NX_AMXBF_MC
+#define NX_AMXBF_MC 1024
+#endif
+_Static_assert(NX_AMXBF_KC % 256 == 0, "KC must hold whole blocks of every type");
+_Static_assert(NX_AMXBF_NC % NX_AMXBF_NR == 0, "NC must be a multiple of NR");
+_Static_assert(NX_AMXBF_MC % NX_AMXBF_MR == 0, "MC must be a multiple of MR");
+/* Per 32-k group: A micro-panel uint32 pairs[MR][16] (row r = token r's 16 pairs: an A tile of
+ * 16 rows at stride 64); B micro-panel uint32 pairs[16][NR] (nx_lowp_bf16_pack.h). */
+#define NX_AMXBF_AG (NX_AMXBF_MR * 64)
+#define NX_AMXBF_BG (16 * NX_AMXBF_NR * 4)
+
+static void nx_amxbf_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t rows,
+                            uint8_t *Ap /* OUT */, void *scratch) {
+    (void)scratch;
+    const size_t G = (K + 31) / 32;
+    for (size_t r = 0; r < NX_AMXBF_MR; r++) {
+        const float *src = x + (t0 + r) * K;
+        for (size_t g = 0; g < G; g++) {
+            __m512i v = _mm512_setzero_si512();
+            if (r < rows) {
+                const size_t k = g * 32, left = K - k;
+                const __mmask16 m0 =
+                    left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+                const __mmask16 m1 = left >= 32  ? (__mmask16)0xffff
+                                     : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u)
+                                                 : (__mmask16)0;
+                v = nx_bf16_pairs32(_mm512_maskz_loadu_ps(m0, src + k),
+                                    _mm512_maskz_loadu_ps(m1, src + k + 16));
+            }
+            _mm512_store_si512((__m512i *)(Ap + g * NX_AMXBF_AG + r * 64), v);
+        }
+    }
+}
+
+static void nx_amxbf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc,
+                            uint8_t *Bp /* OUT */, void *scratch) {
+    nx_bf16_pack_b(c, j0, ncols, k0, kc, Bp, scratch, NX_AMXBF_NV, NX_AMXBF_KC);
+}
+
+/* C[0:mr, 0:nr] := the tile sums over ng groups, continued from C unless first. A full 32 x 32
+ * block loads and stores its tiles at C itself; an edge block goes through a 4 KiB buffer. */
+static void nx_amxbf_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ldc,
+                          int mr, int nr, int first) {
+    _Alignas(64) float cb[NX_AMXBF_MR][NX_AMXBF_NR];
+    const int full = mr == NX_AMXBF_MR && nr == NX_AMXBF_NR;
+    float *cp = full ? C : &cb[0][0];
+    const size_t stride = (full ? ldc : NX_AMXBF_NR) * sizeof(float);
+    if (first) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else {
+        if (!full) {
+            memset(cb, 0, sizeof cb);
+            for (int r = 0; r < mr; r++) memcpy(cb[r], C + r * ldc, (size_t)nr * sizeof(float));
+        }
+        const size_t rs = stride / sizeof(float);
+        _tile_loadd(0, cp, stride);
+        _tile_loadd(1, cp + 16, stride);
+        _tile_loadd(2, cp + 16 * rs, stride);
+        _tile_loadd(3, cp + 16 * rs + 16, stride);
+    }
+    for (size_t g = 0; g < ng; g++) {
+        const uint8_t *a = A + g * NX_AMXBF_AG, *b = B + g * NX_AMXBF_BG;
+        _tile_loadd(4, a, 64);
+        _tile_loadd(5, a + 16 * 64, 64);
+        _tile_loadd(6, b, NX_AMXBF_NR * 4);
+        _tile_loadd(7, b + 64, NX_AMXBF_NR * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    const size_t rs = stride / sizeof(float);
+    _tile_stored(0, cp, stride);
+    _tile_stored(1, cp + 16, stride);
+    _tile_stored(2, cp + 16 * rs, stride);
+    _tile_stored(3, cp + 16 * rs + 16, stride);
+    if (!full)
+        for (int r = 0; r < mr; r++) memcpy(C + r * ldc, cb[r], (size_t)nr * sizeof(float));
+}
+
+int nx_matmul_bf16_amx(const nx_mm_call *c) {
+    if (!c->wt || !c->dequant) return -2;
+    const nx_lowp_tiling tl = {
+        NX_AMXBF_MR,     NX_AMXBF_NR,     NX_AMXBF_KC, NX_AMXBF_NC, NX_AMXBF_MC,
+        NX_AMXBF_AG,     NX_AMXBF_BG,     0,           16 * NX_AMXBF_KC * sizeof(float),
+        0,               nx_amxbf_pack_a, nx_amxbf_pack_b, nx_amxbf_kern,
+    };
+    nx_amx_configure(1);
+    const int rc = nx_lowp_blocked(&tl, c);
+    _tile_release();
+    return rc;
+}
+
+const nx_lowp_table nx_lowp_table_amx = {.matmul_bf16 = nx_matmul_bf16_amx,
+                                         .matmul_q8 = nx_matmul_q8_amx};
