@@ -6,7 +6,8 @@
  * Owns: the B micro-panel layout of both: per 32-k group uint32 pairs[16][NR] (row p = pair p of
  * every column: bf(w[2p]) in the low half, bf(w[2p+1]) in the high half), which is also an AMX
  * B tile of 16 columns (stride NR * 4 bytes). Must not: allocate, or decode weights other than
- * through the call's dequantize (exact float32), rounded by bf() once.
+ * to their exact float32 values (the call's dequantize; Q8_0 in registers: f32(d) * q, exact),
+ * rounded by bf() once.
  */
 #ifndef NX_LOWP_BF16_PACK_H
 #define NX_LOWP_BF16_PACK_H
@@ -61,9 +62,35 @@ NX_INLINE void nx_bf16_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size
     const size_t rowbytes = c->rowbytes;
     const size_t ng = (kc + 31) / 32, be = c->wt->blck_elems, bb = c->wt->blck_bytes;
     float *s = (float *)scratch; /* [16][KCP] decoded rows */
+    const int fused_q8 = c->type == NX_GGML_Q8_0 && !(c->flags & NX_MM_DEQUANT_PACK);
     for (int h = 0; h < NV; h++) {
         const size_t c0 = (size_t)h * 16;
         const int nv = c0 >= ncols ? 0 : (ncols - c0 >= 16 ? 16 : (int)(ncols - c0));
+        if (fused_q8) { /* Q8_0: one block per group, decoded in registers (d * q is exact) */
+            for (size_t g = 0; g < ng; g++) {
+                __m512i r[16];
+                for (int j = 0; j < 16; j++) {
+                    if (j < nv) {
+                        const uint8_t *blk = w + (j0 + c0 + j) * rowbytes + (k0 / 32 + g) * bb;
+                        uint16_t dh;
+                        memcpy(&dh, blk, 2);
+                        const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
+                        const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
+                        const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
+                        r[j] = nx_bf16_pairs32(
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d),
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d));
+                    } else {
+                        r[j] = _mm512_setzero_si512();
+                    }
+                }
+                nx_tr16i(r);
+                uint8_t *dst = Bp + g * BG + c0 * 4;
+                for (int p = 0; p < 16; p++)
+                    _mm512_store_si512((__m512i *)(dst + p * NR * 4), r[p]);
+            }
+            continue;
+        }
         for (int j = 0; j < nv; j++) {
             float *row = s + (size_t)j * KCP;
             deq(w + (j0 + c0 + j) * rowbytes + k0 / be * bb, row, kc / be); /* exact */
