@@ -456,6 +456,16 @@ def test_resolution(tmp_path, monkeypatch):
         open_model("nonesuch")
     with pytest.raises(ModelNotFoundError):
         open_model(tmp_path / "no" / "such")
+    # a device, a FIFO, a non-GGUF file: said as such, not "not found" (and nothing is read)
+    with pytest.raises(ModelNotFoundError, match="'/dev/null' is not a regular file.*character device"):
+        open_model("/dev/null")
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(ModelNotFoundError, match="is not a regular file.*a FIFO"):
+        open_model(fifo)
+    (tmp_path / "weights.bin").write_bytes(b"GGUF")
+    with pytest.raises(ModelNotFoundError, match="is a file but not a .gguf file"):
+        open_model(tmp_path / "weights.bin")
     d = make_synthetic(tmp_path / "env" / "mine", small_spec())
     with open_model("mine") as m:                       # an id under $NXHPC_MODELS
         assert m.path == d

@@ -214,6 +214,20 @@ def stderr_progress(model_id: str) -> Callable[[str], None]:
     return say
 
 
+def _file_kind(p: Path) -> str:
+    """What a path that is neither a regular file nor a directory is, in words."""
+    import stat
+    try:
+        mode = p.stat().st_mode
+    except OSError as e:
+        return f"cannot be read: {e.strerror}"
+    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
 def resolve_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | None = None,
                   gguf_path: str | os.PathLike | None = None) -> tuple[Path | None, Path | None]:
     """``(model directory or None, GGUF path or None)`` of an id or path.
@@ -240,6 +254,14 @@ def resolve_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike |
         d = p
     elif p.is_file() and p.suffix == ".gguf":
         gpath = p
+    elif p.exists() and not p.is_file():
+        raise ModelNotFoundError(
+            f"model {s!r} is not a regular file or a directory ({_file_kind(p)}): give a .gguf "
+            f"file, a model directory or a built-in id ({_builtin_names()})")
+    elif p.is_file() and p.suffix != ".gguf":
+        raise ModelNotFoundError(
+            f"model {s!r} is a file but not a .gguf file: give a .gguf file (llama.cpp / "
+            f"ComfyUI GGUF), a model directory or a built-in id ({_builtin_names()})")
     elif bare and root.exists() and not root.is_dir():
         raise ModelsDirError(root, f"model {s!r} not found: the models directory {root} (from "
                                    f"$NXHPC_MODELS / --models-dir) is not a directory")
