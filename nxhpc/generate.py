@@ -377,6 +377,8 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
         setup = ranks.bcast(setup, "the prompts, seeds and noise from rank 0")
     assert setup is not None
     prompts, names, tiny, negative = setup.prompts, setup.names, setup.tiny, setup.negative
+    if not lead:                      # this rank's own model arguments (paths per machine)
+        names, tiny = _models(args)
     noise_raw, jobs = setup.noise, setup.jobs
     cfg_on = negative is not None
     workers = args.workers or usable_cpus()
