@@ -14,6 +14,17 @@ arithmetic, change the schedule or update rule, define an exit code, or import a
 Classifier-free guidance (``--guidance-scale G > 0``, for the non-Turbo Z-Image) is
 diffusers' ``ZImagePipeline``'s: each step runs the prompt and the negative prompt and uses
 ``pos + G * (pos - neg)`` as the raw output.
+
+Under ``mpirun -n R`` (:func:`nxhpc.cli.frame.run_ranked`): rank 0 alone reads ``--prompts`` /
+``--noise``, checks the outputs and broadcasts what it read; every rank then opens its own
+copies of the three models, whose files (and the arguments) are checked alike on every rank
+before any work. One image: every rank encodes the prompt itself (the text encoder's plan
+splits nothing, so every rank holds the same features without a broadcast), the denoiser's
+calls are split across the ranks by the engine, and rank 0 alone decodes (on its own: the
+autoencoder's engine is built outside the world) and writes. Several images: image ``k`` is
+rank ``k % R``'s whole (its prompts encoded, sampled, decoded, each engine on its rank alone);
+rank 0 gathers one round of R images at a time and writes them in order. Every PNG has the
+bytes of one process.
 """
 from __future__ import annotations
 
@@ -95,7 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "generator: pass diffusers' noise with --noise to compare).") + "\n"
                + _fill("several images (--prompts with more than one line, --seeds with more "
                        "than one seed): --out must be an existing folder; each image is "
-                       "NNN-seedS.png there (NNN counts prompts x seeds, prompt-major).") + "\n\n"
+                       "NNN-seedS.png there (NNN counts prompts x seeds, prompt-major).") + "\n"
+               + _fill("under mpirun -n R: one image's denoiser calls are split across the "
+                       "ranks; several images are made whole, image k by rank k % R, and "
+                       "rank 0 writes every PNG (the bytes of one process).") + "\n\n"
                + codes_epilog(EXIT_CODES),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)

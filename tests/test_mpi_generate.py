@@ -145,6 +145,29 @@ def test_batch_whole_images_per_rank_same_bytes(ranks, workers, models, ref, tmp
     assert len(rep["step_s"]) == 6 and all(len(s) == STEPS for s in rep["step_s"])
 
 
+def test_guidance_and_noise_across_ranks_same_bytes(models, ref, tmp_path):
+    """Classifier-free guidance (two caption lengths per step, each split) on 3 ranks, and a
+    batch from one --noise file (rank 0 reads it, every rank starts from it) on 2."""
+    g = f"{float(_RNG.uniform(0.5, 4.0)):.3f}"
+    noise = tmp_path / "noise.npy"
+    np.save(noise, _RNG.standard_normal((16, 8, 8)).astype(np.float32))
+    cfg = ("--guidance-scale", g, "--negative-prompt", " ".join(_RNG.choice(_WORDS, size=3)))
+    one = _gen(*cfg, "--prompt", PROMPTS[1], "--seed", str(SEED), "--workers", "1")
+    many = _gen(*cfg, "--prompts", str(ref["prompts"]), "--noise", str(noise), "--workers", "2")
+    for name, args, ranks in (("one", one, 3), ("many", many, 2)):
+        want, got = tmp_path / f"{name}-ref", tmp_path / f"{name}-mpi"
+        want.mkdir()
+        got.mkdir()
+        r = _single([*args, "--out", str(want)], models)
+        assert r.returncode == 0, r.stdout + r.stderr
+        r = _mpirun(ranks, [*args, "--out", str(got)], models)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert _report(r)["split"] == ("call" if name == "one" else "images")
+        expect = _pngs(want)
+        assert len(expect) == (1 if name == "one" else 3)
+        assert _pngs(got) == expect, (name, g, PARAMS)
+
+
 _NO_GATHER = r"""
 import sys
 import nxhpc.dit.plan as plan
