@@ -14,14 +14,27 @@ arithmetic, change the schedule or update rule, define an exit code, or import a
 Classifier-free guidance (``--guidance-scale G > 0``, for the non-Turbo Z-Image) is
 diffusers' ``ZImagePipeline``'s: each step runs the prompt and the negative prompt and uses
 ``pos + G * (pos - neg)`` as the raw output.
+
+Under ``mpirun -n R`` (:func:`nxhpc.cli.frame.run_ranked`): rank 0 alone reads ``--prompts`` /
+``--noise``, checks the outputs and broadcasts what it read; every rank then opens its own
+copies of the three models, whose files (and the arguments) are checked alike on every rank
+before any work. One image: every rank encodes the prompt itself (the text encoder's plan
+splits nothing, so every rank holds the same features without a broadcast), the denoiser's
+calls are split across the ranks by the engine, and rank 0 alone decodes (on its own: the
+autoencoder's engine is built outside the world) and writes. Several images: image ``k`` is
+rank ``k % R``'s whole (its prompts encoded, sampled, decoded, each engine on its rank alone);
+rank 0 gathers one round of R images at a time and writes them in order. Every PNG has the
+bytes of one process.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +43,7 @@ import numpy as np
 
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
 from nxhpc.cli.codes import Exit, InputError, NotFound, OutputError, UsageError, codes_epilog
-from nxhpc.cli.frame import run_cli
+from nxhpc.cli.frame import run_ranked
 from nxhpc.cli.report import peak_rss_mb, png_text, print_report
 from nxhpc.runtime.checks import load_npy
 from nxhpc.runtime.outfile import check_output_path
@@ -93,7 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "generator: pass diffusers' noise with --noise to compare).") + "\n"
                + _fill("several images (--prompts with more than one line, --seeds with more "
                        "than one seed): --out must be an existing folder; each image is "
-                       "NNN-seedS.png there (NNN counts prompts x seeds, prompt-major).") + "\n\n"
+                       "NNN-seedS.png there (NNN counts prompts x seeds, prompt-major).") + "\n"
+               + _fill("under mpirun -n R: one image's denoiser calls are split across the "
+                       "ranks; several images are made whole, image k by rank k % R, and "
+                       "rank 0 writes every PNG (the bytes of one process).") + "\n\n"
                + codes_epilog(EXIT_CODES),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
@@ -167,7 +183,7 @@ def _guidance(s: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (see ``--help``)."""
-    return run_cli(PROG, build_parser(), argv, _run)
+    return run_ranked(PROG, build_parser(), argv, _run)
 
 
 @dataclass
@@ -272,22 +288,37 @@ def _outputs(out: str, n_prompts: int, seeds: list[int | None]) -> list[Job]:
     return [Job(pairs[0][0], pairs[0][1], p)]
 
 
-def _run(args: argparse.Namespace) -> int:
-    from nxhpc.dit.sampler import (MAX_STEPS, SampleInputError, check_noise, euler_sample,
-                                   initial_noise, latent_shape, sample, turbo_sigmas)
-    from nxhpc.models.modeldir import model_files
-    from nxhpc.models.registry import open_denoiser, open_vae, resolve_model, resolve_vae
-    from nxhpc.runtime.workers import usable_cpus
-    from nxhpc.vae.image import to_uint8, write_png
+#: Arguments every rank must agree on under mpirun (model paths may differ between machines:
+#: the model files are compared by size and fingerprint instead; only rank 0 reads --prompts
+#: and --noise and writes --out).
+_SAME_ARGS = ("prompt", "steps", "shift", "height", "width", "seed", "seeds", "guidance_scale",
+              "negative_prompt", "precision", "json")
 
-    t_start = time.perf_counter()
+
+@dataclass
+class _Setup:
+    """What rank 0 makes of the arguments before any model work (broadcast to the others)."""
+    prompts: list[str]
+    names: dict[str, str]
+    tiny: bool
+    negative: str | None
+    noise: np.ndarray | None
+    jobs: list[Job]
+
+
+def _setup(args: argparse.Namespace) -> _Setup:
+    """Every check that needs no model, the inputs read, the built-ins generated and the
+    outputs checked against every file the run reads (rank 0's part under mpirun)."""
+    from nxhpc.dit.sampler import MAX_STEPS, SampleInputError, turbo_sigmas
+    from nxhpc.models.modeldir import model_files
+    from nxhpc.models.registry import resolve_model, resolve_vae
+
     prompts = _prompts(args)
     names, tiny = _models(args)
     cfg_on = args.guidance_scale > 0
     if args.negative_prompt is not None and not cfg_on:
         raise UsageError("--negative-prompt needs --guidance-scale G > 0 (guidance is off)")
     negative = (args.negative_prompt or "") if cfg_on else None
-    workers = args.workers or usable_cpus()
     noise_raw = None
     if args.noise is not None:
         noise_raw = load_npy(args.noise, "--noise", error=SampleInputError)
@@ -317,89 +348,178 @@ def _run(args: argparse.Namespace) -> int:
                else model_files(None, vae_path))]
     for o in outs:
         check_output_path(o, what="--out", inputs=reads, model_files=files)
+    return _Setup(prompts, names, tiny, negative, noise_raw, jobs)
+
+
+@contextlib.contextmanager
+def _on_every_rank(ranks: Any, *kinds: type[BaseException]) -> Iterator[None]:
+    """Errors (of ``kinds``; any by default) raised inside come from values every rank holds
+    alike (checked model files, broadcast inputs, the same bits of a split call), so every
+    rank raises them at once: marked ``collective``, rank 0 alone prints the one error and no
+    rank waits for another."""
+    try:
+        yield
+    except Exception as e:
+        if ranks is not None and isinstance(e, kinds or (Exception,)):
+            e.collective = True          # type: ignore[attr-defined]
+        raise
+
+
+def _run(args: argparse.Namespace, ranks: Any = None) -> int:
+    """One process, or one of R MPI ranks (``ranks``). One image under mpirun: every rank
+    runs every model, the denoiser's calls split across the ranks (``nxhpc.nn.engine``), and
+    rank 0 alone decodes and writes. Several: image ``k`` is rank ``k % R``'s whole (its own
+    prompts encoded, sampled, decoded; no exchange), and rank 0 gathers each round of R
+    images and writes them in order."""
+    from nxhpc.dit.sampler import (NonFiniteOutputError, SampleInputError, check_noise,
+                                   euler_sample, initial_noise, latent_shape, sample,
+                                   turbo_sigmas)
+    from nxhpc.models.registry import open_denoiser, open_vae, resolve_model
+    from nxhpc.runtime import ranks as _ranks
+    from nxhpc.runtime.workers import usable_cpus
+    from nxhpc.vae.image import to_uint8
+
+    t_start = time.perf_counter()
+    lead = ranks is None or ranks.rank == 0        # reads inputs, writes the PNGs, reports
+    if ranks is not None:
+        ranks.same("the arguments " + ", ".join(_SAME_ARGS) + " (and which were given)",
+                   tuple(getattr(args, a) for a in _SAME_ARGS)
+                   + tuple(getattr(args, a) is None for a in
+                           ("prompts", "noise", "model", "text_encoder", "vae")))
+    setup = _setup(args) if lead else None
+    if ranks is not None:                          # rank 0's reading on every rank (startup)
+        setup = ranks.bcast(setup, "the prompts, seeds and noise from rank 0")
+    assert setup is not None
+    prompts, names, tiny, negative = setup.prompts, setup.names, setup.tiny, setup.negative
+    if not lead:                      # this rank's own model arguments (paths per machine)
+        names, tiny = _models(args)
+    noise_raw, jobs = setup.noise, setup.jobs
+    cfg_on = negative is not None
+    workers = args.workers or usable_cpus()
+    # several images under mpirun: whole images per rank, round-robin, each rank alone
+    whole = ranks is not None and len(jobs) > 1
+    mine = jobs[ranks.rank::ranks.size] if whole else jobs
+    apart = _ranks.alone() if whole else contextlib.nullcontext()
 
     vae_precision = "bf16" if args.precision == "q8" else args.precision
-    progress = _Progress(len(prompts) + (1 if cfg_on else 0)
-                         + len(jobs) * (args.steps + 1), not args.no_progress)
+    n_encode = len({j.prompt for j in mine}) + (1 if cfg_on else 0)
+    progress = _Progress(n_encode + len(mine) * (args.steps + 1),
+                         not args.no_progress and lead)
     stages: dict[str, float] = {}
     try:
         t0 = time.perf_counter()
-        with open_denoiser(names["model"], workers=workers, models_dir=args.models_dir,
-                           precision=args.precision) as den, \
+        with apart, open_denoiser(names["model"], workers=workers, models_dir=args.models_dir,
+                                  precision=args.precision) as den, \
                 open_vae(names["vae"], workers=workers, precision=vae_precision,
                          models_dir=args.models_dir) as vae:
             dcfg = den.config
-            if vae.config.latent_channels != dcfg.in_channels:
-                raise InputError(f"--vae {names['vae']}: its decoder reads "
-                                 f"{vae.config.latent_channels} latent channels but the "
-                                 f"denoiser makes {dcfg.in_channels}")
-            if noise_raw is not None:
-                shape = None if args.height is None else latent_shape(
-                    args.height, args.width, dcfg.in_channels, vae.config.upscale, dcfg.patch)
-                try:
-                    noise_raw = check_noise(noise_raw, dcfg, shape)
-                except SampleInputError as e:
-                    raise SampleInputError(f"--noise {args.noise}: {e}") from None
-                height = noise_raw.shape[1] * vae.config.upscale
-                width = noise_raw.shape[2] * vae.config.upscale
-            else:
-                px = TINY_PX if tiny else DEFAULT_PX
-                height = args.height or px
-                width = args.width or px
-                shape = latent_shape(height, width, dcfg.in_channels, vae.config.upscale,
-                                     dcfg.patch)
+            if ranks is not None:                  # the same model files, before any work
+                from nxhpc.runtime.ranks import file_fingerprint
+                te_gguf = resolve_model(names["text_encoder"], args.models_dir)[1]
+                ranks.same("the model files (size, fingerprint: denoiser, text encoder, "
+                           "autoencoder)",
+                           [file_fingerprint(p) for p in (den.gguf.path, te_gguf,
+                                                          vae.file.path) if p is not None])
+            with _on_every_rank(ranks):
+                if vae.config.latent_channels != dcfg.in_channels:
+                    raise InputError(f"--vae {names['vae']}: its decoder reads "
+                                     f"{vae.config.latent_channels} latent channels but the "
+                                     f"denoiser makes {dcfg.in_channels}")
+                if noise_raw is not None:
+                    shape = None if args.height is None else latent_shape(
+                        args.height, args.width, dcfg.in_channels, vae.config.upscale,
+                        dcfg.patch)
+                    try:
+                        noise_raw = check_noise(noise_raw, dcfg, shape)
+                    except SampleInputError as e:
+                        raise SampleInputError(f"--noise {args.noise}: {e}") from None
+                    height = noise_raw.shape[1] * vae.config.upscale
+                    width = noise_raw.shape[2] * vae.config.upscale
+                else:
+                    px = TINY_PX if tiny else DEFAULT_PX
+                    height = args.height or px
+                    width = args.width or px
+                    shape = latent_shape(height, width, dcfg.in_channels, vae.config.upscale,
+                                         dcfg.patch)
             stages["open_s"] = time.perf_counter() - t0
 
-            # 1. every prompt through the text encoder, which is then released
+            # 1. the prompts of this process's images through the text encoder (then released)
             t1 = time.perf_counter()
             progress.stage("encode")
-            feats, neg_feats, te_file = _encode(names["text_encoder"], prompts, negative,
-                                                workers, args, dcfg.cap_dim, progress)
+            feats, neg_feats, te_file = _encode(
+                names["text_encoder"], prompts, sorted({j.prompt for j in mine}), negative,
+                workers, args, dcfg.cap_dim, progress, ranks)
             stages["encode_s"] = time.perf_counter() - t1
 
             # 2. every image's latents on the one denoiser (its arena is built now)
             t2 = time.perf_counter()
             progress.stage("denoise")
-            for job in jobs:
+            for job in mine:
                 x0 = noise_raw if job.seed is None else initial_noise(job.seed, shape)
 
                 def on_step(i: int, n: int, seconds: float, job: Job = job) -> None:
                     job.step_s.append(seconds)
                     progress.step(f"{seconds:.2f} s/step")
                 cap = feats[job.prompt]
-                if cfg_on:
-                    job.latents = euler_sample(guided(den, cap, neg_feats, args.guidance_scale),
-                                               x0, steps=args.steps, shift=args.shift,
-                                               on_step=on_step)
-                else:
-                    job.latents = sample(den, cap, x0, steps=args.steps, shift=args.shift,
-                                         on_step=on_step)
+                # NaN/inf of a call split across the ranks: the same bits on every rank
+                with _on_every_rank(None if whole else ranks, NonFiniteOutputError):
+                    if cfg_on:
+                        job.latents = euler_sample(
+                            guided(den, cap, neg_feats, args.guidance_scale), x0,
+                            steps=args.steps, shift=args.shift, on_step=on_step)
+                    else:
+                        job.latents = sample(den, cap, x0, steps=args.steps,
+                                             shift=args.shift, on_step=on_step)
             den_mem = den.memory()
             stages["denoise_s"] = time.perf_counter() - t2
+            exchange = None                   # bytes this rank received from the others
+            if ranks is not None and not whole:
+                rows = {int(feats[mine[0].prompt].shape[0])} | \
+                    ({int(neg_feats.shape[0])} if neg_feats is not None else set())
+                lat_hw = mine[0].latents.shape[1:]
+                exchange = sum(den.session(*lat_hw, L).engine.exchange_bytes
+                               for L in sorted(rows))
+            dit_gguf = getattr(getattr(den, "gguf", None), "path", None)
             den.close()                       # the denoiser's arena and workers go first
 
-            # 3. decode and write each picture
+            # 3. decode and write each picture (rank 0 writes them all)
             t3 = time.perf_counter()
             progress.stage("decode")
-            meta = dict(model=_label(dit_gguf) if dit_gguf else names["model"],
-                        text_encoder=te_file, vae=_label(vae.file.path))
-            for job in jobs:
-                pixels = to_uint8(vae.decode(job.latents))
-                text = _png_fields(args, prompts[job.prompt], negative, job, height, width,
-                                   meta)
-                try:
-                    write_png(job.out, pixels, text)
-                except OSError as e:
-                    done = [str(j.out) for j in jobs[:jobs.index(job)]]
-                    raise OutputError(f"--out {job.out}: could not write the PNG: "
-                                      f"{e.strerror or e}; an existing file at that path is "
-                                      f"unchanged" + (f"; written: {', '.join(done)}"
-                                                      if done else "")) from None
-                progress.step()
+            meta = dict(model=_label(Path(dit_gguf)) if dit_gguf else names["model"],
+                        text_encoder=te_file,
+                        vae=_label(vae.file.path))
+            written: list[Job] = []
+
+            def write(job: Job, pixels: np.ndarray) -> None:
+                _write(job, pixels, _png_fields(args, prompts[job.prompt], negative, job,
+                                                height, width, meta), written)
+                written.append(job)
+            if not whole:
+                if lead:                      # one image under mpirun: rank 0 alone decodes
+                    with _ranks.alone() if ranks is not None else contextlib.nullcontext():
+                        for job in mine:
+                            write(job, to_uint8(vae.decode(job.latents)))
+                            progress.step()
+            else:
+                R = ranks.size
+                for first in range(0, len(jobs), R):      # round: images first .. first+R-1
+                    k = first + ranks.rank
+                    part = None
+                    if k < len(jobs):
+                        part = (k, to_uint8(vae.decode(jobs[k].latents)), jobs[k].step_s)
+                        progress.step()
+                    got = ranks.gather(part, f"images {first}..{min(first + R, len(jobs)) - 1}"
+                                             f" to rank 0")
+                    for item in got or ():
+                        if item is not None:
+                            jobs[item[0]].step_s = item[2]
+                            write(jobs[item[0]], item[1])
             stages["decode_s"] = time.perf_counter() - t3
     finally:
         progress.close()
     stages["total_s"] = time.perf_counter() - t_start
+    if not lead:
+        return Exit.PASS
 
     report: dict[str, Any] = {
         "model": names["model"], "text_encoder": names["text_encoder"], "vae": names["vae"],
@@ -409,9 +529,16 @@ def _run(args: argparse.Namespace) -> int:
         "guidance_scale": args.guidance_scale, "precision": args.precision,
         "workers": workers, "seeds": [j.seed for j in jobs] if args.noise is None else None,
         "noise": args.noise, **{k: round(v, 6) for k, v in stages.items()},
-        "s_per_step": round(stages["denoise_s"] / (len(jobs) * args.steps), 6),
+        "s_per_step": round(stages["denoise_s"] / (len(mine) * args.steps), 6),
         "arena_mb": den_mem.get("arena_mb"), **peak_rss_mb(),
         "out": [str(j.out) for j in jobs]}
+    if ranks is not None:
+        report["ranks"] = ranks.size
+        report["split"] = "images" if whole else "call"
+        if whole:
+            report["rank_of_image"] = [k % ranks.size for k in range(len(jobs))]
+        else:
+            report["exchange_bytes"] = exchange
     if tiny or any(n in TINY.values() for n in names.values()):
         report["note"] = RANDOM_NOTE
     if args.json:
@@ -421,23 +548,38 @@ def _run(args: argparse.Namespace) -> int:
     return Exit.PASS
 
 
-def _encode(te: str, prompts: list[str], negative: str | None, workers: int,
-            args: argparse.Namespace, cap_dim: int, progress: _Progress
-            ) -> tuple[list[np.ndarray], np.ndarray | None, str]:
-    """Caption features of every prompt (and of ``negative``), then the encoder is closed.
-    Returns (features, negative features or None, the encoder's file name)."""
+def _write(job: Job, pixels: np.ndarray, text: dict[str, str], written: list[Job]) -> None:
+    """``job``'s PNG, atomically; OutputError naming the images already written."""
+    from nxhpc.vae.image import write_png
+    try:
+        write_png(job.out, pixels, text)
+    except OSError as e:
+        done = [str(j.out) for j in written]
+        raise OutputError(f"--out {job.out}: could not write the PNG: {e.strerror or e}; an "
+                          f"existing file at that path is unchanged"
+                          + (f"; written: {', '.join(done)}" if done else "")) from None
+
+
+def _encode(te: str, prompts: list[str], which: list[int], negative: str | None, workers: int,
+            args: argparse.Namespace, cap_dim: int, progress: _Progress, ranks: Any = None
+            ) -> tuple[dict[int, np.ndarray], np.ndarray | None, str]:
+    """Caption features of the prompts ``which`` (indices into ``prompts``) and of
+    ``negative``, then the encoder is closed (opened and checked even when ``which`` is empty:
+    every rank checks the models alike). Returns (features by prompt index, negative features
+    or None, the encoder's file name)."""
     import nxhpc
     if not hasattr(nxhpc, "load_text_encoder"):       # pragma: no cover - an older tree
         raise NotFound("this nxhpc has no text encoder (nxhpc.load_text_encoder)")
     with nxhpc.load_text_encoder(te, workers=workers, precision=args.precision,
                                  models_dir=args.models_dir) as enc:
-        if enc.config.dim != cap_dim:
-            raise InputError(f"--text-encoder {te}: its features are {enc.config.dim} wide but "
-                             f"the denoiser's cap_dim is {cap_dim}: these models do not go "
-                             f"together")
-        feats = []
-        for p in prompts:
-            feats.append(enc.encode(p))
+        with _on_every_rank(ranks):
+            if enc.config.dim != cap_dim:
+                raise InputError(f"--text-encoder {te}: its features are {enc.config.dim} wide "
+                                 f"but the denoiser's cap_dim is {cap_dim}: these models do "
+                                 f"not go together")
+        feats = {}
+        for i in which:
+            feats[i] = enc.encode(prompts[i])
             progress.step()
         neg = None
         if negative is not None:

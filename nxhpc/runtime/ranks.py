@@ -2,9 +2,10 @@
 
 Owns :class:`Ranks` (an mpi4py communicator seen as ``rank`` of ``size``, the rank band of an
 extent, the exchanges the engine makes after a split stage -- in-place ``Allgatherv`` of row
-bands or column bands of an arena buffer -- the startup broadcasts and agreement checks, and
-the failure protocol below), :func:`world` / :func:`init_world` (the active world: None on one
-rank, and then mpi4py is never imported), :func:`mpi_launched` and :func:`file_fingerprint`.
+bands or column bands of an arena buffer -- the startup broadcasts and agreement checks, the
+gather of whole results to rank 0, and the failure protocol below), :func:`world` /
+:func:`init_world` (the active world: None on one rank, and then mpi4py is never imported),
+:func:`mpi_launched` and :func:`file_fingerprint`.
 Must not: compute model arithmetic, pickle arrays in the hot path (exchanges move the arena's
 bytes with MPI datatypes), or import compiled or model code.
 
@@ -142,7 +143,8 @@ class Ranks:
 
     ``band(m)``: this rank's ``[r*m//R, (r+1)*m//R)``. :meth:`gather_rows` /
     :meth:`gather_cols`: every rank's band of a buffer into every rank's copy, in place.
-    :meth:`bcast` / :meth:`same`: startup values from rank 0; agreement checks. Every wait
+    :meth:`bcast` / :meth:`same`: startup values from rank 0; agreement checks.
+    :meth:`gather`: whole results (pickled) to rank 0. Every wait
     polls (signals, peers' failure notices, ``timeout``)."""
 
     def __init__(self, comm: Any) -> None:
@@ -266,6 +268,28 @@ class Ranks:
         frames[self.rank, :len(data)] = np.frombuffer(data, dtype=np.uint8)
         self.wait(self.comm.Iallgather(self.MPI.IN_PLACE, [frames, self.MPI.BYTE]), what)
         return [pickle.loads(frames[k, :int(sizes[k])].tobytes()) for k in range(self.size)]
+
+    def gather(self, obj: Any, what: str, root: int = 0) -> list[Any] | None:
+        """Every rank's ``obj`` on rank ``root`` (a list by rank; None on the others): pickled,
+        the sizes first, then one ``Gatherv`` of the bytes -- for results a rank made whole
+        (an image), not the hot path. At most 2 GiB in all (MPI's int counts)."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        sizes = np.zeros(self.size, dtype=np.int64)
+        sizes[self.rank] = len(data)
+        self.wait(self.comm.Iallgather(self.MPI.IN_PLACE, [sizes, self.MPI.INT64_T]), what)
+        if int(sizes.sum()) > 2**31 - 1:
+            raise ValueError(f"{what}: {int(sizes.sum())} bytes from {self.size} ranks in one "
+                             f"gather; at most 2 GiB (send fewer results per gather)")
+        mine = np.frombuffer(data, dtype=np.uint8)
+        if self.rank != root:
+            self.wait(self.comm.Igatherv([mine, self.MPI.BYTE], None, root=root), what)
+            return None
+        counts = [int(n) for n in sizes]
+        displs = [sum(counts[:k]) for k in range(self.size)]
+        buf = np.empty(max(1, sum(counts)), dtype=np.uint8)
+        self.wait(self.comm.Igatherv([mine, self.MPI.BYTE],
+                                     [buf, (counts, displs), self.MPI.BYTE], root=root), what)
+        return [pickle.loads(buf[d:d + n].tobytes()) for d, n in zip(displs, counts)]
 
     def same(self, what: str, value: Any) -> None:
         """:class:`RankMismatchError` on every rank unless every rank's ``value`` is equal

@@ -1,0 +1,317 @@
+"""``mpirun -n R python -m nxhpc.generate`` on the built-in tiny components: one image (its
+denoiser calls split across the ranks) and a batch (whole images per rank, gathered by rank 0)
+give the PNG bytes of one process; mismatched ranks are refused; a failing rank ends the job
+with one error and one exit code and leaves no shared memory.
+
+References: the same command run as one process without mpirun, one worker (each PNG byte for
+byte: the text chunks carry no timing). Negative controls: the split without its exchanges,
+and a batch where one rank draws other noise, must both differ from the reference. Runs
+``mpirun --oversubscribe`` on localhost (2 cores here); skipped only when mpirun or mpi4py is
+absent (CI installs both).
+"""
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sample_util import shm_entries
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(shutil.which("mpirun") is None,
+                       reason="mpirun not on PATH (apt install openmpi-bin)"),
+    pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None,
+                       reason="mpi4py not installed (pip install mpi4py)"),
+]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Randomized per session (printed in every failure message through the ids/asserts).
+_RNG = np.random.default_rng()
+SEED = int(_RNG.integers(0, 2**31))                          # the one-image run's seed
+SEEDS = [int(s) for s in _RNG.choice(10**6, size=2, replace=False)]
+STEPS = int(_RNG.integers(2, 4))
+_WORDS = ["red", "cat", "on", "a", "hill", "under", "blue", "sky", "old", "lamp", "river"]
+PROMPTS = [" ".join(_RNG.choice(_WORDS, size=int(n))) for n in _RNG.permutation([2, 4, 7])]
+PARAMS = f"seed={SEED} seeds={SEEDS} steps={STEPS} prompts={PROMPTS}"
+
+
+def _env(models) -> dict:
+    env = dict(os.environ, NXHPC_MODELS=str(models), PYTHONPATH=ROOT)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")          # root in containers/CI
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    return env
+
+
+def _mpirun(n: int, args: list[str], models, timeout: float = 120,
+            extra_env: dict | None = None, apps: list[list[str]] | None = None
+            ) -> subprocess.CompletedProcess:
+    """``mpirun -n n python ARGS`` (or an MPMD line of ``apps``, one rank each)."""
+    cmd = ["mpirun", "--oversubscribe"]
+    if apps is None:
+        cmd += ["-n", str(n), sys.executable, *args]
+    else:
+        for i, a in enumerate(apps):
+            cmd += ([":"] if i else []) + ["-n", "1", sys.executable, *a]
+    env = _env(models)
+    env.update(extra_env or {})
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=ROOT)
+
+
+def _single(args: list[str], models) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
+                          env=_env(models), cwd=ROOT)
+
+
+def _gen(*extra: str) -> list[str]:
+    return ["-m", "nxhpc.generate", "--steps", str(STEPS), "--no-progress", "--json", *extra]
+
+
+def _one(out, workers: int) -> list[str]:
+    return _gen("--prompt", PROMPTS[0], "--seed", str(SEED), "--workers", str(workers),
+                "--out", str(out))
+
+
+def _batch(prompts_file, out_dir, workers: int) -> list[str]:
+    return _gen("--prompts", str(prompts_file), "--seeds", ",".join(map(str, SEEDS)),
+                "--workers", str(workers), "--out", str(out_dir))
+
+
+def _report(r: subprocess.CompletedProcess) -> dict:
+    reps = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert len(reps) == 1, r.stdout                         # rank 0's one report
+    return reps[0]
+
+
+def _pngs(d) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.suffix == ".png"}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module")
+def ref(models, tmp_path_factory):
+    """One process, one worker, no mpirun (this also generates the built-ins): the one image's
+    PNG bytes, and the batch's PNGs by name."""
+    d = tmp_path_factory.mktemp("ref")
+    r = _single(_one(d / "one.png", 1), models)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = _report(r)
+    assert "ranks" not in rep
+    prompts = d / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n", encoding="utf-8")
+    (d / "batch").mkdir()
+    r = _single(_batch(prompts, d / "batch", 1), models)
+    assert r.returncode == 0, r.stdout + r.stderr
+    batch = _pngs(d / "batch")
+    assert len(batch) == 6 and len(set(batch.values())) == 6, PARAMS   # images all differ
+    return {"one": (d / "one.png").read_bytes(), "batch": batch, "prompts": prompts}
+
+
+@pytest.mark.parametrize("ranks,workers", [(2, 1), (2, 2), (3, 1), (3, 2)])
+def test_one_image_split_across_ranks_same_bytes(ranks, workers, models, ref, tmp_path):
+    out = tmp_path / "img.png"
+    r = _mpirun(ranks, _one(out, workers), models)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert out.read_bytes() == ref["one"], PARAMS
+    rep = _report(r)
+    assert rep["ranks"] == ranks and rep["split"] == "call" and rep["images"] == 1
+    assert rep["exchange_bytes"] > 0                         # the calls really were split
+    assert sorted(os.listdir(tmp_path)) == ["img.png"]      # rank 0 alone wrote, once
+
+
+@pytest.mark.parametrize("ranks,workers", [(2, 1), (2, 2), (3, 1), (3, 2)])
+def test_batch_whole_images_per_rank_same_bytes(ranks, workers, models, ref, tmp_path):
+    r = _mpirun(ranks, _batch(ref["prompts"], tmp_path, workers), models)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = _pngs(tmp_path)
+    assert list(got) == list(ref["batch"]), PARAMS
+    for name, data in ref["batch"].items():
+        assert got[name] == data, (name, PARAMS)
+    rep = _report(r)
+    assert rep["ranks"] == ranks and rep["split"] == "images" and rep["images"] == 6
+    assert rep["rank_of_image"] == [k % ranks for k in range(6)]
+    assert rep["out"] == [str(tmp_path / n) for n in ref["batch"]]
+    assert len(rep["step_s"]) == 6 and all(len(s) == STEPS for s in rep["step_s"])
+
+
+def test_guidance_and_noise_across_ranks_same_bytes(models, ref, tmp_path):
+    """Classifier-free guidance (two caption lengths per step, each split) on 3 ranks, and a
+    batch from one --noise file (rank 0 reads it, every rank starts from it) on 2."""
+    g = f"{float(_RNG.uniform(0.5, 4.0)):.3f}"
+    noise = tmp_path / "noise.npy"
+    np.save(noise, _RNG.standard_normal((16, 8, 8)).astype(np.float32))
+    cfg = ("--guidance-scale", g, "--negative-prompt", " ".join(_RNG.choice(_WORDS, size=3)))
+    one = _gen(*cfg, "--prompt", PROMPTS[1], "--seed", str(SEED), "--workers", "1")
+    many = _gen(*cfg, "--prompts", str(ref["prompts"]), "--noise", str(noise), "--workers", "2")
+    for name, args, ranks in (("one", one, 3), ("many", many, 2)):
+        want, got = tmp_path / f"{name}-ref", tmp_path / f"{name}-mpi"
+        want.mkdir()
+        got.mkdir()
+        r = _single([*args, "--out", str(want)], models)
+        assert r.returncode == 0, r.stdout + r.stderr
+        r = _mpirun(ranks, [*args, "--out", str(got)], models)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert _report(r)["split"] == ("call" if name == "one" else "images")
+        expect = _pngs(want)
+        assert len(expect) == (1 if name == "one" else 3)
+        assert _pngs(got) == expect, (name, g, PARAMS)
+
+
+_NO_GATHER = r"""
+import sys
+import nxhpc.dit.plan as plan
+real = plan.BlockPlan.split
+plan.BlockPlan.split = lambda self, s, T: None if real(self, s, T) is None else ()
+import nxhpc.generate as cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_negative_control_split_without_the_exchange_differs(models, ref, tmp_path):
+    """The same rank split without its gathers: each rank misses the others' bands."""
+    out = tmp_path / "img.png"
+    r = _mpirun(2, ["-c", _NO_GATHER, *_one(out, 1)[2:]], models)
+    assert r.returncode in (0, 1), r.stdout + r.stderr     # 1: garbage that went NaN
+    assert out.is_file() == (r.returncode == 0), r.stdout + r.stderr
+    if out.is_file():
+        assert out.read_bytes() != ref["one"], PARAMS
+        rep = _report(r)
+        assert rep["ranks"] == 2 and rep["exchange_bytes"] == 0
+
+
+_OTHER_NOISE = r"""
+import sys
+from mpi4py import MPI
+if MPI.COMM_WORLD.Get_rank() == 1:             # this rank draws its noise from seed + 1
+    import nxhpc.dit.sampler as sampler
+    real = sampler.initial_noise
+    sampler.initial_noise = lambda seed, shape: real(seed + 1, shape)
+import nxhpc.generate as cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_negative_control_a_rank_with_other_seeds_differs(models, ref, tmp_path):
+    """Rank 1 of 2 samples its images (1, 3, 5) from other seeds: exactly those differ."""
+    r = _mpirun(2, ["-c", _OTHER_NOISE, *_batch(ref["prompts"], tmp_path, 1)[2:]], models)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = _pngs(tmp_path)
+    same = [got[n] == ref["batch"][n] for n in ref["batch"]]
+    assert same == [True, False, True, False, True, False], PARAMS
+
+
+def test_mismatched_ranks_refused_before_compute(models, ref, tmp_path):
+    from nxhpc.formats.gguf_io import GGUFFile
+    src = models / "tiny-dit" / "model.gguf"
+    other = tmp_path / "other.gguf"
+    shutil.copyfile(src, other)
+    g = GGUFFile(src)
+    try:
+        off = g.info(g.names()[-1]).offset          # lowest mantissa byte of a float32 value
+    finally:
+        g.close()
+    with open(other, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)[0]
+        f.seek(off)
+        f.write(bytes([b ^ 1]))
+    out = tmp_path / "img.png"
+    base = _one(out, 1) + ["--text-encoder", "tiny-te", "--vae", "tiny-vae", "--height", "64",
+                           "--width", "64"]
+    batch = _batch(ref["prompts"], tmp_path, 1)
+    other_seeds = _gen("--prompts", str(ref["prompts"]), "--seeds", f"{SEEDS[0]},{SEEDS[1] + 1}",
+                       "--workers", "1", "--out", str(tmp_path))
+    for apps, what in (([base + ["--model", "tiny-dit"], base + ["--model", str(other)]],
+                        "the model files"),
+                       ([batch, other_seeds], "the arguments")):
+        r = _mpirun(2, [], models, apps=apps)
+        assert r.returncode == 4, r.stdout + r.stderr
+        assert r.stderr.count("generate: error:") == 1, r.stderr
+        assert f"the 2 MPI ranks disagree on {what}" in r.stderr
+        assert not r.stdout.strip() and not list(tmp_path.glob("*.png"))
+
+
+_FAULT = r"""
+import os, sys
+from mpi4py import MPI
+rank = MPI.COMM_WORLD.Get_rank()
+mode = sys.argv[1]
+if mode == "raise" and rank == 1:              # a worker's task raises on this rank only
+    import nxhpc.nn.stages as stages           # where the projection stages call matmul
+    real = stages.matmul
+    def broken(k, x, w, out, lo, hi, prec):
+        if w is not None and x.shape[1] == 1024:        # the denoiser's w2 (ffn_dim 1024)
+            raise RuntimeError("injected fault in w2")
+        return real(k, x, w, out, lo, hi, prec)
+    stages.matmul = broken
+elif mode == "nan":                            # every rank: the split call's output is NaN
+    import numpy as np
+    from nxhpc.dit.denoiser import Denoiser
+    real_forward = Denoiser.forward
+    def forward(self, *a, **k):
+        return np.full_like(real_forward(self, *a, **k), np.nan)
+    Denoiser.forward = forward
+import nxhpc.cli.frame as frame
+import nxhpc.generate as cli
+def record(code):                              # each rank's exit code, for the test to read
+    with open(os.path.join(os.environ["RC_DIR"], f"rc.{rank}"), "w") as f:
+        f.write(str(code))
+class Os:
+    def __getattr__(self, name):
+        return getattr(os, name)
+    @staticmethod
+    def _exit(code):
+        record(code)
+        os._exit(code)
+frame.os = Os()
+code = cli.main(sys.argv[2:])
+record(code)
+sys.exit(code)
+"""
+
+
+def _fault(mode: str, n: int, args: list[str], models, tmp_path):
+    rc_dir = tmp_path / "rc"
+    rc_dir.mkdir()
+    before = shm_entries()
+    r = _mpirun(n, ["-c", _FAULT, mode, *args[2:]], models, extra_env={"RC_DIR": str(rc_dir)})
+    codes = {int(p.name.split(".")[1]): int(p.read_text()) for p in rc_dir.iterdir()}
+    assert shm_entries() <= before, "leaked /dev/shm segments"
+    return r, codes
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["one-image", "batch"])
+def test_a_failing_rank_ends_the_job_with_one_error_and_its_code(batch, models, ref,
+                                                                 tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    n = 2 if batch else 3
+    args = _batch(ref["prompts"], out, 2) if batch else _one(out / "img.png", 2)
+    r, codes = _fault("raise", n, args, models, tmp_path)
+    assert r.returncode != 0
+    assert codes == dict.fromkeys(range(n), 6), r.stderr
+    assert r.stderr.count("generate: error:") == 1, r.stderr
+    assert f"generate: error: MPI rank 1 of {n}: worker failure: stage 'w2'" in r.stderr
+    assert "injected fault in w2" in r.stderr and '"ranks"' not in r.stdout
+    assert not list(out.iterdir())                 # no PNG: the fault came before any write
+
+
+def test_nan_of_a_split_call_one_error_code_1(models, ref, tmp_path):
+    """Every rank holds the same NaN output of the split call: each stops at once with exit 1,
+    and only rank 0 says so (no rank waits for another's notice)."""
+    r, codes = _fault("nan", 3, _one(tmp_path / "img.png", 1), models, tmp_path)
+    assert codes == {0: 1, 1: 1, 2: 1}, r.stderr
+    assert r.stderr.count("generate: error:") == 1, r.stderr
+    assert "generate: error: step 0 " in r.stderr and "MPI rank" not in r.stderr
+    assert not (tmp_path / "img.png").exists()
