@@ -21,8 +21,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define NX_AB_BR 6 /* rows per micro-block: 6 x 4 zmm chains hide vdpbf16ps' latency (4: 16
-                    * chains, measured 97 vs ... GFLOP/s at T=1024 hd=128) */
+/* Rows per micro-block: 6 (24 zmm accumulators). 4 rows measured the same (89.6 vs 89.7 GFLOP/s,
+ * process time, T=1024 hd=128 H=2, Intel Xeon family 6 model 167): here vdpbf16ps zmm retires one
+ * per ~2 cycles with ~8 cycles latency, so 4 chains already keep it busy; 6 passes fewer times
+ * over each K/V tile. */
+#define NX_AB_BR 6
 #define NX_AB_BC NX_ATTN_BF16_TILE /* keys per tile (the contract's) */
 /* query rows sharing one pass over the K/V tiles, a multiple of NX_AB_BR */
 #ifndef NX_AB_QB
