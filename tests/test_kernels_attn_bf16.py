@@ -82,7 +82,7 @@ def exp_e(x):
 def contract_attention(q, k, qkv, KVH, scale, mask=None, causal=False, broken=None):
     """The header's contract, transcribed (all rows of a head at once). broken: None, or one rule
     replaced -- "p_f32" (P not rounded), "l_bf16" (l rounded to bfloat16 per tile), "pair_even"
-    (the even element of each pair first)."""
+    (the even element of each pair first), "no_ftz" (the dot steps without DAZ/FTZ)."""
     H, T, hd = q.shape
     group = H // KVH
     hd2, nt = (hd + 1) // 2 * 2, -(-T // TILE)
@@ -90,6 +90,7 @@ def contract_attention(q, k, qkv, KVH, scale, mask=None, causal=False, broken=No
     out = np.zeros((T, H * hd), F32)
     scale = F32(scale)
     first, second = (0, 1) if broken == "pair_even" else (1, 0)
+    dot = (lambda acc, a, b: fma32(a, b, acc)) if broken == "no_ftz" else step
     rows = np.arange(T)
     with np.errstate(invalid="ignore", over="ignore"):
         for h in range(H):
@@ -108,8 +109,8 @@ def contract_attention(q, k, qkv, KVH, scale, mask=None, causal=False, broken=No
                 keys = b * TILE + np.arange(TILE)
                 s = np.zeros((T, TILE), F32)
                 for d in range(0, hd2, 2):
-                    s = step(s, qb[:, d + first, None], kb[keys, d + first][None, :])
-                    s = step(s, qb[:, d + second, None], kb[keys, d + second][None, :])
+                    s = dot(s, qb[:, d + first, None], kb[keys, d + first][None, :])
+                    s = dot(s, qb[:, d + second, None], kb[keys, d + second][None, :])
                 allowed = np.broadcast_to(keys < T, (T, TILE)).copy()
                 if mask is not None:
                     allowed &= np.concatenate([mask.astype(bool), np.zeros(Tp - T, bool)])[keys]
@@ -134,7 +135,7 @@ def contract_attention(q, k, qkv, KVH, scale, mask=None, causal=False, broken=No
                 o = (O * alpha[:, None]).astype(F32)
                 for i in range(TILE // 2):
                     for jj in (2 * i + first, 2 * i + second):
-                        o = step(o, p[:, jj, None], vb[b * TILE + jj][None, :])
+                        o = dot(o, p[:, jj, None], vb[b * TILE + jj][None, :])
                 l = np.where(run, l_new, l)
                 m = np.where(run, m_new, m)
                 O = np.where(run[:, None], o, O)
@@ -225,10 +226,49 @@ def test_every_variant_is_the_contract_bit_for_bit(case):
     q, k, qkv = inputs(rng, T, H, KVH, hd, qk_scale=rng.uniform(0.5, 3.0))
     mask = make_mask(rng, mk, T)
     scale = float(rng.uniform(0.5, 1.5) / math.sqrt(hd))
+    _check_contract(q, k, qkv, KVH, scale, mask, causal, case)
+
+
+def _check_contract(q, k, qkv, KVH, scale, mask, causal, what):
     want = contract_attention(q, k, qkv, KVH, scale, mask, causal)
     for isa in ISAS:
         assert_bitwise(run(q, k, qkv, KVH, scale, isa, mask=mask, causal=causal), want,
-                       f"{isa} vs contract {case}")
+                       f"{isa} vs contract {what}")
+    return want
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_underflow_range_is_the_contract_bit_for_bit(seed):
+    """Where DAZ/FTZ act: q.k products near 2^-126 (subnormal partial sums and scores, flushed
+    in the dot chain), subnormal q/k/v inputs (bf() flushes them), tiny v (P V underflows), and
+    scores spread so the rescale alpha = E(m_old - m_new) is subnormal (a running output O *
+    alpha below 2^-126 enters the next chain, which flushes it)."""
+    rng = np.random.default_rng(100 + seed)
+    T, H, KVH, hd = int(rng.integers(60, 140)), 2, 1, int(rng.choice([16, 24, 33]))
+    q, k, qkv = inputs(rng, T, H, KVH, hd)
+    mode = seed % 4
+    if mode == 0:   # products ~2^-126: partial sums flushed; scale 2^122 makes that visible
+        q *= F32(2.0 ** -63)
+        k *= F32(2.0 ** -63)
+        scale = 2.0 ** 122
+    elif mode == 1:  # subnormal inputs mixed with normal ones
+        for a in (q, k, qkv):
+            sub = rng.random(a.shape) < 0.3
+            a[sub] = (rng.standard_normal(sub.sum()) * 2.0 ** -130).astype(F32)
+        scale = 0.3
+    elif mode == 2:  # tiny v: P V partial sums below 2^-126
+        qkv *= F32(2.0 ** -118)
+        scale = 0.5
+    else:            # large scores rising along the keys: alpha underflows, O * alpha subnormal
+        k += np.linspace(0, 40, T, dtype=F32)[None, :, None] * np.sign(q.mean(axis=(0, 1)))
+        qkv *= F32(1e3)
+        scale = 1.0
+    mask = make_mask(rng, "random", T) if seed > 1 else None
+    causal = bool(seed % 2)
+    want = _check_contract(q, k, qkv, KVH, scale, mask, causal, f"underflow mode {mode}")
+    if mode in (0, 2):  # negative control: the flushes matter on these inputs
+        other = contract_attention(q, k, qkv, KVH, scale, mask, causal, broken="no_ftz")
+        assert (bits(other) != bits(want)).any(), mode
 
 
 def test_broken_contracts_are_caught():
