@@ -13,7 +13,8 @@ timing (float64 reference with the error bound from tests/test_kernels_ops.py fo
 
 bf16 vs f32 at the DiT's lengths (T = 1024, 2048, 4128; hd = 128; NXHPC_BENCH_HEADS heads, default
 2 of Z-Image's 30): nxhpc's float32 and bf16 attention (csrc/nx_attn_bf16.h) beside torch SDPA in
-float32 and bfloat16, each output checked against float64 with its precision's bound.
+float32 and bfloat16, each output checked against float64 with its precision's bound. On a
+shared machine add ``--benchmark-timer=time.process_time`` (wall clock counts other jobs' time).
 """
 
 import os

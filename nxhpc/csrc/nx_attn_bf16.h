@@ -2,10 +2,10 @@
  * of the `bf16` matmul, nx_lowp.h), softmax statistics in float32, float32 output.
  *
  * Owns: the arithmetic contract below, the "attn_bf16" dispatch family (one slot, one table per
- * ISA file: generic = the spec, nx_attn_bf16.c; avx512bf16 = vdpbf16ps, nx_attn_bf16_avx512bf16.c)
- * and the scalar exp every variant evaluates. Must not: depend on the head band, the query block
- * or micro-block a row lands in, spawn threads, or read outside the given arrays (callers
- * validate shapes: nxhpc/_k_ops.pxi).
+ * ISA file: generic = the spec, nx_attn_bf16.c; avx512bf16 = nx_attn_bf16_avx512bf16.c, the steps
+ * as FMAs under DAZ|FTZ) and the scalar exp every variant evaluates. Must not: depend on the
+ * head band, the query block or micro-block a row lands in, spawn threads, or read outside the
+ * given arrays (callers validate shapes: nxhpc/_k_ops.pxi).
  *
  * Shapes and options are those of nx_attention_f32 (nx_ops.h): q [H, T, hd], k [KVH, T, hd], v
  * read from qkv [T, (H+2*KVH)*hd] at columns (H+KVH)*hd + g*hd, g = h / (H/KVH); mask [T] bytes
@@ -20,7 +20,8 @@
  *   b = 0 .. ceil(T/64)-1, or (causal) b = 0 .. floor(t/64): a run tile always runs all 64 keys.
  *   allowed(j) = j < T && (mask == NULL || mask[j]) && (!causal || j <= t).
  *   State: m = -inf, l = +0, O[d] = +0. For each run tile b in order, for jj = 0..63, j = 64b+jj:
- *     s_j = +0; for p = 0..P2-1: s_j = step(s_j, qb[2p+1], kb[j,2p+1]); s_j = step(s_j, qb[2p], kb[j,2p])
+ *     s_j = +0; for p = 0..P2-1: s_j = step(s_j, qb[2p+1], kb[j,2p+1]);
+ *                                 s_j = step(s_j, qb[2p], kb[j,2p])
  *     x_j = allowed(j) ? s_j * scale : -inf                (one float32 product)
  *     m_new = max(m, max_jj x_j);  m_use = m_new == -inf ? 0 : m_new
  *     alpha = E(m - m_use);        p_j = bf(E(x_j - m_use))  (one float32 subtraction each)
@@ -59,7 +60,8 @@
  *   makes the running max's weight exactly 1, so l >= 1); normalising cancels Z; v's rounding
  *   adds u; the last product and reciprocal 2 e; the last term covers flushed subnormals (p
  *   below 2^-126, DAZ/FTZ of the dot steps). At scale = hd^-1/2 and unit-normal q, k (hd = 128)
- *   the delta term dominates: ~0.14 * sum w*|v|, a worst case; measured errors are 65-300x below it
+ *   the delta term dominates: ~0.14 * sum w*|v|, a worst case; measured errors are 65-300x
+ *   below it
  *   (tests/test_kernels_attn_bf16.py, docs/kernels.md).
  */
 #ifndef NX_ATTN_BF16_H

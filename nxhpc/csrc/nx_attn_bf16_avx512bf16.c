@@ -184,8 +184,8 @@ NX_INLINE void nx_ab_micro(const int nr, const float *qt, int64_t hd2s, int64_t 
         for (int v = 0; v < 4; v++)
             x[v] = _mm512_mask_mov_ps(ninf, (__mmask16)(rmask[r] >> (16 * v)),
                                       _mm512_mul_ps(_mm512_load_ps(S + r * NX_AB_BC + 16 * v), sc));
-        const float mx =
-            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
+        const __m512 mx4 = _mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]));
+        const float mx = _mm512_reduce_max_ps(mx4);
         const float m_new = mx > m[r] ? mx : m[r];
         const float m_use = m_new == -INFINITY ? 0.0f : m_new; /* all excluded so far: p = 0 */
         dm[r] = m[r] - m_use;
