@@ -11,7 +11,14 @@ Attention: T=1024, hd=128, H heads in one process; GFLOP/s = 4*T^2*hd*H / time (
 (``_bench_util.peak_fields``: fma_zmm for the avx512 variant, fma_ymm for avx2, the fastest for
 the baselines). The other kernels report GB/s of compulsory traffic. Correctness is checked after
 timing (float64 reference with the error bound from tests/test_kernels_ops.py for attention).
+
+bf16 vs f32 at the DiT's lengths (T = 1024, 2048, 4128; hd = 128; NXHPC_BENCH_HEADS heads, default
+2 of Z-Image's 30): nxhpc's float32 and bf16 attention (csrc/nx_attn_bf16.h) beside torch SDPA in
+float32 and bfloat16, each output checked against float64 with its precision's bound. On a
+shared machine add ``--benchmark-timer=time.process_time`` (wall clock counts other jobs' time).
 """
+
+import os
 
 import numpy as np
 import pytest
@@ -109,6 +116,111 @@ def test_bench_attention_numpy(benchmark, H):
     benchmark.pedantic(run, rounds=5, warmup_rounds=1)
     _attn_info(benchmark, H, "numpy float32 (1 thread)")
     _attn_check(out, q, k, qkv, H)
+
+
+# ------------------------------------------------------------------ bf16 vs f32 at the DiT's lengths
+
+# Z-Image at 1024x1024 images: T ~ 4128 tokens, D = 3840 = 30 heads x 128. All heads cost the same
+# and nothing is shared between heads (1 thread), so the grid times NXHPC_BENCH_HEADS heads (default
+# 2; 30 = the whole layer) and GFLOP/s = 4*T^2*hd*H / time counts QK^T and PV.
+T_DIT = (1024, 2048, 4128)
+H_DIT = int(os.environ.get("NXHPC_BENCH_HEADS", "2"))
+_BF16_ISAS = [i for i in K.supported_isas() if K._variant("attention_bf16", i) == i]
+
+
+def _dit_case(T, H, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((H, T, HD), dtype=np.float32)
+    k = rng.standard_normal((H, T, HD), dtype=np.float32)
+    qkv = rng.standard_normal((T, 3 * H * HD), dtype=np.float32)
+    return q, k, qkv
+
+
+def _dit_info(benchmark, T, H, name):
+    flop = 4.0 * T * T * HD * H
+    benchmark.extra_info.update({
+        "impl": name, "T": T, "hd": HD, "H": H,
+        "gflops_best": round(flop / bench_stats(benchmark).min / 1e9, 1),
+        "gflops_mean": round(flop / bench_stats(benchmark).mean / 1e9, 1)})
+
+
+def _bf16_check(out, q, k, qkv, T, H, extra=0.0, rows=32):
+    """float64 attention on sampled rows of head 0 vs the error bound of csrc/nx_attn_bf16.h
+    (+ extra * sum w|v|, for an implementation that also rounds its output)."""
+    u, e = 2.0 ** -8, 2.0 ** -24
+    sc = float(np.float32(HD ** -0.5))
+    q64, k64 = q[0, :rows].astype(np.float64), k[0].astype(np.float64)
+    v = qkv[:, 2 * H * HD:2 * H * HD + HD].astype(np.float64)
+    s = sc * (q64 @ k64.T)
+    p = np.exp(s - s.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    gam = lambda n: n * e / (1 - n * e)  # noqa: E731
+    a = ((2 * u + u * u) + gam(HD) * (1 + u) ** 2) * sc * (np.abs(q64) @ np.abs(k64).T)
+    delta = (a + e * (np.abs(s) + a)).max(1)
+    nt = -(-T // 64)
+    R = s.max(1) - s.min(1) + 2 * delta
+    rho = (1 + u) * (1 + 2.0 ** -22) ** (nt + 1) * (1 + e) ** (2 * nt) * np.exp(2 * e * R) - 1
+    eta = np.exp(delta) * (1 + rho) * (1 + gam(66 * nt + 8)) - 1
+    coef = (2 * eta + u * (1 + eta)) / (1 - eta) + 2.0 ** -21 + extra
+    bound = coef[:, None] * (p @ np.abs(v)) + 64 * nt * 2.0 ** -124 * (1 + np.abs(v).max())
+    assert (np.abs(out[:rows, :HD] - p @ v) <= bound).all()
+
+
+@pytest.mark.parametrize("T", T_DIT)
+@pytest.mark.parametrize("impl", ["f32", "bf16"])
+def test_bench_attention_dit_nxhpc(benchmark, T, impl):
+    isas = SIMD[-1:] if impl == "f32" else _BF16_ISAS[-1:]
+    if not isas:
+        pytest.skip(f"no SIMD variant of the {impl} attention on this CPU")
+    benchmark.group = f"attention T={T} hd={HD} H={H_DIT} (DiT, 1 thread)"
+    q, k, qkv = _dit_case(T, H_DIT)
+    out = np.empty((T, H_DIT * HD), np.float32)
+    benchmark.pedantic(K.attention, args=(q, k, qkv, out, H_DIT, HD ** -0.5),
+                       kwargs={"isa": isas[0], "precision": impl}, rounds=3, warmup_rounds=1)
+    _dit_info(benchmark, T, H_DIT, f"nxhpc {impl} [{isas[0]}]")
+    if impl == "f32":
+        _attn_check_T(out, q, k, qkv, T, H_DIT)
+    else:
+        _bf16_check(out, q, k, qkv, T, H_DIT)
+
+
+def _attn_check_T(out, q, k, qkv, T, H, rows=32):
+    """The float32 attention's bound (tests/test_kernels_ops.py) on sampled rows of head 0."""
+    scale = HD ** -0.5
+    q64, k64 = q[0, :rows].astype(np.float64), k[0].astype(np.float64)
+    v = qkv[:, 2 * H * HD:2 * H * HD + HD].astype(np.float64)
+    s = q64 @ k64.T * scale
+    p = np.exp(s - s.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    ds = (HD * U * scale * (np.abs(q64) @ np.abs(k64).T) + U * np.abs(s)).max(1, keepdims=True)
+    bound = 2 * (2 * ds + 2 * (T + 16) * U + 4 * U) * (p @ np.abs(v))
+    assert (np.abs(out[:rows, :HD] - p @ v) <= bound).all()
+
+
+@pytest.mark.parametrize("T", T_DIT)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bench_attention_dit_torch_sdpa(benchmark, T, dtype):
+    torch = pytest.importorskip("torch")
+    benchmark.group = f"attention T={T} hd={HD} H={H_DIT} (DiT, 1 thread)"
+    torch.set_num_threads(1)
+    q, k, qkv = _dit_case(T, H_DIT)
+    H = H_DIT
+    v = np.ascontiguousarray(qkv[:, 2 * H * HD:].reshape(T, H, HD).transpose(1, 0, 2))
+    dt = getattr(torch, dtype)
+    tq, tk, tv = (torch.from_numpy(a)[None].to(dt) for a in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def run():
+        with torch.no_grad():
+            return sdpa(tq, tk, tv, scale=HD ** -0.5)
+
+    res = benchmark.pedantic(run, rounds=3, warmup_rounds=1)
+    _dit_info(benchmark, T, H, f"torch.sdpa {dtype} (1 thread)")
+    out = res[0].float().permute(1, 0, 2).reshape(T, H * HD).numpy()
+    if dtype == "float32":
+        _attn_check_T(out, q, k, qkv, T, H)
+    else:  # bfloat16 inputs, bfloat16 output (one more rounding)
+        _bf16_check(out, q, k, qkv, T, H, extra=2.0 ** -7)
 
 
 # ------------------------------------------------------------------ causal attention (text encoder)

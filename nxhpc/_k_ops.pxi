@@ -25,6 +25,15 @@ cdef extern from "nx_ops.h" nogil:
     void nx_layernorm_mod_f32(nx_isa isa, const float *x, const float *mod, float *out,
                               int64_t D, float eps, int64_t r0, int64_t r1)
 
+cdef extern from "nx_attn_bf16.h" nogil:
+    int nx_attention_bf16(nx_isa isa, const float *q, const float *k, const float *qkv,
+                          const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
+                          int64_t hd, float scale, int64_t h0, int64_t h1, int causal)
+
+#: The precisions of attention(): "f32" (float32 throughout, nx_ops.h) and "bf16" (Q K^T and P V
+#: on the bfloat16 dot, softmax statistics in float32: nx_attn_bf16.h).
+ATTENTION_PRECISIONS = ("f32", "bf16")
+
 
 cdef inline const float *_cptr(object a):
     return <const float *> cnp.PyArray_DATA(<cnp.ndarray> a)
@@ -206,7 +215,7 @@ def qknorm_rope(qkv, q_w, k_w, pe, q_out, k_out, n_heads, n_kv_heads, eps, h0=0,
 
 
 def attention(q, k, qkv, out, n_kv_heads, scale, mask=None, h0=0, h1=None, isa=None, *,
-              causal=False):
+              causal=False, precision="f32"):
     """out[:, h*hd:(h+1)*hd] := softmax(q[h] k[g]^T * scale, masked keys excluded) v[g], h in [h0, h1).
 
     q: float32 [H, T, hd]; k: [KVH, T, hd]; v is read from qkv [T, (H+2*KVH)*hd] at columns
@@ -216,9 +225,18 @@ def attention(q, k, qkv, out, n_kv_heads, scale, mask=None, h0=0, h1=None, isa=N
     still applies to those); the default False is the full attention, unchanged. Flash-style (key
     tiles, online softmax): scratch is one packed K^T per kv head (T*hd floats) plus
     O(tile*hd), never T^2. Returns out.
+    precision: "f32" (the default: float32 throughout, its bits unchanged) or "bf16" (q, k, v
+    rounded to bfloat16, Q K^T and P V on the bfloat16 dot with P rounded to bfloat16, softmax
+    max/sum in float32, float32 output: the contract and error bound of csrc/nx_attn_bf16.h,
+    bit-identical for every isa, head band and worker split; kernel_variants() key
+    "attention_bf16").
     """
     fn = "attention"
     cdef nx_isa lvl = _resolve_isa(fn, isa)
+    if not isinstance(precision, str) or precision not in ATTENTION_PRECISIONS:
+        raise ValueError(f"{fn}: precision must be one of {ATTENTION_PRECISIONS}, "
+                         f"got {precision!r}")
+    cdef bint bf16 = precision == "bf16"
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"{fn}: causal must be a bool, got {type(causal).__name__} {causal!r}")
     cdef int icausal = 1 if causal else 0
@@ -264,7 +282,10 @@ def attention(q, k, qkv, out, n_kv_heads, scale, mask=None, h0=0, h1=None, isa=N
     cdef float *po = _wptr(out)
     cdef int rc
     with nogil:
-        rc = nx_attention_f32(lvl, pq, pk, pqkv, pm, po, T, H, KVH, hd, fscale, a, b, icausal)
+        if bf16:
+            rc = nx_attention_bf16(lvl, pq, pk, pqkv, pm, po, T, H, KVH, hd, fscale, a, b, icausal)
+        else:
+            rc = nx_attention_f32(lvl, pq, pk, pqkv, pm, po, T, H, KVH, hd, fscale, a, b, icausal)
     if rc != 0:
         raise MemoryError(f"{fn}: could not allocate scratch for T={T}, hd={hd}")
     return out

@@ -81,6 +81,46 @@ def test_linear_matmul_dispatches_on_precision(wtype):
     assert np.array_equal(got, outs["f32"])
 
 
+class _AttentionRecorder:
+    """Stands in for the kernels: records the precision= each attention call names."""
+
+    def __init__(self):
+        self.calls = []
+
+    def attention(self, *args, precision="f32", **kw):
+        self.calls.append(precision)
+
+
+def test_attention_follows_the_switch():
+    """f32 -> the float32 attention, bf16 and q8 -> the bf16 attention, in the DiT block, the
+    Qwen3 encoder (causal) and the VAE mid block: each model's attention step is called with a
+    recorder for kernels; the kernels' own arithmetic is tests/test_kernels_attn_bf16.py's."""
+    from types import SimpleNamespace
+
+    from nxhpc.dit import plan as dit_plan
+    from nxhpc.qwen3 import model as qwen3_model
+    from nxhpc.vae import model as vae_model
+
+    want = {"f32": "f32", "bf16": "bf16", "q8": "bf16"}
+    for p in linear.PRECISIONS:
+        assert linear.attention_precision(p) == want[p]
+        for sdpa in (dit_plan._sdpa, qwen3_model._sdpa):
+            rec = _AttentionRecorder()
+            c = SimpleNamespace(kernels=rec, buf={"q": 0, "k": 0, "qkv": 0, "attn": 0},
+                                cfg=SimpleNamespace(n_kv_heads=1), scale=1.0, mask=None,
+                                precision=p)
+            sdpa(c, 0, 1)
+            assert rec.calls == [want[p]], (sdpa.__module__, p)
+    for p in vae_model.CONV_PRECISIONS:
+        ex = vae_model._Executor({}, p, 32, 1e-6, 64)
+        ex.kern = rec = _AttentionRecorder()
+        ex.bufs = {n: np.zeros(3 * 4 * 8, np.float32) for n in ("q", "k", "qkv", "t")}
+        ex.run("attention", 0, 1, ("t", 4, 8))
+        assert rec.calls == [want[p]], ("vae", p)
+    with pytest.raises(ValueError, match="precision"):
+        linear.attention_precision("fp16")
+
+
 @pytest.mark.parametrize("bad", ["F32", "fp32", "int8", "", None, 8])
 def test_bad_precision_is_a_clear_error(bad, models_root):
     with pytest.raises(ValueError, match="precision"):

@@ -4,6 +4,7 @@
  */
 #include "nx_dispatch.h"
 
+#include "nx_attn_bf16.h"
 #include "nx_bwd.h"
 #include "nx_conv.h"
 #include "nx_lowp.h"
@@ -14,7 +15,7 @@
 
 const nx_family_info *const nx_families[] = {
     &nx_ops_family,   &nx_bwd_family,  &nx_mm_family,
-    &nx_wtype_family, &nx_q8_0_family, &nx_lowp_family, &nx_conv_family,
+    &nx_wtype_family, &nx_q8_0_family, &nx_lowp_family, &nx_conv_family, &nx_attn_bf16_family,
 };
 const int nx_nfamilies = (int)(sizeof nx_families / sizeof nx_families[0]);
 

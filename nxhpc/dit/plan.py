@@ -58,7 +58,7 @@ from nxhpc.dit.config import BLOCK_STACKS, BlockConfig, block_label, block_view
 from nxhpc.nn import engine as _engine
 from nxhpc.nn.checks import EPS_RANGE, check_eps, finite_vector, narrow_finite
 from nxhpc.nn.engine import Gather, IOSpec, Plan, Stage, serialized
-from nxhpc.nn.linear import DEFAULT_PRECISION, adaln_linear, check_precision
+from nxhpc.nn.linear import DEFAULT_PRECISION, adaln_linear, attention_precision, check_precision
 from nxhpc.nn.residual import UNIT_GATE, UnitGateState
 from nxhpc.nn.stages import Project, SwiGLU, block_extents
 
@@ -84,7 +84,8 @@ def _qknorm_rope(c: RunContext, lo: int, hi: int) -> None:
 
 def _sdpa(c: RunContext, lo: int, hi: int) -> None:
     c.kernels.attention(c.buf["q"], c.buf["k"], c.buf["qkv"], c.buf["attn"], c.cfg.n_kv_heads,
-                        c.scale, mask=c.mask, h0=lo, h1=hi)
+                        c.scale, mask=c.mask, h0=lo, h1=hi,
+                        precision=attention_precision(c.precision))
 
 
 def _attn_tail(c: RunContext, lo: int, hi: int) -> None:

@@ -13,7 +13,10 @@ precision's arithmetic contract):
   A weight of any other type runs ``bf16`` instead (``q8`` is defined for Q8_0 weights only):
   :func:`effective_precision` says which, per tensor.
 
-adaLN (:func:`adaln_linear`, O(D) work) stays float32 in every precision.
+adaLN (:func:`adaln_linear`, O(D) work) stays float32 in every precision. Attention follows the
+switch too (:func:`attention_precision`): ``"f32"`` runs the float32 attention, ``"bf16"`` and
+``"q8"`` the bf16 attention (Q K^T and P V on the bfloat16 dot, softmax statistics in float32:
+csrc/nx_attn_bf16.h).
 Must not: compute anything itself, or copy a weight matrix.
 
 Kernel API (``nxhpc._kernels``): ``matmul(x, w, wtype, out, n0, n1)``, ``matmul_bf16(x, w, wtype,
@@ -29,7 +32,7 @@ import numpy as np
 from nxhpc.formats.weights import WeightTensor
 
 __all__ = ["matmul", "adaln_linear", "check_runnable", "check_precision", "effective_precision",
-           "PRECISIONS", "DEFAULT_PRECISION"]
+           "attention_precision", "PRECISIONS", "DEFAULT_PRECISION"]
 
 #: The matmul precisions of a block (see the module docstring).
 PRECISIONS = ("f32", "bf16", "q8")
@@ -50,6 +53,12 @@ def effective_precision(weight: WeightTensor, precision: str) -> str:
     if precision == "q8" and weight.type_name != "Q8_0":
         return "bf16"
     return precision
+
+
+def attention_precision(precision: str) -> str:
+    """The ``precision=`` of the attention kernel under the switch ``precision``: ``"f32"`` for
+    ``"f32"`` (float32 bits unchanged), ``"bf16"`` for ``"bf16"`` and ``"q8"``."""
+    return "f32" if check_precision(precision) == "f32" else "bf16"
 
 
 def check_runnable(kernels: Any, weight: WeightTensor, *, adaln: bool = False) -> None:

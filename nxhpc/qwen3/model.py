@@ -72,7 +72,7 @@ from nxhpc.formats.weights import WeightTensor, check_finite_weight
 from nxhpc.nn import engine as _engine
 from nxhpc.nn.checks import check_eps
 from nxhpc.nn.engine import Engine, EngineSession, IOSpec, Plan, Stage
-from nxhpc.nn.linear import DEFAULT_PRECISION, check_precision, matmul
+from nxhpc.nn.linear import DEFAULT_PRECISION, attention_precision, check_precision, matmul
 from nxhpc.nn.residual import UnitGateState, residual_add
 from nxhpc.nn.stages import Project, SwiGLU, block_extents
 from nxhpc.qwen3.config import LAYER_TENSORS, Qwen3Config, infer_config, layer_names
@@ -214,7 +214,8 @@ def _qknorm_rope(c: RunContext, lo: int, hi: int) -> None:
 
 def _sdpa(c: RunContext, lo: int, hi: int) -> None:
     c.kernels.attention(c.buf["q"], c.buf["k"], c.buf["qkv"], c.buf["attn"], c.cfg.n_kv_heads,
-                        c.scale, h0=lo, h1=hi, causal=True)
+                        c.scale, h0=lo, h1=hi, causal=True,
+                        precision=attention_precision(c.precision))
 
 
 def _attn_res(c: RunContext, lo: int, hi: int) -> None:

@@ -27,6 +27,7 @@ import nxhpc
 from nxhpc.formats.closing import Closing
 from nxhpc.nn.engine import Engine, Plan
 from nxhpc.nn.conv import CONV_PRECISIONS, Panel, conv1x1_band, conv3x3_band
+from nxhpc.nn.linear import attention_precision
 from nxhpc.runtime.checks import CheckError, check_choice, check_float_array, check_workers
 from nxhpc.vae.config import VaeConfig
 from nxhpc.vae.files import Conv, Norm, VaeFile, bind, open_vae_file
@@ -190,7 +191,7 @@ class _Executor:
             dst, P, C = p
             if hi > lo:
                 K.attention(v("q", 1, P, C), v("k", 1, P, C), v("qkv", P, 3 * C), v(dst, P, C),
-                            1, 1.0 / math.sqrt(C))
+                            1, 1.0 / math.sqrt(C), precision=attention_precision(self.precision))
         else:                                                      # pragma: no cover
             raise ValueError(f"VaeDecoder: unknown step {kind!r}")
 

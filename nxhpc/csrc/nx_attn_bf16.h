@@ -1,0 +1,126 @@
+/* nx_attn_bf16.h -- `bf16` flash attention: Q K^T and P V on the bfloat16 dot (the per-pair step
+ * of the `bf16` matmul, nx_lowp.h), softmax statistics in float32, float32 output.
+ *
+ * Owns: the arithmetic contract below, the "attn_bf16" dispatch family (one slot, one table per
+ * ISA file: generic = the spec, nx_attn_bf16.c; avx512bf16 = nx_attn_bf16_avx512bf16.c, the steps
+ * as FMAs under DAZ|FTZ) and the scalar exp every variant evaluates. Must not: depend on the
+ * head band, the query block or micro-block a row lands in, spawn threads, or read outside the
+ * given arrays (callers validate shapes: nxhpc/_k_ops.pxi).
+ *
+ * Shapes and options are those of nx_attention_f32 (nx_ops.h): q [H, T, hd], k [KVH, T, hd], v
+ * read from qkv [T, (H+2*KVH)*hd] at columns (H+KVH)*hd + g*hd, g = h / (H/KVH); mask [T] bytes
+ * (nonzero = attend) or NULL; causal: query t attends keys j <= t; out [T, H*hd], columns of the
+ * heads [h0, h1) written.
+ *
+ * ---- contract (bit-identical: generic spec == AVX-512 BF16, every head band, every row split)
+ * bf(), daz/ftz and step(acc, a, b) = ftz(fmaf(daz(a), daz(b), daz(acc))) are nx_lowp.h's.
+ * Per query head h (kv head g) and query row t, with P2 = ceil(hd/2) d-pairs (d >= hd reads 0):
+ *   qb[d] = bf(q[h,t,d]), kb[j,d] = bf(k[g,j,d]), vb[j,d] = bf(v[g][j,d]); keys j >= T are 0.
+ *   Keys are cut in tiles of 64: tile b = keys [64b, 64b+64). The tiles run for row t are
+ *   b = 0 .. ceil(T/64)-1, or (causal) b = 0 .. floor(t/64): a run tile always runs all 64 keys.
+ *   allowed(j) = j < T && (mask == NULL || mask[j]) && (!causal || j <= t).
+ *   State: m = -inf, l = +0, O[d] = +0. For each run tile b in order, for jj = 0..63, j = 64b+jj:
+ *     s_j = +0; for p = 0..P2-1: s_j = step(s_j, qb[2p+1], kb[j,2p+1]);
+ *                                 s_j = step(s_j, qb[2p], kb[j,2p])
+ *     x_j = allowed(j) ? s_j * scale : -inf                (one float32 product)
+ *     m_new = max(m, max_jj x_j);  m_use = m_new == -inf ? 0 : m_new
+ *     alpha = E(m - m_use);        p_j = bf(E(x_j - m_use))  (one float32 subtraction each)
+ *     sum  = tree(p): a_L = ((p_L + p_{L+16}) + p_{L+32}) + p_{L+48} for lanes L < 16, then
+ *            a_L += a_{L+8} (L < 8), a_L += a_{L+4} (L < 4), a_L += a_{L+2} (L < 2), a_0 + a_1
+ *     l = l * alpha + sum;  m = m_new                       (a product and a sum, not fused)
+ *     O[d] = O[d] * alpha, then for i = 0..31: O[d] = step(O[d], p_{2i+1}, vb[64b+2i+1,d]);
+ *                                              O[d] = step(O[d], p_{2i},   vb[64b+2i,d])
+ *   out[t, h*hd+d] = l == 0 ? 0 : O[d] * (1.0f / l)       (every key excluded: zeros)
+ *   E(x) = the float32 exp polynomial of nx_vmath_ew.h (clamp to [-110, 89], Cody-Waite reduction
+ *   by rint(x * log2 e), Cephes P5 by fmaf, times 2^n rounded once); E(0) = 1 exactly,
+ *   E(-inf) = 0. nx_attn_exp below is its scalar form (same operations, same bits).
+ *   A maximum is exact whatever its order (a zero's sign never changes a later result: E(+-0)
+ *   = 1), so the micro-blocks may take it in any order; every other operation is in the order
+ *   above. Rows never interact: a row's operations depend on t, T and the inputs only, never
+ *   on the micro-block, query block or head band it lands in (a SIMD micro-block straddling a
+ *   tile's first key runs that tile with its earlier rows' state left untouched).
+ *   Non-finite input: the contract holds for finite q, k, v with finite scores; a non-finite v
+ *   at any key j < T of a run tile reaches the rows that run the tile (0 * inf = NaN), even where
+ *   that key is masked or after the row.
+ *
+ * ---- error bound vs float64 attention (ref: w*_j = softmax_j(scale * q.k_j) over allowed j,
+ * ref = sum_j w*_j v_j, float64 arithmetic on the float32 inputs), for a row with >= 1 allowed key:
+ *   u = 2^-8 (bfloat16 rounding), e = 2^-24, gamma_n = n e / (1 - n e), nt = tiles run,
+ *   delta_j = scale ((2u + u^2) + gamma_P (1+u)^2) sum_d |q_d k_jd| (P = 2*P2 steps), plus
+ *             e (|s*_j| + that) (the product by scale); delta = max over allowed j;
+ *   R = max_j s*_j - min_j s*_j + 2 delta (the spread of the computed allowed scores);
+ *   rho = (1+u) (1 + 2^-22)^(nt+1) (1+e)^(2nt) exp(2 e R) - 1
+ *         (p's bfloat16 rounding, E's <= 2 ulp, each rescale alpha and its float32 product, the
+ *         subtractions x - m, |x - m| <= R, and the rescales' m differences, which sum to <= R);
+ *   eta = exp(delta) (1 + rho) (1 + gamma_{64 nt + 2 nt + 8}) - 1  (every weight, in O and in l:
+ *         the bf16 dot chain runs 64 steps per tile, l one tree and one add per tile);
+ *   |out - ref| <= ((2 eta + u (1 + eta)) / (1 - eta) + 2^-21) * sum_j w*_j |v_j|
+ *                  + 64 nt 2^-124 (1 + max|v|)
+ *   Why: every weight O and l see is w*_j Z (1 + eta_j), |eta_j| <= eta, with the same Z (E(0) = 1
+ *   makes the running max's weight exactly 1, so l >= 1); normalising cancels Z; v's rounding
+ *   adds u; the last product and reciprocal 2 e; the last term covers flushed subnormals (p
+ *   below 2^-126, DAZ/FTZ of the dot steps). At scale = hd^-1/2 and unit-normal q, k (hd = 128)
+ *   the delta term dominates: ~0.14 * sum w*|v|, a worst case; measured errors are 65-300x
+ *   below it
+ *   (tests/test_kernels_attn_bf16.py, docs/kernels.md).
+ */
+#ifndef NX_ATTN_BF16_H
+#define NX_ATTN_BF16_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "nx_cpu.h"
+#include "nx_dispatch.h"
+
+#define NX_ATTN_BF16_SLOTS(X)                                                                      \
+    X(attention_bf16, int,                                                                         \
+      (const float *q, const float *k, const float *qkv, const uint8_t *mask, float *out,          \
+       int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1,         \
+       int causal))
+NX_DECLARE_FAMILY(nx_attn_bf16, NX_ATTN_BF16_SLOTS)
+extern const nx_attn_bf16_table nx_attn_bf16_table_generic;    /* nx_attn_bf16.c */
+extern const nx_attn_bf16_table nx_attn_bf16_table_avx512bf16; /* nx_attn_bf16_avx512bf16.c */
+
+#define NX_ATTN_BF16_TILE 64 /* keys per tile: part of the contract (the sum tree, the rescales) */
+
+/* The `bf16` attention at `isa` (the contract above). Returns 0, or -1 if scratch could not be
+ * allocated (nothing written then). */
+int nx_attention_bf16(nx_isa isa, const float *q /* IN [H, T, hd] */,
+                      const float *k /* IN [KVH, T, hd] */,
+                      const float *qkv /* IN [T, (H+2*KVH)*hd] (v part read) */,
+                      const uint8_t *mask /* IN [T] or NULL */,
+                      float *out /* OUT [T, H*hd], columns of heads [h0, h1) */, int64_t T,
+                      int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1,
+                      int causal);
+int nx_attention_bf16_generic(const float *q, const float *k, const float *qkv,
+                              const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
+                              int64_t hd, float scale, int64_t h0, int64_t h1, int causal);
+int nx_attention_bf16_avx512bf16(const float *q, const float *k, const float *qkv,
+                                 const uint8_t *mask, float *out, int64_t T, int64_t H,
+                                 int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1,
+                                 int causal);
+
+/* E(x): the scalar form of nx_exp16 / nx_exp8 (nx_vmath_ew.h), operation for operation: the
+ * clamp keeps NaN like min_ps/max_ps (their second operand), rintf rounds to nearest even like
+ * roundscale, fmaf is the vector FMA, ldexpf rounds p * 2^n once like scalef (|n| <= 159). Used by
+ * the generic spec; the SIMD variant calls nx_exp16 itself. */
+static inline float nx_attn_exp(float x) {
+    if (x != x) return x + x; /* NaN (its payload is not part of the contract) */
+    x = 89.0f < x ? 89.0f : x;     /* min_ps(89, x): x unless 89 < x */
+    x = -110.0f > x ? -110.0f : x; /* max_ps(-110, x): x unless -110 > x */
+    const float n = rintf(x * 1.44269504088896341f);
+    float r = fmaf(-n, 0.693359375f, x);
+    r = fmaf(-n, -2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r);
+    p = p + 1.0f;
+    return ldexpf(p, (int)n);
+}
+
+#endif

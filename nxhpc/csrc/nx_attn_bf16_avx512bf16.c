@@ -1,0 +1,321 @@
+/* nx_attn_bf16_avx512bf16.c -- the `bf16` attention (nx_attn_bf16.h) on AVX-512 BF16; exports
+ * the avx512bf16 table of the "attn_bf16" family.
+ *
+ * Owns: the packed layouts, the tiled driver and the 6-row x 64-key micro-block. Rounding is
+ * VCVTNEPS2BF16 (bf() by definition). The dot steps are vfmadd231ps on bfloat16-valued float32
+ * operands with MXCSR DAZ|FTZ set around each chain: then every FMA is exactly the contract's
+ * step(acc, a, b) = ftz(fmaf(daz(a), daz(b), daz(acc))) (x86 detects tininess after rounding:
+ * 2^-126 - 2^-151 rounds to 2^-126 and stays; 3.2e7 random and underflow-boundary cases matched
+ * the scalar step on this machine; tests/test_kernels_attn_bf16.py checks the kernel bit for bit
+ * in the underflow range). A pair's two steps are two FMAs, odd element first: K and Q are packed
+ * with the two elements of each d-pair swapped, V with the two keys of each pair swapped.
+ * Why not vdpbf16ps: on this project's Intel Xeon (family 6 model 167) it retires one per ~2
+ * cycles (16 bf16 MACs/cycle) against two vfmadd231ps per cycle (32 MACs/cycle); the vdpbf16ps
+ * micro-kernel (same layouts as pair-dwords, same contract) ran at 89-93 GFLOP/s against this
+ * one's 124-129 (T=1024, hd=128, process time).
+ * Layouts, per kv head, once: kt[tile][i][64 keys] = bf(k[j, i^1]) (i < hd2 = hd rounded up to
+ * even), vt[tile][i][hdp] = bf(v[64 tile + (i^1), d]) (hdp = hd rounded up to 16; keys >= T and
+ * d >= hd zero); per query block qt[row][i] = bf(q[row, i^1]). For each query block of <= QB
+ * rows and each key tile, micro-blocks of <= 6 rows run: S = Q K^T (6 x 4 zmm accumulators, one
+ * chain per score over i), the online softmax (E = nx_exp16, the contract's tree sum of the
+ * rounded p, with the caller's MXCSR), then O = O * alpha + P V (per 64 columns: 6 x 4 zmm, one
+ * chain per output over the tile's 64 key positions). The order of every operation is the
+ * contract's, lane for lane, so the generic spec's bits come out.
+ * Entered only after the probe reports AVX-512 (F/BW/VL/DQ), AVX512_BF16 and OS ZMM support.
+ * Must not: change the contract's order, allocate per tile, use threads, or return with MXCSR
+ * changed.
+ */
+#include "nx_attn_bf16.h"
+#include "nx_vmath_avx512.h" /* nx_exp16, nx_mask16 */
+
+#include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Rows per micro-block: 6 x 4 zmm = 24 accumulators, the float32 kernel's shape (nx_ops_avx512.c);
+ * FMA's ~4-cycle latency at two per cycle needs >= 8 independent chains. */
+#define NX_AB_BR 6
+#define NX_AB_BC NX_ATTN_BF16_TILE /* keys per tile (the contract's) */
+/* query rows sharing one pass over the K/V tiles, a multiple of NX_AB_BR */
+#ifndef NX_AB_QB
+#define NX_AB_QB 192
+#endif
+_Static_assert(NX_AB_QB % NX_AB_BR == 0, "whole micro-blocks per query block");
+
+/* Causal: a row t runs the tiles b <= floor(t/64). A micro-block whose rows straddle a tile's
+ * first key (some rows before it) runs that tile with those rows inactive: their state (m, l, O)
+ * is neither read into the result nor written, so each row runs exactly the contract's tiles. */
+
+/* MXCSR while a dot chain runs: DAZ (bit 6) and FTZ (bit 15) on top of the caller's bits. */
+#define NX_AB_DAZ_FTZ 0x8040u
+
+/* bf() of 16 floats, as float32 values. */
+static inline __m512 nx_ab_bf16(__m512 x) {
+    const __m256i b = (__m256i)_mm512_cvtneps_pbh(x);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+/* Lanes (2i, 2i+1) swapped: the order of a pair's two steps (odd element first). */
+static inline __m512 nx_ab_swap_pairs(__m512 x) { return _mm512_permute_ps(x, 0xB1); }
+
+/* kt[tile][i][64] (i < hd2): bf(k[j, i^1]) for keys [0, Tp) of one kv head (k rows hd apart). */
+static void nx_ab_pack_k(const float *kg, int64_t T, int64_t hd, int64_t hd2, int64_t Tp,
+                         float *kt) {
+    for (int64_t j = 0; j < Tp; j++) {
+        float *dst = kt + (j / NX_AB_BC) * hd2 * NX_AB_BC + j % NX_AB_BC;
+        for (int64_t d = 0; d < hd2; d += 16) {
+            float w[16];
+            const __m512 x = j < T ? _mm512_maskz_loadu_ps(nx_mask16(hd - d), kg + j * hd + d)
+                                   : _mm512_setzero_ps();
+            _mm512_storeu_ps(w, nx_ab_swap_pairs(nx_ab_bf16(x)));
+            for (int64_t i = 0; i < 16 && d + i < hd2; i++) dst[(d + i) * NX_AB_BC] = w[i];
+        }
+    }
+}
+
+/* vt[tile][i][hdp] (i < 64): bf(v[64 tile + (i^1), d]) for one kv head (v rows W apart). */
+static void nx_ab_pack_v(const float *vg, int64_t W, int64_t T, int64_t hd, int64_t hdp,
+                         int64_t Tp, float *vt) {
+    for (int64_t i = 0; i < Tp; i++) {
+        const int64_t j = i ^ 1; /* the key at position i */
+        float *dst = vt + i * hdp;
+        for (int64_t c = 0; c < hdp; c += 16) {
+            const __m512 x = j < T ? _mm512_maskz_loadu_ps(nx_mask16(hd - c), vg + j * W + c)
+                                   : _mm512_setzero_ps();
+            _mm512_store_ps(dst + c, nx_ab_bf16(x));
+        }
+    }
+}
+
+/* qt[r][i] (rows hd2s floats apart): bf(q[r, i^1]) for rows [0, nq) (q rows hd floats apart). */
+static void nx_ab_pack_q(const float *q, int64_t nq, int64_t hd, int64_t hd2s, float *qt) {
+    for (int64_t r = 0; r < nq; r++)
+        for (int64_t d = 0; d < hd2s; d += 16) {
+            const __m512 x = _mm512_maskz_loadu_ps(nx_mask16(hd - d), q + r * hd + d);
+            _mm512_store_ps(qt + r * hd2s + d, nx_ab_swap_pairs(nx_ab_bf16(x)));
+        }
+}
+
+/* The contract's sum tree of one row's 64 rounded p (f0..f3 = keys 0-15, 16-31, 32-47, 48-63). */
+static inline float nx_ab_tree(__m512 f0, __m512 f1, __m512 f2, __m512 f3) {
+    const __m512 a = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(f0, f1), f2), f3);
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+static inline uint64_t nx_ab_low_bits(int64_t n) { /* keys [0, n) of a tile */
+    return n >= 64 ? ~(uint64_t)0 : n <= 0 ? 0 : (((uint64_t)1 << n) - 1);
+}
+
+/* O[r, c : c + 16 nv] = O * alpha[r], then the chain over the tile's 64 key positions (key
+ * i^1 at position i: odd key of each pair first); nv in {1, 4}. Run under DAZ|FTZ. */
+NX_INLINE void nx_ab_pv(const int nr, const int nv, const float *Pt, const float *alpha,
+                        const float *vt, int64_t hdp, int64_t c, float *O, unsigned act) {
+    __m512 acc[NX_AB_BR][4];
+    for (int r = 0; r < nr; r++) {
+        const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++)
+            acc[r][v] = _mm512_mul_ps(_mm512_load_ps(O + r * hdp + c + 16 * v), a);
+    }
+    for (int i = 0; i < NX_AB_BC; i++) {
+        const float *vr = vt + i * hdp + c;
+        __m512 vv[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++) vv[v] = _mm512_load_ps(vr + 16 * v);
+        for (int r = 0; r < nr; r++) {
+            const __m512 pb = _mm512_set1_ps(Pt[r * NX_AB_BC + i]);
+#pragma GCC unroll 4
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(pb, vv[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        if (act >> r & 1u)
+#pragma GCC unroll 4
+            for (int v = 0; v < nv; v++) _mm512_store_ps(O + r * hdp + c + 16 * v, acc[r][v]);
+}
+
+/* S[r][0:64] := the score chains of rows r < nr (qt + r*hd2s) against tile kt (hd2 x 64).
+ * Run under DAZ|FTZ. */
+NX_INLINE void nx_ab_qk(const int nr, const float *qt, int64_t hd2s, int64_t hd2, const float *kt,
+                        float *S) {
+    __m512 acc[NX_AB_BR][4];
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < hd2; i++) {
+        const float *kp = kt + i * NX_AB_BC;
+        const __m512 k0 = _mm512_load_ps(kp), k1 = _mm512_load_ps(kp + 16);
+        const __m512 k2 = _mm512_load_ps(kp + 32), k3 = _mm512_load_ps(kp + 48);
+        for (int r = 0; r < nr; r++) {
+            const __m512 b = _mm512_set1_ps(qt[r * hd2s + i]);
+            acc[r][0] = _mm512_fmadd_ps(b, k0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(b, k1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(b, k2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(b, k3, acc[r][3]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < 4; v++) _mm512_store_ps(S + r * NX_AB_BC + 16 * v, acc[r][v]);
+}
+
+/* One micro-block: rows r < nr (qt + r*hd2s), tile kt (hd2 x 64) / vt (64 x hdp), keys of the
+ * tile allowed for row r: rmask[r]; running m, l, O (rows hdp floats apart), updated for the
+ * rows r with bit r of act set (the others do not run this tile). csr: the caller's MXCSR. The
+ * dot chains run with DAZ|FTZ set, so each vfmadd231ps is the contract's step; the softmax in
+ * between runs with the caller's MXCSR, as the spec's float32 operations do. The compiler
+ * barriers keep every load, FMA and store of a chain between its two MXCSR writes. */
+NX_INLINE void nx_ab_micro(const int nr, const float *qt, int64_t hd2s, int64_t hd2,
+                           const float *kt, const float *vt, const uint64_t *rmask, unsigned act,
+                           float scale, float *m, float *l, float *O, int64_t hdp, unsigned csr) {
+    float S[NX_AB_BR * NX_AB_BC] __attribute__((aligned(64)));
+    float Pt[NX_AB_BR * NX_AB_BC] __attribute__((aligned(64)));
+    _mm_setcsr(csr | NX_AB_DAZ_FTZ);
+    __asm__ volatile("" ::: "memory");
+    nx_ab_qk(nr, qt, hd2s, hd2, kt, S);
+    __asm__ volatile("" ::: "memory");
+    _mm_setcsr(csr);
+    __asm__ volatile("" ::: "memory");
+    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    float sums[NX_AB_BR], dm[16] = {0};
+    for (int r = 0; r < nr; r++) {
+        __m512 x[4];
+        for (int v = 0; v < 4; v++)
+            x[v] = _mm512_mask_mov_ps(ninf, (__mmask16)(rmask[r] >> (16 * v)),
+                                      _mm512_mul_ps(_mm512_load_ps(S + r * NX_AB_BC + 16 * v), sc));
+        const __m512 mx4 = _mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]));
+        const float mx = _mm512_reduce_max_ps(mx4);
+        const float m_new = mx > m[r] ? mx : m[r];
+        const float m_use = m_new == -INFINITY ? 0.0f : m_new; /* all excluded so far: p = 0 */
+        dm[r] = m[r] - m_use;
+        if (act >> r & 1u) m[r] = m_new;
+        const __m512 mu = _mm512_set1_ps(m_use);
+        __m512 f[4];
+        for (int v = 0; v < 4; v++) {
+            f[v] = nx_ab_bf16(nx_exp16(_mm512_sub_ps(x[v], mu)));
+            _mm512_store_ps(Pt + r * NX_AB_BC + 16 * v, nx_ab_swap_pairs(f[v]));
+        }
+        sums[r] = nx_ab_tree(f[0], f[1], f[2], f[3]);
+    }
+    float alpha[16] __attribute__((aligned(64)));
+    _mm512_store_ps(alpha, nx_exp16(_mm512_loadu_ps(dm)));
+    for (int r = 0; r < nr; r++)
+        if (act >> r & 1u) l[r] = l[r] * alpha[r] + sums[r];
+    __asm__ volatile("" ::: "memory");
+    _mm_setcsr(csr | NX_AB_DAZ_FTZ);
+    __asm__ volatile("" ::: "memory");
+    int64_t c = 0;
+    for (; c + 64 <= hdp; c += 64) nx_ab_pv(nr, 4, Pt, alpha, vt, hdp, c, O, act);
+    for (; c < hdp; c += 16) nx_ab_pv(nr, 1, Pt, alpha, vt, hdp, c, O, act);
+    __asm__ volatile("" ::: "memory");
+    _mm_setcsr(csr);
+    __asm__ volatile("" ::: "memory");
+}
+
+static void nx_ab_micro_any(int nr, const float *qt, int64_t hd2s, int64_t hd2, const float *kt,
+                            const float *vt, const uint64_t *rmask, unsigned act, float scale,
+                            float *m, float *l, float *O, int64_t hdp, unsigned csr) {
+#define NX_AB_CASE(n)                                                                              \
+    case n: nx_ab_micro(n, qt, hd2s, hd2, kt, vt, rmask, act, scale, m, l, O, hdp, csr); break;
+    switch (nr) { /* constant row counts: the accumulators stay in registers */
+        NX_AB_CASE(6)
+        NX_AB_CASE(5)
+        NX_AB_CASE(4)
+        NX_AB_CASE(3)
+        NX_AB_CASE(2)
+    default: nx_ab_micro(1, qt, hd2s, hd2, kt, vt, rmask, act, scale, m, l, O, hdp, csr); break;
+    }
+#undef NX_AB_CASE
+}
+
+int nx_attention_bf16_avx512bf16(const float *q, const float *k, const float *qkv,
+                                 const uint8_t *mask, float *out, int64_t T, int64_t H,
+                                 int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1,
+                                 int causal) {
+    const int64_t BC = NX_AB_BC, QB = NX_AB_QB;
+    const int64_t W = (H + 2 * KVH) * hd, group = H / KVH, OW = H * hd;
+    const int64_t ntiles = (T + BC - 1) / BC, Tp = ntiles * BC;
+    const int64_t hd2 = (hd + 1) / 2 * 2, hd2s = (hd2 + 15) / 16 * 16, hdp = (hd + 15) / 16 * 16;
+    const unsigned csr = _mm_getcsr();
+    /* sizes in whole 64-byte lines (aligned_alloc wants a multiple of the alignment) */
+    float *kt = aligned_alloc(64, (size_t)((Tp * hd2 * 4 + 63) / 64 * 64));
+    float *vt = aligned_alloc(64, (size_t)(Tp * hdp * 4));
+    float *qp = aligned_alloc(64, (size_t)(QB * hd2s * 4));
+    float *O = aligned_alloc(64, (size_t)(QB * hdp * 4));
+    uint64_t *tmask = malloc((size_t)ntiles * sizeof(uint64_t)); /* allowed keys per tile */
+    float m[NX_AB_QB], l[NX_AB_QB];
+    if (!kt || !vt || !qp || !O || !tmask) {
+        free(kt);
+        free(vt);
+        free(qp);
+        free(O);
+        free(tmask);
+        return -1;
+    }
+    for (int64_t b = 0; b < ntiles; b++) {
+        uint64_t bits = 0;
+        for (int64_t jj = 0; jj < BC; jj++) {
+            const int64_t j = b * BC + jj;
+            if (j < T && (!mask || mask[j])) bits |= (uint64_t)1 << jj;
+        }
+        tmask[b] = bits;
+    }
+    int64_t packed = -1;
+    for (int64_t h = h0; h < h1; h++) {
+        const int64_t g = h / group;
+        if (g != packed) {
+            nx_ab_pack_k(k + g * T * hd, T, hd, hd2, Tp, kt);
+            nx_ab_pack_v(qkv + (H + KVH) * hd + g * hd, W, T, hd, hdp, Tp, vt);
+            packed = g;
+        }
+        for (int64_t t0 = 0; t0 < T; t0 += QB) {
+            const int64_t nq = T - t0 < QB ? T - t0 : QB;
+            nx_ab_pack_q(q + (h * T + t0) * hd, nq, hd, hd2s, qp);
+            for (int64_t r = 0; r < nq; r++) {
+                m[r] = -INFINITY;
+                l[r] = 0.0f;
+            }
+            memset(O, 0, (size_t)(nq * hdp) * sizeof(float));
+            for (int64_t b = 0; b < ntiles; b++) {
+                const int64_t j0 = b * BC;
+                if (causal && j0 > t0 + nq - 1) break; /* no row of the block runs this tile */
+                for (int64_t r0 = 0; r0 < nq; r0 += NX_AB_BR) {
+                    const int nr = (int)(nq - r0 < NX_AB_BR ? nq - r0 : NX_AB_BR);
+                    const int64_t f = t0 + r0; /* first row */
+                    uint64_t rmask[NX_AB_BR];
+                    unsigned act = (1u << nr) - 1u;
+                    if (causal && j0 > f + nr - 1) continue; /* the tile starts after every row */
+                    for (int r = 0; r < nr; r++) {
+                        const int run = !causal || j0 <= f + r; /* row f+r runs tile b */
+                        if (!run) act &= ~(1u << r);
+                        rmask[r] = !run ? 0 : causal ? tmask[b] & nx_ab_low_bits(f + r - j0 + 1)
+                                                     : tmask[b];
+                    }
+                    nx_ab_micro_any(nr, qp + r0 * hd2s, hd2s, hd2, kt + b * hd2 * BC,
+                                    vt + b * BC * hdp, rmask, act, scale, m + r0, l + r0,
+                                    O + r0 * hdp, hdp, csr);
+                }
+            }
+            for (int64_t r = 0; r < nq; r++) {
+                float *o = out + (t0 + r) * OW + h * hd;
+                const float *src = O + r * hdp;
+                if (l[r] == 0.0f) {
+                    for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
+                } else {
+                    const float inv = 1.0f / l[r];
+                    for (int64_t d = 0; d < hd; d++) o[d] = src[d] * inv;
+                }
+            }
+        }
+    }
+    free(kt);
+    free(vt);
+    free(qp);
+    free(O);
+    free(tmask);
+    return 0;
+}
+
+const nx_attn_bf16_table nx_attn_bf16_table_avx512bf16 = {.attention_bf16 =
+                                                              nx_attention_bf16_avx512bf16};

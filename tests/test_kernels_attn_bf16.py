@@ -1,0 +1,395 @@
+"""Tests of the `bf16` attention, ``K.attention(..., precision="bf16")`` (csrc/nx_attn_bf16.h):
+q, k, v and P rounded to bfloat16, Q K^T and P V on the bfloat16 dot step, softmax max/sum in
+float32.
+
+Oracles, sharing no code with the C:
+  * a numpy transcription of the header's contract (``contract_attention``): bfloat16 rounding on
+    the bit pattern, the dot step as an exact fma (the float64 sum made round-to-odd, then one
+    rounding to float32: exact for float32 operands), the exp polynomial op for op. Every variant
+    must equal it bit for bit; variants of it with one rule broken (P not rounded, l in bfloat16,
+    the pair order swapped) must not.
+  * float64 softmax attention on the float32 inputs, with the header's error bound per row.
+Structure: generic == SIMD bit for bit, head bands bit for bit, f32 unchanged by the option.
+"""
+import math
+
+import numpy as np
+import pytest
+
+from kernelutil import ISAS, SIMD_ISAS, assert_bitwise, band_edges, bits
+from nxhpc import _kernels as K
+
+F32 = np.float32
+U = 2.0 ** -8      # bfloat16 unit roundoff
+E = 2.0 ** -24     # float32 unit roundoff
+TILE = 64
+
+
+# ------------------------------------------------------------------ the contract in numpy
+
+def bf(x):
+    """float32 -> bfloat16 -> float32 as the contract's bf(): subnormals to the zero of their sign,
+    NaN quieted, else round to nearest even on the bit pattern."""
+    u = np.ascontiguousarray(x, F32).view(np.uint32).astype(np.uint64)
+    sub = (u & 0x7F800000) == 0
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    r = np.where(sub, (u >> 16) & 0x8000, np.where(nan, (u >> 16) | 0x40, r))
+    return (r.astype(np.uint32) << 16).view(F32)
+
+
+def fma32(a, b, c):
+    """Correctly rounded float32 fma(a, b, c) of float32 arrays: a*b is exact in float64, the sum's
+    rounding error comes from TwoSum; rounding the float64 sum to odd and then to float32 rounds
+    once (53 >= 24 + 2 bits)."""
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c = np.asarray(c).astype(np.float64)
+    s = p + c
+    bp = s - p
+    e = (p - (s - bp)) + (c - bp)
+    even = (s.view(np.int64) & 1) == 0
+    fix = (e != 0) & even & np.isfinite(s)
+    s = np.where(fix, np.nextafter(s, np.where(e > 0, np.inf, -np.inf)), s)
+    return s.astype(F32)
+
+
+def daz(x):
+    x = np.asarray(x, F32)
+    return np.where(np.abs(x) < F32(2.0 ** -126), np.copysign(F32(0), x), x).astype(F32)
+
+
+def step(acc, a, b):
+    """The bf16 dot step of nx_lowp.h: ftz(fmaf(daz(a), daz(b), daz(acc)))."""
+    return daz(fma32(daz(a), daz(b), daz(acc)))
+
+
+def exp_e(x):
+    """E(x) of the contract (nx_vmath_ew.h's polynomial), op for op in float32."""
+    x = np.asarray(x, F32)
+    x = np.where(F32(89) < x, F32(89), x)
+    x = np.where(F32(-110) > x, F32(-110), x).astype(F32)
+    n = np.rint(x * F32(1.44269504088896341)).astype(F32)
+    r = fma32(-n, F32(0.693359375), x)
+    r = fma32(-n, F32(-2.12194440e-4), r)
+    p = np.full_like(x, F32(1.9875691500e-4))
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = fma32(p, r, F32(c))
+    p = fma32(p, (r * r).astype(F32), r)
+    p = (p + F32(1)).astype(F32)
+    return (p.astype(np.float64) * np.exp2(n.astype(np.float64))).astype(F32)
+
+
+def contract_attention(q, k, qkv, KVH, scale, mask=None, causal=False, broken=None):
+    """The header's contract, transcribed (all rows of a head at once). broken: None, or one rule
+    replaced -- "p_f32" (P not rounded), "l_bf16" (l rounded to bfloat16 per tile), "pair_even"
+    (the even element of each pair first), "no_ftz" (the dot steps without DAZ/FTZ)."""
+    H, T, hd = q.shape
+    group = H // KVH
+    hd2, nt = (hd + 1) // 2 * 2, -(-T // TILE)
+    Tp = nt * TILE
+    out = np.zeros((T, H * hd), F32)
+    scale = F32(scale)
+    first, second = (0, 1) if broken == "pair_even" else (1, 0)
+    dot = (lambda acc, a, b: fma32(a, b, acc)) if broken == "no_ftz" else step
+    rows = np.arange(T)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for h in range(H):
+            g = h // group
+            kb = np.zeros((Tp, hd2), F32)
+            vb = np.zeros((Tp, hd2), F32)
+            kb[:T, :hd] = bf(k[g])
+            vb[:T, :hd] = bf(qkv[:, (H + KVH) * hd + g * hd:(H + KVH) * hd + (g + 1) * hd])
+            qb = np.zeros((T, hd2), F32)
+            qb[:, :hd] = bf(q[h])
+            m = np.full(T, -np.inf, F32)
+            l = np.zeros(T, F32)
+            O = np.zeros((T, hd2), F32)
+            for b in range(nt):
+                run = (rows // TILE >= b) if causal else np.ones(T, bool)
+                keys = b * TILE + np.arange(TILE)
+                s = np.zeros((T, TILE), F32)
+                for d in range(0, hd2, 2):
+                    s = dot(s, qb[:, d + first, None], kb[keys, d + first][None, :])
+                    s = dot(s, qb[:, d + second, None], kb[keys, d + second][None, :])
+                allowed = np.broadcast_to(keys < T, (T, TILE)).copy()
+                if mask is not None:
+                    allowed &= np.concatenate([mask.astype(bool), np.zeros(Tp - T, bool)])[keys]
+                if causal:
+                    allowed &= keys[None, :] <= rows[:, None]
+                x = np.where(allowed, (s * scale).astype(F32), F32(-np.inf))
+                mx = x.max(axis=1)
+                m_new = np.where(mx > m, mx, m).astype(F32)
+                m_use = np.where(m_new == -np.inf, F32(0), m_new).astype(F32)
+                alpha = exp_e((m - m_use).astype(F32))
+                p = exp_e((x - m_use[:, None]).astype(F32))
+                if broken != "p_f32":
+                    p = bf(p)
+                a = (((p[:, 0:16] + p[:, 16:32]) + p[:, 32:48]) + p[:, 48:64]).astype(F32)
+                a = (a[:, :8] + a[:, 8:]).astype(F32)
+                a = (a[:, :4] + a[:, 4:]).astype(F32)
+                a = (a[:, :2] + a[:, 2:]).astype(F32)
+                tot = (a[:, 0] + a[:, 1]).astype(F32)
+                l_new = ((l * alpha).astype(F32) + tot).astype(F32)
+                if broken == "l_bf16":
+                    l_new = bf(l_new)
+                o = (O * alpha[:, None]).astype(F32)
+                for i in range(TILE // 2):
+                    for jj in (2 * i + first, 2 * i + second):
+                        o = dot(o, p[:, jj, None], vb[b * TILE + jj][None, :])
+                l = np.where(run, l_new, l)
+                m = np.where(run, m_new, m)
+                O = np.where(run[:, None], o, O)
+            inv = np.where(l == 0, F32(0), F32(1) / np.where(l == 0, F32(1), l)).astype(F32)
+            res = np.where((l == 0)[:, None], F32(0), (O[:, :hd] * inv[:, None]).astype(F32))
+            out[:, h * hd:(h + 1) * hd] = res
+    return out
+
+
+# ------------------------------------------------------------------ float64 reference + bound
+
+def ref_and_bound(q, k, qkv, KVH, scale, mask=None, causal=False):
+    """float64 attention (ref [T, H*hd]) and the header's error bound per element."""
+    H, T, hd = q.shape
+    group = H // KVH
+    sc = float(F32(scale))
+    allowed = np.ones((T, T), bool)
+    if mask is not None:
+        allowed &= mask.astype(bool)[None, :]
+    if causal:
+        allowed &= np.tril(np.ones((T, T), bool))
+    nt = np.full(T, -(-T // TILE)) if not causal else np.arange(T) // TILE + 1
+    P = 2 * ((hd + 1) // 2)
+    gam = lambda n: n * E / (1 - n * E)  # noqa: E731
+    ref = np.zeros((T, H * hd))
+    bound = np.zeros((T, H * hd))
+    for h in range(H):
+        g = h // group
+        q64, k64 = q[h].astype(np.float64), k[g].astype(np.float64)
+        v64 = qkv[:, (H + KVH) * hd + g * hd:(H + KVH) * hd + (g + 1) * hd].astype(np.float64)
+        s = sc * (q64 @ k64.T)
+        mag = sc * (np.abs(q64) @ np.abs(k64).T)
+        a = ((2 * U + U * U) + gam(P) * (1 + U) ** 2) * mag
+        delta_j = a + E * (np.abs(s) + a)
+        smax = np.where(allowed, s, -np.inf)
+        with np.errstate(invalid="ignore"):  # rows with no allowed key: -inf - -inf
+            w = np.exp(smax - smax.max(axis=1, keepdims=True))
+        w = np.where(allowed, w, 0.0)
+        z = w.sum(axis=1, keepdims=True)
+        has = z[:, 0] > 0
+        w = w / np.where(z > 0, z, 1.0)
+        delta = np.where(allowed, delta_j, 0).max(axis=1)
+        smin = np.where(allowed, s, np.inf).min(axis=1)
+        R = np.where(has, smax.max(axis=1) - smin, 0) + 2 * delta
+        rho = (1 + U) * (1 + 2.0 ** -22) ** (nt + 1) * (1 + E) ** (2 * nt) * np.exp(2 * E * R) - 1
+        eta = np.exp(delta) * (1 + rho) * (1 + gam(64 * nt + 2 * nt + 8)) - 1
+        coef = (2 * eta + U * (1 + eta)) / (1 - eta) + 2.0 ** -21
+        A = w @ np.abs(v64)
+        ref[:, h * hd:(h + 1) * hd] = w @ v64
+        tiny = 64 * nt * 2.0 ** -124 * (1 + np.abs(v64).max())
+        bound[:, h * hd:(h + 1) * hd] = np.where(has[:, None], coef[:, None] * A + tiny[:, None],
+                                                 0.0)
+    return ref, bound
+
+
+def inputs(rng, T, H, KVH, hd, qk_scale=1.0, v_scale=1.0):
+    q = (rng.standard_normal((H, T, hd)) * qk_scale).astype(F32)
+    k = (rng.standard_normal((KVH, T, hd)) * qk_scale).astype(F32)
+    qkv = (rng.standard_normal((T, (H + 2 * KVH) * hd)) * v_scale).astype(F32)
+    return q, k, qkv
+
+
+def run(q, k, qkv, KVH, scale, isa, **kw):
+    out = np.full((q.shape[1], q.shape[0] * q.shape[2]), np.nan, F32)
+    return K.attention(q, k, qkv, out, KVH, scale, isa=isa, precision="bf16", **kw)
+
+
+def make_mask(rng, kind, T):
+    if kind == "none":
+        return None
+    if kind == "tail":  # right padding, as the DiT's caption pad
+        return np.arange(T) < max(1, int(T * rng.uniform(0.3, 0.9)))
+    return rng.random(T) < {"random": 0.6, "sparse": 0.05}[kind]
+
+
+# ------------------------------------------------------------------ tests
+
+CONTRACT_CASES = [  # T, H, KVH, hd, causal, mask kind
+    (1, 1, 1, 2, False, "none"), (5, 2, 1, 7, True, "none"), (64, 2, 2, 16, False, "random"),
+    (65, 3, 1, 40, True, "tail"), (130, 2, 1, 33, False, "sparse"), (129, 4, 2, 128, True, "random"),
+]
+
+
+@pytest.mark.parametrize("case", CONTRACT_CASES)
+def test_every_variant_is_the_contract_bit_for_bit(case):
+    T, H, KVH, hd, causal, mk = case
+    rng = np.random.default_rng(T * 31 + hd)
+    q, k, qkv = inputs(rng, T, H, KVH, hd, qk_scale=rng.uniform(0.5, 3.0))
+    mask = make_mask(rng, mk, T)
+    scale = float(rng.uniform(0.5, 1.5) / math.sqrt(hd))
+    _check_contract(q, k, qkv, KVH, scale, mask, causal, case)
+
+
+def _check_contract(q, k, qkv, KVH, scale, mask, causal, what):
+    want = contract_attention(q, k, qkv, KVH, scale, mask, causal)
+    for isa in ISAS:
+        assert_bitwise(run(q, k, qkv, KVH, scale, isa, mask=mask, causal=causal), want,
+                       f"{isa} vs contract {what}")
+    return want
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_underflow_range_is_the_contract_bit_for_bit(seed):
+    """Where DAZ/FTZ act: q.k products near 2^-126 (subnormal partial sums and scores, flushed
+    in the dot chain), subnormal q/k/v inputs (bf() flushes them), tiny v (P V underflows), and
+    scores spread so the rescale alpha = E(m_old - m_new) is subnormal (a running output O *
+    alpha below 2^-126 enters the next chain, which flushes it)."""
+    rng = np.random.default_rng(100 + seed)
+    T, H, KVH, hd = int(rng.integers(60, 140)), 2, 1, int(rng.choice([16, 24, 33]))
+    q, k, qkv = inputs(rng, T, H, KVH, hd)
+    mode = seed % 4
+    if mode == 0:   # products ~2^-126: partial sums flushed; scale 2^122 makes that visible
+        q *= F32(2.0 ** -63)
+        k *= F32(2.0 ** -63)
+        scale = 2.0 ** 122
+    elif mode == 1:  # subnormal inputs mixed with normal ones
+        for a in (q, k, qkv):
+            sub = rng.random(a.shape) < 0.3
+            a[sub] = (rng.standard_normal(sub.sum()) * 2.0 ** -130).astype(F32)
+        scale = 0.3
+    elif mode == 2:  # tiny v: P V partial sums below 2^-126
+        qkv *= F32(2.0 ** -118)
+        scale = 0.5
+    else:            # large scores rising along the keys: alpha underflows, O * alpha subnormal
+        k += np.linspace(0, 40, T, dtype=F32)[None, :, None] * np.sign(q.mean(axis=(0, 1)))
+        qkv *= F32(1e3)
+        scale = 1.0
+    mask = make_mask(rng, "random", T) if seed > 1 else None
+    causal = bool(seed % 2)
+    want = _check_contract(q, k, qkv, KVH, scale, mask, causal, f"underflow mode {mode}")
+    if mode in (0, 2):  # negative control: the flushes matter on these inputs
+        other = contract_attention(q, k, qkv, KVH, scale, mask, causal, broken="no_ftz")
+        assert (bits(other) != bits(want)).any(), mode
+
+
+def test_broken_contracts_are_caught():
+    """Negative controls: the same transcription with one rule changed (P left in float32, the
+    running sum l held in bfloat16, the pair order swapped) differs from the kernels' bits."""
+    rng = np.random.default_rng(7)
+    T, H, KVH, hd = 100, 2, 1, 24
+    q, k, qkv = inputs(rng, T, H, KVH, hd, qk_scale=2.0)
+    scale = 1 / math.sqrt(hd)
+    got = run(q, k, qkv, KVH, scale, ISAS[-1], causal=True)
+    assert_bitwise(got, contract_attention(q, k, qkv, KVH, scale, causal=True), "contract")
+    for broken in ("p_f32", "l_bf16", "pair_even"):
+        other = contract_attention(q, k, qkv, KVH, scale, causal=True, broken=broken)
+        assert (bits(other) != bits(got)).mean() > 0.05, broken
+
+
+@pytest.mark.parametrize("T", [1, 3, 63, 64, 65, 200, 333])
+@pytest.mark.parametrize("causal", [False, True])
+def test_within_the_bound_of_float64(T, causal):
+    rng = np.random.default_rng(T + 1000 * causal)
+    for trial in range(2):
+        H, KVH = [(1, 1), (4, 2), (6, 3), (3, 3)][rng.integers(4)]
+        hd = int(rng.choice([8, 31, 64, 128]))
+        qk_scale = float(rng.choice([0.1, 1.0, 2.5]))
+        v_scale = float(rng.choice([1e-3, 1.0, 50.0]))
+        q, k, qkv = inputs(rng, T, H, KVH, hd, qk_scale, v_scale)
+        mask = make_mask(rng, ["none", "tail", "random", "sparse"][rng.integers(4)], T)
+        scale = 1 / math.sqrt(hd)
+        ref, bound = ref_and_bound(q, k, qkv, KVH, scale, mask, causal)
+        for isa in ([ISAS[-1]] if T > 100 else ISAS):
+            got = run(q, k, qkv, KVH, scale, isa, mask=mask, causal=causal).astype(np.float64)
+            err = np.abs(got - ref)
+            assert (err <= bound).all(), (f"{isa} T={T} H={H}/{KVH} hd={hd}: worst ratio "
+                                          f"{(err / np.maximum(bound, 1e-300)).max():.3g}")
+            # rows with no allowed key are zeros
+            dead = ~(bound > 0).any(axis=1) if mask is not None else np.zeros(T, bool)
+            assert (got[dead] == 0).all()
+
+
+def test_bound_checks_catch_a_wrong_function():
+    """Negative controls of the float64 check: the causal result fails the full attention's bound,
+    and the bf16 result fails the float32 attention's own error scale (so bf16 does round)."""
+    rng = np.random.default_rng(3)
+    T, H, KVH, hd = 150, 2, 1, 64
+    q, k, qkv = inputs(rng, T, H, KVH, hd, 1.5)
+    scale = 1 / math.sqrt(hd)
+    ref, bound = ref_and_bound(q, k, qkv, KVH, scale)
+    causal = run(q, k, qkv, KVH, scale, ISAS[-1], causal=True).astype(np.float64)
+    assert (np.abs(causal - ref) > bound).any()
+    full = run(q, k, qkv, KVH, scale, ISAS[-1]).astype(np.float64)
+    assert (np.abs(full - ref) <= bound).all()
+    f32 = np.empty_like(causal, dtype=F32)
+    K.attention(q, k, qkv, f32, KVH, scale)
+    # the float32 kernel is ~2^-20 relative; bfloat16 inputs move outputs by ~2^-9
+    assert np.abs(full - ref).max() > 100 * np.abs(f32 - ref).max()
+
+
+@pytest.mark.parametrize("T", [7, 190, 450])
+def test_simd_equals_generic_bit_for_bit(T):
+    rng = np.random.default_rng(T)
+    for causal in (False, True):
+        H, KVH, hd = (4, 2, int(rng.choice([40, 128, 17]))) if T < 400 else (2, 1, 96)
+        q, k, qkv = inputs(rng, T, H, KVH, hd, float(rng.uniform(0.2, 4.0)))
+        mask = make_mask(rng, ["none", "random", "tail"][rng.integers(3)], T)
+        scale = float(rng.uniform(0.05, 0.3))
+        want = run(q, k, qkv, KVH, scale, "generic", mask=mask, causal=causal)
+        for isa in SIMD_ISAS:
+            assert_bitwise(run(q, k, qkv, KVH, scale, isa, mask=mask, causal=causal), want,
+                           f"{isa} vs generic T={T} causal={causal}")
+
+
+def test_head_bands_are_bit_identical():
+    rng = np.random.default_rng(11)
+    T, H, KVH, hd = 140, 6, 2, 48
+    q, k, qkv = inputs(rng, T, H, KVH, hd)
+    scale = 1 / math.sqrt(hd)
+    for isa in ISAS:
+        for causal in (False, True):
+            full = run(q, k, qkv, KVH, scale, isa, causal=causal)
+            edges = band_edges(rng, H, 5)
+            out = np.full_like(full, np.nan)
+            for a, b in zip(edges[:-1], edges[1:]):
+                K.attention(q, k, qkv, out, KVH, scale, h0=a, h1=b, isa=isa, causal=causal,
+                            precision="bf16")
+            assert_bitwise(out, full, f"{isa} bands {edges}")
+
+
+def test_rows_are_independent_of_later_keys_causal():
+    """Causal: the first rows of a longer sequence equal the shorter sequence's (keys after a row
+    never change it; only keys of its own tiles are read, all finite here)."""
+    rng = np.random.default_rng(5)
+    T, H, KVH, hd = 300, 2, 1, 32
+    q, k, qkv = inputs(rng, T, H, KVH, hd)
+    n = 131
+    W = (H + 2 * KVH) * hd
+    short = [np.ascontiguousarray(a) for a in (q[:, :n], k[:, :n], qkv[:n, :W])]
+    for isa in ISAS:
+        long = run(q, k, qkv, KVH, 0.2, isa, causal=True)
+        assert_bitwise(run(*short, KVH, 0.2, isa, causal=True), long[:n], isa)
+
+
+def test_f32_default_is_unchanged_and_precision_is_validated():
+    rng = np.random.default_rng(2)
+    T, H, KVH, hd = 70, 2, 1, 32
+    q, k, qkv = inputs(rng, T, H, KVH, hd)
+    a, b = np.empty((T, H * hd), F32), np.empty((T, H * hd), F32)
+    K.attention(q, k, qkv, a, KVH, 0.3)
+    K.attention(q, k, qkv, b, KVH, 0.3, precision="f32")
+    assert_bitwise(a, b, "f32")
+    c = run(q, k, qkv, KVH, 0.3, None)
+    assert (bits(c) != bits(a)).any()
+    for bad in ("bf32", "BF16", None, 16):
+        with pytest.raises(ValueError, match="precision"):
+            K.attention(q, k, qkv, a, KVH, 0.3, precision=bad)
+    with pytest.raises(ValueError, match="k must have shape"):
+        K.attention(q, k[:, :-1], qkv, a, KVH, 0.3, precision="bf16")
+
+
+def test_dispatch_names_the_variant():
+    assert K._variant("attention_bf16", "generic") == "generic"
+    if "avx512bf16" in ISAS:
+        assert K._variant("attention_bf16", "avx512bf16") == "avx512bf16"
+    if "avx512" in ISAS:
+        assert K._variant("attention_bf16", "avx512") == "generic"  # needs AVX512_BF16
