@@ -193,13 +193,307 @@ static void nx_q8_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, 
                 _mm512_mask_storeu_ps(C + r * ldc + 16 * v, m[v], f[r][v]);
 }
 
+/* ------------------------------------------------------------------ q8 on Q4_0 .. Q6_K weights
+ * One micro-kernel per shape (nx_lowp.h: H parts per 32-group, with or without a min), the same
+ * 6 x 32 register tile and group loop as Q8_0's; the per-type work is all in the B packer (codes
+ * to unsigned bytes, the spec's scales into the panel), so the inner loop is Q8_0's.
+ *   A micro-panel group: int32 quads[8][MR], float dx[MR], int32 init[2][MR] (-off * xsum of
+ *     each part), float ax[2][MR] (dx * (float)xsum of each part; the min term's product).
+ *     H = 1: part 0 is the whole 32 (init[1], ax[1] unused).
+ *   B micro-panel group: uint32 quads[8][NR] (u = qw + off), float sw[H][NR], float mw[H][NR]
+ *     (types with a min). */
+#define NX_Q8X_AG (13 * NX_Q8_MR * 4)
+#define NX_Q8X_BG(H, M) ((8 + (H) * (1 + (M))) * NX_Q8_NR * 4)
+
+static inline __attribute__((always_inline)) void
+nx_q8x_pack_a_t(const float *x /* IN */, size_t K, size_t t0, size_t rows, uint8_t *Ap /* OUT */,
+                void *scratch, const int off, const int H) {
+    const size_t nb = K / NX_QK8_0;
+    uint8_t *q = (uint8_t *)scratch; /* one quantized row: nb * 34 bytes */
+    for (size_t r = 0; r < NX_Q8_MR; r++) {
+        if (r < rows) nx_q8_0_quantize_avx512(x + (t0 + r) * K, q, nb);
+        for (size_t b = 0; b < nb; b++) {
+            int32_t *g = (int32_t *)(Ap + b * NX_Q8X_AG);
+            if (r >= rows) {
+                for (int i = 0; i < 13; i++) g[i * NX_Q8_MR + r] = 0; /* float fields +0.0f */
+                continue;
+            }
+            const uint8_t *blk = q + b * NX_Q8_0_BLOCK_BYTES;
+            int32_t quad[8];
+            memcpy(quad, blk + 2, 32);
+            for (int i = 0; i < 8; i++) g[i * NX_Q8_MR + r] = quad[i];
+            const float dx = nx_q8_0_act_scale(x + (t0 + r) * K + b * NX_QK8_0); /* as the spec */
+            memcpy(&g[8 * NX_Q8_MR + r], &dx, 4);
+            for (int h = 0; h < 2; h++) {
+                int32_t xs = 0;
+                if (h < H)
+                    for (int i = h * 32 / H; i < (h + 1) * 32 / H; i++) xs += (int8_t)blk[2 + i];
+                const float ax = dx * (float)xs; /* one rounding, as the spec */
+                g[(9 + h) * NX_Q8_MR + r] = -off * xs;
+                memcpy(&g[(11 + h) * NX_Q8_MR + r], &ax, 4);
+            }
+        }
+    }
+}
+
+#define NX_Q8X_PACK_A(OFF, H)                                                                      \
+    static void nx_q8x_pack_a_##OFF##_##H(const float *x, size_t K, size_t t0, size_t rows,        \
+                                          uint8_t *Ap, void *scratch) {                            \
+        nx_q8x_pack_a_t(x, K, t0, rows, Ap, scratch, OFF, H);                                      \
+    }
+NX_Q8X_PACK_A(8, 1)
+NX_Q8X_PACK_A(16, 1)
+NX_Q8X_PACK_A(0, 1)
+NX_Q8X_PACK_A(32, 2)
+NX_Q8X_PACK_A(4, 2)
+NX_Q8X_PACK_A(0, 2)
+
+/* ---- unsigned codes u[e] = qw[e] + off of one block (the element order of nx_quants.h) */
+static inline void nx_u_nib32(const uint8_t *qs, uint8_t *u) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(15);
+    _mm_storeu_si128((__m128i *)u, _mm_and_si128(q, m));
+    _mm_storeu_si128((__m128i *)(u + 16), _mm_and_si128(_mm_srli_epi16(q, 4), m));
+}
+static inline void nx_u_bit4(const uint8_t *qh, uint8_t *u) { /* bit j of qh -> bit 4 of u[j] */
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)u);
+    _mm256_storeu_si256((__m256i *)u,
+                        _mm256_mask_add_epi8(v, (__mmask32)h, v, _mm256_set1_epi8(16)));
+}
+static void nx_u_q4_0(const uint8_t *p, uint8_t *u) { nx_u_nib32(p + 2, u); }
+static void nx_u_q4_1(const uint8_t *p, uint8_t *u) { nx_u_nib32(p + 4, u); }
+static void nx_u_q5_0(const uint8_t *p, uint8_t *u) {
+    nx_u_nib32(p + 6, u);
+    nx_u_bit4(p + 2, u);
+}
+static void nx_u_q5_1(const uint8_t *p, uint8_t *u) {
+    nx_u_nib32(p + 8, u);
+    nx_u_bit4(p + 4, u);
+}
+static inline __m256i nx_ld32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void nx_st32(uint8_t *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
+static void nx_u_q4_K(const uint8_t *p, uint8_t *u) {
+    const __m256i m = _mm256_set1_epi8(15);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = nx_ld32(p + 16 + 32 * c);
+        nx_st32(u + 64 * c, _mm256_and_si256(v, m));
+        nx_st32(u + 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(v, 4), m));
+    }
+}
+static void nx_u_q5_K(const uint8_t *p, uint8_t *u) {
+    const __m256i m = _mm256_set1_epi8(15), h = nx_ld32(p + 16), b4 = _mm256_set1_epi8(16);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = nx_ld32(p + 48 + 32 * c);
+        for (int s = 0; s < 2; s++) {
+            const int j = 2 * c + s;
+            const __m256i lo = _mm256_and_si256(s ? _mm256_srli_epi16(v, 4) : v, m);
+            const __mmask32 hb = _mm256_test_epi8_mask(h, _mm256_set1_epi8((char)(1 << j)));
+            nx_st32(u + 32 * j, _mm256_mask_add_epi8(lo, hb, lo, b4));
+        }
+    }
+}
+static void nx_u_q6_K(const uint8_t *p, uint8_t *u) {
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const __m256i qh = nx_ld32(p + 128 + 32 * h);
+        for (int k = 0; k < 4; k++) {
+            __m256i lo = nx_ld32(p + 64 * h + 32 * (k & 1));
+            if (k >> 1) lo = _mm256_srli_epi16(lo, 4);
+            lo = _mm256_and_si256(lo, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m2);
+            nx_st32(u + 128 * h + 32 * k, _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
+        }
+    }
+}
+static void nx_u_q3_K(const uint8_t *p, uint8_t *u) {
+    const __m256i m2 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4), hm = nx_ld32(p);
+    for (int h = 0; h < 2; h++) {
+        const __m256i q = nx_ld32(p + 32 + 32 * h);
+        for (int s = 0; s < 4; s++) {
+            const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m2);
+            const __mmask32 hb = _mm256_test_epi8_mask(hm, _mm256_set1_epi8((char)(1 << (4 * h + s))));
+            nx_st32(u + 128 * h + 32 * s, _mm256_mask_add_epi8(lo, hb, lo, b2));
+        }
+    }
+}
+static void nx_u_q2_K(const uint8_t *p, uint8_t *u) {
+    const __m256i m2 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const __m256i q = nx_ld32(p + 16 + 32 * h);
+        for (int s = 0; s < 4; s++)
+            nx_st32(u + 128 * h + 32 * s, _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m2));
+    }
+}
+
+/* B packer: per 16-column vector, per weight block: each column's codes (SIMD) and scales (the
+ * spec's decoder: exact products, the same on every ISA), then one 16 x 8 dword transpose per
+ * 32-group. k0 and kc are multiples of the block (KC % 256 == 0, K % elems == 0). */
+static inline __attribute__((always_inline)) void
+nx_q8x_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc,
+                uint8_t *Bp /* OUT */, const int E, const int H, const int M,
+                void (*dec)(const uint8_t *, uint8_t *), const nx_q8w_type *qt) {
+    const uint8_t *w = c->w;
+    const size_t rowbytes = c->rowbytes, bb = c->wt->blck_bytes;
+    const size_t blk0 = k0 / (size_t)E, nblk = kc / (size_t)E;
+    const int GB = E / 32, NS = GB * H;
+    const size_t BG = NX_Q8X_BG(H, M);
+    _Alignas(64) uint8_t u[16][256];
+    float sw[16][16], mw[16][16];
+    for (int v = 0; v < NX_Q8_NV; v++) {
+        const size_t c0 = (size_t)v * 16;
+        const int nv = c0 >= ncols ? 0 : (ncols - c0 >= 16 ? 16 : (int)(ncols - c0));
+        for (size_t bi = 0; bi < nblk; bi++) {
+            for (int j = 0; j < 16; j++) {
+                if (j < nv) {
+                    const uint8_t *blk = w + (j0 + c0 + j) * rowbytes + (blk0 + bi) * bb;
+                    dec(blk, u[j]);
+                    qt->scales(blk, sw[j], mw[j]);
+                } else {
+                    memset(u[j], 0, (size_t)E);
+                    for (int i = 0; i < NS; i++) sw[j][i] = mw[j][i] = 0.0f;
+                }
+            }
+            for (int gl = 0; gl < GB; gl++) {
+                uint8_t *g = Bp + (bi * (size_t)GB + (size_t)gl) * BG;
+                __m256i in[16];
+                for (int j = 0; j < 16; j++) in[j] = _mm256_load_si256((const __m256i *)(u[j] + 32 * gl));
+                __m512i out[8];
+                nx_tr16x8(in, out);
+                for (int q = 0; q < 8; q++)
+                    _mm512_store_si512((__m512i *)(g + (q * NX_Q8_NR + c0) * 4), out[q]);
+                float *f = (float *)(g + 8 * NX_Q8_NR * 4);
+                for (int h = 0; h < H; h++)
+                    for (int j = 0; j < 16; j++) {
+                        f[h * NX_Q8_NR + c0 + j] = sw[j][gl * H + h];
+                        if (M) f[(H + h) * NX_Q8_NR + c0 + j] = mw[j][gl * H + h];
+                    }
+            }
+        }
+    }
+}
+
+#define NX_Q8X_PACK_B(T, t, E, H, M)                                                               \
+    static void nx_q8x_pack_b_##t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0,         \
+                                  size_t kc, uint8_t *Bp, void *scratch) {                         \
+        (void)scratch;                                                                             \
+        nx_q8x_pack_b_t(c, j0, ncols, k0, kc, Bp, E, H, M, nx_u_##t, nx_q8w(NX_GGML_##T));         \
+    }
+NX_Q8X_PACK_B(Q4_0, q4_0, 32, 1, 0)
+NX_Q8X_PACK_B(Q4_1, q4_1, 32, 1, 1)
+NX_Q8X_PACK_B(Q5_0, q5_0, 32, 1, 0)
+NX_Q8X_PACK_B(Q5_1, q5_1, 32, 1, 1)
+NX_Q8X_PACK_B(Q2_K, q2_K, 256, 2, 1)
+NX_Q8X_PACK_B(Q3_K, q3_K, 256, 2, 0)
+NX_Q8X_PACK_B(Q4_K, q4_K, 256, 1, 1)
+NX_Q8X_PACK_B(Q5_K, q5_K, 256, 1, 1)
+NX_Q8X_PACK_B(Q6_K, q6_K, 256, 2, 0)
+
+/* C[0:mr, 0:nr] := the chain over ng groups (each: H parts, each an isum term and, with a min,
+ * a min term), continued from C unless first. */
+static inline __attribute__((always_inline)) void
+nx_q8x_kern_t(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ldc, int mr, int nr,
+              int first, const int H, const int M) {
+    __mmask16 m[NX_Q8_NV];
+    for (int v = 0; v < NX_Q8_NV; v++) {
+        const int left = nr - 16 * v;
+        m[v] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+    }
+    __m512 f[NX_Q8_MR][NX_Q8_NV];
+    for (int r = 0; r < NX_Q8_MR; r++)
+        for (int v = 0; v < NX_Q8_NV; v++)
+            f[r][v] = (!first && r < mr) ? _mm512_maskz_loadu_ps(m[v], C + r * ldc + 16 * v)
+                                         : _mm512_setzero_ps();
+    const size_t BG = NX_Q8X_BG(H, M);
+    for (size_t gi = 0; gi < ng; gi++) {
+        const int32_t *a = (const int32_t *)(A + gi * NX_Q8X_AG);
+        const uint8_t *b = B + gi * BG;
+        const float *dx = (const float *)(a + 8 * NX_Q8_MR);
+        const float *sw = (const float *)(b + 8 * NX_Q8_NR * 4);
+        for (int h = 0; h < H; h++) {
+            __m512i s[NX_Q8_MR][NX_Q8_NV];
+            for (int r = 0; r < NX_Q8_MR; r++)
+                for (int v = 0; v < NX_Q8_NV; v++)
+                    s[r][v] = _mm512_set1_epi32(a[(9 + h) * NX_Q8_MR + r]);
+            for (int q = h * 8 / H; q < (h + 1) * 8 / H; q++) {
+                __m512i bv[NX_Q8_NV];
+                for (int v = 0; v < NX_Q8_NV; v++)
+                    bv[v] = _mm512_load_si512((const __m512i *)(b + (q * NX_Q8_NR + 16 * v) * 4));
+                for (int r = 0; r < NX_Q8_MR; r++) {
+                    const __m512i av = _mm512_set1_epi32(a[q * NX_Q8_MR + r]);
+                    for (int v = 0; v < NX_Q8_NV; v++)
+                        s[r][v] = _mm512_dpbusd_epi32(s[r][v], bv[v], av);
+                }
+            }
+            const float *ax = (const float *)(a + (11 + h) * NX_Q8_MR);
+            for (int r = 0; r < NX_Q8_MR; r++) {
+                const __m512 d = _mm512_set1_ps(dx[r]);
+                for (int v = 0; v < NX_Q8_NV; v++) {
+                    f[r][v] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(s[r][v]),
+                        _mm512_mul_ps(_mm512_load_ps(sw + h * NX_Q8_NR + 16 * v), d), f[r][v]);
+                    if (M)
+                        f[r][v] = _mm512_fmadd_ps(
+                            _mm512_set1_ps(ax[r]),
+                            _mm512_load_ps(sw + (H + h) * NX_Q8_NR + 16 * v), f[r][v]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < NX_Q8_MR; r++)
+        if (r < mr)
+            for (int v = 0; v < NX_Q8_NV; v++)
+                _mm512_mask_storeu_ps(C + r * ldc + 16 * v, m[v], f[r][v]);
+}
+
+#define NX_Q8X_KERN(H, M)                                                                          \
+    static void nx_q8x_kern_##H##_##M(size_t ng, const uint8_t *A, const uint8_t *B, float *C,     \
+                                      size_t ldc, int mr, int nr, int first) {                     \
+        nx_q8x_kern_t(ng, A, B, C, ldc, mr, nr, first, H, M);                                      \
+    }
+NX_Q8X_KERN(1, 0)
+NX_Q8X_KERN(1, 1)
+NX_Q8X_KERN(2, 0)
+NX_Q8X_KERN(2, 1)
+
 int nx_matmul_q8_avx512(const nx_mm_call *c) {
-    if (c->type != NX_GGML_Q8_0) return -2;
+    typedef void (*pack_a_fn)(const float *, size_t, size_t, size_t, uint8_t *, void *);
+    typedef void (*pack_b_fn)(const nx_mm_call *, size_t, size_t, size_t, size_t, uint8_t *, void *);
+    typedef void (*kern_fn)(size_t, const uint8_t *, const uint8_t *, float *, size_t, int, int, int);
+    pack_a_fn pa;
+    pack_b_fn pb;
+    kern_fn kn;
+    size_t bg;
+    switch (c->type) {
+#define NX_Q8X_CASE(T, t, A, H, M)                                                                 \
+    case NX_GGML_##T:                                                                              \
+        pa = A, pb = nx_q8x_pack_b_##t, kn = nx_q8x_kern_##H##_##M, bg = NX_Q8X_BG(H, M);          \
+        break;
+        NX_Q8X_CASE(Q4_0, q4_0, nx_q8x_pack_a_8_1, 1, 0)
+        NX_Q8X_CASE(Q5_0, q5_0, nx_q8x_pack_a_16_1, 1, 0)
+        NX_Q8X_CASE(Q4_1, q4_1, nx_q8x_pack_a_0_1, 1, 1)
+        NX_Q8X_CASE(Q5_1, q5_1, nx_q8x_pack_a_0_1, 1, 1)
+        NX_Q8X_CASE(Q4_K, q4_K, nx_q8x_pack_a_0_1, 1, 1)
+        NX_Q8X_CASE(Q5_K, q5_K, nx_q8x_pack_a_0_1, 1, 1)
+        NX_Q8X_CASE(Q6_K, q6_K, nx_q8x_pack_a_32_2, 2, 0)
+        NX_Q8X_CASE(Q3_K, q3_K, nx_q8x_pack_a_4_2, 2, 0)
+        NX_Q8X_CASE(Q2_K, q2_K, nx_q8x_pack_a_0_2, 2, 1)
+#undef NX_Q8X_CASE
+    case NX_GGML_Q8_0: {
+        const nx_lowp_tiling tl = {
+            NX_Q8_MR,   NX_Q8_NR,       NX_Q8_KC,     NX_Q8_NC,
+            NX_Q8_MC,   NX_Q8_AG,       NX_Q8_BG,     c->K / NX_QK8_0 * NX_Q8_0_BLOCK_BYTES + 64,
+            0,          NX_Q8_JR_OUTER, nx_q8_pack_a, nx_q8_pack_b,
+            nx_q8_kern,
+        };
+        return nx_lowp_blocked(&tl, c);
+    }
+    default:
+        return -2;
+    }
     const nx_lowp_tiling tl = {
-        NX_Q8_MR,   NX_Q8_NR,       NX_Q8_KC,     NX_Q8_NC,
-        NX_Q8_MC,   NX_Q8_AG,       NX_Q8_BG,     c->K / NX_QK8_0 * NX_Q8_0_BLOCK_BYTES + 64,
-        0,          NX_Q8_JR_OUTER, nx_q8_pack_a, nx_q8_pack_b,
-        nx_q8_kern,
+        NX_Q8_MR, NX_Q8_NR, NX_Q8_KC, NX_Q8_NC, NX_Q8_MC, NX_Q8X_AG, bg,
+        c->K / NX_QK8_0 * NX_Q8_0_BLOCK_BYTES + 64, 0, NX_Q8_JR_OUTER, pa, pb, kn,
     };
     return nx_lowp_blocked(&tl, c);
 }
