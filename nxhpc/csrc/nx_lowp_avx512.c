@@ -410,11 +410,13 @@ nx_q8x_kern_t(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ld
         const uint8_t *b = B + gi * BG;
         const float *dx = (const float *)(a + 8 * NX_Q8_MR);
         const float *sw = (const float *)(b + 8 * NX_Q8_NR * 4);
+#pragma GCC unroll 2
         for (int h = 0; h < H; h++) {
             __m512i s[NX_Q8_MR][NX_Q8_NV];
             for (int r = 0; r < NX_Q8_MR; r++)
                 for (int v = 0; v < NX_Q8_NV; v++)
                     s[r][v] = _mm512_set1_epi32(a[(9 + h) * NX_Q8_MR + r]);
+#pragma GCC unroll 8
             for (int q = h * 8 / H; q < (h + 1) * 8 / H; q++) {
                 __m512i bv[NX_Q8_NV];
                 for (int v = 0; v < NX_Q8_NV; v++)
