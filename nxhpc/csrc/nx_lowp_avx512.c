@@ -224,12 +224,20 @@ nx_q8x_pack_a_t(const float *x /* IN */, size_t K, size_t t0, size_t rows, uint8
             for (int i = 0; i < 8; i++) g[i * NX_Q8_MR + r] = quad[i];
             const float dx = nx_q8_0_act_scale(x + (t0 + r) * K + b * NX_QK8_0); /* as the spec */
             memcpy(&g[8 * NX_Q8_MR + r], &dx, 4);
+            const __m512i s16 =
+                _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 2))),
+                                  _mm512_set1_epi16(1)); /* pair sums, lanes 0-7: elements 0-15 */
+            int32_t xs[2];
+            if (H == 1) {
+                xs[0] = _mm512_reduce_add_epi32(s16);
+                xs[1] = 0;
+            } else {
+                xs[0] = _mm512_mask_reduce_add_epi32((__mmask16)0x00ff, s16);
+                xs[1] = _mm512_mask_reduce_add_epi32((__mmask16)0xff00, s16);
+            }
             for (int h = 0; h < 2; h++) {
-                int32_t xs = 0;
-                if (h < H)
-                    for (int i = h * 32 / H; i < (h + 1) * 32 / H; i++) xs += (int8_t)blk[2 + i];
-                const float ax = dx * (float)xs; /* one rounding, as the spec */
-                g[(9 + h) * NX_Q8_MR + r] = -off * xs;
+                const float ax = dx * (float)xs[h]; /* one rounding, as the spec */
+                g[(9 + h) * NX_Q8_MR + r] = -off * xs[h];
                 memcpy(&g[(11 + h) * NX_Q8_MR + r], &ax, 4);
             }
         }
@@ -261,19 +269,19 @@ static inline void nx_u_bit4(const uint8_t *qh, uint8_t *u) { /* bit j of qh -> 
     _mm256_storeu_si256((__m256i *)u,
                         _mm256_mask_add_epi8(v, (__mmask32)h, v, _mm256_set1_epi8(16)));
 }
-static void nx_u_q4_0(const uint8_t *p, uint8_t *u) { nx_u_nib32(p + 2, u); }
-static void nx_u_q4_1(const uint8_t *p, uint8_t *u) { nx_u_nib32(p + 4, u); }
-static void nx_u_q5_0(const uint8_t *p, uint8_t *u) {
+static inline void nx_u_q4_0(const uint8_t *p, uint8_t *u) { nx_u_nib32(p + 2, u); }
+static inline void nx_u_q4_1(const uint8_t *p, uint8_t *u) { nx_u_nib32(p + 4, u); }
+static inline void nx_u_q5_0(const uint8_t *p, uint8_t *u) {
     nx_u_nib32(p + 6, u);
     nx_u_bit4(p + 2, u);
 }
-static void nx_u_q5_1(const uint8_t *p, uint8_t *u) {
+static inline void nx_u_q5_1(const uint8_t *p, uint8_t *u) {
     nx_u_nib32(p + 8, u);
     nx_u_bit4(p + 4, u);
 }
 static inline __m256i nx_ld32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline void nx_st32(uint8_t *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
-static void nx_u_q4_K(const uint8_t *p, uint8_t *u) {
+static inline void nx_u_q4_K(const uint8_t *p, uint8_t *u) {
     const __m256i m = _mm256_set1_epi8(15);
     for (int c = 0; c < 4; c++) {
         const __m256i v = nx_ld32(p + 16 + 32 * c);
@@ -281,7 +289,7 @@ static void nx_u_q4_K(const uint8_t *p, uint8_t *u) {
         nx_st32(u + 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(v, 4), m));
     }
 }
-static void nx_u_q5_K(const uint8_t *p, uint8_t *u) {
+static inline void nx_u_q5_K(const uint8_t *p, uint8_t *u) {
     const __m256i m = _mm256_set1_epi8(15), h = nx_ld32(p + 16), b4 = _mm256_set1_epi8(16);
     for (int c = 0; c < 4; c++) {
         const __m256i v = nx_ld32(p + 48 + 32 * c);
@@ -293,7 +301,7 @@ static void nx_u_q5_K(const uint8_t *p, uint8_t *u) {
         }
     }
 }
-static void nx_u_q6_K(const uint8_t *p, uint8_t *u) {
+static inline void nx_u_q6_K(const uint8_t *p, uint8_t *u) {
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
     for (int h = 0; h < 2; h++) {
         const __m256i qh = nx_ld32(p + 128 + 32 * h);
@@ -306,7 +314,7 @@ static void nx_u_q6_K(const uint8_t *p, uint8_t *u) {
         }
     }
 }
-static void nx_u_q3_K(const uint8_t *p, uint8_t *u) {
+static inline void nx_u_q3_K(const uint8_t *p, uint8_t *u) {
     const __m256i m2 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4), hm = nx_ld32(p);
     for (int h = 0; h < 2; h++) {
         const __m256i q = nx_ld32(p + 32 + 32 * h);
@@ -317,12 +325,62 @@ static void nx_u_q3_K(const uint8_t *p, uint8_t *u) {
         }
     }
 }
-static void nx_u_q2_K(const uint8_t *p, uint8_t *u) {
+static inline void nx_u_q2_K(const uint8_t *p, uint8_t *u) {
     const __m256i m2 = _mm256_set1_epi8(3);
     for (int h = 0; h < 2; h++) {
         const __m256i q = nx_ld32(p + 16 + 32 * h);
         for (int s = 0; s < 4; s++)
             nx_st32(u + 128 * h + 32 * s, _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m2));
+    }
+}
+
+/* ---- scales sw[i] and mins mw[i] of one block: the spec's arithmetic (nx_lowp.c, nx_q8w_scales_*;
+ * every product exact), inlined into the packers. */
+static inline float nx_h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+static inline void nx_s_d(const uint8_t *p, float *sw, float *mw) {
+    (void)mw;
+    sw[0] = nx_h2f(p);
+}
+static inline void nx_s_dm(const uint8_t *p, float *sw, float *mw) {
+    sw[0] = nx_h2f(p);
+    mw[0] = nx_h2f(p + 2);
+}
+static inline void nx_s_k4(const uint8_t *p, float *sw, float *mw) {
+    const uint8_t *s = p + 4;
+    const float d = nx_h2f(p), dmin = nx_h2f(p + 2);
+    for (int j = 0; j < 8; j++) {
+        const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
+        const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+        sw[j] = d * (float)sc;
+        mw[j] = -(dmin * (float)mn);
+    }
+}
+static inline void nx_s_q6_K(const uint8_t *p, float *sw, float *mw) {
+    (void)mw;
+    const __m512 d = _mm512_set1_ps(nx_h2f(p + 208));
+    const __m512 sc = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 192))));
+    _mm512_storeu_ps(sw, _mm512_mul_ps(d, sc));
+}
+static inline void nx_s_q3_K(const uint8_t *p, float *sw, float *mw) {
+    (void)mw;
+    const uint8_t *sc = p + 96;
+    const float d = nx_h2f(p + 108);
+    for (int i = 0; i < 16; i++) {
+        const int code = ((sc[i % 8] >> (4 * (i / 8))) & 15) | ((sc[8 + i % 4] >> (2 * (i / 4))) & 3)
+                                                                   << 4;
+        sw[i] = d * (float)(code - 32);
+    }
+}
+static inline void nx_s_q2_K(const uint8_t *p, float *sw, float *mw) {
+    const float d = nx_h2f(p + 80), dmin = nx_h2f(p + 82);
+    for (int i = 0; i < 16; i++) {
+        sw[i] = d * (float)(p[i] & 15);
+        mw[i] = -(dmin * (float)(p[i] >> 4));
     }
 }
 
@@ -332,7 +390,8 @@ static void nx_u_q2_K(const uint8_t *p, uint8_t *u) {
 static inline __attribute__((always_inline)) void
 nx_q8x_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc,
                 uint8_t *Bp /* OUT */, const int E, const int H, const int M,
-                void (*dec)(const uint8_t *, uint8_t *), const nx_q8w_type *qt) {
+                void (*dec)(const uint8_t *, uint8_t *),
+                void (*scales)(const uint8_t *, float *, float *)) {
     const uint8_t *w = c->w;
     const size_t rowbytes = c->rowbytes, bb = c->wt->blck_bytes;
     const size_t blk0 = k0 / (size_t)E, nblk = kc / (size_t)E;
@@ -348,7 +407,7 @@ nx_q8x_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t 
                 if (j < nv) {
                     const uint8_t *blk = w + (j0 + c0 + j) * rowbytes + (blk0 + bi) * bb;
                     dec(blk, u[j]);
-                    qt->scales(blk, sw[j], mw[j]);
+                    scales(blk, sw[j], mw[j]);
                 } else {
                     memset(u[j], 0, (size_t)E);
                     for (int i = 0; i < NS; i++) sw[j][i] = mw[j][i] = 0.0f;
@@ -373,21 +432,21 @@ nx_q8x_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t 
     }
 }
 
-#define NX_Q8X_PACK_B(T, t, E, H, M)                                                               \
+#define NX_Q8X_PACK_B(t, E, H, M, S)                                                               \
     static void nx_q8x_pack_b_##t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0,         \
                                   size_t kc, uint8_t *Bp, void *scratch) {                         \
         (void)scratch;                                                                             \
-        nx_q8x_pack_b_t(c, j0, ncols, k0, kc, Bp, E, H, M, nx_u_##t, nx_q8w(NX_GGML_##T));         \
+        nx_q8x_pack_b_t(c, j0, ncols, k0, kc, Bp, E, H, M, nx_u_##t, nx_s_##S);                    \
     }
-NX_Q8X_PACK_B(Q4_0, q4_0, 32, 1, 0)
-NX_Q8X_PACK_B(Q4_1, q4_1, 32, 1, 1)
-NX_Q8X_PACK_B(Q5_0, q5_0, 32, 1, 0)
-NX_Q8X_PACK_B(Q5_1, q5_1, 32, 1, 1)
-NX_Q8X_PACK_B(Q2_K, q2_K, 256, 2, 1)
-NX_Q8X_PACK_B(Q3_K, q3_K, 256, 2, 0)
-NX_Q8X_PACK_B(Q4_K, q4_K, 256, 1, 1)
-NX_Q8X_PACK_B(Q5_K, q5_K, 256, 1, 1)
-NX_Q8X_PACK_B(Q6_K, q6_K, 256, 2, 0)
+NX_Q8X_PACK_B(q4_0, 32, 1, 0, d)
+NX_Q8X_PACK_B(q4_1, 32, 1, 1, dm)
+NX_Q8X_PACK_B(q5_0, 32, 1, 0, d)
+NX_Q8X_PACK_B(q5_1, 32, 1, 1, dm)
+NX_Q8X_PACK_B(q2_K, 256, 2, 1, q2_K)
+NX_Q8X_PACK_B(q3_K, 256, 2, 0, q3_K)
+NX_Q8X_PACK_B(q4_K, 256, 1, 1, k4)
+NX_Q8X_PACK_B(q5_K, 256, 1, 1, k4)
+NX_Q8X_PACK_B(q6_K, 256, 2, 0, q6_K)
 
 /* C[0:mr, 0:nr] := the chain over ng groups (each: H parts, each an isum term and, with a min,
  * a min term), continued from C unless first. */
