@@ -257,28 +257,21 @@ NX_Q8X_PACK_A(4, 2)
 NX_Q8X_PACK_A(0, 2)
 
 /* ---- unsigned codes u[e] = qw[e] + off of one block (the element order of nx_quants.h) */
-static inline void nx_u_nib32(const uint8_t *qs, uint8_t *u) {
+static inline __m256i nx_u_nib32(const uint8_t *qs) { /* 16 bytes -> 32 nibbles, low first */
     const __m128i q = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(15);
-    _mm_storeu_si128((__m128i *)u, _mm_and_si128(q, m));
-    _mm_storeu_si128((__m128i *)(u + 16), _mm_and_si128(_mm_srli_epi16(q, 4), m));
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m)),
+                                   _mm_and_si128(_mm_srli_epi16(q, 4), m), 1);
 }
-static inline void nx_u_bit4(const uint8_t *qh, uint8_t *u) { /* bit j of qh -> bit 4 of u[j] */
+static inline __m256i nx_u_bit4(const uint8_t *qh, __m256i v) { /* bit j of qh -> bit 4 of v[j] */
     uint32_t h;
     memcpy(&h, qh, 4);
-    const __m256i v = _mm256_loadu_si256((const __m256i *)u);
-    _mm256_storeu_si256((__m256i *)u,
-                        _mm256_mask_add_epi8(v, (__mmask32)h, v, _mm256_set1_epi8(16)));
+    return _mm256_mask_add_epi8(v, (__mmask32)h, v, _mm256_set1_epi8(16));
 }
-static inline void nx_u_q4_0(const uint8_t *p, uint8_t *u) { nx_u_nib32(p + 2, u); }
-static inline void nx_u_q4_1(const uint8_t *p, uint8_t *u) { nx_u_nib32(p + 4, u); }
-static inline void nx_u_q5_0(const uint8_t *p, uint8_t *u) {
-    nx_u_nib32(p + 6, u);
-    nx_u_bit4(p + 2, u);
-}
-static inline void nx_u_q5_1(const uint8_t *p, uint8_t *u) {
-    nx_u_nib32(p + 8, u);
-    nx_u_bit4(p + 4, u);
-}
+/* The 32-element types return their block's codes in a register (no store/reload). */
+static inline __m256i nx_u_q4_0(const uint8_t *p) { return nx_u_nib32(p + 2); }
+static inline __m256i nx_u_q4_1(const uint8_t *p) { return nx_u_nib32(p + 4); }
+static inline __m256i nx_u_q5_0(const uint8_t *p) { return nx_u_bit4(p + 2, nx_u_nib32(p + 6)); }
+static inline __m256i nx_u_q5_1(const uint8_t *p) { return nx_u_bit4(p + 4, nx_u_nib32(p + 8)); }
 static inline __m256i nx_ld32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline void nx_st32(uint8_t *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
 static inline void nx_u_q4_K(const uint8_t *p, uint8_t *u) {
@@ -390,7 +383,7 @@ static inline void nx_s_q2_K(const uint8_t *p, float *sw, float *mw) {
 static inline __attribute__((always_inline)) void
 nx_q8x_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc,
                 uint8_t *Bp /* OUT */, const int E, const int H, const int M,
-                void (*dec)(const uint8_t *, uint8_t *),
+                void (*dec)(const uint8_t *, uint8_t *), __m256i (*dec32)(const uint8_t *),
                 void (*scales)(const uint8_t *, float *, float *)) {
     const uint8_t *w = c->w;
     const size_t rowbytes = c->rowbytes, bb = c->wt->blck_bytes;
@@ -403,20 +396,28 @@ nx_q8x_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t 
         const size_t c0 = (size_t)v * 16;
         const int nv = c0 >= ncols ? 0 : (ncols - c0 >= 16 ? 16 : (int)(ncols - c0));
         for (size_t bi = 0; bi < nblk; bi++) {
+            __m256i in[16];
             for (int j = 0; j < 16; j++) {
                 if (j < nv) {
                     const uint8_t *blk = w + (j0 + c0 + j) * rowbytes + (blk0 + bi) * bb;
-                    dec(blk, u[j]);
+                    if (E == 32)
+                        in[j] = dec32(blk);
+                    else
+                        dec(blk, u[j]);
                     scales(blk, sw[j], mw[j]);
                 } else {
-                    memset(u[j], 0, (size_t)E);
+                    if (E == 32)
+                        in[j] = _mm256_setzero_si256();
+                    else
+                        memset(u[j], 0, (size_t)E);
                     for (int i = 0; i < NS; i++) sw[j][i] = mw[j][i] = 0.0f;
                 }
             }
             for (int gl = 0; gl < GB; gl++) {
                 uint8_t *g = Bp + (bi * (size_t)GB + (size_t)gl) * BG;
-                __m256i in[16];
-                for (int j = 0; j < 16; j++) in[j] = _mm256_load_si256((const __m256i *)(u[j] + 32 * gl));
+                if (E != 32)
+                    for (int j = 0; j < 16; j++)
+                        in[j] = _mm256_load_si256((const __m256i *)(u[j] + 32 * gl));
                 __m512i out[8];
                 nx_tr16x8(in, out);
                 for (int q = 0; q < 8; q++)
@@ -432,21 +433,21 @@ nx_q8x_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t 
     }
 }
 
-#define NX_Q8X_PACK_B(t, E, H, M, S)                                                               \
+#define NX_Q8X_PACK_B(t, E, H, M, D, D32, S)                                                       \
     static void nx_q8x_pack_b_##t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0,         \
                                   size_t kc, uint8_t *Bp, void *scratch) {                         \
         (void)scratch;                                                                             \
-        nx_q8x_pack_b_t(c, j0, ncols, k0, kc, Bp, E, H, M, nx_u_##t, nx_s_##S);                    \
+        nx_q8x_pack_b_t(c, j0, ncols, k0, kc, Bp, E, H, M, D, D32, nx_s_##S);                      \
     }
-NX_Q8X_PACK_B(q4_0, 32, 1, 0, d)
-NX_Q8X_PACK_B(q4_1, 32, 1, 1, dm)
-NX_Q8X_PACK_B(q5_0, 32, 1, 0, d)
-NX_Q8X_PACK_B(q5_1, 32, 1, 1, dm)
-NX_Q8X_PACK_B(q2_K, 256, 2, 1, q2_K)
-NX_Q8X_PACK_B(q3_K, 256, 2, 0, q3_K)
-NX_Q8X_PACK_B(q4_K, 256, 1, 1, k4)
-NX_Q8X_PACK_B(q5_K, 256, 1, 1, k4)
-NX_Q8X_PACK_B(q6_K, 256, 2, 0, q6_K)
+NX_Q8X_PACK_B(q4_0, 32, 1, 0, NULL, nx_u_q4_0, d)
+NX_Q8X_PACK_B(q4_1, 32, 1, 1, NULL, nx_u_q4_1, dm)
+NX_Q8X_PACK_B(q5_0, 32, 1, 0, NULL, nx_u_q5_0, d)
+NX_Q8X_PACK_B(q5_1, 32, 1, 1, NULL, nx_u_q5_1, dm)
+NX_Q8X_PACK_B(q2_K, 256, 2, 1, nx_u_q2_K, NULL, q2_K)
+NX_Q8X_PACK_B(q3_K, 256, 2, 0, nx_u_q3_K, NULL, q3_K)
+NX_Q8X_PACK_B(q4_K, 256, 1, 1, nx_u_q4_K, NULL, k4)
+NX_Q8X_PACK_B(q5_K, 256, 1, 1, nx_u_q5_K, NULL, k4)
+NX_Q8X_PACK_B(q6_K, 256, 2, 0, nx_u_q6_K, NULL, q6_K)
 
 /* C[0:mr, 0:nr] := the chain over ng groups (each: H parts, each an isum term and, with a min,
  * a min term), continued from C unless first. */
