@@ -210,7 +210,7 @@ _BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q2_
 
 def _check_q8_typed(out, x, w, w_f32, wtype, rows=16):
     """The q8 contract's error bound (nx_lowp.h; derivation in tests/test_kernels_q8_types.py)
-    on a sample of rows: sum|x - x~||w| + gamma_{n+1} sum|x~| |w|' + [min] 2^-24 sum|x~ w|, with
+    on a sample of rows: sum|x - x~||w| + gamma_{n+2} sum|x~| |w|' + [min] 2^-24 sum|x~ w|, with
     |w|' = |sw qw| + |mw| read back from gguf's dequantize with the d or the min field zeroed."""
     H = 2 if wtype in ("Q2_K", "Q3_K", "Q6_K") else 1
     has_min = wtype in _MIN_FIELDS
@@ -228,8 +228,8 @@ def _check_q8_typed(out, x, w, w_f32, wtype, rows=16):
             blocks[:, f:f + 2] = 0
             parts.append(np.abs(gguf_dequantize(blocks.reshape(w.shape), QT[wtype])))
         wabs = parts[0].astype(np.float64) + parts[1].astype(np.float64)
-    n = Kd // 32 * H * (1 + has_min)
-    g = (n + 1) * EPS32 / (1 - (n + 1) * EPS32)
+    n = Kd // 32 * (1 + H * has_min)
+    g = (n + 2) * EPS32 / (1 - (n + 2) * EPS32)
     x64 = xs.astype(np.float64)
     bound = (np.abs(x64 - xt) @ wd.T + g * (np.abs(xt) @ wabs.T)
              + (EPS32 * (np.abs(xt) @ wd.T) if has_min else 0)

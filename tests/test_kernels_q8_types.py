@@ -79,7 +79,7 @@ def q8_act(x):
 
 def q8_bound(x, w, t):
     """The contract's error bound (nx_lowp.h) of every output, with ref = x @ dequant(w).T:
-    sum|x - x~||w| + gamma_{n+1} sum|x~| |w|' + [min] 2^-24 sum|x~ w| + n 2^-130, |w|' = |sw qw|
+    sum|x - x~||w| + gamma_{n+2} sum|x~| |w|' + [min] 2^-24 sum|x~ w| + 2n 2^-130, |w|' = |sw qw|
     + |mw| read back from gguf's dequantize of w with the min field zeroed (sw*qw, exact) and with
     d zeroed (mw); plus the float64 reference's own rounding."""
     H, has_min, _ = SHAPE[t]
@@ -90,10 +90,10 @@ def q8_bound(x, w, t):
         wabs = np.abs(dequant(zero_field(w, t, 1, Kd), t)) + np.abs(dequant(zero_field(w, t, 0, Kd), t))
     else:
         wabs = wd
-    n = Kd // 32 * H * (1 + has_min)
-    g = (n + 1) * EPS32 / (1 - (n + 1) * EPS32)
+    n = Kd // 32 * (1 + H * has_min)
+    g = (n + 2) * EPS32 / (1 - (n + 2) * EPS32)
     x64 = x.astype(np.float64)
-    b = np.abs(x64 - xt) @ wd.T + g * (np.abs(xt) @ wabs.T) + n * 2.0 ** -130
+    b = np.abs(x64 - xt) @ wd.T + g * (np.abs(xt) @ wabs.T) + 2 * n * 2.0 ** -130
     if has_min:
         b += EPS32 * (np.abs(xt) @ wd.T)
     return b + 3 * Kd * EPS64 * (np.abs(x64) @ wd.T)
@@ -218,8 +218,9 @@ def _fma32(p, c):
 
 
 def q8_model(x, w, t, order="right"):
-    """The contract of nx_lowp.h for Q4_K / Q6_K in numpy: int64 dots per part, s = dx*sw
-    rounded to float32, acc = fma32(isum*s, acc), then (min types) fma32((dx*xsum)*mw, acc)."""
+    """The contract of nx_lowp.h for Q4_K / Q6_K in numpy, int64 dots per part. Q4_K (H = 1):
+    s = dx*sw rounded to float32, acc = fma32(isum*s, acc), then acc = fma32((dx*xsum)*mw, acc).
+    Q6_K (H = 2): y = float32(isum_0*sw_0), y = fma32(isum_1*sw_1, y), acc = fma32(y*dx, acc)."""
     T, Kd = x.shape
     H = SHAPE[t][0]
     P = 32 // H
@@ -231,16 +232,20 @@ def q8_model(x, w, t, order="right"):
     if order == "parts swapped":
         sw = sw.reshape(sw.shape[0], -1, 2)[:, :, ::-1].reshape(sw.shape)
     acc = np.zeros((T, w.shape[0]), np.float32)
+    f64 = lambda a: np.asarray(a, np.float64)
     for b in range(Kd // 32):
         d = dx[:, b, None]
-        for h in range(H):
-            sl = slice(32 * b + P * h, 32 * b + P * (h + 1))
-            isum = qx[:, sl] @ qw[:, sl].T
-            s = (d * sw[None, :, b * H + h]).astype(np.float32)
-            acc = _fma32(isum.astype(np.float64) * s.astype(np.float64), acc)
-            if SHAPE[t][1]:
-                a = (d * qx[:, sl].sum(1, keepdims=True).astype(np.float32)).astype(np.float32)
-                acc = _fma32(a.astype(np.float64) * mw[None, :, b * H + h].astype(np.float64), acc)
+        isum = [qx[:, 32 * b + P * h:32 * b + P * (h + 1)] @ qw[:, 32 * b + P * h:32 * b + P * (h + 1)].T
+                for h in range(H)]
+        if H == 1:
+            s = (d * sw[None, :, b]).astype(np.float32)
+            acc = _fma32(f64(isum[0]) * f64(s), acc)
+            a = (d * qx[:, 32 * b:32 * b + 32].sum(1, keepdims=True).astype(np.float32))
+            acc = _fma32(f64(a.astype(np.float32)) * f64(mw[None, :, b]), acc)
+        else:
+            y = (f64(isum[0]) * f64(sw[None, :, 2 * b])).astype(np.float32)     # exact product
+            y = _fma32(f64(isum[1]) * f64(sw[None, :, 2 * b + 1]), y)
+            acc = _fma32(f64(y) * f64(d), acc)
     return acc
 
 

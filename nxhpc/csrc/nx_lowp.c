@@ -254,19 +254,25 @@ int nx_matmul_q8_generic(const nx_mm_call *c) {
                 const int8_t *xb = (const int8_t *)(xr + b * NX_Q8_0_BLOCK_BYTES + 2);
                 const int8_t *wb = qw + b * NX_QK8_0;
                 const float d = dx[t * nb + b];
-                for (size_t h = 0; h < H; h++) {
-                    int32_t isum = 0, xsum = 0;
+                int32_t isum[2] = {0, 0}, xsum[2] = {0, 0};
+                for (size_t h = 0; h < H; h++)
                     for (size_t i = h * P; i < (h + 1) * P; i++) {
-                        isum += (int32_t)xb[i] * wb[i];
-                        xsum += xb[i];
+                        isum[h] += (int32_t)xb[i] * wb[i];
+                        xsum[h] += xb[i];
                     }
-                    const float s = d * sw[b * H + h]; /* one rounding */
-                    acc = fmaf((float)isum, s, acc);
-                    if (qt->has_min) {
-                        const float a = d * (float)xsum; /* one rounding */
+                if (H == 1) {
+                    const float s = d * sw[b]; /* one rounding */
+                    acc = fmaf((float)isum[0], s, acc);
+                } else {
+                    float y = (float)isum[0] * sw[2 * b]; /* one rounding */
+                    y = fmaf((float)isum[1], sw[2 * b + 1], y);
+                    acc = fmaf(y, d, acc);
+                }
+                if (qt->has_min)
+                    for (size_t h = 0; h < H; h++) {
+                        const float a = d * (float)xsum[h]; /* one rounding */
                         acc = fmaf(a, mw[b * H + h], acc);
                     }
-                }
             }
             out[t * N + n] = bias ? acc + bias[n] : acc;
         }

@@ -90,20 +90,26 @@
  *   Every sw / mw product is exact in float32 (11-bit significand times <= 7-bit integer; see
  *   nx_quants.h), so sw*qw + mw is, in real arithmetic, the element's value (for the types with a
  *   min, gguf's float32 dequantize rounds that sum once; without a min it is exact).
- *   For each block b = 0 .. K/32-1 in order, each part p = 0 .. H-1 in order, from acc = +0:
- *     isum = sum_{i in part} qx[t,b,i] * qw[n,b,i]      exact int32 (|isum| <= 32*127*128)
- *     acc  = fmaf((float)isum, dx[t,b] * sw[n,b,p], acc)          (the product one rounding)
- *     with a min:  xsum = sum_{i in part} qx[t,b,i]                 exact (|xsum| <= 32*127)
- *                  acc  = fmaf(dx[t,b] * (float)xsum, mw[n,b,p], acc)   (product one rounding)
+ *   For each block b = 0 .. K/32-1 in order, from acc = +0, with per part p (exact integers)
+ *     isum_p = sum_{i in part p} qx[t,b,i] * qw[n,b,i]   (int32; |isum| <= 32*127*128 < 2^24)
+ *     xsum_p = sum_{i in part p} qx[t,b,i]               (|xsum| <= 32*127):
+ *     H = 1:  acc = fmaf((float)isum_0, dx[t,b] * sw[n,b,0], acc)   (the product one rounding)
+ *     H = 2:  y   = (float)isum_0 * sw[n,b,0]                         (one rounding)
+ *             y   = fmaf((float)isum_1, sw[n,b,1], y)
+ *             acc = fmaf(y, dx[t,b], acc)
+ *     then, with a min, for p = 0 .. H-1:
+ *             acc = fmaf(dx[t,b] * (float)xsum_p, mw[n,b,p], acc)   (the product one rounding)
+ *   (H = 2 combines the halves before the activation scale: one multiply per 32 instead of two.)
  *   out[t,n] = acc (+ bias[n]). K must be a multiple of the type's block (32, or 256 for the
  *   K-quants). Range and NaN/inf: as for Q8_0 (a NaN/inf activation makes its output row NaN).
- *   Error vs float64 x @ dequant(w).T (dequant = gguf's float32 values), with n = (K/32) * H *
- *   (1 + has_min) chain terms and |w|' = |sw qw| + |mw| per element (|w|' = |w| without a min):
- *     |out - ref| <= sum_k |x - x~| |w| + gamma_{n+1} * sum_k |x~| |w|'
- *                    + [has_min] 2^-24 * sum_k |x~ w| + n * 2^-130
- *   (activation error as for Q8_0; each term's product one rounding and <= n fma roundings on
- *   the chain, measured against the split terms, which cancel where the min is large; the
- *   third term is gguf's rounding of d*sc*q - dmin*mn; the last the float32 subnormal range).
+ *   Error vs float64 x @ dequant(w).T (dequant = gguf's float32 values), with n = (K/32) *
+ *   (1 + H * has_min) fma steps on acc and |w|' = |sw qw| + |mw| per element (= |w| without a
+ *   min):
+ *     |out - ref| <= sum_k |x - x~| |w| + gamma_{n+2} * sum_k |x~| |w|'
+ *                    + [has_min] 2^-24 * sum_k |x~ w| + 2n * 2^-130
+ *   (activation error as for Q8_0; each part's product passes <= 2 roundings before the chain
+ *   and <= n on it, measured against the split terms, which can cancel where the min is large;
+ *   the third term is gguf's rounding of d*sc*q - dmin*mn; the last the subnormal range).
  *   VNNI detail: the panels hold the stored unsigned code u = qw + off (off = 8 Q4_0, 16 Q5_0,
  *   32 Q6_K, 4 Q3_K, 0 for the min types), and each part's int32 accumulator starts at
  *   -off * xsum: the result is the exact isum.

@@ -49,6 +49,15 @@
 _Static_assert(NX_Q8_KC % 256 == 0, "KC must hold whole blocks of every type");
 _Static_assert(NX_Q8_NC % NX_Q8_NR == 0, "NC must be a multiple of NR");
 _Static_assert(NX_Q8_MC % NX_Q8_MR == 0, "MC must be a multiple of MR");
+/* The two-part (16-element halves) types' tile: MR x 32 (their kernel also holds MR x 2 vectors
+ * of part sums, so fewer rows than Q8_0's 6). */
+#ifndef NX_Q8H_MR
+#define NX_Q8H_MR 5
+#endif
+#ifndef NX_Q8H_MC
+#define NX_Q8H_MC 260
+#endif
+_Static_assert(NX_Q8H_MC % NX_Q8H_MR == 0, "MC must be a multiple of MR");
 
 /* Per 32-k group (one Q8_0 block):
  *   A micro-panel: int32 quads[8][MR] (qx bytes 4q..4q+3 of token r), float dx[MR],
@@ -202,28 +211,29 @@ static void nx_q8_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, 
  *     H = 1: part 0 is the whole 32 (init[1], ax[1] unused).
  *   B micro-panel group: uint32 quads[8][NR] (u = qw + off), float sw[H][NR], float mw[H][NR]
  *     (types with a min). */
-#define NX_Q8X_AG (13 * NX_Q8_MR * 4)
+#define NX_Q8X_AG(MR) (13 * (MR) * 4)
+#define NX_Q8X_MRMAX 6 /* the largest MR of these kernels */
 #define NX_Q8X_BG(H, M) ((8 + (H) * (1 + (M))) * NX_Q8_NR * 4)
 
 static inline __attribute__((always_inline)) void
 nx_q8x_pack_a_t(const float *x /* IN */, size_t K, size_t t0, size_t rows, uint8_t *Ap /* OUT */,
-                void *scratch, const int off, const int H) {
+                void *scratch, const int off, const int H, const int MR) {
     const size_t nb = K / NX_QK8_0;
     uint8_t *q = (uint8_t *)scratch; /* one quantized row: nb * 34 bytes */
-    for (size_t r = 0; r < NX_Q8_MR; r++) {
-        if (r < rows) nx_q8_0_quantize_avx512(x + (t0 + r) * K, q, nb);
+    for (int r = 0; r < MR; r++) {
+        if ((size_t)r < rows) nx_q8_0_quantize_avx512(x + (t0 + r) * K, q, nb);
         for (size_t b = 0; b < nb; b++) {
-            int32_t *g = (int32_t *)(Ap + b * NX_Q8X_AG);
-            if (r >= rows) {
-                for (int i = 0; i < 13; i++) g[i * NX_Q8_MR + r] = 0; /* float fields +0.0f */
+            int32_t *g = (int32_t *)(Ap + b * NX_Q8X_AG(MR));
+            if ((size_t)r >= rows) {
+                for (int i = 0; i < 13; i++) g[i * MR + r] = 0; /* float fields +0.0f */
                 continue;
             }
             const uint8_t *blk = q + b * NX_Q8_0_BLOCK_BYTES;
             int32_t quad[8];
             memcpy(quad, blk + 2, 32);
-            for (int i = 0; i < 8; i++) g[i * NX_Q8_MR + r] = quad[i];
+            for (int i = 0; i < 8; i++) g[i * MR + r] = quad[i];
             const float dx = nx_q8_0_act_scale(x + (t0 + r) * K + b * NX_QK8_0); /* as the spec */
-            memcpy(&g[8 * NX_Q8_MR + r], &dx, 4);
+            memcpy(&g[8 * MR + r], &dx, 4);
             const __m512i s16 =
                 _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 2))),
                                   _mm512_set1_epi16(1)); /* pair sums, lanes 0-7: elements 0-15 */
@@ -237,24 +247,24 @@ nx_q8x_pack_a_t(const float *x /* IN */, size_t K, size_t t0, size_t rows, uint8
             }
             for (int h = 0; h < 2; h++) {
                 const float ax = dx * (float)xs[h]; /* one rounding, as the spec */
-                g[(9 + h) * NX_Q8_MR + r] = -off * xs[h];
-                memcpy(&g[(11 + h) * NX_Q8_MR + r], &ax, 4);
+                g[(9 + h) * MR + r] = -off * xs[h];
+                memcpy(&g[(11 + h) * MR + r], &ax, 4);
             }
         }
     }
 }
 
-#define NX_Q8X_PACK_A(OFF, H)                                                                      \
+#define NX_Q8X_PACK_A(OFF, H, MR)                                                                  \
     static void nx_q8x_pack_a_##OFF##_##H(const float *x, size_t K, size_t t0, size_t rows,        \
                                           uint8_t *Ap, void *scratch) {                            \
-        nx_q8x_pack_a_t(x, K, t0, rows, Ap, scratch, OFF, H);                                      \
+        nx_q8x_pack_a_t(x, K, t0, rows, Ap, scratch, OFF, H, MR);                                  \
     }
-NX_Q8X_PACK_A(8, 1)
-NX_Q8X_PACK_A(16, 1)
-NX_Q8X_PACK_A(0, 1)
-NX_Q8X_PACK_A(32, 2)
-NX_Q8X_PACK_A(4, 2)
-NX_Q8X_PACK_A(0, 2)
+NX_Q8X_PACK_A(8, 1, NX_Q8_MR)
+NX_Q8X_PACK_A(16, 1, NX_Q8_MR)
+NX_Q8X_PACK_A(0, 1, NX_Q8_MR)
+NX_Q8X_PACK_A(32, 2, NX_Q8H_MR)
+NX_Q8X_PACK_A(4, 2, NX_Q8H_MR)
+NX_Q8X_PACK_A(0, 2, NX_Q8H_MR)
 
 /* ---- unsigned codes u[e] = qw[e] + off of one block (the element order of nx_quants.h) */
 static inline __m256i nx_u_nib32(const uint8_t *qs) { /* 16 bytes -> 32 nibbles, low first */
@@ -453,70 +463,80 @@ NX_Q8X_PACK_B(q6_K, 256, 2, 0, nx_u_q6_K, NULL, q6_K)
  * a min term), continued from C unless first. */
 static inline __attribute__((always_inline)) void
 nx_q8x_kern_t(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ldc, int mr, int nr,
-              int first, const int H, const int M) {
+              int first, const int H, const int M, const int MR) {
     __mmask16 m[NX_Q8_NV];
     for (int v = 0; v < NX_Q8_NV; v++) {
         const int left = nr - 16 * v;
         m[v] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
     }
-    __m512 f[NX_Q8_MR][NX_Q8_NV];
-    for (int r = 0; r < NX_Q8_MR; r++)
+    __m512 f[NX_Q8X_MRMAX][NX_Q8_NV]; /* fixed sizes (not VLAs): kept in registers */
+    for (int r = 0; r < MR; r++)
         for (int v = 0; v < NX_Q8_NV; v++)
             f[r][v] = (!first && r < mr) ? _mm512_maskz_loadu_ps(m[v], C + r * ldc + 16 * v)
                                          : _mm512_setzero_ps();
     const size_t BG = NX_Q8X_BG(H, M);
     for (size_t gi = 0; gi < ng; gi++) {
-        const int32_t *a = (const int32_t *)(A + gi * NX_Q8X_AG);
+        const int32_t *a = (const int32_t *)(A + gi * NX_Q8X_AG(MR));
         const uint8_t *b = B + gi * BG;
-        const float *dx = (const float *)(a + 8 * NX_Q8_MR);
+        const float *dx = (const float *)(a + 8 * MR);
         const float *sw = (const float *)(b + 8 * NX_Q8_NR * 4);
+        __m512 y[NX_Q8X_MRMAX][NX_Q8_NV]; /* H = 2: the group's scaled part sums */
 #pragma GCC unroll 2
         for (int h = 0; h < H; h++) {
-            __m512i s[NX_Q8_MR][NX_Q8_NV];
-            for (int r = 0; r < NX_Q8_MR; r++)
+            __m512i s[NX_Q8X_MRMAX][NX_Q8_NV];
+            for (int r = 0; r < MR; r++)
                 for (int v = 0; v < NX_Q8_NV; v++)
-                    s[r][v] = _mm512_set1_epi32(a[(9 + h) * NX_Q8_MR + r]);
+                    s[r][v] = _mm512_set1_epi32(a[(9 + h) * MR + r]);
 #pragma GCC unroll 8
             for (int q = h * 8 / H; q < (h + 1) * 8 / H; q++) {
                 __m512i bv[NX_Q8_NV];
                 for (int v = 0; v < NX_Q8_NV; v++)
                     bv[v] = _mm512_load_si512((const __m512i *)(b + (q * NX_Q8_NR + 16 * v) * 4));
-                for (int r = 0; r < NX_Q8_MR; r++) {
-                    const __m512i av = _mm512_set1_epi32(a[q * NX_Q8_MR + r]);
+                for (int r = 0; r < MR; r++) {
+                    const __m512i av = _mm512_set1_epi32(a[q * MR + r]);
                     for (int v = 0; v < NX_Q8_NV; v++)
                         s[r][v] = _mm512_dpbusd_epi32(s[r][v], bv[v], av);
                 }
             }
-            const float *ax = (const float *)(a + (11 + h) * NX_Q8_MR);
-            for (int r = 0; r < NX_Q8_MR; r++) {
-                const __m512 d = _mm512_set1_ps(dx[r]);
+            for (int r = 0; r < MR; r++)
                 for (int v = 0; v < NX_Q8_NV; v++) {
-                    f[r][v] = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(s[r][v]),
-                        _mm512_mul_ps(_mm512_load_ps(sw + h * NX_Q8_NR + 16 * v), d), f[r][v]);
-                    if (M)
-                        f[r][v] = _mm512_fmadd_ps(
-                            _mm512_set1_ps(ax[r]),
-                            _mm512_load_ps(sw + (H + h) * NX_Q8_NR + 16 * v), f[r][v]);
+                    const __m512 swv = _mm512_load_ps(sw + h * NX_Q8_NR + 16 * v);
+                    const __m512 is = _mm512_cvtepi32_ps(s[r][v]);
+                    if (H == 1) /* acc = fmaf((float)isum, dx*sw, acc) */
+                        f[r][v] = _mm512_fmadd_ps(is, _mm512_mul_ps(swv, _mm512_set1_ps(dx[r])),
+                                                  f[r][v]);
+                    else if (h == 0) /* y = (float)isum_0 * sw_0 */
+                        y[r][v] = _mm512_mul_ps(is, swv);
+                    else /* y = fmaf((float)isum_1, sw_1, y) */
+                        y[r][v] = _mm512_fmadd_ps(is, swv, y[r][v]);
                 }
-            }
         }
+        for (int r = 0; r < MR; r++)
+            for (int v = 0; v < NX_Q8_NV; v++) {
+                if (H == 2) /* acc = fmaf(y, dx, acc) */
+                    f[r][v] = _mm512_fmadd_ps(y[r][v], _mm512_set1_ps(dx[r]), f[r][v]);
+                if (M) /* acc = fmaf(dx * (float)xsum_h, mw_h, acc), h = 0 .. H-1 */
+                    for (int h = 0; h < H; h++)
+                        f[r][v] = _mm512_fmadd_ps(
+                            _mm512_set1_ps(((const float *)(a + (11 + h) * MR))[r]),
+                            _mm512_load_ps(sw + (H + h) * NX_Q8_NR + 16 * v), f[r][v]);
+            }
     }
-    for (int r = 0; r < NX_Q8_MR; r++)
+    for (int r = 0; r < MR; r++)
         if (r < mr)
             for (int v = 0; v < NX_Q8_NV; v++)
                 _mm512_mask_storeu_ps(C + r * ldc + 16 * v, m[v], f[r][v]);
 }
 
-#define NX_Q8X_KERN(H, M)                                                                          \
+#define NX_Q8X_KERN(H, M, MR)                                                                      \
     static void nx_q8x_kern_##H##_##M(size_t ng, const uint8_t *A, const uint8_t *B, float *C,     \
                                       size_t ldc, int mr, int nr, int first) {                     \
-        nx_q8x_kern_t(ng, A, B, C, ldc, mr, nr, first, H, M);                                      \
+        nx_q8x_kern_t(ng, A, B, C, ldc, mr, nr, first, H, M, MR);                                  \
     }
-NX_Q8X_KERN(1, 0)
-NX_Q8X_KERN(1, 1)
-NX_Q8X_KERN(2, 0)
-NX_Q8X_KERN(2, 1)
+NX_Q8X_KERN(1, 0, NX_Q8_MR)
+NX_Q8X_KERN(1, 1, NX_Q8_MR)
+NX_Q8X_KERN(2, 0, NX_Q8H_MR)
+NX_Q8X_KERN(2, 1, NX_Q8H_MR)
 
 int nx_matmul_q8_avx512(const nx_mm_call *c) {
     typedef void (*pack_a_fn)(const float *, size_t, size_t, size_t, uint8_t *, void *);
@@ -525,11 +545,12 @@ int nx_matmul_q8_avx512(const nx_mm_call *c) {
     pack_a_fn pa;
     pack_b_fn pb;
     kern_fn kn;
-    size_t bg;
+    size_t bg, mr, mc;
     switch (c->type) {
 #define NX_Q8X_CASE(T, t, A, H, M)                                                                 \
     case NX_GGML_##T:                                                                              \
         pa = A, pb = nx_q8x_pack_b_##t, kn = nx_q8x_kern_##H##_##M, bg = NX_Q8X_BG(H, M);          \
+        mr = H == 1 ? NX_Q8_MR : NX_Q8H_MR, mc = H == 1 ? NX_Q8_MC : NX_Q8H_MC;                    \
         break;
         NX_Q8X_CASE(Q4_0, q4_0, nx_q8x_pack_a_8_1, 1, 0)
         NX_Q8X_CASE(Q5_0, q5_0, nx_q8x_pack_a_16_1, 1, 0)
@@ -554,7 +575,7 @@ int nx_matmul_q8_avx512(const nx_mm_call *c) {
         return -2;
     }
     const nx_lowp_tiling tl = {
-        NX_Q8_MR, NX_Q8_NR, NX_Q8_KC, NX_Q8_NC, NX_Q8_MC, NX_Q8X_AG, bg,
+        mr, NX_Q8_NR, NX_Q8_KC, NX_Q8_NC, mc, NX_Q8X_AG(mr), bg,
         c->K / NX_QK8_0 * NX_Q8_0_BLOCK_BYTES + 64, 0, NX_Q8_JR_OUTER, pa, pb, kn,
     };
     return nx_lowp_blocked(&tl, c);
