@@ -66,6 +66,16 @@ _Static_assert(NX_Q8H_MC % NX_Q8H_MR == 0, "MC must be a multiple of MR");
 #define NX_Q8_AG (10 * NX_Q8_MR * 4)
 #define NX_Q8_BG (9 * NX_Q8_NR * 4)
 
+/* nx_q8_0_act_scale (the spec) with the block max in SIMD: max |x| is exact in any order; a
+ * block holding a NaN takes the scalar function (whose result is that NaN). */
+static inline float nx_q8x_act_scale(const float *xb /* IN [32] */) {
+    const __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(xb)), a1 = _mm512_abs_ps(_mm512_loadu_ps(xb + 16));
+    if (_mm512_cmp_ps_mask(a0, a1, _CMP_UNORD_Q)) return nx_q8_0_act_scale(xb);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+    const float d = amax / 127.0f;
+    return d < 0x1p-126f ? 0.0f : d;
+}
+
 static void nx_q8_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t rows,
                          uint8_t *Ap /* OUT */, void *scratch) {
     const size_t nb = K / NX_QK8_0;
@@ -88,7 +98,7 @@ static void nx_q8_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t ro
             int32_t quad[8];
             _mm256_storeu_si256((__m256i *)quad, qs);
             for (int i = 0; i < 8; i++) g[i * NX_Q8_MR + r] = quad[i];
-            const float dx = nx_q8_0_act_scale(x + (t0 + r) * K + b * NX_QK8_0); /* as the spec */
+            const float dx = nx_q8x_act_scale(x + (t0 + r) * K + b * NX_QK8_0); /* = the spec's */
             memcpy(&g[8 * NX_Q8_MR + r], &dx, 4);
             g[9 * NX_Q8_MR + r] = -128 * sum;
         }
@@ -213,6 +223,9 @@ static void nx_q8_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, 
  *     (types with a min). */
 #define NX_Q8X_AG(MR) (13 * (MR) * 4)
 #define NX_Q8X_MRMAX 6 /* the largest MR of these kernels */
+#ifndef NX_Q8X_PF
+#define NX_Q8X_PF 1 /* weight blocks prefetched ahead per column by the B packer (1, 2, 4: within noise) */
+#endif
 #define NX_Q8X_BG(H, M) ((8 + (H) * (1 + (M))) * NX_Q8_NR * 4)
 
 static inline __attribute__((always_inline)) void
@@ -232,7 +245,7 @@ nx_q8x_pack_a_t(const float *x /* IN */, size_t K, size_t t0, size_t rows, uint8
             int32_t quad[8];
             memcpy(quad, blk + 2, 32);
             for (int i = 0; i < 8; i++) g[i * MR + r] = quad[i];
-            const float dx = nx_q8_0_act_scale(x + (t0 + r) * K + b * NX_QK8_0); /* as the spec */
+            const float dx = nx_q8x_act_scale(x + (t0 + r) * K + b * NX_QK8_0);
             memcpy(&g[8 * MR + r], &dx, 4);
             const __m512i s16 =
                 _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 2))),
@@ -410,6 +423,9 @@ nx_q8x_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t 
             for (int j = 0; j < 16; j++) {
                 if (j < nv) {
                     const uint8_t *blk = w + (j0 + c0 + j) * rowbytes + (blk0 + bi) * bb;
+                    if (bi + NX_Q8X_PF < nblk) /* the row's block NX_Q8X_PF ahead */
+                        for (size_t o = 0; o < bb; o += 64)
+                            _mm_prefetch((const char *)(blk + NX_Q8X_PF * bb + o), _MM_HINT_T0);
                     if (E == 32)
                         in[j] = dec32(blk);
                     else
