@@ -2,7 +2,8 @@
  * of the "lowp" family, and the blocked driver the SIMD variants share.
  *
  * Owns: the executable form of the contracts in nx_lowp.h (nx_matmul_bf16_generic,
- * nx_matmul_q8_generic), the lowp table list, and nx_lowp_blocked. Compiled with no ISA flags.
+ * nx_matmul_q8_generic), the q8 weight decoders of every type q8 takes (nx_q8w: signed codes,
+ * part scales and mins), the lowp table list, and nx_lowp_blocked. Compiled with no ISA flags.
  * Weights decode through the traits table (nx_wtype.h) only.
  * Must not: use SIMD intrinsics (those live in nx_lowp_avx512.c / nx_lowp_avx512bf16.c), or
  * depend on the tile an output falls in.
