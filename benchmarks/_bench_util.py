@@ -1,6 +1,7 @@
-"""Helpers shared by the benchmarks: timing statistics, peak RSS of this process and its
-workers, a torch model timed per layer (in a dtype switched in place), and the end-of-module
-summary table."""
+"""Helpers shared by the benchmarks: timing statistics, this CPU's per-core peaks (measured
+once per session) and a figure's fraction of them, peak RSS of this process and its workers, a
+torch model timed per layer (in a dtype switched in place), and the end-of-module summary
+table."""
 import json
 import math
 import os
@@ -10,9 +11,9 @@ from pathlib import Path
 
 from nxhpc.runtime.memory import peak_rss_mb
 
-__all__ = ["bench_stats", "rope_pe", "qknorm_rope_inputs", "peak_rss_mb", "reset_peak_rss",
-           "children", "rss_cell", "layer_timer", "model_as", "run_timed_layers", "record",
-           "err_cell", "write_summary", "summary_fixture"]
+__all__ = ["bench_stats", "peak_of", "peak_fields", "rope_pe", "qknorm_rope_inputs",
+           "peak_rss_mb", "reset_peak_rss", "children", "rss_cell", "layer_timer", "model_as",
+           "run_timed_layers", "record", "err_cell", "write_summary", "summary_fixture"]
 
 # With --benchmark-disable each benchmark runs once as a smoke test (its correctness check
 # included) and pytest-benchmark keeps no statistics: report NaN rates instead of failing.
@@ -23,6 +24,42 @@ _NO_STATS = types.SimpleNamespace(min=math.nan, max=math.nan, mean=math.nan, med
 def bench_stats(benchmark):
     """The timing statistics of a finished benchmark (``.min``, ``.mean``, ``.median`` in s)."""
     return _NO_STATS if benchmark.stats is None else benchmark.stats.stats
+
+
+#: kind -> ops/s (None: unsupported here), measured on first use: one figure per session.
+_PEAKS: dict = {}
+
+
+def peak_of(kind: str) -> float | None:
+    """Operations per second of one core running peak ``kind`` (``nxhpc.runtime.peak``:
+    register-only loop, best of 5 runs over 0.3 s, thread CPU time), measured once per session;
+    None where this CPU (or NXHPC_DISABLE_SIMD) does not run the kind."""
+    if kind not in _PEAKS:
+        from nxhpc.runtime import peak
+        _PEAKS[kind] = peak.measure(kind, 0.3) if kind in peak.supported() else None
+    return _PEAKS[kind]
+
+
+def peak_fields(gops: float, precision: str, variant: str | None = None,
+                workers: int = 1) -> dict:
+    """``extra_info`` fields setting ``gops`` (GFLOP/s or GOP/s, 2 per multiply-add) against the
+    measured peak: ``peak_kind`` (the kind whose instructions ``variant``'s code of ``precision``
+    issues, ``nxhpc.runtime.peak.kind_for``; for baselines and generic code, this CPU's fastest
+    kind of the precision), ``peak_gops`` (its peak times ``workers`` cores) and
+    ``frac_of_peak``; where this CPU has a faster unit for the precision (AMX), also
+    ``machine_peak_kind`` / ``frac_of_machine_peak``. Empty when no kind of the precision runs
+    here."""
+    from nxhpc.runtime import peak
+    kind = peak.kind_for(precision, variant)
+    if kind is None:
+        return {}
+    p = peak_of(kind) * workers / 1e9
+    out = {"peak_kind": kind, "peak_gops": round(p, 1), "frac_of_peak": round(gops / p, 3)}
+    best = peak.kind_for(precision)
+    if best != kind:
+        pb = peak_of(best) * workers / 1e9
+        out.update({"machine_peak_kind": best, "frac_of_machine_peak": round(gops / pb, 4)})
+    return out
 
 
 def rope_pe(rng, T: int, hd: int):

@@ -18,15 +18,19 @@ Each shape is one ``benchmark.group`` ("matmul precisions T=.. K=.. N=.."):
   numpy f32                x @ w_f32.T, OpenBLAS limited to 1 thread (threadpoolctl)
   torch f32 / torch bf16   torch.nn.functional.linear, torch.set_num_threads(1); the bf16 case
                            gets inputs already in bfloat16 (conversion not timed)
-GFLOP/s = 2*T*K*N / time (for q8 these are int8 ops + the float32 block epilogue).
-Peaks measured on this project's Zen 4 host with register-only loops (24 independent chains,
-1 core): float32 FMA 116 GFLOP/s, vdpbf16ps 233 GFLOP/s, vpdpbusd 467 GOP/s. For reference,
+GFLOP/s = 2*T*K*N / time (for q8 these are int8 ops + the float32 block epilogue), with
+``frac_of_peak`` against this CPU's peak measured once per session (``_bench_util.peak_fields``,
+the kind recorded as ``peak_kind``): f32 -> fma_zmm (AVX-512 code) or fma_ymm (AVX2 code);
+bf16 -> bf16_zmm (the avx512bf16 variant) or amx_bf16 (an amx variant); q8 -> vnni_zmm (the
+avx512 variant) or amx_int8 (amx); generic code and the numpy / torch baselines against the
+fastest kind of their precision here. Where the CPU has AMX but the variant does not use it,
+``frac_of_machine_peak`` sets the figure against the tile unit too. For reference,
 ggml's Q8_0 x Q8_0 matmul (llama.cpp's default tinyBLAS path) is cited at ~110 GFLOP/s per Zen 4
 core in issue 11.
 """
 import numpy as np
 import pytest
-from _bench_util import bench_stats
+from _bench_util import bench_stats, peak_fields
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
@@ -37,7 +41,6 @@ from nxhpc import _kernels as K
 
 SHAPES = [(256, 3840, 3840), (256, 3840, 10240), (256, 3840, 11520), (256, 10240, 3840),
           (4096, 3840, 3840)]       # the last: weights decoded once per 264-token block
-PEAK = {"f32": 116.0, "bf16": 233.0, "q8": 467.0}
 EPS32, UBF = 2.0 ** -24, 2.0 ** -8
 _CACHE = {}
 
@@ -62,7 +65,7 @@ def _info(benchmark, T, Kd, N, variant, prec):
     benchmark.extra_info.update({
         "T": T, "K": Kd, "N": N, "variant": variant, "precision": prec,
         "gflops_best": round(g, 1), "gflops_mean": round(2.0 * T * Kd * N / st.mean / 1e9, 1),
-        "frac_of_peak": round(g / PEAK[prec], 3), "peak": PEAK[prec],
+        **peak_fields(g, prec, variant),
     })
 
 
@@ -172,6 +175,42 @@ def test_bench_torch_linear(benchmark, T, Kd, N, dtype):
     _info(benchmark, T, Kd, N, f"torch {torch.__version__}", prec)
     w_eff = wt.float().numpy()
     _check(prec, out.float().numpy(), x, w_eff, any_order=True, out_rounded=dtype == "bfloat16")
+
+
+Q8_SIMD = K.lowp_variants("q8")[1:]   # the ISAs with a q8 kernel of their own (VNNI, AMX)
+
+
+@pytest.mark.skipif(len(Q8_SIMD) < 2, reason="one q8 SIMD variant: nothing to compare")
+@pytest.mark.parametrize("isa", Q8_SIMD)
+@pytest.mark.parametrize("T,Kd,N", SHAPES[:1] + SHAPES[3:4], ids=str)
+def test_bench_matmul_q8_isa(benchmark, T, Kd, N, isa):
+    """Every q8 kernel of this CPU on the same shape (same bits: the lowp contract), side by side."""
+    x, w, w_f32, _ = _case(T, Kd, N)
+    out = np.empty((T, N), np.float32)
+    _group(benchmark, T, Kd, N)
+    benchmark.name = f"nxhpc matmul_q8 isa={isa}"
+    benchmark.pedantic(K.matmul_q8, args=(x, w, out), kwargs={"isa": isa}, rounds=_rounds(T),
+                       warmup_rounds=1)
+    _info(benchmark, T, Kd, N, isa, "q8")
+    _check("q8", out, x, w_f32)
+
+
+BF16_SIMD = K.lowp_variants("bf16")[1:]   # vdpbf16ps (avx512bf16), tdpbf16ps (amx)
+
+
+@pytest.mark.skipif(len(BF16_SIMD) < 2, reason="one bf16 SIMD variant: nothing to compare")
+@pytest.mark.parametrize("isa", BF16_SIMD)
+@pytest.mark.parametrize("T,Kd,N", SHAPES[:1] + SHAPES[3:4], ids=str)
+def test_bench_matmul_bf16_isa(benchmark, T, Kd, N, isa):
+    """Every bf16 kernel of this CPU on Q8_0 weights, side by side (AMX within the same bound)."""
+    x, w, w_f32, _ = _case(T, Kd, N)
+    out = np.empty((T, N), np.float32)
+    _group(benchmark, T, Kd, N)
+    benchmark.name = f"nxhpc matmul_bf16 isa={isa}"
+    benchmark.pedantic(K.matmul_bf16, args=(x, w, "Q8_0", out), kwargs={"isa": isa},
+                       rounds=_rounds(T), warmup_rounds=1)
+    _info(benchmark, T, Kd, N, isa, "bf16")
+    _check("bf16", out, x, w_f32)
 
 
 # ---------------------------------------------------------------- q8 on every quantized weight type

@@ -14,8 +14,9 @@ Each shape is one ``benchmark.group``: ``nxhpc`` (q8_0_matmul, best isa, one pro
 T=256, K=N=3840 also ``matmul`` with F16 and BF16 weights, written by numpy / the gguf package and
 converted panel by panel) and ``numpy`` (``x @ w_f32.T`` on the pre-dequantized weights, limited
 to 1 thread with threadpoolctl).
-GFLOP/s = 2*T*K*N / time is in ``extra_info`` together with fractions of two peaks: the 116
-GFLOP/s figure quoted for this machine and the measured zmm-FMA peak (PEAK_MEASURED, see below).
+GFLOP/s = 2*T*K*N / time is in ``extra_info`` together with its fraction of this CPU's float32
+FMA peak, measured once per session (``_bench_util.peak_fields``: ``peak_kind`` fma_zmm for
+AVX-512 code, fma_ymm for AVX2 code, the fastest of the two for generic code and numpy).
 Correctness is checked after timing against a float64 evaluation with the derived error bound.
 """
 import gguf
@@ -25,12 +26,7 @@ from threadpoolctl import threadpool_limits
 
 import nxhpc
 from nxhpc import _kernels as K
-from _bench_util import bench_stats
-
-PEAK_QUOTED = 116.0   # GFLOP/s per core, figure given for this machine
-# 262 GFLOP/s per core: 24 independent zmm FMA chains in a register-only loop on this machine
-# (2 x 512-bit FMA per cycle); the quoted 116 is below what the kernels reach.
-PEAK_MEASURED = 262.0
+from _bench_util import bench_stats, peak_fields
 
 SHAPES = [(256, 3840, 3840), (256, 3840, 10240), (256, 3840, 11520), (256, 10240, 3840)]
 
@@ -49,8 +45,7 @@ def _info(benchmark, T, Kd, N, isa):
     benchmark.extra_info.update({
         "T": T, "K": Kd, "N": N, "isa": isa, "gflops_best": round(gflops, 1),
         "gflops_mean": round(2.0 * T * Kd * N / bench_stats(benchmark).mean / 1e9, 1),
-        "frac_of_116": round(gflops / PEAK_QUOTED, 3),
-        "frac_of_measured_peak": round(gflops / PEAK_MEASURED, 3),
+        **peak_fields(gflops, "f32", isa),
     })
 
 

@@ -34,6 +34,10 @@ WTYPES = ("F32", "F16", "BF16", "Q8_0")
 BF16_VARIANTS = K.lowp_variants("bf16")   # ISAs with their own matmul_bf16, generic first
 Q8_VARIANTS = K.lowp_variants("q8")       # ISAs with their own matmul_q8 (VNNI at avx512)
 SIMD_BF16 = BF16_VARIANTS[1:]
+# the bf16 variants whose bits are the spec's (every one but AMX's: nx_lowp.h, its own clause)
+BF16_SPEC_VARIANTS = [i for i in BF16_VARIANTS if i != "amx"]
+SIMD_BF16_SPEC = BF16_SPEC_VARIANTS[1:]
+AMX_BF16 = [i for i in BF16_VARIANTS if i == "amx"]
 SIMD_Q8 = Q8_VARIANTS[1:]
 U32 = np.uint32
 EPS32 = 2.0 ** -24
@@ -311,8 +315,8 @@ def _bf16_cases():
             (6, 1056, 17, "F32"), (4, 64, 500, "BF16"), (3, 1027, 50, "F32")]
 
 
-@pytest.mark.skipif(not SIMD_BF16, reason="no SIMD bf16 variant on this CPU")
-@pytest.mark.parametrize("isa", SIMD_BF16)
+@pytest.mark.skipif(not SIMD_BF16_SPEC, reason="no SIMD bf16 variant on this CPU")
+@pytest.mark.parametrize("isa", SIMD_BF16_SPEC)
 @pytest.mark.parametrize("T,Kd,N,wtype", _bf16_cases(), ids=str)
 def test_bf16_simd_bit_identical_to_generic(isa, T, Kd, N, wtype):
     rng = np.random.default_rng(T * 1000 + Kd + N)
@@ -324,8 +328,8 @@ def test_bf16_simd_bit_identical_to_generic(isa, T, Kd, N, wtype):
     assert same_bits_or_both_nan(got, want)
 
 
-@pytest.mark.skipif(not SIMD_BF16, reason="no SIMD bf16 variant on this CPU")
-@pytest.mark.parametrize("isa", SIMD_BF16)
+@pytest.mark.skipif(not SIMD_BF16_SPEC, reason="no SIMD bf16 variant on this CPU")
+@pytest.mark.parametrize("isa", SIMD_BF16_SPEC)
 def test_bf16_simd_edge_values_bit_identical(isa):
     """Tiny (subnormal chains), huge (overflow), NaN/inf and raw BF16/F16 subnormal weights."""
     rng = np.random.default_rng(3)
@@ -378,8 +382,10 @@ def test_bf16_every_traits_type_matches_model(wtype):
         raw = nx_quantize((rng.standard_normal((N, Kd)) * 0.05).astype(np.float32), wtype)
     wf = np.asarray(gguf_dequantize(raw, gguf.GGMLQuantizationType[wtype]), np.float32).reshape(N, Kd)
     want = bf16_model(x, wf)
-    for isa in BF16_VARIANTS:
+    for isa in BF16_SPEC_VARIANTS:
         assert same_bits_or_both_nan(run_bf16(x, raw, wtype, isa), want), (wtype, isa)
+    for isa in AMX_BF16:                  # the tile sums: within the chain's rounding of the model
+        assert_amx_bf16_sums(run_bf16(x, raw, wtype, isa), x, wf)
 
 
 def test_bf16_weight_forms_and_bias_are_consistent():
@@ -470,12 +476,83 @@ def test_q8_model_negative_control():
     assert not same_bits_or_both_nan(got, q8_model(x, w, fused=False))
 
 
+# ----------------------------------------------------------------------------- bf16: AMX
+
+def amx_chain_bound(xb, wb):
+    """What the bf16 contract's chain term allows between an output and the exact float64 sum of
+    its bfloat16-rounded products: gamma_K * sum|bf(x) bf(w)| (K roundings of a float32 sum),
+    plus the flushed-subnormal term."""
+    Kd = xb.shape[1]
+    g = Kd * EPS32 / (1 - Kd * EPS32)
+    mag = np.abs(xb.astype(np.float64)) @ np.abs(wb.astype(np.float64)).T
+    return g * mag + Kd * 2.0 ** -124 * (1 + np.abs(xb).max() + np.abs(wb).max())
+
+
+def assert_amx_bf16_sums(got, x, wf):
+    """AMX's bf16 output is the sum of exactly the contract's bf(x) * bf(w) products, to within
+    the float32 chain's roundings -- far tighter than the bf16 input-rounding term, so it pins
+    the input rounding to bf() (the negative control in test_bf16_amx_* shows the unrounded
+    inputs miss this bound)."""
+    xb, wb = np_bf16_values(flush(x)), np_bf16_values(flush(wf))
+    exact = xb.astype(np.float64) @ wb.astype(np.float64).T
+    err = np.abs(got.astype(np.float64) - exact)
+    bound = amx_chain_bound(xb, wb)
+    assert (err <= bound).all(), (err / bound).max()
+
+
+@pytest.mark.skipif(not AMX_BF16, reason="no AMX on this CPU")
+@pytest.mark.parametrize("T,Kd,N,wtype",
+                         _bf16_cases() + [(40, 300, 70, "F32"), (33, 512, 65, "Q8_0")], ids=str)
+def test_bf16_amx_sums_the_contract_products(T, Kd, N, wtype):
+    """Every tile tail (32 x 32 blocks), T > MC, N > NC, K across KC (256: the tile sums carried
+    through the output), K not a multiple of 32: within the chain bound of the exact sum of the
+    bf()-rounded products; the whole bf16 error bound vs float64 of the unrounded data holds."""
+    rng = np.random.default_rng(T * 1000 + Kd + N + 7)
+    x = rand_x(rng, T, Kd)
+    w = make_w(rng, wtype, N, Kd)
+    wf = decode_np(w, wtype, N, Kd)
+    got = run_bf16(x, w, wtype, "amx")
+    assert_amx_bf16_sums(got, x, wf)
+    ref = x.astype(np.float64) @ wf.astype(np.float64).T
+    mag = np.abs(x.astype(np.float64)) @ np.abs(wf.astype(np.float64)).T
+    g = Kd * EPS32 / (1 - Kd * EPS32)
+    bound = ((2 * UBF + UBF ** 2) + g * (1 + UBF) ** 2) * mag + Kd * 2.0 ** -124 * 3
+    assert (np.abs(got - ref) <= bound).all()
+    # negative control: the products of the unrounded inputs are not what the tiles summed
+    exact_unrounded = x.astype(np.float64) @ wf.astype(np.float64).T
+    loose = np.abs(got.astype(np.float64) - exact_unrounded)
+    assert (loose > amx_chain_bound(np_bf16_values(x), np_bf16_values(wf))).any()
+
+
+@pytest.mark.skipif(not AMX_BF16, reason="no AMX on this CPU")
+def test_bf16_amx_bias_specials_and_repeatability():
+    """Bias is one float32 add after the sum (== the no-bias output + bias); NaN and inf reach
+    the outputs where the model has them; two runs give the same bits."""
+    rng = np.random.default_rng(31)
+    x = rand_x(rng, 19, 96)
+    x[1, 3], x[2, 10] = np.nan, np.inf
+    wf = rand_x(rng, 37, 96, 0.1)
+    wf[4, 5] = -np.inf
+    b = rand_x(rng, 1, 37)[0]
+    got = run_bf16(x, wf.view(np.uint8), "F32", "amx")
+    model = bf16_model(x, wf)
+    assert (np.isnan(got) == np.isnan(model)).all() and (np.isinf(got) == np.isinf(model)).all()
+    rows, cols = np.isfinite(x).all(axis=1), np.isfinite(wf).all(axis=1)
+    assert_amx_bf16_sums(got[rows][:, cols], x[rows], wf[cols])
+    with_b = run_bf16(x, wf.view(np.uint8), "F32", "amx", bias=b)
+    assert same_bits_or_both_nan(with_b, (got + b).astype(np.float32))
+    assert same_bits_or_both_nan(run_bf16(x, wf.view(np.uint8), "F32", "amx"), got)
+
+
 # ----------------------------------------------------------------------------- q8: variants
 
 def _q8_cases():
     # tails of the 6 x 32 tile; T > MC (264); N > NC (128); K > KC (2048)
+    # AMX (16 x 16 block, groups in pipelined rounds of 2): 1, 2, 3 groups; T > 512; N > 256;
+    # an odd number of groups in the last k-block
     return [(1, 32, 1), (5, 64, 31), (7, 96, 33), (13, 256, 97), (270, 64, 20), (6, 2080, 45),
-            (4, 4128, 130), (11, 32, 300)]
+            (4, 4128, 130), (11, 32, 300), (16, 64, 16), (17, 96, 17), (520, 32, 260),
+            (3, 2144, 19)]
 
 
 @pytest.mark.skipif(not SIMD_Q8, reason="no SIMD q8 variant on this CPU")
@@ -731,7 +808,7 @@ def test_variants_registered_and_env_forces_generic():
     best = K.cpu_features()["best_isa"]
     assert v["matmul_bf16"] == ("generic" if disabled else expected_variant(SIMD_BF16, best))
     assert v["matmul_q8"] == ("generic" if disabled else expected_variant(SIMD_Q8, best))
-    assert v["round_bf16"] == v["matmul_bf16"]
+    assert v["round_bf16"] == ("generic" if disabled else expected_variant(SIMD_BF16_SPEC, best))
     code = ("import nxhpc, json; v = nxhpc.kernel_variants(); "
             "print(json.dumps([v['matmul_bf16'], v['matmul_q8']]))")
     env = dict(os.environ, NXHPC_DISABLE_SIMD="1")
@@ -745,11 +822,14 @@ def test_variants_registered_and_env_forces_generic():
 def test_lowp_slots_follow_the_isa_chain():
     """The lowp slots live in the per-ISA tables: at every ISA each slot runs the nearest ISA on
     its chain that has its own code (bf16 at avx512bf16, q8's VNNI kernel at avx512, whose
-    required features include VNNI), else the generic spec; lowp_variants lists exactly those."""
+    required features include VNNI, and its AMX kernel at amx), else the generic spec;
+    lowp_variants lists exactly those."""
     feats = K.cpu_features()
     assert "avx512vnni" in feats["isas"]["avx512"]["needs"]
     assert "avx512bf16" in feats["isas"]["avx512bf16"]["needs"]
-    own = {"matmul_bf16": {"avx512bf16"}, "matmul_q8": {"avx512"}, "round_bf16": {"avx512bf16"}}
+    assert {"amx_int8", "os_amx", "amx_permitted"} <= set(feats["isas"]["amx"]["needs"])
+    own = {"matmul_bf16": {"avx512bf16", "amx"}, "matmul_q8": {"avx512", "amx"},
+           "round_bf16": {"avx512bf16"}}
     for isa in K.ISA_NAMES:
         for slot, have in own.items():
             assert K._variant(slot, isa) == expected_variant(have, isa), (slot, isa)

@@ -10,7 +10,8 @@
  * [N, rowbytes] (rowbytes = K / block_elems * block_bytes of the weight type); out float32 [T, N];
  * only columns [n0, n1) of out are written; bias (float32 [N] or NULL) is added once, after the sum.
  *
- * ---- `bf16` contract (bit-identical: generic spec == AVX-512 BF16, every band, every T batching)
+ * ---- `bf16` contract (bit-identical: generic spec == AVX-512 BF16, every band, every T batching;
+ *      AMX: the clause at the end of this section)
  *   bf(v)   = float32 -> bfloat16 as VCVTNEPS2BF16 does it: a subnormal v becomes the zero of its
  *             sign; NaN -> quiet NaN keeping sign and top payload bits ((bits >> 16) | 0x0040);
  *             otherwise round to nearest even on the bit pattern (overflow -> inf). (torch rounds
@@ -39,6 +40,18 @@
  *                    + K32 * 2^-124 * (1 + max|x| + max|w|)
  *   (input rounding |bf(v) - v| <= u|v|; each product passes <= K roundings of the chain; the
  *   last term covers FTZ of results and flushed subnormal inputs, ~1e-34 for normal-range data).
+ *   AMX clause (nx_lowp_amx.c, the `amx` ISA): xb and wb exactly as above, but the sum over k is
+ *   tdpbf16ps's: per 32-k group (K zero-padded to K32), in group order, 16 pairs of products
+ *   added into a float32 accumulator with DAZ/FTZ and round-to-nearest as the instruction does
+ *   it, the accumulator a float32 value between groups. Intel documents neither the order of
+ *   the 32 additions nor their intermediate roundings (on this project's AMX Xeon the result
+ *   matched neither order of the fused pair steps, nor one rounding per pair, per group or per
+ *   output), so these are not the spec's bits. Promised instead: each output's arithmetic
+ *   depends only on K and the data (never on the tile, band, token batch or worker split), so
+ *   outputs are bit-identical across bands, batches and workers on one machine; each output is
+ *   within gamma_K * sum_k |xb wb| (+ the FTZ term) of the exact sum of the bf()-rounded
+ *   products, hence within the error bound above; bias as above. Measured: tests/
+ *   test_kernels_lowp.py (test_bf16_amx_*).
  *
  * ---- `q8` contract (bit-identical: generic spec == AVX-512 VNNI, every band, every T batching)
  *   Weights must be Q8_0 (ggml block_q8_0: fp16 d, 32 int8 q). Each row of x is quantized to
@@ -136,7 +149,8 @@
  *   round_bf16(x, out, n) out[i] = bits of bf(x[i])
  * Tables: generic (the specs, nx_lowp.c), avx512 (q8 on VNNI: VNNI is part of the avx512 ISA's
  * required bits, nx_cpu.h; nx_lowp_avx512.c), avx512bf16 (bf16 on vdpbf16ps,
- * nx_lowp_avx512bf16.c). A missing slot inherits down the ISA chain to the spec. */
+ * nx_lowp_avx512bf16.c), amx (q8 of Q8_0 weights on the AMX tile unit's tdpbssd, the same bits:
+ * nx_lowp_amx.c). A missing slot inherits down the ISA chain to the spec. */
 #define NX_LOWP_SLOTS(X)                                                                           \
     X(matmul_bf16, int, (const nx_mm_call *c))                                                     \
     X(matmul_q8, int, (const nx_mm_call *c))                                                       \
@@ -145,6 +159,7 @@ NX_DECLARE_FAMILY(nx_lowp, NX_LOWP_SLOTS)
 extern const nx_lowp_table nx_lowp_table_generic;    /* nx_lowp.c */
 extern const nx_lowp_table nx_lowp_table_avx512;     /* nx_lowp_avx512.c */
 extern const nx_lowp_table nx_lowp_table_avx512bf16; /* nx_lowp_avx512bf16.c */
+extern const nx_lowp_table nx_lowp_table_amx;        /* nx_lowp_amx.c (q8 of Q8_0 on tdpbssd) */
 
 /* ---- bfloat16 rounding (see bf above) */
 static inline uint16_t nx_bf16_round(float f) {
@@ -188,6 +203,8 @@ int nx_matmul_bf16_generic(const nx_mm_call *c);
 int nx_matmul_bf16_avx512bf16(const nx_mm_call *c);
 int nx_matmul_q8_generic(const nx_mm_call *c);
 int nx_matmul_q8_avx512(const nx_mm_call *c);
+int nx_matmul_q8_amx(const nx_mm_call *c);
+int nx_matmul_bf16_amx(const nx_mm_call *c);
 
 /* ---- the per-step arithmetic of the specs, scalar (exported for the generic matmuls) */
 float nx_dpbf16_step(float acc, float a, float b); /* ftz(fmaf(daz(a), daz(b), daz(acc))) */

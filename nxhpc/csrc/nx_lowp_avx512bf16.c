@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "nx_lowp_bf16_pack.h"
+
 /* Tile, measured on this project's AMD Zen 4 host (2 cores shared with other jobs, so figures
  * are +-3%; process time, best of 4 interleaved runs; weights Q8_0; T=256 and
  * (K, N) = (3840, 3840) / (10240, 3840) / (3840, 10240), GFLOP/s):
@@ -55,13 +57,6 @@ _Static_assert(NX_BF_MC % NX_BF_MR == 0, "MC must be a multiple of MR");
 #define NX_BF_BG (16 * NX_BF_NR * 4)
 #define NX_BF_KCP NX_BF_KC /* scratch row stride (floats) */
 
-/* bf() of 32 floats (lo = elements 0..15, hi = 16..31) as 16 pair-dwords: dword i holds element
- * 2i in its low half and 2i+1 in its high half (the vdpbf16ps operand order). VCVTNE2PS2BF16 is
- * bf() of nx_lowp.h by definition (checked against the scalar spec in the tests). */
-static inline __m512i nx_bf16_pairs32(__m512 lo, __m512 hi) {
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-}
-
 void nx_bf16_round_n_avx512bf16(const float *x /* IN */, uint16_t *out /* OUT */, size_t n) {
     size_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -101,64 +96,9 @@ static void nx_bf_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t ro
     }
 }
 
-/* In-register 16x16 dword transpose: r[i][j] -> r[j][i]. */
-static inline void nx_tr16i(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    /* r[4g + c], 128-bit lane L = rows 4g..4g+3 of column 4L + c */
-    for (int c = 0; c < 4; c++) {
-        __m512i a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88);
-        __m512i b = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
-        __m512i e = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
-        __m512i f = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
-        t[c] = _mm512_shuffle_i32x4(a, e, 0x88);
-        t[8 + c] = _mm512_shuffle_i32x4(a, e, 0xDD);
-        t[4 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
-        t[12 + c] = _mm512_shuffle_i32x4(b, f, 0xDD);
-    }
-    for (int i = 0; i < 16; i++) r[i] = t[i];
-}
-
 static void nx_bf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc,
                          uint8_t *Bp /* OUT */, void *scratch) {
-    const nx_dequant_fn deq = c->dequant; /* the ISA's dequantize of the type (wtype family) */
-    const uint8_t *w = c->w;
-    const size_t rowbytes = c->rowbytes;
-    const size_t ng = (kc + 31) / 32, be = c->wt->blck_elems, bb = c->wt->blck_bytes;
-    float *s = (float *)scratch; /* [16][NX_BF_KCP] decoded rows */
-    for (int h = 0; h < NX_BF_NV; h++) {
-        const size_t c0 = (size_t)h * 16;
-        const int nv = c0 >= ncols ? 0 : (ncols - c0 >= 16 ? 16 : (int)(ncols - c0));
-        for (int j = 0; j < nv; j++) {
-            float *row = s + (size_t)j * NX_BF_KCP;
-            deq(w + (j0 + c0 + j) * rowbytes + k0 / be * bb, row, kc / be); /* exact */
-            for (size_t k = kc; k < ng * 32; k++) row[k] = 0.0f;
-        }
-        for (size_t g = 0; g < ng; g++) {
-            __m512i r[16];
-            for (int j = 0; j < 16; j++) {
-                if (j < nv) {
-                    const float *row = s + (size_t)j * NX_BF_KCP + g * 32;
-                    r[j] = nx_bf16_pairs32(_mm512_loadu_ps(row), _mm512_loadu_ps(row + 16));
-                } else {
-                    r[j] = _mm512_setzero_si512();
-                }
-            }
-            nx_tr16i(r); /* r[p] lane j = pair p of column c0 + j */
-            uint8_t *dst = Bp + g * NX_BF_BG + c0 * 4;
-            for (int p = 0; p < 16; p++)
-                _mm512_store_si512((__m512i *)(dst + p * NX_BF_NR * 4), r[p]);
-        }
-    }
+    nx_bf16_pack_b(c, j0, ncols, k0, kc, Bp, scratch, NX_BF_NV, NX_BF_KCP);
 }
 
 /* C[0:mr, 0:nr] := the pair chain over ng groups (16 pairs each), continued from C unless first. */
