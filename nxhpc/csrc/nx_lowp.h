@@ -149,8 +149,9 @@
  *   round_bf16(x, out, n) out[i] = bits of bf(x[i])
  * Tables: generic (the specs, nx_lowp.c), avx512 (q8 on VNNI: VNNI is part of the avx512 ISA's
  * required bits, nx_cpu.h; nx_lowp_avx512.c), avx512bf16 (bf16 on vdpbf16ps,
- * nx_lowp_avx512bf16.c), amx (q8 of Q8_0 weights on the AMX tile unit's tdpbssd, the same bits:
- * nx_lowp_amx.c). A missing slot inherits down the ISA chain to the spec. */
+ * nx_lowp_avx512bf16.c), amx (q8 of Q8_0 weights on the AMX tile unit's tdpbssd, the same bits;
+ * the other q8 types run the avx512 kernel: nx_lowp_amx.c). A missing slot inherits down the ISA
+ * chain to the spec. */
 #define NX_LOWP_SLOTS(X)                                                                           \
     X(matmul_bf16, int, (const nx_mm_call *c))                                                     \
     X(matmul_q8, int, (const nx_mm_call *c))                                                       \
@@ -177,7 +178,7 @@ void nx_bf16_round_n_avx512bf16(const float *x /* IN */, uint16_t *out /* OUT */
 
 /* ---- the matmuls at `isa` (shapes above; w rows of GGML type `type`). Return 0, -1 when scratch
  * memory could not be allocated (out then unspecified in the band), -2 for a weight type the
- * precision does not take (bf16: no traits; q8: not Q8_0). */
+ * precision does not take (bf16: no traits; q8: no nx_q8w decoding, i.e. F32, F16, BF16). */
 int nx_matmul_bf16(nx_isa isa, uint32_t type, const float *x /* IN [T*K] */,
                    const uint8_t *w /* IN [N*rowbytes] */, const float *bias /* IN [N] or NULL */,
                    float *out /* OUT [T*N] */, size_t T, size_t K, size_t N, size_t n0, size_t n1);
