@@ -365,46 +365,46 @@ static inline float nx_h2f(const uint8_t *p) {
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
 }
-static inline void nx_s_d(const uint8_t *p, float *sw, float *mw) {
-    (void)mw;
+/* Each writes sw[i * st] (and mw[i * st]): the packer's staging is part-major, 16 columns wide. */
+static inline void nx_s_d(const uint8_t *p, float *sw, float *mw, int st) {
+    (void)mw, (void)st;
     sw[0] = nx_h2f(p);
 }
-static inline void nx_s_dm(const uint8_t *p, float *sw, float *mw) {
+static inline void nx_s_dm(const uint8_t *p, float *sw, float *mw, int st) {
+    (void)st;
     sw[0] = nx_h2f(p);
     mw[0] = nx_h2f(p + 2);
 }
-static inline void nx_s_k4(const uint8_t *p, float *sw, float *mw) {
+static inline void nx_s_k4(const uint8_t *p, float *sw, float *mw, int st) {
     const uint8_t *s = p + 4;
     const float d = nx_h2f(p), dmin = nx_h2f(p + 2);
     for (int j = 0; j < 8; j++) {
         const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
         const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | (s[j] >> 6) << 4;
-        sw[j] = d * (float)sc;
-        mw[j] = -(dmin * (float)mn);
+        sw[j * st] = d * (float)sc;
+        mw[j * st] = -(dmin * (float)mn);
     }
 }
-static inline void nx_s_q6_K(const uint8_t *p, float *sw, float *mw) {
+static inline void nx_s_q6_K(const uint8_t *p, float *sw, float *mw, int st) {
     (void)mw;
-    const __m512 d = _mm512_set1_ps(nx_h2f(p + 208));
-    const __m512 sc = _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 192))));
-    _mm512_storeu_ps(sw, _mm512_mul_ps(d, sc));
+    const float d = nx_h2f(p + 208);
+    for (int i = 0; i < 16; i++) sw[i * st] = d * (float)(int8_t)p[192 + i];
 }
-static inline void nx_s_q3_K(const uint8_t *p, float *sw, float *mw) {
+static inline void nx_s_q3_K(const uint8_t *p, float *sw, float *mw, int st) {
     (void)mw;
     const uint8_t *sc = p + 96;
     const float d = nx_h2f(p + 108);
     for (int i = 0; i < 16; i++) {
         const int code = ((sc[i % 8] >> (4 * (i / 8))) & 15) | ((sc[8 + i % 4] >> (2 * (i / 4))) & 3)
                                                                    << 4;
-        sw[i] = d * (float)(code - 32);
+        sw[i * st] = d * (float)(code - 32);
     }
 }
-static inline void nx_s_q2_K(const uint8_t *p, float *sw, float *mw) {
+static inline void nx_s_q2_K(const uint8_t *p, float *sw, float *mw, int st) {
     const float d = nx_h2f(p + 80), dmin = nx_h2f(p + 82);
     for (int i = 0; i < 16; i++) {
-        sw[i] = d * (float)(p[i] & 15);
-        mw[i] = -(dmin * (float)(p[i] >> 4));
+        sw[i * st] = d * (float)(p[i] & 15);
+        mw[i * st] = -(dmin * (float)(p[i] >> 4));
     }
 }
 
@@ -415,14 +415,14 @@ static inline __attribute__((always_inline)) void
 nx_q8x_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc,
                 uint8_t *Bp /* OUT */, const int E, const int H, const int M,
                 void (*dec)(const uint8_t *, uint8_t *), __m256i (*dec32)(const uint8_t *),
-                void (*scales)(const uint8_t *, float *, float *)) {
+                void (*scales)(const uint8_t *, float *, float *, int)) {
     const uint8_t *w = c->w;
     const size_t rowbytes = c->rowbytes, bb = c->wt->blck_bytes;
     const size_t blk0 = k0 / (size_t)E, nblk = kc / (size_t)E;
     const int GB = E / 32, NS = GB * H;
     const size_t BG = NX_Q8X_BG(H, M);
     _Alignas(64) uint8_t u[16][256];
-    float sw[16][16], mw[16][16];
+    _Alignas(64) float sw[16][16], mw[16][16]; /* [part i of the block][column j] */
     for (int v = 0; v < NX_Q8_NV; v++) {
         const size_t c0 = (size_t)v * 16;
         const int nv = c0 >= ncols ? 0 : (ncols - c0 >= 16 ? 16 : (int)(ncols - c0));
@@ -438,13 +438,13 @@ nx_q8x_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t 
                         in[j] = dec32(blk);
                     else
                         dec(blk, u[j]);
-                    scales(blk, sw[j], mw[j]);
+                    scales(blk, &sw[0][j], &mw[0][j], 16);
                 } else {
                     if (E == 32)
                         in[j] = _mm256_setzero_si256();
                     else
                         memset(u[j], 0, (size_t)E);
-                    for (int i = 0; i < NS; i++) sw[j][i] = mw[j][i] = 0.0f;
+                    for (int i = 0; i < NS; i++) sw[i][j] = mw[i][j] = 0.0f;
                 }
             }
             for (int gl = 0; gl < GB; gl++) {
@@ -457,11 +457,12 @@ nx_q8x_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t 
                 for (int q = 0; q < 8; q++)
                     _mm512_store_si512((__m512i *)(g + (q * NX_Q8_NR + c0) * 4), out[q]);
                 float *f = (float *)(g + 8 * NX_Q8_NR * 4);
-                for (int h = 0; h < H; h++)
-                    for (int j = 0; j < 16; j++) {
-                        f[h * NX_Q8_NR + c0 + j] = sw[j][gl * H + h];
-                        if (M) f[(H + h) * NX_Q8_NR + c0 + j] = mw[j][gl * H + h];
-                    }
+                for (int h = 0; h < H; h++) {
+                    _mm512_store_ps(f + h * NX_Q8_NR + c0, _mm512_load_ps(sw[gl * H + h]));
+                    if (M)
+                        _mm512_store_ps(f + (H + h) * NX_Q8_NR + c0,
+                                        _mm512_load_ps(mw[gl * H + h]));
+                }
             }
         }
     }
