@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kernelutil import bits
 from nxhpc import _kernels as K
@@ -301,9 +303,10 @@ def test_simd_bit_identical_to_generic(t, isa):
 @pytest.mark.parametrize("isa", SIMD_Q8)
 @pytest.mark.parametrize("t", TYPES)
 def test_simd_extreme_codes_and_specials(t, isa):
-    """All-ones / all-zero code bytes (the largest |isum| and the offsets), float16 subnormal and
-    huge scales, tiny and NaN / inf activations: the SIMD variant keeps the spec's bits; a NaN
-    or inf activation turns its output row NaN (as for Q8_0)."""
+    """All-ones / all-zero code bytes (the largest |isum| and the offsets), float16 subnormal,
+    huge, inf (min field where there is one) and NaN scales, tiny and NaN / inf activations: the
+    SIMD variant keeps the spec's bits (NaN payloads aside); a NaN or inf activation turns its
+    output row NaN (as for Q8_0), a NaN scale its column."""
     e = elems(t)
     Kd, N = 2 * e if e == 256 else 128, 35
     rng = np.random.default_rng(5)
@@ -316,6 +319,8 @@ def test_simd_extreme_codes_and_specials(t, isa):
     blocks[1][:, codes] = 0x00
     blocks[2][:, SHAPE[t][2][0]:SHAPE[t][2][0] + 2] = np.array([1], "<u2").view(np.uint8)
     blocks[3][:, SHAPE[t][2][0]:SHAPE[t][2][0] + 2] = np.array([60000], "<f2").view(np.uint8)
+    blocks[4][:, SHAPE[t][2][-1]:SHAPE[t][2][-1] + 2] = np.array([np.inf], "<f2").view(np.uint8)
+    blocks[5][:, SHAPE[t][2][0]:SHAPE[t][2][0] + 2] = np.array([np.nan], "<f2").view(np.uint8)
     x = np.ones((9, Kd), np.float32)
     x[1] = -1.0
     x[2, ::2] = -1.0
@@ -328,8 +333,11 @@ def test_simd_extreme_codes_and_specials(t, isa):
     got, want = run_q8(x, w, t, isa), run_q8(x, w, t, "generic")
     assert same(got, want)
     assert np.isnan(want[5]).all() and np.isnan(want[6]).all()
+    assert np.isnan(want[:, 5]).all()
     keep = [0, 1, 2, 3, 4, 7, 8]
-    assert np.isfinite(want[keep]).all()
+    cols = [c for c in range(N) if c not in (4, 5)]
+    assert np.isfinite(want[np.ix_(keep, cols)]).all()
+    assert not np.isfinite(want[:, 4]).all()
 
 
 @pytest.mark.parametrize("isa", Q8_VARIANTS)
@@ -350,6 +358,21 @@ def test_band_and_batch_invariance(t, isa):
     assert same(part[:, 33:129], full[:, 33:129])
     rows = np.concatenate([run_q8(x[a:b].copy(), w, t, isa) for a, b in [(0, 6), (6, 7), (7, 20)]])
     assert same(rows, full)
+
+
+@pytest.mark.skipif(not SIMD_Q8, reason="no SIMD q8 variant on this CPU")
+@settings(max_examples=40, deadline=None)
+@given(t=st.sampled_from(TYPES), T=st.integers(1, 20), N=st.integers(1, 70),
+       nb=st.integers(1, 3), seed=st.integers(0, 2 ** 31 - 1), log_s=st.floats(-4, 4))
+def test_simd_matches_generic_on_random_shapes(t, T, N, nb, seed, log_s):
+    rng = np.random.default_rng(seed)
+    Kd = nb * (256 if elems(t) == 256 else 32 * int(rng.integers(1, 9)))
+    x = (rng.standard_normal((T, Kd)) * 10.0 ** log_s).astype(np.float32)
+    w = make_w(rng, t, N, Kd)
+    n0 = int(rng.integers(0, N))
+    n1 = int(rng.integers(n0, N + 1))
+    for isa in SIMD_Q8:
+        assert same(run_q8(x, w, t, isa, n0, n1), run_q8(x, w, t, "generic", n0, n1)), isa
 
 
 def test_q8_0_unchanged_by_wtype_keyword():
