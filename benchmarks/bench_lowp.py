@@ -211,3 +211,99 @@ def test_bench_matmul_bf16_isa(benchmark, T, Kd, N, isa):
                        rounds=_rounds(T), warmup_rounds=1)
     _info(benchmark, T, Kd, N, isa, "bf16")
     _check("bf16", out, x, w_f32)
+
+
+# ---------------------------------------------------------------- q8 on every quantized weight type
+
+Q8_TYPES = ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K"]
+# float16 fields (byte offsets) of each K-quant block's d / dmin, written with sane values over
+# random code/scale bytes (gguf's Python quantizer has no K-quants).
+_KQ_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+_WCACHE = {}
+
+
+def _typed_case(wtype, Kd, N, seed=0):
+    """w raw rows of `wtype` [N, rowbytes] and its gguf dequantization (float32)."""
+    key = (wtype, Kd, N, seed)
+    if key not in _WCACHE:
+        _WCACHE.clear()
+        rng = np.random.default_rng(seed)
+        if wtype in _KQ_FIELDS:
+            b = _BLOCK_BYTES[wtype]
+            nb = N * Kd // 256
+            raw = rng.integers(0, 256, (nb, b), dtype=np.uint8)
+            for off in _KQ_FIELDS[wtype]:
+                raw[:, off:off + 2] = (rng.uniform(2.0 ** -12, 2.0 ** -7, nb).astype("<f2")
+                                       .view(np.uint8).reshape(nb, 2))
+            w = raw.reshape(N, -1)
+        else:
+            w = gguf_quantize((rng.standard_normal((N, Kd)) * 0.02).astype(np.float32), QT[wtype])
+        _WCACHE[key] = (w, gguf_dequantize(w, QT[wtype]).astype(np.float32))
+    return _WCACHE[key]
+
+
+_MIN_FIELDS = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q4_K": (0, 2), "Q5_K": (0, 2)}
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q2_K": 84,
+                "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+
+def _check_q8_typed(out, x, w, w_f32, wtype, rows=16):
+    """The q8 contract's error bound (nx_lowp.h; derivation in tests/test_kernels_q8_types.py)
+    on a sample of rows: sum|x - x~||w| + gamma_{n+2} sum|x~| |w|' + [min] 2^-24 sum|x~ w|, with
+    |w|' = |sw qw| + |mw| read back from gguf's dequantize with the d or the min field zeroed."""
+    H = 2 if wtype in ("Q2_K", "Q3_K", "Q6_K") else 1
+    has_min = wtype in _MIN_FIELDS
+    Kd = x.shape[1]
+    xs = x[:rows]
+    qx = gguf_quantize(xs, QT.Q8_0).reshape(rows, Kd // 32, 34)[:, :, 2:].view(np.int8)
+    dx = (np.abs(xs.reshape(rows, -1, 32)).max(axis=2) / np.float32(127)).astype(np.float32)
+    xt = (qx.astype(np.float64) * dx[:, :, None].astype(np.float64)).reshape(rows, Kd)
+    wd = np.abs(w_f32.astype(np.float64))
+    wabs = wd
+    if has_min:
+        parts = []
+        for f in _MIN_FIELDS[wtype]:                    # zero d (-> mw), then dmin/m (-> sw qw)
+            blocks = w.copy().reshape(-1, _BLOCK_BYTES[wtype])
+            blocks[:, f:f + 2] = 0
+            parts.append(np.abs(gguf_dequantize(blocks.reshape(w.shape), QT[wtype])))
+        wabs = parts[0].astype(np.float64) + parts[1].astype(np.float64)
+    n = Kd // 32 * (1 + H * has_min)
+    g = (n + 2) * EPS32 / (1 - (n + 2) * EPS32)
+    x64 = xs.astype(np.float64)
+    bound = (np.abs(x64 - xt) @ wd.T + g * (np.abs(xt) @ wabs.T)
+             + (EPS32 * (np.abs(xt) @ wd.T) if has_min else 0)
+             + 3 * Kd * 2.0 ** -53 * (np.abs(x64) @ wd.T))
+    ref = x64 @ w_f32.astype(np.float64).T
+    got = np.asarray(out[:rows], np.float64)
+    assert (np.abs(got - ref) <= bound).all(), (np.abs(got - ref) / bound).max()
+
+
+@pytest.mark.parametrize("prec", ["q8", "bf16"])
+@pytest.mark.parametrize("wtype", Q8_TYPES)
+def test_bench_q8_weight_types(benchmark, wtype, prec):
+    """q8 and bf16 on each quantized weight type, T=256 K=N=3840, one group (the q8 Q8_0 row is
+    the baseline each type's q8 is compared with). q8 runs the VNNI kernel (isa="avx512") where
+    there is one, for every type alike (the AMX kernel takes Q8_0 only: test_bench_matmul_q8_isa);
+    bf16 the best variant."""
+    T, Kd, N = 256, 3840, 3840
+    x = _case(T, Kd, 32)[0]
+    w, w_f32 = _typed_case(wtype, Kd, N)
+    out = np.empty((T, N), np.float32)
+    slot = "matmul_q8" if prec == "q8" else "matmul_bf16"
+    v = nxhpc.kernel_variants()[slot]
+    if prec == "q8" and "avx512" in Q8_SIMD:
+        v = "avx512"
+    benchmark.group = f"q8 weight types T={T} K={Kd} N={N}"
+    benchmark.name = f"nxhpc {slot} {wtype} ({v})"
+    if prec == "q8":
+        isa = v if v in Q8_SIMD else None
+        fn, args = (lambda: K.matmul_q8(x, w, out, wtype=wtype, isa=isa)), ()
+    else:
+        fn, args = K.matmul_bf16, (x, w, wtype, out)
+    benchmark.pedantic(fn, args=args, rounds=5, warmup_rounds=1)
+    _info(benchmark, T, Kd, N, v, prec)
+    benchmark.extra_info["wtype"] = wtype
+    if prec == "q8":
+        _check_q8_typed(out, x, w, w_f32, wtype)
+    else:
+        _check("bf16", out, x, w_f32)

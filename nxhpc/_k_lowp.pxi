@@ -1,5 +1,5 @@
 # Low-precision matmul family (included by _kernels.pyx): `bf16` (bfloat16 inputs, float32
-# accumulation, AVX-512 BF16) and `q8` (Q8_0 activations x Q8_0 weights, int32 block dots,
+# accumulation, AVX-512 BF16) and `q8` (Q8_0 activations x the stored codes of Q8_0 / Q4_0 .. Q6_K weights, int32 block dots,
 # AVX-512 VNNI), plus the bfloat16 rounding helper. Owns the validation of these wrappers; weight
 # types are read from the traits table (_wtype, _k_matmul.pxi), variants from the "lowp"
 # dispatch family (nx_lowp.h): isa= takes ISA names like every other kernel. Must not: copy or
@@ -12,11 +12,19 @@ cdef extern from "nx_lowp.h" nogil:
     int nx_matmul_bf16(nx_isa isa, uint32_t type, const float *x, const uint8_t *w,
                        const float *bias, float *out, size_t T, size_t K, size_t N, size_t n0,
                        size_t n1)
-    int nx_matmul_q8(nx_isa isa, const float *x, const uint8_t *w, const float *bias,
-                     float *out, size_t T, size_t K, size_t N, size_t n0, size_t n1)
+    int nx_matmul_q8(nx_isa isa, uint32_t type, const float *x, const uint8_t *w,
+                     const float *bias, float *out, size_t T, size_t K, size_t N, size_t n0,
+                     size_t n1)
+    ctypedef struct nx_q8w_type:
+        uint32_t elems
+        int halves
+        int has_min
+    const nx_q8w_type *nx_q8w(uint32_t type)
 
 #: Weight types matmul_bf16 decodes (GGML type name -> id): every type of the traits table.
 BF16_WEIGHT_TYPES = {name: v[0] for name, v in _WTYPES.items()}
+#: Weight types matmul_q8 takes (name -> id): the quantized types with a q8 decoding (nx_q8w).
+Q8_WEIGHT_TYPES = {name: v[0] for name, v in _WTYPES.items() if nx_q8w(v[0]) != NULL}
 # The natural numpy dtype of a one-value-per-block type, accepted instead of raw bytes.
 _BF16_ELEM_DTYPE = {0: np.dtype(np.float32), 1: np.dtype(np.float16), 30: np.dtype(np.uint16)}
 # Slot names of the "lowp" family (nx_lowp.h NX_LOWP_SLOTS) per precision.
@@ -130,32 +138,36 @@ def matmul_bf16(x, w, wtype, out, n0=0, n1=None, *, bias=None, isa=None):
     return out
 
 
-def matmul_q8(x, w, out, n0=0, n1=None, *, bias=None, isa=None):
-    """out[:, n0:n1] := ggml's Q8_0 x Q8_0 product of Q8_0(x) and w (+ bias[n0:n1]).
+def matmul_q8(x, w, out, n0=0, n1=None, *, wtype="Q8_0", bias=None, isa=None):
+    """out[:, n0:n1] := Q8_0(x) @ w[n0:n1].T on the stored integer codes (+ bias[n0:n1]).
 
-    x: float32 [T, K], K % 32 == 0, quantized per row to Q8_0 exactly as gguf.quants.quantize.
-    w: Q8_0 weights only, raw rows uint8 [N, K/32*34] (other weight types: use matmul_bf16); may be
-    read-only, never copied. out: float32 [T, N]; only columns [n0, n1) are written. bias: float32
-    [N] or None, added after the sum. Contract (nx_lowp.h): per 32-block the int8 dot exact in
-    int32, acc = fmaf((float)isum, dx*dw, acc) in block order from +0: bit-identical for every
-    band, T batching and isa (None = best, or an ISA name: the "lowp" table's matmul_q8 on that
-    ISA's chain -- VNNI at avx512).
+    x: float32 [T, K], quantized per row to Q8_0 exactly as gguf.quants.quantize (float32 block
+    scale). w: raw GGML rows uint8 [N, K/block*block_bytes] of type `wtype` (a name of
+    Q8_WEIGHT_TYPES -- Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K .. Q6_K -- or its gguf id; K a multiple
+    of its block: 32, 256 for the K-quants); may be read-only, never copied. out: float32 [T, N];
+    only columns [n0, n1) are written. bias: float32 [N] or None, added after the sum.
+    Contract (nx_lowp.h): per 32-block (16-element halves for Q2_K/Q3_K/Q6_K) the int8 dot of
+    the codes exact in int32, acc = fmaf((float)isum, dx*sw, acc) then, for types with a min,
+    acc = fmaf(dx*(float)xsum, mw, acc), in block order from +0: bit-identical for every band,
+    T batching and isa (None = best, or an ISA name: the "lowp" table's matmul_q8 on that ISA's
+    chain -- VNNI at avx512).
     """
     fn = "matmul_q8"
     _lowp_x(fn, x)
+    wid, tname, E, B = _wtype(fn, wtype)
+    if tname not in Q8_WEIGHT_TYPES:
+        raise ValueError(f"{fn}: wtype {tname} has no q8 path (q8 takes "
+                         f"{', '.join(Q8_WEIGHT_TYPES)}; other weight types: matmul_bf16)")
     if not isinstance(w, np.ndarray):
-        raise TypeError(f"{fn}: w must be a numpy.ndarray of raw Q8_0 bytes (uint8), "
+        raise TypeError(f"{fn}: w must be a numpy.ndarray of raw {tname} bytes (uint8), "
                         f"got {type(w).__name__}")
     if w.dtype != np.uint8:
-        raise TypeError(f"{fn}: w must be raw Q8_0 rows (uint8); matmul_q8 takes Q8_0 weights only "
-                        f"(other weight types: matmul_bf16), got dtype={w.dtype}")
-    _q8_rows(fn, "w", w, 2)
-    cdef Py_ssize_t T = x.shape[0], K = x.shape[1], N = w.shape[0]
-    _check_k(fn, "x", K)
-    if w.shape[1] != K // QK8_0 * Q8_0_BLOCK_BYTES:
-        raise ValueError(f"{fn}: w is {w.shape} ({w.shape[1] // Q8_0_BLOCK_BYTES * QK8_0} values "
-                         f"per row), but x is {x.shape} (K={K}: expected Q8_0 w of shape "
-                         f"({N}, {K // QK8_0 * Q8_0_BLOCK_BYTES}))")
+        raise TypeError(f"{fn}: w must be raw {tname} rows (uint8); matmul_q8 takes quantized "
+                        f"weights only (F32/F16/BF16: matmul_bf16), got dtype={w.dtype}")
+    cdef uint32_t tid = wid
+    cdef Py_ssize_t T = x.shape[0], K = x.shape[1]
+    w = _lowp_w(fn, w, wid, tname, E, B, K)
+    cdef Py_ssize_t N = w.shape[0]
     if out is None:
         raise TypeError(f"{fn}: out must be a float32 array of shape ({T}, {N}), got None")
     _out_f32(fn, "out", out, (T, N))
@@ -176,9 +188,11 @@ def matmul_q8(x, w, out, n0=0, n1=None, *, bias=None, isa=None):
     cdef float *op = <float *>cnp.PyArray_DATA(out)
     cdef int rc
     with nogil:
-        rc = nx_matmul_q8(v, xp, wp, bp, op, <size_t>T, <size_t>K, <size_t>N, c0, c1)
+        rc = nx_matmul_q8(v, tid, xp, wp, bp, op, <size_t>T, <size_t>K, <size_t>N, c0, c1)
     if rc == -1:
         raise MemoryError(f"{fn}: could not allocate scratch buffers (T={T}, K={K}, N={N})")
+    if rc == -2:
+        raise ValueError(f"{fn}: the kernel does not take weight type {tname} for q8")
     if rc != 0:
         raise RuntimeError(f"{fn}: kernel returned {rc}")
     return out

@@ -47,7 +47,8 @@ def _cfg(**kw):
 
 @pytest.mark.parametrize("wtype", ["Q8_0", "F16", "F32", "BF16"])
 def test_linear_matmul_dispatches_on_precision(wtype):
-    """f32 -> matmul, bf16 -> matmul_bf16, q8 -> matmul_q8 for Q8_0 and matmul_bf16 otherwise;
+    """f32 -> matmul, bf16 -> matmul_bf16, q8 -> matmul_q8 for Q8_0 and matmul_bf16 for the
+    float types (the other quantized types: tests/test_kernels_q8_types.py);
     the band [lo, hi) only. The three kernels give different bits on these inputs (control)."""
     rng = np.random.default_rng(3)
     cfg = _cfg()
@@ -187,8 +188,8 @@ def test_block_bit_identical_for_any_worker_count(models_root, precision):
 
 
 def test_chain_precision_and_q8_on_other_weight_types():
-    """run_layers carries the precision to every layer of a chain. q8 is defined for Q8_0
-    weights; a tensor of another type runs bf16 (linear.effective_precision): with every
+    """run_layers carries the precision to every layer of a chain. q8 runs on quantized
+    weights; a float tensor runs bf16 (linear.effective_precision): with every
     projection F16, q8 gives exactly bf16's bits; with one F16 tensor among Q8_0 ones it
     differs from both bf16 and f32, and stays worker-count invariant."""
     rng = np.random.default_rng(8)

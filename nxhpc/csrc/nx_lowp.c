@@ -2,7 +2,8 @@
  * of the "lowp" family, and the blocked driver the SIMD variants share.
  *
  * Owns: the executable form of the contracts in nx_lowp.h (nx_matmul_bf16_generic,
- * nx_matmul_q8_generic), the lowp table list, and nx_lowp_blocked. Compiled with no ISA flags.
+ * nx_matmul_q8_generic), the q8 weight decoders of every type q8 takes (nx_q8w: signed codes,
+ * part scales and mins), the lowp table list, and nx_lowp_blocked. Compiled with no ISA flags.
  * Weights decode through the traits table (nx_wtype.h) only.
  * Must not: use SIMD intrinsics (those live in nx_lowp_avx512.c / nx_lowp_avx512bf16.c), or
  * depend on the tile an output falls in.
@@ -83,6 +84,137 @@ int nx_matmul_bf16_generic(const nx_mm_call *c) {
     return 0;
 }
 
+/* ------------------------------------------------------------------ q8 weight decoders */
+
+static inline float nx_ld_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return nx_f16_to_f32(h);
+}
+
+static inline uint32_t nx_ld_u32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* Signed codes qw[e] of one block (the element order of nx_quants.h). */
+static void nx_q8w_codes_q8_0(const uint8_t *p, int8_t *qw) { memcpy(qw, p + 2, 32); }
+
+static void nx_q8w_codes_q4(const uint8_t *qs, int off, int8_t *qw) {
+    for (int j = 0; j < 32; j++) qw[j] = (int8_t)(((qs[j % 16] >> (4 * (j / 16))) & 15) - off);
+}
+static void nx_q8w_codes_q5(const uint8_t *qs, uint32_t qh, int off, int8_t *qw) {
+    for (int j = 0; j < 32; j++)
+        qw[j] = (int8_t)((int)(((qs[j % 16] >> (4 * (j / 16))) & 15) | ((qh >> j) & 1u) << 4) - off);
+}
+static void nx_q8w_codes_q4_0(const uint8_t *p, int8_t *qw) { nx_q8w_codes_q4(p + 2, 8, qw); }
+static void nx_q8w_codes_q4_1(const uint8_t *p, int8_t *qw) { nx_q8w_codes_q4(p + 4, 0, qw); }
+static void nx_q8w_codes_q5_0(const uint8_t *p, int8_t *qw) {
+    nx_q8w_codes_q5(p + 6, nx_ld_u32(p + 2), 16, qw);
+}
+static void nx_q8w_codes_q5_1(const uint8_t *p, int8_t *qw) {
+    nx_q8w_codes_q5(p + 8, nx_ld_u32(p + 4), 0, qw);
+}
+static void nx_q8w_codes_q2_K(const uint8_t *p, int8_t *qw) {
+    const uint8_t *qs = p + 16;
+    for (int e = 0; e < 256; e++) {
+        const int h = e / 128, s = (e / 32) % 4, l = e % 32;
+        qw[e] = (int8_t)((qs[32 * h + l] >> (2 * s)) & 3);
+    }
+}
+static void nx_q8w_codes_q3_K(const uint8_t *p, int8_t *qw) {
+    const uint8_t *hm = p, *qs = p + 32;
+    for (int e = 0; e < 256; e++) {
+        const int h = e / 128, s = (e / 32) % 4, l = e % 32;
+        const int lo = (qs[32 * h + l] >> (2 * s)) & 3, hi = (hm[l] >> (4 * h + s)) & 1;
+        qw[e] = (int8_t)(lo - ((hi ^ 1) << 2));
+    }
+}
+static void nx_q8w_codes_q4_K(const uint8_t *p, int8_t *qw) {
+    const uint8_t *qs = p + 16;
+    for (int e = 0; e < 256; e++) {
+        const int c = e / 64, s = (e / 32) % 2, l = e % 32;
+        qw[e] = (int8_t)((qs[32 * c + l] >> (4 * s)) & 15);
+    }
+}
+static void nx_q8w_codes_q5_K(const uint8_t *p, int8_t *qw) {
+    const uint8_t *qh = p + 16, *qs = p + 48;
+    for (int e = 0; e < 256; e++) {
+        const int c = e / 64, s = (e / 32) % 2, l = e % 32;
+        qw[e] = (int8_t)(((qs[32 * c + l] >> (4 * s)) & 15) | ((qh[l] >> (e / 32)) & 1) << 4);
+    }
+}
+static void nx_q8w_codes_q6_K(const uint8_t *p, int8_t *qw) {
+    const uint8_t *ql = p, *qh = p + 128;
+    for (int e = 0; e < 256; e++) {
+        const int h = e / 128, r = e % 128;
+        const int code = ((ql[64 * h + r % 64] >> (4 * (r / 64))) & 15) |
+                         ((qh[32 * h + r % 32] >> (2 * (r / 32))) & 3) << 4;
+        qw[e] = (int8_t)(code - 32);
+    }
+}
+
+/* Scales sw[i] and mins mw[i] of one block, i = 32-group * halves + part (nx_lowp.h). */
+static void nx_q8w_scales_d(const uint8_t *p, float *sw, float *mw) {
+    (void)mw;
+    sw[0] = nx_ld_f16(p);
+}
+static void nx_q8w_scales_dm(const uint8_t *p, float *sw, float *mw) {
+    sw[0] = nx_ld_f16(p);
+    mw[0] = nx_ld_f16(p + 2);
+}
+static void nx_q8w_scales_q2_K(const uint8_t *p, float *sw, float *mw) {
+    const float d = nx_ld_f16(p + 80), dmin = nx_ld_f16(p + 82);
+    for (int i = 0; i < 16; i++) {
+        sw[i] = d * (float)(p[i] & 15);
+        mw[i] = -(dmin * (float)(p[i] >> 4));
+    }
+}
+static void nx_q8w_scales_q3_K(const uint8_t *p, float *sw, float *mw) {
+    (void)mw;
+    const uint8_t *sc = p + 96;
+    const float d = nx_ld_f16(p + 108);
+    for (int i = 0; i < 16; i++) {
+        const int code = ((sc[i % 8] >> (4 * (i / 8))) & 15) | ((sc[8 + i % 4] >> (2 * (i / 4))) & 3)
+                                                                   << 4;
+        sw[i] = d * (float)(code - 32);
+    }
+}
+static void nx_q8w_scales_k4(const uint8_t *p, float *sw, float *mw) { /* Q4_K, Q5_K */
+    const uint8_t *s = p + 4;
+    const float d = nx_ld_f16(p), dmin = nx_ld_f16(p + 2);
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        if (j < 4) {
+            sc = s[j] & 63;
+            mn = s[j + 4] & 63;
+        } else {
+            sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
+            mn = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+        }
+        sw[j] = d * (float)sc;
+        mw[j] = -(dmin * (float)mn);
+    }
+}
+static void nx_q8w_scales_q6_K(const uint8_t *p, float *sw, float *mw) {
+    (void)mw;
+    const float d = nx_ld_f16(p + 208);
+    for (int i = 0; i < 16; i++) sw[i] = d * (float)(int8_t)p[192 + i];
+}
+
+#define NX_Q8W_ROW(T, E, H, M, OFF, codes, scales)                                                \
+    [NX_GGML_##T] = {E, H, M, OFF, nx_q8w_codes_##codes, nx_q8w_scales_##scales}
+static const nx_q8w_type nx_q8w_types[NX_GGML_TYPE_COUNT] = {
+    NX_Q8W_ROW(Q8_0, 32, 1, 0, 128, q8_0, d),  NX_Q8W_ROW(Q4_0, 32, 1, 0, 8, q4_0, d),
+    NX_Q8W_ROW(Q5_0, 32, 1, 0, 16, q5_0, d),   NX_Q8W_ROW(Q4_1, 32, 1, 1, 0, q4_1, dm),
+    NX_Q8W_ROW(Q5_1, 32, 1, 1, 0, q5_1, dm),   NX_Q8W_ROW(Q2_K, 256, 2, 1, 0, q2_K, q2_K),
+    NX_Q8W_ROW(Q3_K, 256, 2, 0, 4, q3_K, q3_K), NX_Q8W_ROW(Q4_K, 256, 1, 1, 0, q4_K, k4),
+    NX_Q8W_ROW(Q5_K, 256, 1, 1, 0, q5_K, k4),  NX_Q8W_ROW(Q6_K, 256, 2, 0, 32, q6_K, q6_K),
+};
+
+const nx_q8w_type *nx_q8w(uint32_t type) {
+    return type < NX_GGML_TYPE_COUNT && nx_q8w_types[type].elems ? &nx_q8w_types[type] : NULL;
+}
+
 /* ------------------------------------------------------------------ q8 spec */
 
 int nx_matmul_q8_generic(const nx_mm_call *c) {
@@ -90,39 +222,68 @@ int nx_matmul_q8_generic(const nx_mm_call *c) {
     const uint8_t *w = c->w;
     float *out = c->out;
     const size_t T = c->T, K = c->K, N = c->N, n0 = c->n0, n1 = c->n1;
-    if (c->type != NX_GGML_Q8_0) return -2;
+    const nx_q8w_type *qt = nx_q8w(c->type);
+    if (!qt) return -2;
     if (T == 0 || n0 >= n1) return 0;
-    const size_t nb = K / NX_QK8_0, rowbytes = nb * NX_Q8_0_BLOCK_BYTES;
-    uint8_t *xq = (uint8_t *)malloc(T * rowbytes + 1);
+    const size_t nb = K / NX_QK8_0, xrow = nb * NX_Q8_0_BLOCK_BYTES;
+    const size_t H = (size_t)qt->halves, P = 32 / H, nblk = K / qt->elems;
+    const size_t spb = qt->elems / 32 * H, bb = c->wt->blck_bytes;
+    uint8_t *xq = (uint8_t *)malloc(T * xrow + 1);
     float *dx = (float *)malloc((T * nb + 1) * sizeof(float)); /* float32 activation scales */
-    if (!xq || !dx) {
+    int8_t *qw = (int8_t *)malloc(K + 1);                       /* one row's signed codes */
+    float *sw = (float *)malloc((nb * H + 1) * sizeof(float)); /* its scales and mins */
+    float *mw = (float *)malloc((nb * H + 1) * sizeof(float));
+    if (!xq || !dx || !qw || !sw || !mw) {
         free(xq);
         free(dx);
+        free(qw);
+        free(sw);
+        free(mw);
         return -1;
     }
     if (nb > 0) nx_q8_0_quantize_generic(x, xq, T * nb); /* rows are consecutive blocks */
     for (size_t i = 0; i < T * nb; i++) dx[i] = nx_q8_0_act_scale(x + i * NX_QK8_0);
     for (size_t n = n0; n < n1; n++) {
-        const uint8_t *wr = w + n * rowbytes;
+        const uint8_t *wr = w + n * c->rowbytes;
+        for (size_t i = 0; i < nblk; i++) {
+            qt->codes(wr + i * bb, qw + i * qt->elems);
+            qt->scales(wr + i * bb, sw + i * spb, mw + i * spb);
+        }
         for (size_t t = 0; t < T; t++) {
-            const uint8_t *xr = xq + t * rowbytes;
+            const uint8_t *xr = xq + t * xrow;
             float acc = 0.0f;
             for (size_t b = 0; b < nb; b++) {
-                const uint8_t *xb = xr + b * NX_Q8_0_BLOCK_BYTES,
-                              *wb = wr + b * NX_Q8_0_BLOCK_BYTES;
-                int32_t isum = 0;
-                for (int i = 0; i < NX_QK8_0; i++)
-                    isum += (int32_t)(int8_t)xb[2 + i] * (int8_t)wb[2 + i];
-                uint16_t dw;
-                memcpy(&dw, wb, 2);
-                const float s = dx[t * nb + b] * nx_f16_to_f32(dw); /* one rounding */
-                acc = fmaf((float)isum, s, acc);
+                const int8_t *xb = (const int8_t *)(xr + b * NX_Q8_0_BLOCK_BYTES + 2);
+                const int8_t *wb = qw + b * NX_QK8_0;
+                const float d = dx[t * nb + b];
+                int32_t isum[2] = {0, 0}, xsum[2] = {0, 0};
+                for (size_t h = 0; h < H; h++)
+                    for (size_t i = h * P; i < (h + 1) * P; i++) {
+                        isum[h] += (int32_t)xb[i] * wb[i];
+                        xsum[h] += xb[i];
+                    }
+                if (H == 1) {
+                    const float s = d * sw[b]; /* one rounding */
+                    acc = fmaf((float)isum[0], s, acc);
+                } else {
+                    float y = (float)isum[0] * sw[2 * b]; /* one rounding */
+                    y = fmaf((float)isum[1], sw[2 * b + 1], y);
+                    acc = fmaf(y, d, acc);
+                }
+                if (qt->has_min)
+                    for (size_t h = 0; h < H; h++) {
+                        const float a = d * (float)xsum[h]; /* one rounding */
+                        acc = fmaf(a, mw[b * H + h], acc);
+                    }
             }
             out[t * N + n] = bias ? acc + bias[n] : acc;
         }
     }
     free(xq);
     free(dx);
+    free(qw);
+    free(sw);
+    free(mw);
     return 0;
 }
 
@@ -213,10 +374,11 @@ int nx_matmul_bf16(nx_isa isa, uint32_t type, const float *x /* IN */, const uin
     return nx_lowp_get(isa)->matmul_bf16(&c);
 }
 
-int nx_matmul_q8(nx_isa isa, const float *x /* IN */, const uint8_t *w /* IN */,
+int nx_matmul_q8(nx_isa isa, uint32_t type, const float *x /* IN */, const uint8_t *w /* IN */,
                  const float *bias /* IN */, float *out /* OUT */, size_t T, size_t K, size_t N,
                  size_t n0, size_t n1) {
-    const nx_mm_call c =
-        nx_lowp_call(isa, nx_wtype(NX_GGML_Q8_0), NX_GGML_Q8_0, x, w, bias, out, T, K, N, n0, n1);
+    const nx_wtype_traits *wt = nx_wtype(type);
+    if (!wt || !nx_q8w(type)) return -2;
+    const nx_mm_call c = nx_lowp_call(isa, wt, type, x, w, bias, out, T, K, N, n0, n1);
     return nx_lowp_get(isa)->matmul_q8(&c);
 }

@@ -1,4 +1,5 @@
-/* nx_lowp.h -- low-precision matmuls: `bf16` (vdpbf16ps) and `q8` (Q8_0 x Q8_0, vpdpbusd).
+/* nx_lowp.h -- low-precision matmuls: `bf16` (vdpbf16ps) and `q8` (Q8_0 activations x
+ * Q8_0 / Q4_0 .. Q6_K weights, vpdpbusd).
  *
  * Owns: the arithmetic contract of both precisions (below), the "lowp" dispatch family (its slots
  * and per-ISA tables), the blocked driver both SIMD variants share, and the scalar specs. Weights
@@ -80,6 +81,51 @@
  *   VNNI detail: vpdpbusd multiplies unsigned by signed bytes. The weights are repacked per panel
  *   as qw + 128 (unsigned), the activations stay signed (the broadcast operand), and the int32
  *   accumulator of each block starts at -128 * sum_i qx[t,b,i]: the result is the exact isum.
+ *
+ * ---- `q8` on the other quantized types (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K;
+ *   bit-identical in the same way). Activations exactly as for Q8_0 (qx, dx per 32-block b).
+ *   Each weight block is read as signed integer codes qw (|qw| <= 128), one float32 scale sw per
+ *   "part" and, for the types with an offset/min, one float32 min mw per part. A part is the
+ *   whole 32-block (H = 1 part per 32) or, for the types with 16-element sub-blocks (Q2_K, Q3_K,
+ *   Q6_K), its two halves of 16 (H = 2, elements 0..15 first). Per type (f32(): the float16
+ *   field widened exactly; sc/mn the integer sub-block scale/min of nx_quants.h):
+ *     type   H  qw                    sw                       mw
+ *     Q8_0   1  q (int8)              f32(d)                   -
+ *     Q4_0   1  code - 8              f32(d)                   -
+ *     Q5_0   1  code - 16             f32(d)                   -
+ *     Q4_1   1  code (0..15)          f32(d)                   f32(m)
+ *     Q5_1   1  code (0..31)          f32(d)                   f32(m)
+ *     Q4_K   1  code (0..15)          f32(d) * sc_j            -(f32(dmin) * mn_j)   j = 32-group
+ *     Q5_K   1  code (0..31)          f32(d) * sc_j            -(f32(dmin) * mn_j)   of the 256
+ *     Q6_K   2  code - 32 (-32..31)   f32(d) * sc_i (int8)     -                     i = 16-part
+ *     Q3_K   2  q (-4..3)             f32(d) * (sc6_i - 32)    -                     of the 256
+ *     Q2_K   2  code (0..3)           f32(d) * (sc_i & 15)     -(f32(dmin) * (sc_i >> 4))
+ *   Every sw / mw product is exact in float32 (11-bit significand times <= 7-bit integer; see
+ *   nx_quants.h), so sw*qw + mw is, in real arithmetic, the element's value (for the types with a
+ *   min, gguf's float32 dequantize rounds that sum once; without a min it is exact).
+ *   For each block b = 0 .. K/32-1 in order, from acc = +0, with per part p (exact integers)
+ *     isum_p = sum_{i in part p} qx[t,b,i] * qw[n,b,i]   (int32; |isum| <= 32*127*128 < 2^24)
+ *     xsum_p = sum_{i in part p} qx[t,b,i]               (|xsum| <= 32*127):
+ *     H = 1:  acc = fmaf((float)isum_0, dx[t,b] * sw[n,b,0], acc)   (the product one rounding)
+ *     H = 2:  y   = (float)isum_0 * sw[n,b,0]                         (one rounding)
+ *             y   = fmaf((float)isum_1, sw[n,b,1], y)
+ *             acc = fmaf(y, dx[t,b], acc)
+ *     then, with a min, for p = 0 .. H-1:
+ *             acc = fmaf(dx[t,b] * (float)xsum_p, mw[n,b,p], acc)   (the product one rounding)
+ *   (H = 2 combines the halves before the activation scale: one multiply per 32 instead of two.)
+ *   out[t,n] = acc (+ bias[n]). K must be a multiple of the type's block (32, or 256 for the
+ *   K-quants). Range and NaN/inf: as for Q8_0 (a NaN/inf activation makes its output row NaN).
+ *   Error vs float64 x @ dequant(w).T (dequant = gguf's float32 values), with n = (K/32) *
+ *   (1 + H * has_min) fma steps on acc and |w|' = |sw qw| + |mw| per element (= |w| without a
+ *   min):
+ *     |out - ref| <= sum_k |x - x~| |w| + gamma_{n+2} * sum_k |x~| |w|'
+ *                    + [has_min] 2^-24 * sum_k |x~ w| + 2n * 2^-130
+ *   (activation error as for Q8_0; each part's product passes <= 2 roundings before the chain
+ *   and <= n on it, measured against the split terms, which can cancel where the min is large;
+ *   the third term is gguf's rounding of d*sc*q - dmin*mn; the last the subnormal range).
+ *   VNNI detail: the panels hold the stored unsigned code u = qw + off (off = 8 Q4_0, 16 Q5_0,
+ *   32 Q6_K, 4 Q3_K, 0 for the min types), and each part's int32 accumulator starts at
+ *   -off * xsum: the result is the exact isum.
  */
 #ifndef NX_LOWP_H
 #define NX_LOWP_H
@@ -99,12 +145,13 @@
  * requested ISA (the wtype family: every type of the traits table decodes on the bf16 path),
  * x, w, bias, out, T, K, N, [n0, n1), rowbytes. Slots:
  *   matmul_bf16(c)        the `bf16` matmul (any weight type with traits)
- *   matmul_q8(c)          the `q8` matmul (c->type must be Q8_0; -2 otherwise)
+ *   matmul_q8(c)          the `q8` matmul (c->type one of nx_q8w's types; -2 otherwise)
  *   round_bf16(x, out, n) out[i] = bits of bf(x[i])
  * Tables: generic (the specs, nx_lowp.c), avx512 (q8 on VNNI: VNNI is part of the avx512 ISA's
  * required bits, nx_cpu.h; nx_lowp_avx512.c), avx512bf16 (bf16 on vdpbf16ps,
- * nx_lowp_avx512bf16.c), amx (q8 of Q8_0 weights on the AMX tile unit's tdpbssd, the same bits:
- * nx_lowp_amx.c). A missing slot inherits down the ISA chain to the spec. */
+ * nx_lowp_avx512bf16.c), amx (q8 of Q8_0 weights on the AMX tile unit's tdpbssd, the same bits;
+ * the other q8 types run the avx512 kernel: nx_lowp_amx.c). A missing slot inherits down the ISA
+ * chain to the spec. */
 #define NX_LOWP_SLOTS(X)                                                                           \
     X(matmul_bf16, int, (const nx_mm_call *c))                                                     \
     X(matmul_q8, int, (const nx_mm_call *c))                                                       \
@@ -131,13 +178,28 @@ void nx_bf16_round_n_avx512bf16(const float *x /* IN */, uint16_t *out /* OUT */
 
 /* ---- the matmuls at `isa` (shapes above; w rows of GGML type `type`). Return 0, -1 when scratch
  * memory could not be allocated (out then unspecified in the band), -2 for a weight type the
- * precision does not take (bf16: no traits; q8: not Q8_0). */
+ * precision does not take (bf16: no traits; q8: no nx_q8w decoding, i.e. F32, F16, BF16). */
 int nx_matmul_bf16(nx_isa isa, uint32_t type, const float *x /* IN [T*K] */,
                    const uint8_t *w /* IN [N*rowbytes] */, const float *bias /* IN [N] or NULL */,
                    float *out /* OUT [T*N] */, size_t T, size_t K, size_t N, size_t n0, size_t n1);
-int nx_matmul_q8(nx_isa isa, const float *x /* IN [T*K] */, const uint8_t *w /* IN Q8_0 rows */,
-                 const float *bias /* IN [N] or NULL */, float *out /* OUT [T*N] */, size_t T,
-                 size_t K, size_t N, size_t n0, size_t n1);
+int nx_matmul_q8(nx_isa isa, uint32_t type, const float *x /* IN [T*K] */,
+                 const uint8_t *w /* IN [N*rowbytes] */, const float *bias /* IN [N] or NULL */,
+                 float *out /* OUT [T*N] */, size_t T, size_t K, size_t N, size_t n0, size_t n1);
+
+/* ---- the weight side of the q8 contract, per type (the table above): the spec's decoders.
+ * codes(blk, qw): the signed codes qw[e] of one block, e < elems (nx_quants.h element order);
+ * scales(blk, sw, mw): sw[i] (and mw[i] where has_min) for i < elems/32 * halves, i = 32-group *
+ * halves + part. off: the SIMD panels' unsigned code u = qw + off. */
+typedef struct {
+    uint32_t elems; /* elements per block: 32 or 256 */
+    int halves;     /* H: 1 or 2 parts per 32-group */
+    int has_min;
+    int off;
+    void (*codes)(const uint8_t *blk /* IN */, int8_t *qw /* OUT [elems] */);
+    void (*scales)(const uint8_t *blk /* IN */, float *sw /* OUT */, float *mw /* OUT */);
+} nx_q8w_type;
+/* The q8 decoding of `type`, or NULL where q8 does not take it (F32, F16, BF16, unknown). */
+const nx_q8w_type *nx_q8w(uint32_t type);
 int nx_matmul_bf16_generic(const nx_mm_call *c);
 int nx_matmul_bf16_avx512bf16(const nx_mm_call *c);
 int nx_matmul_q8_generic(const nx_mm_call *c);

@@ -1,9 +1,11 @@
 /* nx_lowp_avx512.c -- the avx512 table of the "lowp" family (AVX-512 F/BW/VL/DQ + VNNI, all part
- * of the avx512 ISA's required bits in nx_cpu.h): the `q8` matmul (vpdpbusd micro-kernel, its
- * activation and weight packers). bf16 has no variant here (inherits the spec).
+ * of the avx512 ISA's required bits in nx_cpu.h): the `q8` matmul on every weight type q8 takes
+ * (Q8_0, Q4_0 .. Q6_K: vpdpbusd micro-kernels, their activation and weight packers). bf16 has no
+ * variant here (inherits the spec).
  *
- * Owns: the q8 panel layouts and the MR x NR register tile; the exactness of the unsigned x signed
- * trick (weights + 128, accumulator started at -128 * sum(qx)). Entered only after the probe
+ * Owns: the q8 panel layouts and the MR x NR register tiles; the SIMD decoding of each type's
+ * codes; the exactness of the unsigned x signed trick (weights stored unsigned, u = qw + off, the
+ * accumulator started at -off * sum(qx)). Entered only after the probe
  * reports the avx512 level (which includes VNNI) with OS ZMM support.
  * Must not: change the per-output block order or arithmetic of nx_lowp.h, allocate per tile,
  * or use threads.
@@ -49,6 +51,17 @@
 _Static_assert(NX_Q8_KC % 256 == 0, "KC must hold whole blocks of every type");
 _Static_assert(NX_Q8_NC % NX_Q8_NR == 0, "NC must be a multiple of NR");
 _Static_assert(NX_Q8_MC % NX_Q8_MR == 0, "MC must be a multiple of MR");
+/* The two-part (16-element halves) types' tile: MR x 32 (their kernel also holds MR x 2 vectors
+ * of part sums y, so fewer rows than Q8_0's 6). Measured on this project's Xeon (KVM, AVX-512
+ * VNNI + AMX; T=256, K=N=3840, one thread, Q6_K / Q3_K as a fraction of Q8_0's q8): MR=3
+ * 0.79/0.77, 4 0.83/0.82, 5 0.85/0.82, 6 0.84/0.82 (6 spills). */
+#ifndef NX_Q8H_MR
+#define NX_Q8H_MR 5
+#endif
+#ifndef NX_Q8H_MC
+#define NX_Q8H_MC 260
+#endif
+_Static_assert(NX_Q8H_MC % NX_Q8H_MR == 0, "MC must be a multiple of MR");
 
 /* Per 32-k group (one Q8_0 block):
  *   A micro-panel: int32 quads[8][MR] (qx bytes 4q..4q+3 of token r), float dx[MR],
@@ -56,6 +69,16 @@ _Static_assert(NX_Q8_MC % NX_Q8_MR == 0, "MC must be a multiple of MR");
  *   B micro-panel: uint32 quads[8][NR] (qw + 128, bytes 4q..4q+3 of column j), float dw[NR] */
 #define NX_Q8_AG (10 * NX_Q8_MR * 4)
 #define NX_Q8_BG (9 * NX_Q8_NR * 4)
+
+/* nx_q8_0_act_scale (the spec) with the block max in SIMD: max |x| is exact in any order; a
+ * block holding a NaN takes the scalar function (whose result is that NaN). */
+static inline float nx_q8x_act_scale(const float *xb /* IN [32] */) {
+    const __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(xb)), a1 = _mm512_abs_ps(_mm512_loadu_ps(xb + 16));
+    if (_mm512_cmp_ps_mask(a0, a1, _CMP_UNORD_Q)) return nx_q8_0_act_scale(xb);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+    const float d = amax / 127.0f;
+    return d < 0x1p-126f ? 0.0f : d;
+}
 
 static void nx_q8_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t rows,
                          uint8_t *Ap /* OUT */, void *scratch) {
@@ -79,7 +102,7 @@ static void nx_q8_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t ro
             int32_t quad[8];
             _mm256_storeu_si256((__m256i *)quad, qs);
             for (int i = 0; i < 8; i++) g[i * NX_Q8_MR + r] = quad[i];
-            const float dx = nx_q8_0_act_scale(x + (t0 + r) * K + b * NX_QK8_0); /* as the spec */
+            const float dx = nx_q8x_act_scale(x + (t0 + r) * K + b * NX_QK8_0); /* = the spec's */
             memcpy(&g[8 * NX_Q8_MR + r], &dx, 4);
             g[9 * NX_Q8_MR + r] = -128 * sum;
         }
@@ -193,13 +216,392 @@ static void nx_q8_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, 
                 _mm512_mask_storeu_ps(C + r * ldc + 16 * v, m[v], f[r][v]);
 }
 
+/* ------------------------------------------------------------------ q8 on Q4_0 .. Q6_K weights
+ * One micro-kernel per shape (nx_lowp.h: H parts per 32-group, with or without a min), the same
+ * group loop as Q8_0's (6 x 32 tile for H = 1, 5 x 32 for H = 2); the per-type work is all in the
+ * B packer (codes to unsigned bytes, the spec's scales into the panel), so the inner loop is
+ * Q8_0's plus the shape's epilogue: per 32-group and output, Q8_0 / Q4_0 / Q5_0 take cvt + mul +
+ * fma, the min types one more fma, H = 2 two cvt + mul + 2 fma (+ 2 fma for Q2_K's mins). Those
+ * share the vector pipes with vpdpbusd (8 per group and output), which sets each shape's speed
+ * relative to Q8_0's.
+ *   A micro-panel group: int32 quads[8][MR], float dx[MR], int32 init[2][MR] (-off * xsum of
+ *     each part), float ax[2][MR] (dx * (float)xsum of each part; the min term's product).
+ *     H = 1: part 0 is the whole 32 (init[1], ax[1] unused).
+ *   B micro-panel group: uint32 quads[8][NR] (u = qw + off), float sw[H][NR], float mw[H][NR]
+ *     (types with a min). */
+#define NX_Q8X_AG(MR) (13 * (MR) * 4)
+#define NX_Q8X_MRMAX 6 /* the largest MR of these kernels */
+#ifndef NX_Q8X_PF
+#define NX_Q8X_PF 1 /* weight blocks prefetched ahead per column by the B packer (1, 2, 4: within noise) */
+#endif
+#define NX_Q8X_BG(H, M) ((8 + (H) * (1 + (M))) * NX_Q8_NR * 4)
+
+static inline __attribute__((always_inline)) void
+nx_q8x_pack_a_t(const float *x /* IN */, size_t K, size_t t0, size_t rows, uint8_t *Ap /* OUT */,
+                void *scratch, const int off, const int H, const int MR) {
+    const size_t nb = K / NX_QK8_0;
+    uint8_t *q = (uint8_t *)scratch; /* one quantized row: nb * 34 bytes */
+    for (int r = 0; r < MR; r++) {
+        if ((size_t)r < rows) nx_q8_0_quantize_avx512(x + (t0 + r) * K, q, nb);
+        for (size_t b = 0; b < nb; b++) {
+            int32_t *g = (int32_t *)(Ap + b * NX_Q8X_AG(MR));
+            if ((size_t)r >= rows) {
+                for (int i = 0; i < 13; i++) g[i * MR + r] = 0; /* float fields +0.0f */
+                continue;
+            }
+            const uint8_t *blk = q + b * NX_Q8_0_BLOCK_BYTES;
+            int32_t quad[8];
+            memcpy(quad, blk + 2, 32);
+            for (int i = 0; i < 8; i++) g[i * MR + r] = quad[i];
+            const float dx = nx_q8x_act_scale(x + (t0 + r) * K + b * NX_QK8_0);
+            memcpy(&g[8 * MR + r], &dx, 4);
+            const __m512i s16 =
+                _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 2))),
+                                  _mm512_set1_epi16(1)); /* pair sums, lanes 0-7: elements 0-15 */
+            int32_t xs[2];
+            if (H == 1) {
+                xs[0] = _mm512_reduce_add_epi32(s16);
+                xs[1] = 0;
+            } else {
+                xs[0] = _mm512_mask_reduce_add_epi32((__mmask16)0x00ff, s16);
+                xs[1] = _mm512_mask_reduce_add_epi32((__mmask16)0xff00, s16);
+            }
+            for (int h = 0; h < 2; h++) {
+                const float ax = dx * (float)xs[h]; /* one rounding, as the spec */
+                g[(9 + h) * MR + r] = -off * xs[h];
+                memcpy(&g[(11 + h) * MR + r], &ax, 4);
+            }
+        }
+    }
+}
+
+#define NX_Q8X_PACK_A(OFF, H, MR)                                                                  \
+    static void nx_q8x_pack_a_##OFF##_##H(const float *x, size_t K, size_t t0, size_t rows,        \
+                                          uint8_t *Ap, void *scratch) {                            \
+        nx_q8x_pack_a_t(x, K, t0, rows, Ap, scratch, OFF, H, MR);                                  \
+    }
+NX_Q8X_PACK_A(8, 1, NX_Q8_MR)
+NX_Q8X_PACK_A(16, 1, NX_Q8_MR)
+NX_Q8X_PACK_A(0, 1, NX_Q8_MR)
+NX_Q8X_PACK_A(32, 2, NX_Q8H_MR)
+NX_Q8X_PACK_A(4, 2, NX_Q8H_MR)
+NX_Q8X_PACK_A(0, 2, NX_Q8H_MR)
+
+/* ---- unsigned codes u[e] = qw[e] + off of one block (the element order of nx_quants.h) */
+static inline __m256i nx_u_nib32(const uint8_t *qs) { /* 16 bytes -> 32 nibbles, low first */
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(15);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m)),
+                                   _mm_and_si128(_mm_srli_epi16(q, 4), m), 1);
+}
+static inline __m256i nx_u_bit4(const uint8_t *qh, __m256i v) { /* bit j of qh -> bit 4 of v[j] */
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    return _mm256_mask_add_epi8(v, (__mmask32)h, v, _mm256_set1_epi8(16));
+}
+/* The 32-element types return their block's codes in a register (no store/reload). */
+static inline __m256i nx_u_q4_0(const uint8_t *p) { return nx_u_nib32(p + 2); }
+static inline __m256i nx_u_q4_1(const uint8_t *p) { return nx_u_nib32(p + 4); }
+static inline __m256i nx_u_q5_0(const uint8_t *p) { return nx_u_bit4(p + 2, nx_u_nib32(p + 6)); }
+static inline __m256i nx_u_q5_1(const uint8_t *p) { return nx_u_bit4(p + 4, nx_u_nib32(p + 8)); }
+static inline __m256i nx_ld32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void nx_st32(uint8_t *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
+static inline void nx_u_q4_K(const uint8_t *p, uint8_t *u) {
+    const __m256i m = _mm256_set1_epi8(15);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = nx_ld32(p + 16 + 32 * c);
+        nx_st32(u + 64 * c, _mm256_and_si256(v, m));
+        nx_st32(u + 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(v, 4), m));
+    }
+}
+static inline void nx_u_q5_K(const uint8_t *p, uint8_t *u) {
+    const __m256i m = _mm256_set1_epi8(15), h = nx_ld32(p + 16), b4 = _mm256_set1_epi8(16);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = nx_ld32(p + 48 + 32 * c);
+        for (int s = 0; s < 2; s++) {
+            const int j = 2 * c + s;
+            const __m256i lo = _mm256_and_si256(s ? _mm256_srli_epi16(v, 4) : v, m);
+            const __mmask32 hb = _mm256_test_epi8_mask(h, _mm256_set1_epi8((char)(1 << j)));
+            nx_st32(u + 32 * j, _mm256_mask_add_epi8(lo, hb, lo, b4));
+        }
+    }
+}
+static inline void nx_u_q6_K(const uint8_t *p, uint8_t *u) {
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const __m256i qh = nx_ld32(p + 128 + 32 * h);
+        for (int k = 0; k < 4; k++) {
+            __m256i lo = nx_ld32(p + 64 * h + 32 * (k & 1));
+            if (k >> 1) lo = _mm256_srli_epi16(lo, 4);
+            lo = _mm256_and_si256(lo, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m2);
+            nx_st32(u + 128 * h + 32 * k, _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
+        }
+    }
+}
+static inline void nx_u_q3_K(const uint8_t *p, uint8_t *u) {
+    const __m256i m2 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4), hm = nx_ld32(p);
+    for (int h = 0; h < 2; h++) {
+        const __m256i q = nx_ld32(p + 32 + 32 * h);
+        for (int s = 0; s < 4; s++) {
+            const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m2);
+            const __mmask32 hb = _mm256_test_epi8_mask(hm, _mm256_set1_epi8((char)(1 << (4 * h + s))));
+            nx_st32(u + 128 * h + 32 * s, _mm256_mask_add_epi8(lo, hb, lo, b2));
+        }
+    }
+}
+static inline void nx_u_q2_K(const uint8_t *p, uint8_t *u) {
+    const __m256i m2 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const __m256i q = nx_ld32(p + 16 + 32 * h);
+        for (int s = 0; s < 4; s++)
+            nx_st32(u + 128 * h + 32 * s, _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m2));
+    }
+}
+
+/* ---- scales sw[i] and mins mw[i] of one block: the spec's arithmetic (nx_lowp.c, nx_q8w_scales_*;
+ * every product exact), inlined into the packers. */
+static inline float nx_h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+/* Each writes sw[i * st] (and mw[i * st]): the packer's staging is part-major, 16 columns wide. */
+static inline void nx_s_d(const uint8_t *p, float *sw, float *mw, int st) {
+    (void)mw, (void)st;
+    sw[0] = nx_h2f(p);
+}
+static inline void nx_s_dm(const uint8_t *p, float *sw, float *mw, int st) {
+    (void)st;
+    sw[0] = nx_h2f(p);
+    mw[0] = nx_h2f(p + 2);
+}
+static inline void nx_s_k4(const uint8_t *p, float *sw, float *mw, int st) {
+    const uint8_t *s = p + 4;
+    const float d = nx_h2f(p), dmin = nx_h2f(p + 2);
+    for (int j = 0; j < 8; j++) {
+        const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
+        const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+        sw[j * st] = d * (float)sc;
+        mw[j * st] = -(dmin * (float)mn);
+    }
+}
+static inline void nx_s_q6_K(const uint8_t *p, float *sw, float *mw, int st) {
+    (void)mw;
+    const float d = nx_h2f(p + 208);
+    for (int i = 0; i < 16; i++) sw[i * st] = d * (float)(int8_t)p[192 + i];
+}
+static inline void nx_s_q3_K(const uint8_t *p, float *sw, float *mw, int st) {
+    (void)mw;
+    const uint8_t *sc = p + 96;
+    const float d = nx_h2f(p + 108);
+    for (int i = 0; i < 16; i++) {
+        const int code = ((sc[i % 8] >> (4 * (i / 8))) & 15) | ((sc[8 + i % 4] >> (2 * (i / 4))) & 3)
+                                                                   << 4;
+        sw[i * st] = d * (float)(code - 32);
+    }
+}
+static inline void nx_s_q2_K(const uint8_t *p, float *sw, float *mw, int st) {
+    const float d = nx_h2f(p + 80), dmin = nx_h2f(p + 82);
+    for (int i = 0; i < 16; i++) {
+        sw[i * st] = d * (float)(p[i] & 15);
+        mw[i * st] = -(dmin * (float)(p[i] >> 4));
+    }
+}
+
+/* B packer: per 16-column vector, per weight block: each column's codes (SIMD) and scales (the
+ * spec's decoder: exact products, the same on every ISA), then one 16 x 8 dword transpose per
+ * 32-group. k0 and kc are multiples of the block (KC % 256 == 0, K % elems == 0). */
+static inline __attribute__((always_inline)) void
+nx_q8x_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc,
+                uint8_t *Bp /* OUT */, const int E, const int H, const int M,
+                void (*dec)(const uint8_t *, uint8_t *), __m256i (*dec32)(const uint8_t *),
+                void (*scales)(const uint8_t *, float *, float *, int)) {
+    const uint8_t *w = c->w;
+    const size_t rowbytes = c->rowbytes, bb = c->wt->blck_bytes;
+    const size_t blk0 = k0 / (size_t)E, nblk = kc / (size_t)E;
+    const int GB = E / 32, NS = GB * H;
+    const size_t BG = NX_Q8X_BG(H, M);
+    _Alignas(64) uint8_t u[16][256];
+    _Alignas(64) float sw[16][16], mw[16][16]; /* [part i of the block][column j] */
+    for (int v = 0; v < NX_Q8_NV; v++) {
+        const size_t c0 = (size_t)v * 16;
+        const int nv = c0 >= ncols ? 0 : (ncols - c0 >= 16 ? 16 : (int)(ncols - c0));
+        for (size_t bi = 0; bi < nblk; bi++) {
+            __m256i in[16];
+            for (int j = 0; j < 16; j++) {
+                if (j < nv) {
+                    const uint8_t *blk = w + (j0 + c0 + j) * rowbytes + (blk0 + bi) * bb;
+                    if (bi + NX_Q8X_PF < nblk) /* the row's block NX_Q8X_PF ahead */
+                        for (size_t o = 0; o < bb; o += 64)
+                            _mm_prefetch((const char *)(blk + NX_Q8X_PF * bb + o), _MM_HINT_T0);
+                    if (E == 32)
+                        in[j] = dec32(blk);
+                    else
+                        dec(blk, u[j]);
+                    scales(blk, &sw[0][j], &mw[0][j], 16);
+                } else {
+                    if (E == 32)
+                        in[j] = _mm256_setzero_si256();
+                    else
+                        memset(u[j], 0, (size_t)E);
+                    for (int i = 0; i < NS; i++) sw[i][j] = mw[i][j] = 0.0f;
+                }
+            }
+            for (int gl = 0; gl < GB; gl++) {
+                uint8_t *g = Bp + (bi * (size_t)GB + (size_t)gl) * BG;
+                if (E != 32)
+                    for (int j = 0; j < 16; j++)
+                        in[j] = _mm256_load_si256((const __m256i *)(u[j] + 32 * gl));
+                __m512i out[8];
+                nx_tr16x8(in, out);
+                for (int q = 0; q < 8; q++)
+                    _mm512_store_si512((__m512i *)(g + (q * NX_Q8_NR + c0) * 4), out[q]);
+                float *f = (float *)(g + 8 * NX_Q8_NR * 4);
+                for (int h = 0; h < H; h++) {
+                    _mm512_store_ps(f + h * NX_Q8_NR + c0, _mm512_load_ps(sw[gl * H + h]));
+                    if (M)
+                        _mm512_store_ps(f + (H + h) * NX_Q8_NR + c0,
+                                        _mm512_load_ps(mw[gl * H + h]));
+                }
+            }
+        }
+    }
+}
+
+#define NX_Q8X_PACK_B(t, E, H, M, D, D32, S)                                                       \
+    static void nx_q8x_pack_b_##t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0,         \
+                                  size_t kc, uint8_t *Bp, void *scratch) {                         \
+        (void)scratch;                                                                             \
+        nx_q8x_pack_b_t(c, j0, ncols, k0, kc, Bp, E, H, M, D, D32, nx_s_##S);                      \
+    }
+NX_Q8X_PACK_B(q4_0, 32, 1, 0, NULL, nx_u_q4_0, d)
+NX_Q8X_PACK_B(q4_1, 32, 1, 1, NULL, nx_u_q4_1, dm)
+NX_Q8X_PACK_B(q5_0, 32, 1, 0, NULL, nx_u_q5_0, d)
+NX_Q8X_PACK_B(q5_1, 32, 1, 1, NULL, nx_u_q5_1, dm)
+NX_Q8X_PACK_B(q2_K, 256, 2, 1, nx_u_q2_K, NULL, q2_K)
+NX_Q8X_PACK_B(q3_K, 256, 2, 0, nx_u_q3_K, NULL, q3_K)
+NX_Q8X_PACK_B(q4_K, 256, 1, 1, nx_u_q4_K, NULL, k4)
+NX_Q8X_PACK_B(q5_K, 256, 1, 1, nx_u_q5_K, NULL, k4)
+NX_Q8X_PACK_B(q6_K, 256, 2, 0, nx_u_q6_K, NULL, q6_K)
+
+/* C[0:mr, 0:nr] := the chain over ng groups (each: H parts, each an isum term and, with a min,
+ * a min term), continued from C unless first. */
+static inline __attribute__((always_inline)) void
+nx_q8x_kern_t(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ldc, int mr, int nr,
+              int first, const int H, const int M, const int MR) {
+    __mmask16 m[NX_Q8_NV];
+    for (int v = 0; v < NX_Q8_NV; v++) {
+        const int left = nr - 16 * v;
+        m[v] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+    }
+    __m512 f[NX_Q8X_MRMAX][NX_Q8_NV]; /* fixed sizes (not VLAs): kept in registers */
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NX_Q8_NV; v++)
+            f[r][v] = (!first && r < mr) ? _mm512_maskz_loadu_ps(m[v], C + r * ldc + 16 * v)
+                                         : _mm512_setzero_ps();
+    const size_t BG = NX_Q8X_BG(H, M);
+    for (size_t gi = 0; gi < ng; gi++) {
+        const int32_t *a = (const int32_t *)(A + gi * NX_Q8X_AG(MR));
+        const uint8_t *b = B + gi * BG;
+        const float *dx = (const float *)(a + 8 * MR);
+        const float *sw = (const float *)(b + 8 * NX_Q8_NR * 4);
+        __m512 y[NX_Q8X_MRMAX][NX_Q8_NV]; /* H = 2: the group's scaled part sums */
+#pragma GCC unroll 2
+        for (int h = 0; h < H; h++) {
+            __m512i s[NX_Q8X_MRMAX][NX_Q8_NV];
+            for (int r = 0; r < MR; r++)
+                for (int v = 0; v < NX_Q8_NV; v++)
+                    s[r][v] = _mm512_set1_epi32(a[(9 + h) * MR + r]);
+#pragma GCC unroll 8
+            for (int q = h * 8 / H; q < (h + 1) * 8 / H; q++) {
+                __m512i bv[NX_Q8_NV];
+                for (int v = 0; v < NX_Q8_NV; v++)
+                    bv[v] = _mm512_load_si512((const __m512i *)(b + (q * NX_Q8_NR + 16 * v) * 4));
+                for (int r = 0; r < MR; r++) {
+                    const __m512i av = _mm512_set1_epi32(a[q * MR + r]);
+                    for (int v = 0; v < NX_Q8_NV; v++)
+                        s[r][v] = _mm512_dpbusd_epi32(s[r][v], bv[v], av);
+                }
+            }
+            for (int r = 0; r < MR; r++)
+                for (int v = 0; v < NX_Q8_NV; v++) {
+                    const __m512 swv = _mm512_load_ps(sw + h * NX_Q8_NR + 16 * v);
+                    const __m512 is = _mm512_cvtepi32_ps(s[r][v]);
+                    if (H == 1) /* acc = fmaf((float)isum, dx*sw, acc) */
+                        f[r][v] = _mm512_fmadd_ps(is, _mm512_mul_ps(swv, _mm512_set1_ps(dx[r])),
+                                                  f[r][v]);
+                    else if (h == 0) /* y = (float)isum_0 * sw_0 */
+                        y[r][v] = _mm512_mul_ps(is, swv);
+                    else /* y = fmaf((float)isum_1, sw_1, y) */
+                        y[r][v] = _mm512_fmadd_ps(is, swv, y[r][v]);
+                }
+        }
+        for (int r = 0; r < MR; r++)
+            for (int v = 0; v < NX_Q8_NV; v++) {
+                if (H == 2) /* acc = fmaf(y, dx, acc) */
+                    f[r][v] = _mm512_fmadd_ps(y[r][v], _mm512_set1_ps(dx[r]), f[r][v]);
+                if (M) /* acc = fmaf(dx * (float)xsum_h, mw_h, acc), h = 0 .. H-1 */
+                    for (int h = 0; h < H; h++)
+                        f[r][v] = _mm512_fmadd_ps(
+                            _mm512_set1_ps(((const float *)(a + (11 + h) * MR))[r]),
+                            _mm512_load_ps(sw + (H + h) * NX_Q8_NR + 16 * v), f[r][v]);
+            }
+    }
+    for (int r = 0; r < MR; r++)
+        if (r < mr)
+            for (int v = 0; v < NX_Q8_NV; v++)
+                _mm512_mask_storeu_ps(C + r * ldc + 16 * v, m[v], f[r][v]);
+}
+
+#define NX_Q8X_KERN(H, M, MR)                                                                      \
+    static void nx_q8x_kern_##H##_##M(size_t ng, const uint8_t *A, const uint8_t *B, float *C,     \
+                                      size_t ldc, int mr, int nr, int first) {                     \
+        nx_q8x_kern_t(ng, A, B, C, ldc, mr, nr, first, H, M, MR);                                  \
+    }
+NX_Q8X_KERN(1, 0, NX_Q8_MR)
+NX_Q8X_KERN(1, 1, NX_Q8_MR)
+NX_Q8X_KERN(2, 0, NX_Q8H_MR)
+NX_Q8X_KERN(2, 1, NX_Q8H_MR)
+
 int nx_matmul_q8_avx512(const nx_mm_call *c) {
-    if (c->type != NX_GGML_Q8_0) return -2;
+    typedef void (*pack_a_fn)(const float *, size_t, size_t, size_t, uint8_t *, void *);
+    typedef void (*pack_b_fn)(const nx_mm_call *, size_t, size_t, size_t, size_t, uint8_t *, void *);
+    typedef void (*kern_fn)(size_t, const uint8_t *, const uint8_t *, float *, size_t, int, int, int);
+    pack_a_fn pa;
+    pack_b_fn pb;
+    kern_fn kn;
+    size_t bg, mr, mc;
+    switch (c->type) {
+#define NX_Q8X_CASE(T, t, A, H, M)                                                                 \
+    case NX_GGML_##T:                                                                              \
+        pa = A, pb = nx_q8x_pack_b_##t, kn = nx_q8x_kern_##H##_##M, bg = NX_Q8X_BG(H, M);          \
+        mr = H == 1 ? NX_Q8_MR : NX_Q8H_MR, mc = H == 1 ? NX_Q8_MC : NX_Q8H_MC;                    \
+        break;
+        NX_Q8X_CASE(Q4_0, q4_0, nx_q8x_pack_a_8_1, 1, 0)
+        NX_Q8X_CASE(Q5_0, q5_0, nx_q8x_pack_a_16_1, 1, 0)
+        NX_Q8X_CASE(Q4_1, q4_1, nx_q8x_pack_a_0_1, 1, 1)
+        NX_Q8X_CASE(Q5_1, q5_1, nx_q8x_pack_a_0_1, 1, 1)
+        NX_Q8X_CASE(Q4_K, q4_K, nx_q8x_pack_a_0_1, 1, 1)
+        NX_Q8X_CASE(Q5_K, q5_K, nx_q8x_pack_a_0_1, 1, 1)
+        NX_Q8X_CASE(Q6_K, q6_K, nx_q8x_pack_a_32_2, 2, 0)
+        NX_Q8X_CASE(Q3_K, q3_K, nx_q8x_pack_a_4_2, 2, 0)
+        NX_Q8X_CASE(Q2_K, q2_K, nx_q8x_pack_a_0_2, 2, 1)
+#undef NX_Q8X_CASE
+    case NX_GGML_Q8_0: {
+        const nx_lowp_tiling tl = {
+            NX_Q8_MR,   NX_Q8_NR,       NX_Q8_KC,     NX_Q8_NC,
+            NX_Q8_MC,   NX_Q8_AG,       NX_Q8_BG,     c->K / NX_QK8_0 * NX_Q8_0_BLOCK_BYTES + 64,
+            0,          NX_Q8_JR_OUTER, nx_q8_pack_a, nx_q8_pack_b,
+            nx_q8_kern,
+        };
+        return nx_lowp_blocked(&tl, c);
+    }
+    default:
+        return -2;
+    }
     const nx_lowp_tiling tl = {
-        NX_Q8_MR,   NX_Q8_NR,       NX_Q8_KC,     NX_Q8_NC,
-        NX_Q8_MC,   NX_Q8_AG,       NX_Q8_BG,     c->K / NX_QK8_0 * NX_Q8_0_BLOCK_BYTES + 64,
-        0,          NX_Q8_JR_OUTER, nx_q8_pack_a, nx_q8_pack_b,
-        nx_q8_kern,
+        mr, NX_Q8_NR, NX_Q8_KC, NX_Q8_NC, mc, NX_Q8X_AG(mr), bg,
+        c->K / NX_QK8_0 * NX_Q8_0_BLOCK_BYTES + 64, 0, NX_Q8_JR_OUTER, pa, pb, kn,
     };
     return nx_lowp_blocked(&tl, c);
 }
