@@ -166,10 +166,14 @@ def _bf16_check(out, q, k, qkv, T, H, extra=0.0, rows=32):
     assert (np.abs(out[:rows, :HD] - p @ v) <= bound).all()
 
 
+# f32 at the best ISA; bf16 at every ISA with a bf16 attention of its own (AVX-512 BF16, AMX)
+_DIT_IMPLS = [("f32", i) for i in SIMD[-1:]] + [("bf16", i) for i in _BF16_ISAS if i != "generic"]
+
+
 @pytest.mark.parametrize("T", T_DIT)
-@pytest.mark.parametrize("impl", ["f32", "bf16"])
-def test_bench_attention_dit_nxhpc(benchmark, T, impl):
-    isas = SIMD[-1:] if impl == "f32" else _BF16_ISAS[-1:]
+@pytest.mark.parametrize("impl,isa", _DIT_IMPLS or [("f32", None)], ids=str)
+def test_bench_attention_dit_nxhpc(benchmark, T, impl, isa):
+    isas = [isa] if isa else []
     if not isas:
         pytest.skip(f"no SIMD variant of the {impl} attention on this CPU")
     benchmark.group = f"attention T={T} hd={HD} H={H_DIT} (DiT, 1 thread)"

@@ -17,6 +17,12 @@ import numpy as np
 import pytest
 
 from kernelutil import ISAS, SIMD_ISAS, assert_bitwise, band_edges, bits
+
+# the variants whose bits are the contract's: all but AMX's (tdpbf16ps sums the dots its own
+# way: the AMX clause of nx_attn_bf16.h; checked below against the contract's output instead)
+SPEC_ISAS = [i for i in ISAS if i != "amx"]
+SPEC_SIMD = [i for i in SIMD_ISAS if i != "amx"]
+AMX = [i for i in ISAS if i == "amx"]
 from nxhpc import _kernels as K
 
 F32 = np.float32
@@ -211,6 +217,55 @@ def make_mask(rng, kind, T):
     return rng.random(T) < {"random": 0.6, "sparse": 0.05}[kind]
 
 
+def amx_tolerance(q, k, qkv, KVH, scale, mask=None, causal=False):
+    """How far the AMX variant may be from the contract's output, per element: the two differ
+    only in how the dot products are summed. A score then moves by <= 2 scale gamma_P sum|q k|
+    (both sums within gamma_P of the exact one), so each weight E(x - m) by that factor, which
+    may also flip its bfloat16 rounding (one bfloat16 ulp, 2u, relative); the P V sums differ by
+    <= 2 gamma_{64 nt}; O and l both carry the weight error. Far inside the contract's bound
+    (whose input-rounding term is ~2u scale sum|q k|, ~15x this at hd = 128). Flushed subnormal
+    partial sums (DAZ/FTZ in both) add <= 2^-126 per step to a score, times scale."""
+    H, T, hd = q.shape
+    group = H // KVH
+    sc = float(F32(scale))
+    P = 2 * ((hd + 1) // 2)
+    gam = lambda n: n * E / (1 - n * E)  # noqa: E731
+    nt = -(-T // TILE)
+    allowed = np.ones((T, T), bool)
+    if mask is not None:
+        allowed &= mask.astype(bool)[None, :]
+    if causal:
+        allowed &= np.tril(np.ones((T, T), bool))
+    tol = np.zeros((T, H * hd))
+    for h in range(H):
+        g = h // group
+        q64, k64 = q[h].astype(np.float64), k[g].astype(np.float64)
+        mag = sc * (np.abs(q64) @ np.abs(k64).T)
+        s = np.where(allowed, sc * (q64 @ k64.T), -np.inf)
+        with np.errstate(invalid="ignore"):
+            w = np.exp(s - s.max(axis=1, keepdims=True))
+        w = np.where(allowed, w, 0.0)
+        w /= np.maximum(w.sum(axis=1, keepdims=True), 1e-300)
+        # per row; plus each sum's flushed subnormal partial sums (< 2^-126 per step), scaled
+        dx = 2 * gam(P) * mag.max(axis=1) + 2 * P * 2.0 ** -126 * sc
+        rel = 2 * (np.expm1(2 * dx) + 2 * U + 2 * gam(64 * nt + 8))
+        v = np.abs(qkv[:, (H + KVH) * hd + g * hd:(H + KVH) * hd + (g + 1) * hd]).astype(np.float64)
+        # either output's weights are within exp(2 delta) of w (float64, unrounded inputs:
+        # delta the bound's input-rounding term of a score), so sum_j w_j |v_j| times that
+        delta = ((2 * U + U * U) + gam(P) * (1 + U) ** 2) * mag.max(axis=1)
+        grow = np.exp(2 * delta) * (1 + rel)
+        tol[:, h * hd:(h + 1) * hd] = (rel * grow)[:, None] * (w @ v) + 2.0 ** -100
+    return tol
+
+
+def assert_amx_near_contract(got, want, q, k, qkv, KVH, scale, mask, causal):
+    tol = amx_tolerance(q, k, qkv, KVH, scale, mask, causal)
+    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    assert np.isfinite(got).all() == np.isfinite(want).all()
+    fin = np.isfinite(want)
+    assert (err[fin] <= tol[fin]).all(), (err[fin] / tol[fin]).max()
+
+
 # ------------------------------------------------------------------ tests
 
 CONTRACT_CASES = [  # T, H, KVH, hd, causal, mask kind
@@ -231,9 +286,12 @@ def test_every_variant_is_the_contract_bit_for_bit(case):
 
 def _check_contract(q, k, qkv, KVH, scale, mask, causal, what):
     want = contract_attention(q, k, qkv, KVH, scale, mask, causal)
-    for isa in ISAS:
+    for isa in SPEC_ISAS:
         assert_bitwise(run(q, k, qkv, KVH, scale, isa, mask=mask, causal=causal), want,
                        f"{isa} vs contract {what}")
+    for isa in AMX:
+        assert_amx_near_contract(run(q, k, qkv, KVH, scale, isa, mask=mask, causal=causal),
+                                 want, q, k, qkv, KVH, scale, mask, causal)
     return want
 
 
@@ -278,7 +336,7 @@ def test_broken_contracts_are_caught():
     T, H, KVH, hd = 100, 2, 1, 24
     q, k, qkv = inputs(rng, T, H, KVH, hd, qk_scale=2.0)
     scale = 1 / math.sqrt(hd)
-    got = run(q, k, qkv, KVH, scale, ISAS[-1], causal=True)
+    got = run(q, k, qkv, KVH, scale, SPEC_ISAS[-1], causal=True)
     assert_bitwise(got, contract_attention(q, k, qkv, KVH, scale, causal=True), "contract")
     for broken in ("p_f32", "l_bf16", "pair_even"):
         other = contract_attention(q, k, qkv, KVH, scale, causal=True, broken=broken)
@@ -335,9 +393,12 @@ def test_simd_equals_generic_bit_for_bit(T):
         mask = make_mask(rng, ["none", "random", "tail"][rng.integers(3)], T)
         scale = float(rng.uniform(0.05, 0.3))
         want = run(q, k, qkv, KVH, scale, "generic", mask=mask, causal=causal)
-        for isa in SIMD_ISAS:
+        for isa in SPEC_SIMD:
             assert_bitwise(run(q, k, qkv, KVH, scale, isa, mask=mask, causal=causal), want,
                            f"{isa} vs generic T={T} causal={causal}")
+        for isa in AMX:
+            assert_amx_near_contract(run(q, k, qkv, KVH, scale, isa, mask=mask, causal=causal),
+                                     want, q, k, qkv, KVH, scale, mask, causal)
 
 
 def test_head_bands_are_bit_identical():
@@ -391,5 +452,23 @@ def test_dispatch_names_the_variant():
     assert K._variant("attention_bf16", "generic") == "generic"
     if "avx512bf16" in ISAS:
         assert K._variant("attention_bf16", "avx512bf16") == "avx512bf16"
+    if "amx" in ISAS:
+        assert K._variant("attention_bf16", "amx") == "amx"
     if "avx512" in ISAS:
         assert K._variant("attention_bf16", "avx512") == "generic"  # needs AVX512_BF16
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX on this CPU")
+def test_amx_tolerance_is_not_vacuous():
+    """The AMX check is tight: the contract's own output with the scale off by 2^-5 (a wrong
+    scores' scale, as a kernel bug would give) is outside it, while the AMX output is inside."""
+    rng = np.random.default_rng(77)
+    T, H, KVH, hd = 150, 2, 1, 64
+    q, k, qkv = inputs(rng, T, H, KVH, hd, qk_scale=1.5)
+    scale = 1 / math.sqrt(hd)
+    want = contract_attention(q, k, qkv, KVH, scale)
+    assert_amx_near_contract(run(q, k, qkv, KVH, scale, "amx"), want, q, k, qkv, KVH, scale,
+                             None, False)
+    off = contract_attention(q, k, qkv, KVH, scale * (1 + 2.0 ** -5))
+    tol = amx_tolerance(q, k, qkv, KVH, scale)
+    assert (np.abs(off.astype(np.float64) - want) > tol).any()

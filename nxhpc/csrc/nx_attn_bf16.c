@@ -16,7 +16,8 @@
 
 NX_DEFINE_DISPATCH(nx_attn_bf16, "attn_bf16", NX_ATTN_BF16_SLOTS,
                    {[NX_ISA_GENERIC] = &nx_attn_bf16_table_generic,
-                    NX_X86_ONLY([NX_ISA_AVX512BF16] = &nx_attn_bf16_table_avx512bf16, )})
+                    NX_X86_ONLY([NX_ISA_AVX512BF16] = &nx_attn_bf16_table_avx512bf16,
+                                [NX_ISA_AMX] = &nx_attn_bf16_table_amx, )})
 
 int nx_attention_bf16(nx_isa isa, const float *q, const float *k, const float *qkv,
                       const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,

@@ -12,7 +12,8 @@
  * (nonzero = attend) or NULL; causal: query t attends keys j <= t; out [T, H*hd], columns of the
  * heads [h0, h1) written.
  *
- * ---- contract (bit-identical: generic spec == AVX-512 BF16, every head band, every row split)
+ * ---- contract (bit-identical: generic spec == AVX-512 BF16, every head band, every row split;
+ *      AMX: the clause after it)
  * bf(), daz/ftz and step(acc, a, b) = ftz(fmaf(daz(a), daz(b), daz(acc))) are nx_lowp.h's.
  * Per query head h (kv head g) and query row t, with P2 = ceil(hd/2) d-pairs (d >= hd reads 0):
  *   qb[d] = bf(q[h,t,d]), kb[j,d] = bf(k[g,j,d]), vb[j,d] = bf(v[g][j,d]); keys j >= T are 0.
@@ -42,6 +43,18 @@
  *   Non-finite input: the contract holds for finite q, k, v with finite scores; a non-finite v
  *   at any key j < T of a run tile reaches the rows that run the tile (0 * inf = NaN), even where
  *   that key is masked or after the row.
+ *
+ * ---- AMX clause (nx_attn_bf16_amx.c, the `amx` ISA): every operation above but the two dot
+ * products, in the same order; s_j = the tdpbf16ps sum of qb . kb_j per 32-d chunk (chunks in
+ * order, d >= hd zero) and O[d] = O[d] * alpha, then the tdpbf16ps sum of p_j vb[j,d] over the
+ * tile's two 32-key halves in order, each instruction accumulating in float32 with DAZ/FTZ and
+ * round to nearest in its own undocumented order (not the pair steps: benchmarks/probes/
+ * amx_tdpbf16ps.c). Not the spec's bits. Promised: a row's operations depend only on t, T and
+ * the data, so outputs are bit-identical across head bands and worker splits on one machine;
+ * the error bound below holds; and each output is within (4u + 2 (e^(2 dx) - 1) + 4 gamma_{64 nt
+ * + 8}) e^(2 delta) (1 + ...) sum_j w*_j |v_j| of the contract's (dx = 2 scale gamma_P max_j
+ * sum_d |q_d k_jd| + 2 P 2^-126 scale: both sums within gamma of the exact one, plus flushes;
+ * 2u: a weight's bfloat16 rounding may flip): tests/test_kernels_attn_bf16.py.
  *
  * ---- error bound vs float64 attention (ref: w*_j = softmax_j(scale * q.k_j) over allowed j,
  * ref = sum_j w*_j v_j, float64 arithmetic on the float32 inputs), for a row with >= 1 allowed key:
@@ -81,6 +94,7 @@
 NX_DECLARE_FAMILY(nx_attn_bf16, NX_ATTN_BF16_SLOTS)
 extern const nx_attn_bf16_table nx_attn_bf16_table_generic;    /* nx_attn_bf16.c */
 extern const nx_attn_bf16_table nx_attn_bf16_table_avx512bf16; /* nx_attn_bf16_avx512bf16.c */
+extern const nx_attn_bf16_table nx_attn_bf16_table_amx;        /* nx_attn_bf16_amx.c */
 
 #define NX_ATTN_BF16_TILE 64 /* keys per tile: part of the contract (the sum tree, the rescales) */
 
@@ -96,6 +110,9 @@ int nx_attention_bf16(nx_isa isa, const float *q /* IN [H, T, hd] */,
 int nx_attention_bf16_generic(const float *q, const float *k, const float *qkv,
                               const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
                               int64_t hd, float scale, int64_t h0, int64_t h1, int causal);
+int nx_attention_bf16_amx(const float *q, const float *k, const float *qkv, const uint8_t *mask,
+                          float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
+                          int64_t h0, int64_t h1, int causal);
 int nx_attention_bf16_avx512bf16(const float *q, const float *k, const float *qkv,
                                  const uint8_t *mask, float *out, int64_t T, int64_t H,
                                  int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1,
