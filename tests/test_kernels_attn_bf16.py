@@ -18,12 +18,13 @@ import pytest
 
 from kernelutil import ISAS, SIMD_ISAS, assert_bitwise, band_edges, bits
 
+from nxhpc import _kernels as K
+
 # the variants whose bits are the contract's: all but AMX's (tdpbf16ps sums the dots its own
 # way: the AMX clause of nx_attn_bf16.h; checked below against the contract's output instead)
 SPEC_ISAS = [i for i in ISAS if i != "amx"]
 SPEC_SIMD = [i for i in SIMD_ISAS if i != "amx"]
 AMX = [i for i in ISAS if i == "amx"]
-from nxhpc import _kernels as K
 
 F32 = np.float32
 U = 2.0 ** -8      # bfloat16 unit roundoff
