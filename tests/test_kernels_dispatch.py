@@ -119,10 +119,9 @@ def test_every_slot_resolves_on_its_isa_chain():
 def test_documented_inheritance():
     v = K._variant
     for kernel in ("matmul", "rmsnorm", "layernorm_mod", "attention", "swiglu", "dequantize[F16]",
-                   "dequantize[BF16]", "dequantize[Q8_0]", "swiglu_backward"):
+                   "dequantize[BF16]", "dequantize[Q8_0]", "swiglu_backward", "q8_0_quantize"):
         assert v(kernel, "avx2") == "avx2" and v(kernel, "avx512") == "avx512", kernel
     # no variant at a level: inherited from below
-    assert v("q8_0_quantize", "avx2") == "generic" and v("q8_0_quantize", "avx512") == "avx512"
     assert v("rmsnorm_backward", "avx2") == "generic" and v("rmsnorm_backward", "avx512") == "avx512"
     assert v("qknorm_rope_backward", "avx512") == "generic"
     assert v("dequantize[F32]", "avx512") == "generic"  # a memcpy: no SIMD variant

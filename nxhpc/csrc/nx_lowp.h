@@ -158,6 +158,7 @@
     X(round_bf16, void, (const float *x /* IN [n] */, uint16_t *out /* OUT [n] */, size_t n))
 NX_DECLARE_FAMILY(nx_lowp, NX_LOWP_SLOTS)
 extern const nx_lowp_table nx_lowp_table_generic;    /* nx_lowp.c */
+extern const nx_lowp_table nx_lowp_table_avx2;       /* nx_lowp_avx2.c (q8 on vpmaddubsw) */
 extern const nx_lowp_table nx_lowp_table_avx512;     /* nx_lowp_avx512.c */
 extern const nx_lowp_table nx_lowp_table_avx512bf16; /* nx_lowp_avx512bf16.c */
 extern const nx_lowp_table nx_lowp_table_amx;        /* nx_lowp_amx.c (q8 of Q8_0 on tdpbssd) */
@@ -203,6 +204,7 @@ const nx_q8w_type *nx_q8w(uint32_t type);
 int nx_matmul_bf16_generic(const nx_mm_call *c);
 int nx_matmul_bf16_avx512bf16(const nx_mm_call *c);
 int nx_matmul_q8_generic(const nx_mm_call *c);
+int nx_matmul_q8_avx2(const nx_mm_call *c);
 int nx_matmul_q8_avx512(const nx_mm_call *c);
 int nx_matmul_q8_amx(const nx_mm_call *c);
 int nx_matmul_bf16_amx(const nx_mm_call *c);

@@ -1,8 +1,8 @@
 /* nx_q8_0.c -- the Q8_0 quantizer: the generic (scalar) spec and the family's dispatch.
  *
  * Owns: the quantizer bit-for-bit equal to the gguf package (ggml reference). Compiled with no
- * ISA flags: runs on any CPU. Must not: use SIMD intrinsics (the AVX-512 variant lives in
- * nx_q8_0_avx512.c).
+ * ISA flags: runs on any CPU. Must not: use SIMD intrinsics (the AVX2 and AVX-512 variants live in
+ * nx_q8_0_avx2.c, nx_q8_0_avx512.c).
  */
 #include "nx_q8_0.h"
 
@@ -11,7 +11,8 @@
 
 NX_DEFINE_DISPATCH(nx_q8_0, "q8_0", NX_Q8_0_SLOTS,
                    {[NX_ISA_GENERIC] = &nx_q8_0_table_generic,
-                    NX_X86_ONLY([NX_ISA_AVX512] = &nx_q8_0_table_avx512, )})
+                    NX_X86_ONLY([NX_ISA_AVX2] = &nx_q8_0_table_avx2,
+                                [NX_ISA_AVX512] = &nx_q8_0_table_avx512, )})
 
 void nx_q8_0_quantize(nx_isa isa, const float *x /* IN */, uint8_t *out /* OUT */, size_t nblocks) {
     nx_q8_0_get(isa)->q8_0_quantize(x, out, nblocks);

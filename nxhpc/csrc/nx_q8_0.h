@@ -33,6 +33,7 @@
 void nx_q8_0_quantize(nx_isa isa, const float *x /* IN [nblocks*32] */,
                       uint8_t *out /* OUT [nblocks*34] */, size_t nblocks);
 void nx_q8_0_quantize_generic(const float *x /* IN */, uint8_t *out /* OUT */, size_t nblocks);
+void nx_q8_0_quantize_avx2(const float *x /* IN */, uint8_t *out /* OUT */, size_t nblocks);
 void nx_q8_0_quantize_avx512(const float *x /* IN */, uint8_t *out /* OUT */, size_t nblocks);
 
 /* ---- the activation scale of the `q8` matmul (nx_lowp.h): the quantizer's float32 d of one
@@ -57,7 +58,8 @@ static inline float nx_q8_0_act_scale(const float *xb /* IN [32] */) {
 #define NX_Q8_0_SLOTS(X) X(q8_0_quantize, void, (const float *x, uint8_t *out, size_t nblocks))
 NX_DECLARE_FAMILY(nx_q8_0, NX_Q8_0_SLOTS)
 extern const nx_q8_0_table nx_q8_0_table_generic; /* nx_q8_0.c */
-extern const nx_q8_0_table nx_q8_0_table_avx512;  /* nx_q8_0_avx512.c (no AVX2 variant) */
+extern const nx_q8_0_table nx_q8_0_table_avx2;    /* nx_q8_0_avx2.c */
+extern const nx_q8_0_table nx_q8_0_table_avx512;  /* nx_q8_0_avx512.c */
 
 /* ---- the Q8_0 weight type under its old names (same arithmetic: nx_wtype.h, nx_matmul.h). */
 static inline void nx_q8_0_dequantize(nx_isa isa, const uint8_t *w /* IN [nblocks*34] */,
