@@ -38,6 +38,8 @@ def _check(kind, iters, acc):
     if kind.startswith("fma"):     # a = 0.5, b = 1 from 0: 2 - 2^(1-n), exactly 2 after 25 steps
         expect = 2.0 - 2.0 ** (1 - iters) if iters < 25 else 2.0
         assert (acc == np.float32(expect)).all()
+    elif kind == "i8_ymm":         # + 2 (two products 1 * 1) per iteration, wrapping mod 2^16
+        assert (acc.astype(np.int64) == (2 * iters + 2 ** 15) % 2 ** 16 - 2 ** 15).all()
     elif kind == "vnni_zmm":       # + 4 (four products 1 * 1) per iteration, wrapping
         assert (acc.astype(np.int64) == (4 * iters + 2 ** 31) % 2 ** 32 - 2 ** 31).all()
     elif kind == "amx_int8":       # + 64 per iteration, wrapping

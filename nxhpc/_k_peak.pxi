@@ -1,5 +1,5 @@
 # Peak loops (included by _kernels.pyx): register-only loops of the instructions the kernels are
-# built on (csrc/nx_peak.h: FMA on ymm / zmm, vpdpbusd, vdpbf16ps, AMX tdpbssd / tdpbf16ps), so
+# built on (csrc/nx_peak.h: FMA on ymm / zmm, vpmaddubsw, vpdpbusd, vdpbf16ps, AMX tdpbssd / tdpbf16ps), so
 # that speed figures can be set against what this CPU issues. Owns the validation of peak()'s
 # kind, iteration count and operands; the timing lives in nxhpc.runtime.peak. Must not: enter a
 # loop whose ISA the probe has not reported, or write into the caller's arrays.
@@ -24,6 +24,8 @@ _PEAK_INDEX = {name: i for i, name in enumerate(PEAK_KINDS)}
 _F32, _I32, _U16 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint16)
 _PEAK_LAYOUT = {
     "fma_ymm": ((_F32, (8,)), (_F32, (8,)), (_F32, (12, 8))),
+    "i8_ymm": ((np.dtype(np.uint8), (32,)), (np.dtype(np.int8), (32,)),
+               (np.dtype(np.int16), (12, 16))),
     "fma_zmm": ((_F32, (16,)), (_F32, (16,)), (_F32, (16, 16))),
     "vnni_zmm": ((np.dtype(np.uint8), (64,)), (np.dtype(np.int8), (64,)), (_I32, (16, 16))),
     "bf16_zmm": ((_U16, (32,)), (_U16, (32,)), (_F32, (16, 16))),

@@ -28,7 +28,7 @@ from nxhpc.runtime import peak as P
 SUPPORTED = K.peak_supported()
 DISABLED = K.cpu_features()["simd_disabled"]
 # The contract of nx_peak.h: kind -> (ISA, operations per iteration).
-CONTRACT = {"fma_ymm": ("avx2", 12 * 8 * 2), "fma_zmm": ("avx512", 16 * 16 * 2),
+CONTRACT = {"fma_ymm": ("avx2", 12 * 8 * 2), "i8_ymm": ("avx2", 12 * 16 * 2 * 2), "fma_zmm": ("avx512", 16 * 16 * 2),
             "vnni_zmm": ("avx512", 16 * 16 * 4 * 2), "bf16_zmm": ("avx512bf16", 16 * 16 * 2 * 2),
             "amx_int8": ("amx", 4 * 16 * 16 * 64 * 2), "amx_bf16": ("amx", 4 * 16 * 16 * 32 * 2)}
 SEEDS = st.integers(0, 2 ** 32 - 1)
@@ -209,6 +209,25 @@ def test_vnni_dot_products(seed, iters):
 
 @settings(max_examples=10)
 @given(seed=SEEDS, iters=st.integers(1, 100))
+def test_i8_ymm_dot_products(seed, iters):
+    """acc[c][l] += sat16(a[2l] b[2l] + a[2l+1] b[2l+1]) (unsigned x signed bytes), the add
+    wrapping mod 2^16; operands drawn so that some pairs saturate."""
+    need("i8_ymm")
+    rng = np.random.default_rng(seed)
+    a = rng.integers(0, 256, 32).astype(np.uint8)
+    b = rng.integers(-128, 128, 32).astype(np.int8)
+    a[:2], b[:2] = 255, 127                                  # 2 * 255 * 127 > 2^15 - 1
+    acc = rng.integers(-2 ** 15, 2 ** 15, (12, 16)).astype(np.int16)
+    _, out = K.peak("i8_ymm", iters, a, b, acc)
+    pairs = (a.astype(np.int64) * b.astype(np.int64)).reshape(16, 2).sum(1)
+    dot = np.clip(pairs, -2 ** 15, 2 ** 15 - 1)
+    want = (acc.astype(np.int64) + iters * dot[None, :] + 2 ** 15) % 2 ** 16 - 2 ** 15
+    np.testing.assert_array_equal(out, want.astype(np.int16))
+    assert (dot != pairs).any()                              # negative control: saturation seen
+
+
+@settings(max_examples=10)
+@given(seed=SEEDS, iters=st.integers(1, 100))
 def test_bf16_dot_products(seed, iters):
     """acc[c][l] += a[2l] b[2l] + a[2l+1] b[2l+1] on bfloat16 integers: exact sums."""
     need("bf16_zmm")
@@ -289,6 +308,8 @@ def test_kind_for():
         assert P.kind_for("f32", "avx512") == "fma_zmm"
     if "bf16_zmm" in have:
         assert P.kind_for("bf16", "avx512bf16") == "bf16_zmm"
+    if "i8_ymm" in have:
+        assert P.kind_for("q8", "avx2") == "i8_ymm"
     if "vnni_zmm" in have:
         assert P.kind_for("q8", "avx512") == "vnni_zmm"
     if "amx_int8" in have:

@@ -18,6 +18,7 @@
 #define NX_PEAK_FN_(name, isa) 0
 #endif
 #define NX_PEAK_FN_FMA_YMM NX_PEAK_FN_(fma_ymm, avx2)
+#define NX_PEAK_FN_I8_YMM NX_PEAK_FN_(i8_ymm, avx2)
 #define NX_PEAK_FN_FMA_ZMM NX_PEAK_FN_(fma_zmm, avx512)
 #define NX_PEAK_FN_VNNI_ZMM NX_PEAK_FN_(vnni_zmm, avx512)
 #define NX_PEAK_FN_BF16_ZMM NX_PEAK_FN_(bf16_zmm, avx512bf16)

@@ -17,6 +17,10 @@
  *
  *   fma_ymm   (avx2)        a, b float32[8];   acc float32[12][8]     12 ymm chains
  *             acc[c][l] := fmaf(acc[c][l], a[l], b[l])           (vfmadd213ps, one rounding)
+ *   i8_ymm    (avx2)        a uint8[32], b int8[32]; acc int16[12][16]  12 ymm chains
+ *             acc[c][l] := acc[c][l] + sat16(a[2l] b[2l] + a[2l+1] b[2l+1])
+ *                                 (vpmaddubsw + vpaddw, the add wrapping mod 2^16: the int8 dot
+ *                                 of the AVX2 q8 kernels, which widen every few steps)
  *   fma_zmm   (avx512)      a, b float32[16];  acc float32[16][16]    16 zmm chains
  *             acc[c][l] := fmaf(acc[c][l], a[l], b[l])
  *   vnni_zmm  (avx512)      a uint8[64], b int8[64]; acc int32[16][16]  16 zmm chains
@@ -36,7 +40,7 @@
  *             tests use)
  *
  * Operations counted per iteration (2 per multiply-add, FLOP or integer OP):
- *   fma_ymm 12*8*2 = 192; fma_zmm 16*16*2 = 512; vnni_zmm 16*16*4*2 = 2048;
+ *   fma_ymm 12*8*2 = 192; i8_ymm 12*16*2*2 = 768; fma_zmm 16*16*2 = 512; vnni_zmm 16*16*4*2 = 2048;
  *   bf16_zmm 16*16*2*2 = 1024; amx_int8 4*16*16*64*2 = 131072; amx_bf16 4*16*16*32*2 = 65536.
  * Chains: FMA and VNNI latencies are 4-5 cycles at up to 2 issues per cycle, so 12 ymm (the 16
  * ymm registers of AVX2 less a and b) and 16 zmm chains keep both ports busy; AMX takes the
@@ -56,6 +60,7 @@ typedef void (*nx_peak_fn)(size_t iters, const void *a /* IN */, const void *b /
 /* X(ID, "name", ISA, a bytes, b bytes, acc bytes, ops per iteration) */
 #define NX_PEAK_KINDS(X)                                                                           \
     X(FMA_YMM, "fma_ymm", AVX2, 32, 32, 12 * 32, 192)                                              \
+    X(I8_YMM, "i8_ymm", AVX2, 32, 32, 12 * 32, 768)                                                \
     X(FMA_ZMM, "fma_zmm", AVX512, 64, 64, 16 * 64, 512)                                            \
     X(VNNI_ZMM, "vnni_zmm", AVX512, 64, 64, 16 * 64, 2048)                                         \
     X(BF16_ZMM, "bf16_zmm", AVX512BF16, 64, 64, 16 * 64, 1024)                                     \
@@ -87,6 +92,7 @@ void nx_peak_run(int kind, size_t iters, const void *a /* IN */, const void *b /
 
 /* The loops, one file per ISA target (compiled with that target's flags, setup.py). */
 void nx_peak_fma_ymm_avx2(size_t iters, const void *a, const void *b, void *acc);
+void nx_peak_i8_ymm_avx2(size_t iters, const void *a, const void *b, void *acc);
 void nx_peak_fma_zmm_avx512(size_t iters, const void *a, const void *b, void *acc);
 void nx_peak_vnni_zmm_avx512(size_t iters, const void *a, const void *b, void *acc);
 void nx_peak_bf16_zmm_avx512bf16(size_t iters, const void *a, const void *b, void *acc);
