@@ -21,8 +21,8 @@ Each shape is one ``benchmark.group`` ("matmul precisions T=.. K=.. N=.."):
 GFLOP/s = 2*T*K*N / time (for q8 these are int8 ops + the float32 block epilogue), with
 ``frac_of_peak`` against this CPU's peak measured once per session (``_bench_util.peak_fields``,
 the kind recorded as ``peak_kind``): f32 -> fma_zmm (AVX-512 code) or fma_ymm (AVX2 code);
-bf16 -> bf16_zmm (the avx512bf16 variant) or amx_bf16 (an amx variant); q8 -> vnni_zmm (the
-avx512 variant) or amx_int8 (amx); generic code and the numpy / torch baselines against the
+bf16 -> bf16_zmm (the avx512bf16 variant) or amx_bf16 (an amx variant); q8 -> i8_ymm (the avx2
+variant: vpmaddubsw), vnni_zmm (the avx512 variant) or amx_int8 (amx); generic code and the numpy / torch baselines against the
 fastest kind of their precision here. Where the CPU has AMX but the variant does not use it,
 ``frac_of_machine_peak`` sets the figure against the tile unit too. For reference,
 ggml's Q8_0 x Q8_0 matmul (llama.cpp's default tinyBLAS path) is cited at ~110 GFLOP/s per Zen 4
@@ -177,7 +177,7 @@ def test_bench_torch_linear(benchmark, T, Kd, N, dtype):
     _check(prec, out.float().numpy(), x, w_eff, any_order=True, out_rounded=dtype == "bfloat16")
 
 
-Q8_SIMD = K.lowp_variants("q8")[1:]   # the ISAs with a q8 kernel of their own (VNNI, AMX)
+Q8_SIMD = K.lowp_variants("q8")[1:]   # the ISAs with a q8 kernel of their own (AVX2, VNNI, AMX)
 
 
 @pytest.mark.skipif(len(Q8_SIMD) < 2, reason="one q8 SIMD variant: nothing to compare")
