@@ -237,6 +237,7 @@ nx_q8a_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t 
     const int GB = E / 32, NS = GB * H;
     const size_t BG = NX_Q8A_BG(H, M);
     _Alignas(32) float sw[8][16], mw[8][16]; /* [column][part of the block] */
+    uint16_t dh[8], mh[8];                     /* 32-element types: the float16 d, m per column */
     for (int v = 0; v < NX_Q8A_NV; v++) {
         const size_t c0 = (size_t)v * 8;
         const int nv = c0 >= ncols ? 0 : (ncols - c0 >= 8 ? 8 : (int)(ncols - c0));
@@ -245,12 +246,16 @@ nx_q8a_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t 
             for (int j = 0; j < 8; j++) {
                 if (j < nv) {
                     const uint8_t *blk = w + (j0 + c0 + j) * rowbytes + (blk0 + bi) * bb;
-                    if (E == 32)
+                    if (E == 32) { /* d (and m) are the block's first float16 fields */
                         u[j][0] = dec32(blk);
-                    else
+                        memcpy(&dh[j], blk, 2);
+                        if (M) memcpy(&mh[j], blk + 2, 2);
+                    } else {
                         dec(blk, u[j]);
-                    qt->scales(blk, sw[j], mw[j]);
+                        qt->scales(blk, sw[j], mw[j]);
+                    }
                 } else {
+                    dh[j] = mh[j] = 0;
                     for (int g = 0; g < GB; g++) u[j][g] = _mm256_setzero_si256();
                     for (int i = 0; i < NS; i++) sw[j][i] = mw[j][i] = 0.0f;
                 }
@@ -263,6 +268,13 @@ nx_q8a_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t 
                 for (int q = 0; q < 8; q++)
                     _mm256_store_si256((__m256i *)(g + (q * NX_Q8A_NR + c0) * 4), r[q]);
                 float *f = (float *)(g + 8 * NX_Q8A_NR * 4);
+                if (E == 32) { /* f32(d), f32(m): the spec's nx_q8w_scales_d / _dm, 8 at once */
+                    _mm256_store_ps(f + c0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh)));
+                    if (M)
+                        _mm256_store_ps(f + NX_Q8A_NR + c0,
+                                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mh)));
+                    continue;
+                }
                 for (int h = 0; h < H; h++)
                     for (int j = 0; j < 8; j++) {
                         f[h * NX_Q8A_NR + c0 + j] = sw[j][gl * H + h];
