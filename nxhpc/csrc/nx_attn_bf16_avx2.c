@@ -45,8 +45,12 @@
 /* Rows per micro-block and ymm per row of an accumulator block (QK: 8 NX_A2_NK keys, PV: 8
  * NX_A2_NV columns): 3 x 4 = 12 accumulators + 4 operand registers of the 16 ymm; FMA's 4-cycle
  * latency at two per cycle needs >= 8 independent chains. Measured (AMD EPYC Zen 3 (family 25
- * model 1), 2 cores, AVX2; T=1024, hd=128, H=2, 1 thread, benchmarks/bench_attention.py):
- * see the figures at NX_A2_SHAPES below. */
+ * model 1), 2 cores, AVX2, shared with another job; T=1024, hd=128, H=2, 1 thread, process time,
+ * best of 9, bf16 speed / f32 AVX2 attention speed in the same process, three interleaved runs):
+ * BR x NK x NV = 3x4x4 (12 acc) 1.08 / 1.00 / 0.90; 4x2x2 (8 acc, the f32 kernel's shape)
+ * 0.97 / 0.94 / 0.98; 2x4x4 (8 acc) 0.84 / 1.05 / 0.72; earlier single runs: 6x2x2 (12 acc)
+ * 0.67, 4x2x4 and 3x4x2 below 3x4x4. 3x4x4 and 4x2x2 tie within the noise; 3x4x4 kept (fewer
+ * broadcasts per FMA: 7 loads per 12 FMAs against 6 per 8). */
 #ifndef NX_A2_BR
 #define NX_A2_BR 3
 #endif
