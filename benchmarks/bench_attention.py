@@ -13,7 +13,8 @@ the baselines). The other kernels report GB/s of compulsory traffic. Correctness
 timing (float64 reference with the error bound from tests/test_kernels_ops.py for attention).
 
 bf16 vs f32 at the DiT's lengths (T = 1024, 2048, 4128; hd = 128; NXHPC_BENCH_HEADS heads, default
-2 of Z-Image's 30): nxhpc's float32 and bf16 attention (csrc/nx_attn_bf16.h) beside torch SDPA in
+2 of Z-Image's 30): nxhpc's float32 and bf16 attention (csrc/nx_attn_bf16.h; every ISA with its
+own bf16 kernel, and the scalar generic spec at T <= 2048, one round) beside torch SDPA in
 float32 and bfloat16, each output checked against float64 with its precision's bound. On a
 shared machine add ``--benchmark-timer=time.process_time`` (wall clock counts other jobs' time).
 """
@@ -166,8 +167,10 @@ def _bf16_check(out, q, k, qkv, T, H, extra=0.0, rows=32):
     assert (np.abs(out[:rows, :HD] - p @ v) <= bound).all()
 
 
-# f32 at the best ISA; bf16 at every ISA with a bf16 attention of its own (AVX-512 BF16, AMX)
-_DIT_IMPLS = [("f32", i) for i in SIMD[-1:]] + [("bf16", i) for i in _BF16_ISAS if i != "generic"]
+# f32 at the best ISA; bf16 at every ISA with a bf16 attention of its own (AVX2, AVX-512 BF16,
+# AMX), and the scalar generic spec as the bf16 baseline (one round, T <= 2048: ~0.2 GFLOP/s)
+_DIT_IMPLS = ([("f32", i) for i in SIMD[-1:]] + [("bf16", i) for i in _BF16_ISAS if i != "generic"]
+              + [("bf16", "generic")])
 
 
 @pytest.mark.parametrize("T", T_DIT)
@@ -176,11 +179,15 @@ def test_bench_attention_dit_nxhpc(benchmark, T, impl, isa):
     isas = [isa] if isa else []
     if not isas:
         pytest.skip(f"no SIMD variant of the {impl} attention on this CPU")
+    slow = isa == "generic"
+    if slow and T > 2048:
+        pytest.skip("the scalar bf16 spec takes minutes at this length")
     benchmark.group = f"attention T={T} hd={HD} H={H_DIT} (DiT, 1 thread)"
     q, k, qkv = _dit_case(T, H_DIT)
     out = np.empty((T, H_DIT * HD), np.float32)
     benchmark.pedantic(K.attention, args=(q, k, qkv, out, H_DIT, HD ** -0.5),
-                       kwargs={"isa": isas[0], "precision": impl}, rounds=3, warmup_rounds=1)
+                       kwargs={"isa": isas[0], "precision": impl}, rounds=1 if slow else 3,
+                       warmup_rounds=0 if slow else 1)
     _dit_info(benchmark, T, H_DIT, f"nxhpc {impl} [{isas[0]}]")
     if impl == "f32":
         _attn_check_T(out, q, k, qkv, T, H_DIT)

@@ -89,7 +89,8 @@ def exp_e(x):
 def contract_attention(q, k, qkv, KVH, scale, mask=None, causal=False, broken=None):
     """The header's contract, transcribed (all rows of a head at once). broken: None, or one rule
     replaced -- "p_f32" (P not rounded), "l_bf16" (l rounded to bfloat16 per tile), "pair_even"
-    (the even element of each pair first), "no_ftz" (the dot steps without DAZ/FTZ)."""
+    (the even element of each pair first), "no_ftz" (the dot steps without DAZ/FTZ), "hw_ftz"
+    (the dot steps as FMAs under x86 FTZ: hw_ftz_step)."""
     H, T, hd = q.shape
     group = H // KVH
     hd2, nt = (hd + 1) // 2 * 2, -(-T // TILE)
@@ -97,7 +98,7 @@ def contract_attention(q, k, qkv, KVH, scale, mask=None, causal=False, broken=No
     out = np.zeros((T, H * hd), F32)
     scale = F32(scale)
     first, second = (0, 1) if broken == "pair_even" else (1, 0)
-    dot = (lambda acc, a, b: fma32(a, b, acc)) if broken == "no_ftz" else step
+    dot = {"no_ftz": lambda acc, a, b: fma32(a, b, acc), "hw_ftz": hw_ftz_step}.get(broken, step)
     rows = np.arange(T)
     with np.errstate(invalid="ignore", over="ignore"):
         for h in range(H):
@@ -330,6 +331,64 @@ def test_underflow_range_is_the_contract_bit_for_bit(seed):
         assert (bits(other) != bits(want)).any(), mode
 
 
+FTZ_EDGE = 2.0 ** -126 - 2.0 ** -151  # x86 FTZ flushes exact results below this (tiny after
+# rounding to 24 bits, unbounded exponent); the contract's ftz(fmaf) flushes below 2^-126 - 2^-150
+
+
+def hw_ftz_step(acc, a, b):
+    """The step as an FMA under x86 MXCSR FTZ (a negative control, not the contract): also zero
+    where the exact a*b + acc lies in (2^-126 - 2^-150, 2^-126 - 2^-151), which fmaf rounds to
+    2^-126 (kept by ftz) but FTZ's tininess test flushes."""
+    r = step(acc, a, b)
+    ex = daz(a).astype(np.float64) * daz(b).astype(np.float64) + daz(acc).astype(np.float64)
+    return np.where(np.abs(ex) < FTZ_EDGE, np.copysign(F32(0), r), r).astype(F32)
+
+
+def ftz_edge_inputs(side):
+    """One dot chain whose exact sum is 2^-126 - 1.5 * 2^-151: in the scores (side "qk": q, k
+    chosen so; scale 2^126 makes the score 1 or 0) or in P V (side "pv": v chosen against the
+    second key's rounded weight p0)."""
+    H, KVH, T, hd = 1, 1, 4, 2
+    q = np.zeros((H, T, hd), F32)
+    k = np.zeros((KVH, T, hd), F32)
+    qkv = np.zeros((T, (H + 2 * KVH) * hd), F32)
+    v = qkv[:, (H + KVH) * hd:]
+    if side == "qk":  # pair order odd first: s = 2^-126 (q1 k1), then + q0 k0 = -1.5 * 2^-151
+        q[0, :, 0], q[0, :, 1] = F32(-1.5 * 2.0 ** -25), F32(1)
+        k[0, :2, :] = F32(2.0 ** -126)
+        v[:] = np.arange(1, 2 * T + 1, dtype=F32).reshape(T, 2)
+        return q, k, qkv, KVH, 2.0 ** 126
+    # pv: key 1 (position 0 of the tile, first step) p1 = 1, v1 = 2^-126; key 0 p0 = bf(E(-20)),
+    # v0 with p0 v0 ~ -1.5 * 2^-151; keys 2, 3 excluded below by the mask
+    q[0, :, 0] = F32(1)
+    k[0, 0, 0] = F32(-20)
+    p0 = float(bf(exp_e(np.array([-20], F32)))[0])
+    v[1, 0] = F32(2.0 ** -126)
+    v[0, 0] = bf(np.array([-1.5 * 2.0 ** -151 / p0], F32))[0]
+    ex = p0 * float(v[0, 0]) + 2.0 ** -126
+    assert 2.0 ** -126 - 2.0 ** -150 < ex < FTZ_EDGE, ex
+    v[:, 1] = F32(1)
+    return q, k, qkv, KVH, 1.0
+
+
+@pytest.mark.parametrize("side", ["qk", "pv"])
+@pytest.mark.parametrize("isa", [pytest.param(i, marks=pytest.mark.xfail(
+    i == "avx512bf16", strict=False,
+    reason="nx_attn_bf16_avx512bf16.c runs the chains under hardware FTZ (hw_ftz_step)"))
+    for i in SPEC_ISAS])
+def test_ftz_rounding_boundary_is_the_contract(isa, side):
+    """A dot chain's exact sum just below 2^-126, where fmaf rounds to 2^-126 (kept) and x86 FTZ
+    flushes to 0 (nx_attn_bf16_avx2.c: DAZ with FTZ off, each chain's end flushed by hand). The
+    negative control shows the inputs reach that boundary: the hardware-FTZ step gives other
+    bits."""
+    q, k, qkv, KVH, scale = ftz_edge_inputs(side)
+    mask = None if side == "qk" else np.array([1, 1, 0, 0], bool)
+    want = contract_attention(q, k, qkv, KVH, scale, mask)
+    other = contract_attention(q, k, qkv, KVH, scale, mask, broken="hw_ftz")
+    assert (bits(other) != bits(want)).any()
+    assert_bitwise(run(q, k, qkv, KVH, scale, isa, mask=mask), want, f"{isa} {side}")
+
+
 def test_broken_contracts_are_caught():
     """Negative controls: the same transcription with one rule changed (P left in float32, the
     running sum l held in bfloat16, the pair order swapped) differs from the kernels' bits."""
@@ -455,8 +514,10 @@ def test_dispatch_names_the_variant():
         assert K._variant("attention_bf16", "avx512bf16") == "avx512bf16"
     if "amx" in ISAS:
         assert K._variant("attention_bf16", "amx") == "amx"
+    if "avx2" in ISAS:
+        assert K._variant("attention_bf16", "avx2") == "avx2"
     if "avx512" in ISAS:
-        assert K._variant("attention_bf16", "avx512") == "generic"  # needs AVX512_BF16
+        assert K._variant("attention_bf16", "avx512") == "avx2"  # inherited: no avx512 table
 
 
 @pytest.mark.skipif(not AMX, reason="no AMX on this CPU")

@@ -3,7 +3,7 @@
  *
  * Owns: the executable form of the contract, one row at a time, in its written order. Compiled
  * with no ISA flags (fmaf is libm's, correctly rounded). Must not: use SIMD intrinsics (those are
- * nx_attn_bf16_avx512bf16.c's), or depend on the head band.
+ * nx_attn_bf16_avx2.c's and nx_attn_bf16_avx512bf16.c's), or depend on the head band.
  */
 #include "nx_attn_bf16.h"
 
@@ -16,7 +16,8 @@
 
 NX_DEFINE_DISPATCH(nx_attn_bf16, "attn_bf16", NX_ATTN_BF16_SLOTS,
                    {[NX_ISA_GENERIC] = &nx_attn_bf16_table_generic,
-                    NX_X86_ONLY([NX_ISA_AVX512BF16] = &nx_attn_bf16_table_avx512bf16,
+                    NX_X86_ONLY([NX_ISA_AVX2] = &nx_attn_bf16_table_avx2,
+                                [NX_ISA_AVX512BF16] = &nx_attn_bf16_table_avx512bf16,
                                 [NX_ISA_AMX] = &nx_attn_bf16_table_amx, )})
 
 int nx_attention_bf16(nx_isa isa, const float *q, const float *k, const float *qkv,

@@ -2,8 +2,9 @@
  * of the `bf16` matmul, nx_lowp.h), softmax statistics in float32, float32 output.
  *
  * Owns: the arithmetic contract below, the "attn_bf16" dispatch family (one slot, one table per
- * ISA file: generic = the spec, nx_attn_bf16.c; avx512bf16 = nx_attn_bf16_avx512bf16.c, the steps
- * as FMAs under DAZ|FTZ) and the scalar exp every variant evaluates. Must not: depend on the
+ * ISA file: generic = the spec, nx_attn_bf16.c; avx2 = nx_attn_bf16_avx2.c, the steps as FMAs
+ * under DAZ with each chain's end flushed; avx512bf16 = nx_attn_bf16_avx512bf16.c, the steps as
+ * FMAs under DAZ|FTZ) and the scalar exp every variant evaluates. Must not: depend on the
  * head band, the query block or micro-block a row lands in, spawn threads, or read outside the
  * given arrays (callers validate shapes: nxhpc/_k_ops.pxi).
  *
@@ -12,8 +13,8 @@
  * (nonzero = attend) or NULL; causal: query t attends keys j <= t; out [T, H*hd], columns of the
  * heads [h0, h1) written.
  *
- * ---- contract (bit-identical: generic spec == AVX-512 BF16, every head band, every row split;
- *      AMX: the clause after it)
+ * ---- contract (bit-identical: generic spec == AVX2 == AVX-512 BF16, every head band, every row
+ *      split; AMX: the clause after it)
  * bf(), daz/ftz and step(acc, a, b) = ftz(fmaf(daz(a), daz(b), daz(acc))) are nx_lowp.h's.
  * Per query head h (kv head g) and query row t, with P2 = ceil(hd/2) d-pairs (d >= hd reads 0):
  *   qb[d] = bf(q[h,t,d]), kb[j,d] = bf(k[g,j,d]), vb[j,d] = bf(v[g][j,d]); keys j >= T are 0.
@@ -93,6 +94,7 @@
        int causal))
 NX_DECLARE_FAMILY(nx_attn_bf16, NX_ATTN_BF16_SLOTS)
 extern const nx_attn_bf16_table nx_attn_bf16_table_generic;    /* nx_attn_bf16.c */
+extern const nx_attn_bf16_table nx_attn_bf16_table_avx2;       /* nx_attn_bf16_avx2.c */
 extern const nx_attn_bf16_table nx_attn_bf16_table_avx512bf16; /* nx_attn_bf16_avx512bf16.c */
 extern const nx_attn_bf16_table nx_attn_bf16_table_amx;        /* nx_attn_bf16_amx.c */
 
@@ -113,6 +115,9 @@ int nx_attention_bf16_generic(const float *q, const float *k, const float *qkv,
 int nx_attention_bf16_amx(const float *q, const float *k, const float *qkv, const uint8_t *mask,
                           float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
                           int64_t h0, int64_t h1, int causal);
+int nx_attention_bf16_avx2(const float *q, const float *k, const float *qkv, const uint8_t *mask,
+                           float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
+                           int64_t h0, int64_t h1, int causal);
 int nx_attention_bf16_avx512bf16(const float *q, const float *k, const float *qkv,
                                  const uint8_t *mask, float *out, int64_t T, int64_t H,
                                  int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1,
