@@ -5,7 +5,8 @@
  * nx_matmul_q8_generic), the q8 weight decoders of every type q8 takes (nx_q8w: signed codes,
  * part scales and mins), the lowp table list, and nx_lowp_blocked. Compiled with no ISA flags.
  * Weights decode through the traits table (nx_wtype.h) only.
- * Must not: use SIMD intrinsics (those live in nx_lowp_avx512.c / nx_lowp_avx512bf16.c), or
+ * Must not: use SIMD intrinsics (those live in nx_lowp_bf16_avx2.c / nx_lowp_avx512.c /
+ * nx_lowp_avx512bf16.c), or
  * depend on the tile an output falls in.
  */
 #include "nx_lowp.h"
@@ -18,7 +19,8 @@
 
 NX_DEFINE_DISPATCH(nx_lowp, "lowp", NX_LOWP_SLOTS,
                    {[NX_ISA_GENERIC] = &nx_lowp_table_generic,
-                    NX_X86_ONLY([NX_ISA_AVX512] = &nx_lowp_table_avx512,
+                    NX_X86_ONLY([NX_ISA_AVX2] = &nx_lowp_table_avx2,
+                                [NX_ISA_AVX512] = &nx_lowp_table_avx512,
                                 [NX_ISA_AVX512BF16] = &nx_lowp_table_avx512bf16,
                                 [NX_ISA_AMX] = &nx_lowp_table_amx, )})
 
