@@ -38,14 +38,18 @@
 #include <immintrin.h>
 #include <string.h>
 
-/* Tile, measured on AMD EPYC Zen 3 (family 25 model 1), 2 cores, AVX2 (shared with another job:
- * +-3%; process time, best of 5; T=256, K=N=3840, Q8_0 weights, GFLOP/s): see NX_B2_* below. */
-#ifndef NX_B2_MR
+/* Tile, measured on AMD EPYC Zen 3 (family 25 model 1), 2 cores, AVX2, one thread, the other
+ * core busy with another job (fma_ymm peak 94 GFLOP/s under that load; figures +-5%); process
+ * time, best of 4; T=256, K=N=3840, Q8_0 weights, GFLOP/s:
+ *   MR x NR = 6 x 16 (12 ymm accumulators + 2 weight vectors + 1 broadcast: nx_matmul_avx2.c's
+ *     tile, the 16 ymm registers full); 4 x 24 not tried.
+ *   KC x NC (jr_outer 0): 512 x 256: 67, 256 x 256: 70, 1024 x 256: 64, 512 x 128: 67,
+ *     512 x 512: 65; jr_outer 1: 256 x 256: 66, 512 x 256: 70 -- all within the noise; 512 x 256
+ *     kept (the float32 matmul's). Weight panels (decode + bf + transpose) take ~8% (perf).
+ *   The two MXCSR writes per tile (~82k tiles per call): with and without them 61.5-61.9 vs
+ *     61.8 (not measurable). */
 #define NX_B2_MR 6
-#endif
-#ifndef NX_B2_NV
 #define NX_B2_NV 2 /* ymm vectors per tile row */
-#endif
 #define NX_B2_NR (8 * NX_B2_NV)
 #ifndef NX_B2_KC
 #define NX_B2_KC 512
@@ -183,40 +187,56 @@ static inline __m256 nx_b2_ftz(__m256 v) {
     return _mm256_blendv_ps(v, _mm256_and_ps(v, sign), tiny);
 }
 
+/* An empty volatile asm that reads and writes a register: the FMAs that produce and consume it
+ * cannot move across it, and volatile asm is not moved across the MXCSR writes (ldmxcsr is an
+ * unspec_volatile). (A "memory" clobber instead, as in nx_attn_bf16_avx512bf16.c, made GCC keep
+ * the accumulators on the stack: 12 stores per k-step, ~20 GFLOP/s.) */
+#define NX_B2_FENCE(v) __asm__ volatile("" : "+x"(v))
+
 /* C[0:mr, 0:nr] := the chain over ng groups (32 k-steps each, pair-swapped order), continued
- * from C unless first. All MR rows run (rows past mr are the panel's zeros, never stored): the
- * fixed trip counts keep the MR * NV accumulators in registers. The compiler barriers keep every
- * panel load, FMA, flush and store of the tile between the two MXCSR writes. */
+ * from C unless first. All 6 rows run (rows past mr are the panel's zeros, never stored): named
+ * accumulators and a fixed row count keep the 12 in registers (nx_matmul_avx2.c's tile). The
+ * fences keep every FMA of the tile between the two MXCSR writes (the flush is bitwise and its
+ * compare gives the same with or without DAZ). */
 static void nx_b2_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ldc, int mr,
                        int nr, int first) {
-    __m256i m[NX_B2_NV];
-    for (int v = 0; v < NX_B2_NV; v++) m[v] = nx_mask8(nr - 8 * v);
-    __m256 acc[NX_B2_MR][NX_B2_NV];
-    for (int r = 0; r < NX_B2_MR; r++)
-        for (int v = 0; v < NX_B2_NV; v++)
-            acc[r][v] = (!first && r < mr) ? _mm256_maskload_ps(C + r * ldc + 8 * v, m[v])
-                                           : _mm256_setzero_ps();
+    const __m256i m0 = nx_mask8(nr), m1 = nx_mask8(nr - 8);
+    __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+    c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
+    /* clang-format off */
+#define NX_B2_LD(r, a0, a1) if (mr > r) { a0 = _mm256_maskload_ps(C + r * ldc, m0); \
+                                          a1 = _mm256_maskload_ps(C + r * ldc + 8, m1); }
+    if (!first) { NX_B2_LD(0, c00, c01) NX_B2_LD(1, c10, c11) NX_B2_LD(2, c20, c21)
+                  NX_B2_LD(3, c30, c31) NX_B2_LD(4, c40, c41) NX_B2_LD(5, c50, c51) }
+#undef NX_B2_LD
+#define NX_B2_FENCE_ALL NX_B2_FENCE(c00); NX_B2_FENCE(c01); NX_B2_FENCE(c10); NX_B2_FENCE(c11); \
+    NX_B2_FENCE(c20); NX_B2_FENCE(c21); NX_B2_FENCE(c30); NX_B2_FENCE(c31); \
+    NX_B2_FENCE(c40); NX_B2_FENCE(c41); NX_B2_FENCE(c50); NX_B2_FENCE(c51);
     const unsigned csr = _mm_getcsr();
-    __asm__ volatile("" ::: "memory");
     _mm_setcsr((csr & ~NX_B2_RC_FTZ) | NX_B2_DAZ);
-    __asm__ volatile("" ::: "memory");
-    const float *a = (const float *)A, *b = (const float *)B;
+    NX_B2_FENCE_ALL /* the chains start after the MXCSR write */
+    const float *A_ = (const float *)A, *B_ = (const float *)B;
     const size_t nk = ng * 32;
     for (size_t k = 0; k < nk; k++) {
-        __m256 bv[NX_B2_NV];
-        for (int v = 0; v < NX_B2_NV; v++) bv[v] = _mm256_load_ps(b + k * NX_B2_NR + 8 * v);
-        for (int r = 0; r < NX_B2_MR; r++) {
-            const __m256 av = _mm256_broadcast_ss(a + k * NX_B2_MR + r);
-            for (int v = 0; v < NX_B2_NV; v++) acc[r][v] = _mm256_fmadd_ps(av, bv[v], acc[r][v]);
-        }
+        const float *a = A_ + k * NX_B2_MR;
+        const __m256 b0 = _mm256_load_ps(B_ + k * NX_B2_NR), b1 = _mm256_load_ps(B_ + k * NX_B2_NR + 8);
+        __m256 t;
+        t = _mm256_broadcast_ss(a + 0); c00 = _mm256_fmadd_ps(t, b0, c00); c01 = _mm256_fmadd_ps(t, b1, c01);
+        t = _mm256_broadcast_ss(a + 1); c10 = _mm256_fmadd_ps(t, b0, c10); c11 = _mm256_fmadd_ps(t, b1, c11);
+        t = _mm256_broadcast_ss(a + 2); c20 = _mm256_fmadd_ps(t, b0, c20); c21 = _mm256_fmadd_ps(t, b1, c21);
+        t = _mm256_broadcast_ss(a + 3); c30 = _mm256_fmadd_ps(t, b0, c30); c31 = _mm256_fmadd_ps(t, b1, c31);
+        t = _mm256_broadcast_ss(a + 4); c40 = _mm256_fmadd_ps(t, b0, c40); c41 = _mm256_fmadd_ps(t, b1, c41);
+        t = _mm256_broadcast_ss(a + 5); c50 = _mm256_fmadd_ps(t, b0, c50); c51 = _mm256_fmadd_ps(t, b1, c51);
     }
-    for (int r = 0; r < NX_B2_MR; r++)
-        if (r < mr)
-            for (int v = 0; v < NX_B2_NV; v++)
-                _mm256_maskstore_ps(C + r * ldc + 8 * v, m[v], nx_b2_ftz(acc[r][v]));
-    __asm__ volatile("" ::: "memory");
+    NX_B2_FENCE_ALL /* ... and end before the restore */
+#undef NX_B2_FENCE_ALL
     _mm_setcsr(csr);
-    __asm__ volatile("" ::: "memory");
+#define NX_B2_ST(r, a0, a1) if (mr > r) { _mm256_maskstore_ps(C + r * ldc, m0, nx_b2_ftz(a0)); \
+                                          _mm256_maskstore_ps(C + r * ldc + 8, m1, nx_b2_ftz(a1)); }
+    NX_B2_ST(0, c00, c01) NX_B2_ST(1, c10, c11) NX_B2_ST(2, c20, c21)
+    NX_B2_ST(3, c30, c31) NX_B2_ST(4, c40, c41) NX_B2_ST(5, c50, c51)
+#undef NX_B2_ST
+    /* clang-format on */
 }
 
 int nx_matmul_bf16_avx2(const nx_mm_call *c) {
