@@ -56,7 +56,7 @@ def peak_fields(gops: float, precision: str, variant: str | None = None,
     p = peak_of(kind) * workers / 1e9
     out = {"peak_kind": kind, "peak_gops": round(p, 1), "frac_of_peak": round(gops / p, 3)}
     best = peak.kind_for(precision)
-    if best != kind:
+    if best is not None and best != kind:   # None: the variant runs another precision's unit
         pb = peak_of(best) * workers / 1e9
         out.update({"machine_peak_kind": best, "frac_of_machine_peak": round(gops / pb, 4)})
     return out

@@ -18,11 +18,14 @@ Each shape is one ``benchmark.group`` ("matmul precisions T=.. K=.. N=.."):
   numpy f32                x @ w_f32.T, OpenBLAS limited to 1 thread (threadpoolctl)
   torch f32 / torch bf16   torch.nn.functional.linear, torch.set_num_threads(1); the bf16 case
                            gets inputs already in bfloat16 (conversion not timed)
+Group "bf16 vs f32 <wtype> T=256 K=3840 N=3840" (Q8_0, Q4_K, BF16 weights): the bf16 matmul's best
+variant, the float32 matmul (K.matmul) on the same weights and the bf16 generic spec (one round).
 GFLOP/s = 2*T*K*N / time (for q8 these are int8 ops + the float32 block epilogue), with
 ``frac_of_peak`` against this CPU's peak measured once per session (``_bench_util.peak_fields``,
 the kind recorded as ``peak_kind``): f32 -> fma_zmm (AVX-512 code) or fma_ymm (AVX2 code);
-bf16 -> bf16_zmm (the avx512bf16 variant) or amx_bf16 (an amx variant); q8 -> i8_ymm (the avx2
-variant: vpmaddubsw), vnni_zmm (the avx512 variant) or amx_int8 (amx); generic code and the numpy / torch baselines against the
+bf16 -> fma_ymm (the avx2 variant: float32 FMAs), bf16_zmm (the avx512bf16 variant) or amx_bf16
+(an amx variant); q8 -> i8_ymm (the avx2 variant: vpmaddubsw), vnni_zmm (the avx512 variant) or
+amx_int8 (amx); generic code and the numpy / torch baselines against the
 fastest kind of their precision here. Where the CPU has AMX but the variant does not use it,
 ``frac_of_machine_peak`` sets the figure against the tile unit too. For reference,
 ggml's Q8_0 x Q8_0 matmul (llama.cpp's default tinyBLAS path) is cited at ~110 GFLOP/s per Zen 4
@@ -307,3 +310,44 @@ def test_bench_q8_weight_types(benchmark, wtype, prec):
         _check_q8_typed(out, x, w, w_f32, wtype)
     else:
         _check("bf16", out, x, w_f32)
+
+
+# ---------------------------------------------------------------- bf16 vs f32 on the AVX2 path
+
+_F32_TYPES = ("Q8_0", "Q4_K", "BF16")
+
+
+def _bf16_f32_case(wtype, T=256, Kd=3840, N=3840):
+    """x [T, K]; w raw rows of `wtype` and its float32 values (Q8_0 / Q4_K as in the q8 group,
+    BF16 = bf() of the Q8_0 weights' values)."""
+    x = _case(T, Kd, 32)[0]
+    if wtype == "BF16":
+        w, w_f32 = _typed_case("Q8_0", Kd, N)
+        w = (K.round_bf16(w_f32).view(np.uint32) >> 16).astype("<u2")
+        return x, w.view(np.uint8), (w.astype(np.uint32) << 16).view(np.float32)
+    return (x, *_typed_case(wtype, Kd, N))
+
+
+@pytest.mark.parametrize("kernel", ["bf16 best", "f32 matmul", "bf16 generic"])
+@pytest.mark.parametrize("wtype", _F32_TYPES)
+def test_bench_bf16_vs_f32(benchmark, wtype, kernel):
+    """T=256, K=N=3840, one group per weight type: the bf16 matmul's best variant (avx2 on an
+    AVX2-only CPU: float32 FMA chains over bfloat16-valued panels) against the float32 matmul
+    (K.matmul, the same weights) and the bf16 generic spec (one round: it is scalar)."""
+    T, Kd, N = 256, 3840, 3840
+    x, w, w_f32 = _bf16_f32_case(wtype, T, Kd, N)
+    out = np.empty((T, N), np.float32)
+    benchmark.group = f"bf16 vs f32 {wtype} T={T} K={Kd} N={N}"
+    if kernel == "f32 matmul":
+        v, prec = nxhpc.kernel_variants()["matmul"], "f32"
+        fn = lambda: K.matmul(x, w, wtype, out)          # noqa: E731
+    else:
+        v = "generic" if kernel == "bf16 generic" else nxhpc.kernel_variants()["matmul_bf16"]
+        prec = "bf16"
+        fn = lambda: K.matmul_bf16(x, w, wtype, out, isa=v)   # noqa: E731
+    benchmark.name = f"nxhpc {kernel} {wtype} ({v})"
+    rounds = (1, 0) if v == "generic" else (5, 1)
+    benchmark.pedantic(fn, rounds=rounds[0], warmup_rounds=rounds[1])
+    _info(benchmark, T, Kd, N, v, prec)
+    benchmark.extra_info["wtype"] = wtype
+    _check(prec, out, x, w_f32, any_order=False)

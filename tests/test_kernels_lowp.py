@@ -345,6 +345,50 @@ def test_bf16_simd_edge_values_bit_identical(isa):
         assert same_bits_or_both_nan(got, want), wtype
 
 
+def _ftz_boundary_case(rng, T, N, Kd, k_big, k_tiny):
+    """x [T, K], wf [N, K] (bfloat16 values) whose chains end at acc = P + p, P = x[k_big] *
+    w[k_big] in [2^-126, 2^-126 (1 + 3/128)] (normal), then p = x[k_tiny] * w[k_tiny] with |p| in
+    [2^-151, 2^-149): the exact sums lie just below / around +-2^-126, where fmaf rounds some up
+    to 2^-126 (kept) and some to subnormals (flushed). Everything else is 0."""
+    x = np.zeros((T, Kd), np.float32)
+    wf = np.zeros((N, Kd), np.float32)
+    sx = np.where(rng.random(T) < 0.5, -1.0, 1.0)
+    x[:, k_big] = sx * 2.0 ** -63
+    x[:, k_tiny] = -sx * (1 + rng.integers(0, 128, T) / 128) * 2.0 ** -76
+    wf[:, k_big] = (1 + rng.integers(0, 4, N) * (rng.random(N) < 0.3) / 128) * 2.0 ** -63
+    wf[:, k_tiny] = (1 + rng.integers(0, 128, N) / 128) * 2.0 ** -75
+    return x, wf
+
+
+@pytest.mark.skipif(not SIMD_BF16_SPEC, reason="no SIMD bf16 variant on this CPU")
+@pytest.mark.parametrize("isa", SIMD_BF16_SPEC)
+@pytest.mark.parametrize("Kd,k_big,k_tiny", [(64, 1, 0), (96, 33, 32), (1056, 1, 1024)], ids=str)
+def test_bf16_simd_ftz_boundary(isa, Kd, k_big, k_tiny):
+    """Chains whose last step lands at the underflow boundary: results that round up to +-2^-126
+    are kept, results that round to a subnormal are flushed, bit for bit as the spec (and the
+    model). A float32 FMA under MXCSR FTZ gets the first kind wrong (x86 calls a result tiny when
+    its 24-bit rounding with unbounded exponent is below 2^-126 and flushes it, though fmaf
+    rounds it to 2^-126): the data holds such cases (negative control below). (1056, 1, 1024):
+    the big product in the first k-block, the tiny one in the next (C kept between them)."""
+    rng = np.random.default_rng(Kd + k_tiny)
+    T, N = 37, 45
+    x, wf = _ftz_boundary_case(rng, T, N, Kd, k_big, k_tiny)
+    for wtype, w in (("F32", wf.view(np.uint8)),
+                     ("BF16", np_round_bf16_bits(wf).astype("<u2").view(np.uint8))):
+        want = bf16_model(x, wf)
+        assert same_bits_or_both_nan(run_bf16(x, w, wtype, "generic"), want), wtype
+        assert same_bits_or_both_nan(run_bf16(x, w, wtype, isa), want), (wtype, isa)
+    # negative control: outputs of +-2^-126 from an exact sum below it, whose 24-bit rounding
+    # is below 2^-126 as well (what FTZ would flush), and outputs flushed (to +0: the later
+    # steps add +0 products)
+    exact = x.astype(np.float64) @ wf.astype(np.float64).T          # exact: two terms
+    up = (np.abs(want) == np.float32(2.0 ** -126)) & (np.abs(exact) < 2.0 ** -126 - 2.0 ** -151)
+    assert up.sum() > 10 and (want[up] < 0).any() and (want[up] > 0).any()
+    flushed = (want == 0) & (exact != 0)
+    assert flushed.sum() > 10
+    assert (np.abs(want) > np.float32(2.0 ** -126)).any()
+
+
 @pytest.mark.parametrize("isa", BF16_VARIANTS)
 def test_bf16_band_and_batch_invariance(isa):
     """Any split of columns into bands and of tokens into batches gives the same bits, and a band
@@ -821,15 +865,16 @@ def test_variants_registered_and_env_forces_generic():
 
 def test_lowp_slots_follow_the_isa_chain():
     """The lowp slots live in the per-ISA tables: at every ISA each slot runs the nearest ISA on
-    its chain that has its own code (bf16 at avx512bf16, q8 at avx2 (vpmaddubsw), its VNNI kernel at avx512, whose
+    its chain that has its own code (bf16 at avx2 and avx512bf16, q8 at avx2 (vpmaddubsw), its VNNI
+    kernel at avx512, whose
     required features include VNNI, and its AMX kernel at amx), else the generic spec;
     lowp_variants lists exactly those."""
     feats = K.cpu_features()
     assert "avx512vnni" in feats["isas"]["avx512"]["needs"]
     assert "avx512bf16" in feats["isas"]["avx512bf16"]["needs"]
     assert {"amx_int8", "os_amx", "amx_permitted"} <= set(feats["isas"]["amx"]["needs"])
-    own = {"matmul_bf16": {"avx512bf16", "amx"}, "matmul_q8": {"avx2", "avx512", "amx"},
-           "round_bf16": {"avx512bf16"}}
+    own = {"matmul_bf16": {"avx2", "avx512bf16", "amx"}, "matmul_q8": {"avx2", "avx512", "amx"},
+           "round_bf16": {"avx2", "avx512bf16"}}
     for isa in K.ISA_NAMES:
         for slot, have in own.items():
             assert K._variant(slot, isa) == expected_variant(have, isa), (slot, isa)

@@ -304,6 +304,7 @@ def test_kind_for():
         assert P.kind_for(prec) == P.kind_for(prec, "generic") == best
     if "fma_ymm" in have:
         assert P.kind_for("f32", "avx2") == "fma_ymm"
+        assert P.kind_for("bf16", "avx2") == "fma_ymm"    # the bf16 kernel's float32 FMAs
     if "fma_zmm" in have:
         assert P.kind_for("f32", "avx512") == "fma_zmm"
     if "bf16_zmm" in have:

@@ -5,7 +5,8 @@
  * nx_matmul_q8_generic), the q8 weight decoders of every type q8 takes (nx_q8w: signed codes,
  * part scales and mins), the lowp table list, and nx_lowp_blocked. Compiled with no ISA flags.
  * Weights decode through the traits table (nx_wtype.h) only.
- * Must not: use SIMD intrinsics (those live in nx_lowp_avx512.c / nx_lowp_avx512bf16.c), or
+ * Must not: use SIMD intrinsics (those live in nx_lowp_bf16_avx2.c / nx_lowp_avx512.c /
+ * nx_lowp_avx512bf16.c), or
  * depend on the tile an output falls in.
  */
 #include "nx_lowp.h"

@@ -10,7 +10,8 @@
  * [N, rowbytes] (rowbytes = K / block_elems * block_bytes of the weight type); out float32 [T, N];
  * only columns [n0, n1) of out are written; bias (float32 [N] or NULL) is added once, after the sum.
  *
- * ---- `bf16` contract (bit-identical: generic spec == AVX-512 BF16, every band, every T batching;
+ * ---- `bf16` contract (bit-identical: generic spec == AVX2 == AVX-512 BF16, every band, every T
+ *      batching;
  *      AMX: the clause at the end of this section)
  *   bf(v)   = float32 -> bfloat16 as VCVTNEPS2BF16 does it: a subnormal v becomes the zero of its
  *             sign; NaN -> quiet NaN keeping sign and top payload bits ((bits >> 16) | 0x0040);
@@ -147,7 +148,9 @@
  *   matmul_bf16(c)        the `bf16` matmul (any weight type with traits)
  *   matmul_q8(c)          the `q8` matmul (c->type one of nx_q8w's types; -2 otherwise)
  *   round_bf16(x, out, n) out[i] = bits of bf(x[i])
- * Tables: generic (the specs, nx_lowp.c), avx512 (q8 on VNNI: VNNI is part of the avx512 ISA's
+ * Tables: generic (the specs, nx_lowp.c), avx2 (bf16 on float32 FMA chains over bfloat16-valued
+ * panels with MXCSR DAZ, results flushed: nx_lowp_bf16_avx2.c; table in nx_lowp_avx2.c),
+ * avx512 (q8 on VNNI: VNNI is part of the avx512 ISA's
  * required bits, nx_cpu.h; nx_lowp_avx512.c), avx512bf16 (bf16 on vdpbf16ps,
  * nx_lowp_avx512bf16.c), amx (q8 of Q8_0 weights on the AMX tile unit's tdpbssd, the same bits;
  * the other q8 types run the avx512 kernel: nx_lowp_amx.c). A missing slot inherits down the ISA
@@ -158,7 +161,8 @@
     X(round_bf16, void, (const float *x /* IN [n] */, uint16_t *out /* OUT [n] */, size_t n))
 NX_DECLARE_FAMILY(nx_lowp, NX_LOWP_SLOTS)
 extern const nx_lowp_table nx_lowp_table_generic;    /* nx_lowp.c */
-extern const nx_lowp_table nx_lowp_table_avx2;       /* nx_lowp_avx2.c (q8 on vpmaddubsw) */
+extern const nx_lowp_table nx_lowp_table_avx2;       /* nx_lowp_avx2.c (q8 on vpmaddubsw; bf16:
+                                                        nx_lowp_bf16_avx2.c) */
 extern const nx_lowp_table nx_lowp_table_avx512;     /* nx_lowp_avx512.c */
 extern const nx_lowp_table nx_lowp_table_avx512bf16; /* nx_lowp_avx512bf16.c */
 extern const nx_lowp_table nx_lowp_table_amx;        /* nx_lowp_amx.c (q8 of Q8_0 on tdpbssd) */
@@ -175,6 +179,7 @@ static inline uint16_t nx_bf16_round(float f) {
 void nx_bf16_round_n(nx_isa isa, const float *x /* IN [n] */, uint16_t *out /* OUT [n] */,
                      size_t n);
 void nx_bf16_round_n_generic(const float *x /* IN */, uint16_t *out /* OUT */, size_t n);
+void nx_bf16_round_n_avx2(const float *x /* IN */, uint16_t *out /* OUT */, size_t n);
 void nx_bf16_round_n_avx512bf16(const float *x /* IN */, uint16_t *out /* OUT */, size_t n);
 
 /* ---- the matmuls at `isa` (shapes above; w rows of GGML type `type`). Return 0, -1 when scratch
@@ -202,6 +207,7 @@ typedef struct {
 /* The q8 decoding of `type`, or NULL where q8 does not take it (F32, F16, BF16, unknown). */
 const nx_q8w_type *nx_q8w(uint32_t type);
 int nx_matmul_bf16_generic(const nx_mm_call *c);
+int nx_matmul_bf16_avx2(const nx_mm_call *c);
 int nx_matmul_bf16_avx512bf16(const nx_mm_call *c);
 int nx_matmul_q8_generic(const nx_mm_call *c);
 int nx_matmul_q8_avx2(const nx_mm_call *c);

@@ -1,7 +1,7 @@
 /* nx_lowp_avx2.c -- the avx2 table of the "lowp" family (AVX2 + FMA + F16C): the `q8` matmul on
  * every weight type q8 takes (Q8_0, Q4_0 .. Q6_K) with vpmaddubsw / vpmaddwd, for CPUs without
- * VNNI (AMD Zen 2/3, Intel Haswell .. Coffee Lake); the bf16 slots (nx_lowp_bf16_avx2.c) where
- * that file is built in. The AVX-512 tables above it override q8 with VNNI code.
+ * VNNI (AMD Zen 2/3, Intel Haswell .. Coffee Lake); the table also holds the bf16 matmul and
+ * rounding of nx_lowp_bf16_avx2.c. The AVX-512 tables above it override q8 with VNNI code.
  *
  * Owns: the avx2 q8 panel layouts and register tiles; the exactness argument of the two int8
  * tricks below. Entered only after the probe reports the avx2 level with OS YMM support.
@@ -462,4 +462,6 @@ int nx_matmul_q8_avx2(const nx_mm_call *c) {
     return nx_lowp_blocked(&tl, c);
 }
 
-const nx_lowp_table nx_lowp_table_avx2 = {.matmul_q8 = nx_matmul_q8_avx2};
+const nx_lowp_table nx_lowp_table_avx2 = {.matmul_bf16 = nx_matmul_bf16_avx2,
+                                          .matmul_q8 = nx_matmul_q8_avx2,
+                                          .round_bf16 = nx_bf16_round_n_avx2};

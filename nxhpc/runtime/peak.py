@@ -24,9 +24,9 @@ PRECISION_KINDS = {"f32": ("fma_zmm", "fma_ymm"), "bf16": ("amx_bf16", "bf16_zmm
                    "q8": ("amx_int8", "vnni_zmm", "i8_ymm")}
 
 # The ISA of the code that runs a kernel (a kernel_variants() value) -> the peak kind of the
-# instructions that code issues, per precision.
+# instructions that code issues, per precision (bf16 at avx2: float32 FMAs on bfloat16 values).
 _KIND_OF_VARIANT = {"f32": {"avx2": "fma_ymm", "avx512": "fma_zmm"},
-                    "bf16": {"avx512bf16": "bf16_zmm", "amx": "amx_bf16"},
+                    "bf16": {"avx2": "fma_ymm", "avx512bf16": "bf16_zmm", "amx": "amx_bf16"},
                     "q8": {"avx2": "i8_ymm", "avx512": "vnni_zmm", "amx": "amx_int8"}}
 
 
