@@ -4,7 +4,8 @@ Model: built-in ``zimage-dit-2l`` (D=3840, 30x128 heads, FFN 10240, cap_dim 2560
 + 2+2 refiners; ComfyUI-GGUF types: layers Q8_0, refiners and embedders BF16, generated on
 first use under $NXHPC_MODELS, 1.8 GB). Inputs: 512x512 (64x64 latents = 1024 image tokens) and
 1024x1024 (128x128 latents = 4096 image tokens), a 100-token caption, t = 0.5. nxhpc runs with
-2 workers; diffusers' ``ZImageTransformer2DModel`` (same config, the same weights as decoded by
+2 workers, per precision (``f32``, ``bf16``, ``q8``; ``NXHPC_BENCH_PRECISIONS`` picks); diffusers'
+``ZImageTransformer2DModel`` (same config, the same weights as decoded by
 the ``gguf`` package) runs in torch eager float32 and bfloat16 at 2 threads, in the same run,
 same group per token count.
 
@@ -31,6 +32,7 @@ from nxhpc.models.registry import open_denoiser
 
 MODEL = os.environ.get("NXHPC_BENCH_DENOISER", "zimage-dit-2l")
 TOKENS = [int(t) for t in os.environ.get("NXHPC_BENCH_TOKENS", "1024,4096").split(",")]
+PRECISIONS = os.environ.get("NXHPC_BENCH_PRECISIONS", "f32,bf16,q8").split(",")
 CAPTION = 100
 WORKERS = 2
 STEP_LAYERS = 30
@@ -72,11 +74,13 @@ _summary = summary_fixture(RESULTS, "bench_denoise", _TITLE, _HEAD, _row)
 
 # ----------------------------------------------------------------------------- nxhpc
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_denoise_nxhpc(benchmark, den, inputs, tokens):
+def test_denoise_nxhpc(benchmark, den, inputs, tokens, precision):
     cfg = den.config
     lat, t, cap = inputs[tokens]
     benchmark.group = f"denoise {MODEL} image tokens={tokens} caption={CAPTION}"
+    den.precision = precision                 # read by every call (Denoiser.precision)
     reset_peak_rss()
     den.forward(lat, t, cap)                  # the layout's engine: fork + arena (not timed)
     out = benchmark.pedantic(lambda: den.forward(lat, t, cap), rounds=2, warmup_rounds=0)
@@ -87,7 +91,8 @@ def test_denoise_nxhpc(benchmark, den, inputs, tokens):
     r = {"rows": s.Np + s.Lp, "s_per_layer": per_layer,
          "s_per_30_layer_step": (tm["us_total"] - tm["us_layers"]) / 1e6 + STEP_LAYERS * per_layer,
          "s_call": bench_stats(benchmark).median, **tm, **mem, "output": out}
-    record(benchmark, RESULTS, ("nxhpc", tokens), r)
+    benchmark.extra_info["precision"] = precision
+    record(benchmark, RESULTS, (f"nxhpc {precision}", tokens), r)
     assert np.isfinite(out).all()
 
 
@@ -146,10 +151,11 @@ def _run_diffusers(benchmark, torch_model, den, inputs, tokens, dtype_name):
     ref = RESULTS.get(("diffusers float32", tokens), {}).get("output")
     if dtype_name == "float32":
         ref = out
-        nx = RESULTS.get(("nxhpc", tokens))
-        if nx is not None:
-            nx["rel_err_vs_diffusers_f32"] = float(np.abs(nx["output"] - out).max()
-                                                   / np.abs(out).max())
+        for p in PRECISIONS:
+            nx = RESULTS.get((f"nxhpc {p}", tokens))
+            if nx is not None:
+                nx["rel_err_vs_diffusers_f32"] = float(np.abs(nx["output"] - out).max()
+                                                       / np.abs(out).max())
     if ref is not None:
         r["rel_err_vs_diffusers_f32"] = float(np.abs(out - ref).max() / np.abs(ref).max())
     record(benchmark, RESULTS, (f"diffusers {dtype_name}", tokens), r)
@@ -160,7 +166,7 @@ def _run_diffusers(benchmark, torch_model, den, inputs, tokens, dtype_name):
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_denoise_torch_float32(benchmark, torch_model, den, inputs, tokens):
     _run_diffusers(benchmark, torch_model, den, inputs, tokens, "float32")
-    nx = RESULTS.get(("nxhpc", tokens))
+    nx = RESULTS.get(("nxhpc f32", tokens))
     if nx is not None:
         # float32 both sides, same weights: the rest is diffusers' float32 sinusoid and RoPE
         # table and summation order (~1e-5 of max|out| at these widths)
