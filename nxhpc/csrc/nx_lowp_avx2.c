@@ -34,8 +34,9 @@
  * AVX2; single runs there move by 15-45%), one thread, T=256, K=N=3840, GOP/s Q8_0 / Q4_K /
  * Q6_K / Q4_0: 3 x 16: 98 / 135 / 118 / 151; 4 x 16: 97 / 114 / 118 / 144; 2 x 16: 89 / 103 /
  * 111 / 143; 4 x 8: 91 / 131 / 113 / 141; 6 x 8: 72 / 102 / 103 / 102 (before the int16 sums were
- * fenced with NX_KEEP, every tile spilled and ran at 68-123). 3 x 16 keeps 12 accumulators + 2
- * weight vectors + a broadcast + the ones in the 16 ymm registers with the fewest spills.
+ * fenced with NX_KEEP, gcc summed each group's products as a tree, spilled them all and ran at
+ * 68-123). 3 x 16 was the fastest on three of the four types; it still spills some of its 6
+ * float accumulators around the int16 loop (16 ymm registers).
  * KC = 1024, NC = 128, MC = 252 were set, not tuned. */
 #ifndef NX_Q8A_MR
 #define NX_Q8A_MR 3
