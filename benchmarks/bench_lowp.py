@@ -281,32 +281,28 @@ def _check_q8_typed(out, x, w, w_f32, wtype, rows=16):
     assert (np.abs(got - ref) <= bound).all(), (np.abs(got - ref) / bound).max()
 
 
-@pytest.mark.parametrize("prec", ["q8", "bf16"])
+@pytest.mark.parametrize("prec", [f"q8-{i}" for i in Q8_SIMD] + ["bf16"])
 @pytest.mark.parametrize("wtype", Q8_TYPES)
 def test_bench_q8_weight_types(benchmark, wtype, prec):
-    """q8 and bf16 on each quantized weight type, T=256 K=N=3840, one group (the q8 Q8_0 row is
-    the baseline each type's q8 is compared with). q8 runs the VNNI kernel (isa="avx512") where
-    there is one, for every type alike (the AMX kernel takes Q8_0 only: test_bench_matmul_q8_isa);
-    bf16 the best variant."""
+    """q8 and bf16 on each quantized weight type, T=256 K=N=3840, one group (the q8 Q8_0 row of
+    each ISA is the baseline that ISA's other types are compared with). q8 runs every SIMD
+    variant (avx2, avx512 = VNNI, amx = tdpbssd, as the CPU has them); bf16 the best variant."""
     T, Kd, N = 256, 3840, 3840
     x = _case(T, Kd, 32)[0]
     w, w_f32 = _typed_case(wtype, Kd, N)
     out = np.empty((T, N), np.float32)
-    slot = "matmul_q8" if prec == "q8" else "matmul_bf16"
-    v = nxhpc.kernel_variants()[slot]
-    if prec == "q8" and "avx512" in Q8_SIMD:
-        v = "avx512"
+    slot = "matmul_q8" if prec != "bf16" else "matmul_bf16"
+    v = prec[3:] if prec != "bf16" else nxhpc.kernel_variants()[slot]
     benchmark.group = f"q8 weight types T={T} K={Kd} N={N}"
     benchmark.name = f"nxhpc {slot} {wtype} ({v})"
-    if prec == "q8":
-        isa = v if v in Q8_SIMD else None
-        fn, args = (lambda: K.matmul_q8(x, w, out, wtype=wtype, isa=isa)), ()
+    if prec != "bf16":
+        fn, args = (lambda: K.matmul_q8(x, w, out, wtype=wtype, isa=v)), ()
     else:
         fn, args = K.matmul_bf16, (x, w, wtype, out)
     benchmark.pedantic(fn, args=args, rounds=5, warmup_rounds=1)
-    _info(benchmark, T, Kd, N, v, prec)
+    _info(benchmark, T, Kd, N, v, "q8" if prec != "bf16" else "bf16")
     benchmark.extra_info["wtype"] = wtype
-    if prec == "q8":
+    if prec != "bf16":
         _check_q8_typed(out, x, w, w_f32, wtype)
     else:
         _check("bf16", out, x, w_f32)

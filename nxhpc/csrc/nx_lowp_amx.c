@@ -1,13 +1,17 @@
-/* nx_lowp_amx.c -- the amx table of the "lowp" family: the `q8` matmul of Q8_0 weights on the AMX
- * tile unit (tdpbssd: signed int8 x signed int8 -> int32), its panels and its tile configuration.
+/* nx_lowp_amx.c -- the amx table of the "lowp" family: the `q8` matmul of every weight type q8
+ * takes (Q8_0, Q4_0 .. Q6_K) on the AMX tile unit (tdpbssd: signed int8 x signed int8 -> int32),
+ * and the `bf16` matmul (tdpbf16ps); their panels and their tile configurations.
  *
- * Owns: the AMX q8 panel layouts, the 32 x 32 tile block and the palette-1 tile configuration
- * (loaded at entry, released at exit of every call, in the calling thread). The arithmetic is the
- * q8 contract of nx_lowp.h unchanged: each 32-k block's integer dot is exact in int32 whichever
- * unit computes it, and the float epilogue (s = dx * dw, one rounding; acc = fma((float)isum, s,
- * acc), blocks in order) is the AVX-512 one, so the result is the spec's, bit for bit.
+ * Owns: the AMX q8 and bf16 panel layouts, their tile blocks (q8 16 x 16, bf16 32 x 32) and the
+ * palette-1 tile configurations (loaded at entry, released at exit of every call, in the calling
+ * thread). The q8 arithmetic is the contract of nx_lowp.h unchanged: each part's integer dot
+ * (a 32-k block, or a 16-element half for Q6_K / Q3_K / Q2_K) is exact in int32 whichever unit
+ * computes it, and the float epilogue is the contract's per type (the avx512 kernel's
+ * operations, one output lane per column), so the result is the spec's, bit for bit. (The
+ * weight decoders and scale fields are nx_q8x_avx512.h's, shared with the avx512 kernel.)
  * Entered only when the probe reports the amx ISA (AMX-TILE/INT8/BF16, the OS tile state and the
- * Linux XTILEDATA permission). Weight types other than Q8_0 run the avx512 q8 kernel.
+ * Linux XTILEDATA permission). The weight codes enter the tiles as the signed qw of nx_lowp.h
+ * (every type's fit int8), so each unit's dot is the exact isum with no offset correction.
  * Must not: change the per-output block order or arithmetic of nx_lowp.h, allocate per tile, or
  * leave a tile configuration loaded when it returns.
  */
@@ -18,21 +22,22 @@
 
 #include "nx_lowp_bf16_pack.h"
 #include "nx_q8_0.h"
+#include "nx_q8x_avx512.h"
 
-/* The block: 16 tokens x 16 columns, up to 4 consecutive 32-k groups per round. Each group g of
- * a round has its own int32 result tile (tmm0..3, 16 x 16 int32, zeroed per round: a group's
- * integer dot is exact, |isum| <= 32 * 128 * 128, and never carried into the next), its A tile
- * (16 tokens x 32 int8) and B tile (8 k-quads x 16 columns x 4 int8), alternating between tmm4/5
- * and tmm6/7; one tdpbssd of 16 x 16 x 32 each. Then the 4 result tiles are stored (4 KiB, L1)
- * and the contract's epilogue runs on zmm in group order (cvt, mul, fma per row), the 16 float32
- * chains held in registers across rounds. Measured on this project's AMX Xeon (2 cores, KVM),
- * register/L1-resident panels, 1 thread: a 32 x 32 block with one group per round reached
- * ~670 GOP/s (its tile work and its epilogue ran one after the other: 1316 and ~1240 GOP/s
- * alone); this 16 x 16, 4-groups-per-round block ~1310 GOP/s (the epilogue of one round overlaps
- * the tile work of the next). */
+/* The block: 16 tokens x 16 columns. A "unit" is one tdpbssd: for the H = 1 types (one part per
+ * 32-group: Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K) one whole 32-k group (16 x 16 x 32), for
+ * the H = 2 types (16-element parts: Q6_K, Q3_K, Q2_K) one half of a group (16 x 16 x 16). A
+ * round is 2 units, each with its own int32 result tile (zeroed per round: a unit's integer dot
+ * is exact, |isum| <= 32 * 128 * 128, and never carried into the next), A tile (16 tokens x 32
+ * or 16 int8) and B tile (8 or 4 k-quads x 16 columns x 4 int8), alternating between tmm4/5 and
+ * tmm6/7. Then the 2 result tiles are stored (2 KiB, L1) and the contract's epilogue runs on zmm
+ * in group order, the 16 float32 chains held in registers across rounds. Measured on this
+ * project's AMX Xeon (2 cores, KVM), register/L1-resident panels, 1 thread, Q8_0: a 32 x 32
+ * block with one group per round reached ~670 GOP/s (its tile work and its epilogue ran one
+ * after the other: 1316 and ~1240 GOP/s alone); this 16 x 16, 2-units-per-round block ~1310
+ * GOP/s (the epilogue of one round overlaps the tile work of the next). */
 #define NX_AMX_MR 16
 #define NX_AMX_NR 16
-#define NX_AMX_RG 2 /* groups per round: one result tile each */
 #ifndef NX_AMX_JR
 #define NX_AMX_JR 0
 #endif
@@ -49,43 +54,63 @@ _Static_assert(NX_AMX_KC % 256 == 0, "KC must hold whole blocks of every type");
 _Static_assert(NX_AMX_NC % NX_AMX_NR == 0, "NC must be a multiple of NR");
 _Static_assert(NX_AMX_MC % NX_AMX_MR == 0, "MC must be a multiple of MR");
 
-/* Per 32-k group (one Q8_0 block):
- *   A micro-panel: int8 qx[MR][32] (row r = token r's codes), float dx[MR]
- *   B micro-panel: int8 quads[8][NR][4] (row q = for each column j its codes 4q..4q+3),
- *                  float dw[NR] */
+/* Per 32-k group:
+ *   A micro-panel: int8 qx[MR][32] (row r = token r's codes), float dx[MR], and for the types
+ *     with a min float ax[2][MR] (dx * (float)xsum of each part, the spec's one rounding; H = 1:
+ *     part 0 is the whole 32): NX_AMX_AG bytes, or NX_AMX_AGM with ax.
+ *   B micro-panel: int8 quads[8][NR][4] (row q = for each column j its signed codes qw
+ *     4q..4q+3), float sw[H][NR], float mw[H][NR] (types with a min): NX_Q8X_BG(H, M, NR).
+ *     Q8_0's sw is f32(d). */
 #define NX_AMX_AG (NX_AMX_MR * 32 + NX_AMX_MR * 4)
-#define NX_AMX_BG (8 * NX_AMX_NR * 4 + NX_AMX_NR * 4)
+#define NX_AMX_AGM (NX_AMX_AG + 2 * NX_AMX_MR * 4)
 
-/* nx_q8_0_act_scale on zmm: the same d (the max of |x| is exact in any order); a block holding a
- * NaN takes the scalar spec itself. */
-static inline float nx_amx_act_scale(const float *xb /* IN [32] */) {
-    const __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(xb)), a1 = _mm512_abs_ps(_mm512_loadu_ps(xb + 16));
-    if (_mm512_cmp_ps_mask(a0, a0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(a1, a1, _CMP_UNORD_Q))
-        return nx_q8_0_act_scale(xb);
-    const float d = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1)) / 127.0f;
-    return d < 0x1p-126f ? 0.0f : d;
-}
-
-static void nx_amx_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t rows,
-                          uint8_t *Ap /* OUT */, void *scratch) {
-    const size_t nb = K / NX_QK8_0;
+/* H: parts per group whose xsums go into ax (0: none, no ax fields). */
+NX_INLINE void nx_amx_pack_a_t(const float *x /* IN */, size_t K, size_t t0, size_t rows,
+                               uint8_t *Ap /* OUT */, void *scratch, const int H) {
+    const size_t nb = K / NX_QK8_0, AG = H ? NX_AMX_AGM : NX_AMX_AG;
     uint8_t *q = (uint8_t *)scratch; /* one quantized row: nb * 34 bytes */
     for (size_t r = 0; r < NX_AMX_MR; r++) {
         if (r < rows) nx_q8_0_quantize_avx512(x + (t0 + r) * K, q, nb);
         for (size_t b = 0; b < nb; b++) {
-            uint8_t *g = Ap + b * NX_AMX_AG;
-            float *dx = (float *)(g + NX_AMX_MR * 32);
+            uint8_t *g = Ap + b * AG;
+            float *dx = (float *)(g + NX_AMX_MR * 32), *ax = dx + NX_AMX_MR;
             if (r >= rows) {
                 memset(g + r * 32, 0, 32);
                 dx[r] = 0.0f;
+                if (H) ax[r] = ax[NX_AMX_MR + r] = 0.0f;
                 continue;
             }
-            memcpy(g + r * 32, q + b * NX_Q8_0_BLOCK_BYTES + 2, 32);
-            dx[r] = nx_amx_act_scale(x + (t0 + r) * K + b * NX_QK8_0); /* as the spec */
+            const uint8_t *codes = q + b * NX_Q8_0_BLOCK_BYTES + 2;
+            memcpy(g + r * 32, codes, 32);
+            dx[r] = nx_q8x_act_scale(x + (t0 + r) * K + b * NX_QK8_0); /* as the spec */
+            if (H) {
+                const __m512i s16 = _mm512_madd_epi16(
+                    _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)codes)),
+                    _mm512_set1_epi16(1)); /* pair sums, lanes 0-7: elements 0-15 */
+                const int32_t xs0 = H == 1 ? _mm512_reduce_add_epi32(s16)
+                                           : _mm512_mask_reduce_add_epi32((__mmask16)0x00ff, s16);
+                const int32_t xs1 =
+                    H == 1 ? 0 : _mm512_mask_reduce_add_epi32((__mmask16)0xff00, s16);
+                ax[r] = dx[r] * (float)xs0; /* one rounding, as the spec */
+                ax[NX_AMX_MR + r] = dx[r] * (float)xs1;
+            }
         }
     }
 }
+static void nx_amx_pack_a(const float *x, size_t K, size_t t0, size_t rows, uint8_t *Ap,
+                          void *scratch) {
+    nx_amx_pack_a_t(x, K, t0, rows, Ap, scratch, 0);
+}
+static void nx_amx_pack_a_m1(const float *x, size_t K, size_t t0, size_t rows, uint8_t *Ap,
+                             void *scratch) {
+    nx_amx_pack_a_t(x, K, t0, rows, Ap, scratch, 1);
+}
+static void nx_amx_pack_a_m2(const float *x, size_t K, size_t t0, size_t rows, uint8_t *Ap,
+                             void *scratch) {
+    nx_amx_pack_a_t(x, K, t0, rows, Ap, scratch, 2);
+}
 
+/* Q8_0's B packer: the stored int8 codes are the signed qw; 16 columns' 4-byte quads gathered. */
 static void nx_amx_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc,
                           uint8_t *Bp /* OUT */, void *scratch) {
     (void)scratch;
@@ -99,7 +124,7 @@ static void nx_amx_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t k
                            _mm512_set1_epi32((int)rowbytes));
     const uint8_t *wc = c->w + j0 * rowbytes;
     for (size_t b = 0; b < nb; b++) {
-        uint8_t *g = Bp + b * NX_AMX_BG;
+        uint8_t *g = Bp + b * NX_Q8X_BG(1, 0, NX_AMX_NR);
         float *dw = (float *)(g + 8 * NX_AMX_NR * 4);
         const uint8_t *blk = wc + (b0 + b) * NX_Q8_0_BLOCK_BYTES;
         for (int j = 0; j < 16; j++) {
@@ -114,99 +139,196 @@ static void nx_amx_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t k
     }
 }
 
-/* One group's tile work: result tile TC := A tile TA . B tile TB (tile ids are immediates). */
-#define NX_AMX_GROUP(TC, TA, TB, a, b)                                                             \
+/* The other types' B packers: nx_q8x_avx512.h's decoders, one 16-column vector, the codes shifted
+ * back to the signed qw (SUB = off) so that tdpbssd's dot is isum itself. */
+#define NX_AMX_PACK_B(t, E, H, M, OFF, D, D32, S)                                                  \
+    static void nx_amx_pack_b_##t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0,         \
+                                  size_t kc, uint8_t *Bp, void *scratch) {                         \
+        (void)scratch;                                                                             \
+        nx_q8x_pack_b_t(c, j0, ncols, k0, kc, Bp, 1, E, H, M, OFF, D, D32, nx_s_##S);              \
+    }
+NX_AMX_PACK_B(q4_0, 32, 1, 0, 8, NULL, nx_u_q4_0, d)
+NX_AMX_PACK_B(q4_1, 32, 1, 1, 0, NULL, nx_u_q4_1, dm)
+NX_AMX_PACK_B(q5_0, 32, 1, 0, 16, NULL, nx_u_q5_0, d)
+NX_AMX_PACK_B(q5_1, 32, 1, 1, 0, NULL, nx_u_q5_1, dm)
+NX_AMX_PACK_B(q2_K, 256, 2, 1, 0, nx_u_q2_K, NULL, q2_K)
+NX_AMX_PACK_B(q3_K, 256, 2, 0, 4, nx_u_q3_K, NULL, q3_K)
+NX_AMX_PACK_B(q4_K, 256, 1, 1, 0, nx_u_q4_K, NULL, k4)
+NX_AMX_PACK_B(q5_K, 256, 1, 1, 0, nx_u_q5_K, NULL, k4)
+NX_AMX_PACK_B(q6_K, 256, 2, 0, 32, nx_u_q6_K, NULL, q6_K)
+
+/* One unit's tile work: result tile TC := A tile TA . B tile TB (tile ids are immediates; the A
+ * rows are 32 bytes apart in the panel whatever the tile's width). */
+#define NX_AMX_UNIT(TC, TA, TB, a, b)                                                              \
     do {                                                                                           \
         _tile_loadd(TA, (a), 32);                                                                  \
         _tile_loadd(TB, (b), NX_AMX_NR * 4);                                                       \
         _tile_dpbssd(TC, TA, TB);                                                                  \
     } while (0)
 
-/* The epilogue of the groups k < rg of a round, in group order (the contract's chain). */
-NX_INLINE void nx_amx_epilogue(__m512 f[NX_AMX_MR], const int32_t ib[NX_AMX_RG][NX_AMX_MR][NX_AMX_NR],
-                               const uint8_t *a, const uint8_t *b, size_t rg) {
-    for (size_t k = 0; k < rg; k++) {
-        const float *dx = (const float *)(a + k * NX_AMX_AG + NX_AMX_MR * 32);
-        const __m512 dw = _mm512_load_ps((const float *)(b + k * NX_AMX_BG + 8 * NX_AMX_NR * 4));
-        for (int r = 0; r < NX_AMX_MR; r++)
-            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ib[k][r])),
-                                   _mm512_mul_ps(dw, _mm512_set1_ps(dx[r])), f[r]);
-    }
-}
-
-/* Round r (2 groups) into result tiles T0/T1 (A tiles 4/5, B tiles 6/7), stored to ibr. */
-#define NX_AMX_ROUND2(T0, T1, a, b, ibr)                                                           \
+/* A round: units (a0, b0) and (a1, b1) into result tiles T0/T1 (A tiles 4/5, B tiles 6/7),
+ * stored to ibr. */
+#define NX_AMX_ROUND(T0, T1, a0, b0, a1, b1, ibr)                                                  \
     do {                                                                                           \
         _tile_zero(T0);                                                                            \
         _tile_zero(T1);                                                                            \
-        NX_AMX_GROUP(T0, 4, 6, (a), (b));                                                          \
-        NX_AMX_GROUP(T1, 5, 7, (a) + NX_AMX_AG, (b) + NX_AMX_BG);                                  \
+        NX_AMX_UNIT(T0, 4, 6, (a0), (b0));                                                         \
+        NX_AMX_UNIT(T1, 5, 7, (a1), (b1));                                                         \
         _tile_stored(T0, (ibr)[0], NX_AMX_NR * 4);                                                 \
         _tile_stored(T1, (ibr)[1], NX_AMX_NR * 4);                                                 \
     } while (0)
 
+typedef int32_t nx_amx_isums[NX_AMX_MR][NX_AMX_NR];
+
+/* The contract's epilogue (nx_lowp.h) of one group g, on its units' isums i0 (and i1 for H = 2),
+ * into the 16 row chains f. */
+NX_INLINE void nx_amx_epilogue(__m512 f[NX_AMX_MR], const nx_amx_isums *i0,
+                               const nx_amx_isums *i1, const uint8_t *a, const uint8_t *b,
+                               const int H, const int M) {
+    const float *dx = (const float *)(a + NX_AMX_MR * 32), *ax = dx + NX_AMX_MR;
+    const float *sw = (const float *)(b + 8 * NX_AMX_NR * 4);
+    const __m512 sw0 = _mm512_load_ps(sw);
+    if (H == 1) {
+        const __m512 mw0 = M ? _mm512_load_ps(sw + NX_AMX_NR) : _mm512_setzero_ps();
+        for (int r = 0; r < NX_AMX_MR; r++) {
+            /* acc = fmaf((float)isum, dx * sw, acc) */
+            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((*i0)[r])),
+                                   _mm512_mul_ps(sw0, _mm512_set1_ps(dx[r])), f[r]);
+            if (M) /* acc = fmaf(dx * (float)xsum, mw, acc) */
+                f[r] = _mm512_fmadd_ps(_mm512_set1_ps(ax[r]), mw0, f[r]);
+        }
+    } else {
+        const __m512 sw1 = _mm512_load_ps(sw + NX_AMX_NR);
+        const __m512 mw0 = M ? _mm512_load_ps(sw + 2 * NX_AMX_NR) : _mm512_setzero_ps();
+        const __m512 mw1 = M ? _mm512_load_ps(sw + 3 * NX_AMX_NR) : _mm512_setzero_ps();
+        for (int r = 0; r < NX_AMX_MR; r++) {
+            /* y = (float)isum_0 * sw_0; y = fmaf((float)isum_1, sw_1, y); acc = fmaf(y, dx, acc) */
+            __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512((*i0)[r])), sw0);
+            y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((*i1)[r])), sw1, y);
+            f[r] = _mm512_fmadd_ps(y, _mm512_set1_ps(dx[r]), f[r]);
+            if (M) { /* acc = fmaf(dx * (float)xsum_p, mw_p, acc), p = 0, 1 */
+                f[r] = _mm512_fmadd_ps(_mm512_set1_ps(ax[r]), mw0, f[r]);
+                f[r] = _mm512_fmadd_ps(_mm512_set1_ps(ax[NX_AMX_MR + r]), mw1, f[r]);
+            }
+        }
+    }
+}
+
 /* C[0:mr, 0:nr] := the block chain over ng groups, continued from C unless first.
- * Software-pipelined in rounds of 2 groups: the tile work of round i+1 (result tiles 2/3 or 0/1,
- * alternating) is issued before the epilogue of round i, so the tile unit and the vector units
- * work at once; the epilogues still run in group order. An odd last group runs alone. */
-static void nx_amx_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ldc,
-                        int mr, int nr, int first) {
-    _Alignas(64) int32_t ib[2][NX_AMX_RG][NX_AMX_MR][NX_AMX_NR];
+ * Software-pipelined in rounds of 2 units (H = 1: groups 2i, 2i+1; H = 2: the halves of group
+ * i): the tile work of round i+1 (result tiles 2/3 or 0/1, alternating) is issued before the
+ * epilogue of round i, so the tile unit and the vector units work at once; the epilogues still
+ * run in group order. An odd last group of an H = 1 type runs alone. AG / BG: the panels' group
+ * strides. */
+NX_INLINE void nx_amx_kern_t(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ldc,
+                             int mr, int nr, int first, const int H, const int M, const size_t AG,
+                             const size_t BG) {
+    _Alignas(64) nx_amx_isums ib[2][2];
     const __mmask16 m = nr >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nr) - 1u);
     __m512 f[NX_AMX_MR];
     for (int r = 0; r < NX_AMX_MR; r++)
         f[r] = (!first && r < mr) ? _mm512_maskz_loadu_ps(m, C + r * ldc) : _mm512_setzero_ps();
-    const size_t nr2 = ng / 2; /* whole rounds */
-    if (nr2 > 0) NX_AMX_ROUND2(0, 1, A, B, ib[0]);
-    for (size_t i = 0; i < nr2; i++) {
-        const uint8_t *a = A + 2 * i * NX_AMX_AG, *b = B + 2 * i * NX_AMX_BG;
-        if (i + 1 < nr2) {
+    /* unit u of round i: its A and B tile origins */
+#define NX_AMX_UA(i, u) (H == 1 ? A + (2 * (i) + (u)) * AG : A + (i) * AG + 16 * (u))
+#define NX_AMX_UB(i, u) (H == 1 ? B + (2 * (i) + (u)) * BG : B + (i) * BG + 4 * NX_AMX_NR * 4 * (u))
+    const size_t nrounds = H == 1 ? ng / 2 : ng;
+    if (nrounds > 0)
+        NX_AMX_ROUND(0, 1, NX_AMX_UA(0, 0), NX_AMX_UB(0, 0), NX_AMX_UA(0, 1), NX_AMX_UB(0, 1),
+                     ib[0]);
+    for (size_t i = 0; i < nrounds; i++) {
+        if (i + 1 < nrounds) {
             if (i % 2 == 0)
-                NX_AMX_ROUND2(2, 3, a + 2 * NX_AMX_AG, b + 2 * NX_AMX_BG, ib[1]);
+                NX_AMX_ROUND(2, 3, NX_AMX_UA(i + 1, 0), NX_AMX_UB(i + 1, 0), NX_AMX_UA(i + 1, 1),
+                             NX_AMX_UB(i + 1, 1), ib[1]);
             else
-                NX_AMX_ROUND2(0, 1, a + 2 * NX_AMX_AG, b + 2 * NX_AMX_BG, ib[0]);
+                NX_AMX_ROUND(0, 1, NX_AMX_UA(i + 1, 0), NX_AMX_UB(i + 1, 0), NX_AMX_UA(i + 1, 1),
+                             NX_AMX_UB(i + 1, 1), ib[0]);
         }
-        nx_amx_epilogue(f, (const int32_t(*)[NX_AMX_MR][NX_AMX_NR])ib[i % 2], a, b, 2);
+        const nx_amx_isums *is = ib[i % 2];
+        if (H == 1) {
+            nx_amx_epilogue(f, &is[0], NULL, A + 2 * i * AG, B + 2 * i * BG, 1, M);
+            nx_amx_epilogue(f, &is[1], NULL, A + (2 * i + 1) * AG, B + (2 * i + 1) * BG, 1, M);
+        } else {
+            nx_amx_epilogue(f, &is[0], &is[1], A + i * AG, B + i * BG, 2, M);
+        }
     }
-    if (ng % 2) {
-        const uint8_t *a = A + (ng - 1) * NX_AMX_AG, *b = B + (ng - 1) * NX_AMX_BG;
+#undef NX_AMX_UA
+#undef NX_AMX_UB
+    if (H == 1 && ng % 2) {
+        const uint8_t *a = A + (ng - 1) * AG, *b = B + (ng - 1) * BG;
         _tile_zero(0);
-        NX_AMX_GROUP(0, 4, 6, a, b);
+        NX_AMX_UNIT(0, 4, 6, a, b);
         _tile_stored(0, ib[0][0], NX_AMX_NR * 4);
-        nx_amx_epilogue(f, (const int32_t(*)[NX_AMX_MR][NX_AMX_NR])ib[0], a, b, 1);
+        nx_amx_epilogue(f, &ib[0][0], NULL, a, b, 1, M);
     }
     for (int r = 0; r < mr; r++) _mm512_mask_storeu_ps(C + r * ldc, m, f[r]);
 }
 
-/* Palette 1, q8: tmm0-3 results (16 rows x 64 bytes), tmm4-5 A (16 x 32), tmm6-7 B (8 x 64);
- * bf16: every tile 16 rows x 64 bytes. */
+#define NX_AMX_KERN(H, M, AG)                                                                      \
+    static void nx_amx_kern_##H##_##M(size_t ng, const uint8_t *A, const uint8_t *B, float *C,     \
+                                      size_t ldc, int mr, int nr, int first) {                     \
+        nx_amx_kern_t(ng, A, B, C, ldc, mr, nr, first, H, M, AG, NX_Q8X_BG(H, M, NX_AMX_NR));      \
+    }
+NX_AMX_KERN(1, 0, NX_AMX_AG)
+NX_AMX_KERN(1, 1, NX_AMX_AGM)
+NX_AMX_KERN(2, 0, NX_AMX_AG)
+NX_AMX_KERN(2, 1, NX_AMX_AGM)
+
+/* Palette 1. q8: tmm0-3 results (16 rows x 64 bytes); A tiles tmm4-5 16 x 32 bytes (H = 1) or
+ * 16 x 16 (H = 2); B tiles tmm6-7 8 x 64 (H = 1) or 4 x 64 (H = 2). bf16 (H = 0): every tile
+ * 16 rows x 64 bytes. */
 typedef struct {
     uint8_t palette_id, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
 } nx_amx_tilecfg;
 
-static void nx_amx_configure(int bf16) {
+static void nx_amx_configure(int H) {
     nx_amx_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
     for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-    if (!bf16) {
-        for (int t = 4; t < 6; t++) cfg.colsb[t] = 32;
-        for (int t = 6; t < 8; t++) cfg.rows[t] = 8;
+    if (H) {
+        for (int t = 4; t < 6; t++) cfg.colsb[t] = (uint16_t)(32 / H);
+        for (int t = 6; t < 8; t++) cfg.rows[t] = (uint8_t)(8 / H);
     }
     _tile_loadconfig(&cfg);
 }
 
 int nx_matmul_q8_amx(const nx_mm_call *c) {
-    if (c->type != NX_GGML_Q8_0) return nx_matmul_q8_avx512(c);
+    typedef void (*pack_a_fn)(const float *, size_t, size_t, size_t, uint8_t *, void *);
+    typedef void (*pack_b_fn)(const nx_mm_call *, size_t, size_t, size_t, size_t, uint8_t *, void *);
+    typedef void (*kern_fn)(size_t, const uint8_t *, const uint8_t *, float *, size_t, int, int, int);
+    pack_a_fn pa;
+    pack_b_fn pb;
+    kern_fn kn;
+    size_t ag, bg;
+    int H;
+    switch (c->type) {
+#define NX_AMX_CASE(T, PB, PA, h, M)                                                               \
+    case NX_GGML_##T:                                                                              \
+        pa = PA, pb = PB, kn = nx_amx_kern_##h##_##M, H = h;                                       \
+        ag = M ? NX_AMX_AGM : NX_AMX_AG, bg = NX_Q8X_BG(h, M, NX_AMX_NR);                          \
+        break;
+        NX_AMX_CASE(Q8_0, nx_amx_pack_b, nx_amx_pack_a, 1, 0)
+        NX_AMX_CASE(Q4_0, nx_amx_pack_b_q4_0, nx_amx_pack_a, 1, 0)
+        NX_AMX_CASE(Q5_0, nx_amx_pack_b_q5_0, nx_amx_pack_a, 1, 0)
+        NX_AMX_CASE(Q4_1, nx_amx_pack_b_q4_1, nx_amx_pack_a_m1, 1, 1)
+        NX_AMX_CASE(Q5_1, nx_amx_pack_b_q5_1, nx_amx_pack_a_m1, 1, 1)
+        NX_AMX_CASE(Q4_K, nx_amx_pack_b_q4_K, nx_amx_pack_a_m1, 1, 1)
+        NX_AMX_CASE(Q5_K, nx_amx_pack_b_q5_K, nx_amx_pack_a_m1, 1, 1)
+        NX_AMX_CASE(Q6_K, nx_amx_pack_b_q6_K, nx_amx_pack_a, 2, 0)
+        NX_AMX_CASE(Q3_K, nx_amx_pack_b_q3_K, nx_amx_pack_a, 2, 0)
+        NX_AMX_CASE(Q2_K, nx_amx_pack_b_q2_K, nx_amx_pack_a_m2, 2, 1)
+#undef NX_AMX_CASE
+    default:
+        return -2;
+    }
     const nx_lowp_tiling tl = {
-        NX_AMX_MR,  NX_AMX_NR, NX_AMX_KC,     NX_AMX_NC,
-        NX_AMX_MC,  NX_AMX_AG, NX_AMX_BG,     c->K / NX_QK8_0 * NX_Q8_0_BLOCK_BYTES + 64,
-        0,          NX_AMX_JR, nx_amx_pack_a, nx_amx_pack_b,
-        nx_amx_kern,
+        NX_AMX_MR, NX_AMX_NR, NX_AMX_KC, NX_AMX_NC, NX_AMX_MC, ag, bg,
+        c->K / NX_QK8_0 * NX_Q8_0_BLOCK_BYTES + 64, 0, NX_AMX_JR, pa, pb, kn,
     };
-    nx_amx_configure(0);
+    nx_amx_configure(H);
     const int rc = nx_lowp_blocked(&tl, c);
     _tile_release();
     return rc;
@@ -327,7 +449,7 @@ int nx_matmul_bf16_amx(const nx_mm_call *c) {
         NX_AMXBF_AG,     NX_AMXBF_BG,     0,           16 * NX_AMXBF_KC * sizeof(float),
         0,               nx_amxbf_pack_a, nx_amxbf_pack_b, nx_amxbf_kern,
     };
-    nx_amx_configure(1);
+    nx_amx_configure(0);
     const int rc = nx_lowp_blocked(&tl, c);
     _tile_release();
     return rc;
