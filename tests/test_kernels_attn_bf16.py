@@ -65,9 +65,25 @@ def daz(x):
     return np.where(np.abs(x) < F32(2.0 ** -126), np.copysign(F32(0), x), x).astype(F32)
 
 
-def step(acc, a, b):
-    """The bf16 dot step of nx_lowp.h: ftz(fmaf(daz(a), daz(b), daz(acc)))."""
+FTZ_EDGE = 2.0 ** -126 - 2.0 ** -151  # x86 FTZ flushes exact results below this (tiny after
+# rounding to 24 bits, unbounded exponent); flushing a gradual-underflow fmaf's subnormal results
+# flushes below 2^-126 - 2^-150
+
+
+def fmaf_ftz_step(acc, a, b):
+    """The step as first stated (a negative control, not the contract): a gradual-underflow fmaf,
+    then its subnormal results flushed. It keeps as 2^-126 the exact a*b + acc in
+    (2^-126 - 2^-150, 2^-126 - 2^-151), which fmaf rounds up but x86 calls tiny."""
     return daz(fma32(daz(a), daz(b), daz(acc)))
+
+
+def step(acc, a, b):
+    """The bf16 dot step of nx_lowp.h: ftz(fma(daz(a), daz(b), daz(acc))) with x86's ftz (the
+    zero of the result's sign where the exact value is below FTZ_EDGE in magnitude). The float64
+    a*b + acc is exact or misses by far less than its distance to FTZ_EDGE (a, b bfloat16)."""
+    r = fmaf_ftz_step(acc, a, b)
+    ex = daz(a).astype(np.float64) * daz(b).astype(np.float64) + daz(acc).astype(np.float64)
+    return np.where(np.abs(ex) < FTZ_EDGE, np.copysign(F32(0), r), r).astype(F32)
 
 
 def exp_e(x):
@@ -89,8 +105,8 @@ def exp_e(x):
 def contract_attention(q, k, qkv, KVH, scale, mask=None, causal=False, broken=None):
     """The header's contract, transcribed (all rows of a head at once). broken: None, or one rule
     replaced -- "p_f32" (P not rounded), "l_bf16" (l rounded to bfloat16 per tile), "pair_even"
-    (the even element of each pair first), "no_ftz" (the dot steps without DAZ/FTZ), "hw_ftz"
-    (the dot steps as FMAs under x86 FTZ: hw_ftz_step)."""
+    (the even element of each pair first), "no_ftz" (the dot steps without DAZ/FTZ), "fmaf_ftz"
+    (the dot steps as gradual-underflow fmaf with subnormal results flushed: fmaf_ftz_step)."""
     H, T, hd = q.shape
     group = H // KVH
     hd2, nt = (hd + 1) // 2 * 2, -(-T // TILE)
@@ -98,7 +114,7 @@ def contract_attention(q, k, qkv, KVH, scale, mask=None, causal=False, broken=No
     out = np.zeros((T, H * hd), F32)
     scale = F32(scale)
     first, second = (0, 1) if broken == "pair_even" else (1, 0)
-    dot = {"no_ftz": lambda acc, a, b: fma32(a, b, acc), "hw_ftz": hw_ftz_step}.get(broken, step)
+    dot = {"no_ftz": lambda acc, a, b: fma32(a, b, acc), "fmaf_ftz": fmaf_ftz_step}.get(broken, step)
     rows = np.arange(T)
     with np.errstate(invalid="ignore", over="ignore"):
         for h in range(H):
@@ -331,19 +347,6 @@ def test_underflow_range_is_the_contract_bit_for_bit(seed):
         assert (bits(other) != bits(want)).any(), mode
 
 
-FTZ_EDGE = 2.0 ** -126 - 2.0 ** -151  # x86 FTZ flushes exact results below this (tiny after
-# rounding to 24 bits, unbounded exponent); the contract's ftz(fmaf) flushes below 2^-126 - 2^-150
-
-
-def hw_ftz_step(acc, a, b):
-    """The step as an FMA under x86 MXCSR FTZ (a negative control, not the contract): also zero
-    where the exact a*b + acc lies in (2^-126 - 2^-150, 2^-126 - 2^-151), which fmaf rounds to
-    2^-126 (kept by ftz) but FTZ's tininess test flushes."""
-    r = step(acc, a, b)
-    ex = daz(a).astype(np.float64) * daz(b).astype(np.float64) + daz(acc).astype(np.float64)
-    return np.where(np.abs(ex) < FTZ_EDGE, np.copysign(F32(0), r), r).astype(F32)
-
-
 def ftz_edge_inputs(side):
     """One dot chain whose exact sum is 2^-126 - 1.5 * 2^-151: in the scores (side "qk": q, k
     chosen so; scale 2^126 makes the score 1 or 0) or in P V (side "pv": v chosen against the
@@ -372,19 +375,16 @@ def ftz_edge_inputs(side):
 
 
 @pytest.mark.parametrize("side", ["qk", "pv"])
-@pytest.mark.parametrize("isa", [pytest.param(i, marks=pytest.mark.xfail(
-    i == "avx512bf16", strict=False,
-    reason="nx_attn_bf16_avx512bf16.c runs the chains under hardware FTZ (hw_ftz_step)"))
-    for i in SPEC_ISAS])
+@pytest.mark.parametrize("isa", SPEC_ISAS)
 def test_ftz_rounding_boundary_is_the_contract(isa, side):
-    """A dot chain's exact sum just below 2^-126, where fmaf rounds to 2^-126 (kept) and x86 FTZ
-    flushes to 0 (nx_attn_bf16_avx2.c: DAZ with FTZ off, each chain's end flushed by hand). The
-    negative control shows the inputs reach that boundary: the hardware-FTZ step gives other
-    bits."""
+    """A dot chain's exact sum just below 2^-126, in (2^-126 - 2^-150, 2^-126 - 2^-151): x86 FTZ
+    (the contract's ftz) flushes it to 0, a gradual-underflow fmaf rounds it up to 2^-126. The
+    negative control shows the inputs reach that interval: the contract as first stated (fmaf,
+    then subnormals flushed) gives other bits."""
     q, k, qkv, KVH, scale = ftz_edge_inputs(side)
     mask = None if side == "qk" else np.array([1, 1, 0, 0], bool)
     want = contract_attention(q, k, qkv, KVH, scale, mask)
-    other = contract_attention(q, k, qkv, KVH, scale, mask, broken="hw_ftz")
+    other = contract_attention(q, k, qkv, KVH, scale, mask, broken="fmaf_ftz")
     assert (bits(other) != bits(want)).any()
     assert_bitwise(run(q, k, qkv, KVH, scale, isa, mask=mask), want, f"{isa} {side}")
 

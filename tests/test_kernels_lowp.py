@@ -106,7 +106,10 @@ def make_w(rng, wtype, N, Kd, scale=0.05):
     return gguf_quantize(v, Q8)
 
 
-def bf16_model(x, wf, order="odd_first", ftz=True):
+FTZ_EDGE = 2.0 ** -126 - 2.0 ** -151   # x86 FTZ flushes exact results below this in magnitude
+
+
+def bf16_model(x, wf, order="odd_first", ftz="x86"):
     """The bf16 contract emulated in numpy; out[t, n] float32 (no bias).
 
     Exactness: each step is acc + a*b with a, b bfloat16 values, so a*b has <= 16 significant
@@ -114,7 +117,11 @@ def bf16_model(x, wf, order="odd_first", ftz=True):
     float32 numbers and rounding its float64 value to float32 is correct (double rounding is
     innocuous for +,-,*,/ when 53 >= 2*24 + 2). If a*b is below float32's range, either acc is 0
     (one rounding of an exact value) or the sum is either exact in float64 or lies within 2^-13
-    ulp of acc, where no float32 midpoint can be crossed. `order` / `ftz` exist for the
+    ulp of acc, where no float32 midpoint can be crossed. ftz="x86" is the contract's flush
+    (tiny after rounding to 24 bits with an unbounded exponent: the exact sum below FTZ_EDGE in
+    magnitude; the float64 sum decides it correctly for the same reasons, FTZ_EDGE not being
+    within 2^-13 ulp of any such sum but an exact one). `order`, ftz="fmaf" (a gradual-underflow
+    fmaf, then subnormals flushed: the contract as first stated) and ftz=False exist for the
     negative controls only.
     """
     T, Kd = x.shape
@@ -125,13 +132,17 @@ def bf16_model(x, wf, order="odd_first", ftz=True):
     wb[:, :Kd] = np_bf16_values(wf)
     xb, wb = flush(xb), flush(wb)
     acc = np.zeros((T, wf.shape[0]), np.float32)
-    fz = flush if ftz else (lambda a: a)
     first, second = (1, 0) if order == "odd_first" else (0, 1)
     with np.errstate(all="ignore"):
         for k in range(0, K32, 2):
             for e in (first, second):
                 prod = xb[:, k + e, None].astype(np.float64) * wb[None, :, k + e].astype(np.float64)
-                acc = fz((flush(acc).astype(np.float64) + prod).astype(np.float32))
+                s = flush(acc).astype(np.float64) + prod
+                acc = s.astype(np.float32)
+                if ftz == "x86":
+                    acc = np.where(np.abs(s) < FTZ_EDGE, np.copysign(np.float32(0), acc), acc)
+                elif ftz == "fmaf":
+                    acc = flush(acc)
     return acc
 
 
@@ -348,13 +359,14 @@ def test_bf16_simd_edge_values_bit_identical(isa):
 def _ftz_boundary_case(rng, T, N, Kd, k_big, k_tiny):
     """x [T, K], wf [N, K] (bfloat16 values) whose chains end at acc = P + p, P = x[k_big] *
     w[k_big] in [2^-126, 2^-126 (1 + 3/128)] (normal), then p = x[k_tiny] * w[k_tiny] with |p| in
-    [2^-151, 2^-149): the exact sums lie just below / around +-2^-126, where fmaf rounds some up
-    to 2^-126 (kept) and some to subnormals (flushed). Everything else is 0."""
+    [2^-153, 2^-149): the exact sums lie just below / around +-2^-126: above FTZ_EDGE (rounded
+    up to 2^-126, kept), in (2^-126 - 2^-150, FTZ_EDGE) (tiny after rounding: flushed), below
+    (subnormal: flushed). Everything else is 0."""
     x = np.zeros((T, Kd), np.float32)
     wf = np.zeros((N, Kd), np.float32)
     sx = np.where(rng.random(T) < 0.5, -1.0, 1.0)
     x[:, k_big] = sx * 2.0 ** -63
-    x[:, k_tiny] = -sx * (1 + rng.integers(0, 128, T) / 128) * 2.0 ** -76
+    x[:, k_tiny] = -sx * (1 + rng.integers(0, 128, T) / 128) * 2.0 ** -rng.choice([76, 78], T)
     wf[:, k_big] = (1 + rng.integers(0, 4, N) * (rng.random(N) < 0.3) / 128) * 2.0 ** -63
     wf[:, k_tiny] = (1 + rng.integers(0, 128, N) / 128) * 2.0 ** -75
     return x, wf
@@ -364,12 +376,14 @@ def _ftz_boundary_case(rng, T, N, Kd, k_big, k_tiny):
 @pytest.mark.parametrize("isa", SIMD_BF16_SPEC)
 @pytest.mark.parametrize("Kd,k_big,k_tiny", [(64, 1, 0), (96, 33, 32), (1056, 1, 1024)], ids=str)
 def test_bf16_simd_ftz_boundary(isa, Kd, k_big, k_tiny):
-    """Chains whose last step lands at the underflow boundary: results that round up to +-2^-126
-    are kept, results that round to a subnormal are flushed, bit for bit as the spec (and the
-    model). A float32 FMA under MXCSR FTZ gets the first kind wrong (x86 calls a result tiny when
-    its 24-bit rounding with unbounded exponent is below 2^-126 and flushes it, though fmaf
-    rounds it to 2^-126): the data holds such cases (negative control below). (1056, 1, 1024):
-    the big product in the first k-block, the tiny one in the next (C kept between them)."""
+    """Chains whose last step lands at the underflow boundary, bit for bit as the spec (and the
+    model): results of exact sums in (2^-126 - 2^-150, 2^-126 - 2^-151) -- tiny after rounding
+    to 24 bits with an unbounded exponent, so x86 FTZ flushes them, while a gradual-underflow
+    fmaf rounds them up to 2^-126 -- are flushed; sums just above are kept as +-2^-126; results
+    that round to a subnormal are flushed. Negative control below: the data holds cases of the
+    first kind, which the contract's first statement (fmaf, then subnormals flushed) keeps.
+    (1056, 1, 1024): the big product in the first k-block, the tiny one in the next (C kept
+    between them)."""
     rng = np.random.default_rng(Kd + k_tiny)
     T, N = 37, 45
     x, wf = _ftz_boundary_case(rng, T, N, Kd, k_big, k_tiny)
@@ -378,13 +392,14 @@ def test_bf16_simd_ftz_boundary(isa, Kd, k_big, k_tiny):
         want = bf16_model(x, wf)
         assert same_bits_or_both_nan(run_bf16(x, w, wtype, "generic"), want), wtype
         assert same_bits_or_both_nan(run_bf16(x, w, wtype, isa), want), (wtype, isa)
-    # negative control: outputs of +-2^-126 from an exact sum below it, whose 24-bit rounding
-    # is below 2^-126 as well (what FTZ would flush), and outputs flushed (to +0: the later
-    # steps add +0 products)
     exact = x.astype(np.float64) @ wf.astype(np.float64).T          # exact: two terms
-    up = (np.abs(want) == np.float32(2.0 ** -126)) & (np.abs(exact) < 2.0 ** -126 - 2.0 ** -151)
-    assert up.sum() > 10 and (want[up] < 0).any() and (want[up] > 0).any()
-    flushed = (want == 0) & (exact != 0)
+    gap = (np.abs(exact) > 2.0 ** -126 - 2.0 ** -150) & (np.abs(exact) < FTZ_EDGE)
+    assert gap.sum() > 10 and (exact[gap] < 0).any() and (exact[gap] > 0).any()
+    assert (want[gap] == 0).all()
+    assert (np.abs(bf16_model(x, wf, ftz="fmaf")[gap]) == np.float32(2.0 ** -126)).all()
+    kept = (np.abs(want) == np.float32(2.0 ** -126)) & (np.abs(exact) < 2.0 ** -126)
+    assert kept.sum() > 10                       # rounded up to 2^-126 from [FTZ_EDGE, 2^-126)
+    flushed = (want == 0) & (exact != 0) & ~gap
     assert flushed.sum() > 10
     assert (np.abs(want) > np.float32(2.0 ** -126)).any()
 

@@ -2,9 +2,8 @@
  * of the `bf16` matmul, nx_lowp.h), softmax statistics in float32, float32 output.
  *
  * Owns: the arithmetic contract below, the "attn_bf16" dispatch family (one slot, one table per
- * ISA file: generic = the spec, nx_attn_bf16.c; avx2 = nx_attn_bf16_avx2.c, the steps as FMAs
- * under DAZ with each chain's end flushed; avx512bf16 = nx_attn_bf16_avx512bf16.c, the steps as
- * FMAs under DAZ|FTZ) and the scalar exp every variant evaluates. Must not: depend on the
+ * ISA file: generic = the spec, nx_attn_bf16.c; avx2 = nx_attn_bf16_avx2.c and avx512bf16 =
+ * nx_attn_bf16_avx512bf16.c, the steps as FMAs under MXCSR DAZ|FTZ) and the scalar exp every variant evaluates. Must not: depend on the
  * head band, the query block or micro-block a row lands in, spawn threads, or read outside the
  * given arrays (callers validate shapes: nxhpc/_k_ops.pxi).
  *
@@ -15,7 +14,8 @@
  *
  * ---- contract (bit-identical: generic spec == AVX2 == AVX-512 BF16, every head band, every row
  *      split; AMX: the clause after it)
- * bf(), daz/ftz and step(acc, a, b) = ftz(fmaf(daz(a), daz(b), daz(acc))) are nx_lowp.h's.
+ * bf(), daz/ftz and step(acc, a, b) = ftz(fma(daz(a), daz(b), daz(acc))) are nx_lowp.h's (ftz
+ * is x86's: tininess after rounding).
  * Per query head h (kv head g) and query row t, with P2 = ceil(hd/2) d-pairs (d >= hd reads 0):
  *   qb[d] = bf(q[h,t,d]), kb[j,d] = bf(k[g,j,d]), vb[j,d] = bf(v[g][j,d]); keys j >= T are 0.
  *   Keys are cut in tiles of 64: tile b = keys [64b, 64b+64). The tiles run for row t are

@@ -5,19 +5,12 @@
  * design of nx_attn_bf16_avx512bf16.c on 8-lane ymm. bf() is nx_a2_bf8 below (integer ops on the
  * bit pattern, nx_bf16_round's three cases). E() is nx_exp8 (nx_vmath_avx2.h: nx_vmath_ew.h's
  * operations, the same bits as nx_attn_exp). The dot steps are vfmadd231ps on bfloat16-valued
- * float32 operands with MXCSR DAZ set and FTZ clear around each chain, and each chain's last
- * value flushed by nx_a2_ftz8: then a chain is exactly the contract's steps
- * step(acc, a, b) = ftz(fmaf(daz(a), daz(b), daz(acc))): a and b are bf() values (never
- * subnormal), the FMA rounds once like fmaf (gradual underflow: FTZ is off), and a subnormal
- * result is read by the next FMA as the zero of its sign (DAZ), which is ftz() of it; the
- * chain's final value gets that ftz() explicitly.
- * Why not hardware FTZ as the avx512bf16 file does: x86 FTZ flushes results that are tiny
- * *after rounding to 24 bits with an unbounded exponent*, so an exact sum in
- * (2^-126 - 2^-150, 2^-126 - 2^-151) flushes to 0 while fmaf rounds it (ulp 2^-149 below 2^-126)
- * to 2^-126, which ftz() keeps: fma(0x1.8p-126, -0x1p-25, 0x1p-126) is 0 under FTZ, 0x1p-126 in
- * the spec (measured on AMD EPYC Zen 3 (family 25 model 1), 2 cores, AVX2;
- * tests/test_kernels_attn_bf16.py::test_ftz_rounding_boundary_is_the_contract). DAZ alone has no
- * such boundary; its cost is one compare + and per chain (<= 1/64 of the FMAs).
+ * float32 operands with MXCSR DAZ|FTZ set around each chain: then every FMA is exactly the
+ * contract's step(acc, a, b) = ftz(fma(daz(a), daz(b), daz(acc))) (nx_lowp.h: ftz is x86's,
+ * a result tiny after rounding to 24 bits with an unbounded exponent becomes the zero of its
+ * sign; tests/test_kernels_attn_bf16.py::test_ftz_rounding_boundary_is_the_contract checks the
+ * interval (2^-126 - 2^-150, 2^-126 - 2^-151) where that differs from flushing a
+ * gradual-underflow fmaf).
  * O * alpha is taken before the chain, with the caller's MXCSR (a subnormal alpha is a value
  * there, as in the spec), then flushed as the chain's first acc by DAZ.
  * A pair's two steps are two FMAs, odd element first: K and Q are packed with the two elements
@@ -73,7 +66,7 @@ _Static_assert(NX_A2_BR <= 8, "rows fit the alpha vector");
  * first key (some rows before it) runs that tile with those rows inactive: their state (m, l, O)
  * is neither read into the result nor written, so each row runs exactly the contract's tiles. */
 
-/* MXCSR while a dot chain runs: DAZ (bit 6) set, FTZ (bit 15) cleared, the rest the caller's. */
+/* MXCSR while a dot chain runs: DAZ (bit 6) and FTZ (bit 15) set, the rest the caller's. */
 #define NX_A2_DAZ 0x0040u
 #define NX_A2_FTZ 0x8000u
 
@@ -95,15 +88,6 @@ static inline __m256 nx_a2_bf8(__m256 x) {
     __m256i r = _mm256_blendv_epi8(rne, qnan, isnan);
     r = _mm256_blendv_epi8(r, zero, issub);
     return _mm256_castsi256_ps(r);
-}
-
-/* ftz() / daz() of 8 floats: |x| < 2^-126 (zero or subnormal) -> the zero of its sign. */
-static inline __m256 nx_a2_ftz8(__m256 x) {
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i sub = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7f800000)),
-                                           _mm256_setzero_si256());
-    return _mm256_castsi256_ps(
-        _mm256_andnot_si256(_mm256_andnot_si256(_mm256_set1_epi32((int)0x80000000u), sub), u));
 }
 
 /* Lanes (2i, 2i+1) swapped: the order of a pair's two steps (odd element first). */
@@ -168,8 +152,8 @@ static inline __m256 nx_a2_lanes(uint64_t bits, int v) {
 }
 
 /* The chains over the tile's 64 key positions (key i^1 at position i: odd key of each pair
- * first) for O[r, c : c + 8 nv], whose rows already hold O * alpha; the chain ends flushed
- * (ftz). nv <= NX_A2_NV. Run under DAZ. */
+ * first) for O[r, c : c + 8 nv], whose rows already hold O * alpha. nv <= NX_A2_NV. Run under
+ * DAZ|FTZ. */
 NX_INLINE void nx_a2_pv(const int nr, const int nv, const float *Pt, const float *vt, int64_t hdp,
                         int64_t c, float *O, unsigned act) {
     __m256 acc[NX_A2_BR][NX_A2_NV];
@@ -191,11 +175,11 @@ NX_INLINE void nx_a2_pv(const int nr, const int nv, const float *Pt, const float
         if (act >> r & 1u)
 #pragma GCC unroll 4
             for (int v = 0; v < nv; v++)
-                _mm256_store_ps(O + r * hdp + c + 8 * v, nx_a2_ftz8(acc[r][v]));
+                _mm256_store_ps(O + r * hdp + c + 8 * v, acc[r][v]);
 }
 
-/* S[r][0:64] := the score chains of rows r < nr (qt + r*hd2s) against tile kt (hd2 x 64), each
- * flushed at its end (ftz). Run under DAZ. */
+/* S[r][0:64] := the score chains of rows r < nr (qt + r*hd2s) against tile kt (hd2 x 64). Run
+ * under DAZ|FTZ. */
 NX_INLINE void nx_a2_qk(const int nr, const float *qt, int64_t hd2s, int64_t hd2, const float *kt,
                         float *S) {
     for (int k0 = 0; k0 < NX_A2_BC; k0 += 8 * NX_A2_NK) {
@@ -213,14 +197,14 @@ NX_INLINE void nx_a2_qk(const int nr, const float *qt, int64_t hd2s, int64_t hd2
         }
         for (int r = 0; r < nr; r++)
             for (int v = 0; v < NX_A2_NK; v++)
-                _mm256_store_ps(S + r * NX_A2_BC + k0 + 8 * v, nx_a2_ftz8(acc[r][v]));
+                _mm256_store_ps(S + r * NX_A2_BC + k0 + 8 * v, acc[r][v]);
     }
 }
 
 /* One micro-block: rows r < nr (qt + r*hd2s), tile kt (hd2 x 64) / vt (64 x hdp), keys of the
  * tile allowed for row r: rmask[r]; running m, l, O (rows hdp floats apart), updated for the
  * rows r with bit r of act set (the others do not run this tile). csr: the caller's MXCSR. The
- * dot chains run with DAZ set and FTZ clear (the file comment); the softmax and O * alpha run
+ * dot chains run with DAZ and FTZ set (the file comment); the softmax and O * alpha run
  * with the caller's MXCSR, as the spec's float32 operations do. The compiler barriers keep
  * every load, FMA and store of a chain between its two MXCSR writes. */
 NX_INLINE void nx_a2_micro(const int nr, const float *qt, int64_t hd2s, int64_t hd2,
@@ -228,7 +212,7 @@ NX_INLINE void nx_a2_micro(const int nr, const float *qt, int64_t hd2s, int64_t 
                            float scale, float *m, float *l, float *O, int64_t hdp, unsigned csr) {
     float S[NX_A2_BR * NX_A2_BC] __attribute__((aligned(32)));
     float Pt[NX_A2_BR * NX_A2_BC] __attribute__((aligned(32)));
-    const unsigned chain = (csr & ~NX_A2_FTZ) | NX_A2_DAZ;
+    const unsigned chain = csr | NX_A2_FTZ | NX_A2_DAZ;
     _mm_setcsr(chain);
     __asm__ volatile("" ::: "memory");
     nx_a2_qk(nr, qt, hd2s, hd2, kt, S);

@@ -44,8 +44,24 @@ static inline float nx_daz(float v) {
     return v;
 }
 
+/* ftz_x86(fma(a, b, acc)) on daz'd inputs (nx_lowp.h): r = fmaf rounds with gradual underflow;
+ * a subnormal r means the exact value is below 2^-126 - 2^-150, hence tiny after a 24-bit
+ * rounding too: flushed. Only r = +-2^-126 is ambiguous (exact values in [2^-126 - 2^-150,
+ * 2^-126), which fmaf rounds up, are tiny for x86 below 2^-126 - 2^-151): the same fma with one
+ * factor and acc scaled by 2^24 (exact: no operand can be large when the sum is ~2^-126, so the
+ * smaller factor and acc stay finite) rounds in the normal range, where it is the 24-bit
+ * rounding with unbounded exponent itself; tiny iff that is below 2^-102. */
 float nx_dpbf16_step(float acc, float a, float b) {
-    return nx_daz(fmaf(nx_daz(a), nx_daz(b), nx_daz(acc))); /* ftz of the result == daz */
+    a = nx_daz(a), b = nx_daz(b), acc = nx_daz(acc);
+    const float r = fmaf(a, b, acc), ar = fabsf(r);
+    if (!(ar <= 0x1p-126f)) return r;               /* normal, inf or NaN */
+    if (ar < 0x1p-126f) return copysignf(0.0f, r); /* subnormal or zero: the zero of its sign */
+    float sa = a, sb = b;
+    if (fabsf(a) <= fabsf(b))
+        sa = a * 0x1p24f;
+    else
+        sb = b * 0x1p24f;
+    return fabsf(fmaf(sa, sb, acc * 0x1p24f)) < 0x1p-102f ? copysignf(0.0f, r) : r;
 }
 
 int nx_matmul_bf16_generic(const nx_mm_call *c) {

@@ -21,17 +21,31 @@
  *   xb[t,k] = bf(x[t,k]);  wb[n,k] = bf(dequant(w)[n,k])  (dequant exact in float32, once per
  *             weight and weight panel; the matrix is never held in bfloat16 as a whole).
  *   K is zero-padded to K32 = 32*ceil(K/32) (pads are +0 in both operands).
- *   daz(v)  = v with a subnormal value replaced by the zero of its sign; ftz = the same on results.
- *   step(acc, a, b) = ftz(fmaf(daz(a), daz(b), daz(acc)))   (one rounding, to nearest even)
+ *   daz(v)  = v with a subnormal value replaced by the zero of its sign.
+ *   ftz(fma(a, b, c)) = x86's flush-to-zero of one fused multiply-add: the zero of the result's
+ *             sign where the exact a*b + c is tiny after rounding (rounded to 24 significant
+ *             bits with an unbounded exponent, to nearest even, it is below 2^-126 in magnitude),
+ *             else fmaf(a, b, c) (one rounding, to nearest even). A gradual-underflow fmaf whose
+ *             subnormal results are flushed differs only where the exact value lies in
+ *             (2^-126 - 2^-150, 2^-126 - 2^-151): fmaf rounds it up to 2^-126, x86 flushes it.
+ *   step(acc, a, b) = ftz(fma(daz(a), daz(b), daz(acc)))
  *   acc = +0;  for p = 0 .. K32/2-1:  acc = step(acc, xb[2p+1], wb[2p+1]);
  *                                     acc = step(acc, xb[2p],   wb[2p]);
  *   out[t,n] = acc (+ bias[n], one float32 add). Bit-identity covers every non-NaN output; a NaN
  *   output is NaN in every variant but its payload is not promised (scalar fmaf may differ).
  *   That per-pair step is Intel's pseudo-code of VDPBF16PS (odd element first, two fused steps,
- *   DAZ on every input including the accumulator, FTZ after each step, RNE, MXCSR ignored); on
- *   this project's AMD Zen 4 it matched the instruction bit for bit on 4e6 random and 1e7
- *   underflow-boundary cases (NaN payloads included). Products of two bfloat16 values are exact
- *   in float32 unless they under/overflow, so each step is one rounding of acc + product.
+ *   DAZ on every input including the accumulator, FTZ after each step, RNE, MXCSR ignored), and
+ *   x86's FTZ is the one above (tininess after rounding: Intel SDM vol. 1, "Numeric Underflow
+ *   Exception"): on this project's Intel Xeon (family 6 model 167) the instruction matched the
+ *   step on 4.8e7 random and underflow-range cases, 2.1e4 in the interval above
+ *   (benchmarks/probes/bf16_fma_ftz.c), and a vfmadd231ps under MXCSR DAZ|FTZ is the step
+ *   itself (the avx2 kernels run so). On AMD Zen 4 4e6 random and 1e7 underflow-boundary cases
+ *   matched an earlier statement of this contract (fmaf, then subnormals flushed); whether they
+ *   reached the interval is not recorded, and the
+ *   tests check it on every machine they run on (test_bf16_simd_ftz_boundary). Products of
+ *   two bfloat16 values are exact in float32 unless they under/overflow, so each step is one
+ *   rounding of acc + product. The scalar spec (nx_dpbf16_step) decides the one ambiguous
+ *   fmaf result, +-2^-126, by the same fma with a factor and acc scaled by 2^24.
  *   One chain per output over all of K: no two-level chunking (the chain's worst case gamma_K is
  *   <= 8% of the input-rounding term 2u = 2^-7 at K <= 10240, so chunks would not pay for their
  *   extra C traffic and registers).
@@ -54,7 +68,8 @@
  *   products, hence within the error bound above; bias as above. Measured: tests/
  *   test_kernels_lowp.py (test_bf16_amx_*).
  *
- * ---- `q8` contract (bit-identical: generic spec == AVX-512 VNNI, every band, every T batching)
+ * ---- `q8` contract (bit-identical: generic spec == AVX2 == AVX-512 VNNI == AMX, every band,
+ *      every T batching)
  *   Weights must be Q8_0 (ggml block_q8_0: fp16 d, 32 int8 q). Each row of x is quantized to
  *   Q8_0 bytes by nx_q8_0_quantize (byte-identical to gguf.quants.quantize): qx; the block scale
  *   is kept in float32, dx = nx_q8_0_act_scale (nx_q8_0.h: the quantizer's own d = amax/127
@@ -152,8 +167,8 @@
  * panels with MXCSR DAZ, results flushed: nx_lowp_bf16_avx2.c; table in nx_lowp_avx2.c),
  * avx512 (q8 on VNNI: VNNI is part of the avx512 ISA's
  * required bits, nx_cpu.h; nx_lowp_avx512.c), avx512bf16 (bf16 on vdpbf16ps,
- * nx_lowp_avx512bf16.c), amx (q8 of Q8_0 weights on the AMX tile unit's tdpbssd, the same bits;
- * the other q8 types run the avx512 kernel: nx_lowp_amx.c). A missing slot inherits down the ISA
+ * nx_lowp_avx512bf16.c), amx (q8 of every type on the AMX tile unit's tdpbssd, the same bits;
+ * bf16 on tdpbf16ps under its own clause: nx_lowp_amx.c). A missing slot inherits down the ISA
  * chain to the spec. */
 #define NX_LOWP_SLOTS(X)                                                                           \
     X(matmul_bf16, int, (const nx_mm_call *c))                                                     \
@@ -165,7 +180,8 @@ extern const nx_lowp_table nx_lowp_table_avx2;       /* nx_lowp_avx2.c (q8 on vp
                                                         nx_lowp_bf16_avx2.c) */
 extern const nx_lowp_table nx_lowp_table_avx512;     /* nx_lowp_avx512.c */
 extern const nx_lowp_table nx_lowp_table_avx512bf16; /* nx_lowp_avx512bf16.c */
-extern const nx_lowp_table nx_lowp_table_amx;        /* nx_lowp_amx.c (q8 of Q8_0 on tdpbssd) */
+extern const nx_lowp_table nx_lowp_table_amx;        /* nx_lowp_amx.c (q8 on tdpbssd, bf16 on
+                                                        tdpbf16ps) */
 
 /* ---- bfloat16 rounding (see bf above) */
 static inline uint16_t nx_bf16_round(float f) {
@@ -216,7 +232,7 @@ int nx_matmul_q8_amx(const nx_mm_call *c);
 int nx_matmul_bf16_amx(const nx_mm_call *c);
 
 /* ---- the per-step arithmetic of the specs, scalar (exported for the generic matmuls) */
-float nx_dpbf16_step(float acc, float a, float b); /* ftz(fmaf(daz(a), daz(b), daz(acc))) */
+float nx_dpbf16_step(float acc, float a, float b); /* ftz(fma(daz(a), daz(b), daz(acc))), x86 ftz */
 
 /* ---- the blocked driver shared by the SIMD variants (BLIS loop order, like nx_q8_0_matmul_blocked):
  *   for each block of mc <= MC tokens: pack_a packs MR-token micro-panels (all of K)

@@ -14,19 +14,13 @@
  *   for the dequantize packer, NX_MM_DEQUANT_PACK) decodes f32(d) * q in registers, the same
  *   exact values.
  *   Step: each chain step is one vfmadd231ps on bfloat16 values, run with MXCSR = the caller's
- *   exception masks, round-to-nearest-even, DAZ on, FTZ OFF; the tile's results are flushed
- *   (subnormal -> zero of its sign) when they are stored. That is the contract's
- *   step(acc, a, b) = ftz(fmaf(daz(a), daz(b), daz(acc))) exactly: with DAZ the FMA is fmaf of
- *   daz'd inputs (a and b are never subnormal: bf() flushes them), the next step's DAZ applies
- *   ftz to the previous result, and the store's flush applies it to the last (and to C between
- *   k-blocks, which the next block reads with DAZ anyway).
- *   Why not FTZ: x86 decides tininess after rounding to 24 bits with an unbounded exponent, so
- *   an exact result in (2^-126 - 2^-150, 2^-126 - 2^-151) -- which fmaf rounds to 2^-126, a
- *   normal number the spec keeps -- is "tiny" and FTZ returns 0. Measured on AMD EPYC Zen 3
- *   (family 25 model 1), 2 cores, AVX2: acc = 2^-126, a*b = -1.5 * 2^-151 gives 0x00800000 in
- *   the spec and with DAZ alone, 0 with FTZ|DAZ; on 1.6e7 random underflow-boundary pair steps
- *   FTZ|DAZ differed from the spec 8503 times, DAZ + final flush 0 times (tests/
- *   test_kernels_lowp.py, test_bf16_simd_ftz_boundary, checks the kernel on such data).
+ *   exception masks, round-to-nearest-even, DAZ and FTZ on. That is the contract's
+ *   step(acc, a, b) = ftz(fma(daz(a), daz(b), daz(acc))) exactly: DAZ reads subnormal inputs as
+ *   zeros (a and b never are: bf() flushes them), and x86 FTZ is the contract's ftz (a result
+ *   tiny after rounding to 24 bits with an unbounded exponent becomes the zero of its sign;
+ *   C between k-blocks is such a result). Checked by tests/test_kernels_lowp.py
+ *   (test_bf16_simd_ftz_boundary: exact sums in (2^-126 - 2^-150, 2^-126 - 2^-151), which FTZ
+ *   flushes and a gradual-underflow fmaf rounds to 2^-126).
  *   The bias add (nx_lowp_blocked) and the packing run with the caller's MXCSR.
  * Must not: change the per-output order of nx_lowp.h (one chain over k = 1, 0, 3, 2, ...),
  * allocate per tile, keep a bfloat16/float32 copy of the whole weight matrix, use threads, or
@@ -72,6 +66,7 @@ _Static_assert(NX_B2_MC % NX_B2_MR == 0, "MC must be a multiple of MR");
 
 /* MXCSR bits: DAZ (6), rounding control (13-14), FTZ (15). */
 #define NX_B2_DAZ 0x0040u
+#define NX_B2_FTZ 0x8000u
 #define NX_B2_RC_FTZ 0xE000u
 
 /* ------------------------------------------------------------------ bf() on 8 lanes */
@@ -180,13 +175,6 @@ static void nx_b2_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0
 
 /* ------------------------------------------------------------------ micro-kernel */
 
-/* Subnormal lanes -> the zero of their sign (ftz); NaN and the rest unchanged. */
-static inline __m256 nx_b2_ftz(__m256 v) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256 tiny = _mm256_cmp_ps(_mm256_andnot_ps(sign, v), _mm256_set1_ps(0x1p-126f), _CMP_LT_OQ);
-    return _mm256_blendv_ps(v, _mm256_and_ps(v, sign), tiny);
-}
-
 /* An empty volatile asm that reads and writes a register: the FMAs that produce and consume it
  * cannot move across it, and volatile asm is not moved across the MXCSR writes (ldmxcsr is an
  * unspec_volatile). (A "memory" clobber instead, as in nx_attn_bf16_avx512bf16.c, made GCC keep
@@ -196,8 +184,7 @@ static inline __m256 nx_b2_ftz(__m256 v) {
 /* C[0:mr, 0:nr] := the chain over ng groups (32 k-steps each, pair-swapped order), continued
  * from C unless first. All 6 rows run (rows past mr are the panel's zeros, never stored): named
  * accumulators and a fixed row count keep the 12 in registers (nx_matmul_avx2.c's tile). The
- * fences keep every FMA of the tile between the two MXCSR writes (the flush is bitwise and its
- * compare gives the same with or without DAZ). */
+ * fences keep every FMA of the tile between the two MXCSR writes. */
 static void nx_b2_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ldc, int mr,
                        int nr, int first) {
     const __m256i m0 = nx_mask8(nr), m1 = nx_mask8(nr - 8);
@@ -213,7 +200,7 @@ static void nx_b2_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, 
     NX_B2_FENCE(c20); NX_B2_FENCE(c21); NX_B2_FENCE(c30); NX_B2_FENCE(c31); \
     NX_B2_FENCE(c40); NX_B2_FENCE(c41); NX_B2_FENCE(c50); NX_B2_FENCE(c51);
     const unsigned csr = _mm_getcsr();
-    _mm_setcsr((csr & ~NX_B2_RC_FTZ) | NX_B2_DAZ);
+    _mm_setcsr((csr & ~NX_B2_RC_FTZ) | NX_B2_DAZ | NX_B2_FTZ);
     NX_B2_FENCE_ALL /* the chains start after the MXCSR write */
     const float *A_ = (const float *)A, *B_ = (const float *)B;
     const size_t nk = ng * 32;
@@ -231,8 +218,8 @@ static void nx_b2_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, 
     NX_B2_FENCE_ALL /* ... and end before the restore */
 #undef NX_B2_FENCE_ALL
     _mm_setcsr(csr);
-#define NX_B2_ST(r, a0, a1) if (mr > r) { _mm256_maskstore_ps(C + r * ldc, m0, nx_b2_ftz(a0)); \
-                                          _mm256_maskstore_ps(C + r * ldc + 8, m1, nx_b2_ftz(a1)); }
+#define NX_B2_ST(r, a0, a1) if (mr > r) { _mm256_maskstore_ps(C + r * ldc, m0, a0); \
+                                          _mm256_maskstore_ps(C + r * ldc + 8, m1, a1); }
     NX_B2_ST(0, c00, c01) NX_B2_ST(1, c10, c11) NX_B2_ST(2, c20, c21)
     NX_B2_ST(3, c30, c31) NX_B2_ST(4, c40, c41) NX_B2_ST(5, c50, c51)
 #undef NX_B2_ST
