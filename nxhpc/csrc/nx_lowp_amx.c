@@ -123,6 +123,8 @@ static void nx_amx_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t k
         _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                            _mm512_set1_epi32((int)rowbytes));
     const uint8_t *wc = c->w + j0 * rowbytes;
+    /* (No prefetch of the next micro-panel's rows as nx_bf16_pack_b does: measured 4-6% slower
+     * here, T=256, K=N=3840, on the AMX Xeon; the q8 kernel is not waiting on this packer.) */
     for (size_t b = 0; b < nb; b++) {
         uint8_t *g = Bp + b * NX_Q8X_BG(1, 0, NX_AMX_NR);
         float *dw = (float *)(g + 8 * NX_AMX_NR * 4);
