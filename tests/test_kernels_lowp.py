@@ -561,11 +561,14 @@ def assert_amx_bf16_sums(got, x, wf):
 
 @pytest.mark.skipif(not AMX_BF16, reason="no AMX on this CPU")
 @pytest.mark.parametrize("T,Kd,N,wtype",
-                         _bf16_cases() + [(40, 300, 70, "F32"), (33, 512, 65, "Q8_0")], ids=str)
+                         _bf16_cases() + [(40, 300, 70, "F32"), (33, 512, 65, "Q8_0"),
+                                          (600, 2336, 70, "Q8_0"), (1100, 300, 40, "F32")],
+                         ids=str)
 def test_bf16_amx_sums_the_contract_products(T, Kd, N, wtype):
-    """Every tile tail (32 x 32 blocks), T > MC, N > NC, K across KC (256: the tile sums carried
-    through the output), K not a multiple of 32: within the chain bound of the exact sum of the
-    bf()-rounded products; the whole bf16 error bound vs float64 of the unrounded data holds."""
+    """Every tile tail (32 x 32 blocks), T > MC (1024), N > NC, K across KC (256, or 1024 past
+    512 tokens: the tile sums carried through the output), K not a multiple of 32: within the
+    chain bound of the exact sum of the bf()-rounded products; the whole bf16 error bound vs
+    float64 of the unrounded data holds."""
     rng = np.random.default_rng(T * 1000 + Kd + N + 7)
     x = rand_x(rng, T, Kd)
     w = make_w(rng, wtype, N, Kd)
@@ -581,6 +584,20 @@ def test_bf16_amx_sums_the_contract_products(T, Kd, N, wtype):
     exact_unrounded = x.astype(np.float64) @ wf.astype(np.float64).T
     loose = np.abs(got.astype(np.float64) - exact_unrounded)
     assert (loose > amx_chain_bound(np_bf16_values(x), np_bf16_values(wf))).any()
+
+
+@pytest.mark.skipif(not AMX_BF16, reason="no AMX on this CPU")
+def test_bf16_amx_bits_do_not_depend_on_the_k_block():
+    """A call of more than 512 tokens runs k-blocks of 1024, a smaller one k-blocks of 256: the
+    same rows give the same bits either way (the tile sums pass through `out` exactly), across
+    k-block edges (K = 2336) and a partial last block."""
+    rng = np.random.default_rng(31)
+    T, Kd, N = 600, 2336, 45
+    x = rand_x(rng, T, Kd)
+    w = make_w(rng, "F16", N, Kd)
+    full = run_bf16(x, w, "F16", "amx")
+    for a, b in [(0, 64), (64, 65), (500, 600)]:
+        assert same_bits_or_both_nan(run_bf16(x[a:b].copy(), w, "F16", "amx"), full[a:b]), (a, b)
 
 
 @pytest.mark.skipif(not AMX_BF16, reason="no AMX on this CPU")
