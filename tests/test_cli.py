@@ -229,7 +229,9 @@ _SHADOW = r"""
 import sys
 sys.meta_path[:] = [f for f in sys.meta_path             # drop the env's own nxhpc finder
                     if not getattr(f, "__module__", "").startswith("__editable__")]
-sys.path[:] = [p for p in sys.path if p not in ("", ".") and not p.startswith({root!r})]
+sys.path[:] = [p for p in sys.path                        # drop the checkout (not a sibling
+              if p not in ("", ".") and p != {root!r}       # such as a venv at <root>env)
+              and not p.startswith({root!r} + "/")]
 sys.path.insert(0, "")                                    # python -m: the current directory
 import finder                                             # setuptools' editable finder
 finder.install()
