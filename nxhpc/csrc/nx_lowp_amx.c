@@ -143,21 +143,14 @@ static void nx_amx_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t k
 
 /* The other types' B packers: nx_q8x_avx512.h's decoders, one 16-column vector, the codes shifted
  * back to the signed qw (SUB = off) so that tdpbssd's dot is isum itself. */
-#define NX_AMX_PACK_B(t, E, H, M, OFF, D, D32, S)                                                  \
+#define NX_AMX_PACK_B(T, t, E, H, M, OFF, D, D32, S)                                               \
     static void nx_amx_pack_b_##t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0,         \
                                   size_t kc, uint8_t *Bp, void *scratch) {                         \
         (void)scratch;                                                                             \
         nx_q8x_pack_b_t(c, j0, ncols, k0, kc, Bp, 1, E, H, M, OFF, D, D32, nx_s_##S);              \
     }
-NX_AMX_PACK_B(q4_0, 32, 1, 0, 8, NULL, nx_u_q4_0, d)
-NX_AMX_PACK_B(q4_1, 32, 1, 1, 0, NULL, nx_u_q4_1, dm)
-NX_AMX_PACK_B(q5_0, 32, 1, 0, 16, NULL, nx_u_q5_0, d)
-NX_AMX_PACK_B(q5_1, 32, 1, 1, 0, NULL, nx_u_q5_1, dm)
-NX_AMX_PACK_B(q2_K, 256, 2, 1, 0, nx_u_q2_K, NULL, q2_K)
-NX_AMX_PACK_B(q3_K, 256, 2, 0, 4, nx_u_q3_K, NULL, q3_K)
-NX_AMX_PACK_B(q4_K, 256, 1, 1, 0, nx_u_q4_K, NULL, k4)
-NX_AMX_PACK_B(q5_K, 256, 1, 1, 0, nx_u_q5_K, NULL, k4)
-NX_AMX_PACK_B(q6_K, 256, 2, 0, 32, nx_u_q6_K, NULL, q6_K)
+NX_Q8X_TYPES(NX_AMX_PACK_B)
+#undef NX_AMX_PACK_B
 
 /* One unit's tile work: result tile TC := A tile TA . B tile TB (tile ids are immediates; the A
  * rows are 32 bytes apart in the panel whatever the tile's width). */
@@ -307,21 +300,19 @@ int nx_matmul_q8_amx(const nx_mm_call *c) {
     size_t ag, bg;
     int H;
     switch (c->type) {
-#define NX_AMX_CASE(T, PB, PA, h, M)                                                               \
+#define NX_AMX_SET(PA, PB, h, M)                                                                   \
+    pa = PA, pb = PB, kn = nx_amx_kern_##h##_##M, H = h;                                           \
+    ag = M ? NX_AMX_AGM : NX_AMX_AG, bg = NX_Q8X_BG(h, M, NX_AMX_NR);
+#define NX_AMX_CASE(T, t, E, h, M, OFF, D, D32, S)                                                 \
     case NX_GGML_##T:                                                                              \
-        pa = PA, pb = PB, kn = nx_amx_kern_##h##_##M, H = h;                                       \
-        ag = M ? NX_AMX_AGM : NX_AMX_AG, bg = NX_Q8X_BG(h, M, NX_AMX_NR);                          \
+        NX_AMX_SET(!M ? nx_amx_pack_a : h == 1 ? nx_amx_pack_a_m1 : nx_amx_pack_a_m2,              \
+                   nx_amx_pack_b_##t, h, M)                                                        \
         break;
-        NX_AMX_CASE(Q8_0, nx_amx_pack_b, nx_amx_pack_a, 1, 0)
-        NX_AMX_CASE(Q4_0, nx_amx_pack_b_q4_0, nx_amx_pack_a, 1, 0)
-        NX_AMX_CASE(Q5_0, nx_amx_pack_b_q5_0, nx_amx_pack_a, 1, 0)
-        NX_AMX_CASE(Q4_1, nx_amx_pack_b_q4_1, nx_amx_pack_a_m1, 1, 1)
-        NX_AMX_CASE(Q5_1, nx_amx_pack_b_q5_1, nx_amx_pack_a_m1, 1, 1)
-        NX_AMX_CASE(Q4_K, nx_amx_pack_b_q4_K, nx_amx_pack_a_m1, 1, 1)
-        NX_AMX_CASE(Q5_K, nx_amx_pack_b_q5_K, nx_amx_pack_a_m1, 1, 1)
-        NX_AMX_CASE(Q6_K, nx_amx_pack_b_q6_K, nx_amx_pack_a, 2, 0)
-        NX_AMX_CASE(Q3_K, nx_amx_pack_b_q3_K, nx_amx_pack_a, 2, 0)
-        NX_AMX_CASE(Q2_K, nx_amx_pack_b_q2_K, nx_amx_pack_a_m2, 2, 1)
+    case NX_GGML_Q8_0:
+        NX_AMX_SET(nx_amx_pack_a, nx_amx_pack_b, 1, 0)
+        break;
+        NX_Q8X_TYPES(NX_AMX_CASE)
+#undef NX_AMX_SET
 #undef NX_AMX_CASE
     default:
         return -2;

@@ -246,21 +246,14 @@ NX_Q8X_PACK_A(32, 2, NX_Q8H_MR)
 NX_Q8X_PACK_A(4, 2, NX_Q8H_MR)
 NX_Q8X_PACK_A(0, 2, NX_Q8H_MR)
 
-#define NX_Q8X_PACK_B(t, E, H, M, D, D32, S)                                                       \
+#define NX_Q8X_PACK_B(T, t, E, H, M, OFF, D, D32, S)                                               \
     static void nx_q8x_pack_b_##t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0,         \
                                   size_t kc, uint8_t *Bp, void *scratch) {                         \
         (void)scratch;                                                                             \
-        nx_q8x_pack_b_t(c, j0, ncols, k0, kc, Bp, NX_Q8_NV, E, H, M, 0, D, D32, nx_s_##S);                      \
+        nx_q8x_pack_b_t(c, j0, ncols, k0, kc, Bp, NX_Q8_NV, E, H, M, 0, D, D32, nx_s_##S);         \
     }
-NX_Q8X_PACK_B(q4_0, 32, 1, 0, NULL, nx_u_q4_0, d)
-NX_Q8X_PACK_B(q4_1, 32, 1, 1, NULL, nx_u_q4_1, dm)
-NX_Q8X_PACK_B(q5_0, 32, 1, 0, NULL, nx_u_q5_0, d)
-NX_Q8X_PACK_B(q5_1, 32, 1, 1, NULL, nx_u_q5_1, dm)
-NX_Q8X_PACK_B(q2_K, 256, 2, 1, nx_u_q2_K, NULL, q2_K)
-NX_Q8X_PACK_B(q3_K, 256, 2, 0, nx_u_q3_K, NULL, q3_K)
-NX_Q8X_PACK_B(q4_K, 256, 1, 1, nx_u_q4_K, NULL, k4)
-NX_Q8X_PACK_B(q5_K, 256, 1, 1, nx_u_q5_K, NULL, k4)
-NX_Q8X_PACK_B(q6_K, 256, 2, 0, nx_u_q6_K, NULL, q6_K)
+NX_Q8X_TYPES(NX_Q8X_PACK_B)
+#undef NX_Q8X_PACK_B
 
 /* C[0:mr, 0:nr] := the chain over ng groups (each: H parts, each an isum term and, with a min,
  * a min term), continued from C unless first. */
@@ -350,20 +343,13 @@ int nx_matmul_q8_avx512(const nx_mm_call *c) {
     kern_fn kn;
     size_t bg, mr, mc;
     switch (c->type) {
-#define NX_Q8X_CASE(T, t, A, H, M)                                                                 \
+#define NX_Q8X_CASE(T, t, E, H, M, OFF, D, D32, S)                                                 \
     case NX_GGML_##T:                                                                              \
-        pa = A, pb = nx_q8x_pack_b_##t, kn = nx_q8x_kern_##H##_##M, bg = NX_Q8X_BG(H, M, NX_Q8_NR);          \
+        pa = nx_q8x_pack_a_##OFF##_##H, pb = nx_q8x_pack_b_##t, kn = nx_q8x_kern_##H##_##M;        \
+        bg = NX_Q8X_BG(H, M, NX_Q8_NR);                                                            \
         mr = H == 1 ? NX_Q8_MR : NX_Q8H_MR, mc = H == 1 ? NX_Q8_MC : NX_Q8H_MC;                    \
         break;
-        NX_Q8X_CASE(Q4_0, q4_0, nx_q8x_pack_a_8_1, 1, 0)
-        NX_Q8X_CASE(Q5_0, q5_0, nx_q8x_pack_a_16_1, 1, 0)
-        NX_Q8X_CASE(Q4_1, q4_1, nx_q8x_pack_a_0_1, 1, 1)
-        NX_Q8X_CASE(Q5_1, q5_1, nx_q8x_pack_a_0_1, 1, 1)
-        NX_Q8X_CASE(Q4_K, q4_K, nx_q8x_pack_a_0_1, 1, 1)
-        NX_Q8X_CASE(Q5_K, q5_K, nx_q8x_pack_a_0_1, 1, 1)
-        NX_Q8X_CASE(Q6_K, q6_K, nx_q8x_pack_a_32_2, 2, 0)
-        NX_Q8X_CASE(Q3_K, q3_K, nx_q8x_pack_a_4_2, 2, 0)
-        NX_Q8X_CASE(Q2_K, q2_K, nx_q8x_pack_a_0_2, 2, 1)
+        NX_Q8X_TYPES(NX_Q8X_CASE)
 #undef NX_Q8X_CASE
     case NX_GGML_Q8_0: {
         const nx_lowp_tiling tl = {

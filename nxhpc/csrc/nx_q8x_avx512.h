@@ -247,4 +247,19 @@ nx_q8x_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t 
     }
 }
 
+/* The q8 weight types these kernels take beyond Q8_0, one row each: X(T, t, E, H, M, OFF, D, D32,
+ * S) = GGML type, name, block elements, parts per 32-group, has a min, the panels' code offset
+ * (nx_lowp.h: u = qw + OFF), the 256-block decoder (or NULL), the 32-block decoder (or NULL), and
+ * the scale decoder nx_s_<S>. Each kernel file generates its packers and dispatch from it. */
+#define NX_Q8X_TYPES(X)                                                                            \
+    X(Q4_0, q4_0, 32, 1, 0, 8, NULL, nx_u_q4_0, d)                                                 \
+    X(Q5_0, q5_0, 32, 1, 0, 16, NULL, nx_u_q5_0, d)                                                \
+    X(Q4_1, q4_1, 32, 1, 1, 0, NULL, nx_u_q4_1, dm)                                                \
+    X(Q5_1, q5_1, 32, 1, 1, 0, NULL, nx_u_q5_1, dm)                                                \
+    X(Q4_K, q4_K, 256, 1, 1, 0, nx_u_q4_K, NULL, k4)                                               \
+    X(Q5_K, q5_K, 256, 1, 1, 0, nx_u_q5_K, NULL, k4)                                               \
+    X(Q6_K, q6_K, 256, 2, 0, 32, nx_u_q6_K, NULL, q6_K)                                            \
+    X(Q3_K, q3_K, 256, 2, 0, 4, nx_u_q3_K, NULL, q3_K)                                             \
+    X(Q2_K, q2_K, 256, 2, 1, 0, nx_u_q2_K, NULL, q2_K)
+
 #endif
