@@ -93,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "runner used 1e-6)")
     types.add_precision(p, "matmul precision of the projections: f32 (default, exact "
                            "dequantized weights), bf16 (bfloat16 inputs, float32 accumulation), "
-                           "q8 (Q8_0 activations x Q8_0 weights; other weight types run bf16). "
-                           "Norms, RoPE, attention, residuals and adaLN stay float32")
+                           "q8 (Q8_0 activations x the weights' integer codes; float weights: the "
+                           "option below). Norms, RoPE, residuals and adaLN stay float32")
+    types.add_q8_float_weights(p)
     types.add_tol(p, PRECISION_TOL)
     p.add_argument("--source", choices=("auto", "gguf", "fixtures"), default="auto",
                    help="where the weights come from (default auto: the GGUF when present)")
@@ -161,6 +162,7 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
 
         res = run_stack(model, layers=n_layers, workers=args.n_workers, spawn=args.spawn,
                         eps=args.eps, precision=args.precision, source=args.source,
+                        q8_float_weights=args.q8_float_weights,
                         adaln=args.adaln, reference=args.reference_name, tol=args.tol,
                         stage_timeout=args.stage_timeout, repeat=args.repeat,
                         on_layer=progress)

@@ -121,9 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "reference")
     types.add_precision(p, "matmul precision of the blocks' projections: f32 (default: exact "
                            "dequantized weights, float32 activations), bf16 (bf16-rounded "
-                           "activations, float32 sums), q8 (ggml's Q8_0 x Q8_0 for Q8_0 "
-                           "weights, bf16 for others); embedders, final layer, norms, attention "
-                           "stay float32")
+                           "activations, float32 sums), q8 (Q8_0 activations x the "
+                           "weights' integer codes; float weights: the option below); "
+                           "embedders, final layer, norms, adaLN stay float32")
+    types.add_q8_float_weights(p)
     types.add_tol(p, DENOISE_TOL)
     p.add_argument("--repeat", type=types.positive_int, default=1, metavar="N",
                    help="run the call N times on the same workers and arena and report the "
@@ -186,7 +187,8 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
                              f"must be finite")
     with open_denoiser(args.model, workers=args.n_workers, models_dir=args.models_dir,
                        gguf_path=args.gguf, stage_timeout=args.stage_timeout,
-                       precision=args.precision) as den:
+                       precision=args.precision,
+                       q8_float_weights=args.q8_float_weights) as den:
         if out_path is not None:              # never overwrite a file of the opened model
             check_output_path(out_path, what="--out",
                               model_files=model_files(den.directory, den.gguf.path))

@@ -147,8 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the negative prompt of classifier-free guidance (default empty)")
     p.add_argument("--precision", choices=("f32", "bf16", "q8"), default="f32",
                    help="matmul precision: f32 (default); bf16 (bf16-rounded activations, "
-                        "float32 sums; every model); q8 (Q8_0 x Q8_0 in the text encoder's and "
-                        "the denoiser's projections; the autoencoder then runs bf16)")
+                        "float32 sums; every model); q8 (Q8_0 activations x the weights' "
+                        "integer codes in the text encoder's and the denoiser's projections; "
+                        "the autoencoder then runs bf16)")
+    types.add_q8_float_weights(p)
     p.add_argument("--workers", type=types.workers, default=None, metavar="N",
                    help=types.workers_help())
     p.add_argument("--out", required=True, metavar="IMG.png",
@@ -409,7 +411,8 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
     try:
         t0 = time.perf_counter()
         with apart, open_denoiser(names["model"], workers=workers, models_dir=args.models_dir,
-                                  precision=args.precision) as den, \
+                                  precision=args.precision,
+                                  q8_float_weights=args.q8_float_weights) as den, \
                 open_vae(names["vae"], workers=workers, precision=vae_precision,
                          models_dir=args.models_dir) as vae:
             dcfg = den.config

@@ -21,7 +21,7 @@ from nxhpc.runtime import checks
 
 __all__ = ["positive_int", "workers", "layers", "positive_float", "seconds", "eps",
            "unit_interval", "pixels", "seed", "int_list", "grid", "workers_help", "cli_parser",
-           "add_workers", "add_precision", "add_tol", "add_models_dir", "add_stage_timeout",
+           "add_workers", "add_precision", "add_q8_float_weights", "add_tol", "add_models_dir", "add_stage_timeout",
            "add_json"]
 
 
@@ -165,6 +165,16 @@ def add_precision(p: argparse.ArgumentParser, what: str) -> None:
     """``--precision`` (``nxhpc.nn.linear``'s switch; default f32); ``what``: its help text."""
     from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
     p.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION, help=what)
+
+
+def add_q8_float_weights(p: argparse.ArgumentParser) -> None:
+    """``--q8-float-weights`` (``nxhpc.nn.linear.Q8_FLOAT_WEIGHTS``; default int8)."""
+    from nxhpc.nn.linear import DEFAULT_Q8_FLOAT_WEIGHTS, Q8_FLOAT_WEIGHTS
+    p.add_argument("--q8-float-weights", choices=Q8_FLOAT_WEIGHTS,
+                   default=DEFAULT_Q8_FLOAT_WEIGHTS,
+                   help="how --precision q8 runs F32/F16/BF16 projection weights (e.g. the "
+                        "refiners of ComfyUI-layout files): int8 (default: a Q8_0 copy made "
+                        "once at load, +1.06 bytes per value) or bf16 (as stored, no copy)")
 
 
 def add_tol(p: argparse.ArgumentParser, tols: Mapping[str, float]) -> None:

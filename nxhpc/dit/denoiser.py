@@ -41,7 +41,7 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -50,7 +50,8 @@ import numpy as np
 import nxhpc
 from nxhpc.dit.binding import LayerWeights, bind_gguf_layer, check_finite_weight
 from nxhpc.dit.config import DENOISER_TENSORS, STACKS, DenoiserConfig, infer_config
-from nxhpc.nn.linear import DEFAULT_PRECISION, check_precision
+from nxhpc.nn.linear import (DEFAULT_PRECISION, DEFAULT_Q8_FLOAT_WEIGHTS, check_precision,
+                             check_q8_float_weights)
 from nxhpc.dit.plan import BlockPlan, Engine
 from nxhpc.dit.rope import position_ids, rope_table
 from nxhpc.formats.closing import MapHolder
@@ -266,6 +267,10 @@ class Denoiser(MapHolder):
     context manager or call :meth:`close`. ``precision`` (``"f32"`` default, ``"bf16"``,
     ``"q8"``: ``nxhpc.nn.linear``; may be changed between calls) is the blocks' projection
     matmul precision; embedders, final layer, norms, RoPE, attention, adaLN stay float32.
+    ``q8_float_weights`` (``"int8"`` default, or ``"bf16"``: ``nxhpc.nn.linear``) is how ``q8``
+    runs the blocks' F32/F16/BF16 projections (the refiners of ComfyUI-layout files, every
+    block of a float file): on Q8_0 copies made once, in the parent, at the first ``q8`` call
+    (+1.0625 bytes per value, kept until :meth:`close`), or on the stored values in ``bf16``.
     ``last_timings``: microseconds of the last call per segment (``us_embed``,
     ``us_noise_refiner``, ``us_context_refiner``, ``us_layers``, ``us_final``, ``us_total``).
     """
@@ -273,9 +278,13 @@ class Denoiser(MapHolder):
     def __init__(self, gguf_path: str | os.PathLike, *, workers: int | None = None,
                  directory: str | os.PathLike | None = None, spawn: str = DEFAULT_SPAWN,
                  stage_timeout: float | None = None, norm_eps: float | None = None,
-                 precision: str = DEFAULT_PRECISION) -> None:
+                 precision: str = DEFAULT_PRECISION,
+                 q8_float_weights: str = DEFAULT_Q8_FLOAT_WEIGHTS) -> None:
         self.workers = check_workers(workers, "Denoiser: workers")   # the one rule
         self.precision = check_precision(precision, "Denoiser: precision")
+        self.q8_float_weights = check_q8_float_weights(q8_float_weights,
+                                                       "Denoiser: q8_float_weights")
+        self._int8_copies = False     # whether self.weights' float projections carry them
         self.spawn = spawn
         self.stage_timeout = check_timeout(stage_timeout)
         self.directory = Path(directory) if directory is not None else None
@@ -381,6 +390,23 @@ class Denoiser(MapHolder):
         self._sessions.append(s)
         return s
 
+    def _make_int8_copies(self) -> None:
+        """Under ``q8_float_weights="int8"``: give every block's float projections their Q8_0
+        copies, once (the engines forked before hold the weights without them, so they are
+        closed and rebuilt on demand)."""
+        if self._int8_copies or check_q8_float_weights(
+                self.q8_float_weights, "Denoiser.q8_float_weights") != "int8":
+            return
+        w = self.weights
+        blocks = {key: lw.with_int8_copies(self.kernels) for key, lw in w.blocks.items()}
+        if any(a is not b for key, lw in blocks.items()
+               for a, b in zip(lw.matrices().values(), w.blocks[key].matrices().values())):
+            sessions, self._sessions = self._sessions, []
+            for s in sessions:
+                s.close()
+            self.weights = replace(w, blocks=blocks)
+        self._int8_copies = True
+
     # -- one call
     def forward(self, latents: Any, t: float, cap_feats: Any) -> np.ndarray:
         """One transformer call: latents ``[C, H, W]`` (or ``[C, 1, H, W]``) float32, ``t`` in
@@ -399,6 +425,8 @@ class Denoiser(MapHolder):
         cap = self._caption(cap_feats)
         t = self._timestep(t)
         prec = check_precision(self.precision, "Denoiser.precision")
+        if prec == "q8":
+            self._make_int8_copies()
         cfg, w, k = self.config, self.weights, self.kernels
         C, H, W = lat.shape
         L = cap.shape[0]

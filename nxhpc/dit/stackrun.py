@@ -22,7 +22,8 @@ import numpy as np
 
 from nxhpc.dit.config import block_view
 from nxhpc.dit.grade import DEFAULT_TOL, Grade, count_exceeding, error_row, grade
-from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
+from nxhpc.nn.linear import (DEFAULT_PRECISION, DEFAULT_Q8_FLOAT_WEIGHTS, PRECISIONS,
+                             check_q8_float_weights)
 from nxhpc.runtime import checks
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES
 
@@ -109,13 +110,16 @@ def run_stack(model, *, layers: int | str = 1, workers: int | None = None,
               precision: str = DEFAULT_PRECISION, source: str = "auto", adaln: str = "auto",
               reference: str | None = None, tol: float | None = None,
               stage_timeout: float | None = None, repeat: int = 1,
-              on_layer: Callable[[dict, int], None] | None = None) -> StackRun:
+              on_layer: Callable[[dict, int], None] | None = None,
+              q8_float_weights: str = DEFAULT_Q8_FLOAT_WEIGHTS) -> StackRun:
     """Run layers ``0..layers-1`` of ``model`` (an open ``nxhpc.models.Model``) from
     ``layers.0.blk_in`` and grade the last output against ``reference`` (a fixture name or a
     ``.npy`` path; default :func:`reference_for` the last layer) with ``tol`` (default
     :data:`PRECISION_TOL` of ``precision``). ``adaln``: ``'t_emb'`` (each layer's adaLN from
     ``t_emb``), ``'fixture'`` (the tapped ``layers.N.adaln_m``) or ``'auto'`` (t_emb when
-    present). ``on_layer(row, n_layers)`` after each layer (the row of :class:`StackRun`'s
+    present). ``q8_float_weights``: how ``q8`` runs float projections (``nxhpc.nn.linear``:
+    ``"int8"`` copies made here, before the fork, or ``"bf16"`` as stored).
+    ``on_layer(row, n_layers)`` after each layer (the row of :class:`StackRun`'s
     ``per_layer``). Raises the ``formats`` errors (``MissingTensorError`` for a missing input or
     reference), :class:`StackInputError`, :class:`StackRangeError`, ``WorkerError``."""
     from nxhpc.dit.block import adaln as adaln_vector, run_layers, validate_inputs
@@ -124,6 +128,7 @@ def run_stack(model, *, layers: int | str = 1, workers: int | None = None,
     workers = checks.check_workers(workers)
     checks.check_choice(spawn, SPAWN_MODES, "spawn")
     checks.check_choice(precision, PRECISIONS, "precision")
+    q8_float_weights = check_q8_float_weights(q8_float_weights)
     checks.check_choice(source, ("auto", "gguf", "fixtures"), "source")
     checks.check_choice(adaln, ("auto", "t_emb", "fixture"), "adaln")
     repeat = checks.check_count(repeat, "repeat")
@@ -180,6 +185,11 @@ def run_stack(model, *, layers: int | str = 1, workers: int | None = None,
 
     weights = {i: model.layer_weights(i, source) for i in ids}
     report["weights"] = weights[0].source
+    if precision == "q8" and q8_float_weights == "int8":
+        import nxhpc
+        kernels = nxhpc.kernels()
+        weights = {i: w.with_int8_copies(kernels) for i, w in weights.items()}
+    report["q8_float_weights"] = q8_float_weights
 
     # self-check of the source runner: layer 0's adaLN from the GGUF vs the tapped fixture
     if model.gguf is not None and _has(model, "t_emb") and _has(model, "layers.0.adaln_m"):

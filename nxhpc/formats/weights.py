@@ -14,8 +14,8 @@ weight type on the Python side is one entry there (its geometry comes from ``ggu
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -23,7 +23,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from nxhpc.formats.ggml_blocks import QUANT_BLOCKS
 from nxhpc.formats.gguf_io import ModelFileError
 
-__all__ = ["WeightTensor", "RUNNABLE_TYPES", "type_id", "type_name", "block_geometry",
+__all__ = ["WeightTensor", "RUNNABLE_TYPES", "FLOAT_TYPES", "type_id", "type_name", "block_geometry",
            "row_bytes", "as_weight_tensor", "check_finite_weight"]
 
 #: Types a block's matrices may be stored in (the kernels run them as stored; every one is a
@@ -32,6 +32,8 @@ __all__ = ["WeightTensor", "RUNNABLE_TYPES", "type_id", "type_name", "block_geom
 #: for the K-quants Q2_K..Q6_K (checked per tensor, naming it, by row_bytes' callers).
 RUNNABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+#: The float types among them (a matrix of these may carry an ``int8`` copy).
+FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 def type_id(t: int | str | GGMLQuantizationType) -> int:
@@ -71,11 +73,17 @@ class WeightTensor:
     float32/float16 numpy matrix, viewed as its bytes) or :meth:`from_gguf`; the constructor
     checks that ``data`` holds exactly ``rows`` rows of whole ``type`` blocks and names the
     tensor otherwise.
+
+    ``int8``: None, or for an F32/F16/BF16 matrix its Q8_0 copy (a WeightTensor of the same
+    name and shape, made once at load by :func:`nxhpc.nn.linear.with_int8_copy`): what the
+    ``q8`` precision runs for this matrix. The stored ``data`` stays what every other precision
+    reads.
     """
     name: str
     ggml_type: int
     shape: tuple[int, int]
     data: np.ndarray
+    int8: Optional["WeightTensor"] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ggml_type", type_id(self.ggml_type))
@@ -94,6 +102,12 @@ class WeightTensor:
             raise ValueError(f"{where}: data must be uint8 {(rows, rb)}, got {d.shape}")
         if not d.flags.c_contiguous:
             raise ValueError(f"{where}: data is not C-contiguous")
+        c = self.int8
+        if c is not None and (not isinstance(c, WeightTensor) or c.type_name != "Q8_0"
+                              or c.shape != self.shape or c.int8 is not None
+                              or self.type_name not in FLOAT_TYPES):
+            raise ValueError(f"{where}: int8 must be None or, for an F32/F16/BF16 matrix, a "
+                             f"Q8_0 WeightTensor of the same shape, got {c!r}")
 
     # -- construction
     @classmethod
@@ -164,7 +178,8 @@ class WeightTensor:
         return np.array(d, dtype=np.float32).reshape(self.shape)
 
     def __repr__(self) -> str:
-        return f"WeightTensor({self.name!r}, {self.type_name}, {list(self.shape)})"
+        copy = " + int8 copy" if self.int8 is not None else ""
+        return f"WeightTensor({self.name!r}, {self.type_name}, {list(self.shape)}{copy})"
 
 
 def as_weight_tensor(value: Any, name: str) -> WeightTensor:

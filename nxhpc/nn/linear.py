@@ -11,14 +11,17 @@ precision's arithmetic contract):
   accumulation; every weight type of the traits table.
 * ``"q8"``: ``matmul_q8`` for the quantized weight types of :data:`Q8_WEIGHT_TYPES` (x
   quantized per row to Q8_0, int32 dots on the weights' stored codes, per-block float32
-  scales/mins). An F32/F16/BF16 weight runs ``bf16`` instead: :func:`effective_precision` says
-  which, per tensor.
+  scales/mins). An F32/F16/BF16 weight runs ``matmul_q8`` on its Q8_0 copy when it carries one
+  (``weight.int8``, made once at load by :func:`with_int8_copy`; the sessions make them under
+  ``q8_float_weights="int8"``, the default, see :data:`Q8_FLOAT_WEIGHTS`), else ``bf16`` as
+  stored: :func:`effective_precision` says which, per tensor.
 
 adaLN (:func:`adaln_linear`, O(D) work) stays float32 in every precision. Attention follows the
 switch too (:func:`attention_precision`): ``"f32"`` runs the float32 attention, ``"bf16"`` and
 ``"q8"`` the bf16 attention (Q K^T and P V on the bfloat16 dot, softmax statistics in float32:
 csrc/nx_attn_bf16.h).
-Must not: compute anything itself, or copy a weight matrix.
+Must not: compute anything itself, or copy a weight matrix -- except the one Q8_0 copy of a
+float matrix that ``q8`` runs (:func:`with_int8_copy`, made once in the parent at load).
 
 Kernel API (``nxhpc._kernels``): ``matmul(x, w, wtype, out, n0, n1)``, ``matmul_bf16(x, w, wtype,
 out, n0, n1)``, ``matmul_q8(x, w, out, n0, n1, wtype=...)``, ``adaln_linear(t_emb, w, wtype, bias, out,
@@ -30,10 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from nxhpc.formats.weights import WeightTensor
+from nxhpc.formats.weights import FLOAT_TYPES, WeightTensor
 
 __all__ = ["matmul", "adaln_linear", "check_runnable", "check_precision", "effective_precision",
-           "attention_precision", "PRECISIONS", "DEFAULT_PRECISION", "Q8_WEIGHT_TYPES"]
+           "attention_precision", "with_int8_copy", "check_q8_float_weights", "PRECISIONS",
+           "DEFAULT_PRECISION", "Q8_WEIGHT_TYPES", "Q8_FLOAT_WEIGHTS", "DEFAULT_Q8_FLOAT_WEIGHTS"]
 
 #: The matmul precisions of a block (see the module docstring).
 PRECISIONS = ("f32", "bf16", "q8")
@@ -41,6 +45,14 @@ DEFAULT_PRECISION = "f32"
 #: Weight types ``q8`` runs on their integer codes (the kernels' ``Q8_WEIGHT_TYPES``; a test
 #: keeps the two equal). Any other type runs ``bf16`` under ``q8``.
 Q8_WEIGHT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+#: How ``q8`` runs an F32/F16/BF16 matrix (a session's ``q8_float_weights``): ``"int8"`` -- on a
+#: Q8_0 copy made once at load (1.0625 bytes a value; the copy's error is Q8_0's rounding of
+#: the stored values) -- or ``"bf16"`` -- on the stored values with the bf16 kernel, no copy.
+#: docs/kernels.md ("q8 on float weights") has the measurements behind the default.
+Q8_FLOAT_WEIGHTS = ("int8", "bf16")
+DEFAULT_Q8_FLOAT_WEIGHTS = "int8"
+_QK8_0 = 32
+_COPY_ROWS = 256            # rows decoded and quantized at a time by with_int8_copy
 
 
 def check_precision(precision: Any, where: str = "precision") -> str:
@@ -51,12 +63,49 @@ def check_precision(precision: Any, where: str = "precision") -> str:
     return precision
 
 
+def check_q8_float_weights(value: Any, where: str = "q8_float_weights") -> str:
+    """``value`` if it is one of :data:`Q8_FLOAT_WEIGHTS`, else ValueError naming ``where``."""
+    if not isinstance(value, str) or value not in Q8_FLOAT_WEIGHTS:
+        raise ValueError(f"{where} must be one of {', '.join(map(repr, Q8_FLOAT_WEIGHTS))}, got "
+                         f"{value!r}")
+    return value
+
+
 def effective_precision(weight: WeightTensor, precision: str) -> str:
-    """The precision ``weight``'s matmul runs under the switch ``precision``: ``"q8"`` only for
-    the types of :data:`Q8_WEIGHT_TYPES` (F32/F16/BF16 run ``"bf16"``), else ``precision``."""
-    if precision == "q8" and weight.type_name not in Q8_WEIGHT_TYPES:
+    """The precision ``weight``'s matmul runs under the switch ``precision``: ``"q8"`` for the
+    types of :data:`Q8_WEIGHT_TYPES` and for a float matrix carrying its ``int8`` copy, ``"bf16"``
+    for any other F32/F16/BF16 matrix, else ``precision``."""
+    if precision == "q8" and weight.type_name not in Q8_WEIGHT_TYPES and weight.int8 is None:
         return "bf16"
     return precision
+
+
+def with_int8_copy(kernels: Any, weight: WeightTensor) -> WeightTensor:
+    """``weight`` with its Q8_0 copy attached (``.int8``) if it is an F32/F16/BF16 matrix whose
+    rows fill whole blocks of 32; ``weight`` itself otherwise (or if it has one already).
+
+    The copy's bytes are ``gguf.quants.quantize(values, Q8_0)`` of the stored values (exact in
+    float32): each block of 32 scaled by max|w|/127 in float16, codes rounded half away from
+    zero. Decoded and quantized ``_COPY_ROWS`` rows at a time (no float32 copy of the matrix).
+    ValueError naming the tensor if a block's scale overflows float16 (|w| > 65504 * 127).
+    """
+    if weight.type_name not in FLOAT_TYPES or weight.int8 is not None \
+            or weight.cols % _QK8_0:
+        return weight
+    rows, cols = weight.shape
+    q = np.empty((rows, cols // _QK8_0 * 34), dtype=np.uint8)
+    buf = np.empty((min(rows, _COPY_ROWS), cols), dtype=np.float32)
+    for r0 in range(0, rows, _COPY_ROWS):
+        r1 = min(rows, r0 + _COPY_ROWS)
+        f = kernels.dequantize(weight.data[r0:r1], weight.type_name, out=buf[:r1 - r0])
+        kernels.q8_0_quantize(f, out=q[r0:r1])
+    scales = q.reshape(rows, -1, 34)[:, :, :2].copy().view(np.float16)
+    if not np.isfinite(scales).all():
+        raise ValueError(f"weight {weight.name!r} ({weight.type_name} {list(weight.shape)}): "
+                         f"values beyond Q8_0's float16 scale (|w| > 65504 * 127) cannot take "
+                         f"an int8 copy; run it with q8_float_weights='bf16'")
+    copy = WeightTensor(weight.name, "Q8_0", weight.shape, q)
+    return WeightTensor(weight.name, weight.ggml_type, weight.shape, weight.data, int8=copy)
 
 
 def attention_precision(precision: str) -> str:
@@ -77,11 +126,14 @@ def check_runnable(kernels: Any, weight: WeightTensor, *, adaln: bool = False) -
 def matmul(kernels: Any, x: np.ndarray, weight: WeightTensor, out: np.ndarray, lo: int,
            hi: int, precision: str = DEFAULT_PRECISION) -> None:
     """out[:, lo:hi] := x @ dequant(weight)[lo:hi]^T   (x float32 [T, K], out float32 [T, N]),
-    in ``precision`` ("f32" | "bf16" | "q8"; q8 on an F32/F16/BF16 weight runs bf16)."""
+    in ``precision`` ("f32" | "bf16" | "q8"; q8 on an F32/F16/BF16 weight runs its ``int8``
+    copy if it carries one, else bf16)."""
     if precision == "f32":
         kernels.matmul(x, weight.data, weight.type_name, out, lo, hi)
     elif precision == "q8" and weight.type_name in Q8_WEIGHT_TYPES:
         kernels.matmul_q8(x, weight.data, out, lo, hi, wtype=weight.type_name)
+    elif precision == "q8" and weight.int8 is not None:
+        kernels.matmul_q8(x, weight.int8.data, out, lo, hi, wtype="Q8_0")
     elif precision in ("bf16", "q8"):
         kernels.matmul_bf16(x, weight.data, weight.type_name, out, lo, hi)
     else:

@@ -1,0 +1,199 @@
+"""``q8`` on F32/F16/BF16 projections: the Q8_0 copy made once at load (``nxhpc.nn.linear``).
+
+References: the ``gguf`` package's Q8_0 quantizer on the ``gguf`` package's decoding of the
+stored bytes (the copy must be those bytes); a float64 matmul written plainly (the error bound);
+and, for the whole transformer, a second GGUF whose float refiner projections were stored as
+Q8_0 by the ``gguf`` package -- the ``q8`` call on the float file with its copies must give the
+same bits as the ``q8`` call on that file. Negative controls: ``q8_float_weights="bf16"`` (no
+copy) gives other bits, so the equalities cannot hold by accident.
+"""
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+
+import nxhpc
+from nxhpc.formats.weights import WeightTensor
+from nxhpc.nn import linear
+from nxhpc.runtime.shm import live_segments
+from kernelutil import assert_bitwise
+
+K = nxhpc.kernels()
+Q8 = gguf.GGMLQuantizationType.Q8_0
+PID = os.getpid()
+
+
+def _stored(a: np.ndarray, gtype: str) -> WeightTensor:
+    """float32 ``a`` stored as ``gtype`` (the gguf package; its K-quant encoders are
+    nxhpc.formats.layouts' numpy ones)."""
+    from nxhpc.formats.layouts import encode
+    return WeightTensor.from_raw("w", gtype, a.shape[1], np.ascontiguousarray(encode(a, gtype, "w")))
+
+
+def _gguf_copy(w: WeightTensor) -> np.ndarray:
+    """The reference copy: gguf's Q8_0 of gguf's decoding of the stored bytes."""
+    vals = gguf.quants.dequantize(w.data, gguf.GGMLQuantizationType(w.ggml_type))
+    return gguf.quants.quantize(np.asarray(vals, np.float32).reshape(w.shape), Q8)
+
+
+# ----------------------------------------------------------------------------- the copy
+
+@pytest.mark.parametrize("gtype", ["F32", "F16", "BF16"])
+@pytest.mark.parametrize("rows", [1, 37, 600])          # 600 > the 256-row chunk
+def test_copy_is_the_gguf_quantization_of_the_stored_values(gtype, rows):
+    rng = np.random.default_rng(rows)
+    a = (rng.standard_normal((rows, 160)) * rng.uniform(1e-3, 3, (rows, 1))).astype(np.float32)
+    a[0, :32] = 0.0                                      # an all-zero block: d = 0
+    w = _stored(a, gtype)
+    c = linear.with_int8_copy(K, w)
+    assert c.int8 is not None and c.int8.type_name == "Q8_0" and c.int8.shape == w.shape
+    np.testing.assert_array_equal(c.int8.data, _gguf_copy(w))
+    assert c.data is w.data and c.type_name == gtype     # the stored bytes are not touched
+    assert linear.with_int8_copy(K, c) is c              # made once
+    assert "int8 copy" in repr(c)
+
+
+@pytest.mark.parametrize("gtype", ["Q8_0", "Q4_K", "Q6_K"])
+def test_quantized_matrices_get_no_copy(gtype):
+    a = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    w = _stored(a, gtype)
+    assert linear.with_int8_copy(K, w) is w
+
+
+def test_rows_not_filling_q8_0_blocks_stay_bf16():
+    w = WeightTensor.from_array("odd", np.ones((3, 40), np.float32))
+    assert linear.with_int8_copy(K, w).int8 is None
+    assert linear.effective_precision(w, "q8") == "bf16"
+
+
+def test_scale_overflow_names_the_tensor():
+    a = np.full((2, 32), 1e10, np.float32)
+    with pytest.raises(ValueError, match=r"'big'.*q8_float_weights='bf16'"):
+        linear.with_int8_copy(K, WeightTensor.from_array("big", a))
+
+
+def test_weight_tensor_checks_its_copy():
+    a = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
+    w = WeightTensor.from_array("w", a)
+    good = linear.with_int8_copy(K, w).int8
+    for bad in (_stored(a, "Q4_0"), _stored(a[:2], "Q8_0"), w):
+        with pytest.raises(ValueError, match="int8 must be"):
+            WeightTensor("w", "F32", (4, 64), w.data, int8=bad)
+    with pytest.raises(ValueError, match="int8 must be"):          # only float matrices
+        WeightTensor("w", "Q8_0", (4, 64), good.data, int8=good)
+    with pytest.raises(ValueError, match="q8_float_weights"):
+        linear.check_q8_float_weights("int4")
+
+
+# ----------------------------------------------------------------------------- the matmul
+
+@pytest.mark.parametrize("gtype", ["F16", "BF16"])
+def test_q8_matmul_runs_the_copy(gtype):
+    """Under q8 a float matrix with its copy gives exactly matmul_q8 on gguf's Q8_0 bytes, for
+    any band; within Q8_0's bound of the float64 product; without the copy it is the bf16
+    kernel (other bits)."""
+    rng = np.random.default_rng(7)
+    T, Kd, N = 9, 256, 48
+    x = rng.standard_normal((T, Kd)).astype(np.float32)
+    w = _stored((rng.standard_normal((N, Kd)) * 0.05).astype(np.float32), gtype)
+    c = linear.with_int8_copy(K, w)
+    assert linear.effective_precision(c, "q8") == "q8"
+    assert linear.effective_precision(w, "q8") == "bf16"
+    assert linear.effective_precision(c, "bf16") == "bf16"
+    ref_q8 = np.empty((T, N), np.float32)
+    K.matmul_q8(x, np.ascontiguousarray(_gguf_copy(w)), ref_q8, wtype="Q8_0")
+    out = np.full((T, N), np.nan, np.float32)
+    for lo, hi in ((0, 16), (16, 17), (17, N)):
+        linear.matmul(K, x, c, out, lo, hi, "q8")
+    assert_bitwise(out, ref_q8, "q8 on the copy")
+    vals = np.asarray(gguf.quants.dequantize(w.data, gguf.GGMLQuantizationType(w.ggml_type)),
+                      np.float64).reshape(N, Kd)
+    ref = x.astype(np.float64) @ vals.T
+    # each factor rounded to Q8_0 (|err| <= d/2 = max|block|/254 per value): the product's error
+    # is at most sum_k |x||w| (1/254 + 1/254 + 1/254^2) per output
+    bound = np.abs(x).astype(np.float64) @ np.abs(vals).T * (2 / 254 + 1 / 254 ** 2) + 1e-6
+    assert (np.abs(out - ref) <= bound).all()
+    bf = np.empty((T, N), np.float32)
+    linear.matmul(K, x, w, bf, 0, N, "q8")                # no copy: bf16 as stored
+    ref_bf = np.empty((T, N), np.float32)
+    K.matmul_bf16(x, w.data, gtype, ref_bf)
+    assert_bitwise(bf, ref_bf, "q8 without a copy runs bf16")
+    assert not np.array_equal(bf, out)
+    f32 = np.empty((T, N), np.float32)
+    linear.matmul(K, x, c, f32, 0, N, "f32")              # other precisions read the stored
+    ref_f32 = np.empty((T, N), np.float32)
+    K.matmul(x, w.data, gtype, ref_f32, 0, N)
+    assert_bitwise(f32, ref_f32, "f32 ignores the copy")
+
+
+# ----------------------------------------------------------------------------- the transformer
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The ComfyUI layout (refiners BF16) and the same values with the refiners' projections
+    stored Q8_0 by gguf."""
+    from nxhpc.dit.config import DenoiserConfig
+    from nxhpc.dit.oracle import random_zimage_model
+    from nxhpc.formats.layouts import LAYOUTS, FileLayout, Rule
+    from nxhpc.models.zimage_files import read_zimage_gguf, write_zimage_gguf
+    cfg = DenoiserConfig(dim=384, n_heads=6, n_kv_heads=6, head_dim=64, ffn_dim=1024,
+                         n_layers=1, n_noise_refiner=1, n_context_refiner=1, in_channels=16,
+                         patch=2, cap_dim=320)
+    d = tmp_path_factory.mktemp("q8f")
+    _, w = random_zimage_model(cfg, 11)
+    a = write_zimage_gguf(d / "comfy.gguf", w, "comfyui-q8_0")
+    fa = read_zimage_gguf(a)
+    comfy = LAYOUTS["comfyui-q8_0"]
+    proj = r"(noise_refiner|context_refiner)\.\d+\.(attention\.(qkv|out)|feed_forward\.w[123])\."
+    lay = FileLayout("refiners-q8_0", comfy.prefix, comfy.arch, comfy.pad_shape,
+                     (Rule(proj + r"weight", 2, "Q8_0"),) + comfy.rules)
+    b = write_zimage_gguf(d / "refq8.gguf", {k: v.astype(np.float32)
+                                            for k, v in fa.weights.items()}, lay)
+    fb = read_zimage_gguf(b)
+    changed = {n for n in fa.tensors if fa.tensors[n][1] != fb.tensors[n][1]}
+    assert changed and all("refiner" in n for n in changed)
+    assert {fa.tensors[n][1] for n in changed} == {"BF16"}
+    for n in fa.weights:                                 # every other value is the same
+        if n not in changed:
+            np.testing.assert_array_equal(fa.weights[n], fb.weights[n], err_msg=n)
+    rng = np.random.default_rng(2)
+    inputs = (rng.standard_normal((16, 8, 6)).astype(np.float32),
+              rng.standard_normal((7, cfg.cap_dim)).astype(np.float32))
+    return cfg, a, b, fb, inputs
+
+
+def test_denoiser_q8_on_float_refiners_is_the_q8_0_file(files):
+    from nxhpc.dit.denoiser_ref import denoiser_forward_f64
+    from nxhpc.dit.grade import grade
+    from nxhpc.denoise import DENOISE_TOL
+    from nxhpc.models.registry import open_denoiser
+    cfg, a, b, fb, (lat, cap) = files
+    with open_denoiser(b, workers=2, precision="q8") as d:
+        want = d.forward(lat, 0.5, cap)
+        assert d._int8_copies and not any(m.int8 is not None for lw in d.weights.blocks.values()
+                                          for m in lw.matrices().values())
+    g = grade(want, denoiser_forward_f64(lat, 0.5, cap, fb.weights, cfg),
+              tol=DENOISE_TOL["q8"])
+    assert g.passed, g.verdict_line()
+    outs = {}
+    for workers, choice in ((1, "int8"), (3, "int8"), (2, "bf16")):
+        with open_denoiser(a, workers=workers, precision="q8",
+                           q8_float_weights=choice) as d:
+            outs[(workers, choice)] = d.forward(lat, 0.5, cap)
+    assert_bitwise(outs[(1, "int8")], want, "copies vs the Q8_0 file, 1 worker")
+    assert_bitwise(outs[(3, "int8")], want, "copies vs the Q8_0 file, 3 workers")
+    assert not np.array_equal(outs[(2, "bf16")], want)
+    # switching precision on an open denoiser: the copies are made at the first q8 call (its
+    # engines rebuilt), and f32 still reads the stored values
+    with open_denoiser(a, workers=2) as d:
+        f32 = d.forward(lat, 0.5, cap)
+        d.precision = "q8"
+        assert_bitwise(d.forward(lat, 0.5, cap), want, "q8 after f32")
+        d.precision = "f32"
+        assert_bitwise(d.forward(lat, 0.5, cap), f32, "f32 after q8")
+    with pytest.raises(ValueError, match="q8_float_weights"):
+        open_denoiser(a, q8_float_weights="q4")
+    assert live_segments(PID) == []
