@@ -4,7 +4,9 @@ Model: built-in ``zimage-dit-2l`` (D=3840, 30x128 heads, FFN 10240, cap_dim 2560
 + 2+2 refiners; ComfyUI-GGUF types: layers Q8_0, refiners and embedders BF16, generated on
 first use under $NXHPC_MODELS, 1.8 GB). Inputs: 512x512 (64x64 latents = 1024 image tokens) and
 1024x1024 (128x128 latents = 4096 image tokens), a 100-token caption, t = 0.5. nxhpc runs with
-2 workers, per precision (``f32``, ``bf16``, ``q8``; ``NXHPC_BENCH_PRECISIONS`` picks); diffusers'
+2 workers, per precision (``f32``, ``bf16``, ``q8``; ``NXHPC_BENCH_PRECISIONS`` picks, and
+``q8:bf16`` is q8 with ``q8_float_weights="bf16"``: the BF16 refiners as stored rather than on
+their Q8_0 copies); diffusers'
 ``ZImageTransformer2DModel`` (same config, the same weights as decoded by
 the ``gguf`` package) runs in torch eager float32 and bfloat16 at 2 threads, in the same run,
 same group per token count.
@@ -80,7 +82,9 @@ def test_denoise_nxhpc(benchmark, den, inputs, tokens, precision):
     cfg = den.config
     lat, t, cap = inputs[tokens]
     benchmark.group = f"denoise {MODEL} image tokens={tokens} caption={CAPTION}"
-    den.precision = precision                 # read by every call (Denoiser.precision)
+    prec, _, floats = precision.partition(":")  # "q8:bf16": q8 with q8_float_weights="bf16"
+    den.precision = prec                      # read by every call (Denoiser.precision)
+    den.q8_float_weights = floats or "int8"
     reset_peak_rss()
     den.forward(lat, t, cap)                  # the layout's engine: fork + arena (not timed)
     out = benchmark.pedantic(lambda: den.forward(lat, t, cap), rounds=2, warmup_rounds=0)

@@ -347,3 +347,56 @@ def test_bench_bf16_vs_f32(benchmark, wtype, kernel):
     _info(benchmark, T, Kd, N, v, prec)
     benchmark.extra_info["wtype"] = wtype
     _check(prec, out, x, w_f32, any_order=False)
+
+
+# ---------------------------------------------------------------- q8 on float weights: copy or not
+
+_FLOAT_ROWS = ["bf16-" + i for i in BF16_SIMD] + ["q8-int8copy-" + i for i in Q8_SIMD]
+
+
+@pytest.mark.parametrize("row", _FLOAT_ROWS)
+@pytest.mark.parametrize("wtype", ["BF16", "F16"])
+def test_bench_q8_float_weights(benchmark, wtype, row):
+    """The two ways ``q8`` can run an F16/BF16 matrix (``nxhpc.nn.linear.Q8_FLOAT_WEIGHTS``),
+    T=256 K=N=3840, one group per weight type, every SIMD variant of each: ``bf16`` on the
+    stored values, or ``matmul_q8`` on the Q8_0 copy ``with_int8_copy`` makes once at load
+    (``extra_info``: the copy's one-off seconds and bytes, and its values' RMS error relative
+    to the stored ones). The q8 rows are checked against the q8 bound on the copy's values,
+    the bf16 rows against the bf16 bound on the stored ones."""
+    from nxhpc.formats.weights import WeightTensor
+    from nxhpc.nn.linear import with_int8_copy
+    import time
+    T, Kd, N = 256, 3840, 3840
+    x = _case(T, Kd, 32)[0]
+    _, w_f32 = _typed_case("Q8_0", Kd, N)
+    if wtype == "BF16":
+        w = (K.round_bf16(w_f32).view(np.uint32) >> 16).astype("<u2")
+        vals = (w.astype(np.uint32) << 16).view(np.float32)
+    else:
+        w = w_f32.astype(np.float16)
+        vals = w.astype(np.float32)
+    wt = WeightTensor.from_raw("w", wtype, Kd, w)
+    out = np.empty((T, N), np.float32)
+    benchmark.group = f"q8 on float weights {wtype} T={T} K={Kd} N={N}"
+    kind, isa = row.rsplit("-", 1)
+    benchmark.name = f"nxhpc {kind} {wtype} ({isa})"
+    if kind == "bf16":
+        fn = lambda: K.matmul_bf16(x, wt.data, wtype, out, isa=isa)   # noqa: E731
+    else:
+        t0 = time.perf_counter()
+        copy = with_int8_copy(K, wt).int8
+        made = time.perf_counter() - t0
+        fn = lambda: K.matmul_q8(x, copy.data, out, wtype="Q8_0", isa=isa)   # noqa: E731
+    benchmark.pedantic(fn, rounds=5, warmup_rounds=1)
+    _info(benchmark, T, Kd, N, isa, "bf16" if kind == "bf16" else "q8")
+    benchmark.extra_info["wtype"] = wtype
+    if kind == "bf16":
+        _check("bf16", out, x, vals)
+    else:
+        cv = K.q8_0_dequantize(copy.data)
+        benchmark.extra_info.update({
+            "copy_s": round(made, 4), "copy_bytes": int(copy.nbytes),
+            "stored_bytes": int(wt.nbytes),
+            "copy_rms_rel": float(np.sqrt(((cv.astype(np.float64) - vals) ** 2).mean()
+                                          / (vals.astype(np.float64) ** 2).mean()))})
+        _check("q8", out, x, cv)

@@ -173,7 +173,7 @@ def test_denoiser_q8_on_float_refiners_is_the_q8_0_file(files):
     cfg, a, b, fb, (lat, cap) = files
     with open_denoiser(b, workers=2, precision="q8") as d:
         want = d.forward(lat, 0.5, cap)
-        assert d._int8_copies and not any(m.int8 is not None for lw in d.weights.blocks.values()
+        assert not any(m.int8 is not None for lw in d.weights.blocks.values()
                                           for m in lw.matrices().values())
     g = grade(want, denoiser_forward_f64(lat, 0.5, cap, fb.weights, cfg),
               tol=DENOISE_TOL["q8"])
@@ -194,6 +194,58 @@ def test_denoiser_q8_on_float_refiners_is_the_q8_0_file(files):
         assert_bitwise(d.forward(lat, 0.5, cap), want, "q8 after f32")
         d.precision = "f32"
         assert_bitwise(d.forward(lat, 0.5, cap), f32, "f32 after q8")
+        d.precision, d.q8_float_weights = "q8", "bf16"       # the copies are set aside
+        assert_bitwise(d.forward(lat, 0.5, cap), outs[(2, "bf16")], "q8 bf16 after int8")
+        d.q8_float_weights = "int8"                         # and taken up again
+        assert_bitwise(d.forward(lat, 0.5, cap), want, "q8 int8 again")
     with pytest.raises(ValueError, match="q8_float_weights"):
         open_denoiser(a, q8_float_weights="q4")
+    assert live_segments(PID) == []
+
+
+# ----------------------------------------------------------------------------- blockrun
+
+def test_blockrun_q8_float_weights(models_root, tmp_path):
+    """A block stored BF16 under q8: ``run_stack`` with the copies gives exactly the block
+    whose projections are gguf's Q8_0 of those values (run by the same runner), passes q8's
+    tolerance, and differs from ``q8_float_weights="bf16"``; the CLI option reaches it."""
+    import subprocess
+    import sys
+    from dataclasses import replace
+
+    from nxhpc.dit.block import run_layers
+    from nxhpc.dit.stackrun import run_stack
+    from nxhpc.models import open_model
+    env = dict(os.environ, NXHPC_MODELS=str(models_root))
+    r = subprocess.run([sys.executable, "-m", "nxhpc.models", "make", "tiny-bf16", "--types",
+                        "bf16"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    m = open_model("tiny-bf16", models_dir=models_root)
+    try:
+        runs = {c: run_stack(m, workers=2, precision="q8", q8_float_weights=c)
+                for c in ("int8", "bf16")}
+        assert all(run.grade.passed for run in runs.values())
+        assert runs["int8"].report["q8_float_weights"] == "int8"
+        assert not np.array_equal(runs["int8"].output, runs["bf16"].output)
+        lw = m.layer_weights(0, "gguf")
+        assert {w.type_name for w in lw.matrices().values()} == {"BF16"}
+        q8 = replace(lw, **{k: _stored(getattr(lw, k).dequantize(), "Q8_0")
+                            for k in lw.PROJECTIONS})
+        x = m.blk_in(0)
+        want = run_layers(m, [0], x, m.pe(), t_emb=m.t_emb(), mask=m.mask(), workers=1,
+                          weights={0: q8}, precision="q8").output
+        assert_bitwise(runs["int8"].output, want, "copies vs Q8_0 projections")
+        out = tmp_path / "o.npy"
+        r = subprocess.run([sys.executable, "-m", "nxhpc.blockrun", "tiny-bf16", "2",
+                            "--precision", "q8", "--q8-float-weights", "bf16",
+                            "--save-output", str(out)], env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert_bitwise(np.load(out), runs["bf16"].output, "CLI --q8-float-weights bf16")
+        r = subprocess.run([sys.executable, "-m", "nxhpc.blockrun", "tiny-bf16", "2",
+                            "--q8-float-weights", "int4"], env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 2 and "--q8-float-weights" in r.stderr
+    finally:
+        m.close()
     assert live_segments(PID) == []

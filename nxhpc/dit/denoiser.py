@@ -270,7 +270,8 @@ class Denoiser(MapHolder):
     ``q8_float_weights`` (``"int8"`` default, or ``"bf16"``: ``nxhpc.nn.linear``) is how ``q8``
     runs the blocks' F32/F16/BF16 projections (the refiners of ComfyUI-layout files, every
     block of a float file): on Q8_0 copies made once, in the parent, at the first ``q8`` call
-    (+1.0625 bytes per value, kept until :meth:`close`), or on the stored values in ``bf16``.
+    (+1.0625 bytes per value, kept until :meth:`close`), or on the stored values in ``bf16``;
+    settable between calls.
     ``last_timings``: microseconds of the last call per segment (``us_embed``,
     ``us_noise_refiner``, ``us_context_refiner``, ``us_layers``, ``us_final``, ``us_total``).
     """
@@ -285,6 +286,7 @@ class Denoiser(MapHolder):
         self.q8_float_weights = check_q8_float_weights(q8_float_weights,
                                                        "Denoiser: q8_float_weights")
         self._int8_copies = False     # whether self.weights' float projections carry them
+        self._plain_blocks = self._copied_blocks = None     # the blocks without / with them
         self.spawn = spawn
         self.stage_timeout = check_timeout(stage_timeout)
         self.directory = Path(directory) if directory is not None else None
@@ -390,22 +392,30 @@ class Denoiser(MapHolder):
         self._sessions.append(s)
         return s
 
-    def _make_int8_copies(self) -> None:
-        """Under ``q8_float_weights="int8"``: give every block's float projections their Q8_0
-        copies, once (the engines forked before hold the weights without them, so they are
-        closed and rebuilt on demand)."""
-        if self._int8_copies or check_q8_float_weights(
-                self.q8_float_weights, "Denoiser.q8_float_weights") != "int8":
+    def _q8_weights(self) -> None:
+        """Before a ``q8`` call: the blocks' float projections carry their Q8_0 copies under
+        ``q8_float_weights="int8"`` (made once, kept until :meth:`close`) and carry none under
+        ``"bf16"``. When that changes the weights, the engines forked before are closed (their
+        workers hold the old ones) and rebuilt on demand."""
+        want = check_q8_float_weights(self.q8_float_weights,
+                                      "Denoiser.q8_float_weights") == "int8"
+        if want == self._int8_copies:
             return
         w = self.weights
-        blocks = {key: lw.with_int8_copies(self.kernels) for key, lw in w.blocks.items()}
+        if want:
+            if self._plain_blocks is None:
+                blocks = {key: lw.with_int8_copies(self.kernels) for key, lw in w.blocks.items()}
+                self._plain_blocks, self._copied_blocks = w.blocks, blocks
+            blocks = self._copied_blocks
+        else:
+            blocks = self._plain_blocks
         if any(a is not b for key, lw in blocks.items()
                for a, b in zip(lw.matrices().values(), w.blocks[key].matrices().values())):
             sessions, self._sessions = self._sessions, []
             for s in sessions:
                 s.close()
             self.weights = replace(w, blocks=blocks)
-        self._int8_copies = True
+        self._int8_copies = want
 
     # -- one call
     def forward(self, latents: Any, t: float, cap_feats: Any) -> np.ndarray:
@@ -426,7 +436,7 @@ class Denoiser(MapHolder):
         t = self._timestep(t)
         prec = check_precision(self.precision, "Denoiser.precision")
         if prec == "q8":
-            self._make_int8_copies()
+            self._q8_weights()
         cfg, w, k = self.config, self.weights, self.kernels
         C, H, W = lat.shape
         L = cap.shape[0]
@@ -528,6 +538,7 @@ class Denoiser(MapHolder):
                 s.close()
         finally:
             self.weights = None               # views of the map (zero-copy weights)
+            self._plain_blocks = self._copied_blocks = None
             self._drop_map()
 
     def __repr__(self) -> str:
