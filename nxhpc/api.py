@@ -58,7 +58,8 @@ def load_text_encoder(path_or_id: str | os.PathLike, workers: int | None = None,
     ``models_dir`` / ``$NXHPC_MODELS``). Returns an ``nxhpc.qwen3.encoder.TextEncoder``
     (context manager): ``tokenize(prompt)`` -> ids (chat template, first 512),
     ``encode(prompt)`` -> float32 ``[L, dim]`` caption features, ``config``, ``close()``.
-    ``options``: ``spawn``, ``stage_timeout``, ``max_tokens``, ``check_values``. Example::
+    ``options``: ``spawn``, ``stage_timeout``, ``max_tokens``, ``check_values``,
+    ``q8_float_weights``. Example::
 
         with nxhpc.load_text_encoder("Qwen3-4B-Q8_0.gguf", workers=8) as te:
             cap_feats = te.encode("a red fox in the snow")      # [L, 2560] float32

@@ -574,7 +574,8 @@ def _encode(te: str, prompts: list[str], which: list[int], negative: str | None,
     if not hasattr(nxhpc, "load_text_encoder"):       # pragma: no cover - an older tree
         raise NotFound("this nxhpc has no text encoder (nxhpc.load_text_encoder)")
     with nxhpc.load_text_encoder(te, workers=workers, precision=args.precision,
-                                 models_dir=args.models_dir) as enc:
+                                 models_dir=args.models_dir,
+                                 q8_float_weights=args.q8_float_weights) as enc:
         with _on_every_rank(ranks):
             if enc.config.dim != cap_dim:
                 raise InputError(f"--text-encoder {te}: its features are {enc.config.dim} wide "

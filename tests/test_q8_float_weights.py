@@ -249,3 +249,45 @@ def test_blockrun_q8_float_weights(models_root, tmp_path):
     finally:
         m.close()
     assert live_segments(PID) == []
+
+
+# ----------------------------------------------------------------------------- text encoder
+
+def test_text_encoder_q8_on_a_bf16_file_is_the_q8_0_file(tmp_path):
+    """A Qwen3 GGUF stored BF16 under q8: with the copies, exactly the same file's values
+    stored Q8_0 by gguf (projections; the embedding is gathered, not multiplied); without
+    (``"bf16"``), other bits; within q8's bound of the float64 encoder on the BF16 values."""
+    from nxhpc.models.qwen3_files import read_qwen3_gguf, write_qwen3_gguf
+    from nxhpc.qwen3.config import Qwen3Config, layer_names
+    from nxhpc.qwen3.model import PROJECTIONS, TextEncoderModel
+    from nxhpc.qwen3.reference import encode_f64
+    cfg = Qwen3Config(vocab=260, dim=128, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=64,
+                      ffn=256, eps=1e-6, rope_theta=1e6, context_length=64)
+    a = write_qwen3_gguf(tmp_path / "bf16.gguf", cfg, seed=5, matrix_type="BF16")
+    fa = read_qwen3_gguf(a)
+    names = {layer_names(i)[k] for i in range(cfg.n_layers) for k in PROJECTIONS}
+    b = write_qwen3_gguf(tmp_path / "q8.gguf", cfg,
+                         {n: np.asarray(v, np.float32) for n, v in fa.weights.items()},
+                         matrix_type="BF16", types={n: "Q8_0" for n in names})
+    assert {read_qwen3_gguf(b).types[n] for n in names} == {"Q8_0"}
+    ids = [int(i) for i in np.random.default_rng(1).integers(0, cfg.vocab, 11)]
+    with TextEncoderModel(b, workers=2, precision="q8") as m:
+        want = m.encode_ids(ids)
+    ref = encode_f64(ids, fa.weights, _file_cfg(cfg))
+    assert np.abs(want - ref).max() <= 3e-2 * np.abs(ref).max()       # q8's bound (tests)
+    with TextEncoderModel(a, workers=3, precision="q8") as m:
+        assert_bitwise(m.encode_ids(ids), want, "copies vs the Q8_0 file")
+        m.q8_float_weights = "bf16"
+        other = m.encode_ids(ids)
+        assert not np.array_equal(other, want)
+        m.q8_float_weights = "int8"
+        assert_bitwise(m.encode_ids(ids), want, "copies again")
+    with pytest.raises(ValueError, match="q8_float_weights"):
+        TextEncoderModel(a, q8_float_weights="fp8")
+    assert live_segments(PID) == []
+
+
+def _file_cfg(cfg):
+    """The config as a file stores it: eps and RoPE base rounded to float32."""
+    from dataclasses import replace
+    return replace(cfg, eps=float(np.float32(cfg.eps)), rope_theta=float(np.float32(cfg.rope_theta)))

@@ -7,9 +7,7 @@ read-only views of the map, never decoded or requantized; 1-D tensors decoded to
 from a fixture store (float32 weights holding Q8_0 values, re-quantized to the identical Q8_0
 bytes), and the untrusted-file checks on the way (NaN/Inf anywhere, checked on the stored bits
 in bounded chunks so no float32 copy of a matrix is ever made).
-Must not: run kernels (beyond making a float projection's Q8_0 copy for ``q8``,
-:meth:`LayerWeights.with_int8_copies`), infer the config (``nxhpc.dit.config`` does), or keep a
-decoded matrix.
+Must not: run kernels, infer the config (``nxhpc.dit.config`` does), or keep a decoded matrix.
 """
 from __future__ import annotations
 
@@ -21,7 +19,6 @@ import numpy as np
 from nxhpc.dit.config import _ROLE, BlockConfig, block_label, tensor_names
 from nxhpc.formats.gguf_io import ModelFileError, dequantize_q8_0, quantize_q8_0
 from nxhpc.formats.weights import WeightTensor, as_weight_tensor, check_finite_weight
-from nxhpc.nn.linear import with_int8_copy
 
 __all__ = ["LayerWeights", "bind_gguf_layer", "bind_fixture_layer", "check_finite_weight"]
 
@@ -72,14 +69,9 @@ class LayerWeights:
             vals[f.name] = v
         return replace(self, **vals)
 
-    #: The projections a block's matmul precision applies to (adaLN stays float32).
+    #: The projections a block's matmul precision applies to (adaLN stays float32); under
+    #: ``q8`` their float ones may carry Q8_0 copies (``nxhpc.nn.linear.Q8Blocks``).
     PROJECTIONS = ("qkv", "out", "w1", "w3", "w2")
-
-    def with_int8_copies(self, kernels: Any) -> "LayerWeights":
-        """A copy whose F32/F16/BF16 projections carry their Q8_0 copies (what ``q8`` runs:
-        :func:`nxhpc.nn.linear.with_int8_copy`); quantized ones and adaLN are unchanged."""
-        t = self.typed()
-        return replace(t, **{k: with_int8_copy(kernels, getattr(t, k)) for k in self.PROJECTIONS})
 
     def matrices(self) -> dict[str, WeightTensor]:
         """Short name -> the bound matrices as :class:`WeightTensor` (adaLN only if present)."""

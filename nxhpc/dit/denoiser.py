@@ -50,8 +50,8 @@ import numpy as np
 import nxhpc
 from nxhpc.dit.binding import LayerWeights, bind_gguf_layer, check_finite_weight
 from nxhpc.dit.config import DENOISER_TENSORS, STACKS, DenoiserConfig, infer_config
-from nxhpc.nn.linear import (DEFAULT_PRECISION, DEFAULT_Q8_FLOAT_WEIGHTS, check_precision,
-                             check_q8_float_weights)
+from nxhpc.nn.linear import (DEFAULT_PRECISION, DEFAULT_Q8_FLOAT_WEIGHTS, Q8Blocks,
+                             check_precision, check_q8_float_weights)
 from nxhpc.dit.plan import BlockPlan, Engine
 from nxhpc.dit.rope import position_ids, rope_table
 from nxhpc.formats.closing import MapHolder
@@ -285,8 +285,6 @@ class Denoiser(MapHolder):
         self.precision = check_precision(precision, "Denoiser: precision")
         self.q8_float_weights = check_q8_float_weights(q8_float_weights,
                                                        "Denoiser: q8_float_weights")
-        self._int8_copies = False     # whether self.weights' float projections carry them
-        self._plain_blocks = self._copied_blocks = None     # the blocks without / with them
         self.spawn = spawn
         self.stage_timeout = check_timeout(stage_timeout)
         self.directory = Path(directory) if directory is not None else None
@@ -308,6 +306,7 @@ class Denoiser(MapHolder):
             table = {n: (g.shape(n), g.type_name(n)) for n in g.names()}
             self.config, _ = infer_config(table, str(g.path), norm_eps, whole=True)
             self.weights = _bind(g, self.config, self.kernels)
+            self._q8_blocks = Q8Blocks(self.weights.blocks, LayerWeights.PROJECTIONS)
         except BaseException:
             self.gguf.close()
             raise
@@ -397,25 +396,13 @@ class Denoiser(MapHolder):
         ``q8_float_weights="int8"`` (made once, kept until :meth:`close`) and carry none under
         ``"bf16"``. When that changes the weights, the engines forked before are closed (their
         workers hold the old ones) and rebuilt on demand."""
-        want = check_q8_float_weights(self.q8_float_weights,
-                                      "Denoiser.q8_float_weights") == "int8"
-        if want == self._int8_copies:
-            return
-        w = self.weights
-        if want:
-            if self._plain_blocks is None:
-                blocks = {key: lw.with_int8_copies(self.kernels) for key, lw in w.blocks.items()}
-                self._plain_blocks, self._copied_blocks = w.blocks, blocks
-            blocks = self._copied_blocks
-        else:
-            blocks = self._plain_blocks
-        if any(a is not b for key, lw in blocks.items()
-               for a, b in zip(lw.matrices().values(), w.blocks[key].matrices().values())):
+        choice = check_q8_float_weights(self.q8_float_weights, "Denoiser.q8_float_weights")
+        blocks = self._q8_blocks.get(self.kernels, choice)
+        if blocks is not self.weights.blocks:
             sessions, self._sessions = self._sessions, []
             for s in sessions:
                 s.close()
-            self.weights = replace(w, blocks=blocks)
-        self._int8_copies = want
+            self.weights = replace(self.weights, blocks=blocks)
 
     # -- one call
     def forward(self, latents: Any, t: float, cap_feats: Any) -> np.ndarray:
@@ -538,7 +525,7 @@ class Denoiser(MapHolder):
                 s.close()
         finally:
             self.weights = None               # views of the map (zero-copy weights)
-            self._plain_blocks = self._copied_blocks = None
+            self._q8_blocks = None
             self._drop_map()
 
     def __repr__(self) -> str:

@@ -22,7 +22,7 @@ import numpy as np
 
 from nxhpc.dit.config import block_view
 from nxhpc.dit.grade import DEFAULT_TOL, Grade, count_exceeding, error_row, grade
-from nxhpc.nn.linear import (DEFAULT_PRECISION, DEFAULT_Q8_FLOAT_WEIGHTS, PRECISIONS,
+from nxhpc.nn.linear import (DEFAULT_PRECISION, DEFAULT_Q8_FLOAT_WEIGHTS, PRECISIONS, Q8Blocks,
                              check_q8_float_weights)
 from nxhpc.runtime import checks
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES
@@ -185,10 +185,11 @@ def run_stack(model, *, layers: int | str = 1, workers: int | None = None,
 
     weights = {i: model.layer_weights(i, source) for i in ids}
     report["weights"] = weights[0].source
-    if precision == "q8" and q8_float_weights == "int8":
+    if precision == "q8":
         import nxhpc
-        kernels = nxhpc.kernels()
-        weights = {i: w.with_int8_copies(kernels) for i, w in weights.items()}
+        from nxhpc.dit.binding import LayerWeights
+        weights = Q8Blocks(weights, LayerWeights.PROJECTIONS).get(nxhpc.kernels(),
+                                                                  q8_float_weights)
     report["q8_float_weights"] = q8_float_weights
 
     # self-check of the source runner: layer 0's adaLN from the GGUF vs the tapped fixture

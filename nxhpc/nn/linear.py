@@ -36,7 +36,8 @@ import numpy as np
 from nxhpc.formats.weights import FLOAT_TYPES, WeightTensor
 
 __all__ = ["matmul", "adaln_linear", "check_runnable", "check_precision", "effective_precision",
-           "attention_precision", "with_int8_copy", "check_q8_float_weights", "PRECISIONS",
+           "attention_precision", "with_int8_copy", "check_q8_float_weights", "Q8Blocks",
+           "PRECISIONS",
            "DEFAULT_PRECISION", "Q8_WEIGHT_TYPES", "Q8_FLOAT_WEIGHTS", "DEFAULT_Q8_FLOAT_WEIGHTS"]
 
 #: The matmul precisions of a block (see the module docstring).
@@ -121,6 +122,34 @@ def check_runnable(kernels: Any, weight: WeightTensor, *, adaln: bool = False) -
     if weight.type_name not in have:
         raise NotImplementedError(f"weight {weight.name!r} is {weight.type_name}; the "
                                   f"kernels run {', '.join(have)}")
+
+
+class Q8Blocks:
+    """A session's blocks for ``q8``: as bound, or (made once, on first need) with every float
+    projection carrying its Q8_0 copy. ``blocks``: key -> a dataclass block whose fields
+    ``keys`` are its projections (WeightTensor)."""
+
+    def __init__(self, blocks: dict, keys: tuple[str, ...]) -> None:
+        self.plain = blocks
+        self.keys = keys
+        self._copied: dict | None = None
+
+    def get(self, kernels: Any, choice: str) -> dict:
+        """The blocks a ``q8`` call runs under ``q8_float_weights=choice``: the plain ones for
+        ``"bf16"`` (or when no projection is float: then nothing is copied), else the copies."""
+        if check_q8_float_weights(choice) == "bf16":
+            return self.plain
+        if self._copied is None:
+            from dataclasses import replace
+            copied = {}
+            for key, b in self.plain.items():
+                new = {k: (with_int8_copy(kernels, v) if isinstance(v, WeightTensor) else v)
+                       for k in self.keys for v in (getattr(b, k),)}
+                changed = any(v is not getattr(b, k) for k, v in new.items())
+                copied[key] = replace(b, **new) if changed else b
+            same = all(copied[k] is self.plain[k] for k in copied)
+            self._copied = self.plain if same else copied
+        return self._copied
 
 
 def matmul(kernels: Any, x: np.ndarray, weight: WeightTensor, out: np.ndarray, lo: int,

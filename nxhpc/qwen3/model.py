@@ -59,7 +59,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,8 @@ from nxhpc.formats.weights import WeightTensor, check_finite_weight
 from nxhpc.nn import engine as _engine
 from nxhpc.nn.checks import check_eps
 from nxhpc.nn.engine import Engine, EngineSession, IOSpec, Plan, Stage
-from nxhpc.nn.linear import DEFAULT_PRECISION, attention_precision, check_precision, matmul
+from nxhpc.nn.linear import (DEFAULT_PRECISION, DEFAULT_Q8_FLOAT_WEIGHTS, Q8Blocks,
+                             attention_precision, check_precision, check_q8_float_weights, matmul)
 from nxhpc.nn.residual import UnitGateState, residual_add
 from nxhpc.nn.stages import Project, SwiGLU, block_extents
 from nxhpc.qwen3.config import LAYER_TENSORS, Qwen3Config, infer_config, layer_names
@@ -131,6 +132,10 @@ class LayerWeights:
                                  f"{'a WeightTensor' if len(want) == 2 else 'float32'} "
                                  f"{list(want)}, got {type(v).__name__} "
                                  f"{list(got) if got is not None else ''}")
+
+
+#: A block's projections (what the matmul precision applies to).
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 @dataclass
@@ -362,8 +367,11 @@ class TextEncoderModel(MapHolder):
     Q2_K..Q6_K tensors; IQ* types are refused naming the tensor and type). ``workers``
     (default: the usable CPUs), ``precision`` (``"f32"`` default, ``"bf16"``, ``"q8"``:
     ``nxhpc.nn.linear``; may be changed between calls) is the projections' matmul precision
-    -- the embedding gather, norms, RoPE, attention and residuals stay float32.
-    ``max_tokens``: the session's size (default :data:`DEFAULT_MAX_TOKENS`, at most the
+    -- the embedding gather, norms, RoPE and residuals stay float32; the attention follows it
+    (``linear.attention_precision``). ``q8_float_weights`` (``"int8"`` default, or ``"bf16"``)
+    is how ``q8`` runs F32/F16/BF16 projections (an F16/BF16 file): on Q8_0 copies made once, in
+    the parent, at the first ``q8`` call (kept until :meth:`close`; the session forked before
+    is replaced), or as stored in ``bf16``; settable between calls. ``max_tokens``: the session's size (default :data:`DEFAULT_MAX_TOKENS`, at most the
     model's context): calls of up to that many ids reuse one arena and one pool of workers
     forked once; a longer call (up to ``context_length``) replaces them with a larger
     session. ``spawn`` / ``stage_timeout`` as for the worker pool; ``check_values`` scans
@@ -379,9 +387,12 @@ class TextEncoderModel(MapHolder):
     def __init__(self, path: str | os.PathLike, *, workers: int | None = None,
                  precision: str = DEFAULT_PRECISION, max_tokens: int | None = None,
                  spawn: str = DEFAULT_SPAWN, stage_timeout: float | None = None,
-                 check_values: bool = True) -> None:
+                 check_values: bool = True,
+                 q8_float_weights: str = DEFAULT_Q8_FLOAT_WEIGHTS) -> None:
         self.workers = check_workers(workers, "TextEncoderModel: workers")
         self.precision = check_precision(precision, "TextEncoderModel: precision")
+        self.q8_float_weights = check_q8_float_weights(q8_float_weights,
+                                                       "TextEncoderModel: q8_float_weights")
         if spawn not in SPAWN_MODES:
             raise ValueError(f"TextEncoderModel: spawn must be one of {SPAWN_MODES}, got "
                              f"{spawn!r}")
@@ -409,6 +420,7 @@ class TextEncoderModel(MapHolder):
                                  f"{max_tokens!r}")
             self.max_tokens = int(max_tokens)
             self.weights = bind_weights(g, self.config, self.kernels, check_values=check_values)
+            self._q8_layers = Q8Blocks(self.weights.layers, PROJECTIONS)
         except BaseException:
             self.gguf.close()
             self.gguf = None
@@ -477,6 +489,14 @@ class TextEncoderModel(MapHolder):
         array. TextEncoderInputError for ids that do not fit the model (nothing runs)."""
         ids32 = self._ids(ids)
         prec = check_precision(self.precision, "TextEncoderModel.precision")
+        if prec == "q8":          # float projections: their Q8_0 copies, or not (Q8Blocks)
+            layers = self._q8_layers.get(self.kernels, check_q8_float_weights(
+                self.q8_float_weights, "TextEncoderModel.q8_float_weights"))
+            if layers is not self.weights.layers:
+                s, self._session = self._session, None     # its workers hold the old ones
+                if s is not None:
+                    s.close()
+                self.weights = replace(self.weights, layers=layers)
         cfg, L = self.config, int(ids32.size)
         s = self.session(L)
         eng = s.engine
@@ -518,6 +538,7 @@ class TextEncoderModel(MapHolder):
             if s is not None:
                 s.close()
         finally:
+            self._q8_layers = None
             self._drop_map()
 
     def __repr__(self) -> str:
