@@ -30,7 +30,8 @@ def _stored(a: np.ndarray, gtype: str) -> WeightTensor:
     """float32 ``a`` stored as ``gtype`` (the gguf package; its K-quant encoders are
     nxhpc.formats.layouts' numpy ones)."""
     from nxhpc.formats.layouts import encode
-    return WeightTensor.from_raw("w", gtype, a.shape[1], np.ascontiguousarray(encode(a, gtype, "w")))
+    return WeightTensor.from_raw("w", gtype, a.shape[1],
+                                 np.ascontiguousarray(encode(a, gtype, "w")))
 
 
 def _gguf_copy(w: WeightTensor) -> np.ndarray:
@@ -290,4 +291,5 @@ def test_text_encoder_q8_on_a_bf16_file_is_the_q8_0_file(tmp_path):
 def _file_cfg(cfg):
     """The config as a file stores it: eps and RoPE base rounded to float32."""
     from dataclasses import replace
-    return replace(cfg, eps=float(np.float32(cfg.eps)), rope_theta=float(np.float32(cfg.rope_theta)))
+    return replace(cfg, eps=float(np.float32(cfg.eps)),
+                   rope_theta=float(np.float32(cfg.rope_theta)))

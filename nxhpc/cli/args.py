@@ -21,8 +21,8 @@ from nxhpc.runtime import checks
 
 __all__ = ["positive_int", "workers", "layers", "positive_float", "seconds", "eps",
            "unit_interval", "pixels", "seed", "int_list", "grid", "workers_help", "cli_parser",
-           "add_workers", "add_precision", "add_q8_float_weights", "add_tol", "add_models_dir", "add_stage_timeout",
-           "add_json"]
+           "add_workers", "add_precision", "add_q8_float_weights", "add_tol", "add_models_dir",
+           "add_stage_timeout", "add_json"]
 
 
 def _int(s: str, rule: str) -> int:

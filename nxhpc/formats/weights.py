@@ -23,8 +23,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from nxhpc.formats.ggml_blocks import QUANT_BLOCKS
 from nxhpc.formats.gguf_io import ModelFileError
 
-__all__ = ["WeightTensor", "RUNNABLE_TYPES", "FLOAT_TYPES", "type_id", "type_name", "block_geometry",
-           "row_bytes", "as_weight_tensor", "check_finite_weight"]
+__all__ = ["WeightTensor", "RUNNABLE_TYPES", "FLOAT_TYPES", "type_id", "type_name",
+           "block_geometry", "row_bytes", "as_weight_tensor", "check_finite_weight"]
 
 #: Types a block's matrices may be stored in (the kernels run them as stored; every one is a
 #: row of the C weight-type traits table, nxhpc/csrc/nx_wtype.c -- tests/test_kernels_wtype.py

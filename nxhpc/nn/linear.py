@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from nxhpc.formats.weights import FLOAT_TYPES, WeightTensor
+from nxhpc.formats.weights import FLOAT_TYPES, WeightTensor, block_geometry
 
 __all__ = ["matmul", "adaln_linear", "check_runnable", "check_precision", "effective_precision",
            "attention_precision", "with_int8_copy", "check_q8_float_weights", "Q8Blocks",
@@ -52,7 +52,6 @@ Q8_WEIGHT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K
 #: docs/kernels.md ("q8 on float weights") has the measurements behind the default.
 Q8_FLOAT_WEIGHTS = ("int8", "bf16")
 DEFAULT_Q8_FLOAT_WEIGHTS = "int8"
-_QK8_0 = 32
 _COPY_ROWS = 256            # rows decoded and quantized at a time by with_int8_copy
 
 
@@ -90,17 +89,17 @@ def with_int8_copy(kernels: Any, weight: WeightTensor) -> WeightTensor:
     zero. Decoded and quantized ``_COPY_ROWS`` rows at a time (no float32 copy of the matrix).
     ValueError naming the tensor if a block's scale overflows float16 (|w| > 65504 * 127).
     """
-    if weight.type_name not in FLOAT_TYPES or weight.int8 is not None \
-            or weight.cols % _QK8_0:
+    qk, qbytes = block_geometry("Q8_0")
+    if weight.type_name not in FLOAT_TYPES or weight.int8 is not None or weight.cols % qk:
         return weight
     rows, cols = weight.shape
-    q = np.empty((rows, cols // _QK8_0 * 34), dtype=np.uint8)
+    q = np.empty((rows, cols // qk * qbytes), dtype=np.uint8)
     buf = np.empty((min(rows, _COPY_ROWS), cols), dtype=np.float32)
     for r0 in range(0, rows, _COPY_ROWS):
         r1 = min(rows, r0 + _COPY_ROWS)
         f = kernels.dequantize(weight.data[r0:r1], weight.type_name, out=buf[:r1 - r0])
         kernels.q8_0_quantize(f, out=q[r0:r1])
-    scales = q.reshape(rows, -1, 34)[:, :, :2].copy().view(np.float16)
+    scales = q.reshape(rows, -1, qbytes)[:, :, :2].copy().view(np.float16)
     if not np.isfinite(scales).all():
         raise ValueError(f"weight {weight.name!r} ({weight.type_name} {list(weight.shape)}): "
                          f"values beyond Q8_0's float16 scale (|w| > 65504 * 127) cannot take "
