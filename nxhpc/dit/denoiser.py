@@ -268,10 +268,10 @@ class Denoiser(MapHolder):
     ``"q8"``: ``nxhpc.nn.linear``; may be changed between calls) is the blocks' projection
     matmul precision (the attention follows it); embedders, final layer, norms, RoPE, adaLN
     stay float32. ``q8_float_weights`` (``"int8"`` default, or ``"bf16"``: ``nxhpc.nn.linear``)
-    is how ``q8`` runs the blocks' F32/F16/BF16 projections (the refiners of ComfyUI-layout files, every
-    block of a float file): on Q8_0 copies made once, in the parent, at the first ``q8`` call
-    (+1.0625 bytes per value, kept until :meth:`close`), or on the stored values in ``bf16``;
-    settable between calls.
+    is how ``q8`` runs the blocks' F32/F16/BF16 projections (the refiners of ComfyUI-layout
+    files, every block of a float file): on Q8_0 copies made once, in the parent, at the first
+    ``q8`` call (+1.0625 bytes per value, kept until :meth:`close`), or on the stored values in
+    ``bf16``; settable between calls.
     ``last_timings``: microseconds of the last call per segment (``us_embed``,
     ``us_noise_refiner``, ``us_context_refiner``, ``us_layers``, ``us_final``, ``us_total``).
     """

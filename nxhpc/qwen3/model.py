@@ -372,8 +372,8 @@ class TextEncoderModel(MapHolder):
     is how ``q8`` runs F32/F16/BF16 projections (an F16/BF16 file): on Q8_0 copies made once, in
     the parent, at the first ``q8`` call (kept until :meth:`close`; the session forked before
     is replaced), or as stored in ``bf16``; settable between calls. ``max_tokens``: the
-    session's size (default :data:`DEFAULT_MAX_TOKENS`, at most the model's context): calls of up to that many ids reuse one arena and one pool of workers
-    forked once; a longer call (up to ``context_length``) replaces them with a larger
+    session's size (default :data:`DEFAULT_MAX_TOKENS`, at most the model's context): calls of
+    up to that many ids reuse one arena and one pool of workers forked once; a longer call (up to ``context_length``) replaces them with a larger
     session. ``spawn`` / ``stage_timeout`` as for the worker pool; ``check_values`` scans
     every weight for NaN/Inf when the file is opened (reads the whole file once).
 
