@@ -373,9 +373,10 @@ class TextEncoderModel(MapHolder):
     the parent, at the first ``q8`` call (kept until :meth:`close`; the session forked before
     is replaced), or as stored in ``bf16``; settable between calls. ``max_tokens``: the
     session's size (default :data:`DEFAULT_MAX_TOKENS`, at most the model's context): calls of
-    up to that many ids reuse one arena and one pool of workers forked once; a longer call (up to ``context_length``) replaces them with a larger
-    session. ``spawn`` / ``stage_timeout`` as for the worker pool; ``check_values`` scans
-    every weight for NaN/Inf when the file is opened (reads the whole file once).
+    up to that many ids reuse one arena and one pool of workers forked once; a longer call (up
+    to ``context_length``) replaces them with a larger session. ``spawn`` / ``stage_timeout``
+    as for the worker pool; ``check_values`` scans every weight for NaN/Inf when the file is
+    opened (reads the whole file once).
 
     Use as a context manager or call :meth:`close`, which stops the workers and releases the
     arena and the map (also after an error or an interrupt: the arena's segment is unlinked
