@@ -31,6 +31,8 @@ fastest kind of their precision here. Where the CPU has AMX but the variant does
 ggml's Q8_0 x Q8_0 matmul (llama.cpp's default tinyBLAS path) is cited at ~110 GFLOP/s per Zen 4
 core in issue 11.
 """
+import time
+
 import numpy as np
 import pytest
 from _bench_util import bench_stats, peak_fields
@@ -365,7 +367,6 @@ def test_bench_q8_float_weights(benchmark, wtype, row):
     the bf16 rows against the bf16 bound on the stored ones."""
     from nxhpc.formats.weights import WeightTensor
     from nxhpc.nn.linear import with_int8_copy
-    import time
     T, Kd, N = 256, 3840, 3840
     x = _case(T, Kd, 32)[0]
     _, w_f32 = _typed_case("Q8_0", Kd, N)

@@ -37,14 +37,15 @@ from nxhpc.formats.weights import FLOAT_TYPES, WeightTensor, block_geometry
 
 __all__ = ["matmul", "adaln_linear", "check_runnable", "check_precision", "effective_precision",
            "attention_precision", "with_int8_copy", "check_q8_float_weights", "Q8Blocks",
-           "PRECISIONS",
-           "DEFAULT_PRECISION", "Q8_WEIGHT_TYPES", "Q8_FLOAT_WEIGHTS", "DEFAULT_Q8_FLOAT_WEIGHTS"]
+           "PRECISIONS", "DEFAULT_PRECISION", "Q8_WEIGHT_TYPES", "Q8_FLOAT_WEIGHTS",
+           "DEFAULT_Q8_FLOAT_WEIGHTS"]
 
 #: The matmul precisions of a block (see the module docstring).
 PRECISIONS = ("f32", "bf16", "q8")
 DEFAULT_PRECISION = "f32"
 #: Weight types ``q8`` runs on their integer codes (the kernels' ``Q8_WEIGHT_TYPES``; a test
-#: keeps the two equal). Any other type runs ``bf16`` under ``q8``.
+#: keeps the two equal). An F32/F16/BF16 matrix runs ``q8`` on its Q8_0 copy, or ``bf16``
+#: (:data:`Q8_FLOAT_WEIGHTS`).
 Q8_WEIGHT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 #: How ``q8`` runs an F32/F16/BF16 matrix (a session's ``q8_float_weights``): ``"int8"`` -- on a
 #: Q8_0 copy made once at load (1.0625 bytes a value; the copy's error is Q8_0's rounding of
@@ -142,11 +143,14 @@ class Q8Blocks:
             from dataclasses import replace
             copied = {}
             for key, b in self.plain.items():
-                new = {k: (with_int8_copy(kernels, v) if isinstance(v, WeightTensor) else v)
-                       for k in self.keys for v in (getattr(b, k),)}
-                changed = any(v is not getattr(b, k) for k, v in new.items())
-                copied[key] = replace(b, **new) if changed else b
-            same = all(copied[k] is self.plain[k] for k in copied)
+                new = {}
+                for k in self.keys:
+                    v = getattr(b, k)
+                    c = with_int8_copy(kernels, v) if isinstance(v, WeightTensor) else v
+                    if c is not v:
+                        new[k] = c
+                copied[key] = replace(b, **new) if new else b
+            same = all(copied[k] is b for k, b in self.plain.items())
             self._copied = self.plain if same else copied
         return self._copied
 
