@@ -226,6 +226,44 @@ def test_q4_0_file_decoded_by_its_types(cases, tmp_path, inputs):
         assert rel_err(d.forward(lat, 0.9, cap), ref) <= REL_TOL
 
 
+def test_q4_k_m_file_whole_call(tmp_path):
+    """The Q4_K_M layout of the ComfyUI files (the ``zimage-dit-<N>l-q4km`` built-ins): main
+    layers Q4_K with qkv Q5_K and w2 Q6_K, refiners and embedders BF16. f32 matches the float64
+    reference on the gguf package's decoding of the file; q8 (K-quant int8 dots, the refiners on
+    their Q8_0 copies) and bf16 pass the CLI's tolerances, bit-identical for 1 and 3 workers."""
+    from nxhpc.denoise import DENOISE_TOL
+    from nxhpc.dit.grade import grade
+    from nxhpc.models.synthetic import SyntheticSpec, make_synthetic
+    from nxhpc.models.zimage_files import read_zimage_gguf
+    spec = SyntheticSpec(dim=256, n_heads=4, ffn_dim=512, n_layers=1, n_refiner=1, cap_dim=64,
+                         layout="q4_k_m", seed=9, latent_hw=(6, 4), n_caption=5,
+                         reference=False)
+    p = make_synthetic(tmp_path / "q4km", spec) / "model.gguf"
+    f = read_zimage_gguf(p)
+    counts = f.type_counts()
+    assert {"Q4_K", "Q5_K", "Q6_K", "BF16", "F32"} == set(counts), counts
+    assert f.tensors["layers.0.attention.qkv.weight"][1] == "Q5_K"
+    assert f.tensors["noise_refiner.0.attention.qkv.weight"][1] == "BF16"
+    rng = np.random.default_rng(4)
+    cfg = spec.config()
+    lat = rng.standard_normal((cfg.in_channels, 6, 4)).astype(np.float32)
+    cap = rng.standard_normal((5, cfg.cap_dim)).astype(np.float32)
+    ref = denoiser_forward_f64(lat, 0.7, cap, f.weights, cfg)
+    with open_denoiser(p, workers=2) as d:
+        exact = d.forward(lat, 0.7, cap)
+    assert rel_err(exact, ref) <= REL_TOL
+    for precision in ("q8", "bf16"):
+        outs = []
+        for workers in (1, 3):
+            with open_denoiser(p, workers=workers, precision=precision) as d:
+                outs.append(d.forward(lat, 0.7, cap))
+        assert_bitwise(outs[0], outs[1], f"{precision} workers 1 vs 3")
+        g = grade(outs[0], ref, tol=DENOISE_TOL[precision])
+        assert g.passed, (precision, g.verdict_line())
+        assert rel_err(outs[0], ref) > 100 * rel_err(exact, ref)      # not the f32 path
+    assert live_segments(PID) == []
+
+
 def test_optional_norm_final_and_4d_latents(cases, tmp_path, inputs, outputs):
     from nxhpc.models.zimage_files import write_zimage_gguf
     lat, cap = inputs
@@ -459,6 +497,14 @@ def test_tiny_dit_builtin(tmp_path):
         (3840, 30, 128, 10240, 2560)
     assert builtin_spec("zimage-dit-7l").config().n_layers == 7
     assert builtin_spec("zimage-dit-0l") is None and builtin_spec("zimage-dit-31l") is None
+    # the Q4_K_M twins: the same spec (seed included) but the layout
+    import dataclasses
+    q = builtin_spec("zimage-dit-2l-q4km")
+    assert q.layout == "q4_k_m" and builtin_spec("zimage-dit-2l").layout == "comfyui-q8_0"
+    assert dataclasses.replace(q, layout="comfyui-q8_0") == builtin_spec("zimage-dit-2l")
+    assert q.fingerprint() != builtin_spec("zimage-dit-2l").fingerprint()
+    for bad in ("zimage-dit-31l-q4km", "zimage-dit-2l-q4k", "zimage-dit-2l-Q4KM"):
+        assert builtin_spec(bad) is None, bad
 
 
 def test_generator_deterministic_and_same_tensors_as_the_layout_writer(tmp_path):

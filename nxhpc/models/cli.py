@@ -73,7 +73,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print(f"{mid:<13} {c.dim:>5} {c.n_heads:>7} {c.ffn_dim:>6} "
               f"{f'{c.n_layers}+{c.n_noise_refiner}+{c.n_context_refiner}':>10} {c.cap_dim:>5} "
               f"{dspec.n_tokens:>6}  {dspec.layout:<13} {st}")
-    print("zimage-dit-<N>l: real Z-Image dims with N = 1..30 main layers")
+    print("zimage-dit-<N>l: real Z-Image dims with N = 1..30 main layers (comfyui-q8_0); "
+          "zimage-dit-<N>l-q4km: the same weights in the q4_k_m layout")
     print(f"{'text encoder':<13} {'D':>5} {'heads':>7} {'FFN':>6} {'layers':>10} {'vocab':>5} "
           f"{'ctx':>6}  types         status   (python -m nxhpc.encode)")
     for mid in builtin_ids(TEXT_ENCODER_KIND):

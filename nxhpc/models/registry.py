@@ -3,7 +3,7 @@
 Owns: :data:`BUILTINS`, the one table of built-in models (id -> its spec: a
 :class:`~nxhpc.models.synthetic.SyntheticSpec`, a block model or a whole denoiser, or a
 :class:`~nxhpc.models.qwen3_files.TextEncoderSpec`; each spec's ``kind`` says which; also
-``zimage-dit-<N>l`` for N = 1..30 main layers), the models root
+``zimage-dit-<N>l`` and ``zimage-dit-<N>l-q4km`` for N = 1..30 main layers), the models root
 (``$NXHPC_MODELS`` or ``~/.cache/nxhpc/models``), generating a built-in on first use under a
 lock (and again when its fingerprint is stale), :func:`resolve_model` (id | directory |
 ``.gguf`` -> the directory and GGUF path) and :func:`open_model` (-> :class:`~nxhpc.models.model.
@@ -81,8 +81,10 @@ BUILTINS: dict[str, BuiltinSpec] = {
     "tiny-vae": VaeSpec(seed=0),
 }
 DEFAULT_MODEL_ID = "tiny"
-#: ``zimage-dit-<N>l``: real Z-Image dims with N main layers (1..30), generated on first use.
-ZIMAGE_DIT_ID = re.compile(r"zimage-dit-([1-9][0-9]?)l")
+#: ``zimage-dit-<N>l``: real Z-Image dims with N main layers (1..30), generated on first use;
+#: ``zimage-dit-<N>l-q4km``: the same weights (same seed) in the Q4_K_M layout of the ComfyUI
+#: Z-Image files (main layers Q4_K, their qkv Q5_K and w2 Q6_K; refiners and embedders BF16).
+ZIMAGE_DIT_ID = re.compile(r"zimage-dit-([1-9][0-9]?)l(-q4km)?")
 
 
 def builtin_spec(model_id: str) -> BuiltinSpec | None:
@@ -91,7 +93,9 @@ def builtin_spec(model_id: str) -> BuiltinSpec | None:
         return BUILTINS[model_id]
     m = ZIMAGE_DIT_ID.fullmatch(model_id)
     if m and 1 <= int(m.group(1)) <= 30:
-        return SyntheticSpec.zimage_dit(int(m.group(1)))
+        n = int(m.group(1))
+        return SyntheticSpec.zimage_dit(n, layout="q4_k_m") if m.group(2) else \
+            SyntheticSpec.zimage_dit(n)
     return None
 
 
@@ -108,7 +112,7 @@ def builtin_ids(kind: str | None = None) -> list[str]:
 
 
 def _builtin_names() -> str:
-    return ", ".join([*BUILTINS, "zimage-dit-<N>l"])
+    return ", ".join([*BUILTINS, "zimage-dit-<N>l", "zimage-dit-<N>l-q4km"])
 
 
 def models_dir() -> Path:
@@ -282,8 +286,8 @@ def open_denoiser(model: str | os.PathLike, *, workers: int | None = None,
                   models_dir: str | os.PathLike | None = None,
                   gguf_path: str | os.PathLike | None = None, **options: Any) -> Any:
     """Open a whole denoiser (``nxhpc.dit.denoiser.Denoiser``): a GGUF path, a model directory,
-    or a built-in id (``tiny-dit``, ``zimage-dit-2l``, ``zimage-dit-<N>l``: generated on first
-    use under ``models_dir`` / ``$NXHPC_MODELS``). ``gguf_path`` overrides the directory's
+    or a built-in id (``tiny-dit``, ``zimage-dit-2l``, ``zimage-dit-<N>l[-q4km]``: generated on
+    first use under ``models_dir`` / ``$NXHPC_MODELS``). ``gguf_path`` overrides the directory's
     ``model.gguf``. ``workers``: processes per call (default: the usable CPUs). ``options``:
     ``spawn``, ``stage_timeout``, ``norm_eps``, ``precision`` (see ``Denoiser``). Raises
     ``ModelNotFoundError`` / ``ModelFileError`` / ``MissingTensorError`` (all
