@@ -18,6 +18,7 @@
  * Entered only when the probe reports the amx ISA. Must not: allocate per tile, use threads, or
  * leave a tile configuration loaded.
  */
+#include "nx_amx.h"
 #include "nx_attn_bf16.h"
 #include "nx_vmath_avx512.h" /* nx_exp16, nx_mask16 */
 
@@ -201,12 +202,6 @@ static void nx_ax_micro(int nr, const uint16_t *qt, int64_t hd32, int64_t nc, co
     }
 }
 
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} nx_ax_tilecfg;
-
 int nx_attention_bf16_amx(const float *q, const float *k, const float *qkv, const uint8_t *mask,
                           float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
                           int64_t h0, int64_t h1, int causal) {
@@ -236,11 +231,8 @@ int nx_attention_bf16_amx(const float *q, const float *k, const float *qkv, cons
         }
         tmask[b] = bits;
     }
-    nx_ax_tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-    _tile_loadconfig(&cfg);
+    const nx_tilecfg cfg = nx_tile_config();
+    nx_tile_loadconfig(&cfg);
     int64_t packed = -1;
     for (int64_t h = h0; h < h1; h++) {
         const int64_t g = h / group;

@@ -15,6 +15,7 @@
  * Must not: change the per-output block order or arithmetic of nx_lowp.h, allocate per tile, or
  * leave a tile configuration loaded when it returns.
  */
+#include "nx_amx.h"
 #include "nx_lowp.h"
 
 #include <immintrin.h>
@@ -272,22 +273,13 @@ NX_AMX_KERN(2, 1, NX_AMX_AGM)
 /* Palette 1. q8: tmm0-3 results (16 rows x 64 bytes); A tiles tmm4-5 16 x 32 bytes (H = 1) or
  * 16 x 16 (H = 2); B tiles tmm6-7 8 x 64 (H = 1) or 4 x 64 (H = 2). bf16 (H = 0): every tile
  * 16 rows x 64 bytes. */
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} nx_amx_tilecfg;
-
 static void nx_amx_configure(int H) {
-    nx_amx_tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    nx_tilecfg cfg = nx_tile_config();
     if (H) {
         for (int t = 4; t < 6; t++) cfg.colsb[t] = (uint16_t)(32 / H);
         for (int t = 6; t < 8; t++) cfg.rows[t] = (uint8_t)(8 / H);
     }
-    _tile_loadconfig(&cfg);
+    nx_tile_loadconfig(&cfg);
 }
 
 int nx_matmul_q8_amx(const nx_mm_call *c) {

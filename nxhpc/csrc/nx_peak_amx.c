@@ -7,28 +7,15 @@
  * per thread) and releases the tiles before returning. Must not: touch memory inside the loops,
  * or return with tiles configured.
  */
+#include "nx_amx.h"
 #include "nx_peak.h"
 
 #include <immintrin.h>
 #include <string.h>
 
-/* The 64-byte tile configuration of LDTILECFG: palette 1, every tile 16 rows x 64 bytes. */
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} nx_tilecfg;
-_Static_assert(sizeof(nx_tilecfg) == 64, "LDTILECFG takes 64 bytes");
-
 static void nx_peak_tiles_config(void) {
-    nx_tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
+    const nx_tilecfg cfg = nx_tile_config();
+    nx_tile_loadconfig(&cfg);
 }
 
 /* Tiles: 0-3 the accumulators C0..C3, 4-5 A0/A1, 6-7 B0/B1; every tile is 16 rows of 64 bytes
