@@ -2,7 +2,7 @@
  * models built from float32 roundings? (docs/kernels.md, "bf16 attention": why there is no
  * bit-exact AMX variant of the bf16 contracts.)
  *
- *   gcc -O2 -mamx-tile -mamx-bf16 amx_tdpbf16ps.c -o /tmp/amx_probe -lquadmath
+ *   gcc -O2 -mamx-tile -mamx-bf16 amx_tdpbf16ps.c -o /tmp/amx_probe -lquadmath -lm
  *   /tmp/amx_probe PAIRS EXP_RANGE      (e.g. 1 8, 2 2, 2 8, 16 4)
  *
  * One 16x16 float32 tile C += A (16 x PAIRS bf16 pairs) . B (PAIRS x 16 pair-dwords), 20000 times
@@ -77,7 +77,9 @@ int main(int argc, char **argv) {
     cfg.rows[0] = 16, cfg.colsb[0] = 64;    /* C: 16 x 16 float32 */
     cfg.rows[1] = 16, cfg.colsb[1] = 4 * K; /* A: 16 rows x K pairs */
     cfg.rows[2] = K, cfg.colsb[2] = 64;     /* B: K rows x 16 pair-dwords */
-    _tile_loadconfig(&cfg);
+    /* the whole record as the asm's input (gcc 12's _tile_loadconfig declares 8 bytes of it, so
+     * the stores above could be dropped: nxhpc/csrc/nx_amx.h) */
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
     static uint16_t A[16][32], B[16][32];
     static float C[16][16], D[16][16];
     long bad[NMODELS] = {0}, n = 0;
