@@ -4,38 +4,22 @@ References: the shared-memory run and the single-process full batch (SHA-256 of 
 and exact Python-int sums for the MPI ring. Runs mpirun in a subprocess on localhost; skipped
 only when mpirun or mpi4py is absent (CI installs both).
 """
-import importlib.util
 import json
-import os
-import shutil
 import subprocess
-import sys
 
 import pytest
 
+from mpiutil import MPI_MARKS, mpirun
+
 from nxhpc.train.ddp import train_full_batch, train_shm
 
-pytestmark = [
-    pytest.mark.mpi,
-    pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH (apt install openmpi-bin)"),
-    pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="mpi4py not installed (pip install mpi4py)"),
-]
+pytestmark = MPI_MARKS
 
 STEPS = 300                 # the real workload's "some hundreds of steps" (~1-8 s per mpirun)
 
 
 def _mpirun(n: int, args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    cmd = ["mpirun", "-n", str(n)]
-    version = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout
-    if "Open MPI" in version or "OpenRTE" in version:
-        # root in containers/CI, and more ranks than the 2 cores here
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        cmd.append("--oversubscribe")
-    return subprocess.run(cmd + [sys.executable, *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    return mpirun(n, args, timeout=timeout)
 
 
 _RING_CHECK = r"""

@@ -9,27 +9,20 @@ and a batch where one rank draws other noise, must both differ from the referenc
 ``mpirun --oversubscribe`` on localhost (2 cores here); skipped only when mpirun or mpi4py is
 absent (CI installs both).
 """
-import importlib.util
 import json
 import os
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from mpiutil import MPI_MARKS, mpirun, run_single
+
 from sample_util import shm_entries
 
-pytestmark = [
-    pytest.mark.mpi,
-    pytest.mark.skipif(shutil.which("mpirun") is None,
-                       reason="mpirun not on PATH (apt install openmpi-bin)"),
-    pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None,
-                       reason="mpi4py not installed (pip install mpi4py)"),
-]
+pytestmark = MPI_MARKS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Randomized per session (printed in every failure message through the ids/asserts).
 _RNG = np.random.default_rng()
@@ -39,35 +32,6 @@ STEPS = int(_RNG.integers(2, 4))
 _WORDS = ["red", "cat", "on", "a", "hill", "under", "blue", "sky", "old", "lamp", "river"]
 PROMPTS = [" ".join(_RNG.choice(_WORDS, size=int(n))) for n in _RNG.permutation([2, 4, 7])]
 PARAMS = f"seed={SEED} seeds={SEEDS} steps={STEPS} prompts={PROMPTS}"
-
-
-def _env(models) -> dict:
-    env = dict(os.environ, NXHPC_MODELS=str(models), PYTHONPATH=ROOT)
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")          # root in containers/CI
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
-    return env
-
-
-def _mpirun(n: int, args: list[str], models, timeout: float = 120,
-            extra_env: dict | None = None, apps: list[list[str]] | None = None
-            ) -> subprocess.CompletedProcess:
-    """``mpirun -n n python ARGS`` (or an MPMD line of ``apps``, one rank each)."""
-    cmd = ["mpirun", "--oversubscribe"]
-    if apps is None:
-        cmd += ["-n", str(n), sys.executable, *args]
-    else:
-        for i, a in enumerate(apps):
-            cmd += ([":"] if i else []) + ["-n", "1", sys.executable, *a]
-    env = _env(models)
-    env.update(extra_env or {})
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=ROOT)
-
-
-def _single(args: list[str], models) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
-                          env=_env(models), cwd=ROOT)
 
 
 def _gen(*extra: str) -> list[str]:
@@ -104,14 +68,14 @@ def ref(models, tmp_path_factory):
     """One process, one worker, no mpirun (this also generates the built-ins): the one image's
     PNG bytes, and the batch's PNGs by name."""
     d = tmp_path_factory.mktemp("ref")
-    r = _single(_one(d / "one.png", 1), models)
+    r = run_single(_one(d / "one.png", 1), models)
     assert r.returncode == 0, r.stdout + r.stderr
     rep = _report(r)
     assert "ranks" not in rep
     prompts = d / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n", encoding="utf-8")
     (d / "batch").mkdir()
-    r = _single(_batch(prompts, d / "batch", 1), models)
+    r = run_single(_batch(prompts, d / "batch", 1), models)
     assert r.returncode == 0, r.stdout + r.stderr
     batch = _pngs(d / "batch")
     assert len(batch) == 6 and len(set(batch.values())) == 6, PARAMS   # images all differ
@@ -121,7 +85,7 @@ def ref(models, tmp_path_factory):
 @pytest.mark.parametrize("ranks,workers", [(2, 1), (2, 2), (3, 1), (3, 2)])
 def test_one_image_split_across_ranks_same_bytes(ranks, workers, models, ref, tmp_path):
     out = tmp_path / "img.png"
-    r = _mpirun(ranks, _one(out, workers), models)
+    r = mpirun(ranks, _one(out, workers), models)
     assert r.returncode == 0, r.stdout + r.stderr
     assert out.read_bytes() == ref["one"], PARAMS
     rep = _report(r)
@@ -132,7 +96,7 @@ def test_one_image_split_across_ranks_same_bytes(ranks, workers, models, ref, tm
 
 @pytest.mark.parametrize("ranks,workers", [(2, 1), (2, 2), (3, 1), (3, 2)])
 def test_batch_whole_images_per_rank_same_bytes(ranks, workers, models, ref, tmp_path):
-    r = _mpirun(ranks, _batch(ref["prompts"], tmp_path, workers), models)
+    r = mpirun(ranks, _batch(ref["prompts"], tmp_path, workers), models)
     assert r.returncode == 0, r.stdout + r.stderr
     got = _pngs(tmp_path)
     assert list(got) == list(ref["batch"]), PARAMS
@@ -158,9 +122,9 @@ def test_guidance_and_noise_across_ranks_same_bytes(models, ref, tmp_path):
         want, got = tmp_path / f"{name}-ref", tmp_path / f"{name}-mpi"
         want.mkdir()
         got.mkdir()
-        r = _single([*args, "--out", str(want)], models)
+        r = run_single([*args, "--out", str(want)], models)
         assert r.returncode == 0, r.stdout + r.stderr
-        r = _mpirun(ranks, [*args, "--out", str(got)], models)
+        r = mpirun(ranks, [*args, "--out", str(got)], models)
         assert r.returncode == 0, r.stdout + r.stderr
         assert _report(r)["split"] == ("call" if name == "one" else "images")
         expect = _pngs(want)
@@ -181,7 +145,7 @@ sys.exit(cli.main(sys.argv[1:]))
 def test_negative_control_split_without_the_exchange_differs(models, ref, tmp_path):
     """The same rank split without its gathers: each rank misses the others' bands."""
     out = tmp_path / "img.png"
-    r = _mpirun(2, ["-c", _NO_GATHER, *_one(out, 1)[2:]], models)
+    r = mpirun(2, ["-c", _NO_GATHER, *_one(out, 1)[2:]], models)
     assert r.returncode in (0, 1), r.stdout + r.stderr     # 1: garbage that went NaN
     assert out.is_file() == (r.returncode == 0), r.stdout + r.stderr
     if out.is_file():
@@ -204,7 +168,7 @@ sys.exit(cli.main(sys.argv[1:]))
 
 def test_negative_control_a_rank_with_other_seeds_differs(models, ref, tmp_path):
     """Rank 1 of 2 samples its images (1, 3, 5) from other seeds: exactly those differ."""
-    r = _mpirun(2, ["-c", _OTHER_NOISE, *_batch(ref["prompts"], tmp_path, 1)[2:]], models)
+    r = mpirun(2, ["-c", _OTHER_NOISE, *_batch(ref["prompts"], tmp_path, 1)[2:]], models)
     assert r.returncode == 0, r.stdout + r.stderr
     got = _pngs(tmp_path)
     same = [got[n] == ref["batch"][n] for n in ref["batch"]]
@@ -235,7 +199,7 @@ def test_mismatched_ranks_refused_before_compute(models, ref, tmp_path):
     for apps, what in (([base + ["--model", "tiny-dit"], base + ["--model", str(other)]],
                         "the model files"),
                        ([batch, other_seeds], "the arguments")):
-        r = _mpirun(2, [], models, apps=apps)
+        r = mpirun(2, [], models, apps=apps)
         assert r.returncode == 4, r.stdout + r.stderr
         assert r.stderr.count("generate: error:") == 1, r.stderr
         assert f"the 2 MPI ranks disagree on {what}" in r.stderr
@@ -285,7 +249,7 @@ def _fault(mode: str, n: int, args: list[str], models, tmp_path):
     rc_dir = tmp_path / "rc"
     rc_dir.mkdir()
     before = shm_entries()
-    r = _mpirun(n, ["-c", _FAULT, mode, *args[2:]], models, extra_env={"RC_DIR": str(rc_dir)})
+    r = mpirun(n, ["-c", _FAULT, mode, *args[2:]], models, extra_env={"RC_DIR": str(rc_dir)})
     codes = {int(p.name.split(".")[1]): int(p.read_text()) for p in rc_dir.iterdir()}
     assert shm_entries() <= before, "leaked /dev/shm segments"
     return r, codes

@@ -6,56 +6,19 @@ a negative control drops the exchanges (the same split without its gathers) and 
 Runs ``mpirun --oversubscribe`` on localhost (2 cores here: 3 ranks x 2 workers share them);
 skipped only when mpirun or mpi4py is absent (CI installs both).
 """
-import importlib.util
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from mpiutil import MPI_MARKS, mpirun, run_single
+
 from nxhpc.runtime.shm import SHM_DIR, SHM_PREFIX
 
-pytestmark = [
-    pytest.mark.mpi,
-    pytest.mark.skipif(shutil.which("mpirun") is None,
-                       reason="mpirun not on PATH (apt install openmpi-bin)"),
-    pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None,
-                       reason="mpi4py not installed (pip install mpi4py)"),
-]
+pytestmark = MPI_MARKS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _env(models: str) -> dict:
-    env = dict(os.environ, NXHPC_MODELS=str(models), PYTHONPATH=ROOT)
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")          # root in containers/CI
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
-    return env
-
-
-def _mpirun(n: int, args: list[str], models, timeout: float = 120,
-            extra_env: dict | None = None, apps: list[list[str]] | None = None
-            ) -> subprocess.CompletedProcess:
-    """``mpirun -n n python ARGS`` (or an MPMD line of ``apps``, one rank each)."""
-    cmd = ["mpirun", "--oversubscribe"]
-    if apps is None:
-        cmd += ["-n", str(n), sys.executable, *args]
-    else:
-        for i, a in enumerate(apps):
-            cmd += ([":"] if i else []) + ["-n", "1", sys.executable, *a]
-    env = _env(models)
-    env.update(extra_env or {})
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=ROOT)
-
-
-def _single(args: list[str], models) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
-                          env=_env(models), cwd=ROOT)
 
 
 def _segments() -> set[str]:
@@ -66,7 +29,7 @@ def _segments() -> set[str]:
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("models")
     for mid, cli in (("tiny-dit", "nxhpc.denoise"), ("tiny", "nxhpc.blockrun")):
-        r = _single(["-m", cli, mid, "1"], d)          # generate the built-ins once
+        r = run_single(["-m", cli, mid, "1"], d)          # generate the built-ins once
         assert r.returncode == 0, r.stdout + r.stderr
     return d
 
@@ -78,7 +41,7 @@ def denoise_ref(models, tmp_path_factory):
     d = tmp_path_factory.mktemp("ref")
     for prec in ("f32", "bf16", "q8"):
         path = d / f"{prec}.npy"
-        r = _single(["-m", "nxhpc.denoise", "tiny-dit", "1", "--precision", prec,
+        r = run_single(["-m", "nxhpc.denoise", "tiny-dit", "1", "--precision", prec,
                      "--out", str(path), "--json"], models)
         assert r.returncode == 0, r.stdout + r.stderr
         rep = json.loads(r.stdout)
@@ -92,7 +55,7 @@ def denoise_ref(models, tmp_path_factory):
     (2, 2, "bf16"), (3, 1, "q8")])
 def test_denoise_across_ranks_same_bytes(ranks, workers, prec, models, denoise_ref, tmp_path):
     out = tmp_path / "o.npy"
-    r = _mpirun(ranks, ["-m", "nxhpc.denoise", "tiny-dit", str(workers), "--precision", prec,
+    r = mpirun(ranks, ["-m", "nxhpc.denoise", "tiny-dit", str(workers), "--precision", prec,
                         "--out", str(out), "--json"], models)
     assert r.returncode == 0, r.stdout + r.stderr
     assert out.read_bytes() == denoise_ref[prec]
@@ -126,7 +89,7 @@ sys.exit(cli.main(sys.argv[2:]))
 def test_negative_control_without_the_exchange_differs(models, denoise_ref, tmp_path):
     """The same rank split without its gathers: each rank misses the others' bands."""
     out = tmp_path / "o.npy"
-    r = _mpirun(2, ["-c", _NO_GATHER, "nxhpc.denoise", "tiny-dit", "1", "--out", str(out),
+    r = mpirun(2, ["-c", _NO_GATHER, "nxhpc.denoise", "tiny-dit", "1", "--out", str(out),
                     "--json"], models)
     assert r.returncode in (0, 1) and out.is_file(), r.stdout + r.stderr
     assert out.read_bytes() != denoise_ref["f32"]
@@ -135,19 +98,19 @@ def test_negative_control_without_the_exchange_differs(models, denoise_ref, tmp_
 
 def test_blockrun_across_ranks_same_bytes(models, tmp_path):
     ref = tmp_path / "ref.npy"
-    r = _single(["-m", "nxhpc.blockrun", "tiny", "2", "--layers", "all",
+    r = run_single(["-m", "nxhpc.blockrun", "tiny", "2", "--layers", "all",
                  "--save-output", str(ref)], models)
     assert r.returncode == 0, r.stdout + r.stderr
     for ranks, workers in ((2, 1), (3, 2)):
         out = tmp_path / f"o{ranks}.npy"
-        r = _mpirun(ranks, ["-m", "nxhpc.blockrun", "tiny", str(workers), "--layers", "all",
+        r = mpirun(ranks, ["-m", "nxhpc.blockrun", "tiny", str(workers), "--layers", "all",
                             "--save-output", str(out), "--json"], models)
         assert r.returncode == 0, r.stdout + r.stderr
         assert out.read_bytes() == ref.read_bytes()
         rep = json.loads(r.stdout)
         assert rep["ranks"] == ranks and rep["verdict"] == "PASS"
     out = tmp_path / "no_gather.npy"                  # negative control: the split is real
-    r = _mpirun(2, ["-c", _NO_GATHER, "nxhpc.blockrun", "tiny", "1", "--layers", "all",
+    r = mpirun(2, ["-c", _NO_GATHER, "nxhpc.blockrun", "tiny", "1", "--layers", "all",
                     "--save-output", str(out)], models)
     assert r.returncode in (0, 1) and out.is_file(), r.stdout + r.stderr
     assert out.read_bytes() != ref.read_bytes()
@@ -159,7 +122,7 @@ def test_without_mpirun_no_mpi_is_imported(models, denoise_ref, tmp_path):
             f"rc = d.main(['tiny-dit', '2', '--out', {str(out)!r}])\n"
             "assert 'mpi4py' not in sys.modules, 'mpi4py imported on one rank'\n"
             "sys.exit(rc)\n")
-    r = _single(["-c", code], models)
+    r = run_single(["-c", code], models)
     assert r.returncode == 0, r.stdout + r.stderr
     assert out.read_bytes() == denoise_ref["f32"]
     assert "ranks=" not in r.stdout
@@ -186,12 +149,12 @@ def _flipped_copy(models, tmp_path):
 
 def test_mismatched_model_files_refused_before_compute(models, tmp_path):
     other = _flipped_copy(models, tmp_path)
-    alone = _single(["-m", "nxhpc.denoise", "tiny-dit", "1", "--gguf", str(other)], models)
+    alone = run_single(["-m", "nxhpc.denoise", "tiny-dit", "1", "--gguf", str(other)], models)
     assert alone.returncode == 0, alone.stderr     # a good file: only the mismatch is wrong
     base = ["-m", "nxhpc.denoise", "tiny-dit", "1"]
     for apps in ([base, base + ["--gguf", str(other)]],
                  [base, ["-m", "nxhpc.denoise", "tiny-dit", "1", "--precision", "bf16"]]):
-        r = _mpirun(2, [], models, apps=apps)
+        r = mpirun(2, [], models, apps=apps)
         assert r.returncode == 4, r.stdout + r.stderr
         assert r.stderr.count("denoise: error:") == 1
         assert "the 2 MPI ranks disagree on" in r.stderr
@@ -241,7 +204,7 @@ def _fault(mode: str, models, tmp_path, n: int = 3, extra: tuple = ()):
     rc_dir = tmp_path / "rc"
     rc_dir.mkdir()
     before = _segments()
-    r = _mpirun(n, ["-c", _FAULT, mode, "1", "tiny-dit", "2", *extra], models,
+    r = mpirun(n, ["-c", _FAULT, mode, "1", "tiny-dit", "2", *extra], models,
                 extra_env={"RC_DIR": str(rc_dir)}, timeout=120)
     codes = {int(p.name.split(".")[1]): int(p.read_text()) for p in rc_dir.iterdir()}
     assert _segments() <= before, "leaked /dev/shm segments"
@@ -286,7 +249,7 @@ def sample_ref(models, tmp_path_factory):
     ref = {}
     for s in (3, 5, 9):
         out = d / f"ref_{s}.npy"
-        r = _single([*_SAMPLE, "--cap-feats", str(cap), "--seed", str(s), "--out", str(out)],
+        r = run_single([*_SAMPLE, "--cap-feats", str(cap), "--seed", str(s), "--out", str(out)],
                     models)
         assert r.returncode == 0, r.stdout + r.stderr
         ref[s] = out.read_bytes()
@@ -299,7 +262,7 @@ def test_sample_seeds_across_ranks_whole_images(ranks, models, sample_ref, tmp_p
     cap, ref = sample_ref
     pattern = str(tmp_path / "lat_{seed}.npy")
     args = [*_SAMPLE, "--cap-feats", str(cap), "--seeds", "3,5,9", "--out", pattern]
-    r = _mpirun(ranks, args, models) if ranks > 1 else _single(args, models)
+    r = mpirun(ranks, args, models) if ranks > 1 else run_single(args, models)
     assert r.returncode == 0, r.stdout + r.stderr
     rep = json.loads(r.stdout)
     assert rep["seeds"] == [3, 5, 9]
@@ -315,7 +278,7 @@ def test_sample_seeds_across_ranks_whole_images(ranks, models, sample_ref, tmp_p
 def test_sample_one_seed_split_across_ranks(models, sample_ref, tmp_path):
     cap, ref = sample_ref
     out = tmp_path / "split.npy"
-    r = _mpirun(3, ["-m", "nxhpc.sample", "tiny-dit", "2", "--height", "64", "--width", "96",
+    r = mpirun(3, ["-m", "nxhpc.sample", "tiny-dit", "2", "--height", "64", "--width", "96",
                     "--steps", "2", "--no-progress", "--json", "--cap-feats", str(cap),
                     "--seed", "5", "--out", str(out)], models)
     assert r.returncode == 0, r.stdout + r.stderr
