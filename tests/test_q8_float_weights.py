@@ -76,6 +76,47 @@ def test_scale_overflow_names_the_tensor():
         linear.with_int8_copy(K, WeightTensor.from_array("big", a))
 
 
+def test_q8_blocks_copies_on_threads_are_the_copies_in_order():
+    """Q8Blocks.get makes its copies on ``threads`` threads: each copy is gguf's bytes whatever
+    runs beside it, non-float and odd-width projections are left alone, the first failing
+    tensor in block order raises, and no thread outlives the call."""
+    import threading
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Blk:
+        a: WeightTensor
+        b: WeightTensor | None
+        c: WeightTensor
+
+    rng = np.random.default_rng(5)
+
+    def blk(i, gtype):
+        a = _stored(rng.standard_normal((300 + 40 * i, 96)).astype(np.float32), gtype)
+        c = _stored(rng.standard_normal((64, 256)).astype(np.float32), "Q4_K")  # no copy
+        return Blk(a, None if i % 2 else WeightTensor.from_array("odd", np.ones((3, 40),
+                                                                            np.float32)), c)
+
+    plain = {i: blk(i, g) for i, g in enumerate(["BF16", "F16", "F32", "BF16", "F16"])}
+    before = threading.active_count()
+    one = linear.Q8Blocks(plain, ("a", "b", "c")).get(K, "int8", threads=1)
+    three = linear.Q8Blocks(plain, ("a", "b", "c")).get(K, "int8", threads=3)
+    assert threading.active_count() == before
+    for i, b in plain.items():
+        np.testing.assert_array_equal(three[i].a.int8.data, _gguf_copy(b.a))
+        np.testing.assert_array_equal(three[i].a.int8.data, one[i].a.int8.data)
+        assert three[i].c is b.c and (b.b is None or three[i].b.int8 is None)
+    assert linear.Q8Blocks(plain, ("a",)).get(K, "bf16", threads=3) is plain
+    # the first overflow in block order is the one reported, on any number of threads
+    big = {i: Blk(WeightTensor.from_array(f"big{i}", np.full((512, 32), 1e10 if i else 1.0,
+                                                             np.float32)), None, plain[0].c)
+           for i in range(4)}
+    for threads in (1, 4):
+        with pytest.raises(ValueError, match=r"'big1'"):
+            linear.Q8Blocks(big, ("a",)).get(K, "int8", threads=threads)
+    assert threading.active_count() == before
+
+
 def test_weight_tensor_checks_its_copy():
     a = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
     w = WeightTensor.from_array("w", a)

@@ -397,7 +397,7 @@ class Denoiser(MapHolder):
         ``"bf16"``. When that changes the weights, the engines forked before are closed (their
         workers hold the old ones) and rebuilt on demand."""
         choice = check_q8_float_weights(self.q8_float_weights, "Denoiser.q8_float_weights")
-        blocks = self._q8_blocks.get(self.kernels, choice)
+        blocks = self._q8_blocks.get(self.kernels, choice, threads=self.workers)
         if blocks is not self.weights.blocks:
             sessions, self._sessions = self._sessions, []
             for s in sessions:

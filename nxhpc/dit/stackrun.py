@@ -189,7 +189,7 @@ def run_stack(model, *, layers: int | str = 1, workers: int | None = None,
         import nxhpc
         from nxhpc.dit.binding import LayerWeights
         weights = Q8Blocks(weights, LayerWeights.PROJECTIONS).get(nxhpc.kernels(),
-                                                                  q8_float_weights)
+                                                                  q8_float_weights, workers)
     report["q8_float_weights"] = q8_float_weights
 
     # self-check of the source runner: layer 0's adaLN from the GGUF vs the tapped fixture

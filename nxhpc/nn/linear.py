@@ -134,25 +134,43 @@ class Q8Blocks:
         self.keys = keys
         self._copied: dict | None = None
 
-    def get(self, kernels: Any, choice: str) -> dict:
+    def get(self, kernels: Any, choice: str, threads: int = 1) -> dict:
         """The blocks a ``q8`` call runs under ``q8_float_weights=choice``: the plain ones for
-        ``"bf16"`` (or when no projection is float: then nothing is copied), else the copies."""
+        ``"bf16"`` (or when no projection is float: then nothing is copied), else the copies.
+
+        ``threads``: how many copies are made at once (the session's worker count: the copies
+        are made before its workers exist). The kernels release the GIL, each copy's bytes are
+        its own whatever runs beside it, and the threads are joined before this returns (no
+        thread is alive at the next fork). The first failing tensor in block order raises."""
         if check_q8_float_weights(choice) == "bf16":
             return self.plain
         if self._copied is None:
             from dataclasses import replace
-            copied = {}
-            for key, b in self.plain.items():
-                new = {}
-                for k in self.keys:
-                    v = getattr(b, k)
-                    c = with_int8_copy(kernels, v) if isinstance(v, WeightTensor) else v
-                    if c is not v:
-                        new[k] = c
-                copied[key] = replace(b, **new) if new else b
-            same = all(copied[k] is b for k, b in self.plain.items())
-            self._copied = self.plain if same else copied
+            todo = [(key, k, getattr(b, k)) for key, b in self.plain.items() for k in self.keys
+                    if isinstance(getattr(b, k), WeightTensor)]
+            made = _map_ordered(lambda t: with_int8_copy(kernels, t[2]), todo, threads)
+            new: dict = {}
+            for (key, k, v), c in zip(todo, made):
+                if c is not v:
+                    new.setdefault(key, {})[k] = c
+            copied = {key: replace(b, **new[key]) if key in new else b
+                      for key, b in self.plain.items()}
+            self._copied = copied if new else self.plain
         return self._copied
+
+
+def _map_ordered(fn: Any, items: list, threads: int) -> list:
+    """``[fn(i) for i in items]`` on up to ``threads`` threads, in order; the first exception in
+    item order is raised after every started call ended, the calls not yet started dropped."""
+    if threads <= 1 or len(items) <= 1:
+        return [fn(i) for i in items]
+    from concurrent.futures import ThreadPoolExecutor
+    ex = ThreadPoolExecutor(max_workers=min(threads, len(items)))
+    try:
+        futures = [ex.submit(fn, i) for i in items]
+        return [f.result() for f in futures]
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
 
 
 def matmul(kernels: Any, x: np.ndarray, weight: WeightTensor, out: np.ndarray, lo: int,

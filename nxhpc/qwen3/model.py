@@ -492,7 +492,7 @@ class TextEncoderModel(MapHolder):
         prec = check_precision(self.precision, "TextEncoderModel.precision")
         if prec == "q8":          # float projections: their Q8_0 copies, or not (Q8Blocks)
             layers = self._q8_layers.get(self.kernels, check_q8_float_weights(
-                self.q8_float_weights, "TextEncoderModel.q8_float_weights"))
+                self.q8_float_weights, "TextEncoderModel.q8_float_weights"), self.workers)
             if layers is not self.weights.layers:
                 s, self._session = self._session, None     # its workers hold the old ones
                 if s is not None:
