@@ -20,7 +20,9 @@ A table of all of it is printed at the end of the module (and written to
 
 Run: ``python -m pytest benchmarks/bench_denoise.py --benchmark-only`` (about 2 GB of weights,
 ~10 GB RAM peak for diffusers float32). Quick: ``NXHPC_BENCH_DENOISER=tiny-dit`` and/or
-``NXHPC_BENCH_TOKENS=1024``.
+``NXHPC_BENCH_TOKENS=1024``. The Q4_K_M file: ``NXHPC_BENCH_DENOISER=zimage-dit-2l-q4km`` (the
+same weights in the ComfyUI Q4_K_M layout: main layers Q4_K / Q5_K qkv / Q6_K w2, the rest as
+above; 1.7 GB, ~2.5 min to generate).
 """
 import math
 import os
