@@ -3,8 +3,9 @@ one environment, one set of skip marks.
 
 Runs ``mpirun --oversubscribe`` on localhost (2 cores here: more ranks than cores), as root in
 containers and CI (Open MPI's ``OMPI_ALLOW_RUN_AS_ROOT*``), from the repository root with it on
-``PYTHONPATH``; ``models`` sets ``$NXHPC_MODELS`` for the ranks. The marks skip a module only when
-``mpirun`` or ``mpi4py`` is absent (CI installs both).
+``PYTHONPATH``, with a 3 s kill grace (:func:`mpi_env`); ``models`` sets ``$NXHPC_MODELS`` for
+the ranks. The marks skip a module only when ``mpirun`` or ``mpi4py`` is absent (CI installs
+both).
 """
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ def mpi_env(models=None) -> dict:
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    # When a rank dies, Open MPI 4.1's mpirun signals the survivors odls_base_sigkill_timeout
+    # (default 1 s) after the death, SIGTERM and then SIGKILL that long again later. On the
+    # 2-core test host (3 ranks x 2 workers) rank 0 sometimes missed recording its exit code in
+    # the default second (test_mpi_split's dying-rank test failed alone, 2026-12-04); 3 s passed
+    # every run. Only a killed job waits for it.
+    env.setdefault("OMPI_MCA_odls_base_sigkill_timeout", "3")
     return env
 
 

@@ -204,14 +204,8 @@ def _fault(mode: str, models, tmp_path, n: int = 3, extra: tuple = ()):
     rc_dir = tmp_path / "rc"
     rc_dir.mkdir()
     before = _segments()
-    # Open MPI 4.1's mpirun signals the survivors of a rank that died odls_base_sigkill_timeout
-    # (default 1 s) after the death, SIGTERM then SIGKILL that long again later. On the 2-core
-    # test host (3 ranks x 2 workers) rank 0 sometimes missed recording its code within the
-    # default second (2026-12-04: the test failed alone, passed after another); 3 s passed
-    # every run.
     r = mpirun(n, ["-c", _FAULT, mode, "1", "tiny-dit", "2", *extra], models,
-               extra_env={"RC_DIR": str(rc_dir), "OMPI_MCA_odls_base_sigkill_timeout": "3"},
-               timeout=120)
+               extra_env={"RC_DIR": str(rc_dir)}, timeout=120)
     codes = {int(p.name.split(".")[1]): int(p.read_text()) for p in rc_dir.iterdir()}
     assert _segments() <= before, "leaked /dev/shm segments"
     return r, codes
