@@ -325,7 +325,11 @@ int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_mm_call *c) {
     uint8_t *Bp = (uint8_t *)nx_alloc64((nc_max + NR - 1) / NR * b_panel);
     void *as = tl->a_scratch ? nx_alloc64(tl->a_scratch) : NULL;
     void *bs = tl->b_scratch ? nx_alloc64(tl->b_scratch) : NULL;
-    if (!Ap || !Bp || (tl->a_scratch && !as) || (tl->b_scratch && !bs)) {
+    const size_t n_jr = (nc_max + NR - 1) / NR; /* tiles per row of the packed C block */
+    const int cp = tl->kern_cp && K > KC;       /* one k-block: straight to C */
+    float *Cp = cp ? (float *)nx_alloc64((mc_max + MR - 1) / MR * n_jr * tl->c_tile) : NULL;
+    if (!Ap || !Bp || (tl->a_scratch && !as) || (tl->b_scratch && !bs) || (cp && !Cp)) {
+        free(Cp);
         free(Ap);
         free(Bp);
         free(as);
@@ -343,7 +347,16 @@ int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_mm_call *c) {
                 for (size_t jr = 0; jr < nc; jr += NR)
                     tl->pack_b(c, jc + jr, nx_min(nc - jr, NR), pc, kc, Bp + jr / NR * b_panel, bs);
                 const uint8_t *A0 = Ap + pc / 32 * tl->a_group;
-                if (tl->jr_outer) {
+                if (tl->kern_cp) {
+                    for (size_t ir = 0; ir < mc; ir += MR)
+                        for (size_t jr = 0; jr < nc; jr += NR) {
+                            const size_t tile = ir / MR * n_jr + jr / NR;
+                            float *ct = cp ? (float *)((uint8_t *)Cp + tile * tl->c_tile) : NULL;
+                            tl->kern_cp(ng, A0 + ir / MR * a_panel, Bp + jr / NR * b_panel, ct,
+                                        out + (ic + ir) * N + jc + jr, N, (int)nx_min(mc - ir, MR),
+                                        (int)nx_min(nc - jr, NR), pc == 0, pc + KC >= K);
+                        }
+                } else if (tl->jr_outer) {
                     for (size_t jr = 0; jr < nc; jr += NR)
                         for (size_t ir = 0; ir < mc; ir += MR)
                             tl->kern(ng, A0 + ir / MR * a_panel, Bp + jr / NR * b_panel,
@@ -362,6 +375,7 @@ int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_mm_call *c) {
                     for (size_t n = jc; n < jc + nc; n++) out[t * N + n] = out[t * N + n] + bias[n];
         }
     }
+    free(Cp);
     free(Ap);
     free(Bp);
     free(as);

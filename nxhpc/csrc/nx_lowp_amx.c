@@ -324,7 +324,7 @@ int nx_matmul_q8_amx(const nx_mm_call *c) {
  * x and the decoded weights rounded by bf() exactly as the bf16 contract says (the same packers'
  * arithmetic as the vdpbf16ps kernel), the products summed by tdpbf16ps in float32 tiles over all
  * of K: per 32-k group one tdpbf16ps of 16 x 16 x 32 per result tile, the groups in order, the
- * tile's float32 sums carried between k-blocks through `out` (exact). tdpbf16ps's own rounding
+ * tile's float32 sums carried between k-blocks through a packed buffer (exact). tdpbf16ps's own rounding
  * of its 32 products into the accumulator is not the contract's pair chain (Intel documents
  * DAZ/FTZ and round-to-nearest, not the order or the intermediate roundings; on this project's
  * AMX Xeon it matched neither order of fused steps, nor one rounding per pair, nor per group), so
@@ -338,20 +338,17 @@ int nx_matmul_q8_amx(const nx_mm_call *c) {
 #define NX_AMXBF_MR 32
 #define NX_AMXBF_NV 2
 #define NX_AMXBF_NR (16 * NX_AMXBF_NV)
-/* KC by the token block: with mc <= NX_AMXBF_BIG_MC tokens the C block (mc x NC float32) stays
- * in L2 and KC = 256 keeps both micro-panels in L1; past it, C's round trip between k-blocks
- * went to L3 and KC = 1024 (4x fewer) is faster. AMX Xeon (family 6 model 167), 1 thread, Q4_K,
- * K=N=3840, GOP/s at KC 256 / 1024: T=256 849 / 668, 512 867 / 797, 1024 775 / 817, 2048
- * 708 / 865, 4096 702 / 818 (Q8_0 at 2048: 664 / 835). KC does not change the bits: the tile
- * sums are carried through `out` exactly. */
+/* KC 256 keeps the A micro-panel (32 x 256 bf16, 16 KiB) in L1 while the B micro-panels stream
+ * from L2. The tile sums go between k-blocks through the driver's packed C buffer (kern_cp of
+ * nx_lowp.h), not through `out`: out's rows are N floats apart, and for N = 10240 (the FFN's w1
+ * and w3) all 32 rows of a block fell in 2 L1 sets. AMX Xeon (family 6 model 167), 1 thread,
+ * Q4_K, K=3840, GOP/s (N=3840 / N=10240) with C carried in `out` at KC 256 for T <= 512 and
+ * 1024 above (the kernel before) -> in the packed buffer at KC 256, two alternating runs: T=256
+ * 794-813 / 692-693 -> 811-812 / 783-800, T=1024 869-873 / 860-861 -> 875-930 / 931-967,
+ * T=4096 855-869 / 835-862 -> 867-921 / 898-928. KC 512, NC 256 / 128 or MC 512 measured the
+ * same or slower. KC does not change the bits: the tile sums are carried exactly. */
 #ifndef NX_AMXBF_KC
 #define NX_AMXBF_KC 256
-#endif
-#ifndef NX_AMXBF_KC_BIG
-#define NX_AMXBF_KC_BIG 1024
-#endif
-#ifndef NX_AMXBF_BIG_MC
-#define NX_AMXBF_BIG_MC 512
 #endif
 #ifndef NX_AMXBF_NC
 #define NX_AMXBF_NC 512
@@ -359,8 +356,7 @@ int nx_matmul_q8_amx(const nx_mm_call *c) {
 #ifndef NX_AMXBF_MC
 #define NX_AMXBF_MC 1024
 #endif
-_Static_assert(NX_AMXBF_KC % 256 == 0 && NX_AMXBF_KC_BIG % 256 == 0,
-               "KC must hold whole blocks of every type");
+_Static_assert(NX_AMXBF_KC % 256 == 0, "KC must hold whole blocks of every type");
 _Static_assert(NX_AMXBF_NC % NX_AMXBF_NR == 0, "NC must be a multiple of NR");
 _Static_assert(NX_AMXBF_MC % NX_AMXBF_MR == 0, "MC must be a multiple of MR");
 /* Per 32-k group: A micro-panel uint32 pairs[MR][16] (row r = token r's 16 pairs: an A tile of
@@ -395,34 +391,23 @@ static void nx_amxbf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t
                             uint8_t *Bp /* OUT */, void *scratch) {
     nx_bf16_pack_b(c, j0, ncols, k0, kc, Bp, scratch, NX_AMXBF_NV, NX_AMXBF_KC);
 }
-static void nx_amxbf_pack_b_big(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0,
-                                size_t kc, uint8_t *Bp /* OUT */, void *scratch) {
-    nx_bf16_pack_b(c, j0, ncols, k0, kc, Bp, scratch, NX_AMXBF_NV, NX_AMXBF_KC_BIG);
-}
 
-/* C[0:mr, 0:nr] := the tile sums over ng groups, continued from C unless first. A full 32 x 32
- * block loads and stores its tiles at C itself; an edge block goes through a 4 KiB buffer. */
-static void nx_amxbf_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ldc,
-                          int mr, int nr, int first) {
-    _Alignas(64) float cb[NX_AMXBF_MR][NX_AMXBF_NR];
-    const int full = mr == NX_AMXBF_MR && nr == NX_AMXBF_NR;
-    float *cp = full ? C : &cb[0][0];
-    const size_t stride = (full ? ldc : NX_AMXBF_NR) * sizeof(float);
+/* C[0:mr, 0:nr] := the tile sums over ng groups, started from zero (first) or continued from
+ * Cp: four 16 x 16 float32 tiles of 1 KiB each (rows 64 bytes apart: 16 consecutive cache lines
+ * whatever N is). Stored back to Cp, or after the last k-block to C: a full 32 x 32 block at C
+ * itself, an edge block through a 4 KiB buffer. */
+static void nx_amxbf_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *Cp, float *C,
+                          size_t ldc, int mr, int nr, int first, int last) {
     if (first) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
     } else {
-        if (!full) {
-            memset(cb, 0, sizeof cb);
-            for (int r = 0; r < mr; r++) memcpy(cb[r], C + r * ldc, (size_t)nr * sizeof(float));
-        }
-        const size_t rs = stride / sizeof(float);
-        _tile_loadd(0, cp, stride);
-        _tile_loadd(1, cp + 16, stride);
-        _tile_loadd(2, cp + 16 * rs, stride);
-        _tile_loadd(3, cp + 16 * rs + 16, stride);
+        _tile_loadd(0, Cp, 64);
+        _tile_loadd(1, Cp + 256, 64);
+        _tile_loadd(2, Cp + 512, 64);
+        _tile_loadd(3, Cp + 768, 64);
     }
     for (size_t g = 0; g < ng; g++) {
         const uint8_t *a = A + g * NX_AMXBF_AG, *b = B + g * NX_AMXBF_BG;
@@ -435,24 +420,32 @@ static void nx_amxbf_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
     }
-    const size_t rs = stride / sizeof(float);
-    _tile_stored(0, cp, stride);
-    _tile_stored(1, cp + 16, stride);
-    _tile_stored(2, cp + 16 * rs, stride);
-    _tile_stored(3, cp + 16 * rs + 16, stride);
+    if (!last) {
+        _tile_stored(0, Cp, 64);
+        _tile_stored(1, Cp + 256, 64);
+        _tile_stored(2, Cp + 512, 64);
+        _tile_stored(3, Cp + 768, 64);
+        return;
+    }
+    _Alignas(64) float cb[NX_AMXBF_MR][NX_AMXBF_NR];
+    const int full = mr == NX_AMXBF_MR && nr == NX_AMXBF_NR;
+    float *dst = full ? C : &cb[0][0];
+    const size_t rs = full ? ldc : NX_AMXBF_NR;
+    _tile_stored(0, dst, rs * sizeof(float));
+    _tile_stored(1, dst + 16, rs * sizeof(float));
+    _tile_stored(2, dst + 16 * rs, rs * sizeof(float));
+    _tile_stored(3, dst + 16 * rs + 16, rs * sizeof(float));
     if (!full)
         for (int r = 0; r < mr; r++) memcpy(C + r * ldc, cb[r], (size_t)nr * sizeof(float));
 }
 
 int nx_matmul_bf16_amx(const nx_mm_call *c) {
     if (!c->wt || !c->dequant) return -2;
-    const int big = (c->T < NX_AMXBF_MC ? c->T : NX_AMXBF_MC) > NX_AMXBF_BIG_MC;
-    const size_t kc = big ? NX_AMXBF_KC_BIG : NX_AMXBF_KC;
     const nx_lowp_tiling tl = {
-        NX_AMXBF_MR,     NX_AMXBF_NR,     kc, NX_AMXBF_NC, NX_AMXBF_MC,
-        NX_AMXBF_AG,     NX_AMXBF_BG,     0,  16 * kc * sizeof(float),
-        0,               nx_amxbf_pack_a, big ? nx_amxbf_pack_b_big : nx_amxbf_pack_b,
-        nx_amxbf_kern,
+        NX_AMXBF_MR,     NX_AMXBF_NR,     NX_AMXBF_KC, NX_AMXBF_NC, NX_AMXBF_MC,
+        NX_AMXBF_AG,     NX_AMXBF_BG,     0,           16 * NX_AMXBF_KC * sizeof(float),
+        0,               nx_amxbf_pack_a, nx_amxbf_pack_b,
+        NULL,            nx_amxbf_kern,   NX_AMXBF_MR * NX_AMXBF_NR * sizeof(float),
     };
     nx_amx_configure(0);
     const int rc = nx_lowp_blocked(&tl, c);
