@@ -333,20 +333,30 @@ int nx_matmul_q8_amx(const nx_mm_call *c) {
  * token batch or worker split), so outputs are bit-identical across bands, batches and workers
  * on one machine; and the bf16 error bound of nx_lowp.h, whose chain term it stays inside.
  *
- * Block: 32 tokens x 32 columns = 2 x 2 result tiles (tmm0-3), 2 A tiles (16 tokens x 16
- * pairs, tmm4/5) and 2 B tiles (16 pairs x 16 columns, tmm6/7) per group. */
+ * Block: 32 tokens x 32 columns = 2 x 2 result tiles (tmm0-3) of out^T, per group 2 A tiles
+ * of weights (16 columns x 16 pairs, tmm4/5, rows as decoded) and 2 B tiles of x (16 pairs x 16
+ * tokens, tmm6/7). The operands sit this way round so that the weights, decoded afresh for
+ * every token block, need no transpose (x is transposed once per call, each output once at the
+ * end). Each output's sum is the same tdpbf16ps accumulation of the same pairs in the same
+ * order either way round: the outputs were bit-identical to the x-as-A kernel before it (nine
+ * shapes and types, AMX Xeon), and one thread on Q4_K / Q6_K, K=3840, N=10240 with shared
+ * memory outputs, T=256, went 868-884 / 715-719 -> 904-934 / 781-815 GOP/s (T >= 1024 within
+ * noise: the packing is then amortized over 1024 tokens). */
 #define NX_AMXBF_MR 32
 #define NX_AMXBF_NV 2
 #define NX_AMXBF_NR (16 * NX_AMXBF_NV)
-/* KC 256 keeps the A micro-panel (32 x 256 bf16, 16 KiB) in L1 while the B micro-panels stream
- * from L2. The tile sums go between k-blocks through the driver's packed C buffer (kern_cp of
- * nx_lowp.h), not through `out`: out's rows are N floats apart, and for N = 10240 (the FFN's w1
- * and w3) all 32 rows of a block fell in 2 L1 sets. AMX Xeon (family 6 model 167), 1 thread,
- * Q4_K, K=3840, GOP/s (N=3840 / N=10240) with C carried in `out` at KC 256 for T <= 512 and
- * 1024 above (the kernel before) -> in the packed buffer at KC 256, two alternating runs: T=256
- * 794-813 / 692-693 -> 811-812 / 783-800, T=1024 869-873 / 860-861 -> 875-930 / 931-967,
- * T=4096 855-869 / 835-862 -> 867-921 / 898-928. KC 512, NC 256 / 128 or MC 512 measured the
- * same or slower. KC does not change the bits: the tile sums are carried exactly. */
+/* KC 256 keeps the A micro-panel (x: 32 tokens x 256 bf16, 16 KiB) in L1 while the weight
+ * micro-panels stream from L2. The tile sums go between k-blocks through the driver's packed C
+ * buffer (kern_cp of nx_lowp.h), not through `out` (as before 2026-12-05, with k-blocks of 1024
+ * past 512 tokens to keep that round trip out of L3): out's rows are N floats apart, and for
+ * N = 10240 (the FFN's w1 and w3) on 2 MiB pages a block's rows crowd a few cache sets. AMX Xeon
+ * (family 6 model 167), 1 thread, K=3840, GOP/s, through `out` -> through the packed buffer:
+ * numpy outputs (transparent huge pages), Q4_K, T=256: N=10240 676-693 -> 777-800, N=3840 the
+ * same; shared-memory outputs (the workers'; 4 KiB pages), file weights, N=10240: Q4_K T=256
+ * 833-857 -> 814-840, T=1024 890-909 -> 925-966, T=4096 889-929 -> 912-958; Q6_K (K=10240,
+ * N=3840) T=256 688-710 -> 740-752, T=1024 828 -> 831-876. KC 512, NC 256 / 128, MC 512, or
+ * token sub-blocks of 128-512 over weights packed for all of K measured the same or slower. KC
+ * does not change the bits: the tile sums are carried exactly. */
 #ifndef NX_AMXBF_KC
 #define NX_AMXBF_KC 256
 #endif
@@ -359,43 +369,94 @@ int nx_matmul_q8_amx(const nx_mm_call *c) {
 _Static_assert(NX_AMXBF_KC % 256 == 0, "KC must hold whole blocks of every type");
 _Static_assert(NX_AMXBF_NC % NX_AMXBF_NR == 0, "NC must be a multiple of NR");
 _Static_assert(NX_AMXBF_MC % NX_AMXBF_MR == 0, "MC must be a multiple of MR");
-/* Per 32-k group: A micro-panel uint32 pairs[MR][16] (row r = token r's 16 pairs: an A tile of
- * 16 rows at stride 64); B micro-panel uint32 pairs[16][NR] (nx_lowp_bf16_pack.h). */
-#define NX_AMXBF_AG (NX_AMXBF_MR * 64)
-#define NX_AMXBF_BG (16 * NX_AMXBF_NR * 4)
+/* Per 32-k group (the operands swapped: the tiles compute out^T = W x^T, so neither the weights
+ * nor the tile sums are transposed per k-block, only x once per call and each output once):
+ *   A micro-panel (x, MR tokens): uint32 pairs[16][MR] (row p = pair p of every token), two B
+ *     tiles of 16 tokens at stride MR * 4 bytes;
+ *   B micro-panel (weights, NR columns): uint32 pairs[NR][16] (row j = column j's 16 pairs, as
+ *     decoded), two A tiles of 16 columns at stride 64. */
+#define NX_AMXBF_AG (16 * NX_AMXBF_MR * 4)
+#define NX_AMXBF_BG (NX_AMXBF_NR * 64)
 
 static void nx_amxbf_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t rows,
                             uint8_t *Ap /* OUT */, void *scratch) {
     (void)scratch;
     const size_t G = (K + 31) / 32;
-    for (size_t r = 0; r < NX_AMXBF_MR; r++) {
-        const float *src = x + (t0 + r) * K;
+    for (size_t h = 0; h < NX_AMXBF_MR / 16; h++)
         for (size_t g = 0; g < G; g++) {
-            __m512i v = _mm512_setzero_si512();
-            if (r < rows) {
-                const size_t k = g * 32, left = K - k;
-                const __mmask16 m0 =
-                    left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-                const __mmask16 m1 = left >= 32  ? (__mmask16)0xffff
-                                     : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u)
-                                                 : (__mmask16)0;
-                v = nx_bf16_pairs32(_mm512_maskz_loadu_ps(m0, src + k),
-                                    _mm512_maskz_loadu_ps(m1, src + k + 16));
+            const size_t k = g * 32, left = K - k;
+            const __mmask16 m0 = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+            const __mmask16 m1 = left >= 32  ? (__mmask16)0xffff
+                                 : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u)
+                                             : (__mmask16)0;
+            __m512i v[16];
+            for (size_t r = 0; r < 16; r++) {
+                const size_t t = h * 16 + r;
+                const float *src = x + (t0 + t) * K + k;
+                v[r] = t < rows ? nx_bf16_pairs32(_mm512_maskz_loadu_ps(m0, src),
+                                                  _mm512_maskz_loadu_ps(m1, src + 16))
+                                : _mm512_setzero_si512();
             }
-            _mm512_store_si512((__m512i *)(Ap + g * NX_AMXBF_AG + r * 64), v);
+            nx_tr16i(v); /* v[p] lane r = pair p of token h * 16 + r */
+            uint8_t *dst = Ap + g * NX_AMXBF_AG + h * 64;
+            for (int p = 0; p < 16; p++)
+                _mm512_store_si512((__m512i *)(dst + p * NX_AMXBF_MR * 4), v[p]);
         }
+}
+
+/* Columns [j0, j0+ncols) x k in [k0, k0+kc): each column's exact float32 values (the call's
+ * dequantize; Q8_0 in registers, f32(d) * q) rounded by bf() once, its pairs stored as decoded;
+ * columns past ncols and k past kc zero. Each column prefetches the k-range of the column 16
+ * further on (as nx_bf16_pack_b, one column at a time instead of 16 at once: the same speed,
+ * Q6_K a little faster). scratch: one decoded row of NX_AMXBF_KC floats. */
+static void nx_amxbf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc,
+                            uint8_t *Bp /* OUT */, void *scratch) {
+    const uint8_t *w = c->w;
+    const size_t rowbytes = c->rowbytes, be = c->wt->blck_elems, bb = c->wt->blck_bytes;
+    const size_t ng = (kc + 31) / 32, pfb = kc / be * bb;
+    const int fused_q8 = c->type == NX_GGML_Q8_0 && !(c->flags & NX_MM_DEQUANT_PACK);
+    float *row = (float *)scratch;
+    for (size_t j = 0; j < NX_AMXBF_NR; j++) {
+        if (NX_PANEL_PF && j0 + j + 16 < c->n1) /* column j + 16's k-range */
+            for (size_t o = 0; o < pfb; o += 64)
+                _mm_prefetch((const char *)(w + (j0 + j + 16) * rowbytes + k0 / be * bb + o),
+                             _MM_HINT_T0);
+        uint8_t *dst = Bp + j * 64;
+        if (j >= ncols) {
+            for (size_t g = 0; g < ng; g++)
+                _mm512_store_si512((__m512i *)(dst + g * NX_AMXBF_BG), _mm512_setzero_si512());
+            continue;
+        }
+        const uint8_t *src = w + (j0 + j) * rowbytes + k0 / be * bb;
+        if (fused_q8) {
+            for (size_t g = 0; g < ng; g++) {
+                const uint8_t *blk = src + g * bb;
+                uint16_t dh;
+                memcpy(&dh, blk, 2);
+                const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
+                const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
+                const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
+                _mm512_store_si512(
+                    (__m512i *)(dst + g * NX_AMXBF_BG),
+                    nx_bf16_pairs32(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d),
+                                    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d)));
+            }
+            continue;
+        }
+        c->dequant(src, row, kc / be); /* exact */
+        for (size_t k = kc; k < ng * 32; k++) row[k] = 0.0f;
+        for (size_t g = 0; g < ng; g++)
+            _mm512_store_si512((__m512i *)(dst + g * NX_AMXBF_BG),
+                               nx_bf16_pairs32(_mm512_loadu_ps(row + g * 32),
+                                               _mm512_loadu_ps(row + g * 32 + 16)));
     }
 }
 
-static void nx_amxbf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc,
-                            uint8_t *Bp /* OUT */, void *scratch) {
-    nx_bf16_pack_b(c, j0, ncols, k0, kc, Bp, scratch, NX_AMXBF_NV, NX_AMXBF_KC);
-}
-
-/* C[0:mr, 0:nr] := the tile sums over ng groups, started from zero (first) or continued from
- * Cp: four 16 x 16 float32 tiles of 1 KiB each (rows 64 bytes apart: 16 consecutive cache lines
- * whatever N is). Stored back to Cp, or after the last k-block to C: a full 32 x 32 block at C
- * itself, an edge block through a 4 KiB buffer. */
+/* out^T block: tile 0 = columns 0-15 x tokens 0-15, 1 = columns 0-15 x tokens 16-31, 2 and 3
+ * the same for columns 16-31. The sums over ng groups start from zero (first) or continue from
+ * Cp: the four float32 tiles of 1 KiB each (rows 64 bytes apart: 16 consecutive cache lines).
+ * Stored back to Cp, or after the last k-block transposed into C[0:mr, 0:nr] (ldc floats per
+ * row). */
 static void nx_amxbf_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *Cp, float *C,
                           size_t ldc, int mr, int nr, int first, int last) {
     if (first) {
@@ -411,10 +472,10 @@ static void nx_amxbf_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *
     }
     for (size_t g = 0; g < ng; g++) {
         const uint8_t *a = A + g * NX_AMXBF_AG, *b = B + g * NX_AMXBF_BG;
-        _tile_loadd(4, a, 64);
-        _tile_loadd(5, a + 16 * 64, 64);
-        _tile_loadd(6, b, NX_AMXBF_NR * 4);
-        _tile_loadd(7, b + 64, NX_AMXBF_NR * 4);
+        _tile_loadd(4, b, 64);
+        _tile_loadd(5, b + 16 * 64, 64);
+        _tile_loadd(6, a, NX_AMXBF_MR * 4);
+        _tile_loadd(7, a + 64, NX_AMXBF_MR * 4);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
@@ -427,23 +488,29 @@ static void nx_amxbf_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *
         _tile_stored(3, Cp + 768, 64);
         return;
     }
-    _Alignas(64) float cb[NX_AMXBF_MR][NX_AMXBF_NR];
-    const int full = mr == NX_AMXBF_MR && nr == NX_AMXBF_NR;
-    float *dst = full ? C : &cb[0][0];
-    const size_t rs = full ? ldc : NX_AMXBF_NR;
-    _tile_stored(0, dst, rs * sizeof(float));
-    _tile_stored(1, dst + 16, rs * sizeof(float));
-    _tile_stored(2, dst + 16 * rs, rs * sizeof(float));
-    _tile_stored(3, dst + 16 * rs + 16, rs * sizeof(float));
-    if (!full)
-        for (int r = 0; r < mr; r++) memcpy(C + r * ldc, cb[r], (size_t)nr * sizeof(float));
+    _Alignas(64) float cb[4][16][16];
+    _tile_stored(0, cb[0], 64);
+    _tile_stored(1, cb[1], 64);
+    _tile_stored(2, cb[2], 64);
+    _tile_stored(3, cb[3], 64);
+    for (int t = 0; t < 4; t++) {
+        const int c0 = (t >> 1) * 16, r0 = (t & 1) * 16; /* first column, first token */
+        if (c0 >= nr || r0 >= mr) continue;
+        __m512i v[16];
+        for (int i = 0; i < 16; i++) v[i] = _mm512_load_si512((const __m512i *)cb[t][i]);
+        nx_tr16i(v); /* v[r] lane j = token r0 + r, column c0 + j */
+        const __mmask16 m =
+            nr - c0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nr - c0)) - 1u);
+        for (int r = 0; r < 16 && r0 + r < mr; r++)
+            _mm512_mask_storeu_ps(C + (size_t)(r0 + r) * ldc + c0, m, _mm512_castsi512_ps(v[r]));
+    }
 }
 
 int nx_matmul_bf16_amx(const nx_mm_call *c) {
     if (!c->wt || !c->dequant) return -2;
     const nx_lowp_tiling tl = {
         NX_AMXBF_MR,     NX_AMXBF_NR,     NX_AMXBF_KC, NX_AMXBF_NC, NX_AMXBF_MC,
-        NX_AMXBF_AG,     NX_AMXBF_BG,     0,           16 * NX_AMXBF_KC * sizeof(float),
+        NX_AMXBF_AG,     NX_AMXBF_BG,     0,           NX_AMXBF_KC * sizeof(float),
         0,               nx_amxbf_pack_a, nx_amxbf_pack_b,
         NULL,            nx_amxbf_kern,   NX_AMXBF_MR * NX_AMXBF_NR * sizeof(float),
     };

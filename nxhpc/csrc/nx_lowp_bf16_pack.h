@@ -1,11 +1,12 @@
 /* nx_lowp_bf16_pack.h -- the bfloat16 packing shared by the bf16 matmuls that take bf16 pairs
  * (the vdpbf16ps kernel of nx_lowp_avx512bf16.c and the tdpbf16ps kernel of nx_lowp_amx.c):
- * bf() of 32 floats as 16 pair-dwords, a 16 x 16 dword transpose, and the weight micro-panel
- * packer. Included only by files compiled with AVX-512 BF16.
+ * bf() of 32 floats as 16 pair-dwords and a 16 x 16 dword transpose (both kernels), and the
+ * vdpbf16ps kernel's weight micro-panel packer. Included only by files compiled with AVX-512
+ * BF16.
  *
- * Owns: the B micro-panel layout of both: per 32-k group uint32 pairs[16][NR] (row p = pair p of
- * every column: bf(w[2p]) in the low half, bf(w[2p+1]) in the high half), which is also an AMX
- * B tile of 16 columns (stride NR * 4 bytes). Must not: allocate, or decode weights other than
+ * Owns: the vdpbf16ps B micro-panel layout: per 32-k group uint32 pairs[16][NR] (row p = pair p
+ * of every column: bf(w[2p]) in the low half, bf(w[2p+1]) in the high half). (The AMX kernel
+ * keeps the weights' pairs as decoded, one row per column: its own packer.) Must not: allocate, or decode weights other than
  * to their exact float32 values (the call's dequantize; Q8_0 in registers: f32(d) * q, exact),
  * rounded by bf() once.
  */
