@@ -74,9 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float latents [16, h, w] or [1, 16, h, w] (any h, w >= 1)")
     p.add_argument("--out", required=True, metavar="IMG.png",
                    help="where the PNG goes (written atomically; never over an input)")
-    p.add_argument("--precision", choices=("f32", "bf16"), default="f32",
-                   help="convolution precision: f32 (default) or bf16 (activations and weights "
-                        "rounded to bfloat16, float32 sums)")
+    types.add_precision(p, "convolution precision: f32 (default) or bf16 (activations and "
+                           "weights rounded to bfloat16, float32 sums)", allowed=("f32", "bf16"))
     types.add_models_dir(p)
     types.add_json(p)
     return p

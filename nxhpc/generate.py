@@ -145,11 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "as Z-Image-Turbo runs; each step then costs two transformer calls)")
     p.add_argument("--negative-prompt", metavar="TEXT", default=None,
                    help="the negative prompt of classifier-free guidance (default empty)")
-    p.add_argument("--precision", choices=("f32", "bf16", "q8"), default="f32",
-                   help="matmul precision: f32 (default); bf16 (bf16-rounded activations, "
-                        "float32 sums; every model); q8 (Q8_0 activations x the weights' "
-                        "integer codes in the text encoder's and the denoiser's projections; "
-                        "the autoencoder then runs bf16)")
+    types.add_precision(p, "matmul precision: f32 (default); bf16 (bf16-rounded activations, "
+                           "float32 sums; every model); q8 (Q8_0 activations x the weights' "
+                           "integer codes in the text encoder's and the denoiser's "
+                           "projections; the autoencoder then runs bf16)")
     types.add_q8_float_weights(p)
     p.add_argument("--workers", type=types.workers, default=None, metavar="N",
                    help=types.workers_help())

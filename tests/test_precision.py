@@ -245,3 +245,58 @@ def test_blockrun_tolerance_is_not_vacuous(models_root):
     assert r.returncode == 0 and "precision=f32" in r.stdout, r.stdout + r.stderr
     r = _cli(["tiny", "2", "--precision", "fp8"], models_root)
     assert r.returncode == 2 and "precision" in r.stderr
+
+
+# ------------------------------------------------------------------ --precision auto
+
+
+@pytest.mark.parametrize("variants,want", [
+    ({"matmul_bf16": "amx", "matmul_q8": "amx"}, "bf16"),
+    ({"matmul_bf16": "avx512bf16", "matmul_q8": "avx512"}, "q8"),
+    ({"matmul_bf16": "avx2", "matmul_q8": "avx2"}, "q8"),
+    ({"matmul_bf16": "generic", "matmul_q8": "generic"}, "f32"),
+])
+def test_fastest_precision_follows_the_kernel_variants(variants, want):
+    """The table of README "Which precision is fastest": bf16 on the AMX tiles, q8 wherever
+    matmul_q8 has a SIMD kernel, f32 on the generic C code."""
+    assert linear.fastest_precision(variants) == want
+
+
+def test_precision_auto_resolves_within_the_allowed_choices(monkeypatch):
+    """``auto`` becomes the fastest precision where the command takes it, else f32 (decode takes
+    f32 / bf16 only); a bad value is an argparse error naming every choice and auto."""
+    import argparse
+
+    from nxhpc.cli import args as types
+    for fast in ("bf16", "q8", "f32"):
+        monkeypatch.setattr(linear, "fastest_precision", lambda fast=fast: fast)
+        assert types.precision("auto") == fast
+        assert types.precision("auto", ("f32", "bf16")) == (fast if fast != "q8" else "f32")
+    assert types.precision("q8") == "q8"
+    with pytest.raises(argparse.ArgumentTypeError, match="f32, bf16, auto"):
+        types.precision("q8", ("f32", "bf16"))
+    with pytest.raises(argparse.ArgumentTypeError, match="auto"):
+        types.precision("fp16")
+
+
+def test_blockrun_precision_auto_runs_the_fastest_and_grades_it(models_root):
+    """``--precision auto`` runs (and reports, and grades at the tolerance of) this machine's
+    fastest precision -- its block output the same bits as naming that precision -- and f32
+    with the SIMD kernels off (the generic code: control that the choice follows the kernels)."""
+    import tempfile
+    want = linear.fastest_precision(nxhpc.kernel_variants())
+    with tempfile.TemporaryDirectory() as d:
+        outs = {}
+        for p in ("auto", want):
+            path = os.path.join(d, f"{p}.npy")
+            r = _cli(["tiny", "2", "--precision", p, "--save-output", path], models_root)
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert f"precision={want}" in r.stdout
+            assert f"<= tol {PRECISION_TOL[want]:g}" in r.stdout
+            outs[p] = np.load(path)
+        assert np.array_equal(outs["auto"], outs[want])
+    env_cli = subprocess.run(
+        [sys.executable, "-m", "nxhpc.blockrun", "tiny", "1", "--precision", "auto"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env=dict(os.environ, NXHPC_MODELS=str(models_root), NXHPC_DISABLE_SIMD="1"))
+    assert env_cli.returncode == 0 and "precision=f32" in env_cli.stdout, env_cli.stderr

@@ -21,8 +21,8 @@ from nxhpc.runtime import checks
 
 __all__ = ["positive_int", "workers", "layers", "positive_float", "seconds", "eps",
            "unit_interval", "pixels", "seed", "int_list", "grid", "workers_help", "cli_parser",
-           "add_workers", "add_precision", "add_q8_float_weights", "add_tol", "add_models_dir",
-           "add_stage_timeout", "add_json"]
+           "add_workers", "precision", "add_precision", "add_q8_float_weights", "add_tol",
+           "add_models_dir", "add_stage_timeout", "add_json"]
 
 
 def _int(s: str, rule: str) -> int:
@@ -161,10 +161,34 @@ def add_workers(p: argparse.ArgumentParser) -> None:
     p.add_argument("n_workers", nargs="?", type=workers, default=None, help=workers_help())
 
 
-def add_precision(p: argparse.ArgumentParser, what: str) -> None:
-    """``--precision`` (``nxhpc.nn.linear``'s switch; default f32); ``what``: its help text."""
+
+def precision(value: str, allowed: tuple[str, ...] | None = None) -> str:
+    """argparse type of ``--precision``: one of ``allowed`` (default
+    ``nxhpc.nn.linear.PRECISIONS``), or ``"auto"``, resolved here to
+    :func:`nxhpc.nn.linear.fastest_precision` (within ``allowed``: else ``"f32"``)."""
+    from nxhpc.nn.linear import PRECISIONS, fastest_precision
+    allowed = PRECISIONS if allowed is None else allowed
+    if value == "auto":
+        fast = fastest_precision()
+        return fast if fast in allowed else "f32"
+    if value not in allowed:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {value!r} (choose from {', '.join(allowed)}, auto)")
+    return value
+
+
+def add_precision(p: argparse.ArgumentParser, what: str,
+                  allowed: tuple[str, ...] | None = None) -> None:
+    """``--precision`` (``nxhpc.nn.linear``'s switch, or ``allowed`` of it; default f32; ``auto``
+    resolved by :func:`precision`); ``what``: its help text, to which the meaning of ``auto`` is
+    added."""
     from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
-    p.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION, help=what)
+    names = PRECISIONS if allowed is None else allowed
+    which = "bf16 with AMX, q8 with AVX2 or AVX-512 VNNI" if "q8" in names else "bf16 with AMX"
+    p.add_argument("--precision", type=lambda v: precision(v, names), default=DEFAULT_PRECISION,
+                   metavar="{" + ",".join(names) + ",auto}",
+                   help=f"{what}; auto: the precision measured fastest on this CPU's kernels "
+                        f"({which}, else f32), resolved at start and reported as such")
 
 
 def add_q8_float_weights(p: argparse.ArgumentParser) -> None:

@@ -29,13 +29,15 @@ silu_input=...)``, ``weight_types()``.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from nxhpc.formats.weights import FLOAT_TYPES, WeightTensor, block_geometry
 
-__all__ = ["matmul", "adaln_linear", "check_runnable", "check_precision", "effective_precision",
+__all__ = ["matmul", "adaln_linear", "check_runnable", "check_precision", "fastest_precision",
+           "effective_precision",
            "attention_precision", "with_int8_copy", "check_q8_float_weights", "Q8Blocks",
            "PRECISIONS", "DEFAULT_PRECISION", "Q8_WEIGHT_TYPES", "Q8_FLOAT_WEIGHTS",
            "DEFAULT_Q8_FLOAT_WEIGHTS"]
@@ -62,6 +64,28 @@ def check_precision(precision: Any, where: str = "precision") -> str:
         raise ValueError(f"{where} must be one of {', '.join(map(repr, PRECISIONS))}, got "
                          f"{precision!r}")
     return precision
+
+
+def fastest_precision(variants: Mapping[str, str] | None = None) -> str:
+    """The matmul precision measured fastest on a CPU whose kernels run as ``variants``
+    (``nxhpc.kernel_variants()``; default: this process's), what the command lines'
+    ``--precision auto`` picks (README, "Which precision is fastest"):
+
+    - ``"bf16"`` where ``matmul_bf16`` runs on the AMX tiles (bf16 1.3-2.7x q8 there);
+    - ``"q8"`` where ``matmul_q8`` has a SIMD kernel (AVX2: 1.6-2.8x f32, bf16 at f32's speed;
+      AVX-512 VNNI without AMX: ~1.6x bf16);
+    - ``"f32"`` on the generic C code (no SIMD variant, or ``NXHPC_DISABLE_SIMD=1``), where
+      nothing was measured faster than the exact path.
+
+    Speed only: the precisions' errors and bits differ (docs/kernels.md)."""
+    if variants is None:
+        from nxhpc import kernel_variants
+        variants = kernel_variants()
+    if variants.get("matmul_bf16") == "amx":
+        return "bf16"
+    if variants.get("matmul_q8", "generic") != "generic":
+        return "q8"
+    return "f32"
 
 
 def check_q8_float_weights(value: Any, where: str = "q8_float_weights") -> str:
