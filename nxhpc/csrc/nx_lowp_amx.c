@@ -345,20 +345,31 @@ int nx_matmul_q8_amx(const nx_mm_call *c) {
 #define NX_AMXBF_MR 32
 #define NX_AMXBF_NV 2
 #define NX_AMXBF_NR (16 * NX_AMXBF_NV)
-/* KC 256 keeps the A micro-panel (x: 32 tokens x 256 bf16, 16 KiB) in L1 while the weight
- * micro-panels stream from L2. The tile sums go between k-blocks through the driver's packed C
- * buffer (kern_cp of nx_lowp.h), not through `out` (as before 2026-12-05, with k-blocks of 1024
- * past 512 tokens to keep that round trip out of L3): out's rows are N floats apart, and for
- * N = 10240 (the FFN's w1 and w3) on 2 MiB pages a block's rows crowd a few cache sets. AMX Xeon
- * (family 6 model 167), 1 thread, K=3840, GOP/s, through `out` -> through the packed buffer:
- * numpy outputs (transparent huge pages), Q4_K, T=256: N=10240 676-693 -> 777-800, N=3840 the
- * same; shared-memory outputs (the workers'; 4 KiB pages), file weights, N=10240: Q4_K T=256
- * 833-857 -> 814-840, T=1024 890-909 -> 925-966, T=4096 889-929 -> 912-958; Q6_K (K=10240,
- * N=3840) T=256 688-710 -> 740-752, T=1024 828 -> 831-876. KC 512, NC 256 / 128, MC 512, or
- * token sub-blocks of 128-512 over weights packed for all of K measured the same or slower. KC
- * does not change the bits: the tile sums are carried exactly. */
+/* The tile sums go between k-blocks through the driver's packed C buffer (kern_cp of nx_lowp.h),
+ * not through `out` (as before 2026-12-05, with k-blocks of 1024 past 512 tokens to keep that
+ * round trip out of L3): out's rows are N floats apart, and for N = 10240 (the FFN's w1 and w3)
+ * on 2 MiB pages a block's rows crowd a few cache sets. That round trip still costs most of
+ * what the kernel loses to a loop without it (a timing build that skipped it, wrong output:
+ * 1420-1430 GOP/s against ~870 at T=1024-4096). So: KC 512 (half the round trips), the weight
+ * tiles loaded with TILELOADDT1 (used once per call: the 32 KiB x panel then stays in L1, where
+ * at KC 512 plain loads pushed it out), and the next call's 4 KiB of tile sums prefetched
+ * during this call's first 8 groups.
+ * AMX Xeon (family 6 model 167), 1 thread, K=3840, GOP/s:
+ *   - numpy outputs (transparent huge pages), Q4_K, T=256, N=10240, C through `out` -> the
+ *     packed buffer at KC 256: 676-693 -> 777-800;
+ *   - shared-memory outputs (the workers'; 4 KiB pages), file weights, Q4_K N=10240 / Q6_K
+ *     (K=10240, N=3840): through `out` (KC 256 / 1024 by T) -> the packed buffer at KC 256:
+ *     T=256 833-857 / 688-710 -> 814-840 / 740-752, T=1024 890-909 / 828 -> 925-966 / 831-876,
+ *     T=4096 889-929 / 842-872 -> 912-958 / 836-877;
+ *   - the same after the operand swap below, at KC 256 -> KC 512 + TILELOADDT1 + the prefetch,
+ *     alternating runs: T=256 905-950 / 786-793 -> 1011-1053 / 867-930, T=1024 890-914 /
+ *     846-851 -> 1100-1204 / 985-1062, T=4096 879-904 / 850-852 -> 1098-1202 / 966-1046.
+ *     Without the prefetch 3-5% less; KC 512 with plain loads, KC 768 / 1024, NC 256 / 128,
+ *     MC 512, all of K in one k-block (NC 64-256), or token sub-blocks over weights packed for
+ *     all of K: the same or slower.
+ * KC does not change the bits: the tile sums are carried exactly. */
 #ifndef NX_AMXBF_KC
-#define NX_AMXBF_KC 256
+#define NX_AMXBF_KC 512
 #endif
 #ifndef NX_AMXBF_NC
 #define NX_AMXBF_NC 512
@@ -470,10 +481,13 @@ static void nx_amxbf_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *
         _tile_loadd(2, Cp + 512, 64);
         _tile_loadd(3, Cp + 768, 64);
     }
+    const char *next = (const char *)(Cp + 1024); /* the next call's tiles, the driver's order */
     for (size_t g = 0; g < ng; g++) {
         const uint8_t *a = A + g * NX_AMXBF_AG, *b = B + g * NX_AMXBF_BG;
-        _tile_loadd(4, b, 64);
-        _tile_loadd(5, b + 16 * 64, 64);
+        if (Cp && !last && g < 8) /* 8 of its 64 lines a group (a hint: past Cp's end is fine) */
+            for (int i = 0; i < 8; i++) _mm_prefetch(next + (g * 8 + i) * 64, _MM_HINT_T0);
+        _tile_stream_loadd(4, b, 64); /* used once per call: keep the x panel in L1 */
+        _tile_stream_loadd(5, b + 16 * 64, 64);
         _tile_loadd(6, a, NX_AMXBF_MR * 4);
         _tile_loadd(7, a + 64, NX_AMXBF_MR * 4);
         _tile_dpbf16ps(0, 4, 6);
