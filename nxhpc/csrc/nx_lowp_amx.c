@@ -324,8 +324,9 @@ int nx_matmul_q8_amx(const nx_mm_call *c) {
  * x and the decoded weights rounded by bf() exactly as the bf16 contract says (the same packers'
  * arithmetic as the vdpbf16ps kernel), the products summed by tdpbf16ps in float32 tiles over all
  * of K: per 32-k group one tdpbf16ps of 16 x 16 x 32 per result tile, the groups in order, the
- * tile's float32 sums carried between k-blocks through a packed buffer (exact). tdpbf16ps's own rounding
- * of its 32 products into the accumulator is not the contract's pair chain (Intel documents
+ * tile's float32 sums carried between k-blocks through a packed buffer (exact). tdpbf16ps's
+ * own rounding of its 32 products into the accumulator is not the contract's pair chain (Intel
+ * documents
  * DAZ/FTZ and round-to-nearest, not the order or the intermediate roundings; on this project's
  * AMX Xeon it matched neither order of fused steps, nor one rounding per pair, nor per group), so
  * this kernel is the one `bf16` variant whose bits are not the spec's (nx_lowp.h: its own
@@ -447,10 +448,9 @@ static void nx_amxbf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t
                 const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
                 const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
                 const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
-                _mm512_store_si512(
-                    (__m512i *)(dst + g * NX_AMXBF_BG),
-                    nx_bf16_pairs32(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d),
-                                    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d)));
+                const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
+                const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
+                _mm512_store_si512((__m512i *)(dst + g * NX_AMXBF_BG), nx_bf16_pairs32(lo, hi));
             }
             continue;
         }
@@ -481,11 +481,14 @@ static void nx_amxbf_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *
         _tile_loadd(2, Cp + 512, 64);
         _tile_loadd(3, Cp + 768, 64);
     }
-    const char *next = (const char *)(Cp + 1024); /* the next call's tiles, the driver's order */
+    /* the next call's tiles in the driver's order: 8 of their 64 lines a group (an address, not
+     * a pointer into Cp: past its end the hint is dropped) */
+    const uintptr_t next = (uintptr_t)Cp + 4096;
     for (size_t g = 0; g < ng; g++) {
         const uint8_t *a = A + g * NX_AMXBF_AG, *b = B + g * NX_AMXBF_BG;
-        if (Cp && !last && g < 8) /* 8 of its 64 lines a group (a hint: past Cp's end is fine) */
-            for (int i = 0; i < 8; i++) _mm_prefetch(next + (g * 8 + i) * 64, _MM_HINT_T0);
+        if (Cp && !last && g < 8)
+            for (int i = 0; i < 8; i++)
+                _mm_prefetch((const char *)(next + (g * 8 + i) * 64), _MM_HINT_T0);
         _tile_stream_loadd(4, b, 64); /* used once per call: keep the x panel in L1 */
         _tile_stream_loadd(5, b + 16 * 64, 64);
         _tile_loadd(6, a, NX_AMXBF_MR * 4);

@@ -6,9 +6,9 @@
  *
  * Owns: the vdpbf16ps B micro-panel layout: per 32-k group uint32 pairs[16][NR] (row p = pair p
  * of every column: bf(w[2p]) in the low half, bf(w[2p+1]) in the high half). (The AMX kernel
- * keeps the weights' pairs as decoded, one row per column: its own packer.) Must not: allocate, or decode weights other than
- * to their exact float32 values (the call's dequantize; Q8_0 in registers: f32(d) * q, exact),
- * rounded by bf() once.
+ * keeps the weights' pairs as decoded, one row per column: its own packer.) Must not:
+ * allocate, or decode weights other than to their exact float32 values (the call's dequantize;
+ * Q8_0 in registers: f32(d) * q, exact), rounded by bf() once.
  */
 #ifndef NX_LOWP_BF16_PACK_H
 #define NX_LOWP_BF16_PACK_H
