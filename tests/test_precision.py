@@ -279,22 +279,20 @@ def test_precision_auto_resolves_within_the_allowed_choices(monkeypatch):
         types.precision("fp16")
 
 
-def test_blockrun_precision_auto_runs_the_fastest_and_grades_it(models_root):
+def test_blockrun_precision_auto_runs_the_fastest_and_grades_it(models_root, tmp_path):
     """``--precision auto`` runs (and reports, and grades at the tolerance of) this machine's
     fastest precision -- its block output the same bits as naming that precision -- and f32
     with the SIMD kernels off (the generic code: control that the choice follows the kernels)."""
-    import tempfile
     want = linear.fastest_precision(nxhpc.kernel_variants())
-    with tempfile.TemporaryDirectory() as d:
-        outs = {}
-        for p in ("auto", want):
-            path = os.path.join(d, f"{p}.npy")
-            r = _cli(["tiny", "2", "--precision", p, "--save-output", path], models_root)
-            assert r.returncode == 0, r.stdout + r.stderr
-            assert f"precision={want}" in r.stdout
-            assert f"<= tol {PRECISION_TOL[want]:g}" in r.stdout
-            outs[p] = np.load(path)
-        assert np.array_equal(outs["auto"], outs[want])
+    outs = {}
+    for p in ("auto", want):
+        path = tmp_path / f"{p}.npy"
+        r = _cli(["tiny", "2", "--precision", p, "--save-output", str(path)], models_root)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"precision={want}" in r.stdout
+        assert f"<= tol {PRECISION_TOL[want]:g}" in r.stdout
+        outs[p] = np.load(path)
+    assert np.array_equal(outs["auto"], outs[want])
     env_cli = subprocess.run(
         [sys.executable, "-m", "nxhpc.blockrun", "tiny", "1", "--precision", "auto"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,

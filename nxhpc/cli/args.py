@@ -161,7 +161,6 @@ def add_workers(p: argparse.ArgumentParser) -> None:
     p.add_argument("n_workers", nargs="?", type=workers, default=None, help=workers_help())
 
 
-
 def precision(value: str, allowed: tuple[str, ...] | None = None) -> str:
     """argparse type of ``--precision``: one of ``allowed`` (default
     ``nxhpc.nn.linear.PRECISIONS``), or ``"auto"``, resolved here to

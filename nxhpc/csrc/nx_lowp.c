@@ -327,7 +327,8 @@ int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_mm_call *c) {
     void *bs = tl->b_scratch ? nx_alloc64(tl->b_scratch) : NULL;
     const size_t n_jr = (nc_max + NR - 1) / NR; /* tiles per row of the packed C block */
     const int cp = tl->kern_cp && K > KC;       /* one k-block: straight to C */
-    float *Cp = cp ? (float *)nx_alloc64((mc_max + MR - 1) / MR * n_jr * tl->c_tile) : NULL;
+    float *Cp = cp ? (float *)nx_alloc64((mc_max + MR - 1) / MR * n_jr * MR * NR * sizeof(float))
+                   : NULL;
     if (!Ap || !Bp || (tl->a_scratch && !as) || (tl->b_scratch && !bs) || (cp && !Cp)) {
         free(Cp);
         free(Ap);
@@ -351,7 +352,7 @@ int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_mm_call *c) {
                     for (size_t ir = 0; ir < mc; ir += MR)
                         for (size_t jr = 0; jr < nc; jr += NR) {
                             const size_t tile = ir / MR * n_jr + jr / NR;
-                            float *ct = cp ? (float *)((uint8_t *)Cp + tile * tl->c_tile) : NULL;
+                            float *ct = cp ? Cp + tile * MR * NR : NULL;
                             tl->kern_cp(ng, A0 + ir / MR * a_panel, Bp + jr / NR * b_panel, ct,
                                         out + (ic + ir) * N + jc + jr, N, (int)nx_min(mc - ir, MR),
                                         (int)nx_min(nc - jr, NR), pc == 0, pc + KC >= K);

@@ -252,7 +252,7 @@ float nx_dpbf16_step(float acc, float a, float b); /* ftz(fma(daz(a), daz(b), da
  *   kern(ngroups, A, B, C, ldc, mr, nr, first): C[0:mr, 0:nr] (ldc floats per row) :=
  *     the chain over ngroups groups, started from +0 (first) or continued from C.
  *   kern_cp (optional; replaces kern): the same chain, carried between k-blocks in a packed
- *     buffer Cp of c_tile bytes per tile (mr x nr floats, laid out as the kernel likes) instead
+ *     buffer Cp of mr x nr floats per tile (laid out as the kernel likes) instead
  *     of in C: started from +0 (first) or continued from Cp, and written to C (ldc floats per
  *     row) after the last k-block, to Cp before it. out's rows are N floats apart, and N a
  *     multiple of 1024 floats puts a tile's rows in a handful of L1 sets; Cp does not. */
@@ -268,7 +268,6 @@ typedef struct {
                  int nr, int first);
     void (*kern_cp)(size_t ngroups, const uint8_t *A, const uint8_t *B, float *Cp, float *C,
                     size_t ldc, int mr, int nr, int first, int last);
-    size_t c_tile;
 } nx_lowp_tiling;
 
 int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_mm_call *c);

@@ -529,7 +529,7 @@ int nx_matmul_bf16_amx(const nx_mm_call *c) {
         NX_AMXBF_MR,     NX_AMXBF_NR,     NX_AMXBF_KC, NX_AMXBF_NC, NX_AMXBF_MC,
         NX_AMXBF_AG,     NX_AMXBF_BG,     0,           NX_AMXBF_KC * sizeof(float),
         0,               nx_amxbf_pack_a, nx_amxbf_pack_b,
-        NULL,            nx_amxbf_kern,   NX_AMXBF_MR * NX_AMXBF_NR * sizeof(float),
+        NULL,            nx_amxbf_kern,
     };
     nx_amx_configure(0);
     const int rc = nx_lowp_blocked(&tl, c);
