@@ -15,6 +15,9 @@ cdef extern from "nx_lowp.h" nogil:
     int nx_matmul_q8(nx_isa isa, uint32_t type, const float *x, const uint8_t *w,
                      const float *bias, float *out, size_t T, size_t K, size_t N, size_t n0,
                      size_t n1)
+    int nx_matmul_bf16_flags(nx_isa isa, uint32_t type, const float *x, const uint8_t *w,
+                             const float *bias, float *out, size_t T, size_t K, size_t N,
+                             size_t n0, size_t n1, unsigned flags)
     ctypedef struct nx_q8w_type:
         uint32_t elems
         int halves
@@ -103,7 +106,18 @@ def matmul_bf16(x, w, wtype, out, n0=0, n1=None, *, bias=None, isa=None):
     output (odd element of each pair first, DAZ/FTZ): bit-identical for every band, T batching and
     isa (None = best, or an ISA name: the "lowp" table's matmul_bf16 on that ISA's chain).
     """
-    fn = "matmul_bf16"
+    return _matmul_bf16("matmul_bf16", x, w, wtype, out, n0, n1, bias, isa, 0)
+
+
+def _matmul_bf16_dequant_pack(x, w, wtype, out, n0=0, n1=None, *, bias=None, isa=None):
+    """Test hook: matmul_bf16 with every weight panel decoded through the type's dequantize,
+    even for types that have a fused decoder (must give the same bits)."""
+    return _matmul_bf16("_matmul_bf16_dequant_pack", x, w, wtype, out, n0, n1, bias, isa,
+                        NX_MM_DEQUANT_PACK)
+
+
+cdef object _matmul_bf16(str fn, object x, object w, object wtype, object out, object n0,
+                         object n1, object bias, object isa, unsigned flags):
     _lowp_x(fn, x)
     wid, tname, E, B = _wtype(fn, wtype)
     cdef uint32_t tid = wid
@@ -130,7 +144,8 @@ def matmul_bf16(x, w, wtype, out, n0=0, n1=None, *, bias=None, isa=None):
     cdef float *op = <float *>cnp.PyArray_DATA(out)
     cdef int rc
     with nogil:
-        rc = nx_matmul_bf16(v, tid, xp, wp, bp, op, <size_t>T, <size_t>K, <size_t>N, c0, c1)
+        rc = nx_matmul_bf16_flags(v, tid, xp, wp, bp, op, <size_t>T, <size_t>K, <size_t>N, c0,
+                                  c1, flags)
     if rc == -1:
         raise MemoryError(f"{fn}: could not allocate scratch buffers (T={T}, K={K}, N={N})")
     if rc != 0:

@@ -207,6 +207,12 @@ int nx_matmul_bf16(nx_isa isa, uint32_t type, const float *x /* IN [T*K] */,
 int nx_matmul_q8(nx_isa isa, uint32_t type, const float *x /* IN [T*K] */,
                  const uint8_t *w /* IN [N*rowbytes] */, const float *bias /* IN [N] or NULL */,
                  float *out /* OUT [T*N] */, size_t T, size_t K, size_t N, size_t n0, size_t n1);
+/* nx_matmul_bf16 with NX_MM_* flags (nx_matmul.h): NX_MM_DEQUANT_PACK makes every packer decode
+ * through the type's dequantize instead of a fused decoder (a test hook: the same bits). */
+int nx_matmul_bf16_flags(nx_isa isa, uint32_t type, const float *x /* IN [T*K] */,
+                         const uint8_t *w /* IN [N*rowbytes] */,
+                         const float *bias /* IN [N] or NULL */, float *out /* OUT [T*N] */,
+                         size_t T, size_t K, size_t N, size_t n0, size_t n1, unsigned flags);
 
 /* ---- the weight side of the q8 contract, per type (the table above): the spec's decoders.
  * codes(blk, qw): the signed codes qw[e] of one block, e < elems (nx_quants.h element order);

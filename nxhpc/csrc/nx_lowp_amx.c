@@ -15,12 +15,18 @@
  * Must not: change the per-output block order or arithmetic of nx_lowp.h, allocate per tile, or
  * leave a tile configuration loaded when it returns.
  */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off") /* the weight decoders' mul, sub stay two roundings */
+#endif
+#pragma STDC FP_CONTRACT OFF
+
 #include "nx_amx.h"
 #include "nx_lowp.h"
 
 #include <immintrin.h>
 #include <string.h>
 
+#include "nx_kscales_avx512.h"
 #include "nx_lowp_bf16_pack.h"
 #include "nx_q8_0.h"
 #include "nx_q8x_avx512.h"
@@ -416,23 +422,152 @@ static void nx_amxbf_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t
         }
 }
 
-/* Columns [j0, j0+ncols) x k in [k0, k0+kc): each column's exact float32 values (the call's
- * dequantize; Q8_0 in registers, f32(d) * q) rounded by bf() once, its pairs stored as decoded;
- * columns past ncols and k past kc zero. Each column prefetches the k-range of the column 16
- * further on (as nx_bf16_pack_b, one column at a time instead of 16 at once: the same speed,
- * Q6_K a little faster). scratch: one decoded row of NX_AMXBF_KC floats. */
-static void nx_amxbf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc,
-                            uint8_t *Bp /* OUT */, void *scratch) {
+/* ---- fused weight decoders: one block's exact float32 values (the spec's operations of
+ * nx_quants.c, in its order), bf()-rounded, stored as the panel's pair rows: group g of the block
+ * (its elements 32g .. 32g+31) at dst + g * gs. They give the bits of dequantize-then-bf() (the
+ * test hook NX_MM_DEQUANT_PACK runs that path), at a fraction of its operations: decoding ran at
+ * a quarter to a third of the whole call at T=256 (perf, AMX Xeon, Q4_K / Q5_K / Q6_K). */
+#ifndef NX_AMXBF_PFD
+#define NX_AMXBF_PFD 16
+#endif
+typedef void (*nx_amxbf_dec_fn)(const uint8_t *blk /* IN */, uint8_t *dst /* OUT */, size_t gs);
+
+/* Q8_0: f32(d) * q in registers. */
+static inline void nx_amxbf_dec_q8_0(const uint8_t *p, uint8_t *dst, size_t gs) {
+    (void)gs;
+    uint16_t dh;
+    memcpy(&dh, p, 2);
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
+    const __m128i q0 = _mm_loadu_si128((const __m128i *)(p + 2));
+    const __m128i q1 = _mm_loadu_si128((const __m128i *)(p + 18));
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
+    _mm512_store_si512((__m512i *)dst, nx_bf16_pairs32(lo, hi));
+}
+
+/* Q4_K and Q5_K: part j of 32 elements has value dl_j * u - ml_j for its 4- or 5-bit code u. A
+ * part's 16 or 32 possible values are computed, rounded by bf() as one table of 32 bf16 words,
+ * and looked up by the codes (vpermw: its index is a word's low 5 bits). Each table value is
+ * one fma(dl, u, -ml): dl = d * sc has at most 11 + 6 significant bits, so dl * u (u < 32) is
+ * exact in float32 and the fma's one rounding is the spec's rounding of the subtraction (the
+ * same bits; NaN and inf scales give NaN and inf alike). The scales are read back from memory
+ * (the barrier), so the broadcasts are loads, not shuffles on port 5. Q4_K: qs[32c .. 32c+32)
+ * holds part 2c in its low nibbles, 2c+1 in its high ones; both share one table (words 0-15
+ * part 2c+1, 16-31 part 2c). */
+static inline void nx_amxbf_k4_scales(const uint8_t *p, float s[32]) {
+    const __m512 v = nx_k4_scales16(p);
+    _mm512_store_ps(s, v);                                             /* dl_j, then ml_j */
+    _mm512_store_ps(s + 16, _mm512_xor_ps(v, _mm512_set1_ps(-0.0f))); /* -dl_j, -ml_j */
+    __asm__ volatile("" ::: "memory");
+}
+
+static inline void nx_amxbf_dec_q4_K(const uint8_t *p, uint8_t *dst, size_t gs) {
+    _Alignas(64) float s[32];
+    nx_amxbf_k4_scales(p, s);
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i b16 = _mm512_set1_epi16(16);
+    for (int c = 0; c < 4; c++) {
+        const int j = 2 * c;
+        const __m512 tl = _mm512_fmadd_ps(_mm512_set1_ps(s[j]), iota, _mm512_set1_ps(s[24 + j]));
+        const __m512 th =
+            _mm512_fmadd_ps(_mm512_set1_ps(s[j + 1]), iota, _mm512_set1_ps(s[25 + j]));
+        const __m512i tab = (__m512i)_mm512_cvtne2ps_pbh(tl, th);
+        const __m512i w =
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + 16 + 32 * c)));
+        _mm512_store_si512((__m512i *)(dst + j * gs),
+                           _mm512_permutexvar_epi16(_mm512_or_si512(w, b16), tab)); /* 16 + lo */
+        _mm512_store_si512((__m512i *)(dst + (j + 1) * gs),
+                           _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), tab)); /* hi */
+    }
+}
+
+/* Q5_K: as Q4_K, the fifth bit of element i of part j being bit j of qh[i]; a table per part. */
+static inline void nx_amxbf_dec_q5_K(const uint8_t *p, uint8_t *dst, size_t gs) {
+    _Alignas(64) float s[32];
+    nx_amxbf_k4_scales(p, s);
+    const __m512 i0 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 i1 = _mm512_add_ps(i0, _mm512_set1_ps(16.0f));
+    const __m512i m15 = _mm512_set1_epi16(15), b16 = _mm512_set1_epi16(16);
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 16));
+    for (int c = 0; c < 4; c++) {
+        const __m512i w =
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + 48 + 32 * c)));
+        for (int h = 0; h < 2; h++) {
+            const int j = 2 * c + h;
+            const __m512 dl = _mm512_set1_ps(s[j]), nml = _mm512_set1_ps(s[24 + j]);
+            const __m512i tab = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(dl, i1, nml),
+                                                             _mm512_fmadd_ps(dl, i0, nml));
+            const __m512i lo = h ? _mm512_srli_epi16(w, 4) : _mm512_and_si512(w, m15);
+            const __mmask32 hb = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << j)));
+            const __m512i u = _mm512_mask_add_epi16(lo, hb, lo, b16); /* the 5-bit code */
+            _mm512_store_si512((__m512i *)(dst + j * gs), _mm512_permutexvar_epi16(u, tab));
+        }
+    }
+}
+
+/* Q6_K: element 128h + r has the code (ql[64h + r % 64] >> 4 (r >= 64)) & 15 | ((qh[32h + r % 32]
+ * >> 2 (r / 32)) & 3) << 4 and the value dl_(8h + r/16) * (code - 32), dl_i = d * sc_i. The codes
+ * of 64 elements at a time as bytes (the high bits moved to bits 4-5 by one word shift per
+ * 32-element half), stored, then widened 16 at a time. */
+static inline void nx_amxbf_dec_q6_K(const uint8_t *p, uint8_t *dst, size_t gs) {
+    _Alignas(64) float dl[16];
+    _Alignas(64) int8_t q[128]; /* code - 32 of one half */
+    uint16_t dh;
+    memcpy(&dh, p + 208, 2);
+    _mm512_store_ps(dl, _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(dh)),
+                                      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                          _mm_loadu_si128((const __m128i *)(p + 192))))));
+    __asm__ volatile("" ::: "memory"); /* broadcast from memory: loads, not shuffles */
+    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    const __m512i k32 = _mm512_set1_epi8(32);
+    /* per word: the first 32 bytes (16 words) / the last 32 */
+    const __m512i sh01 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i sh23 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    for (int h = 0; h < 2; h++) {
+        const __m512i ql = _mm512_loadu_si512((const void *)(p + 64 * h));
+        const __m512i qh =
+            _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h)));
+        /* (a & c) | b: imm 0xEC */
+        const __m512i c01 = _mm512_ternarylogic_epi32(
+            ql, _mm512_and_si512(_mm512_sllv_epi16(qh, sh01), m30), m4, 0xEC);
+        const __m512i c23 = _mm512_ternarylogic_epi32(
+            _mm512_srli_epi16(ql, 4), _mm512_and_si512(_mm512_srlv_epi16(qh, sh23), m30), m4, 0xEC);
+        _mm512_store_si512((__m512i *)q, _mm512_sub_epi8(c01, k32));
+        _mm512_store_si512((__m512i *)(q + 64), _mm512_sub_epi8(c23, k32));
+        __asm__ volatile("" ::: "memory"); /* widened from memory: loads, not extracts */
+        for (int g = 0; g < 4; g++) {
+            const __m128i *qg = (const __m128i *)(q + 32 * g);
+            const __m512 lo = _mm512_mul_ps(_mm512_set1_ps(dl[8 * h + 2 * g]),
+                                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qg[0])));
+            const __m512 hi = _mm512_mul_ps(_mm512_set1_ps(dl[8 * h + 2 * g + 1]),
+                                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qg[1])));
+            _mm512_store_si512((__m512i *)(dst + (4 * h + g) * gs), nx_bf16_pairs32(lo, hi));
+        }
+    }
+}
+
+/* Columns [j0, j0+ncols) x k in [k0, k0+kc): each column's exact float32 values rounded by bf()
+ * once, its pairs stored as decoded: by the type's fused decoder (dec) where it has one, else by
+ * the call's dequantize into scratch (one decoded row of NX_AMXBF_KC floats); columns past ncols
+ * and k past kc zero. Each column prefetches every cache line of the k-range of the column
+ * NX_AMXBF_PFD further on (as nx_bf16_pack_b, one column at a time instead of 16 at once: the
+ * same speed, Q6_K a little faster). Until 2026-12-05 it prefetched from the range's first byte
+ * in 64-byte steps, which misses the last line of a range that does not start on a line: with
+ * the fused decoders, AMX Xeon, Q6_K T=256 968-973 -> 991-992 GOP/s. Distances 8 / 32 / 64 / 128:
+ * within noise / 1-3% / 3-7% / 6-9% slower. */
+NX_INLINE void nx_amxbf_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0,
+                                 size_t kc, uint8_t *Bp /* OUT */, void *scratch,
+                                 nx_amxbf_dec_fn dec) {
     const uint8_t *w = c->w;
     const size_t rowbytes = c->rowbytes, be = c->wt->blck_elems, bb = c->wt->blck_bytes;
     const size_t ng = (kc + 31) / 32, pfb = kc / be * bb;
-    const int fused_q8 = c->type == NX_GGML_Q8_0 && !(c->flags & NX_MM_DEQUANT_PACK);
     float *row = (float *)scratch;
     for (size_t j = 0; j < NX_AMXBF_NR; j++) {
-        if (NX_PANEL_PF && j0 + j + 16 < c->n1) /* column j + 16's k-range */
-            for (size_t o = 0; o < pfb; o += 64)
-                _mm_prefetch((const char *)(w + (j0 + j + 16) * rowbytes + k0 / be * bb + o),
-                             _MM_HINT_T0);
+        if (NX_PANEL_PF && j0 + j + NX_AMXBF_PFD < c->n1) { /* column j + PFD's k-range */
+            const uintptr_t a = (uintptr_t)(w + (j0 + j + NX_AMXBF_PFD) * rowbytes + k0 / be * bb);
+            for (uintptr_t l = a & ~(uintptr_t)63; l < a + pfb; l += 64) /* every line it touches */
+                _mm_prefetch((const char *)l, _MM_HINT_T0);
+        }
         uint8_t *dst = Bp + j * 64;
         if (j >= ncols) {
             for (size_t g = 0; g < ng; g++)
@@ -440,18 +575,9 @@ static void nx_amxbf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t
             continue;
         }
         const uint8_t *src = w + (j0 + j) * rowbytes + k0 / be * bb;
-        if (fused_q8) {
-            for (size_t g = 0; g < ng; g++) {
-                const uint8_t *blk = src + g * bb;
-                uint16_t dh;
-                memcpy(&dh, blk, 2);
-                const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
-                const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
-                const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
-                const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
-                const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
-                _mm512_store_si512((__m512i *)(dst + g * NX_AMXBF_BG), nx_bf16_pairs32(lo, hi));
-            }
+        if (dec) { /* a quantized type: kc is a multiple of its block */
+            for (size_t b = 0; b < kc / be; b++)
+                dec(src + b * bb, dst + b * (be / 32) * NX_AMXBF_BG, NX_AMXBF_BG);
             continue;
         }
         c->dequant(src, row, kc / be); /* exact */
@@ -461,6 +587,27 @@ static void nx_amxbf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t
                                nx_bf16_pairs32(_mm512_loadu_ps(row + g * 32),
                                                _mm512_loadu_ps(row + g * 32 + 16)));
     }
+}
+
+static void nx_amxbf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc,
+                            uint8_t *Bp /* OUT */, void *scratch) {
+    if (!(c->flags & NX_MM_DEQUANT_PACK)) switch (c->type) {
+        case NX_GGML_Q8_0:
+            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q8_0);
+            return;
+        case NX_GGML_Q4_K:
+            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q4_K);
+            return;
+        case NX_GGML_Q5_K:
+            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q5_K);
+            return;
+        case NX_GGML_Q6_K:
+            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q6_K);
+            return;
+        default:
+            break;
+        }
+    nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, NULL);
 }
 
 /* out^T block: tile 0 = columns 0-15 x tokens 0-15, 1 = columns 0-15 x tokens 16-31, 2 and 3

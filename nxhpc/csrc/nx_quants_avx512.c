@@ -13,6 +13,7 @@
 /* the fifth bits: a mask OR of 16 into the lanes whose bit of qh is set */
 #define NXQ_OR_QH(v, qh, j0, k16) _mm512_mask_or_epi32(v, (__mmask16)((qh) >> (j0)), v, k16)
 #include "nx_quants_ew.h"
+#include "nx_kscales_avx512.h"
 
 static inline nxv nxq_add_m(nxv dq, nxv m) {
     return _mm512_mask_mov_ps(_mm512_add_ps(dq, m), _mm512_cmp_ps_mask(dq, dq, _CMP_UNORD_Q), dq);
@@ -34,18 +35,7 @@ static inline void nxq_scales_q3(const uint8_t *sc /* IN 12 bytes */, float d, f
     _mm512_storeu_ps(dl, _mm512_mul_ps(_mm512_set1_ps(d), nxvi_cvt(code)));
 }
 
-/* One vector: lanes 0..7 the scales, 8..15 the mins; lane value = ((s[i1] >> sh1) & m1) |
- * ((s[i2] >> 2) & m2), which spells the spec's rule. */
+/* lanes 0..7 the scales, 8..15 the mins (nx_kscales_avx512.h, shared with the AMX packer) */
 static inline void nxq_scales_k4(const uint8_t *p, float dlml[16]) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(0x0fff, p + 4));   /* no overread */
-    const __m512i i1 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
-    const __m512i s1 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4);
-    const __m512i m1 = _mm512_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
-    const __m512i i2 = _mm512_setr_epi32(0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7);
-    const __m512i m2 = _mm512_setr_epi32(0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48);
-    const __m512i v = _mm512_or_si512(
-        _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(i1, b), s1), m1),
-        _mm512_and_si512(_mm512_srli_epi32(_mm512_permutexvar_epi32(i2, b), 2), m2));
-    const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(ld_f16(p)), _mm256_set1_ps(ld_f16(p + 2)), 1);
-    _mm512_storeu_ps(dlml, _mm512_mul_ps(dd, nxvi_cvt(v)));
+    _mm512_storeu_ps(dlml, nx_k4_scales16(p));
 }

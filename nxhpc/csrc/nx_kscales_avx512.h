@@ -1,0 +1,40 @@
+/* nx_kscales_avx512.h -- the sub-block scales and mins of one Q4_K / Q5_K block as one float32
+ * vector, shared by the AVX-512 dequantizer (nx_quants_avx512.c) and the AMX bf16 weight packer
+ * (nx_lowp_amx.c), which must read them identically.
+ *
+ * Owns: nothing of a contract; only the spec's decoding (nx_quants.c): lane j < 8 = d * sc_j,
+ * lane 8 + j = dmin * mn_j, each one float32 product of the block's f16 d / dmin and its 6-bit
+ * codes (j < 4: sc = s[j] & 63, mn = s[j+4] & 63; j >= 4: sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4,
+ * mn = (s[j+4] >> 4) | (s[j] >> 6) << 4, s = the 12 bytes at p + 4).
+ * Include only from files compiled with the avx512 flags (F/BW/VL/DQ, F16C). Must not read past
+ * the block's 16 header bytes.
+ */
+#ifndef NX_KSCALES_AVX512_H
+#define NX_KSCALES_AVX512_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+/* One permute per source byte vector: lane value = ((s[i1] >> sh1) & m1) | ((s[i2] >> 2) & m2),
+ * which spells the rule above. */
+static inline __m512 nx_k4_scales16(const uint8_t *p /* IN block */) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(0x0fff, p + 4)); /* no overread */
+    const __m512i i1 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
+    const __m512i s1 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4);
+    const __m512i m1 =
+        _mm512_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+    const __m512i i2 = _mm512_setr_epi32(0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7);
+    const __m512i m2 = _mm512_setr_epi32(0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48);
+    const __m512i v = _mm512_or_si512(
+        _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(i1, b), s1), m1),
+        _mm512_and_si512(_mm512_srli_epi32(_mm512_permutexvar_epi32(i2, b), 2), m2));
+    uint16_t d, dmin;
+    memcpy(&d, p, 2);
+    memcpy(&dmin, p + 2, 2);
+    const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(d)),
+                                         _mm256_set1_ps(_cvtsh_ss(dmin)), 1);
+    return _mm512_mul_ps(dd, _mm512_cvtepi32_ps(v));
+}
+
+#endif
