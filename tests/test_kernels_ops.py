@@ -223,7 +223,7 @@ def test_qknorm_rope_zimage_heads():
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_qknorm_rope_band_invariance_and_untouched(isa):
-    T, H, KVH, hd = 9, 6, 2, 34
+    T, H, KVH, hd = 37, 6, 2, 34           # T: the SIMD loops' token blocks (16) and a tail
     qkv = f32(T, (H + 2 * KVH) * hd)
     q_w, k_w, pe = f32(hd), f32(hd), make_pe(T, hd, np.random.default_rng(0))
     fq, fk = np.zeros((H, T, hd), np.float32), np.zeros((KVH, T, hd), np.float32)
