@@ -1,11 +1,12 @@
 /* nx_attn_bf16_amx.c -- the `bf16` attention on the AMX tile unit (tdpbf16ps for Q K^T and P V);
  * exports the amx table of the "attn_bf16" family.
  *
- * Owns: the AMX panel layouts, the 16-row micro-block and its tile configuration (loaded at
- * entry and released at exit of every call, in the calling thread). Everything but the two dot
- * products is the contract of nx_attn_bf16.h, operation for operation: bf() of q, k, v
- * (VCVTNEPS2BF16), 64-key tiles run whole, x_j = s_j * scale or -inf, the running max, E
- * (nx_exp16), p_j = bf(E(x_j - m_use)), the contract's sum tree, l = l * alpha + sum, O = O * alpha.
+ * Owns: the AMX panel layouts, the 16-row micro-block (rows in vector lanes) and its tile
+ * configuration (loaded at entry and released at exit of every call, in the calling thread).
+ * Everything but the two dot products is the contract of nx_attn_bf16.h, operation for
+ * operation: bf() of q, k, v (VCVTNEPS2BF16), 64-key tiles run whole, x_j = s_j * scale or -inf,
+ * the running max, E (nx_exp16), p_j = bf(E(x_j - m_use)), the contract's sum tree,
+ * l = l * alpha + sum, O = O * alpha.
  * The dots are tdpbf16ps: s_j sums the d-pairs of bf(q) . bf(k_j) per 32-d chunk in chunk order,
  * and O += sum_j p_j bf(v_j) per 32-key half of the tile in order, each with the instruction's own
  * accumulation (DAZ/FTZ, round to nearest; its internal order and intermediate roundings are
@@ -20,13 +21,14 @@
  */
 #include "nx_amx.h"
 #include "nx_attn_bf16.h"
-#include "nx_vmath_avx512.h" /* nx_exp16, nx_mask16 */
+#include "nx_lowp_bf16_pack.h" /* nx_tr16i */
+#include "nx_vmath_avx512.h"   /* nx_exp16, nx_mask16 */
 
 #include <immintrin.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define NX_AX_BR 16                /* rows per micro-block: one tile's rows */
+#define NX_AX_BR 16                /* query rows per micro-block: the lanes of a vector */
 #define NX_AX_BC NX_ATTN_BF16_TILE /* keys per tile (the contract's) */
 #ifndef NX_AX_QB
 #define NX_AX_QB 256 /* query rows sharing one pass over the K/V tiles */
@@ -34,192 +36,224 @@
 _Static_assert(NX_AX_QB % NX_AX_BR == 0, "whole micro-blocks per query block");
 _Static_assert(NX_AX_BC == 64, "the S tiles cover 64 keys as 4 x 16");
 
-/* bf() of 16 floats as 16 bf16 bits, and as float32 values. */
-static inline __m256i nx_ax_bf16_bits(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
-static inline __m512 nx_ax_bf16(__m512 x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(nx_ax_bf16_bits(x)), 16));
-}
-
-/* The contract's sum tree of one row's 64 rounded p (f0..f3 = keys 0-15, 16-31, 32-47, 48-63). */
-static inline float nx_ax_tree(__m512 f0, __m512 f1, __m512 f2, __m512 f3) {
-    const __m512 a = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(f0, f1), f2), f3);
-    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
-
-static inline uint64_t nx_ax_low_bits(int64_t n) { /* keys [0, n) of a tile */
-    return n >= 64 ? ~(uint64_t)0 : n <= 0 ? 0 : (((uint64_t)1 << n) - 1);
-}
-
-/* Layouts (bf16 bits; hd32 = hd rounded up to 32, nc = hd32 / 32 chunks, hdp = hd rounded up to
+/* Rows in lanes: the tiles compute S^T = K Q^T (a 64-key x 16-query block as 4 result tiles)
+ * and O^T = O^T + V^T P^T, so that in the online softmax lane r of every vector is query row r
+ * of the micro-block: the tile's max, the sum tree of the rounded p (key i, 16 + i, 32 + i,
+ * 48 + i added first, then lanes i and i + 8, ...: the contract's tree, one vertical add per
+ * step) and every per-row scalar (m, l, alpha) are vertical operations on 16 rows at once, with
+ * no horizontal reductions and no per-row branches. Each S^T / O^T element is the same
+ * tdpbf16ps sum of the same bf16 pairs in the same order as S / O with the operands the other
+ * way round: the outputs of this kernel and of the rows-in-registers one before it (2026-12-05)
+ * were bit-identical on 330 cases (T 1 .. 600, hd 8 .. 128, GQA, causal, masks). AMX Xeon
+ * (family 6 model 167), one thread, 4 of 30 heads, shared-memory buffers, GFLOP/s: T=4128
+ * 402-404 -> 487-492, T=1024 387 -> 500. Tried, not kept: four O^T result tiles in flight in
+ * P V (487), the Q^T B tile alternating between two tiles by chunk (481-485), and issuing the
+ * next micro-block's S^T before this one's softmax (453-457).
+ *
+ * Layouts (bf16 bits; hd32 = hd rounded up to 32, nc = hd32 / 32 chunks, hdp = hd rounded up to
  * 16; zeros beyond hd and beyond T):
- *   kt[tile b][chunk c][pair p < 16][key jj < 64]: dword {bf(k[j, 32c+2p]), bf(k[j, 32c+2p+1])}
- *      -- 16 columns of it (keys 16 kg ..) are the B tile of S's kg-th 16 keys, stride 256 B;
- *   vt[tile b][half h][pair p < 16][d < hdp]: dword {bf(v[64b+32h+2p, d]), bf(v[.. +1, d])}
- *      -- 16 columns (d = 16 dg ..) are the B tile of O's dg-th 16 columns, stride hdp * 4 B;
- *   qt[row][hd32] bf16 -- 16 rows x chunk c are an A tile, stride hd32 * 2 B;
- *   pt[row][64] bf16 (per micro-block) -- 16 rows x half h are an A tile, stride 128 B. */
-static void nx_ax_pack_k(const float *kg, int64_t T, int64_t hd, int64_t nc, int64_t Tp,
-                         uint32_t *kt) {
-    for (int64_t j = 0; j < Tp; j++) {
-        uint32_t *dst = kt + (j / NX_AX_BC) * nc * 16 * NX_AX_BC + j % NX_AX_BC;
-        for (int64_t c = 0; c < nc; c++) {
-            const int64_t d = 32 * c;
+ *   kt[key j][hd32] bf16 -- 16 keys x chunk c are an A tile of S^T, stride hd32 * 2 B;
+ *   vt[tile b][half h][d < hdp][32 keys] bf16 -- 16 rows (d = 16 dg ..) are an A tile of O^T's
+ *      dg-th 16 rows, stride 64 B;
+ *   qt[micro-block][chunk c][pair p < 16][row r < 16]: dword {bf(q[r, 32c+2p]), bf(q[r, 32c+2p+1])}
+ *      -- the B tile of S^T for chunk c, stride 64 B;
+ *   pt[half h][pair p < 16][row r < 16]: dword {bf(p_(32h+2p)), bf(p_(32h+2p+1))} of row r -- the
+ *      B tile of O^T for the half, stride 64 B;
+ *   OT[micro-block][d < hdp][16 rows] float32 -- O^T, 16 rows d at a time a result tile. */
+static void nx_ax_pack_k(const float *kg, int64_t T, int64_t hd, int64_t hd32, int64_t Tp,
+                         uint16_t *kt) {
+    for (int64_t j = 0; j < Tp; j++)
+        for (int64_t d = 0; d < hd32; d += 32) {
             const __m512 lo = j < T ? _mm512_maskz_loadu_ps(nx_mask16(hd - d), kg + j * hd + d)
                                     : _mm512_setzero_ps();
             const __m512 hi =
                 j < T ? _mm512_maskz_loadu_ps(nx_mask16(hd - d - 16), kg + j * hd + d + 16)
                       : _mm512_setzero_ps();
-            uint32_t w[16];
-            _mm512_storeu_si512((__m512i *)w, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-            for (int p = 0; p < 16; p++) dst[(c * 16 + p) * NX_AX_BC] = w[p];
+            _mm512_storeu_si512((void *)(kt + j * hd32 + d), nx_bf16_pairs32(lo, hi));
         }
-    }
 }
 
+/* V^T: per tile half, 32 keys x 16 d -> 16 rows d of 32 keys (two 16 x 16 word blocks). */
 static void nx_ax_pack_v(const float *vg, int64_t W, int64_t T, int64_t hd, int64_t hdp,
-                         int64_t Tp, uint32_t *vt) {
-    for (int64_t j = 0; j < Tp; j += 2) { /* key pair (j, j+1) */
-        uint32_t *dst = vt + (j / 32) * 16 * hdp + (j % 32 / 2) * hdp;
+                         int64_t Tp, uint16_t *vt) {
+    for (int64_t j0 = 0; j0 < Tp; j0 += 32) { /* one half: keys j0 .. j0 + 31 */
+        uint16_t *dst = vt + (j0 / 32) * hdp * 32;
         for (int64_t c = 0; c < hdp; c += 16) {
             const __mmask16 m = nx_mask16(hd - c);
-            const __m512 a = j < T ? _mm512_maskz_loadu_ps(m, vg + j * W + c) : _mm512_setzero_ps();
-            const __m512 b =
-                j + 1 < T ? _mm512_maskz_loadu_ps(m, vg + (j + 1) * W + c) : _mm512_setzero_ps();
-            const __m512i ab = _mm512_cvtepu16_epi32(nx_ax_bf16_bits(a));
-            const __m512i bb = _mm512_slli_epi32(_mm512_cvtepu16_epi32(nx_ax_bf16_bits(b)), 16);
-            _mm512_storeu_si512((__m512i *)(dst + c), _mm512_or_si512(ab, bb));
+            __m512i r[16]; /* r[i] = dwords {bf(v[j0+2i, c+e]), bf(v[j0+2i+1, c+e])}, e < 16 */
+            for (int i = 0; i < 16; i++) {
+                const int64_t j = j0 + 2 * i;
+                const __m512 a = j < T ? _mm512_maskz_loadu_ps(m, vg + j * W + c)
+                                       : _mm512_setzero_ps();
+                const __m512 b = j + 1 < T ? _mm512_maskz_loadu_ps(m, vg + (j + 1) * W + c)
+                                           : _mm512_setzero_ps();
+                const __m512i ab = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+                const __m512i bb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
+                r[i] = _mm512_or_si512(ab, _mm512_slli_epi32(bb, 16));
+            }
+            nx_tr16i(r); /* r[e] lane i = that dword for d = c + e: row d, keys 2i, 2i+1 */
+            for (int e = 0; e < 16; e++) _mm512_storeu_si512((void *)(dst + (c + e) * 32), r[e]);
         }
     }
 }
 
-static void nx_ax_pack_q(const float *q, int64_t nq, int64_t hd, int64_t hd32, uint16_t *qt) {
-    for (int64_t r = 0; r < NX_AX_QB && r < ((nq + NX_AX_BR - 1) / NX_AX_BR) * NX_AX_BR; r++)
-        for (int64_t d = 0; d < hd32; d += 16) {
-            const __m512 x = r < nq ? _mm512_maskz_loadu_ps(nx_mask16(hd - d), q + r * hd + d)
-                                    : _mm512_setzero_ps();
-            _mm256_storeu_si256((__m256i *)(qt + r * hd32 + d), nx_ax_bf16_bits(x));
-        }
+/* Q^T of rows [0, nr) of a micro-block (rows past nr zero), every chunk. */
+static void nx_ax_pack_q(const float *q, int nr, int64_t hd, int64_t nc, uint32_t *qt) {
+    for (int64_t c = 0; c < nc; c++) {
+        const int64_t d = 32 * c;
+        __m512i r[16];
+        for (int i = 0; i < 16; i++)
+            r[i] = i < nr ? nx_bf16_pairs32(
+                                _mm512_maskz_loadu_ps(nx_mask16(hd - d), q + i * hd + d),
+                                _mm512_maskz_loadu_ps(nx_mask16(hd - d - 16), q + i * hd + d + 16))
+                          : _mm512_setzero_si512();
+        nx_tr16i(r); /* r[p] lane i = pair p of row i */
+        for (int p = 0; p < 16; p++) _mm512_store_si512((void *)(qt + (c * 16 + p) * 16), r[p]);
+    }
 }
 
-/* One micro-block of 16 rows (qt rows hd32 apart; rows r >= nr are padding), against tile kt /
- * vt, keys allowed for row r: rmask[r]; running m, l, O (rows hdp floats apart), updated for the
- * rows with bit r of act set (the others -- padding, or causal rows before the tile -- keep
- * theirs). */
-static void nx_ax_micro(int nr, const uint16_t *qt, int64_t hd32, int64_t nc, const uint32_t *kt,
-                        const uint32_t *vt, const uint64_t *rmask, unsigned act, float scale,
-                        float *m, float *l, float *O, int64_t hdp) {
-    float S[NX_AX_BR * NX_AX_BC] __attribute__((aligned(64)));
-    uint16_t pt[NX_AX_BR * NX_AX_BC] __attribute__((aligned(64)));
-    float keep[NX_AX_BR][16] __attribute__((aligned(64))); /* saved O rows chunk (inactive) */
-    /* S = Q K^T: 4 result tiles (16 keys each), per chunk one A tile and 4 B tiles */
+/* nx_exp16 without its upper clamp (min(x, 89)): every argument here is x - m_use <= 0, or NaN,
+ * which that clamp returns unchanged, so the bits are nx_exp16's. */
+static inline __m512 nx_ax_exp(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* One micro-block of 16 rows against tile kt / vt. lanes(j): the rows key j of the tile enters
+ * (bit r: row r runs the tile and may see key j); act: the rows that run the tile (the others --
+ * padding, or causal rows before the tile -- keep m, l and their O^T lanes). Running m, l (16
+ * floats each) and OT (hdp rows of 16) are updated in place. */
+static void nx_ax_micro(const uint32_t *qt, int64_t nc, const uint16_t *kt, int64_t hd32,
+                        const uint16_t *vt, int64_t hdp, const __mmask16 *lanes, __mmask16 act,
+                        float scale, float *m, float *l, float *OT) {
+    _Alignas(64) float S[NX_AX_BC][16];  /* S^T, then the scores x */
+    _Alignas(64) float F[NX_AX_BC][16];  /* the rounded p as floats */
+    _Alignas(64) uint32_t pt[2][16][16]; /* P^T, the B tiles of the two halves */
+    /* S^T = K Q^T: 4 result tiles of 16 keys, per chunk one B tile (Q^T) and 4 A tiles (K) */
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t c = 0; c < nc; c++) {
-        const uint32_t *kc = kt + c * 16 * NX_AX_BC;
-        _tile_loadd(4, qt + 32 * c, hd32 * 2);
-        _tile_loadd(6, kc, NX_AX_BC * 4);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, kc + 16, NX_AX_BC * 4);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(6, kc + 32, NX_AX_BC * 4);
-        _tile_dpbf16ps(2, 4, 6);
-        _tile_loadd(7, kc + 48, NX_AX_BC * 4);
-        _tile_dpbf16ps(3, 4, 7);
+        const uint16_t *kc = kt + 32 * c;
+        _tile_loadd(4, qt + c * 256, 64);
+        _tile_loadd(6, kc, hd32 * 2);
+        _tile_dpbf16ps(0, 6, 4);
+        _tile_loadd(7, kc + 16 * hd32, hd32 * 2);
+        _tile_dpbf16ps(1, 7, 4);
+        _tile_loadd(6, kc + 32 * hd32, hd32 * 2);
+        _tile_dpbf16ps(2, 6, 4);
+        _tile_loadd(7, kc + 48 * hd32, hd32 * 2);
+        _tile_dpbf16ps(3, 7, 4);
     }
-    _tile_stored(0, S, NX_AX_BC * 4);
-    _tile_stored(1, S + 16, NX_AX_BC * 4);
-    _tile_stored(2, S + 32, NX_AX_BC * 4);
-    _tile_stored(3, S + 48, NX_AX_BC * 4);
-    /* the online softmax, the contract's float32 operations */
+    _tile_stored(0, S[0], 64);
+    _tile_stored(1, S[16], 64);
+    _tile_stored(2, S[32], 64);
+    _tile_stored(3, S[48], 64);
+    /* x_j = s_j * scale, or -inf for the rows key j does not enter; the tile's max */
     const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-    float sums[NX_AX_BR], dm[NX_AX_BR];
-    for (int r = 0; r < NX_AX_BR; r++) {
-        if (!(act >> r & 1u)) { /* not run: p = 0, O kept below */
-            dm[r] = 0.0f;
-            sums[r] = 0.0f;
-            memset(pt + r * NX_AX_BC, 0, NX_AX_BC * sizeof(uint16_t));
-            continue;
-        }
-        __m512 x[4];
-        for (int v = 0; v < 4; v++)
-            x[v] = _mm512_mask_mov_ps(ninf, (__mmask16)(rmask[r] >> (16 * v)),
-                                      _mm512_mul_ps(_mm512_load_ps(S + r * NX_AX_BC + 16 * v), sc));
-        const __m512 mx4 = _mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]));
-        const float mx = _mm512_reduce_max_ps(mx4);
-        const float m_new = mx > m[r] ? mx : m[r];
-        const float m_use = m_new == -INFINITY ? 0.0f : m_new; /* all excluded so far: p = 0 */
-        dm[r] = m[r] - m_use;
-        m[r] = m_new;
-        const __m512 mu = _mm512_set1_ps(m_use);
-        __m512 f[4];
-        for (int v = 0; v < 4; v++) {
-            const __m512 e = nx_exp16(_mm512_sub_ps(x[v], mu));
-            _mm256_store_si256((__m256i *)(pt + r * NX_AX_BC + 16 * v), nx_ax_bf16_bits(e));
-            f[v] = nx_ax_bf16(e);
-        }
-        sums[r] = nx_ax_tree(f[0], f[1], f[2], f[3]);
+    __m512 mx[4] = {ninf, ninf, ninf, ninf};
+    for (int j = 0; j < NX_AX_BC; j++) {
+        const __m512 x = _mm512_mask_mul_ps(ninf, lanes[j], _mm512_load_ps(S[j]), sc);
+        _mm512_store_ps(S[j], x);
+        mx[j & 3] = _mm512_max_ps(mx[j & 3], x);
     }
-    float alpha[NX_AX_BR] __attribute__((aligned(64)));
-    _mm512_store_ps(alpha, nx_exp16(_mm512_loadu_ps(dm)));
-    for (int r = 0; r < nr; r++)
-        if (act >> r & 1u) l[r] = l[r] * alpha[r] + sums[r];
-    /* O = O * alpha + P V: per 16 output columns one result tile, 2 A tiles (the key halves).
-     * O * alpha first, all columns, and only for the rows whose alpha is not 1 (x * 1 = x
-     * exactly under this code's MXCSR, round-to-nearest without DAZ/FTZ; alpha = 1 whenever
-     * the row's max did not move, most tiles past the first few). Rows that do not run the
-     * tile keep their O (tdpbf16ps would add 0 * v products to it under DAZ/FTZ): saved before
-     * and put back after, only for them. AMX Xeon (family 6 model 167), T=4128, hd=128, 2
-     * heads, 1 thread: 387-390 -> 399-403 GFLOP/s (best of 4 s, 2 alternating runs each). */
-    const unsigned all = (1u << NX_AX_BR) - 1u;
-    unsigned scaled = 0;
-    for (int r = 0; r < NX_AX_BR; r++)
-        if ((act >> r & 1u) && alpha[r] != 1.0f) scaled |= 1u << r;
-    for (int r = 0; scaled && r < NX_AX_BR; r++) {
-        if (!(scaled >> r & 1u)) continue;
-        const __m512 a = _mm512_set1_ps(alpha[r]);
-        for (int64_t c = 0; c < hdp; c += 16)
-            _mm512_store_ps(O + r * hdp + c, _mm512_mul_ps(_mm512_load_ps(O + r * hdp + c), a));
+    const __m512 mt = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+    const __m512 m_old = _mm512_load_ps(m);
+    /* m_new = mx > m ? mx : m; m_use = m_new, or 0 while every key so far is excluded */
+    const __m512 m_new = _mm512_mask_mov_ps(m_old, _mm512_cmp_ps_mask(mt, m_old, _CMP_GT_OQ), mt);
+    const __m512 m_use = _mm512_mask_mov_ps(
+        m_new, _mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ), _mm512_setzero_ps());
+    _mm512_store_ps(m, _mm512_mask_mov_ps(m_old, act, m_new));
+    /* p_j = bf(E(x_j - m_use)), two keys a step: their bf16 pair is P^T's dword */
+    const __m512i il = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003,
+                                         0x00140004, 0x00150005, 0x00160006, 0x00170007,
+                                         0x00180008, 0x00190009, 0x001a000a, 0x001b000b,
+                                         0x001c000c, 0x001d000d, 0x001e000e, 0x001f000f);
+    const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000u);
+    for (int i = 0; i < NX_AX_BC / 2; i++) {
+        const __m512 e0 = nx_ax_exp(_mm512_sub_ps(_mm512_load_ps(S[2 * i]), m_use));
+        const __m512 e1 = nx_ax_exp(_mm512_sub_ps(_mm512_load_ps(S[2 * i + 1]), m_use));
+        /* words: bf(e0) of rows 0-15, then bf(e1); interleaved: dword r = {bf(e0_r), bf(e1_r)} */
+        const __m512i pr = _mm512_permutexvar_epi16(il, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        _mm512_store_si512((void *)pt[i / 16][i % 16], pr);
+        _mm512_store_ps(F[2 * i], _mm512_castsi512_ps(_mm512_slli_epi32(pr, 16)));
+        _mm512_store_ps(F[2 * i + 1], _mm512_castsi512_ps(_mm512_and_si512(pr, hi16)));
     }
-    _tile_loadd(4, pt, NX_AX_BC * 2);
-    _tile_loadd(5, pt + 32, NX_AX_BC * 2);
-    const unsigned idle = ~act & all; /* rows that keep their O */
-    for (int64_t c = 0; c < hdp; c += 16) {
-        for (int r = 0; idle && r < NX_AX_BR; r++)
-            if (idle >> r & 1u) _mm512_store_ps(keep[r], _mm512_load_ps(O + r * hdp + c));
-        _tile_loadd(0, O + c, hdp * 4);
-        _tile_loadd(6, vt + c, hdp * 4);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, vt + 16 * hdp + c, hdp * 4);
-        _tile_dpbf16ps(0, 5, 7);
-        _tile_stored(0, O + c, hdp * 4);
-        for (int r = 0; idle && r < NX_AX_BR; r++)
-            if (idle >> r & 1u) _mm512_store_ps(O + r * hdp + c, _mm512_load_ps(keep[r]));
+    /* the contract's sum tree: a_i = ((f_i + f_16+i) + f_32+i) + f_48+i, then lanes i + 8, + 4,
+     * + 2, + 1 of the 16 (here: vectors) */
+    __m512 a[16];
+    for (int i = 0; i < 16; i++)
+        a[i] = _mm512_add_ps(
+            _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(F[i]), _mm512_load_ps(F[16 + i])),
+                          _mm512_load_ps(F[32 + i])),
+            _mm512_load_ps(F[48 + i]));
+    for (int w = 8; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) a[i] = _mm512_add_ps(a[i], a[i + w]);
+    /* alpha = E(m_old - m_use) (1 for the rows that keep their state); l = l * alpha + sum */
+    const __m512 alpha = nx_ax_exp(_mm512_maskz_sub_ps(act, m_old, m_use));
+    const __m512 lv = _mm512_load_ps(l);
+    _mm512_store_ps(l, _mm512_mask_mov_ps(lv, act, _mm512_add_ps(_mm512_mul_ps(lv, alpha), a[0])));
+    /* O = O * alpha, every row d, when some row's alpha is not 1 (x * 1 = x exactly under this
+     * code's MXCSR: round to nearest, no DAZ/FTZ; the rows that keep their state have alpha 1) */
+    if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
+        for (int64_t d = 0; d < hdp; d++)
+            _mm512_store_ps(OT + d * 16, _mm512_mul_ps(_mm512_load_ps(OT + d * 16), alpha));
+    /* O^T += V^T P^T: per 16 rows d one result tile, the two key halves in order. The rows that
+     * do not run the tile keep their O exactly (tdpbf16ps would add 0 * v to it under DAZ/FTZ):
+     * their lanes are put back after. */
+    const __mmask16 idle = (__mmask16)~act;
+    _tile_loadd(4, pt[0], 64);
+    _tile_loadd(5, pt[1], 64);
+    for (int64_t dg = 0; dg < hdp; dg += 16) {
+        float *o = OT + dg * 16;
+        __m512 keep[16];
+        if (idle)
+            for (int e = 0; e < 16; e++) keep[e] = _mm512_load_ps(o + e * 16);
+        _tile_loadd(0, o, 64);
+        _tile_loadd(6, vt + dg * 32, 64);
+        _tile_dpbf16ps(0, 6, 4);
+        _tile_loadd(7, vt + (hdp + dg) * 32, 64);
+        _tile_dpbf16ps(0, 7, 5);
+        _tile_stored(0, o, 64);
+        if (idle)
+            for (int e = 0; e < 16; e++)
+                _mm512_store_ps(o + e * 16,
+                                _mm512_mask_mov_ps(_mm512_load_ps(o + e * 16), idle, keep[e]));
     }
 }
 
 int nx_attention_bf16_amx(const float *q, const float *k, const float *qkv, const uint8_t *mask,
                           float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
                           int64_t h0, int64_t h1, int causal) {
-    const int64_t BC = NX_AX_BC, QB = NX_AX_QB;
+    const int64_t BC = NX_AX_BC, QB = NX_AX_QB, BR = NX_AX_BR, NB = QB / BR;
     const int64_t W = (H + 2 * KVH) * hd, group = H / KVH, OW = H * hd;
     const int64_t ntiles = (T + BC - 1) / BC, Tp = ntiles * BC;
     const int64_t hd32 = (hd + 31) / 32 * 32, nc = hd32 / 32, hdp = (hd + 15) / 16 * 16;
-    uint32_t *kt = aligned_alloc(64, (size_t)(Tp * nc * 16 * 4));
-    uint32_t *vt = aligned_alloc(64, (size_t)(Tp / 2 * hdp * 4));
-    uint16_t *qp = aligned_alloc(64, (size_t)(QB * hd32 * 2));
-    float *O = aligned_alloc(64, (size_t)(QB * hdp * 4));
+    uint16_t *kt = aligned_alloc(64, (size_t)(Tp * hd32 * 2));
+    uint16_t *vt = aligned_alloc(64, (size_t)(Tp * hdp * 2));
+    uint32_t *qt = aligned_alloc(64, (size_t)(NB * nc * 256 * 4));
+    float *OT = aligned_alloc(64, (size_t)(QB * hdp * 4));
+    float *ml = aligned_alloc(64, (size_t)(2 * QB * 4)); /* m, then l, 16 rows per micro-block */
     uint64_t *tmask = malloc((size_t)ntiles * sizeof(uint64_t)); /* allowed keys per tile */
-    float m[NX_AX_QB], l[NX_AX_QB];
-    if (!kt || !vt || !qp || !O || !tmask) {
+    if (!kt || !vt || !qt || !OT || !ml || !tmask) {
         free(kt);
         free(vt);
-        free(qp);
-        free(O);
+        free(qt);
+        free(OT);
+        free(ml);
         free(tmask);
         return -1;
     }
@@ -237,46 +271,64 @@ int nx_attention_bf16_amx(const float *q, const float *k, const float *qkv, cons
     for (int64_t h = h0; h < h1; h++) {
         const int64_t g = h / group;
         if (g != packed) {
-            nx_ax_pack_k(k + g * T * hd, T, hd, nc, Tp, kt);
+            nx_ax_pack_k(k + g * T * hd, T, hd, hd32, Tp, kt);
             nx_ax_pack_v(qkv + (H + KVH) * hd + g * hd, W, T, hd, hdp, Tp, vt);
             packed = g;
         }
         for (int64_t t0 = 0; t0 < T; t0 += QB) {
             const int64_t nq = T - t0 < QB ? T - t0 : QB;
-            nx_ax_pack_q(q + (h * T + t0) * hd, nq, hd, hd32, qp);
+            for (int64_t r0 = 0; r0 < nq; r0 += BR)
+                nx_ax_pack_q(q + (h * T + t0 + r0) * hd, (int)(nq - r0 < BR ? nq - r0 : BR), hd,
+                             nc, qt + r0 / BR * nc * 256);
             for (int64_t r = 0; r < QB; r++) {
-                m[r] = -INFINITY;
-                l[r] = 0.0f;
+                ml[r] = -INFINITY;
+                ml[QB + r] = 0.0f;
             }
-            memset(O, 0, (size_t)(QB * hdp) * sizeof(float));
+            memset(OT, 0, (size_t)(QB * hdp) * sizeof(float));
             for (int64_t b = 0; b < ntiles; b++) {
                 const int64_t j0 = b * BC;
                 if (causal && j0 > t0 + nq - 1) break; /* no row of the block runs this tile */
-                for (int64_t r0 = 0; r0 < nq; r0 += NX_AX_BR) {
-                    const int nr = (int)(nq - r0 < NX_AX_BR ? nq - r0 : NX_AX_BR);
+                for (int64_t r0 = 0; r0 < nq; r0 += BR) {
+                    const int nr = (int)(nq - r0 < BR ? nq - r0 : BR);
                     const int64_t f = t0 + r0; /* first row */
-                    uint64_t rmask[NX_AX_BR];
-                    unsigned act = (1u << nr) - 1u;
                     if (causal && j0 > f + nr - 1) continue; /* the tile starts after every row */
-                    for (int r = 0; r < NX_AX_BR; r++) {
-                        const int run = r < nr && (!causal || j0 <= f + r); /* row f+r runs b */
-                        if (!run) act &= ~(1u << r);
-                        rmask[r] = !run ? 0 : causal ? tmask[b] & nx_ax_low_bits(f + r - j0 + 1)
-                                                     : tmask[b];
+                    /* rows that run the tile: r < nr, and (causal) j0 <= f + r */
+                    __mmask16 act = (__mmask16)((1u << nr) - 1u);
+                    if (causal && j0 > f) act &= (__mmask16)(0xffffu << (j0 - f));
+                    __mmask16 lanes[NX_AX_BC];
+                    for (int jj = 0; jj < NX_AX_BC; jj++) {
+                        __mmask16 ln = (tmask[b] >> jj & 1) ? act : 0;
+                        if (causal) { /* key j0 + jj: rows r with f + r >= j0 + jj */
+                            const int64_t thr = j0 + jj - f;
+                            if (thr >= 16) ln = 0;
+                            else if (thr > 0) ln &= (__mmask16)(0xffffu << thr);
+                        }
+                        lanes[jj] = ln;
                     }
-                    nx_ax_micro(nr, qp + r0 * hd32, hd32, nc, kt + b * nc * 16 * BC,
-                                vt + b * 32 * hdp, rmask, act, scale, m + r0, l + r0,
-                                O + r0 * hdp, hdp);
+                    nx_ax_micro(qt + r0 / BR * nc * 256, nc, kt + j0 * hd32, hd32,
+                                vt + j0 * hdp, hdp, lanes, act, scale, ml + r0, ml + QB + r0,
+                                OT + r0 * hdp);
                 }
             }
-            for (int64_t r = 0; r < nq; r++) {
-                float *o = out + (t0 + r) * OW + h * hd;
-                const float *src = O + r * hdp;
-                if (l[r] == 0.0f) {
-                    for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
-                } else {
-                    const float inv = 1.0f / l[r];
-                    for (int64_t d = 0; d < hd; d++) o[d] = src[d] * inv;
+            /* out = O * (1 / l), zeros for a row with no allowed key: O^T transposed back */
+            for (int64_t r0 = 0; r0 < nq; r0 += BR) {
+                const int nr = (int)(nq - r0 < BR ? nq - r0 : BR);
+                const float *lr = ml + QB + r0;
+                const float *ot = OT + r0 * hdp;
+                for (int64_t dg = 0; dg < hdp; dg += 16) {
+                    __m512i v[16];
+                    for (int e = 0; e < 16; e++)
+                        v[e] = _mm512_load_si512((const void *)(ot + (dg + e) * 16));
+                    nx_tr16i(v); /* v[r] lane e = O of row r, column dg + e */
+                    const __mmask16 cm = nx_mask16(hd - dg);
+                    for (int r = 0; r < nr; r++) {
+                        float *o = out + (t0 + r0 + r) * OW + h * hd + dg;
+                        const __m512 inv = _mm512_set1_ps(1.0f / lr[r]);
+                        const __m512 val = lr[r] == 0.0f
+                                               ? _mm512_setzero_ps()
+                                               : _mm512_mul_ps(_mm512_castsi512_ps(v[r]), inv);
+                        _mm512_mask_storeu_ps(o, cm, val);
+                    }
                 }
             }
         }
@@ -284,8 +336,9 @@ int nx_attention_bf16_amx(const float *q, const float *k, const float *qkv, cons
     _tile_release();
     free(kt);
     free(vt);
-    free(qp);
-    free(O);
+    free(qt);
+    free(OT);
+    free(ml);
     free(tmask);
     return 0;
 }
