@@ -652,7 +652,7 @@ def run_bf16_dequant_pack(x, w, wtype, isa):
 
 @pytest.mark.parametrize("wtype", sorted(_F16_FIELDS))
 def test_bf16_fused_weight_decoders_equal_dequantize(wtype):
-    """The packers' fused decoders (AMX: Q8_0, Q4_K, Q5_K, Q6_K; avx512bf16 / avx2: Q8_0) give
+    """The packers' fused decoders (AMX: every quantized type; avx512bf16 / avx2: Q8_0) give
     the bits of the path that decodes through the type's dequantize (itself checked against
     gguf's decoder in test_kernels_wtype.py), for every code value, random sub-scales and
     scales over 2^-14 .. 2^2 (and inf / NaN scales), K across k-blocks (512) and column tails.

@@ -422,11 +422,15 @@ static void nx_amxbf_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t
         }
 }
 
-/* ---- fused weight decoders: one block's exact float32 values (the spec's operations of
- * nx_quants.c, in its order), bf()-rounded, stored as the panel's pair rows: group g of the block
- * (its elements 32g .. 32g+31) at dst + g * gs. They give the bits of dequantize-then-bf() (the
- * test hook NX_MM_DEQUANT_PACK runs that path), at a fraction of its operations: decoding ran at
- * a quarter to a third of the whole call at T=256 (perf, AMX Xeon, Q4_K / Q5_K / Q6_K). */
+/* ---- fused weight decoders, one per quantized type: one block's exact float32 values (the
+ * spec's operations of nx_quants.c, in its order), bf()-rounded, stored as the panel's pair rows:
+ * group g of the block (its elements 32g .. 32g+31) at dst + g * gs. They give the bits of
+ * dequantize-then-bf() (the test hook NX_MM_DEQUANT_PACK runs that path) at a fraction of its
+ * operations: with dequantize, decoding took a quarter to a third of the whole call at T=256
+ * (perf, AMX Xeon, Q4_K / Q5_K / Q6_K). AMX Xeon, one thread, K = N = 3840, random codes,
+ * ps per weight at T=8 (mostly decoding) dequantize -> fused: Q4_0 135 -> 118, Q4_1 178 -> 162,
+ * Q5_0 164 -> 137, Q5_1 207 -> 191, Q2_K 155 -> 120, Q3_K 184 -> 132, Q4_K 112 -> 101,
+ * Q5_K 155 -> 124, Q6_K 148 -> 125. */
 #ifndef NX_AMXBF_PFD
 #define NX_AMXBF_PFD 16
 #endif
@@ -443,6 +447,65 @@ static inline void nx_amxbf_dec_q8_0(const uint8_t *p, uint8_t *dst, size_t gs) 
     const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
     const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
     _mm512_store_si512((__m512i *)dst, nx_bf16_pairs32(lo, hi));
+}
+
+/* Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32): the block's 16 or 32 possible values (the spec's
+ * operations on each code: d * (u - 8), d * u + m, d * (u - 16), d * u + m, the + m with
+ * nx_quants' NaN rule), rounded by bf() as one table, looked up by the 32 codes (vpermw). */
+static inline float nx_amxbf_h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+/* 16 bytes of nibbles -> 32 word indices: elements 0-15 (low nibbles), then 16-31 (high). */
+static inline __m512i nx_amxbf_nibs(const uint8_t *qs) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)qs));
+    const __m256i lo = _mm256_and_si256(w, _mm256_set1_epi16(15));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), _mm256_srli_epi16(w, 4), 1);
+}
+static inline __m512 nx_amxbf_add_m(__m512 dq, __m512 m) { /* dq + m; a NaN dq as is */
+    return _mm512_mask_mov_ps(_mm512_add_ps(dq, m), _mm512_cmp_ps_mask(dq, dq, _CMP_UNORD_Q), dq);
+}
+static inline __m512 nx_amxbf_iota(float a) {
+    return _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                         _mm512_set1_ps(a));
+}
+static inline void nx_amxbf_dec_q4_0(const uint8_t *p, uint8_t *dst, size_t gs) {
+    (void)gs;
+    const __m512 t = _mm512_mul_ps(_mm512_set1_ps(nx_amxbf_h2f(p)), nx_amxbf_iota(-8.0f));
+    const __m512i tab = _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(t));
+    _mm512_store_si512((__m512i *)dst, _mm512_permutexvar_epi16(nx_amxbf_nibs(p + 2), tab));
+}
+static inline void nx_amxbf_dec_q4_1(const uint8_t *p, uint8_t *dst, size_t gs) {
+    (void)gs;
+    const __m512 d = _mm512_set1_ps(nx_amxbf_h2f(p)), m = _mm512_set1_ps(nx_amxbf_h2f(p + 2));
+    const __m512 t = nx_amxbf_add_m(_mm512_mul_ps(d, nx_amxbf_iota(0)), m);
+    const __m512i tab = _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(t));
+    _mm512_store_si512((__m512i *)dst, _mm512_permutexvar_epi16(nx_amxbf_nibs(p + 4), tab));
+}
+/* the fifth bits: bit e of qh is element e's */
+static inline __m512i nx_amxbf_q5_idx(const uint8_t *qh, const uint8_t *qs) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    const __m512i lo = nx_amxbf_nibs(qs);
+    return _mm512_mask_add_epi16(lo, (__mmask32)h, lo, _mm512_set1_epi16(16));
+}
+static inline void nx_amxbf_dec_q5_0(const uint8_t *p, uint8_t *dst, size_t gs) {
+    (void)gs;
+    const __m512 d = _mm512_set1_ps(nx_amxbf_h2f(p));
+    const __m512i tab = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(d, nx_amxbf_iota(0.0f)),
+                                                     _mm512_mul_ps(d, nx_amxbf_iota(-16.0f)));
+    const __m512i idx = nx_amxbf_q5_idx(p + 2, p + 6);
+    _mm512_store_si512((__m512i *)dst, _mm512_permutexvar_epi16(idx, tab));
+}
+static inline void nx_amxbf_dec_q5_1(const uint8_t *p, uint8_t *dst, size_t gs) {
+    (void)gs;
+    const __m512 d = _mm512_set1_ps(nx_amxbf_h2f(p)), m = _mm512_set1_ps(nx_amxbf_h2f(p + 2));
+    const __m512i tab = (__m512i)_mm512_cvtne2ps_pbh(
+        nx_amxbf_add_m(_mm512_mul_ps(d, nx_amxbf_iota(16.0f)), m),
+        nx_amxbf_add_m(_mm512_mul_ps(d, nx_amxbf_iota(0.0f)), m));
+    const __m512i idx = nx_amxbf_q5_idx(p + 4, p + 8);
+    _mm512_store_si512((__m512i *)dst, _mm512_permutexvar_epi16(idx, tab));
 }
 
 /* Q4_K and Q5_K: part j of 32 elements has value dl_j * u - ml_j for its 4- or 5-bit code u. A
@@ -546,6 +609,70 @@ static inline void nx_amxbf_dec_q6_K(const uint8_t *p, uint8_t *dst, size_t gs) 
     }
 }
 
+/* Q2_K and Q3_K: element 128h + 32s + i (i < 32) of part 8h + 2s + i/16 has the code
+ * (qs[32h + i] >> 2s) & 3 (Q3_K: | bit 4h + s of hm[i] << 2, then - 4) and the value
+ * dl * q - ml (Q2_K: dl = d * (sc & 15), ml = dmin * (sc >> 4); dl * q is exact, so one fma is
+ * the spec's rounding of the subtraction) or dl * q (Q3_K: dl = d * (6-bit code - 32)). The codes
+ * of 32 elements as bytes, stored, then widened 16 at a time. */
+static inline void nx_amxbf_dec_q2_K(const uint8_t *p, uint8_t *dst, size_t gs) {
+    _Alignas(64) float dl[16], nml[16];
+    _Alignas(64) uint8_t q[128];
+    const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512 d = _mm512_set1_ps(nx_amxbf_h2f(p + 80));
+    const __m512 dm = _mm512_set1_ps(nx_amxbf_h2f(p + 82));
+    const __m512i s15 = _mm512_and_si512(sc, _mm512_set1_epi32(15)), s4 = _mm512_srli_epi32(sc, 4);
+    _mm512_store_ps(dl, _mm512_mul_ps(d, _mm512_cvtepi32_ps(s15)));
+    _mm512_store_ps(nml, _mm512_xor_ps(_mm512_mul_ps(dm, _mm512_cvtepi32_ps(s4)),
+                                       _mm512_set1_ps(-0.0f))); /* -ml, exact */
+    const __m256i m3 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * h));
+        for (int s = 0; s < 4; s++)
+            _mm256_store_si256((__m256i *)(q + 32 * s),
+                               _mm256_and_si256(_mm256_srli_epi16(qv, 2 * s), m3));
+        __asm__ volatile("" ::: "memory"); /* widened from memory; scales broadcast from it */
+        for (int s = 0; s < 4; s++) {
+            const int i = 8 * h + 2 * s;
+            const __m128i *qg = (const __m128i *)(q + 32 * s);
+            const __m512 lo = _mm512_fmadd_ps(_mm512_set1_ps(dl[i]),
+                                              _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(qg[0])),
+                                              _mm512_set1_ps(nml[i]));
+            const __m512 hi = _mm512_fmadd_ps(_mm512_set1_ps(dl[i + 1]),
+                                              _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(qg[1])),
+                                              _mm512_set1_ps(nml[i + 1]));
+            _mm512_store_si512((__m512i *)(dst + (4 * h + s) * gs), nx_bf16_pairs32(lo, hi));
+        }
+    }
+}
+
+static inline void nx_amxbf_dec_q3_K(const uint8_t *p, uint8_t *dst, size_t gs) {
+    _Alignas(64) float dl[16];
+    _Alignas(64) int8_t q[128];
+    _mm512_store_ps(dl, nx_q3k_scales16(p + 96, nx_amxbf_h2f(p + 108)));
+    const __m256i m3 = _mm256_set1_epi8(3), k4 = _mm256_set1_epi8(4);
+    const __m256i hm = _mm256_loadu_si256((const __m256i *)p);
+    for (int h = 0; h < 2; h++) {
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)(p + 32 + 32 * h));
+        for (int s = 0; s < 4; s++) {
+            const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * s), m3);
+            const __m256i bit = _mm256_set1_epi8((char)(1 << (4 * h + s)));
+            const __mmask32 hb = _mm256_test_epi8_mask(hm, bit);
+            _mm256_store_si256((__m256i *)(q + 32 * s),
+                               _mm256_sub_epi8(_mm256_mask_add_epi8(lo, hb, lo, k4), k4));
+        }
+        __asm__ volatile("" ::: "memory");
+        for (int s = 0; s < 4; s++) {
+            const int i = 8 * h + 2 * s;
+            const __m128i *qg = (const __m128i *)(q + 32 * s);
+            const __m512 lo = _mm512_mul_ps(_mm512_set1_ps(dl[i]),
+                                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qg[0])));
+            const __m512 hi = _mm512_mul_ps(_mm512_set1_ps(dl[i + 1]),
+                                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qg[1])));
+            _mm512_store_si512((__m512i *)(dst + (4 * h + s) * gs), nx_bf16_pairs32(lo, hi));
+        }
+    }
+}
+
 /* Columns [j0, j0+ncols) x k in [k0, k0+kc): each column's exact float32 values rounded by bf()
  * once, its pairs stored as decoded: by the type's fused decoder (dec) where it has one, else by
  * the call's dequantize into scratch (one decoded row of NX_AMXBF_KC floats); columns past ncols
@@ -594,6 +721,24 @@ static void nx_amxbf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t
     if (!(c->flags & NX_MM_DEQUANT_PACK)) switch (c->type) {
         case NX_GGML_Q8_0:
             nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q8_0);
+            return;
+        case NX_GGML_Q4_0:
+            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q4_0);
+            return;
+        case NX_GGML_Q4_1:
+            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q4_1);
+            return;
+        case NX_GGML_Q5_0:
+            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q5_0);
+            return;
+        case NX_GGML_Q5_1:
+            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q5_1);
+            return;
+        case NX_GGML_Q2_K:
+            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q2_K);
+            return;
+        case NX_GGML_Q3_K:
+            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q3_K);
             return;
         case NX_GGML_Q4_K:
             nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q4_K);

@@ -19,20 +19,9 @@ static inline nxv nxq_add_m(nxv dq, nxv m) {
     return _mm512_mask_mov_ps(_mm512_add_ps(dq, m), _mm512_cmp_ps_mask(dq, dq, _CMP_UNORD_Q), dq);
 }
 
-/* lane i: low 4 bits (sc[i%8] >> 4*(i/8)) & 15, high 2 bits (sc[8 + i%4] >> 2*(i/4)) & 3 */
+/* the Q3_K scales (nx_kscales_avx512.h, shared with the AMX packer) */
 static inline void nxq_scales_q3(const uint8_t *sc /* IN 12 bytes */, float d, float dl[16]) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(0x0fff, sc));   /* no overread */
-    const __m512i ilo = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
-    const __m512i slo = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
-    const __m512i ihi = _mm512_setr_epi32(8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11);
-    const __m512i shi = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
-    const __m512i lo = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(ilo, b), slo),
-                                        _mm512_set1_epi32(15));
-    const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(ihi, b), shi),
-                                        _mm512_set1_epi32(3));
-    const __m512i code = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)),
-                                          _mm512_set1_epi32(32));
-    _mm512_storeu_ps(dl, _mm512_mul_ps(_mm512_set1_ps(d), nxvi_cvt(code)));
+    _mm512_storeu_ps(dl, nx_q3k_scales16(sc, d));
 }
 
 /* lanes 0..7 the scales, 8..15 the mins (nx_kscales_avx512.h, shared with the AMX packer) */
