@@ -427,8 +427,8 @@ static void nx_amxbf_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t
  * group g of the block (its elements 32g .. 32g+31) at dst + g * gs. They give the bits of
  * dequantize-then-bf() (the test hook NX_MM_DEQUANT_PACK runs that path) at a fraction of its
  * operations: with dequantize, decoding took a quarter to a third of the whole call at T=256
- * (perf, AMX Xeon, Q4_K / Q5_K / Q6_K). AMX Xeon, one thread, K = N = 3840, random codes,
- * ps per weight at T=8 (mostly decoding) dequantize -> fused: Q4_0 135 -> 118, Q4_1 178 -> 162,
+ * (perf, AMX Xeon, Q4_K / Q5_K / Q6_K). AMX Xeon, one thread, K = 3840, N = 3840 (the last
+ * three: 16384), random codes, ps per weight at T=8 (mostly decoding), dequantize -> fused: Q4_0 135 -> 118, Q4_1 178 -> 162,
  * Q5_0 164 -> 137, Q5_1 207 -> 191, Q2_K 155 -> 120, Q3_K 184 -> 132, Q4_K 112 -> 101,
  * Q5_K 155 -> 124, Q6_K 148 -> 125. */
 #ifndef NX_AMXBF_PFD
