@@ -97,6 +97,24 @@ def test_results_identical_any_split(mode, n):
     assert live_segments(PID) == []
 
 
+@linux_only
+@pytest.mark.parametrize("mode", MODES)
+def test_workers_run_under_the_batch_policy(mode):
+    """Every forked worker runs under SCHED_BATCH (a woken worker does not preempt the parent
+    mid-dispatch); the parent keeps its own policy (the control: the check tells them apart)."""
+    def policy(lo, hi, arg):
+        arena["pol"][lo:hi] = os.sched_getscheduler(0)
+        arena["who"][lo:hi] = os.getpid()
+
+    with SharedArena({"pol": ((4,), np.int64), "who": ((4,), np.int64)}) as arena:
+        with WorkerPool(2, {"p": policy}, mode=mode) as p:
+            arena["pol"][...] = -1
+            assert p.run("p", 4) == 2
+            assert (arena["pol"] == os.SCHED_BATCH).all()
+            assert PID not in set(arena["who"].tolist())
+    assert os.sched_getscheduler(0) != os.SCHED_BATCH
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_max_workers_and_tiny_m(mode):
     with SharedArena({"x": (3, 2), "y": (3, 2), "who": ((3,), np.int64)}) as a:
