@@ -716,43 +716,24 @@ NX_INLINE void nx_amxbf_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, s
     }
 }
 
+/* The fused decoders, one row per type: X(GGML type, decoder suffix). */
+#define NX_AMXBF_DECODERS(X)                                                                       \
+    X(Q8_0, q8_0) X(Q4_0, q4_0) X(Q4_1, q4_1) X(Q5_0, q5_0) X(Q5_1, q5_1) X(Q2_K, q2_K)             \
+    X(Q3_K, q3_K) X(Q4_K, q4_K) X(Q5_K, q5_K) X(Q6_K, q6_K)
+
 static void nx_amxbf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc,
                             uint8_t *Bp /* OUT */, void *scratch) {
     if (!(c->flags & NX_MM_DEQUANT_PACK)) switch (c->type) {
-        case NX_GGML_Q8_0:
-            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q8_0);
-            return;
-        case NX_GGML_Q4_0:
-            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q4_0);
-            return;
-        case NX_GGML_Q4_1:
-            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q4_1);
-            return;
-        case NX_GGML_Q5_0:
-            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q5_0);
-            return;
-        case NX_GGML_Q5_1:
-            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q5_1);
-            return;
-        case NX_GGML_Q2_K:
-            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q2_K);
-            return;
-        case NX_GGML_Q3_K:
-            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q3_K);
-            return;
-        case NX_GGML_Q4_K:
-            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q4_K);
-            return;
-        case NX_GGML_Q5_K:
-            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q5_K);
-            return;
-        case NX_GGML_Q6_K:
-            nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_q6_K);
-            return;
+#define NX_AMXBF_CASE(T, t)                                                                        \
+    case NX_GGML_##T:                                                                              \
+        nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, nx_amxbf_dec_##t);                    \
+        return;
+            NX_AMXBF_DECODERS(NX_AMXBF_CASE)
+#undef NX_AMXBF_CASE
         default:
             break;
         }
-    nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, NULL);
+    nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, NULL); /* F32, F16, BF16 */
 }
 
 /* out^T block: tile 0 = columns 0-15 x tokens 0-15, 1 = columns 0-15 x tokens 16-31, 2 and 3

@@ -16,51 +16,24 @@
 
 /* ------------------------------------------------------------------ qknorm + rope */
 
-#ifndef NX_QKR_TB
-#define NX_QKR_TB 16
-#endif
-
-void nx_qknorm_rope_f32_avx2(const float *qkv, const float *q_w, const float *k_w, const float *pe,
-                             float *q_out, float *k_out, int64_t T, int64_t H, int64_t KVH,
-                             int64_t hd, float eps, int64_t h0, int64_t h1, int half) {
-    const int64_t W = (H + 2 * KVH) * hd;
-    /* blocks of NX_QKR_TB tokens, head by head: the reads advance through TB rows of qkv at
-     * once and each head's writes are TB * hd floats in a row (head-major over all T, each head's
-     * rows are W floats apart -- 46 KB for Z-Image -- one demand miss per row; token-major, the
-     * 60 heads' output rows are T * hd floats apart -- 2 MB -- and fight for the same cache
-     * sets). AMX Xeon, T=4128, 60 heads, one thread, avx512 / avx2: head-major 46.0 / 59.0 ms,
-     * token-major 39.4 / 43.4, blocks of 16 29.5-29.9 / 30.6 (8: the same, 32: 31.4, 64: 38). */
-    for (int64_t t0 = 0; t0 < T; t0 += NX_QKR_TB)
-        for (int64_t j = h0; j < h1; j++)
-            for (int64_t t = t0; t < t0 + NX_QKR_TB && t < T; t++) {
-                const float *p = pe + t * hd * 2;
-                const float *wt = j < H ? q_w : k_w;
-                const float *xr = qkv + t * W + j * hd;
-                float *o = (j < H ? q_out + j * T * hd : k_out + (j - H) * T * hd) + t * hd;
-                float invf = nx_rms_inv8(xr, hd, eps);
-                if (half) { /* pairs (i, i + hd/2): nx_ops_ew.h */
-                    nxv_qknorm_rope_half_row(xr, invf, wt, p, o, hd);
-                    continue;
-                }
-                __m256 inv = _mm256_set1_ps(invf);
-                int64_t i = 0;
-                for (; i + 8 <= hd; i += 8) {
-                    __m256 y = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv),
-                                             _mm256_loadu_ps(wt + i));
-                    __m256 p0 = _mm256_loadu_ps(p + 2 * i), p1 = _mm256_loadu_ps(p + 2 * i + 8);
-                    __m256 a = _mm256_castpd_ps(_mm256_permute4x64_pd(
-                        _mm256_castps_pd(_mm256_shuffle_ps(p0, p1, _MM_SHUFFLE(2, 0, 2, 0))),
-                        0xD8));
-                    __m256 b = _mm256_castpd_ps(_mm256_permute4x64_pd(
-                        _mm256_castps_pd(_mm256_shuffle_ps(p0, p1, _MM_SHUFFLE(3, 1, 3, 1))),
-                        0xD8));
-                    __m256 v = _mm256_add_ps(_mm256_mul_ps(a, _mm256_moveldup_ps(y)),
-                                             _mm256_mul_ps(b, _mm256_movehdup_ps(y)));
-                    _mm256_storeu_ps(o + i, v);
-                }
-                for (; i < hd; i += 2) /* tail: the spec */
-                    nx_qknorm_rope_pair(xr, invf, wt, p, o, i);
-            }
+/* The adjacent-pairs row of nx_ops_ew.h's qknorm_rope in 8 lanes (as the AVX-512 one, the even
+ * / odd floats gathered by two shuffles and a cross-lane permute). */
+static inline void nxv_qknorm_rope_adjacent_row(const float *xr, float invf, const float *wt,
+                                                const float *p, float *o, int64_t hd) {
+    const __m256 inv = _mm256_set1_ps(invf);
+    int64_t i = 0;
+    for (; i + 8 <= hd; i += 8) {
+        const __m256 y =
+            _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv), _mm256_loadu_ps(wt + i));
+        const __m256 p0 = _mm256_loadu_ps(p + 2 * i), p1 = _mm256_loadu_ps(p + 2 * i + 8);
+        const __m256 a = _mm256_castpd_ps(_mm256_permute4x64_pd(
+            _mm256_castps_pd(_mm256_shuffle_ps(p0, p1, _MM_SHUFFLE(2, 0, 2, 0))), 0xD8));
+        const __m256 b = _mm256_castpd_ps(_mm256_permute4x64_pd(
+            _mm256_castps_pd(_mm256_shuffle_ps(p0, p1, _MM_SHUFFLE(3, 1, 3, 1))), 0xD8));
+        _mm256_storeu_ps(o + i, _mm256_add_ps(_mm256_mul_ps(a, _mm256_moveldup_ps(y)),
+                                              _mm256_mul_ps(b, _mm256_movehdup_ps(y))));
+    }
+    for (; i < hd; i += 2) nx_qknorm_rope_pair(xr, invf, wt, p, o, i); /* tail: the spec */
 }
 
 /* ------------------------------------------------------------------ flash attention */

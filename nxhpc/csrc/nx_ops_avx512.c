@@ -17,50 +17,25 @@
 
 /* ------------------------------------------------------------------ qknorm + rope */
 
-#ifndef NX_QKR_TB
-#define NX_QKR_TB 16
-#endif
-
-void nx_qknorm_rope_f32_avx512(const float *qkv, const float *q_w, const float *k_w,
-                               const float *pe, float *q_out, float *k_out, int64_t T, int64_t H,
-                               int64_t KVH, int64_t hd, float eps, int64_t h0, int64_t h1,
-                               int half) {
-    const int64_t W = (H + 2 * KVH) * hd;
+/* The adjacent-pairs row of nx_ops_ew.h's qknorm_rope in 16 lanes: per output lane 2i + r the
+ * pair's matrix entries pe[., ., r, 0] / [r, 1] (the even / odd floats of pe's 32 at 2i) and
+ * y[2i] / y[2i+1] (moveldup / movehdup). */
+static inline void nxv_qknorm_rope_adjacent_row(const float *xr, float invf, const float *wt,
+                                                const float *p, float *o, int64_t hd) {
     const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    /* blocks of NX_QKR_TB tokens, head by head: the reads advance through TB rows of qkv at
-     * once and each head's writes are TB * hd floats in a row (head-major over all T, each head's
-     * rows are W floats apart -- 46 KB for Z-Image -- one demand miss per row; token-major, the
-     * 60 heads' output rows are T * hd floats apart -- 2 MB -- and fight for the same cache
-     * sets). AMX Xeon, T=4128, 60 heads, one thread, avx512 / avx2: head-major 46.0 / 59.0 ms,
-     * token-major 39.4 / 43.4, blocks of 16 29.5-29.9 / 30.6 (8: the same, 32: 31.4, 64: 38). */
-    for (int64_t t0 = 0; t0 < T; t0 += NX_QKR_TB)
-        for (int64_t j = h0; j < h1; j++)
-            for (int64_t t = t0; t < t0 + NX_QKR_TB && t < T; t++) {
-                const float *p = pe + t * hd * 2;
-                const float *wt = j < H ? q_w : k_w;
-                const float *xr = qkv + t * W + j * hd;
-                float *o = (j < H ? q_out + j * T * hd : k_out + (j - H) * T * hd) + t * hd;
-                float invf = nx_rms_inv16(xr, hd, eps);
-                if (half) { /* pairs (i, i + hd/2): nx_ops_ew.h */
-                    nxv_qknorm_rope_half_row(xr, invf, wt, p, o, hd);
-                    continue;
-                }
-                __m512 inv = _mm512_set1_ps(invf);
-                int64_t i = 0;
-                for (; i + 16 <= hd; i += 16) {
-                    __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + i), inv),
-                                             _mm512_loadu_ps(wt + i));
-                    __m512 p0 = _mm512_loadu_ps(p + 2 * i), p1 = _mm512_loadu_ps(p + 2 * i + 16);
-                    __m512 a = _mm512_permutex2var_ps(p0, ev, p1); /* pe[.,.,r,0] per output lane */
-                    __m512 b = _mm512_permutex2var_ps(p0, od, p1); /* pe[.,.,r,1] */
-                    __m512 v = _mm512_add_ps(_mm512_mul_ps(a, _mm512_moveldup_ps(y)),
-                                             _mm512_mul_ps(b, _mm512_movehdup_ps(y)));
-                    _mm512_storeu_ps(o + i, v);
-                }
-                for (; i < hd; i += 2) /* tail: the spec */
-                    nx_qknorm_rope_pair(xr, invf, wt, p, o, i);
-            }
+    const __m512 inv = _mm512_set1_ps(invf);
+    int64_t i = 0;
+    for (; i + 16 <= hd; i += 16) {
+        const __m512 y =
+            _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + i), inv), _mm512_loadu_ps(wt + i));
+        const __m512 p0 = _mm512_loadu_ps(p + 2 * i), p1 = _mm512_loadu_ps(p + 2 * i + 16);
+        const __m512 a = _mm512_permutex2var_ps(p0, ev, p1); /* pe[.,.,r,0] per output lane */
+        const __m512 b = _mm512_permutex2var_ps(p0, od, p1); /* pe[.,.,r,1] */
+        _mm512_storeu_ps(o + i, _mm512_add_ps(_mm512_mul_ps(a, _mm512_moveldup_ps(y)),
+                                              _mm512_mul_ps(b, _mm512_movehdup_ps(y))));
+    }
+    for (; i < hd; i += 2) nx_qknorm_rope_pair(xr, invf, wt, p, o, i); /* tail: the spec */
 }
 
 /* ------------------------------------------------------------------ flash attention */
