@@ -8,8 +8,8 @@
  * (s[j-4] >> 6) << 4, mn = (s[j+4] >> 4) | (s[j] >> 6) << 4, s = the 12 bytes at p + 4). Q3_K:
  * lane i = d * (scode_i - 32), scode_i = ((sc[i%8] >> 4*(i/8)) & 15) | ((sc[8 + i%4] >> 2*(i/4))
  * & 3) << 4, sc = the 12 bytes of scales.
- * Include only from files compiled with the avx512 flags (F/BW/VL/DQ, F16C). Must not read past
- * the block's 16 header bytes.
+ * Include only from files compiled with the avx512 flags (F/BW/VL/DQ, F16C). Must not read
+ * beyond the bytes named (the 12 scale bytes, d, dmin).
  */
 #ifndef NX_KSCALES_AVX512_H
 #define NX_KSCALES_AVX512_H
