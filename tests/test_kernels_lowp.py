@@ -320,9 +320,10 @@ def test_bf16_generic_special_values():
 # ----------------------------------------------------------------------------- bf16: variants
 
 def _bf16_cases():
-    # (T, K, N, wtype): tails of every tile, T > MC (264), N > NC (240), K > KC (1024)
+    # (T, K, N, wtype): tails of every tile, two token blocks (T > 9/8 MC, MC 264), N > NC
+    # (240), K > KC (1024)
     return [(1, 32, 1, "F32"), (7, 40, 33, "F32"), (9, 96, 49, "F16"), (17, 64, 100, "BF16"),
-            (8, 256, 48, "Q8_0"), (270, 64, 20, "Q8_0"), (5, 2080, 30, "F16"),
+            (8, 256, 48, "Q8_0"), (300, 64, 20, "Q8_0"), (5, 2080, 30, "F16"),
             (6, 1056, 17, "F32"), (4, 64, 500, "BF16"), (3, 1027, 50, "F32")]
 
 
@@ -562,14 +563,14 @@ def assert_amx_bf16_sums(got, x, wf):
 @pytest.mark.skipif(not AMX_BF16, reason="no AMX on this CPU")
 @pytest.mark.parametrize("T,Kd,N,wtype",
                          _bf16_cases() + [(40, 300, 70, "F32"), (33, 512, 65, "Q8_0"),
-                                          (600, 2336, 70, "Q8_0"), (1100, 300, 40, "F32")],
+                                          (600, 2336, 70, "Q8_0"), (1200, 300, 40, "F32")],
                          ids=str)
 def test_bf16_amx_sums_the_contract_products(T, Kd, N, wtype):
-    """Every tile tail (32 x 32 blocks), T > MC (1024), N > NC, K within one KC (512: the tiles
-    stored straight to the output) and across it (the tile sums carried between k-blocks in the
-    packed C buffer, reused across token and column blocks), K not a multiple of 32: within the
-    chain bound of the exact sum of the bf()-rounded products; the whole bf16 error bound vs
-    float64 of the unrounded data holds."""
+    """Every tile tail (32 x 32 blocks), two token blocks (T > 9/8 MC, MC 1024), N > NC, K
+    within one KC (512: the tiles stored straight to the output) and across it (the tile sums
+    carried between k-blocks in the packed C buffer, reused across token and column blocks), K
+    not a multiple of 32: within the chain bound of the exact sum of the bf()-rounded products;
+    the whole bf16 error bound vs float64 of the unrounded data holds."""
     rng = np.random.default_rng(T * 1000 + Kd + N + 7)
     x = rand_x(rng, T, Kd)
     w = make_w(rng, wtype, N, Kd)
@@ -682,11 +683,11 @@ def test_bf16_fused_weight_decoders_equal_dequantize(wtype):
 # ----------------------------------------------------------------------------- q8: variants
 
 def _q8_cases():
-    # tails of the 6 x 32 tile; T > MC (264); N > NC (128); K > KC (2048)
-    # AMX (16 x 16 block, groups in pipelined rounds of 2): 1, 2, 3 groups; T > 512; N > 256;
-    # an odd number of groups in the last k-block
-    return [(1, 32, 1), (5, 64, 31), (7, 96, 33), (13, 256, 97), (270, 64, 20), (6, 2080, 45),
-            (4, 4128, 130), (11, 32, 300), (16, 64, 16), (17, 96, 17), (520, 32, 260),
+    # tails of the 6 x 32 tile; two token blocks (T > 9/8 MC, MC 264); N > NC (128); K > KC
+    # (2048). AMX (16 x 16 block, groups in pipelined rounds of 2): 1, 2, 3 groups; two token
+    # blocks (MC 512); N > 256; an odd number of groups in the last k-block
+    return [(1, 32, 1), (5, 64, 31), (7, 96, 33), (13, 256, 97), (300, 64, 20), (6, 2080, 45),
+            (4, 4128, 130), (11, 32, 300), (16, 64, 16), (17, 96, 17), (600, 32, 260),
             (3, 2144, 19)]
 
 

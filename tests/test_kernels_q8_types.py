@@ -281,11 +281,11 @@ def test_generic_matches_exact_model(t):
 
 def _cases(t):
     e = elems(t)
-    # tails of the 6 x 32 (VNNI) and 16 x 16 (AMX) tiles; T > MC (264 VNNI, 512 AMX); N > NC
-    # (128 VNNI, 256 AMX); K > KC (2048)
+    # tails of the 6 x 32 (VNNI) and 16 x 16 (AMX) tiles; two token blocks (T > 9/8 MC, MC 264
+    # VNNI, 512 AMX); N > NC (128 VNNI, 256 AMX); K > KC (2048)
     ks = [32, 96, 2080] if e == 32 else [256, 2304]
-    return [(1, ks[0], 1), (7, ks[0], 33), (13, ks[1], 97), (270, ks[0], 20), (6, ks[-1], 45),
-            (4, ks[-1], 130), (530, ks[0], 275)]
+    return [(1, ks[0], 1), (7, ks[0], 33), (13, ks[1], 97), (300, ks[0], 20), (6, ks[-1], 45),
+            (4, ks[-1], 130), (600, ks[0], 275)]
 
 
 @pytest.mark.skipif(not SIMD_Q8, reason="no SIMD q8 variant on this CPU")

@@ -241,7 +241,8 @@ int nx_matmul_bf16_amx(const nx_mm_call *c);
 float nx_dpbf16_step(float acc, float a, float b); /* ftz(fma(daz(a), daz(b), daz(acc))), x86 ftz */
 
 /* ---- the blocked driver shared by the SIMD variants (BLIS loop order, like nx_q8_0_matmul_blocked):
- *   for each block of mc <= MC tokens: pack_a packs MR-token micro-panels (all of K)
+ *   for each block of mc tokens (as few blocks of <= 9/8 MC as T needs, equal, whole MR):
+ *     pack_a packs MR-token micro-panels (all of K)
  *     for each block of nc <= NC columns in [n0, n1):
  *       for each k-block of kc <= KC steps: pack_b packs NR-column micro-panels of that k-block
  *         for each MR x NR tile (A- or B-micro-panel-major, jr_outer): kern (continues each output's single chain; C holds it between
