@@ -427,10 +427,11 @@ static void nx_amxbf_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t
  * group g of the block (its elements 32g .. 32g+31) at dst + g * gs. They give the bits of
  * dequantize-then-bf() (the test hook NX_MM_DEQUANT_PACK runs that path) at a fraction of its
  * operations: with dequantize, decoding took a quarter to a third of the whole call at T=256
- * (perf, AMX Xeon, Q4_K / Q5_K / Q6_K). AMX Xeon, one thread, K = 3840, N = 3840 (the last
- * three: 16384), random codes, ps per weight at T=8 (mostly decoding), dequantize -> fused: Q4_0 135 -> 118, Q4_1 178 -> 162,
- * Q5_0 164 -> 137, Q5_1 207 -> 191, Q2_K 155 -> 120, Q3_K 184 -> 132, Q4_K 112 -> 101,
- * Q5_K 155 -> 124, Q6_K 148 -> 125. */
+ * (perf, AMX Xeon, Q4_K / Q5_K / Q6_K). AMX Xeon, one thread, K = 3840, N = 3840 (Q4_K, Q5_K,
+ * Q6_K: 16384), random codes, ps per weight at T=8 (mostly decoding), dequantize -> fused:
+ * Q4_0 135 -> 118, Q4_1 178 -> 162, Q5_0 164 -> 137, Q5_1 207 -> 191, Q2_K 155 -> 120,
+ * Q3_K 184 -> 139, Q4_K 112 -> 101, Q5_K 155 -> 124, Q6_K 148 -> 125. The 32-element types,
+ * Q2_K and Q3_K take their codes from the q8 kernels' decoders (nx_q8x_avx512.h). */
 #ifndef NX_AMXBF_PFD
 #define NX_AMXBF_PFD 16
 #endif
@@ -439,9 +440,7 @@ typedef void (*nx_amxbf_dec_fn)(const uint8_t *blk /* IN */, uint8_t *dst /* OUT
 /* Q8_0: f32(d) * q in registers. */
 static inline void nx_amxbf_dec_q8_0(const uint8_t *p, uint8_t *dst, size_t gs) {
     (void)gs;
-    uint16_t dh;
-    memcpy(&dh, p, 2);
-    const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
+    const __m512 d = _mm512_set1_ps(nx_h2f(p));
     const __m128i q0 = _mm_loadu_si128((const __m128i *)(p + 2));
     const __m128i q1 = _mm_loadu_si128((const __m128i *)(p + 18));
     const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
@@ -451,18 +450,8 @@ static inline void nx_amxbf_dec_q8_0(const uint8_t *p, uint8_t *dst, size_t gs) 
 
 /* Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32): the block's 16 or 32 possible values (the spec's
  * operations on each code: d * (u - 8), d * u + m, d * (u - 16), d * u + m, the + m with
- * nx_quants' NaN rule), rounded by bf() as one table, looked up by the 32 codes (vpermw). */
-static inline float nx_amxbf_h2f(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-/* 16 bytes of nibbles -> 32 word indices: elements 0-15 (low nibbles), then 16-31 (high). */
-static inline __m512i nx_amxbf_nibs(const uint8_t *qs) {
-    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)qs));
-    const __m256i lo = _mm256_and_si256(w, _mm256_set1_epi16(15));
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), _mm256_srli_epi16(w, 4), 1);
-}
+ * nx_quants' NaN rule), rounded by bf() as one table, looked up by the 32 codes (vpermw: the q8
+ * kernels' code decoders of nx_q8x_avx512.h, widened to words). */
 static inline __m512 nx_amxbf_add_m(__m512 dq, __m512 m) { /* dq + m; a NaN dq as is */
     return _mm512_mask_mov_ps(_mm512_add_ps(dq, m), _mm512_cmp_ps_mask(dq, dq, _CMP_UNORD_Q), dq);
 }
@@ -470,42 +459,37 @@ static inline __m512 nx_amxbf_iota(float a) {
     return _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                          _mm512_set1_ps(a));
 }
+/* a 16-value table (words 0-15) looked up by a block's 32 codes (bytes) */
+static inline void nx_amxbf_lookup16(__m512 t, __m256i codes, uint8_t *dst) {
+    const __m512i tab = _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(t));
+    _mm512_store_si512((__m512i *)dst, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), tab));
+}
+/* a 32-value table (t0: codes 0-15, t1: codes 16-31) looked up by a block's 32 codes */
+static inline void nx_amxbf_lookup32(__m512 t0, __m512 t1, __m256i codes, uint8_t *dst) {
+    const __m512i tab = (__m512i)_mm512_cvtne2ps_pbh(t1, t0);
+    _mm512_store_si512((__m512i *)dst, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), tab));
+}
 static inline void nx_amxbf_dec_q4_0(const uint8_t *p, uint8_t *dst, size_t gs) {
     (void)gs;
-    const __m512 t = _mm512_mul_ps(_mm512_set1_ps(nx_amxbf_h2f(p)), nx_amxbf_iota(-8.0f));
-    const __m512i tab = _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(t));
-    _mm512_store_si512((__m512i *)dst, _mm512_permutexvar_epi16(nx_amxbf_nibs(p + 2), tab));
+    nx_amxbf_lookup16(_mm512_mul_ps(_mm512_set1_ps(nx_h2f(p)), nx_amxbf_iota(-8.0f)),
+                      nx_u_q4_0(p), dst);
 }
 static inline void nx_amxbf_dec_q4_1(const uint8_t *p, uint8_t *dst, size_t gs) {
     (void)gs;
-    const __m512 d = _mm512_set1_ps(nx_amxbf_h2f(p)), m = _mm512_set1_ps(nx_amxbf_h2f(p + 2));
-    const __m512 t = nx_amxbf_add_m(_mm512_mul_ps(d, nx_amxbf_iota(0)), m);
-    const __m512i tab = _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(t));
-    _mm512_store_si512((__m512i *)dst, _mm512_permutexvar_epi16(nx_amxbf_nibs(p + 4), tab));
-}
-/* the fifth bits: bit e of qh is element e's */
-static inline __m512i nx_amxbf_q5_idx(const uint8_t *qh, const uint8_t *qs) {
-    uint32_t h;
-    memcpy(&h, qh, 4);
-    const __m512i lo = nx_amxbf_nibs(qs);
-    return _mm512_mask_add_epi16(lo, (__mmask32)h, lo, _mm512_set1_epi16(16));
+    const __m512 d = _mm512_set1_ps(nx_h2f(p)), m = _mm512_set1_ps(nx_h2f(p + 2));
+    nx_amxbf_lookup16(nx_amxbf_add_m(_mm512_mul_ps(d, nx_amxbf_iota(0.0f)), m), nx_u_q4_1(p), dst);
 }
 static inline void nx_amxbf_dec_q5_0(const uint8_t *p, uint8_t *dst, size_t gs) {
     (void)gs;
-    const __m512 d = _mm512_set1_ps(nx_amxbf_h2f(p));
-    const __m512i tab = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(d, nx_amxbf_iota(0.0f)),
-                                                     _mm512_mul_ps(d, nx_amxbf_iota(-16.0f)));
-    const __m512i idx = nx_amxbf_q5_idx(p + 2, p + 6);
-    _mm512_store_si512((__m512i *)dst, _mm512_permutexvar_epi16(idx, tab));
+    const __m512 d = _mm512_set1_ps(nx_h2f(p));
+    const __m512 lo = _mm512_mul_ps(d, nx_amxbf_iota(-16.0f)); /* codes 0-15: d * (u - 16) */
+    nx_amxbf_lookup32(lo, _mm512_mul_ps(d, nx_amxbf_iota(0.0f)), nx_u_q5_0(p), dst);
 }
 static inline void nx_amxbf_dec_q5_1(const uint8_t *p, uint8_t *dst, size_t gs) {
     (void)gs;
-    const __m512 d = _mm512_set1_ps(nx_amxbf_h2f(p)), m = _mm512_set1_ps(nx_amxbf_h2f(p + 2));
-    const __m512i tab = (__m512i)_mm512_cvtne2ps_pbh(
-        nx_amxbf_add_m(_mm512_mul_ps(d, nx_amxbf_iota(16.0f)), m),
-        nx_amxbf_add_m(_mm512_mul_ps(d, nx_amxbf_iota(0.0f)), m));
-    const __m512i idx = nx_amxbf_q5_idx(p + 4, p + 8);
-    _mm512_store_si512((__m512i *)dst, _mm512_permutexvar_epi16(idx, tab));
+    const __m512 d = _mm512_set1_ps(nx_h2f(p)), m = _mm512_set1_ps(nx_h2f(p + 2));
+    nx_amxbf_lookup32(nx_amxbf_add_m(_mm512_mul_ps(d, nx_amxbf_iota(0.0f)), m),
+                      nx_amxbf_add_m(_mm512_mul_ps(d, nx_amxbf_iota(16.0f)), m), nx_u_q5_1(p), dst);
 }
 
 /* Q4_K and Q5_K: part j of 32 elements has value dl_j * u - ml_j for its 4- or 5-bit code u. A
@@ -571,13 +555,14 @@ static inline void nx_amxbf_dec_q5_K(const uint8_t *p, uint8_t *dst, size_t gs) 
 /* Q6_K: element 128h + r has the code (ql[64h + r % 64] >> 4 (r >= 64)) & 15 | ((qh[32h + r % 32]
  * >> 2 (r / 32)) & 3) << 4 and the value dl_(8h + r/16) * (code - 32), dl_i = d * sc_i. The codes
  * of 64 elements at a time as bytes (the high bits moved to bits 4-5 by one word shift per
- * 32-element half), stored, then widened 16 at a time. */
+ * 32-element half), stored, then widened 16 at a time. Its own code decoder, not the q8
+ * kernels' nx_u_q6_K (32 bytes at a time), because Q6_K is every Q4_K_M file's w2: with
+ * nx_u_q6_K, T=8 ran 134-143 ps per weight against 119-122 (AMX Xeon, one thread, K=N=3840,
+ * three alternating runs); Q2_K and Q3_K, rare, take theirs (Q3_K 132 -> 139-143). */
 static inline void nx_amxbf_dec_q6_K(const uint8_t *p, uint8_t *dst, size_t gs) {
     _Alignas(64) float dl[16];
     _Alignas(64) int8_t q[128]; /* code - 32 of one half */
-    uint16_t dh;
-    memcpy(&dh, p + 208, 2);
-    _mm512_store_ps(dl, _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(dh)),
+    _mm512_store_ps(dl, _mm512_mul_ps(_mm512_set1_ps(nx_h2f(p + 208)),
                                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                           _mm_loadu_si128((const __m128i *)(p + 192))))));
     __asm__ volatile("" ::: "memory"); /* broadcast from memory: loads, not shuffles */
@@ -609,67 +594,47 @@ static inline void nx_amxbf_dec_q6_K(const uint8_t *p, uint8_t *dst, size_t gs) 
     }
 }
 
-/* Q2_K and Q3_K: element 128h + 32s + i (i < 32) of part 8h + 2s + i/16 has the code
- * (qs[32h + i] >> 2s) & 3 (Q3_K: | bit 4h + s of hm[i] << 2, then - 4) and the value
- * dl * q - ml (Q2_K: dl = d * (sc & 15), ml = dmin * (sc >> 4); dl * q is exact, so one fma is
- * the spec's rounding of the subtraction) or dl * q (Q3_K: dl = d * (6-bit code - 32)). The codes
- * of 32 elements as bytes, stored, then widened 16 at a time. */
+/* Q2_K and Q3_K: the codes of the block (nx_q8x_avx512.h's decoders: element e of part e/16),
+ * widened 16 at a time; the value of part i is dl_i * q - ml_i (Q2_K: dl = d * (sc & 15),
+ * ml = dmin * (sc >> 4); dl * q is exact, so one fma is the spec's rounding of the subtraction)
+ * or dl_i * (u - 4) (Q3_K: dl = d * (6-bit code - 32)). */
 static inline void nx_amxbf_dec_q2_K(const uint8_t *p, uint8_t *dst, size_t gs) {
     _Alignas(64) float dl[16], nml[16];
-    _Alignas(64) uint8_t q[128];
+    _Alignas(64) uint8_t u[256];
     const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    const __m512 d = _mm512_set1_ps(nx_amxbf_h2f(p + 80));
-    const __m512 dm = _mm512_set1_ps(nx_amxbf_h2f(p + 82));
+    const __m512 d = _mm512_set1_ps(nx_h2f(p + 80)), dm = _mm512_set1_ps(nx_h2f(p + 82));
     const __m512i s15 = _mm512_and_si512(sc, _mm512_set1_epi32(15)), s4 = _mm512_srli_epi32(sc, 4);
     _mm512_store_ps(dl, _mm512_mul_ps(d, _mm512_cvtepi32_ps(s15)));
     _mm512_store_ps(nml, _mm512_xor_ps(_mm512_mul_ps(dm, _mm512_cvtepi32_ps(s4)),
                                        _mm512_set1_ps(-0.0f))); /* -ml, exact */
-    const __m256i m3 = _mm256_set1_epi8(3);
-    for (int h = 0; h < 2; h++) {
-        const __m256i qv = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * h));
-        for (int s = 0; s < 4; s++)
-            _mm256_store_si256((__m256i *)(q + 32 * s),
-                               _mm256_and_si256(_mm256_srli_epi16(qv, 2 * s), m3));
-        __asm__ volatile("" ::: "memory"); /* widened from memory; scales broadcast from it */
-        for (int s = 0; s < 4; s++) {
-            const int i = 8 * h + 2 * s;
-            const __m128i *qg = (const __m128i *)(q + 32 * s);
-            const __m512 lo = _mm512_fmadd_ps(_mm512_set1_ps(dl[i]),
-                                              _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(qg[0])),
-                                              _mm512_set1_ps(nml[i]));
-            const __m512 hi = _mm512_fmadd_ps(_mm512_set1_ps(dl[i + 1]),
-                                              _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(qg[1])),
-                                              _mm512_set1_ps(nml[i + 1]));
-            _mm512_store_si512((__m512i *)(dst + (4 * h + s) * gs), nx_bf16_pairs32(lo, hi));
-        }
+    nx_u_q2_K(p, u);
+    __asm__ volatile("" ::: "memory"); /* widened from memory; scales broadcast from it */
+    for (int g = 0; g < 8; g++) {
+        const __m128i *ug = (const __m128i *)(u + 32 * g);
+        const __m512 lo = _mm512_fmadd_ps(_mm512_set1_ps(dl[2 * g]),
+                                          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(ug[0])),
+                                          _mm512_set1_ps(nml[2 * g]));
+        const __m512 hi = _mm512_fmadd_ps(_mm512_set1_ps(dl[2 * g + 1]),
+                                          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(ug[1])),
+                                          _mm512_set1_ps(nml[2 * g + 1]));
+        _mm512_store_si512((__m512i *)(dst + g * gs), nx_bf16_pairs32(lo, hi));
     }
 }
 
 static inline void nx_amxbf_dec_q3_K(const uint8_t *p, uint8_t *dst, size_t gs) {
     _Alignas(64) float dl[16];
-    _Alignas(64) int8_t q[128];
-    _mm512_store_ps(dl, nx_q3k_scales16(p + 96, nx_amxbf_h2f(p + 108)));
-    const __m256i m3 = _mm256_set1_epi8(3), k4 = _mm256_set1_epi8(4);
-    const __m256i hm = _mm256_loadu_si256((const __m256i *)p);
-    for (int h = 0; h < 2; h++) {
-        const __m256i qv = _mm256_loadu_si256((const __m256i *)(p + 32 + 32 * h));
-        for (int s = 0; s < 4; s++) {
-            const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * s), m3);
-            const __m256i bit = _mm256_set1_epi8((char)(1 << (4 * h + s)));
-            const __mmask32 hb = _mm256_test_epi8_mask(hm, bit);
-            _mm256_store_si256((__m256i *)(q + 32 * s),
-                               _mm256_sub_epi8(_mm256_mask_add_epi8(lo, hb, lo, k4), k4));
-        }
-        __asm__ volatile("" ::: "memory");
-        for (int s = 0; s < 4; s++) {
-            const int i = 8 * h + 2 * s;
-            const __m128i *qg = (const __m128i *)(q + 32 * s);
-            const __m512 lo = _mm512_mul_ps(_mm512_set1_ps(dl[i]),
-                                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qg[0])));
-            const __m512 hi = _mm512_mul_ps(_mm512_set1_ps(dl[i + 1]),
-                                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qg[1])));
-            _mm512_store_si512((__m512i *)(dst + (4 * h + s) * gs), nx_bf16_pairs32(lo, hi));
-        }
+    _Alignas(64) uint8_t u[256];
+    _mm512_store_ps(dl, nx_q3k_scales16(p + 96, nx_h2f(p + 108)));
+    nx_u_q3_K(p, u);
+    __asm__ volatile("" ::: "memory");
+    const __m512i k4 = _mm512_set1_epi32(4);
+    for (int g = 0; g < 8; g++) { /* q = u - 4 */
+        const __m128i *ug = (const __m128i *)(u + 32 * g);
+        const __m512i q0 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(ug[0]), k4);
+        const __m512i q1 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(ug[1]), k4);
+        const __m512 lo = _mm512_mul_ps(_mm512_set1_ps(dl[2 * g]), _mm512_cvtepi32_ps(q0));
+        const __m512 hi = _mm512_mul_ps(_mm512_set1_ps(dl[2 * g + 1]), _mm512_cvtepi32_ps(q1));
+        _mm512_store_si512((__m512i *)(dst + g * gs), nx_bf16_pairs32(lo, hi));
     }
 }
 
@@ -718,8 +683,8 @@ NX_INLINE void nx_amxbf_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, s
 
 /* The fused decoders, one row per type: X(GGML type, decoder suffix). */
 #define NX_AMXBF_DECODERS(X)                                                                       \
-    X(Q8_0, q8_0) X(Q4_0, q4_0) X(Q4_1, q4_1) X(Q5_0, q5_0) X(Q5_1, q5_1) X(Q2_K, q2_K)             \
-    X(Q3_K, q3_K) X(Q4_K, q4_K) X(Q5_K, q5_K) X(Q6_K, q6_K)
+    X(Q8_0, q8_0) X(Q4_0, q4_0) X(Q4_1, q4_1) X(Q5_0, q5_0) X(Q5_1, q5_1)                          \
+    X(Q2_K, q2_K) X(Q3_K, q3_K) X(Q4_K, q4_K) X(Q5_K, q5_K) X(Q6_K, q6_K)
 
 static void nx_amxbf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t kc,
                             uint8_t *Bp /* OUT */, void *scratch) {
