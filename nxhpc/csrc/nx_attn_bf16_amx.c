@@ -112,25 +112,6 @@ static void nx_ax_pack_q(const float *q, int nr, int64_t hd, int64_t nc, uint32_
     }
 }
 
-/* nx_exp16 without its upper clamp (min(x, 89)): every argument here is x - m_use <= 0, or NaN,
- * which that clamp returns unchanged, so the bits are nx_exp16's. */
-static inline __m512 nx_ax_exp(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* One micro-block of 16 rows against tile kt / vt. lanes(j): the rows key j of the tile enters
  * (bit r: row r runs the tile and may see key j); act: the rows that run the tile (the others --
  * padding, or causal rows before the tile -- keep m, l and their O^T lanes). Running m, l (16
@@ -184,8 +165,8 @@ static void nx_ax_micro(const uint32_t *qt, int64_t nc, const uint16_t *kt, int6
                                          0x001c000c, 0x001d000d, 0x001e000e, 0x001f000f);
     const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000u);
     for (int i = 0; i < NX_AX_BC / 2; i++) {
-        const __m512 e0 = nx_ax_exp(_mm512_sub_ps(_mm512_load_ps(S[2 * i]), m_use));
-        const __m512 e1 = nx_ax_exp(_mm512_sub_ps(_mm512_load_ps(S[2 * i + 1]), m_use));
+        const __m512 e0 = nx_exp16(_mm512_sub_ps(_mm512_load_ps(S[2 * i]), m_use));
+        const __m512 e1 = nx_exp16(_mm512_sub_ps(_mm512_load_ps(S[2 * i + 1]), m_use));
         /* words: bf(e0) of rows 0-15, then bf(e1); interleaved: dword r = {bf(e0_r), bf(e1_r)} */
         const __m512i pr = _mm512_permutexvar_epi16(il, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
         _mm512_store_si512((void *)pt[i / 16][i % 16], pr);
@@ -203,7 +184,7 @@ static void nx_ax_micro(const uint32_t *qt, int64_t nc, const uint16_t *kt, int6
     for (int w = 8; w >= 1; w /= 2)
         for (int i = 0; i < w; i++) a[i] = _mm512_add_ps(a[i], a[i + w]);
     /* alpha = E(m_old - m_use) (1 for the rows that keep their state); l = l * alpha + sum */
-    const __m512 alpha = nx_ax_exp(_mm512_maskz_sub_ps(act, m_old, m_use));
+    const __m512 alpha = nx_exp16(_mm512_maskz_sub_ps(act, m_old, m_use));
     const __m512 lv = _mm512_load_ps(l);
     _mm512_store_ps(l, _mm512_mask_mov_ps(lv, act, _mm512_add_ps(_mm512_mul_ps(lv, alpha), a[0])));
     /* O = O * alpha, every row d, when some row's alpha is not 1 (x * 1 = x exactly under this
