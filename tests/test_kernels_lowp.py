@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 import nxhpc
 from kernelutil import ISAS, assert_error_names, bits, expected_variant
 from nxhpc import _kernels as K
+from nxhpc.formats.ggml_blocks import BLOCK_DTYPES, QUANT_BLOCKS
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
 WTYPES = ("F32", "F16", "BF16", "Q8_0")
@@ -622,26 +623,21 @@ def test_bf16_amx_bias_specials_and_repeatability():
     assert same_bits_or_both_nan(run_bf16(x, wf.view(np.uint8), "F32", "amx"), got)
 
 
-# the f16 scale fields of each quantized type (byte offsets in its block), and where its codes start
-_F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
-               "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-_CODE_BYTE = {"Q8_0": 2, "Q4_0": 2, "Q5_0": 6, "Q4_1": 4, "Q5_1": 8, "Q2_K": 16, "Q3_K": 0,
-              "Q4_K": 16, "Q5_K": 16, "Q6_K": 0}
-
-
-def random_blocks(rng, wtype, N, Kd, specials=False):
+def finite_scale_blocks(rng, wtype, N, Kd, specials=False):
     """Raw blocks of `wtype` with every code and sub-scale byte random (so every code value and
-    every packing of the 6-bit scales occurs) and finite f16 scales spread over 2^-14 .. 2^2;
-    with `specials`, some scale fields are inf or NaN."""
-    E, B = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[wtype]]
-    w = rng.integers(0, 256, (N, Kd // E * B), dtype=np.uint8)
-    blocks = w.reshape(N, Kd // E, B)
-    for off in _F16_FIELDS[wtype]:
-        d = (rng.choice([-1, 1], blocks.shape[:2]) * 2.0 ** rng.uniform(-14, 2, blocks.shape[:2]))
-        d = d.astype("<f2")
-        if specials:
-            d.flat[rng.choice(d.size, 3, replace=False)] = [np.inf, -np.inf, np.nan]
-        blocks[:, :, off:off + 2] = d.view(np.uint8).reshape(N, Kd // E, 2)
+    every packing of the 6-bit scales occurs) and finite f16 scales (the layouts' d / m / dmin
+    fields, nxhpc.formats.ggml_blocks) spread over 2^-14 .. 2^2; with `specials`, some scale
+    fields are inf or NaN."""
+    dt = BLOCK_DTYPES[wtype]
+    w = rng.integers(0, 256, (N, Kd // QUANT_BLOCKS[wtype].elems * dt.itemsize), dtype=np.uint8)
+    blocks = w.reshape(-1, dt.itemsize).view(dt)[:, 0]
+    for f in ("d", "m", "dmin"):
+        if f in dt.names:
+            d = (rng.choice([-1, 1], blocks.size) * 2.0 ** rng.uniform(-14, 2, blocks.size))
+            d = d.astype("<f2")
+            if specials:
+                d[rng.choice(d.size, 3, replace=False)] = [np.inf, -np.inf, np.nan]
+            blocks[f] = d
     return w
 
 
@@ -651,17 +647,18 @@ def run_bf16_dequant_pack(x, w, wtype, isa):
     return out
 
 
-@pytest.mark.parametrize("wtype", sorted(_F16_FIELDS))
+@pytest.mark.parametrize("wtype", sorted(QUANT_BLOCKS))
 def test_bf16_fused_weight_decoders_equal_dequantize(wtype):
     """The packers' fused decoders (AMX: every quantized type; avx512bf16 / avx2: Q8_0) give
     the bits of the path that decodes through the type's dequantize (itself checked against
     gguf's decoder in test_kernels_wtype.py), for every code value, random sub-scales and
     scales over 2^-14 .. 2^2 (and inf / NaN scales), K across k-blocks (512) and column tails.
-    Negative control: one changed code byte changes an output, so single elements count."""
+    Negative control: changed codes in one block of one column change that column's outputs
+    and no other's."""
     rng = np.random.default_rng(sum(map(ord, wtype)))
     for T, Kd, N, specials in [(5, 768, 19, True), (33, 1280, 70, False), (7, 512, 37, False)]:
         x = rand_x(rng, T, Kd)
-        w = random_blocks(rng, wtype, N, Kd, specials)
+        w = finite_scale_blocks(rng, wtype, N, Kd, specials)
         for isa in SIMD_BF16:
             got = run_bf16(x, w, wtype, isa)
             assert same_bits_or_both_nan(got, run_bf16_dequant_pack(x, w, wtype, isa)), (isa, T)
@@ -670,11 +667,10 @@ def test_bf16_fused_weight_decoders_equal_dequantize(wtype):
             else:
                 assert np.isfinite(got).all()
     if SIMD_BF16:              # the last case: all finite
-        E, B = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[wtype]]
+        dt = BLOCK_DTYPES[wtype]
         w2 = w.copy()
-        w2[3, B + _CODE_BYTE[wtype]:2 * B] ^= 0x11   # column 3, second block: its codes
-        for off in _F16_FIELDS[wtype]:                # (and sub-scales), not its scales
-            w2[3, B + off:B + off + 2] = w[3, B + off:B + off + 2]
+        blk = w2[3].reshape(-1, dt.itemsize).view(dt)[1:2, 0]   # column 3, second block
+        blk["ql" if "ql" in dt.names else "qs"] ^= 0x11
         got2 = run_bf16(x, w2, wtype, SIMD_BF16[-1])
         assert not same_bits_or_both_nan(got2[:, 3], got[:, 3])
         assert same_bits_or_both_nan(np.delete(got2, 3, 1), np.delete(got, 3, 1))
