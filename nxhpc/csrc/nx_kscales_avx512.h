@@ -1,6 +1,7 @@
 /* nx_kscales_avx512.h -- the sub-block scales (and mins) of one Q4_K / Q5_K / Q3_K block as one
- * float32 vector, shared by the AVX-512 dequantizer (nx_quants_avx512.c) and the AMX bf16 weight
- * packer (nx_lowp_amx.c), which must read them identically.
+ * float32 vector, and the + m of the types with a min, shared by the AVX-512 dequantizer
+ * (nx_quants_avx512.c) and the AMX bf16 weight packer (nx_lowp_amx.c), which must decode
+ * identically.
  *
  * Owns: nothing of a contract; only the spec's decoding (nx_quants.c). Q4_K / Q5_K: lane j < 8 =
  * d * sc_j, lane 8 + j = dmin * mn_j, each one float32 product of the block's f16 d / dmin and
@@ -37,6 +38,11 @@ static inline __m512 nx_k4_scales16(const uint8_t *p /* IN block */) {
     const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(d)),
                                          _mm256_set1_ps(_cvtsh_ss(dmin)), 1);
     return _mm512_mul_ps(dd, _mm512_cvtepi32_ps(v));
+}
+
+/* dq + m with the spec's NaN rule (nx_quants.h): a NaN dq is returned as is (Q4_1, Q5_1). */
+static inline __m512 nx_add_m16(__m512 dq, __m512 m) {
+    return _mm512_mask_mov_ps(_mm512_add_ps(dq, m), _mm512_cmp_ps_mask(dq, dq, _CMP_UNORD_Q), dq);
 }
 
 /* Q3_K: the 16 products d * (scode_i - 32) (reads exactly the 12 bytes at sc). */

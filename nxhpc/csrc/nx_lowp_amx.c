@@ -452,9 +452,6 @@ static inline void nx_amxbf_dec_q8_0(const uint8_t *p, uint8_t *dst, size_t gs) 
  * operations on each code: d * (u - 8), d * u + m, d * (u - 16), d * u + m, the + m with
  * nx_quants' NaN rule), rounded by bf() as one table, looked up by the 32 codes (vpermw: the q8
  * kernels' code decoders of nx_q8x_avx512.h, widened to words). */
-static inline __m512 nx_amxbf_add_m(__m512 dq, __m512 m) { /* dq + m; a NaN dq as is */
-    return _mm512_mask_mov_ps(_mm512_add_ps(dq, m), _mm512_cmp_ps_mask(dq, dq, _CMP_UNORD_Q), dq);
-}
 static inline __m512 nx_amxbf_iota(float a) {
     return _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                          _mm512_set1_ps(a));
@@ -477,7 +474,7 @@ static inline void nx_amxbf_dec_q4_0(const uint8_t *p, uint8_t *dst, size_t gs) 
 static inline void nx_amxbf_dec_q4_1(const uint8_t *p, uint8_t *dst, size_t gs) {
     (void)gs;
     const __m512 d = _mm512_set1_ps(nx_h2f(p)), m = _mm512_set1_ps(nx_h2f(p + 2));
-    nx_amxbf_lookup16(nx_amxbf_add_m(_mm512_mul_ps(d, nx_amxbf_iota(0.0f)), m), nx_u_q4_1(p), dst);
+    nx_amxbf_lookup16(nx_add_m16(_mm512_mul_ps(d, nx_amxbf_iota(0.0f)), m), nx_u_q4_1(p), dst);
 }
 static inline void nx_amxbf_dec_q5_0(const uint8_t *p, uint8_t *dst, size_t gs) {
     (void)gs;
@@ -488,8 +485,8 @@ static inline void nx_amxbf_dec_q5_0(const uint8_t *p, uint8_t *dst, size_t gs) 
 static inline void nx_amxbf_dec_q5_1(const uint8_t *p, uint8_t *dst, size_t gs) {
     (void)gs;
     const __m512 d = _mm512_set1_ps(nx_h2f(p)), m = _mm512_set1_ps(nx_h2f(p + 2));
-    nx_amxbf_lookup32(nx_amxbf_add_m(_mm512_mul_ps(d, nx_amxbf_iota(0.0f)), m),
-                      nx_amxbf_add_m(_mm512_mul_ps(d, nx_amxbf_iota(16.0f)), m), nx_u_q5_1(p), dst);
+    nx_amxbf_lookup32(nx_add_m16(_mm512_mul_ps(d, nx_amxbf_iota(0.0f)), m),
+                      nx_add_m16(_mm512_mul_ps(d, nx_amxbf_iota(16.0f)), m), nx_u_q5_1(p), dst);
 }
 
 /* Q4_K and Q5_K: part j of 32 elements has value dl_j * u - ml_j for its 4- or 5-bit code u. A

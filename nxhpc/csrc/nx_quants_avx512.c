@@ -15,9 +15,7 @@
 #include "nx_quants_ew.h"
 #include "nx_kscales_avx512.h"
 
-static inline nxv nxq_add_m(nxv dq, nxv m) {
-    return _mm512_mask_mov_ps(_mm512_add_ps(dq, m), _mm512_cmp_ps_mask(dq, dq, _CMP_UNORD_Q), dq);
-}
+static inline nxv nxq_add_m(nxv dq, nxv m) { return nx_add_m16(dq, m); }
 
 /* the Q3_K scales (nx_kscales_avx512.h, shared with the AMX packer) */
 static inline void nxq_scales_q3(const uint8_t *sc /* IN 12 bytes */, float d, float dl[16]) {
