@@ -11,13 +11,10 @@ cdef extern from "nx_lowp.h" nogil:
     void nx_bf16_round_n(nx_isa isa, const float *x, uint16_t *out, size_t n)
     int nx_matmul_bf16(nx_isa isa, uint32_t type, const float *x, const uint8_t *w,
                        const float *bias, float *out, size_t T, size_t K, size_t N, size_t n0,
-                       size_t n1)
+                       size_t n1, unsigned flags)
     int nx_matmul_q8(nx_isa isa, uint32_t type, const float *x, const uint8_t *w,
                      const float *bias, float *out, size_t T, size_t K, size_t N, size_t n0,
                      size_t n1)
-    int nx_matmul_bf16_flags(nx_isa isa, uint32_t type, const float *x, const uint8_t *w,
-                             const float *bias, float *out, size_t T, size_t K, size_t N,
-                             size_t n0, size_t n1, unsigned flags)
     ctypedef struct nx_q8w_type:
         uint32_t elems
         int halves
@@ -144,8 +141,8 @@ cdef object _matmul_bf16(str fn, object x, object w, object wtype, object out, o
     cdef float *op = <float *>cnp.PyArray_DATA(out)
     cdef int rc
     with nogil:
-        rc = nx_matmul_bf16_flags(v, tid, xp, wp, bp, op, <size_t>T, <size_t>K, <size_t>N, c0,
-                                  c1, flags)
+        rc = nx_matmul_bf16(v, tid, xp, wp, bp, op, <size_t>T, <size_t>K, <size_t>N, c0, c1,
+                            flags)
     if rc == -1:
         raise MemoryError(f"{fn}: could not allocate scratch buffers (T={T}, K={K}, N={N})")
     if rc != 0:

@@ -405,21 +405,14 @@ static nx_mm_call nx_lowp_call(nx_isa isa, const nx_wtype_traits *wt, uint32_t t
     return c;
 }
 
-int nx_matmul_bf16_flags(nx_isa isa, uint32_t type, const float *x /* IN */,
-                         const uint8_t *w /* IN */, const float *bias /* IN */,
-                         float *out /* OUT */, size_t T, size_t K, size_t N, size_t n0, size_t n1,
-                         unsigned flags) {
+int nx_matmul_bf16(nx_isa isa, uint32_t type, const float *x /* IN */, const uint8_t *w /* IN */,
+                   const float *bias /* IN */, float *out /* OUT */, size_t T, size_t K, size_t N,
+                   size_t n0, size_t n1, unsigned flags) {
     const nx_wtype_traits *wt = nx_wtype(type);
     if (!wt) return -2;
     nx_mm_call c = nx_lowp_call(isa, wt, type, x, w, bias, out, T, K, N, n0, n1);
     c.flags = flags;
     return nx_lowp_get(isa)->matmul_bf16(&c);
-}
-
-int nx_matmul_bf16(nx_isa isa, uint32_t type, const float *x /* IN */, const uint8_t *w /* IN */,
-                   const float *bias /* IN */, float *out /* OUT */, size_t T, size_t K, size_t N,
-                   size_t n0, size_t n1) {
-    return nx_matmul_bf16_flags(isa, type, x, w, bias, out, T, K, N, n0, n1, 0);
 }
 
 int nx_matmul_q8(nx_isa isa, uint32_t type, const float *x /* IN */, const uint8_t *w /* IN */,

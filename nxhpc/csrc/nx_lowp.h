@@ -200,19 +200,16 @@ void nx_bf16_round_n_avx512bf16(const float *x /* IN */, uint16_t *out /* OUT */
 
 /* ---- the matmuls at `isa` (shapes above; w rows of GGML type `type`). Return 0, -1 when scratch
  * memory could not be allocated (out then unspecified in the band), -2 for a weight type the
- * precision does not take (bf16: no traits; q8: no nx_q8w decoding, i.e. F32, F16, BF16). */
+ * precision does not take (bf16: no traits; q8: no nx_q8w decoding, i.e. F32, F16, BF16).
+ * bf16's flags are NX_MM_* (nx_matmul.h): 0, or NX_MM_DEQUANT_PACK, which makes every packer
+ * decode through the type's dequantize instead of a fused decoder (a test hook: the same bits). */
 int nx_matmul_bf16(nx_isa isa, uint32_t type, const float *x /* IN [T*K] */,
                    const uint8_t *w /* IN [N*rowbytes] */, const float *bias /* IN [N] or NULL */,
-                   float *out /* OUT [T*N] */, size_t T, size_t K, size_t N, size_t n0, size_t n1);
+                   float *out /* OUT [T*N] */, size_t T, size_t K, size_t N, size_t n0, size_t n1,
+                   unsigned flags);
 int nx_matmul_q8(nx_isa isa, uint32_t type, const float *x /* IN [T*K] */,
                  const uint8_t *w /* IN [N*rowbytes] */, const float *bias /* IN [N] or NULL */,
                  float *out /* OUT [T*N] */, size_t T, size_t K, size_t N, size_t n0, size_t n1);
-/* nx_matmul_bf16 with NX_MM_* flags (nx_matmul.h): NX_MM_DEQUANT_PACK makes every packer decode
- * through the type's dequantize instead of a fused decoder (a test hook: the same bits). */
-int nx_matmul_bf16_flags(nx_isa isa, uint32_t type, const float *x /* IN [T*K] */,
-                         const uint8_t *w /* IN [N*rowbytes] */,
-                         const float *bias /* IN [N] or NULL */, float *out /* OUT [T*N] */,
-                         size_t T, size_t K, size_t N, size_t n0, size_t n1, unsigned flags);
 
 /* ---- the weight side of the q8 contract, per type (the table above): the spec's decoders.
  * codes(blk, qw): the signed codes qw[e] of one block, e < elems (nx_quants.h element order);
