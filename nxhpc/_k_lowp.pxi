@@ -15,6 +15,12 @@ cdef extern from "nx_lowp.h" nogil:
     int nx_matmul_q8(nx_isa isa, uint32_t type, const float *x, const uint8_t *w,
                      const float *bias, float *out, size_t T, size_t K, size_t N, size_t n0,
                      size_t n1)
+    int nx_matmul_bf16_glu(nx_isa isa, uint32_t type, const float *x, const uint8_t *w,
+                           const uint8_t *w_up, float *out, size_t T, size_t K, size_t N,
+                           size_t n0, size_t n1, unsigned flags)
+    int nx_matmul_q8_glu(nx_isa isa, uint32_t type, const float *x, const uint8_t *w,
+                         const uint8_t *w_up, float *out, size_t T, size_t K, size_t N,
+                         size_t n0, size_t n1)
     ctypedef struct nx_q8w_type:
         uint32_t elems
         int halves
@@ -92,7 +98,7 @@ cdef object _lowp_w(str fn, object w, int wid, str tname, Py_ssize_t E, Py_ssize
     return w
 
 
-def matmul_bf16(x, w, wtype, out, n0=0, n1=None, *, bias=None, isa=None):
+def matmul_bf16(x, w, wtype, out, n0=0, n1=None, *, bias=None, isa=None, up=None):
     """out[:, n0:n1] := bf16(x) @ bf16(dequant(w))[n0:n1].T (+ bias[n0:n1]), float32 accumulation.
 
     x: float32 [T, K]. w: raw GGML rows uint8 [N, K/block*block_bytes] of type `wtype` (any name
@@ -102,23 +108,28 @@ def matmul_bf16(x, w, wtype, out, n0=0, n1=None, *, bias=None, isa=None):
     Contract (nx_lowp.h): inputs rounded to bfloat16 (nearest even), one vdpbf16ps-order chain per
     output (odd element of each pair first, DAZ/FTZ): bit-identical for every band, T batching and
     isa (None = best, or an ISA name: the "lowp" table's matmul_bf16 on that ISA's chain).
+    up: None, or a second weight like w (the gated form, w the gate; as ``matmul``'s up=):
+    out[:, n0:n1] := silu(this matmul with w) * (this matmul with up), glu by ``swiglu`` at the
+    same isa; no bias.
     """
-    return _matmul_bf16("matmul_bf16", x, w, wtype, out, n0, n1, bias, isa, 0)
+    return _matmul_bf16("matmul_bf16", x, w, wtype, out, n0, n1, bias, isa, 0, up)
 
 
-def _matmul_bf16_dequant_pack(x, w, wtype, out, n0=0, n1=None, *, bias=None, isa=None):
+def _matmul_bf16_dequant_pack(x, w, wtype, out, n0=0, n1=None, *, bias=None, isa=None,
+                              up=None):
     """Test hook: matmul_bf16 with every weight panel decoded through the type's dequantize,
     even for types that have a fused decoder (must give the same bits)."""
     return _matmul_bf16("_matmul_bf16_dequant_pack", x, w, wtype, out, n0, n1, bias, isa,
-                        NX_MM_DEQUANT_PACK)
+                        NX_MM_DEQUANT_PACK, up)
 
 
 cdef object _matmul_bf16(str fn, object x, object w, object wtype, object out, object n0,
-                         object n1, object bias, object isa, unsigned flags):
+                         object n1, object bias, object isa, unsigned flags, object up):
     _lowp_x(fn, x)
     wid, tname, E, B = _wtype(fn, wtype)
     cdef uint32_t tid = wid
     cdef Py_ssize_t T = x.shape[0], K = x.shape[1]
+    w_given = w
     w = _lowp_w(fn, w, wid, tname, E, B, K)
     cdef Py_ssize_t N = w.shape[0]
     if out is None:
@@ -130,19 +141,28 @@ cdef object _matmul_bf16(str fn, object x, object w, object wtype, object out, o
     _no_alias(fn, "out", out, "x", x)
     _no_alias(fn, "out", out, "w", w)
     _no_alias(fn, "out", out, "bias", bias)
+    if up is not None:
+        up = _glu_up(fn, up, w, w_given, bias, out)
     if T == 0 or lo == hi:
         return out
     cdef size_t c0 = lo, c1 = hi
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef const uint8_t *wp = <const uint8_t *>cnp.PyArray_DATA(w)
+    cdef const uint8_t *up_p = NULL
+    if up is not None:
+        up_p = <const uint8_t *>cnp.PyArray_DATA(up)
     cdef const float *bp = NULL
     if bias is not None:
         bp = <const float *>cnp.PyArray_DATA(bias)
     cdef float *op = <float *>cnp.PyArray_DATA(out)
     cdef int rc
     with nogil:
-        rc = nx_matmul_bf16(v, tid, xp, wp, bp, op, <size_t>T, <size_t>K, <size_t>N, c0, c1,
-                            flags)
+        if up_p != NULL:
+            rc = nx_matmul_bf16_glu(v, tid, xp, wp, up_p, op, <size_t>T, <size_t>K, <size_t>N,
+                                    c0, c1, flags)
+        else:
+            rc = nx_matmul_bf16(v, tid, xp, wp, bp, op, <size_t>T, <size_t>K, <size_t>N, c0, c1,
+                                flags)
     if rc == -1:
         raise MemoryError(f"{fn}: could not allocate scratch buffers (T={T}, K={K}, N={N})")
     if rc != 0:
@@ -150,7 +170,7 @@ cdef object _matmul_bf16(str fn, object x, object w, object wtype, object out, o
     return out
 
 
-def matmul_q8(x, w, out, n0=0, n1=None, *, wtype="Q8_0", bias=None, isa=None):
+def matmul_q8(x, w, out, n0=0, n1=None, *, wtype="Q8_0", bias=None, isa=None, up=None):
     """out[:, n0:n1] := Q8_0(x) @ w[n0:n1].T on the stored integer codes (+ bias[n0:n1]).
 
     x: float32 [T, K], quantized per row to Q8_0 exactly as gguf.quants.quantize (float32 block
@@ -163,6 +183,9 @@ def matmul_q8(x, w, out, n0=0, n1=None, *, wtype="Q8_0", bias=None, isa=None):
     acc = fmaf(dx*(float)xsum, mw, acc), in block order from +0: bit-identical for every band,
     T batching and isa (None = best, or an ISA name: the "lowp" table's matmul_q8 on that ISA's
     chain -- VNNI at avx512).
+    up: None, or a second weight like w (the gated form, w the gate; as ``matmul``'s up=):
+    out[:, n0:n1] := silu(this matmul with w) * (this matmul with up), glu by ``swiglu`` at the
+    same isa; no bias.
     """
     fn = "matmul_q8"
     _lowp_x(fn, x)
@@ -178,6 +201,7 @@ def matmul_q8(x, w, out, n0=0, n1=None, *, wtype="Q8_0", bias=None, isa=None):
                         f"weights only (F32/F16/BF16: matmul_bf16), got dtype={w.dtype}")
     cdef uint32_t tid = wid
     cdef Py_ssize_t T = x.shape[0], K = x.shape[1]
+    w_given = w
     w = _lowp_w(fn, w, wid, tname, E, B, K)
     cdef Py_ssize_t N = w.shape[0]
     if out is None:
@@ -189,18 +213,27 @@ def matmul_q8(x, w, out, n0=0, n1=None, *, wtype="Q8_0", bias=None, isa=None):
     _no_alias(fn, "out", out, "x", x)
     _no_alias(fn, "out", out, "w", w)
     _no_alias(fn, "out", out, "bias", bias)
+    if up is not None:
+        up = _glu_up(fn, up, w, w_given, bias, out)
     if T == 0 or lo == hi:
         return out
     cdef size_t c0 = lo, c1 = hi
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef const uint8_t *wp = <const uint8_t *>cnp.PyArray_DATA(w)
+    cdef const uint8_t *up_p = NULL
+    if up is not None:
+        up_p = <const uint8_t *>cnp.PyArray_DATA(up)
     cdef const float *bp = NULL
     if bias is not None:
         bp = <const float *>cnp.PyArray_DATA(bias)
     cdef float *op = <float *>cnp.PyArray_DATA(out)
     cdef int rc
     with nogil:
-        rc = nx_matmul_q8(v, tid, xp, wp, bp, op, <size_t>T, <size_t>K, <size_t>N, c0, c1)
+        if up_p != NULL:
+            rc = nx_matmul_q8_glu(v, tid, xp, wp, up_p, op, <size_t>T, <size_t>K, <size_t>N, c0,
+                                  c1)
+        else:
+            rc = nx_matmul_q8(v, tid, xp, wp, bp, op, <size_t>T, <size_t>K, <size_t>N, c0, c1)
     if rc == -1:
         raise MemoryError(f"{fn}: could not allocate scratch buffers (T={T}, K={K}, N={N})")
     if rc == -2:

@@ -27,6 +27,9 @@ cdef extern from "nx_matmul.h" nogil:
                      const float *bias, float *out, size_t T, size_t K, size_t N, size_t n0,
                      size_t n1, unsigned flags)
     int nx_matmul_packer(nx_isa isa, uint32_t type)
+    int nx_matmul_glu(nx_isa isa, uint32_t type, const float *x, const uint8_t *w,
+                      const uint8_t *w_up, float *out, size_t T, size_t K, size_t N, size_t n0,
+                      size_t n1, unsigned flags)
     int nx_adaln_linear(nx_isa isa, uint32_t type, const float *t_emb, const uint8_t *w,
                         const float *bias, float *out, size_t K, size_t N, int silu_input)
 
@@ -323,11 +326,30 @@ def q8_0_quantize(x, out=None, isa=None):
 
 # ----------------------------------------------------------------------------- matmul
 
+cdef object _glu_up(str fn, object up, object w, object w_given, object bias, object out):
+    """The gated calls' second weight: ``up`` checked like ``w`` was (``w_given``: w as passed,
+    ``w``: its uint8 row view) and of its dtype and shape; no bias; not overlapping out. Returns
+    up's uint8 row view."""
+    if not isinstance(up, np.ndarray):
+        raise TypeError(f"{fn}: up must be a numpy.ndarray like w, got {type(up).__name__}")
+    if up.dtype != w_given.dtype or up.shape != w_given.shape:
+        raise ValueError(f"{fn}: up must have w's dtype and shape {w_given.shape} "
+                         f"{w_given.dtype}, got {up.shape} {up.dtype}")
+    if not up.flags.c_contiguous:
+        raise ValueError(f"{fn}: up must be C-contiguous, got strides {up.strides}")
+    if bias is not None:
+        raise ValueError(f"{fn}: the gated call (up=) takes no bias")
+    up = up.view(np.uint8).reshape(w.shape)
+    _no_alias(fn, "out", out, "up", up)
+    return up
+
+
 cdef object _matmul(str fn, object x, object w, object wtype, object out, object n0, object n1,
-                    object bias, object isa, unsigned flags):
+                    object bias, object isa, unsigned flags, object up=None):
     _f32(fn, "x", x, 2)
     tid, tname, E, B = _wtype(fn, wtype)
     given = f"{w.shape} {w.dtype}" if isinstance(w, np.ndarray) else ""
+    w_given = w
     w = _weight_bytes(fn, "w", w, tname, E, B, 2)
     cdef Py_ssize_t T = x.shape[0], K = x.shape[1], N = w.shape[0]
     _check_k(fn, "x", K, tname, E)
@@ -345,11 +367,16 @@ cdef object _matmul(str fn, object x, object w, object wtype, object out, object
     _no_alias(fn, "out", out, "x", x)
     _no_alias(fn, "out", out, "w", w)
     _no_alias(fn, "out", out, "bias", bias)
+    if up is not None:
+        up = _glu_up(fn, up, w, w_given, bias, out)
     if T == 0 or lo == hi:
         return out
     cdef size_t c0 = lo, c1 = hi
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef const uint8_t *wp = <const uint8_t *>cnp.PyArray_DATA(w)
+    cdef const uint8_t *up_p = NULL
+    if up is not None:
+        up_p = <const uint8_t *>cnp.PyArray_DATA(up)
     cdef const float *bp = NULL
     if bias is not None:
         bp = <const float *>cnp.PyArray_DATA(bias)
@@ -357,14 +384,18 @@ cdef object _matmul(str fn, object x, object w, object wtype, object out, object
     cdef uint32_t t = tid
     cdef int rc
     with nogil:
-        rc = nx_matmul_ex(level, t, xp, wp, bp, op, <size_t>T, <size_t>K, <size_t>N, c0, c1,
-                          flags)
+        if up_p != NULL:
+            rc = nx_matmul_glu(level, t, xp, wp, up_p, op, <size_t>T, <size_t>K, <size_t>N, c0,
+                               c1, flags)
+        else:
+            rc = nx_matmul_ex(level, t, xp, wp, bp, op, <size_t>T, <size_t>K, <size_t>N, c0,
+                              c1, flags)
     if rc != 0:
         raise MemoryError(f"{fn}: could not allocate scratch buffers (T={T}, K={K}, N={N})")
     return out
 
 
-def matmul(x, w, wtype, out, n0=0, n1=None, *, bias=None, isa=None):
+def matmul(x, w, wtype, out, n0=0, n1=None, *, bias=None, isa=None, up=None):
     """out[:, n0:n1] := x @ dequant(w)[n0:n1].T (+ bias[n0:n1]), for a weight of any GGML type.
 
     x: float32 [T, K], C-contiguous. w: uint8 [N, K//block_elems*block_bytes], the raw GGML rows
@@ -376,8 +407,13 @@ def matmul(x, w, wtype, out, n0=0, n1=None, *, bias=None, isa=None):
     csrc/nx_matmul.h), so the result is bit-identical for every band split, T batching and isa,
     and -- the values of F32/F16/BF16/Q8_0 being exact in float32 -- to the same matmul over
     ``dequantize(w, wtype)`` as an F32 weight.
+
+    up: None, or a second weight of w's dtype and shape (the gated form of a SwiGLU
+    feed-forward, w its gate): out[:, n0:n1] := silu(x @ dequant(w).T) * (x @ dequant(up).T) on
+    the band, the bits of this matmul for w and for up and then ``swiglu`` (same ``isa``) on the
+    two; no bias.
     """
-    return _matmul("matmul", x, w, wtype, out, n0, n1, bias, isa, 0)
+    return _matmul("matmul", x, w, wtype, out, n0, n1, bias, isa, 0, up)
 
 
 def _matmul_dequant_pack(x, w, wtype, out, n0=0, n1=None, *, bias=None, isa=None):
@@ -421,6 +457,7 @@ def adaln_linear(t_emb, w, wtype, bias=None, out=None, silu_input=False, *, isa=
     cdef Py_ssize_t K = t_emb.shape[0], N
     tid, tname, E, B = _wtype(fn, wtype)
     given = f"{w.shape} {w.dtype}" if isinstance(w, np.ndarray) else ""
+    w_given = w
     w = _weight_bytes(fn, "w", w, tname, E, B, 2)
     _check_k(fn, "t_emb", K, tname, E)
     if w.shape[1] != K // E * B:

@@ -10,6 +10,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from nxhpc import _kernels as K
+from nxhpc.formats.ggml_blocks import BLOCK_DTYPES, QUANT_BLOCKS
 
 ISAS = K.supported_isas()
 SIMD_ISAS = [i for i in ISAS if i != "generic"]
@@ -89,6 +90,24 @@ def gguf_bytes(w32, wtype):
 def gguf_values(raw, wtype):
     """float32 [N, K] values of GGUF bytes per gguf.quants.dequantize (the independent decoder)."""
     return np.asarray(gguf_dequantize(raw, GGML[wtype]), dtype=np.float32)
+
+
+def finite_scale_blocks(rng, wtype, N, Kd, specials=False):
+    """Raw blocks of `wtype` with every code and sub-scale byte random (so every code value and
+    every packing of the 6-bit scales occurs) and finite f16 scales (the layouts' d / m / dmin
+    fields, nxhpc.formats.ggml_blocks) spread over 2^-14 .. 2^2; with `specials`, some scale
+    fields are inf or NaN."""
+    dt = BLOCK_DTYPES[wtype]
+    w = rng.integers(0, 256, (N, Kd // QUANT_BLOCKS[wtype].elems * dt.itemsize), dtype=np.uint8)
+    blocks = w.reshape(-1, dt.itemsize).view(dt)[:, 0]
+    for f in ("d", "m", "dmin"):
+        if f in dt.names:
+            d = (rng.choice([-1, 1], blocks.size) * 2.0 ** rng.uniform(-14, 2, blocks.size))
+            d = d.astype("<f2")
+            if specials:
+                d[rng.choice(d.size, 3, replace=False)] = [np.inf, -np.inf, np.nan]
+            blocks[f] = d
+    return w
 
 
 def random_weight(rng, n, k, wtype, scale=1.0):

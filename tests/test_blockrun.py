@@ -220,40 +220,40 @@ def test_missing_block_input_exit_5(models_root, tmp_path):
 
 @pytest.mark.parametrize("spawn", ["pool", "stage"])
 def test_worker_crash_exit_6(models_root, monkeypatch, capsys, spawn):
-    real = K.swiglu
+    real = K.gated_residual
 
-    def crashing(a, b, out, i0=0, i1=None, isa=None):
-        if i0 > 0:
+    def crashing(resid, y, gate, out, r0=0, r1=None, isa=None):
+        if r0 > 0:
             faulthandler.disable()        # a deliberate crash: keep pytest's dump out of the log
             os.kill(os.getpid(), signal.SIGSEGV)
-        return real(a, b, out, i0=i0, i1=i1, isa=isa)
+        return real(resid, y, gate, out, r0=r0, r1=r1, isa=isa)
 
-    monkeypatch.setattr(K, "swiglu", crashing)
+    monkeypatch.setattr(K, "gated_residual", crashing)
     monkeypatch.setenv("NXHPC_MODELS", str(models_root))
     t0 = time.monotonic()
     code = main(["tiny", "2", "--spawn", spawn])
     assert code == 6
     assert time.monotonic() - t0 < 20
     err = capsys.readouterr().err
-    assert "stage 'swiglu': worker 1 of 2" in err and "SIGSEGV" in err
+    assert "stage 'attn_tail': worker 1 of 2" in err and "SIGSEGV" in err
     assert live_segments(PID) == []
 
 
 def test_hung_worker_stage_timeout_exit_6(models_root, monkeypatch, capsys):
-    real = K.swiglu
+    real = K.gated_residual
 
-    def stuck(a, b, out, i0=0, i1=None, isa=None):
-        if i0 > 0:
+    def stuck(resid, y, gate, out, r0=0, r1=None, isa=None):
+        if r0 > 0:
             time.sleep(60)                # hangs without exiting
-        return real(a, b, out, i0=i0, i1=i1, isa=isa)
+        return real(resid, y, gate, out, r0=r0, r1=r1, isa=isa)
 
-    monkeypatch.setattr(K, "swiglu", stuck)
+    monkeypatch.setattr(K, "gated_residual", stuck)
     monkeypatch.setenv("NXHPC_MODELS", str(models_root))
     t0 = time.monotonic()
     assert main(["tiny", "2", "--stage-timeout", "0.5"]) == 6
     assert time.monotonic() - t0 < 20
     err = capsys.readouterr().err
-    assert "stage 'swiglu': worker 1 of 2" in err and "stage timeout of 0.5 s" in err
+    assert "stage 'attn_tail': worker 1 of 2" in err and "stage timeout of 0.5 s" in err
     assert live_segments(PID) == []
 
 

@@ -481,12 +481,12 @@ def test_stopped_worker_fails_a_block_run_with_exit_6(models_root, tiny):
     script = textwrap.dedent(f"""
         import os, signal, sys
         import nxhpc._kernels as K
-        real = K.swiglu
-        def stopping(a, b, out, i0=0, i1=None, isa=None):
-            if i0 > 0:
+        real = K.gated_residual
+        def stopping(resid, y, gate, out, r0=0, r1=None, isa=None):
+            if r0 > 0:
                 os.kill(os.getpid(), signal.SIGSTOP)
-            return real(a, b, out, i0=i0, i1=i1, isa=isa)
-        K.swiglu = stopping
+            return real(resid, y, gate, out, r0=r0, r1=r1, isa=isa)
+        K.gated_residual = stopping
         from nxhpc.blockrun import main
         sys.exit(main(["tiny", "2", "--models-dir", {str(models_root)!r}]))
     """)
@@ -494,7 +494,7 @@ def test_stopped_worker_fails_a_block_run_with_exit_6(models_root, tiny):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                        timeout=120, cwd=ROOT)
     assert r.returncode == 6, (r.returncode, r.stderr[-2000:])
-    assert "stage 'swiglu': worker 1 of 2" in r.stderr and "SIGSTOP" in r.stderr, r.stderr
+    assert "stage 'attn_tail': worker 1 of 2" in r.stderr and "SIGSTOP" in r.stderr, r.stderr
     assert time.monotonic() - t0 < 60
 
 

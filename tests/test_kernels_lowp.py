@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nxhpc
-from kernelutil import ISAS, assert_error_names, bits, expected_variant
+from kernelutil import ISAS, assert_error_names, bits, expected_variant, finite_scale_blocks
 from nxhpc import _kernels as K
 from nxhpc.formats.ggml_blocks import BLOCK_DTYPES, QUANT_BLOCKS
 
@@ -621,24 +621,6 @@ def test_bf16_amx_bias_specials_and_repeatability():
     with_b = run_bf16(x, wf.view(np.uint8), "F32", "amx", bias=b)
     assert same_bits_or_both_nan(with_b, (got + b).astype(np.float32))
     assert same_bits_or_both_nan(run_bf16(x, wf.view(np.uint8), "F32", "amx"), got)
-
-
-def finite_scale_blocks(rng, wtype, N, Kd, specials=False):
-    """Raw blocks of `wtype` with every code and sub-scale byte random (so every code value and
-    every packing of the 6-bit scales occurs) and finite f16 scales (the layouts' d / m / dmin
-    fields, nxhpc.formats.ggml_blocks) spread over 2^-14 .. 2^2; with `specials`, some scale
-    fields are inf or NaN."""
-    dt = BLOCK_DTYPES[wtype]
-    w = rng.integers(0, 256, (N, Kd // QUANT_BLOCKS[wtype].elems * dt.itemsize), dtype=np.uint8)
-    blocks = w.reshape(-1, dt.itemsize).view(dt)[:, 0]
-    for f in ("d", "m", "dmin"):
-        if f in dt.names:
-            d = (rng.choice([-1, 1], blocks.size) * 2.0 ** rng.uniform(-14, 2, blocks.size))
-            d = d.astype("<f2")
-            if specials:
-                d[rng.choice(d.size, 3, replace=False)] = [np.inf, -np.inf, np.nan]
-            blocks[f] = d
-    return w
 
 
 def run_bf16_dequant_pack(x, w, wtype, isa):

@@ -179,7 +179,7 @@ def test_stage_table_drives_keys_and_docs():
     for line in stage_table().splitlines():
         assert "    " + line in doc, line
     assert [s.name for s in STAGES] == ["norm1", "qkv", "qknorm_rope", "sdpa", "out_proj",
-                                        "attn_tail", "ffn_norm", "w13", "swiglu", "w2",
+                                        "attn_tail", "ffn_norm", "w13", "w2",
                                         "ffn_tail"]
     p = BlockPlan(CFG)
     assert p.modulated and not BlockPlan(CFG, "context_refiner").modulated
@@ -187,7 +187,7 @@ def test_stage_table_drives_keys_and_docs():
     ext = {s.name: p.extent(s, 10) for s in STAGES}
     assert ext == {"norm1": 10, "qkv": CFG.qkv_width, "qknorm_rope": 6, "sdpa": 3,
                    "out_proj": 192, "attn_tail": 10, "ffn_norm": 10, "w13": 512,
-                   "swiglu": 5120, "w2": 192, "ffn_tail": 10}
+                   "w2": 192, "ffn_tail": 10}
     assert p.tensor_names(1)["adaln_w"] == "layers.1.adaLN_modulation.0.weight"
     assert "adaln_w" not in BlockPlan(CFG, "context_refiner").tensor_names(0)
     with pytest.raises(ValueError, match="unknown stack prefix"):

@@ -265,7 +265,7 @@ def test_stage_table_and_timing_keys():
         assert "    " + line in QM.__doc__, line
     assert TIMING_KEYS == ("us_attn", "us_ffn", "block_us")
     assert [s.name for s in QM.STAGES] == ["norm1", "qkv", "qknorm_rope", "sdpa", "out_proj",
-                                           "attn_res", "ffn_norm", "w13", "swiglu", "w2",
+                                           "attn_res", "ffn_norm", "w13", "w2",
                                            "ffn_res"]
 
 

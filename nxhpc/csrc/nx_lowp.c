@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "nx_ops.h" /* the swiglu of the gated calls */
 #include "nx_q8_0.h"
 
 NX_DEFINE_DISPATCH(nx_lowp, "lowp", NX_LOWP_SLOTS,
@@ -311,8 +312,46 @@ static inline size_t nx_min(size_t a, size_t b) { return a < b ? a : b; }
 
 static void *nx_alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64 + 64); }
 
+/* One mc x nc block of call c at tokens [ic, ic + mc), columns [jc, jc + nc): every k-block's
+ * weight panels packed and run against the packed A block Ap, into o (the block's first
+ * output; row r at o + r * ldo), then the bias. */
+static void nx_lowp_block(const nx_lowp_tiling *tl, const nx_mm_call *c, const uint8_t *Ap,
+                          size_t a_panel, uint8_t *Bp, size_t b_panel, void *bs, float *Cp,
+                          size_t n_jr, size_t mc, size_t jc, size_t nc, float *o, size_t ldo) {
+    const size_t MR = tl->mr, NR = tl->nr, KC = tl->kc, K = c->K;
+    for (size_t pc = 0; pc < K; pc += KC) {
+        const size_t kc = nx_min(K - pc, KC), ng = (kc + 31) / 32;
+        for (size_t jr = 0; jr < nc; jr += NR)
+            tl->pack_b(c, jc + jr, nx_min(nc - jr, NR), pc, kc, Bp + jr / NR * b_panel, bs);
+        const uint8_t *A0 = Ap + pc / 32 * tl->a_group;
+        if (tl->kern_cp) {
+            for (size_t ir = 0; ir < mc; ir += MR)
+                for (size_t jr = 0; jr < nc; jr += NR) {
+                    const size_t tile = ir / MR * n_jr + jr / NR;
+                    float *ct = Cp ? Cp + tile * MR * NR : NULL;
+                    tl->kern_cp(ng, A0 + ir / MR * a_panel, Bp + jr / NR * b_panel, ct,
+                                o + ir * ldo + jr, ldo, (int)nx_min(mc - ir, MR),
+                                (int)nx_min(nc - jr, NR), pc == 0, pc + KC >= K);
+                }
+        } else if (tl->jr_outer) {
+            for (size_t jr = 0; jr < nc; jr += NR)
+                for (size_t ir = 0; ir < mc; ir += MR)
+                    tl->kern(ng, A0 + ir / MR * a_panel, Bp + jr / NR * b_panel, o + ir * ldo + jr,
+                             ldo, (int)nx_min(mc - ir, MR), (int)nx_min(nc - jr, NR), pc == 0);
+        } else {
+            for (size_t ir = 0; ir < mc; ir += MR)
+                for (size_t jr = 0; jr < nc; jr += NR)
+                    tl->kern(ng, A0 + ir / MR * a_panel, Bp + jr / NR * b_panel, o + ir * ldo + jr,
+                             ldo, (int)nx_min(mc - ir, MR), (int)nx_min(nc - jr, NR), pc == 0);
+        }
+    }
+    if (c->bias)
+        for (size_t t = 0; t < mc; t++)
+            for (size_t n = 0; n < nc; n++) o[t * ldo + n] = o[t * ldo + n] + c->bias[jc + n];
+}
+
 int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_mm_call *c) {
-    const float *x = c->x, *bias = c->bias;
+    const float *x = c->x;
     float *out = c->out;
     const size_t T = c->T, K = c->K, N = c->N, n0 = c->n0, n1 = c->n1;
     if (nx_mm_trivial(c)) return 0;
@@ -328,6 +367,12 @@ int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_mm_call *c) {
     const size_t mc_max = nx_min(T, MCB), nc_max = nx_min(n1 - n0, NC), kc_max = nx_min(K, KC);
     const size_t a_panel = G * tl->a_group;                  /* bytes of one A micro-panel */
     const size_t b_panel = (kc_max + 31) / 32 * tl->b_group; /* bytes of one B micro-panel */
+    /* The gated call (nx_mm_call's w_up): per block the up projection into U (mc x nc, L2-sized
+     * at MC tokens), then the gate into out, then glu over the block's rows; one packed A for
+     * both. */
+    const int gated = c->w_up != NULL;
+    nx_mm_call cu = *c;
+    cu.w = c->w_up;
     uint8_t *Ap = (uint8_t *)nx_alloc64((mc_max + MR - 1) / MR * a_panel);
     uint8_t *Bp = (uint8_t *)nx_alloc64((nc_max + NR - 1) / NR * b_panel);
     void *as = tl->a_scratch ? nx_alloc64(tl->a_scratch) : NULL;
@@ -336,7 +381,10 @@ int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_mm_call *c) {
     const int cp = tl->kern_cp && K > KC;       /* one k-block: straight to C */
     float *Cp = cp ? (float *)nx_alloc64((mc_max + MR - 1) / MR * n_jr * MR * NR * sizeof(float))
                    : NULL;
-    if (!Ap || !Bp || (tl->a_scratch && !as) || (tl->b_scratch && !bs) || (cp && !Cp)) {
+    float *U = gated ? (float *)nx_alloc64(mc_max * nc_max * sizeof(float)) : NULL;
+    if (!Ap || !Bp || (tl->a_scratch && !as) || (tl->b_scratch && !bs) || (cp && !Cp) ||
+        (gated && !U)) {
+        free(U);
         free(Cp);
         free(Ap);
         free(Bp);
@@ -350,39 +398,16 @@ int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_mm_call *c) {
             tl->pack_a(x, K, ic + ir, nx_min(mc - ir, MR), Ap + ir / MR * a_panel, as);
         for (size_t jc = n0; jc < n1; jc += NC) {
             const size_t nc = nx_min(n1 - jc, NC);
-            for (size_t pc = 0; pc < K; pc += KC) {
-                const size_t kc = nx_min(K - pc, KC), ng = (kc + 31) / 32;
-                for (size_t jr = 0; jr < nc; jr += NR)
-                    tl->pack_b(c, jc + jr, nx_min(nc - jr, NR), pc, kc, Bp + jr / NR * b_panel, bs);
-                const uint8_t *A0 = Ap + pc / 32 * tl->a_group;
-                if (tl->kern_cp) {
-                    for (size_t ir = 0; ir < mc; ir += MR)
-                        for (size_t jr = 0; jr < nc; jr += NR) {
-                            const size_t tile = ir / MR * n_jr + jr / NR;
-                            float *ct = cp ? Cp + tile * MR * NR : NULL;
-                            tl->kern_cp(ng, A0 + ir / MR * a_panel, Bp + jr / NR * b_panel, ct,
-                                        out + (ic + ir) * N + jc + jr, N, (int)nx_min(mc - ir, MR),
-                                        (int)nx_min(nc - jr, NR), pc == 0, pc + KC >= K);
-                        }
-                } else if (tl->jr_outer) {
-                    for (size_t jr = 0; jr < nc; jr += NR)
-                        for (size_t ir = 0; ir < mc; ir += MR)
-                            tl->kern(ng, A0 + ir / MR * a_panel, Bp + jr / NR * b_panel,
-                                     out + (ic + ir) * N + jc + jr, N, (int)nx_min(mc - ir, MR),
-                                     (int)nx_min(nc - jr, NR), pc == 0);
-                } else {
-                    for (size_t ir = 0; ir < mc; ir += MR)
-                        for (size_t jr = 0; jr < nc; jr += NR)
-                            tl->kern(ng, A0 + ir / MR * a_panel, Bp + jr / NR * b_panel,
-                                     out + (ic + ir) * N + jc + jr, N, (int)nx_min(mc - ir, MR),
-                                     (int)nx_min(nc - jr, NR), pc == 0);
-                }
-            }
-            if (bias)
-                for (size_t t = ic; t < ic + mc; t++)
-                    for (size_t n = jc; n < jc + nc; n++) out[t * N + n] = out[t * N + n] + bias[n];
+            float *o = out + ic * N + jc;
+            if (gated)
+                nx_lowp_block(tl, &cu, Ap, a_panel, Bp, b_panel, bs, Cp, n_jr, mc, jc, nc, U, nc);
+            nx_lowp_block(tl, c, Ap, a_panel, Bp, b_panel, bs, Cp, n_jr, mc, jc, nc, o, N);
+            if (gated)
+                for (size_t t = 0; t < mc; t++)
+                    c->glu(o + t * N, U + t * nc, o + t * N, 0, (int64_t)nc);
         }
     }
+    free(U);
     free(Cp);
     free(Ap);
     free(Bp);
@@ -413,6 +438,34 @@ int nx_matmul_bf16(nx_isa isa, uint32_t type, const float *x /* IN */, const uin
     nx_mm_call c = nx_lowp_call(isa, wt, type, x, w, bias, out, T, K, N, n0, n1);
     c.flags = flags;
     return nx_lowp_get(isa)->matmul_bf16(&c);
+}
+
+/* The gated call at `isa` on the lowp slot `mm` (its table function; the generic spec runs plain
+ * calls only, so it goes through nx_mm_glu_split). */
+static int nx_lowp_glu(nx_isa isa, nx_mm_call *c, const uint8_t *w_up,
+                       int (*mm)(const nx_mm_call *), int (*spec)(const nx_mm_call *)) {
+    c->bias = NULL, c->w_up = w_up, c->glu = nx_ops_get(isa)->swiglu;
+    return mm == spec ? nx_mm_glu_split(c, mm) : mm(c);
+}
+
+int nx_matmul_bf16_glu(nx_isa isa, uint32_t type, const float *x /* IN */,
+                       const uint8_t *w /* IN */, const uint8_t *w_up /* IN */,
+                       float *out /* OUT */, size_t T, size_t K, size_t N, size_t n0, size_t n1,
+                       unsigned flags) {
+    const nx_wtype_traits *wt = nx_wtype(type);
+    if (!wt) return -2;
+    nx_mm_call c = nx_lowp_call(isa, wt, type, x, w, NULL, out, T, K, N, n0, n1);
+    c.flags = flags;
+    return nx_lowp_glu(isa, &c, w_up, nx_lowp_get(isa)->matmul_bf16, nx_matmul_bf16_generic);
+}
+
+int nx_matmul_q8_glu(nx_isa isa, uint32_t type, const float *x /* IN */, const uint8_t *w /* IN */,
+                     const uint8_t *w_up /* IN */, float *out /* OUT */, size_t T, size_t K,
+                     size_t N, size_t n0, size_t n1) {
+    const nx_wtype_traits *wt = nx_wtype(type);
+    if (!wt || !nx_q8w(type)) return -2;
+    nx_mm_call c = nx_lowp_call(isa, wt, type, x, w, NULL, out, T, K, N, n0, n1);
+    return nx_lowp_glu(isa, &c, w_up, nx_lowp_get(isa)->matmul_q8, nx_matmul_q8_generic);
 }
 
 int nx_matmul_q8(nx_isa isa, uint32_t type, const float *x /* IN */, const uint8_t *w /* IN */,

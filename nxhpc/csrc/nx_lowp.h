@@ -225,6 +225,17 @@ typedef struct {
 } nx_q8w_type;
 /* The q8 decoding of `type`, or NULL where q8 does not take it (F32, F16, BF16, unknown). */
 const nx_q8w_type *nx_q8w(uint32_t type);
+/* The gated matmuls (nx_mm_call's w_up; nx_matmul_glu of nx_matmul.h for `bf16` / `q8`):
+ * out[t, n] := silu(x . w_n) * (x . w_up_n), n in [n0, n1), the bits of the plain call for w and
+ * for w_up, then nx_swiglu_f32 at `isa` on the two. The SIMD variants run it in the blocked
+ * driver (one packed x for both weights; per block the up outputs in an L2-sized buffer, glu
+ * while the block's gate outputs are still in cache), the specs as two plain calls per chunk. */
+int nx_matmul_bf16_glu(nx_isa isa, uint32_t type, const float *x, const uint8_t *w,
+                       const uint8_t *w_up, float *out, size_t T, size_t K, size_t N, size_t n0,
+                       size_t n1, unsigned flags);
+int nx_matmul_q8_glu(nx_isa isa, uint32_t type, const float *x, const uint8_t *w,
+                     const uint8_t *w_up, float *out, size_t T, size_t K, size_t N, size_t n0,
+                     size_t n1);
 int nx_matmul_bf16_generic(const nx_mm_call *c);
 int nx_matmul_bf16_avx2(const nx_mm_call *c);
 int nx_matmul_bf16_avx512bf16(const nx_mm_call *c);

@@ -4,6 +4,7 @@
  * nx_matmul_avx2.c / nx_matmul_avx512.c), allocate per tile.
  */
 #include "nx_matmul.h"
+#include "nx_ops.h" /* the swiglu of the gated call */
 
 #include <math.h>
 #include <stdlib.h>
@@ -35,9 +36,43 @@ int nx_matmul_ex(nx_isa isa, uint32_t type, const float *x, const uint8_t *w, co
     return nx_mm_get(isa)->matmul(&c);
 }
 
+int nx_mm_glu_split(const nx_mm_call *c, int (*mm)(const nx_mm_call *)) {
+    if (c->T == 0 || c->n0 >= c->n1) return 0;
+    const size_t T = c->T, N = c->N, band = c->n1 - c->n0;
+    const size_t chunk = band < NX_MM_GLU_CHUNK ? band : NX_MM_GLU_CHUNK;
+    float *u = (float *)malloc(T * chunk * sizeof(float));
+    if (!u) return -1;
+    int rc = 0;
+    for (size_t j0 = c->n0; j0 < c->n1 && rc == 0; j0 += chunk) {
+        const size_t nb = c->n1 - j0 < chunk ? c->n1 - j0 : chunk;
+        nx_mm_call g = *c;
+        g.w_up = NULL, g.glu = NULL, g.bias = NULL, g.n0 = j0, g.n1 = j0 + nb;
+        nx_mm_call up = g;
+        up.w = c->w_up + j0 * c->rowbytes, up.out = u, up.N = nb, up.n0 = 0, up.n1 = nb;
+        rc = mm(&g);
+        if (rc == 0) rc = mm(&up);
+        if (rc == 0)
+            for (size_t t = 0; t < T; t++)
+                c->glu(c->out + t * N + j0, u + t * nb, c->out + t * N + j0, 0, (int64_t)nb);
+    }
+    free(u);
+    return rc;
+}
+
 int nx_matmul(nx_isa isa, uint32_t type, const float *x, const uint8_t *w, const float *bias,
               float *out, size_t T, size_t K, size_t N, size_t n0, size_t n1) {
     return nx_matmul_ex(isa, type, x, w, bias, out, T, K, N, n0, n1, 0);
+}
+
+int nx_matmul_glu(nx_isa isa, uint32_t type, const float *x, const uint8_t *w, const uint8_t *w_up,
+                  float *out, size_t T, size_t K, size_t N, size_t n0, size_t n1, unsigned flags) {
+    const nx_wtype_traits *wt = nx_wtype(type);
+    if (!wt) return -2;
+    nx_mm_call c = {
+        wt, nx_wtype_dequant(isa, type),         type, x, w, NULL, out, T, K, N, n0,
+        n1, K / wt->blck_elems * wt->blck_bytes, flags};
+    c.w_up = w_up, c.glu = nx_ops_get(isa)->swiglu;
+    return nx_mm_glu_split(&c, nx_mm_get(isa)->matmul);
 }
 
 /* ------------------------------------------------------------------ the spec */

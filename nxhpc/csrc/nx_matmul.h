@@ -42,6 +42,9 @@ _Static_assert(NX_MM_KC_ALIGN % NX_MM_CHAIN == 0 && NX_MM_KC_ALIGN % NX_WTYPE_MA
                "k-blocks must hold whole chains and whole blocks");
 _Static_assert(NX_MM_PACK_SPAN % NX_WTYPE_MAX_BLOCK == 0, "pack span must hold whole blocks");
 
+/* The SwiGLU of two rows: out[i] = silu(a[i]) * b[i], i in [i0, i1) (nx_ops.h's swiglu slot). */
+typedef void (*nx_glu_fn)(const float *a, const float *b, float *out, int64_t i0, int64_t i1);
+
 /* One matmul call, as handed to a variant (the dispatch fills every field). */
 typedef struct {
     const nx_wtype_traits *wt; /* the weight type */
@@ -53,7 +56,21 @@ typedef struct {
     float *out;                /* OUT [T, N], columns [n0, n1) */
     size_t T, K, N, n0, n1, rowbytes;
     unsigned flags; /* NX_MM_* */
+    /* The gated form (a SwiGLU feed-forward's first projection; NULL / NULL for a plain call):
+     * out[t, n] := glu(x . gate_n, x . up_n) with gate = w and up = w_up, rows of the same type
+     * and shape; bias NULL. Each product is the plain call's own output, bit for bit, and glu
+     * runs on it as on the plain outputs, so the result is the bits of two plain calls and
+     * glu's pass over them. */
+    const uint8_t *w_up; /* IN [N rows of rowbytes] */
+    nx_glu_fn glu;
 } nx_mm_call;
+
+/* The gated call c (c->w_up, c->glu set) on a driver `mm` that runs plain calls only: per
+ * chunk of at most NX_MM_GLU_CHUNK columns of [n0, n1), the gate into out and the up into a
+ * T x chunk scratch (its rows of w_up as a call of their own: the bits of any band), then glu
+ * row by row. Returns mm's code, or -1 when the scratch could not be allocated. */
+#define NX_MM_GLU_CHUNK 512
+int nx_mm_glu_split(const nx_mm_call *c, int (*mm)(const nx_mm_call *));
 
 /* What every matmul driver (nx_matmul_blocked, nx_lowp_blocked) does before blocking: nothing for
  * T = 0 or an empty band; for K = 0 the empty sum is +0, so out[t, n] = 0 (+ bias[n]) on the band.
@@ -83,6 +100,11 @@ int nx_matmul(nx_isa isa, uint32_t type, const float *x /* IN [T*K] */,
               float *out /* OUT [T*N] */, size_t T, size_t K, size_t N, size_t n0, size_t n1);
 int nx_matmul_ex(nx_isa isa, uint32_t type, const float *x, const uint8_t *w, const float *bias,
                  float *out, size_t T, size_t K, size_t N, size_t n0, size_t n1, unsigned flags);
+/* The gated matmul (nx_mm_call's w_up): out[t, n] := silu(x . w_n) * (x . w_up_n), n in [n0, n1),
+ * glu being nx_ops' swiglu at `isa`: the bits of nx_matmul for w and for w_up, then nx_swiglu_f32
+ * on the two, at `isa`. Same shapes and return codes as nx_matmul_ex (no bias). */
+int nx_matmul_glu(nx_isa isa, uint32_t type, const float *x, const uint8_t *w, const uint8_t *w_up,
+                  float *out, size_t T, size_t K, size_t N, size_t n0, size_t n1, unsigned flags);
 
 /* The family's slots: matmul = the whole matmul of a call (generic: the scalar spec; SIMD: the
  * blocked driver with that ISA's tiling); matmul_packer(type) = which packer that matmul uses for

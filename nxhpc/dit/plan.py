@@ -21,8 +21,7 @@ Stage table (generated from :data:`STAGES`; ``tests/test_plan.py`` keeps it in s
     out_proj     dim columns        us_attn_tail    atto = attn @ Wout^T
     attn_tail    token rows         us_attn_tail    mid = x + tanh(gate_msa) * rmsnorm(atto, attention_norm2)
     ffn_norm     token rows         us_ffn          h = rmsnorm(mid, ffn_norm1) * (1+scale_mlp)
-    w13          ffn columns        us_ffn          f1 = h @ W1^T; f3 = h @ W3^T
-    swiglu       ffn elements       us_ffn          f1 = silu(f1) * f3
+    w13          ffn columns        us_ffn          f1 = silu(h @ W1^T) * (h @ W3^T)
     w2           dim columns        us_ffn          f2 = f1 @ W2^T
     ffn_tail     token rows         us_ffn          out = mid + tanh(gate_mlp) * rmsnorm(f2, ffn_norm2)
 
@@ -40,9 +39,9 @@ kernel computes ``resid + tanh(g) * y``; the gate buffer of an unmodulated plan 
 
 Memory. Scratch buffers are flat, sized for the largest ``(plan, T)`` need, and viewed with the
 shape of the T being run; normalized outputs overwrite their inputs where the kernels allow it
-(``rmsnorm`` of ``atto`` / ``f2`` and ``swiglu`` into ``f1`` in place; ``h`` is reused for
-``h2``): per token ``6*D + KVH*hd + qkv_width + 2*F`` scratch floats (x, out and pe are the
-caller's buffers).
+(``rmsnorm`` of ``atto`` / ``f2`` in place; ``h`` is reused for ``h2``; the SwiGLU is applied
+inside the ``w13`` projection, so the up projection's outputs never reach the arena): per token
+``6*D + KVH*hd + qkv_width + F`` scratch floats (x, out and pe are the caller's buffers).
 """
 from __future__ import annotations
 
@@ -60,7 +59,7 @@ from nxhpc.nn.checks import EPS_RANGE, check_eps, finite_vector, narrow_finite
 from nxhpc.nn.engine import Gather, IOSpec, Plan, Stage, serialized
 from nxhpc.nn.linear import DEFAULT_PRECISION, adaln_linear, attention_precision, check_precision
 from nxhpc.nn.residual import UNIT_GATE, UnitGateState
-from nxhpc.nn.stages import Project, SwiGLU, block_extents
+from nxhpc.nn.stages import Project, ProjectGLU, block_extents
 
 __all__ = ["Stage", "STAGES", "EXTENTS", "TIMING_KEYS", "UNIT_GATE", "BlockPlan", "Engine",
            "stage_table", "check_eps", "narrow_finite", "EPS_RANGE"]
@@ -125,9 +124,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("attn_tail", "rows", "us_attn_tail", _attn_tail,
           "mid = x + tanh(gate_msa) * rmsnorm(atto, attention_norm2)"),
     Stage("ffn_norm", "rows", "us_ffn", _ffn_norm, "h = rmsnorm(mid, ffn_norm1) * (1+scale_mlp)"),
-    Stage("w13", "ffn_cols", "us_ffn", Project("h", (("w1", "f1"), ("w3", "f3"))),
-          "f1 = h @ W1^T; f3 = h @ W3^T"),
-    Stage("swiglu", "ffn_elems", "us_ffn", SwiGLU("f1", "f3"), "f1 = silu(f1) * f3"),
+    Stage("w13", "ffn_cols", "us_ffn", ProjectGLU("h", "w1", "w3", "f1"),
+          "f1 = silu(h @ W1^T) * (h @ W3^T)"),
     Stage("w2", "dim_cols", "us_ffn", Project("f1", (("w2", "f2"),)), "f2 = f1 @ W2^T"),
     Stage("ffn_tail", "rows", "us_ffn", _ffn_tail,
           "out = mid + tanh(gate_mlp) * rmsnorm(f2, ffn_norm2)"),
@@ -163,8 +161,7 @@ _SPLITS: dict[str, Callable[[BlockConfig, int], tuple[Gather, ...] | None]] = {
     "out_proj": _cols("atto", lambda c: c.dim, 1),
     "attn_tail": _whole,
     "ffn_norm": _whole,
-    "w13": lambda cfg, T: (Gather("f1", (T, cfg.ffn_dim), 1), Gather("f3", (T, cfg.ffn_dim), 1)),
-    "swiglu": _whole,
+    "w13": _cols("f1", lambda c: c.ffn_dim, 1),
     "w2": _cols("f2", lambda c: c.dim, 1),
     "ffn_tail": _whole,
 }
@@ -174,8 +171,7 @@ def _scratch(cfg: BlockConfig, T: int) -> dict[str, tuple[int, ...]]:
     """Scratch buffer shapes of one block run at ``T`` tokens."""
     D, H, KVH, hd, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
     return {"h": (T, D), "qkv": (T, cfg.qkv_width), "q": (H, T, hd), "k": (KVH, T, hd),
-            "attn": (T, H * hd), "atto": (T, D), "mid": (T, D), "f1": (T, F), "f3": (T, F),
-            "f2": (T, D)}
+            "attn": (T, H * hd), "atto": (T, D), "mid": (T, D), "f1": (T, F), "f2": (T, D)}
 
 
 # ------------------------------------------------------------------------------ the plan
@@ -220,10 +216,11 @@ class BlockPlan(UnitGateState, Plan):
 
     def split(self, stage: Stage, T: int) -> tuple[Gather, ...] | None:
         """Across MPI ranks: the projections (by columns) and attention (by query heads) are
-        split, each followed by a gather of what it wrote; the norms, RoPE, SwiGLU and the
-        residual tails (O(T*D) element-wise work, cheaper to repeat than to exchange) run whole
-        on every rank. Per block that exchanges ``qkv``, ``attn``, ``atto``, ``f1``, ``f3`` and
-        ``f2``: ``T * (qkv_width + H*hd + 2*D + 2*F)`` floats (``benchmarks/README.md``)."""
+        split, each followed by a gather of what it wrote; the norms, RoPE and the residual
+        tails (O(T*D) element-wise work, cheaper to repeat than to exchange) run whole on every
+        rank. Per block that exchanges ``qkv``, ``attn``, ``atto``, ``f1`` (after the SwiGLU,
+        which the ``w13`` projection applies) and ``f2``: ``T * (qkv_width + H*hd + 2*D + F)``
+        floats (``benchmarks/README.md``)."""
         return _SPLITS.get(stage.name, _whole)(self.config, T)
 
     def tensor_names(self, index: int, *, model_prefix: bool = False) -> dict[str, str]:

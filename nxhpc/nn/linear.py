@@ -1,8 +1,9 @@
 """The one seam between a model's blocks and the matmul kernels: a typed weight in, float32 out.
 
-Owns :func:`matmul` (a band of output columns of ``x @ W^T``) and :func:`adaln_linear`
-(``W @ t + b``), both taking a :class:`~nxhpc.formats.weights.WeightTensor` and passing its raw
-bytes and GGML type to the kernels as stored (no decode, no requantize), and the precision
+Owns :func:`matmul` (a band of output columns of ``x @ W^T``), :func:`matmul_glu` (the same
+for a SwiGLU pair, ``silu(x @ Wg^T) * (x @ Wu^T)``) and :func:`adaln_linear` (``W @ t + b``),
+each taking :class:`~nxhpc.formats.weights.WeightTensor` s and passing their raw bytes and
+GGML type to the kernels as stored (no decode, no requantize), and the precision
 switch :data:`PRECISIONS` (which kernel a block's projection runs; docs/kernels.md has each
 precision's arithmetic contract):
 
@@ -24,8 +25,8 @@ Must not: compute anything itself, or copy a weight matrix -- except the one Q8_
 float matrix that ``q8`` runs (:func:`with_int8_copy`, made once in the parent at load).
 
 Kernel API (``nxhpc._kernels``): ``matmul(x, w, wtype, out, n0, n1)``, ``matmul_bf16(x, w, wtype,
-out, n0, n1)``, ``matmul_q8(x, w, out, n0, n1, wtype=...)``, ``adaln_linear(t_emb, w, wtype, bias, out,
-silu_input=...)``, ``weight_types()``.
+out, n0, n1)``, ``matmul_q8(x, w, out, n0, n1, wtype=...)`` (each with ``up=``, the gated form),
+``swiglu``, ``adaln_linear(t_emb, w, wtype, bias, out, silu_input=...)``, ``weight_types()``.
 """
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ import numpy as np
 
 from nxhpc.formats.weights import FLOAT_TYPES, WeightTensor, block_geometry
 
-__all__ = ["matmul", "adaln_linear", "check_runnable", "check_precision", "fastest_precision",
-           "effective_precision",
+__all__ = ["matmul", "matmul_glu", "adaln_linear", "check_runnable", "check_precision",
+           "fastest_precision", "effective_precision",
            "attention_precision", "with_int8_copy", "check_q8_float_weights", "Q8Blocks",
            "PRECISIONS", "DEFAULT_PRECISION", "Q8_WEIGHT_TYPES", "Q8_FLOAT_WEIGHTS",
            "DEFAULT_Q8_FLOAT_WEIGHTS"]
@@ -197,21 +198,64 @@ def _map_ordered(fn: Any, items: list, threads: int) -> list:
         ex.shutdown(wait=True, cancel_futures=True)
 
 
+def _route(weight: WeightTensor, precision: str) -> tuple[str, np.ndarray, str]:
+    """(kernel name, weight bytes, GGML type name) of ``weight``'s matmul under ``precision``."""
+    if precision == "f32":
+        return "matmul", weight.data, weight.type_name
+    if precision == "q8" and weight.type_name in Q8_WEIGHT_TYPES:
+        return "matmul_q8", weight.data, weight.type_name
+    if precision == "q8" and weight.int8 is not None:
+        return "matmul_q8", weight.int8.data, "Q8_0"
+    if precision in ("bf16", "q8"):
+        return "matmul_bf16", weight.data, weight.type_name
+    check_precision(precision)
+    raise AssertionError("unreachable")
+
+
+def _call(kernels: Any, route: tuple[str, np.ndarray, str], x: np.ndarray, data: np.ndarray,
+          out: np.ndarray, lo: int, hi: int, up: np.ndarray | None = None) -> None:
+    fn, _, wtype = route
+    if fn == "matmul_q8":
+        kernels.matmul_q8(x, data, out, lo, hi, wtype=wtype, up=up)
+    else:
+        getattr(kernels, fn)(x, data, wtype, out, lo, hi, up=up)
+
+
 def matmul(kernels: Any, x: np.ndarray, weight: WeightTensor, out: np.ndarray, lo: int,
            hi: int, precision: str = DEFAULT_PRECISION) -> None:
     """out[:, lo:hi] := x @ dequant(weight)[lo:hi]^T   (x float32 [T, K], out float32 [T, N]),
     in ``precision`` ("f32" | "bf16" | "q8"; q8 on an F32/F16/BF16 weight runs its ``int8``
     copy if it carries one, else bf16)."""
-    if precision == "f32":
-        kernels.matmul(x, weight.data, weight.type_name, out, lo, hi)
-    elif precision == "q8" and weight.type_name in Q8_WEIGHT_TYPES:
-        kernels.matmul_q8(x, weight.data, out, lo, hi, wtype=weight.type_name)
-    elif precision == "q8" and weight.int8 is not None:
-        kernels.matmul_q8(x, weight.int8.data, out, lo, hi, wtype="Q8_0")
-    elif precision in ("bf16", "q8"):
-        kernels.matmul_bf16(x, weight.data, weight.type_name, out, lo, hi)
-    else:
-        check_precision(precision)
+    route = _route(weight, precision)
+    _call(kernels, route, x, route[1], out, lo, hi)
+
+
+#: Columns a gated matmul whose two weights run different kernels computes at a time.
+_GLU_CHUNK = 512
+
+
+def matmul_glu(kernels: Any, x: np.ndarray, gate: WeightTensor, up: WeightTensor,
+               out: np.ndarray, lo: int, hi: int, precision: str = DEFAULT_PRECISION) -> None:
+    """out[:, lo:hi] := silu(x @ gate[lo:hi]^T) * (x @ up[lo:hi]^T): a SwiGLU feed-forward's
+    first projection, the bits of :func:`matmul` of each weight and then ``kernels.swiglu``.
+
+    Where both weights run the same kernel on the same type (the usual file), one gated
+    kernel call (``up=``: one packed ``x`` for both, the gate applied while each block of
+    outputs is in cache, no up output in memory). Otherwise the band is done in chunks of
+    :data:`_GLU_CHUNK` columns through two scratch arrays (same bits)."""
+    rg, ru = _route(gate, precision), _route(up, precision)
+    dg, du = rg[1], ru[1]
+    if rg[0] == ru[0] and rg[2] == ru[2] and dg.shape == du.shape and dg.dtype == du.dtype:
+        _call(kernels, rg, x, dg, out, lo, hi, up=du)
+        return
+    for c0 in range(lo, hi, _GLU_CHUNK):
+        c1 = min(hi, c0 + _GLU_CHUNK)
+        gc = np.empty((x.shape[0], c1 - c0), dtype=np.float32)
+        uc = np.empty_like(gc)
+        _call(kernels, rg, x, dg[c0:c1], gc, 0, c1 - c0)
+        _call(kernels, ru, x, du[c0:c1], uc, 0, c1 - c0)
+        kernels.swiglu(gc, uc, gc)
+        out[:, c0:c1] = gc
 
 
 def adaln_linear(kernels: Any, t_emb: np.ndarray, weight: WeightTensor, bias: np.ndarray,

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nxhpc.nn.linear import matmul
+from nxhpc.nn.linear import matmul, matmul_glu
 
-__all__ = ["block_extents", "Project", "SwiGLU"]
+__all__ = ["block_extents", "Project", "ProjectGLU"]
 
 
 def block_extents(ffn: Callable[[Any], int]) -> dict[str, tuple[str, Callable[[Any, int], int]]]:
@@ -32,7 +32,6 @@ def block_extents(ffn: Callable[[Any], int]) -> dict[str, tuple[str, Callable[[A
         "query_heads": ("query heads", lambda cfg, T: cfg.n_heads),
         "dim_cols": ("dim columns", lambda cfg, T: cfg.dim),
         "ffn_cols": ("ffn columns", lambda cfg, T: ffn(cfg)),
-        "ffn_elems": ("ffn elements", lambda cfg, T: T * ffn(cfg)),
     }
 
 
@@ -50,11 +49,15 @@ class Project:
 
 
 @dataclass(frozen=True)
-class SwiGLU:
-    """task(c, lo, hi): ``gate := silu(gate) * up`` on the flat elements ``[lo, hi)``."""
-    gate: str                            # scratch buffer [T, F], overwritten
-    up: str                              # scratch buffer [T, F]
+class ProjectGLU:
+    """task(c, lo, hi): ``c.buf[out][:, lo:hi] = silu(c.buf[src] @ c.w.<gate>[lo:hi]^T) *
+    (c.buf[src] @ c.w.<up>[lo:hi]^T)`` at ``c.precision`` (:func:`nxhpc.nn.linear.matmul_glu`:
+    the bits of the two projections and the ``swiglu`` kernel after them, in one pass)."""
+    src: str                             # scratch buffer read: [T, K]
+    gate: str                            # weight field of c.w: the gate projection
+    up: str                              # weight field of c.w: the up projection
+    out: str                             # scratch buffer written [T, F]
 
     def __call__(self, c: Any, lo: int, hi: int) -> None:
-        g = c.buf[self.gate]
-        c.kernels.swiglu(g, c.buf[self.up], g, i0=lo, i1=hi)
+        matmul_glu(c.kernels, c.buf[self.src], getattr(c.w, self.gate), getattr(c.w, self.up),
+                   c.buf[self.out], lo, hi, c.precision)

@@ -36,8 +36,7 @@ sync)::
     out_proj     dim columns        us_attn         y = attn @ Wo^T
     attn_res     token rows         us_attn         mid = x + y
     ffn_norm     token rows         us_ffn          h = rmsnorm(mid, ffn_norm)
-    w13          ffn columns        us_ffn          g = h @ Wgate^T; u = h @ Wup^T
-    swiglu       ffn elements       us_ffn          g = silu(g) * u
+    w13          ffn columns        us_ffn          g = silu(h @ Wgate^T) * (h @ Wup^T)
     w2           dim columns        us_ffn          y = g @ Wdown^T
     ffn_res      token rows         us_ffn          x = mid + y
 
@@ -50,7 +49,7 @@ those columns into the joint row the q/k-norm and attention kernels read (the fi
 ``resid + y``, :mod:`nxhpc.nn.residual`).
 
 Memory: weights stay in the map in their stored type (workers share the pages); scratch per
-token ``3*D + 2*(H + 2*KVH)*hd + (H + KVH)*hd + H*hd + 2*F`` floats (Qwen3-4B: 195 KB, 100 MB
+token ``3*D + 2*(H + 2*KVH)*hd + (H + KVH)*hd + H*hd + F`` floats (Qwen3-4B: 156 KB, 80 MB
 at 512 tokens), plus x, pe and ids.
 """
 from __future__ import annotations
@@ -75,7 +74,7 @@ from nxhpc.nn.engine import Engine, EngineSession, IOSpec, Plan, Stage
 from nxhpc.nn.linear import (DEFAULT_PRECISION, DEFAULT_Q8_FLOAT_WEIGHTS, Q8Blocks,
                              attention_precision, check_precision, check_q8_float_weights, matmul)
 from nxhpc.nn.residual import UnitGateState, residual_add
-from nxhpc.nn.stages import Project, SwiGLU, block_extents
+from nxhpc.nn.stages import Project, ProjectGLU, block_extents
 from nxhpc.qwen3.config import LAYER_TENSORS, Qwen3Config, infer_config, layer_names
 from nxhpc.runtime.checks import check_workers
 from nxhpc.runtime.memory import memory_report
@@ -249,9 +248,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("out_proj", "dim_cols", "us_attn", Project("attn", (("wo", "y"),)), "y = attn @ Wo^T"),
     Stage("attn_res", "rows", "us_attn", _attn_res, "mid = x + y"),
     Stage("ffn_norm", "rows", "us_ffn", _ffn_norm, "h = rmsnorm(mid, ffn_norm)"),
-    Stage("w13", "ffn_cols", "us_ffn", Project("h", (("w_gate", "g"), ("w_up", "u"))),
-          "g = h @ Wgate^T; u = h @ Wup^T"),
-    Stage("swiglu", "ffn_elems", "us_ffn", SwiGLU("g", "u"), "g = silu(g) * u"),
+    Stage("w13", "ffn_cols", "us_ffn", ProjectGLU("h", "w_gate", "w_up", "g"),
+          "g = silu(h @ Wgate^T) * (h @ Wup^T)"),
     Stage("w2", "dim_cols", "us_ffn", Project("g", (("w_down", "y"),)), "y = g @ Wdown^T"),
     Stage("ffn_res", "rows", "us_ffn", _ffn_res, "x = mid + y"),
 )
@@ -286,7 +284,7 @@ class LayerPlan(UnitGateState, Plan):
         return {"h": (T, D), "q_lin": (T, c.q_width), "k_lin": (T, c.kv_width),
                 "v_lin": (T, c.kv_width), "qkv": (T, c.qkv_width), "q": (H, T, hd),
                 "k": (KVH, T, hd), "attn": (T, c.q_width), "y": (T, D), "mid": (T, D),
-                "g": (T, F), "u": (T, F)}
+                "g": (T, F)}
 
     def io(self, T: int) -> dict[str, IOSpec]:
         return {"x": IOSpec((T, self.config.dim)),
