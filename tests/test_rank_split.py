@@ -45,7 +45,7 @@ def test_gathered_regions_tile_their_buffers(cfg, R):
                 hit[a:b] += 1
             assert (hit == 1).all(), (s.name, g.name, R)         # each index by one rank
             seen += 1
-    assert seen == 6                  # qkv, attn, atto, f1, f3, f2
+    assert seen == 5                  # qkv, attn, atto, f1 (after the gated w13), f2
 
 
 def test_gather_bounds_clip_and_scale():
