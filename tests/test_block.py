@@ -219,6 +219,34 @@ def test_hung_worker_stage_timeout(models_root, monkeypatch):
     assert live_segments(PID) == [] and mapped_arenas() == []
 
 
+def test_forward_into_out(models_root):
+    """``out=``: the output lands in the caller's array (the same bits as a fresh one), also
+    when it is x itself; a bad out is refused before anything runs and nothing is written."""
+    model = _open("tiny", models_root)
+    x, pe, t = model.blk_in(0), model.pe(), model.t_emb()
+    with model.block(0) as blk:
+        want, _ = blk.forward(x, t, pe, workers=2)
+        buf = np.full_like(want, np.nan)
+        got = blk.forward(x, t, pe, workers=2, out=buf)
+        assert got.output is buf and np.array_equal(buf.view(np.uint32), want.view(np.uint32))
+        xc = x.astype(np.float32).copy()
+        blk.forward(xc, t, pe, workers=2, out=xc)                 # in place
+        assert np.array_equal(xc.view(np.uint32), want.view(np.uint32))
+        keep = np.full_like(want, 7.0)
+        for bad, err, msg in ((keep.astype(np.float64), TypeError, "out must be float32"),
+                              (keep[:-1], ValueError, r"out must have x's shape"),
+                              (np.asfortranarray(keep), ValueError, "C-contiguous"),
+                              (keep.tolist(), TypeError, "numpy.ndarray")):
+            with pytest.raises(err, match=msg):
+                blk.forward(x, t, pe, workers=2, out=bad)
+        ro = keep.copy()
+        ro.flags.writeable = False
+        with pytest.raises(ValueError, match="writeable"):
+            blk.forward(x, t, pe, workers=2, out=ro)
+        assert (ro == 7.0).all() and (keep == 7.0).all()
+    assert live_segments(PID) == []
+
+
 # ------------------------------------------------------------------ bad inputs
 def test_bad_inputs_clear_errors(models_root):
     model = _open("tiny", models_root)

@@ -32,7 +32,8 @@ __all__ = ["Block", "BlockOutput", "BlockRunner", "run_layers", "adaln", "TIMING
 
 
 class BlockOutput(NamedTuple):
-    """``output``: float32 [T, D] (a fresh array); ``timings``: microseconds per stage."""
+    """``output``: float32 [T, D] (a fresh array, or the caller's ``out=``); ``timings``:
+    microseconds per stage."""
     output: np.ndarray
     timings: dict
 
@@ -84,6 +85,22 @@ def validate_inputs(cfg, x, pe, mask=None, t_emb=None, adaln_m=None):
                                  f"got dtype={m.dtype} with other values")
         mask = np.ascontiguousarray(m != 0, dtype=np.uint8)
     return x, pe, mask, t_emb, adaln_m
+
+
+def _check_out(out: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+    """``Block.forward``'s ``out=``: None, or a writeable C-contiguous float32 array of x's
+    ``shape``; TypeError / ValueError before anything runs."""
+    if out is None:
+        return None
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
+    if out.dtype != np.float32:
+        raise TypeError(f"out must be float32, got dtype={out.dtype}")
+    if out.shape != shape:
+        raise ValueError(f"out must have x's shape {shape}, got {out.shape}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError("out must be C-contiguous and writeable")
+    return out
 
 
 def _check_spawn(spawn) -> str:
@@ -311,7 +328,8 @@ class Block:
                 adaln_m: np.ndarray | None = None, workers: int | None = None,
                 spawn: str | None = None, eps: float | None = None,
                 stage_timeout: float | None = None,
-                precision: str = DEFAULT_PRECISION) -> BlockOutput:
+                precision: str = DEFAULT_PRECISION,
+                out: np.ndarray | None = None) -> BlockOutput:
         """Run the block on ``x`` [T, dim]; returns ``BlockOutput(output, timings)``.
 
         ``t_emb`` [adaln_in] (or ``adaln_m`` [4*dim] precomputed), ``pe`` [T, hd/2, 2, 2] RoPE
@@ -329,6 +347,7 @@ class Block:
         if pe is None:
             raise ValueError(f"pe (RoPE table [T, {cfg.head_dim // 2}, 2, 2]) is required")
         x, pe, mask, t_emb, adaln_m = validate_inputs(cfg, x, pe, mask, t_emb, adaln_m)
+        out = _check_out(out, x.shape)
         n = check_workers(workers)
         eps = _check_eps(eps, cfg)
         spawn = _check_spawn(spawn)
@@ -347,7 +366,10 @@ class Block:
                         self._runner, self._runner_key = runner, key
                 runner.set_inputs(x, pe, mask)
                 t = runner.run(self.index, m, eps, precision)
-                out = runner.output.copy()
+                if out is None:
+                    out = runner.output.copy()
+                else:
+                    np.copyto(out, runner.output)
             except BaseException:
                 if runner is not None and runner is self._runner:
                     self._release()
