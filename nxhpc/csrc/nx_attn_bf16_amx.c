@@ -120,7 +120,6 @@ static void nx_ax_micro(const uint32_t *qt, int64_t nc, const uint16_t *kt, int6
                         const uint16_t *vt, int64_t hdp, const __mmask16 *lanes, __mmask16 act,
                         float scale, float *m, float *l, float *OT) {
     _Alignas(64) float S[NX_AX_BC][16];  /* S^T, then the scores x */
-    _Alignas(64) float F[NX_AX_BC][16];  /* the rounded p as floats */
     _Alignas(64) uint32_t pt[2][16][16]; /* P^T, the B tiles of the two halves */
     /* S^T = K Q^T: 4 result tiles of 16 keys, per chunk one B tile (Q^T) and 4 A tiles (K) */
     _tile_zero(0);
@@ -158,40 +157,50 @@ static void nx_ax_micro(const uint32_t *qt, int64_t nc, const uint16_t *kt, int6
     const __m512 m_use = _mm512_mask_mov_ps(
         m_new, _mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ), _mm512_setzero_ps());
     _mm512_store_ps(m, _mm512_mask_mov_ps(m_old, act, m_new));
-    /* p_j = bf(E(x_j - m_use)), two keys a step: their bf16 pair is P^T's dword */
+    /* alpha = E(m_old - m_use) (1 for the rows that keep their state); O = O * alpha, every row
+     * d, when some row's alpha is not 1 (x * 1 = x exactly under this code's MXCSR: round to
+     * nearest, no DAZ/FTZ; the rows that keep their state have alpha 1). Done before the
+     * exponentials: the tile loads of O^T below then find these vector stores long retired (a
+     * tile load of lines still in the store buffer waits ~80 cycles for them, AMX Xeon). */
+    const __m512 alpha = nx_exp16(_mm512_maskz_sub_ps(act, m_old, m_use));
+    if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
+        for (int64_t d = 0; d < hdp; d++)
+            _mm512_store_ps(OT + d * 16, _mm512_mul_ps(_mm512_load_ps(OT + d * 16), alpha));
+    /* p_j = bf(E(x_j - m_use)), two keys a step: their bf16 pair is P^T's dword. The keys run
+     * as pairs (2p, 2p + 1) of the four 16-key groups in turn, so that the contract's sum tree
+     * a_i = ((f_i + f_16+i) + f_32+i) + f_48+i (f the rounded p) is summed in registers, in
+     * that order, as its four terms come. */
     const __m512i il = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003,
                                          0x00140004, 0x00150005, 0x00160006, 0x00170007,
                                          0x00180008, 0x00190009, 0x001a000a, 0x001b000b,
                                          0x001c000c, 0x001d000d, 0x001e000e, 0x001f000f);
     const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000u);
-    for (int i = 0; i < NX_AX_BC / 2; i++) {
-        const __m512 e0 = nx_exp16(_mm512_sub_ps(_mm512_load_ps(S[2 * i]), m_use));
-        const __m512 e1 = nx_exp16(_mm512_sub_ps(_mm512_load_ps(S[2 * i + 1]), m_use));
-        /* words: bf(e0) of rows 0-15, then bf(e1); interleaved: dword r = {bf(e0_r), bf(e1_r)} */
-        const __m512i pr = _mm512_permutexvar_epi16(il, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-        _mm512_store_si512((void *)pt[i / 16][i % 16], pr);
-        _mm512_store_ps(F[2 * i], _mm512_castsi512_ps(_mm512_slli_epi32(pr, 16)));
-        _mm512_store_ps(F[2 * i + 1], _mm512_castsi512_ps(_mm512_and_si512(pr, hi16)));
-    }
-    /* the contract's sum tree: a_i = ((f_i + f_16+i) + f_32+i) + f_48+i, then lanes i + 8, + 4,
-     * + 2, + 1 of the 16 (here: vectors) */
     __m512 a[16];
-    for (int i = 0; i < 16; i++)
-        a[i] = _mm512_add_ps(
-            _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(F[i]), _mm512_load_ps(F[16 + i])),
-                          _mm512_load_ps(F[32 + i])),
-            _mm512_load_ps(F[48 + i]));
+    for (int p = 0; p < 8; p++)
+        for (int g = 0; g < 4; g++) {
+            const int i = 8 * g + p; /* keys 2i = 16g + 2p and 2i + 1 */
+            const __m512 e0 = nx_exp16(_mm512_sub_ps(_mm512_load_ps(S[2 * i]), m_use));
+            const __m512 e1 = nx_exp16(_mm512_sub_ps(_mm512_load_ps(S[2 * i + 1]), m_use));
+            /* words: bf(e0) of rows 0-15, then bf(e1); interleaved: dword r = {bf(e0_r),
+             * bf(e1_r)} */
+            const __m512i pr = _mm512_permutexvar_epi16(il, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            _mm512_store_si512((void *)pt[i / 16][i % 16], pr);
+            const __m512 f0 = _mm512_castsi512_ps(_mm512_slli_epi32(pr, 16));
+            const __m512 f1 = _mm512_castsi512_ps(_mm512_and_si512(pr, hi16));
+            if (g == 0) {
+                a[2 * p] = f0;
+                a[2 * p + 1] = f1;
+            } else {
+                a[2 * p] = _mm512_add_ps(a[2 * p], f0);
+                a[2 * p + 1] = _mm512_add_ps(a[2 * p + 1], f1);
+            }
+        }
+    /* the tree's lanes i + 8, + 4, + 2, + 1 of the 16 (here: vectors) */
     for (int w = 8; w >= 1; w /= 2)
         for (int i = 0; i < w; i++) a[i] = _mm512_add_ps(a[i], a[i + w]);
-    /* alpha = E(m_old - m_use) (1 for the rows that keep their state); l = l * alpha + sum */
-    const __m512 alpha = nx_exp16(_mm512_maskz_sub_ps(act, m_old, m_use));
+    /* l = l * alpha + sum */
     const __m512 lv = _mm512_load_ps(l);
     _mm512_store_ps(l, _mm512_mask_mov_ps(lv, act, _mm512_add_ps(_mm512_mul_ps(lv, alpha), a[0])));
-    /* O = O * alpha, every row d, when some row's alpha is not 1 (x * 1 = x exactly under this
-     * code's MXCSR: round to nearest, no DAZ/FTZ; the rows that keep their state have alpha 1) */
-    if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
-        for (int64_t d = 0; d < hdp; d++)
-            _mm512_store_ps(OT + d * 16, _mm512_mul_ps(_mm512_load_ps(OT + d * 16), alpha));
     /* O^T += V^T P^T: per 16 rows d one result tile, the two key halves in order. The rows that
      * do not run the tile keep their O exactly (tdpbf16ps would add 0 * v to it under DAZ/FTZ):
      * their lanes are put back after. */
