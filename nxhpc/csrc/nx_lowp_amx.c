@@ -719,20 +719,34 @@ static void nx_amxbf_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *
     /* the next call's tiles in the driver's order: 8 of their 64 lines a group (an address, not
      * a pointer into Cp: past its end the hint is dropped) */
     const uintptr_t next = (uintptr_t)Cp + 4096;
-    for (size_t g = 0; g < ng; g++) {
-        const uint8_t *a = A + g * NX_AMXBF_AG, *b = B + g * NX_AMXBF_BG;
-        if (Cp && !last && g < 8)
-            for (int i = 0; i < 8; i++)
-                _mm_prefetch((const char *)(next + (g * 8 + i) * 64), _MM_HINT_T0);
-        _tile_stream_loadd(4, b, 64); /* used once per call: keep the x panel in L1 */
-        _tile_stream_loadd(5, b + 16 * 64, 64);
-        _tile_loadd(6, a, NX_AMXBF_MR * 4);
-        _tile_loadd(7, a + 64, NX_AMXBF_MR * 4);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-    }
+    if (mr <= 16) /* a micro-panel of at most 16 tokens (a tail): tiles 1 and 3 would hold only
+                   * padding rows, never stored, so their loads and dots are skipped */
+        for (size_t g = 0; g < ng; g++) {
+            const uint8_t *a = A + g * NX_AMXBF_AG, *b = B + g * NX_AMXBF_BG;
+            if (Cp && !last && g < 8)
+                for (int i = 0; i < 8; i++)
+                    _mm_prefetch((const char *)(next + (g * 8 + i) * 64), _MM_HINT_T0);
+            _tile_stream_loadd(4, b, 64);
+            _tile_stream_loadd(5, b + 16 * 64, 64);
+            _tile_loadd(6, a, NX_AMXBF_MR * 4);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+        }
+    else
+        for (size_t g = 0; g < ng; g++) {
+            const uint8_t *a = A + g * NX_AMXBF_AG, *b = B + g * NX_AMXBF_BG;
+            if (Cp && !last && g < 8)
+                for (int i = 0; i < 8; i++)
+                    _mm_prefetch((const char *)(next + (g * 8 + i) * 64), _MM_HINT_T0);
+            _tile_stream_loadd(4, b, 64); /* used once per call: keep the x panel in L1 */
+            _tile_stream_loadd(5, b + 16 * 64, 64);
+            _tile_loadd(6, a, NX_AMXBF_MR * 4);
+            _tile_loadd(7, a + 64, NX_AMXBF_MR * 4);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
     if (!last) {
         _tile_stored(0, Cp, 64);
         _tile_stored(1, Cp + 256, 64);
