@@ -17,9 +17,10 @@ from nxhpc import _kernels as K
 from nxhpc.formats.weights import WeightTensor
 from nxhpc.nn import linear
 
-# (T, K, N, n0, n1): one token; K over several k-blocks of every driver (AMX bf16 KC 512) and
-# N over a column block (NC 512) and the split path's chunk (512), with a band inside it
-SHAPES = [(1, 256, 37, 0, 37), (33, 1280, 700, 5, 690), (70, 512, 96, 40, 96)]
+# (T, K, N, n0, n1): one token; K over several k-blocks of every driver (AMX bf16 KC 512, f32
+# 512 / 1024) and N over their column blocks (128 .. 512) and the split path's chunk (512),
+# with a band inside it; T over the f32 drivers' token block (264)
+SHAPES = [(1, 256, 37, 0, 37), (33, 1280, 700, 5, 690), (300, 512, 96, 40, 96)]
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 PRECISIONS = {"f32": K.matmul, "bf16": K.matmul_bf16, "q8": K.matmul_q8}
 

@@ -72,7 +72,9 @@ int nx_matmul_glu(nx_isa isa, uint32_t type, const float *x, const uint8_t *w, c
         wt, nx_wtype_dequant(isa, type),         type, x, w, NULL, out, T, K, N, n0,
         n1, K / wt->blck_elems * wt->blck_bytes, flags};
     c.w_up = w_up, c.glu = nx_ops_get(isa)->swiglu;
-    return nx_mm_glu_split(&c, nx_mm_get(isa)->matmul);
+    if (T == 0 || n0 >= n1) return 0;
+    const nx_mm_table *t = nx_mm_get(isa); /* the spec runs plain calls only */
+    return t->matmul == nx_matmul_generic ? nx_mm_glu_split(&c, t->matmul) : t->matmul(&c);
 }
 
 /* ------------------------------------------------------------------ the spec */
@@ -119,21 +121,53 @@ static void nx_mm_pack_a(const float *x /* IN */, size_t K, size_t t0, size_t mc
 
 static inline size_t nx_min(size_t a, size_t b) { return a < b ? a : b; }
 
+/* One mc x nc block of call c (tokens from the packed block Ap, columns [jc, jc + nc)) into o
+ * (the block's first output; row r at o + r * ldo), then the bias. */
+static void nx_mm_block(const nx_mm_tiling *tl, nx_mm_pack_fn pack, const nx_mm_call *c,
+                        const float *Ap, float *Bp, size_t mc, size_t jc, size_t nc, float *o,
+                        size_t ldo) {
+    const size_t K = c->K, MR = tl->mr, NR = tl->nr, KC = tl->kc, E = c->wt->blck_elems;
+    for (size_t pc = 0; pc < K; pc += KC) {
+        const size_t kc = nx_min(K - pc, KC); /* a multiple of E: K and KC are */
+        pack(c, jc, nc, pc / E, kc / E, Bp);
+        for (size_t ir = 0; ir < mc; ir += MR) {
+            const int mr = (int)nx_min(mc - ir, MR);
+            const float *A = Ap + (ir / MR) * K * MR + pc * MR;
+            for (size_t jr = 0; jr < nc; jr += NR) {
+                const int nr = (int)nx_min(nc - jr, NR);
+                const float *B = Bp + (jr / NR) * kc * NR;
+                for (size_t s0 = 0; s0 < kc; s0 += NX_MM_CHAIN)
+                    tl->kern(mr, nr, nx_min(kc - s0, NX_MM_CHAIN), A + s0 * MR, B + s0 * NR,
+                             o + ir * ldo + jr, ldo, pc + s0 == 0);
+            }
+        }
+    }
+    if (c->bias) /* after the two-level sum: one float32 add, as the spec */
+        for (size_t t = 0; t < mc; t++)
+            for (size_t n = 0; n < nc; n++) o[t * ldo + n] = o[t * ldo + n] + c->bias[jc + n];
+}
+
 int nx_matmul_blocked(const nx_mm_tiling *tl, const nx_mm_call *c) {
     const size_t T = c->T, K = c->K, N = c->N, n0 = c->n0, n1 = c->n1;
-    const float *x = c->x, *bias = c->bias;
+    const float *x = c->x;
     float *out = c->out;
     if (nx_mm_trivial(c)) return 0;
     const size_t MR = tl->mr, NR = tl->nr, KC = tl->kc, NC = tl->nc, MC = tl->mc;
-    const size_t E = c->wt->blck_elems;
     nx_mm_pack_fn pack = (c->flags & NX_MM_DEQUANT_PACK) ? NULL : tl->pack_fused[c->type];
     if (!pack) pack = tl->pack_rows;
     const size_t mc_max = T < MC ? (T + MR - 1) / MR * MR : MC;
     const size_t nc_max = n1 - n0 < NC ? (n1 - n0 + NR - 1) / NR * NR : NC;
     const size_t kc_max = nx_min(K, KC);
+    /* the gated call (nx_mm_call's w_up): per block the up projection into U, then the gate into
+     * out, then glu over the block's rows, with one packed x */
+    const int gated = c->w_up != NULL;
+    nx_mm_call cu = *c;
+    cu.w = c->w_up;
     float *Ap = (float *)aligned_alloc(64, (mc_max * K * sizeof(float) + 63) / 64 * 64);
     float *Bp = (float *)aligned_alloc(64, (nc_max * kc_max * sizeof(float) + 63) / 64 * 64);
-    if (!Ap || !Bp) {
+    float *U = gated ? (float *)malloc(mc_max * nc_max * sizeof(float)) : NULL;
+    if (!Ap || !Bp || (gated && !U)) {
+        free(U);
         free(Ap);
         free(Bp);
         return -1;
@@ -143,26 +177,15 @@ int nx_matmul_blocked(const nx_mm_tiling *tl, const nx_mm_call *c) {
         nx_mm_pack_a(x, K, ic, mc, MR, Ap);
         for (size_t jc = n0; jc < n1; jc += NC) {
             const size_t nc = nx_min(n1 - jc, NC);
-            for (size_t pc = 0; pc < K; pc += KC) {
-                const size_t kc = nx_min(K - pc, KC); /* a multiple of E: K and KC are */
-                pack(c, jc, nc, pc / E, kc / E, Bp);
-                for (size_t ir = 0; ir < mc; ir += MR) {
-                    const int mr = (int)nx_min(mc - ir, MR);
-                    const float *A = Ap + (ir / MR) * K * MR + pc * MR;
-                    for (size_t jr = 0; jr < nc; jr += NR) {
-                        const int nr = (int)nx_min(nc - jr, NR);
-                        const float *B = Bp + (jr / NR) * kc * NR;
-                        for (size_t s0 = 0; s0 < kc; s0 += NX_MM_CHAIN)
-                            tl->kern(mr, nr, nx_min(kc - s0, NX_MM_CHAIN), A + s0 * MR, B + s0 * NR,
-                                     out + (ic + ir) * N + jc + jr, N, pc + s0 == 0);
-                    }
-                }
-            }
-            if (bias) /* after the two-level sum: one float32 add, as the spec */
-                for (size_t t = ic; t < ic + mc; t++)
-                    for (size_t n = jc; n < jc + nc; n++) out[t * N + n] = out[t * N + n] + bias[n];
+            float *o = out + ic * N + jc;
+            if (gated) nx_mm_block(tl, pack, &cu, Ap, Bp, mc, jc, nc, U, nc);
+            nx_mm_block(tl, pack, c, Ap, Bp, mc, jc, nc, o, N);
+            if (gated)
+                for (size_t t = 0; t < mc; t++)
+                    c->glu(o + t * N, U + t * nc, o + t * N, 0, (int64_t)nc);
         }
     }
+    free(U);
     free(Ap);
     free(Bp);
     return 0;

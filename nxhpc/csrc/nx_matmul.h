@@ -65,7 +65,8 @@ typedef struct {
     nx_glu_fn glu;
 } nx_mm_call;
 
-/* The gated call c (c->w_up, c->glu set) on a driver `mm` that runs plain calls only: per
+/* The gated call c (c->w_up, c->glu set) on a driver `mm` that runs plain calls only (the
+ * generic specs; the blocked drivers nx_matmul_blocked / nx_lowp_blocked run it themselves): per
  * chunk of at most NX_MM_GLU_CHUNK columns of [n0, n1), the gate into out and the up into a
  * T x chunk scratch (its rows of w_up as a call of their own: the bits of any band), then glu
  * row by row. Returns mm's code, or -1 when the scratch could not be allocated. */
