@@ -41,6 +41,7 @@ SIMD_BF16_SPEC = BF16_SPEC_VARIANTS[1:]
 AMX_BF16 = [i for i in BF16_VARIANTS if i == "amx"]
 SIMD_Q8 = Q8_VARIANTS[1:]
 U32 = np.uint32
+U16 = np.uint16
 EPS32 = 2.0 ** -24
 EPS64 = 2.0 ** -53
 UBF = 2.0 ** -8              # unit roundoff of bfloat16 (8-bit significand, round to nearest)
@@ -656,6 +657,54 @@ def test_bf16_fused_weight_decoders_equal_dequantize(wtype):
         got2 = run_bf16(x, w2, wtype, SIMD_BF16[-1])
         assert not same_bits_or_both_nan(got2[:, 3], got[:, 3])
         assert same_bits_or_both_nan(np.delete(got2, 3, 1), np.delete(got, 3, 1))
+
+
+def float_weight_bits(rng, wtype, N, Kd):
+    """Raw F32 / F16 / BF16 rows [N, K*size] of normal values, a fifth of them subnormal (random
+    sign and mantissa), and in the first columns one each of +-inf, a signalling and a quiet
+    NaN (columns >= 5 finite)."""
+    if wtype == "F32":
+        v = rng.standard_normal((N, Kd)).astype(np.float32)
+        sub = rng.random((N, Kd)) < 0.2
+        v[sub] = rng.uniform(-1, 1, sub.sum()) * 2.0 ** -130
+        specials = [np.inf, -np.inf, np.float32(np.nan), -np.float32(np.nan), np.nan]
+        for i, sp in enumerate(specials):
+            v[min(i, N - 1), i % Kd] = sp
+        return v.view(np.uint8).reshape(N, 4 * Kd)
+    if wtype == "BF16":
+        u = (rng.standard_normal((N, Kd)).astype(np.float32).view(np.uint32) >> 16).astype(U16)
+        mant, specials = 128, [0x7F80, 0xFF80, 0x7F81, 0xFFC1, 0x7FFF]
+    else:
+        u = rng.standard_normal((N, Kd)).astype(np.float16).view(U16)
+        mant, specials = 1024, [0x7C00, 0xFC00, 0x7C01, 0xFE01, 0x7FFF]
+    sub = rng.random((N, Kd)) < 0.2
+    u[sub] = (rng.integers(1, mant, sub.sum()) | rng.integers(0, 2, sub.sum()) << 15).astype(U16)
+    for i, sp in enumerate(specials):
+        u[min(i, N - 1), i % Kd] = sp
+    return u.view(np.uint8).reshape(N, 2 * Kd)
+
+
+@pytest.mark.parametrize("wtype", ["F32", "F16", "BF16"])
+def test_bf16_float_panels_equal_dequantize(wtype):
+    """F32 / F16 / BF16 weights packed straight from their rows (AMX: 32 values a group, BF16
+    words kept with bf()'s subnormal flush and NaN quieting applied) give the bits of the path
+    through the type's dequantize, with subnormals, infinities and NaNs, K not a multiple of
+    32, across k-blocks, and column tails; the columns without specials are finite. Negative
+    control: one changed value in column 6 changes that column's outputs only."""
+    rng = np.random.default_rng(sum(map(ord, wtype)) + 1)
+    for T, Kd, N in [(40, 31, 6), (5, 300, 37), (33, 1280, 70), (7, 512, 33)]:
+        x = rand_x(rng, T, Kd)
+        w = float_weight_bits(rng, wtype, N, Kd)
+        for isa in SIMD_BF16:
+            got = run_bf16(x, w, wtype, isa)
+            assert same_bits_or_both_nan(got, run_bf16_dequant_pack(x, w, wtype, isa)), (isa, T)
+            assert np.isfinite(got[:, 5:]).all() and not np.isfinite(got[:, :3]).all()
+    if SIMD_BF16:
+        w2 = w.copy()
+        w2[6, :8] ^= 0x40                       # one value's exponent or mantissa bits
+        got2 = run_bf16(x, w2, wtype, SIMD_BF16[-1])
+        assert not same_bits_or_both_nan(got2[:, 6], got[:, 6])
+        assert same_bits_or_both_nan(np.delete(got2, 6, 1), np.delete(got, 6, 1))
 
 
 # ----------------------------------------------------------------------------- q8: variants

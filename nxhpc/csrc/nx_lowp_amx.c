@@ -30,6 +30,7 @@
 #include "nx_lowp_bf16_pack.h"
 #include "nx_q8_0.h"
 #include "nx_q8x_avx512.h"
+#include "nx_vmath_avx512.h" /* nx_mask16 */
 
 /* The block: 16 tokens x 16 columns. A "unit" is one tdpbssd: for the H = 1 types (one part per
  * 32-group: Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K) one whole 32-k group (16 x 16 x 32), for
@@ -636,14 +637,31 @@ static inline void nx_amxbf_dec_q3_K(const uint8_t *p, uint8_t *dst, size_t gs) 
 }
 
 /* Columns [j0, j0+ncols) x k in [k0, k0+kc): each column's exact float32 values rounded by bf()
- * once, its pairs stored as decoded: by the type's fused decoder (dec) where it has one, else by
- * the call's dequantize into scratch (one decoded row of NX_AMXBF_KC floats); columns past ncols
- * and k past kc zero. Each column prefetches every cache line of the k-range of the column
+ * once, its pairs stored as decoded: by the type's fused decoder (dec) where it has one; F32,
+ * F16 and BF16 straight from the row, 32 values a group (BF16 words with bf()'s fixes applied:
+ * no float32 round trip); under the NX_MM_DEQUANT_PACK hook, by the call's dequantize into
+ * scratch (one decoded row of NX_AMXBF_KC floats). Columns past ncols and k past kc zero. The
+ * direct float path, AMX Xeon, BF16 K=3840 N=5120, one thread, shared-memory output: T=8
+ * 3.68-3.99 -> 3.27-3.57 ms (the weights' memory stream bounds it), T=1024 43.1-46.8 ->
+ * 42.5-43.5 ms. Each column prefetches every cache line of the k-range of the column
  * NX_AMXBF_PFD further on (as nx_bf16_pack_b, one column at a time instead of 16 at once: the
  * same speed, Q6_K a little faster). Until 2026-12-05 it prefetched from the range's first byte
  * in 64-byte steps, which misses the last line of a range that does not start on a line: with
  * the fused decoders, AMX Xeon, Q6_K T=256 968-973 -> 991-992 GOP/s. Distances 8 / 32 / 64 / 128:
  * within noise / 1-3% / 3-7% / 6-9% slower. */
+/* bf() of 32 bfloat16 values as words (what widening them to float32 and VCVTNE2PS2BF16 give):
+ * a subnormal becomes the zero of its sign, a NaN is quieted (bit 6: float32's bit 22), every
+ * other value is itself. (Neither shows in a product: tdpbf16ps treats subnormal inputs as
+ * zero, and a NaN's payload is not part of the contract.) */
+static inline __m512i nx_amxbf_bf16_words(__m512i v) {
+    const __m512i e = _mm512_and_si512(v, _mm512_set1_epi16(0x7f80));
+    const __mmask32 sub = _mm512_cmpeq_epi16_mask(e, _mm512_setzero_si512());
+    const __mmask32 nan = _mm512_cmpeq_epi16_mask(e, _mm512_set1_epi16(0x7f80)) &
+                          _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x007f));
+    v = _mm512_mask_mov_epi16(v, sub, _mm512_and_si512(v, _mm512_set1_epi16((short)0x8000)));
+    return _mm512_mask_mov_epi16(v, nan, _mm512_or_si512(v, _mm512_set1_epi16(0x0040)));
+}
+
 NX_INLINE void nx_amxbf_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0,
                                  size_t kc, uint8_t *Bp /* OUT */, void *scratch,
                                  nx_amxbf_dec_fn dec) {
@@ -667,6 +685,32 @@ NX_INLINE void nx_amxbf_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, s
         if (dec) { /* a quantized type: kc is a multiple of its block */
             for (size_t b = 0; b < kc / be; b++)
                 dec(src + b * bb, dst + b * (be / 32) * NX_AMXBF_BG, NX_AMXBF_BG);
+            continue;
+        }
+        if (!(c->flags & NX_MM_DEQUANT_PACK) &&
+            (c->type == NX_GGML_F32 || c->type == NX_GGML_F16 || c->type == NX_GGML_BF16)) {
+            /* F32 / F16 / BF16 straight from the row, a group of 32 values at a time (k past
+             * kc zero): the values dequantize gives, then bf() */
+            for (size_t g = 0; g < ng; g++) {
+                const size_t left = kc - g * 32;
+                const __mmask16 m0 = nx_mask16((int64_t)left),
+                                m1 = nx_mask16((int64_t)left - 16);
+                __m512i v;
+                if (c->type == NX_GGML_BF16) {
+                    const __mmask32 m =
+                        left >= 32 ? (__mmask32)~0u : (__mmask32)((1u << left) - 1u);
+                    v = nx_amxbf_bf16_words(_mm512_maskz_loadu_epi16(m, src + g * 64));
+                } else if (c->type == NX_GGML_F16) {
+                    const uint16_t *h = (const uint16_t *)src + g * 32;
+                    v = nx_bf16_pairs32(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m0, h)),
+                                        _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m1, h + 16)));
+                } else { /* F32 */
+                    const float *f = (const float *)src + g * 32;
+                    v = nx_bf16_pairs32(_mm512_maskz_loadu_ps(m0, f),
+                                        _mm512_maskz_loadu_ps(m1, f + 16));
+                }
+                _mm512_store_si512((__m512i *)(dst + g * NX_AMXBF_BG), v);
+            }
             continue;
         }
         c->dequant(src, row, kc / be); /* exact */
@@ -695,7 +739,7 @@ static void nx_amxbf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t
         default:
             break;
         }
-    nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, NULL); /* F32, F16, BF16 */
+    nx_amxbf_pack_b_t(c, j0, ncols, k0, kc, Bp, scratch, NULL); /* F32, F16, BF16; the hook */
 }
 
 /* out^T block: tile 0 = columns 0-15 x tokens 0-15, 1 = columns 0-15 x tokens 16-31, 2 and 3
