@@ -444,7 +444,7 @@ int nx_matmul_bf16(nx_isa isa, uint32_t type, const float *x /* IN */, const uin
  * calls only, so it goes through nx_mm_glu_split). */
 static int nx_lowp_glu(nx_isa isa, nx_mm_call *c, const uint8_t *w_up,
                        int (*mm)(const nx_mm_call *), int (*spec)(const nx_mm_call *)) {
-    c->bias = NULL, c->w_up = w_up, c->glu = nx_ops_get(isa)->swiglu;
+    c->w_up = w_up, c->glu = nx_ops_get(isa)->swiglu; /* c's bias is NULL */
     return mm == spec ? nx_mm_glu_split(c, mm) : mm(c);
 }
 

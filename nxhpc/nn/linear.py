@@ -248,10 +248,12 @@ def matmul_glu(kernels: Any, x: np.ndarray, gate: WeightTensor, up: WeightTensor
     if rg[0] == ru[0] and rg[2] == ru[2] and dg.shape == du.shape and dg.dtype == du.dtype:
         _call(kernels, rg, x, dg, out, lo, hi, up=du)
         return
+    T = x.shape[0]
+    g = np.empty(T * min(_GLU_CHUNK, max(hi - lo, 0)), dtype=np.float32)   # once per call
+    u = np.empty_like(g)
     for c0 in range(lo, hi, _GLU_CHUNK):
         c1 = min(hi, c0 + _GLU_CHUNK)
-        gc = np.empty((x.shape[0], c1 - c0), dtype=np.float32)
-        uc = np.empty_like(gc)
+        gc, uc = g[:T * (c1 - c0)].reshape(T, c1 - c0), u[:T * (c1 - c0)].reshape(T, c1 - c0)
         _call(kernels, rg, x, dg[c0:c1], gc, 0, c1 - c0)
         _call(kernels, ru, x, du[c0:c1], uc, 0, c1 - c0)
         kernels.swiglu(gc, uc, gc)
