@@ -16,7 +16,8 @@ cdef extern from "nx_ops.h" nogil:
                             int half)
     int nx_attention_f32(nx_isa isa, const float *q, const float *k, const float *qkv,
                          const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                         int64_t hd, float scale, int64_t h0, int64_t h1, int causal)
+                         int64_t hd, float scale, int64_t h0, int64_t h1, int64_t t0,
+                         int64_t t1, int causal)
     void nx_swiglu_f32(nx_isa isa, const float *a, const float *b, float *out,
                        int64_t i0, int64_t i1)
     int nx_gated_residual_f32(nx_isa isa, const float *resid, const float *y, const float *gate,
@@ -28,7 +29,8 @@ cdef extern from "nx_ops.h" nogil:
 cdef extern from "nx_attn_bf16.h" nogil:
     int nx_attention_bf16(nx_isa isa, const float *q, const float *k, const float *qkv,
                           const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                          int64_t hd, float scale, int64_t h0, int64_t h1, int causal)
+                          int64_t hd, float scale, int64_t h0, int64_t h1, int64_t t0,
+                          int64_t t1, int causal)
 
 #: The precisions of attention(): "f32" (float32 throughout, nx_ops.h) and "bf16" (Q K^T and P V
 #: on the bfloat16 dot, softmax statistics in float32: nx_attn_bf16.h).
@@ -215,7 +217,7 @@ def qknorm_rope(qkv, q_w, k_w, pe, q_out, k_out, n_heads, n_kv_heads, eps, h0=0,
 
 
 def attention(q, k, qkv, out, n_kv_heads, scale, mask=None, h0=0, h1=None, isa=None, *,
-              causal=False, precision="f32"):
+              causal=False, precision="f32", t0=0, t1=None):
     """out[:, h*hd:(h+1)*hd] := softmax(q[h] k[g]^T * scale, masked keys excluded) v[g], h in [h0, h1).
 
     q: float32 [H, T, hd]; k: [KVH, T, hd]; v is read from qkv [T, (H+2*KVH)*hd] at columns
@@ -230,6 +232,9 @@ def attention(q, k, qkv, out, n_kv_heads, scale, mask=None, h0=0, h1=None, isa=N
     max/sum in float32, float32 output: the contract and error bound of csrc/nx_attn_bf16.h,
     bit-identical for every isa, head band and worker split; kernel_variants() key
     "attention_bf16").
+    t0, t1: the query rows [t0, t1) computed (default all; rows outside are left untouched).
+    Every key is still read, and a row's result is the same bits whatever band it is computed
+    in, so a single head (the autoencoder's mid attention) splits over workers by rows.
     """
     fn = "attention"
     cdef nx_isa lvl = _resolve_isa(fn, isa)
@@ -271,7 +276,9 @@ def attention(q, k, qkv, out, n_kv_heads, scale, mask=None, h0=0, h1=None, isa=N
         _no_overlap(fn, "out", out, iname, i, False)
     lo, hi = _band(fn, "heads", h0, h1, H)
     cdef int64_t a = lo, b = hi
-    if a == b or T == 0:
+    rlo, rhi = _band(fn, "query rows", t0, t1, T)
+    cdef int64_t ra = rlo, rb = rhi
+    if a == b or ra == rb:
         return out
     cdef const float *pq = _cptr(q)
     cdef const float *pk = _cptr(k)
@@ -283,9 +290,11 @@ def attention(q, k, qkv, out, n_kv_heads, scale, mask=None, h0=0, h1=None, isa=N
     cdef int rc
     with nogil:
         if bf16:
-            rc = nx_attention_bf16(lvl, pq, pk, pqkv, pm, po, T, H, KVH, hd, fscale, a, b, icausal)
+            rc = nx_attention_bf16(lvl, pq, pk, pqkv, pm, po, T, H, KVH, hd, fscale, a, b, ra,
+                                   rb, icausal)
         else:
-            rc = nx_attention_f32(lvl, pq, pk, pqkv, pm, po, T, H, KVH, hd, fscale, a, b, icausal)
+            rc = nx_attention_f32(lvl, pq, pk, pqkv, pm, po, T, H, KVH, hd, fscale, a, b, ra, rb,
+                                  icausal)
     if rc != 0:
         raise MemoryError(f"{fn}: could not allocate scratch for T={T}, hd={hd}")
     return out

@@ -477,6 +477,57 @@ def test_head_bands_are_bit_identical():
             assert_bitwise(out, full, f"{isa} bands {edges}")
 
 
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_query_row_bands_are_bit_identical(precision):
+    """Query rows [t0, t1) computed band by band (and crossed with head bands) give the bits of
+    one whole call, at every ISA, with and without causality and a key mask; rows outside a band
+    are never written. T = 300 puts band edges inside every variant's query blocks and
+    micro-blocks (16 to 64 rows) and in a tail block."""
+    rng = np.random.default_rng(23)
+    T, H, KVH, hd = 300, 4, 2, 40
+    q, k, qkv = inputs(rng, T, H, KVH, hd)
+    scale = 1 / math.sqrt(hd)
+    for isa in ISAS:
+        for causal, mask in ((False, None), (True, None), (False, make_mask(rng, "random", T)),
+                             (True, make_mask(rng, "tail", T))):
+            full = np.full((T, H * hd), np.nan, F32)
+            K.attention(q, k, qkv, full, KVH, scale, mask=mask, isa=isa, causal=causal,
+                        precision=precision)
+            assert not np.isnan(full).any()
+            rows = band_edges(rng, T, 6)
+            heads = band_edges(rng, H, 3)
+            out = np.full_like(full, np.nan)
+            for ta, tb in zip(rows[:-1], rows[1:]):
+                for ha, hb in zip(heads[:-1], heads[1:]):
+                    K.attention(q, k, qkv, out, KVH, scale, mask=mask, h0=ha, h1=hb, t0=ta,
+                                t1=tb, isa=isa, causal=causal, precision=precision)
+            assert_bitwise(out, full, f"{precision} {isa} causal={causal} rows {rows}")
+            # one band alone: its rows and heads only
+            ta, tb = sorted(rng.integers(0, T + 1, 2).tolist())
+            part = np.full_like(full, np.nan)
+            K.attention(q, k, qkv, part, KVH, scale, mask=mask, h0=1, h1=3, t0=ta, t1=tb,
+                        isa=isa, causal=causal, precision=precision)
+            inside = np.zeros(full.shape, bool)
+            inside[ta:tb, hd:3 * hd] = True
+            assert_bitwise(part[inside], full[inside], f"{precision} {isa} band [{ta}, {tb})")
+            assert np.isnan(part[~inside]).all(), f"{precision} {isa}: wrote outside the band"
+
+
+def test_query_row_band_is_validated():
+    rng = np.random.default_rng(4)
+    T, H, KVH, hd = 20, 2, 1, 16
+    q, k, qkv = inputs(rng, T, H, KVH, hd)
+    out = np.zeros((T, H * hd), F32)
+    for t0, t1 in ((5, 4), (-1, 3), (0, T + 1)):
+        with pytest.raises(ValueError, match="query rows"):
+            K.attention(q, k, qkv, out, KVH, 0.3, t0=t0, t1=t1, precision="bf16")
+    with pytest.raises(TypeError, match="query rows"):
+        K.attention(q, k, qkv, out, KVH, 0.3, t0=1.5, precision="bf16")
+    assert not out.any()
+    K.attention(q, k, qkv, out, KVH, 0.3, t0=7, t1=7, precision="bf16")   # empty: no-op
+    assert not out.any()
+
+
 def test_rows_are_independent_of_later_keys_causal():
     """Causal: the first rows of a longer sequence equal the shorter sequence's (keys after a row
     never change it; only keys of its own tiles are read, all finite here)."""

@@ -22,16 +22,18 @@ NX_DEFINE_DISPATCH(nx_attn_bf16, "attn_bf16", NX_ATTN_BF16_SLOTS,
 
 int nx_attention_bf16(nx_isa isa, const float *q, const float *k, const float *qkv,
                       const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                      int64_t hd, float scale, int64_t h0, int64_t h1, int causal) {
+                      int64_t hd, float scale, int64_t h0, int64_t h1, int64_t t0, int64_t t1,
+                      int causal) {
     return nx_attn_bf16_get(isa)->attention_bf16(q, k, qkv, mask, out, T, H, KVH, hd, scale, h0,
-                                                 h1, causal);
+                                                 h1, t0, t1, causal);
 }
 
 static inline float nx_bf(float v) { return nx_bf16_to_f32(nx_bf16_round(v)); }
 
 int nx_attention_bf16_generic(const float *q, const float *k, const float *qkv,
                               const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                              int64_t hd, float scale, int64_t h0, int64_t h1, int causal) {
+                              int64_t hd, float scale, int64_t h0, int64_t h1, int64_t t0,
+                              int64_t t1, int causal) {
     enum { BC = NX_ATTN_BF16_TILE };
     const int64_t W = (H + 2 * KVH) * hd, group = H / KVH, OW = H * hd;
     const int64_t hd2 = (hd + 1) / 2 * 2, ntiles = (T + BC - 1) / BC, Tp = ntiles * BC;
@@ -61,7 +63,7 @@ int nx_attention_bf16_generic(const float *q, const float *k, const float *qkv,
                 }
             have = g;
         }
-        for (int64_t t = 0; t < T; t++) {
+        for (int64_t t = t0; t < t1; t++) {
             const float *qr = q + (h * T + t) * hd;
             for (int64_t d = 0; d < hd2; d++) qb[d] = d < hd ? nx_bf(qr[d]) : 0.0f;
             for (int64_t d = 0; d < hd; d++) O[d] = 0.0f;

@@ -9,8 +9,9 @@
  *
  * Shapes and options are those of nx_attention_f32 (nx_ops.h): q [H, T, hd], k [KVH, T, hd], v
  * read from qkv [T, (H+2*KVH)*hd] at columns (H+KVH)*hd + g*hd, g = h / (H/KVH); mask [T] bytes
- * (nonzero = attend) or NULL; causal: query t attends keys j <= t; out [T, H*hd], columns of the
- * heads [h0, h1) written.
+ * (nonzero = attend) or NULL; causal: query t attends keys j <= t; out [T, H*hd], rows [t0, t1)
+ * (0 <= t0 <= t1 <= T: a band of query rows; every key j < T is still read) of the columns of
+ * the heads [h0, h1) written.
  *
  * ---- contract (bit-identical: generic spec == AVX2 == AVX-512 BF16, every head band, every row
  *      split; AMX: the clause after it)
@@ -91,7 +92,7 @@
     X(attention_bf16, int,                                                                         \
       (const float *q, const float *k, const float *qkv, const uint8_t *mask, float *out,          \
        int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1,         \
-       int causal))
+       int64_t t0, int64_t t1, int causal))
 NX_DECLARE_FAMILY(nx_attn_bf16, NX_ATTN_BF16_SLOTS)
 extern const nx_attn_bf16_table nx_attn_bf16_table_generic;    /* nx_attn_bf16.c */
 extern const nx_attn_bf16_table nx_attn_bf16_table_avx2;       /* nx_attn_bf16_avx2.c */
@@ -106,22 +107,23 @@ int nx_attention_bf16(nx_isa isa, const float *q /* IN [H, T, hd] */,
                       const float *k /* IN [KVH, T, hd] */,
                       const float *qkv /* IN [T, (H+2*KVH)*hd] (v part read) */,
                       const uint8_t *mask /* IN [T] or NULL */,
-                      float *out /* OUT [T, H*hd], columns of heads [h0, h1) */, int64_t T,
-                      int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1,
-                      int causal);
+                      float *out /* OUT [T, H*hd], rows [t0, t1), columns of heads [h0, h1) */,
+                      int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0,
+                      int64_t h1, int64_t t0, int64_t t1, int causal);
 int nx_attention_bf16_generic(const float *q, const float *k, const float *qkv,
                               const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
-                              int64_t hd, float scale, int64_t h0, int64_t h1, int causal);
+                              int64_t hd, float scale, int64_t h0, int64_t h1, int64_t t0,
+                              int64_t t1, int causal);
 int nx_attention_bf16_amx(const float *q, const float *k, const float *qkv, const uint8_t *mask,
                           float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
-                          int64_t h0, int64_t h1, int causal);
+                          int64_t h0, int64_t h1, int64_t t0, int64_t t1, int causal);
 int nx_attention_bf16_avx2(const float *q, const float *k, const float *qkv, const uint8_t *mask,
                            float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
-                           int64_t h0, int64_t h1, int causal);
+                           int64_t h0, int64_t h1, int64_t t0, int64_t t1, int causal);
 int nx_attention_bf16_avx512bf16(const float *q, const float *k, const float *qkv,
                                  const uint8_t *mask, float *out, int64_t T, int64_t H,
                                  int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1,
-                                 int causal);
+                                 int64_t t0, int64_t t1, int causal);
 
 /* E(x): the scalar form of nx_exp16 / nx_exp8 (nx_vmath_ew.h), operation for operation: the
  * clamp keeps NaN like min_ps/max_ps (their second operand), rintf rounds to nearest even like

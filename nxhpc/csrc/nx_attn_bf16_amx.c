@@ -227,7 +227,7 @@ static void nx_ax_micro(const uint32_t *qt, int64_t nc, const uint16_t *kt, int6
 
 int nx_attention_bf16_amx(const float *q, const float *k, const float *qkv, const uint8_t *mask,
                           float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
-                          int64_t h0, int64_t h1, int causal) {
+                          int64_t h0, int64_t h1, int64_t q0, int64_t q1, int causal) {
     const int64_t BC = NX_AX_BC, QB = NX_AX_QB, BR = NX_AX_BR, NB = QB / BR;
     const int64_t W = (H + 2 * KVH) * hd, group = H / KVH, OW = H * hd;
     const int64_t ntiles = (T + BC - 1) / BC, Tp = ntiles * BC;
@@ -265,8 +265,8 @@ int nx_attention_bf16_amx(const float *q, const float *k, const float *qkv, cons
             nx_ax_pack_v(qkv + (H + KVH) * hd + g * hd, W, T, hd, hdp, Tp, vt);
             packed = g;
         }
-        for (int64_t t0 = 0; t0 < T; t0 += QB) {
-            const int64_t nq = T - t0 < QB ? T - t0 : QB;
+        for (int64_t t0 = q0; t0 < q1; t0 += QB) { /* the query rows [q0, q1) */
+            const int64_t nq = q1 - t0 < QB ? q1 - t0 : QB;
             for (int64_t r0 = 0; r0 < nq; r0 += BR)
                 nx_ax_pack_q(q + (h * T + t0 + r0) * hd, (int)(nq - r0 < BR ? nq - r0 : BR), hd,
                              nc, qt + r0 / BR * nc * 256);

@@ -235,7 +235,7 @@ static void nx_ab_micro_any(int nr, const float *qt, int64_t hd2s, int64_t hd2, 
 int nx_attention_bf16_avx512bf16(const float *q, const float *k, const float *qkv,
                                  const uint8_t *mask, float *out, int64_t T, int64_t H,
                                  int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1,
-                                 int causal) {
+                                 int64_t q0, int64_t q1, int causal) {
     const int64_t BC = NX_AB_BC, QB = NX_AB_QB;
     const int64_t W = (H + 2 * KVH) * hd, group = H / KVH, OW = H * hd;
     const int64_t ntiles = (T + BC - 1) / BC, Tp = ntiles * BC;
@@ -272,8 +272,8 @@ int nx_attention_bf16_avx512bf16(const float *q, const float *k, const float *qk
             nx_ab_pack_v(qkv + (H + KVH) * hd + g * hd, W, T, hd, hdp, Tp, vt);
             packed = g;
         }
-        for (int64_t t0 = 0; t0 < T; t0 += QB) {
-            const int64_t nq = T - t0 < QB ? T - t0 : QB;
+        for (int64_t t0 = q0; t0 < q1; t0 += QB) { /* the query rows [q0, q1) */
+            const int64_t nq = q1 - t0 < QB ? q1 - t0 : QB;
             nx_ab_pack_q(q + (h * T + t0) * hd, nq, hd, hd2s, qp);
             for (int64_t r = 0; r < nq; r++) {
                 m[r] = -INFINITY;

@@ -2,7 +2,8 @@
  * (included by nx_ops_avx2.c and nx_ops_avx512.c). It is always inlined into each variant's entry
  * point, so the micro-block call is resolved at compile time and inlined.
  *
- * Owns: packing K^T, the key-mask row, the loops over heads / query blocks / key tiles, the final
+ * Owns: packing K^T, the key-mask row, the loops over heads / query blocks (of the band
+ * [q0, q1)) / key tiles, the final
  * 1/l scaling and all scratch. For each query head h in [h0, h1): K^T of its kv head is packed
  * once per kv head, tile-major (kt[tile][d][BC], keys past T zero); then for each block of <= QB
  * query rows and each key tile of BC keys, `micro` runs the tile for micro-blocks of <= BR rows;
@@ -47,7 +48,7 @@ typedef struct {
 NX_INLINE int nx_attention_tiled(const nx_attn_tiling *tl, const float *q, const float *k,
                                  const float *qkv, const uint8_t *mask, float *out, int64_t T,
                                  int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0,
-                                 int64_t h1, int causal) {
+                                 int64_t h1, int64_t q0, int64_t q1, int causal) {
     const int64_t BR = tl->br, BC = tl->bc, QB = tl->qb;
     const int64_t W = (H + 2 * KVH) * hd, group = H / KVH, OW = H * hd;
     const int64_t ntiles = (T + BC - 1) / BC, Tp = ntiles * BC;
@@ -88,8 +89,8 @@ NX_INLINE int nx_attention_tiled(const nx_attn_tiling *tl, const float *q, const
         }
         const float *qh = q + h * T * hd;
         const float *vh = qkv + (H + KVH) * hd + g * hd;
-        for (int64_t t0 = 0; t0 < T; t0 += QB) {
-            const int64_t nq = T - t0 < QB ? T - t0 : QB;
+        for (int64_t t0 = q0; t0 < q1; t0 += QB) { /* the query rows [q0, q1) */
+            const int64_t nq = q1 - t0 < QB ? q1 - t0 : QB;
             for (int64_t r = 0; r < nq; r++) {
                 m[r] = -INFINITY;
                 l[r] = 0.0f;

@@ -28,8 +28,9 @@ void nx_qknorm_rope_f32(nx_isa isa, const float *qkv, const float *q_w, const fl
 
 int nx_attention_f32(nx_isa isa, const float *q, const float *k, const float *qkv,
                      const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd,
-                     float scale, int64_t h0, int64_t h1, int causal) {
-    return nx_ops_get(isa)->attention(q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1, causal);
+                     float scale, int64_t h0, int64_t h1, int64_t t0, int64_t t1, int causal) {
+    return nx_ops_get(isa)->attention(q, k, qkv, mask, out, T, H, KVH, hd, scale, h0, h1, t0, t1,
+                                      causal);
 }
 
 void nx_swiglu_f32(nx_isa isa, const float *a, const float *b, float *out, int64_t i0, int64_t i1) {
@@ -148,7 +149,7 @@ void nx_qknorm_rope_f32_generic(const float *qkv, const float *q_w, const float 
 
 int nx_attention_f32_generic(const float *q, const float *k, const float *qkv, const uint8_t *mask,
                              float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
-                             int64_t h0, int64_t h1, int causal) {
+                             int64_t h0, int64_t h1, int64_t t0, int64_t t1, int causal) {
     const int64_t W = (H + 2 * KVH) * hd, group = H / KVH, OW = H * hd;
     float *acc = malloc(sizeof(float) * (size_t)hd);
     float s[NX_ATTN_GEN_TILE];
@@ -157,7 +158,7 @@ int nx_attention_f32_generic(const float *q, const float *k, const float *qkv, c
         const int64_t g = h / group;
         const float *kh = k + g * T * hd;
         const float *vh = qkv + (H + KVH) * hd + g * hd;
-        for (int64_t t = 0; t < T; t++) {
+        for (int64_t t = t0; t < t1; t++) {
             const float *qr = q + (h * T + t) * hd;
             float m = -INFINITY, l = 0.0f;
             const int64_t nkeys = causal ? t + 1 : T; /* keys [0, nkeys) exist for this row */

@@ -41,7 +41,7 @@
     X(attention, int,                                                                              \
       (const float *q, const float *k, const float *qkv, const uint8_t *mask, float *out,          \
        int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1,         \
-       int causal))                                                                                \
+       int64_t t0, int64_t t1, int causal))                                                        \
     X(swiglu, void, (const float *a, const float *b, float *out, int64_t i0, int64_t i1))          \
     X(gated_residual, int,                                                                         \
       (const float *resid, const float *y, const float *gate, float *out, int64_t D, int64_t r0,   \
@@ -101,7 +101,8 @@ void nx_qknorm_rope_f32(nx_isa isa,       /* the ISA to run (nx_cpu.h) */
                         int64_t T, int64_t H, int64_t KVH, int64_t hd, float eps, int64_t h0,
                         int64_t h1, int half);
 
-/* ---- attention: for query heads h in [h0, h1), kv head g = h / (H / KVH):
+/* ---- attention: for query heads h in [h0, h1), kv head g = h / (H / KVH), and query rows t in
+ * [t0, t1) (0 <= t0 <= t1 <= T; every key j < T is still read):
  * out[t, h*hd:(h+1)*hd] = sum_j softmax_j(scale * q[h,t].k[g,j], masked j excluded) * v_g[j]
  * with v_g[j] = qkv[j, (H+KVH)*hd + g*hd : ... + hd]. mask: [T] bytes, nonzero = attend, or NULL.
  * causal != 0: query t attends keys j <= t only (and, of those, the unmasked ones); causal == 0
@@ -112,16 +113,17 @@ void nx_qknorm_rope_f32(nx_isa isa,       /* the ISA to run (nx_cpu.h) */
  * run; a tile holding keys after some of its rows (the diagonal) runs with a per-row key mask, so
  * an excluded key enters a row exactly as a masked key does (score -inf, weight exactly 0). A
  * row's arithmetic still depends on nothing but t, T and the variant, so results stay
- * bit-identical for every head band; the generic spec never visits keys j > t at all.
+ * bit-identical for every head band and query band; the generic spec never visits keys j > t
+ * at all.
  * Returns 0, or -1 if scratch could not be allocated (nothing written then). */
 int nx_attention_f32(nx_isa isa,          /* the ISA to run (nx_cpu.h) */
                      const float *q,      /* IN  [H, T, hd] */
                      const float *k,      /* IN  [KVH, T, hd] */
                      const float *qkv,    /* IN  [T, (H+2*KVH)*hd] (v part read) */
                      const uint8_t *mask, /* IN  [T] or NULL */
-                     float *out,          /* OUT [T, H*hd], columns of heads [h0, h1) */
+                     float *out, /* OUT [T, H*hd]: rows [t0, t1), columns of heads [h0, h1) */
                      int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0,
-                     int64_t h1, int causal);
+                     int64_t h1, int64_t t0, int64_t t1, int causal);
 
 /* ---- swiglu: out[i] := silu(a[i]) * b[i] for flat i in [i0, i1); silu(x) = x / (1 + exp(-x)),
  * evaluated as (x < 0 ? x*e : x) / (1 + e) with e = exp(-|x|) (no overflow; silu(-inf) = -0).

@@ -129,9 +129,9 @@ static const nx_attn_tiling nx2_attn_tiling_avx2 = {NX2_BR, NX2_BC, NX2_QB, nx2_
 
 int nx_attention_f32_avx2(const float *q, const float *k, const float *qkv, const uint8_t *mask,
                           float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
-                          int64_t h0, int64_t h1, int causal) {
-    return nx_attention_tiled(&nx2_attn_tiling_avx2, q, k, qkv, mask, out, T, H, KVH, hd, scale, h0,
-                              h1, causal);
+                          int64_t h0, int64_t h1, int64_t t0, int64_t t1, int causal) {
+    return nx_attention_tiled(&nx2_attn_tiling_avx2, q, k, qkv, mask, out, T, H, KVH, hd, scale,
+                              h0, h1, t0, t1, causal);
 }
 
 const nx_ops_table nx_ops_table_avx2 = NX_OPS_TABLE(avx2);

@@ -170,9 +170,9 @@ static const nx_attn_tiling nx_attn_tiling_avx512 = {NX_BR, NX_BC, NX_QB, nx_att
 
 int nx_attention_f32_avx512(const float *q, const float *k, const float *qkv, const uint8_t *mask,
                             float *out, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
-                            int64_t h0, int64_t h1, int causal) {
+                            int64_t h0, int64_t h1, int64_t t0, int64_t t1, int causal) {
     return nx_attention_tiled(&nx_attn_tiling_avx512, q, k, qkv, mask, out, T, H, KVH, hd, scale,
-                              h0, h1, causal);
+                              h0, h1, t0, t1, causal);
 }
 
 const nx_ops_table nx_ops_table_avx512 = NX_OPS_TABLE(avx512);

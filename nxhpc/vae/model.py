@@ -108,7 +108,7 @@ class Program:
         self.conv1x1(f"{mod}.to_k", t, "k", P, C, C)
         self.conv1x1(f"{mod}.to_v", t, "b", P, C, C)
         self.add("v_into_qkv", P, "b", P, C)
-        self.add("attention", 1, t, P, C)                 # t := attention (the head band)
+        self.add("attention", P, t, P, C)                 # t := attention (query rows)
         self.conv1x1(f"{mod}.to_out.0", t, "b", P, C, C)
         self.add_into(x, x, "b", P * C)
 
@@ -189,9 +189,10 @@ class _Executor:
             v("qkv", P, 3 * C)[lo:hi, 2 * C:] = v(src, P, C)[lo:hi]
         elif kind == "attention":
             dst, P, C = p
-            if hi > lo:
-                K.attention(v("q", 1, P, C), v("k", 1, P, C), v("qkv", P, 3 * C), v(dst, P, C),
-                            1, 1.0 / math.sqrt(C), precision=attention_precision(self.precision))
+            # a band of query rows of the one head: every row's bits are the whole call's
+            K.attention(v("q", 1, P, C), v("k", 1, P, C), v("qkv", P, 3 * C), v(dst, P, C),
+                        1, 1.0 / math.sqrt(C), t0=lo, t1=hi,
+                        precision=attention_precision(self.precision))
         else:                                                      # pragma: no cover
             raise ValueError(f"VaeDecoder: unknown step {kind!r}")
 
