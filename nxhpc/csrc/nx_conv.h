@@ -3,8 +3,8 @@
  * map with an optional SiLU), the im2col panel of a 3x3 convolution (padding 1, optionally
  * reading through a nearest x2 upsampling), the nearest x2 upsampling itself and the residual
  * add. Generic scalar functions are the spec (nx_conv.c); the AVX2 / AVX-512 files fill the
- * slots that pay (the affine + SiLU map, written once for both widths in nx_conv_ew.h); the rest
- * inherit the spec at every ISA. Callers (nxhpc/_k_conv.pxi) validate every shape first.
+ * slots that pay (the GroupNorm partials, the affine + SiLU map, im2col and the add, written
+ * once for both widths in nx_conv_ew.h); the rest inherit the spec at every ISA. Callers (nxhpc/_k_conv.pxi) validate every shape first.
  *
  * Layout: activations are channels-last rows, x[p, c] = x[(y * W + x) * C + c] for the P = H * W
  * pixels of an H x W image with C channels. A 3x3 convolution is then a plain matmul of the
@@ -17,7 +17,8 @@
  *    M2_kg = sum (x - mean_kg)^2 in float64. Each channel's sums run over the rows in order (one
  *    float64 chain per channel), the group's channel sums are added in channel order; x - mean
  *    and its square are separate operations. The chunking is fixed by the caller, never by the
- *    band, so the partials are bit-identical for any band split (and every ISA: generic only).
+ *    band, so the partials are bit-identical for any band split and every ISA (the SIMD variants
+ *    run several channels' chains a vector, each with the spec's operations).
  *  - gn_coeffs: chunks merged in order k = 0, 1, ... (Chan et al.: n = na + nb, d = mb - ma,
  *    m = ma + d * (nb / n), M2 = M2a + M2b + d * d * (na * nb / n)), var = M2 / n (population),
  *    r = 1 / sqrt(var + eps); scale[c] = (float)(gamma[c] * r), shift[c] = (float)(beta[c] -

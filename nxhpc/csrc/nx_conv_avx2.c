@@ -4,5 +4,7 @@
 #include "nx_conv.h"
 #include "nx_conv_ew.h"
 
-const nx_conv_table nx_conv_table_avx2 = {.affine_act = nx_affine_act_f32_avx2,
-                                          .im2col3x3 = nx_im2col3x3_f32_avx2};
+const nx_conv_table nx_conv_table_avx2 = {.gn_partials = nx_gn_partials_f32_avx2,
+                                          .affine_act = nx_affine_act_f32_avx2,
+                                          .im2col3x3 = nx_im2col3x3_f32_avx2,
+                                          .add = nx_add_f32_avx2};

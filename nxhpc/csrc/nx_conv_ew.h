@@ -1,5 +1,6 @@
 /* nx_conv_ew.h -- the convolutional kernels that pay for vectors, written once for both widths
- * (nx_simd.h): the GroupNorm affine map + SiLU and the im2col panel of a 3x3 convolution.
+ * (nx_simd.h): the GroupNorm partials, the affine map + SiLU, the im2col panel of a 3x3
+ * convolution and the add.
  * Included exactly once by nx_conv_avx2.c and by nx_conv_avx512.c (NXV_FN names the variant).
  *
  * affine_act: every lane runs the spec's (x * scale) + shift unfused, then the vector silu
@@ -7,12 +8,16 @@
  * to its tolerance. im2col3x3: the 9 taps of NXV_W channels are loaded as NXV_W rows (taps past
  * 8 zero), transposed in registers (nxv_transpose) and stored as each channel's 9 taps; channels
  * past the last whole vector run the spec's scalar copy. Copies only: bit-identical to generic.
+ * gn_partials: the spec's float64 chains, one per channel, several channels a vector (the rows
+ * in order; x - mean, its square and the sum three roundings), the group sums over channels in
+ * order as scalars: bit-identical to generic. add: one float32 add per element.
  * Must not: be included from generic files, allocate per row.
  */
 #ifndef NX_CONV_EW_H
 #define NX_CONV_EW_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "nx_conv.h"
@@ -74,6 +79,90 @@ void NXV_FN(nx_im2col3x3_f32)(const float *x, int64_t H, int64_t W, int64_t C, i
         }
         for (int tap = 0; tap < 9; tap++)
             for (int64_t c = c0; c < C; c++) row[c * 9 + tap] = src[tap] ? src[tap][c] : 0.0f;
+    }
+}
+
+/* float64 vectors of half the float32 width (the GroupNorm partials' chains) */
+#include <immintrin.h>
+#if NXV_W == 16
+typedef __m512d nxd;
+#define NXD_W 8
+#define nxd_cvt(p) _mm512_cvtps_pd(_mm256_loadu_ps(p))
+#define nxd_load(p) _mm512_loadu_pd(p)
+#define nxd_store(p, v) _mm512_storeu_pd(p, v)
+#define nxd_add _mm512_add_pd
+#define nxd_sub _mm512_sub_pd
+#define nxd_mul _mm512_mul_pd
+#else
+typedef __m256d nxd;
+#define NXD_W 4
+#define nxd_cvt(p) _mm256_cvtps_pd(_mm_loadu_ps(p))
+#define nxd_load(p) _mm256_loadu_pd(p)
+#define nxd_store(p, v) _mm256_storeu_pd(p, v)
+#define nxd_add _mm256_add_pd
+#define nxd_sub _mm256_sub_pd
+#define nxd_mul _mm256_mul_pd
+#endif
+
+/* The spec's operations (nx_gn_partials_f32_generic, nx_conv.c) with NXD_W channels' chains a
+ * vector: per chunk, acc[c] += (double)x[r, c] over its rows in order; the group means from the
+ * channel sums in channel order; then acc[c] += d * d, d = (double)x[r, c] - mean, the product
+ * and the sum two roundings (this file is built without FMA contraction: -std=c11). */
+int NXV_FN(nx_gn_partials_f32)(const float *x, int64_t P, int64_t C, int64_t G, int64_t chunk,
+                               double *part, int64_t k0, int64_t k1) {
+    const int64_t cpg = C / G;
+    double *acc = malloc(sizeof(double) * (size_t)(2 * C)); /* per-channel sums, then means */
+    if (!acc) return -1;
+    double *mc = acc + C;
+    for (int64_t k = k0; k < k1; k++) {
+        const int64_t r0 = k * chunk, r1 = r0 + chunk < P ? r0 + chunk : P;
+        const double n = (double)((r1 - r0) * cpg);
+        for (int64_t c = 0; c < C; c++) acc[c] = 0.0;
+        for (int64_t r = r0; r < r1; r++) {
+            const float *xr = x + r * C;
+            int64_t c = 0;
+            for (; c + NXD_W <= C; c += NXD_W)
+                nxd_store(acc + c, nxd_add(nxd_load(acc + c), nxd_cvt(xr + c)));
+            for (; c < C; c++) acc[c] += (double)xr[c];
+        }
+        for (int64_t g = 0; g < G; g++) {
+            double s = 0.0;
+            for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) s += acc[c];
+            const double mean = s / n;
+            for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) mc[c] = mean;
+            part[(k * G + g) * 2] = mean;
+        }
+        for (int64_t c = 0; c < C; c++) acc[c] = 0.0;
+        for (int64_t r = r0; r < r1; r++) {
+            const float *xr = x + r * C;
+            int64_t c = 0;
+            for (; c + NXD_W <= C; c += NXD_W) {
+                const nxd d = nxd_sub(nxd_cvt(xr + c), nxd_load(mc + c));
+                nxd_store(acc + c, nxd_add(nxd_load(acc + c), nxd_mul(d, d)));
+            }
+            for (; c < C; c++) {
+                const double d = (double)xr[c] - mc[c];
+                const double d2 = d * d;
+                acc[c] += d2;
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            double s = 0.0;
+            for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) s += acc[c];
+            part[(k * G + g) * 2 + 1] = s;
+        }
+    }
+    free(acc);
+    return 0;
+}
+
+void NXV_FN(nx_add_f32)(const float *a, const float *b, float *out, int64_t i0, int64_t i1) {
+    int64_t i = i0;
+    for (; i + NXV_W <= i1; i += NXV_W)
+        nxv_storeu(out + i, nxv_add(nxv_loadu(a + i), nxv_loadu(b + i)));
+    if (i < i1) {
+        const nxv_mask m = nxv_mask_n(i1 - i);
+        nxv_store_n(out + i, m, nxv_add(nxv_load_n(a + i, m), nxv_load_n(b + i, m)));
     }
 }
 
