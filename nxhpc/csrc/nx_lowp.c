@@ -325,13 +325,19 @@ static void nx_lowp_block(const nx_lowp_tiling *tl, const nx_mm_call *c, const u
             tl->pack_b(c, jc + jr, nx_min(nc - jr, NR), pc, kc, Bp + jr / NR * b_panel, bs);
         const uint8_t *A0 = Ap + pc / 32 * tl->a_group;
         if (tl->kern_cp) {
+            const int last = pc + KC >= K;
             for (size_t ir = 0; ir < mc; ir += MR)
                 for (size_t jr = 0; jr < nc; jr += NR) {
                     const size_t tile = ir / MR * n_jr + jr / NR;
                     float *ct = Cp ? Cp + tile * MR * NR : NULL;
+                    /* the next tile's outputs, if it is a whole one: (ir, jr + NR), else the
+                     * first of the next token rows */
+                    const size_t ni = jr + NR < nc ? ir : ir + MR, nj = jr + NR < nc ? jr + NR : 0;
+                    const float *next =
+                        last && ni + MR <= mc && nj + NR <= nc ? o + ni * ldo + nj : NULL;
                     tl->kern_cp(ng, A0 + ir / MR * a_panel, Bp + jr / NR * b_panel, ct,
                                 o + ir * ldo + jr, ldo, (int)nx_min(mc - ir, MR),
-                                (int)nx_min(nc - jr, NR), pc == 0, pc + KC >= K);
+                                (int)nx_min(nc - jr, NR), pc == 0, last, next);
                 }
         } else if (tl->jr_outer) {
             for (size_t jr = 0; jr < nc; jr += NR)

@@ -270,7 +270,10 @@ float nx_dpbf16_step(float acc, float a, float b); /* ftz(fma(daz(a), daz(b), da
  *     buffer Cp of mr x nr floats per tile (laid out as the kernel likes) instead
  *     of in C: started from +0 (first) or continued from Cp, and written to C (ldc floats per
  *     row) after the last k-block, to Cp before it. out's rows are N floats apart, and N a
- *     multiple of 1024 floats puts a tile's rows in a handful of L1 sets; Cp does not. */
+ *     multiple of 1024 floats puts a tile's rows in a handful of L1 sets; Cp does not. next:
+ *     in the last k-block, the first output of the tile the driver runs after this one when
+ *     that tile is a whole MR x NR one in the same block (NULL otherwise): a hint, for the
+ *     kernel to prefetch those output lines for writing while it computes. */
 typedef struct {
     size_t mr, nr, kc, nc, mc;
     size_t a_group, b_group, a_scratch, b_scratch;
@@ -282,7 +285,7 @@ typedef struct {
     void (*kern)(size_t ngroups, const uint8_t *A, const uint8_t *B, float *C, size_t ldc, int mr,
                  int nr, int first);
     void (*kern_cp)(size_t ngroups, const uint8_t *A, const uint8_t *B, float *Cp, float *C,
-                    size_t ldc, int mr, int nr, int first, int last);
+                    size_t ldc, int mr, int nr, int first, int last, const float *next);
 } nx_lowp_tiling;
 
 int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_mm_call *c);
