@@ -57,40 +57,22 @@ void nx_add_f32(nx_isa isa, const float *a, const float *b, float *out, int64_t 
 
 /* ------------------------------------------------------------------ GroupNorm */
 
+static void nx_gn_sum_row(const float *xr, const double *mc, double *acc, int64_t C) {
+    (void)mc;
+    for (int64_t c = 0; c < C; c++) acc[c] += (double)xr[c];
+}
+
+static void nx_gn_dev_row(const float *xr, const double *mc, double *acc, int64_t C) {
+    for (int64_t c = 0; c < C; c++) {
+        const double d = (double)xr[c] - mc[c];
+        const double d2 = d * d;
+        acc[c] += d2;
+    }
+}
+
 int nx_gn_partials_f32_generic(const float *x, int64_t P, int64_t C, int64_t G, int64_t chunk,
                                double *part, int64_t k0, int64_t k1) {
-    const int64_t cpg = C / G;
-    double *acc = malloc(sizeof(double) * (size_t)(2 * C)); /* per-channel sums, then means */
-    if (!acc) return -1;
-    double *mc = acc + C;
-    for (int64_t k = k0; k < k1; k++) {
-        const int64_t r0 = k * chunk, r1 = r0 + chunk < P ? r0 + chunk : P;
-        const double n = (double)((r1 - r0) * cpg);
-        for (int64_t c = 0; c < C; c++) acc[c] = 0.0;
-        for (int64_t r = r0; r < r1; r++)
-            for (int64_t c = 0; c < C; c++) acc[c] += (double)x[r * C + c];
-        for (int64_t g = 0; g < G; g++) {
-            double s = 0.0;
-            for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) s += acc[c];
-            const double mean = s / n;
-            for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) mc[c] = mean;
-            part[(k * G + g) * 2] = mean;
-        }
-        for (int64_t c = 0; c < C; c++) acc[c] = 0.0;
-        for (int64_t r = r0; r < r1; r++)
-            for (int64_t c = 0; c < C; c++) {
-                const double d = (double)x[r * C + c] - mc[c];
-                const double d2 = d * d;
-                acc[c] += d2;
-            }
-        for (int64_t g = 0; g < G; g++) {
-            double s = 0.0;
-            for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) s += acc[c];
-            part[(k * G + g) * 2 + 1] = s;
-        }
-    }
-    free(acc);
-    return 0;
+    return nx_gn_partials_chunks(x, P, C, G, chunk, part, k0, k1, nx_gn_sum_row, nx_gn_dev_row);
 }
 
 void nx_gn_coeffs_f32_generic(const double *part, int64_t P, int64_t C, int64_t G, int64_t chunk,

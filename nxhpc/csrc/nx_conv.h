@@ -35,6 +35,7 @@
 #define NX_CONV_H
 
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "nx_cpu.h"
 #include "nx_dispatch.h"
@@ -58,6 +59,48 @@
     X(add, void, (const float *a, const float *b, float *out, int64_t i0, int64_t i1))
 
 NX_DECLARE_FAMILY(nx_conv, NX_CONV_SLOTS)
+
+/* gn_partials' chunk loop, shared by the spec and the SIMD variants, which supply the two
+ * per-row steps: sum_row(xr, NULL, acc, C): acc[c] += (double)xr[c]; dev_row(xr, mc, acc, C):
+ * acc[c] += d * d, d = (double)xr[c] - mc[c] (the product and the sum two roundings), each
+ * channel's chain over the chunk's rows in order. The group steps are scalar, in channel order:
+ * each group's mean (its channel sums / n) into partials[(k * G + g) * 2] and mc[c], then its
+ * sum of squared deviations into partials[(k * G + g) * 2 + 1]. Returns 0, -1 if out of
+ * memory. Always inlined, so the row steps are resolved at compile time. */
+typedef void (*nx_gn_row_fn)(const float *xr, const double *mc, double *acc, int64_t C);
+
+static inline int nx_gn_partials_chunks(const float *x, int64_t P, int64_t C, int64_t G,
+                                        int64_t chunk, double *part, int64_t k0, int64_t k1,
+                                        nx_gn_row_fn sum_row, nx_gn_row_fn dev_row) {
+    const int64_t cpg = C / G;
+    double *acc = malloc(sizeof(double) * (size_t)(2 * C)); /* per-channel sums, then means */
+    if (!acc) return -1;
+    double *mc = acc + C;
+    for (int64_t k = k0; k < k1; k++) {
+        const int64_t r0 = k * chunk, r1 = r0 + chunk < P ? r0 + chunk : P;
+        const double n = (double)((r1 - r0) * cpg);
+        double *pk = part + k * G * 2;
+        for (int64_t c = 0; c < C; c++) acc[c] = 0.0;
+        for (int64_t r = r0; r < r1; r++) sum_row(x + r * C, NULL, acc, C);
+        for (int64_t g = 0; g < G; g++) {
+            double s = 0.0;
+            for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) s += acc[c];
+            const double mean = s / n;
+            for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) mc[c] = mean;
+            pk[g * 2] = mean;
+        }
+        for (int64_t c = 0; c < C; c++) acc[c] = 0.0;
+        for (int64_t r = r0; r < r1; r++) dev_row(x + r * C, mc, acc, C);
+        for (int64_t g = 0; g < G; g++) {
+            double s = 0.0;
+            for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) s += acc[c];
+            pk[g * 2 + 1] = s;
+        }
+    }
+    free(acc);
+    return 0;
+}
+
 extern const nx_conv_table nx_conv_table_generic; /* nx_conv.c: every slot */
 extern const nx_conv_table nx_conv_table_avx2;    /* nx_conv_avx2.c */
 extern const nx_conv_table nx_conv_table_avx512;  /* nx_conv_avx512.c */

@@ -104,56 +104,35 @@ typedef __m256d nxd;
 #define nxd_mul _mm256_mul_pd
 #endif
 
-/* The spec's operations (nx_gn_partials_f32_generic, nx_conv.c) with NXD_W channels' chains a
- * vector: per chunk, acc[c] += (double)x[r, c] over its rows in order; the group means from the
- * channel sums in channel order; then acc[c] += d * d, d = (double)x[r, c] - mean, the product
- * and the sum two roundings (this file is built without FMA contraction: -std=c11). */
+/* gn_partials' two row steps (nx_gn_partials_chunks, nx_conv.h) with NXD_W channels' chains a
+ * vector and the spec's scalar steps for the channels past the last whole vector: the same
+ * operations per channel, so the same bits (this file is built without FMA contraction:
+ * -std=c11). */
+static void NXV_FN(nx_gn_sum_row)(const float *xr, const double *mc, double *acc, int64_t C) {
+    (void)mc;
+    int64_t c = 0;
+    for (; c + NXD_W <= C; c += NXD_W)
+        nxd_store(acc + c, nxd_add(nxd_load(acc + c), nxd_cvt(xr + c)));
+    for (; c < C; c++) acc[c] += (double)xr[c];
+}
+
+static void NXV_FN(nx_gn_dev_row)(const float *xr, const double *mc, double *acc, int64_t C) {
+    int64_t c = 0;
+    for (; c + NXD_W <= C; c += NXD_W) {
+        const nxd d = nxd_sub(nxd_cvt(xr + c), nxd_load(mc + c));
+        nxd_store(acc + c, nxd_add(nxd_load(acc + c), nxd_mul(d, d)));
+    }
+    for (; c < C; c++) {
+        const double d = (double)xr[c] - mc[c];
+        const double d2 = d * d;
+        acc[c] += d2;
+    }
+}
+
 int NXV_FN(nx_gn_partials_f32)(const float *x, int64_t P, int64_t C, int64_t G, int64_t chunk,
                                double *part, int64_t k0, int64_t k1) {
-    const int64_t cpg = C / G;
-    double *acc = malloc(sizeof(double) * (size_t)(2 * C)); /* per-channel sums, then means */
-    if (!acc) return -1;
-    double *mc = acc + C;
-    for (int64_t k = k0; k < k1; k++) {
-        const int64_t r0 = k * chunk, r1 = r0 + chunk < P ? r0 + chunk : P;
-        const double n = (double)((r1 - r0) * cpg);
-        for (int64_t c = 0; c < C; c++) acc[c] = 0.0;
-        for (int64_t r = r0; r < r1; r++) {
-            const float *xr = x + r * C;
-            int64_t c = 0;
-            for (; c + NXD_W <= C; c += NXD_W)
-                nxd_store(acc + c, nxd_add(nxd_load(acc + c), nxd_cvt(xr + c)));
-            for (; c < C; c++) acc[c] += (double)xr[c];
-        }
-        for (int64_t g = 0; g < G; g++) {
-            double s = 0.0;
-            for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) s += acc[c];
-            const double mean = s / n;
-            for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) mc[c] = mean;
-            part[(k * G + g) * 2] = mean;
-        }
-        for (int64_t c = 0; c < C; c++) acc[c] = 0.0;
-        for (int64_t r = r0; r < r1; r++) {
-            const float *xr = x + r * C;
-            int64_t c = 0;
-            for (; c + NXD_W <= C; c += NXD_W) {
-                const nxd d = nxd_sub(nxd_cvt(xr + c), nxd_load(mc + c));
-                nxd_store(acc + c, nxd_add(nxd_load(acc + c), nxd_mul(d, d)));
-            }
-            for (; c < C; c++) {
-                const double d = (double)xr[c] - mc[c];
-                const double d2 = d * d;
-                acc[c] += d2;
-            }
-        }
-        for (int64_t g = 0; g < G; g++) {
-            double s = 0.0;
-            for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) s += acc[c];
-            part[(k * G + g) * 2 + 1] = s;
-        }
-    }
-    free(acc);
-    return 0;
+    return nx_gn_partials_chunks(x, P, C, G, chunk, part, k0, k1, NXV_FN(nx_gn_sum_row),
+                                 NXV_FN(nx_gn_dev_row));
 }
 
 void NXV_FN(nx_add_f32)(const float *a, const float *b, float *out, int64_t i0, int64_t i1) {
