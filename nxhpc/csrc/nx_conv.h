@@ -4,7 +4,8 @@
  * reading through a nearest x2 upsampling), the nearest x2 upsampling itself and the residual
  * add. Generic scalar functions are the spec (nx_conv.c); the AVX2 / AVX-512 files fill the
  * slots that pay (the GroupNorm partials, the affine + SiLU map, im2col and the add, written
- * once for both widths in nx_conv_ew.h); the rest inherit the spec at every ISA. Callers (nxhpc/_k_conv.pxi) validate every shape first.
+ * once for both widths in nx_conv_ew.h); the rest inherit the spec at every ISA. Callers
+ * (nxhpc/_k_conv.pxi) validate every shape first.
  *
  * Layout: activations are channels-last rows, x[p, c] = x[(y * W + x) * C + c] for the P = H * W
  * pixels of an H x W image with C channels. A 3x3 convolution is then a plain matmul of the
