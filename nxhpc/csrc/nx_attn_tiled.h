@@ -3,8 +3,8 @@
  * point, so the micro-block call is resolved at compile time and inlined.
  *
  * Owns: packing K^T, the key-mask row, the loops over heads / query blocks (of the band
- * [q0, q1)) / key tiles, the final
- * 1/l scaling and all scratch. For each query head h in [h0, h1): K^T of its kv head is packed
+ * [q0, q1)) / key tiles, the final 1/l scaling and all scratch. For each query head h in
+ * [h0, h1): K^T of its kv head is packed
  * once per kv head, tile-major (kt[tile][d][BC], keys past T zero); then for each block of <= QB
  * query rows and each key tile of BC keys, `micro` runs the tile for micro-blocks of <= BR rows;
  * finally each row is divided by its running sum l (zeros when l == 0: every key masked).
