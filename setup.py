@@ -37,7 +37,7 @@ ISA_FLAGS = {
                       "-mavx2", "-mfma", "-mf16c", "-mavx512bf16"],
     "_amx.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
                "-mavx2", "-mfma", "-mf16c", "-mavx512bf16", "-mamx-tile", "-mamx-int8",
-               "-mamx-bf16", "-mprfchw"],
+               "-mamx-bf16"],
 }
 NATIVE_OPT_IN = os.environ.get("NXHPC_MARCH_NATIVE") == "1"  # local opt-in only, off by default
 if NATIVE_OPT_IN:

@@ -48,7 +48,7 @@ FLAG_FEATURE = {"-mavx": "avx", "-mavx2": "avx2", "-mfma": "fma", "-mf16c": "f16
                 "-mavx512dq": "avx512dq", "-mavx512vnni": "avx512vnni",
                 "-mavx512bf16": "avx512bf16", "-mavx512vbmi": "avx512vbmi",
                 "-mavxvnni": "avxvnni", "-mamx-tile": "amx_tile", "-mamx-int8": "amx_int8",
-                "-mamx-bf16": "amx_bf16", "-mprfchw": "prfchw"}
+                "-mamx-bf16": "amx_bf16"}
 
 
 def test_isa_flags_stay_within_the_features_the_isa_requires():

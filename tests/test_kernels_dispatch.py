@@ -17,13 +17,13 @@ from nxhpc import _kernels as K
 
 FEATURES = ("sse2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
             "avx512vnni", "avx512bf16", "os_ymm", "os_zmm", "avx512vbmi", "avxvnni", "amx_tile",
-            "amx_int8", "amx_bf16", "os_amx", "amx_permitted", "prfchw")
+            "amx_int8", "amx_bf16", "os_amx", "amx_permitted")
 # our CPUID feature -> the /proc/cpuinfo flag Linux prints for it
 CPUINFO_FLAG = {"sse2": "sse2", "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c",
                 "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512vl": "avx512vl",
                 "avx512dq": "avx512dq", "avx512vnni": "avx512_vnni", "avx512bf16": "avx512_bf16",
                 "avx512vbmi": "avx512vbmi", "avxvnni": "avx_vnni", "amx_tile": "amx_tile",
-                "amx_int8": "amx_int8", "amx_bf16": "amx_bf16", "prfchw": "3dnowprefetch"}
+                "amx_int8": "amx_int8", "amx_bf16": "amx_bf16"}
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 

@@ -13,9 +13,9 @@
 static const char *const nx_feature_names[NX_CPU_NFEATURES] = {
     "sse2",     "avx",      "avx2",       "fma",        "f16c",   "avx512f",       "avx512bw",
     "avx512vl", "avx512dq", "avx512vnni", "avx512bf16", "os_ymm", "os_zmm",        "avx512vbmi",
-    "avxvnni",  "amx_tile", "amx_int8",   "amx_bf16",   "os_amx", "amx_permitted", "prfchw",
+    "avxvnni",  "amx_tile", "amx_int8",   "amx_bf16",   "os_amx", "amx_permitted",
 };
-_Static_assert(NX_CPU_PRFCHW == 1u << (NX_CPU_NFEATURES - 1), "feature names out of date");
+_Static_assert(NX_CPU_AMX_PERMITTED == 1u << (NX_CPU_NFEATURES - 1), "feature names out of date");
 
 const char *nx_cpu_feature_name(int i) {
     return i >= 0 && i < NX_CPU_NFEATURES ? nx_feature_names[i] : "unknown";
@@ -85,10 +85,6 @@ static uint32_t nx_probe(void) {
             if (a & (1u << 4)) f |= NX_CPU_AVXVNNI;
             if (a & (1u << 5)) f |= NX_CPU_AVX512BF16;
         }
-    }
-    if (__get_cpuid_max(0x80000000u, NULL) >= 0x80000001u) {
-        __cpuid(0x80000001u, a, b, c, d);
-        if (c & (1u << 8)) f |= NX_CPU_PRFCHW;
     }
     if ((f & NX_CPU_AMX_TILE) && os_amx) {
         f |= NX_CPU_OS_AMX;

@@ -35,9 +35,8 @@ enum {
     NX_CPU_AMX_BF16 = 1u << 17,
     NX_CPU_OS_AMX = 1u << 18,        /* OS saves tile state (XCR0 bits 17, 18) */
     NX_CPU_AMX_PERMITTED = 1u << 19, /* Linux granted XTILEDATA (arch_prctl ARCH_REQ_XCOMP_PERM) */
-    NX_CPU_PRFCHW = 1u << 20,        /* PREFETCHW (CPUID 0x80000001 ECX bit 8; "3dnowprefetch") */
 };
-#define NX_CPU_NFEATURES 21
+#define NX_CPU_NFEATURES 20
 
 /* Name of feature bit i ("sse2", "avx512bf16", "os_amx", ...), i in [0, NX_CPU_NFEATURES). */
 const char *nx_cpu_feature_name(int i);
@@ -66,11 +65,10 @@ const char *nx_cpu_feature_name(int i);
 
 /* AMX (Sapphire Rapids and later): the tile unit with its int8 and bf16 dot products, granted to
  * the process by the OS (XCR0 tile state and, on Linux, the XTILEDATA permission the probe asks
- * for), and PREFETCHW (every AMX CPU has it; the bf16 matmul prefetches its output lines for
- * writing). Everything else an AMX file may use is AVX512BF16's. */
+ * for). Everything else an AMX file may use is AVX512BF16's. */
 #define NX_ISA_NEEDS_AMX                                                                           \
     (NX_ISA_NEEDS_AVX512 | NX_CPU_AVX512BF16 | NX_CPU_AMX_TILE | NX_CPU_AMX_INT8 |                 \
-     NX_CPU_AMX_BF16 | NX_CPU_OS_AMX | NX_CPU_AMX_PERMITTED | NX_CPU_PRFCHW)
+     NX_CPU_AMX_BF16 | NX_CPU_OS_AMX | NX_CPU_AMX_PERMITTED)
 
 /* The ISA targets: X(ID, "name", needed feature bits, parent, rank). Dispatch for a target walks
  * target -> parent -> ... -> GENERIC and takes each kernel from the first target that has it

@@ -273,7 +273,7 @@ float nx_dpbf16_step(float acc, float a, float b); /* ftz(fma(daz(a), daz(b), da
  *     multiple of 1024 floats puts a tile's rows in a handful of L1 sets; Cp does not. next:
  *     in the last k-block, the first output of the tile the driver runs after this one when
  *     that tile is a whole MR x NR one in the same block (NULL otherwise): a hint, for the
- *     kernel to prefetch those output lines for writing while it computes. */
+ *     kernel to prefetch those output lines while it computes. */
 typedef struct {
     size_t mr, nr, kc, nc, mc;
     size_t a_group, b_group, a_scratch, b_scratch;
