@@ -59,15 +59,11 @@ void nx_add_f32(nx_isa isa, const float *a, const float *b, float *out, int64_t 
 
 static void nx_gn_sum_row(const float *xr, const double *mc, double *acc, int64_t C) {
     (void)mc;
-    for (int64_t c = 0; c < C; c++) acc[c] += (double)xr[c];
+    nx_gn_sum_cols(xr, acc, 0, C);
 }
 
 static void nx_gn_dev_row(const float *xr, const double *mc, double *acc, int64_t C) {
-    for (int64_t c = 0; c < C; c++) {
-        const double d = (double)xr[c] - mc[c];
-        const double d2 = d * d;
-        acc[c] += d2;
-    }
+    nx_gn_dev_cols(xr, mc, acc, 0, C);
 }
 
 int nx_gn_partials_f32_generic(const float *x, int64_t P, int64_t C, int64_t G, int64_t chunk,

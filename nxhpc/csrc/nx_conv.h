@@ -70,6 +70,20 @@ NX_DECLARE_FAMILY(nx_conv, NX_CONV_SLOTS)
  * memory. Always inlined, so the row steps are resolved at compile time. */
 typedef void (*nx_gn_row_fn)(const float *xr, const double *mc, double *acc, int64_t C);
 
+/* The two row steps of the spec, scalar, over channels [c0, C) (the SIMD variants' tails). */
+static inline void nx_gn_sum_cols(const float *xr, double *acc, int64_t c0, int64_t C) {
+    for (int64_t c = c0; c < C; c++) acc[c] += (double)xr[c];
+}
+
+static inline void nx_gn_dev_cols(const float *xr, const double *mc, double *acc, int64_t c0,
+                                  int64_t C) {
+    for (int64_t c = c0; c < C; c++) {
+        const double d = (double)xr[c] - mc[c];
+        const double d2 = d * d;
+        acc[c] += d2;
+    }
+}
+
 static inline int nx_gn_partials_chunks(const float *x, int64_t P, int64_t C, int64_t G,
                                         int64_t chunk, double *part, int64_t k0, int64_t k1,
                                         nx_gn_row_fn sum_row, nx_gn_row_fn dev_row) {

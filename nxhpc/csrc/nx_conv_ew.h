@@ -83,7 +83,6 @@ void NXV_FN(nx_im2col3x3_f32)(const float *x, int64_t H, int64_t W, int64_t C, i
 }
 
 /* float64 vectors of half the float32 width (the GroupNorm partials' chains) */
-#include <immintrin.h>
 #if NXV_W == 16
 typedef __m512d nxd;
 #define NXD_W 8
@@ -113,7 +112,7 @@ static void NXV_FN(nx_gn_sum_row)(const float *xr, const double *mc, double *acc
     int64_t c = 0;
     for (; c + NXD_W <= C; c += NXD_W)
         nxd_store(acc + c, nxd_add(nxd_load(acc + c), nxd_cvt(xr + c)));
-    for (; c < C; c++) acc[c] += (double)xr[c];
+    nx_gn_sum_cols(xr, acc, c, C);
 }
 
 static void NXV_FN(nx_gn_dev_row)(const float *xr, const double *mc, double *acc, int64_t C) {
@@ -122,11 +121,7 @@ static void NXV_FN(nx_gn_dev_row)(const float *xr, const double *mc, double *acc
         const nxd d = nxd_sub(nxd_cvt(xr + c), nxd_load(mc + c));
         nxd_store(acc + c, nxd_add(nxd_load(acc + c), nxd_mul(d, d)));
     }
-    for (; c < C; c++) {
-        const double d = (double)xr[c] - mc[c];
-        const double d2 = d * d;
-        acc[c] += d2;
-    }
+    nx_gn_dev_cols(xr, mc, acc, c, C);
 }
 
 int NXV_FN(nx_gn_partials_f32)(const float *x, int64_t P, int64_t C, int64_t G, int64_t chunk,

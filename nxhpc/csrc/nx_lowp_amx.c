@@ -743,24 +743,24 @@ static void nx_amxbf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t
 }
 
 /* out^T block: tile 0 = columns 0-15 x tokens 0-15, 1 = columns 0-15 x tokens 16-31, 2 and 3
- * the same for columns 16-31. In the last k-block, nout (the driver's next whole tile) has its
- * 64 output lines prefetched into L2 (PREFETCHT1), spread over its groups (4 a group at 16, 8 at
- * the 8 of a K = 3840 last k-block): the output rows are written once per call,
- * missing every cache, and stores commit in order, so each tile's 64 missing stores held up the
- * next tiles' (the tile sums' stores to Cp) until their lines came. AMX Xeon, one thread, Q4_K,
- * K = 3840, N = 5120, a /tmp C loop over nx_matmul_bf16, alternating runs, first with
- * PREFETCHW (for writing), ms: T=256
- * 10.13-10.81 -> 9.80-10.09, T=1024 40.5-44.4 -> 39.7-40.8, T=2048 83.8-86.2 -> 78.7-79.6; a
- * later, quieter pair (the lines spread over the groups): T=256 9.01-9.13 -> 8.98-9.07 (noise),
- * T=1024 38.3-39.1 -> 36.7-37.8. A timing build that skipped the output stores altogether
- * (wrong output): 36.9-38.7 at T=1024 in the first pair's conditions.
- * PREFETCHT1 instead of PREFETCHW (alternating, T=1024: 35.5-37.2 with PREFETCHW, 36.0-36.6
- * with PREFETCHT1, 37.2-38.5 with neither; T=2048 71.0 / 69.8-71.3 / 72.9-75.7), PREFETCHT0 or
- * two tiles ahead: the same, so the plain SSE prefetch, which needs no feature bit beyond the
- * ISA's (PREFETCHW has its own CPUID bit). The sums
- * over ng groups start from zero (first) or continue from Cp: the four float32 tiles of 1 KiB
- * each (rows 64 bytes apart: 16 consecutive cache lines). Stored back to Cp, or after the last
- * k-block transposed into C[0:mr, 0:nr] (ldc floats per row). */
+ * the same for columns 16-31. The sums over ng groups start from zero (first) or continue from
+ * Cp: the four float32 tiles of 1 KiB each (rows 64 bytes apart: 16 consecutive cache lines).
+ * Stored back to Cp, or after the last k-block transposed into C[0:mr, 0:nr] (ldc floats per
+ * row).
+ * In the last k-block the 64 output lines of nout (the driver's next whole tile) are prefetched
+ * into L2, spread over the groups (4 a group at 16 groups, 8 at the 8 of K = 3840's last
+ * k-block). The output rows are written once per call and miss every cache; stores commit in
+ * order, so each tile's 64 missing stores held up the next tiles' stores to Cp until their
+ * lines came. AMX Xeon, one thread, Q4_K, K = 3840, N = 5120, a /tmp C loop over
+ * nx_matmul_bf16, alternating runs, ms:
+ *   - with PREFETCHW: T=256 10.13-10.81 -> 9.80-10.09, T=1024 40.5-44.4 -> 39.7-40.8, T=2048
+ *     83.8-86.2 -> 78.7-79.6; a quieter pair with the lines spread: T=256 9.01-9.13 ->
+ *     8.98-9.07 (noise), T=1024 38.3-39.1 -> 36.7-37.8;
+ *   - PREFETCHW / PREFETCHT1 / none: T=1024 35.5-37.2 / 36.0-36.6 / 37.2-38.5, T=2048 71.0 /
+ *     69.8-71.3 / 72.9-75.7. PREFETCHT0 or two tiles ahead: the same. So PREFETCHT1, which
+ *     needs no CPUID bit beyond the ISA's (PREFETCHW has its own);
+ *   - a timing build that skipped the output stores (wrong output): 36.9-38.7 at T=1024 in the
+ *     first pair's conditions. */
 static void nx_amxbf_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *Cp, float *C,
                           size_t ldc, int mr, int nr, int first, int last, const float *nout) {
     if (first) {
