@@ -87,7 +87,21 @@ def step(acc, a, b):
 
 
 def exp_e(x):
-    """E(x) of the contract (nx_vmath_ew.h's polynomial), op for op in float32."""
+    """E(x) of the contract (nx_vmath_ew.h's nx_pexp, for x <= 0, -inf, NaN), op for op in
+    float32."""
+    x = np.asarray(x, F32)
+    x = np.where(F32(-110) > x, F32(-110), x).astype(F32)
+    n = np.rint(x * F32(1.44269504088896341)).astype(F32)
+    r = fma32(-n, F32(float.fromhex("0x1.62e430p-1")), x)
+    p = np.full_like(x, F32(float.fromhex("0x1.541480p-5")))
+    for c in ("0x1.57cf54p-3", "0x1.0003f6p-1", "0x1.fffba6p-1", "0x1p0"):
+        p = fma32(p, r, F32(float.fromhex(c)))
+    return (p.astype(np.float64) * np.exp2(n.astype(np.float64))).astype(F32)
+
+
+def exp_nx(x):
+    """E as it was until 2026-12-05 (nx_exp, the f32 kernels' exp: Cephes P5): a broken rule
+    now (``broken="nx_exp"``), to show the tests tell the two apart."""
     x = np.asarray(x, F32)
     x = np.where(F32(89) < x, F32(89), x)
     x = np.where(F32(-110) > x, F32(-110), x).astype(F32)
@@ -102,11 +116,15 @@ def exp_e(x):
     return (p.astype(np.float64) * np.exp2(n.astype(np.float64))).astype(F32)
 
 
+E_REL = 2.0 ** -18   # the contract's bound on E: |E(x) - e^x| <= E_REL e^x + 2^-149
+
+
 def contract_attention(q, k, qkv, KVH, scale, mask=None, causal=False, broken=None):
     """The header's contract, transcribed (all rows of a head at once). broken: None, or one rule
     replaced -- "p_f32" (P not rounded), "l_bf16" (l rounded to bfloat16 per tile), "pair_even"
     (the even element of each pair first), "no_ftz" (the dot steps without DAZ/FTZ), "fmaf_ftz"
-    (the dot steps as gradual-underflow fmaf with subnormal results flushed: fmaf_ftz_step)."""
+    (the dot steps as gradual-underflow fmaf with subnormal results flushed: fmaf_ftz_step),
+    "nx_exp" (E as it was until 2026-12-05: exp_nx)."""
     H, T, hd = q.shape
     group = H // KVH
     hd2, nt = (hd + 1) // 2 * 2, -(-T // TILE)
@@ -144,8 +162,9 @@ def contract_attention(q, k, qkv, KVH, scale, mask=None, causal=False, broken=No
                 mx = x.max(axis=1)
                 m_new = np.where(mx > m, mx, m).astype(F32)
                 m_use = np.where(m_new == -np.inf, F32(0), m_new).astype(F32)
-                alpha = exp_e((m - m_use).astype(F32))
-                p = exp_e((x - m_use[:, None]).astype(F32))
+                ex = exp_nx if broken == "nx_exp" else exp_e
+                alpha = ex((m - m_use).astype(F32))
+                p = ex((x - m_use[:, None]).astype(F32))
                 if broken != "p_f32":
                     p = bf(p)
                 a = (((p[:, 0:16] + p[:, 16:32]) + p[:, 32:48]) + p[:, 48:64]).astype(F32)
@@ -204,7 +223,7 @@ def ref_and_bound(q, k, qkv, KVH, scale, mask=None, causal=False):
         delta = np.where(allowed, delta_j, 0).max(axis=1)
         smin = np.where(allowed, s, np.inf).min(axis=1)
         R = np.where(has, smax.max(axis=1) - smin, 0) + 2 * delta
-        rho = (1 + U) * (1 + 2.0 ** -22) ** (nt + 1) * (1 + E) ** (2 * nt) * np.exp(2 * E * R) - 1
+        rho = (1 + U) * (1 + E_REL) ** (nt + 1) * (1 + E) ** (2 * nt) * np.exp(2 * E * R) - 1
         eta = np.exp(delta) * (1 + rho) * (1 + gam(64 * nt + 2 * nt + 8)) - 1
         coef = (2 * eta + U * (1 + eta)) / (1 - eta) + 2.0 ** -21
         A = w @ np.abs(v64)
@@ -391,16 +410,46 @@ def test_ftz_rounding_boundary_is_the_contract(isa, side):
 
 def test_broken_contracts_are_caught():
     """Negative controls: the same transcription with one rule changed (P left in float32, the
-    running sum l held in bfloat16, the pair order swapped) differs from the kernels' bits."""
+    running sum l held in bfloat16, the pair order swapped, the former E) differs from the
+    kernels' bits."""
     rng = np.random.default_rng(7)
     T, H, KVH, hd = 100, 2, 1, 24
     q, k, qkv = inputs(rng, T, H, KVH, hd, qk_scale=2.0)
     scale = 1 / math.sqrt(hd)
     got = run(q, k, qkv, KVH, scale, SPEC_ISAS[-1], causal=True)
     assert_bitwise(got, contract_attention(q, k, qkv, KVH, scale, causal=True), "contract")
-    for broken in ("p_f32", "l_bf16", "pair_even"):
+    for broken in ("p_f32", "l_bf16", "pair_even", "nx_exp"):
         other = contract_attention(q, k, qkv, KVH, scale, causal=True, broken=broken)
         assert (bits(other) != bits(got)).mean() > 0.05, broken
+
+
+def test_exp_is_within_its_bound():
+    """E (the transcription the kernels equal bit for bit) against float64 exp: within
+    2^-18 e^x + 2^-149 on 2e7 points of [-110, 0] (dense near 0, where the weights that matter
+    are), 0 and -0 give exactly 1, -inf gives 0, NaN stays NaN, and E never exceeds 1 (so the
+    running max's weight stays the largest). Not vacuous: the max relative error on the normal
+    range exceeds 2^-19, and a degree-3 fit of the same form misses 2^-18."""
+    rng = np.random.default_rng(11)
+    x = np.concatenate([-rng.uniform(0, 110, 10_000_000), -rng.exponential(1.0, 5_000_000),
+                        -rng.uniform(0, 2.0 ** -10, 5_000_000)]).astype(F32)
+    got = exp_e(x).astype(np.float64)
+    ref = np.exp(x.astype(np.float64))
+    err = np.abs(got - ref)
+    assert np.all(err <= E_REL * ref + 2.0 ** -149)
+    assert np.all(got <= 1.0)
+    normal = ref >= 2.0 ** -126
+    assert (err[normal] / ref[normal]).max() > 2.0 ** -19
+    special = exp_e(np.array([0.0, -0.0, -np.inf, np.nan], F32))
+    assert special[0] == 1 and special[1] == 1 and special[2] == 0 and np.isnan(special[3])
+    # the same reduction with a degree-3 Taylor polynomial: outside the bound
+    n = np.rint(x[:100_000] * F32(1.44269504088896341)).astype(F32)
+    r = fma32(-n, F32(float.fromhex("0x1.62e430p-1")), x[:100_000])
+    p3 = np.full_like(r, F32(1 / 6))
+    for c in (0.5, 1.0, 1.0):
+        p3 = fma32(p3, r, F32(c))
+    worse = p3.astype(np.float64) * np.exp2(n.astype(np.float64))
+    ref3 = np.exp(x[:100_000].astype(np.float64))
+    assert (np.abs(worse - ref3) / ref3).max() > E_REL
 
 
 @pytest.mark.parametrize("T", [1, 3, 63, 64, 65, 200, 333])

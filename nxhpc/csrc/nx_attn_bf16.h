@@ -34,9 +34,13 @@
  *     O[d] = O[d] * alpha, then for i = 0..31: O[d] = step(O[d], p_{2i+1}, vb[64b+2i+1,d]);
  *                                              O[d] = step(O[d], p_{2i},   vb[64b+2i,d])
  *   out[t, h*hd+d] = l == 0 ? 0 : O[d] * (1.0f / l)       (every key excluded: zeros)
- *   E(x) = the float32 exp polynomial of nx_vmath_ew.h (clamp to [-110, 89], Cody-Waite reduction
- *   by rint(x * log2 e), Cephes P5 by fmaf, times 2^n rounded once); E(0) = 1 exactly,
- *   E(-inf) = 0. nx_attn_exp below is its scalar form (same operations, same bits).
+ *   E(x) = nx_pexp of nx_vmath_ew.h, an exp for the arguments here (x <= 0, -inf, NaN): clamp
+ *   below at -110, n = rint(x * log2 e), one fma with ln2 rounded to float32, a degree-4
+ *   polynomial by fmaf, times 2^n rounded once; |E(x) - e^x| <= 2^-18 e^x + 2^-149, E(0) = 1
+ *   exactly, E(-inf) = 0. nx_attn_exp below is its scalar form (same operations, same bits).
+ *   (Until 2026-12-05 E was nx_exp, the f32 kernels' exp: <= 2 ulp, but 15 vector operations
+ *   against 9. The weights are rounded to bfloat16 right after, so 2^-18 costs the bound below
+ *   almost nothing, and the AMX kernel ran 8% faster: docs/kernels.md.)
  *   A maximum is exact whatever its order (a zero's sign never changes a later result: E(+-0)
  *   = 1), so the micro-blocks may take it in any order; every other operation is in the order
  *   above. Rows never interact: a row's operations depend on t, T and the inputs only, never
@@ -64,8 +68,8 @@
  *   delta_j = scale ((2u + u^2) + gamma_P (1+u)^2) sum_d |q_d k_jd| (P = 2*P2 steps), plus
  *             e (|s*_j| + that) (the product by scale); delta = max over allowed j;
  *   R = max_j s*_j - min_j s*_j + 2 delta (the spread of the computed allowed scores);
- *   rho = (1+u) (1 + 2^-22)^(nt+1) (1+e)^(2nt) exp(2 e R) - 1
- *         (p's bfloat16 rounding, E's <= 2 ulp, each rescale alpha and its float32 product, the
+ *   rho = (1+u) (1 + 2^-18)^(nt+1) (1+e)^(2nt) exp(2 e R) - 1
+ *         (p's bfloat16 rounding, E's 2^-18, each rescale alpha and its float32 product, the
  *         subtractions x - m, |x - m| <= R, and the rescales' m differences, which sum to <= R);
  *   eta = exp(delta) (1 + rho) (1 + gamma_{64 nt + 2 nt + 8}) - 1  (every weight, in O and in l:
  *         the bf16 dot chain runs 64 steps per tile, l one tree and one add per tile);
@@ -125,25 +129,21 @@ int nx_attention_bf16_avx512bf16(const float *q, const float *k, const float *qk
                                  int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1,
                                  int64_t t0, int64_t t1, int causal);
 
-/* E(x): the scalar form of nx_exp16 / nx_exp8 (nx_vmath_ew.h), operation for operation: the
- * clamp keeps NaN like min_ps/max_ps (their second operand), rintf rounds to nearest even like
- * roundscale, fmaf is the vector FMA, ldexpf rounds p * 2^n once like scalef (|n| <= 159). Used by
- * the generic spec; the SIMD variant calls nx_exp16 itself. */
+/* E(x): the scalar form of nx_pexp16 / nx_pexp8 (nx_vmath_ew.h), operation for operation, for the
+ * contract's arguments (x <= 0, -inf, NaN: a score minus the running max, or the old max minus
+ * the new): the clamp keeps NaN like max_ps (its second operand), rintf rounds to nearest even
+ * like roundscale, fmaf is the vector FMA, ldexpf rounds p * 2^n once like scalef (n in
+ * [-159, 0]). Used by the generic spec; the SIMD variants call nx_pexp16 / nx_pexp8. */
 static inline float nx_attn_exp(float x) {
-    if (x != x) return x + x; /* NaN (its payload is not part of the contract) */
-    x = 89.0f < x ? 89.0f : x;     /* min_ps(89, x): x unless 89 < x */
+    if (x != x) return x + x;      /* NaN (its payload is not part of the contract) */
     x = -110.0f > x ? -110.0f : x; /* max_ps(-110, x): x unless -110 > x */
     const float n = rintf(x * 1.44269504088896341f);
-    float r = fmaf(-n, 0.693359375f, x);
-    r = fmaf(-n, -2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p, r * r, r);
-    p = p + 1.0f;
+    const float r = fmaf(-n, 0x1.62e430p-1f, x);
+    float p = 0x1.541480p-5f;
+    p = fmaf(p, r, 0x1.57cf54p-3f);
+    p = fmaf(p, r, 0x1.0003f6p-1f);
+    p = fmaf(p, r, 0x1.fffba6p-1f);
+    p = fmaf(p, r, 1.0f);
     return ldexpf(p, (int)n);
 }
 
