@@ -160,7 +160,7 @@ def _bf16_check(out, q, k, qkv, T, H, extra=0.0, rows=32):
     delta = (a + e * (np.abs(s) + a)).max(1)
     nt = -(-T // 64)
     R = s.max(1) - s.min(1) + 2 * delta
-    rho = (1 + u) * (1 + 2.0 ** -22) ** (nt + 1) * (1 + e) ** (2 * nt) * np.exp(2 * e * R) - 1
+    rho = (1 + u) * (1 + 2.0 ** -18) ** (nt + 1) * (1 + e) ** (2 * nt) * np.exp(2 * e * R) - 1
     eta = np.exp(delta) * (1 + rho) * (1 + gam(66 * nt + 8)) - 1
     coef = (2 * eta + u * (1 + eta)) / (1 - eta) + 2.0 ** -21 + extra
     bound = coef[:, None] * (p @ np.abs(v)) + 64 * nt * 2.0 ** -124 * (1 + np.abs(v).max())
