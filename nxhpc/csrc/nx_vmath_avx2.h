@@ -53,7 +53,7 @@ typedef __m256 nxm_cmp; /* a lane predicate (all-ones lanes) */
 #define NXM_SCALE2N(p, n) nx_scale2n8(p, n)
 #define NXM_CMP(a, b, pred) _mm256_cmp_ps(a, b, pred)
 #define NXM_SELECT(m, f, t) _mm256_blendv_ps(f, t, m) /* lane: m ? t : f */
-#include "nx_vmath_ew.h" /* nx_exp8, nx_tanh8 */
+#include "nx_vmath_ew.h" /* nx_exp8, nx_pexp8, nx_tanh8 */
 
 /* silu(x) = (x < 0 ? x*e : x) / (1 + e), e = exp(-|x|) (nx_exp8), 8 lanes, same formula as
  * nx_silu16: never overflows; -inf is clamped to -FLT_MAX first so silu(-inf) = -0; NaN kept.

@@ -40,7 +40,7 @@ typedef __mmask16 nxm_cmp; /* a lane predicate */
 #define NXM_SCALE2N(p, n) _mm512_scalef_ps(p, n) /* p * 2^n, rounded once */
 #define NXM_CMP(a, b, pred) _mm512_cmp_ps_mask(a, b, pred)
 #define NXM_SELECT(m, f, t) _mm512_mask_blend_ps(m, f, t) /* lane: m ? t : f */
-#include "nx_vmath_ew.h" /* nx_exp16, nx_tanh16 */
+#include "nx_vmath_ew.h" /* nx_exp16, nx_pexp16, nx_tanh16 */
 
 /* silu(x) = (x < 0 ? x*e : x) / (1 + e), e = exp(-|x|) (nx_exp16): never overflows; -inf is
  * clamped to -FLT_MAX first so silu(-inf) = -0; NaN kept. Used by the forward swiglu only: the

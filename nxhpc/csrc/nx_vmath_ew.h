@@ -1,8 +1,9 @@
-/* nx_vmath_ew.h -- the exp and tanh polynomials, written once for both vector widths: included
- * exactly once by nx_vmath_avx512.h (nx_exp16, nx_tanh16) and by nx_vmath_avx2.h (nx_exp8,
- * nx_tanh8), each after defining its spellings: NXM_FN(name) (name16 / name8), NXM_PS(op) (the
- * _ps intrinsic of its width, by its own name), nxm_v, nxm_cmp, NXM_ROUND, NXM_SCALE2N, NXM_CMP,
- * NXM_SELECT. Every lane runs the same float32 operations at both widths (the same bits).
+/* nx_vmath_ew.h -- the exp, softmax-weight exp and tanh polynomials, written once for both vector
+ * widths: included exactly once by nx_vmath_avx512.h (nx_exp16, nx_pexp16, nx_tanh16) and by
+ * nx_vmath_avx2.h (nx_exp8, nx_pexp8, nx_tanh8), each after defining its spellings:
+ * NXM_FN(name) (name16 / name8), NXM_PS(op) (the _ps intrinsic of its width, by its own name),
+ * nxm_v, nxm_cmp, NXM_ROUND, NXM_SCALE2N, NXM_CMP, NXM_SELECT. Every lane runs the same float32
+ * operations at both widths (the same bits).
  * Must not: be included from anywhere else (it has no include guard of its own: one copy per
  * width), keep state, or emit symbols (static inline only).
  */
