@@ -157,7 +157,7 @@ def _bf16_check(out, q, k, qkv, T, H, extra=0.0, rows=32):
     p /= p.sum(1, keepdims=True)
     gam = lambda n: n * e / (1 - n * e)  # noqa: E731
     a = ((2 * u + u * u) + gam(HD) * (1 + u) ** 2) * sc * (np.abs(q64) @ np.abs(k64).T)
-    delta = (a + e * (np.abs(s) + a)).max(1)
+    delta = (a + gam(2) * (np.abs(s) + a)).max(1)  # c = scale log2 e rounded, then s * c
     nt = -(-T // 64)
     R = s.max(1) - s.min(1) + 2 * delta
     rho = (1 + u) * (1 + 2.0 ** -18) ** (nt + 1) * (1 + e) ** (2 * nt) * np.exp(2 * e * R) - 1

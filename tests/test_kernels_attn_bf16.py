@@ -86,22 +86,34 @@ def step(acc, a, b):
     return np.where(np.abs(ex) < FTZ_EDGE, np.copysign(F32(0), r), r).astype(F32)
 
 
-def exp_e(x):
-    """E(x) of the contract (nx_vmath_ew.h's nx_pexp, for x <= 0, -inf, NaN), op for op in
-    float32."""
-    x = np.asarray(x, F32)
-    x = np.where(F32(-110) > x, F32(-110), x).astype(F32)
-    n = np.rint(x * F32(1.44269504088896341)).astype(F32)
-    r = fma32(-n, F32(float.fromhex("0x1.62e430p-1")), x)
-    p = np.full_like(x, F32(float.fromhex("0x1.541480p-5")))
-    for c in ("0x1.57cf54p-3", "0x1.0003f6p-1", "0x1.fffba6p-1", "0x1p0"):
-        p = fma32(p, r, F32(float.fromhex(c)))
+LOG2E = 1.4426950408889634
+
+
+def scale2(scale):
+    """c of the contract: the scores' base-2 factor, (float)((double)scale * log2 e)."""
+    return F32(np.float64(F32(scale)) * LOG2E)
+
+
+def pow2_e(y, down=True):
+    """E(y) ~ 2^y of the contract (nx_vmath_ew.h's nx_exp2_, for y <= 0, -inf, NaN), op for op
+    in float32. down=False: y - floor(y) rounded to nearest instead (a broken rule)."""
+    y = np.asarray(y, F32)
+    y = np.where(F32(-160) > y, F32(-160), y).astype(F32)
+    n = np.floor(y).astype(F32)
+    f = (y - n).astype(F32)
+    # rounded toward -inf (VREDUCEPS): one ulp down where the subtraction rounded up (Fast2Sum:
+    # -n >= |y|, so f + n and y - (f + n) are exact; the latter is the rounding error)
+    up = ((y - (f + n).astype(F32)).astype(F32) < 0) & down
+    f = np.where(up, np.nextafter(f, F32(-np.inf)), f).astype(F32)
+    p = np.full_like(y, F32(float.fromhex("0x1.bc31dap-7")))
+    for c in ("0x1.aa3fcap-5", "0x1.ee5884p-3", "0x1.62d51cp-1", "0x1p0"):
+        p = fma32(p, f, F32(float.fromhex(c)))
     return (p.astype(np.float64) * np.exp2(n.astype(np.float64))).astype(F32)
 
 
 def exp_nx(x):
-    """E as it was until 2026-12-05 (nx_exp, the f32 kernels' exp: Cephes P5): a broken rule
-    now (``broken="nx_exp"``), to show the tests tell the two apart."""
+    """E as it was until 2026-12-05 (e^x by nx_exp, the f32 kernels' exp: Cephes P5, on scores
+    x = s * scale): a broken rule now (``broken="nx_exp"``), to show the tests tell them apart."""
     x = np.asarray(x, F32)
     x = np.where(F32(89) < x, F32(89), x)
     x = np.where(F32(-110) > x, F32(-110), x).astype(F32)
@@ -116,7 +128,7 @@ def exp_nx(x):
     return (p.astype(np.float64) * np.exp2(n.astype(np.float64))).astype(F32)
 
 
-E_REL = 2.0 ** -18   # the contract's bound on E: |E(x) - e^x| <= E_REL e^x + 2^-149
+E_REL = 2.0 ** -18   # the contract's bound on E: |E(y) - 2^y| <= E_REL 2^y + 2^-150
 
 
 def contract_attention(q, k, qkv, KVH, scale, mask=None, causal=False, broken=None):
@@ -124,13 +136,14 @@ def contract_attention(q, k, qkv, KVH, scale, mask=None, causal=False, broken=No
     replaced -- "p_f32" (P not rounded), "l_bf16" (l rounded to bfloat16 per tile), "pair_even"
     (the even element of each pair first), "no_ftz" (the dot steps without DAZ/FTZ), "fmaf_ftz"
     (the dot steps as gradual-underflow fmaf with subnormal results flushed: fmaf_ftz_step),
-    "nx_exp" (E as it was until 2026-12-05: exp_nx)."""
+    "nx_exp" (the scores and E as they were until 2026-12-05: x = s * scale, E = exp_nx),
+    "frac_nearest" (E's y - floor(y) rounded to nearest, not down)."""
     H, T, hd = q.shape
     group = H // KVH
     hd2, nt = (hd + 1) // 2 * 2, -(-T // TILE)
     Tp = nt * TILE
     out = np.zeros((T, H * hd), F32)
-    scale = F32(scale)
+    c = F32(scale) if broken == "nx_exp" else scale2(scale)
     first, second = (0, 1) if broken == "pair_even" else (1, 0)
     dot = {"no_ftz": lambda acc, a, b: fma32(a, b, acc), "fmaf_ftz": fmaf_ftz_step}.get(broken, step)
     rows = np.arange(T)
@@ -158,11 +171,12 @@ def contract_attention(q, k, qkv, KVH, scale, mask=None, causal=False, broken=No
                     allowed &= np.concatenate([mask.astype(bool), np.zeros(Tp - T, bool)])[keys]
                 if causal:
                     allowed &= keys[None, :] <= rows[:, None]
-                x = np.where(allowed, (s * scale).astype(F32), F32(-np.inf))
+                x = np.where(allowed, (s * c).astype(F32), F32(-np.inf))
                 mx = x.max(axis=1)
                 m_new = np.where(mx > m, mx, m).astype(F32)
                 m_use = np.where(m_new == -np.inf, F32(0), m_new).astype(F32)
-                ex = exp_nx if broken == "nx_exp" else exp_e
+                ex = {"nx_exp": exp_nx,
+                      "frac_nearest": lambda y: pow2_e(y, down=False)}.get(broken, pow2_e)
                 alpha = ex((m - m_use).astype(F32))
                 p = ex((x - m_use[:, None]).astype(F32))
                 if broken != "p_f32":
@@ -212,7 +226,7 @@ def ref_and_bound(q, k, qkv, KVH, scale, mask=None, causal=False):
         s = sc * (q64 @ k64.T)
         mag = sc * (np.abs(q64) @ np.abs(k64).T)
         a = ((2 * U + U * U) + gam(P) * (1 + U) ** 2) * mag
-        delta_j = a + E * (np.abs(s) + a)
+        delta_j = a + gam(2) * (np.abs(s) + a)  # c's rounding and the product by c
         smax = np.where(allowed, s, -np.inf)
         with np.errstate(invalid="ignore"):  # rows with no allowed key: -inf - -inf
             w = np.exp(smax - smax.max(axis=1, keepdims=True))
@@ -284,7 +298,8 @@ def amx_tolerance(q, k, qkv, KVH, scale, mask=None, causal=False):
         w = np.where(allowed, w, 0.0)
         w /= np.maximum(w.sum(axis=1, keepdims=True), 1e-300)
         # per row; plus each sum's flushed subnormal partial sums (< 2^-126 per step), scaled
-        dx = 2 * gam(P) * mag.max(axis=1) + 2 * P * 2.0 ** -126 * sc
+        # (times 1 + 2^-22: the scores are multiplied by c ~ scale log2 e, not by scale)
+        dx = (2 * gam(P) * mag.max(axis=1) + 2 * P * 2.0 ** -126 * sc) * (1 + 2.0 ** -22)
         rel = 2 * (np.expm1(2 * dx) + 2 * U + 2 * gam(64 * nt + 8))
         v = np.abs(qkv[:, (H + KVH) * hd + g * hd:(H + KVH) * hd + (g + 1) * hd]).astype(np.float64)
         # either output's weights are within exp(2 delta) of w (float64, unrounded inputs:
@@ -380,11 +395,11 @@ def ftz_edge_inputs(side):
         k[0, :2, :] = F32(2.0 ** -126)
         v[:] = np.arange(1, 2 * T + 1, dtype=F32).reshape(T, 2)
         return q, k, qkv, KVH, 2.0 ** 126
-    # pv: key 1 (position 0 of the tile, first step) p1 = 1, v1 = 2^-126; key 0 p0 = bf(E(-20)),
+    # pv: key 1 (position 0 of the tile, first step) p1 = 1, v1 = 2^-126; key 0 p0 = bf(E(-20 c)),
     # v0 with p0 v0 ~ -1.5 * 2^-151; keys 2, 3 excluded below by the mask
     q[0, :, 0] = F32(1)
     k[0, 0, 0] = F32(-20)
-    p0 = float(bf(exp_e(np.array([-20], F32)))[0])
+    p0 = float(bf(pow2_e(np.array([F32(-20) * scale2(1.0)], F32)))[0])
     v[1, 0] = F32(2.0 ** -126)
     v[0, 0] = bf(np.array([-1.5 * 2.0 ** -151 / p0], F32))[0]
     ex = p0 * float(v[0, 0]) + 2.0 ** -126
@@ -423,32 +438,56 @@ def test_broken_contracts_are_caught():
         assert (bits(other) != bits(got)).mean() > 0.05, broken
 
 
-def test_exp_is_within_its_bound():
-    """E (the transcription the kernels equal bit for bit) against float64 exp: within
-    2^-18 e^x + 2^-149 on 2e7 points of [-110, 0] (dense near 0, where the weights that matter
-    are), 0 and -0 give exactly 1, -inf gives 0, NaN stays NaN, and E never exceeds 1 (so the
-    running max's weight stays the largest). Not vacuous: the max relative error on the normal
-    range exceeds 2^-19, and a degree-3 fit of the same form misses 2^-18."""
+def test_pow2_fraction_rounds_down_in_every_variant():
+    """E's y - floor(y) rounds toward -inf (AVX-512's VREDUCEPS; the spec and AVX2 correct the
+    rounded-to-nearest difference): scores that rise by less than 1 (base 2) from tile to tile,
+    so each tile's rescale alpha = E(y), y in (-1, 0), where 1 + y rounds. Every variant equals
+    the contract; the contract with the fraction rounded to nearest differs (negative control:
+    a plain subtraction in a variant would fail here, the bfloat16 weights alone would not)."""
+    rng = np.random.default_rng(5)
+    H, KVH, T, hd = 2, 1, 640, 8
+    q = np.zeros((H, T, hd), F32)
+    k = np.zeros((KVH, T, hd), F32)
+    q[:, :, 0] = (1 + rng.uniform(0, 0.25, (H, T))).astype(F32)
+    k[0, :, 0] = (np.arange(T) / T * 1.3 + rng.uniform(0, 0.01, T)).astype(F32)
+    qkv = np.zeros((T, (H + 2 * KVH) * hd), F32)
+    qkv[:, (H + KVH) * hd:] = rng.standard_normal((T, KVH * hd)).astype(F32)
+    scale = 0.9
+    want = _check_contract(q, k, qkv, KVH, scale, None, False, "fraction rounding")
+    other = contract_attention(q, k, qkv, KVH, scale, broken="frac_nearest")
+    assert (bits(other) != bits(want)).sum() >= 20  # 537 of 10240 here
+
+
+def test_pow2_is_within_its_bound():
+    """E (the transcription the kernels equal bit for bit) against float64 2^y: within
+    2^-18 2^y + 2^-150 on 2e7 points of [-160, 0] (dense near 0, where the weights that matter
+    are, and near -1, where floor(y) steps), 0 and -0 give exactly 1, -inf gives 0, NaN stays
+    NaN, and E never exceeds 1 (so the running max's weight stays the largest). Not vacuous:
+    the max relative error on the normal range exceeds 2^-19, and a degree-3 Taylor polynomial
+    in the same form misses 2^-18."""
     rng = np.random.default_rng(11)
-    x = np.concatenate([-rng.uniform(0, 110, 10_000_000), -rng.exponential(1.0, 5_000_000),
-                        -rng.uniform(0, 2.0 ** -10, 5_000_000)]).astype(F32)
-    got = exp_e(x).astype(np.float64)
-    ref = np.exp(x.astype(np.float64))
+    y = np.concatenate([-rng.uniform(0, 160, 8_000_000), -rng.exponential(1.0, 4_000_000),
+                        -rng.uniform(0, 2.0 ** -10, 4_000_000),
+                        -1 + rng.uniform(-2.0 ** -10, 2.0 ** -10, 4_000_000)]).astype(F32)
+    got = pow2_e(y).astype(np.float64)
+    ref = np.exp2(y.astype(np.float64))
     err = np.abs(got - ref)
-    assert np.all(err <= E_REL * ref + 2.0 ** -149)
+    assert np.all(err <= E_REL * ref + 2.0 ** -150)
     assert np.all(got <= 1.0)
     normal = ref >= 2.0 ** -126
     assert (err[normal] / ref[normal]).max() > 2.0 ** -19
-    special = exp_e(np.array([0.0, -0.0, -np.inf, np.nan], F32))
+    special = pow2_e(np.array([0.0, -0.0, -np.inf, np.nan], F32))
     assert special[0] == 1 and special[1] == 1 and special[2] == 0 and np.isnan(special[3])
-    # the same reduction with a degree-3 Taylor polynomial: outside the bound
-    n = np.rint(x[:100_000] * F32(1.44269504088896341)).astype(F32)
-    r = fma32(-n, F32(float.fromhex("0x1.62e430p-1")), x[:100_000])
-    p3 = np.full_like(r, F32(1 / 6))
-    for c in (0.5, 1.0, 1.0):
-        p3 = fma32(p3, r, F32(c))
+    # the same reduction with 2^f's degree-3 Taylor polynomial: outside the bound
+    z = y[:100_000]
+    n = np.floor(z).astype(F32)
+    f = (z - n).astype(F32)
+    ln2 = math.log(2)
+    p3 = np.full_like(f, F32(ln2 ** 3 / 6))
+    for c in (ln2 ** 2 / 2, ln2, 1.0):
+        p3 = fma32(p3, f, F32(c))
     worse = p3.astype(np.float64) * np.exp2(n.astype(np.float64))
-    ref3 = np.exp(x[:100_000].astype(np.float64))
+    ref3 = np.exp2(z.astype(np.float64))
     assert (np.abs(worse - ref3) / ref3).max() > E_REL
 
 

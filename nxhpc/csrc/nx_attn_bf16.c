@@ -24,8 +24,9 @@ int nx_attention_bf16(nx_isa isa, const float *q, const float *k, const float *q
                       const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
                       int64_t hd, float scale, int64_t h0, int64_t h1, int64_t t0, int64_t t1,
                       int causal) {
-    return nx_attn_bf16_get(isa)->attention_bf16(q, k, qkv, mask, out, T, H, KVH, hd, scale, h0,
-                                                 h1, t0, t1, causal);
+    /* the variants take the scores' base-2 factor c (the contract, nx_attn_bf16.h) */
+    return nx_attn_bf16_get(isa)->attention_bf16(q, k, qkv, mask, out, T, H, KVH, hd,
+                                                 nx_attn_scale2(scale), h0, h1, t0, t1, causal);
 }
 
 static inline float nx_bf(float v) { return nx_bf16_to_f32(nx_bf16_round(v)); }

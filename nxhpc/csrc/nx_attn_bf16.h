@@ -25,7 +25,7 @@
  *   State: m = -inf, l = +0, O[d] = +0. For each run tile b in order, for jj = 0..63, j = 64b+jj:
  *     s_j = +0; for p = 0..P2-1: s_j = step(s_j, qb[2p+1], kb[j,2p+1]);
  *                                 s_j = step(s_j, qb[2p], kb[j,2p])
- *     x_j = allowed(j) ? s_j * scale : -inf                (one float32 product)
+ *     x_j = allowed(j) ? s_j * c : -inf                    (one float32 product; c below)
  *     m_new = max(m, max_jj x_j);  m_use = m_new == -inf ? 0 : m_new
  *     alpha = E(m - m_use);        p_j = bf(E(x_j - m_use))  (one float32 subtraction each)
  *     sum  = tree(p): a_L = ((p_L + p_{L+16}) + p_{L+32}) + p_{L+48} for lanes L < 16, then
@@ -34,13 +34,16 @@
  *     O[d] = O[d] * alpha, then for i = 0..31: O[d] = step(O[d], p_{2i+1}, vb[64b+2i+1,d]);
  *                                              O[d] = step(O[d], p_{2i},   vb[64b+2i,d])
  *   out[t, h*hd+d] = l == 0 ? 0 : O[d] * (1.0f / l)       (every key excluded: zeros)
- *   E(x) = nx_pexp of nx_vmath_ew.h, an exp for the arguments here (x <= 0, -inf, NaN): clamp
- *   below at -110, n = rint(x * log2 e), one fma with ln2 rounded to float32, a degree-4
- *   polynomial by fmaf, times 2^n rounded once; |E(x) - e^x| <= 2^-18 e^x + 2^-149, E(0) = 1
- *   exactly, E(-inf) = 0. nx_attn_exp below is its scalar form (same operations, same bits).
- *   (Until 2026-12-05 E was nx_exp, the f32 kernels' exp: <= 2 ulp, but 15 vector operations
- *   against 9. The weights are rounded to bfloat16 right after, so 2^-18 costs the bound below
- *   almost nothing, and the AMX kernel ran 8% faster: docs/kernels.md.)
+ *   The scores are in base 2: c = nx_attn_scale2(scale) = (float)((double)scale * log2 e),
+ *   computed once per call by nx_attention_bf16 (the variants receive c as their `scale`).
+ *   E(y) = nx_exp2_ of nx_vmath_ew.h, 2^y for the arguments here (y <= 0, -inf, NaN): clamp
+ *   below at -160, f = y - floor(y) rounded toward -inf, a degree-4 polynomial in f by fmaf,
+ *   times 2^floor(y) rounded once; |E(y) - 2^y| <= 2^-18 2^y + 2^-150, E(0) = 1 exactly,
+ *   E(y) <= 1, E(-inf) = 0. nx_attn_exp below is its scalar form (same values, same bits).
+ *   (Until 2026-12-05 the scores were x = s * scale and E was nx_exp, the f32 kernels' e^x:
+ *   <= 2 ulp, 15 vector operations against 7. The weights are rounded to bfloat16 right
+ *   after, so E's 2^-18 and c's rounding cost the bound below almost nothing; the AMX kernel
+ *   ran 14% faster: docs/kernels.md.)
  *   A maximum is exact whatever its order (a zero's sign never changes a later result: E(+-0)
  *   = 1), so the micro-blocks may take it in any order; every other operation is in the order
  *   above. Rows never interact: a row's operations depend on t, T and the inputs only, never
@@ -66,11 +69,13 @@
  * ref = sum_j w*_j v_j, float64 arithmetic on the float32 inputs), for a row with >= 1 allowed key:
  *   u = 2^-8 (bfloat16 rounding), e = 2^-24, gamma_n = n e / (1 - n e), nt = tiles run,
  *   delta_j = scale ((2u + u^2) + gamma_P (1+u)^2) sum_d |q_d k_jd| (P = 2*P2 steps), plus
- *             e (|s*_j| + that) (the product by scale); delta = max over allowed j;
+ *             gamma_2 (|s*_j| + that) (c's rounding and the product by c); delta = max over
+ *             allowed j;
  *   R = max_j s*_j - min_j s*_j + 2 delta (the spread of the computed allowed scores);
  *   rho = (1+u) (1 + 2^-18)^(nt+1) (1+e)^(2nt) exp(2 e R) - 1
  *         (p's bfloat16 rounding, E's 2^-18, each rescale alpha and its float32 product, the
- *         subtractions x - m, |x - m| <= R, and the rescales' m differences, which sum to <= R);
+ *         subtractions x - m, |x - m| ln 2 <= R, and the rescales' m differences, which sum to
+ *         <= R in the same units);
  *   eta = exp(delta) (1 + rho) (1 + gamma_{64 nt + 2 nt + 8}) - 1  (every weight, in O and in l:
  *         the bf16 dot chain runs 64 steps per tile, l one tree and one add per tile);
  *   |out - ref| <= ((2 eta + u (1 + eta)) / (1 - eta) + 2^-21) * sum_j w*_j |v_j|
@@ -114,6 +119,7 @@ int nx_attention_bf16(nx_isa isa, const float *q /* IN [H, T, hd] */,
                       float *out /* OUT [T, H*hd], rows [t0, t1), columns of heads [h0, h1) */,
                       int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0,
                       int64_t h1, int64_t t0, int64_t t1, int causal);
+/* The variants (reached through the tables) take c = nx_attn_scale2(scale) as their `scale`. */
 int nx_attention_bf16_generic(const float *q, const float *k, const float *qkv,
                               const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
                               int64_t hd, float scale, int64_t h0, int64_t h1, int64_t t0,
@@ -129,21 +135,29 @@ int nx_attention_bf16_avx512bf16(const float *q, const float *k, const float *qk
                                  int64_t KVH, int64_t hd, float scale, int64_t h0, int64_t h1,
                                  int64_t t0, int64_t t1, int causal);
 
-/* E(x): the scalar form of nx_pexp16 / nx_pexp8 (nx_vmath_ew.h), operation for operation, for the
- * contract's arguments (x <= 0, -inf, NaN: a score minus the running max, or the old max minus
- * the new): the clamp keeps NaN like max_ps (its second operand), rintf rounds to nearest even
- * like roundscale, fmaf is the vector FMA, ldexpf rounds p * 2^n once like scalef (n in
- * [-159, 0]). Used by the generic spec; the SIMD variants call nx_pexp16 / nx_pexp8. */
-static inline float nx_attn_exp(float x) {
-    if (x != x) return x + x;      /* NaN (its payload is not part of the contract) */
-    x = -110.0f > x ? -110.0f : x; /* max_ps(-110, x): x unless -110 > x */
-    const float n = rintf(x * 1.44269504088896341f);
-    const float r = fmaf(-n, 0x1.62e430p-1f, x);
-    float p = 0x1.541480p-5f;
-    p = fmaf(p, r, 0x1.57cf54p-3f);
-    p = fmaf(p, r, 0x1.0003f6p-1f);
-    p = fmaf(p, r, 0x1.fffba6p-1f);
-    p = fmaf(p, r, 1.0f);
+/* c: the base-2 factor of the scores, scale * log2 e rounded once to float32 (the product in
+ * double: scale is a float32, log2 e to 53 bits). */
+static inline float nx_attn_scale2(float scale) {
+    return (float)((double)scale * 1.4426950408889634);
+}
+
+/* E(y) = 2^y: the scalar form of nx_exp2_16 / nx_exp2_8 (nx_vmath_ew.h), for the contract's
+ * arguments (y <= 0, -inf, NaN: a score minus the running max, or the old max minus the new):
+ * the clamp keeps NaN like max_ps (its second operand); y - floorf(y) rounded toward -inf is
+ * VREDUCEPS's value (-floor(y) >= |y|, so f + n and y - (f + n) are exact: the rounding error);
+ * fmaf is the vector FMA; ldexpf rounds p * 2^floor(y) once like scalef (floor in [-160, 0]).
+ * Used by the generic spec; the SIMD variants call nx_exp2_16 / nx_exp2_8. */
+static inline float nx_attn_exp(float y) {
+    if (y != y) return y + y;      /* NaN (its payload is not part of the contract) */
+    y = -160.0f > y ? -160.0f : y; /* max_ps(-160, y): y unless -160 > y */
+    const float n = floorf(y);
+    float f = y - n; /* rounded to nearest; VREDUCEPS rounds it down: */
+    if (y - (f + n) < 0.0f) f = nextafterf(f, -INFINITY); /* it rounded up (Fast2Sum: exact) */
+    float p = 0x1.bc31dap-7f;
+    p = fmaf(p, f, 0x1.aa3fcap-5f);
+    p = fmaf(p, f, 0x1.ee5884p-3f);
+    p = fmaf(p, f, 0x1.62d51cp-1f);
+    p = fmaf(p, f, 1.0f);
     return ldexpf(p, (int)n);
 }
 

@@ -5,7 +5,7 @@
  * configuration (loaded at entry and released at exit of every call, in the calling thread).
  * Everything but the two dot products is the contract of nx_attn_bf16.h, operation for
  * operation: bf() of q, k, v (VCVTNEPS2BF16), 64-key tiles run whole, x_j = s_j * scale or -inf,
- * the running max, E (nx_pexp16), p_j = bf(E(x_j - m_use)), the contract's sum tree,
+ * the running max, E (nx_exp2_16), p_j = bf(E(x_j - m_use)), the contract's sum tree,
  * l = l * alpha + sum, O = O * alpha.
  * The dots are tdpbf16ps: s_j sums the d-pairs of bf(q) . bf(k_j) per 32-d chunk in chunk order,
  * and O += sum_j p_j bf(v_j) per 32-key half of the tile in order, each with the instruction's own
@@ -22,7 +22,7 @@
 #include "nx_amx.h"
 #include "nx_attn_bf16.h"
 #include "nx_lowp_bf16_pack.h" /* nx_tr16i */
-#include "nx_vmath_avx512.h"   /* nx_pexp16, nx_mask16 */
+#include "nx_vmath_avx512.h"   /* nx_exp2_16, nx_mask16 */
 
 #include <immintrin.h>
 #include <stdlib.h>
@@ -170,7 +170,7 @@ static void nx_ax_micro(const uint32_t *qt, int64_t nc, const uint16_t *kt, int6
      * nearest, no DAZ/FTZ; the rows that keep their state have alpha 1). Done before the
      * exponentials: the tile loads of O^T below then find these vector stores long retired (a
      * tile load of lines still in the store buffer waits ~80 cycles for them, AMX Xeon). */
-    const __m512 alpha = nx_pexp16(_mm512_maskz_sub_ps(act, m_old, m_use));
+    const __m512 alpha = nx_exp2_16(_mm512_maskz_sub_ps(act, m_old, m_use));
     if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
         for (int64_t d = 0; d < hdp; d++)
             _mm512_store_ps(OT + d * 16, _mm512_mul_ps(_mm512_load_ps(OT + d * 16), alpha));
@@ -187,8 +187,8 @@ static void nx_ax_micro(const uint32_t *qt, int64_t nc, const uint16_t *kt, int6
     for (int p = 0; p < 8; p++)
         for (int g = 0; g < 4; g++) {
             const int i = 8 * g + p; /* keys 2i = 16g + 2p and 2i + 1 */
-            const __m512 e0 = nx_pexp16(_mm512_sub_ps(_mm512_load_ps(S[2 * i]), m_use));
-            const __m512 e1 = nx_pexp16(_mm512_sub_ps(_mm512_load_ps(S[2 * i + 1]), m_use));
+            const __m512 e0 = nx_exp2_16(_mm512_sub_ps(_mm512_load_ps(S[2 * i]), m_use));
+            const __m512 e1 = nx_exp2_16(_mm512_sub_ps(_mm512_load_ps(S[2 * i + 1]), m_use));
             /* words: bf(e0) of rows 0-15, then bf(e1); interleaved: dword r = {bf(e0_r),
              * bf(e1_r)} */
             const __m512i pr = _mm512_permutexvar_epi16(il, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));

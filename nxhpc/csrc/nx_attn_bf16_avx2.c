@@ -3,7 +3,7 @@
  *
  * Owns: the packed layouts, the tiled driver and the NX_A2_BR-row x 64-key micro-block, the
  * design of nx_attn_bf16_avx512bf16.c on 8-lane ymm. bf() is nx_a2_bf8 below (integer ops on the
- * bit pattern, nx_bf16_round's three cases). E() is nx_pexp8 (nx_vmath_avx2.h: nx_vmath_ew.h's
+ * bit pattern, nx_bf16_round's three cases). E() is nx_exp2_8 (nx_vmath_avx2.h: nx_vmath_ew.h's
  * operations, the same bits as nx_attn_exp). The dot steps are vfmadd231ps on bfloat16-valued
  * float32 operands with MXCSR DAZ|FTZ set around each chain: then every FMA is exactly the
  * contract's step(acc, a, b) = ftz(fma(daz(a), daz(b), daz(acc))) (nx_lowp.h: ftz is x86's,
@@ -29,7 +29,7 @@
  * or a call that can leave early, by _mm_setcsr(csr)).
  */
 #include "nx_attn_bf16.h"
-#include "nx_vmath_avx2.h" /* nx_pexp8, nx_mask8, nx_hsum8, nx_hmax8 */
+#include "nx_vmath_avx2.h" /* nx_exp2_8, nx_mask8, nx_hsum8, nx_hmax8 */
 
 #include <immintrin.h>
 #include <stdlib.h>
@@ -238,13 +238,13 @@ NX_INLINE void nx_a2_micro(const int nr, const float *qt, int64_t hd2s, int64_t 
         const __m256 mu = _mm256_set1_ps(m_use);
         __m256 f[8];
         for (int v = 0; v < 8; v++) {
-            f[v] = nx_a2_bf8(nx_pexp8(_mm256_sub_ps(x[v], mu)));
+            f[v] = nx_a2_bf8(nx_exp2_8(_mm256_sub_ps(x[v], mu)));
             _mm256_store_ps(Pt + r * NX_A2_BC + 8 * v, nx_a2_swap_pairs(f[v]));
         }
         sums[r] = nx_a2_tree(f);
     }
     float alpha[8] __attribute__((aligned(32)));
-    _mm256_store_ps(alpha, nx_pexp8(_mm256_loadu_ps(dm)));
+    _mm256_store_ps(alpha, nx_exp2_8(_mm256_loadu_ps(dm)));
     for (int r = 0; r < nr; r++)
         if (act >> r & 1u) {
             l[r] = l[r] * alpha[r] + sums[r];

@@ -20,7 +20,7 @@
  * even), vt[tile][i][hdp] = bf(v[64 tile + (i^1), d]) (hdp = hd rounded up to 16; keys >= T and
  * d >= hd zero); per query block qt[row][i] = bf(q[row, i^1]). For each query block of <= QB
  * rows and each key tile, micro-blocks of <= 6 rows run: S = Q K^T (6 x 4 zmm accumulators, one
- * chain per score over i), the online softmax (E = nx_pexp16, the contract's tree sum of the
+ * chain per score over i), the online softmax (E = nx_exp2_16, the contract's tree sum of the
  * rounded p, with the caller's MXCSR), then O = O * alpha + P V (per 64 columns: 6 x 4 zmm, one
  * chain per output over the tile's 64 key positions). The order of every operation is the
  * contract's, lane for lane, so the generic spec's bits come out.
@@ -29,7 +29,7 @@
  * changed.
  */
 #include "nx_attn_bf16.h"
-#include "nx_vmath_avx512.h" /* nx_pexp16, nx_mask16 */
+#include "nx_vmath_avx512.h" /* nx_exp2_16, nx_mask16 */
 
 #include <immintrin.h>
 #include <stdlib.h>
@@ -196,13 +196,13 @@ NX_INLINE void nx_ab_micro(const int nr, const float *qt, int64_t hd2s, int64_t 
         const __m512 mu = _mm512_set1_ps(m_use);
         __m512 f[4];
         for (int v = 0; v < 4; v++) {
-            f[v] = nx_ab_bf16(nx_pexp16(_mm512_sub_ps(x[v], mu)));
+            f[v] = nx_ab_bf16(nx_exp2_16(_mm512_sub_ps(x[v], mu)));
             _mm512_store_ps(Pt + r * NX_AB_BC + 16 * v, nx_ab_swap_pairs(f[v]));
         }
         sums[r] = nx_ab_tree(f[0], f[1], f[2], f[3]);
     }
     float alpha[16] __attribute__((aligned(64)));
-    _mm512_store_ps(alpha, nx_pexp16(_mm512_loadu_ps(dm)));
+    _mm512_store_ps(alpha, nx_exp2_16(_mm512_loadu_ps(dm)));
     for (int r = 0; r < nr; r++)
         if (act >> r & 1u) l[r] = l[r] * alpha[r] + sums[r];
     __asm__ volatile("" ::: "memory");

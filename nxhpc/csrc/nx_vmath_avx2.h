@@ -29,7 +29,7 @@ static inline __m256i nx_mask8(int64_t valid) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* p * 2^n for the 8-lane exp (n in [-159, 129], integral): as two exact power-of-two factors
+/* p * 2^n for the 8-lane exp and 2^y (n in [-160, 129], integral): as two exact power-of-two factors
  * 2^(n>>1) * 2^(n-(n>>1)), so overflow gives inf and subnormal results are rounded once; p *
  * 2^(n>>1) stays normal, hence exact, so only the last product rounds, as AVX-512's scalef does:
  * the two give the same results lane for lane. */
@@ -44,6 +44,19 @@ static inline __m256 nx_scale2n8(__m256 p, __m256 n) {
     return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 
+/* y - floor(y) rounded toward -inf, as AVX-512's VREDUCEPS (round-down mode) gives it: the
+ * subtraction rounded to nearest, then one ulp down where that rounded up. -floor(y) >= |y| for
+ * y <= 0, so (Fast2Sum) z = f + floor(y) and y - z are exact, and y - z is the rounding error.
+ * Only y in (-1, 0) can round (f = 1 + y); f > 0 there, so one ulp down is the bit pattern
+ * minus 1. NaN stays NaN. */
+static inline __m256 nx_frac_down8(__m256 y) {
+    const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(y, n);
+    const __m256 t = _mm256_sub_ps(y, _mm256_add_ps(f, n));
+    const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(t, _mm256_setzero_ps(), _CMP_LT_OQ));
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(f), up)); /* up: -1 */
+}
+
 /* 8-lane spellings of the shared polynomials (nx_vmath_ew.h) */
 #define NXM_FN(name) name##8
 #define NXM_PS(op) _mm256_##op##_ps
@@ -52,8 +65,11 @@ typedef __m256 nxm_cmp; /* a lane predicate (all-ones lanes) */
 #define NXM_ROUND(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define NXM_SCALE2N(p, n) nx_scale2n8(p, n)
 #define NXM_CMP(a, b, pred) _mm256_cmp_ps(a, b, pred)
+#define NXM_FLOOR8(y) _mm256_round_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+#define NXM_FRAC_DOWN(y) nx_frac_down8(y)
+#define NXM_SCALE2_FLOOR(p, y) nx_scale2n8(p, NXM_FLOOR8(y)) /* p * 2^floor(y), rounded once */
 #define NXM_SELECT(m, f, t) _mm256_blendv_ps(f, t, m) /* lane: m ? t : f */
-#include "nx_vmath_ew.h" /* nx_exp8, nx_pexp8, nx_tanh8 */
+#include "nx_vmath_ew.h" /* nx_exp8, nx_exp2_8, nx_tanh8 */
 
 /* silu(x) = (x < 0 ? x*e : x) / (1 + e), e = exp(-|x|) (nx_exp8), 8 lanes, same formula as
  * nx_silu16: never overflows; -inf is clamped to -FLT_MAX first so silu(-inf) = -0; NaN kept.

@@ -39,8 +39,12 @@ typedef __mmask16 nxm_cmp; /* a lane predicate */
 #define NXM_ROUND(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define NXM_SCALE2N(p, n) _mm512_scalef_ps(p, n) /* p * 2^n, rounded once */
 #define NXM_CMP(a, b, pred) _mm512_cmp_ps_mask(a, b, pred)
+/* y - floor(y), rounded toward -inf (VREDUCEPS in round-down mode, no fraction bits kept: its
+ * subtraction rounds in the immediate's mode too; only y in (-1, 0) rounds at all) */
+#define NXM_FRAC_DOWN(y) _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF)
+#define NXM_SCALE2_FLOOR(p, y) _mm512_scalef_ps(p, y) /* p * 2^floor(y), rounded once */
 #define NXM_SELECT(m, f, t) _mm512_mask_blend_ps(m, f, t) /* lane: m ? t : f */
-#include "nx_vmath_ew.h" /* nx_exp16, nx_pexp16, nx_tanh16 */
+#include "nx_vmath_ew.h" /* nx_exp16, nx_exp2_16, nx_tanh16 */
 
 /* silu(x) = (x < 0 ? x*e : x) / (1 + e), e = exp(-|x|) (nx_exp16): never overflows; -inf is
  * clamped to -FLT_MAX first so silu(-inf) = -0; NaN kept. Used by the forward swiglu only: the

@@ -1,9 +1,9 @@
-/* nx_vmath_ew.h -- the exp, softmax-weight exp and tanh polynomials, written once for both vector
- * widths: included exactly once by nx_vmath_avx512.h (nx_exp16, nx_pexp16, nx_tanh16) and by
- * nx_vmath_avx2.h (nx_exp8, nx_pexp8, nx_tanh8), each after defining its spellings:
+/* nx_vmath_ew.h -- the exp, softmax-weight 2^y and tanh polynomials, written once for both vector
+ * widths: included exactly once by nx_vmath_avx512.h (nx_exp16, nx_exp2_16, nx_tanh16) and by
+ * nx_vmath_avx2.h (nx_exp8, nx_exp2_8, nx_tanh8), each after defining its spellings:
  * NXM_FN(name) (name16 / name8), NXM_PS(op) (the _ps intrinsic of its width, by its own name),
- * nxm_v, nxm_cmp, NXM_ROUND, NXM_SCALE2N, NXM_CMP, NXM_SELECT. Every lane runs the same float32
- * operations at both widths (the same bits).
+ * nxm_v, nxm_cmp, NXM_ROUND, NXM_SCALE2N, NXM_FRAC_DOWN, NXM_SCALE2_FLOOR, NXM_CMP, NXM_SELECT.
+ * Every lane computes the same float32 values at both widths (the same bits).
  * Must not: be included from anywhere else (it has no include guard of its own: one copy per
  * width), keep state, or emit symbols (static inline only).
  */
@@ -30,27 +30,28 @@ static inline nxm_v NXM_FN(nx_exp)(nxm_v x) {
     return NXM_SCALE2N(p, n);
 }
 
-/* The softmax weight exp of the `bf16` attention (E of nx_attn_bf16.h), for x <= 0, -inf and NaN
- * (the only arguments there: a score minus the running max): the input clamped below at -110
- * (NaN kept: max returns its second operand on NaN), n = rint(x * log2 e), r = x - n * ln2 by one
- * fma with ln2 rounded to float32, exp(r) ~ 1 + r (c1 + r (c2 + r (c3 + r c4))) by four fmas (a
- * degree-4 minimax fit of the relative error on |r| <= ln2 / 2, coefficients rounded to float32),
- * result p * 2^n rounded once. E(0) = 1, E(-inf) = 0 (p 2^-159 rounds to 0). Its weights are
- * rounded to bfloat16 (relative 2^-9) right after, so it needs far less than nx_exp's accuracy:
- * measured max relative error 3.13e-6 on 1e8 points of [-87.3, 0], bound 2^-18 (3.8e-6: fit
- * 2.83e-6, the float32 ln2 <= 126 * 1.9e-9, the roundings); below -87.3 (subnormal results) an
- * absolute 2^-149 more (tests/test_kernels_attn_bf16.py). 9 operations against nx_exp's 15:
- * AMX Xeon, one thread, 4 heads at T=4128, 72.0-73.3 -> 66.8-66.9 ms (docs/kernels.md). */
-static inline nxm_v NXM_FN(nx_pexp)(nxm_v x) {
-    x = NXM_PS(max)(NXM_PS(set1)(-110.0f), x);
-    nxm_v n = NXM_ROUND(NXM_PS(mul)(x, NXM_PS(set1)(1.44269504088896341f)));
-    nxm_v r = NXM_PS(fnmadd)(n, NXM_PS(set1)(0x1.62e430p-1f), x);
-    nxm_v p = NXM_PS(set1)(0x1.541480p-5f);
-    p = NXM_PS(fmadd)(p, r, NXM_PS(set1)(0x1.57cf54p-3f));
-    p = NXM_PS(fmadd)(p, r, NXM_PS(set1)(0x1.0003f6p-1f));
-    p = NXM_PS(fmadd)(p, r, NXM_PS(set1)(0x1.fffba6p-1f));
-    p = NXM_PS(fmadd)(p, r, NXM_PS(set1)(1.0f));
-    return NXM_SCALE2N(p, n);
+/* 2^y, the softmax weight of the `bf16` attention (E of nx_attn_bf16.h: its scores are in base 2),
+ * for y <= 0, -inf and NaN (the only arguments there: a score minus the running max): y clamped
+ * below at -160 (NaN kept: max returns its second operand on NaN), f = y - floor(y) in [0, 1)
+ * rounded toward -inf (exact but for y in (-1, 0): VREDUCEPS's rounding), 2^f ~ 1 + f (c1 + f (c2
+ * + f (c3 + f c4))) by four fmas (a fit for the least maximum relative error on [0, 1] with
+ * p(1) = 2, so 2^y <= 1 holds), result p * 2^floor(y) rounded once (NXM_FRAC_DOWN: AVX-512
+ * VREDUCEPS, AVX2 the floor, a subtraction and its rounding fixed; NXM_SCALE2_FLOOR: AVX-512 VSCALEFPS, which
+ * takes floor(y) itself, AVX2 nx_scale2n8 of the floor: the same values). 2^0 = 1, 2^-inf = 0.
+ * The weights are rounded to bfloat16 (relative 2^-9) right after, so it needs far less than
+ * nx_exp's accuracy: measured max relative error 3.42e-6 on 1e8 points of [-126, 0], bound
+ * 2^-18 (3.8e-6); below -126 (subnormal results) an absolute 2^-150 more
+ * (tests/test_kernels_attn_bf16.py). 7 operations against nx_exp's 15 (no multiply by log2 e,
+ * no Cody-Waite reduction: the caller's scale already holds log2 e). */
+static inline nxm_v NXM_FN(nx_exp2_)(nxm_v y) {
+    y = NXM_PS(max)(NXM_PS(set1)(-160.0f), y);
+    const nxm_v f = NXM_FRAC_DOWN(y);
+    nxm_v p = NXM_PS(set1)(0x1.bc31dap-7f);
+    p = NXM_PS(fmadd)(p, f, NXM_PS(set1)(0x1.aa3fcap-5f));
+    p = NXM_PS(fmadd)(p, f, NXM_PS(set1)(0x1.ee5884p-3f));
+    p = NXM_PS(fmadd)(p, f, NXM_PS(set1)(0x1.62d51cp-1f));
+    p = NXM_PS(fmadd)(p, f, NXM_PS(set1)(1.0f));
+    return NXM_SCALE2_FLOOR(p, y);
 }
 
 /* tanh(x). |x| < 0.625: odd minimax polynomial x + x^3 P4(x^2) (Cephes tanhf); otherwise
