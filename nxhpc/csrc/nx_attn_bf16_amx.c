@@ -4,7 +4,8 @@
  * Owns: the AMX panel layouts, the 16-row micro-block (rows in vector lanes) and its tile
  * configuration (loaded at entry and released at exit of every call, in the calling thread).
  * Everything but the two dot products is the contract of nx_attn_bf16.h, operation for
- * operation: bf() of q, k, v (VCVTNEPS2BF16), 64-key tiles run whole, x_j = s_j * scale or -inf,
+ * operation: bf() of q, k, v (VCVTNEPS2BF16), 64-key tiles run whole, x_j = s_j * c or -inf (c
+ * the base-2 factor, which nx_attention_bf16 passes as `scale`),
  * the running max, E (nx_exp2_16), p_j = bf(E(x_j - m_use)), the contract's sum tree,
  * l = l * alpha + sum, O = O * alpha.
  * The dots are tdpbf16ps: s_j sums the d-pairs of bf(q) . bf(k_j) per 32-d chunk in chunk order,

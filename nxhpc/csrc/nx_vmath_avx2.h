@@ -29,10 +29,10 @@ static inline __m256i nx_mask8(int64_t valid) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* p * 2^n for the 8-lane exp and 2^y (n in [-160, 129], integral): as two exact power-of-two factors
- * 2^(n>>1) * 2^(n-(n>>1)), so overflow gives inf and subnormal results are rounded once; p *
- * 2^(n>>1) stays normal, hence exact, so only the last product rounds, as AVX-512's scalef does:
- * the two give the same results lane for lane. */
+/* p * 2^n for the 8-lane exp and 2^y (n in [-160, 129], integral): as two exact power-of-two
+ * factors 2^(n>>1) * 2^(n-(n>>1)), so overflow gives inf and subnormal results are rounded
+ * once; p * 2^(n>>1) stays normal, hence exact, so only the last product rounds, as AVX-512's
+ * scalef does: the two give the same results lane for lane. */
 static inline __m256 nx_scale2n8(__m256 p, __m256 n) {
     __m256i ni = _mm256_cvtps_epi32(n); /* NaN -> INT_MIN; p is NaN then anyway */
     __m256i n1 = _mm256_srai_epi32(ni, 1);

@@ -41,7 +41,7 @@ typedef __mmask16 nxm_cmp; /* a lane predicate */
 #define NXM_CMP(a, b, pred) _mm512_cmp_ps_mask(a, b, pred)
 /* y - floor(y), rounded toward -inf (VREDUCEPS in round-down mode, no fraction bits kept: its
  * subtraction rounds in the immediate's mode too; only y in (-1, 0) rounds at all) */
-#define NXM_FRAC_DOWN(y) _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF)
+#define NXM_FRAC_DOWN(y) _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
 #define NXM_SCALE2_FLOOR(p, y) _mm512_scalef_ps(p, y) /* p * 2^floor(y), rounded once */
 #define NXM_SELECT(m, f, t) _mm512_mask_blend_ps(m, f, t) /* lane: m ? t : f */
 #include "nx_vmath_ew.h" /* nx_exp16, nx_exp2_16, nx_tanh16 */

@@ -30,17 +30,17 @@ static inline nxm_v NXM_FN(nx_exp)(nxm_v x) {
     return NXM_SCALE2N(p, n);
 }
 
-/* 2^y, the softmax weight of the `bf16` attention (E of nx_attn_bf16.h: its scores are in base 2),
- * for y <= 0, -inf and NaN (the only arguments there: a score minus the running max): y clamped
- * below at -160 (NaN kept: max returns its second operand on NaN), f = y - floor(y) in [0, 1)
- * rounded toward -inf (exact but for y in (-1, 0): VREDUCEPS's rounding), 2^f ~ 1 + f (c1 + f (c2
- * + f (c3 + f c4))) by four fmas (a fit for the least maximum relative error on [0, 1] with
- * p(1) = 2, so 2^y <= 1 holds), result p * 2^floor(y) rounded once (NXM_FRAC_DOWN: AVX-512
- * VREDUCEPS, AVX2 the floor, a subtraction and its rounding fixed; NXM_SCALE2_FLOOR: AVX-512 VSCALEFPS, which
- * takes floor(y) itself, AVX2 nx_scale2n8 of the floor: the same values). 2^0 = 1, 2^-inf = 0.
- * The weights are rounded to bfloat16 (relative 2^-9) right after, so it needs far less than
- * nx_exp's accuracy: measured max relative error 3.42e-6 on 1e8 points of [-126, 0], bound
- * 2^-18 (3.8e-6); below -126 (subnormal results) an absolute 2^-150 more
+/* 2^y, the softmax weight of the `bf16` attention (E of nx_attn_bf16.h: its scores are in base
+ * 2), for y <= 0, -inf and NaN (the only arguments there: a score minus the running max): y
+ * clamped below at -160 (NaN kept: max returns its second operand on NaN); f = y - floor(y) in
+ * [0, 1) rounded toward -inf (exact but for y in (-1, 0): VREDUCEPS's rounding); 2^f ~ 1 + f (c1
+ * + f (c2 + f (c3 + f c4))) by four fmas (a fit for the least maximum relative error on [0, 1]
+ * with p(1) = 2, so 2^y <= 1 holds); result p * 2^floor(y) rounded once. NXM_FRAC_DOWN: AVX-512
+ * VREDUCEPS, AVX2 the floor, a subtraction and its rounding fixed; NXM_SCALE2_FLOOR: AVX-512
+ * VSCALEFPS, which takes floor(y) itself, AVX2 nx_scale2n8 of the floor: the same values.
+ * 2^0 = 1, 2^-inf = 0. The weights are rounded to bfloat16 (relative 2^-9) right after, so it
+ * needs far less than nx_exp's accuracy: measured max relative error 3.42e-6 on 1e8 points of
+ * [-126, 0], bound 2^-18 (3.8e-6); below -126 (subnormal results) an absolute 2^-150 more
  * (tests/test_kernels_attn_bf16.py). 7 operations against nx_exp's 15 (no multiply by log2 e,
  * no Cody-Waite reduction: the caller's scale already holds log2 e). */
 static inline nxm_v NXM_FN(nx_exp2_)(nxm_v y) {
