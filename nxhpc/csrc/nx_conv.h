@@ -84,9 +84,9 @@ static inline void nx_gn_dev_cols(const float *xr, const double *mc, double *acc
     }
 }
 
-static inline int nx_gn_partials_chunks(const float *x, int64_t P, int64_t C, int64_t G,
-                                        int64_t chunk, double *part, int64_t k0, int64_t k1,
-                                        nx_gn_row_fn sum_row, nx_gn_row_fn dev_row) {
+NX_INLINE int nx_gn_partials_chunks(const float *x, int64_t P, int64_t C, int64_t G,
+                                   int64_t chunk, double *part, int64_t k0, int64_t k1,
+                                   nx_gn_row_fn sum_row, nx_gn_row_fn dev_row) {
     const int64_t cpg = C / G;
     double *acc = malloc(sizeof(double) * (size_t)(2 * C)); /* per-channel sums, then means */
     if (!acc) return -1;

@@ -49,8 +49,12 @@ static inline __m256 nx_scale2n8(__m256 p, __m256 n) {
  * y <= 0, so (Fast2Sum) z = f + floor(y) and y - z are exact, and y - z is the rounding error.
  * Only y in (-1, 0) can round (f = 1 + y); f > 0 there, so one ulp down is the bit pattern
  * minus 1. NaN stays NaN. */
+static inline __m256 nx_floor8(__m256 y) {
+    return _mm256_round_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+}
+
 static inline __m256 nx_frac_down8(__m256 y) {
-    const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m256 n = nx_floor8(y);
     const __m256 f = _mm256_sub_ps(y, n);
     const __m256 t = _mm256_sub_ps(y, _mm256_add_ps(f, n));
     const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(t, _mm256_setzero_ps(), _CMP_LT_OQ));
@@ -65,9 +69,8 @@ typedef __m256 nxm_cmp; /* a lane predicate (all-ones lanes) */
 #define NXM_ROUND(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define NXM_SCALE2N(p, n) nx_scale2n8(p, n)
 #define NXM_CMP(a, b, pred) _mm256_cmp_ps(a, b, pred)
-#define NXM_FLOOR8(y) _mm256_round_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
 #define NXM_FRAC_DOWN(y) nx_frac_down8(y)
-#define NXM_SCALE2_FLOOR(p, y) nx_scale2n8(p, NXM_FLOOR8(y)) /* p * 2^floor(y), rounded once */
+#define NXM_SCALE2_FLOOR(p, y) nx_scale2n8(p, nx_floor8(y)) /* p * 2^floor(y), rounded once */
 #define NXM_SELECT(m, f, t) _mm256_blendv_ps(f, t, m) /* lane: m ? t : f */
 #include "nx_vmath_ew.h" /* nx_exp8, nx_exp2_8, nx_tanh8 */
 
