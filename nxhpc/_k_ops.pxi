@@ -31,6 +31,8 @@ cdef extern from "nx_attn_bf16.h" nogil:
                           const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,
                           int64_t hd, float scale, int64_t h0, int64_t h1, int64_t t0,
                           int64_t t1, int causal)
+    int nx_attn_bf16_dot()
+    int nx_attn_bf16_set_dot(int mode)
 
 #: The precisions of attention(): "f32" (float32 throughout, nx_ops.h) and "bf16" (Q K^T and P V
 #: on the bfloat16 dot, softmax statistics in float32: nx_attn_bf16.h).
@@ -298,6 +300,37 @@ def attention(q, k, qkv, out, n_kv_heads, scale, mask=None, h0=0, h1=None, isa=N
     if rc != 0:
         raise MemoryError(f"{fn}: could not allocate scratch for T={T}, hd={hd}")
     return out
+
+
+#: The dots of the AVX-512 BF16 `bf16` attention (nx_attn_bf16.h), by attention_bf16_dot's name.
+_ATTN_BF16_DOTS = {"auto": 0, "fma": 1, "vdpbf16ps": 2}
+
+
+def attention_bf16_dot(choice=None):
+    """The dot the AVX-512 BF16 `bf16` attention runs: "fma" or "vdpbf16ps" (same bits).
+
+    "fma" runs each of the contract's steps as a vfmadd231ps on bfloat16-valued float32 under
+    MXCSR DAZ|FTZ; "vdpbf16ps" a pair's two steps as one vdpbf16ps. Which is faster is the
+    CPU's (vdpbf16ps retires half the float32 FMA's multiply-adds a cycle on the AMX Xeon, twice
+    them on AMD Zen 4), so by default ("auto") the first call that needs it times the fma_zmm
+    and bf16_zmm peak loops once and takes the faster (a fraction of a millisecond). With
+    `choice` ("auto", "fma" or "vdpbf16ps") the choice is set for this process (and the workers
+    it forks afterwards); "auto" measures again. Returns the choice in force. Only the
+    `avx512bf16` variant reads it: the AMX, AVX2 and generic variants have one dot each, and a
+    CPU without AVX-512 BF16 reports "fma".
+    """
+    fn = "attention_bf16_dot"
+    cdef int rc
+    if choice is not None:
+        if not isinstance(choice, str) or choice not in _ATTN_BF16_DOTS:
+            raise ValueError(f"{fn}: choice must be one of {tuple(_ATTN_BF16_DOTS)} or None, "
+                             f"got {choice!r}")
+        rc = nx_attn_bf16_set_dot(_ATTN_BF16_DOTS[choice])
+        if rc < 0:
+            raise ValueError(f"{fn}: {choice!r} cannot run here (the CPU has no AVX-512 BF16)")
+    else:
+        rc = nx_attn_bf16_dot()
+    return "vdpbf16ps" if rc == 2 else "fma"
 
 
 def swiglu(a, b, out, i0=0, i1=None, isa=None):

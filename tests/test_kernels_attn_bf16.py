@@ -19,12 +19,39 @@ import pytest
 from kernelutil import ISAS, SIMD_ISAS, assert_bitwise, band_edges, bits
 
 from nxhpc import _kernels as K
+from nxhpc.runtime import peak
 
+# The AVX-512 BF16 variant has two dots with the same bits (K.attention_bf16_dot: vfmadd231ps
+# steps under DAZ|FTZ, or vdpbf16ps); the process runs the faster one, so each test that loops
+# over the variants runs both, as "avx512bf16:fma" and "avx512bf16:vdpbf16ps".
+DOTS = ("fma", "vdpbf16ps")
+
+
+def _with_dots(isas):
+    return [lab for i in isas
+            for lab in ([f"{i}:{d}" for d in DOTS] if i == "avx512bf16" else [i])]
+
+
+VARIANTS = _with_dots(ISAS)
 # the variants whose bits are the contract's: all but AMX's (tdpbf16ps sums the dots its own
 # way: the AMX clause of nx_attn_bf16.h; checked below against the contract's output instead)
-SPEC_ISAS = [i for i in ISAS if i != "amx"]
-SPEC_SIMD = [i for i in SIMD_ISAS if i != "amx"]
+SPEC_ISAS = [i for i in VARIANTS if i != "amx"]
+SPEC_SIMD = [i for i in _with_dots(SIMD_ISAS) if i != "amx"]
 AMX = [i for i in ISAS if i == "amx"]
+
+
+def attention(q, k, qkv, out, KVH, scale, isa=None, **kw):
+    """K.attention at a variant label of VARIANTS ("avx512bf16:vdpbf16ps": that ISA with that
+    dot, the process's choice restored after)."""
+    if isa is None or ":" not in isa:
+        return K.attention(q, k, qkv, out, KVH, scale, isa=isa, **kw)
+    base, dot = isa.split(":")
+    before = K.attention_bf16_dot()
+    K.attention_bf16_dot(dot)
+    try:
+        return K.attention(q, k, qkv, out, KVH, scale, isa=base, **kw)
+    finally:
+        K.attention_bf16_dot(before)
 
 F32 = np.float32
 U = 2.0 ** -8      # bfloat16 unit roundoff
@@ -257,7 +284,7 @@ def inputs(rng, T, H, KVH, hd, qk_scale=1.0, v_scale=1.0):
 
 def run(q, k, qkv, KVH, scale, isa, **kw):
     out = np.full((q.shape[1], q.shape[0] * q.shape[2]), np.nan, F32)
-    return K.attention(q, k, qkv, out, KVH, scale, isa=isa, precision="bf16", **kw)
+    return attention(q, k, qkv, out, KVH, scale, isa=isa, precision="bf16", **kw)
 
 
 def make_mask(rng, kind, T):
@@ -504,7 +531,7 @@ def test_within_the_bound_of_float64(T, causal):
         mask = make_mask(rng, ["none", "tail", "random", "sparse"][rng.integers(4)], T)
         scale = 1 / math.sqrt(hd)
         ref, bound = ref_and_bound(q, k, qkv, KVH, scale, mask, causal)
-        for isa in ([ISAS[-1]] if T > 100 else ISAS):
+        for isa in ([VARIANTS[-1]] if T > 100 else VARIANTS):
             got = run(q, k, qkv, KVH, scale, isa, mask=mask, causal=causal).astype(np.float64)
             err = np.abs(got - ref)
             assert (err <= bound).all(), (f"{isa} T={T} H={H}/{KVH} hd={hd}: worst ratio "
@@ -554,14 +581,14 @@ def test_head_bands_are_bit_identical():
     T, H, KVH, hd = 140, 6, 2, 48
     q, k, qkv = inputs(rng, T, H, KVH, hd)
     scale = 1 / math.sqrt(hd)
-    for isa in ISAS:
+    for isa in VARIANTS:
         for causal in (False, True):
             full = run(q, k, qkv, KVH, scale, isa, causal=causal)
             edges = band_edges(rng, H, 5)
             out = np.full_like(full, np.nan)
             for a, b in zip(edges[:-1], edges[1:]):
-                K.attention(q, k, qkv, out, KVH, scale, h0=a, h1=b, isa=isa, causal=causal,
-                            precision="bf16")
+                attention(q, k, qkv, out, KVH, scale, h0=a, h1=b, isa=isa, causal=causal,
+                          precision="bf16")
             assert_bitwise(out, full, f"{isa} bands {edges}")
 
 
@@ -575,26 +602,26 @@ def test_query_row_bands_are_bit_identical(precision):
     T, H, KVH, hd = 300, 4, 2, 40
     q, k, qkv = inputs(rng, T, H, KVH, hd)
     scale = 1 / math.sqrt(hd)
-    for isa in ISAS:
+    for isa in VARIANTS:
         for causal, mask in ((False, None), (True, None), (False, make_mask(rng, "random", T)),
                              (True, make_mask(rng, "tail", T))):
             full = np.full((T, H * hd), np.nan, F32)
-            K.attention(q, k, qkv, full, KVH, scale, mask=mask, isa=isa, causal=causal,
-                        precision=precision)
+            attention(q, k, qkv, full, KVH, scale, mask=mask, isa=isa, causal=causal,
+                      precision=precision)
             assert not np.isnan(full).any()
             rows = band_edges(rng, T, 6)
             heads = band_edges(rng, H, 3)
             out = np.full_like(full, np.nan)
             for ta, tb in zip(rows[:-1], rows[1:]):
                 for ha, hb in zip(heads[:-1], heads[1:]):
-                    K.attention(q, k, qkv, out, KVH, scale, mask=mask, h0=ha, h1=hb, t0=ta,
-                                t1=tb, isa=isa, causal=causal, precision=precision)
+                    attention(q, k, qkv, out, KVH, scale, mask=mask, h0=ha, h1=hb, t0=ta,
+                              t1=tb, isa=isa, causal=causal, precision=precision)
             assert_bitwise(out, full, f"{precision} {isa} causal={causal} rows {rows}")
             # one band alone: its rows and heads only
             ta, tb = sorted(rng.integers(0, T + 1, 2).tolist())
             part = np.full_like(full, np.nan)
-            K.attention(q, k, qkv, part, KVH, scale, mask=mask, h0=1, h1=3, t0=ta, t1=tb,
-                        isa=isa, causal=causal, precision=precision)
+            attention(q, k, qkv, part, KVH, scale, mask=mask, h0=1, h1=3, t0=ta, t1=tb,
+                      isa=isa, causal=causal, precision=precision)
             inside = np.zeros(full.shape, bool)
             inside[ta:tb, hd:3 * hd] = True
             assert_bitwise(part[inside], full[inside], f"{precision} {isa} band [{ta}, {tb})")
@@ -625,7 +652,7 @@ def test_rows_are_independent_of_later_keys_causal():
     n = 131
     W = (H + 2 * KVH) * hd
     short = [np.ascontiguousarray(a) for a in (q[:, :n], k[:, :n], qkv[:n, :W])]
-    for isa in ISAS:
+    for isa in VARIANTS:
         long = run(q, k, qkv, KVH, 0.2, isa, causal=True)
         assert_bitwise(run(*short, KVH, 0.2, isa, causal=True), long[:n], isa)
 
@@ -645,6 +672,44 @@ def test_f32_default_is_unchanged_and_precision_is_validated():
             K.attention(q, k, qkv, a, KVH, 0.3, precision=bad)
     with pytest.raises(ValueError, match="k must have shape"):
         K.attention(q, k[:, :-1], qkv, a, KVH, 0.3, precision="bf16")
+
+
+def test_dot_choice_is_validated_and_kept():
+    before = K.attention_bf16_dot()
+    assert before in DOTS
+    try:
+        for bad in ("FMA", "dp", "", 2, b"fma"):
+            with pytest.raises(ValueError, match="choice"):
+                K.attention_bf16_dot(bad)
+            assert K.attention_bf16_dot() == before
+        if "avx512bf16" in ISAS:
+            for d in DOTS + DOTS[::-1]:
+                assert K.attention_bf16_dot(d) == d
+                assert K.attention_bf16_dot() == d
+            assert K.attention_bf16_dot("auto") in DOTS
+        else:
+            with pytest.raises(ValueError, match="cannot run here"):
+                K.attention_bf16_dot("vdpbf16ps")
+            assert K.attention_bf16_dot("fma") == "fma"
+            assert K.attention_bf16_dot("auto") == "fma"
+    finally:
+        K.attention_bf16_dot(before)
+
+
+@pytest.mark.skipif("bf16_zmm" not in peak.supported(), reason="no AVX-512 BF16 peak loop here")
+def test_auto_dot_is_the_faster_peak_loop():
+    """"auto" takes the dot whose peak loop runs more FLOP/s, here against nxhpc.runtime.peak's
+    own measurement (thread CPU time, Python-timed): checked where the two rates differ by 1.5x
+    either way (AMX Xeon ~0.5x, AMD Zen 4 ~2x), so noise cannot decide it."""
+    rf = peak.measure("fma_zmm", 0.1)
+    rb = peak.measure("bf16_zmm", 0.1)
+    if 1 / 1.5 < rb / rf < 1.5:
+        pytest.skip(f"vdpbf16ps / FMA FLOP rate {rb / rf:.2f}: too close to call")
+    before = K.attention_bf16_dot()
+    try:
+        assert K.attention_bf16_dot("auto") == ("vdpbf16ps" if rb > rf else "fma"), rb / rf
+    finally:
+        K.attention_bf16_dot(before)
 
 
 def test_dispatch_names_the_variant():

@@ -1,17 +1,21 @@
 /* nx_attn_bf16.c -- the `bf16` attention's scalar spec (nx_attn_bf16.h), the generic table and the
  * dispatch of the "attn_bf16" family.
  *
- * Owns: the executable form of the contract, one row at a time, in its written order. Compiled
+ * Owns: the executable form of the contract, one row at a time, in its written order, and the
+ * AVX-512 BF16 variant's choice of dot (nx_attn_bf16_dot: state and probe). Compiled
  * with no ISA flags (fmaf is libm's, correctly rounded). Must not: use SIMD intrinsics (those are
  * nx_attn_bf16_avx2.c's and nx_attn_bf16_avx512bf16.c's), or depend on the head band.
  */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime under -std=c11 */
 #include "nx_attn_bf16.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "nx_lowp.h"  /* nx_bf16_round, nx_dpbf16_step: the `bf16` matmul's rounding and step */
+#include "nx_peak.h"  /* the fma_zmm / bf16_zmm loops that choose the avx512bf16 dot */
 #include "nx_wtype.h" /* nx_bf16_to_f32 */
 
 NX_DEFINE_DISPATCH(nx_attn_bf16, "attn_bf16", NX_ATTN_BF16_SLOTS,
@@ -30,6 +34,63 @@ int nx_attention_bf16(nx_isa isa, const float *q, const float *k, const float *q
 }
 
 static inline float nx_bf(float v) { return nx_bf16_to_f32(nx_bf16_round(v)); }
+
+/* ---- the AVX-512 BF16 variant's dot (nx_attn_bf16.h: nx_attn_bf16_dot). The state is one int
+ * per process, written with relaxed atomics: two threads resolving AUTO at once both measure and
+ * both store a valid choice (each gives the same bits). */
+static int nx_ab_dot_state = NX_AB_DOT_AUTO;
+
+static double nx_ab_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The faster dot by the peak loops' FLOP rates: fma_zmm (16 chains of vfmadd231ps) against
+ * bf16_zmm (16 chains of vdpbf16ps), 4096 iterations each (~10-40 us), alternated 7 times after
+ * a warm-up, the best time of each. (Only the order of the two rates matters: ~0.5x on the AMX
+ * Xeon, ~2x on AMD Zen 4, so neither noise nor clock ramps decide it.) */
+static int nx_ab_probe_dot(void) {
+    if (!nx_peak_supported(NX_PEAK_FMA_ZMM) || !nx_peak_supported(NX_PEAK_BF16_ZMM))
+        return NX_AB_DOT_FMA;
+    const size_t iters = 4096;
+    float fa[16], fb[16], facc[256];
+    uint16_t ba[32], bb[32];
+    float bacc[256];
+    for (int i = 0; i < 16; i++) fa[i] = 1.0f, fb[i] = 0.5f;
+    for (int i = 0; i < 32; i++) ba[i] = bb[i] = 0x3f80; /* bfloat16 1.0 */
+    double tf = INFINITY, tb = INFINITY;
+    for (int rep = 0; rep < 8; rep++) {
+        for (int i = 0; i < 256; i++) facc[i] = bacc[i] = 1.0f;
+        double t0 = nx_ab_now();
+        nx_peak_run(NX_PEAK_FMA_ZMM, iters, fa, fb, facc);
+        double t1 = nx_ab_now();
+        nx_peak_run(NX_PEAK_BF16_ZMM, iters, ba, bb, bacc);
+        double t2 = nx_ab_now();
+        if (rep == 0) continue; /* warm-up */
+        if (t1 - t0 < tf) tf = t1 - t0;
+        if (t2 - t1 < tb) tb = t2 - t1;
+    }
+    const double rf = (double)nx_peak_get(NX_PEAK_FMA_ZMM)->ops_per_iter / tf;
+    const double rb = (double)nx_peak_get(NX_PEAK_BF16_ZMM)->ops_per_iter / tb;
+    return rb >= rf ? NX_AB_DOT_DP : NX_AB_DOT_FMA;
+}
+
+int nx_attn_bf16_dot(void) {
+    int d = __atomic_load_n(&nx_ab_dot_state, __ATOMIC_RELAXED);
+    if (d == NX_AB_DOT_AUTO) {
+        d = nx_ab_probe_dot();
+        __atomic_store_n(&nx_ab_dot_state, d, __ATOMIC_RELAXED);
+    }
+    return d;
+}
+
+int nx_attn_bf16_set_dot(int mode) {
+    if (mode == NX_AB_DOT_DP && !nx_cpu_isa_supported(NX_ISA_AVX512BF16)) return -1;
+    if (mode != NX_AB_DOT_AUTO && mode != NX_AB_DOT_FMA && mode != NX_AB_DOT_DP) return -1;
+    __atomic_store_n(&nx_ab_dot_state, mode, __ATOMIC_RELAXED);
+    return nx_attn_bf16_dot();
+}
 
 int nx_attention_bf16_generic(const float *q, const float *k, const float *qkv,
                               const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,

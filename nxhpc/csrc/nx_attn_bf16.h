@@ -3,9 +3,10 @@
  *
  * Owns: the arithmetic contract below, the "attn_bf16" dispatch family (one slot, one table per
  * ISA file: generic = the spec, nx_attn_bf16.c; avx2 = nx_attn_bf16_avx2.c and avx512bf16 =
- * nx_attn_bf16_avx512bf16.c, the steps as FMAs under MXCSR DAZ|FTZ) and the scalar exp every variant evaluates. Must not: depend on the
- * head band, the query block or micro-block a row lands in, spawn threads, or read outside the
- * given arrays (callers validate shapes: nxhpc/_k_ops.pxi).
+ * nx_attn_bf16_avx512bf16.c, the steps as FMAs under MXCSR DAZ|FTZ, or as vdpbf16ps where that
+ * is faster: nx_attn_bf16_dot below) and the scalar exp every variant evaluates. Must not:
+ * depend on the head band, the query block or micro-block a row lands in, spawn threads, or
+ * read outside the given arrays (callers validate shapes: nxhpc/_k_ops.pxi).
  *
  * Shapes and options are those of nx_attention_f32 (nx_ops.h): q [H, T, hd], k [KVH, T, hd], v
  * read from qkv [T, (H+2*KVH)*hd] at columns (H+KVH)*hd + g*hd, g = h / (H/KVH); mask [T] bytes
@@ -119,6 +120,24 @@ int nx_attention_bf16(nx_isa isa, const float *q /* IN [H, T, hd] */,
                       float *out /* OUT [T, H*hd], rows [t0, t1), columns of heads [h0, h1) */,
                       int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale, int64_t h0,
                       int64_t h1, int64_t t0, int64_t t1, int causal);
+/* The AVX-512 BF16 variant has two micro-kernels with the same bits (the contract's steps either
+ * way): NX_AB_DOT_FMA runs each step as a vfmadd231ps on bfloat16-valued float32 under MXCSR
+ * DAZ|FTZ, NX_AB_DOT_DP a pair's two steps as one vdpbf16ps (which is those two steps: DAZ, FTZ,
+ * odd element first). Which is faster is the CPU's: vdpbf16ps retires half the float32 FMA's
+ * multiply-adds per cycle on the AMX Xeon (family 6 model 167) and twice them on AMD Zen 4.
+ * nx_attn_bf16_dot() is the choice in force: the one set by nx_attn_bf16_set_dot, or, while
+ * none is (NX_AB_DOT_AUTO), the faster by the peak loops fma_zmm / bf16_zmm (nx_peak.h: the
+ * FLOP rates timed once per process, a fraction of a millisecond; ties go to vdpbf16ps, half
+ * the instructions). Without AVX-512 BF16 it is NX_AB_DOT_FMA (the kernel is then never run).
+ * nx_attn_bf16_set_dot(mode) sets it (AUTO: measure again); returns the choice in force, or -1
+ * (nothing changed) for an unknown mode or NX_AB_DOT_DP on a CPU without AVX-512 BF16 (under
+ * NXHPC_DISABLE_SIMD, AUTO resolves to FMA; DP may still be set for an explicit ISA request).
+ * The choice is process-wide (workers forked after it inherit it) and never changes a result's
+ * bits. */
+enum { NX_AB_DOT_AUTO = 0, NX_AB_DOT_FMA = 1, NX_AB_DOT_DP = 2 };
+int nx_attn_bf16_dot(void);
+int nx_attn_bf16_set_dot(int mode);
+
 /* The variants (reached through the tables) take c = nx_attn_scale2(scale) as their `scale`. */
 int nx_attention_bf16_generic(const float *q, const float *k, const float *qkv,
                               const uint8_t *mask, float *out, int64_t T, int64_t H, int64_t KVH,

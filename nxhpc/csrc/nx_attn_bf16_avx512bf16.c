@@ -163,23 +163,147 @@ NX_INLINE void nx_ab_qk(const int nr, const float *qt, int64_t hd2s, int64_t hd2
         for (int v = 0; v < 4; v++) _mm512_store_ps(S + r * NX_AB_BC + 16 * v, acc[r][v]);
 }
 
-/* One micro-block: rows r < nr (qt + r*hd2s), tile kt (hd2 x 64) / vt (64 x hdp), keys of the
- * tile allowed for row r: rmask[r]; running m, l, O (rows hdp floats apart), updated for the
- * rows r with bit r of act set (the others do not run this tile). csr: the caller's MXCSR. The
- * dot chains run with DAZ|FTZ set, so each vfmadd231ps is the contract's step; the softmax in
- * between runs with the caller's MXCSR, as the spec's float32 operations do. The compiler
- * barriers keep every load, FMA and store of a chain between its two MXCSR writes. */
-NX_INLINE void nx_ab_micro(const int nr, const float *qt, int64_t hd2s, int64_t hd2,
-                           const float *kt, const float *vt, const uint64_t *rmask, unsigned act,
+/* ---- the vdpbf16ps dot (NX_AB_DOT_DP): one instruction per pair is the contract's two steps
+ * (DAZ, FTZ, odd element first, MXCSR not consulted), so the layouts are pair-dwords (dword =
+ * bf(element 2i) | bf(element 2i+1) << 16, no swap) and no MXCSR switch is needed. Half the
+ * instructions of the FMA dot at twice the multiply-adds per instruction. */
+
+/* bf() of 32 floats as 16 pair-dwords: dword i = bf(x[2i]) | bf(x[2i+1]) << 16. */
+static inline __m512i nx_abd_pairs32(__m512 lo, __m512 hi) {
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* kt[tile][p][64] (p < P2 = hd2 / 2) for keys [0, Tp) of one kv head (k rows hd floats apart). */
+static void nx_abd_pack_k(const float *kg, int64_t T, int64_t hd, int64_t P2, int64_t Tp,
+                          uint32_t *kt) {
+    for (int64_t j = 0; j < Tp; j++) {
+        uint32_t *dst = kt + (j / NX_AB_BC) * P2 * NX_AB_BC + j % NX_AB_BC;
+        for (int64_t p0 = 0; p0 < P2; p0 += 16) {
+            uint32_t w[16];
+            const int64_t d = 2 * p0;
+            const float *src = kg + j * hd + d;
+            const __m512i v =
+                j < T ? nx_abd_pairs32(_mm512_maskz_loadu_ps(nx_mask16(hd - d), src),
+                                       _mm512_maskz_loadu_ps(nx_mask16(hd - d - 16), src + 16))
+                      : _mm512_setzero_si512();
+            _mm512_storeu_si512((__m512i *)w, v);
+            for (int64_t i = 0; i < 16 && p0 + i < P2; i++) dst[(p0 + i) * NX_AB_BC] = w[i];
+        }
+    }
+}
+
+/* vt[i][hdp] (i < Tp / 2, 32 pairs a tile): bf(v[2i, d]) | bf(v[2i+1, d]) << 16 for one kv head
+ * (v rows W floats apart; keys >= T and d >= hd zero). */
+static void nx_abd_pack_v(const float *vg, int64_t W, int64_t T, int64_t hd, int64_t hdp,
+                          int64_t Tp, uint32_t *vt) {
+    for (int64_t j = 0; j < Tp; j += 2) {
+        uint32_t *dst = vt + (j / 2) * hdp;
+        for (int64_t c = 0; c < hdp; c += 16) {
+            const __mmask16 mk = nx_mask16(hd - c);
+            const __m512 lo = j < T ? _mm512_maskz_loadu_ps(mk, vg + j * W + c)
+                                    : _mm512_setzero_ps();
+            const __m512 hi = j + 1 < T ? _mm512_maskz_loadu_ps(mk, vg + (j + 1) * W + c)
+                                        : _mm512_setzero_ps();
+            const __m512i bl = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
+            const __m512i bh = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
+            _mm512_store_si512((__m512i *)(dst + c), _mm512_or_si512(bl, _mm512_slli_epi32(bh, 16)));
+        }
+    }
+}
+
+/* qp[r][p] (rows P2s dwords apart; dwords p < P2 written) for rows [0, nq) of q (rows hd floats
+ * apart). */
+static void nx_abd_pack_q(const float *q, int64_t nq, int64_t hd, int64_t P2, int64_t P2s,
+                          uint32_t *qp) {
+    for (int64_t r = 0; r < nq; r++)
+        for (int64_t p0 = 0; p0 < P2; p0 += 16) {
+            const int64_t d = 2 * p0;
+            const float *src = q + r * hd + d;
+            const __m512i v =
+                nx_abd_pairs32(_mm512_maskz_loadu_ps(nx_mask16(hd - d), src),
+                               _mm512_maskz_loadu_ps(nx_mask16(hd - d - 16), src + 16));
+            _mm512_mask_storeu_epi32(qp + r * P2s + p0, nx_mask16(P2 - p0), v);
+        }
+}
+
+/* S[r][0:64] := the score chains of rows r < nr (qp + r*P2s) against tile kt (P2 x 64). */
+NX_INLINE void nx_abd_qk(const int nr, const uint32_t *qp, int64_t P2s, int64_t P2,
+                         const uint32_t *kt, float *S) {
+    __m512 acc[NX_AB_BR][4];
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < P2; p++) {
+        const uint32_t *kp = kt + p * NX_AB_BC;
+        const __m512bh k0 = (__m512bh)_mm512_load_si512((const void *)kp);
+        const __m512bh k1 = (__m512bh)_mm512_load_si512((const void *)(kp + 16));
+        const __m512bh k2 = (__m512bh)_mm512_load_si512((const void *)(kp + 32));
+        const __m512bh k3 = (__m512bh)_mm512_load_si512((const void *)(kp + 48));
+        for (int r = 0; r < nr; r++) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)qp[r * P2s + p]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], k0, b);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1, b);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], k2, b);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], k3, b);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < 4; v++) _mm512_store_ps(S + r * NX_AB_BC + 16 * v, acc[r][v]);
+}
+
+/* O[r, c : c + 16 nv] = O * alpha[r] (the caller's MXCSR: a subnormal product is the zero the
+ * FMA dot's FTZ gives, as vdpbf16ps reads it as zero), then the chain over the tile's 32 key
+ * pairs, Pp[r][i] = p_2i | p_2i+1 << 16; nv in {1, 4}. */
+NX_INLINE void nx_abd_pv(const int nr, const int nv, const uint32_t *Pp, const float *alpha,
+                         const uint32_t *vt, int64_t hdp, int64_t c, float *O, unsigned act) {
+    __m512 acc[NX_AB_BR][4];
+    for (int r = 0; r < nr; r++) {
+        const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++)
+            acc[r][v] = _mm512_mul_ps(_mm512_load_ps(O + r * hdp + c + 16 * v), a);
+    }
+    for (int i = 0; i < NX_AB_BC / 2; i++) {
+        const uint32_t *vr = vt + i * hdp + c;
+        __m512bh vv[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++)
+            vv[v] = (__m512bh)_mm512_load_si512((const void *)(vr + 16 * v));
+        for (int r = 0; r < nr; r++) {
+            const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)Pp[r * (NX_AB_BC / 2) + i]);
+#pragma GCC unroll 4
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], vv[v], pb);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        if (act >> r & 1u)
+#pragma GCC unroll 4
+            for (int v = 0; v < nv; v++) _mm512_store_ps(O + r * hdp + c + 16 * v, acc[r][v]);
+}
+
+/* One micro-block: rows r < nr, tile b's keys and values, keys of the tile allowed for row r:
+ * rmask[r]; running m, l, O (rows hdp floats apart), updated for the rows r with bit r of act
+ * set (the others do not run this tile). csr: the caller's MXCSR. dp = 0: qt + r*hd2s floats,
+ * kt (hd2 x 64 floats), vt (64 x hdp floats), the dot chains under DAZ|FTZ so that each
+ * vfmadd231ps is the contract's step, the softmax in between with the caller's MXCSR, as the
+ * spec's float32 operations are (the compiler barriers keep every load, FMA and store of a chain
+ * between its two MXCSR writes). dp = 1: the pair-dword layouts (qt + r*hd2s/2 dwords, kt
+ * (hd2/2 x 64), vt (32 x hdp)), every operation under the caller's MXCSR. */
+NX_INLINE void nx_ab_micro(const int dp, const int nr, const void *qt, int64_t hd2s, int64_t hd2,
+                           const void *kt, const void *vt, const uint64_t *rmask, unsigned act,
                            float scale, float *m, float *l, float *O, int64_t hdp, unsigned csr) {
     float S[NX_AB_BR * NX_AB_BC] __attribute__((aligned(64)));
-    float Pt[NX_AB_BR * NX_AB_BC] __attribute__((aligned(64)));
-    _mm_setcsr(csr | NX_AB_DAZ_FTZ);
-    __asm__ volatile("" ::: "memory");
-    nx_ab_qk(nr, qt, hd2s, hd2, kt, S);
-    __asm__ volatile("" ::: "memory");
-    _mm_setcsr(csr);
-    __asm__ volatile("" ::: "memory");
+    float Pt[NX_AB_BR * NX_AB_BC] __attribute__((aligned(64)));     /* P, pairs swapped */
+    uint32_t Pp[NX_AB_BR * NX_AB_BC / 2] __attribute__((aligned(64))); /* dp: P's pair-dwords */
+    if (dp) {
+        nx_abd_qk(nr, (const uint32_t *)qt, hd2s / 2, hd2 / 2, (const uint32_t *)kt, S);
+    } else {
+        _mm_setcsr(csr | NX_AB_DAZ_FTZ);
+        __asm__ volatile("" ::: "memory");
+        nx_ab_qk(nr, (const float *)qt, hd2s, hd2, (const float *)kt, S);
+        __asm__ volatile("" ::: "memory");
+        _mm_setcsr(csr);
+        __asm__ volatile("" ::: "memory");
+    }
     const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     float sums[NX_AB_BR], dm[16] = {0};
     for (int r = 0; r < nr; r++) {
@@ -195,9 +319,21 @@ NX_INLINE void nx_ab_micro(const int nr, const float *qt, int64_t hd2s, int64_t 
         if (act >> r & 1u) m[r] = m_new;
         const __m512 mu = _mm512_set1_ps(m_use);
         __m512 f[4];
-        for (int v = 0; v < 4; v++) {
-            f[v] = nx_ab_bf16(nx_exp2_16(_mm512_sub_ps(x[v], mu)));
-            _mm512_store_ps(Pt + r * NX_AB_BC + 16 * v, nx_ab_swap_pairs(f[v]));
+        if (dp) { /* keys 0-63 as 64 words: Pp[r][i] = p_2i | p_2i+1 << 16 */
+            __m256i w[4];
+            for (int v = 0; v < 4; v++) {
+                w[v] = (__m256i)_mm512_cvtneps_pbh(nx_exp2_16(_mm512_sub_ps(x[v], mu)));
+                f[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w[v]), 16));
+            }
+            _mm512_store_si512((__m512i *)(Pp + r * (NX_AB_BC / 2)),
+                               _mm512_inserti64x4(_mm512_castsi256_si512(w[0]), w[1], 1));
+            _mm512_store_si512((__m512i *)(Pp + r * (NX_AB_BC / 2) + 16),
+                               _mm512_inserti64x4(_mm512_castsi256_si512(w[2]), w[3], 1));
+        } else {
+            for (int v = 0; v < 4; v++) {
+                f[v] = nx_ab_bf16(nx_exp2_16(_mm512_sub_ps(x[v], mu)));
+                _mm512_store_ps(Pt + r * NX_AB_BC + 16 * v, nx_ab_swap_pairs(f[v]));
+            }
         }
         sums[r] = nx_ab_tree(f[0], f[1], f[2], f[3]);
     }
@@ -205,29 +341,43 @@ NX_INLINE void nx_ab_micro(const int nr, const float *qt, int64_t hd2s, int64_t 
     _mm512_store_ps(alpha, nx_exp2_16(_mm512_loadu_ps(dm)));
     for (int r = 0; r < nr; r++)
         if (act >> r & 1u) l[r] = l[r] * alpha[r] + sums[r];
+    int64_t c = 0;
+    if (dp) {
+        for (; c + 64 <= hdp; c += 64) nx_abd_pv(nr, 4, Pp, alpha, (const uint32_t *)vt, hdp, c, O,
+                                                 act);
+        for (; c < hdp; c += 16) nx_abd_pv(nr, 1, Pp, alpha, (const uint32_t *)vt, hdp, c, O, act);
+        return;
+    }
     __asm__ volatile("" ::: "memory");
     _mm_setcsr(csr | NX_AB_DAZ_FTZ);
     __asm__ volatile("" ::: "memory");
-    int64_t c = 0;
-    for (; c + 64 <= hdp; c += 64) nx_ab_pv(nr, 4, Pt, alpha, vt, hdp, c, O, act);
-    for (; c < hdp; c += 16) nx_ab_pv(nr, 1, Pt, alpha, vt, hdp, c, O, act);
+    for (; c + 64 <= hdp; c += 64) nx_ab_pv(nr, 4, (const float *)Pt, alpha, (const float *)vt,
+                                            hdp, c, O, act);
+    for (; c < hdp; c += 16) nx_ab_pv(nr, 1, (const float *)Pt, alpha, (const float *)vt, hdp, c,
+                                      O, act);
     __asm__ volatile("" ::: "memory");
     _mm_setcsr(csr);
     __asm__ volatile("" ::: "memory");
 }
 
-static void nx_ab_micro_any(int nr, const float *qt, int64_t hd2s, int64_t hd2, const float *kt,
-                            const float *vt, const uint64_t *rmask, unsigned act, float scale,
-                            float *m, float *l, float *O, int64_t hdp, unsigned csr) {
+static void nx_ab_micro_any(int dp, int nr, const void *qt, int64_t hd2s, int64_t hd2,
+                            const void *kt, const void *vt, const uint64_t *rmask, unsigned act,
+                            float scale, float *m, float *l, float *O, int64_t hdp, unsigned csr) {
 #define NX_AB_CASE(n)                                                                              \
-    case n: nx_ab_micro(n, qt, hd2s, hd2, kt, vt, rmask, act, scale, m, l, O, hdp, csr); break;
-    switch (nr) { /* constant row counts: the accumulators stay in registers */
+    case n:                                                                                        \
+        if (dp)                                                                                    \
+            nx_ab_micro(1, n, qt, hd2s, hd2, kt, vt, rmask, act, scale, m, l, O, hdp, csr);        \
+        else                                                                                       \
+            nx_ab_micro(0, n, qt, hd2s, hd2, kt, vt, rmask, act, scale, m, l, O, hdp, csr);        \
+        break;
+    switch (nr) { /* constant row counts and dot: the accumulators stay in registers */
         NX_AB_CASE(6)
         NX_AB_CASE(5)
         NX_AB_CASE(4)
         NX_AB_CASE(3)
         NX_AB_CASE(2)
-    default: nx_ab_micro(1, qt, hd2s, hd2, kt, vt, rmask, act, scale, m, l, O, hdp, csr); break;
+        NX_AB_CASE(1)
+    default: break;
     }
 #undef NX_AB_CASE
 }
@@ -241,7 +391,9 @@ int nx_attention_bf16_avx512bf16(const float *q, const float *k, const float *qk
     const int64_t ntiles = (T + BC - 1) / BC, Tp = ntiles * BC;
     const int64_t hd2 = (hd + 1) / 2 * 2, hd2s = (hd2 + 15) / 16 * 16, hdp = (hd + 15) / 16 * 16;
     const unsigned csr = _mm_getcsr();
-    /* sizes in whole 64-byte lines (aligned_alloc wants a multiple of the alignment) */
+    const int dp = nx_attn_bf16_dot() == NX_AB_DOT_DP; /* the same bits either way */
+    /* sizes in whole 64-byte lines (aligned_alloc wants a multiple of the alignment); the FMA
+     * dot's layouts, twice the pair-dwords' */
     float *kt = aligned_alloc(64, (size_t)((Tp * hd2 * 4 + 63) / 64 * 64));
     float *vt = aligned_alloc(64, (size_t)(Tp * hdp * 4));
     float *qp = aligned_alloc(64, (size_t)(QB * hd2s * 4));
@@ -268,13 +420,22 @@ int nx_attention_bf16_avx512bf16(const float *q, const float *k, const float *qk
     for (int64_t h = h0; h < h1; h++) {
         const int64_t g = h / group;
         if (g != packed) {
-            nx_ab_pack_k(k + g * T * hd, T, hd, hd2, Tp, kt);
-            nx_ab_pack_v(qkv + (H + KVH) * hd + g * hd, W, T, hd, hdp, Tp, vt);
+            const float *vg = qkv + (H + KVH) * hd + g * hd;
+            if (dp) {
+                nx_abd_pack_k(k + g * T * hd, T, hd, hd2 / 2, Tp, (uint32_t *)kt);
+                nx_abd_pack_v(vg, W, T, hd, hdp, Tp, (uint32_t *)vt);
+            } else {
+                nx_ab_pack_k(k + g * T * hd, T, hd, hd2, Tp, kt);
+                nx_ab_pack_v(vg, W, T, hd, hdp, Tp, vt);
+            }
             packed = g;
         }
         for (int64_t t0 = q0; t0 < q1; t0 += QB) { /* the query rows [q0, q1) */
             const int64_t nq = q1 - t0 < QB ? q1 - t0 : QB;
-            nx_ab_pack_q(q + (h * T + t0) * hd, nq, hd, hd2s, qp);
+            if (dp)
+                nx_abd_pack_q(q + (h * T + t0) * hd, nq, hd, hd2 / 2, hd2s / 2, (uint32_t *)qp);
+            else
+                nx_ab_pack_q(q + (h * T + t0) * hd, nq, hd, hd2s, qp);
             for (int64_t r = 0; r < nq; r++) {
                 m[r] = -INFINITY;
                 l[r] = 0.0f;
@@ -295,9 +456,11 @@ int nx_attention_bf16_avx512bf16(const float *q, const float *k, const float *qk
                         rmask[r] = !run ? 0 : causal ? tmask[b] & nx_ab_low_bits(f + r - j0 + 1)
                                                      : tmask[b];
                     }
-                    nx_ab_micro_any(nr, qp + r0 * hd2s, hd2s, hd2, kt + b * hd2 * BC,
-                                    vt + b * BC * hdp, rmask, act, scale, m + r0, l + r0,
-                                    O + r0 * hdp, hdp, csr);
+                    /* row r0, tile b: offsets in floats, or (dp) in dwords */
+                    const int64_t sh = dp ? 1 : 0;
+                    nx_ab_micro_any(dp, nr, qp + (r0 * hd2s >> sh), hd2s, hd2,
+                                    kt + (b * hd2 * BC >> sh), vt + (b * BC * hdp >> sh), rmask,
+                                    act, scale, m + r0, l + r0, O + r0 * hdp, hdp, csr);
                 }
             }
             for (int64_t r = 0; r < nq; r++) {
