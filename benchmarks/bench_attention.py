@@ -14,8 +14,12 @@ timing (float64 reference with the error bound from tests/test_kernels_ops.py fo
 
 bf16 vs f32 at the DiT's lengths (T = 1024, 2048, 4128; hd = 128; NXHPC_BENCH_HEADS heads, default
 2 of Z-Image's 30): nxhpc's float32 and bf16 attention (csrc/nx_attn_bf16.h; every ISA with its
-own bf16 kernel, and the scalar generic spec at T <= 2048, one round) beside torch SDPA in
-float32 and bfloat16, each output checked against float64 with its precision's bound. On a
+own bf16 kernel -- the AVX-512 BF16 one with each of its dots, ``avx512bf16:fma`` and
+``avx512bf16:vdpbf16ps`` (``K.attention_bf16_dot``; ``auto_dot`` in ``extra_info`` is the one this
+process runs by default) -- and the scalar generic spec at T <= 2048, one round) beside torch
+SDPA in float32 and bfloat16, each output checked against float64 with its precision's bound,
+GFLOP/s against the peak of the unit each runs on (``peak_kind``: fma_zmm for the FMA dot,
+bf16_zmm for vdpbf16ps, amx_bf16 for AMX) and the machine's fastest bf16 unit. On a
 shared machine add ``--benchmark-timer=time.process_time`` (wall clock counts other jobs' time).
 """
 
@@ -167,9 +171,12 @@ def _bf16_check(out, q, k, qkv, T, H, extra=0.0, rows=32):
     assert (np.abs(out[:rows, :HD] - p @ v) <= bound).all()
 
 
-# f32 at the best ISA; bf16 at every ISA with a bf16 attention of its own (AVX2, AVX-512 BF16,
-# AMX), and the scalar generic spec as the bf16 baseline (one round, T <= 2048: ~0.2 GFLOP/s)
-_DIT_IMPLS = ([("f32", i) for i in SIMD[-1:]] + [("bf16", i) for i in _BF16_ISAS if i != "generic"]
+# f32 at the best ISA; bf16 at every ISA with a bf16 attention of its own (AVX2, AVX-512 BF16 with
+# each of its two dots, "avx512bf16:fma" / ":vdpbf16ps", K.attention_bf16_dot; AMX), and the
+# scalar generic spec as the bf16 baseline (one round, T <= 2048: ~0.2 GFLOP/s)
+_DIT_IMPLS = ([("f32", i) for i in SIMD[-1:]]
+              + [("bf16", lab) for i in _BF16_ISAS if i != "generic"
+                 for lab in ([f"{i}:fma", f"{i}:vdpbf16ps"] if i == "avx512bf16" else [i])]
               + [("bf16", "generic")])
 
 
@@ -185,10 +192,28 @@ def test_bench_attention_dit_nxhpc(benchmark, T, impl, isa):
     benchmark.group = f"attention T={T} hd={HD} H={H_DIT} (DiT, 1 thread)"
     q, k, qkv = _dit_case(T, H_DIT)
     out = np.empty((T, H_DIT * HD), np.float32)
-    benchmark.pedantic(K.attention, args=(q, k, qkv, out, H_DIT, HD ** -0.5),
-                       kwargs={"isa": isas[0], "precision": impl}, rounds=1 if slow else 3,
-                       warmup_rounds=0 if slow else 1)
+    base, _, dot = isas[0].partition(":")
+    before = K.attention_bf16_dot()
+    if dot:
+        K.attention_bf16_dot(dot)
+    try:
+        benchmark.pedantic(K.attention, args=(q, k, qkv, out, H_DIT, HD ** -0.5),
+                           kwargs={"isa": base, "precision": impl}, rounds=1 if slow else 3,
+                           warmup_rounds=0 if slow else 1)
+    finally:
+        K.attention_bf16_dot(before)
     _dit_info(benchmark, T, H_DIT, f"nxhpc {impl} [{isas[0]}]")
+    g = benchmark.extra_info["gflops_best"]
+    if dot:
+        benchmark.extra_info.update({"dot": dot, "auto_dot": before})
+    if impl == "f32" or dot == "fma":   # vfmadd231ps zmm either way (bf16: bfloat16-valued)
+        benchmark.extra_info.update(peak_fields(g, "f32", "avx512" if dot else base))
+        if dot:   # and against the machine's fastest bf16 unit
+            best = peak_fields(g, "bf16")
+            benchmark.extra_info.update({"machine_peak_kind": best.get("peak_kind"),
+                                         "frac_of_machine_peak": best.get("frac_of_peak")})
+    else:
+        benchmark.extra_info.update(peak_fields(g, "bf16", base))
     if impl == "f32":
         _attn_check_T(out, q, k, qkv, T, H_DIT)
     else:

@@ -1,21 +1,24 @@
 /* nx_attn_bf16_avx512bf16.c -- the `bf16` attention (nx_attn_bf16.h) on AVX-512 BF16; exports
  * the avx512bf16 table of the "attn_bf16" family.
  *
- * Owns: the packed layouts, the tiled driver and the 6-row x 64-key micro-block. Rounding is
- * VCVTNEPS2BF16 (bf() by definition). The dot steps are vfmadd231ps on bfloat16-valued float32
- * operands with MXCSR DAZ|FTZ set around each chain: then every FMA is exactly the contract's
- * step(acc, a, b) = ftz(fma(daz(a), daz(b), daz(acc))) (nx_lowp.h: ftz is x86's, tininess
+ * Owns: the packed layouts, the tiled driver and the 6-row x 64-key micro-block, on either
+ * dot. Rounding is VCVTNEPS2BF16 (bf() by definition). The FMA dot's steps are vfmadd231ps on
+ * bfloat16-valued float32 operands with MXCSR DAZ|FTZ set around each chain: then every FMA is
+ * exactly the contract's step(acc, a, b) = ftz(fma(daz(a), daz(b), daz(acc))) (nx_lowp.h: ftz
+ * is x86's, tininess
  * after rounding to 24 bits with an unbounded exponent; on this project's Intel Xeon (family 6
  * model 167) 4.8e7 random and underflow-range steps matched the scalar spec, 2.1e4 in the
  * interval (2^-126 - 2^-150, 2^-126 - 2^-151) where flushing a gradual-underflow fmaf would
  * differ: benchmarks/probes/bf16_fma_ftz.c; tests/test_kernels_attn_bf16.py checks the kernel
  * bit for bit in the underflow range and in that interval). A pair's two steps are two FMAs,
- * odd element first: K and Q are packed
- * with the two elements of each d-pair swapped, V with the two keys of each pair swapped.
- * Why not vdpbf16ps: on this project's Intel Xeon (family 6 model 167) it retires one per ~2
- * cycles (16 bf16 MACs/cycle) against two vfmadd231ps per cycle (32 MACs/cycle); the vdpbf16ps
- * micro-kernel (same layouts as pair-dwords, same contract) ran at 89-93 GFLOP/s against this
- * one's 124-129 (T=1024, hd=128, process time).
+ * odd element first: K and Q are packed with the two elements of each d-pair swapped, V with
+ * the two keys of each pair swapped.
+ * The other dot, vdpbf16ps (NX_AB_DOT_DP, nx_attn_bf16_dot: chosen once per process by the
+ * peak loops' rates), runs the same micro-block on pair-dword layouts (nx_abd_*): one
+ * instruction is a pair's two steps, so its bits are the same. On this project's Intel Xeon
+ * (family 6 model 167) vdpbf16ps retires one per ~2 cycles (16 bf16 MACs/cycle) against two
+ * vfmadd231ps per cycle (32 MACs/cycle): the FMA dot ran 8.97 ms against 11.47 (T=1024, hd=128,
+ * 2 heads, process time); on AMD Zen 4 vdpbf16ps has twice the FMA's rate.
  * Layouts, per kv head, once: kt[tile][i][64 keys] = bf(k[j, i^1]) (i < hd2 = hd rounded up to
  * even), vt[tile][i][hdp] = bf(v[64 tile + (i^1), d]) (hdp = hd rounded up to 16; keys >= T and
  * d >= hd zero); per query block qt[row][i] = bf(q[row, i^1]). For each query block of <= QB
@@ -206,7 +209,8 @@ static void nx_abd_pack_v(const float *vg, int64_t W, int64_t T, int64_t hd, int
                                         : _mm512_setzero_ps();
             const __m512i bl = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
             const __m512i bh = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
-            _mm512_store_si512((__m512i *)(dst + c), _mm512_or_si512(bl, _mm512_slli_epi32(bh, 16)));
+            _mm512_store_si512((__m512i *)(dst + c),
+                               _mm512_or_si512(bl, _mm512_slli_epi32(bh, 16)));
         }
     }
 }
