@@ -28,6 +28,7 @@ from nxhpc.dit.grade import grade
 from nxhpc.dit.stackrun import PRECISION_TOL
 from nxhpc.runtime.checks import check_input_file, load_npy
 from nxhpc.models.modeldir import model_files
+from nxhpc.nn.linear import attention_kernel
 from nxhpc.runtime.outfile import check_output_path
 
 __all__ = ["main", "build_parser", "DEFAULT_TOL", "DENOISE_TOL", "EXIT_CODES"]
@@ -248,7 +249,8 @@ def _run_model(args, den, inputs, ref, out_path, ranks=None) -> int:
                     "latents": list(lat.shape), "timestep": float(t),
                     "image_tokens": s.n_img, "image_rows": s.Np, "caption_tokens": s.L,
                     "caption_rows": s.Lp, "joint_rows": s.Np + s.Lp, "workers": den.workers,
-                    "precision": den.precision, "repeat": args.repeat}
+                    "precision": den.precision, "attention": attention_kernel(den.precision),
+                    "repeat": args.repeat}
     report.update({f"us_{k}": best[f"us_{k}"] for k in SEGMENTS})
     per_layer = best["us_layers"] / max(1, cfg.n_layers) / 1e6
     rest = (best["us_total"] - best["us_layers"]) / 1e6

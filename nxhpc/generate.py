@@ -45,6 +45,7 @@ from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed pack
 from nxhpc.cli.codes import Exit, InputError, NotFound, OutputError, UsageError, codes_epilog
 from nxhpc.cli.frame import run_ranked
 from nxhpc.cli.report import peak_rss_mb, png_text, print_report
+from nxhpc.nn.linear import attention_kernel
 from nxhpc.runtime.checks import load_npy
 from nxhpc.runtime.outfile import check_output_path
 
@@ -529,7 +530,7 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
         "steps": args.steps, "shift": args.shift,
         "sigmas": [round(float(s), 9) for s in turbo_sigmas(args.steps, args.shift)],
         "guidance_scale": args.guidance_scale, "precision": args.precision,
-        "workers": workers, "seeds": [j.seed for j in jobs] if args.noise is None else None,
+        "attention": attention_kernel(args.precision), "workers": workers, "seeds": [j.seed for j in jobs] if args.noise is None else None,
         "noise": args.noise, **{k: round(v, 6) for k, v in stages.items()},
         "s_per_step": round(stages["denoise_s"] / (len(mine) * args.steps), 6),
         "arena_mb": den_mem.get("arena_mb"), **peak_rss_mb(),

@@ -23,7 +23,7 @@ import numpy as np
 from nxhpc.dit.config import block_view
 from nxhpc.dit.grade import DEFAULT_TOL, Grade, count_exceeding, error_row, grade
 from nxhpc.nn.linear import (DEFAULT_PRECISION, DEFAULT_Q8_FLOAT_WEIGHTS, PRECISIONS, Q8Blocks,
-                             check_q8_float_weights)
+                             attention_kernel, check_q8_float_weights)
 from nxhpc.runtime import checks
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES
 
@@ -161,7 +161,7 @@ def run_stack(model, *, layers: int | str = 1, workers: int | None = None,
                     "head_dim": cfg.head_dim, "qkv_width": cfg.qkv_width,
                     "ffn_dim": cfg.ffn_dim, "workers": workers, "spawn": spawn,
                     "layers": n_layers, "repeat": repeat, "eps": eps,
-                    "precision": precision,
+                    "precision": precision, "attention": attention_kernel(precision),
                     "mask": mask is not None,
                     "gguf_tensors": len(model.gguf.names()) if model.gguf is not None else 0}
 

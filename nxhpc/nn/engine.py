@@ -341,6 +341,10 @@ class Engine:
                 p.init_state(self._state)
             self._addr = {n: (buf.__array_interface__["data"][0], buf)
                           for n, buf in self._v.items() if n in self._user}
+            # The bf16 attention's dot is chosen once per process by timing two peak loops
+            # (nx_attn_bf16.h): choose it before the fork, so every worker inherits one choice
+            # (the same bits either way) instead of each timing its own, per stage under "stage".
+            nxhpc.kernels().attention_bf16_dot()
             self.pool = WorkerPool(workers, task_fns, mode=spawn, stage_timeout=stage_timeout)
         except BaseException:
             self.close()

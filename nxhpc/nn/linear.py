@@ -140,6 +140,18 @@ def attention_precision(precision: str) -> str:
     return "f32" if check_precision(precision) == "f32" else "bf16"
 
 
+def attention_kernel(precision: str) -> str:
+    """Which attention code runs under the switch ``precision``, for reports: ``"f32"``'s ISA
+    variant, or the bf16 attention's (``"avx512bf16:fma"`` / ``"avx512bf16:vdpbf16ps"`` naming
+    the dot that variant runs in this process, ``K.attention_bf16_dot``)."""
+    from nxhpc import kernels
+    K = kernels()
+    if attention_precision(precision) == "f32":
+        return "f32:" + K.kernel_variants()["attention"]
+    v = K.kernel_variants()["attention_bf16"]
+    return f"bf16:{v}:{K.attention_bf16_dot()}" if v == "avx512bf16" else f"bf16:{v}"
+
+
 def check_runnable(kernels: Any, weight: WeightTensor, *, adaln: bool = False) -> None:
     """NotImplementedError naming the tensor unless ``kernels`` can run ``weight`` as stored
     (called before the fork, so a missing type fails in the parent, before any work)."""
