@@ -11,6 +11,11 @@ the model on first use under $NXHPC_MODELS, ~1 GB). Set ``NXHPC_BENCH_MODEL=mid`
 run. Correctness is checked after timing against the model's float64 reference output: f32
 within 1e-5 of max|ref|, bf16 / q8 within blockrun's default tolerance of that precision
 (max_rel, nxhpc.blockrun.PRECISION_TOL); torch's errors are recorded in extra_info.
+Against the machine's limit (``nxhpc.dit.roofline``, peaks measured in the same session):
+nxhpc's runs carry ``frac_<stage>`` (the stage's projection / attention work at the per-core
+peak of the unit it runs on, over its time), ``x_limit`` (the block over its limit on its own
+units) and ``x_machine_limit`` (over its limit on the machine's fastest units); torch's runs
+``x_machine_limit``.
 
 ``test_engine_*``: a denoiser-shaped call -- a modulated block on the image rows, an
 unmodulated block on the caption rows, a modulated block on the joint rows -- from ONE engine
@@ -23,11 +28,13 @@ import os
 import numpy as np
 import pytest
 
-from _bench_util import bench_stats
+from _bench_util import bench_stats, peak_of
 from nxhpc.blockrun import PRECISION_TOL
+from nxhpc.dit.config import block_view
 from nxhpc.dit.grade import rel_errors
 from nxhpc.dit.plan import BlockPlan, Engine
 from nxhpc.dit.reference import dequantize_layer
+from nxhpc.dit.roofline import block_limit_s, machine_kinds, report_fields
 from nxhpc.models import open_model
 
 MODEL = os.environ.get("NXHPC_BENCH_MODEL", "zimage-1l")
@@ -88,6 +95,9 @@ def test_block_nxhpc(benchmark, setup, spawn, precision):
     s = bench_stats(benchmark).median
     benchmark.extra_info.update(gflops=flops / s / 1e9, precision=precision,
                                 **{k: v for k, v in timings.items()})
+    # the last round's stages against their limits on this machine (nxhpc.dit.roofline)
+    benchmark.extra_info.update(report_fields(timings, block_view(model.config), x.shape[0],
+                                              precision, WORKERS, rate=peak_of))
     err, max_rel = _check(out, model, precision)
     benchmark.extra_info.update(max_err_rel_to_max_ref=err, max_rel=max_rel)
 
@@ -115,6 +125,8 @@ def test_block_torch_eager(benchmark, setup, dtype):
     benchmark.group = f"block {MODEL} T={x.shape[0]} workers/threads={WORKERS}"
     out = benchmark.pedantic(run, rounds=ROUNDS, warmup_rounds=1)
     benchmark.extra_info["gflops"] = flops / bench_stats(benchmark).median / 1e9
+    lim = block_limit_s(block_view(cfg), x.shape[0], machine_kinds(peak_of), peak_of, WORKERS)
+    benchmark.extra_info["x_machine_limit"] = bench_stats(benchmark).median / lim if lim else None
     err, max_rel = _check(out, model, "f32" if dtype == "float32" else None)
     benchmark.extra_info.update(dtype=dtype, max_err_rel_to_max_ref=err, max_rel=max_rel)
 

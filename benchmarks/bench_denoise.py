@@ -12,7 +12,12 @@ the ``gguf`` package) runs in torch eager float32 and bfloat16 at 2 threads, in 
 same group per token count.
 
 Reported per benchmark (``extra_info``): seconds per main layer, the extrapolated seconds of a
-30-layer step (everything but the main layers + 30 x one layer), the segments, peak RSS
+30-layer step (everything but the main layers + 30 x one layer), the segments, nxhpc's main
+layers stage by stage (``layer_s_<stage>``: seconds per layer) and against their limit on this
+machine (``nxhpc.dit.roofline``, peaks measured in the same session: ``frac_<stage>`` = the
+stage's projection / attention work at the peak of the unit it runs on over its time,
+``x_limit`` = a layer's time over its limit on this run's units, ``x_machine_limit`` over its
+limit on the machine's fastest units -- also for diffusers), peak RSS
 (Linux VmHWM, reset before each backend; nxhpc: parent and largest worker -- mapped weight
 pages are shared and counted in each), and the output's distance to diffusers float32.
 A table of all of it is printed at the end of the module (and written to
@@ -30,8 +35,8 @@ import os
 import numpy as np
 import pytest
 
-from _bench_util import (bench_stats, err_cell, model_as, peak_rss_mb, record, reset_peak_rss,
-                         rss_cell, run_timed_layers, summary_fixture)
+from _bench_util import (bench_stats, err_cell, model_as, peak_of, peak_rss_mb, record,
+                         reset_peak_rss, rss_cell, run_timed_layers, summary_fixture)
 from nxhpc.models.registry import open_denoiser
 
 MODEL = os.environ.get("NXHPC_BENCH_DENOISER", "zimage-dit-2l")
@@ -43,7 +48,7 @@ STEP_LAYERS = 30
 RESULTS: dict = {}
 _TITLE = f"bench_denoise: {MODEL}, {WORKERS} workers / threads, caption {CAPTION}"
 _HEAD = ("| backend | image tokens | rows | s / layer | s / 30-layer step (extrap.) | "
-         "peak RSS MB | rel. err vs diffusers f32 |")
+         "x limit / x machine limit (layer) | peak RSS MB | rel. err vs diffusers f32 |")
 
 
 def _side(tokens: int) -> int:
@@ -69,8 +74,16 @@ def inputs(den):
 
 
 def _row(key, r) -> list:
+    x = "/".join("" if r.get(k) is None else f"{r[k]:.2f}" for k in ("x_limit", "x_machine_limit"))
     return [*key, r.get("rows", ""), f"{r['s_per_layer']:.3f}", f"{r['s_per_30_layer_step']:.1f}",
-            rss_cell(r), err_cell(r.get("rel_err_vs_diffusers_f32"), ".2e")]
+            x, rss_cell(r), err_cell(r.get("rel_err_vs_diffusers_f32"), ".2e")]
+
+
+def _machine_limit(den, rows: int) -> float | None:
+    """One main layer at ``rows`` tokens at the machine's fastest units (nxhpc.dit.roofline)."""
+    from nxhpc.dit.config import block_view
+    from nxhpc.dit.roofline import block_limit_s, machine_kinds
+    return block_limit_s(block_view(den.config), rows, machine_kinds(peak_of), peak_of, WORKERS)
 
 
 _summary = summary_fixture(RESULTS, "bench_denoise", _TITLE, _HEAD, _row)
@@ -97,6 +110,14 @@ def test_denoise_nxhpc(benchmark, den, inputs, tokens, precision):
     r = {"rows": s.Np + s.Lp, "s_per_layer": per_layer,
          "s_per_30_layer_step": (tm["us_total"] - tm["us_layers"]) / 1e6 + STEP_LAYERS * per_layer,
          "s_call": bench_stats(benchmark).median, **tm, **mem, "output": out}
+    # the main layers' stages (seconds per layer) and each against its limit on this machine
+    from nxhpc.dit.config import block_view
+    from nxhpc.dit.roofline import report_fields
+    st = den.last_stage_timings["layers"]
+    r.update({f"layer_s_{k[3:]}": v / cfg.n_layers / 1e6 for k, v in st.items()
+              if k.startswith("us_")})
+    r.update(report_fields(st, block_view(cfg), st["rows"], prec, WORKERS,
+                           layers=cfg.n_layers, rate=peak_of))
     benchmark.extra_info["precision"] = precision
     record(benchmark, RESULTS, (f"nxhpc {precision}", tokens), r)
     assert np.isfinite(out).all()
@@ -154,6 +175,9 @@ def _run_diffusers(benchmark, torch_model, den, inputs, tokens, dtype_name):
     r = {"s_per_layer": per_layer,
          "s_per_30_layer_step": (total - layer_s) + STEP_LAYERS * per_layer,
          "s_call": total, "peak_rss_mb": peak_rss_mb(), "output": out}
+    s = den.session(lat.shape[1], lat.shape[2], cap.shape[0])
+    lim = _machine_limit(den, s.Np + s.Lp)   # the rows diffusers runs too (padded alike)
+    r["x_machine_limit"] = per_layer / lim if lim else None
     ref = RESULTS.get(("diffusers float32", tokens), {}).get("output")
     if dtype_name == "float32":
         ref = out

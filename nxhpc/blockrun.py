@@ -110,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "the output is the same bits every run; default 1)")
     p.add_argument("--save-output", metavar="PATH", default=None,
                    help="write the final block output as a float32 .npy array")
+    p.add_argument("--roofline", action="store_true",
+                   help="also report each stage's time against its limit on this machine: "
+                        "frac_<stage> (the projections' or the attention's work at the "
+                        "per-core peak of the unit that runs it, measured now, ~0.3 s a kind, "
+                        "over the stage's time: 1 is the peak), limit_us / x_limit for the "
+                        "block, and machine_limit_us / x_machine_limit on the machine's fastest "
+                        "units (nxhpc.dit.roofline)")
     types.add_json(p)
     return p
 
@@ -166,6 +173,13 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
                         adaln=args.adaln, reference=args.reference_name, tol=args.tol,
                         stage_timeout=args.stage_timeout, repeat=args.repeat,
                         on_layer=progress)
+        if args.roofline and lead:
+            from nxhpc.dit.config import block_view
+            from nxhpc.dit.roofline import report_fields
+            r = res.report
+            res.report.update(report_fields(
+                r, block_view(model.config), r["tokens"], r["precision"],
+                r["workers"] * (ranks.size if ranks is not None else 1), layers=n_layers))
     if not lead:
         return Exit.PASS
     if ranks is not None:

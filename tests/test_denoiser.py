@@ -312,6 +312,17 @@ def test_engine_reused_across_calls_and_two_layouts_kept(dens, inputs, outputs):
     assert all(isinstance(v, int) and v >= 0 for v in t.values())
     parts = sum(t[k] for k in TIMING_KEYS[:-1])
     assert parts <= t["us_total"] <= parts + len(TIMING_KEYS)
+    # the blocks' stages, summed per block segment: inside that segment's time, rows as run
+    from nxhpc.dit.plan import TIMING_KEYS as BLOCK_KEYS
+    st = d.last_stage_timings
+    cfg = d.config
+    segs = {"noise_refiner": (cfg.n_noise_refiner, s.Np), "context_refiner":
+            (cfg.n_context_refiner, s.Lp), "layers": (cfg.n_layers, s.Np + s.Lp)}
+    assert set(st) == {k for k, (n, _) in segs.items() if n}
+    for seg, acc in st.items():
+        assert set(acc) == set(BLOCK_KEYS) | {"rows"} and acc["rows"] == segs[seg][1]
+        stages = sum(v for k, v in acc.items() if k not in ("rows", "block_us"))
+        assert stages <= acc["block_us"] <= t[f"us_{seg}"], (seg, acc, t)
     # a second layout (CFG's other caption length) gets its own engine; the first is kept
     d.forward(lat[:, :8], 0.5, cap[:5])
     s2 = d.session(8, 10, 5)

@@ -273,7 +273,10 @@ class Denoiser(MapHolder):
     ``q8`` call (+1.0625 bytes per value, kept until :meth:`close`), or on the stored values in
     ``bf16``; settable between calls.
     ``last_timings``: microseconds of the last call per segment (``us_embed``,
-    ``us_noise_refiner``, ``us_context_refiner``, ``us_layers``, ``us_final``, ``us_total``).
+    ``us_noise_refiner``, ``us_context_refiner``, ``us_layers``, ``us_final``, ``us_total``);
+    ``last_stage_timings``: per block segment (``noise_refiner``, ``context_refiner``,
+    ``layers``) the block timing keys of :mod:`nxhpc.dit.plan` (``us_prenorm_qkv`` ..
+    ``block_us``) summed over its blocks, and ``rows``, the tokens each of its blocks ran.
     """
 
     def __init__(self, gguf_path: str | os.PathLike, *, workers: int | None = None,
@@ -292,6 +295,7 @@ class Denoiser(MapHolder):
         # alternates two caption lengths, and each must keep its workers and arena
         self._sessions: list[_Session] = []
         self.last_timings: dict[str, int] = {}
+        self.last_stage_timings: dict[str, dict[str, int]] = {}
         # one call at a time: forward fills arena buffers, then issues many engine calls, and
         # session() replaces engines; a second thread must wait (a web server's pipeline)
         self._lock = threading.RLock()
@@ -433,6 +437,12 @@ class Denoiser(MapHolder):
         u, pe = eng.buffer("u"), eng.buffer("pe")
         now = time.perf_counter_ns
         marks = [now()]
+        stage_us: dict[str, dict[str, int]] = {}
+
+        def block(seg: str, tm: dict[str, int], rows: int) -> None:
+            acc = stage_us.setdefault(seg, {"rows": rows})
+            for key, us in tm.items():
+                acc[key] = acc.get(key, 0) + us
 
         # 1. embedders: t -> temb (parent, C); patches -> X; caption -> Cp; pads; adaLN vectors
         temb = self._t_embed(t)
@@ -447,20 +457,21 @@ class Denoiser(MapHolder):
 
         # 2. noise refiner: modulated blocks on the image rows (pads included)
         for i in range(cfg.n_noise_refiner):
-            eng.run(s.plans["noise_refiner"], ("noise_refiner", i), u[:Np], pe[:Np],
-                    adaln_m=mods[("noise_refiner", i)], precision=prec)
+            block("noise_refiner", eng.run(s.plans["noise_refiner"], ("noise_refiner", i),
+                                           u[:Np], pe[:Np], adaln_m=mods[("noise_refiner", i)],
+                                           precision=prec), Np)
         marks.append(now())
 
         # 3. context refiner: unmodulated blocks on the caption rows
         for i in range(cfg.n_context_refiner):
-            eng.run(s.plans["context_refiner"], ("context_refiner", i), u[Np:], pe[Np:],
-                    precision=prec)
+            block("context_refiner", eng.run(s.plans["context_refiner"], ("context_refiner", i),
+                                             u[Np:], pe[Np:], precision=prec), u.shape[0] - Np)
         marks.append(now())
 
         # 4. main layers on the joint rows (image rows, then caption rows)
         for i in range(cfg.n_layers):
-            eng.run(s.plans["layers"], ("layers", i), u, pe, adaln_m=mods[("layers", i)],
-                    precision=prec)
+            block("layers", eng.run(s.plans["layers"], ("layers", i), u, pe,
+                                    adaln_m=mods[("layers", i)], precision=prec), u.shape[0])
         marks.append(now())
 
         # 5. final layer on the image tokens: layernorm * (1 + Linear(silu(temb))), Linear
@@ -475,6 +486,7 @@ class Denoiser(MapHolder):
 
         spent = [(b - a) // 1000 for a, b in zip(marks, marks[1:])]
         self.last_timings = dict(zip(TIMING_KEYS, spent + [(marks[-1] - marks[0]) // 1000]))
+        self.last_stage_timings = stage_us
         out = out.reshape(in_shape)
         bad = int(out.size - np.count_nonzero(np.isfinite(out)))
         if bad:        # finite inputs overflowed inside the model: never a silent NaN image
