@@ -147,7 +147,8 @@ def report_fields(timings_us: Mapping[str, float], cfg: Any, T: int, precision: 
                   rate: Callable[[str], float | None] | None = None) -> dict[str, Any]:
     """Flat report fields (the command lines' ``--roofline``, the benchmarks' ``extra_info``):
     per key with work ``frac_<stage>`` (its limit over its time on this run's units), the
-    block's ``limit_us`` and ``x_limit`` on this run's units, ``machine_limit_us`` and
+    blocks' ``limit_us`` (the ``layers`` blocks the timings sum, as ``block_us`` does) and
+    ``x_limit`` on this run's units, ``machine_limit_us`` and
     ``x_machine_limit`` on the machine's fastest units, the kinds (``unit_matmul``,
     ``unit_attention``, ``machine_matmul``, ``machine_attention``) and ``peak_gops_<kind>`` of
     each kind used (one core). ``rate``: default :func:`peak_rates` (measures each kind once,
