@@ -5,12 +5,12 @@
  * dot. Rounding is VCVTNEPS2BF16 (bf() by definition). The FMA dot's steps are vfmadd231ps on
  * bfloat16-valued float32 operands with MXCSR DAZ|FTZ set around each chain: then every FMA is
  * exactly the contract's step(acc, a, b) = ftz(fma(daz(a), daz(b), daz(acc))) (nx_lowp.h: ftz
- * is x86's, tininess
- * after rounding to 24 bits with an unbounded exponent; on this project's Intel Xeon (family 6
- * model 167) 4.8e7 random and underflow-range steps matched the scalar spec, 2.1e4 in the
- * interval (2^-126 - 2^-150, 2^-126 - 2^-151) where flushing a gradual-underflow fmaf would
- * differ: benchmarks/probes/bf16_fma_ftz.c; tests/test_kernels_attn_bf16.py checks the kernel
- * bit for bit in the underflow range and in that interval). A pair's two steps are two FMAs,
+ * is x86's, tininess after rounding to 24 bits with an unbounded exponent; on this project's
+ * Intel Xeon (family 6 model 167) 4.8e7 random and underflow-range steps matched the scalar
+ * spec, 2.1e4 in the interval (2^-126 - 2^-150, 2^-126 - 2^-151) where flushing a
+ * gradual-underflow fmaf would differ: benchmarks/probes/bf16_fma_ftz.c;
+ * tests/test_kernels_attn_bf16.py checks the kernel bit for bit in the underflow range and in
+ * that interval). A pair's two steps are two FMAs,
  * odd element first: K and Q are packed with the two elements of each d-pair swapped, V with
  * the two keys of each pair swapped.
  * The other dot, vdpbf16ps (NX_AB_DOT_DP, nx_attn_bf16_dot: chosen once per process by the
