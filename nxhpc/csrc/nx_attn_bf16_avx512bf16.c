@@ -14,7 +14,7 @@
  * odd element first: K and Q are packed with the two elements of each d-pair swapped, V with
  * the two keys of each pair swapped.
  * The other dot, vdpbf16ps (NX_AB_DOT_DP, nx_attn_bf16_dot: chosen once per process by the
- * peak loops' rates), runs the same micro-block on pair-dword layouts (nx_abd_*): one
+ * peak loops' rates), runs the same micro-block and driver on pair-dword layouts (dp = 1): one
  * instruction is a pair's two steps, so its bits are the same. On this project's Intel Xeon
  * (family 6 model 167) vdpbf16ps retires one per ~2 cycles (16 bf16 MACs/cycle) against two
  * vfmadd231ps per cycle (32 MACs/cycle): the FMA dot ran 8.97 ms against 11.47 (T=1024, hd=128,
@@ -64,21 +64,6 @@ static inline __m512 nx_ab_bf16(__m512 x) {
 /* Lanes (2i, 2i+1) swapped: the order of a pair's two steps (odd element first). */
 static inline __m512 nx_ab_swap_pairs(__m512 x) { return _mm512_permute_ps(x, 0xB1); }
 
-/* kt[tile][i][64] (i < hd2): bf(k[j, i^1]) for keys [0, Tp) of one kv head (k rows hd apart). */
-static void nx_ab_pack_k(const float *kg, int64_t T, int64_t hd, int64_t hd2, int64_t Tp,
-                         float *kt) {
-    for (int64_t j = 0; j < Tp; j++) {
-        float *dst = kt + (j / NX_AB_BC) * hd2 * NX_AB_BC + j % NX_AB_BC;
-        for (int64_t d = 0; d < hd2; d += 16) {
-            float w[16];
-            const __m512 x = j < T ? _mm512_maskz_loadu_ps(nx_mask16(hd - d), kg + j * hd + d)
-                                   : _mm512_setzero_ps();
-            _mm512_storeu_ps(w, nx_ab_swap_pairs(nx_ab_bf16(x)));
-            for (int64_t i = 0; i < 16 && d + i < hd2; i++) dst[(d + i) * NX_AB_BC] = w[i];
-        }
-    }
-}
-
 /* vt[tile][i][hdp] (i < 64): bf(v[64 tile + (i^1), d]) for one kv head (v rows W apart). */
 static void nx_ab_pack_v(const float *vg, int64_t W, int64_t T, int64_t hd, int64_t hdp,
                          int64_t Tp, float *vt) {
@@ -115,57 +100,6 @@ static inline uint64_t nx_ab_low_bits(int64_t n) { /* keys [0, n) of a tile */
     return n >= 64 ? ~(uint64_t)0 : n <= 0 ? 0 : (((uint64_t)1 << n) - 1);
 }
 
-/* O[r, c : c + 16 nv] = O * alpha[r], then the chain over the tile's 64 key positions (key
- * i^1 at position i: odd key of each pair first); nv in {1, 4}. Run under DAZ|FTZ. */
-NX_INLINE void nx_ab_pv(const int nr, const int nv, const float *Pt, const float *alpha,
-                        const float *vt, int64_t hdp, int64_t c, float *O, unsigned act) {
-    __m512 acc[NX_AB_BR][4];
-    for (int r = 0; r < nr; r++) {
-        const __m512 a = _mm512_set1_ps(alpha[r]);
-#pragma GCC unroll 4
-        for (int v = 0; v < nv; v++)
-            acc[r][v] = _mm512_mul_ps(_mm512_load_ps(O + r * hdp + c + 16 * v), a);
-    }
-    for (int i = 0; i < NX_AB_BC; i++) {
-        const float *vr = vt + i * hdp + c;
-        __m512 vv[4];
-#pragma GCC unroll 4
-        for (int v = 0; v < nv; v++) vv[v] = _mm512_load_ps(vr + 16 * v);
-        for (int r = 0; r < nr; r++) {
-            const __m512 pb = _mm512_set1_ps(Pt[r * NX_AB_BC + i]);
-#pragma GCC unroll 4
-            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(pb, vv[v], acc[r][v]);
-        }
-    }
-    for (int r = 0; r < nr; r++)
-        if (act >> r & 1u)
-#pragma GCC unroll 4
-            for (int v = 0; v < nv; v++) _mm512_store_ps(O + r * hdp + c + 16 * v, acc[r][v]);
-}
-
-/* S[r][0:64] := the score chains of rows r < nr (qt + r*hd2s) against tile kt (hd2 x 64).
- * Run under DAZ|FTZ. */
-NX_INLINE void nx_ab_qk(const int nr, const float *qt, int64_t hd2s, int64_t hd2, const float *kt,
-                        float *S) {
-    __m512 acc[NX_AB_BR][4];
-    for (int r = 0; r < nr; r++)
-        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < hd2; i++) {
-        const float *kp = kt + i * NX_AB_BC;
-        const __m512 k0 = _mm512_load_ps(kp), k1 = _mm512_load_ps(kp + 16);
-        const __m512 k2 = _mm512_load_ps(kp + 32), k3 = _mm512_load_ps(kp + 48);
-        for (int r = 0; r < nr; r++) {
-            const __m512 b = _mm512_set1_ps(qt[r * hd2s + i]);
-            acc[r][0] = _mm512_fmadd_ps(b, k0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(b, k1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(b, k2, acc[r][2]);
-            acc[r][3] = _mm512_fmadd_ps(b, k3, acc[r][3]);
-        }
-    }
-    for (int r = 0; r < nr; r++)
-        for (int v = 0; v < 4; v++) _mm512_store_ps(S + r * NX_AB_BC + 16 * v, acc[r][v]);
-}
-
 /* ---- the vdpbf16ps dot (NX_AB_DOT_DP): one instruction per pair is the contract's two steps
  * (DAZ, FTZ, odd element first, MXCSR not consulted), so the layouts are pair-dwords (dword =
  * bf(element 2i) | bf(element 2i+1) << 16, no swap) and no MXCSR switch is needed. Half the
@@ -176,21 +110,27 @@ static inline __m512i nx_abd_pairs32(__m512 lo, __m512 hi) {
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
-/* kt[tile][p][64] (p < P2 = hd2 / 2) for keys [0, Tp) of one kv head (k rows hd floats apart). */
-static void nx_abd_pack_k(const float *kg, int64_t T, int64_t hd, int64_t P2, int64_t Tp,
-                          uint32_t *kt) {
+/* K for keys [0, Tp) of one kv head (k rows hd floats apart), as 32-bit words kt[tile][i][64]:
+ * dp = 0, i < hd2: bf(k[j, i^1]) (floats, pairs swapped); dp = 1, i < hd2 / 2: the pair-dword
+ * bf(k[j, 2i]) | bf(k[j, 2i+1]) << 16. Keys >= T and d >= hd zero. */
+static void nx_ab_pack_k(const int dp, const float *kg, int64_t T, int64_t hd, int64_t hd2,
+                         int64_t Tp, uint32_t *kt) {
+    const int64_t n = dp ? hd2 / 2 : hd2; /* words per key */
     for (int64_t j = 0; j < Tp; j++) {
-        uint32_t *dst = kt + (j / NX_AB_BC) * P2 * NX_AB_BC + j % NX_AB_BC;
-        for (int64_t p0 = 0; p0 < P2; p0 += 16) {
+        uint32_t *dst = kt + (j / NX_AB_BC) * n * NX_AB_BC + j % NX_AB_BC;
+        for (int64_t i0 = 0; i0 < n; i0 += 16) {
             uint32_t w[16];
-            const int64_t d = 2 * p0;
+            const int64_t d = dp ? 2 * i0 : i0;
             const float *src = kg + j * hd + d;
-            const __m512i v =
-                j < T ? nx_abd_pairs32(_mm512_maskz_loadu_ps(nx_mask16(hd - d), src),
-                                       _mm512_maskz_loadu_ps(nx_mask16(hd - d - 16), src + 16))
-                      : _mm512_setzero_si512();
+            __m512i v = _mm512_setzero_si512();
+            if (j < T && dp)
+                v = nx_abd_pairs32(_mm512_maskz_loadu_ps(nx_mask16(hd - d), src),
+                                   _mm512_maskz_loadu_ps(nx_mask16(hd - d - 16), src + 16));
+            else if (j < T)
+                v = _mm512_castps_si512(nx_ab_swap_pairs(
+                    nx_ab_bf16(_mm512_maskz_loadu_ps(nx_mask16(hd - d), src))));
             _mm512_storeu_si512((__m512i *)w, v);
-            for (int64_t i = 0; i < 16 && p0 + i < P2; i++) dst[(p0 + i) * NX_AB_BC] = w[i];
+            for (int64_t i = 0; i < 16 && i0 + i < n; i++) dst[(i0 + i) * NX_AB_BC] = w[i];
         }
     }
 }
@@ -230,35 +170,51 @@ static void nx_abd_pack_q(const float *q, int64_t nq, int64_t hd, int64_t P2, in
         }
 }
 
-/* S[r][0:64] := the score chains of rows r < nr (qp + r*P2s) against tile kt (P2 x 64). */
-NX_INLINE void nx_abd_qk(const int nr, const uint32_t *qp, int64_t P2s, int64_t P2,
-                         const uint32_t *kt, float *S) {
+/* S[r][0:64] := the score chains of rows r < nr against tile kt. dp = 0: rows qt + r*hd2s
+ * floats, kt hd2 x 64 floats, one vfmadd231ps a step (run under DAZ|FTZ); dp = 1: rows qt +
+ * r*(hd2s/2) pair-dwords, kt hd2/2 x 64 pair-dwords, one vdpbf16ps a pair. */
+NX_INLINE void nx_ab_qk(const int dp, const int nr, const void *qt, int64_t hd2s, int64_t hd2,
+                        const void *kt, float *S) {
     __m512 acc[NX_AB_BR][4];
     for (int r = 0; r < nr; r++)
         for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < P2; p++) {
-        const uint32_t *kp = kt + p * NX_AB_BC;
-        const __m512bh k0 = (__m512bh)_mm512_load_si512((const void *)kp);
-        const __m512bh k1 = (__m512bh)_mm512_load_si512((const void *)(kp + 16));
-        const __m512bh k2 = (__m512bh)_mm512_load_si512((const void *)(kp + 32));
-        const __m512bh k3 = (__m512bh)_mm512_load_si512((const void *)(kp + 48));
-        for (int r = 0; r < nr; r++) {
-            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)qp[r * P2s + p]);
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], k0, b);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1, b);
-            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], k2, b);
-            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], k3, b);
+    if (dp) {
+        const uint32_t *qp = (const uint32_t *)qt, *kp0 = (const uint32_t *)kt;
+        for (int64_t p = 0; p < hd2 / 2; p++) {
+            const uint32_t *kp = kp0 + p * NX_AB_BC;
+            __m512bh k[4];
+            for (int v = 0; v < 4; v++)
+                k[v] = (__m512bh)_mm512_load_si512((const void *)(kp + 16 * v));
+            for (int r = 0; r < nr; r++) {
+                const __m512bh b = (__m512bh)_mm512_set1_epi32((int)qp[r * (hd2s / 2) + p]);
+                for (int v = 0; v < 4; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], k[v], b);
+            }
+        }
+    } else {
+        const float *qf = (const float *)qt, *kf = (const float *)kt;
+        for (int64_t i = 0; i < hd2; i++) {
+            const float *kp = kf + i * NX_AB_BC;
+            __m512 k[4];
+            for (int v = 0; v < 4; v++) k[v] = _mm512_load_ps(kp + 16 * v);
+            for (int r = 0; r < nr; r++) {
+                const __m512 b = _mm512_set1_ps(qf[r * hd2s + i]);
+                for (int v = 0; v < 4; v++) acc[r][v] = _mm512_fmadd_ps(b, k[v], acc[r][v]);
+            }
         }
     }
     for (int r = 0; r < nr; r++)
         for (int v = 0; v < 4; v++) _mm512_store_ps(S + r * NX_AB_BC + 16 * v, acc[r][v]);
 }
 
-/* O[r, c : c + 16 nv] = O * alpha[r] (the caller's MXCSR: a subnormal product is the zero the
- * FMA dot's FTZ gives, as vdpbf16ps reads it as zero), then the chain over the tile's 32 key
- * pairs, Pp[r][i] = p_2i | p_2i+1 << 16; nv in {1, 4}. */
-NX_INLINE void nx_abd_pv(const int nr, const int nv, const uint32_t *Pp, const float *alpha,
-                         const uint32_t *vt, int64_t hdp, int64_t c, float *O, unsigned act) {
+/* O[r, c : c + 16 nv] = O * alpha[r], then the chain over the tile's keys; nv in {1, 4}.
+ * dp = 0: Pt[r][i] = p of the key at position i (key i^1: odd key of each pair first), vt 64 x
+ * hdp floats, one vfmadd231ps a step (run under DAZ|FTZ); dp = 1: Pt[r][i] = p_2i | p_2i+1 << 16
+ * (rows 32 dwords apart), vt 32 x hdp pair-dwords, one vdpbf16ps a pair, under the caller's
+ * MXCSR (a subnormal O * alpha is then not flushed, but vdpbf16ps reads it as the zero the FMA
+ * dot's FTZ gives). */
+NX_INLINE void nx_ab_pv(const int dp, const int nr, const int nv, const void *Pt,
+                        const float *alpha, const void *vt, int64_t hdp, int64_t c, float *O,
+                        unsigned act) {
     __m512 acc[NX_AB_BR][4];
     for (int r = 0; r < nr; r++) {
         const __m512 a = _mm512_set1_ps(alpha[r]);
@@ -266,16 +222,30 @@ NX_INLINE void nx_abd_pv(const int nr, const int nv, const uint32_t *Pp, const f
         for (int v = 0; v < nv; v++)
             acc[r][v] = _mm512_mul_ps(_mm512_load_ps(O + r * hdp + c + 16 * v), a);
     }
-    for (int i = 0; i < NX_AB_BC / 2; i++) {
-        const uint32_t *vr = vt + i * hdp + c;
-        __m512bh vv[4];
+    if (dp) {
+        const uint32_t *Pp = (const uint32_t *)Pt, *vp = (const uint32_t *)vt;
+        for (int i = 0; i < NX_AB_BC / 2; i++) {
+            __m512bh vv[4];
 #pragma GCC unroll 4
-        for (int v = 0; v < nv; v++)
-            vv[v] = (__m512bh)_mm512_load_si512((const void *)(vr + 16 * v));
-        for (int r = 0; r < nr; r++) {
-            const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)Pp[r * (NX_AB_BC / 2) + i]);
+            for (int v = 0; v < nv; v++)
+                vv[v] = (__m512bh)_mm512_load_si512((const void *)(vp + i * hdp + c + 16 * v));
+            for (int r = 0; r < nr; r++) {
+                const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)Pp[r * (NX_AB_BC / 2) + i]);
 #pragma GCC unroll 4
-            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], vv[v], pb);
+                for (int v = 0; v < nv; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], vv[v], pb);
+            }
+        }
+    } else {
+        const float *Pf = (const float *)Pt, *vf = (const float *)vt;
+        for (int i = 0; i < NX_AB_BC; i++) {
+            __m512 vv[4];
+#pragma GCC unroll 4
+            for (int v = 0; v < nv; v++) vv[v] = _mm512_load_ps(vf + i * hdp + c + 16 * v);
+            for (int r = 0; r < nr; r++) {
+                const __m512 pb = _mm512_set1_ps(Pf[r * NX_AB_BC + i]);
+#pragma GCC unroll 4
+                for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(pb, vv[v], acc[r][v]);
+            }
         }
     }
     for (int r = 0; r < nr; r++)
@@ -299,11 +269,11 @@ NX_INLINE void nx_ab_micro(const int dp, const int nr, const void *qt, int64_t h
     float Pt[NX_AB_BR * NX_AB_BC] __attribute__((aligned(64)));     /* P, pairs swapped */
     uint32_t Pp[NX_AB_BR * NX_AB_BC / 2] __attribute__((aligned(64))); /* dp: P's pair-dwords */
     if (dp) {
-        nx_abd_qk(nr, (const uint32_t *)qt, hd2s / 2, hd2 / 2, (const uint32_t *)kt, S);
+        nx_ab_qk(1, nr, qt, hd2s, hd2, kt, S);
     } else {
         _mm_setcsr(csr | NX_AB_DAZ_FTZ);
         __asm__ volatile("" ::: "memory");
-        nx_ab_qk(nr, (const float *)qt, hd2s, hd2, (const float *)kt, S);
+        nx_ab_qk(0, nr, qt, hd2s, hd2, kt, S);
         __asm__ volatile("" ::: "memory");
         _mm_setcsr(csr);
         __asm__ volatile("" ::: "memory");
@@ -347,18 +317,15 @@ NX_INLINE void nx_ab_micro(const int dp, const int nr, const void *qt, int64_t h
         if (act >> r & 1u) l[r] = l[r] * alpha[r] + sums[r];
     int64_t c = 0;
     if (dp) {
-        for (; c + 64 <= hdp; c += 64) nx_abd_pv(nr, 4, Pp, alpha, (const uint32_t *)vt, hdp, c, O,
-                                                 act);
-        for (; c < hdp; c += 16) nx_abd_pv(nr, 1, Pp, alpha, (const uint32_t *)vt, hdp, c, O, act);
+        for (; c + 64 <= hdp; c += 64) nx_ab_pv(1, nr, 4, Pp, alpha, vt, hdp, c, O, act);
+        for (; c < hdp; c += 16) nx_ab_pv(1, nr, 1, Pp, alpha, vt, hdp, c, O, act);
         return;
     }
     __asm__ volatile("" ::: "memory");
     _mm_setcsr(csr | NX_AB_DAZ_FTZ);
     __asm__ volatile("" ::: "memory");
-    for (; c + 64 <= hdp; c += 64) nx_ab_pv(nr, 4, (const float *)Pt, alpha, (const float *)vt,
-                                            hdp, c, O, act);
-    for (; c < hdp; c += 16) nx_ab_pv(nr, 1, (const float *)Pt, alpha, (const float *)vt, hdp, c,
-                                      O, act);
+    for (; c + 64 <= hdp; c += 64) nx_ab_pv(0, nr, 4, Pt, alpha, vt, hdp, c, O, act);
+    for (; c < hdp; c += 16) nx_ab_pv(0, nr, 1, Pt, alpha, vt, hdp, c, O, act);
     __asm__ volatile("" ::: "memory");
     _mm_setcsr(csr);
     __asm__ volatile("" ::: "memory");
@@ -426,10 +393,10 @@ int nx_attention_bf16_avx512bf16(const float *q, const float *k, const float *qk
         if (g != packed) {
             const float *vg = qkv + (H + KVH) * hd + g * hd;
             if (dp) {
-                nx_abd_pack_k(k + g * T * hd, T, hd, hd2 / 2, Tp, (uint32_t *)kt);
+                nx_ab_pack_k(1, k + g * T * hd, T, hd, hd2, Tp, (uint32_t *)kt);
                 nx_abd_pack_v(vg, W, T, hd, hdp, Tp, (uint32_t *)vt);
             } else {
-                nx_ab_pack_k(k + g * T * hd, T, hd, hd2, Tp, kt);
+                nx_ab_pack_k(0, k + g * T * hd, T, hd, hd2, Tp, (uint32_t *)kt);
                 nx_ab_pack_v(vg, W, T, hd, hdp, Tp, vt);
             }
             packed = g;
