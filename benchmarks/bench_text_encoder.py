@@ -17,7 +17,9 @@ does). Backends, 2 workers / 2 torch threads, in one run, one group per token co
 - transformers' ``Qwen3Model`` (eager attention) in torch bfloat16 and float32 on the same
   weights as decoded by the ``gguf`` package.
 
-``extra_info``: n_tokens, seconds per block, the extrapolated seconds, GFLOP/s of one block,
+``extra_info``: n_tokens, seconds per block, the extrapolated seconds, GFLOP/s of one block
+(with ``frac_of_peak``: over 2 cores' peak of the unit its projections run on, and
+``frac_of_machine_peak`` where the machine has a faster one; ``_bench_util.peak_fields``),
 peak RSS (Linux VmHWM, reset before each backend; nxhpc: the parent and its largest worker --
 mapped weight pages are shared and counted in each), and the distance of the features to
 transformers float32 (checked after timing). A table is printed at the end and written to
@@ -32,8 +34,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _bench_util import (bench_stats, children, err_cell, model_as, peak_rss_mb, record,
-                         reset_peak_rss, rss_cell, run_timed_layers, summary_fixture)
+from _bench_util import (bench_stats, children, err_cell, model_as, peak_fields, peak_rss_mb,
+                         record, reset_peak_rss, rss_cell, run_timed_layers, summary_fixture)
+from nxhpc import _kernels as K
 from nxhpc.formats.gguf_io import LazyTensor
 from nxhpc.models.qwen3_files import write_qwen3_gguf
 from nxhpc.models.registry import models_dir
@@ -154,6 +157,9 @@ def test_text_encoder_nxhpc(benchmark, te, prompts, tokens, precision):
          "s_35_layers": (tm["us_total"] - tm["us_layers"]) / 1e6 + LAYERS_RUN * per_layer,
          "gflops": _block_gflop(out.shape[0]) / per_layer, "s_call": bench_stats(benchmark).median,
          **tm, **te.memory(), "worker_peak_rss_mb": max(kids, default=None), "output": out}
+    # against the peak of the unit its projections run on (most of a block's work), 2 cores
+    slot = {"f32": "matmul", "bf16": "matmul_bf16", "q8": "matmul_q8"}[precision]
+    r.update(peak_fields(r["gflops"], precision, K.kernel_variants()[slot], workers=WORKERS))
     record(benchmark, RESULTS, (f"nxhpc {precision}", tokens), r)
     te.precision = "f32"
     assert out.shape == (tokens, CFG.dim) and np.isfinite(out).all()
@@ -209,6 +215,8 @@ def _run_torch(benchmark, torch_model, te, prompts, tokens, dtype_name):
          "s_35_layers": (total - layer_s) + LAYERS_RUN * per_layer,
          "gflops": _block_gflop(out.shape[0]) / per_layer, "s_call": total,
          "peak_rss_mb": peak_rss_mb(), "output": out}
+    r.update(peak_fields(r["gflops"], "f32" if dtype_name == "float32" else "bf16",
+                         workers=WORKERS))
     record(benchmark, RESULTS, (f"torch {dtype_name}", tokens), r)
     assert np.isfinite(out).all()
     return r
