@@ -12,7 +12,9 @@ the ``gguf`` package) runs in torch eager float32 and bfloat16 at 2 threads, in 
 same group per token count.
 
 Reported per benchmark (``extra_info``): seconds per main layer, the extrapolated seconds of a
-30-layer step (everything but the main layers + 30 x one layer), the segments, nxhpc's main
+30-layer step (everything but the main layers + 30 x one layer; the table also shows 8 of them,
+an image's steps without its text encoding and decoding: bench_generate has those), the
+segments, nxhpc's main
 layers stage by stage (``layer_s_<stage>``: seconds per layer) and against their limit on this
 machine (``nxhpc.dit.roofline``, peaks measured in the same session: ``frac_<stage>`` = the
 stage's projection / attention work at the peak of the unit it runs on over its time,
@@ -45,10 +47,12 @@ PRECISIONS = os.environ.get("NXHPC_BENCH_PRECISIONS", "f32,bf16,q8").split(",")
 CAPTION = 100
 WORKERS = 2
 STEP_LAYERS = 30
+IMAGE_STEPS = 8          # the Turbo sampler's steps: an image's denoiser calls
 RESULTS: dict = {}
 _TITLE = f"bench_denoise: {MODEL}, {WORKERS} workers / threads, caption {CAPTION}"
 _HEAD = ("| backend | image tokens | rows | s / layer | s / 30-layer step (extrap.) | "
-         "x limit / x machine limit (layer) | peak RSS MB | rel. err vs diffusers f32 |")
+         "8-step image, steps only (extrap.) | x limit / x machine limit (layer) | peak RSS MB | "
+         "rel. err vs diffusers f32 |")
 
 
 def _side(tokens: int) -> int:
@@ -76,7 +80,8 @@ def inputs(den):
 def _row(key, r) -> list:
     x = "/".join("" if r.get(k) is None else f"{r[k]:.2f}" for k in ("x_limit", "x_machine_limit"))
     return [*key, r.get("rows", ""), f"{r['s_per_layer']:.3f}", f"{r['s_per_30_layer_step']:.1f}",
-            x, rss_cell(r), err_cell(r.get("rel_err_vs_diffusers_f32"), ".2e")]
+            f"{IMAGE_STEPS * r['s_per_30_layer_step']:.0f}", x, rss_cell(r),
+            err_cell(r.get("rel_err_vs_diffusers_f32"), ".2e")]
 
 
 def _machine_limit(den, rows: int) -> float | None:
