@@ -28,6 +28,13 @@ nx_dispatch_init()  # probe the CPU and resolve every dispatch table once, befor
 _FEATURE_BITS = {nx_cpu_feature_name(i).decode(): 1 << i for i in range(NX_CPU_NFEATURES)}
 ISA_NAMES = tuple(nx_isa_name(<nx_isa>i).decode() for i in range(NX_ISA_COUNT))
 _ISA_BY_NAME = {name: i for i, name in enumerate(ISA_NAMES)}
+# NXHPC_MAX_ISA caps the default ISA (nx_cpu_best_isa); a name the C tables do not know would
+# silently cap nothing there, so it is an error here, before any kernel runs.
+_MAX_ISA = os.environ.get("NXHPC_MAX_ISA", "")
+if _MAX_ISA and _MAX_ISA not in _ISA_BY_NAME:
+    from nxhpc.runtime.checks import SettingError
+    raise SettingError(f"NXHPC_MAX_ISA={_MAX_ISA!r}: must be one of {', '.join(ISA_NAMES)} "
+                       "(or unset)")
 
 # Families whose dispatch is not yet a C table register {name: callable(isa index) -> ISA name}
 # here from their .pxi (kernel_variants() merges them with the C registry). Prefer a C table.
@@ -51,7 +58,8 @@ def cpu_features():
     Returns a dict: each feature name (``"avx2"``, ``"avx512bf16"``, ``"amx_tile"``, the OS-state
     bits ``"os_ymm"``, ``"os_zmm"``, ``"os_amx"``, ``"amx_permitted"``, ...) -> bool;
     ``"best_isa"`` -> the ISA kernels use by default (``"generic"`` when ``NXHPC_DISABLE_SIMD`` is
-    set; else the supported ISA of highest rank), ``"supported_isas"`` -> the ISAs this CPU runs,
+    set; else the supported ISA of highest rank, at most ``NXHPC_MAX_ISA``'s when that is set:
+    ``"max_isa"``), ``"supported_isas"`` -> the ISAs this CPU runs,
     ``"isas"`` -> per ISA its parent (where missing kernels come from), its preference rank, the
     features it needs and whether they are all present.
     """
@@ -61,6 +69,7 @@ def cpu_features():
     out["supported_isas"] = supported_isas()
     out["isas"] = {ISA_NAMES[i]: _isa_info(i) for i in range(NX_ISA_COUNT)}
     out["simd_disabled"] = os.environ.get("NXHPC_DISABLE_SIMD", "0") not in ("", "0")
+    out["max_isa"] = _MAX_ISA or None
     return out
 
 

@@ -83,6 +83,7 @@ _TABLE: tuple[tuple[str, str, Exit], ...] = (
     (__name__, "InputError", Exit.BAD_INPUT),
     (__name__, "OutputError", Exit.OUTPUT),
     ("nxhpc.runtime.checks", "InputFileMissing", Exit.USAGE),
+    ("nxhpc.runtime.checks", "SettingError", Exit.USAGE),
     ("nxhpc.runtime.outfile", "OutputPathError", Exit.USAGE),
     ("nxhpc.dit.stackrun", "StackRangeError", Exit.USAGE),
     ("nxhpc.runtime.checks", "NonFiniteOutputError", Exit.FAIL),

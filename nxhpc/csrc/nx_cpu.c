@@ -7,6 +7,7 @@
 #define _GNU_SOURCE /* syscall() under -std=c11 */
 #include "nx_cpu.h"
 
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -128,9 +129,16 @@ int nx_cpu_isa_supported(nx_isa isa) {
 nx_isa nx_cpu_best_isa(void) {
     const char *e = getenv("NXHPC_DISABLE_SIMD");
     if (e && *e && strcmp(e, "0") != 0) return NX_ISA_GENERIC;
+    /* NXHPC_MAX_ISA=<name>: no ISA above that one's rank (an unknown name caps nothing; the
+     * Python layer rejects it at import) */
+    const char *m = getenv("NXHPC_MAX_ISA");
+    int cap = INT_MAX;
+    for (int i = 0; m && *m && i < NX_ISA_COUNT; i++)
+        if (strcmp(m, nx_isas[i].name) == 0) cap = nx_isas[i].rank;
     nx_isa best = NX_ISA_GENERIC;
     for (int i = 1; i < NX_ISA_COUNT; i++)
-        if (nx_cpu_isa_supported((nx_isa)i) && nx_isas[i].rank > nx_isas[best].rank)
+        if (nx_cpu_isa_supported((nx_isa)i) && nx_isas[i].rank > nx_isas[best].rank &&
+            nx_isas[i].rank <= cap)
             best = (nx_isa)i;
     return best;
 }

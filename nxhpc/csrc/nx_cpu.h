@@ -104,7 +104,8 @@ uint32_t nx_cpu_features(void);
 int nx_cpu_isa_supported(nx_isa isa);
 
 /* The default target: GENERIC when NXHPC_DISABLE_SIMD is set (and not "0"), else the supported
- * target of highest rank (NX_ISA_LIST). */
+ * target of highest rank (NX_ISA_LIST) whose rank is at most that of the target named by
+ * NXHPC_MAX_ISA, when set (e.g. "avx512bf16" runs an AMX CPU on the kernels of one without). */
 nx_isa nx_cpu_best_isa(void);
 
 /* The target's preference rank (NX_ISA_LIST); -1 outside [0, NX_ISA_COUNT). */

@@ -23,7 +23,8 @@ from typing import Any
 
 from nxhpc.runtime.workers import as_index, max_workers, usable_cpus   # (workers imports us lazily)
 
-__all__ = ["CheckError", "InputFileMissing", "NonFiniteOutputError", "check_input_file",
+__all__ = ["CheckError", "InputFileMissing", "SettingError", "NonFiniteOutputError",
+           "check_input_file",
            "check_count", "check_workers", "check_seconds",
            "check_positive", "check_choice", "check_float_array", "load_npy"]
 
@@ -34,6 +35,11 @@ class CheckError(ValueError):
 
 class InputFileMissing(CheckError):
     """An input file that does not exist (or is a directory): a usage error, not a bad file."""
+
+
+class SettingError(CheckError):
+    """An ``NXHPC_*`` environment setting with a value it does not take (e.g. an unknown
+    ``NXHPC_MAX_ISA``): a usage error, raised before any work."""
 
 
 class NonFiniteOutputError(ArithmeticError):
