@@ -31,6 +31,7 @@ BASE_FLAGS = ["-O3", "-std=c11", "-fno-math-errno", "-fno-trapping-math", "-Wall
 #     "_avx512bf16.c": [*ISA_FLAGS["_avx512.c"], "-mavx512bf16"]   (as a literal list)
 ISA_FLAGS = {
     "_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
+    "_avxvnni.c": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
     "_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
                   "-mavx2", "-mfma", "-mf16c"],
     "_avx512bf16.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",

@@ -1,5 +1,6 @@
 # Peak loops (included by _kernels.pyx): register-only loops of the instructions the kernels are
-# built on (csrc/nx_peak.h: FMA on ymm / zmm, vpmaddubsw, vpdpbusd, vdpbf16ps, AMX tdpbssd / tdpbf16ps), so
+# built on (csrc/nx_peak.h: FMA on ymm / zmm, vpmaddubsw, vpdpbusd on zmm / ymm, vdpbf16ps, AMX
+# tdpbssd / tdpbf16ps), so
 # that speed figures can be set against what this CPU issues. Owns the validation of peak()'s
 # kind, iteration count and operands; the timing lives in nxhpc.runtime.peak. Must not: enter a
 # loop whose ISA the probe has not reported, or write into the caller's arrays.
@@ -32,6 +33,7 @@ _PEAK_LAYOUT = {
     "amx_int8": ((np.dtype(np.int8), (2, 16, 64)), (np.dtype(np.int8), (2, 16, 64)),
                  (_I32, (4, 16, 16))),
     "amx_bf16": ((_U16, (2, 16, 32)), (_U16, (2, 16, 32)), (_F32, (4, 16, 16))),
+    "vnni_ymm": ((np.dtype(np.uint8), (32,)), (np.dtype(np.int8), (32,)), (_I32, (12, 8))),
 }
 _BF16_ONE = 0x3F80  # bfloat16 bits of 1.0
 

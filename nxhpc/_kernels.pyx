@@ -74,8 +74,10 @@ def cpu_features():
 
 
 def supported_isas():
-    """ISAs this CPU/OS can run (ignores NXHPC_DISABLE_SIMD): a subset of ISA_NAMES."""
-    return [n for i, n in enumerate(ISA_NAMES) if nx_cpu_isa_supported(<nx_isa>i)]
+    """ISAs this CPU/OS can run (ignores NXHPC_DISABLE_SIMD): a subset of ISA_NAMES, in order of
+    preference rank (the last is the default one, unless NXHPC_MAX_ISA caps it)."""
+    return sorted((n for i, n in enumerate(ISA_NAMES) if nx_cpu_isa_supported(<nx_isa>i)),
+                  key=lambda n: nx_isa_rank(<nx_isa>_ISA_BY_NAME[n]))
 
 
 def _variants_at(int isa):

@@ -984,15 +984,16 @@ def test_variants_registered_and_env_forces_generic():
 
 def test_lowp_slots_follow_the_isa_chain():
     """The lowp slots live in the per-ISA tables: at every ISA each slot runs the nearest ISA on
-    its chain that has its own code (bf16 at avx2 and avx512bf16, q8 at avx2 (vpmaddubsw), its VNNI
-    kernel at avx512, whose
-    required features include VNNI, and its AMX kernel at amx), else the generic spec;
-    lowp_variants lists exactly those."""
+    its chain that has its own code (bf16 at avx2 and avx512bf16, q8 at avx2 (vpmaddubsw), at
+    avxvnni (VEX vpdpbusd), its VNNI kernel at avx512, whose required features include VNNI,
+    and its AMX kernel at amx), else the generic spec; lowp_variants lists exactly those."""
     feats = K.cpu_features()
     assert "avx512vnni" in feats["isas"]["avx512"]["needs"]
     assert "avx512bf16" in feats["isas"]["avx512bf16"]["needs"]
     assert {"amx_int8", "os_amx", "amx_permitted"} <= set(feats["isas"]["amx"]["needs"])
-    own = {"matmul_bf16": {"avx2", "avx512bf16", "amx"}, "matmul_q8": {"avx2", "avx512", "amx"},
+    assert "avxvnni" in feats["isas"]["avxvnni"]["needs"]
+    own = {"matmul_bf16": {"avx2", "avx512bf16", "amx"},
+           "matmul_q8": {"avx2", "avxvnni", "avx512", "amx"},
            "round_bf16": {"avx2", "avx512bf16"}}
     for isa in K.ISA_NAMES:
         for slot, have in own.items():

@@ -73,15 +73,15 @@ def _block(tmp_path, name, cap, precision, workers):
     return np.load(out), json.loads(r.stdout)
 
 
-SPEC_CAPS = [i for i in ("avx2", "avx512", "avx512bf16") if i in ISAS]   # spec-bit kernels
+SPEC_CAPS = [i for i in ("avx2", "avxvnni", "avx512", "avx512bf16") if i in ISAS]  # spec bits
 
 
 @pytest.mark.skipif(len(SPEC_CAPS) < 2, reason="fewer than two SIMD targets without AMX here")
 @pytest.mark.parametrize("precision", ["q8", "bf16"])
 def test_capped_blocks_keep_their_contracts(tmp_path, precision):
     """Every target below AMX runs the spec's bits of q8 and bf16 (matmul and attention): the
-    whole block is the same bits under each cap (AVX2's vpmaddubsw / FMA kernels against the
-    AVX-512 VNNI / vdpbf16ps ones), and for 1 and 2 workers."""
+    whole block is the same bits under each cap (AVX2's vpmaddubsw / FMA kernels, AVX-VNNI's
+    ymm vpdpbusd, the AVX-512 VNNI / vdpbf16ps ones), and for 1 and 2 workers."""
     outs = {cap: _block(tmp_path, f"{precision}_{cap}", cap, precision, 2) for cap in SPEC_CAPS}
     first, (want, _) = SPEC_CAPS[0], outs[SPEC_CAPS[0]]
     for cap, (got, rep) in outs.items():

@@ -30,7 +30,8 @@ DISABLED = K.cpu_features()["simd_disabled"]
 # The contract of nx_peak.h: kind -> (ISA, operations per iteration).
 CONTRACT = {"fma_ymm": ("avx2", 12 * 8 * 2), "i8_ymm": ("avx2", 12 * 16 * 2 * 2), "fma_zmm": ("avx512", 16 * 16 * 2),
             "vnni_zmm": ("avx512", 16 * 16 * 4 * 2), "bf16_zmm": ("avx512bf16", 16 * 16 * 2 * 2),
-            "amx_int8": ("amx", 4 * 16 * 16 * 64 * 2), "amx_bf16": ("amx", 4 * 16 * 16 * 32 * 2)}
+            "amx_int8": ("amx", 4 * 16 * 16 * 64 * 2), "amx_bf16": ("amx", 4 * 16 * 16 * 32 * 2),
+            "vnni_ymm": ("avxvnni", 12 * 8 * 4 * 2)}
 SEEDS = st.integers(0, 2 ** 32 - 1)
 
 
@@ -191,19 +192,20 @@ def test_fma_chains_round_once(kind, lanes, chains, seed, iters):
     assert iters < 3 or (two_roundings != ref).any()        # the check sees a single rounding
 
 
+@pytest.mark.parametrize("kind,lanes,chains", [("vnni_zmm", 16, 16), ("vnni_ymm", 8, 12)])
 @settings(max_examples=10)
 @given(seed=SEEDS, iters=st.integers(1, 1 << 16))
-def test_vnni_dot_products(seed, iters):
+def test_vnni_dot_products(kind, lanes, chains, seed, iters):
     """acc[c][l] += sum_i a[4l+i] * b[4l+i] (unsigned x signed bytes), wrapping mod 2^32."""
-    need("vnni_zmm")
+    need(kind)
     rng = np.random.default_rng(seed)
-    a = rng.integers(0, 256, 64).astype(np.uint8)
-    b = rng.integers(-128, 128, 64).astype(np.int8)
-    acc = rng.integers(-2 ** 31, 2 ** 31, (16, 16)).astype(np.int32)
-    _, out = K.peak("vnni_zmm", iters, a, b, acc)
-    dot = (a.astype(np.int64) * b.astype(np.int64)).reshape(16, 4).sum(1)
+    a = rng.integers(0, 256, 4 * lanes).astype(np.uint8)
+    b = rng.integers(-128, 128, 4 * lanes).astype(np.int8)
+    acc = rng.integers(-2 ** 31, 2 ** 31, (chains, lanes)).astype(np.int32)
+    _, out = K.peak(kind, iters, a, b, acc)
+    dot = (a.astype(np.int64) * b.astype(np.int64)).reshape(lanes, 4).sum(1)
     np.testing.assert_array_equal(out, wrap32(acc.astype(np.int64) + iters * dot[None, :]))
-    signed = (a.view(np.int8).astype(np.int64) * b).reshape(16, 4).sum(1)   # negative control
+    signed = (a.view(np.int8).astype(np.int64) * b).reshape(lanes, 4).sum(1)  # negative control
     assert (signed != dot).any()                             # (a read as signed bytes differs)
 
 
@@ -313,5 +315,7 @@ def test_kind_for():
         assert P.kind_for("q8", "avx2") == "i8_ymm"
     if "vnni_zmm" in have:
         assert P.kind_for("q8", "avx512") == "vnni_zmm"
+    if "vnni_ymm" in have:
+        assert P.kind_for("q8", "avxvnni") == "vnni_ymm"
     if "amx_int8" in have:
         assert P.kind_for("q8", "amx") == "amx_int8" and P.kind_for("q8") == "amx_int8"

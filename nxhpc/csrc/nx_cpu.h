@@ -89,7 +89,8 @@ const char *nx_cpu_feature_name(int i);
     X(AVX2, "avx2", NX_ISA_NEEDS_AVX2, GENERIC, 10)                                                \
     X(AVX512, "avx512", NX_ISA_NEEDS_AVX512, AVX2, 20)                                             \
     X(AVX512BF16, "avx512bf16", NX_ISA_NEEDS_AVX512 | NX_CPU_AVX512BF16, AVX512, 30)            \
-    X(AMX, "amx", NX_ISA_NEEDS_AMX, AVX512BF16, 40)
+    X(AMX, "amx", NX_ISA_NEEDS_AMX, AVX512BF16, 40)                                                \
+    X(AVXVNNI, "avxvnni", NX_ISA_NEEDS_AVX2 | NX_CPU_AVXVNNI, AVX2, 15)
 
 #define NX_ISA_ENUM_(id, name, needs, parent, rank) NX_ISA_##id,
 typedef enum {

@@ -21,6 +21,7 @@
 NX_DEFINE_DISPATCH(nx_lowp, "lowp", NX_LOWP_SLOTS,
                    {[NX_ISA_GENERIC] = &nx_lowp_table_generic,
                     NX_X86_ONLY([NX_ISA_AVX2] = &nx_lowp_table_avx2,
+                                [NX_ISA_AVXVNNI] = &nx_lowp_table_avxvnni,
                                 [NX_ISA_AVX512] = &nx_lowp_table_avx512,
                                 [NX_ISA_AVX512BF16] = &nx_lowp_table_avx512bf16,
                                 [NX_ISA_AMX] = &nx_lowp_table_amx, )})

@@ -178,6 +178,7 @@ NX_DECLARE_FAMILY(nx_lowp, NX_LOWP_SLOTS)
 extern const nx_lowp_table nx_lowp_table_generic;    /* nx_lowp.c */
 extern const nx_lowp_table nx_lowp_table_avx2;       /* nx_lowp_avx2.c (q8 on vpmaddubsw; bf16:
                                                         nx_lowp_bf16_avx2.c) */
+extern const nx_lowp_table nx_lowp_table_avxvnni;    /* nx_lowp_avxvnni.c (q8 on vpdpbusd ymm) */
 extern const nx_lowp_table nx_lowp_table_avx512;     /* nx_lowp_avx512.c */
 extern const nx_lowp_table nx_lowp_table_avx512bf16; /* nx_lowp_avx512bf16.c */
 extern const nx_lowp_table nx_lowp_table_amx;        /* nx_lowp_amx.c (q8 on tdpbssd, bf16 on
@@ -241,6 +242,7 @@ int nx_matmul_bf16_avx2(const nx_mm_call *c);
 int nx_matmul_bf16_avx512bf16(const nx_mm_call *c);
 int nx_matmul_q8_generic(const nx_mm_call *c);
 int nx_matmul_q8_avx2(const nx_mm_call *c);
+int nx_matmul_q8_avxvnni(const nx_mm_call *c);
 int nx_matmul_q8_avx512(const nx_mm_call *c);
 int nx_matmul_q8_amx(const nx_mm_call *c);
 int nx_matmul_bf16_amx(const nx_mm_call *c);

@@ -24,6 +24,7 @@
 #define NX_PEAK_FN_BF16_ZMM NX_PEAK_FN_(bf16_zmm, avx512bf16)
 #define NX_PEAK_FN_AMX_INT8 NX_PEAK_FN_(amx_int8, amx)
 #define NX_PEAK_FN_AMX_BF16 NX_PEAK_FN_(amx_bf16, amx)
+#define NX_PEAK_FN_VNNI_YMM NX_PEAK_FN_(vnni_ymm, avxvnni)
 
 #define NX_PEAK_ROW_(id, name, isa, ab, bb, cb, ops)                                               \
     {name, NX_ISA_##isa, ab, bb, cb, ops, NX_PEAK_FN_##id},

@@ -27,6 +27,9 @@
  *             acc[c][l] += sum_{i<4} a[4l+i] * b[4l+i]           (vpdpbusd, wraps mod 2^32)
  *   bf16_zmm  (avx512bf16)  a, b bfloat16 bits uint16[32]; acc float32[16][16]  16 zmm chains
  *             acc[c][l] := vdpbf16ps step over the pair (2l, 2l+1)  (nx_lowp.h `bf16` contract)
+ *   vnni_ymm  (avxvnni)     a uint8[32], b int8[32]; acc int32[12][8]  12 ymm chains
+ *             acc[c][l] += sum_{i<4} a[4l+i] * b[4l+i]           (VEX vpdpbusd, wraps mod 2^32:
+ *                                 the int8 dot of the AVX-VNNI q8 kernel)
  *   amx_int8  (amx)         a int8[2][16][64] (tiles A0, A1: 16 rows x 64 k);
  *                           b int8[2][16][64] (tiles B0, B1: 16 k-quads x 16 columns x 4 bytes);
  *                           acc int32[4][16][16] (tiles C0..C3, Ci*2+j += Ai . Bj)
@@ -41,7 +44,8 @@
  *
  * Operations counted per iteration (2 per multiply-add, FLOP or integer OP):
  *   fma_ymm 12*8*2 = 192; i8_ymm 12*16*2*2 = 768; fma_zmm 16*16*2 = 512; vnni_zmm 16*16*4*2 = 2048;
- *   bf16_zmm 16*16*2*2 = 1024; amx_int8 4*16*16*64*2 = 131072; amx_bf16 4*16*16*32*2 = 65536.
+ *   bf16_zmm 16*16*2*2 = 1024; amx_int8 4*16*16*64*2 = 131072; amx_bf16 4*16*16*32*2 = 65536;
+ *   vnni_ymm 12*8*4*2 = 768.
  * Chains: FMA and VNNI latencies are 4-5 cycles at up to 2 issues per cycle, so 12 ymm (the 16
  * ymm registers of AVX2 less a and b) and 16 zmm chains keep both ports busy; AMX takes the
  * 2 x 2 blocking of oneDNN's kernels (4 C, 2 A, 2 B tiles: all 8 tile registers).
@@ -65,7 +69,8 @@ typedef void (*nx_peak_fn)(size_t iters, const void *a /* IN */, const void *b /
     X(VNNI_ZMM, "vnni_zmm", AVX512, 64, 64, 16 * 64, 2048)                                         \
     X(BF16_ZMM, "bf16_zmm", AVX512BF16, 64, 64, 16 * 64, 1024)                                     \
     X(AMX_INT8, "amx_int8", AMX, 2048, 2048, 4096, 131072)                                         \
-    X(AMX_BF16, "amx_bf16", AMX, 2048, 2048, 4096, 65536)
+    X(AMX_BF16, "amx_bf16", AMX, 2048, 2048, 4096, 65536)                                          \
+    X(VNNI_YMM, "vnni_ymm", AVXVNNI, 32, 32, 12 * 32, 768)
 
 #define NX_PEAK_ENUM_(id, name, isa, ab, bb, cb, ops) NX_PEAK_##id,
 typedef enum { NX_PEAK_KINDS(NX_PEAK_ENUM_) NX_PEAK_COUNT } nx_peak_kind;
@@ -98,5 +103,6 @@ void nx_peak_vnni_zmm_avx512(size_t iters, const void *a, const void *b, void *a
 void nx_peak_bf16_zmm_avx512bf16(size_t iters, const void *a, const void *b, void *acc);
 void nx_peak_amx_int8_amx(size_t iters, const void *a, const void *b, void *acc);
 void nx_peak_amx_bf16_amx(size_t iters, const void *a, const void *b, void *acc);
+void nx_peak_vnni_ymm_avxvnni(size_t iters, const void *a, const void *b, void *acc);
 
 #endif

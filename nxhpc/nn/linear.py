@@ -74,7 +74,7 @@ def fastest_precision(variants: Mapping[str, str] | None = None) -> str:
 
     - ``"bf16"`` where ``matmul_bf16`` runs on the AMX tiles (bf16 1.3-2.7x q8 there);
     - ``"q8"`` where ``matmul_q8`` has a SIMD kernel (AVX2: 1.6-2.8x f32, bf16 at f32's speed;
-      AVX-512 VNNI without AMX: ~1.6x bf16);
+      AVX-VNNI: ~1.2-1.5x the AVX2 kernel; AVX-512 VNNI without AMX: ~1.6x bf16);
     - ``"f32"`` on the generic C code (no SIMD variant, or ``NXHPC_DISABLE_SIMD=1``), where
       nothing was measured faster than the exact path.
 

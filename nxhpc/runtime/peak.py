@@ -16,18 +16,20 @@ import time
 __all__ = ["KINDS", "PRECISION_KINDS", "measure", "peaks", "supported", "kind_for"]
 
 #: Every peak kind (csrc/nx_peak.h), in its order.
-KINDS = ("fma_ymm", "i8_ymm", "fma_zmm", "vnni_zmm", "bf16_zmm", "amx_int8", "amx_bf16")
+KINDS = ("fma_ymm", "i8_ymm", "fma_zmm", "vnni_zmm", "bf16_zmm", "amx_int8", "amx_bf16",
+         "vnni_ymm")
 
 #: Per precision tier, the kinds whose instructions its kernels run, fastest unit first:
 #: ``f32`` FMA, ``bf16`` bfloat16 dot products, ``q8`` int8 dot products.
 PRECISION_KINDS = {"f32": ("fma_zmm", "fma_ymm"), "bf16": ("amx_bf16", "bf16_zmm"),
-                   "q8": ("amx_int8", "vnni_zmm", "i8_ymm")}
+                   "q8": ("amx_int8", "vnni_zmm", "vnni_ymm", "i8_ymm")}
 
 # The ISA of the code that runs a kernel (a kernel_variants() value) -> the peak kind of the
 # instructions that code issues, per precision (bf16 at avx2: float32 FMAs on bfloat16 values).
 _KIND_OF_VARIANT = {"f32": {"avx2": "fma_ymm", "avx512": "fma_zmm"},
                     "bf16": {"avx2": "fma_ymm", "avx512bf16": "bf16_zmm", "amx": "amx_bf16"},
-                    "q8": {"avx2": "i8_ymm", "avx512": "vnni_zmm", "amx": "amx_int8"}}
+                    "q8": {"avx2": "i8_ymm", "avxvnni": "vnni_ymm", "avx512": "vnni_zmm",
+                           "amx": "amx_int8"}}
 
 
 def _k():
