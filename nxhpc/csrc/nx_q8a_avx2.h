@@ -121,6 +121,7 @@ nx_q8a_pack_a_t(const float *x /* IN */, size_t K, size_t t0, size_t rows, uint8
         nx_q8a_pack_a_t(x, K, t0, rows, Ap, scratch, OFF, H);                                      \
     }
 NX_Q8A_PACK_A(0, 1) /* Q8_0 (its sign trick needs no init), Q4_1, Q5_1, Q4_K, Q5_K */
+NX_Q8A_PACK_A(128, 1) /* Q8_0 as u = qw + 128 (the VNNI kernel) */
 NX_Q8A_PACK_A(8, 1)
 NX_Q8A_PACK_A(16, 1)
 NX_Q8A_PACK_A(32, 2)
@@ -172,6 +173,12 @@ static inline __m256i nx_a_bit4(const uint8_t *qh) {
     return _mm256_and_si256(on, _mm256_set1_epi8(16));
 }
 static inline __m256i nx_a_q8_0(const uint8_t *p) { return nx_ld32(p + 2); }
+/* Q8_0 as unsigned codes u = qw + 128 (each byte's top bit flipped), for the VNNI kernel: its
+ * vpdpbusd takes them like any other type's, with -128 * xsum as the part's start (the sign
+ * trick the AVX2 kernel needs costs two more instructions per step). */
+static inline __m256i nx_a_q8_0u(const uint8_t *p) {
+    return _mm256_xor_si256(nx_ld32(p + 2), _mm256_set1_epi8((char)0x80));
+}
 static inline __m256i nx_a_q4_0(const uint8_t *p) { return nx_a_nib32(p + 2); }
 static inline __m256i nx_a_q4_1(const uint8_t *p) { return nx_a_nib32(p + 4); }
 static inline __m256i nx_a_q5_0(const uint8_t *p) {
@@ -300,6 +307,7 @@ nx_q8a_pack_b_t(const nx_mm_call *c, size_t j0, size_t ncols, size_t k0, size_t 
         nx_q8a_pack_b_t(c, j0, ncols, k0, kc, Bp, E, H, M, D32, D);                                \
     }
 NX_Q8A_PACK_B(q8_0, 32, 1, 0, nx_a_q8_0, NULL)
+NX_Q8A_PACK_B(q8_0u, 32, 1, 0, nx_a_q8_0u, NULL) /* the VNNI kernel's Q8_0 */
 NX_Q8A_PACK_B(q4_0, 32, 1, 0, nx_a_q4_0, NULL)
 NX_Q8A_PACK_B(q4_1, 32, 1, 1, nx_a_q4_1, NULL)
 NX_Q8A_PACK_B(q5_0, 32, 1, 0, nx_a_q5_0, NULL)
@@ -468,7 +476,11 @@ int NX_Q8A_ENTRY(const nx_mm_call *c) {
     case NX_GGML_##T:                                                                              \
         pa = A, pb = nx_q8a_pack_b_##t, kn = nx_q8a_kern_##KN, bg = NX_Q8A_BG(H, M);               \
         break;
+#if NX_Q8A_VNNI /* unsigned codes, like the other types (the int16 bound F does not apply) */
+        NX_Q8A_CASE(Q8_0, q8_0u, nx_q8a_pack_a_128_1, f8, 1, 0)
+#else
         NX_Q8A_CASE(Q8_0, q8_0, nx_q8a_pack_a_0_1, sgn, 1, 0)
+#endif
         NX_Q8A_CASE(Q4_0, q4_0, nx_q8a_pack_a_8_1, f8, 1, 0)
         NX_Q8A_CASE(Q5_0, q5_0, nx_q8a_pack_a_16_1, f4, 1, 0)
         NX_Q8A_CASE(Q4_1, q4_1, nx_q8a_pack_a_0_1, f8m, 1, 1)
