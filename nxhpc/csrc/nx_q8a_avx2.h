@@ -199,7 +199,8 @@ static inline void nx_a_q4_K(const uint8_t *p, __m256i u[8]) {
 /* 16 where bit j of byte e of h is set, for the 32 bytes of h */
 static inline __m256i nx_a_bitj(__m256i h, int j, int val) {
     const __m256i b = _mm256_set1_epi8((char)(1 << j));
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b), b), _mm256_set1_epi8((char)val));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b), b),
+                            _mm256_set1_epi8((char)val));
 }
 static inline void nx_a_q5_K(const uint8_t *p, __m256i u[8]) {
     const __m256i m = _mm256_set1_epi8(15), h = nx_ld32(p + 16);
@@ -207,7 +208,8 @@ static inline void nx_a_q5_K(const uint8_t *p, __m256i u[8]) {
         const __m256i v = nx_ld32(p + 48 + 32 * c);
         u[2 * c] = _mm256_or_si256(_mm256_and_si256(v, m), nx_a_bitj(h, 2 * c, 16));
         u[2 * c + 1] =
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m), nx_a_bitj(h, 2 * c + 1, 16));
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m),
+                            nx_a_bitj(h, 2 * c + 1, 16));
     }
 }
 static inline void nx_a_q6_K(const uint8_t *p, __m256i u[8]) {
@@ -236,7 +238,8 @@ static inline void nx_a_q2_K(const uint8_t *p, __m256i u[8]) {
     const __m256i m2 = _mm256_set1_epi8(3);
     for (int h = 0; h < 2; h++) {
         const __m256i q = nx_ld32(p + 16 + 32 * h);
-        for (int s = 0; s < 4; s++) u[4 * h + s] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m2);
+        for (int s = 0; s < 4; s++)
+            u[4 * h + s] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m2);
     }
 }
 
@@ -371,10 +374,9 @@ nx_q8a_kern_t(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ld
                             s[r][v] = _mm256_dpbusd_avx_epi32(s[r][v], ub[v],
                                                               _mm256_sign_epi8(av, bv[v]));
 #else
+                            const __m256i sx = _mm256_sign_epi8(av, bv[v]);
                             s[r][v] = _mm256_add_epi32(
-                                s[r][v], _mm256_madd_epi16(
-                                             _mm256_maddubs_epi16(ub[v], _mm256_sign_epi8(av, bv[v])),
-                                             ones));
+                                s[r][v], _mm256_madd_epi16(_mm256_maddubs_epi16(ub[v], sx), ones));
 #endif
                             NX_KEEP(s[r][v]);
                         }
@@ -408,7 +410,8 @@ nx_q8a_kern_t(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ld
                         for (int r = 0; r < MR; r++) {
                             const __m256i av = _mm256_set1_epi32(a[q * MR + r]);
                             for (int v = 0; v < NV; v++) {
-                                p[r][v] = _mm256_add_epi16(p[r][v], _mm256_maddubs_epi16(bv[v], av));
+                                p[r][v] =
+                                    _mm256_add_epi16(p[r][v], _mm256_maddubs_epi16(bv[v], av));
                                 NX_KEEP(p[r][v]);
                             }
                         }
@@ -465,8 +468,10 @@ NX_Q8A_KERN(h2f4m, 0, 4, 2, 1) /* Q2_K: u <= 3 */
 
 int NX_Q8A_ENTRY(const nx_mm_call *c) {
     typedef void (*pack_a_fn)(const float *, size_t, size_t, size_t, uint8_t *, void *);
-    typedef void (*pack_b_fn)(const nx_mm_call *, size_t, size_t, size_t, size_t, uint8_t *, void *);
-    typedef void (*kern_fn)(size_t, const uint8_t *, const uint8_t *, float *, size_t, int, int, int);
+    typedef void (*pack_b_fn)(const nx_mm_call *, size_t, size_t, size_t, size_t, uint8_t *,
+                              void *);
+    typedef void (*kern_fn)(size_t, const uint8_t *, const uint8_t *, float *, size_t, int, int,
+                            int);
     pack_a_fn pa;
     pack_b_fn pb;
     kern_fn kn;
