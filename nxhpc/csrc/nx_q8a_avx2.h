@@ -25,10 +25,8 @@
 #endif
 #if NX_Q8A_VNNI
 #define NX_Q8A_ENTRY nx_matmul_q8_avxvnni
-#define NX_Q8A_DPBUSD(s, u, x) _mm256_dpbusd_avx_epi32((s), (u), (x))
 #else
 #define NX_Q8A_ENTRY nx_matmul_q8_avx2
-#define NX_Q8A_DPBUSD(s, u, x) ((void)(u), (void)(x), (s)) /* not reached: compiled out */
 #endif
 
 /* ------------------------------------------------------------------ tiles
@@ -382,43 +380,39 @@ nx_q8a_kern_t(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ld
                         }
                     }
                 }
-            } else if (NX_Q8A_VNNI) { /* u * qx summed four at a time into the part's int32 */
-#pragma GCC unroll 8
-                for (int q = q0; q < q1; q++) {
-                    __m256i bv[NV];
-                    for (int v = 0; v < NV; v++)
-                        bv[v] = _mm256_load_si256((const __m256i *)(b + (q * NR + 8 * v) * 4));
-                    for (int r = 0; r < MR; r++) {
-                        const __m256i av = _mm256_set1_epi32(a[q * MR + r]);
-                        for (int v = 0; v < NV; v++) {
-                            s[r][v] = NX_Q8A_DPBUSD(s[r][v], bv[v], av);
-                            NX_KEEP(s[r][v]);
-                        }
-                    }
-                }
             } else {
+                /* AVX2: F steps summed in int16, then widened by one vpmaddwd; VNNI: every step
+                 * summed four products at a time straight into the part's int32 */
+                const int FS = NX_Q8A_VNNI ? 8 : F;
 #pragma GCC unroll 8
-                for (int qc = q0; qc < q1; qc += F) {
+                for (int qc = q0; qc < q1; qc += FS) {
                     __m256i p[MR][NV];
                     for (int r = 0; r < MR; r++)
                         for (int v = 0; v < NV; v++) p[r][v] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-                    for (int q = qc; q < qc + F && q < q1; q++) {
+                    for (int q = qc; q < qc + FS && q < q1; q++) {
                         __m256i bv[NV];
                         for (int v = 0; v < NV; v++)
                             bv[v] = _mm256_load_si256((const __m256i *)(b + (q * NR + 8 * v) * 4));
                         for (int r = 0; r < MR; r++) {
                             const __m256i av = _mm256_set1_epi32(a[q * MR + r]);
                             for (int v = 0; v < NV; v++) {
+#if NX_Q8A_VNNI
+                                s[r][v] = _mm256_dpbusd_avx_epi32(s[r][v], bv[v], av);
+                                NX_KEEP(s[r][v]);
+#else
                                 p[r][v] =
                                     _mm256_add_epi16(p[r][v], _mm256_maddubs_epi16(bv[v], av));
                                 NX_KEEP(p[r][v]);
+#endif
                             }
                         }
                     }
-                    for (int r = 0; r < MR; r++)
-                        for (int v = 0; v < NV; v++)
-                            s[r][v] = _mm256_add_epi32(s[r][v], _mm256_madd_epi16(p[r][v], ones));
+                    if (!NX_Q8A_VNNI)
+                        for (int r = 0; r < MR; r++)
+                            for (int v = 0; v < NV; v++)
+                                s[r][v] =
+                                    _mm256_add_epi32(s[r][v], _mm256_madd_epi16(p[r][v], ones));
                 }
             }
             for (int r = 0; r < MR; r++)
