@@ -26,18 +26,19 @@ def bench_stats(benchmark):
     return _NO_STATS if benchmark.stats is None else benchmark.stats.stats
 
 
-#: kind -> ops/s (None: unsupported here), measured on first use: one figure per session.
-_PEAKS: dict = {}
+#: ``nxhpc.runtime.peak.rates(0.3)``, made on first use: one figure per kind and session.
+_RATE = None
 
 
 def peak_of(kind: str) -> float | None:
     """Operations per second of one core running peak ``kind`` (``nxhpc.runtime.peak``:
     register-only loop, best of 5 runs over 0.3 s, thread CPU time), measured once per session;
     None where this CPU (or NXHPC_DISABLE_SIMD) does not run the kind."""
-    if kind not in _PEAKS:
+    global _RATE
+    if _RATE is None:
         from nxhpc.runtime import peak
-        _PEAKS[kind] = peak.measure(kind, 0.3) if kind in peak.supported() else None
-    return _PEAKS[kind]
+        _RATE = peak.rates(0.3)
+    return _RATE(kind)
 
 
 def peak_fields(gops: float, precision: str, variant: str | None = None,

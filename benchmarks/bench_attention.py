@@ -206,14 +206,9 @@ def test_bench_attention_dit_nxhpc(benchmark, T, impl, isa):
     g = benchmark.extra_info["gflops_best"]
     if dot:
         benchmark.extra_info.update({"dot": dot, "auto_dot": before})
-    if impl == "f32" or dot == "fma":   # vfmadd231ps zmm either way (bf16: bfloat16-valued)
-        benchmark.extra_info.update(peak_fields(g, "f32", "avx512" if dot else base))
-        if dot:   # and against the machine's fastest bf16 unit
-            best = peak_fields(g, "bf16")
-            benchmark.extra_info.update({"machine_peak_kind": best.get("peak_kind"),
-                                         "frac_of_machine_peak": best.get("frac_of_peak")})
-    else:
-        benchmark.extra_info.update(peak_fields(g, "bf16", base))
+    # against its unit's peak (the AVX-512 BF16 kernel's by its dot: fma_zmm or bf16_zmm) and
+    # the machine's fastest unit of the precision
+    benchmark.extra_info.update(peak_fields(g, impl, isas[0]))
     if impl == "f32":
         _attn_check_T(out, q, k, qkv, T, H_DIT)
     else:

@@ -23,15 +23,17 @@ ISAS = K.supported_isas()
 RANK = {name: info["rank"] for name, info in K.cpu_features()["isas"].items()}
 
 
-def _py(code, cap):
-    env = dict(os.environ)
-    env.pop("NXHPC_DISABLE_SIMD", None)
-    if cap is None:
-        env.pop("NXHPC_MAX_ISA", None)
-    else:
+def _env(cap):
+    """This environment with SIMD on and the default ISA capped at ``cap`` (None: uncapped)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NXHPC_DISABLE_SIMD", "NXHPC_MAX_ISA")}
+    if cap is not None:
         env["NXHPC_MAX_ISA"] = cap
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
+    return env
+
+
+def _py(code, cap):
+    return subprocess.run([sys.executable, "-c", code], env=_env(cap), capture_output=True,
+                          text=True, timeout=300)
 
 
 @pytest.mark.parametrize("cap", [None, *ISAS])
@@ -60,15 +62,10 @@ def test_bad_cap_is_a_usage_error():
 
 
 def _block(tmp_path, name, cap, precision, workers):
-    env = dict(os.environ)
-    env.pop("NXHPC_DISABLE_SIMD", None)
-    env.pop("NXHPC_MAX_ISA", None)
-    if cap is not None:
-        env["NXHPC_MAX_ISA"] = cap
     out = tmp_path / f"{name}.npy"
     r = subprocess.run([sys.executable, "-m", "nxhpc.blockrun", "tiny", str(workers),
                         "--precision", precision, "--save-output", str(out), "--json"],
-                       env=env, capture_output=True, text=True, timeout=300)
+                       env=_env(cap), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     return np.load(out), json.loads(r.stdout)
 

@@ -55,14 +55,11 @@ def unit_kinds(precision: str, variants: Mapping[str, str] | None = None,
     mm = peak.kind_for(precision, v.get(_MATMUL_SLOT[precision]))
     if attention_precision(precision) == "f32":
         att = peak.kind_for("f32", v.get("attention"))
-    else:
+    else:   # the AVX-512 BF16 kernel's kind is its dot's
         av = v.get("attention_bf16")
         if av == "avx512bf16":
-            dot = attention_dot or K.attention_bf16_dot()
-            kind = "fma_zmm" if dot == "fma" else "bf16_zmm"    # bfloat16 values on FMAs
-            att = kind if kind in peak.supported() else peak.kind_for("bf16")
-        else:
-            att = peak.kind_for("bf16", av)
+            av += ":" + (attention_dot or K.attention_bf16_dot())
+        att = peak.kind_for("bf16", av)
     return {"matmul": mm, "attention": att}
 
 
@@ -128,20 +125,6 @@ def block_limit_s(cfg: Any, T: int, kinds: Mapping[str, str | None],
     return roofline({k: 1.0 for k in ops}, ops, kinds, rate, workers)["limit_s"]
 
 
-def peak_rates(seconds: float = 0.3) -> Callable[[str], float | None]:
-    """``rate(kind)``: one core's ops/s of peak ``kind`` on this machine
-    (``nxhpc.runtime.peak.measure(kind, seconds)``, measured on first use and kept), None for a
-    kind this CPU does not run (or under ``NXHPC_DISABLE_SIMD``)."""
-    from nxhpc.runtime import peak
-    cache: dict[str, float | None] = {}
-
-    def rate(kind: str) -> float | None:
-        if kind not in cache:
-            cache[kind] = peak.measure(kind, seconds) if kind in peak.supported() else None
-        return cache[kind]
-    return rate
-
-
 def report_fields(timings_us: Mapping[str, float], cfg: Any, T: int, precision: str,
                   workers: int, layers: int = 1,
                   rate: Callable[[str], float | None] | None = None) -> dict[str, Any]:
@@ -151,9 +134,10 @@ def report_fields(timings_us: Mapping[str, float], cfg: Any, T: int, precision: 
     ``x_limit`` on this run's units, ``machine_limit_us`` and
     ``x_machine_limit`` on the machine's fastest units, the kinds (``unit_matmul``,
     ``unit_attention``, ``machine_matmul``, ``machine_attention``) and ``peak_gops_<kind>`` of
-    each kind used (one core). ``rate``: default :func:`peak_rates` (measures each kind once,
-    ~0.3 s)."""
-    rate = rate or peak_rates()
+    each kind used (one core). ``rate``: default ``nxhpc.runtime.peak.rates()`` (measures each
+    kind once, ~0.3 s)."""
+    from nxhpc.runtime import peak
+    rate = rate or peak.rates()
     ops = block_ops(cfg, T)
     own, best = unit_kinds(precision), machine_kinds(rate)
     r_own = roofline(timings_us, ops, own, rate, workers, layers)

@@ -12,8 +12,9 @@ anything about speed.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
-__all__ = ["KINDS", "PRECISION_KINDS", "measure", "peaks", "supported", "kind_for"]
+__all__ = ["KINDS", "PRECISION_KINDS", "measure", "rates", "peaks", "supported", "kind_for"]
 
 #: Every peak kind (csrc/nx_peak.h), in its order.
 KINDS = ("fma_ymm", "i8_ymm", "fma_zmm", "vnni_zmm", "bf16_zmm", "amx_int8", "amx_bf16",
@@ -27,7 +28,10 @@ PRECISION_KINDS = {"f32": ("fma_zmm", "fma_ymm"), "bf16": ("amx_bf16", "bf16_zmm
 # The ISA of the code that runs a kernel (a kernel_variants() value) -> the peak kind of the
 # instructions that code issues, per precision (bf16 at avx2: float32 FMAs on bfloat16 values).
 _KIND_OF_VARIANT = {"f32": {"avx2": "fma_ymm", "avx512": "fma_zmm"},
-                    "bf16": {"avx2": "fma_ymm", "avx512bf16": "bf16_zmm", "amx": "amx_bf16"},
+                    "bf16": {"avx2": "fma_ymm", "avx512bf16": "bf16_zmm", "amx": "amx_bf16",
+                             # the bf16 attention's AVX-512 BF16 kernel by its dot
+                             # (K.attention_bf16_dot; nn.linear.attention_kernel's labels)
+                             "avx512bf16:fma": "fma_zmm", "avx512bf16:vdpbf16ps": "bf16_zmm"},
                     "q8": {"avx2": "i8_ymm", "avxvnni": "vnni_ymm", "avx512": "vnni_zmm",
                            "amx": "amx_int8"}}
 
@@ -72,6 +76,19 @@ def measure(kind: str, seconds: float = 0.2, runs: int = 5) -> float:
         if t > 0:
             best = max(best, ops / t)
     return best
+
+
+def rates(seconds: float = 0.3) -> Callable[[str], float | None]:
+    """``rate(kind)``: one core's ops/s of peak ``kind`` (:func:`measure` over ``seconds``, on
+    first use, then kept), None for a kind this CPU does not run (or under
+    ``NXHPC_DISABLE_SIMD``): one figure per kind for as long as the function is kept."""
+    cache: dict[str, float | None] = {}
+
+    def rate(kind: str) -> float | None:
+        if kind not in cache:
+            cache[kind] = measure(kind, seconds) if kind in supported() else None
+        return cache[kind]
+    return rate
 
 
 def peaks(seconds: float = 0.2, runs: int = 5) -> dict[str, float]:
