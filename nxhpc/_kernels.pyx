@@ -33,7 +33,8 @@ _ISA_BY_NAME = {name: i for i, name in enumerate(ISA_NAMES)}
 _MAX_ISA = os.environ.get("NXHPC_MAX_ISA", "")
 if _MAX_ISA and _MAX_ISA not in _ISA_BY_NAME:
     from nxhpc.runtime.checks import SettingError
-    raise SettingError(f"NXHPC_MAX_ISA={_MAX_ISA!r}: must be one of {', '.join(ISA_NAMES)} "
+    _ranked = sorted(ISA_NAMES, key=lambda n: nx_isa_rank(<nx_isa>_ISA_BY_NAME[n]))
+    raise SettingError(f"NXHPC_MAX_ISA={_MAX_ISA!r}: must be one of {', '.join(_ranked)} "
                        "(or unset)")
 
 # Families whose dispatch is not yet a C table register {name: callable(isa index) -> ISA name}

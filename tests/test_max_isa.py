@@ -59,6 +59,14 @@ def test_bad_cap_is_a_usage_error():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert "NXHPC_MAX_ISA='AMX'" in r.stderr and "Traceback" not in r.stderr
+    listed = r.stderr.split("must be one of ")[1].split(" (or unset)")[0].split(", ")
+    assert listed == sorted(K.ISA_NAMES, key=RANK.get)   # every ISA name, in rank order
+    # --precision auto resolves in argparse's type hook (it runs the kernels): the bad setting
+    # must still be the error named, not "invalid value 'auto'"
+    r = subprocess.run([sys.executable, "-m", "nxhpc.blockrun", "tiny", "1", "--precision",
+                        "auto"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "NXHPC_MAX_ISA='AMX'" in r.stderr and "auto" not in r.stderr.splitlines()[-1]
 
 
 def _block(tmp_path, name, cap, precision, workers):

@@ -165,10 +165,14 @@ def precision(value: str, allowed: tuple[str, ...] | None = None) -> str:
     """argparse type of ``--precision``: one of ``allowed`` (default
     ``nxhpc.nn.linear.PRECISIONS``), or ``"auto"``, resolved here to
     :func:`nxhpc.nn.linear.fastest_precision` (within ``allowed``: else ``"f32"``)."""
-    from nxhpc.nn.linear import PRECISIONS, fastest_precision
-    allowed = PRECISIONS if allowed is None else allowed
+    from nxhpc.runtime.checks import SettingError
+    try:    # "auto" runs the kernels: a bad NXHPC_* setting (SettingError) is the cause to name,
+        from nxhpc.nn.linear import PRECISIONS, fastest_precision   # not "invalid value 'auto'"
+        allowed = PRECISIONS if allowed is None else allowed
+        fast = fastest_precision() if value == "auto" else None
+    except SettingError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
     if value == "auto":
-        fast = fastest_precision()
         return fast if fast in allowed else "f32"
     if value not in allowed:
         raise argparse.ArgumentTypeError(
