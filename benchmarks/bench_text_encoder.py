@@ -27,6 +27,7 @@ transformers float32 (checked after timing). A table is printed at the end and w
 
 Run: ``python -m pytest benchmarks/bench_text_encoder.py --benchmark-only`` (~3 GB RAM peak).
 """
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -59,17 +60,20 @@ _WORDS = ("a red fox runs through the snowy forest at dawn, light falls between 
           "its breath rises in small clouds and the river shines like glass below the hill. ")
 
 
-def _file() -> Path:
+def _file(vocab: int = CFG.vocab) -> Path:
     """The 2-block Qwen3-4B slice (generated once; each tensor drawn from its own seed and
-    written one at a time)."""
-    d = models_dir() / "bench-qwen3-4b-2l"
+    written one at a time). ``vocab``: the embedding's rows (Qwen3-4B's own is 151936, which
+    bench_sdcpp needs: stable-diffusion.cpp tokenizes with its own vocabulary); the tokenizer
+    fields are the tiny vocab padded to it."""
+    cfg = dataclasses.replace(CFG, vocab=vocab)
+    d = models_dir() / ("bench-qwen3-4b-2l" + ("" if vocab == CFG.vocab else f"-v{vocab}"))
     p = d / "model.gguf"
     if p.is_file():
         return p
     d.mkdir(parents=True, exist_ok=True)
-    shapes = dict(CFG.global_shapes())
-    for i in range(CFG.n_layers):
-        shapes.update({n: CFG.shapes()[k] for k, n in layer_names(i).items()})
+    shapes = dict(cfg.global_shapes())
+    for i in range(cfg.n_layers):
+        shapes.update({n: cfg.shapes()[k] for k, n in layer_names(i).items()})
 
     def draw(i: int, name: str, shape: tuple[int, ...]):
         rng = np.random.default_rng([36, i])
@@ -81,8 +85,8 @@ def _file() -> Path:
                              lambda i=i, n=n, s=s: draw(i, n, s))
                for i, (n, s) in enumerate(shapes.items())}
     tmp = d / ".model.gguf.tmp"
-    write_qwen3_gguf(tmp, CFG, weights={}, overrides=tensors,
-                     tokenizer=vocab_metadata(*tiny_vocab(300, pad_to=CFG.vocab)))
+    write_qwen3_gguf(tmp, cfg, weights={}, overrides=tensors,
+                     tokenizer=vocab_metadata(*tiny_vocab(300, pad_to=cfg.vocab)))
     os.replace(tmp, p)
     return p
 
