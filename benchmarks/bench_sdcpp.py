@@ -91,14 +91,11 @@ _summary = summary_fixture(RESULTS, "bench_sdcpp", _TITLE, _HEAD, _row)
 
 # ----------------------------------------------------------------------------- the files
 
-#: The FLUX autoencoder's encoder levels (its decoder's, bench_vae's SPEC, read the other way).
-_ENC_CH = (128, 256, 512, 512)
-
-
-def _encoder_shapes() -> dict[str, tuple[int, ...]]:
-    """Every tensor of the FLUX ``ae.safetensors`` encoder (BFL names): conv_in, per level two
-    resnet blocks (a 1x1 shortcut where the width changes) and a downsample but at the last, the
-    mid block's two resnets and attention, norm_out, conv_out to 2 x 16 channels."""
+def _encoder_shapes(ch: tuple[int, ...], z: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the FLUX ``ae.safetensors`` encoder (BFL names) whose levels have ``ch``
+    channels (the decoder's, read the other way) and ``z`` latent channels: conv_in, per level
+    two resnet blocks (a 1x1 shortcut where the width changes) and a downsample but at the last,
+    the mid block's two resnets and attention, norm_out, conv_out to 2 x ``z`` channels."""
     s: dict[str, tuple[int, ...]] = {}
 
     def conv(name, cout, cin, k):
@@ -115,22 +112,22 @@ def _encoder_shapes() -> dict[str, tuple[int, ...]]:
         if cin != cout:
             conv(f"{name}.nin_shortcut", cout, cin, 1)
 
-    conv("encoder.conv_in", _ENC_CH[0], 3, 3)
-    cin = _ENC_CH[0]
-    for i, c in enumerate(_ENC_CH):
+    conv("encoder.conv_in", ch[0], 3, 3)
+    cin = ch[0]
+    for i, c in enumerate(ch):
         for j in range(2):
             resnet(f"encoder.down.{i}.block.{j}", cin if j == 0 else c, c)
         cin = c
-        if i < len(_ENC_CH) - 1:
+        if i < len(ch) - 1:
             conv(f"encoder.down.{i}.downsample.conv", c, c, 3)
-    c = _ENC_CH[-1]
+    c = ch[-1]
     resnet("encoder.mid.block_1", c, c)
     norm("encoder.mid.attn_1.norm", c)
     for n in ("q", "k", "v", "proj_out"):
         conv(f"encoder.mid.attn_1.{n}", c, c, 1)
     resnet("encoder.mid.block_2", c, c)
     norm("encoder.norm_out", c)
-    conv("encoder.conv_out", 32, c, 3)
+    conv("encoder.conv_out", 2 * z, c, 3)
     return s
 
 
@@ -158,7 +155,7 @@ def files(tmp_path_factory):
     t = {n: torch.from_numpy(draw_vae_tensor(SPEC, i, n, s)).to(torch.bfloat16)
          for i, (n, s) in enumerate(SPEC.shapes().items())}
     rng = np.random.default_rng(7)
-    for n, s in _encoder_shapes().items():
+    for n, s in _encoder_shapes(tuple(SPEC.block_out_channels), SPEC.latent_channels).items():
         a = rng.standard_normal(s, dtype=np.float32) * np.float32(0.02 if len(s) > 1 else 0.1)
         if len(s) == 1 and ".norm" in n and n.endswith("weight"):
             a += 1
@@ -182,6 +179,7 @@ def _run(argv: list[str], env: dict | None = None,
         p = subprocess.Popen(argv, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT if merge else err, env=env)
         out = p.stdout.read()
+        p.stdout.close()
         _, status, ru = os.wait4(p.pid, 0)
         p.returncode = os.waitstatus_to_exitcode(status)
         wall = time.perf_counter() - t0
