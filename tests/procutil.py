@@ -154,3 +154,28 @@ def note_interrupt(e: BaseException, where, errors, prefix: str) -> int:
     if inner:
         where[inner[-1].name] += 1
     return 1
+
+
+def mapping_rss_kb(addr: int) -> int:
+    """Resident kB of this process's mapping that contains address ``addr`` (from
+    /proc/self/smaps: the pages mapped into this process's page tables, not the segment's)."""
+    found = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                found = lo <= addr < hi
+            elif found and head == "Rss:":
+                return int(line.split()[1])
+    raise LookupError(f"no mapping holds address {addr:#x}")
+
+
+def kernel_populates() -> bool:
+    """Whether this kernel has ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+), from its release
+    string."""
+    if not LINUX:
+        return False
+    major, minor = (int("".join(c for c in v if c.isdigit()) or 0)
+                    for v in os.uname().release.split(".")[:2])
+    return (major, minor) >= (5, 14)

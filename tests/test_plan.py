@@ -39,7 +39,8 @@ from nxhpc.runtime.shm import live_segments
 from nxhpc.dit.block import BlockRunner
 from testutil import block_inputs, errs, np32_block, random_layer
 from kernelutil import assert_bitwise
-from procutil import ROOT, alive, children_of, linux_only, mapped_arenas, with_tests_on_path
+from procutil import (ROOT, alive, children_of, kernel_populates, linux_only, mapped_arenas,
+                      mapping_rss_kb, with_tests_on_path)
 
 PID = os.getpid()
 CFG = BlockConfig(dim=192, n_heads=3, n_kv_heads=3, head_dim=64, ffn_dim=512, n_layers=1,
@@ -156,6 +157,34 @@ def test_plan_alone_equals_plan_in_shared_engine(setup, session):
         eng.run(plans["cap"], "cr", eng.buffer("x"), eng.buffer("pe"), out=eng.buffer("y"))
         assert_bitwise(eng.buffer("y"), out["cap"], "cap alone, out-of-place")
         assert_bitwise(eng.buffer("x"), x[T1:], "input untouched when out is given")
+
+
+@linux_only
+@pytest.mark.parametrize("populating", [True, False])
+def test_workers_start_with_the_arena_mapped(setup, monkeypatch, populating):
+    """Each resident worker maps the whole arena in one call before its first stage (a forked
+    process otherwise maps each shared page at its first touch, one fault per page). Negative
+    control: with populating disabled a worker holds (almost) none of the arena's pages."""
+    import nxhpc.runtime.shm as shm
+    if not populating:
+        monkeypatch.setattr(shm, "populate", lambda mm: False)
+    w, _, _, _, plans = setup
+
+    def rss(eng, lo, hi, arg):
+        out = eng.buffer("rss")
+        kb = mapping_rss_kb(out.ctypes.data)
+        for i in range(lo, hi):
+            out[i] = kb
+
+    with Engine([(plans["cap"], T2)], {"cr": w["cr"]}, workers=2, tasks={"rss": rss},
+                buffers={"rss": ((2,), np.int64), "pad": (1 << 20,)}) as eng:
+        eng.run_task("rss", 2)
+        got = eng.buffer("rss") * 1024
+        assert eng.pool.pids and os.getpid() not in eng.pool.pids
+        if populating and kernel_populates():
+            assert (got >= eng.arena.nbytes).all(), (got, eng.arena.nbytes)
+        else:
+            assert (got < eng.arena.nbytes // 4).all(), (got, eng.arena.nbytes)
 
 
 def test_unit_gate_is_exactly_one_in_every_variant():

@@ -17,8 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+import nxhpc.runtime.shm as shm
 from nsutil import run_with_tmpfs                # private mounts (tests/ is on sys.path)
 from nxhpc.runtime.shm import ALIGN, SharedArena, cleanup_all, live_segments
+from procutil import kernel_populates, linux_only, mapping_rss_kb
 
 PID = os.getpid()
 
@@ -107,6 +109,47 @@ def test_default_float32_and_int_shape():
         assert a.nbytes == 64 + 64
         assert not a.linked
     assert live_segments(PID) == []
+
+
+@linux_only
+@pytest.mark.parametrize("by_madvise", [True, False])
+def test_new_arena_is_zero_and_mapped_either_way(monkeypatch, by_madvise):
+    """When the constructor returns, every page of a new arena is in this process's page tables
+    (no first-touch fault left for a timed stage) and every buffer reads zero: by one
+    ``madvise(MADV_POPULATE_WRITE)`` on a kernel that has it (5.14+), else (or with it disabled)
+    by writing the zeros."""
+    if not by_madvise:
+        monkeypatch.setattr(shm, "populate", lambda mm: False)
+    with SharedArena({"a": (4 << 20,), "b": ((1000,), np.int32), "c": ((7, 3), np.float64)}) as a:
+        assert a.populated == (by_madvise and kernel_populates())
+        assert mapping_rss_kb(a["a"].ctypes.data) * 1024 >= a.nbytes
+        for name in a:
+            assert not a[name].any(), name
+
+
+@linux_only
+def test_populate_maps_a_fresh_segment():
+    """Negative control for the Rss reading above: a fresh segment mapped without touching it
+    holds (almost) no pages; :func:`populate` maps them all, contents unchanged (zeros)."""
+    import mmap
+    size = 16 << 20
+    fd = os.memfd_create("nxhpc-test-populate")
+    try:
+        os.posix_fallocate(fd, 0, size)
+        mm = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    try:
+        view = np.frombuffer(mm, np.uint8)
+        addr = view.ctypes.data
+        assert mapping_rss_kb(addr) * 1024 < size // 8
+        assert shm.populate(mm) == kernel_populates()
+        if kernel_populates():
+            assert mapping_rss_kb(addr) * 1024 >= size
+        assert not view.any()
+        del view
+    finally:
+        mm.close()
 
 
 def test_fork_child_writes_are_seen_by_parent():

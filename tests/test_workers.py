@@ -58,9 +58,28 @@ def test_bad_pool_args():
     assert max_workers() >= max(64, 8 * usable_cpus())
     with pytest.raises(TypeError, match="callable"):
         WorkerPool(2, {"a": 3})
+    with pytest.raises(TypeError, match="warm must be a callable"):
+        WorkerPool(2, {"a": lambda lo, hi, arg: None}, warm=3)
     with WorkerPool(2, {"a": lambda lo, hi, arg: None}) as p:
         with pytest.raises(KeyError, match="no task named 'b'"):
             p.run("b", 4)
+
+
+def test_warm_runs_once_per_worker_and_its_errors_are_ignored():
+    """``warm`` runs in each resident worker before its first stage; one that raises leaves the
+    pool serving stages."""
+    with SharedArena({"n": ((4,), np.int64)}) as a:
+        def warm():
+            a["n"][2] += 1                      # one worker: 1 if warm ran once
+            raise RuntimeError("warm failed")
+
+        def task(lo, hi, arg):
+            for i in range(lo, hi):
+                a["n"][i] = 10 + i
+        with WorkerPool(1, {"t": task}, inline=False, warm=warm) as p:
+            p.run("t", 2)
+            p.run("t", 2)
+        assert a["n"].tolist() == [10, 11, 1, 0]
 
 
 def _row_fn(arena):

@@ -345,7 +345,8 @@ class Engine:
             # (nx_attn_bf16.h): choose it before the fork, so every worker inherits one choice
             # (the same bits either way) instead of each timing its own, per stage under "stage".
             nxhpc.kernels().attention_bf16_dot()
-            self.pool = WorkerPool(workers, task_fns, mode=spawn, stage_timeout=stage_timeout)
+            self.pool = WorkerPool(workers, task_fns, mode=spawn, stage_timeout=stage_timeout,
+                                   warm=a.populate)
         except BaseException:
             self.close()
             raise

@@ -301,8 +301,10 @@ class WorkerPool:
     :class:`WorkerError`. ``stage_timeout`` (seconds, None = wait forever) bounds one stage in
     forked workers; an inline stage cannot be interrupted. Use as a context manager, or call
     :meth:`close`; a pool dropped without ``close()`` is stopped when collected or at exit.
-    Threads: :meth:`run` holds a lock, so stages dispatched from several threads run one after
-    the other (the workers serve one stage at a time).
+    ``warm`` (pool mode): called once in each resident worker before it serves a stage (the
+    engine maps its arena there in one call, :meth:`SharedArena.populate`); its exceptions are
+    ignored. Threads: :meth:`run` holds a lock, so stages dispatched from several threads run
+    one after the other (the workers serve one stage at a time).
     """
 
     # Defaults at class level: a pool whose __init__ raised (or was interrupted) early still
@@ -314,9 +316,11 @@ class WorkerPool:
     _broken: str | None = None
     _w: _Workers | None = None
     _lock: Any = None
+    _warm: Callable[[], object] | None = None
 
     def __init__(self, n_workers: int, tasks: Mapping[str, Task], mode: str = DEFAULT_SPAWN,
-                 *, inline: bool = True, stage_timeout: float | None = None) -> None:
+                 *, inline: bool = True, stage_timeout: float | None = None,
+                 warm: Callable[[], object] | None = None) -> None:
         from nxhpc.runtime.checks import check_workers      # the one worker-count rule
         if n_workers is None:
             raise ValueError("WorkerPool: n_workers must be an integer >= 1, got None")
@@ -325,6 +329,10 @@ class WorkerPool:
             raise ValueError(f"WorkerPool: mode must be one of {SPAWN_MODES}, got {mode!r}")
         if not isinstance(tasks, Mapping) or not all(callable(t) for t in tasks.values()):
             raise TypeError("WorkerPool: tasks must be a mapping name -> callable(lo, hi, arg)")
+        if warm is not None and not callable(warm):
+            raise TypeError(f"WorkerPool: warm must be a callable or None, got "
+                            f"{type(warm).__name__}")
+        self._warm = warm
         self.stage_timeout = check_timeout(stage_timeout)
         self.n_workers = n_workers
         self.mode = mode
@@ -394,6 +402,11 @@ class WorkerPool:
             raise
 
     def _worker_loop(self, cmd_r: int, res_w: int) -> int:
+        if self._warm is not None:
+            try:
+                self._warm()
+            except Exception:                 # noqa: BLE001 - a hint only; stages report errors
+                pass
         while True:
             try:
                 msg = _read_msg(cmd_r)
