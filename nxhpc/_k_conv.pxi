@@ -20,6 +20,9 @@ cdef extern from "nx_conv.h" nogil:
                            float *out, int64_t p0, int64_t p1)
     void nx_add_f32(nx_isa isa, const float *a, const float *b, float *out, int64_t i0,
                     int64_t i1)
+    int nx_conv3x3_bf16(nx_isa isa, uint32_t type, const float *x, int64_t H, int64_t W,
+                        int64_t C, int up, const uint8_t *w, const float *bias, float *out,
+                        int64_t N, int64_t p0, int64_t p1, unsigned flags)
 
 #: Rows per GroupNorm statistics chunk: the partition of the rows is fixed by this constant
 #: (never by a band or a worker count), so the statistics are bit-identical for any split.
@@ -233,6 +236,59 @@ def im2col3x3(x, H, W, panel, p0=0, p1=None, *, upsample=False, isa=None):
     with nogil:
         nx_im2col3x3_f32(lvl, px, iH, iW, iC, up, pp, a, b)
     return panel
+
+
+def conv3x3_bf16(x, H, W, w, wtype, out, p0=0, p1=None, *, bias=None, upsample=False,
+                 isa=None):
+    """out[p0:p1] := the 3x3 convolution (stride 1, padding 1) of the image x [H*W, C] -- read
+    through a nearest x2 upsampling if `upsample` -- with the weight w as stored ([C_out, C, 3, 3]
+    seen as [C_out, 9*C] rows of GGML type `wtype`, as ``matmul_bf16`` takes it), in ``bf16``
+    (+ bias [C_out] after the sum): output pixels [p0, p1) of the (2H x 2W if `upsample` else
+    H x W) grid; other rows of out [pixels, C_out] untouched.
+
+    The bits of ``im2col3x3`` then ``matmul_bf16`` at the same isa on any panel split, but no
+    panel is made: the SIMD matmuls take the im2col rows as their packer asks for them, so one
+    call covers the whole band (its weight decoded once per token block, not once per panel).
+    Returns out.
+    """
+    fn = "conv3x3_bf16"
+    cdef nx_isa lvl = _resolve_isa(fn, isa)
+    if not isinstance(upsample, (bool, np.bool_)):
+        raise TypeError(f"{fn}: upsample must be a bool, got {type(upsample).__name__}")
+    h, wd, C = _image(fn, x, H, W)
+    cdef int up = 1 if upsample else 0
+    cdef Py_ssize_t npix = (h << up) * (wd << up)
+    wid, tname, E, B = _wtype(fn, wtype)
+    cdef uint32_t tid = wid
+    cdef Py_ssize_t K = 9 * C
+    w = _lowp_w(fn, w, wid, tname, E, B, K)
+    cdef Py_ssize_t N = w.shape[0]
+    if out is None:
+        raise TypeError(f"{fn}: out must be a float32 array of shape ({npix}, {N}), got None")
+    _out_f32(fn, "out", out, (npix, N))
+    bias = _lowp_bias(fn, bias, N)
+    lo, hi = _band(fn, "output pixels", _index(fn, "p0", p0), _index(fn, "p1", p1), npix)
+    _no_alias(fn, "out", out, "x", x)
+    _no_alias(fn, "out", out, "w", w)
+    _no_alias(fn, "out", out, "bias", bias)
+    if lo == hi:
+        return out
+    cdef int64_t a = lo, b = hi, iH = h, iW = wd, iC = C, iN = N
+    cdef const float *px = _cptr(x)
+    cdef const uint8_t *wp = <const uint8_t *>cnp.PyArray_DATA(w)
+    cdef const float *bp = NULL
+    if bias is not None:
+        bp = <const float *>cnp.PyArray_DATA(bias)
+    cdef float *op = _wptr(out)
+    cdef int rc
+    with nogil:
+        rc = nx_conv3x3_bf16(lvl, tid, px, iH, iW, iC, up, wp, bp, op, iN, a, b, 0)
+    if rc == -1:
+        raise MemoryError(f"{fn}: could not allocate scratch buffers (pixels={hi - lo}, K={K}, "
+                          f"N={N})")
+    if rc != 0:
+        raise RuntimeError(f"{fn}: kernel returned {rc}")
+    return out
 
 
 def upsample_nearest2x(x, H, W, out, p0=0, p1=None, *, isa=None):

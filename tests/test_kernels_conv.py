@@ -12,12 +12,15 @@ Tolerances, from the contract's operation order (u = 2^-24):
   1.1 * that + 8u|silu(y)| + 2^-140.
   im2col / upsample / add: exact (copies; one IEEE add).
   conv = im2col + matmul vs torch float64: the matmul's own bound (kernelutil.matmul_bound).
+  conv3x3_bf16 (no panel): bit for bit im2col3x3 then matmul_bf16 at the same isa on any
+  panel split; vs torch float64, matmul_bf16's bound (test_kernels_lowp.bf16_bound).
 """
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from kernelutil import EPS32, ISAS, SIMD_ISAS, assert_bitwise, matmul_bound
+from kernelutil import (EPS32, EPS64, ISAS, SIMD_ISAS, assert_bitwise, bits, finite_scale_blocks,
+                        matmul_bound, random_weight)
 
 from nxhpc import _kernels as K
 
@@ -236,6 +239,99 @@ def test_conv3x3_as_panel_matmul_vs_torch(H, W, Cin, Cout, up):
         assert np.max(np.abs(out - swapped)) > 100 * np.max(bound)
 
 
+def _conv_weight(rng, wtype, N, C):
+    """(the weight as conv3x3_bf16 / matmul_bf16 take it, its float64 values [N, 9C])."""
+    if wtype in ("F32", "F16"):
+        wf = (rng.standard_normal((N, 9 * C)) / np.sqrt(9 * C)).astype(np.float32)
+        w = wf if wtype == "F32" else wf.astype(np.float16)
+        return w, w.astype(np.float64)
+    if wtype == "BF16":
+        wf = (rng.standard_normal((N, 9 * C)) / np.sqrt(9 * C)).astype(np.float32)
+        w = (wf.view(np.uint32) >> 16).astype(np.uint16)
+        return w, (w.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if wtype in ("Q8_0", "Q4_0"):                   # gguf quantizes these
+        return random_weight(rng, N, 9 * C, wtype, scale=1 / np.sqrt(9 * C))
+    return finite_scale_blocks(rng, wtype, N, 9 * C), None     # random valid K-quant blocks
+
+
+def _panel_split_conv(x, H, W, w, wtype, bias, up, isa, rows):
+    """The reference composition: im2col3x3 then matmul_bf16, `rows` output pixels a panel."""
+    n = (H << up) * (W << up)
+    C = x.shape[1]
+    out = np.empty((n, w.shape[0]), np.float32)
+    for p0 in range(0, n, rows):
+        p1 = min(p0 + rows, n)
+        pan = K.im2col3x3(x, H, W, np.empty((p1 - p0, 9 * C), np.float32), p0, p1,
+                          upsample=up, isa=isa)
+        K.matmul_bf16(pan, w, wtype, out[p0:p1], bias=bias, isa=isa)
+    return out
+
+
+CONV_BF16_CASES = [  # H, W, C, N, wtype: C off and on 32, one output block past the driver's
+    (5, 7, 3, 5, "F32"), (6, 4, 16, 32, "BF16"), (3, 9, 33, 40, "F16"),   # token block (1156
+    (4, 4, 64, 17, "Q8_0"), (2, 3, 256, 8, "Q4_K"), (34, 34, 8, 12, "BF16")]  # pixels)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("H,W,C,N,wtype", CONV_BF16_CASES)
+@pytest.mark.parametrize("up", [False, True])
+def test_conv3x3_bf16_is_im2col_then_matmul_bf16(isa, H, W, C, N, wtype, up):
+    """conv3x3_bf16 over a band = the rows of im2col3x3 + matmul_bf16 at the same isa, bit for
+    bit, whatever the panel split; rows outside the band untouched. Negative control: the
+    reference through the other upsampling setting differs."""
+    rng = np.random.default_rng([H, W, C, N, up])
+    x = rand_act(rng, H * W, C)
+    w, _ = _conv_weight(rng, wtype, N, C)
+    bias = None if C == 16 else rng.standard_normal(N).astype(np.float32)
+    n = (H << up) * (W << up)
+    ref = _panel_split_conv(x, H, W, w, wtype, bias, up, isa, 37)
+    assert_bitwise(_panel_split_conv(x, H, W, w, wtype, bias, up, isa, 1000), ref, "panels")
+    for p0, p1 in [(0, n), (1, n - 1), (n // 3, n // 2 + 1)]:
+        out = np.full((n, N), np.nan, np.float32)
+        K.conv3x3_bf16(x, H, W, w, wtype, out, p0, p1, bias=bias, upsample=up, isa=isa)
+        assert_bitwise(out[p0:p1], ref[p0:p1], f"conv3x3_bf16 {isa} band [{p0}, {p1})")
+        assert np.isnan(out[:p0]).all() and np.isnan(out[p1:]).all(), "rows outside the band"
+    flip = (H << (not up)) * (W << (not up))
+    other = K.conv3x3_bf16(x, H, W, w, wtype, np.empty((flip, N), np.float32), bias=bias,
+                           upsample=not up, isa=isa)
+    m = min(flip, n)
+    assert not np.array_equal(bits(other[:m]), bits(ref[:m])), "negative control"
+
+
+@pytest.mark.parametrize("H,W,Cin,Cout", [(5, 7, 16, 32), (3, 8, 33, 20)])
+@pytest.mark.parametrize("up", [False, True])
+def test_conv3x3_bf16_vs_torch(H, W, Cin, Cout, up):
+    """conv3x3_bf16 is torch's float64 conv2d(padding=1) (after interpolate nearest x2 when up)
+    within matmul_bf16's bound: input rounding (2u + u^2) and a K-step chain gamma_K, over
+    sum |panel| |w| (u = 2^-8); the conv-then-upsample order must not match."""
+    rng = np.random.default_rng(Cin * Cout + up)
+    x = rand_act(rng, H * W, Cin)
+    w = (rng.standard_normal((Cout, Cin, 3, 3)) / np.sqrt(9 * Cin)).astype(np.float32)
+    b = rng.standard_normal(Cout).astype(np.float32)
+    Ho, Wo = (2 * H, 2 * W) if up else (H, W)
+    out = K.conv3x3_bf16(x, H, W, w.reshape(Cout, 9 * Cin), "F32",
+                         np.empty((Ho * Wo, Cout), np.float32), bias=b, upsample=up)
+    t = torch.from_numpy(x.astype(np.float64).T.reshape(1, Cin, H, W))
+    if up:
+        t = F.interpolate(t, scale_factor=2, mode="nearest")
+    wt = torch.from_numpy(w.astype(np.float64))
+    bt = torch.from_numpy(b.astype(np.float64))
+    ref = F.conv2d(t, wt, bt, padding=1).reshape(Cout, Ho * Wo).T.numpy()
+    Kd = 9 * Cin
+    mag = np.abs(ref_im2col(x, H, W, up).astype(np.float64)) @ np.abs(
+        w.reshape(Cout, Kd).astype(np.float64)).T
+    ubf = 2.0 ** -8
+    g = Kd * U / (1 - Kd * U)
+    g64 = 2 * Kd * EPS64 / (1 - 2 * Kd * EPS64)
+    bound = ((2 * ubf + ubf ** 2) + g * (1 + ubf) ** 2 + g64) * mag + 2 * U * np.abs(ref) + TINY
+    assert_within(out, ref, bound, "conv3x3_bf16 vs torch")
+    if up:
+        t0 = torch.from_numpy(x.astype(np.float64).T.reshape(1, Cin, H, W))
+        swapped = F.interpolate(F.conv2d(t0, wt, bt, padding=1), scale_factor=2,
+                                mode="nearest").reshape(Cout, Ho * Wo).T.numpy()
+        assert np.max(np.abs(out - swapped)) > 10 * np.max(bound)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("H,W,C", [(1, 1, 1), (3, 5, 7), (4, 4, 64)])
 def test_upsample_nearest2x(isa, H, W, C):
@@ -308,6 +404,25 @@ def test_bad_input():
     with pytest.raises(ValueError, match="panel overlaps x"):
         y = np.zeros((12 * 10, 32), np.float32)
         K.im2col3x3(y[:12], 3, 4, y.reshape(-1)[:12 * 288].reshape(12, 288))
+    w = np.zeros((4, 288), np.float32)
+    with pytest.raises(ValueError, match=r"conv3x3_bf16: x must be \[H\*W, C\] = \[15"):
+        K.conv3x3_bf16(x, 3, 5, w, "F32", np.empty((15, 4), np.float32))
+    with pytest.raises(ValueError, match="conv3x3_bf16"):            # w rows of 9*C = 288
+        K.conv3x3_bf16(x, 3, 4, w[:, :280].copy(), "F32", np.empty((12, 4), np.float32))
+    with pytest.raises(ValueError, match=r"conv3x3_bf16: out must have shape \(48, 4\)"):
+        K.conv3x3_bf16(x, 3, 4, w, "F32", np.empty((12, 4), np.float32), upsample=True)
+    with pytest.raises(ValueError, match=r"band \[0, 13\) for output pixels"):
+        K.conv3x3_bf16(x, 3, 4, w, "F32", np.empty((12, 4), np.float32), 0, 13)
+    with pytest.raises(TypeError, match="upsample must be a bool"):
+        K.conv3x3_bf16(x, 3, 4, w, "F32", np.empty((12, 4), np.float32), upsample=1)
+    with pytest.raises(ValueError, match="bias"):
+        K.conv3x3_bf16(x, 3, 4, w, "F32", np.empty((12, 4), np.float32),
+                       bias=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="out must not overlap x"):
+        y = np.zeros(12 * 32, np.float32)
+        K.conv3x3_bf16(y.reshape(12, 32), 3, 4, w, "F32", y[:48].reshape(12, 4))
+    with pytest.raises((ValueError, TypeError), match="wtype|type"):
+        K.conv3x3_bf16(x, 3, 4, w, "Q9_9", np.empty((12, 4), np.float32))
     with pytest.raises(ValueError, match=r"upsample_nearest2x: out must have shape \(48, 32\)"):
         K.upsample_nearest2x(x, 3, 4, np.empty((12, 32), np.float32))
     with pytest.raises(ValueError, match="add: b must have the shape"):

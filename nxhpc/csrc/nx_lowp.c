@@ -389,8 +389,11 @@ int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_mm_call *c) {
     float *Cp = cp ? (float *)nx_alloc64((mc_max + MR - 1) / MR * n_jr * MR * NR * sizeof(float))
                    : NULL;
     float *U = gated ? (float *)nx_alloc64(mc_max * nc_max * sizeof(float)) : NULL;
+    /* an implicit x: one micro-panel's rows at a time, materialized in L2 and packed at once */
+    float *xr = c->a_rows ? (float *)nx_alloc64(MR * K * sizeof(float)) : NULL;
     if (!Ap || !Bp || (tl->a_scratch && !as) || (tl->b_scratch && !bs) || (cp && !Cp) ||
-        (gated && !U)) {
+        (gated && !U) || (c->a_rows && !xr)) {
+        free(xr);
         free(U);
         free(Cp);
         free(Ap);
@@ -401,8 +404,15 @@ int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_mm_call *c) {
     }
     for (size_t ic = 0; ic < T; ic += MCB) {
         const size_t mc = nx_min(T - ic, MCB);
-        for (size_t ir = 0; ir < mc; ir += MR)
-            tl->pack_a(x, K, ic + ir, nx_min(mc - ir, MR), Ap + ir / MR * a_panel, as);
+        for (size_t ir = 0; ir < mc; ir += MR) {
+            const size_t rows = nx_min(mc - ir, MR);
+            if (xr) {
+                c->a_rows(c->a_ctx, ic + ir, rows, xr);
+                tl->pack_a(xr, K, 0, rows, Ap + ir / MR * a_panel, as);
+            } else {
+                tl->pack_a(x, K, ic + ir, rows, Ap + ir / MR * a_panel, as);
+            }
+        }
         for (size_t jc = n0; jc < n1; jc += NC) {
             const size_t nc = nx_min(n1 - jc, NC);
             float *o = out + ic * N + jc;
@@ -414,6 +424,7 @@ int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_mm_call *c) {
                     c->glu(o + t * N, U + t * nc, o + t * N, 0, (int64_t)nc);
         }
     }
+    free(xr);
     free(U);
     free(Cp);
     free(Ap);
@@ -453,6 +464,36 @@ static int nx_lowp_glu(nx_isa isa, nx_mm_call *c, const uint8_t *w_up,
                        int (*mm)(const nx_mm_call *), int (*spec)(const nx_mm_call *)) {
     c->w_up = w_up, c->glu = nx_ops_get(isa)->swiglu; /* c's bias is NULL */
     return mm == spec ? nx_mm_glu_split(c, mm) : mm(c);
+}
+
+int nx_matmul_bf16_rows(nx_isa isa, uint32_t type, nx_mm_rows_fn a_rows, const void *a_ctx,
+                        const uint8_t *w /* IN */, const float *bias /* IN */,
+                        float *out /* OUT */, size_t T, size_t K, size_t N, size_t n0, size_t n1,
+                        unsigned flags) {
+    const nx_wtype_traits *wt = nx_wtype(type);
+    if (!wt) return -2;
+    int (*mm)(const nx_mm_call *) = nx_lowp_get(isa)->matmul_bf16;
+    if (mm != nx_matmul_bf16_generic) { /* the blocked driver packs the rows as they come */
+        nx_mm_call c = nx_lowp_call(isa, wt, type, NULL, w, bias, out, T, K, N, n0, n1);
+        c.flags = flags;
+        c.a_rows = a_rows;
+        c.a_ctx = a_ctx;
+        return mm(&c);
+    }
+    /* the spec reads x whole: chunks of rows materialized in turn (its rows are independent) */
+    const size_t chunk = T < NX_LOWP_ROWS_CHUNK ? T : NX_LOWP_ROWS_CHUNK;
+    float *xb = chunk ? (float *)nx_alloc64(chunk * K * sizeof(float)) : NULL;
+    if (chunk && !xb) return -1;
+    int rc = 0;
+    for (size_t t0 = 0; t0 < T && rc == 0; t0 += chunk) {
+        const size_t rows = nx_min(T - t0, chunk);
+        a_rows(a_ctx, t0, rows, xb);
+        nx_mm_call c = nx_lowp_call(isa, wt, type, xb, w, bias, out + t0 * N, rows, K, N, n0, n1);
+        c.flags = flags;
+        rc = mm(&c);
+    }
+    free(xb);
+    return rc;
 }
 
 int nx_matmul_bf16_glu(nx_isa isa, uint32_t type, const float *x /* IN */,

@@ -45,6 +45,9 @@ _Static_assert(NX_MM_PACK_SPAN % NX_WTYPE_MAX_BLOCK == 0, "pack span must hold w
 /* The SwiGLU of two rows: out[i] = silu(a[i]) * b[i], i in [i0, i1) (nx_ops.h's swiglu slot). */
 typedef void (*nx_glu_fn)(const float *a, const float *b, float *out, int64_t i0, int64_t i1);
 
+/* Rows [t0, t0 + rows) of an implicit x [T, K] into dst [rows, K] (nx_mm_call's a_rows). */
+typedef void (*nx_mm_rows_fn)(const void *a_ctx, size_t t0, size_t rows, float *dst /* OUT */);
+
 /* One matmul call, as handed to a variant (the dispatch fills every field). */
 typedef struct {
     const nx_wtype_traits *wt; /* the weight type */
@@ -63,6 +66,13 @@ typedef struct {
      * glu's pass over them. */
     const uint8_t *w_up; /* IN [N rows of rowbytes] */
     nx_glu_fn glu;
+    /* An implicit x (the lowp blocked driver only; NULL: x is read): a_rows(a_ctx, t0, rows, dst)
+     * writes rows [t0, t0 + rows) of x, rows <= the tiling's MR, to dst [rows, K] (row stride K),
+     * and the driver packs them from there as it packs x's own rows. The bits are the call's on
+     * the materialized x (each packer reads only rows < rows). The 3x3 convolution's im2col
+     * rows come so (nx_conv.h's nx_conv3x3_bf16), never as a whole matrix. */
+    nx_mm_rows_fn a_rows;
+    const void *a_ctx;
 } nx_mm_call;
 
 /* The gated call c (c->w_up, c->glu set) on a driver `mm` that runs plain calls only (the

@@ -61,7 +61,12 @@ def conv3x3_band(kern: Any, x: np.ndarray, H: int, W: int, w: WeightTensor,
                  bias: np.ndarray | None, out: np.ndarray, lo: int, hi: int, *, upsample: bool,
                  precision: str, panel: Panel) -> None:
     """out[lo:hi] := conv3x3(up(x))[lo:hi]: output pixels [lo, hi) of the (2H x 2W if
-    ``upsample`` else H x W) grid; x [H*W, C_in], w [C_out, C_in*9], out [pixels, C_out]."""
+    ``upsample`` else H x W) grid; x [H*W, C_in], w [C_out, C_in*9], out [pixels, C_out].
+    ``bf16``: one ``conv3x3_bf16`` call (no panel; the bits of every panel split); ``f32``: im2col
+    panels of :data:`PANEL_FLOATS` from ``panel``, each through ``matmul``."""
+    if precision == "bf16":          # one call: the im2col rows made as the matmul packs them
+        kern.conv3x3_bf16(x, H, W, w.data, w.type_name, out, lo, hi, bias=bias, upsample=upsample)
+        return
     K = w.shape[1]
     step = panel_rows(K)
     for p0 in range(lo, hi, step):
