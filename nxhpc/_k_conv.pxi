@@ -20,6 +20,9 @@ cdef extern from "nx_conv.h" nogil:
                            float *out, int64_t p0, int64_t p1)
     void nx_add_f32(nx_isa isa, const float *a, const float *b, float *out, int64_t i0,
                     int64_t i1)
+    int nx_conv3x3_f32(nx_isa isa, uint32_t type, const float *x, int64_t H, int64_t W,
+                       int64_t C, int up, const uint8_t *w, const float *bias, float *out,
+                       int64_t N, int64_t p0, int64_t p1)
     int nx_conv3x3_bf16(nx_isa isa, uint32_t type, const float *x, int64_t H, int64_t W,
                         int64_t C, int up, const uint8_t *w, const float *bias, float *out,
                         int64_t N, int64_t p0, int64_t p1, unsigned flags)
@@ -238,20 +241,30 @@ def im2col3x3(x, H, W, panel, p0=0, p1=None, *, upsample=False, isa=None):
     return panel
 
 
-def conv3x3_bf16(x, H, W, w, wtype, out, p0=0, p1=None, *, bias=None, upsample=False,
-                 isa=None):
+def conv3x3(x, H, W, w, wtype, out, p0=0, p1=None, *, bias=None, upsample=False, isa=None):
     """out[p0:p1] := the 3x3 convolution (stride 1, padding 1) of the image x [H*W, C] -- read
     through a nearest x2 upsampling if `upsample` -- with the weight w as stored ([C_out, C, 3, 3]
-    seen as [C_out, 9*C] rows of GGML type `wtype`, as ``matmul_bf16`` takes it), in ``bf16``
-    (+ bias [C_out] after the sum): output pixels [p0, p1) of the (2H x 2W if `upsample` else
-    H x W) grid; other rows of out [pixels, C_out] untouched.
+    seen as [C_out, 9*C] rows of GGML type `wtype`, as ``matmul`` takes it), float32 (+ bias
+    [C_out] after the sum): output pixels [p0, p1) of the (2H x 2W if `upsample` else H x W)
+    grid; other rows of out [pixels, C_out] untouched.
 
-    The bits of ``im2col3x3`` then ``matmul_bf16`` at the same isa on any panel split, but no
-    panel is made: the SIMD matmuls take the im2col rows as their packer asks for them, so one
-    call covers the whole band (its weight decoded once per token block, not once per panel).
+    The bits of ``im2col3x3`` then ``matmul`` at the same isa on any panel split, but no panel
+    is made: the SIMD matmuls take the im2col rows as their packer asks for them, so one call
+    covers the whole band (its weight decoded once per token block, not once per panel).
     Returns out.
     """
-    fn = "conv3x3_bf16"
+    return _conv3x3("conv3x3", x, H, W, w, wtype, out, p0, p1, bias, upsample, isa, False)
+
+
+def conv3x3_bf16(x, H, W, w, wtype, out, p0=0, p1=None, *, bias=None, upsample=False,
+                 isa=None):
+    """``conv3x3`` in ``bf16``: the bits of ``im2col3x3`` then ``matmul_bf16`` at the same isa
+    on any panel split (the matmul_bf16 contract), no panel made. Returns out."""
+    return _conv3x3("conv3x3_bf16", x, H, W, w, wtype, out, p0, p1, bias, upsample, isa, True)
+
+
+cdef object _conv3x3(str fn, object x, object H, object W, object w, object wtype, object out,
+                     object p0, object p1, object bias, object upsample, object isa, bint bf16):
     cdef nx_isa lvl = _resolve_isa(fn, isa)
     if not isinstance(upsample, (bool, np.bool_)):
         raise TypeError(f"{fn}: upsample must be a bool, got {type(upsample).__name__}")
@@ -282,7 +295,10 @@ def conv3x3_bf16(x, H, W, w, wtype, out, p0=0, p1=None, *, bias=None, upsample=F
     cdef float *op = _wptr(out)
     cdef int rc
     with nogil:
-        rc = nx_conv3x3_bf16(lvl, tid, px, iH, iW, iC, up, wp, bp, op, iN, a, b, 0)
+        if bf16:
+            rc = nx_conv3x3_bf16(lvl, tid, px, iH, iW, iC, up, wp, bp, op, iN, a, b, 0)
+        else:
+            rc = nx_conv3x3_f32(lvl, tid, px, iH, iW, iC, up, wp, bp, op, iN, a, b)
     if rc == -1:
         raise MemoryError(f"{fn}: could not allocate scratch buffers (pixels={hi - lo}, K={K}, "
                           f"N={N})")

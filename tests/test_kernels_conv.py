@@ -12,8 +12,9 @@ Tolerances, from the contract's operation order (u = 2^-24):
   1.1 * that + 8u|silu(y)| + 2^-140.
   im2col / upsample / add: exact (copies; one IEEE add).
   conv = im2col + matmul vs torch float64: the matmul's own bound (kernelutil.matmul_bound).
-  conv3x3_bf16 (no panel): bit for bit im2col3x3 then matmul_bf16 at the same isa on any
-  panel split; vs torch float64, matmul_bf16's bound (test_kernels_lowp.bf16_bound).
+  conv3x3 / conv3x3_bf16 (no panel): bit for bit im2col3x3 then matmul / matmul_bf16 at the
+  same isa on any panel split; conv3x3_bf16 vs torch float64 within matmul_bf16's bound
+  (test_kernels_lowp.bf16_bound).
 """
 import numpy as np
 import pytest
@@ -254,8 +255,12 @@ def _conv_weight(rng, wtype, N, C):
     return finite_scale_blocks(rng, wtype, N, 9 * C), None     # random valid K-quant blocks
 
 
-def _panel_split_conv(x, H, W, w, wtype, bias, up, isa, rows):
-    """The reference composition: im2col3x3 then matmul_bf16, `rows` output pixels a panel."""
+CONV = {"f32": (K.conv3x3, K.matmul), "bf16": (K.conv3x3_bf16, K.matmul_bf16)}
+
+
+def _panel_split_conv(x, H, W, w, wtype, bias, up, isa, rows, precision):
+    """The reference composition: im2col3x3 then the precision's matmul, `rows` output pixels a
+    panel."""
     n = (H << up) * (W << up)
     C = x.shape[1]
     out = np.empty((n, w.shape[0]), np.float32)
@@ -263,37 +268,41 @@ def _panel_split_conv(x, H, W, w, wtype, bias, up, isa, rows):
         p1 = min(p0 + rows, n)
         pan = K.im2col3x3(x, H, W, np.empty((p1 - p0, 9 * C), np.float32), p0, p1,
                           upsample=up, isa=isa)
-        K.matmul_bf16(pan, w, wtype, out[p0:p1], bias=bias, isa=isa)
+        CONV[precision][1](pan, w.view(np.uint8).reshape(w.shape[0], -1), wtype, out[p0:p1],
+                           bias=bias, isa=isa)
     return out
 
 
-CONV_BF16_CASES = [  # H, W, C, N, wtype: C off and on 32, one output block past the driver's
+CONV_CASES = [  # H, W, C, N, wtype: C off and on 32, one output block past the driver's
     (5, 7, 3, 5, "F32"), (6, 4, 16, 32, "BF16"), (3, 9, 33, 40, "F16"),   # token block (1156
     (4, 4, 64, 17, "Q8_0"), (2, 3, 256, 8, "Q4_K"), (34, 34, 8, 12, "BF16")]  # pixels)
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("H,W,C,N,wtype", CONV_BF16_CASES)
+@pytest.mark.parametrize("H,W,C,N,wtype", CONV_CASES)
 @pytest.mark.parametrize("up", [False, True])
-def test_conv3x3_bf16_is_im2col_then_matmul_bf16(isa, H, W, C, N, wtype, up):
-    """conv3x3_bf16 over a band = the rows of im2col3x3 + matmul_bf16 at the same isa, bit for
-    bit, whatever the panel split; rows outside the band untouched. Negative control: the
-    reference through the other upsampling setting differs."""
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_conv3x3_is_im2col_then_matmul(isa, H, W, C, N, wtype, up, precision):
+    """conv3x3 / conv3x3_bf16 over a band = the rows of im2col3x3 + matmul / matmul_bf16 at the
+    same isa, bit for bit, whatever the panel split; rows outside the band untouched. Negative
+    control: the same call with the other upsampling setting differs."""
+    conv = CONV[precision][0]
     rng = np.random.default_rng([H, W, C, N, up])
     x = rand_act(rng, H * W, C)
     w, _ = _conv_weight(rng, wtype, N, C)
     bias = None if C == 16 else rng.standard_normal(N).astype(np.float32)
     n = (H << up) * (W << up)
-    ref = _panel_split_conv(x, H, W, w, wtype, bias, up, isa, 37)
-    assert_bitwise(_panel_split_conv(x, H, W, w, wtype, bias, up, isa, 1000), ref, "panels")
+    ref = _panel_split_conv(x, H, W, w, wtype, bias, up, isa, 37, precision)
+    assert_bitwise(_panel_split_conv(x, H, W, w, wtype, bias, up, isa, 1000, precision), ref,
+                   "panels")
     for p0, p1 in [(0, n), (1, n - 1), (n // 3, n // 2 + 1)]:
         out = np.full((n, N), np.nan, np.float32)
-        K.conv3x3_bf16(x, H, W, w, wtype, out, p0, p1, bias=bias, upsample=up, isa=isa)
-        assert_bitwise(out[p0:p1], ref[p0:p1], f"conv3x3_bf16 {isa} band [{p0}, {p1})")
+        conv(x, H, W, w, wtype, out, p0, p1, bias=bias, upsample=up, isa=isa)
+        assert_bitwise(out[p0:p1], ref[p0:p1], f"{precision} {isa} band [{p0}, {p1})")
         assert np.isnan(out[:p0]).all() and np.isnan(out[p1:]).all(), "rows outside the band"
     flip = (H << (not up)) * (W << (not up))
-    other = K.conv3x3_bf16(x, H, W, w, wtype, np.empty((flip, N), np.float32), bias=bias,
-                           upsample=not up, isa=isa)
+    other = conv(x, H, W, w, wtype, np.empty((flip, N), np.float32), bias=bias,
+                 upsample=not up, isa=isa)
     m = min(flip, n)
     assert not np.array_equal(bits(other[:m]), bits(ref[:m])), "negative control"
 
@@ -415,6 +424,12 @@ def test_bad_input():
         K.conv3x3_bf16(x, 3, 4, w, "F32", np.empty((12, 4), np.float32), 0, 13)
     with pytest.raises(TypeError, match="upsample must be a bool"):
         K.conv3x3_bf16(x, 3, 4, w, "F32", np.empty((12, 4), np.float32), upsample=1)
+    with pytest.raises(TypeError, match="conv3x3: upsample must be a bool"):
+        K.conv3x3(x, 3, 4, w, "F32", np.empty((12, 4), np.float32), upsample=1)
+    with pytest.raises(ValueError, match=r"conv3x3: band \[2, 1\) for output pixels"):
+        K.conv3x3(x, 3, 4, w, "F32", np.empty((12, 4), np.float32), 2, 1)
+    with pytest.raises(ValueError, match=r"conv3x3: out must have shape \(12, 4\)"):
+        K.conv3x3(x, 3, 4, w, "F32", np.empty((12, 5), np.float32))
     with pytest.raises(ValueError, match="bias"):
         K.conv3x3_bf16(x, 3, 4, w, "F32", np.empty((12, 4), np.float32),
                        bias=np.zeros(3, np.float32))

@@ -4,7 +4,7 @@
  * Must not: use ISA-specific instructions (compiled without ISA flags), allocate per row.
  */
 #include "nx_conv.h"
-#include "nx_lowp.h" /* nx_matmul_bf16_rows */
+#include "nx_lowp.h" /* nx_matmul_bf16_rows; nx_matmul.h: nx_matmul_rows */
 
 #include <math.h>
 #include <stdlib.h>
@@ -59,6 +59,15 @@ static void nx_im2col_rows(const void *ctx, size_t t0, size_t rows, float *dst) 
     const nx_im2col_src *s = (const nx_im2col_src *)ctx;
     const int64_t a = s->p0 + (int64_t)t0;
     nx_im2col3x3_f32(s->isa, s->x, s->H, s->W, s->C, s->up, dst, a, a + (int64_t)rows);
+}
+
+int nx_conv3x3_f32(nx_isa isa, uint32_t type, const float *x, int64_t H, int64_t W, int64_t C,
+                   int up, const uint8_t *w, const float *bias, float *out, int64_t N, int64_t p0,
+                   int64_t p1) {
+    if (p1 <= p0) return 0;
+    const nx_im2col_src src = {isa, x, H, W, C, p0, up};
+    return nx_matmul_rows(isa, type, nx_im2col_rows, &src, w, bias, out + p0 * N,
+                          (size_t)(p1 - p0), (size_t)(9 * C), (size_t)N, 0, (size_t)N);
 }
 
 int nx_conv3x3_bf16(nx_isa isa, uint32_t type, const float *x, int64_t H, int64_t W, int64_t C,

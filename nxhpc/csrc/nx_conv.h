@@ -160,14 +160,19 @@ void nx_im2col3x3_f32(nx_isa isa, const float *x /* IN [H*W, C] */, int64_t H, i
                       int64_t C, int up, float *panel /* OUT [p1-p0, 9C] */, int64_t p0,
                       int64_t p1);
 
-/* ---- conv3x3_bf16: the bf16 matmul (nx_lowp.h) of the im2col rows above for output pixels
- * [p0, p1) with the weight w [N rows of 9C values of GGML type `type`], + bias [N] or NULL:
- *   out[p, n] = (panel row of p) . w_n (bf16, the matmul's contract) [+ bias[n]], n < N,
+/* ---- conv3x3 (float32, nx_matmul) and conv3x3_bf16 (nx_lowp's bf16 matmul): the matmul of the
+ * im2col rows above for output pixels [p0, p1) with the weight w [N rows of 9C values of GGML
+ * type `type`], + bias [N] or NULL:
+ *   out[p, n] = (panel row of p) . w_n (the matmul's contract) [+ bias[n]], n < N,
  * out [pixels, N] (rows outside [p0, p1) untouched). No panel is materialized: the rows are made
- * by im2col3x3 at `isa` as the matmul's packer asks for them (nx_matmul_bf16_rows), so one call
- * covers a whole band, its weight panels decoded once per token block of the driver instead of
- * once per im2col panel. Bits: im2col3x3 (exact) then nx_matmul_bf16 at `isa`, i.e. those of
- * every panel split. Returns nx_matmul_bf16's codes. */
+ * by im2col3x3 at `isa` as the matmul's packer asks for them (nx_matmul_rows,
+ * nx_matmul_bf16_rows), so one call covers a whole band, its weight panels decoded once per
+ * token block of the driver instead of once per im2col panel. Bits: im2col3x3 (exact) then the
+ * matmul at `isa`, i.e. those of every panel split. Returns the matmul's codes. */
+int nx_conv3x3_f32(nx_isa isa, uint32_t type, const float *x /* IN [H*W, C] */, int64_t H,
+                   int64_t W, int64_t C, int up, const uint8_t *w /* IN [N rows] */,
+                   const float *bias /* IN [N] or NULL */, float *out /* OUT [pixels, N] */,
+                   int64_t N, int64_t p0, int64_t p1);
 int nx_conv3x3_bf16(nx_isa isa, uint32_t type, const float *x /* IN [H*W, C] */, int64_t H,
                     int64_t W, int64_t C, int up, const uint8_t *w /* IN [N rows] */,
                     const float *bias /* IN [N] or NULL */, float *out /* OUT [pixels, N] */,

@@ -166,7 +166,10 @@ int nx_matmul_blocked(const nx_mm_tiling *tl, const nx_mm_call *c) {
     float *Ap = (float *)aligned_alloc(64, (mc_max * K * sizeof(float) + 63) / 64 * 64);
     float *Bp = (float *)aligned_alloc(64, (nc_max * kc_max * sizeof(float) + 63) / 64 * 64);
     float *U = gated ? (float *)malloc(mc_max * nc_max * sizeof(float)) : NULL;
-    if (!Ap || !Bp || (gated && !U)) {
+    /* an implicit x (c->a_rows): one micro-panel's rows at a time, made in L2, packed at once */
+    float *xr = c->a_rows ? (float *)malloc(MR * K * sizeof(float)) : NULL;
+    if (!Ap || !Bp || (gated && !U) || (c->a_rows && !xr)) {
+        free(xr);
         free(U);
         free(Ap);
         free(Bp);
@@ -174,7 +177,14 @@ int nx_matmul_blocked(const nx_mm_tiling *tl, const nx_mm_call *c) {
     }
     for (size_t ic = 0; ic < T; ic += MC) {
         const size_t mc = nx_min(T - ic, MC);
-        nx_mm_pack_a(x, K, ic, mc, MR, Ap);
+        if (xr)
+            for (size_t ir = 0; ir < mc; ir += MR) {
+                const size_t rows = nx_min(mc - ir, MR);
+                c->a_rows(c->a_ctx, ic + ir, rows, xr);
+                nx_mm_pack_a(xr, K, 0, rows, MR, Ap + ir * K);
+            }
+        else
+            nx_mm_pack_a(x, K, ic, mc, MR, Ap);
         for (size_t jc = n0; jc < n1; jc += NC) {
             const size_t nc = nx_min(n1 - jc, NC);
             float *o = out + ic * N + jc;
@@ -185,10 +195,42 @@ int nx_matmul_blocked(const nx_mm_tiling *tl, const nx_mm_call *c) {
                     c->glu(o + t * N, U + t * nc, o + t * N, 0, (int64_t)nc);
         }
     }
+    free(xr);
     free(U);
     free(Ap);
     free(Bp);
     return 0;
+}
+
+int nx_matmul_rows(nx_isa isa, uint32_t type, nx_mm_rows_fn a_rows, const void *a_ctx,
+                   const uint8_t *w, const float *bias, float *out, size_t T, size_t K, size_t N,
+                   size_t n0, size_t n1) {
+    const nx_wtype_traits *wt = nx_wtype(type);
+    if (!wt) return -2;
+    if (T == 0 || n0 >= n1) return 0;
+    const nx_mm_table *t = nx_mm_get(isa);
+    if (t->matmul != nx_matmul_generic) { /* the blocked driver packs the rows as they come */
+        nx_mm_call c = {
+            wt, nx_wtype_dequant(isa, type),         type, NULL, w, bias, out, T, K, N, n0,
+            n1, K / wt->blck_elems * wt->blck_bytes, 0};
+        c.a_rows = a_rows, c.a_ctx = a_ctx;
+        return t->matmul(&c);
+    }
+    /* the spec reads x whole: chunks of rows made in turn (each row's sum is its own) */
+    const size_t chunk = T < NX_MM_ROWS_CHUNK ? T : NX_MM_ROWS_CHUNK;
+    float *xb = (float *)malloc(chunk * K * sizeof(float) + 1);
+    if (!xb) return -1;
+    int rc = 0;
+    for (size_t t0 = 0; t0 < T && rc == 0; t0 += chunk) {
+        const size_t rows = nx_min(T - t0, chunk);
+        a_rows(a_ctx, t0, rows, xb);
+        const nx_mm_call c = {
+            wt, nx_wtype_dequant(isa, type), type, xb, w, bias, out + t0 * N, rows, K, N, n0,
+            n1, K / wt->blck_elems * wt->blck_bytes, 0};
+        rc = t->matmul(&c);
+    }
+    free(xb);
+    return rc;
 }
 
 int nx_matmul_packer(nx_isa isa, uint32_t type) {

@@ -66,11 +66,11 @@ typedef struct {
      * glu's pass over them. */
     const uint8_t *w_up; /* IN [N rows of rowbytes] */
     nx_glu_fn glu;
-    /* An implicit x (the lowp blocked driver only; NULL: x is read): a_rows(a_ctx, t0, rows, dst)
-     * writes rows [t0, t0 + rows) of x, rows <= the tiling's MR, to dst [rows, K] (row stride K),
-     * and the driver packs them from there as it packs x's own rows. The bits are the call's on
-     * the materialized x (each packer reads only rows < rows). The 3x3 convolution's im2col
-     * rows come so (nx_conv.h's nx_conv3x3_bf16), never as a whole matrix. */
+    /* An implicit x (the blocked drivers, float32 and lowp; NULL: x is read): a_rows(a_ctx, t0,
+     * rows, dst) writes rows [t0, t0 + rows) of x, rows <= the tiling's MR, to dst [rows, K]
+     * (row stride K), and the driver packs them from there as it packs x's own rows. The bits
+     * are the call's on the materialized x (each packer reads only rows < rows). The 3x3
+     * convolution's im2col rows come so (nx_conv.h's nx_conv3x3), never as a whole matrix. */
     nx_mm_rows_fn a_rows;
     const void *a_ctx;
 } nx_mm_call;
@@ -171,6 +171,15 @@ static inline int nx_mm_tiling_packer(const nx_mm_tiling *tl, uint32_t type) {
 /* Runs the driver above for call c. Scratch: one packed activation block (MC*K floats) and one
  * weight panel (NC*KC floats), 64-byte aligned, allocated once per call. Returns 0 or -1. */
 int nx_matmul_blocked(const nx_mm_tiling *tl, const nx_mm_call *c);
+
+/* The float32 matmul of an implicit x [T, K] (nx_mm_call's a_rows): a_rows(a_ctx, t0, rows, dst)
+ * writes rows [t0, t0 + rows) of x to dst [rows, K]. The SIMD variants (the blocked driver) ask
+ * for one micro-panel's rows at a time and pack them at once; the spec, which reads x whole,
+ * gets chunks of NX_MM_ROWS_CHUNK rows. Returns and bits: nx_matmul's on the materialized x. */
+#define NX_MM_ROWS_CHUNK 64
+int nx_matmul_rows(nx_isa isa, uint32_t type, nx_mm_rows_fn a_rows, const void *a_ctx,
+                   const uint8_t *w /* IN [N*rowbytes] */, const float *bias /* IN [N] or NULL */,
+                   float *out /* OUT [T*N] */, size_t T, size_t K, size_t N, size_t n0, size_t n1);
 
 /* ---- adaLN linear: out[n] = sum_k w[n,k] * u[k] (+ bias[n]), u = silu(t_emb) or t_emb
  * (silu in float32: t / (1 + expf(-t))): the matmul above with T = 1 at `isa` (so a weight in

@@ -5,7 +5,7 @@ Owns the decoder's config from the checkpoint's shapes and a diffusers ``config.
 layouts zero copy (``files``), ``VaeDecoder.decode(z)`` in the order the network reads --
 ``z / 0.3611 + 0.1159``, conv_in, the mid block (ResNet blocks around one single-head attention,
 tiled), four up levels (ResNet blocks, nearest x2 + conv), GroupNorm + SiLU, conv_out -- with
-convolutions as matmul panels on the shared kernels (``model``), the float64 reference
+convolutions as matmuls of im2col rows on the shared kernels (``model``), the float64 reference
 (``reference``), and the picture (``image``: ``to_uint8``, ``write_png``).
 Must not: import ``nxhpc.models``, or materialize a whole im2col matrix or score matrix.
 """

@@ -26,7 +26,7 @@ import numpy as np
 import nxhpc
 from nxhpc.formats.closing import Closing
 from nxhpc.nn.engine import Engine, Plan
-from nxhpc.nn.conv import CONV_PRECISIONS, Panel, conv1x1_band, conv3x3_band
+from nxhpc.nn.conv import CONV_PRECISIONS, conv1x1_band, conv3x3_band
 from nxhpc.nn.linear import attention_precision
 from nxhpc.runtime.checks import CheckError, check_choice, check_float_array, check_workers
 from nxhpc.vae.config import VaeConfig
@@ -94,7 +94,7 @@ class Program:
             self.add_into(x, x, t, P * cout)
 
     def upsample_conv(self, mod: str, H: int, W: int, C: int) -> None:
-        """x := conv3x3(nearest x2(x)) (the upsampling read through the im2col panel: no
+        """x := conv3x3(nearest x2(x)) (the upsampling read through the im2col rows: no
         upsampled copy), into the scratch twin, which then becomes the running activation."""
         self.conv3x3(mod, self.cur, self.tmp, H, W, C, C, upsample=True)
         self.cur, self.tmp = self.tmp, self.cur
@@ -138,7 +138,7 @@ def forward(prog: Program, h: int, w: int) -> None:
 
 class _Executor:
     """Runs one step's band in whichever process holds it: buffers by name (numpy arrays or the
-    arena's views), modules by name, the kernels, one im2col panel per process."""
+    arena's views), modules by name, the kernels."""
 
     def __init__(self, mods: dict[str, Conv | Norm], precision: str, groups: int, eps: float,
                  chunk: int) -> None:
@@ -149,7 +149,6 @@ class _Executor:
         self.eps = eps
         self.chunk = chunk
         self.bufs: dict[str, np.ndarray] = {}
-        self.panel = Panel()
 
     def view(self, name: str, *shape: int) -> np.ndarray:
         return self.bufs[name][:math.prod(shape)].reshape(shape)
@@ -161,7 +160,7 @@ class _Executor:
             c = self.mods[mod]
             n = (4 if up else 1) * H * W
             conv3x3_band(K, v(src, H * W, cin), H, W, c.w, c.b, v(dst, n, cout), lo, hi,
-                         upsample=up, precision=self.precision, panel=self.panel)
+                         upsample=up, precision=self.precision)
         elif kind == "conv1x1":
             mod, src, dst, P, cin, cout = p
             c = self.mods[mod]
