@@ -244,9 +244,10 @@ def im2col3x3(x, H, W, panel, p0=0, p1=None, *, upsample=False, isa=None):
 def conv3x3(x, H, W, w, wtype, out, p0=0, p1=None, *, bias=None, upsample=False, isa=None):
     """out[p0:p1] := the 3x3 convolution (stride 1, padding 1) of the image x [H*W, C] -- read
     through a nearest x2 upsampling if `upsample` -- with the weight w as stored ([C_out, C, 3, 3]
-    seen as [C_out, 9*C] rows of GGML type `wtype`, as ``matmul`` takes it), float32 (+ bias
-    [C_out] after the sum): output pixels [p0, p1) of the (2H x 2W if `upsample` else H x W)
-    grid; other rows of out [pixels, C_out] untouched.
+    seen as [C_out, 9*C] rows of GGML type `wtype`: raw block bytes uint8, or for F32 / F16 /
+    BF16 the element array float32 / float16 / uint16), float32 (+ bias [C_out] after the sum):
+    output pixels [p0, p1) of the (2H x 2W if `upsample` else H x W) grid; other rows of out
+    [pixels, C_out] untouched.
 
     The bits of ``im2col3x3`` then ``matmul`` at the same isa on any panel split, but no panel
     is made: the SIMD matmuls take the im2col rows as their packer asks for them, so one call

@@ -218,7 +218,7 @@ int nx_matmul_rows(nx_isa isa, uint32_t type, nx_mm_rows_fn a_rows, const void *
     }
     /* the spec reads x whole: chunks of rows made in turn (each row's sum is its own) */
     const size_t chunk = T < NX_MM_ROWS_CHUNK ? T : NX_MM_ROWS_CHUNK;
-    float *xb = (float *)malloc(chunk * K * sizeof(float) + 1);
+    float *xb = (float *)malloc(chunk * K * sizeof(float)); /* chunk, K >= 1 */
     if (!xb) return -1;
     int rc = 0;
     for (size_t t0 = 0; t0 < T && rc == 0; t0 += chunk) {
