@@ -275,6 +275,9 @@ cdef object _conv3x3(str fn, object x, object H, object W, object w, object wtyp
     wid, tname, E, B = _wtype(fn, wtype)
     cdef uint32_t tid = wid
     cdef Py_ssize_t K = 9 * C
+    if K % E != 0:
+        raise ValueError(f"{fn}: the weight's rows hold 9*C = {K} values (C={C}), which is not a "
+                         f"multiple of {E} ({tname} block size)")
     w = _lowp_w(fn, w, wid, tname, E, B, K)
     cdef Py_ssize_t N = w.shape[0]
     if out is None:

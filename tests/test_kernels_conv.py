@@ -438,6 +438,9 @@ def test_bad_input():
         K.conv3x3_bf16(y.reshape(12, 32), 3, 4, w, "F32", y[:48].reshape(12, 4))
     with pytest.raises((ValueError, TypeError), match="wtype|type"):
         K.conv3x3_bf16(x, 3, 4, w, "Q9_9", np.empty((12, 4), np.float32))
+    with pytest.raises(ValueError, match=r"conv3x3: the weight's rows hold 9\*C = 27 values"):
+        K.conv3x3(np.zeros((12, 3), np.float32), 3, 4, np.zeros((4, 34), np.uint8), "Q8_0",
+                  np.empty((12, 4), np.float32))
     with pytest.raises(ValueError, match=r"upsample_nearest2x: out must have shape \(48, 32\)"):
         K.upsample_nearest2x(x, 3, 4, np.empty((12, 32), np.float32))
     with pytest.raises(ValueError, match="add: b must have the shape"):
