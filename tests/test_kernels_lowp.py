@@ -624,6 +624,24 @@ def test_bf16_amx_bias_specials_and_repeatability():
     assert same_bits_or_both_nan(run_bf16(x, wf.view(np.uint8), "F32", "amx"), got)
 
 
+@pytest.mark.parametrize("isa", BF16_VARIANTS)
+@pytest.mark.parametrize("T,Kd,N", [(7, 600, 5), (40, 1100, 70), (70, 96, 33)])
+def test_bf16_bias_is_one_add_after_the_sum(isa, T, Kd, N):
+    """At every variant, over one and several k-blocks (the AMX kernel adds the bias as it writes
+    its last k-block's tiles), token and column tails: out with bias == (out without) + bias, one
+    float32 add, for ordinary, subnormal and signed-zero biases. Negative control: the bias
+    added twice is visible."""
+    rng = np.random.default_rng([T, Kd, N])
+    x = rand_x(rng, T, Kd)
+    wf = rand_x(rng, N, Kd, 0.1)
+    b = rand_x(rng, 1, N)[0]
+    b[0], b[-1] = np.float32(1e-40), np.float32(-0.0)
+    plain = run_bf16(x, wf, "F32", isa)
+    got = run_bf16(x, wf, "F32", isa, bias=b)
+    assert same_bits_or_both_nan(got, (plain + b).astype(np.float32)), isa
+    assert not same_bits_or_both_nan(got, (plain + 2 * b).astype(np.float32))
+
+
 def run_bf16_dequant_pack(x, w, wtype, isa):
     out = np.full((x.shape[0], w.shape[0]), np.nan, np.float32)
     assert K._matmul_bf16_dequant_pack(x, w, wtype, out, isa=isa) is out

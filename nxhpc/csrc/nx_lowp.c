@@ -338,7 +338,8 @@ static void nx_lowp_block(const nx_lowp_tiling *tl, const nx_mm_call *c, const u
                         last && ni + MR <= mc && nj + NR <= nc ? o + ni * ldo + nj : NULL;
                     tl->kern_cp(ng, A0 + ir / MR * a_panel, Bp + jr / NR * b_panel, ct,
                                 o + ir * ldo + jr, ldo, (int)nx_min(mc - ir, MR),
-                                (int)nx_min(nc - jr, NR), pc == 0, last, next);
+                                (int)nx_min(nc - jr, NR), pc == 0, last, next,
+                                last && c->bias ? c->bias + jc + jr : NULL);
                 }
         } else if (tl->jr_outer) {
             for (size_t jr = 0; jr < nc; jr += NR)
@@ -352,7 +353,7 @@ static void nx_lowp_block(const nx_lowp_tiling *tl, const nx_mm_call *c, const u
                              ldo, (int)nx_min(mc - ir, MR), (int)nx_min(nc - jr, NR), pc == 0);
         }
     }
-    if (c->bias)
+    if (c->bias && !tl->kern_cp) /* kern_cp adds it as it writes the outputs */
         for (size_t t = 0; t < mc; t++)
             for (size_t n = 0; n < nc; n++) o[t * ldo + n] = o[t * ldo + n] + c->bias[jc + n];
 }

@@ -285,7 +285,9 @@ float nx_dpbf16_step(float acc, float a, float b); /* ftz(fma(daz(a), daz(b), da
  *     multiple of 1024 floats puts a tile's rows in a handful of L1 sets; Cp does not. next:
  *     in the last k-block, the first output of the tile the driver runs after this one when
  *     that tile is a whole MR x NR one in the same block (NULL otherwise): a hint, for the
- *     kernel to prefetch those output lines while it computes. */
+ *     kernel to prefetch those output lines while it computes. bias: in the last k-block, NULL
+ *     or the call's bias from the tile's first column: C := sums + bias, one float32 add per
+ *     output (the bits of the driver's add after the sum, which kern_cp tilings skip). */
 typedef struct {
     size_t mr, nr, kc, nc, mc;
     size_t a_group, b_group, a_scratch, b_scratch;
@@ -297,7 +299,8 @@ typedef struct {
     void (*kern)(size_t ngroups, const uint8_t *A, const uint8_t *B, float *C, size_t ldc, int mr,
                  int nr, int first);
     void (*kern_cp)(size_t ngroups, const uint8_t *A, const uint8_t *B, float *Cp, float *C,
-                    size_t ldc, int mr, int nr, int first, int last, const float *next);
+                    size_t ldc, int mr, int nr, int first, int last, const float *next,
+                    const float *bias);
 } nx_lowp_tiling;
 
 int nx_lowp_blocked(const nx_lowp_tiling *tl, const nx_mm_call *c);

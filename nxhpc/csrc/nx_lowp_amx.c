@@ -762,7 +762,8 @@ static void nx_amxbf_pack_b(const nx_mm_call *c, size_t j0, size_t ncols, size_t
  *   - a timing build that skipped the output stores (wrong output): 36.9-38.7 at T=1024 in the
  *     first pair's conditions. */
 static void nx_amxbf_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *Cp, float *C,
-                          size_t ldc, int mr, int nr, int first, int last, const float *nout) {
+                          size_t ldc, int mr, int nr, int first, int last, const float *nout,
+                          const float *bias) {
     if (first) {
         _tile_zero(0);
         _tile_zero(1);
@@ -830,6 +831,13 @@ static void nx_amxbf_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *
         nx_tr16i(v); /* v[r] lane j = token r0 + r, column c0 + j */
         const __mmask16 m =
             nr - c0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nr - c0)) - 1u);
+        if (bias) { /* the driver's add after the sum, while the outputs are in registers */
+            const __m512 b = _mm512_maskz_loadu_ps(m, bias + c0);
+            for (int r = 0; r < 16 && r0 + r < mr; r++)
+                _mm512_mask_storeu_ps(C + (size_t)(r0 + r) * ldc + c0, m,
+                                      _mm512_add_ps(_mm512_castsi512_ps(v[r]), b));
+            continue;
+        }
         for (int r = 0; r < 16 && r0 + r < mr; r++)
             _mm512_mask_storeu_ps(C + (size_t)(r0 + r) * ldc + c0, m, _mm512_castsi512_ps(v[r]));
     }
