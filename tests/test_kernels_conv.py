@@ -241,18 +241,17 @@ def test_conv3x3_as_panel_matmul_vs_torch(H, W, Cin, Cout, up):
 
 
 def _conv_weight(rng, wtype, N, C):
-    """(the weight as conv3x3_bf16 / matmul_bf16 take it, its float64 values [N, 9C])."""
-    if wtype in ("F32", "F16"):
-        wf = (rng.standard_normal((N, 9 * C)) / np.sqrt(9 * C)).astype(np.float32)
-        w = wf if wtype == "F32" else wf.astype(np.float16)
-        return w, w.astype(np.float64)
+    """The weight [N, 9C] as conv3x3 / matmul_bf16 take it, of type `wtype`."""
+    wf = (rng.standard_normal((N, 9 * C)) / np.sqrt(9 * C)).astype(np.float32)
+    if wtype == "F32":
+        return wf
+    if wtype == "F16":
+        return wf.astype(np.float16)
     if wtype == "BF16":
-        wf = (rng.standard_normal((N, 9 * C)) / np.sqrt(9 * C)).astype(np.float32)
-        w = (wf.view(np.uint32) >> 16).astype(np.uint16)
-        return w, (w.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return (wf.view(np.uint32) >> 16).astype(np.uint16)
     if wtype in ("Q8_0", "Q4_0"):                   # gguf quantizes these
-        return random_weight(rng, N, 9 * C, wtype, scale=1 / np.sqrt(9 * C))
-    return finite_scale_blocks(rng, wtype, N, 9 * C), None     # random valid K-quant blocks
+        return random_weight(rng, N, 9 * C, wtype, scale=1 / np.sqrt(9 * C))[0]
+    return finite_scale_blocks(rng, wtype, N, 9 * C)   # random valid K-quant blocks
 
 
 CONV = {"f32": (K.conv3x3, K.matmul), "bf16": (K.conv3x3_bf16, K.matmul_bf16)}
@@ -289,7 +288,7 @@ def test_conv3x3_is_im2col_then_matmul(isa, H, W, C, N, wtype, up, precision):
     conv = CONV[precision][0]
     rng = np.random.default_rng([H, W, C, N, up])
     x = rand_act(rng, H * W, C)
-    w, _ = _conv_weight(rng, wtype, N, C)
+    w = _conv_weight(rng, wtype, N, C)
     bias = None if C == 16 else rng.standard_normal(N).astype(np.float32)
     n = (H << up) * (W << up)
     ref = _panel_split_conv(x, H, W, w, wtype, bias, up, isa, 37, precision)

@@ -474,27 +474,9 @@ int nx_matmul_bf16_rows(nx_isa isa, uint32_t type, nx_mm_rows_fn a_rows, const v
     const nx_wtype_traits *wt = nx_wtype(type);
     if (!wt) return -2;
     int (*mm)(const nx_mm_call *) = nx_lowp_get(isa)->matmul_bf16;
-    if (mm != nx_matmul_bf16_generic) { /* the blocked driver packs the rows as they come */
-        nx_mm_call c = nx_lowp_call(isa, wt, type, NULL, w, bias, out, T, K, N, n0, n1);
-        c.flags = flags;
-        c.a_rows = a_rows;
-        c.a_ctx = a_ctx;
-        return mm(&c);
-    }
-    /* the spec reads x whole: chunks of rows materialized in turn (its rows are independent) */
-    const size_t chunk = T < NX_LOWP_ROWS_CHUNK ? T : NX_LOWP_ROWS_CHUNK;
-    float *xb = chunk ? (float *)nx_alloc64(chunk * K * sizeof(float)) : NULL;
-    if (chunk && !xb) return -1;
-    int rc = 0;
-    for (size_t t0 = 0; t0 < T && rc == 0; t0 += chunk) {
-        const size_t rows = nx_min(T - t0, chunk);
-        a_rows(a_ctx, t0, rows, xb);
-        nx_mm_call c = nx_lowp_call(isa, wt, type, xb, w, bias, out + t0 * N, rows, K, N, n0, n1);
-        c.flags = flags;
-        rc = mm(&c);
-    }
-    free(xb);
-    return rc;
+    nx_mm_call c = nx_lowp_call(isa, wt, type, NULL, w, bias, out, T, K, N, n0, n1);
+    c.flags = flags;
+    return nx_mm_run_rows(&c, mm, mm != nx_matmul_bf16_generic, a_rows, a_ctx);
 }
 
 int nx_matmul_bf16_glu(nx_isa isa, uint32_t type, const float *x /* IN */,

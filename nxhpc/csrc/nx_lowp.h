@@ -208,12 +208,9 @@ int nx_matmul_bf16(nx_isa isa, uint32_t type, const float *x /* IN [T*K] */,
                    const uint8_t *w /* IN [N*rowbytes] */, const float *bias /* IN [N] or NULL */,
                    float *out /* OUT [T*N] */, size_t T, size_t K, size_t N, size_t n0, size_t n1,
                    unsigned flags);
-/* The bf16 matmul of an implicit x [T, K] (nx_mm_call's a_rows): a_rows(a_ctx, t0, rows, dst)
- * writes rows [t0, t0 + rows) of x to dst [rows, K]. The SIMD variants (every one runs the blocked
- * driver) ask for one micro-panel's rows at a time and pack them at once; the spec, which reads
- * x whole, gets chunks of NX_LOWP_ROWS_CHUNK rows. Returns and bits: nx_matmul_bf16's on the
- * materialized x. */
-#define NX_LOWP_ROWS_CHUNK 64
+/* The bf16 matmul of an implicit x [T, K] (nx_matmul.h's nx_mm_run_rows: the SIMD variants,
+ * every one on the blocked driver, pack the rows as they come; the spec gets chunks). Returns
+ * and bits: nx_matmul_bf16's on the materialized x. */
 int nx_matmul_bf16_rows(nx_isa isa, uint32_t type, nx_mm_rows_fn a_rows, const void *a_ctx,
                         const uint8_t *w /* IN [N*rowbytes] */,
                         const float *bias /* IN [N] or NULL */, float *out /* OUT [T*N] */,

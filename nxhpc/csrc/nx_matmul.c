@@ -202,35 +202,40 @@ int nx_matmul_blocked(const nx_mm_tiling *tl, const nx_mm_call *c) {
     return 0;
 }
 
+int nx_mm_run_rows(nx_mm_call *c, int (*mm)(const nx_mm_call *), int blocked,
+                   nx_mm_rows_fn a_rows, const void *a_ctx) {
+    if (c->T == 0 || c->n0 >= c->n1) return 0;
+    if (blocked) { /* the blocked driver packs the rows as they come */
+        c->x = NULL, c->a_rows = a_rows, c->a_ctx = a_ctx;
+        return mm(c);
+    }
+    /* a spec reads x whole: chunks of rows made in turn (each row's sum is its own) */
+    const size_t T = c->T, K = c->K, N = c->N;
+    const size_t chunk = nx_min(T, NX_MM_ROWS_CHUNK);
+    float *xb = (float *)malloc((chunk * K + 1) * sizeof(float)); /* K may be 0 */
+    if (!xb) return -1;
+    float *out = c->out;
+    int rc = 0;
+    for (size_t t0 = 0; t0 < T && rc == 0; t0 += chunk) {
+        const size_t rows = nx_min(T - t0, chunk);
+        a_rows(a_ctx, t0, rows, xb);
+        c->x = xb, c->T = rows, c->out = out + t0 * N;
+        rc = mm(c);
+    }
+    free(xb);
+    return rc;
+}
+
 int nx_matmul_rows(nx_isa isa, uint32_t type, nx_mm_rows_fn a_rows, const void *a_ctx,
                    const uint8_t *w, const float *bias, float *out, size_t T, size_t K, size_t N,
                    size_t n0, size_t n1) {
     const nx_wtype_traits *wt = nx_wtype(type);
     if (!wt) return -2;
-    if (T == 0 || n0 >= n1) return 0;
     const nx_mm_table *t = nx_mm_get(isa);
-    if (t->matmul != nx_matmul_generic) { /* the blocked driver packs the rows as they come */
-        nx_mm_call c = {
-            wt, nx_wtype_dequant(isa, type),         type, NULL, w, bias, out, T, K, N, n0,
-            n1, K / wt->blck_elems * wt->blck_bytes, 0};
-        c.a_rows = a_rows, c.a_ctx = a_ctx;
-        return t->matmul(&c);
-    }
-    /* the spec reads x whole: chunks of rows made in turn (each row's sum is its own) */
-    const size_t chunk = T < NX_MM_ROWS_CHUNK ? T : NX_MM_ROWS_CHUNK;
-    float *xb = (float *)malloc(chunk * K * sizeof(float)); /* chunk, K >= 1 */
-    if (!xb) return -1;
-    int rc = 0;
-    for (size_t t0 = 0; t0 < T && rc == 0; t0 += chunk) {
-        const size_t rows = nx_min(T - t0, chunk);
-        a_rows(a_ctx, t0, rows, xb);
-        const nx_mm_call c = {
-            wt, nx_wtype_dequant(isa, type), type, xb, w, bias, out + t0 * N, rows, K, N, n0,
-            n1, K / wt->blck_elems * wt->blck_bytes, 0};
-        rc = t->matmul(&c);
-    }
-    free(xb);
-    return rc;
+    nx_mm_call c = {
+        wt, nx_wtype_dequant(isa, type),         type, NULL, w, bias, out, T, K, N, n0,
+        n1, K / wt->blck_elems * wt->blck_bytes, 0};
+    return nx_mm_run_rows(&c, t->matmul, t->matmul != nx_matmul_generic, a_rows, a_ctx);
 }
 
 int nx_matmul_packer(nx_isa isa, uint32_t type) {

@@ -172,11 +172,15 @@ static inline int nx_mm_tiling_packer(const nx_mm_tiling *tl, uint32_t type) {
  * weight panel (NC*KC floats), 64-byte aligned, allocated once per call. Returns 0 or -1. */
 int nx_matmul_blocked(const nx_mm_tiling *tl, const nx_mm_call *c);
 
-/* The float32 matmul of an implicit x [T, K] (nx_mm_call's a_rows): a_rows(a_ctx, t0, rows, dst)
- * writes rows [t0, t0 + rows) of x to dst [rows, K]. The SIMD variants (the blocked driver) ask
- * for one micro-panel's rows at a time and pack them at once; the spec, which reads x whole,
- * gets chunks of NX_MM_ROWS_CHUNK rows. Returns and bits: nx_matmul's on the materialized x. */
+/* A call c whose x is implicit (rows made by a_rows(a_ctx, t0, rows, dst) into dst [rows, K]),
+ * run on `mm`: a blocked driver (blocked != 0) gets a_rows and asks for one micro-panel's rows
+ * at a time; a spec, which reads x whole, gets chunks of NX_MM_ROWS_CHUNK rows materialized in
+ * turn. Returns mm's code (-1: no memory for a chunk). The bits of mm on the materialized x.
+ * nx_matmul_rows (float32) and nx_matmul_bf16_rows (nx_lowp.h) run their calls through it. */
 #define NX_MM_ROWS_CHUNK 64
+int nx_mm_run_rows(nx_mm_call *c, int (*mm)(const nx_mm_call *), int blocked,
+                   nx_mm_rows_fn a_rows, const void *a_ctx);
+/* The float32 matmul of an implicit x [T, K] (above). */
 int nx_matmul_rows(nx_isa isa, uint32_t type, nx_mm_rows_fn a_rows, const void *a_ctx,
                    const uint8_t *w /* IN [N*rowbytes] */, const float *bias /* IN [N] or NULL */,
                    float *out /* OUT [T*N] */, size_t T, size_t K, size_t N, size_t n0, size_t n1);
