@@ -226,8 +226,11 @@ def rss_report(tmp_path_factory):
     del tensors
     script = d / "rss.py"
     script.write_text(_RSS_SCRIPT)
+    # a script file puts its own folder on sys.path, not the cwd: the checkout goes on
+    # PYTHONPATH, so the test needs no installed nxhpc
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True,
-                       timeout=600, cwd=ROOT)
+                       timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1]), f32_bytes
 
