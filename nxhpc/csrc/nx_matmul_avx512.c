@@ -25,7 +25,18 @@
  *     256: 222/-/-; 128: 219/-/-.
  *   NC = 128: columns per dequantized weight panel (KC*NC*4 = 512 KiB, L2); 64..256 within 1%.
  *   MC = 264: tokens per packed activation block (MC*K*4 bytes); weights are dequantized once per
- *     block, so T <= MC dequantizes each weight exactly once. 132 and 528 were 1-3% slower. */
+ *     block, so T <= MC dequantizes each weight exactly once. 132 and 528 were 1-3% slower.
+ * On the AMX Xeon (family 6 model 167, `fma_zmm` 216.7 GFLOP/s a core; 2026-12-05), one thread,
+ * the zimage-1l-q4km file's Q4_K w1 (N=10240) / Q6_K w2 / Q4_K out-proj at T=256 and 1152:
+ * 125-137 GFLOP/s (0.58-0.63 of `fma_zmm`). perf: this micro-kernel 83% of the samples, the
+ * Q4_K dequantize 9%, the panel packer 3%. The micro-kernel alone on L1-resident operands runs
+ * 178-181 GFLOP/s at 128-step chains (0.82-0.84), and a /tmp loop of its form at 6 x 64, 8 x 48
+ * and 14 x 32 ran 181-188: the loop is at that ceiling. Tried, none kept: KC 256 / 512, NC 256,
+ * MR 14 (all within 2%); a B micro-panel held in L1 (a timing build: the same); the k loop
+ * unrolled 2-8 (the same); the tiles' running sums kept in a packed buffer between chains and
+ * written to `out` once (bit-identical): one thread +3-4% on N=10240 with numpy outputs, and
+ * no change in a 2-worker block (`blockrun zimage-1l-q4km-1k 2 --precision f32 --repeat 3`:
+ * 1.659-1.669 s against 1.660-1.662, alternating). */
 #ifndef NX_MR
 #define NX_MR 12
 #endif
