@@ -1,0 +1,93 @@
+"""benchmarks/goals.py judges issue 20's goals from pytest-benchmark JSON: checked here on
+hand-made JSON whose verdicts are worked out plainly in each test (no benchmark runs)."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOL = {"f32": 0.01, "bf16": 0.03, "q8": 0.1}
+
+
+@pytest.fixture(scope="module")
+def goals():
+    name = "nxhpc_bench_goals"          # registered: its dataclass looks its module up
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "goals.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop(name, None)
+
+
+def _bench(name, tmin, **extra):
+    return {"name": name, "stats": {"min": tmin, "median": tmin * 1.1}, "extra_info": extra}
+
+
+def _block_doc(q8_max_rel):
+    return {"benchmarks": [
+        _bench("test_block_nxhpc[pool-bf16]", 0.058, precision="bf16", max_rel=0.02),
+        _bench("test_block_nxhpc[pool-q8]", 0.050, precision="q8", max_rel=q8_max_rel),
+        _bench("test_block_nxhpc[pool-f32]", 0.010, precision="f32", max_rel=0.5),  # failed
+        _bench("test_block_torch_eager[bfloat16]", 0.078, dtype="bfloat16", max_rel=0.038),
+        _bench("test_block_torch_eager[float32]", 0.001, dtype="float32", max_rel=1e-6),
+    ]}
+
+
+def test_block_goal_takes_the_fastest_precision_within_its_tolerance(goals):
+    # q8 out of its tolerance: bf16 is the fastest passing one, 0.078 / 0.058 = 1.345x < 1.5
+    g = goals.block_goal("block256", _block_doc(0.2), TOL)
+    assert g.measured == pytest.approx(0.078 / 0.058)
+    assert g.met is False and g.errors_ok is True            # 0.02 <= 0.038
+    assert "nxhpc bf16" in g.detail
+    # q8 within its tolerance: faster, 0.078 / 0.050 = 1.56x >= 1.5, but more error than torch's
+    g = goals.block_goal("block256", _block_doc(0.04), TOL)
+    assert g.measured == pytest.approx(0.078 / 0.050)
+    assert g.met is True and g.errors_ok is False            # 0.04 > 0.038
+    assert "nxhpc q8" in g.detail
+    # the Q8_0 goal's target is 2x: 1.56x misses it
+    assert goals.block_goal("block2048", _block_doc(0.04), TOL).met is False
+
+
+def test_block_goal_without_a_reference_is_not_measured(goals):
+    doc = _block_doc(0.04)
+    doc["benchmarks"] = [b for b in doc["benchmarks"] if "torch" not in b["name"]]
+    g = goals.block_goal("block256", doc, TOL)
+    assert g.measured is None and g.met is None and g.errors_ok is None
+    g = goals.block_goal("block256", {}, TOL)
+    assert g.met is None
+
+
+def test_step_goal_takes_the_smallest_multiple_of_the_limit(goals):
+    doc = {"benchmarks": [
+        _bench("test_denoise_nxhpc[4096-q8]", 30.0, precision="q8", s_per_layer=1.20,
+               x_machine_limit=1.9),
+        _bench("test_denoise_nxhpc[4096-bf16]", 28.0, precision="bf16", s_per_layer=1.00,
+               x_machine_limit=3.5 / 2.8),
+        _bench("test_denoise_torch_bfloat16[4096]", 60.0, s_per_layer=2.00,
+               x_machine_limit=7.0, rel_err_vs_diffusers_f32=9e-3),
+    ]}
+    summary = {"nxhpc bf16@4096": {"rel_err_vs_diffusers_f32": 2e-3},
+               "nxhpc q8@4096": {"rel_err_vs_diffusers_f32": 5e-3}}
+    g = goals.step_goal(doc, summary)
+    assert g.measured == pytest.approx(1.25) and g.met is True   # 1.25 <= 1.3
+    assert g.errors_ok is True and "nxhpc bf16" in g.detail and "2.00x" in g.detail
+    # negative controls: over 1.3 the goal is missed; a larger error than torch's fails that
+    doc["benchmarks"][1]["extra_info"]["x_machine_limit"] = 1.31
+    summary["nxhpc bf16@4096"]["rel_err_vs_diffusers_f32"] = 1e-2
+    g = goals.step_goal(doc, summary)
+    assert g.met is False and g.errors_ok is False
+    # no diffusers float32 reference in the run: the error column says so
+    assert goals.step_goal(doc, None).errors_ok is None
+
+
+def test_judges_the_files_a_run_leaves(goals, tmp_path):
+    (tmp_path / "block256.json").write_text(json.dumps(_block_doc(0.2)))
+    table = goals.table(goals.evaluate(tmp_path, ["block256", "block2048"]))
+    lines = table.splitlines()
+    assert lines[2].startswith("| block256 | 1.34x | >= 1.5x | **no** | yes |")
+    assert lines[3].startswith("| block2048 | - | >= 2.0x | - | - |")      # no JSON: not run
