@@ -160,6 +160,21 @@ static inline float nx_attn_scale2(float scale) {
     return (float)((double)scale * 1.4426950408889634);
 }
 
+/* The key mask per tile of BC <= 64 keys: bit jj of tmask[b] set when key b*BC + jj exists
+ * (< T) and is allowed (mask NULL, or mask[key] != 0); ntiles = ceil(T / BC). The SIMD
+ * variants skip a tile's masked keys by these bits. */
+static inline void nx_attn_tile_masks(const uint8_t *mask, int64_t T, int64_t BC, int64_t ntiles,
+                                      uint64_t *tmask /* OUT [ntiles] */) {
+    for (int64_t b = 0; b < ntiles; b++) {
+        uint64_t bits = 0;
+        for (int64_t jj = 0; jj < BC; jj++) {
+            const int64_t j = b * BC + jj;
+            if (j < T && (!mask || mask[j])) bits |= (uint64_t)1 << jj;
+        }
+        tmask[b] = bits;
+    }
+}
+
 /* E(y) = 2^y: the scalar form of nx_exp2_16 / nx_exp2_8 (nx_vmath_ew.h), for the contract's
  * arguments (y <= 0, -inf, NaN: a score minus the running max, or the old max minus the new):
  * the clamp keeps NaN like max_ps (its second operand); y - floorf(y) rounded toward -inf is

@@ -256,14 +256,7 @@ int nx_attention_bf16_amx(const float *q, const float *k, const float *qkv, cons
         free(tmask);
         return -1;
     }
-    for (int64_t b = 0; b < ntiles; b++) {
-        uint64_t bits = 0;
-        for (int64_t jj = 0; jj < BC; jj++) {
-            const int64_t j = b * BC + jj;
-            if (j < T && (!mask || mask[j])) bits |= (uint64_t)1 << jj;
-        }
-        tmask[b] = bits;
-    }
+    nx_attn_tile_masks(mask, T, BC, ntiles, tmask);
     const nx_tilecfg cfg = nx_tile_config();
     nx_tile_loadconfig(&cfg);
     int64_t packed = -1;

@@ -308,14 +308,7 @@ int nx_attention_bf16_avx2(const float *q, const float *k, const float *qkv, con
         free(tmask);
         return -1;
     }
-    for (int64_t b = 0; b < ntiles; b++) {
-        uint64_t bits = 0;
-        for (int64_t jj = 0; jj < BC; jj++) {
-            const int64_t j = b * BC + jj;
-            if (j < T && (!mask || mask[j])) bits |= (uint64_t)1 << jj;
-        }
-        tmask[b] = bits;
-    }
+    nx_attn_tile_masks(mask, T, BC, ntiles, tmask);
     int64_t packed = -1;
     for (int64_t h = h0; h < h1; h++) {
         const int64_t g = h / group;
