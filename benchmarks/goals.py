@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -153,8 +154,8 @@ def _run(name: str, out: Path) -> int:
            "--benchmark-timer=time.perf_counter", f"--benchmark-json={out / (name + '.json')}"]
     if k:
         cmd += ["-k", k]
-    print(f"== {name}: {' '.join(f'{a}={b}' for a, b in env_add.items())} {' '.join(cmd[1:])}",
-          flush=True)
+    line = " ".join([*(f"{a}={b}" for a, b in env_add.items()), "python", shlex.join(cmd[1:])])
+    print(f"== {name}: {line}", flush=True)
     # cwd=out: bench_denoise writes its summary (.benchmarks/bench_denoise.json) there
     return subprocess.run(cmd, env=env, cwd=out).returncode
 
