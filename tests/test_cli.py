@@ -230,8 +230,9 @@ import sys
 sys.meta_path[:] = [f for f in sys.meta_path             # drop the env's own nxhpc finder
                     if not getattr(f, "__module__", "").startswith("__editable__")]
 sys.path[:] = [p for p in sys.path                        # drop the checkout (not a sibling
-              if p not in ("", ".") and p != {root!r}       # such as a venv at <root>env)
-              and not p.startswith({root!r} + "/")]
+              if p not in ("", ".") and p != {root!r}       # such as a venv at <root>env, nor
+              and not (p.startswith({root!r} + "/")         # a venv's packages inside it)
+                       and "site-packages" not in p.split("/"))]
 sys.path.insert(0, "")                                    # python -m: the current directory
 import finder                                             # setuptools' editable finder
 finder.install()
@@ -274,7 +275,9 @@ def test_run_from_the_directory_holding_the_clone(tmp_path, models_dir_env):
         import sys
         sys.meta_path[:] = [f for f in sys.meta_path
                             if not getattr(f, "__module__", "").startswith("__editable__")]
-        sys.path[:] = [p for p in sys.path if p not in ("", ".") and not p.startswith({str(ROOT)!r})]
+        sys.path[:] = [p for p in sys.path if p not in ("", ".") and p != {str(ROOT)!r}
+                       and not (p.startswith({str(ROOT) + "/"!r})
+                                and "site-packages" not in p.split("/"))]
         sys.path.insert(0, "")
         import finder; finder.install()
         import nxhpc
