@@ -5,7 +5,7 @@ hand") names, each in its own pytest process with ``--benchmark-json``, then rea
 prints one table: each goal, what was measured, the target, and whether it is met. The goals
 are stated for a 2-core AMD Zen 4; on another CPU the table says how this one fares.
 
-    python benchmarks/goals.py                 # all three goals (~5-10 min on 2 cores)
+    python benchmarks/goals.py                 # all three goals (~10 min on 2 cores)
     python benchmarks/goals.py --only block256 --only block2048
     python benchmarks/goals.py --from DIR      # re-read the JSON of an earlier run in DIR
 
@@ -216,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     names = args.only or list(RUNS)
     if args.src is not None:
         out = args.src
+        if not out.is_dir():
+            ap.error(f"--from {out}: no such folder (give the --out folder of an earlier run)")
     else:
         out = args.out or Path(tempfile.mkdtemp(prefix="nxhpc-goals-"))
         out.mkdir(parents=True, exist_ok=True)
