@@ -15,9 +15,9 @@ tolerance, ``nxhpc.blockrun.PRECISION_TOL``; times are the minimum over the roun
 - ``block2048``: a Q8_0 block (``zimage-1l``, T=2048) >= 2x torch bfloat16;
 - ``step1024``: one main layer of a 1024x1024 call (``zimage-dit-2l-q4km``, 4096 image tokens)
   within 1.3x of the machine's limit (``x_machine_limit`` of ``bench_denoise.py``: the limit at
-  the machine's fastest units, measured by its peak loops; under ``NXHPC_MAX_ISA`` those are
-  still the whole machine's, so the table also gives ``x_limit``, the limit on the units the
-  precision ran on);
+  the fastest units the kernels can run, measured by their peak loops; under ``NXHPC_MAX_ISA``
+  the capped CPU's units, ``nxhpc.runtime.peak.reachable``); the table also gives ``x_limit``,
+  the limit on the units the precision ran on;
 - and each with an error no worse than torch bfloat16's in the same run.
 The JSON files and the tables the benchmarks print stay in the output folder (``--out``).
 """

@@ -11,6 +11,7 @@ speed is asserted.
 """
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -129,7 +130,7 @@ def test_unit_kinds_follow_the_bf16_attention_dot():
 
 
 def test_machine_kinds_take_the_fastest_supported_unit():
-    sup = peak.supported()
+    sup = peak.reachable()
     if not sup:
         assert machine_kinds(lambda k: 1.0) == {"matmul": None, "attention": None}
         return
@@ -181,3 +182,43 @@ def test_blockrun_roofline_end_to_end():
     r = subprocess.run([sys.executable, "-m", "nxhpc.blockrun", "tiny", "1", "--json"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "x_limit" not in json.loads(r.stdout)
+
+
+_REACH = """
+import json
+import nxhpc
+from nxhpc.runtime import peak
+info = nxhpc.kernels().peak_kinds()
+print(json.dumps({"reach": peak.reachable(), "sup": peak.supported(),
+                  "isa": {k: info[k]["isa"] for k in info}}))
+"""
+
+
+@pytest.mark.parametrize("cap", [None, "avx2", "avx512bf16"])
+def test_reachable_kinds_follow_the_isa_cap(cap):
+    """``peak.reachable()`` (what machine_kinds picks from): the supported kinds of the default
+    ISA and its ancestors, so under NXHPC_MAX_ISA the capped CPU's units. The reference is the
+    ISA tree written out here (csrc/nx_dispatch.h's parents)."""
+    ancestors = {"generic": {"generic"}, "avx2": {"generic", "avx2"},
+                 "avxvnni": {"generic", "avx2", "avxvnni"},
+                 "avx512": {"generic", "avx2", "avx512"},
+                 "avx512bf16": {"generic", "avx2", "avx512", "avx512bf16"},
+                 "amx": {"generic", "avx2", "avx512", "avx512bf16", "amx"}}
+    env = {k: v for k, v in os.environ.items() if k not in ("NXHPC_MAX_ISA", "NXHPC_DISABLE_SIMD")}
+    if cap:
+        env["NXHPC_MAX_ISA"] = cap
+    r = subprocess.run([sys.executable, "-c", _REACH], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    sup = got["sup"]
+    isas = K.supported_isas()
+    rank = {n: v["rank"] for n, v in K.cpu_features()["isas"].items()}
+    best = max((i for i in isas if cap is None or rank[i] <= rank[cap]), key=rank.get)
+    want = [k for k in sup if got["isa"][k] in ancestors[best]]
+    assert got["reach"] == want
+    if cap in ("avx2", "avx512bf16") and cap in isas:
+        # negative control: the tiles (and, at avx2, every 512-bit unit) are out of reach
+        assert not any(k.startswith("amx") for k in got["reach"])
+        if cap == "avx2":
+            assert set(got["reach"]) <= {"fma_ymm", "i8_ymm"}

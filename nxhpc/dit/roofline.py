@@ -6,8 +6,8 @@ Owns: the block's operation counts per timing key of :mod:`nxhpc.dit.plan` (2 pe
 multiply-add: the projections' and the attention's; the norms, RoPE and residuals count
 none), which peak kind bounds each part for a run (:func:`unit_kinds`: the kernel variant the
 process runs for the precision, and the bf16 attention's dot) or for the machine
-(:func:`machine_kinds`: the fastest unit any precision has), and the arithmetic
-``limit = ops / (peak * workers)``, ``frac = limit / measured``.
+(:func:`machine_kinds`: the fastest unit of any precision that the kernels can run), and the
+arithmetic ``limit = ops / (peak * workers)``, ``frac = limit / measured``.
 Must not: time the block (the caller's timings), or guess a peak: peaks are measured on the
 machine at hand (``nxhpc.runtime.peak.measure``) or given by the caller.
 """
@@ -64,13 +64,15 @@ def unit_kinds(precision: str, variants: Mapping[str, str] | None = None,
 
 
 def machine_kinds(rate: Callable[[str], float | None]) -> dict[str, str | None]:
-    """The machine's limit: per part the fastest kind this CPU runs by ``rate(kind)`` (ops/s,
-    None when unsupported), projections on any precision's unit (int8 where an int8 unit is
-    the fastest), attention on a bfloat16 or float32 one (the units the bf16 attention can
-    use). None for a part with no supported kind."""
+    """The machine's limit: per part the fastest kind the kernels can run here by
+    ``rate(kind)`` (ops/s, None when unsupported), projections on any precision's unit (int8
+    where an int8 unit is the fastest), attention on a bfloat16 or float32 one (the units the
+    bf16 attention can use). The kinds are :func:`nxhpc.runtime.peak.reachable`'s: under
+    ``NXHPC_MAX_ISA`` those of the capped CPU (an AMX Xeon capped at ``avx512bf16`` is then
+    measured against its AVX-512 units, not its tiles). None for a part with no such kind."""
     from nxhpc.runtime import peak
 
-    sup = peak.supported()
+    sup = peak.reachable()
 
     def fastest(kinds):
         have = [(r, k) for k, r in ((k, rate(k)) for k in kinds if k in sup) if r is not None]

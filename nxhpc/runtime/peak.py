@@ -1,6 +1,7 @@
 """Per-core peaks measured at run time: operations per second of the register-only loops of
-``nxhpc._kernels.peak`` (FMA on ymm / zmm, vpmaddubsw, vpdpbusd, vdpbf16ps, AMX tdpbssd / tdpbf16ps), so that
-speed figures are set against the CPU they ran on instead of a figure from another machine.
+``nxhpc._kernels.peak`` (FMA on ymm / zmm, vpmaddubsw, vpdpbusd, vdpbf16ps, AMX tdpbssd /
+tdpbf16ps), so that speed figures are set against the CPU they ran on instead of a figure from
+another machine.
 
 Owns: the timing (one thread, CPU time of that thread, best of a few runs) and the table of
 kinds by precision. Must not: import the compiled kernels at import time (it is part of
@@ -14,7 +15,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-__all__ = ["KINDS", "PRECISION_KINDS", "measure", "rates", "peaks", "supported", "kind_for"]
+__all__ = ["KINDS", "PRECISION_KINDS", "measure", "rates", "peaks", "supported", "reachable",
+           "kind_for"]
 
 #: Every peak kind (csrc/nx_peak.h), in its order.
 KINDS = ("fma_ymm", "i8_ymm", "fma_zmm", "vnni_zmm", "bf16_zmm", "amx_int8", "amx_bf16",
@@ -44,6 +46,22 @@ def _k():
 def supported() -> list[str]:
     """The kinds this CPU/OS runs (none under ``NXHPC_DISABLE_SIMD=1``)."""
     return list(_k().peak_supported())
+
+
+def reachable() -> list[str]:
+    """The supported kinds the default kernels can run: those of the process's default ISA
+    (``cpu_features()["best_isa"]``, which ``NXHPC_MAX_ISA`` caps) and of its ancestors in the
+    ISA tree (where its missing kernels come from). Under a cap, the units of the lesser CPU the
+    kernels then stand for; none under ``NXHPC_DISABLE_SIMD``."""
+    K = _k()
+    feats = K.cpu_features()
+    chain: set[str] = set()
+    isa = feats["best_isa"]
+    while isa not in chain:                  # up to generic, its own parent
+        chain.add(isa)
+        isa = feats["isas"][isa]["parent"]
+    info = K.peak_kinds()
+    return [k for k in supported() if info[k]["isa"] in chain]
 
 
 def _run_seconds(kind: str, iters: int) -> tuple[int, float]:
