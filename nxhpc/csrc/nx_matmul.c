@@ -25,13 +25,22 @@ static int nx_matmul_packer_generic(uint32_t type) {
 const nx_mm_table nx_mm_table_generic = {.matmul = nx_matmul_generic,
                                          .matmul_packer = nx_matmul_packer_generic};
 
+/* A call of `type` at `isa` (the type's dequantize at that ISA; row stride from K). */
+static nx_mm_call nx_mm_make_call(nx_isa isa, const nx_wtype_traits *wt, uint32_t type,
+                                  const float *x, const uint8_t *w, const float *bias, float *out,
+                                  size_t T, size_t K, size_t N, size_t n0, size_t n1,
+                                  unsigned flags) {
+    const nx_mm_call c = {
+        wt, nx_wtype_dequant(isa, type),         type, x, w, bias, out, T, K, N, n0,
+        n1, K / wt->blck_elems * wt->blck_bytes, flags};
+    return c;
+}
+
 int nx_matmul_ex(nx_isa isa, uint32_t type, const float *x, const uint8_t *w, const float *bias,
                  float *out, size_t T, size_t K, size_t N, size_t n0, size_t n1, unsigned flags) {
     const nx_wtype_traits *wt = nx_wtype(type);
     if (!wt) return -2;
-    const nx_mm_call c = {
-        wt, nx_wtype_dequant(isa, type),         type, x, w, bias, out, T, K, N, n0,
-        n1, K / wt->blck_elems * wt->blck_bytes, flags};
+    const nx_mm_call c = nx_mm_make_call(isa, wt, type, x, w, bias, out, T, K, N, n0, n1, flags);
     if (T == 0 || n0 >= n1) return 0;
     return nx_mm_get(isa)->matmul(&c);
 }
@@ -68,9 +77,7 @@ int nx_matmul_glu(nx_isa isa, uint32_t type, const float *x, const uint8_t *w, c
                   float *out, size_t T, size_t K, size_t N, size_t n0, size_t n1, unsigned flags) {
     const nx_wtype_traits *wt = nx_wtype(type);
     if (!wt) return -2;
-    nx_mm_call c = {
-        wt, nx_wtype_dequant(isa, type),         type, x, w, NULL, out, T, K, N, n0,
-        n1, K / wt->blck_elems * wt->blck_bytes, flags};
+    nx_mm_call c = nx_mm_make_call(isa, wt, type, x, w, NULL, out, T, K, N, n0, n1, flags);
     c.w_up = w_up, c.glu = nx_ops_get(isa)->swiglu;
     if (T == 0 || n0 >= n1) return 0;
     const nx_mm_table *t = nx_mm_get(isa); /* the spec runs plain calls only */
@@ -232,9 +239,7 @@ int nx_matmul_rows(nx_isa isa, uint32_t type, nx_mm_rows_fn a_rows, const void *
     const nx_wtype_traits *wt = nx_wtype(type);
     if (!wt) return -2;
     const nx_mm_table *t = nx_mm_get(isa);
-    nx_mm_call c = {
-        wt, nx_wtype_dequant(isa, type),         type, NULL, w, bias, out, T, K, N, n0,
-        n1, K / wt->blck_elems * wt->blck_bytes, 0};
+    nx_mm_call c = nx_mm_make_call(isa, wt, type, NULL, w, bias, out, T, K, N, n0, n1, 0);
     return nx_mm_run_rows(&c, t->matmul, t->matmul != nx_matmul_generic, a_rows, a_ctx);
 }
 
