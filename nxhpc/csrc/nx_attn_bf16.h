@@ -175,6 +175,24 @@ static inline void nx_attn_tile_masks(const uint8_t *mask, int64_t T, int64_t BC
     }
 }
 
+/* The row masks of one micro-block for one key tile: rows f .. f+nr-1 (nr <= 32), the tile's
+ * keys from j0, `tile` its bits from nx_attn_tile_masks. rmask[r] := the keys row f+r runs (with
+ * `causal`, only keys <= f+r; 0 for a row the tile starts after); returns the set of rows that
+ * run the tile (bit r). Used by the AVX2 and AVX-512 BF16 drivers. */
+static inline unsigned nx_attn_row_masks(int causal, int64_t j0, int64_t f, int nr, uint64_t tile,
+                                         uint64_t *rmask /* OUT [nr] */) {
+    unsigned act = nr >= 32 ? ~0u : (1u << nr) - 1u;
+    for (int r = 0; r < nr; r++) {
+        const int64_t n = f + r - j0 + 1; /* causal: keys [j0, j0 + n) of the tile */
+        const int run = !causal || n > 0;
+        if (!run) act &= ~(1u << r);
+        rmask[r] = !run      ? 0
+                   : !causal ? tile
+                             : tile & (n >= 64 ? ~(uint64_t)0 : (((uint64_t)1 << n) - 1));
+    }
+    return act;
+}
+
 /* E(y) = 2^y: the scalar form of nx_exp2_16 / nx_exp2_8 (nx_vmath_ew.h), for the contract's
  * arguments (y <= 0, -inf, NaN: a score minus the running max, or the old max minus the new):
  * the clamp keeps NaN like max_ps (its second operand); y - floorf(y) rounded toward -inf is

@@ -140,10 +140,6 @@ static inline float nx_a2_tree(const __m256 f[8]) {
     return nx_hsum8(_mm256_add_ps(lo, hi));
 }
 
-static inline uint64_t nx_a2_low_bits(int64_t n) { /* keys [0, n) of a tile */
-    return n >= 64 ? ~(uint64_t)0 : n <= 0 ? 0 : (((uint64_t)1 << n) - 1);
-}
-
 /* Lanes of keys 8v .. 8v+7 allowed (bit 8v+L of bits): all-ones lanes. */
 static inline __m256 nx_a2_lanes(uint64_t bits, int v) {
     const __m256i b = _mm256_set1_epi32((int)((bits >> (8 * v)) & 0xffu));
@@ -331,15 +327,9 @@ int nx_attention_bf16_avx2(const float *q, const float *k, const float *qkv, con
                 for (int64_t r0 = 0; r0 < nq; r0 += NX_A2_BR) {
                     const int nr = (int)(nq - r0 < NX_A2_BR ? nq - r0 : NX_A2_BR);
                     const int64_t f = t0 + r0; /* first row */
-                    uint64_t rmask[NX_A2_BR];
-                    unsigned act = (1u << nr) - 1u;
                     if (causal && j0 > f + nr - 1) continue; /* the tile starts after every row */
-                    for (int r = 0; r < nr; r++) {
-                        const int run = !causal || j0 <= f + r; /* row f+r runs tile b */
-                        if (!run) act &= ~(1u << r);
-                        rmask[r] = !run ? 0 : causal ? tmask[b] & nx_a2_low_bits(f + r - j0 + 1)
-                                                     : tmask[b];
-                    }
+                    uint64_t rmask[NX_A2_BR];
+                    const unsigned act = nx_attn_row_masks(causal, j0, f, nr, tmask[b], rmask);
                     nx_a2_micro_any(nr, qp + r0 * hd2s, hd2s, hd2, kt + b * hd2 * BC,
                                     vt + b * BC * hdp, rmask, act, scale, m + r0, l + r0,
                                     O + r0 * hdp, hdp, csr);

@@ -96,10 +96,6 @@ static inline float nx_ab_tree(__m512 f0, __m512 f1, __m512 f2, __m512 f3) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-static inline uint64_t nx_ab_low_bits(int64_t n) { /* keys [0, n) of a tile */
-    return n >= 64 ? ~(uint64_t)0 : n <= 0 ? 0 : (((uint64_t)1 << n) - 1);
-}
-
 /* ---- the vdpbf16ps dot (NX_AB_DOT_DP): one instruction per pair is the contract's two steps
  * (DAZ, FTZ, odd element first, MXCSR not consulted), so the layouts are pair-dwords (dword =
  * bf(element 2i) | bf(element 2i+1) << 16, no swap) and no MXCSR switch is needed. Half the
@@ -411,15 +407,9 @@ int nx_attention_bf16_avx512bf16(const float *q, const float *k, const float *qk
                 for (int64_t r0 = 0; r0 < nq; r0 += NX_AB_BR) {
                     const int nr = (int)(nq - r0 < NX_AB_BR ? nq - r0 : NX_AB_BR);
                     const int64_t f = t0 + r0; /* first row */
-                    uint64_t rmask[NX_AB_BR];
-                    unsigned act = (1u << nr) - 1u;
                     if (causal && j0 > f + nr - 1) continue; /* the tile starts after every row */
-                    for (int r = 0; r < nr; r++) {
-                        const int run = !causal || j0 <= f + r; /* row f+r runs tile b */
-                        if (!run) act &= ~(1u << r);
-                        rmask[r] = !run ? 0 : causal ? tmask[b] & nx_ab_low_bits(f + r - j0 + 1)
-                                                     : tmask[b];
-                    }
+                    uint64_t rmask[NX_AB_BR];
+                    const unsigned act = nx_attn_row_masks(causal, j0, f, nr, tmask[b], rmask);
                     /* row r0, tile b: offsets in floats, or (dp) in dwords */
                     const int64_t sh = dp ? 1 : 0;
                     nx_ab_micro_any(dp, nr, qp + (r0 * hd2s >> sh), hd2s, hd2,
