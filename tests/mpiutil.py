@@ -68,3 +68,28 @@ def run_single(args: list[str], models=None, timeout: float = 120) -> subprocess
     """``python ARGS`` as one process without mpirun, in the ranks' environment."""
     return subprocess.run([sys.executable, *args], capture_output=True, text=True,
                           timeout=timeout, env=mpi_env(models), cwd=ROOT)
+
+
+def run_cli_recording_rc(module: str, argv_from: int) -> str:
+    """The end of a ``python -c`` fault script run on every rank: import the CLI ``module``
+    (e.g. ``"nxhpc.denoise"``), run its ``main(sys.argv[argv_from:])`` and write each rank's exit
+    code to ``$RC_DIR/rc.<rank>`` -- also when the CLI's signal frame leaves through
+    ``os._exit``. The script before it sets ``rank`` and its fault."""
+    return f"""
+import nxhpc.cli.frame as frame
+import {module} as cli
+def record(code):                              # each rank's exit code, for the test to read
+    with open(os.path.join(os.environ["RC_DIR"], f"rc.{{rank}}"), "w") as f:
+        f.write(str(code))
+class Os:
+    def __getattr__(self, name):
+        return getattr(os, name)
+    @staticmethod
+    def _exit(code):
+        record(code)
+        os._exit(code)
+frame.os = Os()
+code = cli.main(sys.argv[{argv_from}:])
+record(code)
+sys.exit(code)
+"""

@@ -17,7 +17,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from mpiutil import MPI_MARKS, mpirun, run_single
+from mpiutil import MPI_MARKS, mpirun, run_cli_recording_rc, run_single
 
 from sample_util import shm_entries
 
@@ -226,23 +226,7 @@ elif mode == "nan":                            # every rank: the split call's ou
     def forward(self, *a, **k):
         return np.full_like(real_forward(self, *a, **k), np.nan)
     Denoiser.forward = forward
-import nxhpc.cli.frame as frame
-import nxhpc.generate as cli
-def record(code):                              # each rank's exit code, for the test to read
-    with open(os.path.join(os.environ["RC_DIR"], f"rc.{rank}"), "w") as f:
-        f.write(str(code))
-class Os:
-    def __getattr__(self, name):
-        return getattr(os, name)
-    @staticmethod
-    def _exit(code):
-        record(code)
-        os._exit(code)
-frame.os = Os()
-code = cli.main(sys.argv[2:])
-record(code)
-sys.exit(code)
-"""
+""" + run_cli_recording_rc("nxhpc.generate", 2)
 
 
 def _fault(mode: str, n: int, args: list[str], models, tmp_path):

@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 
-from mpiutil import MPI_MARKS, mpirun, run_single
+from mpiutil import MPI_MARKS, mpirun, run_cli_recording_rc, run_single
 
 from nxhpc.runtime.shm import SHM_DIR, SHM_PREFIX
 
@@ -181,23 +181,7 @@ elif rank == who:                              # the rank itself dies / hangs in
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(300)
     Ranks.gather_cols = stop
-import nxhpc.cli.frame as frame
-import nxhpc.denoise as cli
-def record(code):                              # each rank's exit code, for the test to read
-    with open(os.path.join(os.environ["RC_DIR"], f"rc.{rank}"), "w") as f:
-        f.write(str(code))
-class Os:
-    def __getattr__(self, name):
-        return getattr(os, name)
-    @staticmethod
-    def _exit(code):
-        record(code)
-        os._exit(code)
-frame.os = Os()
-code = cli.main(sys.argv[3:])
-record(code)
-sys.exit(code)
-"""
+""" + run_cli_recording_rc("nxhpc.denoise", 3)
 
 
 def _fault(mode: str, models, tmp_path, n: int = 3, extra: tuple = ()):
