@@ -167,13 +167,7 @@ int nx_attention_bf16_generic(const float *q, const float *k, const float *qkv,
                     O[d] = o;
                 }
             }
-            float *o = out + t * OW + h * hd;
-            if (l == 0.0f) {
-                for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
-            } else {
-                const float inv = 1.0f / l;
-                for (int64_t d = 0; d < hd; d++) o[d] = O[d] * inv;
-            }
+            nx_attn_out_row(out + t * OW + h * hd, O, l, hd);
         }
     }
     free(kb);

@@ -175,6 +175,17 @@ static inline void nx_attn_tile_masks(const uint8_t *mask, int64_t T, int64_t BC
     }
 }
 
+/* The contract's last step for one query row: o[d] := O[d] * (1 / l) for d < hd, or zeros
+ * when l == 0 (the row had no allowed key). Used by the generic spec, AVX2 and AVX-512 BF16. */
+static inline void nx_attn_out_row(float *o /* OUT [hd] */, const float *O, float l, int64_t hd) {
+    if (l == 0.0f) {
+        for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
+    } else {
+        const float inv = 1.0f / l;
+        for (int64_t d = 0; d < hd; d++) o[d] = O[d] * inv;
+    }
+}
+
 /* The row masks of one micro-block for one key tile: rows f .. f+nr-1 (nr <= 32), the tile's
  * keys from j0, `tile` its bits from nx_attn_tile_masks. rmask[r] := the keys row f+r runs (with
  * `causal`, only keys <= f+r; 0 for a row the tile starts after); returns the set of rows that

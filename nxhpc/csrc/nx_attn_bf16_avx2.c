@@ -335,16 +335,8 @@ int nx_attention_bf16_avx2(const float *q, const float *k, const float *qkv, con
                                     O + r0 * hdp, hdp, csr);
                 }
             }
-            for (int64_t r = 0; r < nq; r++) {
-                float *o = out + (t0 + r) * OW + h * hd;
-                const float *src = O + r * hdp;
-                if (l[r] == 0.0f) {
-                    for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
-                } else {
-                    const float inv = 1.0f / l[r];
-                    for (int64_t d = 0; d < hd; d++) o[d] = src[d] * inv;
-                }
-            }
+            for (int64_t r = 0; r < nq; r++)
+                nx_attn_out_row(out + (t0 + r) * OW + h * hd, O + r * hdp, l[r], hd);
         }
     }
     free(kt);
