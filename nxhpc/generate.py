@@ -44,6 +44,7 @@ import numpy as np
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
 from nxhpc.cli.codes import Exit, InputError, NotFound, OutputError, UsageError, codes_epilog
 from nxhpc.cli.frame import run_ranked
+from nxhpc.cli.progress import Progress
 from nxhpc.cli.report import peak_rss_mb, png_text, print_report
 from nxhpc.nn.linear import attention_kernel
 from nxhpc.runtime.checks import load_npy
@@ -219,32 +220,6 @@ def guided(denoiser: Any, cap: np.ndarray, neg: np.ndarray, scale: float):
     return model
 
 
-class _Progress:
-    """One tqdm bar on stderr across the stages (encode, steps, decode): one unit per prompt
-    encoded, per transformer step, per image decoded; the stage in the description."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.bar = None
-        if enabled:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, desc=PROG, unit="op", file=sys.stderr,
-                            dynamic_ncols=True, leave=True)
-
-    def stage(self, name: str) -> None:
-        if self.bar is not None:
-            self.bar.set_description_str(f"{PROG}: {name}", refresh=True)
-
-    def step(self, note: str | None = None) -> None:
-        if self.bar is not None:
-            if note:
-                self.bar.set_postfix_str(note, refresh=False)
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def _prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt is not None:
         return [args.prompt]
@@ -405,8 +380,8 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
 
     vae_precision = "bf16" if args.precision == "q8" else args.precision
     n_encode = len({j.prompt for j in mine}) + (1 if cfg_on else 0)
-    progress = _Progress(n_encode + len(mine) * (args.steps + 1),
-                         not args.no_progress and lead)
+    progress = Progress(n_encode + len(mine) * (args.steps + 1), not args.no_progress and lead,
+                        PROG, "op", stage="open")
     stages: dict[str, float] = {}
     try:
         t0 = time.perf_counter()
@@ -519,7 +494,7 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
                             write(jobs[item[0]], item[1])
             stages["decode_s"] = time.perf_counter() - t3
     finally:
-        progress.close()
+        progress.close(failed=sys.exc_info()[0] is not None)
     stages["total_s"] = time.perf_counter() - t_start
     if not lead:
         return Exit.PASS
@@ -565,7 +540,7 @@ def _write(job: Job, pixels: np.ndarray, text: dict[str, str], written: list[Job
 
 
 def _encode(te: str, prompts: list[str], which: list[int], negative: str | None, workers: int,
-            args: argparse.Namespace, cap_dim: int, progress: _Progress, ranks: Any = None
+            args: argparse.Namespace, cap_dim: int, progress: Progress, ranks: Any = None
             ) -> tuple[dict[int, np.ndarray], np.ndarray | None, str]:
     """Caption features of the prompts ``which`` (indices into ``prompts``) and of
     ``negative``, then the encoder is closed (opened and checked even when ``which`` is empty:

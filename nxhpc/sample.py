@@ -34,6 +34,7 @@ import numpy as np
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
 from nxhpc.cli.codes import Exit, NotFound, OutputError, UsageError, codes_epilog
 from nxhpc.cli.frame import run_ranked
+from nxhpc.cli.progress import Progress
 from nxhpc.cli.report import print_report, save_bytes
 from nxhpc.dit.sampler import (MAX_STEPS, SampleInputError, check_cap_feats, check_noise,
                                decode_png,
@@ -211,49 +212,22 @@ def _protect_model_files(args, den) -> None:
         check_output_path(path, what=what, model_files=files)
 
 
-class _Progress:
-    """One tqdm bar over the steps on stderr (seconds per step in the postfix); plain lines
-    when tqdm is not installed."""
-
-    def __init__(self, n: int, enabled: bool) -> None:
-        self.n, self.bar = n, None
-        self.enabled = enabled
-        if enabled:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                return
-            self.bar = tqdm(total=n, desc="sample", unit="step", file=sys.stderr,
-                            dynamic_ncols=True, leave=True)
-
-    def __call__(self, i: int, n: int, seconds: float) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix_str(f"{seconds:.2f} s/step", refresh=False)
-            self.bar.update(1)
-        elif self.enabled:
-            print(f"sample: step {i + 1}/{n} ({seconds:.2f} s)", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def _sample_one(den, cap, noise, args, progress_on: bool) -> tuple:
     """One image: (latents, seconds per step, the last step's timings, total seconds)."""
     step_s: list[float] = []
     step_timings: list[dict] = []
-    progress = _Progress(args.steps, progress_on)
+    progress = Progress(args.steps, progress_on, "sample", "step")
 
     def on_step(i, n, seconds):
         step_s.append(seconds)
         step_timings.append(dict(getattr(den, "last_timings", None) or {}))
-        progress(i, n, seconds)
+        progress.step(f"{seconds:.2f} s/step", line=f"sample: step {i + 1}/{n} ({seconds:.2f} s)")
 
     t0 = time.perf_counter()
     try:
         lat = sample(den, cap, noise, steps=args.steps, shift=args.shift, on_step=on_step)
     finally:
-        progress.close()
+        progress.close(failed=sys.exc_info()[0] is not None)
     return lat, step_s, step_timings[-1] if step_timings else {}, time.perf_counter() - t0
 
 

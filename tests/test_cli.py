@@ -777,3 +777,34 @@ def test_wording_of_odd_input_paths_and_values(h3_root, tmp_path, capsys):
                                           "--grid", "1x2x2", "--eps", "1e-50"], capsys)
     assert code == 2 and "--eps" in err and "float32" in err, err
     assert not (mroot / "epsm").exists()
+
+
+# ------------------------------------------------------------------------------ progress bar
+def test_progress_bar_stages_steps_and_clearing(capsys, monkeypatch):
+    """nxhpc.cli.progress.Progress (generate's and sample's bar): the stage in the description,
+    the note after it, a normal close keeps the last frame on its own line, a failed close
+    clears the line (carriage return, blanks, carriage return); disabled it writes nothing;
+    without tqdm it prints the plain lines it is given."""
+    from nxhpc.cli.progress import Progress
+    p = Progress(3, True, "tool", "op", stage="open")
+    p.stage("work")
+    p.step("1.50 s/step")
+    p.close()
+    err = capsys.readouterr().err
+    assert "tool: open" in err and "tool: work" in err and "1.50 s/step" in err
+    assert "1/3" in err and err.endswith("\n"), repr(err)
+    p = Progress(3, True, "tool", "op")
+    p.step()
+    p.close(failed=True)
+    err = capsys.readouterr().err
+    assert err.endswith("\r") and err[:-1].rsplit("\r", 1)[-1].strip() == "", repr(err)
+    p = Progress(3, False, "tool", "op")
+    p.stage("work")
+    p.step("x", line="tool: step 1/3")
+    p.close(failed=True)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setitem(sys.modules, "tqdm", None)            # import tqdm -> ImportError
+    p = Progress(2, True, "tool", "op")
+    p.step("x", line="tool: step 1/2")
+    p.close()
+    assert capsys.readouterr().err == "tool: step 1/2\n"

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -29,7 +31,7 @@ from nxhpc.dit.sampler import initial_noise
 from nxhpc.formats.gguf_io import ModelNotFoundError
 from nxhpc.models import registry
 from nxhpc.models.vae_files import VaeSpec, make_vae_model
-from procutil import run_cli
+from procutil import models_env, run_cli
 from sample_util import shm_entries
 
 torch = pytest.importorskip("torch")
@@ -396,3 +398,26 @@ def test_generate_bad_input(models_root, tmp_path):
     assert _leftovers(tmp_path) == [] and shm_entries() <= before
     r = run_cli("nxhpc.generate", ["--help"], models_root)
     assert r.returncode == 0 and "exit codes:" in r.stdout and "tiny-vae" in r.stdout
+
+
+@needs_te
+def test_generate_error_clears_the_progress_bar(models_root, tmp_path):
+    """With the progress bar on, an error inside the run (a text encoder whose width does not
+    fit the transformer) clears the bar's line before the message, instead of leaving a stale
+    bar in front of it; the bar names the stage it is in from the start ("open")."""
+    from nxhpc.models.qwen3_files import TextEncoderSpec, make_text_encoder
+    te = tmp_path / "te"
+    make_text_encoder(te, TextEncoderSpec(dim=128, n_heads=2, n_kv_heads=1, ffn=256))
+    out = tmp_path / "x.png"
+    # bytes, not text: text mode would turn the bar's carriage returns into newlines
+    r = subprocess.run([sys.executable, "-m", "nxhpc.generate", "--prompt", "a fox", "--model",
+                        "tiny-dit", "--text-encoder", str(te), "--vae", "tiny-vae", "--out",
+                        str(out)], capture_output=True, env=models_env(models_root), timeout=600)
+    err = r.stderr.decode()
+    assert r.returncode == Exit.BAD_INPUT and "cap_dim is 320" in err, err
+    head = err.split("generate: error:")[0]
+    assert "generate: open" in head, head              # the bar was shown
+    # the last thing before the message: carriage return, blanks, carriage return (tqdm's clear);
+    # a bar closed the usual way ends with its last frame and a newline instead
+    assert head.endswith("\r") and head[:-1].rsplit("\r", 1)[-1].strip() == "", repr(head[-200:])
+    assert not out.exists()
