@@ -63,6 +63,42 @@ def test_bad_pool_args():
     with WorkerPool(2, {"a": lambda lo, hi, arg: None}) as p:
         with pytest.raises(KeyError, match="no task named 'b'"):
             p.run("b", 4)
+    for bad in (-1e-6, 2, float("nan"), "0.1", True):
+        with pytest.raises(ValueError, match="spin_s"):
+            WorkerPool(2, {"a": lambda lo, hi, arg: None}, spin_s=bad)
+    assert children_of(os.getpid()) == kids
+
+
+def test_spin_default_follows_the_cpu_count():
+    """Workers poll for their next command only when the pool has no more workers than usable
+    CPUs (else polling would take CPU time from a worker still computing)."""
+    from nxhpc.runtime.workers import POOL_SPIN_S
+    task = {"a": lambda lo, hi, arg: None}
+    with WorkerPool(usable_cpus(), task, inline=False) as p:
+        assert p.spin_s == POOL_SPIN_S > 0
+    with WorkerPool(usable_cpus() + 1, task) as p:
+        assert p.spin_s == 0.0
+    with WorkerPool(2, task, spin_s=0) as p:
+        assert p.spin_s == 0.0
+
+
+@pytest.mark.parametrize("spin_s", [0.0, None, 0.5])
+def test_polling_workers_serve_every_stage_and_stop_promptly(spin_s):
+    """Many short stages back to back, with the workers polling between them (None: the
+    default; 0.5 s: always polling when the next command comes) or blocking (0): every result
+    right, and closing does not wait for a poll to run out."""
+    m = 24
+    with SharedArena({"y": ((m,), np.int64)}) as a:
+        def task(lo, hi, arg):
+            a["y"][lo:hi] = np.arange(lo, hi) * arg
+        with WorkerPool(2, {"t": task}, spin_s=spin_s) as p:
+            pids = list(p.pids)
+            for k in range(200):
+                p.run("t", m, arg=k)
+                assert a["y"].tolist() == [i * k for i in range(m)], k
+            t0 = time.monotonic()
+        assert time.monotonic() - t0 < 0.4
+        assert not any(alive(q) for q in pids)
 
 
 def test_warm_runs_once_per_worker_and_its_errors_are_ignored():
@@ -219,8 +255,11 @@ def test_inline_interrupt_passes_through(exc):
             p.run("s", 5)
 
 
-def test_pool_worker_killed_between_stages():
-    with WorkerPool(2, {"ok": lambda lo, hi, arg: None}, mode="pool") as p:
+@pytest.mark.parametrize("spin_s", [0.0, 1.0])
+def test_pool_worker_killed_between_stages(spin_s):
+    """A worker killed while it waits for its next command, blocked (0) or polling (1 s), fails
+    the next stage at once."""
+    with WorkerPool(2, {"ok": lambda lo, hi, arg: None}, mode="pool", spin_s=spin_s) as p:
         p.run("ok", 4)
         pids = list(p.pids)
         os.kill(p.pids[1], signal.SIGKILL)

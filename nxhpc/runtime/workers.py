@@ -31,7 +31,11 @@ forked them -- through the lifeline of :mod:`nxhpc.runtime.proc`, and exit on a 
 message or when their command pipe closes, so none is ever orphaned.
 
 Scheduling: workers run under ``SCHED_BATCH`` where the OS has it (:func:`batch_policy`), so
-that waking one for a stage never preempts the parent before it has dispatched the others.
+that waking one for a stage never preempts the parent before it has dispatched the others. A
+resident worker that has sent its result polls its command pipe for :data:`POOL_SPIN_S` before
+it blocks on it, yielding the CPU to any runnable process between polls, so that a block's next
+stage need not wait for a sleeping process to be woken (only when the pool has no more workers
+than usable CPUs).
 
 Lifetime and interrupts: every pid and pipe end is recorded on the pool, in the same deferred-
 signal block that creates it (:func:`nxhpc.runtime.proc.fork_section`), and forgotten in the same
@@ -73,6 +77,12 @@ _POLL_S = 0.05              # select timeout while waiting (EOF wakes us immedia
 _REAP_S = 1.0               # grace period for a worker to exit before SIGKILL
 #: Seconds a worker may stay stopped (SIGSTOP/SIGTSTP) during a stage before the stage fails.
 STOP_GRACE_S = 1.0
+#: Seconds a resident worker polls for its next command (``sched_yield`` between polls) before
+#: it blocks on the pipe. Waking a blocked worker is what a short stage mostly costs: AMX Xeon
+#: (KVM, 2 cores, 2 workers), a no-op stage's round trip took a median of 69-84 us blocking and
+#: 22-23 us polling, and the Q4_K_M block at T=256 (10 stages) 51.8-52.9 against 50.8-51.4 ms
+#: (medians of 24 forwards, alternating runs; benchmarks/bench_pool.py).
+POOL_SPIN_S = 200e-6
 
 Task = Callable[[int, int, Any], None]
 
@@ -196,6 +206,23 @@ def batch_policy() -> bool:
     return True
 
 
+def _poll_readable(fd: int, seconds: float) -> None:
+    """Return when ``fd`` is readable or ``seconds`` have passed, giving the CPU to any runnable
+    process between polls (``sched_yield``): the caller then reads without sleeping first."""
+    deadline = time.perf_counter() + seconds
+    yield_ = getattr(os, "sched_yield", None)
+    while True:
+        try:
+            if select.select([fd], [], [], 0)[0]:
+                return
+        except (OSError, ValueError):
+            return                              # the read reports it
+        if time.perf_counter() >= deadline:
+            return
+        if yield_ is not None:
+            yield_()
+
+
 def _child_init(parent_pid: int, ds: deferred_signals) -> None:
     """In a fresh worker (inside the parent's fork section): signals, then die-with-parent,
     then the batch scheduling policy (:func:`batch_policy`).
@@ -303,7 +330,9 @@ class WorkerPool:
     :meth:`close`; a pool dropped without ``close()`` is stopped when collected or at exit.
     ``warm`` (pool mode): called once in each resident worker before it serves a stage (the
     engine maps its arena there in one call, :meth:`SharedArena.populate`); its exceptions are
-    ignored. Threads: :meth:`run` holds a lock, so stages dispatched from several threads run
+    ignored. ``spin_s`` (pool mode): seconds a worker polls for its next command before it
+    blocks (None: :data:`POOL_SPIN_S` when ``n_workers`` <= the usable CPUs, else 0; 0: block
+    at once). Threads: :meth:`run` holds a lock, so stages dispatched from several threads run
     one after the other (the workers serve one stage at a time).
     """
 
@@ -317,10 +346,12 @@ class WorkerPool:
     _w: _Workers | None = None
     _lock: Any = None
     _warm: Callable[[], object] | None = None
+    _spin_s = 0.0
 
     def __init__(self, n_workers: int, tasks: Mapping[str, Task], mode: str = DEFAULT_SPAWN,
                  *, inline: bool = True, stage_timeout: float | None = None,
-                 warm: Callable[[], object] | None = None) -> None:
+                 warm: Callable[[], object] | None = None,
+                 spin_s: float | None = None) -> None:
         from nxhpc.runtime.checks import check_workers      # the one worker-count rule
         if n_workers is None:
             raise ValueError("WorkerPool: n_workers must be an integer >= 1, got None")
@@ -333,6 +364,13 @@ class WorkerPool:
             raise TypeError(f"WorkerPool: warm must be a callable or None, got "
                             f"{type(warm).__name__}")
         self._warm = warm
+        if spin_s is None:
+            spin_s = POOL_SPIN_S if n_workers <= usable_cpus() else 0.0
+        elif (isinstance(spin_s, bool) or not isinstance(spin_s, (int, float))
+              or not 0 <= spin_s <= 1):
+            raise ValueError(f"WorkerPool: spin_s must be None or seconds in [0, 1], got "
+                             f"{spin_s!r}")
+        self._spin_s = float(spin_s)
         self.stage_timeout = check_timeout(stage_timeout)
         self.n_workers = n_workers
         self.mode = mode
@@ -348,6 +386,11 @@ class WorkerPool:
         self._closed = False
         if mode == "pool" and not (inline and n_workers == 1):
             self._start_pool()
+
+    @property
+    def spin_s(self) -> float:
+        """Seconds a resident worker polls for its next command before it blocks (0: never)."""
+        return self._spin_s
 
     @property
     def pids(self) -> list[int]:
@@ -407,7 +450,10 @@ class WorkerPool:
                 self._warm()
             except Exception:                 # noqa: BLE001 - a hint only; stages report errors
                 pass
+        spin = self._spin_s
         while True:
+            if spin:
+                _poll_readable(cmd_r, spin)
             try:
                 msg = _read_msg(cmd_r)
             except (OSError, EOFError, pickle.UnpicklingError):
