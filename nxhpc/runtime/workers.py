@@ -79,9 +79,9 @@ _REAP_S = 1.0               # grace period for a worker to exit before SIGKILL
 STOP_GRACE_S = 1.0
 #: Seconds a resident worker polls for its next command (``sched_yield`` between polls) before
 #: it blocks on the pipe. Waking a blocked worker is what a short stage mostly costs: AMX Xeon
-#: (KVM, 2 cores, 2 workers), a no-op stage's round trip took a median of 69-84 us blocking and
-#: 22-23 us polling, and the Q4_K_M block at T=256 (10 stages) 51.8-52.9 against 50.8-51.4 ms
-#: (medians of 24 forwards, alternating runs; benchmarks/bench_pool.py).
+#: (KVM, 2 cores, 2 workers, benchmarks/bench_pool.py), a no-op stage's round trip took a
+#: median of 63-90 us blocking and 24 us polling; the Q4_K_M block at T=256 (10 stages) gains
+#: 0-2.5% at the median (50.7-53.0 -> 50.7-52.1 ms), its minimum not at all.
 POOL_SPIN_S = 200e-6
 
 Task = Callable[[int, int, Any], None]
