@@ -24,6 +24,7 @@ fork and an arena per token count), in the same group. Layer 0's weights serve a
 """
 import dataclasses
 import os
+import time
 
 import numpy as np
 import pytest
@@ -39,6 +40,16 @@ from nxhpc.models import open_model
 
 MODEL = os.environ.get("NXHPC_BENCH_MODEL", "zimage-1l")
 WORKERS = 2
+def split_costs(split, wall_us: float, block_us: float) -> dict[str, float]:
+    """One forward's time outside the bands' own work, microseconds: ``pool_us`` (per stage,
+    wall less the slowest band: commands, wake-ups, results), ``unequal_bands_us`` (the
+    slowest band less the fastest), ``parent_us`` (the call less its stages: input checks,
+    adaLN, copies in and out)."""
+    return {"pool_us": sum(s.overhead for s in split) / 1e3,
+            "unequal_bands_us": sum(s.busy_max - s.busy_min for s in split) / 1e3,
+            "parent_us": wall_us - block_us}
+
+
 # NXHPC_BENCH_T=4128: the block at that many tokens (the model's input rows and RoPE rows
 # repeated; no mask); the reference is then nxhpc's own f32 output of that input (computed once,
 # before timing), not the float64 one. NXHPC_BENCH_ROUNDS: timed rounds (default 3).
@@ -87,12 +98,15 @@ def test_block_nxhpc(benchmark, setup, spawn, precision):
     # caller running the block repeatedly would: a fresh [T, D] array a call costs page faults
     # (at T=4128 up to 0.7 s on the AMX Xeon), which measures the allocator, not the block
     dst = np.empty(x.shape, dtype=np.float32)
-    rounds = []
+    rounds, costs = [], []
 
     def run():
+        t0 = time.perf_counter_ns()
         o, tm = blk.forward(x, t, pe, mask=mask, workers=WORKERS, spawn=spawn,
                             precision=precision, out=dst)
+        wall_us = (time.perf_counter_ns() - t0) / 1e3
         rounds.append(tm)
+        costs.append(split_costs(blk.last_split, wall_us, tm["block_us"]))
         return o
 
     with model.block(0) as blk:
@@ -104,6 +118,9 @@ def test_block_nxhpc(benchmark, setup, spawn, precision):
                                 **{k: v for k, v in timings.items()})
     benchmark.extra_info.update(report_fields(timings, block_view(model.config), x.shape[0],
                                               precision, WORKERS, rate=peak_of))
+    # beside the kernels' time: the pool's, the unequal bands' and the parent's (medians)
+    timed = costs[1:] or costs
+    benchmark.extra_info.update({k: float(np.median([c[k] for c in timed])) for k in timed[0]})
     err, max_rel = _check(out, model, precision)
     benchmark.extra_info.update(max_err_rel_to_max_ref=err, max_rel=max_rel)
 

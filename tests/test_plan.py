@@ -87,9 +87,15 @@ def run_session(setup, workers, spawn="pool"):
         out["img"] = u[:T1].copy()
         eng.run(plans["cap"], "cr", u[T1:], p[T1:])
         out["cap"] = u[T1:].copy()
-        eng.run(plans["joint"], w["l0"], u, p, adaln_m=m_l)
+        tj = eng.run(plans["joint"], w["l0"], u, p, adaln_m=m_l)
         out["joint"] = u.copy()
         assert tuple(t) == TIMING_KEYS and all(v >= 0 for v in t.values())
+        # the last run's stages, in order: each stage's wall time covers its slowest band
+        split = eng.last_split
+        assert [s.name for s in split] == [s.name for s in plans["joint"].stages]
+        assert all(s.wall >= s.busy_max >= s.busy_min > 0 for s in split), split
+        assert sum(s.wall for s in split) <= tj["block_us"] * 1000 + 1000
+        assert all(s.overhead == s.wall - s.busy_max for s in split)
         assert eng.pool.pids == pids                   # forked once, never again
         if spawn == "pool" and workers > 1:
             assert len(pids) == workers

@@ -154,6 +154,49 @@ def test_results_identical_any_split(mode, n):
     assert live_segments(PID) == []
 
 
+def _spin_task(lo, hi, arg):
+    """Busy-waits ``arg * (lo + 1)`` seconds: band i of a split of range(n) takes i + 1 units."""
+    end = time.perf_counter() + arg * (lo + 1)
+    while time.perf_counter() < end:
+        pass
+
+
+@pytest.mark.parametrize("mode, n", [("pool", 1), ("pool", 2), ("pool", 3), ("stage", 2)])
+def test_last_busy_ns_is_each_bands_own_time(mode, n):
+    """``last_busy_ns`` holds, per band, the time its task ran (here i + 1 units of 20 ms for
+    band i), measured where it ran: not the stage's wall time, which also counts dispatch and
+    collection (a slow dispatch, 40 ms of sleep in ``_write_msg`` of the parent, must not
+    appear in it), and not one value copied to every band."""
+    unit = 0.02
+    with WorkerPool(n, {"spin": _spin_task}, mode=mode) as p:
+        assert p.last_busy_ns == ()
+        for _ in range(2):
+            t0 = time.perf_counter_ns()
+            assert p.run("spin", n, arg=unit) == n
+            wall = time.perf_counter_ns() - t0
+            busy = p.last_busy_ns
+            assert len(busy) == n
+            for i, b in enumerate(busy):
+                assert (i + 1) * unit * 1e9 <= b <= ((i + 1) * unit + 0.015) * 1e9, (i, busy)
+            assert max(busy) <= wall
+        if mode == "pool" and n > 1:              # a slow dispatch is the stage's, not a band's
+            import nxhpc.runtime.workers as W
+            real = W._write_msg
+
+            def slow_write(fd, obj):
+                time.sleep(0.02)
+                real(fd, obj)
+            W._write_msg = slow_write
+            try:
+                t0 = time.perf_counter_ns()
+                p.run("spin", n, arg=unit)
+                wall = time.perf_counter_ns() - t0
+            finally:
+                W._write_msg = real
+            assert wall >= max(p.last_busy_ns) + 0.015e9, (wall, p.last_busy_ns)
+            assert max(p.last_busy_ns) <= (n * unit + 0.015) * 1e9
+
+
 @linux_only
 @pytest.mark.parametrize("mode", MODES)
 def test_workers_run_under_the_batch_policy(mode):

@@ -318,6 +318,9 @@ class Block:
         self.config = cfg
         self.weights = model.layer_weights(self.index, source)
         check_layer_weights(self.weights, cfg, self.index)
+        #: the last forward's stages: wall time vs the bands' own time
+        #: (:class:`nxhpc.nn.engine.StageSplit`)
+        self.last_split: tuple = ()
 
     def adaln(self, t_emb: np.ndarray) -> np.ndarray:
         """m = adaLN(t_emb) (Z-Image: Linear; Lumina-2: SiLU then Linear): float32 [4*dim]."""
@@ -366,6 +369,7 @@ class Block:
                         self._runner, self._runner_key = runner, key
                 runner.set_inputs(x, pe, mask)
                 t = runner.run(self.index, m, eps, precision)
+                self.last_split = runner.engine.last_split
                 if out is None:
                     out = runner.output.copy()
                 else:

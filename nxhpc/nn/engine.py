@@ -50,10 +50,27 @@ from nxhpc.runtime.shm import SharedArena
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerPool, check_timeout
 
 __all__ = ["Stage", "Plan", "Engine", "EngineSession", "RunContext", "BufRef", "IOSpec",
-           "Gather", "TOTAL_KEY", "timing_keys", "stage_table", "serialized"]
+           "Gather", "StageSplit", "TOTAL_KEY", "timing_keys", "stage_table", "serialized"]
 
 #: The timing key of a whole plan run (every stage), after the stages' own keys.
 TOTAL_KEY = "block_us"
+
+
+class StageSplit(NamedTuple):
+    """Where one stage's time went in the last run (:attr:`Engine.last_split`), nanoseconds:
+    ``wall`` the parent's dispatch-to-collected time (the exchange between ranks excluded), and
+    per band the task's own time (:attr:`WorkerPool.last_busy_ns`): ``busy_max`` (the slowest
+    band, which the stage waits for) and ``busy_min``. ``wall - busy_max`` is the pool's cost
+    (writing the commands, waking the workers, collecting the results); ``busy_max - busy_min``
+    what an unequal split costs."""
+    name: str
+    wall: int
+    busy_max: int
+    busy_min: int
+
+    @property
+    def overhead(self) -> int:
+        return max(0, self.wall - self.busy_max)
 
 
 class Stage(NamedTuple):
@@ -268,6 +285,8 @@ class Engine:
         #: cumulative exchange between ranks: microseconds waited and bytes received
         self.exchange_us = 0
         self.exchange_bytes = 0
+        #: the last run's stages: where their time went (:class:`StageSplit`)
+        self.last_split: tuple[StageSplit, ...] = ()
         self._lock = threading.RLock()
         self.config = cfg
         self.needs = needs
@@ -552,6 +571,8 @@ class Engine:
         now = time.perf_counter_ns
         spent = dict.fromkeys(plan.timing_keys, 0)
         index = wire[0]
+        pool = self.pool
+        splits = []
         t_start = now()
         for s in plan.stages:
             t0 = now()
@@ -563,15 +584,20 @@ class Engine:
                     self._splits[key] = self._check_split(plan, s, T)
                 split = self._splits[key]
             if split is None:
-                self.pool.run(s.name, m, arg=wire)
+                used = pool.run(s.name, m, arg=wire)
+                t1 = now()
             else:
                 lo, hi = self.ranks.band(m)
-                self.pool.run(s.name, hi, lo=lo, arg=wire)
+                used = pool.run(s.name, hi, lo=lo, arg=wire)
                 t1 = now()
                 self._exchange(index, T, wire, s, m, split)
                 self.exchange_us += (now() - t1) // 1000
+            busy = pool.last_busy_ns if used else ()
+            splits.append(StageSplit(s.name, t1 - t0, max(busy, default=0),
+                                     min(busy, default=0)))
             spent[s.timer] += now() - t0
         spent[TOTAL_KEY] = now() - t_start
+        self.last_split = tuple(splits)
         return {k: ns // 1000 for k, ns in spent.items()}
 
     def run_task(self, name: str, m: int, arg: Any = None) -> int:

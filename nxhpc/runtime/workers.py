@@ -244,10 +244,12 @@ def _error_result(e: BaseException) -> tuple[str, str, str]:
 
 
 def _run_task(tasks: Mapping[str, Task], name: str, lo: int, hi: int, arg: Any) -> tuple:
-    """In a worker: run one band; every exception, even KeyboardInterrupt, becomes a report."""
+    """In a worker: run one band; every exception, even KeyboardInterrupt, becomes a report.
+    Success is ``("ok", ns)``: the task's own time in nanoseconds (``perf_counter_ns``)."""
     try:
+        t0 = time.perf_counter_ns()
         tasks[name](lo, hi, arg)
-        return ("ok",)
+        return ("ok", time.perf_counter_ns() - t0)
     except BaseException as e:  # noqa: BLE001 - everything is reported to the parent
         return _error_result(e)
 
@@ -347,6 +349,7 @@ class WorkerPool:
     _lock: Any = None
     _warm: Callable[[], object] | None = None
     _spin_s = 0.0
+    _busy_ns: tuple[int, ...] = ()
 
     def __init__(self, n_workers: int, tasks: Mapping[str, Task], mode: str = DEFAULT_SPAWN,
                  *, inline: bool = True, stage_timeout: float | None = None,
@@ -386,6 +389,14 @@ class WorkerPool:
         self._closed = False
         if mode == "pool" and not (inline and n_workers == 1):
             self._start_pool()
+
+    @property
+    def last_busy_ns(self) -> tuple[int, ...]:
+        """Per band of the last stage that finished, the nanoseconds its task itself ran
+        (``perf_counter_ns`` around the call, in the process that ran it); () before any.
+        The stage's wall time less the longest of these is the pool's own cost: dispatch,
+        wake-ups and result collection (``Engine.last_split`` adds them up per stage)."""
+        return self._busy_ns
 
     @property
     def spin_s(self) -> float:
@@ -499,7 +510,9 @@ class WorkerPool:
             # In the calling process: Ctrl-C / SIGTERM exceptions (BaseException) pass through
             # untouched for the caller to handle; errors become WorkerError like a worker's.
             try:
+                t0 = time.perf_counter_ns()
                 self._tasks[name](lo, m, arg)
+                self._busy_ns = (time.perf_counter_ns() - t0,)
             except Exception as e:
                 _, reason, tb = _error_result(e)
                 raise WorkerError(stage, 0, 1, (lo, m), reason + " (in process)", tb) from e
@@ -515,6 +528,7 @@ class WorkerPool:
         """Wait for one status message per worker; on EOF, error or timeout raise WorkerError."""
         pending = {fd: i for i, fd in enumerate(fds)}
         n = len(bs)
+        busy = [0] * n
         deadline = (None if self.stage_timeout is None
                     else time.monotonic() + self.stage_timeout)
         stopped_since: dict[int, float] = {}
@@ -538,11 +552,13 @@ class WorkerPool:
                 if msg is not None and seq is not None:
                     msg = msg[1:] if msg[0] == seq else None
                 if msg is not None and msg[0] == "ok":
+                    busy[i] = msg[1]
                     continue
                 if msg is None:   # EOF: the worker is dead or dying; reap it (grace period)
                     status = reap(pids[i], _REAP_S, _forget(pids, i))
                     raise WorkerError(stage, i, n, bs[i], _describe_status(status))
                 raise WorkerError(stage, i, n, bs[i], msg[1], msg[2])
+        self._busy_ns = tuple(busy)
 
     def _check_stopped(self, stage: str, bs: list[tuple[int, int]], waiting: list[int],
                        pids: list[int], since: dict[int, float]) -> None:
