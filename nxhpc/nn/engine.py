@@ -70,6 +70,7 @@ class StageSplit(NamedTuple):
 
     @property
     def overhead(self) -> int:
+        """``wall - busy_max`` (at least 0): the pool's cost of this stage, nanoseconds."""
         return max(0, self.wall - self.busy_max)
 
 
