@@ -40,16 +40,6 @@ from nxhpc.models import open_model
 
 MODEL = os.environ.get("NXHPC_BENCH_MODEL", "zimage-1l")
 WORKERS = 2
-def split_costs(split, wall_us: float, block_us: float) -> dict[str, float]:
-    """One forward's time outside the bands' own work, microseconds: ``pool_us`` (per stage,
-    wall less the slowest band: commands, wake-ups, results), ``unequal_bands_us`` (the
-    slowest band less the fastest), ``parent_us`` (the call less its stages: input checks,
-    adaLN, copies in and out)."""
-    return {"pool_us": sum(s.overhead for s in split) / 1e3,
-            "unequal_bands_us": sum(s.busy_max - s.busy_min for s in split) / 1e3,
-            "parent_us": wall_us - block_us}
-
-
 # NXHPC_BENCH_T=4128: the block at that many tokens (the model's input rows and RoPE rows
 # repeated; no mask); the reference is then nxhpc's own f32 output of that input (computed once,
 # before timing), not the float64 one. NXHPC_BENCH_ROUNDS: timed rounds (default 3).
@@ -87,6 +77,16 @@ def _check(out, model, precision="f32"):
     elif precision is not None:
         assert max_rel <= PRECISION_TOL[precision], (precision, max_rel)
     return err, max_rel
+
+
+def split_costs(split, wall_us: float, block_us: float) -> dict[str, float]:
+    """One forward's time outside the bands' own work, microseconds: ``pool_us`` (per stage,
+    wall less the slowest band: commands, wake-ups, results), ``unequal_bands_us`` (the
+    slowest band less the fastest), ``parent_us`` (the call less its stages: input checks,
+    adaLN, copies in and out)."""
+    return {"pool_us": sum(s.overhead for s in split) / 1e3,
+            "unequal_bands_us": sum(s.busy_max - s.busy_min for s in split) / 1e3,
+            "parent_us": wall_us - block_us}
 
 
 @pytest.mark.parametrize("spawn,precision", [("pool", "f32"), ("stage", "f32"), ("pool", "bf16"),
