@@ -306,6 +306,7 @@ def test_engine_reused_across_calls_and_two_layouts_kept(dens, inputs, outputs):
     for _ in range(2):                                  # sampler steps: no re-fork, no re-map
         out = d.forward(lat, 0.5, cap)
         assert d.session(12, 10, N_CAP) is s and s.engine.pool.pids == pids
+        assert d.last_caption_reused                    # the outputs fixture ran this caption
     assert_bitwise(out, outputs[("comfyui-q8_0", 0.5)], "second call")
     assert tuple(d.last_timings) == TIMING_KEYS
     t = d.last_timings
@@ -318,6 +319,11 @@ def test_engine_reused_across_calls_and_two_layouts_kept(dens, inputs, outputs):
     cfg = d.config
     segs = {"noise_refiner": (cfg.n_noise_refiner, s.Np), "context_refiner":
             (cfg.n_context_refiner, s.Lp), "layers": (cfg.n_layers, s.Np + s.Lp)}
+    # a reused caption runs no context refiner; a new one does
+    assert set(st) == {k for k, (n, _) in segs.items() if n and k != "context_refiner"}
+    d.forward(lat, 0.5, cap[::-1].copy())
+    assert not d.last_caption_reused
+    t, st = d.last_timings, d.last_stage_timings
     assert set(st) == {k for k, (n, _) in segs.items() if n}
     for seg, acc in st.items():
         assert set(acc) == set(BLOCK_KEYS) | {"rows"} and acc["rows"] == segs[seg][1]
@@ -336,6 +342,55 @@ def test_engine_reused_across_calls_and_two_layouts_kept(dens, inputs, outputs):
     assert not s.engine.closed
     d.forward(lat[:, :4], 0.5, cap[:3])                  # and now s, the older of the two
     assert s.engine.closed and not any(alive(p) for p in pids)
+
+
+def test_caption_rows_reused_only_for_the_same_caption_bits(cases, inputs, outputs):
+    """The caption path (cap_embed, its pads, the context refiner) depends on cap_feats alone,
+    so a call whose caption has the bits of the call before reuses its refined rows: the
+    output has the bits of a Denoiser that runs the path every call. Any other caption --
+    one value changed in the caller's own array, +0.0 turned into -0.0, another length --
+    or another precision runs it again (negative controls: the kept rows given to a changed
+    caption would give another output, checked by comparing with the fresh run)."""
+    lat, cap = inputs
+    path = cases["comfyui-q8_0"].path
+    with open_denoiser(path, workers=2) as d, \
+            open_denoiser(path, workers=1, reuse_caption=False) as fresh:
+        def both(lat_, t, cap_, reused, precision="f32"):
+            d.precision = fresh.precision = precision
+            got = d.forward(lat_, t, cap_)
+            was_reused = d.last_caption_reused
+            want = fresh.forward(lat_, t, cap_)
+            assert not fresh.last_caption_reused
+            assert_bitwise(got, want, f"t={t} {precision} reused={reused}")
+            assert was_reused is reused, (t, precision)
+            return got
+
+        lat2 = (lat[:, ::-1] * np.float32(0.5)).copy()
+        assert_bitwise(both(lat, 0.0, cap, False), outputs[("comfyui-q8_0", 0.0)], "first")
+        both(lat2, 0.5, cap, True)                      # new latents and t: the same caption
+        mine = cap.copy()
+        both(lat, 0.9, mine, True)                      # another array with the same bits
+        mine[3, 7] += np.float32(1e-3)                  # the caller edits its array in place
+        changed = both(lat, 0.9, mine, False)
+        assert np.any(changed != outputs[("comfyui-q8_0", 0.9)])
+        both(lat, 0.9, mine, True)
+        zero = cap.copy()
+        zero[0, 0] = 0.0
+        both(lat, 0.5, zero, False)
+        zero[0, 0] = -0.0                               # equal as numbers, not as bits
+        both(lat, 0.5, zero, False)
+        both(lat, 0.5, cap[:7].copy(), False)           # another layout: its own session
+        both(lat, 0.5, cap, False)                      # back: kept rows are zero's
+        both(lat, 0.5, cap, False, precision="bf16")   # another precision runs it again
+        both(lat, 0.9, cap, True, precision="bf16")
+        both(lat, 0.9, cap, False, precision="q8")
+        d.q8_float_weights = fresh.q8_float_weights = "bf16"
+        both(lat, 0.9, cap, False, precision="q8")      # the refiners' other weights
+        both(lat, 0.5, cap, True, precision="q8")
+        d.reuse_caption = False
+        both(lat, 0.5, cap, False, precision="q8")
+    with pytest.raises(TypeError, match="reuse_caption"):
+        Denoiser(path, reuse_caption="yes")
 
 
 def test_one_denoiser_from_several_threads_gives_each_caller_its_own_output(dens, inputs,
