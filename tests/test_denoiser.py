@@ -349,7 +349,8 @@ def test_caption_rows_reused_only_for_the_same_caption_bits(cases, inputs, outpu
     so a call whose caption has the bits of the call before reuses its refined rows: the
     output has the bits of a Denoiser that runs the path every call. Any other caption --
     one value changed in the caller's own array, +0.0 turned into -0.0, another length --
-    or another precision runs it again (negative controls: the kept rows given to a changed
+    or another precision runs it again, and two captions of one length taking turns (CFG's
+    pair) are both kept (negative controls: the kept rows given to a changed
     caption would give another output, checked by comparing with the fresh run)."""
     lat, cap = inputs
     path = cases["comfyui-q8_0"].path
@@ -379,8 +380,12 @@ def test_caption_rows_reused_only_for_the_same_caption_bits(cases, inputs, outpu
         both(lat, 0.5, zero, False)
         zero[0, 0] = -0.0                               # equal as numbers, not as bits
         both(lat, 0.5, zero, False)
+        other = cap[::-1].copy()                       # CFG's pair, same length: both kept
+        both(lat, 0.5, other, False)
+        both(lat, 0.9, zero, True)
+        both(lat, 0.9, other, True)
         both(lat, 0.5, cap[:7].copy(), False)           # another layout: its own session
-        both(lat, 0.5, cap, False)                      # back: kept rows are zero's
+        both(lat, 0.5, cap, False)                      # kept: zero's and other's rows
         both(lat, 0.5, cap, False, precision="bf16")   # another precision runs it again
         both(lat, 0.9, cap, True, precision="bf16")
         both(lat, 0.9, cap, False, precision="q8")

@@ -34,9 +34,10 @@ run in the parent, also in C.
 
 Caption rows across calls: the caption path (``cap_embed``, the pad rows, the context refiner)
 depends on ``cap_feats`` alone -- no timestep, no latents -- so a session keeps the refined
-caption rows ``u[Np:]`` of its last call, with a copy of the caption they came from and the
-precision that ran them, and a call whose caption has the same bits at the same precision
-copies them back instead of running that path again (a sampler's steps after the first).
+caption rows ``u[Np:]`` of its last two captions (CFG's pair), each with a copy of the caption
+it came from and the precision that ran it, and a call whose caption has the same bits at the
+same precision copies them back instead of running that path again (a sampler's steps after
+the first).
 The noise refiner and the embedders never touch ``u[Np:]``, so the bits are those of a call
 that ran it (``tests/test_denoiser.py``). ``Denoiser(reuse_caption=False)`` runs it every call.
 
@@ -235,8 +236,9 @@ class _Session(EngineSession):
         self.L = L
         self.Np = _round_up(self.n_img, cfg.seq_multiple)
         self.Lp = _round_up(L, cfg.seq_multiple)
-        # the last refined caption rows u[Np:]: (key, caption copy, rows copy), or None
-        self.caption: tuple[tuple, np.ndarray, np.ndarray] | None = None
+        # the refined caption rows u[Np:] of the last CAPTIONS_KEPT captions, newest last:
+        # (key, caption copy, rows copy)
+        self.captions: list[tuple[tuple, np.ndarray, np.ndarray]] = []
         T = self.Np + self.Lp
         bc = cfg.block
         self.plans = {s: BlockPlan(bc, s) for s in STACKS}
@@ -287,8 +289,8 @@ class Denoiser(MapHolder):
     files, every block of a float file): on Q8_0 copies made once, in the parent, at the first
     ``q8`` call (+1.0625 bytes per value, kept until :meth:`close`), or on the stored values in
     ``bf16``; settable between calls. ``reuse_caption`` (default True; settable): a call whose
-    ``cap_feats`` has the bits of the previous call's with this layout, at the same precision,
-    reuses that call's refined caption rows instead of running the caption embedder and the
+    ``cap_feats`` has the bits of one of the last :attr:`CAPTIONS_KEPT` captions run with this
+    layout, at the same precision, reuses that call's refined caption rows instead of running the caption embedder and the
     context refiner again (they do not depend on ``t`` or the latents; the output bits are
     the same); ``last_caption_reused`` says whether the last call did.
     ``last_timings``: microseconds of the last call per segment (``us_embed``,
@@ -382,6 +384,9 @@ class Denoiser(MapHolder):
 
     #: How many token layouts keep their engine (workers + arena): two serve CFG's pair.
     MAX_LAYOUTS = 2
+    #: How many captions' refined rows each layout keeps: two serve CFG's pair when the prompt
+    #: and the negative prompt have the same length (one layout, captions alternating).
+    CAPTIONS_KEPT = 2
 
     @property
     def _session(self) -> _Session | None:
@@ -478,9 +483,9 @@ class Denoiser(MapHolder):
         # the caption path depends on the caption alone: the last call's refined rows serve a
         # caption with the same bits at the same precision (the refiners' weights follow it)
         cap_key = (prec, self.q8_float_weights if prec == "q8" else None)
-        kept = s.caption if self.reuse_caption else None
-        reuse = kept is not None and kept[0] == cap_key and _same_bits(kept[1], cap)
-        s.caption = kept if reuse else None
+        kept = next((c for c in s.captions if c[0] == cap_key and _same_bits(c[1], cap)),
+                    None) if self.reuse_caption else None
+        reuse = kept is not None
         if not reuse:
             np.copyto(eng.buffer("cap_in"), cap)
             eng.run_task("cap_embed", L)
@@ -504,7 +509,8 @@ class Denoiser(MapHolder):
                                                  ("context_refiner", i), u[Np:], pe[Np:],
                                                  precision=prec), u.shape[0] - Np)
             if self.reuse_caption:
-                s.caption = (cap_key, cap.copy(), u[Np:].copy())
+                s.captions = s.captions[-(self.CAPTIONS_KEPT - 1):] + [
+                    (cap_key, cap.copy(), u[Np:].copy())]
         self.last_caption_reused = reuse
         marks.append(now())
 
