@@ -13,7 +13,10 @@ same group per token count.
 
 Reported per benchmark (``extra_info``): seconds per main layer, the extrapolated seconds of a
 30-layer step (everything but the main layers + 30 x one layer; the table also shows 8 of them,
-an image's steps without its text encoding and decoding: bench_generate has those), the
+an image's steps without its text encoding and decoding: bench_generate has those; the timed
+nxhpc calls follow an untimed one with the same caption, so they reuse its refined caption
+rows as a sampler's steps after the first do -- ``Denoiser.reuse_caption``, docs/denoiser.md --
+while diffusers runs its caption path every call), the
 segments, nxhpc's main
 layers stage by stage (``layer_s_<stage>``: seconds per layer) and against their limit on this
 machine (``nxhpc.dit.roofline``, peaks measured in the same session: ``frac_<stage>`` = the
