@@ -129,7 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     types.add_tol(p, DENOISE_TOL)
     p.add_argument("--repeat", type=types.positive_int, default=1, metavar="N",
                    help="run the call N times on the same workers and arena and report the "
-                        "fastest time of each segment (the output is the same bits every run)")
+                        "fastest time of each segment (the output is the same bits every run; "
+                        "calls after the first reuse its refined caption rows, as a sampler's "
+                        "steps do, so the fastest us_context_refiner is then their copy: "
+                        "caption_reused in the report counts those calls)")
     types.add_models_dir(p)
     p.add_argument("--gguf", default=None, metavar="PATH",
                    help="GGUF weights to use instead of the model directory's model.gguf")
@@ -229,9 +232,11 @@ def _run_model(args, den, inputs, ref, out_path, ranks=None) -> int:
                          f"{list(lat.shape)}")
     best: dict[str, int] = {}
     out = None
+    reused = 0
     for _ in range(args.repeat):
         try:
             out = den.forward(lat, t, cap)
+            reused += den.last_caption_reused
         except DenoiserInputError as e:
             raise InputError(str(e)) from None
         except NonFiniteOutputError as e:   # reported and failed below, never written
@@ -250,7 +255,7 @@ def _run_model(args, den, inputs, ref, out_path, ranks=None) -> int:
                     "image_tokens": s.n_img, "image_rows": s.Np, "caption_tokens": s.L,
                     "caption_rows": s.Lp, "joint_rows": s.Np + s.Lp, "workers": den.workers,
                     "precision": den.precision, "attention": attention_kernel(den.precision),
-                    "repeat": args.repeat}
+                    "repeat": args.repeat, "caption_reused": reused}
     report.update({f"us_{k}": best[f"us_{k}"] for k in SEGMENTS})
     per_layer = best["us_layers"] / max(1, cfg.n_layers) / 1e6
     rest = (best["us_total"] - best["us_layers"]) / 1e6

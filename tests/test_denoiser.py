@@ -648,6 +648,25 @@ def test_cli_explicit_inputs_match_library(cases, inputs, outputs, tmp_path):
     assert live_segments(PID) == []
 
 
+def test_cli_repeat_counts_the_calls_that_reused_the_caption(cases, inputs, outputs, tmp_path,
+                                                            capsys):
+    from nxhpc.denoise import main
+    lat, cap = inputs
+    np.save(tmp_path / "lat.npy", lat)
+    np.save(tmp_path / "cap.npy", cap)
+    out = tmp_path / "o.npy"
+    for n in (1, 3):
+        capsys.readouterr()
+        code = main([str(cases["comfyui-q8_0"].path), "2", "--latents", str(tmp_path / "lat.npy"),
+                     "--timestep", "0.5", "--cap-feats", str(tmp_path / "cap.npy"), "--out",
+                     str(out), "--repeat", str(n), "--json"])
+        assert code == 0
+        rep = json.loads(capsys.readouterr().out)
+        assert rep["repeat"] == n and rep["caption_reused"] == n - 1
+        assert_bitwise(np.load(out), outputs[("comfyui-q8_0", 0.5)], f"--repeat {n}")
+    assert live_segments(PID) == []
+
+
 def test_cli_exit_codes(cases, bad_files, inputs, tmp_path, capsys):
     from nxhpc.denoise import main
     lat, cap = inputs
