@@ -151,6 +151,54 @@ def test_session_bit_identical_any_workers(setup, session, workers, spawn):
         assert_bitwise(out[k], base[k], f"{k} workers={workers} {spawn}")
 
 
+def _joint(setup, workers, precision):
+    """The joint block at T rows on its own engine: its output and each stage's extent."""
+    w, x, pe, t_emb, plans = setup
+    with Engine([(plans["joint"], T)], {"l0": w["l0"]}, workers=workers,
+                buffers={"u": (T, CFG.dim), "pe": (T, CFG.head_dim // 2, 2, 2)}) as eng:
+        u = eng.buffer("u")
+        u[:] = x
+        eng.buffer("pe")[:] = pe
+        eng.run(plans["joint"], "l0", u, eng.buffer("pe"), adaln_m=eng.adaln("l0", t_emb),
+                precision=precision)
+        return u.copy(), {s.name: s.extent for s in eng.last_split}
+
+
+PROJECTIONS = {"qkv": CFG.qkv_width, "out_proj": CFG.dim, "w13": CFG.ffn_dim, "w2": CFG.dim}
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16", "q8"])
+def test_projections_by_rows_have_the_bits_of_columns(setup, monkeypatch, precision):
+    """Once every worker gets PROJ_ROWS_PER_WORKER token rows, the four projections split over
+    rows instead of output columns, with the same bits (the threshold is moved here so that
+    T = 56 runs both ways at every worker count). Negative control: a row band that leaves out
+    its last row changes the output, so the comparison sees the row split."""
+    from nxhpc.nn import stages
+    assert stages.proj_by_rows(512, 2) and not stages.proj_by_rows(511, 2)
+    assert stages.proj_by_rows(256, 1) and stages.proj_by_rows(256, 0)
+    monkeypatch.setattr(stages, "PROJ_ROWS_PER_WORKER", 10 ** 9)
+    base, ext = _joint(setup, 2, precision)
+    assert {k: ext[k] for k in PROJECTIONS} == PROJECTIONS
+    assert ext["norm1"] == T and ext["sdpa"] == CFG.n_heads
+    monkeypatch.setattr(stages, "PROJ_ROWS_PER_WORKER", 1)
+    for workers in (1, 2, 3):
+        out, ext = _joint(setup, workers, precision)
+        assert {k: ext[k] for k in PROJECTIONS} == dict.fromkeys(PROJECTIONS, T)
+        assert ext["sdpa"] == CFG.n_heads
+        assert_bitwise(out, base, f"rows, {workers} workers, {precision}")
+    real = stages.matmul
+
+    def short(k, x, wt, o, lo, hi, prec):          # a row band's last row left out
+        if o.shape[0] < T:
+            x, o = x[:-1], o[:-1]
+        real(k, x, wt, o, lo, hi, prec)
+
+    monkeypatch.setattr(stages, "matmul", short)
+    assert np.any(_joint(setup, 2, precision)[0] != base)
+    monkeypatch.setattr(stages, "PROJ_ROWS_PER_WORKER", 10 ** 9)
+    assert_bitwise(_joint(setup, 2, precision)[0], base, "the mutant by columns")
+
+
 def test_plan_alone_equals_plan_in_shared_engine(setup, session):
     """Sharing the arena and pool with other plans does not change a plan's bits."""
     w, x, pe, _, plans = setup

@@ -27,7 +27,13 @@ Stage table (generated from :data:`STAGES`; ``tests/test_plan.py`` keeps it in s
 
 ``block_us`` is the whole block (adaLN excluded: it is O(D) and computed before). Splits are
 always ``[i*m//n, (i+1)*m//n)``; every kernel gives bit-identical results for any band split,
-so the output is bit-identical for every worker count and both spawn modes.
+so the output is bit-identical for every worker count and both spawn modes. The four
+projections (``qkv``, ``out_proj``, ``w13``, ``w2``) split over token rows instead of their
+columns when every worker gets at least :data:`nxhpc.nn.stages.PROJ_ROWS_PER_WORKER` rows
+(:func:`nxhpc.nn.stages.proj_by_rows`; not across MPI ranks, whose exchange gathers columns):
+a band is then whole output rows, and each worker packs only its own rows of the input. A
+kernel computes a row's outputs the same whatever rows and columns are beside it, so this
+changes no bit; ``Engine.last_split`` gives each stage's extent.
 
 Modulation. A modulated plan (``layers``, ``noise_refiner``) takes ``m = adaLN(t_emb)``,
 ``[scale_msa | gate_msa | scale_mlp | gate_mlp]``. An unmodulated plan (``context_refiner``)
@@ -59,7 +65,7 @@ from nxhpc.nn.checks import EPS_RANGE, check_eps, finite_vector, narrow_finite
 from nxhpc.nn.engine import Gather, IOSpec, Plan, Stage, serialized
 from nxhpc.nn.linear import DEFAULT_PRECISION, adaln_linear, attention_precision, check_precision
 from nxhpc.nn.residual import UNIT_GATE, UnitGateState
-from nxhpc.nn.stages import Project, ProjectGLU, block_extents
+from nxhpc.nn.stages import Project, ProjectGLU, block_extents, proj_by_rows
 
 __all__ = ["Stage", "STAGES", "EXTENTS", "TIMING_KEYS", "UNIT_GATE", "BlockPlan", "Engine",
            "stage_table", "check_eps", "narrow_finite", "EPS_RANGE"]
@@ -67,7 +73,7 @@ __all__ = ["Stage", "STAGES", "EXTENTS", "TIMING_KEYS", "UNIT_GATE", "BlockPlan"
 class RunContext(_engine.RunContext):
     """What a stage's task reads in a worker: kernels, config, weights, views, eps."""
     __slots__ = ("kernels", "cfg", "w", "eps", "x", "pe", "out", "mask", "buf", "mod_msa",
-                 "mod_mlp", "gate_msa", "gate_mlp", "scale", "precision")
+                 "mod_mlp", "gate_msa", "gate_mlp", "scale", "precision", "proj_rows")
 
 
 # ------------------------------------------------------------------------------ stage tasks
@@ -206,8 +212,12 @@ class BlockPlan(UnitGateState, Plan):
     def label(self) -> str:
         return self.prefix
 
-    def extent(self, stage: Stage, T: int) -> int:
-        """The ``m`` of ``stage`` at ``T`` tokens (its band range is ``[0, m)``)."""
+    def extent(self, stage: Stage, T: int, params: tuple | None = None) -> int:
+        """The ``m`` of ``stage`` at ``T`` tokens (its band range is ``[0, m)``): a projection
+        of a run whose ``params`` split projections over token rows (``proj_rows``, set by
+        :meth:`Engine.run` from :func:`nxhpc.nn.stages.proj_by_rows`) has ``T``."""
+        if params is not None and params[3] and isinstance(stage.task, (Project, ProjectGLU)):
+            return T
         return EXTENTS[stage.extent][1](self.config, T)
 
     def scratch(self, T: int) -> dict[str, tuple[int, ...]]:
@@ -260,8 +270,8 @@ class BlockPlan(UnitGateState, Plan):
     def context(self, kernels: Any, weights: LayerWeights, T: int,
                 buf: Mapping[str, np.ndarray], io: Mapping[str, np.ndarray | None],
                 state: Mapping[str, np.ndarray], params: tuple) -> RunContext:
-        """params = (modulated, eps, precision)."""
-        modulated, eps, precision = params
+        """params = (modulated, eps, precision, proj_rows)."""
+        modulated, eps, precision, proj_rows = params
         D = self.config.dim
         ada = state["adaln"]
         return RunContext(
@@ -271,7 +281,8 @@ class BlockPlan(UnitGateState, Plan):
             mod_mlp=state["mod_mlp"] if modulated else None,
             gate_msa=ada[D:2 * D] if modulated else state["unit_gate"],
             gate_mlp=ada[3 * D:4 * D] if modulated else state["unit_gate"],
-            scale=1.0 / math.sqrt(self.config.head_dim), precision=precision)
+            scale=1.0 / math.sqrt(self.config.head_dim), precision=precision,
+            proj_rows=proj_rows)
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -351,9 +362,12 @@ class Engine(_engine.Engine):
         if T < 1:
             raise ValueError(f"Engine.run: x must have at least one token, got shape {x.shape}")
         eps = check_eps(cfg.norm_eps if eps is None else eps)
+        # projections over token rows where every worker gets enough of them; across MPI ranks
+        # they keep their columns (the exchange gathers columns)
+        proj_rows = self.ranks is None and proj_by_rows(T, self.pool.n_workers)
         wire = self.prepare(plan, weights, T, {"x": x, "pe": pe, "out": x if out is None else out,
                                                "mask": mask},
-                            (bool(plan.modulated), eps, precision))
+                            (bool(plan.modulated), eps, precision, proj_rows))
         state = self._state
         if plan.modulated:
             if adaln_m is None:

@@ -62,11 +62,13 @@ class StageSplit(NamedTuple):
     per band the task's own time (:attr:`WorkerPool.last_busy_ns`): ``busy_max`` (the slowest
     band, which the stage waits for) and ``busy_min``. ``wall - busy_max`` is the pool's cost
     (writing the commands, waking the workers, collecting the results); ``busy_max - busy_min``
-    what an unequal split costs."""
+    what an unequal split costs. ``extent``: the ``m`` whose ``[0, m)`` the bands split (a
+    projection's output columns, or its token rows: :func:`nxhpc.nn.stages.proj_by_rows`)."""
     name: str
     wall: int
     busy_max: int
     busy_min: int
+    extent: int = 0
 
     @property
     def overhead(self) -> int:
@@ -168,8 +170,9 @@ class Plan:
     def timing_keys(self) -> tuple[str, ...]:
         return timing_keys(self.stages)
 
-    def extent(self, stage: Stage, T: int) -> int:
-        """The ``m`` of ``stage`` at ``T`` tokens (its bands split ``[0, m)``)."""
+    def extent(self, stage: Stage, T: int, params: tuple | None = None) -> int:
+        """The ``m`` of ``stage`` at ``T`` tokens (its bands split ``[0, m)``) in a run with
+        ``params`` (None: the stage's own extent, as the split across ranks uses)."""
         raise NotImplementedError
 
     def scratch(self, T: int) -> dict[str, tuple[int, ...]]:
@@ -577,13 +580,14 @@ class Engine:
         t_start = now()
         for s in plan.stages:
             t0 = now()
-            m = plan.extent(s, T)
             split = None
             if self.ranks is not None:
                 key = (index, s.name, T)
                 if key not in self._splits:          # a T below the needs': same rule
                     self._splits[key] = self._check_split(plan, s, T)
                 split = self._splits[key]
+            # a stage split across ranks keeps the extent its gathers are written for
+            m = plan.extent(s, T, None if split is not None else wire[3])
             if split is None:
                 used = pool.run(s.name, m, arg=wire)
                 t1 = now()
@@ -595,7 +599,7 @@ class Engine:
                 self.exchange_us += (now() - t1) // 1000
             busy = pool.last_busy_ns if used else ()
             splits.append(StageSplit(s.name, t1 - t0, max(busy, default=0),
-                                     min(busy, default=0)))
+                                     min(busy, default=0), m))
             spent[s.timer] += now() - t0
         spent[TOTAL_KEY] = now() - t_start
         self.last_split = tuple(splits)

@@ -275,7 +275,7 @@ class LayerPlan(UnitGateState, Plan):
     def label(self) -> str:
         return "qwen3 block"
 
-    def extent(self, stage: Stage, T: int) -> int:
+    def extent(self, stage: Stage, T: int, params: tuple | None = None) -> int:
         return EXTENTS[stage.extent][1](self.config, T)
 
     def scratch(self, T: int) -> dict[str, tuple[int, ...]]:

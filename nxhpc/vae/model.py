@@ -208,7 +208,8 @@ class _StepPlan(Plan):
     def __init__(self, config: VaeConfig) -> None:
         self.config = config
 
-    def extent(self, stage: Any, T: int) -> int:          # pragma: no cover - no stages
+    def extent(self, stage: Any, T: int,
+               params: tuple | None = None) -> int:      # pragma: no cover - no stages
         raise NotImplementedError
 
     def scratch(self, T: int) -> dict[str, tuple[int, ...]]:
