@@ -26,8 +26,10 @@ __all__ = ["block_extents", "proj_by_rows", "PROJ_ROWS_PER_WORKER", "Project", "
 #: x) and computes whole output rows, but decodes every weight instead of its band's: below this
 #: the decoding costs more than the packing saves. Every kernel computes a row's outputs the same
 #: whatever the rows and columns beside it, so the bits do not change. Measured on the AMX Xeon,
-#: 2 workers, `bf16`, a Z-Image block on Q4_K_M weights (docs/architecture.md): 128 rows a worker
-#: 10% slower by rows, 256 3% faster, 384 8%, 576 (512x512 px) 7-10%, 2112 (1024x1024) 3-7%.
+#: 2 workers, `bf16`, Z-Image dims on Q4_K_M weights (docs/architecture.md): the block API,
+#: median of 20 calls, two runs each way: 128 rows a worker 10% slower by rows, 256 3% faster,
+#: 384 8%; a denoiser's main layer, calls alternating in one process: 576 rows (512x512 px) 6.4%
+#: faster, 2112 (1024x1024) 3.1%.
 PROJ_ROWS_PER_WORKER = 256
 
 
