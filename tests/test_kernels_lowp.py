@@ -568,7 +568,7 @@ def assert_amx_bf16_sums(got, x, wf):
                                           (600, 2336, 70, "Q8_0"), (1200, 300, 40, "F32")],
                          ids=str)
 def test_bf16_amx_sums_the_contract_products(T, Kd, N, wtype):
-    """Every tile tail (32 x 32 blocks), two token blocks (T > 9/8 MC, MC 1024), N > NC, K
+    """Every tile tail (32 x 32 blocks), two and three token blocks (T > 9/8 MC, MC 512), N > NC, K
     within one KC (512: the tiles stored straight to the output) and across it (the tile sums
     carried between k-blocks in the packed C buffer, reused across token and column blocks), K
     not a multiple of 32: within the chain bound of the exact sum of the bf()-rounded products;
@@ -592,9 +592,10 @@ def test_bf16_amx_sums_the_contract_products(T, Kd, N, wtype):
 
 @pytest.mark.skipif(not AMX_BF16, reason="no AMX on this CPU")
 def test_bf16_amx_bits_do_not_depend_on_the_token_batch():
-    """The same rows give the same bits in a call of 600 tokens and in calls of 1 to 100 (the
-    tile sums pass through the packed C buffer exactly, whichever tile and token block a row
-    falls in), across k-block edges (K = 2336: four k-blocks of 512 and a partial one)."""
+    """The same rows give the same bits in a call of 600 tokens (two token blocks at MC 512)
+    and in calls of 1 to 100 (the tile sums pass through the packed C buffer exactly, whichever
+    tile and token block a row falls in), across k-block edges (K = 2336: four k-blocks of 512
+    and a partial one)."""
     rng = np.random.default_rng(31)
     T, Kd, N = 600, 2336, 45
     x = rand_x(rng, T, Kd)

@@ -374,8 +374,15 @@ int nx_matmul_q8_amx(const nx_mm_call *c) {
  *     846-851 -> 1100-1204 / 985-1062, T=4096 879-904 / 850-852 -> 1098-1202 / 966-1046.
  *     Without the prefetch 3-5% less; KC 512 with plain loads, KC 768 / 1024, NC 256 / 128,
  *     MC 512, all of K in one k-block (NC 64-256), or token sub-blocks over weights packed for
- *     all of K: the same or slower.
- * KC does not change the bits: the tile sums are carried exactly. */
+ *     all of K: the same or slower (a loop of calls, one thread).
+ *   - MC 1024 -> 512 (2026-12-06), in a denoiser call at 1024x1024 (`zimage-dit-2l-q4km`, a main
+ *     layer at T = 4224, bf16, the projections split over token rows): 2 workers, three
+ *     alternating process pairs, 893-943 -> 876-891 ms a layer (medians); 1 worker, two pairs,
+ *     1749-1848 -> 1654-1668. A block of 1024 tokens keeps 2 MiB of tile sums (1024 x NC 512
+ *     floats), the whole L2 of this Xeon, beside the 512 KiB weight panel: at 512 both fit,
+ *     for twice the decoding. MC 256: 919-1012 (slower). At 512x512 (576 rows a worker) and in
+ *     the autoencoder's decode (2.22-2.35 s against 2.30-2.36) the same within noise.
+ * KC and MC do not change the bits: the tile sums are carried exactly. */
 #ifndef NX_AMXBF_KC
 #define NX_AMXBF_KC 512
 #endif
@@ -383,7 +390,7 @@ int nx_matmul_q8_amx(const nx_mm_call *c) {
 #define NX_AMXBF_NC 512
 #endif
 #ifndef NX_AMXBF_MC
-#define NX_AMXBF_MC 1024
+#define NX_AMXBF_MC 512
 #endif
 _Static_assert(NX_AMXBF_KC % 256 == 0, "KC must hold whole blocks of every type");
 _Static_assert(NX_AMXBF_NC % NX_AMXBF_NR == 0, "NC must be a multiple of NR");
