@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=types.positive_int, default=8, help="transformer calls (default 8)")
     p.add_argument("--shift", type=types.positive_float, default=3.0,
                    help="static timestep shift (default 3.0, Z-Image-Turbo's)")
+    types.add_precision(p, "the transformer blocks' matmul precision, as python -m "
+                           "nxhpc.denoise's (f32 default: the exact reference; bf16, q8; the "
+                           "attention follows it)")
+    types.add_q8_float_weights(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--seed", type=types.seed, default=None,
                      help="seed for the starting noise (default 0)")
@@ -235,9 +239,9 @@ def _run(args, ranks=None) -> int:
     workers, px = _check_args(args)
     lead = ranks is None or ranks.rank == 0        # reads inputs, writes outputs, reports
     if ranks is not None:
-        ranks.same("the arguments (steps, shift, size, seeds, json)",
+        ranks.same("the arguments (steps, shift, size, seeds, precision, json)",
                    (args.steps, args.shift, args.height, args.width, args.seed, args.seeds,
-                    args.json, args.noise is not None))
+                    args.precision, args.q8_float_weights, args.json, args.noise is not None))
     cap_raw = noise_raw = None
     if lead:
         cap_raw = load_npy(args.cap_feats, "--cap-feats", error=SampleInputError)
@@ -252,6 +256,7 @@ def _run(args, ranks=None) -> int:
     t_open = time.perf_counter()
     with _open_denoiser(args.model, workers=workers, models_dir=args.models_dir) as den:
         _protect_model_files(args, den)
+        den.precision, den.q8_float_weights = args.precision, args.q8_float_weights
         cfg = den.config
         if ranks is not None:
             from nxhpc.runtime.ranks import file_fingerprint
@@ -293,7 +298,8 @@ def _run(args, ranks=None) -> int:
     report = {"model": args.model, "config": cfg.summary() if hasattr(cfg, "summary") else None,
               "workers": workers, "height": height, "width": width,
               "latent_shape": list(lat.shape), "caption_tokens": int(cap.shape[0]),
-              "steps": args.steps, "shift": args.shift,
+              "steps": args.steps, "shift": args.shift, "precision": args.precision,
+              "q8_float_weights": args.q8_float_weights,
               "sigmas": [round(float(s), 9) for s in turbo_sigmas(args.steps, args.shift)],
               "seed": seed, "noise": args.noise, "open_s": round(open_s, 6),
               "step_s": [round(s, 6) for s in step_s], "total_s": round(total_s, 6),

@@ -94,12 +94,34 @@ def test_noise_run_is_the_library_result(cli, files):
     np.testing.assert_array_equal(lat, ref)
     rep = json.loads(so)
     assert rep["steps"] == 3 and rep["latent_shape"] == [16, 6, 4] and rep["seed"] is None
+    assert rep["precision"] == "f32" and rep["q8_float_weights"] == "int8"
     assert (rep["height"], rep["width"]) == (48, 32) and rep["workers"] == 2
     assert len(rep["step_s"]) == 3 and rep["caption_tokens"] == 7 and rep["png"] is None
     assert rep["sigmas"][0] == 1.0 and rep["sigmas"][-1] == 0.0
     assert "sample" in se and "step" in se                          # the progress bar
     assert shm_entries() == before
     _no_temporaries(d)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "q8"])
+def test_precision_run_is_the_library_result(cli, files, precision):
+    """``--precision`` runs the denoiser at that precision: the library's bits at it, not the
+    f32 run's (negative control), and the report says which."""
+    d, cap, noise = files
+    out = d / f"lat-{precision}.npy"
+    rc, so, se = cli.run([cli.model, "2", "--cap-feats", cap, "--noise", noise, "--out", out,
+                          "--steps", "2", "--precision", precision, "--q8-float-weights", "bf16",
+                          "--json", "--no-progress"])
+    assert rc == 0, se
+    rep = json.loads(so)
+    assert rep["precision"] == precision and rep["q8_float_weights"] == "bf16"
+    with cli.open() as den:
+        f32 = sample(den, np.load(cap), np.load(noise), steps=2)
+        den.precision, den.q8_float_weights = precision, "bf16"
+        ref = sample(den, np.load(cap), np.load(noise), steps=2)
+    lat = np.load(out)
+    np.testing.assert_array_equal(lat, ref)
+    assert np.abs(lat - f32).max() > 0
 
 
 def test_seed_run_is_noise_run_of_initial_noise(cli, files):
@@ -161,6 +183,8 @@ def test_help_lists_exit_codes(tmp_path):
     (["--height", "64", "--width", "64", "0"], "argument n_workers: must be an integer >= 1"),
     (["--height", "64", "--width", "64", "2", "--workers", "3"], "disagree"),
     (["--height", "64", "--width", "64", "--noise", "missing.npy"], "no such file"),
+    (["--height", "64", "--width", "64", "--precision", "fp8"], "--precision"),
+    (["--height", "64", "--width", "64", "--q8-float-weights", "fp8"], "--q8-float-weights"),
 ])
 def test_bad_arguments_exit_2_before_any_work(tmp_path, extra, needle):
     cap = tmp_path / "cap.npy"

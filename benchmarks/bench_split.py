@@ -1,0 +1,73 @@
+"""How the DiT's projections split over workers: by token rows (the default from 256 rows a
+worker) against by output columns, side by side, in whole denoiser calls.
+
+Model: built-in ``zimage-dit-2l-q4km`` (Z-Image dims, 2 main layers Q4_K / Q5_K / Q6_K, BF16
+refiners; ``NXHPC_BENCH_DENOISER`` picks another). Inputs: 512x512 and 1024x1024 latents
+(``NXHPC_BENCH_TOKENS``: image tokens, default ``1024,4096``), a 100-token caption, t = 0.5,
+2 workers, ``NXHPC_BENCH_PRECISIONS`` (default ``bf16``). One group per token count and
+precision; the two ways differ only in :data:`nxhpc.nn.stages.PROJ_ROWS_PER_WORKER` (read by
+the parent at every call, so one open denoiser serves both, its workers forked once), and the
+benchmark checks after timing that both give the same output bits.
+
+``extra_info``: seconds per main layer and the four projections' seconds per layer
+(``Engine.last_split``'s slowest band and wall time), each stage's extent (``T`` by rows).
+
+Run: ``OPENBLAS_NUM_THREADS=1 python -m pytest benchmarks/bench_split.py --benchmark-only``
+(about 2 minutes at the defaults).
+"""
+import os
+
+import numpy as np
+import pytest
+
+from _bench_util import bench_stats
+from nxhpc.models.registry import open_denoiser
+from nxhpc.nn import stages
+
+MODEL = os.environ.get("NXHPC_BENCH_DENOISER", "zimage-dit-2l-q4km")
+TOKENS = [int(t) for t in os.environ.get("NXHPC_BENCH_TOKENS", "1024,4096").split(",")]
+PRECISIONS = os.environ.get("NXHPC_BENCH_PRECISIONS", "bf16").split(",")
+WORKERS = 2
+PROJECTIONS = ("qkv", "out_proj", "w13", "w2")
+SPLITS = {"rows": stages.PROJ_ROWS_PER_WORKER, "columns": 10 ** 9}
+OUTPUTS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def den():
+    d = open_denoiser(MODEL, workers=WORKERS)
+    yield d
+    d.close()
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_split(benchmark, den, monkeypatch, tokens, precision, split):
+    side = 2 * int(round(tokens ** 0.5))
+    assert (side // 2) ** 2 == tokens, f"image tokens {tokens} must be a square"
+    rng = np.random.default_rng(0)
+    cfg = den.config
+    lat = rng.standard_normal((cfg.in_channels, side, side)).astype(np.float32)
+    cap = rng.standard_normal((100, cfg.cap_dim)).astype(np.float32)
+    benchmark.group = f"projection split: {MODEL}, image tokens={tokens}, {precision}"
+    monkeypatch.setattr(stages, "PROJ_ROWS_PER_WORKER", SPLITS[split])
+    den.precision = precision
+    den.forward(lat, 0.5, cap)                   # the layout's engine; the caption rows kept
+    out = benchmark.pedantic(lambda: den.forward(lat, 0.5, cap), rounds=3, warmup_rounds=0)
+    tm, last = den.last_timings, den._session.engine.last_split
+    sp = {s.name: s for s in last}
+    ei = benchmark.extra_info
+    ei.update({"split": split, "precision": precision, "rows": int(sp["norm1"].extent),
+               "s_per_layer": tm["us_layers"] / cfg.n_layers / 1e6,
+               "s_call_median": bench_stats(benchmark).median})
+    for name in PROJECTIONS:
+        ei[f"{name}_s"] = sp[name].wall / 1e9
+        ei[f"{name}_extent"] = int(sp[name].extent)
+    assert (sp["qkv"].extent == sp["norm1"].extent) == (split == "rows" and
+                                                        stages.proj_by_rows(ei["rows"], WORKERS))
+    key = (tokens, precision)
+    if key in OUTPUTS:                           # the other split ran first: the same bits
+        assert np.array_equal(OUTPUTS.pop(key).view(np.uint32), out.view(np.uint32))
+    else:
+        OUTPUTS[key] = out
