@@ -29,7 +29,8 @@ __all__ = ["block_extents", "proj_by_rows", "PROJ_ROWS_PER_WORKER", "Project", "
 #: 2 workers, `bf16`, Z-Image dims on Q4_K_M weights (docs/architecture.md): the block API,
 #: median of 20 calls, two runs each way: 128 rows a worker 10% slower by rows, 256 3% faster,
 #: 384 8%; a denoiser's main layer, calls alternating in one process: 576 rows (512x512 px) 6.4%
-#: faster, 2112 (1024x1024) 3.1%.
+#: faster, 2112 (1024x1024) 3.1%; after the AMX kernel's token blocks went from 1024 to 512
+#: (benchmarks/bench_split.py): 3.5% and level.
 PROJ_ROWS_PER_WORKER = 256
 
 
