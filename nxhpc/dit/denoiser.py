@@ -290,9 +290,10 @@ class Denoiser(MapHolder):
     ``q8`` call (+1.0625 bytes per value, kept until :meth:`close`), or on the stored values in
     ``bf16``; settable between calls. ``reuse_caption`` (default True; settable): a call whose
     ``cap_feats`` has the bits of one of the last :attr:`CAPTIONS_KEPT` captions run with this
-    layout, at the same precision, reuses that call's refined caption rows instead of running the caption embedder and the
-    context refiner again (they do not depend on ``t`` or the latents; the output bits are
-    the same); ``last_caption_reused`` says whether the last call did.
+    layout, at the same precision, reuses that call's refined caption rows instead of running
+    the caption embedder and the context refiner again (they do not depend on ``t`` or the
+    latents; the output bits are the same); ``last_caption_reused`` says whether the last call
+    did.
     ``last_timings``: microseconds of the last call per segment (``us_embed``,
     ``us_noise_refiner``, ``us_context_refiner``, ``us_layers``, ``us_final``, ``us_total``);
     ``last_stage_timings``: per block segment (``noise_refiner``, ``context_refiner``,
