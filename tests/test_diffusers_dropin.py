@@ -148,8 +148,10 @@ def test_pipeline_images_match_diffusers_transformer(tiny, nx, guidance):
 
 
 def test_cfg_batches_keep_the_worker_pool(tiny, nx):
-    """CFG alternates two caption lengths: both layouts keep their workers across steps."""
-    kids = []
+    """CFG alternates two caption lengths: both layouts keep their workers across steps, and
+    from the second step on each reuses its caption's refined rows (the pipeline passes new
+    tensors with the same values each step)."""
+    kids, reused = [], []
 
     class Spy:
         in_channels, dtype = 16, torch.float32
@@ -157,10 +159,12 @@ def test_cfg_batches_keep_the_worker_pool(tiny, nx):
         def __call__(self, *a, **k):
             out = nx(*a, **k)
             kids.append(child_pids())
+            reused.append(nx.denoiser.last_caption_reused)
             return out
     noise = torch.randn((1, 16, PX // 8, PX // 8), generator=torch.Generator().manual_seed(5))
     _run(with_transformer(tiny, Spy()), 2.0, noise, [])
     assert len(kids) == STEPS and kids[0] and all(k == kids[0] for k in kids)
+    assert reused[1:] == [True] * (STEPS - 1)     # the first: as the tests before left it
 
 
 def test_pipeline_to_cpu_and_components(tiny, nx):
