@@ -56,12 +56,13 @@ def test_split(benchmark, den, monkeypatch, tokens, precision, split):
     monkeypatch.setattr(stages, "PROJ_ROWS_PER_WORKER", SPLITS[split])
     den.precision = precision
     den.forward(lat, 0.5, cap)                   # the layout's engine; the caption rows kept
+    layout = den.session(side, side, cap.shape[0])
     rounds: list[tuple[dict, dict]] = []         # per round: segment timings, last layer's split
 
     def call():
         r = den.forward(lat, 0.5, cap)
         rounds.append((dict(den.last_timings),
-                       {s.name: s for s in den._session.engine.last_split}))
+                       {s.name: s for s in layout.engine.last_split}))
         return r
 
     out = benchmark.pedantic(call, rounds=ROUNDS, warmup_rounds=0)
