@@ -1,5 +1,5 @@
 # _k_ops.pxi -- included by _kernels.pyx. Wrappers of the block's non-matmul forward kernels
-# (rmsnorm, layernorm_mod, qknorm_rope, attention, swiglu, gated_residual) over
+# (rmsnorm, layernorm_mod, qknorm_rope, attention, swiglu, gated_residual, norm_residual) over
 # nxhpc/csrc/nx_ops*.c.
 # Owns: argument validation for these families (dtype, shape, contiguity, writeability, bands,
 # overlap of outputs with inputs) and their nogil calls. Must not: compute anything itself.
@@ -22,6 +22,9 @@ cdef extern from "nx_ops.h" nogil:
                        int64_t i0, int64_t i1)
     int nx_gated_residual_f32(nx_isa isa, const float *resid, const float *y, const float *gate,
                               float *out, int64_t D, int64_t r0, int64_t r1)
+    int nx_norm_residual_f32(nx_isa isa, const float *y, const float *w, const float *resid,
+                             const float *gate, float *out, const float *w2, const float *mod2,
+                             float *h, int64_t D, float eps, int64_t r0, int64_t r1)
     void nx_vmath_f32(nx_isa isa, int which, const float *x, float *out, int64_t n)
     void nx_layernorm_mod_f32(nx_isa isa, const float *x, const float *mod, float *out,
                               int64_t D, float eps, int64_t r0, int64_t r1)
@@ -391,6 +394,72 @@ def gated_residual(resid, y, gate, out, r0=0, r1=None, isa=None):
     cdef int rc
     with nogil:
         rc = nx_gated_residual_f32(lvl, pr, py, pg, po, D, a, b)
+    if rc != 0:
+        raise MemoryError(f"{fn}: could not allocate {D} floats of scratch")
+    return out
+
+
+def norm_residual(y, w, resid, gate, out, eps, w2=None, mod2=None, h=None, r0=0, r1=None,
+                  isa=None):
+    """A block's residual tail in one pass over each row of ``[r0, r1)``:
+    ``out[r] := resid[r] + tanh(gate) * rmsnorm(y[r], w)``, and with ``w2`` also
+    ``h[r] := rmsnorm(out[r], w2) [* mod2]``.
+
+    The bits of ``rmsnorm(y, w, tmp, eps)``, ``gated_residual(resid, tmp, gate, out)`` and
+    ``rmsnorm(out, w2, h, eps, mod=mod2)`` of the same ISA variant, reading y once and never
+    writing it (the normalized y stays in registers). y, resid, out, h: float32 [T, D]; w, gate,
+    w2, mod2: float32 [D]. out may be resid or y itself; h (given exactly when w2 is) must not
+    overlap any other argument; mod2 needs w2. Returns out.
+    """
+    fn = "norm_residual"
+    cdef nx_isa lvl = _resolve_isa(fn, isa)
+    _f32(fn, "y", y, 2)
+    cdef Py_ssize_t T = y.shape[0], D = y.shape[1]
+    if D < 1:
+        raise ValueError(f"{fn}: y must have at least one column, got shape {y.shape}")
+    _f32(fn, "resid", resid, 2)
+    if resid.shape != y.shape:
+        raise ValueError(f"{fn}: resid must have the shape of y {y.shape}, got {resid.shape}")
+    for name, v in (("w", w), ("gate", gate), ("w2", w2), ("mod2", mod2)):
+        if v is None and name in ("w", "gate"):
+            raise TypeError(f"{fn}: {name} must be a float32 array of shape ({D},), got None")
+        if v is not None:
+            _f32(fn, name, v, 1)
+            if v.shape[0] != D:
+                raise ValueError(f"{fn}: {name} must have shape ({D},) to match y {y.shape}, "
+                                 f"got {v.shape}")
+    if (w2 is None) != (h is None):
+        raise ValueError(f"{fn}: w2 and h go together (the second norm's weight and output), "
+                         f"got w2={'None' if w2 is None else 'an array'}, "
+                         f"h={'None' if h is None else 'an array'}")
+    if mod2 is not None and w2 is None:
+        raise ValueError(f"{fn}: mod2 multiplies the second norm, which needs w2 and h")
+    _out_f32(fn, "out", out, (T, D))
+    cdef float feps = _real(fn, "eps", eps, True)
+    _no_overlap(fn, "out", out, "y", y, True)
+    _no_overlap(fn, "out", out, "resid", resid, True)
+    for name, v in (("w", w), ("gate", gate), ("w2", w2), ("mod2", mod2)):
+        _no_overlap(fn, "out", out, name, v, False)
+    if h is not None:
+        _out_f32(fn, "h", h, (T, D))
+        for name, v in (("y", y), ("resid", resid), ("out", out), ("w", w), ("gate", gate),
+                        ("w2", w2), ("mod2", mod2)):
+            _no_overlap(fn, "h", h, name, v, False)
+    lo, hi = _band(fn, "rows", r0, r1, T)
+    cdef int64_t a = lo, b = hi
+    if a == b:
+        return out
+    cdef const float *py = _cptr(y)
+    cdef const float *pw = _cptr(w)
+    cdef const float *pr = _cptr(resid)
+    cdef const float *pg = _cptr(gate)
+    cdef float *po = _wptr(out)
+    cdef const float *pw2 = _cptr(w2) if w2 is not None else NULL
+    cdef const float *pm2 = _cptr(mod2) if mod2 is not None else NULL
+    cdef float *ph = _wptr(h) if h is not None else NULL
+    cdef int rc
+    with nogil:
+        rc = nx_norm_residual_f32(lvl, py, pw, pr, pg, po, pw2, pm2, ph, D, feps, a, b)
     if rc != 0:
         raise MemoryError(f"{fn}: could not allocate {D} floats of scratch")
     return out

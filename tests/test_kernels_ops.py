@@ -1,5 +1,5 @@
 """Tests of the block's non-matmul forward kernels in nxhpc._kernels: rmsnorm, qknorm_rope,
-attention, swiglu, gated_residual (and the SIMD exp/tanh polynomials behind them).
+attention, swiglu, gated_residual, norm_residual (and the SIMD exp/tanh polynomials behind them).
 
 Oracles: plain float64 numpy written in this file (sharing no code with the C), torch's
 scaled_dot_product_attention, and the generic variant. Every tolerance is a bound derived from the
@@ -474,12 +474,128 @@ def test_gated_residual_band_invariance_alias_untouched(isa):
     assert_bitwise(r2, full, "aliasing resid")
 
 
+# ----------------------------------------------------------------------------- norm + residual
+
+def _composed(y, w, resid, gate, eps, w2, mod2, isa, r0=0, r1=None):
+    """norm_residual's promise: rmsnorm into a float32 buffer, gated_residual, rmsnorm again."""
+    T, D = y.shape
+    r1 = T if r1 is None else r1
+    tmp = np.zeros((T, D), np.float32)
+    out = np.zeros((T, D), np.float32)
+    K.rmsnorm(y, w, tmp, eps, r0=r0, r1=r1, isa=isa)
+    K.gated_residual(resid, tmp, gate, out, r0=r0, r1=r1, isa=isa)
+    h = None
+    if w2 is not None:
+        h = np.zeros((T, D), np.float32)
+        K.rmsnorm(out, w2, h, eps, mod=mod2, r0=r0, r1=r1, isa=isa)
+    return out, h
+
+
+@given(T=st.integers(1, 5), D=st.sampled_from(SIZES + [3840]), seed=st.integers(0, 2**31 - 1),
+       second=st.sampled_from(["none", "norm", "norm+mod"]), yscale=st.sampled_from([1e-3, 1.0, 30.0]))
+def test_norm_residual_vs_float64_and_the_composition(T, D, seed, second, yscale):
+    rng = np.random.default_rng(seed)
+    y, resid = f32(T, D, rng=rng, scale=yscale), f32(T, D, rng=rng)
+    w, gate, w2 = f32(D, rng=rng), f32(D, rng=rng), f32(D, rng=rng)
+    mod2 = (1 + f32(D, rng=rng)) if second == "norm+mod" else None
+    if second == "none":
+        w2 = None
+    eps = 1e-6
+    n = ref_rmsnorm(y, w, eps)                      # float64 throughout
+    tg = np.tanh(gate.astype(np.float64))
+    ref = resid.astype(np.float64) + tg * n
+    # the norm: 5u relative per element (test_rmsnorm_vs_float64), tanh 3 ulp (6u), the product
+    # 1u, the sum 1u of the result: |err| <= (5 + 7)u |tanh(g) n| + 1u |out|, doubled for margin
+    bound = 2 * (12 * U * np.abs(tg * n) + U * np.abs(ref)) + TINY
+    y0, r0_ = y.copy(), resid.copy()
+    for isa in ISAS:
+        out = np.full((T, D), np.nan, np.float32)
+        h = np.full((T, D), np.nan, np.float32) if w2 is not None else None
+        K.norm_residual(y, w, resid, gate, out, eps, w2=w2, mod2=mod2, h=h, isa=isa)
+        assert_within(out, ref, bound, f"norm_residual[{isa}] out")
+        c_out, c_h = _composed(y, w, resid, gate, eps, w2, mod2, isa)
+        assert_bitwise(out, c_out, f"norm_residual[{isa}] out vs rmsnorm + gated_residual")
+        if w2 is not None:
+            # h against the float64 norm of the float32 out it read: rmsnorm's own bound
+            href = ref_rmsnorm(out, w2, eps, mod2)
+            assert_within(h, href, 5 * U * np.abs(href) + TINY, f"norm_residual[{isa}] h")
+            assert_bitwise(h, c_h, f"norm_residual[{isa}] h vs rmsnorm")
+        assert_bitwise(y, y0, "y is read only")
+        assert_bitwise(resid, r0_, "resid is read only")
+
+
+def test_norm_residual_composition_check_can_fail():
+    """Negative controls: the composition the kernel is compared with tells the norms' weights
+    apart and sees the mod, so agreeing with it says something."""
+    T, D = 4, 100
+    rng = np.random.default_rng(11)
+    y, resid = f32(T, D, rng=rng), f32(T, D, rng=rng)
+    w, gate, w2, mod2 = f32(D, rng=rng), f32(D, rng=rng), f32(D, rng=rng), 1 + f32(D, rng=rng)
+    out, h = np.zeros((T, D), np.float32), np.zeros((T, D), np.float32)
+    K.norm_residual(y, w, resid, gate, out, 1e-6, w2=w2, mod2=mod2, h=h)
+    swapped, _ = _composed(y, w2, resid, gate, 1e-6, None, None, None)
+    assert not np.array_equal(bits(out), bits(swapped))
+    _, no_mod = _composed(y, w, resid, gate, 1e-6, w2, None, None)
+    assert not np.array_equal(bits(h), bits(no_mod))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_norm_residual_bands_aliases_untouched(isa):
+    T, D = 23, 37
+    rng = np.random.default_rng(4)
+    y, resid, w, gate, w2, mod2 = (f32(T, D, rng=rng), f32(T, D, rng=rng), f32(D, rng=rng),
+                                   f32(D, rng=rng), f32(D, rng=rng), f32(D, rng=rng))
+    full, hfull = np.zeros((T, D), np.float32), np.zeros((T, D), np.float32)
+    K.norm_residual(y, w, resid, gate, full, 1e-6, w2=w2, mod2=mod2, h=hfull, isa=isa)
+    for _ in range(5):
+        edges = band_edges(rng, T, 5)
+        out, h = np.full((T, D), 7.0, np.float32), np.full((T, D), 7.0, np.float32)
+        for a, b in zip(edges[:-1], edges[1:]):
+            K.norm_residual(y, w, resid, gate, out, 1e-6, w2=w2, mod2=mod2, h=h, r0=a, r1=b,
+                            isa=isa)
+        assert_bitwise(out, full, f"bands {edges}")
+        assert_bitwise(h, hfull, f"bands {edges} (h)")
+    out, h = np.full((T, D), 7.0, np.float32), np.full((T, D), 7.0, np.float32)
+    K.norm_residual(y, w, resid, gate, out, 1e-6, w2=w2, mod2=mod2, h=h, r0=4, r1=9, isa=isa)
+    for a in (out, h):
+        assert np.all(a[:4] == 7.0) and np.all(a[9:] == 7.0)
+    assert_bitwise(out[4:9], full[4:9])
+    for alias in ("resid", "y"):                  # out may be either input (documented)
+        r2, y2 = resid.copy(), y.copy()
+        o = r2 if alias == "resid" else y2
+        h2 = np.zeros((T, D), np.float32)
+        K.norm_residual(y2, w, r2, gate, o, 1e-6, w2=w2, mod2=mod2, h=h2, isa=isa)
+        assert_bitwise(o, full, f"out is {alias}")
+        assert_bitwise(h2, hfull, f"out is {alias} (h)")
+
+
+def test_norm_residual_refuses_bad_pairs_and_overlaps():
+    T, D = 3, 8
+    y, resid, w, gate = f32(T, D), f32(T, D), f32(D), f32(D)
+    out, h = np.zeros((T, D), np.float32), np.zeros((T, D), np.float32)
+    with pytest.raises(ValueError, match="w2 and h go together"):
+        K.norm_residual(y, w, resid, gate, out, 1e-6, w2=f32(D))
+    with pytest.raises(ValueError, match="w2 and h go together"):
+        K.norm_residual(y, w, resid, gate, out, 1e-6, h=h)
+    with pytest.raises(ValueError, match="mod2 multiplies the second norm"):
+        K.norm_residual(y, w, resid, gate, out, 1e-6, mod2=f32(D))
+    with pytest.raises(ValueError, match="h overlaps out"):
+        K.norm_residual(y, w, resid, gate, out, 1e-6, w2=f32(D), h=out)
+    with pytest.raises(ValueError, match="h overlaps resid"):
+        K.norm_residual(y, w, resid, gate, out, 1e-6, w2=f32(D), h=resid)
+    with pytest.raises(ValueError, match="out overlaps gate"):
+        big = f32(T + 1, D)
+        K.norm_residual(y, w, resid, big[1], big[1:], 1e-6)  # gate is a row of out
+    assert np.all(out == 0) and np.all(h == 0)
+
+
 # ----------------------------------------------------------------------------- variants + bad input
 
 def test_variants_registered():
     kv = K.kernel_variants()
     best = K.cpu_features()["best_isa"]
-    for fam in ("rmsnorm", "qknorm_rope", "attention", "swiglu", "gated_residual"):
+    for fam in ("rmsnorm", "qknorm_rope", "attention", "swiglu", "gated_residual",
+                "norm_residual"):
         # every family has avx2 and avx512 variants: the best ISA's, or what it inherits
         assert kv[fam] == expected_variant({"avx2", "avx512"}, best), (fam, kv[fam], best)
 
@@ -553,9 +669,25 @@ def _cases():
               ("out", _readonly(np.zeros((T, D), np.float32)), ValueError),
               ("out", np.zeros((D, T), np.float32), ValueError), ("y", None, TypeError),
               ("resid", _noncontig((T, D)), ValueError), ("r1", T + 1, ValueError)]
+    nr = dict(y=f32(T, D), w=f32(D), resid=f32(T, D), gate=f32(D),
+              out=np.zeros((T, D), np.float32), eps=1e-6, w2=f32(D), mod2=f32(D),
+              h=np.zeros((T, D), np.float32))
+    nr_bad = [("y", f32(T, D).astype(np.float64), TypeError), ("y", f32(T, 0), ValueError),
+              ("y", None, TypeError), ("resid", f32(T + 1, D), ValueError),
+              ("resid", _noncontig((T, D)), ValueError), ("w", None, TypeError),
+              ("w", f32(D + 1), ValueError), ("gate", f32(1, D), ValueError),
+              ("w2", f32(D - 1), ValueError), ("mod2", [1.0] * D, TypeError),
+              ("out", _readonly(np.zeros((T, D), np.float32)), ValueError),
+              ("out", np.zeros((D, T), np.float32), ValueError),
+              ("h", np.zeros((T, D), np.float64), TypeError),
+              ("h", _readonly(np.zeros((T, D), np.float32)), ValueError),
+              ("eps", float("nan"), ValueError), ("eps", None, TypeError),
+              ("r1", T + 1, ValueError), ("r0", 2, ValueError, dict(r1=1)),
+              ("isa", "sse9", ValueError)]
     return [("rmsnorm", K.rmsnorm, rms, rms_bad), ("qknorm_rope", K.qknorm_rope, qk, qk_bad),
             ("attention", K.attention, at, at_bad), ("swiglu", K.swiglu, sw, sw_bad),
-            ("gated_residual", K.gated_residual, gr, gr_bad)]
+            ("gated_residual", K.gated_residual, gr, gr_bad),
+            ("norm_residual", K.norm_residual, nr, nr_bad)]
 
 
 def test_bad_input_battery():
@@ -597,6 +729,8 @@ def test_empty_inputs_return_early():
     out = np.zeros((0, 8), np.float32)
     K.rmsnorm(np.zeros((0, 8), np.float32), f32(8), out, 1e-6)
     K.gated_residual(np.zeros((0, 8), np.float32), np.zeros((0, 8), np.float32), f32(8), out)
+    K.norm_residual(np.zeros((0, 8), np.float32), f32(8), np.zeros((0, 8), np.float32), f32(8),
+                    out, 1e-6)
     e = np.zeros(0, np.float32)
     K.swiglu(e, e.copy(), np.zeros(0, np.float32))
     x = f32(3, 8)

@@ -42,6 +42,12 @@ int nx_gated_residual_f32(nx_isa isa, const float *resid, const float *y, const 
     return nx_ops_get(isa)->gated_residual(resid, y, gate, out, D, r0, r1);
 }
 
+int nx_norm_residual_f32(nx_isa isa, const float *y, const float *w, const float *resid,
+                         const float *gate, float *out, const float *w2, const float *mod2, float *h,
+                         int64_t D, float eps, int64_t r0, int64_t r1) {
+    return nx_ops_get(isa)->norm_residual(y, w, resid, gate, out, w2, mod2, h, D, eps, r0, r1);
+}
+
 void nx_vmath_f32(nx_isa isa, int which, const float *x, float *out, int64_t n) {
     nx_ops_get(isa)->vmath(which, x, out, n);
 }
@@ -219,6 +225,29 @@ int nx_gated_residual_f32_generic(const float *resid, const float *y, const floa
     for (int64_t c = 0; c < D; c++) tg[c] = tanhf(gate[c]);
     for (int64_t r = r0; r < r1; r++)
         for (int64_t c = 0; c < D; c++) out[r * D + c] = resid[r * D + c] + tg[c] * y[r * D + c];
+    free(tg);
+    return 0;
+}
+
+/* rmsnorm (no mod) and gated_residual of one row, never stored in between: each product is
+ * rounded to float32 as it would be when stored (no contraction under -std=c11), then the
+ * optional second norm by nx_rmsnorm_f32_generic itself. */
+int nx_norm_residual_f32_generic(const float *y, const float *w, const float *resid,
+                                 const float *gate, float *out, const float *w2, const float *mod2,
+                                 float *h, int64_t D, float eps, int64_t r0, int64_t r1) {
+    float *tg = malloc(sizeof(float) * (size_t)(D > 0 ? D : 1));
+    if (!tg) return -1;
+    for (int64_t c = 0; c < D; c++) tg[c] = tanhf(gate[c]);
+    for (int64_t r = r0; r < r1; r++) {
+        const float *yr = y + r * D, *rr = resid + r * D;
+        float *o = out + r * D;
+        const float inv = nx_rms_inv_generic(yr, D, eps);
+        for (int64_t c = 0; c < D; c++) {
+            const float v = (yr[c] * inv) * w[c];
+            o[c] = rr[c] + tg[c] * v;
+        }
+        if (w2) nx_rmsnorm_f32_generic(out, w2, mod2, h, D, eps, r, r + 1);
+    }
     free(tg);
     return 0;
 }

@@ -13,11 +13,11 @@
  *    => generic, avx2 and avx512 are bit-identical for these two families.
  *  - layernorm_mod: see its declaration; float64 statistics in the same 16-lane order and tree,
  *    float32 scaling never fused => bit-identical across variants.
- *  - swiglu / gated_residual / attention: generic uses libm expf/tanhf; SIMD variants use the
- *    polynomials in their own file (exp <= 2 ulp, measured 1.01; tanh <= 2 ulp, measured 1.14;
- *    silu <= 8u relative, plus |x|*2^-148 absolute below x = -87.3 where exp(-|x|) is subnormal;
- *    checked over the float range in tests/test_kernels_ops.py) and FMAs, so they agree with
- *    generic to a tolerance, not bit for bit.
+ *  - swiglu / gated_residual / norm_residual / attention: generic uses libm expf/tanhf; SIMD
+ *    variants use the polynomials in their own file (exp <= 2 ulp, measured 1.01; tanh <= 2 ulp,
+ *    measured 1.14; silu <= 8u relative, plus |x|*2^-148 absolute below x = -87.3 where
+ *    exp(-|x|) is subnormal; checked over the float range in tests/test_kernels_ops.py) and FMAs,
+ *    so they agree with generic to a tolerance, not bit for bit.
  *  - Band invariance: every output element's arithmetic is independent of the band bounds, so any
  *    split of a band gives bit-identical results within one variant.
  */
@@ -46,6 +46,9 @@
     X(gated_residual, int,                                                                         \
       (const float *resid, const float *y, const float *gate, float *out, int64_t D, int64_t r0,   \
        int64_t r1))                                                                                \
+    X(norm_residual, int,                                                                          \
+      (const float *y, const float *w, const float *resid, const float *gate, float *out,          \
+       const float *w2, const float *mod2, float *h, int64_t D, float eps, int64_t r0, int64_t r1)) \
     X(vmath, void, (int which, const float *x, float *out, int64_t n))                             \
     X(layernorm_mod, void,                                                                         \
       (const float *x, const float *mod, float *out, int64_t D, float eps, int64_t r0,             \
@@ -138,6 +141,24 @@ int nx_gated_residual_f32(nx_isa isa,         /* the ISA to run (nx_cpu.h) */
                           const float *gate,  /* IN  [D] */
                           float *out,         /* OUT [T, D] */
                           int64_t D, int64_t r0, int64_t r1);
+
+/* ---- norm_residual: a block's residual tail, one row at a time, rows [r0, r1):
+ *   out[r] := resid[r] + tanh(gate) * rmsnorm(y[r], w), and where w2 is given
+ *   h[r] := rmsnorm(out[r], w2) [* mod2] (the next norm of the block).
+ * The bits of the variant's rmsnorm(y, w) (no mod) into a float32 row, its gated_residual of
+ * that row and its rmsnorm(out, w2, mod2), with one pass over each row instead of five (the
+ * normalized y never reaches memory; y is left as it was). out may equal resid or y; h must
+ * overlap nothing else. Returns 0, or -1 if the D-float scratch could not be allocated. */
+int nx_norm_residual_f32(nx_isa isa,         /* the ISA to run (nx_cpu.h) */
+                         const float *y,     /* IN  [T, D] */
+                         const float *w,     /* IN  [D] */
+                         const float *resid, /* IN  [T, D] */
+                         const float *gate,  /* IN  [D] */
+                         float *out,         /* OUT [T, D] */
+                         const float *w2,    /* IN  [D] or NULL (no h) */
+                         const float *mod2,  /* IN  [D] or NULL */
+                         float *h,           /* OUT [T, D] (with w2) */
+                         int64_t D, float eps, int64_t r0, int64_t r1);
 
 /* ---- layernorm_mod: out[r] := (x[r] - mean_r) / sqrt(var_r + eps) * mod, rows [r0, r1) of
  * [T, D] (LayerNorm without affine, population variance, times a per-column modulation).

@@ -7,7 +7,7 @@
  * Must not: be entered unless nx_cpu_isa_supported(NX_ISA_AVX512) (dispatch in nx_ops.c). */
 #include "nx_ops.h"
 #include "nx_attn_tiled.h"
-#include "nx_ops_ew.h" /* rmsnorm, layernorm_mod, swiglu, gated_residual, vmath (both widths) */
+#include "nx_ops_ew.h" /* rmsnorm, layernorm_mod, swiglu, gated_residual, norm_residual, vmath */
 #include "nx_vmath_avx512.h"
 
 #include <immintrin.h>

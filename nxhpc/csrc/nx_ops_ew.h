@@ -1,6 +1,6 @@
 /* nx_ops_ew.h -- the element-wise forward kernels written once for both vector widths (nx_simd.h):
- * rmsnorm, layernorm_mod, swiglu, gated_residual, the exp/tanh test hook and the row loop of
- * rotate-half RoPE (called by each file's qknorm_rope). Included exactly once
+ * rmsnorm, layernorm_mod, swiglu, gated_residual, norm_residual, the exp/tanh test hook and the
+ * row loop of rotate-half RoPE (called by each file's qknorm_rope). Included exactly once
  * by nx_ops_avx2.c and by nx_ops_avx512.c, which defines NXV_FN(nx_swiglu_f32) as
  * nx_swiglu_f32_avx2 / nx_swiglu_f32_avx512 (declared in nx_ops.h).
  *
@@ -179,6 +179,39 @@ int NXV_FN(nx_gated_residual_f32)(const float *resid, const float *y, const floa
                 o + c, m,
                 nxv_fmadd(nxv_load_n(tg + c, m), nxv_load_n(yr + c, m), nxv_load_n(rr + c, m)));
         }
+    }
+    free(tg);
+    return 0;
+}
+
+/* rmsnorm(y, w) and gated_residual of one row in registers (the operations of both, in their
+ * order: ((y * inv) * w), then fma(tanh(gate), that, resid)), then the optional second norm by
+ * this file's rmsnorm itself (the row just written is in L1). */
+int NXV_FN(nx_norm_residual_f32)(const float *y, const float *w, const float *resid,
+                                 const float *gate, float *out, const float *w2, const float *mod2,
+                                 float *h, int64_t D, float eps, int64_t r0, int64_t r1) {
+    float *tg = aligned_alloc(64, (size_t)((D + NXV_W - 1) / NXV_W * NXV_W + 16) * sizeof(float));
+    if (!tg) return -1;
+    for (int64_t c = 0; c < D; c += NXV_W) {
+        const nxv_mask m = nxv_mask_n(D - c);
+        nxv_store_n(tg + c, m, nxv_tanh(nxv_load_n(gate + c, m)));
+    }
+    for (int64_t r = r0; r < r1; r++) {
+        const float *yr = y + r * D, *rr = resid + r * D;
+        float *o = out + r * D;
+        const nxv inv = nxv_set1(nxv_rms_inv(yr, D, eps));
+        int64_t c = 0;
+        for (; c + NXV_W <= D; c += NXV_W) {
+            const nxv v = nxv_mul(nxv_mul(nxv_loadu(yr + c), inv), nxv_loadu(w + c));
+            nxv_storeu(o + c, nxv_fmadd(nxv_loadu(tg + c), v, nxv_loadu(rr + c)));
+        }
+        if (c < D) {
+            const nxv_mask m = nxv_mask_n(D - c);
+            const nxv v = nxv_mul(nxv_mul(nxv_load_n(yr + c, m), inv), nxv_load_n(w + c, m));
+            nxv_store_n(o + c, m,
+                        nxv_fmadd(nxv_load_n(tg + c, m), v, nxv_load_n(rr + c, m)));
+        }
+        if (w2) NXV_FN(nx_rmsnorm_f32)(out, w2, mod2, h, D, eps, r, r + 1);
     }
     free(tg);
     return 0;
