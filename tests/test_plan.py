@@ -199,6 +199,87 @@ def test_projections_by_rows_have_the_bits_of_columns(setup, monkeypatch, precis
     assert_bitwise(_joint(setup, 2, precision)[0], base, "the mutant by columns")
 
 
+@pytest.mark.parametrize("precision", ["f32", "bf16", "q8"])
+def test_row_groups_have_the_bits_of_separate_stages(setup, monkeypatch, precision):
+    """With the projections by rows, the row-local stages run as two dispatches (norm1 + qkv;
+    out_proj to ffn_tail) with no wait between a worker's stages, and give the bits of every
+    stage dispatched alone, at 1, 2 and 3 workers and both spawn modes; by columns nothing is
+    grouped. Each grouped stage keeps its own StageSplit (its group named). Negative control:
+    a group run in reverse order changes the output, so the comparison sees the groups."""
+    from nxhpc.nn import engine as eng_mod, stages
+    from nxhpc.runtime.workers import WorkerPool
+    monkeypatch.setattr(stages, "PROJ_ROWS_PER_WORKER", 1)
+    monkeypatch.setattr(eng_mod, "ROW_GROUPS", False)
+    base, _ = _joint(setup, 2, precision)
+    calls = []
+    real_run = WorkerPool.run
+
+    def counting(self, stage, m, **kw):
+        calls.append(stage)
+        return real_run(self, stage, m, **kw)
+    monkeypatch.setattr(WorkerPool, "run", counting)
+    _joint(setup, 2, precision)
+    assert calls == [s.name for s in STAGES]
+    monkeypatch.setattr(eng_mod, "ROW_GROUPS", True)
+    groups = {"norm1": "norm1", "qkv": "norm1", "qknorm_rope": "", "sdpa": "",
+              **dict.fromkeys(["out_proj", "attn_tail", "w13", "w2", "ffn_tail"], "out_proj")}
+    for workers, spawn in ((1, "pool"), (2, "pool"), (3, "pool"), (2, "stage")):
+        w, x, pe, t_emb, plans = setup
+        calls.clear()
+        with Engine([(plans["joint"], T)], {"l0": w["l0"]}, workers=workers, spawn=spawn,
+                    buffers={"u": (T, CFG.dim), "pe": (T, CFG.head_dim // 2, 2, 2)}) as eng:
+            u = eng.buffer("u")
+            u[:] = x
+            eng.buffer("pe")[:] = pe
+            t = eng.run(plans["joint"], "l0", u, eng.buffer("pe"),
+                        adaln_m=eng.adaln("l0", t_emb), precision=precision)
+            assert_bitwise(u, base, f"groups, {workers} workers, {spawn}, {precision}")
+            split = eng.last_split
+        assert calls == ["norm1+qkv", "qknorm_rope", "sdpa",
+                         "out_proj+attn_tail+w13+w2+ffn_tail"]
+        assert [s.name for s in split] == [s.name for s in STAGES]
+        assert {s.name: s.group for s in split} == groups
+        assert all(s.extent == T for s in split if s.group)
+        assert all(0 <= s.busy_min <= s.busy_max and s.wall >= 0 for s in split)
+        assert sum(s.wall for s in split) <= t["block_us"] * 1000 + 1000
+    calls.clear()
+    monkeypatch.setattr(stages, "PROJ_ROWS_PER_WORKER", 10 ** 9)   # by columns: no group
+    assert_bitwise(_joint(setup, 2, precision)[0], base, "columns")
+    assert calls == [s.name for s in STAGES]
+    monkeypatch.setattr(stages, "PROJ_ROWS_PER_WORKER", 1)
+    real_group = eng_mod.Engine._group_task
+
+    def reversed_group(self, fns):
+        task = real_group(self, fns)
+        return lambda lo, hi, arg: task(lo, hi, (arg[0], arg[1][::-1]))
+    monkeypatch.setattr(eng_mod.Engine, "_group_task", reversed_group)
+    assert np.any(_joint(setup, 2, precision)[0] != base)
+
+
+def test_a_failing_stage_in_a_row_group_is_named(setup, monkeypatch):
+    """An error inside a row group names the group's stages, and the worker's traceback the
+    stage that raised; nothing leaks."""
+    from nxhpc.nn import stages
+    from nxhpc.runtime.workers import WorkerError
+    monkeypatch.setattr(stages, "PROJ_ROWS_PER_WORKER", 1)
+    real = K.norm_residual
+
+    def failing(*a, r0=0, **k):
+        if r0 > 0:
+            raise FloatingPointError("injected")
+        return real(*a, r0=r0, **k)
+    monkeypatch.setattr(K, "norm_residual", failing)
+    with pytest.raises(WorkerError, match=r"stage 'out_proj\+attn_tail\+w13\+w2\+ffn_tail': "
+                                          r"worker 1 of 2") as ei:
+        _joint(setup, 2, "f32")
+    msg, detail = str(ei.value), ei.value.detail
+    del ei                                # its traceback holds the run's views of the arena
+    gc.collect()
+    assert "injected" in msg
+    assert "in stage 'attn_tail' of the row group out_proj+attn_tail+w13+w2+ffn_tail" in detail
+    assert live_segments(PID) == [] and mapped_arenas() == []
+
+
 def test_plan_alone_equals_plan_in_shared_engine(setup, session):
     """Sharing the arena and pool with other plans does not change a plan's bits."""
     w, x, pe, _, plans = setup
@@ -242,8 +323,9 @@ def test_workers_start_with_the_arena_mapped(setup, monkeypatch, populating):
 
 
 def test_unit_gate_is_exactly_one_in_every_variant():
-    """gated_residual(resid, y, UNIT_GATE) == resid + y bit for bit, at every ISA: tanh of the
-    unit gate rounds to 1.0f. Negative control: a gate of 8 (tanh = 1 - 2.3e-7) is visible."""
+    """gated_residual(resid, y, UNIT_GATE) == resid + y bit for bit, at every ISA (and so for
+    norm_residual with y normalized): tanh of the unit gate rounds to 1.0f. Negative control: a
+    gate of 8 (tanh = 1 - 2.3e-7) is visible."""
     rng = np.random.default_rng(3)
     r = (rng.standard_normal((5, 333)) * 100).astype(np.float32)
     y = (rng.standard_normal((5, 333)) * 1e3).astype(np.float32)
@@ -253,6 +335,12 @@ def test_unit_gate_is_exactly_one_in_every_variant():
         assert_bitwise(o, r + y, isa)
         K.gated_residual(r, y, np.full(333, 8.0, np.float32), o, isa=isa)
         assert not np.array_equal(o, r + y), isa
+        # the residual tails' kernel (norm first, with a unit weight): resid + rmsnorm(y)
+        n = np.empty_like(r)
+        K.rmsnorm(y, np.ones(333, np.float32), n, 1e-6, isa=isa)
+        K.norm_residual(y, np.ones(333, np.float32), r, np.full(333, UNIT_GATE, np.float32), o,
+                        1e-6, isa=isa)
+        assert_bitwise(o, r + n, isa)
 
 
 def test_stage_table_drives_keys_and_docs():
@@ -262,14 +350,13 @@ def test_stage_table_drives_keys_and_docs():
     for line in stage_table().splitlines():
         assert "    " + line in doc, line
     assert [s.name for s in STAGES] == ["norm1", "qkv", "qknorm_rope", "sdpa", "out_proj",
-                                        "attn_tail", "ffn_norm", "w13", "w2",
-                                        "ffn_tail"]
+                                        "attn_tail", "w13", "w2", "ffn_tail"]
     p = BlockPlan(CFG)
     assert p.modulated and not BlockPlan(CFG, "context_refiner").modulated
     assert BlockPlan(CFG, "noise_refiner").modulated
     ext = {s.name: p.extent(s, 10) for s in STAGES}
     assert ext == {"norm1": 10, "qkv": CFG.qkv_width, "qknorm_rope": 6, "sdpa": 3,
-                   "out_proj": 192, "attn_tail": 10, "ffn_norm": 10, "w13": 512,
+                   "out_proj": 192, "attn_tail": 10, "w13": 512,
                    "w2": 192, "ffn_tail": 10}
     assert p.tensor_names(1)["adaln_w"] == "layers.1.adaLN_modulation.0.weight"
     assert "adaln_w" not in BlockPlan(CFG, "context_refiner").tensor_names(0)

@@ -195,6 +195,27 @@ def test_last_busy_ns_is_each_bands_own_time(mode, n, monkeypatch):
             assert max(p.last_busy_ns) <= (n * unit + 0.015) * 1e9
 
 
+def _parts_task(lo, hi, arg):
+    """Returns what ``arg`` asks for: per-step nanoseconds (ints, here lo and hi) or something
+    that is not a tuple of ints."""
+    return {"ints": (lo, hi, 7), "none": None, "floats": (1.0, 2.0), "list": [lo]}[arg]
+
+
+@pytest.mark.parametrize("mode, n, inline", [("pool", 1, True), ("pool", 1, False),
+                                             ("pool", 3, True), ("stage", 2, True)])
+def test_last_parts_ns_are_what_each_band_returned(mode, n, inline):
+    """A task that returns a tuple of ints (a row group's per-stage times) has it reported per
+    band in ``last_parts_ns``; any other return value reports None for that band."""
+    with WorkerPool(n, {"parts": _parts_task}, mode=mode, inline=inline) as p:
+        assert p.last_parts_ns == ()
+        p.run("parts", 6, arg="ints")
+        want = [(a, b, 7) for a, b in [(i * 6 // n, (i + 1) * 6 // n) for i in range(n)]]
+        assert list(p.last_parts_ns) == want
+        for other in ("none", "floats", "list"):
+            p.run("parts", 6, arg=other)
+            assert p.last_parts_ns == (None,) * n, other
+
+
 @linux_only
 @pytest.mark.parametrize("mode", MODES)
 def test_workers_run_under_the_batch_policy(mode):

@@ -20,7 +20,7 @@ Stage table (generated from :data:`STAGES`; ``tests/test_plan.py`` keeps it in s
     sdpa         query heads        us_sdpa         attn = softmax(q k^T / sqrt(hd) [+ mask]) v
     out_proj     dim columns        us_attn_tail    atto = attn @ Wout^T
     attn_tail    token rows         us_attn_tail    mid = x + tanh(gate_msa) * rmsnorm(atto, attention_norm2)
-    ffn_norm     token rows         us_ffn          h = rmsnorm(mid, ffn_norm1) * (1+scale_mlp)
+                                                    h = rmsnorm(mid, ffn_norm1) * (1+scale_mlp)
     w13          ffn columns        us_ffn          f1 = silu(h @ W1^T) * (h @ W3^T)
     w2           dim columns        us_ffn          f2 = f1 @ W2^T
     ffn_tail     token rows         us_ffn          out = mid + tanh(gate_mlp) * rmsnorm(f2, ffn_norm2)
@@ -33,7 +33,12 @@ columns when every worker gets at least :data:`nxhpc.nn.stages.PROJ_ROWS_PER_WOR
 (:func:`nxhpc.nn.stages.proj_by_rows`; not across MPI ranks, whose exchange gathers columns):
 a band is then whole output rows, and each worker packs only its own rows of the input. A
 kernel computes a row's outputs the same whatever rows and columns are beside it, so this
-changes no bit; ``Engine.last_split`` gives each stage's extent.
+changes no bit; ``Engine.last_split`` gives each stage's extent. Such a run's row-local stages
+(:meth:`BlockPlan.row_local`: ``norm1``, ``qkv``; ``out_proj`` to ``ffn_tail``) go to the
+workers as two dispatches instead of six (``nxhpc.nn.engine.ROW_GROUPS``): each worker runs
+its rows through them with no wait between, so a block is four dispatches at that size. The
+residual tails run ``kernels.norm_residual``: the norm, the gated residual and (``attn_tail``)
+the FFN's input norm in one pass over each row, with the bits of the three kernels in turn.
 
 Modulation. A modulated plan (``layers``, ``noise_refiner``) takes ``m = adaLN(t_emb)``,
 ``[scale_msa | gate_msa | scale_mlp | gate_mlp]``. An unmodulated plan (``context_refiner``)
@@ -44,9 +49,9 @@ kernel computes ``resid + tanh(g) * y``; the gate buffer of an unmodulated plan 
 1 - 8.5e-18 rounds to 1; pinned by a test), so the stage is exactly ``resid + y``.
 
 Memory. Scratch buffers are flat, sized for the largest ``(plan, T)`` need, and viewed with the
-shape of the T being run; normalized outputs overwrite their inputs where the kernels allow it
-(``rmsnorm`` of ``atto`` / ``f2`` in place; ``h`` is reused for ``h2``; the SwiGLU is applied
-inside the ``w13`` projection, so the up projection's outputs never reach the arena): per token
+shape of the T being run; ``h`` is reused for ``h2``, and some values never reach the arena (the
+normalized ``atto`` and ``f2``, kept in registers by ``norm_residual``; the up projection's
+outputs, the SwiGLU being applied inside the ``w13`` projection): per token
 ``6*D + KVH*hd + qkv_width + F`` scratch floats (x, out and pe are the caller's buffers).
 """
 from __future__ import annotations
@@ -94,20 +99,14 @@ def _sdpa(c: RunContext, lo: int, hi: int) -> None:
 
 
 def _attn_tail(c: RunContext, lo: int, hi: int) -> None:
-    atto = c.buf["atto"]
-    c.kernels.rmsnorm(atto, c.w.attention_norm2, atto, c.eps, r0=lo, r1=hi)
-    c.kernels.gated_residual(c.x, atto, c.gate_msa, c.buf["mid"], r0=lo, r1=hi)
-
-
-def _ffn_norm(c: RunContext, lo: int, hi: int) -> None:
-    c.kernels.rmsnorm(c.buf["mid"], c.w.ffn_norm1, c.buf["h"], c.eps, mod=c.mod_mlp, r0=lo,
-                      r1=hi)
+    # the bits of rmsnorm(atto), gated_residual, then the FFN's norm, in one pass over each row
+    c.kernels.norm_residual(c.buf["atto"], c.w.attention_norm2, c.x, c.gate_msa, c.buf["mid"],
+                            c.eps, w2=c.w.ffn_norm1, mod2=c.mod_mlp, h=c.buf["h"], r0=lo, r1=hi)
 
 
 def _ffn_tail(c: RunContext, lo: int, hi: int) -> None:
-    f2 = c.buf["f2"]
-    c.kernels.rmsnorm(f2, c.w.ffn_norm2, f2, c.eps, r0=lo, r1=hi)
-    c.kernels.gated_residual(c.buf["mid"], f2, c.gate_mlp, c.out, r0=lo, r1=hi)
+    c.kernels.norm_residual(c.buf["f2"], c.w.ffn_norm2, c.buf["mid"], c.gate_mlp, c.out, c.eps,
+                            r0=lo, r1=hi)
 
 
 # ------------------------------------------------------------------------------ the table
@@ -128,8 +127,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("out_proj", "dim_cols", "us_attn_tail", Project("attn", (("out", "atto"),)),
           "atto = attn @ Wout^T"),
     Stage("attn_tail", "rows", "us_attn_tail", _attn_tail,
-          "mid = x + tanh(gate_msa) * rmsnorm(atto, attention_norm2)"),
-    Stage("ffn_norm", "rows", "us_ffn", _ffn_norm, "h = rmsnorm(mid, ffn_norm1) * (1+scale_mlp)"),
+          "mid = x + tanh(gate_msa) * rmsnorm(atto, attention_norm2)\n"
+          "h = rmsnorm(mid, ffn_norm1) * (1+scale_mlp)"),
     Stage("w13", "ffn_cols", "us_ffn", ProjectGLU("h", "w1", "w3", "f1"),
           "f1 = silu(h @ W1^T) * (h @ W3^T)"),
     Stage("w2", "dim_cols", "us_ffn", Project("f1", (("w2", "f2"),)), "f2 = f1 @ W2^T"),
@@ -166,7 +165,6 @@ _SPLITS: dict[str, Callable[[BlockConfig, int], tuple[Gather, ...] | None]] = {
     "sdpa": _cols("attn", lambda c: c.n_heads * c.head_dim),
     "out_proj": _cols("atto", lambda c: c.dim, 1),
     "attn_tail": _whole,
-    "ffn_norm": _whole,
     "w13": _cols("f1", lambda c: c.ffn_dim, 1),
     "w2": _cols("f2", lambda c: c.dim, 1),
     "ffn_tail": _whole,
@@ -219,6 +217,12 @@ class BlockPlan(UnitGateState, Plan):
         if params is not None and params[3] and isinstance(stage.task, (Project, ProjectGLU)):
             return T
         return EXTENTS[stage.extent][1](self.config, T)
+
+    def row_local(self, stage: Stage, params: tuple) -> bool:
+        """The norms and residual tails (split over token rows), and the projections of a run
+        that splits them over token rows: each band reads and writes its own rows only."""
+        return stage.extent == "rows" or (bool(params[3])
+                                          and isinstance(stage.task, (Project, ProjectGLU)))
 
     def scratch(self, T: int) -> dict[str, tuple[int, ...]]:
         """Scratch buffer shapes for a run at ``T`` tokens."""

@@ -17,7 +17,9 @@ A run: :meth:`Engine.run_plan` maps each input view to ``(buffer, r0, r1)``, che
 sizing, and sends the workers one small hashable tuple per stage (the "wire"); a worker turns
 it into the plan's context once (cached) and runs the stage's task on its band
 ``[i*m//n, (i+1)*m//n)``. Every kernel is band-invariant, so a plan whose tasks only call
-kernels gives bit-identical outputs for every worker count.
+kernels gives bit-identical outputs for every worker count. Consecutive stages the plan calls
+row-local for the run (:meth:`Plan.row_local`) are sent as one command (:data:`ROW_GROUPS`):
+each worker runs its band of each in turn, with no wait between them.
 
 Ranks. Under ``mpirun -n R`` (:func:`nxhpc.runtime.ranks.init_world` called by the CLI) every
 rank maps the weights and builds its own engine, arena and pool; a stage its plan splits across
@@ -55,6 +57,16 @@ __all__ = ["Stage", "Plan", "Engine", "EngineSession", "RunContext", "BufRef", "
 #: The timing key of a whole plan run (every stage), after the stages' own keys.
 TOTAL_KEY = "block_us"
 
+#: Consecutive row-local stages (:meth:`Plan.row_local`) of a run on one process (no MPI
+#: ranks) go to the workers as one dispatch: each worker runs its band of each in turn, with
+#: no wait for the others between them, since its band reads only rows it wrote itself. The
+#: bands are the ones each stage would get alone, so no bit changes; a group saves each
+#: later stage's dispatch, wake-ups and wait for the slowest band. False: every stage alone.
+ROW_GROUPS = True
+
+#: The pool task that runs a row group (its arg: the run's wire and the stage names).
+GROUP_TASK = "_row_group"
+
 
 class StageSplit(NamedTuple):
     """Where one stage's time went in the last run (:attr:`Engine.last_split`), nanoseconds:
@@ -63,12 +75,16 @@ class StageSplit(NamedTuple):
     band, which the stage waits for) and ``busy_min``. ``wall - busy_max`` is the pool's cost
     (writing the commands, waking the workers, collecting the results); ``busy_max - busy_min``
     what an unequal split costs. ``extent``: the ``m`` whose ``[0, m)`` the bands split (a
-    projection's output columns, or its token rows: :func:`nxhpc.nn.stages.proj_by_rows`)."""
+    projection's output columns, or its token rows: :func:`nxhpc.nn.stages.proj_by_rows`).
+    ``group``: for a stage run in a row group (:data:`ROW_GROUPS`), the first stage of its
+    group, else ``""``; its ``wall`` is then its share of the group's wall time, in proportion
+    to the time its bands took (their mean), and ``busy_max`` / ``busy_min`` its own bands'."""
     name: str
     wall: int
     busy_max: int
     busy_min: int
     extent: int = 0
+    group: str = ""
 
     @property
     def overhead(self) -> int:
@@ -78,7 +94,8 @@ class StageSplit(NamedTuple):
 
 class Stage(NamedTuple):
     """One parallel stage: ``name`` (worker task and error label), ``extent`` (a key of the
-    plan's extents), ``timer`` (timing key), ``task(ctx, lo, hi)``, ``doc`` (its formula)."""
+    plan's extents), ``timer`` (timing key), ``task(ctx, lo, hi)``, ``doc`` (its formula; one
+    line each where it computes several things)."""
     name: str
     extent: str
     timer: str
@@ -148,7 +165,10 @@ def stage_table(stages: Iterable[Stage], extent_names: Mapping[str, str]) -> str
     """A plan's stage table as its module docstring shows it (``extent_names``: extent key ->
     what it splits over)."""
     rows = [("stage", "split over", "timer", "task")]
-    rows += [(s.name, extent_names[s.extent], s.timer, s.doc) for s in stages]
+    for s in stages:                    # a formula's later lines under its first
+        first, *more = s.doc.split("\n")
+        rows.append((s.name, extent_names[s.extent], s.timer, first))
+        rows += [("", "", "", line) for line in more]
     return "\n".join(f"{a:<12} {b:<18} {c:<15} {d}".rstrip() for a, b, c, d in rows)
 
 
@@ -174,6 +194,13 @@ class Plan:
         """The ``m`` of ``stage`` at ``T`` tokens (its bands split ``[0, m)``) in a run with
         ``params`` (None: the stage's own extent, as the split across ranks uses)."""
         raise NotImplementedError
+
+    def row_local(self, stage: Stage, params: tuple) -> bool:
+        """Whether ``stage``, in a run with ``params``, splits over the run's token rows and
+        its band ``[lo, hi)`` reads only rows ``[lo, hi)`` of what earlier stages wrote and
+        writes only those rows. Consecutive such stages run as one dispatch (each worker goes
+        on to the next with no wait: :data:`ROW_GROUPS`). Default: False for every stage."""
+        return False
 
     def scratch(self, T: int) -> dict[str, tuple[int, ...]]:
         """Scratch buffer shapes (float32) of a run at ``T`` tokens."""
@@ -320,11 +347,12 @@ class Engine:
                     raise ValueError(f"Engine: two plans define stage {s.name!r} differently")
                 seen[s.name] = s
                 task_fns[s.name] = self._task(s.task)
+        task_fns[GROUP_TASK] = self._group_task({n: st.task for n, st in seen.items()})
         self._extra: dict[str, Callable[..., None]] = {}
         for name, fn in extra_tasks.items():
-            if name in seen or not callable(fn):
+            if name in seen or name == GROUP_TASK or not callable(fn):
                 raise ValueError(f"Engine: extra task {name!r} must be a callable whose name is "
-                                 f"not a stage's ({', '.join(seen)})")
+                                 f"not a stage's ({', '.join(seen)}) nor {GROUP_TASK!r}")
             self._extra[name] = fn
             task_fns[name] = self._extra_task(fn)
         # the arena: flat scratch sized for the largest need + the plans' state + the caller's
@@ -438,6 +466,31 @@ class Engine:
                 raise RuntimeError("Engine: the engine was released while its workers ran")
             fn(engine._context(wire), lo, hi)
         return run_band
+
+    def _group_task(self, fns: Mapping[str, Callable[[Any, int, int], None]]
+                    ) -> Callable[[int, int, Any], tuple[int, ...]]:
+        """The task of a row group: ``arg`` = (wire, stage names); runs each stage's task on
+        the band in turn and returns each one's nanoseconds. An error names its stage."""
+        ref = weakref.ref(self)
+
+        def run_group(lo: int, hi: int, arg: tuple) -> tuple[int, ...]:
+            engine = ref()
+            if engine is None:
+                raise RuntimeError("Engine: the engine was released while its workers ran")
+            wire, names = arg
+            c = engine._context(wire)
+            now = time.perf_counter_ns
+            spent = []
+            for name in names:
+                t0 = now()
+                try:
+                    fns[name](c, lo, hi)
+                except BaseException as e:
+                    e.add_note(f"in stage {name!r} of the row group {'+'.join(names)}")
+                    raise
+                spent.append(now() - t0)
+            return tuple(spent)
+        return run_group
 
     def _extra_task(self, fn: Callable[["Engine", int, int, Any], None]
                     ) -> Callable[[int, int, Any], None]:
@@ -578,7 +631,16 @@ class Engine:
         pool = self.pool
         splits = []
         t_start = now()
-        for s in plan.stages:
+        stages = plan.stages
+        k = 0
+        while k < len(stages):
+            s = stages[k]
+            group = self._row_group(plan, T, wire, k)
+            if len(group) > 1:
+                self._run_group(group, T, wire, spent, splits)
+                k += len(group)
+                continue
+            k += 1
             t0 = now()
             split = None
             if self.ranks is not None:
@@ -604,6 +666,41 @@ class Engine:
         spent[TOTAL_KEY] = now() - t_start
         self.last_split = tuple(splits)
         return {k: ns // 1000 for k, ns in spent.items()}
+
+    def _row_group(self, plan: Plan, T: int, wire: tuple, k: int) -> tuple[Stage, ...]:
+        """The row group starting at stage ``k`` of a run (:data:`ROW_GROUPS`): the row-local
+        stages from ``k`` on, or stage ``k`` alone."""
+        stages, params = plan.stages, wire[3]
+
+        def local(s: Stage) -> bool:
+            return plan.row_local(s, params) and plan.extent(s, T, params) == T
+        if not ROW_GROUPS or self.ranks is not None or not local(stages[k]):
+            return stages[k:k + 1]
+        j = k + 1
+        while j < len(stages) and local(stages[j]):
+            j += 1
+        return stages[k:j]
+
+    def _run_group(self, group: tuple[Stage, ...], T: int, wire: tuple,
+                   spent: dict[str, int], splits: list[StageSplit]) -> None:
+        """One dispatch of a row group over ``[0, T)``; each stage's share of its wall time
+        into ``spent`` and ``splits`` (:class:`StageSplit`)."""
+        now = time.perf_counter_ns
+        pool = self.pool
+        names = tuple(s.name for s in group)
+        t0 = now()
+        used = pool.run("+".join(names), T, task=GROUP_TASK, arg=(wire, names))
+        wall = now() - t0
+        parts = [p for p in (pool.last_parts_ns if used else ()) if p is not None]
+        per = [[p[i] for p in parts] for i in range(len(group))] if parts else \
+            [[0] for _ in group]
+        means = [sum(v) / len(v) for v in per]
+        total = sum(means)
+        shares = [int(wall * m / total) if total else wall // len(group) for m in means]
+        shares[0] += wall - sum(shares)                  # the rounding: the shares add up
+        for s, share, v in zip(group, shares, per):
+            splits.append(StageSplit(s.name, share, max(v), min(v), T, group[0].name))
+            spent[s.timer] += share
 
     def run_task(self, name: str, m: int, arg: Any = None) -> int:
         """Run extra task ``name`` (given as ``tasks=``) over ``[0, m)`` in the workers (bands

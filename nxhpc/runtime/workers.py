@@ -243,13 +243,22 @@ def _error_result(e: BaseException) -> tuple[str, str, str]:
     return ("error", f"raised {type(e).__name__}: {e}"[:500], traceback.format_exc()[-_MAX_ERR:])
 
 
+def _parts(r: Any) -> tuple[int, ...] | None:
+    """What a task returned, as its parts' nanoseconds: a tuple of ints, else None."""
+    if isinstance(r, tuple) and all(isinstance(v, int) for v in r):
+        return r
+    return None
+
+
 def _run_task(tasks: Mapping[str, Task], name: str, lo: int, hi: int, arg: Any) -> tuple:
     """In a worker: run one band; every exception, even KeyboardInterrupt, becomes a report.
-    Success is ``("ok", ns)``: the task's own time in nanoseconds (``perf_counter_ns``)."""
+    Success is ``("ok", ns, parts)``: the task's own time in nanoseconds (``perf_counter_ns``)
+    and what it returned if that is a tuple of ints (a task running several steps times each:
+    :attr:`WorkerPool.last_parts_ns`), else None."""
     try:
         t0 = time.perf_counter_ns()
-        tasks[name](lo, hi, arg)
-        return ("ok", time.perf_counter_ns() - t0)
+        r = tasks[name](lo, hi, arg)
+        return ("ok", time.perf_counter_ns() - t0, _parts(r))
     except BaseException as e:  # noqa: BLE001 - everything is reported to the parent
         return _error_result(e)
 
@@ -350,6 +359,7 @@ class WorkerPool:
     _warm: Callable[[], object] | None = None
     _spin_s = 0.0
     _busy_ns: tuple[int, ...] = ()
+    _parts_ns: tuple[tuple[int, ...] | None, ...] = ()
 
     def __init__(self, n_workers: int, tasks: Mapping[str, Task], mode: str = DEFAULT_SPAWN,
                  *, inline: bool = True, stage_timeout: float | None = None,
@@ -397,6 +407,13 @@ class WorkerPool:
         The stage's wall time less the longest of these is the pool's own cost: dispatch,
         wake-ups and result collection (``Engine.last_split`` adds them up per stage)."""
         return self._busy_ns
+
+    @property
+    def last_parts_ns(self) -> tuple[tuple[int, ...] | None, ...]:
+        """Per band of the last stage that finished, what its task returned when that was a
+        tuple of ints (a task running several steps reports each one's nanoseconds), else
+        None; () before any stage."""
+        return self._parts_ns
 
     @property
     def spin_s(self) -> float:
@@ -511,8 +528,9 @@ class WorkerPool:
             # untouched for the caller to handle; errors become WorkerError like a worker's.
             try:
                 t0 = time.perf_counter_ns()
-                self._tasks[name](lo, m, arg)
+                r = self._tasks[name](lo, m, arg)
                 self._busy_ns = (time.perf_counter_ns() - t0,)
+                self._parts_ns = (_parts(r),)
             except Exception as e:
                 _, reason, tb = _error_result(e)
                 raise WorkerError(stage, 0, 1, (lo, m), reason + " (in process)", tb) from e
@@ -529,6 +547,7 @@ class WorkerPool:
         pending = {fd: i for i, fd in enumerate(fds)}
         n = len(bs)
         busy = [0] * n
+        parts: list[tuple[int, ...] | None] = [None] * n
         deadline = (None if self.stage_timeout is None
                     else time.monotonic() + self.stage_timeout)
         stopped_since: dict[int, float] = {}
@@ -553,12 +572,14 @@ class WorkerPool:
                     msg = msg[1:] if msg[0] == seq else None
                 if msg is not None and msg[0] == "ok":
                     busy[i] = msg[1]
+                    parts[i] = msg[2]
                     continue
                 if msg is None:   # EOF: the worker is dead or dying; reap it (grace period)
                     status = reap(pids[i], _REAP_S, _forget(pids, i))
                     raise WorkerError(stage, i, n, bs[i], _describe_status(status))
                 raise WorkerError(stage, i, n, bs[i], msg[1], msg[2])
         self._busy_ns = tuple(busy)
+        self._parts_ns = tuple(parts)
 
     def _check_stopped(self, stage: str, bs: list[tuple[int, int]], waiting: list[int],
                        pids: list[int], since: dict[int, float]) -> None:
