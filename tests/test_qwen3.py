@@ -227,13 +227,31 @@ def test_low_precision_errors_bounded(small, small_out, precision):
 
 # ------------------------------------------------------------------------------ the engine
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
-def test_bit_identical_for_any_worker_count(small, small_out, precision):
+def test_bit_identical_for_any_worker_count(small, small_out, precision, monkeypatch):
+    """The same features for every worker count and spawn mode, with the row groups (the
+    attention's residual and the FFN's norm sent as one command, ``nxhpc.nn.engine.ROW_GROUPS``)
+    or every stage alone."""
+    from nxhpc.nn import engine as eng_mod
+    from nxhpc.runtime.workers import WorkerPool
+    sent = []
+    real_run = WorkerPool.run
+
+    def counting(self, stage, m, **kw):
+        sent.append(stage)
+        return real_run(self, stage, m, **kw)
+    monkeypatch.setattr(WorkerPool, "run", counting)
     outs = {}
-    for workers, spawn in ((1, "pool"), (2, "pool"), (3, "pool"), (2, "stage")):
+    for workers, spawn, groups in ((1, "pool", True), (2, "pool", True), (3, "pool", True),
+                                   (2, "stage", True), (2, "pool", False)):
+        monkeypatch.setattr(eng_mod, "ROW_GROUPS", groups)
+        sent.clear()
         with TextEncoderModel(small[0], workers=workers, spawn=spawn,
                               precision=precision) as m:
-            outs[(workers, spawn)] = m.encode_ids(IDS)
-    base = outs[(1, "pool")]
+            outs[(workers, spawn, groups)] = m.encode_ids(IDS)
+        layers = [s for s in sent if s.startswith("norm1")]
+        assert len(layers) == 2                   # SMALL runs two of its three blocks
+        assert ("attn_res+ffn_norm" in sent) == groups and ("ffn_norm" in sent) != groups
+    base = outs[(1, "pool", True)]
     for k, o in outs.items():
         assert_bitwise(o, base, f"{precision} workers={k}")
     if precision == "f32":

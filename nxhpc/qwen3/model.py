@@ -46,7 +46,8 @@ the columns of the joint row its band covers, into that projection's own scratch
 those columns into the joint row the q/k-norm and attention kernels read (the files store
 ``attn_q`` / ``attn_k`` / ``attn_v`` apart, often in different types; the matmul writes a whole
 ``[T, N]`` output). Residuals are the gated-residual kernel with the unit gate (exactly
-``resid + y``, :mod:`nxhpc.nn.residual`).
+``resid + y``, :mod:`nxhpc.nn.residual`). ``attn_res`` and ``ffn_norm``, both row-local
+(:meth:`LayerPlan.row_local`), go to the workers as one command (``nxhpc.nn.engine.ROW_GROUPS``).
 
 Memory: weights stay in the map in their stored type (workers share the pages); scratch per
 token ``3*D + 2*(H + 2*KVH)*hd + (H + KVH)*hd + H*hd + F`` floats (Qwen3-4B: 156 KB, 80 MB
@@ -277,6 +278,11 @@ class LayerPlan(UnitGateState, Plan):
 
     def extent(self, stage: Stage, T: int, params: tuple | None = None) -> int:
         return EXTENTS[stage.extent][1](self.config, T)
+
+    def row_local(self, stage: Stage, params: tuple) -> bool:
+        """The norms and residual adds (split over token rows, each band its own rows): the
+        attention's residual and the FFN's norm run as one dispatch (``ROW_GROUPS``)."""
+        return stage.extent == "rows"
 
     def scratch(self, T: int) -> dict[str, tuple[int, ...]]:
         c = self.config
