@@ -26,6 +26,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -277,6 +278,42 @@ def test_a_failing_stage_in_a_row_group_is_named(setup, monkeypatch):
     gc.collect()
     assert "injected" in msg
     assert "in stage 'attn_tail' of the row group out_proj+attn_tail+w13+w2+ffn_tail" in detail
+    assert live_segments(PID) == [] and mapped_arenas() == []
+
+
+def test_a_hung_stage_in_a_row_group_gets_the_groups_budget(setup, monkeypatch):
+    """A row group of k stages may run k stage timeouts (each stage gets ``stage_timeout``),
+    then it is a worker failure naming the group and the budget; nothing leaks."""
+    from nxhpc.nn import stages
+    from nxhpc.runtime.workers import WorkerError
+    monkeypatch.setattr(stages, "PROJ_ROWS_PER_WORKER", 1)
+    real = K.norm_residual
+
+    def slow(*a, r0=0, **k):              # 0.6 s in each tail: over 0.5 s, under 5 x 0.5 s
+        if r0 > 0:
+            time.sleep(0.6)
+        return real(*a, r0=r0, **k)
+    monkeypatch.setattr(K, "norm_residual", slow)
+    w, x, pe, t_emb, plans = setup
+
+    def run(timeout):
+        with Engine([(plans["joint"], T)], {"l0": w["l0"]}, workers=2, stage_timeout=timeout,
+                    buffers={"u": (T, CFG.dim), "pe": (T, CFG.head_dim // 2, 2, 2)}) as eng:
+            u = eng.buffer("u")
+            u[:] = x
+            eng.buffer("pe")[:] = pe
+            eng.run(plans["joint"], "l0", u, eng.buffer("pe"), adaln_m=eng.adaln("l0", t_emb))
+            return u.copy()
+    run(0.5)                              # 1.2 s of tails in a group of 5 stages: within 2.5 s
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as ei:
+        run(0.2)                          # 1.2 s > 5 x 0.2 s
+    msg = str(ei.value)
+    del ei
+    gc.collect()
+    assert "stage 'out_proj+attn_tail+w13+w2+ffn_tail': worker 1 of 2" in msg, msg
+    assert "stage timeout of 0.2 s for each of its 5 stages (1 s)" in msg, msg
+    assert time.monotonic() - t0 < 10
     assert live_segments(PID) == [] and mapped_arenas() == []
 
 

@@ -689,7 +689,8 @@ class Engine:
         pool = self.pool
         names = tuple(s.name for s in group)
         t0 = now()
-        used = pool.run("+".join(names), T, task=GROUP_TASK, arg=(wire, names))
+        used = pool.run("+".join(names), T, task=GROUP_TASK, arg=(wire, names),
+                        stages=len(names))       # each stage gets stage_timeout
         wall = now() - t0
         parts = [p for p in (pool.last_parts_ns if used else ()) if p is not None]
         per = [[p[i] for p in parts] for i in range(len(group))] if parts else \

@@ -337,7 +337,8 @@ class WorkerPool:
     in worker ``i``, returning when all are done. With one effective worker and ``inline=True``
     the task runs in the calling process (no fork); its exceptions still come out as
     :class:`WorkerError`. ``stage_timeout`` (seconds, None = wait forever) bounds one stage in
-    forked workers; an inline stage cannot be interrupted. Use as a context manager, or call
+    forked workers (a call running ``stages=k`` of them in turn gets k times it); an inline
+    stage cannot be interrupted. Use as a context manager, or call
     :meth:`close`; a pool dropped without ``close()`` is stopped when collected or at exit.
     ``warm`` (pool mode): called once in each resident worker before it serves a stage (the
     engine maps its arena there in one call, :meth:`SharedArena.populate`); its exceptions are
@@ -497,15 +498,21 @@ class WorkerPool:
 
     # -- dispatch ---------------------------------------------------------------------------
     def run(self, stage: str, m: int, *, task: str | None = None, arg: Any = None,
-            max_workers: int | None = None, lo: int = 0) -> int:
+            max_workers: int | None = None, lo: int = 0, stages: int = 1) -> int:
         """Run task ``task`` (default: ``stage``) over ``[lo, m)`` (``lo``: where this
         process's share of a larger range starts, e.g. an MPI rank's band; the workers split
         ``[lo, m)`` as :func:`bands` splits ``[0, m - lo)``); returns the workers used.
-        Serialized with other threads' calls (one stage at a time)."""
+        ``stages``: how many stages the task runs in turn (a row group), each allowed
+        ``stage_timeout``. Serialized with other threads' calls (one stage at a time)."""
         if self._lock is None:
             raise RuntimeError(f"WorkerPool: closed (stage {stage!r})")
+        if as_index(stages) is None or stages < 1:
+            raise ValueError(f"WorkerPool.run: stages must be an int >= 1, got {stages!r}")
         with self._lock:
+            self._budget = int(stages)
             return self._run(stage, m, task, arg, max_workers, lo)
+
+    _budget = 1                 # the running call's stages, each allowed stage_timeout
 
     def _run(self, stage: str, m: int, task: str | None, arg: Any,
              max_workers: int | None, lo: int = 0) -> int:
@@ -548,15 +555,17 @@ class WorkerPool:
         n = len(bs)
         busy = [0] * n
         parts: list[tuple[int, ...] | None] = [None] * n
-        deadline = (None if self.stage_timeout is None
-                    else time.monotonic() + self.stage_timeout)
+        limit = None if self.stage_timeout is None else self.stage_timeout * self._budget
+        deadline = None if limit is None else time.monotonic() + limit
         stopped_since: dict[int, float] = {}
         while pending:
             if deadline is not None and time.monotonic() >= deadline:
                 late = sorted(pending.values())
+                each = (f" for each of its {self._budget} stages ({limit:g} s)"
+                        if self._budget > 1 else "")
                 raise WorkerError(stage, late[0], n, bs[late[0]],
                                   f"did not finish within the stage timeout of "
-                                  f"{self.stage_timeout:g} s (hung or too slow; unfinished "
+                                  f"{self.stage_timeout:g} s{each} (hung or too slow; unfinished "
                                   f"workers: {', '.join(map(str, late))}); all workers killed")
             ready, _, _ = select.select(list(pending), [], [], _POLL_S)
             if not ready:               # nothing for a while: is a worker stopped?
