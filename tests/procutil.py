@@ -185,3 +185,17 @@ def kernel_populates() -> bool:
         return False
     finally:
         m.close()
+
+
+def record_dispatches(monkeypatch) -> list[str]:
+    """A list that receives the stage label of every ``WorkerPool.run`` from now on (for the
+    rest of the test): what the engine sent the workers, row groups as ``"a+b"``."""
+    from nxhpc.runtime.workers import WorkerPool
+    sent: list[str] = []
+    real_run = WorkerPool.run
+
+    def recording(self, stage, m, **kw):
+        sent.append(stage)
+        return real_run(self, stage, m, **kw)
+    monkeypatch.setattr(WorkerPool, "run", recording)
+    return sent

@@ -41,7 +41,7 @@ from nxhpc.dit.block import BlockRunner
 from testutil import block_inputs, errs, np32_block, random_layer
 from kernelutil import assert_bitwise
 from procutil import (ROOT, alive, children_of, kernel_populates, linux_only, mapped_arenas,
-                      mapping_rss_kb, with_tests_on_path)
+                      mapping_rss_kb, record_dispatches, with_tests_on_path)
 
 PID = os.getpid()
 CFG = BlockConfig(dim=192, n_heads=3, n_kv_heads=3, head_dim=64, ffn_dim=512, n_layers=1,
@@ -208,17 +208,10 @@ def test_row_groups_have_the_bits_of_separate_stages(setup, monkeypatch, precisi
     grouped. Each grouped stage keeps its own StageSplit (its group named). Negative control:
     a group run in reverse order changes the output, so the comparison sees the groups."""
     from nxhpc.nn import engine as eng_mod, stages
-    from nxhpc.runtime.workers import WorkerPool
     monkeypatch.setattr(stages, "PROJ_ROWS_PER_WORKER", 1)
     monkeypatch.setattr(eng_mod, "ROW_GROUPS", False)
     base, _ = _joint(setup, 2, precision)
-    calls = []
-    real_run = WorkerPool.run
-
-    def counting(self, stage, m, **kw):
-        calls.append(stage)
-        return real_run(self, stage, m, **kw)
-    monkeypatch.setattr(WorkerPool, "run", counting)
+    calls = record_dispatches(monkeypatch)
     _joint(setup, 2, precision)
     assert calls == [s.name for s in STAGES]
     monkeypatch.setattr(eng_mod, "ROW_GROUPS", True)

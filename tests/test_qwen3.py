@@ -42,7 +42,7 @@ from nxhpc.qwen3.model import (TIMING_KEYS, TextEncoderInputError, TextEncoderMo
 from nxhpc.qwen3.reference import encode_f64, rope_half_f64
 from nxhpc.runtime.shm import live_segments
 from kernelutil import assert_bitwise
-from procutil import children_of
+from procutil import children_of, record_dispatches
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -232,14 +232,7 @@ def test_bit_identical_for_any_worker_count(small, small_out, precision, monkeyp
     attention's residual and the FFN's norm sent as one command, ``nxhpc.nn.engine.ROW_GROUPS``)
     or every stage alone."""
     from nxhpc.nn import engine as eng_mod
-    from nxhpc.runtime.workers import WorkerPool
-    sent = []
-    real_run = WorkerPool.run
-
-    def counting(self, stage, m, **kw):
-        sent.append(stage)
-        return real_run(self, stage, m, **kw)
-    monkeypatch.setattr(WorkerPool, "run", counting)
+    sent = record_dispatches(monkeypatch)
     outs = {}
     for workers, spawn, groups in ((1, "pool", True), (2, "pool", True), (3, "pool", True),
                                    (2, "stage", True), (2, "pool", False)):

@@ -157,16 +157,23 @@ void NXV_FN(nx_swiglu_f32)(const float *a, const float *b, float *out, int64_t i
     }
 }
 
-int NXV_FN(nx_gated_residual_f32)(const float *resid, const float *y, const float *gate, float *out,
-                                  int64_t D, int64_t r0, int64_t r1) {
-    /* tanh(gate) once per call: D rounded up to whole vectors, plus one (aligned_alloc wants a
-     * multiple of the alignment) */
+/* tanh(gate) once per call, in a 64-byte aligned buffer the caller frees (NULL if it could not
+ * be allocated): D rounded up to whole vectors, plus one (aligned_alloc wants a multiple of the
+ * alignment). */
+static float *NXV_FN(nx_tanh_table)(const float *gate, int64_t D) {
     float *tg = aligned_alloc(64, (size_t)((D + NXV_W - 1) / NXV_W * NXV_W + 16) * sizeof(float));
-    if (!tg) return -1;
+    if (!tg) return NULL;
     for (int64_t c = 0; c < D; c += NXV_W) {
         const nxv_mask m = nxv_mask_n(D - c);
         nxv_store_n(tg + c, m, nxv_tanh(nxv_load_n(gate + c, m)));
     }
+    return tg;
+}
+
+int NXV_FN(nx_gated_residual_f32)(const float *resid, const float *y, const float *gate, float *out,
+                                  int64_t D, int64_t r0, int64_t r1) {
+    float *tg = NXV_FN(nx_tanh_table)(gate, D);
+    if (!tg) return -1;
     for (int64_t r = r0; r < r1; r++) {
         const float *rr = resid + r * D, *yr = y + r * D;
         float *o = out + r * D;
@@ -190,12 +197,8 @@ int NXV_FN(nx_gated_residual_f32)(const float *resid, const float *y, const floa
 int NXV_FN(nx_norm_residual_f32)(const float *y, const float *w, const float *resid,
                                  const float *gate, float *out, const float *w2, const float *mod2,
                                  float *h, int64_t D, float eps, int64_t r0, int64_t r1) {
-    float *tg = aligned_alloc(64, (size_t)((D + NXV_W - 1) / NXV_W * NXV_W + 16) * sizeof(float));
+    float *tg = NXV_FN(nx_tanh_table)(gate, D);
     if (!tg) return -1;
-    for (int64_t c = 0; c < D; c += NXV_W) {
-        const nxv_mask m = nxv_mask_n(D - c);
-        nxv_store_n(tg + c, m, nxv_tanh(nxv_load_n(gate + c, m)));
-    }
     for (int64_t r = r0; r < r1; r++) {
         const float *yr = y + r * D, *rr = resid + r * D;
         float *o = out + r * D;
