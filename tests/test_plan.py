@@ -234,6 +234,8 @@ def test_row_groups_have_the_bits_of_separate_stages(setup, monkeypatch, precisi
         assert [s.name for s in split] == [s.name for s in STAGES]
         assert {s.name: s.group for s in split} == groups
         assert all(s.extent == T for s in split if s.group)
+        # a group's pool cost is its first stage's overhead; the others' shares fit their bands
+        assert all(s.overhead == 0 for s in split if s.group and s.name != s.group)
         assert all(0 <= s.busy_min <= s.busy_max and s.wall >= 0 for s in split)
         assert sum(s.wall for s in split) <= t["block_us"] * 1000 + 1000
     calls.clear()

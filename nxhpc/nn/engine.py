@@ -77,8 +77,12 @@ class StageSplit(NamedTuple):
     what an unequal split costs. ``extent``: the ``m`` whose ``[0, m)`` the bands split (a
     projection's output columns, or its token rows: :func:`nxhpc.nn.stages.proj_by_rows`).
     ``group``: for a stage run in a row group (:data:`ROW_GROUPS`), the first stage of its
-    group, else ``""``; its ``wall`` is then its share of the group's wall time, in proportion
-    to the time its bands took (their mean), and ``busy_max`` / ``busy_min`` its own bands'."""
+    group, else ``""``. Its ``busy_max`` / ``busy_min`` are then its own bands', and its
+    ``wall`` is its share of the slowest band's time for the whole group (in proportion to its
+    ``busy_max``), the group's first stage adding what the wall took beyond that: so
+    ``overhead`` summed over a group is the pool's cost of the group, while ``busy_max -
+    busy_min`` summed over it overstates what its unequal bands cost (a band does not wait for
+    the others between the stages of a group)."""
     name: str
     wall: int
     busy_max: int
@@ -695,10 +699,14 @@ class Engine:
         parts = [p for p in (pool.last_parts_ns if used else ()) if p is not None]
         per = [[p[i] for p in parts] for i in range(len(group))] if parts else \
             [[0] for _ in group]
-        means = [sum(v) / len(v) for v in per]
-        total = sum(means)
-        shares = [int(wall * m / total) if total else wall // len(group) for m in means]
-        shares[0] += wall - sum(shares)                  # the rounding: the shares add up
+        # the slowest band's whole group, shared out in proportion to each stage's slowest
+        # band; what the wall adds to it (dispatch, wake-ups, collection) goes to the first
+        # stage, so StageSplit.overhead still sums to the pool's cost
+        slowest = max((sum(p) for p in parts), default=0)
+        tops = [max(v) for v in per]
+        top = sum(tops)
+        shares = [slowest * t // top if top else 0 for t in tops]
+        shares[0] += wall - sum(shares)                  # the pool's cost and the rounding
         for s, share, v in zip(group, shares, per):
             splits.append(StageSplit(s.name, share, max(v), min(v), T, group[0].name))
             spent[s.timer] += share
