@@ -81,9 +81,10 @@ def _check(out, model, precision="f32"):
 
 def split_costs(split, wall_us: float, block_us: float) -> dict[str, float]:
     """One forward's time outside the bands' own work, microseconds: ``pool_us`` (per stage,
-    wall less the slowest band: commands, wake-ups, results), ``unequal_bands_us`` (the
-    slowest band less the fastest), ``parent_us`` (the call less its stages: input checks,
-    adaLN, copies in and out)."""
+    wall less the slowest band: commands, wake-ups, results; a row group's once, on its first
+    stage), ``unequal_bands_us`` (the slowest band less the fastest; inside a row group, where
+    bands do not wait for each other between stages, an upper bound), ``parent_us`` (the call
+    less its stages: input checks, adaLN, copies in and out)."""
     return {"pool_us": sum(s.overhead for s in split) / 1e3,
             "unequal_bands_us": sum(s.busy_max - s.busy_min for s in split) / 1e3,
             "parent_us": wall_us - block_us}
