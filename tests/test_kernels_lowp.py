@@ -565,10 +565,12 @@ def assert_amx_bf16_sums(got, x, wf):
 @pytest.mark.skipif(not AMX_BF16, reason="no AMX on this CPU")
 @pytest.mark.parametrize("T,Kd,N,wtype",
                          _bf16_cases() + [(40, 300, 70, "F32"), (33, 512, 65, "Q8_0"),
-                                          (600, 2336, 70, "Q8_0"), (1200, 300, 40, "F32")],
+                                          (600, 2336, 70, "Q8_0"), (1200, 320, 40, "Q8_0"),
+                                          (1200, 300, 40, "F32"), (2400, 96, 33, "BF16")],
                          ids=str)
 def test_bf16_amx_sums_the_contract_products(T, Kd, N, wtype):
-    """Every tile tail (32 x 32 blocks), two and three token blocks (T > 9/8 MC, MC 512), N > NC, K
+    """Every tile tail (32 x 32 blocks), two and three token blocks (T > 9/8 MC: MC 512 for
+    quantized weights, 1024 for F32 / F16 / BF16 ones), N > NC, K
     within one KC (512: the tiles stored straight to the output) and across it (the tile sums
     carried between k-blocks in the packed C buffer, reused across token and column blocks), K
     not a multiple of 32: within the chain bound of the exact sum of the bf()-rounded products;
@@ -591,18 +593,19 @@ def test_bf16_amx_sums_the_contract_products(T, Kd, N, wtype):
 
 
 @pytest.mark.skipif(not AMX_BF16, reason="no AMX on this CPU")
-def test_bf16_amx_bits_do_not_depend_on_the_token_batch():
-    """The same rows give the same bits in a call of 600 tokens (two token blocks at MC 512)
-    and in calls of 1 to 100 (the tile sums pass through the packed C buffer exactly, whichever
-    tile and token block a row falls in), across k-block edges (K = 2336: four k-blocks of 512
-    and a partial one)."""
+@pytest.mark.parametrize("T,wtype", [(600, "Q8_0"), (1200, "F16")])
+def test_bf16_amx_bits_do_not_depend_on_the_token_batch(T, wtype):
+    """The same rows give the same bits in a call of two token blocks (600 tokens at MC 512 for
+    a quantized type, 1200 at MC 1024 for a float one) and in calls of 1 to 100 (the tile sums
+    pass through the packed C buffer exactly, whichever tile and token block a row falls in),
+    across k-block edges (K = 2336: four k-blocks of 512 and a partial one)."""
     rng = np.random.default_rng(31)
-    T, Kd, N = 600, 2336, 45
+    Kd, N = 2336, 45
     x = rand_x(rng, T, Kd)
-    w = make_w(rng, "F16", N, Kd)
-    full = run_bf16(x, w, "F16", "amx")
-    for a, b in [(0, 64), (64, 65), (500, 600)]:
-        assert same_bits_or_both_nan(run_bf16(x[a:b].copy(), w, "F16", "amx"), full[a:b]), (a, b)
+    w = make_w(rng, wtype, N, Kd)
+    full = run_bf16(x, w, wtype, "amx")
+    for a, b in [(0, 64), (64, 65), (T - 100, T)]:
+        assert same_bits_or_both_nan(run_bf16(x[a:b].copy(), w, wtype, "amx"), full[a:b]), (a, b)
 
 
 @pytest.mark.skipif(not AMX_BF16, reason="no AMX on this CPU")

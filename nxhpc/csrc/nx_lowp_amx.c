@@ -382,6 +382,14 @@ int nx_matmul_q8_amx(const nx_mm_call *c) {
  *     floats), the whole L2 of this Xeon, beside the 512 KiB weight panel: at 512 both fit,
  *     for twice the decoding. MC 256: 919-1012 (slower). At 512x512 (576 rows a worker) and in
  *     the autoencoder's decode (2.22-2.35 s against 2.30-2.36) the same within noise.
+ *   - F32 / F16 / BF16 weights back at MC 1024 (NX_AMXBF_MC_FLOAT; 2026-12-06, later): there
+ *     every token block streams the weights from memory again at 2-4 bytes a weight (0.56 for
+ *     Q4_K), so the block count, not L2, bounds it. The same denoiser call at 1024x1024, 2
+ *     workers, three alternating process pairs (a build with NX_AMXBF_MC_FLOAT=512 against
+ *     the default): the noise refiner (BF16 weights, 2 layers at T = 4096) 2242-2307 ->
+ *     2123-2137 ms, the main layers (Q4_K etc., MC 512 both) the same; the autoencoder's decode
+ *     (F16 weights, bf16) at 1024x1024 10.62 -> 10.05 s (one pair), at 512x512 the same
+ *     (2.58 / 2.63 against 2.55 / 2.63 s).
  * KC and MC do not change the bits: the tile sums are carried exactly. */
 #ifndef NX_AMXBF_KC
 #define NX_AMXBF_KC 512
@@ -392,9 +400,16 @@ int nx_matmul_q8_amx(const nx_mm_call *c) {
 #ifndef NX_AMXBF_MC
 #define NX_AMXBF_MC 512
 #endif
+/* Token blocks for F32 / F16 / BF16 weights: each block reads the weights from memory again
+ * (2 or 4 bytes a weight, against 0.56-1.06 for the quantized types), so fewer, larger blocks
+ * (measured above). */
+#ifndef NX_AMXBF_MC_FLOAT
+#define NX_AMXBF_MC_FLOAT 1024
+#endif
 _Static_assert(NX_AMXBF_KC % 256 == 0, "KC must hold whole blocks of every type");
 _Static_assert(NX_AMXBF_NC % NX_AMXBF_NR == 0, "NC must be a multiple of NR");
 _Static_assert(NX_AMXBF_MC % NX_AMXBF_MR == 0, "MC must be a multiple of MR");
+_Static_assert(NX_AMXBF_MC_FLOAT % NX_AMXBF_MR == 0, "MC_FLOAT must be a multiple of MR");
 /* Per 32-k group (the operands swapped: the tiles compute out^T = W x^T, so neither the weights
  * nor the tile sums are transposed per k-block, only x once per call and each output once):
  *   A micro-panel (x, MR tokens): uint32 pairs[16][MR] (row p = pair p of every token), two B
@@ -852,8 +867,10 @@ static void nx_amxbf_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *
 
 int nx_matmul_bf16_amx(const nx_mm_call *c) {
     if (!c->wt || !c->dequant) return -2;
+    const int float_w = c->type == NX_GGML_F32 || c->type == NX_GGML_F16 || c->type == NX_GGML_BF16;
     const nx_lowp_tiling tl = {
-        NX_AMXBF_MR,     NX_AMXBF_NR,     NX_AMXBF_KC, NX_AMXBF_NC, NX_AMXBF_MC,
+        NX_AMXBF_MR,     NX_AMXBF_NR,     NX_AMXBF_KC, NX_AMXBF_NC,
+        float_w ? NX_AMXBF_MC_FLOAT : NX_AMXBF_MC,
         NX_AMXBF_AG,     NX_AMXBF_BG,     0,           NX_AMXBF_KC * sizeof(float),
         0,               nx_amxbf_pack_a, nx_amxbf_pack_b,
         NULL,            nx_amxbf_kern,
