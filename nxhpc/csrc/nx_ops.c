@@ -218,11 +218,18 @@ void nx_swiglu_f32_generic(const float *a, const float *b, float *out, int64_t i
     for (int64_t i = i0; i < i1; i++) out[i] = nx_silu_generic(a[i]) * b[i];
 }
 
+/* tanh(gate) once per call, in a buffer the caller frees (NULL if it could not be allocated) */
+static float *nx_tanh_table_generic(const float *gate, int64_t D) {
+    float *tg = malloc(sizeof(float) * (size_t)(D > 0 ? D : 1));
+    if (!tg) return NULL;
+    for (int64_t c = 0; c < D; c++) tg[c] = tanhf(gate[c]);
+    return tg;
+}
+
 int nx_gated_residual_f32_generic(const float *resid, const float *y, const float *gate, float *out,
                                   int64_t D, int64_t r0, int64_t r1) {
-    float *tg = malloc(sizeof(float) * (size_t)(D > 0 ? D : 1));
+    float *tg = nx_tanh_table_generic(gate, D);
     if (!tg) return -1;
-    for (int64_t c = 0; c < D; c++) tg[c] = tanhf(gate[c]);
     for (int64_t r = r0; r < r1; r++)
         for (int64_t c = 0; c < D; c++) out[r * D + c] = resid[r * D + c] + tg[c] * y[r * D + c];
     free(tg);
@@ -235,9 +242,8 @@ int nx_gated_residual_f32_generic(const float *resid, const float *y, const floa
 int nx_norm_residual_f32_generic(const float *y, const float *w, const float *resid,
                                  const float *gate, float *out, const float *w2, const float *mod2,
                                  float *h, int64_t D, float eps, int64_t r0, int64_t r1) {
-    float *tg = malloc(sizeof(float) * (size_t)(D > 0 ? D : 1));
+    float *tg = nx_tanh_table_generic(gate, D);
     if (!tg) return -1;
-    for (int64_t c = 0; c < D; c++) tg[c] = tanhf(gate[c]);
     for (int64_t r = r0; r < r1; r++) {
         const float *yr = y + r * D, *rr = resid + r * D;
         float *o = out + r * D;

@@ -178,6 +178,11 @@ def _scratch(cfg: BlockConfig, T: int) -> dict[str, tuple[int, ...]]:
             "attn": (T, H * hd), "atto": (T, D), "mid": (T, D), "f1": (T, F), "f2": (T, D)}
 
 
+def _proj_by_rows(stage: Stage, params: tuple) -> bool:
+    """``stage`` is a projection and the run's params split projections over token rows."""
+    return bool(params[3]) and isinstance(stage.task, (Project, ProjectGLU))
+
+
 # ------------------------------------------------------------------------------ the plan
 @dataclass(frozen=True)
 class BlockPlan(UnitGateState, Plan):
@@ -214,15 +219,14 @@ class BlockPlan(UnitGateState, Plan):
         """The ``m`` of ``stage`` at ``T`` tokens (its band range is ``[0, m)``): a projection
         of a run whose ``params`` split projections over token rows (``proj_rows``, set by
         :meth:`Engine.run` from :func:`nxhpc.nn.stages.proj_by_rows`) has ``T``."""
-        if params is not None and params[3] and isinstance(stage.task, (Project, ProjectGLU)):
+        if params is not None and _proj_by_rows(stage, params):
             return T
         return EXTENTS[stage.extent][1](self.config, T)
 
     def row_local(self, stage: Stage, params: tuple) -> bool:
         """The norms and residual tails (split over token rows), and the projections of a run
         that splits them over token rows: each band reads and writes its own rows only."""
-        return stage.extent == "rows" or (bool(params[3])
-                                          and isinstance(stage.task, (Project, ProjectGLU)))
+        return stage.extent == "rows" or _proj_by_rows(stage, params)
 
     def scratch(self, T: int) -> dict[str, tuple[int, ...]]:
         """Scratch buffer shapes for a run at ``T`` tokens."""

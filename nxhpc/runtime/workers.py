@@ -509,13 +509,10 @@ class WorkerPool:
         if as_index(stages) is None or stages < 1:
             raise ValueError(f"WorkerPool.run: stages must be an int >= 1, got {stages!r}")
         with self._lock:
-            self._budget = int(stages)
-            return self._run(stage, m, task, arg, max_workers, lo)
-
-    _budget = 1                 # the running call's stages, each allowed stage_timeout
+            return self._run(stage, m, task, arg, max_workers, lo, int(stages))
 
     def _run(self, stage: str, m: int, task: str | None, arg: Any,
-             max_workers: int | None, lo: int = 0) -> int:
+             max_workers: int | None, lo: int = 0, stages: int = 1) -> int:
         if self._closed:
             raise RuntimeError(f"WorkerPool: closed (stage {stage!r})"
                                + (f"; it broke earlier: {self._broken}" if self._broken else ""))
@@ -543,26 +540,27 @@ class WorkerPool:
                 raise WorkerError(stage, 0, 1, (lo, m), reason + " (in process)", tb) from e
             return 1
         if self.mode == "pool":
-            self._run_pool(stage, name, bs, arg)
+            self._run_pool(stage, name, bs, arg, stages)
         else:
-            self._run_stage(stage, name, bs, arg)
+            self._run_stage(stage, name, bs, arg, stages)
         return n
 
     def _collect(self, stage: str, bs: list[tuple[int, int]], fds: list[int],
-                 pids: list[int], seq: int | None) -> None:
-        """Wait for one status message per worker; on EOF, error or timeout raise WorkerError."""
+                 pids: list[int], seq: int | None, stages: int = 1) -> None:
+        """Wait for one status message per worker; on EOF, error or timeout raise WorkerError
+        (the timeout: ``stage_timeout`` for each of the task's ``stages``)."""
         pending = {fd: i for i, fd in enumerate(fds)}
         n = len(bs)
         busy = [0] * n
         parts: list[tuple[int, ...] | None] = [None] * n
-        limit = None if self.stage_timeout is None else self.stage_timeout * self._budget
+        limit = None if self.stage_timeout is None else self.stage_timeout * stages
         deadline = None if limit is None else time.monotonic() + limit
         stopped_since: dict[int, float] = {}
         while pending:
             if deadline is not None and time.monotonic() >= deadline:
                 late = sorted(pending.values())
-                each = (f" for each of its {self._budget} stages ({limit:g} s)"
-                        if self._budget > 1 else "")
+                each = (f" for each of its {stages} stages ({limit:g} s)"
+                        if stages > 1 else "")
                 raise WorkerError(stage, late[0], n, bs[late[0]],
                                   f"did not finish within the stage timeout of "
                                   f"{self.stage_timeout:g} s{each} (hung or too slow; unfinished "
@@ -606,7 +604,8 @@ class WorkerPool:
                                   f"resumed within {STOP_GRACE_S:g} s, so the stage could never "
                                   f"finish; all workers killed")
 
-    def _run_pool(self, stage: str, name: str, bs: list[tuple[int, int]], arg: Any) -> None:
+    def _run_pool(self, stage: str, name: str, bs: list[tuple[int, int]], arg: Any,
+                  stages: int = 1) -> None:
         self._seq += 1
         seq = self._seq
         n = len(bs)
@@ -614,7 +613,7 @@ class WorkerPool:
         try:
             for i, (lo, hi) in enumerate(bs):
                 _write_msg(w.cmd_w[i], ("run", seq, name, lo, hi, arg))
-            self._collect(stage, bs, w.res_r[:n], w.pids, seq)
+            self._collect(stage, bs, w.res_r[:n], w.pids, seq, stages)
         except BrokenPipeError:
             i, status = 0, None
             for j, pid in enumerate(w.pids[:n]):
@@ -637,7 +636,8 @@ class WorkerPool:
         self._closed = True
         self._w.kill()
 
-    def _run_stage(self, stage: str, name: str, bs: list[tuple[int, int]], arg: Any) -> None:
+    def _run_stage(self, stage: str, name: str, bs: list[tuple[int, int]], arg: Any,
+                   stages: int = 1) -> None:
         # The records live on the pool's record (not in locals), so an interrupt anywhere --
         # even in the cleanup below -- leaves them for close() / the finalizer to finish.
         w = self._w
@@ -654,7 +654,7 @@ class WorkerPool:
         try:
             for lo, hi in bs:
                 self._fork([(w.stage_fds, True)], pids, functools.partial(body, lo, hi))
-            self._collect(stage, bs, w.stage_fds, pids, None)
+            self._collect(stage, bs, w.stage_fds, pids, None, stages)
             for i, pid in enumerate(pids):      # wait4 them all
                 if pid > 0:
                     status = reap(pid, _REAP_S, _forget(pids, i))
