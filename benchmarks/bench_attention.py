@@ -149,26 +149,44 @@ def _dit_info(benchmark, T, H, name):
         "gflops_mean": round(flop / bench_stats(benchmark).mean / 1e9, 1)})
 
 
-def _bf16_check(out, q, k, qkv, T, H, extra=0.0, rows=32):
+def _bf16_round(a):
+    """float32 -> the nearest bfloat16 value (ties to even), as float32 (finite inputs)."""
+    b = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+
+
+def _bf16_check(out, q, k, qkv, T, H, extra=0.0, rows=32, causal=False, KVH=None,
+                rounded=False):
     """float64 attention on sampled rows of head 0 vs the error bound of csrc/nx_attn_bf16.h
-    (+ extra * sum w|v|, for an implementation that also rounds its output)."""
+    (+ extra * sum w|v|, for an implementation that also rounds its output); ``causal``: the
+    rows spread over [0, T), each against its keys j <= t (``KVH`` kv heads, default H).
+    ``rounded``: the reference takes q, k, v rounded to bfloat16 as the kernels do, and the
+    bound drops its input-rounding term (2u + u^2): for scores so large that this term alone
+    exceeds 1 (sharp attention), where the bound of the unrounded inputs says nothing."""
     u, e = 2.0 ** -8, 2.0 ** -24
+    if rounded:
+        q, k, qkv = _bf16_round(q), _bf16_round(k), _bf16_round(qkv)
     sc = float(np.float32(HD ** -0.5))
-    q64, k64 = q[0, :rows].astype(np.float64), k[0].astype(np.float64)
-    v = qkv[:, 2 * H * HD:2 * H * HD + HD].astype(np.float64)
-    s = sc * (q64 @ k64.T)
+    KVH = H if KVH is None else KVH
+    idx = np.linspace(0, T - 1, rows).astype(int) if causal else np.arange(rows)
+    q64, k64 = q[0, idx].astype(np.float64), k[0].astype(np.float64)
+    v = qkv[:, (H + KVH) * HD:(H + KVH) * HD + HD].astype(np.float64)
+    allowed = (np.arange(T)[None, :] <= idx[:, None]) if causal else np.ones((rows, T), bool)
+    s = np.where(allowed, sc * (q64 @ k64.T), -np.inf)
     p = np.exp(s - s.max(1, keepdims=True))
     p /= p.sum(1, keepdims=True)
     gam = lambda n: n * e / (1 - n * e)  # noqa: E731
-    a = ((2 * u + u * u) + gam(HD) * (1 + u) ** 2) * sc * (np.abs(q64) @ np.abs(k64).T)
-    delta = (a + gam(2) * (np.abs(s) + a)).max(1)  # c = scale log2 e rounded, then s * c
+    a = ((0.0 if rounded else 2 * u + u * u) + gam(HD) * (1 + u) ** 2) * sc * (
+        np.abs(q64) @ np.abs(k64).T)
+    a = np.where(allowed, a, 0.0)
+    delta = (a + gam(2) * (np.where(allowed, np.abs(s), 0.0) + a)).max(1)  # c's rounding, s * c
     nt = -(-T // 64)
-    R = s.max(1) - s.min(1) + 2 * delta
+    R = s.max(1) - np.where(allowed, s, np.inf).min(1) + 2 * delta
     rho = (1 + u) * (1 + 2.0 ** -18) ** (nt + 1) * (1 + e) ** (2 * nt) * np.exp(2 * e * R) - 1
     eta = np.exp(delta) * (1 + rho) * (1 + gam(66 * nt + 8)) - 1
     coef = (2 * eta + u * (1 + eta)) / (1 - eta) + 2.0 ** -21 + extra
     bound = coef[:, None] * (p @ np.abs(v)) + 64 * nt * 2.0 ** -124 * (1 + np.abs(v).max())
-    assert (np.abs(out[:rows, :HD] - p @ v) <= bound).all()
+    assert (np.abs(out[idx, :HD] - p @ v) <= bound).all()
 
 
 # f32 at the best ISA; bf16 at every ISA with a bf16 attention of its own (AVX2, AVX-512 BF16 with
@@ -323,6 +341,104 @@ def test_bench_attention_causal_torch_sdpa(benchmark):
     res = benchmark.pedantic(run, rounds=7, warmup_rounds=1)
     _causal_info(benchmark, "torch.sdpa is_causal (1 thread)")
     _causal_check(res[0].permute(1, 0, 2).reshape(T_C, H_C * HD).numpy(), q, k, qkv)
+
+
+# ------------------------------------------------------------------ bf16 weights that underflow
+
+# Where most softmax weights E(x - m) underflow: sharp scores (q and k x SHARP: a row's scores
+# spread over hundreds of units of log2, as in heads that attend to a few keys) at a 512x512
+# call's length, and the text encoder's causal diagonal (every tile on it has keys a row must
+# not see). Such a weight is below 2^-126 before bf() flushes it; without FTZ each vector
+# holding one costs a microcode assist on Intel cores (csrc/nx_attn_bf16_amx.c). Each bf16
+# kernel beside its own diffuse case (x 1) and torch's bfloat16 SDPA on the same inputs.
+T_SH, H_SH, SHARP = 1152, 2, 6.0
+_BF16_LABELS = [lab for i in _BF16_ISAS if i != "generic"
+                for lab in ([f"{i}:fma", f"{i}:vdpbf16ps"] if i == "avx512bf16" else [i])]
+
+
+def _sharp_case(scale, seed=0):
+    q, k, qkv = _dit_case(T_SH, H_SH, seed)
+    return q * np.float32(scale), k * np.float32(scale), qkv
+
+
+def _run_labelled(benchmark, label, args, kwargs, rounds=5):
+    base, _, dot = label.partition(":")
+    before = K.attention_bf16_dot()
+    if dot:
+        K.attention_bf16_dot(dot)
+    try:
+        benchmark.pedantic(K.attention, args=args, kwargs={"isa": base, "precision": "bf16",
+                                                           **kwargs},
+                           rounds=rounds, warmup_rounds=1)
+    finally:
+        K.attention_bf16_dot(before)
+
+
+@pytest.mark.parametrize("qk_scale", [1.0, SHARP], ids=["diffuse", "sharp"])
+@pytest.mark.parametrize("isa", _BF16_LABELS or [None])
+def test_bench_attention_bf16_sharp_nxhpc(benchmark, isa, qk_scale):
+    if isa is None:
+        pytest.skip("no SIMD bf16 attention on this CPU")
+    benchmark.group = f"bf16 attention, sharp scores: T={T_SH} hd={HD} H={H_SH} q, k x {SHARP}"
+    q, k, qkv = _sharp_case(qk_scale)
+    out = np.empty((T_SH, H_SH * HD), np.float32)
+    _run_labelled(benchmark, isa, (q, k, qkv, out, H_SH, HD ** -0.5), {})
+    _dit_info(benchmark, T_SH, H_SH, f"nxhpc bf16 [{isa}] q, k x {qk_scale}")
+    benchmark.extra_info.update(peak_fields(benchmark.extra_info["gflops_best"], "bf16", isa))
+    _bf16_check(out, q, k, qkv, T_SH, H_SH, rounded=True)
+
+
+def test_bench_attention_bf16_sharp_torch_sdpa(benchmark):
+    torch = pytest.importorskip("torch")
+    benchmark.group = f"bf16 attention, sharp scores: T={T_SH} hd={HD} H={H_SH} q, k x {SHARP}"
+    torch.set_num_threads(1)
+    q, k, qkv = _sharp_case(SHARP)
+    v = np.ascontiguousarray(qkv[:, 2 * H_SH * HD:].reshape(T_SH, H_SH, HD).transpose(1, 0, 2))
+    tq, tk, tv = (torch.from_numpy(a)[None].to(torch.bfloat16) for a in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def run():
+        with torch.no_grad():
+            return sdpa(tq, tk, tv, scale=HD ** -0.5)
+
+    res = benchmark.pedantic(run, rounds=5, warmup_rounds=1)
+    _dit_info(benchmark, T_SH, H_SH, f"torch.sdpa bfloat16 q, k x {SHARP} (1 thread)")
+    out = res[0].float().permute(1, 0, 2).reshape(T_SH, H_SH * HD).numpy()
+    _bf16_check(out, q, k, qkv, T_SH, H_SH, extra=2.0 ** -7, rounded=True)
+
+
+@pytest.mark.parametrize("isa", _BF16_LABELS or [None])
+def test_bench_attention_causal_bf16_nxhpc(benchmark, isa):
+    if isa is None:
+        pytest.skip("no SIMD bf16 attention on this CPU")
+    benchmark.group = f"causal bf16 attention T={T_C} hd={HD} H={H_C} KVH={KVH_C}"
+    q, k, qkv = _causal_case()
+    out = np.empty((T_C, H_C * HD), np.float32)
+    _run_labelled(benchmark, isa, (q, k, qkv, out, KVH_C, HD ** -0.5), {"causal": True}, 7)
+    _causal_info(benchmark, f"nxhpc bf16 [{isa}]")
+    benchmark.extra_info.update(peak_fields(benchmark.extra_info["gflops_best"], "bf16", isa))
+    _bf16_check(out, q, k, qkv, T_C, H_C, causal=True, KVH=KVH_C)
+
+
+def test_bench_attention_causal_bf16_torch_sdpa(benchmark):
+    torch = pytest.importorskip("torch")
+    benchmark.group = f"causal bf16 attention T={T_C} hd={HD} H={H_C} KVH={KVH_C}"
+    torch.set_num_threads(1)
+    q, k, qkv = _causal_case()
+    rep = H_C // KVH_C
+    v = qkv[:, (H_C + KVH_C) * HD:].reshape(T_C, KVH_C, HD).transpose(1, 0, 2)
+    tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(a))[None].to(torch.bfloat16)
+                  for a in (q, np.repeat(k, rep, axis=0), np.repeat(v, rep, axis=0)))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def run():
+        with torch.no_grad():
+            return sdpa(tq, tk, tv, is_causal=True, scale=HD ** -0.5)
+
+    res = benchmark.pedantic(run, rounds=7, warmup_rounds=1)
+    _causal_info(benchmark, "torch.sdpa bfloat16 is_causal (1 thread)")
+    out = res[0].float().permute(1, 0, 2).reshape(T_C, H_C * HD).numpy()
+    _bf16_check(out, q, k, qkv, T_C, H_C, extra=2.0 ** -7, causal=True, KVH=KVH_C)
 
 
 # ------------------------------------------------------------------ memory-bound kernels, T=256, D=3840

@@ -465,17 +465,22 @@ def norm_residual(y, w, resid, gate, out, eps, w2=None, mod2=None, h=None, r0=0,
     return out
 
 
+_VMATH = {"exp": 0, "tanh": 1, "exp_nosub": 2}
+
+
 def _vmath(func, x, out, isa=None):
-    """Test hook: out := exp(x) (func="exp") or tanh(x) (func="tanh"), element-wise, with the
-    given variant's implementation (SIMD polynomials; libm for generic). Returns out."""
+    """Test hook: out := exp(x) (func="exp"), tanh(x) (func="tanh") or exp(x) as the float32
+    attention's softmax computes it (func="exp_nosub": exp's bits, subnormal results made
+    without an underflowing scaling step), element-wise, with the given variant's
+    implementation (SIMD polynomials; libm for generic, both exps). Returns out."""
     fn = "_vmath"
     cdef nx_isa lvl = _resolve_isa(fn, isa)
-    if func not in ("exp", "tanh"):
-        raise ValueError(f"{fn}: func must be 'exp' or 'tanh', got {func!r}")
+    if func not in _VMATH:
+        raise ValueError(f"{fn}: func must be 'exp', 'tanh' or 'exp_nosub', got {func!r}")
     _f32(fn, "x", x, -1)
     _out_f32(fn, "out", out, tuple(x.shape))
     _no_overlap(fn, "out", out, "x", x, True)
-    cdef int which = 0 if func == "exp" else 1
+    cdef int which = _VMATH[func]
     cdef int64_t n = x.size
     cdef const float *px = _cptr(x)
     cdef float *po = _wptr(out)

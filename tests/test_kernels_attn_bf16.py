@@ -158,8 +158,9 @@ def exp_nx(x):
 E_REL = 2.0 ** -18   # the contract's bound on E: |E(y) - 2^y| <= E_REL 2^y + 2^-150
 
 
-def contract_attention(q, k, qkv, KVH, scale, mask=None, causal=False, broken=None):
-    """The header's contract, transcribed (all rows of a head at once). broken: None, or one rule
+def contract_attention(q, k, qkv, KVH, scale, mask=None, causal=False, broken=None, record=None):
+    """The header's contract, transcribed (all rows of a head at once). record: a list that gets
+    the arguments x - m_use of E of every allowed key of every run tile. broken: None, or one rule
     replaced -- "p_f32" (P not rounded), "l_bf16" (l rounded to bfloat16 per tile), "pair_even"
     (the even element of each pair first), "no_ftz" (the dot steps without DAZ/FTZ), "fmaf_ftz"
     (the dot steps as gradual-underflow fmaf with subnormal results flushed: fmaf_ftz_step),
@@ -206,6 +207,8 @@ def contract_attention(q, k, qkv, KVH, scale, mask=None, causal=False, broken=No
                       "frac_nearest": lambda y: pow2_e(y, down=False)}.get(broken, pow2_e)
                 alpha = ex((m - m_use).astype(F32))
                 p = ex((x - m_use[:, None]).astype(F32))
+                if record is not None:
+                    record.append((x - m_use[:, None])[allowed & run[:, None]])
                 if broken != "p_f32":
                     p = bf(p)
                 a = (((p[:, 0:16] + p[:, 16:32]) + p[:, 32:48]) + p[:, 48:64]).astype(F32)
@@ -406,6 +409,30 @@ def test_underflow_range_is_the_contract_bit_for_bit(seed):
     if mode in (0, 2):  # negative control: the flushes matter on these inputs
         other = contract_attention(q, k, qkv, KVH, scale, mask, causal, broken="no_ftz")
         assert (bits(other) != bits(want)).any(), mode
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_underflowing_weights_are_the_contract_bit_for_bit(seed):
+    """Sharp attention: most weights E(x - m_use) of a row are far below 2^-126, where bf()
+    flushes them to zero. The kernels evaluate those exponentials with FTZ set (and AMX masks
+    the excluded keys' lanes instead of clamping them), so that no underflowing result costs a
+    microcode assist (AMX Xeon: 6x the time of the kernel on such rows); the bits stay the
+    contract's. With a causal diagonal, masked keys and a padded last tile. The data reaches E
+    arguments below -149 (results that round to zero) and in [-149, -126) (subnormal results),
+    where no FTZ and FTZ differ before bf()."""
+    rng = np.random.default_rng(300 + seed)
+    T, hd, qk, mk = [(100, 64, 6.0, "tail"), (190, 128, 8.0, "random"), (333, 40, 5.0, "none")][seed]
+    H, KVH = 2, 1
+    q, k, qkv = inputs(rng, T, H, KVH, hd, qk_scale=qk)
+    mask = make_mask(rng, mk, T)
+    causal = seed != 0
+    scale = 1 / math.sqrt(hd)
+    args = []
+    contract_attention(q, k, qkv, KVH, scale, mask, causal, record=args)
+    y = np.concatenate(args)
+    assert (y < -149).sum() > 1000, (y < -149).sum()
+    assert ((y >= -149) & (y < -126)).sum() > 20, ((y >= -149) & (y < -126)).sum()
+    _check_contract(q, k, qkv, KVH, scale, mask, causal, f"sharp seed {seed}")
 
 
 def ftz_edge_inputs(side):

@@ -113,6 +113,27 @@ def test_exp_special_values(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_exp_without_underflow_has_the_bits_of_exp(isa):
+    """The float32 attention's exp (nx_exp_nosub: results below 2^-125 as integers, so that no
+    scaling step underflows) is exp bit for bit: every float32 of [-105, -86] (subnormal results
+    and the two binades above them, ~2.5e6 values), a sweep of the clamped range, beyond it,
+    and the special values."""
+    band = np.arange(np.float32(-86.0).view(np.uint32), np.float32(-105.0).view(np.uint32) + 1,
+                     dtype=np.uint32).view(np.float32)
+    x = np.concatenate([band, np.linspace(-130, 100, 400_001, dtype=np.float32),
+                        f32(100_000, scale=40.0),
+                        np.float32([np.inf, -np.inf, np.nan, -1e30, 1e30, 0.0, -0.0])])
+    a, b = np.empty_like(x), np.empty_like(x)
+    K._vmath("exp", x, a, isa=isa)
+    K._vmath("exp_nosub", x, b, isa=isa)
+    assert_bitwise(b, a, f"exp_nosub vs exp [{isa}]")
+    # not vacuous: the band's results are subnormal (and 2^-126 where they round up to it)
+    tiny = np.finfo(np.float32).tiny
+    assert ((a[:band.size] > 0) & (a[:band.size] < tiny)).sum() > 1_000_000
+    assert (a[:band.size] == 0).sum() > 100_000 and (a[:band.size] >= tiny).sum() > 100_000
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_tanh_within_3ulp_and_saturates(isa):
     # SIMD polynomial measured <= 1.2 ulp; glibc's tanhf (the generic variant) ~2.03 ulp.
     x = np.concatenate([np.linspace(-12, 12, 400_001, dtype=np.float32), f32(100_000, scale=3.0),

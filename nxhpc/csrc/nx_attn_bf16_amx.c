@@ -121,13 +121,28 @@ static void nx_ax_pack_q(const float *q, int nr, int64_t hd, int64_t nc, uint32_
     }
 }
 
+/* E(y) of the contract (nx_exp2_16) in the lanes of k and +0 in the others, without E's clamp
+ * at -160: the lanes outside k are the keys a row does not see (x = -inf, so E = +0 there), and
+ * for a finite y below -160, 2^floor(y) * p(f) < 2^-150 rounds to +0 just as E(-160) = 2^-160
+ * does (this kernel runs with the caller's MXCSR: round to nearest, no FTZ). So every lane has
+ * E's bits, one vector operation fewer per 16 weights. */
+static inline __m512 nx_ax_exp2z(__mmask16 k, __m512 y) {
+    const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 p = _mm512_set1_ps(0x1.bc31dap-7f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0x1.aa3fcap-5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0x1.ee5884p-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0x1.62d51cp-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(k, p, y);
+}
+
 /* One micro-block of 16 rows against tile kt / vt. lanes(j): the rows key j of the tile enters
  * (bit r: row r runs the tile and may see key j); act: the rows that run the tile (the others --
  * padding, or causal rows before the tile -- keep m, l and their O^T lanes). Running m, l (16
  * floats each) and OT (hdp rows of 16) are updated in place. */
 static void nx_ax_micro(const uint32_t *qt, int64_t nc, const uint16_t *kt, int64_t hd32,
                         const uint16_t *vt, int64_t hdp, const __mmask16 *lanes, __mmask16 act,
-                        float scale, float *m, float *l, float *OT) {
+                        float scale, float *m, float *l, float *OT, unsigned csr) {
     _Alignas(64) float S[NX_AX_BC][16];  /* S^T, then the scores x */
     _Alignas(64) uint32_t pt[2][16][16]; /* P^T, the B tiles of the two halves */
     /* S^T = K Q^T: 4 result tiles of 16 keys, per chunk one B tile (Q^T) and 4 A tiles (K) */
@@ -185,11 +200,21 @@ static void nx_ax_micro(const uint32_t *qt, int64_t nc, const uint16_t *kt, int6
                                          0x001c000c, 0x001d000d, 0x001e000e, 0x001f000f);
     const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000u);
     __m512 a[16];
+#ifndef NX_AX_NO_FTZ
+    _mm_setcsr(csr | _MM_FLUSH_ZERO_ON);
+#endif
     for (int p = 0; p < 8; p++)
         for (int g = 0; g < 4; g++) {
             const int i = 8 * g + p; /* keys 2i = 16g + 2p and 2i + 1 */
+#ifdef NX_AX_CLAMPED_E
             const __m512 e0 = nx_exp2_16(_mm512_sub_ps(_mm512_load_ps(S[2 * i]), m_use));
             const __m512 e1 = nx_exp2_16(_mm512_sub_ps(_mm512_load_ps(S[2 * i + 1]), m_use));
+#else
+            const __m512 e0 =
+                nx_ax_exp2z(lanes[2 * i], _mm512_sub_ps(_mm512_load_ps(S[2 * i]), m_use));
+            const __m512 e1 =
+                nx_ax_exp2z(lanes[2 * i + 1], _mm512_sub_ps(_mm512_load_ps(S[2 * i + 1]), m_use));
+#endif
             /* words: bf(e0) of rows 0-15, then bf(e1); interleaved: dword r = {bf(e0_r),
              * bf(e1_r)} */
             const __m512i pr = _mm512_permutexvar_epi16(il, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
@@ -207,6 +232,9 @@ static void nx_ax_micro(const uint32_t *qt, int64_t nc, const uint16_t *kt, int6
     /* the tree's lanes i + 8, + 4, + 2, + 1 of the 16 (here: vectors) */
     for (int w = 8; w >= 1; w /= 2)
         for (int i = 0; i < w; i++) a[i] = _mm512_add_ps(a[i], a[i + w]);
+#ifndef NX_AX_NO_FTZ
+    _mm_setcsr(csr);
+#endif
     /* l = l * alpha + sum */
     const __m512 lv = _mm512_load_ps(l);
     _mm512_store_ps(l, _mm512_mask_mov_ps(lv, act, _mm512_add_ps(_mm512_mul_ps(lv, alpha), a[0])));
@@ -257,6 +285,7 @@ int nx_attention_bf16_amx(const float *q, const float *k, const float *qkv, cons
         return -1;
     }
     nx_attn_tile_masks(mask, T, BC, ntiles, tmask);
+    const unsigned csr = _mm_getcsr();
     const nx_tilecfg cfg = nx_tile_config();
     nx_tile_loadconfig(&cfg);
     int64_t packed = -1;
@@ -299,7 +328,7 @@ int nx_attention_bf16_amx(const float *q, const float *k, const float *qkv, cons
                     }
                     nx_ax_micro(qt + r0 / BR * nc * 256, nc, kt + j0 * hd32, hd32,
                                 vt + j0 * hdp, hdp, lanes, act, scale, ml + r0, ml + QB + r0,
-                                OT + r0 * hdp);
+                                OT + r0 * hdp, csr);
                 }
             }
             /* out = O * (1 / l), zeros for a row with no allowed key: O^T transposed back */

@@ -233,11 +233,17 @@ NX_INLINE void nx_a2_micro(const int nr, const float *qt, int64_t hd2s, int64_t 
         if (act >> r & 1u) m[r] = m_new;
         const __m256 mu = _mm256_set1_ps(m_use);
         __m256 f[8];
+        __asm__ volatile("" ::: "memory");
+        _mm_setcsr(csr | NX_A2_FTZ); /* E's underflows: see nx_a2_micro's comment */
+        __asm__ volatile("" ::: "memory");
         for (int v = 0; v < 8; v++) {
             f[v] = nx_a2_bf8(nx_exp2_8(_mm256_sub_ps(x[v], mu)));
             _mm256_store_ps(Pt + r * NX_A2_BC + 8 * v, nx_a2_swap_pairs(f[v]));
         }
         sums[r] = nx_a2_tree(f);
+        __asm__ volatile("" ::: "memory");
+        _mm_setcsr(csr);
+        __asm__ volatile("" ::: "memory");
     }
     float alpha[8] __attribute__((aligned(32)));
     _mm256_store_ps(alpha, nx_exp2_8(_mm256_loadu_ps(dm)));

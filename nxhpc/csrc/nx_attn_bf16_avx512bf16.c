@@ -289,6 +289,9 @@ NX_INLINE void nx_ab_micro(const int dp, const int nr, const void *qt, int64_t h
         if (act >> r & 1u) m[r] = m_new;
         const __m512 mu = _mm512_set1_ps(m_use);
         __m512 f[4];
+        __asm__ volatile("" ::: "memory");
+        _mm_setcsr(csr | _MM_FLUSH_ZERO_ON); /* E's underflows: see nx_ab_micro's comment */
+        __asm__ volatile("" ::: "memory");
         if (dp) { /* keys 0-63 as 64 words: Pp[r][i] = p_2i | p_2i+1 << 16 */
             __m256i w[4];
             for (int v = 0; v < 4; v++) {
@@ -306,6 +309,9 @@ NX_INLINE void nx_ab_micro(const int dp, const int nr, const void *qt, int64_t h
             }
         }
         sums[r] = nx_ab_tree(f[0], f[1], f[2], f[3]);
+        __asm__ volatile("" ::: "memory");
+        _mm_setcsr(csr);
+        __asm__ volatile("" ::: "memory");
     }
     float alpha[16] __attribute__((aligned(64)));
     _mm512_store_ps(alpha, nx_exp2_16(_mm512_loadu_ps(dm)));

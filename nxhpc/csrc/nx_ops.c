@@ -259,7 +259,7 @@ int nx_norm_residual_f32_generic(const float *y, const float *w, const float *re
 }
 
 void nx_vmath_f32_generic(int which, const float *x, float *out, int64_t n) {
-    for (int64_t i = 0; i < n; i++) out[i] = which == 0 ? expf(x[i]) : tanhf(x[i]);
+    for (int64_t i = 0; i < n; i++) out[i] = which == 1 ? tanhf(x[i]) : expf(x[i]);
 }
 
 const nx_ops_table nx_ops_table_generic = NX_OPS_TABLE(generic);

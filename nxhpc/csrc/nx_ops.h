@@ -177,7 +177,8 @@ void nx_layernorm_mod_f32(nx_isa isa,       /* the ISA to run (nx_cpu.h) */
                           int64_t D, float eps, int64_t r0, int64_t r1);
 
 /* ---- element-wise exp / tanh of the variant (test hook for the SIMD polynomials):
- * out[i] := exp(x[i]) (which = 0) or tanh(x[i]) (which = 1), i in [0, n). */
+ * out[i] := exp(x[i]) (which = 0), tanh(x[i]) (which = 1) or the float32 attention's exp
+ * (which = 2: nx_exp_nosub, exp's bits; libm's expf in the generic variant), i in [0, n). */
 void nx_vmath_f32(nx_isa isa, int which, const float *x, float *out, int64_t n);
 
 /* One RoPE pair of qk-norm + RoPE, scalar: y = (x * inv) * w for the pair's two values, then the

@@ -89,7 +89,7 @@ static inline void nx2_softmax_rows(int nr, float *S, float scale, const float *
         dm[r] = m[r] - m_use;
         m[r] = m_new;
         __m256 mu = _mm256_set1_ps(m_use);
-        __m256 p0 = nx_exp8(_mm256_sub_ps(x0, mu)), p1 = nx_exp8(_mm256_sub_ps(x1, mu));
+        __m256 p0 = nx_exp_nosub8(_mm256_sub_ps(x0, mu)), p1 = nx_exp_nosub8(_mm256_sub_ps(x1, mu));
         _mm256_store_ps(s, p0);
         _mm256_store_ps(s + 8, p1);
         sums[r] = nx_hsum8(_mm256_add_ps(p0, p1));

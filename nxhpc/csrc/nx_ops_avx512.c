@@ -124,8 +124,8 @@ static inline void nx_softmax_rows(int nr, float *S, float scale, const float *m
         dm[r] = m[r] - m_use[r];
         m[r] = m_new;
         __m512 mu = _mm512_set1_ps(m_use[r]);
-        __m512 p0 = nx_exp16(_mm512_sub_ps(x0, mu)), p1 = nx_exp16(_mm512_sub_ps(x1, mu));
-        __m512 p2 = nx_exp16(_mm512_sub_ps(x2, mu)), p3 = nx_exp16(_mm512_sub_ps(x3, mu));
+        __m512 p0 = nx_exp_nosub16(_mm512_sub_ps(x0, mu)), p1 = nx_exp_nosub16(_mm512_sub_ps(x1, mu));
+        __m512 p2 = nx_exp_nosub16(_mm512_sub_ps(x2, mu)), p3 = nx_exp_nosub16(_mm512_sub_ps(x3, mu));
         _mm512_store_ps(s, p0);
         _mm512_store_ps(s + 16, p1);
         _mm512_store_ps(s + 32, p2);

@@ -25,12 +25,13 @@ void NXV_FN(nx_vmath_f32)(int which, const float *x, float *out, int64_t n) {
     int64_t i = 0;
     for (; i + NXV_W <= n; i += NXV_W) {
         const nxv v = nxv_loadu(x + i);
-        nxv_storeu(out + i, which == 0 ? nxv_exp(v) : nxv_tanh(v));
+        nxv_storeu(out + i, which == 0 ? nxv_exp(v) : which == 1 ? nxv_tanh(v) : nxv_exp_nosub(v));
     }
     if (i < n) {
         const nxv_mask m = nxv_mask_n(n - i);
         const nxv v = nxv_load_n(x + i, m);
-        nxv_store_n(out + i, m, which == 0 ? nxv_exp(v) : nxv_tanh(v));
+        nxv_store_n(out + i, m,
+                    which == 0 ? nxv_exp(v) : which == 1 ? nxv_tanh(v) : nxv_exp_nosub(v));
     }
 }
 

@@ -33,6 +33,7 @@ static inline nxv nxv_add(nxv a, nxv b) { return _mm512_add_ps(a, b); }
 static inline nxv nxv_mul(nxv a, nxv b) { return _mm512_mul_ps(a, b); }
 static inline nxv nxv_fmadd(nxv a, nxv b, nxv c) { return _mm512_fmadd_ps(a, b, c); }
 static inline nxv nxv_exp(nxv x) { return nx_exp16(x); }
+static inline nxv nxv_exp_nosub(nxv x) { return nx_exp_nosub16(x); }
 static inline nxv nxv_tanh(nxv x) { return nx_tanh16(x); }
 static inline nxv nxv_silu(nxv x) { return nx_silu16(x); }
 static inline nxvd_half nxv_set1_f64(double a) { return _mm512_set1_pd(a); }
@@ -158,6 +159,7 @@ static inline nxv nxv_add(nxv a, nxv b) { return _mm256_add_ps(a, b); }
 static inline nxv nxv_mul(nxv a, nxv b) { return _mm256_mul_ps(a, b); }
 static inline nxv nxv_fmadd(nxv a, nxv b, nxv c) { return _mm256_fmadd_ps(a, b, c); }
 static inline nxv nxv_exp(nxv x) { return nx_exp8(x); }
+static inline nxv nxv_exp_nosub(nxv x) { return nx_exp_nosub8(x); }
 static inline nxv nxv_tanh(nxv x) { return nx_tanh8(x); }
 static inline nxv nxv_silu(nxv x) { return nx_silu8(x); }
 static inline nxvd_half nxv_set1_f64(double a) { return _mm256_set1_pd(a); }

@@ -72,6 +72,8 @@ typedef __m256 nxm_cmp; /* a lane predicate (all-ones lanes) */
 #define NXM_FRAC_DOWN(y) nx_frac_down8(y)
 #define NXM_SCALE2_FLOOR(p, y) nx_scale2n8(p, nx_floor8(y)) /* p * 2^floor(y), rounded once */
 #define NXM_SELECT(m, f, t) _mm256_blendv_ps(f, t, m) /* lane: m ? t : f */
+#define NXM_ANY(m) (_mm256_movemask_ps(m) != 0)
+#define NXM_INT_BITS(t) _mm256_castsi256_ps(_mm256_cvtps_epi32(t)) /* round(t) as float bits */
 #include "nx_vmath_ew.h" /* nx_exp8, nx_exp2_8, nx_tanh8 */
 
 /* silu(x) = (x < 0 ? x*e : x) / (1 + e), e = exp(-|x|) (nx_exp8), 8 lanes, same formula as

@@ -44,6 +44,8 @@ typedef __mmask16 nxm_cmp; /* a lane predicate */
 #define NXM_FRAC_DOWN(y) _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
 #define NXM_SCALE2_FLOOR(p, y) _mm512_scalef_ps(p, y) /* p * 2^floor(y), rounded once */
 #define NXM_SELECT(m, f, t) _mm512_mask_blend_ps(m, f, t) /* lane: m ? t : f */
+#define NXM_ANY(m) ((m) != 0)
+#define NXM_INT_BITS(t) _mm512_castsi512_ps(_mm512_cvtps_epi32(t)) /* round(t) as float bits */
 #include "nx_vmath_ew.h" /* nx_exp16, nx_exp2_16, nx_tanh16 */
 
 /* silu(x) = (x < 0 ? x*e : x) / (1 + e), e = exp(-|x|) (nx_exp16): never overflows; -inf is
