@@ -45,6 +45,12 @@
  *   <= 2 ulp, 15 vector operations against 7. The weights are rounded to bfloat16 right
  *   after, so E's 2^-18 and c's rounding cost the bound below almost nothing; the AMX kernel
  *   ran 14% faster: docs/kernels.md.)
+ *   E's value matters only through p = bf(E(...)) and through alpha. bf() flushes a subnormal
+ *   to +0, so a variant may compute p's exponentials with FTZ set, or give an excluded key's
+ *   lane +0 without evaluating E: the same p. The SIMD variants and AMX do, because each
+ *   vector with an underflowing E otherwise costs a microcode assist on Intel cores (a row
+ *   whose allowed scores spread over more than ~126, or a tile with excluded keys: up to 6x
+ *   the kernel's time; docs/kernels.md). alpha is computed with the caller's MXCSR.
  *   A maximum is exact whatever its order (a zero's sign never changes a later result: E(+-0)
  *   = 1), so the micro-blocks may take it in any order; every other operation is in the order
  *   above. Rows never interact: a row's operations depend on t, T and the inputs only, never

@@ -6,7 +6,8 @@
  * Everything but the two dot products is the contract of nx_attn_bf16.h, operation for
  * operation: bf() of q, k, v (VCVTNEPS2BF16), 64-key tiles run whole, x_j = s_j * c or -inf (c
  * the base-2 factor, which nx_attention_bf16 passes as `scale`),
- * the running max, E (nx_exp2_16), p_j = bf(E(x_j - m_use)), the contract's sum tree,
+ * the running max, E (nx_exp2_16; for p, nx_ax_exp2z: the same values, excluded keys' lanes
+ * zeroed, run under FTZ), p_j = bf(E(x_j - m_use)), the contract's sum tree,
  * l = l * alpha + sum, O = O * alpha.
  * The dots are tdpbf16ps: s_j sums the d-pairs of bf(q) . bf(k_j) per 32-d chunk in chunk order,
  * and O += sum_j p_j bf(v_j) per 32-key half of the tile in order, each with the instruction's own
@@ -123,9 +124,9 @@ static void nx_ax_pack_q(const float *q, int nr, int64_t hd, int64_t nc, uint32_
 
 /* E(y) of the contract (nx_exp2_16) in the lanes of k and +0 in the others, without E's clamp
  * at -160: the lanes outside k are the keys a row does not see (x = -inf, so E = +0 there), and
- * for a finite y below -160, 2^floor(y) * p(f) < 2^-150 rounds to +0 just as E(-160) = 2^-160
- * does (this kernel runs with the caller's MXCSR: round to nearest, no FTZ). So every lane has
- * E's bits, one vector operation fewer per 16 weights. */
+ * for a finite y below -160, 2^floor(y) * p(f) < 2^-150 is +0 just as E(-160) = 2^-160 is
+ * (rounded to nearest, or flushed under the FTZ the exponentials run with). So every lane has
+ * E's bits, one vector operation fewer per 16 weights, and an excluded key costs no underflow. */
 static inline __m512 nx_ax_exp2z(__mmask16 k, __m512 y) {
     const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     __m512 p = _mm512_set1_ps(0x1.bc31dap-7f);
@@ -200,21 +201,21 @@ static void nx_ax_micro(const uint32_t *qt, int64_t nc, const uint16_t *kt, int6
                                          0x001c000c, 0x001d000d, 0x001e000e, 0x001f000f);
     const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000u);
     __m512 a[16];
-#ifndef NX_AX_NO_FTZ
+    /* The exponentials run with FTZ: a weight below 2^-126 is flushed to +0 where it would be
+     * subnormal, and bf() flushes a subnormal to +0 anyway, so p and the sums keep their bits;
+     * without FTZ every vector with such a weight takes a microcode assist (a row whose scores
+     * spread over more than ~126: 6x the kernel's time, AMX Xeon). Only this loop: x, alpha,
+     * O * alpha and l keep the caller's MXCSR (the contract's float32 operations). */
+    __asm__ volatile("" ::: "memory");
     _mm_setcsr(csr | _MM_FLUSH_ZERO_ON);
-#endif
+    __asm__ volatile("" ::: "memory");
     for (int p = 0; p < 8; p++)
         for (int g = 0; g < 4; g++) {
             const int i = 8 * g + p; /* keys 2i = 16g + 2p and 2i + 1 */
-#ifdef NX_AX_CLAMPED_E
-            const __m512 e0 = nx_exp2_16(_mm512_sub_ps(_mm512_load_ps(S[2 * i]), m_use));
-            const __m512 e1 = nx_exp2_16(_mm512_sub_ps(_mm512_load_ps(S[2 * i + 1]), m_use));
-#else
             const __m512 e0 =
                 nx_ax_exp2z(lanes[2 * i], _mm512_sub_ps(_mm512_load_ps(S[2 * i]), m_use));
             const __m512 e1 =
                 nx_ax_exp2z(lanes[2 * i + 1], _mm512_sub_ps(_mm512_load_ps(S[2 * i + 1]), m_use));
-#endif
             /* words: bf(e0) of rows 0-15, then bf(e1); interleaved: dword r = {bf(e0_r),
              * bf(e1_r)} */
             const __m512i pr = _mm512_permutexvar_epi16(il, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
@@ -232,9 +233,9 @@ static void nx_ax_micro(const uint32_t *qt, int64_t nc, const uint16_t *kt, int6
     /* the tree's lanes i + 8, + 4, + 2, + 1 of the 16 (here: vectors) */
     for (int w = 8; w >= 1; w /= 2)
         for (int i = 0; i < w; i++) a[i] = _mm512_add_ps(a[i], a[i + w]);
-#ifndef NX_AX_NO_FTZ
+    __asm__ volatile("" ::: "memory");
     _mm_setcsr(csr);
-#endif
+    __asm__ volatile("" ::: "memory");
     /* l = l * alpha + sum */
     const __m512 lv = _mm512_load_ps(l);
     _mm512_store_ps(l, _mm512_mask_mov_ps(lv, act, _mm512_add_ps(_mm512_mul_ps(lv, alpha), a[0])));

@@ -201,8 +201,11 @@ NX_INLINE void nx_a2_qk(const int nr, const float *qt, int64_t hd2s, int64_t hd2
  * tile allowed for row r: rmask[r]; running m, l, O (rows hdp floats apart), updated for the
  * rows r with bit r of act set (the others do not run this tile). csr: the caller's MXCSR. The
  * dot chains run with DAZ and FTZ set (the file comment); the softmax and O * alpha run
- * with the caller's MXCSR, as the spec's float32 operations do. The compiler barriers keep
- * every load, FMA and store of a chain between its two MXCSR writes. */
+ * with the caller's MXCSR, as the spec's float32 operations do, but for a row's exponentials
+ * (p = bf(E(x - m_use)) and its sum), which add FTZ: bf() flushes E's subnormal results
+ * anyway, so the bits are the same, and no vector pays an underflow assist (Intel cores;
+ * nx_attn_bf16.h). The compiler barriers keep every load, FMA and store of a chain between
+ * its two MXCSR writes. */
 NX_INLINE void nx_a2_micro(const int nr, const float *qt, int64_t hd2s, int64_t hd2,
                            const float *kt, const float *vt, const uint64_t *rmask, unsigned act,
                            float scale, float *m, float *l, float *O, int64_t hdp, unsigned csr) {
@@ -234,7 +237,7 @@ NX_INLINE void nx_a2_micro(const int nr, const float *qt, int64_t hd2s, int64_t 
         const __m256 mu = _mm256_set1_ps(m_use);
         __m256 f[8];
         __asm__ volatile("" ::: "memory");
-        _mm_setcsr(csr | NX_A2_FTZ); /* E's underflows: see nx_a2_micro's comment */
+        _mm_setcsr(csr | NX_A2_FTZ); /* E's underflows (above) */
         __asm__ volatile("" ::: "memory");
         for (int v = 0; v < 8; v++) {
             f[v] = nx_a2_bf8(nx_exp2_8(_mm256_sub_ps(x[v], mu)));

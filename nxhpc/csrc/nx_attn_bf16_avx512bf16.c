@@ -257,7 +257,10 @@ NX_INLINE void nx_ab_pv(const int dp, const int nr, const int nv, const void *Pt
  * vfmadd231ps is the contract's step, the softmax in between with the caller's MXCSR, as the
  * spec's float32 operations are (the compiler barriers keep every load, FMA and store of a chain
  * between its two MXCSR writes). dp = 1: the pair-dword layouts (qt + r*hd2s/2 dwords, kt
- * (hd2/2 x 64), vt (32 x hdp)), every operation under the caller's MXCSR. */
+ * (hd2/2 x 64), vt (32 x hdp)), every operation under the caller's MXCSR. Either way a row's
+ * exponentials (p = bf(E(x - m_use)) and its sum) run with FTZ added: bf() flushes E's
+ * subnormal results anyway, so the bits are the same, and no vector pays an underflow assist
+ * (Intel cores; nx_attn_bf16.h). */
 NX_INLINE void nx_ab_micro(const int dp, const int nr, const void *qt, int64_t hd2s, int64_t hd2,
                            const void *kt, const void *vt, const uint64_t *rmask, unsigned act,
                            float scale, float *m, float *l, float *O, int64_t hdp, unsigned csr) {
@@ -290,7 +293,7 @@ NX_INLINE void nx_ab_micro(const int dp, const int nr, const void *qt, int64_t h
         const __m512 mu = _mm512_set1_ps(m_use);
         __m512 f[4];
         __asm__ volatile("" ::: "memory");
-        _mm_setcsr(csr | _MM_FLUSH_ZERO_ON); /* E's underflows: see nx_ab_micro's comment */
+        _mm_setcsr(csr | _MM_FLUSH_ZERO_ON); /* E's underflows (above) */
         __asm__ volatile("" ::: "memory");
         if (dp) { /* keys 0-63 as 64 words: Pp[r][i] = p_2i | p_2i+1 << 16 */
             __m256i w[4];
