@@ -219,13 +219,15 @@ NX_INLINE void nx_a2_micro(const int nr, const float *qt, int64_t hd2s, int64_t 
     _mm_setcsr(csr);
     __asm__ volatile("" ::: "memory");
     const __m256 sc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
-    float sums[NX_A2_BR], dm[8] = {0};
-    for (int r = 0; r < nr; r++) {
+    float sums[NX_A2_BR], mus[NX_A2_BR], dm[8] = {0};
+    for (int r = 0; r < nr; r++) { /* x into S, the running max */
         __m256 x[8];
-        for (int v = 0; v < 8; v++)
+        for (int v = 0; v < 8; v++) {
             x[v] = _mm256_blendv_ps(ninf,
                                     _mm256_mul_ps(_mm256_load_ps(S + r * NX_A2_BC + 8 * v), sc),
                                     nx_a2_lanes(rmask[r], v));
+            _mm256_store_ps(S + r * NX_A2_BC + 8 * v, x[v]);
+        }
         const __m256 mx8 = _mm256_max_ps(
             _mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3])),
             _mm256_max_ps(_mm256_max_ps(x[4], x[5]), _mm256_max_ps(x[6], x[7])));
@@ -233,21 +235,25 @@ NX_INLINE void nx_a2_micro(const int nr, const float *qt, int64_t hd2s, int64_t 
         const float m_new = mx > m[r] ? mx : m[r];
         const float m_use = m_new == -INFINITY ? 0.0f : m_new; /* all excluded so far: p = 0 */
         dm[r] = m[r] - m_use;
+        mus[r] = m_use;
         if (act >> r & 1u) m[r] = m_new;
-        const __m256 mu = _mm256_set1_ps(m_use);
+    }
+    __asm__ volatile("" ::: "memory");
+    _mm_setcsr(csr | NX_A2_FTZ); /* the exponentials: E's underflows (above) */
+    __asm__ volatile("" ::: "memory");
+    for (int r = 0; r < nr; r++) {
+        const __m256 mu = _mm256_set1_ps(mus[r]);
         __m256 f[8];
-        __asm__ volatile("" ::: "memory");
-        _mm_setcsr(csr | NX_A2_FTZ); /* E's underflows (above) */
-        __asm__ volatile("" ::: "memory");
         for (int v = 0; v < 8; v++) {
-            f[v] = nx_a2_bf8(nx_exp2_8(_mm256_sub_ps(x[v], mu)));
+            const __m256 x = _mm256_load_ps(S + r * NX_A2_BC + 8 * v);
+            f[v] = nx_a2_bf8(nx_exp2_8(_mm256_sub_ps(x, mu)));
             _mm256_store_ps(Pt + r * NX_A2_BC + 8 * v, nx_a2_swap_pairs(f[v]));
         }
         sums[r] = nx_a2_tree(f);
-        __asm__ volatile("" ::: "memory");
-        _mm_setcsr(csr);
-        __asm__ volatile("" ::: "memory");
     }
+    __asm__ volatile("" ::: "memory");
+    _mm_setcsr(csr);
+    __asm__ volatile("" ::: "memory");
     float alpha[8] __attribute__((aligned(32)));
     _mm256_store_ps(alpha, nx_exp2_8(_mm256_loadu_ps(dm)));
     for (int r = 0; r < nr; r++)

@@ -278,27 +278,33 @@ NX_INLINE void nx_ab_micro(const int dp, const int nr, const void *qt, int64_t h
         __asm__ volatile("" ::: "memory");
     }
     const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-    float sums[NX_AB_BR], dm[16] = {0};
-    for (int r = 0; r < nr; r++) {
+    float sums[NX_AB_BR], mus[NX_AB_BR], dm[16] = {0};
+    for (int r = 0; r < nr; r++) { /* x into S, the running max */
         __m512 x[4];
-        for (int v = 0; v < 4; v++)
+        for (int v = 0; v < 4; v++) {
             x[v] = _mm512_mask_mov_ps(ninf, (__mmask16)(rmask[r] >> (16 * v)),
                                       _mm512_mul_ps(_mm512_load_ps(S + r * NX_AB_BC + 16 * v), sc));
+            _mm512_store_ps(S + r * NX_AB_BC + 16 * v, x[v]);
+        }
         const __m512 mx4 = _mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]));
         const float mx = _mm512_reduce_max_ps(mx4);
         const float m_new = mx > m[r] ? mx : m[r];
         const float m_use = m_new == -INFINITY ? 0.0f : m_new; /* all excluded so far: p = 0 */
         dm[r] = m[r] - m_use;
+        mus[r] = m_use;
         if (act >> r & 1u) m[r] = m_new;
-        const __m512 mu = _mm512_set1_ps(m_use);
+    }
+    __asm__ volatile("" ::: "memory");
+    _mm_setcsr(csr | _MM_FLUSH_ZERO_ON); /* the exponentials: E's underflows (above) */
+    __asm__ volatile("" ::: "memory");
+    for (int r = 0; r < nr; r++) {
+        const __m512 mu = _mm512_set1_ps(mus[r]);
         __m512 f[4];
-        __asm__ volatile("" ::: "memory");
-        _mm_setcsr(csr | _MM_FLUSH_ZERO_ON); /* E's underflows (above) */
-        __asm__ volatile("" ::: "memory");
         if (dp) { /* keys 0-63 as 64 words: Pp[r][i] = p_2i | p_2i+1 << 16 */
             __m256i w[4];
             for (int v = 0; v < 4; v++) {
-                w[v] = (__m256i)_mm512_cvtneps_pbh(nx_exp2_16(_mm512_sub_ps(x[v], mu)));
+                const __m512 x = _mm512_load_ps(S + r * NX_AB_BC + 16 * v);
+                w[v] = (__m256i)_mm512_cvtneps_pbh(nx_exp2_16(_mm512_sub_ps(x, mu)));
                 f[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w[v]), 16));
             }
             _mm512_store_si512((__m512i *)(Pp + r * (NX_AB_BC / 2)),
@@ -307,15 +313,16 @@ NX_INLINE void nx_ab_micro(const int dp, const int nr, const void *qt, int64_t h
                                _mm512_inserti64x4(_mm512_castsi256_si512(w[2]), w[3], 1));
         } else {
             for (int v = 0; v < 4; v++) {
-                f[v] = nx_ab_bf16(nx_exp2_16(_mm512_sub_ps(x[v], mu)));
+                const __m512 x = _mm512_load_ps(S + r * NX_AB_BC + 16 * v);
+                f[v] = nx_ab_bf16(nx_exp2_16(_mm512_sub_ps(x, mu)));
                 _mm512_store_ps(Pt + r * NX_AB_BC + 16 * v, nx_ab_swap_pairs(f[v]));
             }
         }
         sums[r] = nx_ab_tree(f[0], f[1], f[2], f[3]);
-        __asm__ volatile("" ::: "memory");
-        _mm_setcsr(csr);
-        __asm__ volatile("" ::: "memory");
     }
+    __asm__ volatile("" ::: "memory");
+    _mm_setcsr(csr);
+    __asm__ volatile("" ::: "memory");
     float alpha[16] __attribute__((aligned(64)));
     _mm512_store_ps(alpha, nx_exp2_16(_mm512_loadu_ps(dm)));
     for (int r = 0; r < nr; r++)

@@ -94,7 +94,7 @@ static inline void nx2_softmax_rows(int nr, float *S, float scale, const float *
         _mm256_store_ps(s + 8, p1);
         sums[r] = nx_hsum8(_mm256_add_ps(p0, p1));
     }
-    _mm256_storeu_ps(dm, nx_exp8(_mm256_loadu_ps(dm)));
+    _mm256_storeu_ps(dm, nx_exp_nosub8(_mm256_loadu_ps(dm)));
     for (int r = 0; r < nr; r++) {
         alpha[r] = dm[r];
         l[r] = l[r] * dm[r] + sums[r];

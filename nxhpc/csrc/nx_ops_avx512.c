@@ -132,7 +132,7 @@ static inline void nx_softmax_rows(int nr, float *S, float scale, const float *m
         _mm512_store_ps(s + 48, p3);
         sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(p0, p1), _mm512_add_ps(p2, p3)));
     }
-    _mm512_storeu_ps(dm, nx_exp16(_mm512_loadu_ps(dm)));
+    _mm512_storeu_ps(dm, nx_exp_nosub16(_mm512_loadu_ps(dm)));
     for (int r = 0; r < nr; r++) {
         alpha[r] = dm[r];
         l[r] = l[r] * dm[r] + sums[r];
