@@ -21,6 +21,11 @@ SDPA in float32 and bfloat16, each output checked against float64 with its preci
 GFLOP/s against the peak of the unit each runs on (``peak_kind``: fma_zmm for the FMA dot,
 bf16_zmm for vdpbf16ps, amx_bf16 for AMX) and the machine's fastest bf16 unit. On a
 shared machine add ``--benchmark-timer=time.process_time`` (wall clock counts other jobs' time).
+
+bf16 where the softmax weights underflow: T=1152 with q and k scaled by 6 ("sharp") or 1, and the
+text encoder's causal shape, per bf16 kernel beside torch's bfloat16 SDPA on the same inputs
+(checked against float64 on the bfloat16-rounded inputs where the sharp scores make the bound of
+the unrounded ones vacuous).
 """
 
 import os
