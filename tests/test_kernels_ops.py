@@ -296,6 +296,31 @@ def test_attention_vs_float64(T, heads, hd, seed, mask_kind, qscale):
         assert_within(outs[isa], outs["generic"].astype(np.float64), 2 * bound, f"{isa} vs generic")
 
 
+def test_attention_subnormal_weights_reach_the_output():
+    """A row whose weights but one are subnormal (scores 88 to 103 below the maximum), where the
+    dominant key's value is 0 in column 0: that column's output is the sum of the subnormal
+    weights' contributions alone. The SIMD kernels skip a subnormal weight's FMA only where it
+    cannot change the accumulator (|p v| below half its spacing); here the accumulator starts
+    at 0, so skipping would give 0. Every column within the float64 bound, at every ISA."""
+    T, hd, A = 64, 16, 10.0
+    q = np.zeros((1, T, hd), np.float32)
+    q[0, :, 0] = A
+    k = np.zeros((1, T, hd), np.float32)
+    k[0, :, 0] = A - np.concatenate([[0.0], np.linspace(8.8, 10.3, T - 1)]).astype(np.float32)
+    qkv = np.ones((T, 3 * hd), np.float32)
+    qkv[0, 2 * hd] = 0.0                       # the dominant key's value, column 0
+    ref, bound = ref_attention(q, k, qkv, 1, 1.0)
+    y = (q[0, 0].astype(np.float64) @ k[0].T.astype(np.float64)) - A * A
+    w = np.exp(y[1:]).astype(np.float32)       # the weights as float32 values: subnormal
+    assert ((w > 0) & (w < np.finfo(np.float32).tiny)).all()
+    assert (bound[:, 0] < 0.01 * np.abs(ref[:, 0])).all()   # a zeroed column would fail
+    for isa in ISAS:
+        out = np.full((T, hd), np.nan, np.float32)
+        K.attention(q, k, qkv, out, 1, 1.0, isa=isa)
+        assert_within(out, ref, bound, f"attention[{isa}]")
+        assert (out[:, 0] > 0).all()
+
+
 def test_attention_zimage_heads_small_T():
     T, H, hd = 20, 30, 128
     rng = np.random.default_rng(7)

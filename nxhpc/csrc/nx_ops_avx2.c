@@ -49,7 +49,8 @@ static inline void nxv_qknorm_rope_adjacent_row(const float *xr, float invf, con
 _Static_assert(NX2_BR <= 4 && NX2_BC == 16, "the score tile is nx_dot_4x16's");
 
 NX_INLINE void nx2_pv_block(const int nr, const float *P, const float *alpha, const float *vt,
-                            int64_t W, int64_t nk, int64_t c, int64_t hd, float *O, int64_t hdp) {
+                            int64_t W, int64_t nk, int64_t c, int64_t hd, float *O, int64_t hdp,
+                            unsigned subk) {
     __m256 acc[NX2_BR][2];
     __m256i m0 = nx_mask8(hd - c), m1 = nx_mask8(hd - c - 8);
     for (int r = 0; r < nr; r++) {
@@ -57,13 +58,37 @@ NX_INLINE void nx2_pv_block(const int nr, const float *P, const float *alpha, co
         acc[r][0] = _mm256_mul_ps(_mm256_load_ps(O + r * hdp + c), a);
         acc[r][1] = _mm256_mul_ps(_mm256_load_ps(O + r * hdp + c + 8), a);
     }
-    for (int64_t j = 0; j < nk; j++) {
-        const float *vr = vt + j * W + c;
-        __m256 v0 = _mm256_maskload_ps(vr, m0), v1 = _mm256_maskload_ps(vr + 8, m1);
-        for (int r = 0; r < nr; r++) {
-            __m256 p = _mm256_broadcast_ss(P + r * NX2_BC + j);
-            acc[r][0] = _mm256_fmadd_ps(p, v0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(p, v1, acc[r][1]);
+    if (!subk) {
+        for (int64_t j = 0; j < nk; j++) {
+            const float *vr = vt + j * W + c;
+            __m256 v0 = _mm256_maskload_ps(vr, m0), v1 = _mm256_maskload_ps(vr + 8, m1);
+            for (int r = 0; r < nr; r++) {
+                __m256 p = _mm256_broadcast_ss(P + r * NX2_BC + j);
+                acc[r][0] = _mm256_fmadd_ps(p, v0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(p, v1, acc[r][1]);
+            }
+        }
+    } else { /* some weights may be subnormal: nx_pv_block's (nx_ops_avx512.c) skip rule */
+        const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        const __m256 big = _mm256_set1_ps(0x1p100f);
+        for (int64_t j = 0; j < nk; j++) {
+            const float *vr = vt + j * W + c;
+            __m256 v0 = _mm256_maskload_ps(vr, m0), v1 = _mm256_maskload_ps(vr + 8, m1);
+            for (int r = 0; r < nr; r++) {
+                const float pj = P[r * NX2_BC + j];
+                if ((subk >> j & 1) && pj > 0.0f && pj < 0x1p-126f) {
+                    const __m256 c0 = _mm256_cmp_ps(_mm256_and_ps(v0, absm),
+                                                    _mm256_mul_ps(_mm256_and_ps(acc[r][0], absm), big),
+                                                    _CMP_LT_OQ);
+                    const __m256 c1 = _mm256_cmp_ps(_mm256_and_ps(v1, absm),
+                                                    _mm256_mul_ps(_mm256_and_ps(acc[r][1], absm), big),
+                                                    _CMP_LT_OQ);
+                    if (_mm256_movemask_ps(_mm256_and_ps(c0, c1)) == 0xFF) continue;
+                }
+                __m256 p = _mm256_set1_ps(pj);
+                acc[r][0] = _mm256_fmadd_ps(p, v0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(p, v1, acc[r][1]);
+            }
         }
     }
     for (int r = 0; r < nr; r++) {
@@ -74,9 +99,10 @@ NX_INLINE void nx2_pv_block(const int nr, const float *P, const float *alpha, co
 
 /* Online softmax of one micro-block's scores (in place: S -> P); the rescale factors
  * alpha[r] = exp(m_old - m_new) of all rows go through one vector exp. */
-static inline void nx2_softmax_rows(int nr, float *S, float scale, const float *madd, int64_t ms,
-                                    float *m, float *l, float *alpha) {
+static inline unsigned nx2_softmax_rows(int nr, float *S, float scale, const float *madd,
+                                        int64_t ms, float *m, float *l, float *alpha) {
     const __m256 sc = _mm256_set1_ps(scale);
+    unsigned subk = 0; /* keys whose weight may be subnormal in some row (nx_exp_nosub_any) */
     float sums[NX2_BR], dm[8] = {0};
     for (int r = 0; r < nr; r++) {
         float *s = S + r * NX2_BC;
@@ -89,7 +115,10 @@ static inline void nx2_softmax_rows(int nr, float *S, float scale, const float *
         dm[r] = m[r] - m_use;
         m[r] = m_new;
         __m256 mu = _mm256_set1_ps(m_use);
-        __m256 p0 = nx_exp_nosub8(_mm256_sub_ps(x0, mu)), p1 = nx_exp_nosub8(_mm256_sub_ps(x1, mu));
+        int lo0 = 0, lo1 = 0;
+        __m256 p0 = nx_exp_nosub_any8(_mm256_sub_ps(x0, mu), &lo0);
+        __m256 p1 = nx_exp_nosub_any8(_mm256_sub_ps(x1, mu), &lo1);
+        subk |= (lo0 ? 0x00FFu : 0u) | (lo1 ? 0xFF00u : 0u);
         _mm256_store_ps(s, p0);
         _mm256_store_ps(s + 8, p1);
         sums[r] = nx_hsum8(_mm256_add_ps(p0, p1));
@@ -99,6 +128,7 @@ static inline void nx2_softmax_rows(int nr, float *S, float scale, const float *
         alpha[r] = dm[r];
         l[r] = l[r] * dm[r] + sums[r];
     }
+    return subk;
 }
 
 NX_INLINE void nx2_attn_micro(const int nr, const float *q, int64_t hd, const float *kt, float *S,
@@ -106,8 +136,9 @@ NX_INLINE void nx2_attn_micro(const int nr, const float *q, int64_t hd, const fl
                               float *alpha, const float *vt, int64_t W, int64_t nk, float *O,
                               int64_t hdp) {
     nx_dot_4x16(nr, q, hd, kt, S, NX2_BC);
-    nx2_softmax_rows(nr, S, scale, madd, ms, m, l, alpha);
-    for (int64_t c = 0; c < hdp; c += 16) nx2_pv_block(nr, S, alpha, vt, W, nk, c, hd, O, hdp);
+    const unsigned subk = nx2_softmax_rows(nr, S, scale, madd, ms, m, l, alpha);
+    for (int64_t c = 0; c < hdp; c += 16)
+        nx2_pv_block(nr, S, alpha, vt, W, nk, c, hd, O, hdp, subk);
 }
 
 NX_INLINE void nx2_attn_micro_any(int nr, const float *q, int64_t hd, const float *kt, float *S,

@@ -77,7 +77,7 @@ NX_INLINE void nx_qk_block(const int nr, const float *q, int64_t hd, const float
  * nv in {1, 4} (a compile-time constant after inlining). */
 NX_INLINE void nx_pv_block(const int nr, const int nv, const float *P, const float *alpha,
                            const float *vt, int64_t W, int64_t nk, int64_t c, int64_t hd, float *O,
-                           int64_t hdp) {
+                           int64_t hdp, uint64_t subk) {
     __m512 acc[NX_BR][4];
     __mmask16 mk[4];
 #pragma GCC unroll 4
@@ -88,11 +88,46 @@ NX_INLINE void nx_pv_block(const int nr, const int nv, const float *P, const flo
         for (int v = 0; v < nv; v++)
             acc[r][v] = _mm512_mul_ps(_mm512_load_ps(O + r * hdp + c + 16 * v), a);
     }
+    if (!subk) {
+        for (int64_t j = 0; j < nk; j++) {
+            const float *vr = vt + j * W + c;
+            __m512 vv[4];
+#pragma GCC unroll 4
+            for (int v = 0; v < nv; v++) vv[v] = _mm512_maskz_loadu_ps(mk[v], vr + 16 * v);
+            for (int r = 0; r < nr; r++) {
+                __m512 p = _mm512_set1_ps(P[r * NX_BC + j]);
+#pragma GCC unroll 4
+                for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(p, vv[v], acc[r][v]);
+            }
+        }
+    } else
     for (int64_t j = 0; j < nk; j++) {
         const float *vr = vt + j * W + c;
         __m512 vv[4];
 #pragma GCC unroll 4
         for (int v = 0; v < nv; v++) vv[v] = _mm512_maskz_loadu_ps(mk[v], vr + 16 * v);
+        if (subk >> j & 1) { /* some row's weight of key j is subnormal */
+            for (int r = 0; r < nr; r++) {
+                const float pj = P[r * NX_BC + j];
+                const __m512 p = _mm512_set1_ps(pj);
+                if (pj > 0.0f && pj < 0x1p-126f) {
+                    /* acc + p v rounds to acc exactly where |p v| < 2^-126 |v| is below half
+                     * the spacing of the floats next to acc, >= |acc| 2^-25: |v| < |acc| 2^100
+                     * in every lane; else the FMA (it costs an assist, its bits are the rule) */
+                    __mmask16 all = 0xFFFF;
+#pragma GCC unroll 4
+                    for (int v = 0; v < nv; v++)
+                        all &= _mm512_cmp_ps_mask(
+                            _mm512_abs_ps(vv[v]),
+                            _mm512_mul_ps(_mm512_abs_ps(acc[r][v]), _mm512_set1_ps(0x1p100f)),
+                            _CMP_LT_OQ);
+                    if (all == 0xFFFF) continue;
+                }
+#pragma GCC unroll 4
+                for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(p, vv[v], acc[r][v]);
+            }
+            continue;
+        }
         for (int r = 0; r < nr; r++) {
             __m512 p = _mm512_set1_ps(P[r * NX_BC + j]);
 #pragma GCC unroll 4
@@ -106,8 +141,9 @@ NX_INLINE void nx_pv_block(const int nr, const int nv, const float *P, const flo
 
 /* Online softmax of one micro-block's scores (in place: S -> P). The rescale factors
  * alpha[r] = exp(m_old - m_new) of all rows go through one vector exp. */
-static inline void nx_softmax_rows(int nr, float *S, float scale, const float *madd, int64_t ms,
-                                   float *m, float *l, float *alpha) {
+static inline uint64_t nx_softmax_rows(int nr, float *S, float scale, const float *madd,
+                                       int64_t ms, float *m, float *l, float *alpha) {
+    uint64_t subk = 0; /* keys with a subnormal weight in some row */
     const __m512 sc = _mm512_set1_ps(scale);
     float m_use[NX_BR], sums[NX_BR], dm[16] = {0};
     for (int r = 0; r < nr; r++) {
@@ -124,8 +160,13 @@ static inline void nx_softmax_rows(int nr, float *S, float scale, const float *m
         dm[r] = m[r] - m_use[r];
         m[r] = m_new;
         __m512 mu = _mm512_set1_ps(m_use[r]);
-        __m512 p0 = nx_exp_nosub16(_mm512_sub_ps(x0, mu)), p1 = nx_exp_nosub16(_mm512_sub_ps(x1, mu));
-        __m512 p2 = nx_exp_nosub16(_mm512_sub_ps(x2, mu)), p3 = nx_exp_nosub16(_mm512_sub_ps(x3, mu));
+        int lo[4] = {0, 0, 0, 0}; /* a vector of possibly subnormal weights */
+        __m512 p0 = nx_exp_nosub_any16(_mm512_sub_ps(x0, mu), &lo[0]);
+        __m512 p1 = nx_exp_nosub_any16(_mm512_sub_ps(x1, mu), &lo[1]);
+        __m512 p2 = nx_exp_nosub_any16(_mm512_sub_ps(x2, mu), &lo[2]);
+        __m512 p3 = nx_exp_nosub_any16(_mm512_sub_ps(x3, mu), &lo[3]);
+        for (int v = 0; v < 4; v++)
+            if (lo[v]) subk |= (uint64_t)0xFFFF << (16 * v);
         _mm512_store_ps(s, p0);
         _mm512_store_ps(s + 16, p1);
         _mm512_store_ps(s + 32, p2);
@@ -137,6 +178,7 @@ static inline void nx_softmax_rows(int nr, float *S, float scale, const float *m
         alpha[r] = dm[r];
         l[r] = l[r] * dm[r] + sums[r];
     }
+    return subk;
 }
 
 NX_INLINE void nx_attn_micro(const int nr, const float *q, int64_t hd, const float *kt, float *S,
@@ -144,11 +186,11 @@ NX_INLINE void nx_attn_micro(const int nr, const float *q, int64_t hd, const flo
                              float *alpha, const float *vt, int64_t W, int64_t nk, float *O,
                              int64_t hdp) {
     nx_qk_block(nr, q, hd, kt, S);
-    nx_softmax_rows(nr, S, scale, madd, ms, m, l, alpha);
+    const uint64_t subk = nx_softmax_rows(nr, S, scale, madd, ms, m, l, alpha);
     int64_t c = 0;
-    for (; c + 64 <= hdp; c += 64) nx_pv_block(nr, 4, S, alpha, vt, W, nk, c, hd, O, hdp);
+    for (; c + 64 <= hdp; c += 64) nx_pv_block(nr, 4, S, alpha, vt, W, nk, c, hd, O, hdp, subk);
     /* remainder one vector at a time: measured faster than a 2-vector chunk at hd=96 (193 vs 161) */
-    for (; c < hdp; c += 16) nx_pv_block(nr, 1, S, alpha, vt, W, nk, c, hd, O, hdp);
+    for (; c < hdp; c += 16) nx_pv_block(nr, 1, S, alpha, vt, W, nk, c, hd, O, hdp, subk);
 }
 
 NX_INLINE void nx_attn_micro_any(int nr, const float *q, int64_t hd, const float *kt, float *S,

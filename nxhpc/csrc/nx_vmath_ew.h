@@ -38,7 +38,7 @@ static inline nxm_v NXM_FN(nx_exp)(nxm_v x) {
  * round(p * 2^(n + 149)) (ties to even, MXCSR's rounding: the integer conversion), which is what
  * the gradual underflow of NXM_SCALE2N gives; p * 2^(n + 149) is exact (a normal float times a
  * power of two that keeps it normal). The other lanes scale as nx_exp does. */
-static inline nxm_v NXM_FN(nx_exp_nosub)(nxm_v x) {
+static inline nxm_v NXM_FN(nx_exp_nosub_any)(nxm_v x, int *low_any) {
     x = NXM_PS(max)(NXM_PS(set1)(-110.0f), NXM_PS(min)(NXM_PS(set1)(89.0f), x));
     nxm_v n = NXM_ROUND(NXM_PS(mul)(x, NXM_PS(set1)(1.44269504088896341f)));
     nxm_v r = NXM_PS(fnmadd)(n, NXM_PS(set1)(0.693359375f), x);
@@ -53,10 +53,18 @@ static inline nxm_v NXM_FN(nx_exp_nosub)(nxm_v x) {
     p = NXM_PS(add)(p, NXM_PS(set1)(1.0f));
     const nxm_cmp low = NXM_CMP(n, NXM_PS(set1)(-125.5f), _CMP_LT_OQ); /* n <= -126; not NaN */
     if (!NXM_ANY(low)) return NXM_SCALE2N(p, n);
+    *low_any = 1;
     const nxm_v zero = NXM_PS(setzero)();
     const nxm_v big = NXM_SCALE2N(p, NXM_SELECT(low, n, zero)); /* low lanes: p, unused */
     const nxm_v t = NXM_SCALE2N(p, NXM_SELECT(low, zero, NXM_PS(add)(n, NXM_PS(set1)(149.0f))));
     return NXM_SELECT(low, big, NXM_INT_BITS(t));
+}
+
+/* nx_exp_nosub without the report (*low_any is set to 1 when some lane's result is below
+ * 2^-125, so possibly subnormal; left as it was otherwise). */
+static inline nxm_v NXM_FN(nx_exp_nosub)(nxm_v x) {
+    int unused = 0;
+    return NXM_FN(nx_exp_nosub_any)(x, &unused);
 }
 
 /* 2^y, the softmax weight of the `bf16` attention (E of nx_attn_bf16.h: its scores are in base
