@@ -163,6 +163,62 @@ def test_same_seed_byte_identical_other_seed_differs(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]   # no temp dirs left
 
 
+def _score_spread(m):
+    """The largest spread (max - min) of a row's attention scores in layer 0 of model ``m``,
+    float64 from the dequantized weights (RoPE left out: it turns q and k, not their norms)."""
+    from nxhpc.dit.reference import dequantize_layer
+    c = m.config
+    w = dequantize_layer(m.layer_weights(0))
+    x = m.blk_in(0).astype(np.float64)
+    D, hd = c.dim, c.head_dim
+    mod = 1.0 + m.adaln_m(0)[:D].astype(np.float64)
+    h = x / np.sqrt((x * x).mean(1, keepdims=True) + c.norm_eps) * w["attention_norm1"] * mod
+    qkv = h @ w["qkv"].T
+    best = 0.0
+    for j in range(c.n_heads):
+        q, k = qkv[:, j * hd:(j + 1) * hd], qkv[:, D + j * hd:D + (j + 1) * hd]
+        q = q / np.sqrt((q * q).mean(1, keepdims=True) + c.norm_eps) * w["q_norm"]
+        k = k / np.sqrt((k * k).mean(1, keepdims=True) + c.norm_eps) * w["k_norm"]
+        s = q @ k.T / np.sqrt(hd)
+        best = max(best, float((s.max(1) - s.min(1)).max()))
+    return best
+
+
+def test_qk_norm_scale_sharpens_only_the_qk_norms(tmp_path):
+    """``qk_norm_scale`` multiplies the q_norm / k_norm weights and nothing else (the same draws:
+    every other tensor byte-identical); its reference is the block on the scaled weights
+    (nxhpc's f32 block matches it), and its softmax weights do underflow, as the option is
+    for. 1 is the default and leaves the fingerprint of every older spec alone."""
+    from gguf import GGUFReader
+    spec = small_spec(n_layers=1, dim=128, n_heads=2, grid=(1, 6, 8))
+    a = make_synthetic(tmp_path / "a", spec)
+    b = make_synthetic(tmp_path / "b", dataclasses.replace(spec, qk_norm_scale=8.0))
+    ta = {t.name: np.array(t.data) for t in GGUFReader(a / "model.gguf").tensors}
+    tb = {t.name: np.array(t.data) for t in GGUFReader(b / "model.gguf").tensors}
+    assert ta.keys() == tb.keys()
+    scaled = [n for n in ta if n.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(scaled) == 2
+    for n in ta:
+        if n in scaled:
+            np.testing.assert_array_equal(tb[n], ta[n] * np.float32(8.0))
+        else:
+            np.testing.assert_array_equal(tb[n], ta[n])
+    assert dataclasses.replace(spec, qk_norm_scale=1.0).fingerprint() == spec.fingerprint()
+    assert dataclasses.replace(spec, qk_norm_scale=8.0).fingerprint() != spec.fingerprint()
+    spreads = []
+    for d in (a, b):
+        with open_model(d) as m:
+            out, _ = m.block(0).forward(m.blk_in(0), m.t_emb(), m.pe(), mask=m.mask(),
+                                        workers=1)
+            ref = m.ref_out(0).astype(np.float64)
+            assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
+            spreads.append(_score_spread(m))
+    # a row's scores spread over > 87 (e^-87 = 2^-126: its weights underflow) only when sharp
+    assert spreads[0] < 20 < 87 < spreads[1], spreads
+    with pytest.raises(ValueError, match="qk_norm_scale"):
+        dataclasses.replace(spec, qk_norm_scale=0.0).validate()
+
+
 def test_write_model_dir_is_all_or_nothing(tmp_path):
     """A failed write leaves no temporary directory and keeps the previous model; a
     successful replace swaps the whole directory."""

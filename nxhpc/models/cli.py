@@ -146,7 +146,7 @@ def _cmd_make(args: argparse.Namespace) -> int:
     custom = {k: getattr(args, k) for k in ("variant", "dim", "n_heads", "n_kv_heads",
                                             "ffn_dim", "n_layers", "n_caption", "grid",
                                             "seed", "adaln_in", "norm_eps", "mask_pad",
-                                            "types")
+                                            "types", "qk_norm_scale")
               if getattr(args, k) is not None}
     if args.no_prefix:
         custom["prefix"] = False
@@ -226,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "or one type for every matrix (f32, f16, bf16, q4_0, q4_1, "
                                     "q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k); see "
                                     "nxhpc/formats/layouts.py")
+    mk.add_argument("--qk-norm-scale", type=float,
+                    help="multiply the q_norm / k_norm weights by this (default 1): the "
+                         "attention scores spread by its square (4: sharp heads whose softmax "
+                         "weights underflow, as trained models can have)")
     mk.add_argument("--no-prefix", action="store_true",
                     help="write tensor names without 'model.diffusion_model.'")
     mk.add_argument("--weights", action=argparse.BooleanOptionalAction, default=None,

@@ -58,7 +58,8 @@ KINDS = ("block", "denoiser")
 _SHARED = ("dim", "n_heads", "ffn_dim", "n_layers", "n_caption", "seed")
 _FIELDS: dict[str, tuple[str, ...]] = {
     "block": _SHARED + ("variant", "n_kv_heads", "grid", "adaln_in", "norm_eps", "mask_pad",
-                        "prefix", "include_weights", "rope_theta", "axes_dims", "types"),
+                        "prefix", "include_weights", "rope_theta", "axes_dims", "types",
+                        "qk_norm_scale"),
     "denoiser": _SHARED + ("cap_dim", "n_refiner", "in_channels", "patch", "layout",
                            "latent_hw", "timestep", "reference"),
 }
@@ -96,6 +97,9 @@ class SyntheticSpec:
     rope_theta: float | None = None      # None: the variant's
     axes_dims: tuple[int, ...] | None = None
     types: str = "q8_0"                  # weight-type policy (nxhpc.formats.layouts.POLICY_NAMES)
+    qk_norm_scale: float = 1.0           # q_norm / k_norm weights times this: the scores' spread
+                                         # times its square (4: sharp heads, whose softmax
+                                         # weights underflow; docs/kernels.md)
     # -- a whole denoiser
     cap_dim: int | None = None           # caption feature width; given: a whole denoiser
     n_refiner: int = 2                   # blocks of each refiner (noise and context)
@@ -236,6 +240,8 @@ class SyntheticSpec:
         if self.kind == "block":
             if d["types"] == "q8_0":         # the default: fingerprints of older specs unchanged
                 del d["types"]
+            if d["qk_norm_scale"] == 1.0:    # likewise
+                del d["qk_norm_scale"]
         else:
             d["kind"] = self.kind
         d["generator_version"] = GENERATOR_VERSION
@@ -268,6 +274,10 @@ class SyntheticSpec:
             if not 0 <= self.mask_pad <= self.n_caption:
                 raise ValueError(f"SyntheticSpec: mask_pad {self.mask_pad} must be within the "
                                  f"{self.n_caption} caption tokens")
+            if not (isinstance(self.qk_norm_scale, (int, float)) and
+                    math.isfinite(self.qk_norm_scale) and 0 < self.qk_norm_scale <= 1e3):
+                raise ValueError(f"SyntheticSpec: qk_norm_scale must be a finite number in "
+                                 f"(0, 1000], got {self.qk_norm_scale!r}")
             return self
         h, w = self.latent_hw
         if min(h, w) < self.patch or h % self.patch or w % self.patch:
@@ -305,9 +315,11 @@ def make_synthetic(out_dir: str | os.PathLike, spec: SyntheticSpec,
 # ============================================================================== block models
 
 def _draw_layer(rng: np.random.Generator, c: BlockConfig, i: int,
-                say: Callable[[str], None], types: str = "q8_0"
+                say: Callable[[str], None], types: str = "q8_0", qk_norm_scale: float = 1.0
                 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Draw layer i: returns (GGUF tensors by short name, float64 dequantized weights)."""
+    """Draw layer i: returns (GGUF tensors by short name, float64 dequantized weights). The
+    q_norm / k_norm weights are drawn as the other norms' and then multiplied by
+    ``qk_norm_scale`` (1: the same bytes as before the option)."""
     stored: dict[str, Any] = {}
     f64: dict[str, np.ndarray] = {}
     names = tensor_names("layers", i, c.variant)
@@ -336,6 +348,8 @@ def _draw_layer(rng: np.random.Generator, c: BlockConfig, i: int,
     for k in NORMS:
         n = c.head_dim if k in ("q_norm", "k_norm") else c.dim
         w = (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+        if k in ("q_norm", "k_norm") and qk_norm_scale != 1.0:
+            w *= np.float32(qk_norm_scale)
         stored[k] = w
         f64[k] = w.astype(np.float64)
     # adaLN: modest modulation (|scale| ~ 0.4, tanh(gate) well inside (-1, 1))
@@ -374,7 +388,7 @@ def _write_block_model(tmp: Path, spec: SyntheticSpec, say: Callable[[str], None
     if mask is not None:
         fx["mask"] = mask
     for i in range(c.n_layers):
-        stored, w64 = _draw_layer(rng, c.block, i, say, spec.types)
+        stored, w64 = _draw_layer(rng, c.block, i, say, spec.types, spec.qk_norm_scale)
         for k, name in tensor_names("layers", i, c.variant).items():
             gguf_tensors[name] = stored[k]
             if include_w:
