@@ -76,12 +76,12 @@ typedef __m256 nxm_cmp; /* a lane predicate (all-ones lanes) */
 #define NXM_INT_BITS(t) _mm256_castsi256_ps(_mm256_cvtps_epi32(t)) /* round(t) as float bits */
 #include "nx_vmath_ew.h" /* nx_exp8, nx_exp2_8, nx_tanh8 */
 
-/* silu(x) = (x < 0 ? x*e : x) / (1 + e), e = exp(-|x|) (nx_exp8), 8 lanes, same formula as
+/* silu(x) = (x < 0 ? x*e : x) / (1 + e), e = exp(-|x|) (nx_exp_nosub8), 8 lanes, same formula as
  * nx_silu16: never overflows; -inf is clamped to -FLT_MAX first so silu(-inf) = -0; NaN kept.
  * Used by the forward swiglu only: the swiglu backward (nx_bwd_avx2.c) computes silu as
  * x * sigmoid(x) with its own rounding, see the comment there. */
 static inline __m256 nx_silu8(__m256 x) {
-    __m256 e = nx_exp8(_mm256_or_ps(x, _mm256_set1_ps(-0.0f)));
+    __m256 e = nx_exp_nosub8(_mm256_or_ps(x, _mm256_set1_ps(-0.0f))); /* no underflow assist */
     __m256 xc = _mm256_max_ps(_mm256_set1_ps(-3.4028234663852886e38f), x);
     __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
     __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(xc, e), neg);

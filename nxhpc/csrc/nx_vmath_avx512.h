@@ -48,13 +48,14 @@ typedef __mmask16 nxm_cmp; /* a lane predicate */
 #define NXM_INT_BITS(t) _mm512_castsi512_ps(_mm512_cvtps_epi32(t)) /* round(t) as float bits */
 #include "nx_vmath_ew.h" /* nx_exp16, nx_exp2_16, nx_tanh16 */
 
-/* silu(x) = (x < 0 ? x*e : x) / (1 + e), e = exp(-|x|) (nx_exp16): never overflows; -inf is
+/* silu(x) = (x < 0 ? x*e : x) / (1 + e), e = exp(-|x|) (nx_exp_nosub16: nx_exp16's bits without
+ * its underflow, so an input below -104 costs no microcode assist): never overflows; -inf is
  * clamped to -FLT_MAX first so silu(-inf) = -0; NaN kept. Used by the forward swiglu only: the
  * swiglu backward (nx_bwd_avx512.c) computes silu as x * sigmoid(x) with its own rounding, see
  * the comment there. */
 static inline __m512 nx_silu16(__m512 x) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
-    __m512 e = nx_exp16(_mm512_or_ps(x, sign));
+    __m512 e = nx_exp_nosub16(_mm512_or_ps(x, sign)); /* exp's bits, no underflow assist */
     __m512 xc =
         _mm512_max_ps(_mm512_set1_ps(-3.4028234663852886e38f), x); /* -inf -> -FLT_MAX, NaN kept */
     __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
