@@ -88,21 +88,11 @@ def test_bench_attention_nxhpc(benchmark, H, isa):
 
 @pytest.mark.parametrize("H", [2, 4])
 def test_bench_attention_torch_sdpa(benchmark, H):
-    torch = pytest.importorskip("torch")
     benchmark.group = f"attention T={T_ATT} hd={HD} H={H}"
-    torch.set_num_threads(1)
     q, k, qkv = _attn_case(H)
-    v = np.ascontiguousarray(qkv[:, 2 * H * HD:].reshape(T_ATT, H, HD).transpose(1, 0, 2))
-    tq, tk, tv = (torch.from_numpy(a)[None] for a in (q, k, v))
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def run():
-        with torch.no_grad():
-            return sdpa(tq, tk, tv, scale=HD ** -0.5)
-
-    res = benchmark.pedantic(run, rounds=7, warmup_rounds=1)
+    v = qkv[:, 2 * H * HD:].reshape(T_ATT, H, HD).transpose(1, 0, 2)
+    out = _torch_sdpa(benchmark, q, k, v, "float32", 7)
     _attn_info(benchmark, H, "torch.sdpa (1 thread)")
-    out = res[0].permute(1, 0, 2).reshape(T_ATT, H * HD).numpy()
     _attn_check(out, q, k, qkv, H)
 
 
@@ -152,6 +142,24 @@ def _dit_info(benchmark, T, H, name):
         "impl": name, "T": T, "hd": HD, "H": H,
         "gflops_best": round(flop / bench_stats(benchmark).min / 1e9, 1),
         "gflops_mean": round(flop / bench_stats(benchmark).mean / 1e9, 1)})
+
+
+def _torch_sdpa(benchmark, q, k, v, dtype, rounds, causal=False):
+    """torch's SDPA on one thread, timed by ``benchmark``: q, k, v [H, T, hd] (a GQA's k and v
+    already repeated per query head) cast to ``dtype``; returns the output, float32 [T, H*hd]."""
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(1)
+    dt = getattr(torch, dtype)
+    tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(a))[None].to(dt) for a in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def run():
+        with torch.no_grad():
+            return sdpa(tq, tk, tv, is_causal=causal, scale=HD ** -0.5)
+
+    res = benchmark.pedantic(run, rounds=rounds, warmup_rounds=1)
+    H, T = q.shape[0], q.shape[1]
+    return res[0].float().permute(1, 0, 2).reshape(T, H * HD).numpy()
 
 
 def _bf16_round(a):
@@ -254,23 +262,12 @@ def _attn_check_T(out, q, k, qkv, T, H, rows=32):
 @pytest.mark.parametrize("T", T_DIT)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bench_attention_dit_torch_sdpa(benchmark, T, dtype):
-    torch = pytest.importorskip("torch")
     benchmark.group = f"attention T={T} hd={HD} H={H_DIT} (DiT, 1 thread)"
-    torch.set_num_threads(1)
     q, k, qkv = _dit_case(T, H_DIT)
     H = H_DIT
-    v = np.ascontiguousarray(qkv[:, 2 * H * HD:].reshape(T, H, HD).transpose(1, 0, 2))
-    dt = getattr(torch, dtype)
-    tq, tk, tv = (torch.from_numpy(a)[None].to(dt) for a in (q, k, v))
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def run():
-        with torch.no_grad():
-            return sdpa(tq, tk, tv, scale=HD ** -0.5)
-
-    res = benchmark.pedantic(run, rounds=3, warmup_rounds=1)
+    v = qkv[:, 2 * H * HD:].reshape(T, H, HD).transpose(1, 0, 2)
+    out = _torch_sdpa(benchmark, q, k, v, dtype, 3)
     _dit_info(benchmark, T, H, f"torch.sdpa {dtype} (1 thread)")
-    out = res[0].float().permute(1, 0, 2).reshape(T, H * HD).numpy()
     if dtype == "float32":
         _attn_check_T(out, q, k, qkv, T, H)
     else:  # bfloat16 inputs, bfloat16 output (one more rounding)
@@ -328,24 +325,14 @@ def test_bench_attention_causal_nxhpc(benchmark, isa):
 
 
 def test_bench_attention_causal_torch_sdpa(benchmark):
-    torch = pytest.importorskip("torch")
     benchmark.group = f"causal attention T={T_C} hd={HD} H={H_C} KVH={KVH_C}"
-    torch.set_num_threads(1)
     q, k, qkv = _causal_case()
     rep = H_C // KVH_C
     v = qkv[:, (H_C + KVH_C) * HD:].reshape(T_C, KVH_C, HD).transpose(1, 0, 2)
-    tq = torch.from_numpy(q)[None]
-    tk = torch.from_numpy(np.repeat(k, rep, axis=0))[None]
-    tv = torch.from_numpy(np.ascontiguousarray(np.repeat(v, rep, axis=0)))[None]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def run():
-        with torch.no_grad():
-            return sdpa(tq, tk, tv, is_causal=True, scale=HD ** -0.5)
-
-    res = benchmark.pedantic(run, rounds=7, warmup_rounds=1)
+    out = _torch_sdpa(benchmark, q, np.repeat(k, rep, axis=0), np.repeat(v, rep, axis=0),
+                      "float32", 7, causal=True)
     _causal_info(benchmark, "torch.sdpa is_causal (1 thread)")
-    _causal_check(res[0].permute(1, 0, 2).reshape(T_C, H_C * HD).numpy(), q, k, qkv)
+    _causal_check(out, q, k, qkv)
 
 
 # ------------------------------------------------------------------ bf16 weights that underflow
@@ -394,21 +381,11 @@ def test_bench_attention_bf16_sharp_nxhpc(benchmark, isa, qk_scale):
 
 
 def test_bench_attention_bf16_sharp_torch_sdpa(benchmark):
-    torch = pytest.importorskip("torch")
     benchmark.group = f"bf16 attention, sharp scores: T={T_SH} hd={HD} H={H_SH} q, k x {SHARP}"
-    torch.set_num_threads(1)
     q, k, qkv = _sharp_case(SHARP)
-    v = np.ascontiguousarray(qkv[:, 2 * H_SH * HD:].reshape(T_SH, H_SH, HD).transpose(1, 0, 2))
-    tq, tk, tv = (torch.from_numpy(a)[None].to(torch.bfloat16) for a in (q, k, v))
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def run():
-        with torch.no_grad():
-            return sdpa(tq, tk, tv, scale=HD ** -0.5)
-
-    res = benchmark.pedantic(run, rounds=5, warmup_rounds=1)
+    v = qkv[:, 2 * H_SH * HD:].reshape(T_SH, H_SH, HD).transpose(1, 0, 2)
+    out = _torch_sdpa(benchmark, q, k, v, "bfloat16", 5)
     _dit_info(benchmark, T_SH, H_SH, f"torch.sdpa bfloat16 q, k x {SHARP} (1 thread)")
-    out = res[0].float().permute(1, 0, 2).reshape(T_SH, H_SH * HD).numpy()
     _bf16_check(out, q, k, qkv, T_SH, H_SH, extra=2.0 ** -7, rounded=True)
 
 
@@ -426,23 +403,13 @@ def test_bench_attention_causal_bf16_nxhpc(benchmark, isa):
 
 
 def test_bench_attention_causal_bf16_torch_sdpa(benchmark):
-    torch = pytest.importorskip("torch")
     benchmark.group = f"causal bf16 attention T={T_C} hd={HD} H={H_C} KVH={KVH_C}"
-    torch.set_num_threads(1)
     q, k, qkv = _causal_case()
     rep = H_C // KVH_C
     v = qkv[:, (H_C + KVH_C) * HD:].reshape(T_C, KVH_C, HD).transpose(1, 0, 2)
-    tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(a))[None].to(torch.bfloat16)
-                  for a in (q, np.repeat(k, rep, axis=0), np.repeat(v, rep, axis=0)))
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def run():
-        with torch.no_grad():
-            return sdpa(tq, tk, tv, is_causal=True, scale=HD ** -0.5)
-
-    res = benchmark.pedantic(run, rounds=7, warmup_rounds=1)
+    out = _torch_sdpa(benchmark, q, np.repeat(k, rep, axis=0), np.repeat(v, rep, axis=0),
+                      "bfloat16", 7, causal=True)
     _causal_info(benchmark, "torch.sdpa bfloat16 is_causal (1 thread)")
-    out = res[0].float().permute(1, 0, 2).reshape(T_C, H_C * HD).numpy()
     _bf16_check(out, q, k, qkv, T_C, H_C, extra=2.0 ** -7, causal=True, KVH=KVH_C)
 
 
