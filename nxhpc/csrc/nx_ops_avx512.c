@@ -88,6 +88,9 @@ NX_INLINE void nx_pv_block(const int nr, const int nv, const float *P, const flo
         for (int v = 0; v < nv; v++)
             acc[r][v] = _mm512_mul_ps(_mm512_load_ps(O + r * hdp + c + 16 * v), a);
     }
+    /* subk: the keys whose weight may be subnormal in some row (nx_softmax_rows). Without any,
+     * the loop of old; one loop testing subk per key ran 4-6% slower on diffuse rows (AMX
+     * Xeon, one thread, 2 heads at T=1152: 12.1-12.6 against 11.6-12.1 ms). */
     if (!subk) {
         for (int64_t j = 0; j < nk; j++) {
             const float *vr = vt + j * W + c;

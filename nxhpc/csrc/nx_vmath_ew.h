@@ -8,13 +8,8 @@
  * width), keep state, or emit symbols (static inline only).
  */
 
-/* exp(x). Range reduction x = n*ln2 + r (ln2 split in two, Cody-Waite), |r| <= ln2/2,
- * exp(r) = 1 + r + r^2 * P5(r) (Cephes expf minimax coefficients), result = p * 2^n
- * (NXM_SCALE2N: AVX-512 scalef, AVX2 two exact power-of-two factors; both round once).
- * Input clamped to [-110, 89] first (NaN kept: the clamp returns its second operand on NaN), so
- * exp(+inf) = inf, exp(-inf) = 0, subnormal results are rounded once.
- * Max error measured over the float range: <= 2 ulp (tests/test_kernels_ops.py). */
-static inline nxm_v NXM_FN(nx_exp)(nxm_v x) {
+/* exp's range reduction and polynomial (below): returns p = exp(r) and n, x = n ln2 + r. */
+static inline nxm_v NXM_FN(nx_exp_poly)(nxm_v x, nxm_v *n_out) {
     x = NXM_PS(max)(NXM_PS(set1)(-110.0f), NXM_PS(min)(NXM_PS(set1)(89.0f), x));
     nxm_v n = NXM_ROUND(NXM_PS(mul)(x, NXM_PS(set1)(1.44269504088896341f)));
     nxm_v r = NXM_PS(fnmadd)(n, NXM_PS(set1)(0.693359375f), x);
@@ -26,7 +21,19 @@ static inline nxm_v NXM_FN(nx_exp)(nxm_v x) {
     p = NXM_PS(fmadd)(p, r, NXM_PS(set1)(1.6666665459e-1f));
     p = NXM_PS(fmadd)(p, r, NXM_PS(set1)(5.0000001201e-1f));
     p = NXM_PS(fmadd)(p, NXM_PS(mul)(r, r), r);
-    p = NXM_PS(add)(p, NXM_PS(set1)(1.0f));
+    *n_out = n;
+    return NXM_PS(add)(p, NXM_PS(set1)(1.0f));
+}
+
+/* exp(x). Range reduction x = n*ln2 + r (ln2 split in two, Cody-Waite), |r| <= ln2/2,
+ * exp(r) = 1 + r + r^2 * P5(r) (Cephes expf minimax coefficients), result = p * 2^n
+ * (NXM_SCALE2N: AVX-512 scalef, AVX2 two exact power-of-two factors; both round once).
+ * Input clamped to [-110, 89] first (NaN kept: the clamp returns its second operand on NaN), so
+ * exp(+inf) = inf, exp(-inf) = 0, subnormal results are rounded once.
+ * Max error measured over the float range: <= 2 ulp (tests/test_kernels_ops.py). */
+static inline nxm_v NXM_FN(nx_exp)(nxm_v x) {
+    nxm_v n;
+    const nxm_v p = NXM_FN(nx_exp_poly)(x, &n);
     return NXM_SCALE2N(p, n);
 }
 
@@ -37,20 +44,11 @@ static inline nxm_v NXM_FN(nx_exp)(nxm_v x) {
  * subnormals and of the binade above them), so its correctly rounded value has the bit pattern
  * round(p * 2^(n + 149)) (ties to even, MXCSR's rounding: the integer conversion), which is what
  * the gradual underflow of NXM_SCALE2N gives; p * 2^(n + 149) is exact (a normal float times a
- * power of two that keeps it normal). The other lanes scale as nx_exp does. */
+ * power of two that keeps it normal). The other lanes scale as nx_exp does. *low_any is set to
+ * 1 when some lane took that path (its result may be subnormal), and left as it was otherwise. */
 static inline nxm_v NXM_FN(nx_exp_nosub_any)(nxm_v x, int *low_any) {
-    x = NXM_PS(max)(NXM_PS(set1)(-110.0f), NXM_PS(min)(NXM_PS(set1)(89.0f), x));
-    nxm_v n = NXM_ROUND(NXM_PS(mul)(x, NXM_PS(set1)(1.44269504088896341f)));
-    nxm_v r = NXM_PS(fnmadd)(n, NXM_PS(set1)(0.693359375f), x);
-    r = NXM_PS(fnmadd)(n, NXM_PS(set1)(-2.12194440e-4f), r);
-    nxm_v p = NXM_PS(set1)(1.9875691500e-4f);
-    p = NXM_PS(fmadd)(p, r, NXM_PS(set1)(1.3981999507e-3f));
-    p = NXM_PS(fmadd)(p, r, NXM_PS(set1)(8.3334519073e-3f));
-    p = NXM_PS(fmadd)(p, r, NXM_PS(set1)(4.1665795894e-2f));
-    p = NXM_PS(fmadd)(p, r, NXM_PS(set1)(1.6666665459e-1f));
-    p = NXM_PS(fmadd)(p, r, NXM_PS(set1)(5.0000001201e-1f));
-    p = NXM_PS(fmadd)(p, NXM_PS(mul)(r, r), r);
-    p = NXM_PS(add)(p, NXM_PS(set1)(1.0f));
+    nxm_v n;
+    const nxm_v p = NXM_FN(nx_exp_poly)(x, &n);
     const nxm_cmp low = NXM_CMP(n, NXM_PS(set1)(-125.5f), _CMP_LT_OQ); /* n <= -126; not NaN */
     if (!NXM_ANY(low)) return NXM_SCALE2N(p, n);
     *low_any = 1;
@@ -60,8 +58,7 @@ static inline nxm_v NXM_FN(nx_exp_nosub_any)(nxm_v x, int *low_any) {
     return NXM_SELECT(low, big, NXM_INT_BITS(t));
 }
 
-/* nx_exp_nosub without the report (*low_any is set to 1 when some lane's result is below
- * 2^-125, so possibly subnormal; left as it was otherwise). */
+/* nx_exp_nosub_any without the report. */
 static inline nxm_v NXM_FN(nx_exp_nosub)(nxm_v x) {
     int unused = 0;
     return NXM_FN(nx_exp_nosub_any)(x, &unused);
