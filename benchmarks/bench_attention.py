@@ -324,17 +324,6 @@ def test_bench_attention_causal_nxhpc(benchmark, isa):
     _causal_check(out, q, k, qkv)
 
 
-def test_bench_attention_causal_torch_sdpa(benchmark):
-    benchmark.group = f"causal attention T={T_C} hd={HD} H={H_C} KVH={KVH_C}"
-    q, k, qkv = _causal_case()
-    rep = H_C // KVH_C
-    v = qkv[:, (H_C + KVH_C) * HD:].reshape(T_C, KVH_C, HD).transpose(1, 0, 2)
-    out = _torch_sdpa(benchmark, q, np.repeat(k, rep, axis=0), np.repeat(v, rep, axis=0),
-                      "float32", 7, causal=True)
-    _causal_info(benchmark, "torch.sdpa is_causal (1 thread)")
-    _causal_check(out, q, k, qkv)
-
-
 # ------------------------------------------------------------------ bf16 weights that underflow
 
 # Where most softmax weights E(x - m) underflow: sharp scores (q and k x SHARP: a row's scores
@@ -402,15 +391,20 @@ def test_bench_attention_causal_bf16_nxhpc(benchmark, isa):
     _bf16_check(out, q, k, qkv, T_C, H_C, causal=True, KVH=KVH_C)
 
 
-def test_bench_attention_causal_bf16_torch_sdpa(benchmark):
-    benchmark.group = f"causal bf16 attention T={T_C} hd={HD} H={H_C} KVH={KVH_C}"
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bench_attention_causal_torch_sdpa(benchmark, dtype):
+    bf = dtype == "bfloat16"
+    benchmark.group = f"causal {'bf16 ' if bf else ''}attention T={T_C} hd={HD} H={H_C} KVH={KVH_C}"
     q, k, qkv = _causal_case()
     rep = H_C // KVH_C
     v = qkv[:, (H_C + KVH_C) * HD:].reshape(T_C, KVH_C, HD).transpose(1, 0, 2)
     out = _torch_sdpa(benchmark, q, np.repeat(k, rep, axis=0), np.repeat(v, rep, axis=0),
-                      "bfloat16", 7, causal=True)
-    _causal_info(benchmark, "torch.sdpa bfloat16 is_causal (1 thread)")
-    _bf16_check(out, q, k, qkv, T_C, H_C, extra=2.0 ** -7, causal=True, KVH=KVH_C)
+                      dtype, 7, causal=True)
+    _causal_info(benchmark, f"torch.sdpa {dtype} is_causal (1 thread)")
+    if bf:  # bfloat16 inputs and output
+        _bf16_check(out, q, k, qkv, T_C, H_C, extra=2.0 ** -7, causal=True, KVH=KVH_C)
+    else:
+        _causal_check(out, q, k, qkv)
 
 
 # ------------------------------------------------------------------ memory-bound kernels, T=256, D=3840
