@@ -217,6 +217,17 @@ def test_qk_norm_scale_sharpens_only_the_qk_norms(tmp_path):
     assert spreads[0] < 20 < 87 < spreads[1], spreads
     with pytest.raises(ValueError, match="qk_norm_scale"):
         dataclasses.replace(spec, qk_norm_scale=0.0).validate()
+    # a whole denoiser (every block's q/k norms, refiners too), the same way
+    den = dataclasses.replace(BUILTINS["tiny-dit"], reference=False)
+    da = make_synthetic(tmp_path / "da", den)
+    db = make_synthetic(tmp_path / "db", dataclasses.replace(den, qk_norm_scale=4.0))
+    ta = {t.name: np.array(t.data) for t in GGUFReader(da / "model.gguf").tensors}
+    tb = {t.name: np.array(t.data) for t in GGUFReader(db / "model.gguf").tensors}
+    qk = [n for n in ta if n.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(qk) == 2 * (den.n_layers + 2 * den.n_refiner)
+    for n in ta:
+        np.testing.assert_array_equal(tb[n], ta[n] * np.float32(4.0) if n in qk else ta[n])
+    assert dataclasses.replace(den, qk_norm_scale=4.0).fingerprint() != den.fingerprint()
 
 
 def test_write_model_dir_is_all_or_nothing(tmp_path):

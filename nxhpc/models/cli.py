@@ -206,8 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Generate a synthetic model: a built-in id as it is, or its "
                                     "spec (a new id: the default block model's) with the fields "
                                     "given. A built-in denoiser takes --dim, --heads, --ffn, "
-                                    "--layers, --caption and --seed; the other options are for "
-                                    "block models only.")
+                                    "--layers, --caption, --seed and --qk-norm-scale; the other "
+                                    "options are for block models only.")
     mk.add_argument("id", help="model id (directory name under the models dir)")
     mk.add_argument("--variant", choices=("zimage", "lumina2"))
     mk.add_argument("--dim", type=int)

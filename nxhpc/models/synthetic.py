@@ -55,11 +55,10 @@ KINDS = ("block", "denoiser")
 
 #: The fields that determine each kind (what its fingerprint and ``synthetic.json`` hold);
 #: a field outside its spec's kind must keep its default.
-_SHARED = ("dim", "n_heads", "ffn_dim", "n_layers", "n_caption", "seed")
+_SHARED = ("dim", "n_heads", "ffn_dim", "n_layers", "n_caption", "seed", "qk_norm_scale")
 _FIELDS: dict[str, tuple[str, ...]] = {
     "block": _SHARED + ("variant", "n_kv_heads", "grid", "adaln_in", "norm_eps", "mask_pad",
-                        "prefix", "include_weights", "rope_theta", "axes_dims", "types",
-                        "qk_norm_scale"),
+                        "prefix", "include_weights", "rope_theta", "axes_dims", "types"),
     "denoiser": _SHARED + ("cap_dim", "n_refiner", "in_channels", "patch", "layout",
                            "latent_hw", "timestep", "reference"),
 }
@@ -85,6 +84,9 @@ class SyntheticSpec:
     n_layers: int = 2                    # main layers
     n_caption: int | None = None         # caption tokens; None: 13 (block), 19 (denoiser)
     seed: int = 0
+    qk_norm_scale: float = 1.0           # q_norm / k_norm weights times this: the scores' spread
+                                         # times its square (4: sharp heads, whose softmax
+                                         # weights underflow; docs/kernels.md)
     # -- a block model
     variant: str = "zimage"
     n_kv_heads: int | None = None        # None: = n_heads
@@ -97,9 +99,6 @@ class SyntheticSpec:
     rope_theta: float | None = None      # None: the variant's
     axes_dims: tuple[int, ...] | None = None
     types: str = "q8_0"                  # weight-type policy (nxhpc.formats.layouts.POLICY_NAMES)
-    qk_norm_scale: float = 1.0           # q_norm / k_norm weights times this: the scores' spread
-                                         # times its square (4: sharp heads, whose softmax
-                                         # weights underflow; docs/kernels.md)
     # -- a whole denoiser
     cap_dim: int | None = None           # caption feature width; given: a whole denoiser
     n_refiner: int = 2                   # blocks of each refiner (noise and context)
@@ -237,11 +236,11 @@ class SyntheticSpec:
     def fingerprint(self) -> str:
         """16 hex digits of the sha256 of the kind's fields and :data:`GENERATOR_VERSION`."""
         d = self.fields()
+        if d["qk_norm_scale"] == 1.0:        # the default: fingerprints of older specs unchanged
+            del d["qk_norm_scale"]
         if self.kind == "block":
-            if d["types"] == "q8_0":         # the default: fingerprints of older specs unchanged
+            if d["types"] == "q8_0":         # likewise
                 del d["types"]
-            if d["qk_norm_scale"] == 1.0:    # likewise
-                del d["qk_norm_scale"]
         else:
             d["kind"] = self.kind
         d["generator_version"] = GENERATOR_VERSION
@@ -267,6 +266,10 @@ class SyntheticSpec:
                              f"{self.kind} model ({why})")
         self._file_layout()
         self.config()
+        if not (isinstance(self.qk_norm_scale, (int, float)) and
+                math.isfinite(self.qk_norm_scale) and 0 < self.qk_norm_scale <= 1e3):
+            raise ValueError(f"SyntheticSpec: qk_norm_scale must be a finite number in "
+                             f"(0, 1000], got {self.qk_norm_scale!r}")
         if self.kind == "block":
             if self.n_caption < 0 or len(self.grid) != 3 or min(self.grid) < 1:
                 raise ValueError(f"SyntheticSpec: bad token layout n_caption={self.n_caption}, "
@@ -274,10 +277,6 @@ class SyntheticSpec:
             if not 0 <= self.mask_pad <= self.n_caption:
                 raise ValueError(f"SyntheticSpec: mask_pad {self.mask_pad} must be within the "
                                  f"{self.n_caption} caption tokens")
-            if not (isinstance(self.qk_norm_scale, (int, float)) and
-                    math.isfinite(self.qk_norm_scale) and 0 < self.qk_norm_scale <= 1e3):
-                raise ValueError(f"SyntheticSpec: qk_norm_scale must be a finite number in "
-                                 f"(0, 1000], got {self.qk_norm_scale!r}")
             return self
         h, w = self.latent_hw
         if min(h, w) < self.patch or h % self.patch or w % self.patch:
@@ -426,7 +425,7 @@ def _draw_tensor(spec: SyntheticSpec, index: int, name: str, shape: tuple[int, .
     one at a time, in any order). Every parameter is random, with scales that keep the random
     model's activations O(1) (as ``nxhpc.dit.oracle.random_zimage_model``): Linear weights
     N(0, 1/fan_in) (adaLN ones N(0, 0.25/fan_in)), biases N(0, 0.1^2), norm weights
-    1 + N(0, 0.2^2), pad tokens N(0, 1)."""
+    1 + N(0, 0.2^2) (q_norm / k_norm ones times ``qk_norm_scale``), pad tokens N(0, 1)."""
     rng = np.random.default_rng([spec.seed, index])
     z = rng.standard_normal(shape, dtype=np.float32)
     if name.endswith("pad_token"):
@@ -436,6 +435,8 @@ def _draw_tensor(spec: SyntheticSpec, index: int, name: str, shape: tuple[int, .
     if len(shape) == 1:
         z *= np.float32(0.2)
         z += np.float32(1.0)
+        if spec.qk_norm_scale != 1.0 and name.endswith(("q_norm.weight", "k_norm.weight")):
+            z *= np.float32(spec.qk_norm_scale)
         return z
     gain = 0.5 if "adaLN_modulation" in name else 1.0
     z *= np.float32(gain / math.sqrt(shape[1]))
