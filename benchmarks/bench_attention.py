@@ -205,10 +205,25 @@ def _bf16_check(out, q, k, qkv, T, H, extra=0.0, rows=32, causal=False, KVH=None
 # f32 at the best ISA; bf16 at every ISA with a bf16 attention of its own (AVX2, AVX-512 BF16 with
 # each of its two dots, "avx512bf16:fma" / ":vdpbf16ps", K.attention_bf16_dot; AMX), and the
 # scalar generic spec as the bf16 baseline (one round, T <= 2048: ~0.2 GFLOP/s)
-_DIT_IMPLS = ([("f32", i) for i in SIMD[-1:]]
-              + [("bf16", lab) for i in _BF16_ISAS if i != "generic"
-                 for lab in ([f"{i}:fma", f"{i}:vdpbf16ps"] if i == "avx512bf16" else [i])]
+_BF16_LABELS = [lab for i in _BF16_ISAS if i != "generic"
+                for lab in ([f"{i}:fma", f"{i}:vdpbf16ps"] if i == "avx512bf16" else [i])]
+_DIT_IMPLS = ([("f32", i) for i in SIMD[-1:]] + [("bf16", lab) for lab in _BF16_LABELS]
               + [("bf16", "generic")])
+
+
+def _run_labelled(benchmark, label, args, kwargs, rounds, warmup_rounds=1):
+    """K.attention timed at a variant label ("avx512bf16:vdpbf16ps": that ISA with that dot,
+    the process's choice restored after); returns the process's own dot."""
+    base, _, dot = label.partition(":")
+    before = K.attention_bf16_dot()
+    if dot:
+        K.attention_bf16_dot(dot)
+    try:
+        benchmark.pedantic(K.attention, args=args, kwargs={"isa": base, **kwargs},
+                           rounds=rounds, warmup_rounds=warmup_rounds)
+    finally:
+        K.attention_bf16_dot(before)
+    return before
 
 
 @pytest.mark.parametrize("T", T_DIT)
@@ -223,16 +238,9 @@ def test_bench_attention_dit_nxhpc(benchmark, T, impl, isa):
     benchmark.group = f"attention T={T} hd={HD} H={H_DIT} (DiT, 1 thread)"
     q, k, qkv = _dit_case(T, H_DIT)
     out = np.empty((T, H_DIT * HD), np.float32)
-    base, _, dot = isas[0].partition(":")
-    before = K.attention_bf16_dot()
-    if dot:
-        K.attention_bf16_dot(dot)
-    try:
-        benchmark.pedantic(K.attention, args=(q, k, qkv, out, H_DIT, HD ** -0.5),
-                           kwargs={"isa": base, "precision": impl}, rounds=1 if slow else 3,
-                           warmup_rounds=0 if slow else 1)
-    finally:
-        K.attention_bf16_dot(before)
+    dot = isas[0].partition(":")[2]
+    before = _run_labelled(benchmark, isas[0], (q, k, qkv, out, H_DIT, HD ** -0.5),
+                           {"precision": impl}, 1 if slow else 3, 0 if slow else 1)
     _dit_info(benchmark, T, H_DIT, f"nxhpc {impl} [{isas[0]}]")
     g = benchmark.extra_info["gflops_best"]
     if dot:
@@ -333,26 +341,11 @@ def test_bench_attention_causal_nxhpc(benchmark, isa):
 # holding one costs a microcode assist on Intel cores (csrc/nx_attn_bf16_amx.c). Each bf16
 # kernel beside its own diffuse case (x 1) and torch's bfloat16 SDPA on the same inputs.
 T_SH, H_SH, SHARP = 1152, 2, 6.0
-_BF16_LABELS = [lab for i in _BF16_ISAS if i != "generic"
-                for lab in ([f"{i}:fma", f"{i}:vdpbf16ps"] if i == "avx512bf16" else [i])]
 
 
 def _sharp_case(scale, seed=0):
     q, k, qkv = _dit_case(T_SH, H_SH, seed)
     return q * np.float32(scale), k * np.float32(scale), qkv
-
-
-def _run_labelled(benchmark, label, args, kwargs, rounds=5):
-    base, _, dot = label.partition(":")
-    before = K.attention_bf16_dot()
-    if dot:
-        K.attention_bf16_dot(dot)
-    try:
-        benchmark.pedantic(K.attention, args=args, kwargs={"isa": base, "precision": "bf16",
-                                                           **kwargs},
-                           rounds=rounds, warmup_rounds=1)
-    finally:
-        K.attention_bf16_dot(before)
 
 
 @pytest.mark.parametrize("qk_scale", [1.0, SHARP], ids=["diffuse", "sharp"])
@@ -363,7 +356,7 @@ def test_bench_attention_bf16_sharp_nxhpc(benchmark, isa, qk_scale):
     benchmark.group = f"bf16 attention, sharp scores: T={T_SH} hd={HD} H={H_SH} q, k x {SHARP}"
     q, k, qkv = _sharp_case(qk_scale)
     out = np.empty((T_SH, H_SH * HD), np.float32)
-    _run_labelled(benchmark, isa, (q, k, qkv, out, H_SH, HD ** -0.5), {})
+    _run_labelled(benchmark, isa, (q, k, qkv, out, H_SH, HD ** -0.5), {"precision": "bf16"}, 5)
     _dit_info(benchmark, T_SH, H_SH, f"nxhpc bf16 [{isa}] q, k x {qk_scale}")
     benchmark.extra_info.update(peak_fields(benchmark.extra_info["gflops_best"], "bf16", isa))
     _bf16_check(out, q, k, qkv, T_SH, H_SH, rounded=True)
@@ -385,7 +378,8 @@ def test_bench_attention_causal_bf16_nxhpc(benchmark, isa):
     benchmark.group = f"causal bf16 attention T={T_C} hd={HD} H={H_C} KVH={KVH_C}"
     q, k, qkv = _causal_case()
     out = np.empty((T_C, H_C * HD), np.float32)
-    _run_labelled(benchmark, isa, (q, k, qkv, out, KVH_C, HD ** -0.5), {"causal": True}, 7)
+    _run_labelled(benchmark, isa, (q, k, qkv, out, KVH_C, HD ** -0.5),
+                  {"precision": "bf16", "causal": True}, 7)
     _causal_info(benchmark, f"nxhpc bf16 [{isa}]")
     benchmark.extra_info.update(peak_fields(benchmark.extra_info["gflops_best"], "bf16", isa))
     _bf16_check(out, q, k, qkv, T_C, H_C, causal=True, KVH=KVH_C)

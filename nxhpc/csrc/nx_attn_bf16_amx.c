@@ -128,13 +128,7 @@ static void nx_ax_pack_q(const float *q, int nr, int64_t hd, int64_t nc, uint32_
  * (rounded to nearest, or flushed under the FTZ the exponentials run with). So every lane has
  * E's bits, one vector operation fewer per 16 weights, and an excluded key costs no underflow. */
 static inline __m512 nx_ax_exp2z(__mmask16 k, __m512 y) {
-    const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 p = _mm512_set1_ps(0x1.bc31dap-7f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0x1.aa3fcap-5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0x1.ee5884p-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0x1.62d51cp-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(k, p, y);
+    return _mm512_maskz_scalef_ps(k, nx_exp2_frac16(y), y);
 }
 
 /* One micro-block of 16 rows against tile kt / vt. lanes(j): the rows key j of the tile enters

@@ -64,6 +64,18 @@ static inline nxm_v NXM_FN(nx_exp_nosub)(nxm_v x) {
     return NXM_FN(nx_exp_nosub_any)(x, &unused);
 }
 
+/* 2^f for f = y - floor(y) (nx_exp2_ below, without its clamp and scaling): the fraction
+ * rounded toward -inf and the degree-4 polynomial. The AMX attention scales it itself
+ * (nx_attn_bf16_amx.c, nx_ax_exp2z). */
+static inline nxm_v NXM_FN(nx_exp2_frac)(nxm_v y) {
+    const nxm_v f = NXM_FRAC_DOWN(y);
+    nxm_v p = NXM_PS(set1)(0x1.bc31dap-7f);
+    p = NXM_PS(fmadd)(p, f, NXM_PS(set1)(0x1.aa3fcap-5f));
+    p = NXM_PS(fmadd)(p, f, NXM_PS(set1)(0x1.ee5884p-3f));
+    p = NXM_PS(fmadd)(p, f, NXM_PS(set1)(0x1.62d51cp-1f));
+    return NXM_PS(fmadd)(p, f, NXM_PS(set1)(1.0f));
+}
+
 /* 2^y, the softmax weight of the `bf16` attention (E of nx_attn_bf16.h: its scores are in base
  * 2), for y <= 0, -inf and NaN (the only arguments there: a score minus the running max): y
  * clamped below at -160 (NaN kept: max returns its second operand on NaN); f = y - floor(y) in
@@ -79,13 +91,7 @@ static inline nxm_v NXM_FN(nx_exp_nosub)(nxm_v x) {
  * no Cody-Waite reduction: the caller's scale already holds log2 e). */
 static inline nxm_v NXM_FN(nx_exp2_)(nxm_v y) {
     y = NXM_PS(max)(NXM_PS(set1)(-160.0f), y);
-    const nxm_v f = NXM_FRAC_DOWN(y);
-    nxm_v p = NXM_PS(set1)(0x1.bc31dap-7f);
-    p = NXM_PS(fmadd)(p, f, NXM_PS(set1)(0x1.aa3fcap-5f));
-    p = NXM_PS(fmadd)(p, f, NXM_PS(set1)(0x1.ee5884p-3f));
-    p = NXM_PS(fmadd)(p, f, NXM_PS(set1)(0x1.62d51cp-1f));
-    p = NXM_PS(fmadd)(p, f, NXM_PS(set1)(1.0f));
-    return NXM_SCALE2_FLOOR(p, y);
+    return NXM_SCALE2_FLOOR(NXM_FN(nx_exp2_frac)(y), y);
 }
 
 /* tanh(x). |x| < 0.625: odd minimax polynomial x + x^3 P4(x^2) (Cephes tanhf); otherwise
