@@ -118,6 +118,27 @@ def test_run_stack_library_is_the_cli_run(models_root, tmp_path):
     m.close()
 
 
+def test_adaln_fixture_runs_the_tapped_modulation(models_root, tmp_path):
+    """``--adaln fixture``: each layer runs the tapped ``layers.N.adaln_m`` (the chain of
+    Block.forward with ``adaln_m=``, an independent path), not the one from t_emb; the report
+    says which."""
+    m = open_model("mid", models_dir=models_root)
+    want = {"fixture": m.blk_in(0), "t_emb": m.blk_in(0)}
+    for i in range(2):
+        want["fixture"], _ = m.block(i).forward(want["fixture"], pe=m.pe(),
+                                                adaln_m=m.adaln_m(i), workers=1)
+        want["t_emb"], _ = m.block(i).forward(want["t_emb"], m.t_emb(), m.pe(), workers=1)
+    m.close()
+    assert want["fixture"].tobytes() != want["t_emb"].tobytes()    # the two really differ
+    for adaln in ("fixture", "t_emb"):
+        out_path = tmp_path / f"{adaln}.npy"
+        r = _cli(["mid", "2", "--layers", "2", "--adaln", adaln, "--json", "--save-output",
+                  str(out_path)], models_root)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["adaln"] == adaln
+        assert np.load(out_path).tobytes() == want[adaln].tobytes(), adaln
+
+
 def test_repeat_same_output_as_single_run(models_root, tmp_path):
     a, b = tmp_path / "a.npy", tmp_path / "b.npy"
     r1 = _cli(["tiny", "2", "--save-output", str(a)], models_root)

@@ -187,7 +187,8 @@ def test_bit_identical_for_any_worker_count(cases, dens, inputs, outputs):
 @pytest.mark.parametrize("precision", ["bf16", "q8"])
 def test_lower_precisions(cases, inputs, outputs, precision):
     """bf16 / q8 projections: within blockrun's per-block tolerance of the float64 reference
-    (grade's max_rel; measured 8e-3 / 1.3e-2 on tiny-dit), clearly not the f32 result, still
+    (grade's max_rel) and within about twice what every ISA measured (8.7e-3-9.4e-3 / 2.9e-2-
+    3.2e-2 on this file, AMX to the scalar path), clearly not the f32 result, still
     bit-identical across worker counts (their contracts are band-invariant too)."""
     from nxhpc.dit.grade import grade
     from nxhpc.denoise import DENOISE_TOL
@@ -201,6 +202,7 @@ def test_lower_precisions(cases, inputs, outputs, precision):
     assert_bitwise(outs[0], outs[1], f"{precision} workers 1 vs 3")
     g = grade(outs[0], ref, tol=DENOISE_TOL[precision])
     assert g.passed, g.verdict_line()
+    assert g.max_rel <= {"bf16": 2e-2, "q8": 6.5e-2}[precision], g.verdict_line()
     assert rel_err(outs[0], ref) > 100 * rel_err(outputs[("comfyui-q8_0", 0.5)], ref)
     with pytest.raises(ValueError, match="precision"):
         open_denoiser(case.path, precision="f16")
@@ -260,6 +262,8 @@ def test_q4_k_m_file_whole_call(tmp_path):
         assert_bitwise(outs[0], outs[1], f"{precision} workers 1 vs 3")
         g = grade(outs[0], ref, tol=DENOISE_TOL[precision])
         assert g.passed, (precision, g.verdict_line())
+        # about twice what every ISA measured (q8 1.8e-2, bf16 5.6e-3-5.7e-3)
+        assert g.max_rel <= {"bf16": 1.2e-2, "q8": 3.6e-2}[precision], g.verdict_line()
         assert rel_err(outs[0], ref) > 100 * rel_err(exact, ref)      # not the f32 path
     assert live_segments(PID) == []
 
@@ -728,9 +732,21 @@ def test_graded_fail_exit_1(cases, inputs, outputs, tmp_path):
                  "--reference", str(tmp_path / "ref.npy")]) == 1
 
 
-def test_public_api():
+def test_public_api(monkeypatch):
     import nxhpc
-    assert nxhpc.load_denoiser is not None and "load_denoiser" in nxhpc.__all__
+    import nxhpc.api
+    for name in nxhpc.__all__:                   # every exported name resolves
+        getattr(nxhpc, name)
+    with pytest.raises(AttributeError):          # negative control: __getattr__ is not lenient
+        getattr(nxhpc, "load_nothing")
+    for name in ("load_model", "load_denoiser", "load_text_encoder", "load_vae"):
+        assert name in nxhpc.__all__
+        assert getattr(nxhpc, name).__doc__ == getattr(nxhpc.api, name).__doc__
+        seen = []                                # the door forwards its arguments unchanged
+        monkeypatch.setattr(nxhpc.api, name, lambda *a, **k: seen.append((a, k)) or name)
+        assert getattr(nxhpc, name)("m", workers=3, gguf_path="f.gguf") == name
+        assert seen == [(("m",), {"workers": 3, "gguf_path": "f.gguf"})]
+    monkeypatch.undo()
     from nxhpc.dit import config
     bc = CFG.as_block_config()
     assert CFG.block == bc and CFG.stacks == {"noise_refiner": 2, "context_refiner": 2,

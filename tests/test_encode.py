@@ -354,6 +354,10 @@ def test_cli_writes_what_the_library_gives_and_reports(te, models_root, tmp_path
     assert r.returncode == 0, r.stderr
     j = json.loads(r.stdout)
     assert j["ids"] == ids and j["precision"] == "bf16" and j["shape"] == [len(ids), 320]
+    with nxhpc.load_text_encoder("tiny-te", workers=2, precision="bf16",
+                                 models_dir=models_root) as enc:
+        want = enc.encode("a fox")                  # the library's bf16 bits (any workers)
+    assert np.array_equal(np.load(out), want) and not np.array_equal(want, a)
     r = _encode_cli(["tiny-te", "--prompt", LONG, "--out", out, "--print-ids"], models_root)
     kv = dict(ln.split("=", 1) for ln in r.stdout.splitlines())
     assert kv["truncated"] == "True" and kv["n_tokens"] == "512"

@@ -41,9 +41,6 @@ pytestmark = pytest.mark.usefixtures("torch_threads")
 
 PX = 64
 PROMPT = "a red fox in the snow"
-HAS_TE = registry.builtin_spec("tiny-te") is not None
-needs_te = pytest.mark.skipif(not HAS_TE, reason="the tiny-te built-in text encoder (branch "
-                                                 "te-cli) is not in this tree")
 #: A change of tiny-vae's identity shows here before it regenerates every user's copy.
 PINNED_TINY_VAE = "006087d02757e375"
 
@@ -160,11 +157,18 @@ def test_decode_cli_matches_the_library(vae_dir, latents_file, tmp_path):
     np.testing.assert_array_equal(got, want)
     assert text["latents"] == "z.npy" and text["vae"] == "ae.safetensors"
     assert text["software"] == f"nxhpc {nxhpc.__version__}"
-    # bf16 runs and stays near (measured ~1 level)
+    # --precision bf16 reaches the decoder: the library's bf16 bits, not the f32 image
     r = run_cli("nxhpc", ["decode", "tiny-vae", "--latents", p, "--out", out, "--precision",
-                          "bf16"], vae_dir.parent)
-    assert r.returncode == 0, r.stderr and "precision=bf16" in r.stdout
-    assert np.abs(_png(out)[0] - want).max() <= 8
+                          "bf16", "--json"], vae_dir.parent)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["precision"] == "bf16"
+    with nxhpc.load_vae("tiny-vae", workers=1, precision="bf16",
+                        models_dir=vae_dir.parent) as vae:
+        want_bf16 = to_uint8(vae.decode(z)).astype(int)
+    got_bf16 = _png(out)[0]
+    np.testing.assert_array_equal(got_bf16, want_bf16)
+    assert (got_bf16 != want).any()              # negative control: not the f32 image
+    assert np.abs(got_bf16 - want).max() <= 3    # measured 2 levels
     assert _leftovers(tmp_path) == []
 
 
@@ -269,7 +273,6 @@ def _pipeline_png(pipe, prompt, seed, guidance=0.0, negative=None):
     return np.asarray(img).astype(int)
 
 
-@needs_te
 @pytest.mark.parametrize("guidance", [0.0, 2.5])
 def test_generate_matches_zimage_pipeline(models_root, pipeline, tmp_path, guidance):
     out = tmp_path / "fox.png"
@@ -294,7 +297,34 @@ def test_generate_matches_zimage_pipeline(models_root, pipeline, tmp_path, guida
         assert text["negative_prompt"] == "blurry" and text["guidance_scale"] == str(guidance)
 
 
-@needs_te
+@pytest.mark.parametrize("precision, q8fw", [("bf16", "int8"), ("q8", "int8"), ("q8", "bf16")])
+def test_generate_precision_is_the_library_result(models_root, tmp_path, precision, q8fw):
+    """``--precision`` / ``--q8-float-weights`` reach all three models: the PNG has the bits of
+    the library's encode -> sample -> decode at that precision (the decoder at bf16 under q8,
+    which it has no kernel for), not the f32 run's, and the report says which."""
+    from nxhpc.dit.sampler import sample
+    from nxhpc.models.registry import open_denoiser
+    from nxhpc.vae import to_uint8
+    out = tmp_path / "p.png"
+    rep = _generate(models_root, "--prompt", PROMPT, "--seed", 3, "--out", out, "--workers", 2,
+                    "--precision", precision, "--q8-float-weights", q8fw)
+    assert rep["precision"] == precision and rep["attention"].startswith("bf16")
+    got = _png(out)[0]
+
+    def library(p):
+        kw = dict(workers=2, models_dir=models_root)
+        with nxhpc.load_text_encoder("tiny-te", precision=p, q8_float_weights=q8fw,
+                                     **kw) as enc:
+            cap = enc.encode(PROMPT)
+        with open_denoiser("tiny-dit", precision=p, q8_float_weights=q8fw, **kw) as den:
+            lat = sample(den, cap, initial_noise(3, (16, PX // 8, PX // 8)), steps=8, shift=3.0)
+        with nxhpc.load_vae("tiny-vae", precision="bf16" if p == "q8" else p, **kw) as vae:
+            return to_uint8(vae.decode(lat)).astype(int)
+
+    np.testing.assert_array_equal(got, library(precision))
+    assert (got != library("f32")).any()                # negative control: not the f32 image
+
+
 def test_generate_fresh_machine_defaults(tmp_path):
     """No model arguments: the tiny built-ins are generated into an empty models directory,
     64x64, the report says the weights are random; the PNG carries the parameters."""
@@ -323,7 +353,6 @@ def test_generate_fresh_machine_defaults(tmp_path):
     np.testing.assert_array_equal(_png(tmp_path / "n.png")[0], got)
 
 
-@needs_te
 def test_generate_several_images(models_root, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a fox\n\nan owl at night\n")
@@ -346,7 +375,6 @@ def test_generate_several_images(models_root, tmp_path):
     assert np.abs(imgs[2][0] - imgs[3][0]).max() > 0
 
 
-@needs_te
 def test_generate_bad_input(models_root, tmp_path):
     before = shm_entries()
     out = tmp_path / "x.png"
@@ -400,7 +428,6 @@ def test_generate_bad_input(models_root, tmp_path):
     assert r.returncode == 0 and "exit codes:" in r.stdout and "tiny-vae" in r.stdout
 
 
-@needs_te
 def test_generate_error_clears_the_progress_bar(models_root, tmp_path):
     """With the progress bar on, an error inside the run (a text encoder whose width does not
     fit the transformer) clears the bar's line before the message, instead of leaving a stale

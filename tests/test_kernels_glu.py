@@ -151,3 +151,17 @@ def test_matmul_glu_of_two_kernels_is_the_composition():
         want = np.zeros((T, N), np.float32)
         want[:, lo:hi] = g[:, lo:hi]
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (prec, gate, up)
+        # and against float64 from gguf's decoder, each weight at the precision it runs under
+        # (the rounding model of the test above); outside the band untouched
+        assert not got[:, :lo].any() and not got[:, hi:].any()
+        rel = {"f32": 2.0 ** -17, "bf16": 2.0 ** -6, "q8": 1.0 / 127}
+        x64, ax = x.astype(np.float64), np.abs(x.astype(np.float64))
+        gv, uv = (gguf_values(w.data, w.type_name).astype(np.float64)[lo:hi] for w in (gate, up))
+        g64, u64 = x64 @ gv.T, x64 @ uv.T
+        eg = rel[linear.effective_precision(gate, prec)] * (ax @ np.abs(gv).T)
+        eu = rel[linear.effective_precision(up, prec)] * (ax @ np.abs(uv).T)
+        ref = silu64(g64) * u64
+        bound = 1.1 * eg * np.abs(u64) + np.abs(silu64(g64)) * eu + 1.1 * eg * eu + 1e-30
+        assert (np.abs(got[:, lo:hi] - ref) <= bound).all(), (prec, gate, up)
+        swapped = silu64(u64) * g64                  # negative control: the roles swapped
+        assert (np.abs(swapped - ref) > bound).mean() > 0.05, (prec, gate, up)

@@ -63,10 +63,32 @@ def test_check_output_path_reasons(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["hard.npy", "model.gguf", "soft.npy"]   # no probe
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
 def test_check_output_path_unwritable_directory(tmp_path):
+    """A directory the process cannot write: mode 555, or for root (who ignores modes, as CI
+    runs) a read-only tmpfs mounted over it in a private mount namespace."""
     d = tmp_path / "ro"
     d.mkdir()
+    if os.geteuid() == 0:
+        import sys
+        from pathlib import Path
+
+        from nsutil import run_with_tmpfs
+        code = ("import sys\n"
+                "from nxhpc.runtime.outfile import OutputPathError, check_output_path\n"
+                "try:\n"
+                "    check_output_path(sys.argv[1], what='--x')\n"
+                "except OutputPathError as e:\n"
+                "    print('refused:', e)\n")
+        root = str(Path(__file__).resolve().parents[1])
+        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        args = [sys.executable, "-c", code, str(d / "a.npy")]
+        r = run_with_tmpfs(args, str(d), "size=64k,ro", env=env, timeout=120)
+        assert r.returncode == 0 and "refused: " in r.stdout, (r.stdout, r.stderr)
+        assert "cannot create a file" in r.stdout
+        # control: the same check on a writable tmpfs passes
+        r = run_with_tmpfs(args, str(d), "size=64k", env=env, timeout=120)
+        assert r.returncode == 0 and r.stdout == "", (r.stdout, r.stderr)
+        return
     d.chmod(0o555)
     try:
         with pytest.raises(OutputPathError, match="cannot create a file"):

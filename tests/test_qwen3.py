@@ -116,6 +116,32 @@ def test_config_from_metadata_and_shapes(small):
         assert m.metadata["tokenizer.ggml.pre"] == "qwen2"
 
 
+def test_tensor_names_are_llama_cpps():
+    """The writer, the engine and the transformers oracle share one table (LAYER_TENSORS,
+    HF_NAMES); a swap in it (w_gate/w_up, q_norm/k_norm) would pass every other test. So each
+    pair is pinned to the gguf package's own HF -> llama.cpp name map for Qwen3."""
+    import gguf
+    from nxhpc.qwen3.config import GLOBAL_TENSORS
+    from nxhpc.qwen3.oracle import HF_NAMES
+    n = 3
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, n)
+
+    def gguf_name(hf: str) -> str | None:        # "x.weight" -> "blk.N.y.weight"
+        return tmap.get_name(hf, try_suffixes=(".weight",))
+
+    for i in range(n):
+        names = layer_names(i)
+        assert sorted(names) == sorted(HF_NAMES)
+        for key, name in names.items():
+            assert gguf_name(f"model.layers.{i}.{HF_NAMES[key]}.weight") == name, key
+    # the globals the oracle loads as embed_tokens / norm
+    assert gguf_name("model.embed_tokens.weight") == "token_embd.weight"
+    assert gguf_name("model.norm.weight") == "output_norm.weight"
+    assert set(GLOBAL_TENSORS) == {"token_embd.weight", "output_norm.weight"}
+    # negative control: the map tells gate from up
+    assert gguf_name("model.layers.0.mlp.up_proj.weight") != layer_names(0)["w_gate"]
+
+
 def test_metadata_written_in_llama_cpp_types(small):
     import gguf
     r = gguf.GGUFReader(os.fspath(small[0]))
