@@ -193,7 +193,7 @@ def _check_args(args) -> tuple[int, tuple[int, int] | None]:
         if args.png is not None:
             raise UsageError("--seeds writes latents only: decode them one by one (no --png)")
         outs = [("--out", args.out.replace("{seed}", str(v))) for v in args.seeds]
-    if len(outs) == 2 and os.path.realpath(args.out) == os.path.realpath(args.png):
+    if args.png is not None and os.path.realpath(args.out) == os.path.realpath(args.png):
         raise UsageError(f"--out and --png are the same file ({args.out})")
     for what, path in outs:
         check_output_path(path, what=what, inputs=inputs)

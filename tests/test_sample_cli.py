@@ -142,6 +142,25 @@ def test_seed_run_is_noise_run_of_initial_noise(cli, files):
     assert "seed=6" in so and "latent_shape=16,4,6" in so          # key=value report (last run)
 
 
+@pytest.mark.parametrize("seeds", [[4], [1, 2], [7, 0, 3]])
+def test_seeds_write_one_file_per_seed(cli, files, seeds):
+    """``--seeds`` with an ``{seed}`` pattern: one latents file per seed, each the library's
+    sample from ``initial_noise(seed)`` (two seeds once crashed: their two outputs were taken
+    for --out plus --png)."""
+    d, cap, _ = files
+    pattern = str(d / "s_{seed}.npy")
+    rc, so, se = cli.run([cli.model, "2", "--cap-feats", cap, "--height", "32", "--width", "48",
+                          "--steps", "2", "--seeds", ",".join(map(str, seeds)), "--out", pattern,
+                          "--no-progress"])
+    assert rc == 0, se
+    assert sorted(p.name for p in d.glob("s_*.npy")) == sorted(f"s_{v}.npy" for v in seeds)
+    with cli.open() as den:
+        for v in seeds:
+            ref = sample(den, np.load(cap), initial_noise(v, (16, 4, 6)), steps=2)
+            np.testing.assert_array_equal(np.load(d / f"s_{v}.npy"), ref)
+    _no_temporaries(d)
+
+
 def test_default_seed_is_zero(cli, files):
     d, cap, _ = files
     np.save(d / "n0.npy", initial_noise(0, (16, 2, 2)))
