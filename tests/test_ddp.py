@@ -185,10 +185,14 @@ def test_float32_contrast_differs_across_worker_counts(data, prefix):
 # failures: named worker, no hang, nothing left in /dev/shm
 # ------------------------------------------------------------------------------------------
 
-def test_killed_worker_is_named_and_nothing_leaks(data, prefix):
+@pytest.mark.parametrize("how", ["kill", "kill-in-barrier"])
+def test_killed_worker_is_named_and_nothing_leaks(data, prefix, how):
+    """A worker killed anywhere, also while it holds the barrier's lock (a kill inside
+    ``barrier.wait()``): the parent once waited for that lock forever in ``barrier.abort()``,
+    past its own timeout."""
     t0 = time.monotonic()
     with pytest.raises(DDPWorkerError, match=r"worker 1 \(pid \d+\) killed by signal SIGKILL") as e:
-        train_shm(3, 10, data=data, shm_prefix=prefix, timeout=60, fault_injection=(1, 2, "kill"))
+        train_shm(3, 10, data=data, shm_prefix=prefix, timeout=60, fault_injection=(1, 2, how))
     assert e.value.rank == 1
     assert time.monotonic() - t0 < 30                                     # no hang
     assert leftovers(prefix) == []

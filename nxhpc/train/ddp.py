@@ -292,6 +292,9 @@ def _worker_main(rank: int, workers: int, ar: _Arith, seg: ShmSegment, barrier, 
             if fault is not None and fault[0] == rank and fault[1] == step:
                 if fault[2] == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                elif fault[2] == "kill-in-barrier":  # dies holding the barrier's lock
+                    barrier._cond.acquire()
+                    os.kill(os.getpid(), signal.SIGKILL)
                 elif fault[2] == "hang":
                     time.sleep(3600)
                 else:
@@ -322,6 +325,17 @@ def _describe_exit(code: int | None) -> str:
     return "still running" if code is None else proc.describe_exit(exitcode=code, brief=True)
 
 
+def _abort_barrier(barrier, wait: float = 1.0) -> bool:
+    """``barrier.abort()``, given at most ``wait`` seconds. A worker killed inside
+    ``barrier.wait()`` can die holding the barrier's lock; ``abort()`` would then wait for that
+    lock forever (and so would every other worker). So it runs in a daemon thread; False if it
+    did not get the lock in time (the workers are then stuck too: the caller kills them)."""
+    t = threading.Thread(target=barrier.abort, name="nxddp-abort", daemon=True)
+    t.start()
+    t.join(wait)
+    return not t.is_alive()
+
+
 def _supervise(procs, conns, barrier, deadline: float, progress: np.ndarray) -> None:
     """Wait for all workers; on the first failure abort the barrier and raise naming the worker."""
     D = len(procs)
@@ -344,7 +358,7 @@ def _supervise(procs, conns, barrier, deadline: float, progress: np.ndarray) -> 
     while len(done) < D and not failures:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            barrier.abort()
+            _abort_barrier(barrier)
             running = [i for i in range(D) if i not in done]
             slowest = min(int(progress[i]) for i in running)
             laggards = [f"worker {i} (pid {procs[i].pid})" for i in running
@@ -370,7 +384,7 @@ def _supervise(procs, conns, barrier, deadline: float, progress: np.ndarray) -> 
                 failures.append((i, True, f"worker {i} (pid {procs[i].pid}) "
                                  f"{_describe_exit(procs[i].exitcode)} before finishing"))
     if failures:
-        barrier.abort()
+        _abort_barrier(barrier)
         # a short grace period lets a primary failure arrive if the first one seen was secondary
         grace = time.monotonic() + 2.0
         while not any(f[1] for f in failures) and time.monotonic() < grace:
@@ -399,7 +413,8 @@ def train_shm(workers: int, steps: int, *, arith: str = "q16", cfg: MLPConfig = 
     per step and every replica's final weights. All replicas must end byte-identical (checked).
     Raises DDPWorkerError naming a worker that died or raised, DDPTimeoutError after `timeout`
     seconds; the segment is unlinked in every case. `fault_injection` = (rank, step, "kill" |
-    "raise" | "hang") is for tests.
+    "kill-in-barrier" | "raise" | "hang") is for tests ("kill-in-barrier": the worker dies
+    holding the barrier's lock, as a kill during ``barrier.wait()`` can leave it).
     """
     if not isinstance(workers, (int, np.integer)) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
