@@ -219,8 +219,9 @@ def _run(args: argparse.Namespace) -> int:
         except Exception as e:  # noqa: BLE001 - peers block in Sendrecv: abort the whole job
             print(f"{PROG}: error: MPI rank {rank} of {comm.Get_size()} failed: "
                   f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            comm.Abort(int(Exit.WORKER))
-            return Exit.WORKER
+            code = Exit.FAIL if isinstance(e, train.Q16OverflowError) else Exit.WORKER
+            comm.Abort(int(code))        # an overflow is the run's arithmetic (1), as in shm
+            return code
         if rank != 0:
             return Exit.PASS
         _print_run(res, head, args.log_every, out, report)

@@ -212,9 +212,19 @@ def test_hung_worker_times_out_naming_it(data, prefix):
 
 
 def test_overflow_in_training_is_reported_not_wrapped(data, prefix):
-    # a huge learning rate makes the weights explode; the tape must raise, naming the worker
-    with pytest.raises(DDPWorkerError, match=r"worker \d .*Q16OverflowError"):
+    # a huge learning rate makes the weights explode; the tape must raise, naming the worker,
+    # as a Q16OverflowError too (the run's arithmetic, not a crash: the CLI's exit 1, one line)
+    with pytest.raises(DDPWorkerError, match=r"worker \d .*Q16OverflowError") as e:
         train_shm(2, 200, data=data, cfg=MLPConfig(lr=5e4), shm_prefix=prefix, timeout=60)
+    assert isinstance(e.value, Q16OverflowError) and "Traceback" not in str(e.value)
+    assert leftovers(prefix) == []
+    r = _cli("--no-contrast", "--lr", "2", "--steps", "200", "--workers", "2")
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "Q16OverflowError" in r.stderr and "Traceback" not in r.stderr
+    # control: a worker that raises anything else stays a worker failure (6)
+    with pytest.raises(DDPWorkerError) as e:
+        train_shm(2, 5, data=data, shm_prefix=prefix, timeout=60, fault_injection=(1, 0, "raise"))
+    assert not isinstance(e.value, Q16OverflowError)
 
 
 def test_bad_arguments_are_named(data):

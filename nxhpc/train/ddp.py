@@ -32,11 +32,12 @@ from multiprocessing.connection import wait as mp_wait
 import numpy as np
 
 from nxhpc.runtime import proc
-from nxhpc.train.q16 import Tape, from_q16, q16_add, sgd_step, to_q16
+from nxhpc.train.q16 import Q16_MAX, Q16OverflowError, Tape, from_q16, q16_add, sgd_step, to_q16
 from nxhpc.train.ring import ShmSegment, ring_allreduce_mpi, ring_allreduce_shm
 
 __all__ = [
-    "MLPConfig", "Dataset", "TrainResult", "DDPWorkerError", "DDPTimeoutError", "SHM_PREFIX",
+    "MLPConfig", "Dataset", "TrainResult", "DDPWorkerError", "DDPOverflowError", "DDPTimeoutError",
+    "SHM_PREFIX",
     "load_diabetes", "init_params", "param_layout", "q16_shard_grad", "f32_shard_grad",
     "train_full_batch", "train_shm", "train_mpi", "weights_sha256",
 ]
@@ -50,6 +51,16 @@ class DDPWorkerError(RuntimeError):
     def __init__(self, rank: int, message: str) -> None:
         self.rank = rank
         super().__init__(message)
+
+
+class DDPOverflowError(DDPWorkerError, Q16OverflowError):
+    """A worker's Q16 tape overflowed: the run's arithmetic, not a crash. A DDPWorkerError
+    naming the worker (its message carries the worker's Q16OverflowError) that is also a
+    Q16OverflowError, so the CLI reports it as one (exit 1, not a worker failure)."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        DDPWorkerError.__init__(self, rank, message)
+        self.op, self.magnitude, self.limit = f"worker {rank}", 0, Q16_MAX
 
 
 class DDPTimeoutError(TimeoutError):
@@ -315,7 +326,10 @@ def _worker_main(rank: int, workers: int, ar: _Arith, seg: ShmSegment, barrier, 
         os._exit(2)
     except BaseException as e:  # noqa: BLE001 - report everything to the parent, then exit
         try:
-            conn.send(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            if isinstance(e, Q16OverflowError):     # the run's arithmetic: one line
+                conn.send(("overflow", rank, f"{type(e).__name__}: {e}"))
+            else:                                    # unexpected: with its traceback
+                conn.send(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         finally:
             os._exit(1)
 
@@ -341,6 +355,7 @@ def _supervise(procs, conns, barrier, deadline: float, progress: np.ndarray) -> 
     D = len(procs)
     done: set[int] = set()
     failures: list[tuple[int, bool, str]] = []      # (rank, primary?, message)
+    overflowed: set[int] = set()                     # ranks whose tape overflowed
     open_conns = {i: c for i, c in enumerate(conns)}
 
     def note_message(i: int) -> None:
@@ -353,6 +368,8 @@ def _supervise(procs, conns, barrier, deadline: float, progress: np.ndarray) -> 
             done.add(i)
         else:
             failures.append((i, msg[0] != "broken", msg[2]))
+            if msg[0] == "overflow":
+                overflowed.add(i)
         open_conns.pop(i, None)
 
     while len(done) < D and not failures:
@@ -399,7 +416,7 @@ def _supervise(procs, conns, barrier, deadline: float, progress: np.ndarray) -> 
         rank, _, msg = primary
         if not msg.startswith(f"worker {rank}"):
             msg = f"worker {rank} (pid {procs[rank].pid}) failed: {msg}"
-        raise DDPWorkerError(rank, msg)
+        raise (DDPOverflowError if rank in overflowed else DDPWorkerError)(rank, msg)
 
 
 def train_shm(workers: int, steps: int, *, arith: str = "q16", cfg: MLPConfig = MLPConfig(),
