@@ -37,7 +37,7 @@ EXIT_CODES = {
     Exit.USAGE: "bad arguments (including an unwritable --json path, more workers than data "
                 "rows, a missing scikit-learn / mpi4py)",
     Exit.WORKER: "a worker (or MPI rank) died, raised or hung (--timeout)",
-    Exit.SHM: "not enough shared memory for the segment (in a container use --shm-size)",
+    Exit.SHM: "not enough shared memory or memory for the segment (in a container use --shm-size)",
     Exit.OUTPUT: "the --json report could not be written (the printed results stand)",
     Exit.INTERNAL: None,
     Exit.SIGINT: None,

@@ -77,7 +77,7 @@ EXIT_CODES = {
                     "not fit ([16, H/8, W/8], float, finite)",
     Exit.MISSING: "a tensor is missing from a model file",
     Exit.WORKER: "a worker process failed (raised, crashed or was killed)",
-    Exit.SHM: "not enough shared memory for an arena (in a container use --shm-size)",
+    Exit.SHM: "not enough shared memory or memory for an arena (in a container use --shm-size)",
     Exit.OUTPUT: "a PNG could not be written (e.g. disk full): an existing file at that path "
                  "is unchanged; the PNGs written before it are complete",
     Exit.MODELS_DIR: "the models directory cannot take a built-in component",

@@ -65,7 +65,7 @@ EXIT_CODES = {
                     "finite), or a VAE that cannot be loaded or decode",
     Exit.MISSING: "a tensor is missing from the model file",
     Exit.WORKER: "a worker process failed (raised, crashed or was killed)",
-    Exit.SHM: "not enough shared memory for the arena (in a container use --shm-size)",
+    Exit.SHM: "not enough shared memory or memory for the arena (in a container use --shm-size)",
     Exit.OUTPUT: "--out or --png could not be written (e.g. disk full); an existing file at "
                  "that path is unchanged (the latents are written before the PNG)",
     Exit.MODELS_DIR: None,

@@ -321,3 +321,80 @@ def test_small_dev_shm_is_a_clear_error_not_sigbus():
         assert f"needs {4 * 2**20} bytes" in e["msg"] and f"{e['free']} bytes" in e["msg"]
         assert "--shm-size" in e["msg"]
     assert out["left"] == []                      # nothing left in the small /dev/shm either
+
+
+# --------------------------------------------------------------- memory, not only /dev/shm
+def _meminfo_kb(key):
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return None
+
+
+@linux_only
+def test_memory_available_is_meminfo_within_the_cgroup():
+    """MemAvailable + SwapFree as /proc/meminfo says (read here independently; it moves between
+    the two reads by what other processes do), no more than the cgroup leaves."""
+    want = (_meminfo_kb("MemAvailable") + (_meminfo_kb("SwapFree") or 0)) * 1024
+    got = shm.memory_available_bytes()
+    room = shm._cgroup_room()
+    if room is None:
+        assert abs(got - want) < 512 << 20, (got, want)
+    else:
+        assert got <= room + (512 << 20) and got <= want + (512 << 20)
+    assert shm.memory_room(8 << 30) == 7 << 30                 # an eighth kept
+    assert shm.memory_room(1 << 30) == (1 << 30) - (256 << 20)  # at least 256 MiB kept
+    assert shm.memory_room(100 << 20) == 0 and shm.memory_room(None) is None
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_cgroup_limits_are_read_from_either_hierarchy(tmp_path, version):
+    """The cgroup's limit less its usage, from a made-up hierarchy of each version; "max" (v2)
+    and v1's huge value mean no limit, and a path not visible in the namespace falls back to
+    the mount's root."""
+    fs = tmp_path / "cgroup"
+    proc = tmp_path / "cgroup.txt"
+    if version == "v2":
+        proc.write_text("0::/user.slice/job\n")
+        d, files = fs / "user.slice" / "job", ("memory.max", "memory.current")
+    else:
+        proc.write_text("5:cpu,cpuacct:/x\n4:memory:/job\n0::/\n")
+        d, files = fs / "memory" / "job", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    d.mkdir(parents=True)
+    (d / files[0]).write_text(f"{3 << 30}\n")
+    (d / files[1]).write_text(f"{1 << 30}\n")
+    assert shm._cgroup_room(str(proc), str(fs)) == 2 << 30
+    (d / files[1]).write_text(f"{4 << 30}\n")                   # over its limit: no room
+    assert shm._cgroup_room(str(proc), str(fs)) == 0
+    (d / files[0]).write_text("max\n" if version == "v2" else f"{(1 << 63) - 4096}\n")
+    assert shm._cgroup_room(str(proc), str(fs)) is None         # no limit
+    root = d.parent if version == "v2" else fs / "memory"       # the namespace hides the path
+    for f in d.iterdir():
+        f.rename(root / f.name)
+    (root / files[0]).write_text(f"{5 << 30}\n")
+    if version == "v2":                     # v2's root is fs itself; its files moved there
+        for f in list(root.iterdir()):
+            if f.is_file():
+                f.rename(fs / f.name)
+    assert shm._cgroup_room(str(proc), str(fs)) == 1 << 30
+    assert shm._cgroup_room(str(tmp_path / "none"), str(fs)) is None
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_arena_larger_than_memory_is_refused_before_reserving(monkeypatch, named):
+    """/dev/shm may be larger than the memory left (tmpfs takes any size): a segment that would
+    bring in the out-of-memory killer is a ShmSpaceError (the CLIs' exit 7) before any page is
+    reserved, naming what it needs and what can go to it; nothing is left behind."""
+    from nxhpc.cli.codes import Exit, code_for
+    monkeypatch.setattr(shm, "memory_available_bytes", lambda: 1 << 30)   # pretend 1 GiB
+    room = (1 << 30) - (256 << 20)
+    before = live_segments()
+    with pytest.raises(shm.ShmSpaceError) as e:
+        SharedArena({"x": (room // 4 + 1024,)}, named=named)
+    assert e.value.memory == room and e.value.needed > room
+    assert f"at most {room} bytes" in str(e.value) and "out-of-memory" in str(e.value)
+    assert code_for(e.value) == Exit.SHM
+    assert live_segments() == before
+    with SharedArena({"x": (1 << 20,)}, named=named) as a:     # control: within the room
+        a["x"][:] = 1.0

@@ -46,8 +46,9 @@ DEFAULT_TEXT: dict[Exit, str] = {
                     "does not fit the model (shape, dtype, NaN/inf)",
     Exit.MISSING: "a fixture or tensor is missing from the model",
     Exit.WORKER: "a worker process failed (raised, crashed, was killed, or hung)",
-    Exit.SHM: "not enough shared memory: /dev/shm cannot hold the arena (the message gives the "
-              "bytes needed and free; in a container use --shm-size)",
+    Exit.SHM: "not enough shared memory: /dev/shm cannot hold the arena, or the memory left "
+              "cannot (the message gives the bytes needed and free; in a container use "
+              "--shm-size)",
     Exit.OUTPUT: "a result file could not be written (e.g. disk full); an existing file at "
                  "that path is unchanged",
     Exit.MODELS_DIR: "the models directory ($NXHPC_MODELS / --models-dir) cannot take the "

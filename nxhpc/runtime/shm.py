@@ -8,7 +8,9 @@ Reservation. The segment's memory is reserved up front with ``posix_fallocate``:
 ``ftruncate``'d segment is sparse, and a page that cannot be backed when first touched kills the
 process with SIGBUS (Docker's default ``/dev/shm`` is 64 MiB; a real-size block needs ~1 GiB).
 A shortage is a :class:`ShmSpaceError` naming the bytes needed and free, raised before anything
-is mapped.
+is mapped. Memory is checked too (:func:`memory_available_bytes`): a ``/dev/shm`` as large as RAM
+or larger (tmpfs takes any size it is mounted with) would let a segment bigger than the memory
+left be reserved, and the kernel's out-of-memory killer would then end this or another process.
 
 Lifetime policy. By default (``named=False``) the name is unlinked from ``/dev/shm`` in the same
 step that creates it (before the memory is even reserved): the open descriptor, then the mapping,
@@ -53,7 +55,8 @@ except ImportError:                    # pragma: no cover - non-POSIX
     _posixshmem = None
 
 __all__ = ["SharedArena", "BufferSpec", "ShmSpaceError", "cleanup_all", "live_segments",
-           "populate", "shm_free_bytes", "SHM_PREFIX", "SHM_DIR", "ALIGN"]
+           "memory_available_bytes", "memory_room", "populate", "shm_free_bytes",
+           "SHM_PREFIX", "SHM_DIR", "ALIGN"]
 
 #: Every segment name starts with this, then the creating pid: ``nxhpc_<pid>_<random>``.
 SHM_PREFIX = "nxhpc_"
@@ -69,15 +72,27 @@ _LIVE: "weakref.WeakValueDictionary[int, SharedArena]" = weakref.WeakValueDictio
 
 
 class ShmSpaceError(OSError):
-    """Not enough shared memory (``/dev/shm``) for a segment. Attributes: ``needed`` and
-    ``free`` (bytes), ``where`` (the directory), ``limit`` (the file-size limit, when that is
-    what refused it)."""
+    """Not enough shared memory (``/dev/shm``) for a segment, or not enough memory left for it.
+    Attributes: ``needed`` and ``free`` (bytes), ``where`` (the directory), ``limit`` (the
+    file-size limit, when that is what refused it), ``memory`` (the most the memory left lets
+    a segment take, when that is what refused it: :func:`memory_room`)."""
 
     def __init__(self, needed: int, free: int | None, where: str = SHM_DIR,
-                 what: str = "SharedArena", limit: int | None = None) -> None:
+                 what: str = "SharedArena", limit: int | None = None,
+                 memory: int | None = None) -> None:
         self.needed, self.free, self.where, self.limit = needed, free, where, limit
+        self.memory = memory
         free_txt = ("an unknown amount free" if free is None
                     else f"{free} bytes free ({_mib(free)})")
+        if memory is not None:
+            self.message = (f"{what}: not enough memory: the segment needs {needed} bytes "
+                            f"({_mib(needed)}) but at most {memory} bytes ({_mib(memory)}) "
+                            f"can go to it (MemAvailable + SwapFree within the cgroup's limit, "
+                            f"less an eighth kept for the rest of the run); reserving it would "
+                            f"call in the out-of-memory killer. Run fewer tokens (a smaller "
+                            f"image) or free memory")
+            super().__init__(errno.ENOMEM, self.message)
+            return
         if limit is not None:
             why = (f"the process's file-size limit (ulimit -f, RLIMIT_FSIZE) is {limit} bytes; "
                    f"{where} has {free_txt}. Raise the limit")
@@ -104,6 +119,77 @@ def shm_free_bytes(where: str = SHM_DIR) -> int | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None       # "max" (cgroup v2): no limit
+
+
+def _cgroup_room(proc_cgroup: str = "/proc/self/cgroup",
+                 fs: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's memory cgroup may still charge (limit - usage), or None where there
+    is no limit or it cannot be read. cgroup v2 (``0::/path``, memory.max / memory.current) or
+    v1 (``N:memory:/path``, memory.limit_in_bytes / memory.usage_in_bytes); the path as seen
+    from inside a namespace may not exist, then the mount's root files are read."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            root, files = fs, ("memory.max", "memory.current")
+        elif "memory" in parts[1].split(","):
+            root, files = fs + "/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        for base in (root + parts[2].rstrip("/"), root):
+            limit, usage = (_read_int(os.path.join(base, n)) for n in files)
+            if limit is not None and usage is not None:
+                if limit >= 1 << 60:                     # v1's "no limit"
+                    return None
+                return max(limit - usage, 0)
+    return None
+
+
+def memory_available_bytes() -> int | None:
+    """Bytes of memory a new shared-memory segment can take without the out-of-memory killer:
+    ``MemAvailable + SwapFree`` of ``/proc/meminfo`` (tmpfs pages can be swapped), at most what
+    the memory cgroup's limit leaves. None where neither is known (not Linux)."""
+    fields = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("MemAvailable", "SwapFree"):
+                    fields[key] = int(rest.split()[0]) * 1024     # kB
+    except (OSError, ValueError, IndexError):
+        fields = {}
+    avail = (fields["MemAvailable"] + fields.get("SwapFree", 0)
+             if "MemAvailable" in fields else None)
+    room = _cgroup_room()
+    if room is not None:
+        avail = room if avail is None else min(avail, room)
+    return avail
+
+
+#: Of the memory available, what a segment may not take: the rest of the run (the workers, the
+#: model's pages, the caller's arrays) needs some too. An eighth, and at least this much.
+MEMORY_KEEP_MIN = 256 << 20
+
+
+def memory_room(avail: int | None) -> int | None:
+    """The largest segment :class:`SharedArena` reserves when ``avail`` bytes are available:
+    ``avail`` less an eighth of it (at least :data:`MEMORY_KEEP_MIN`); None for unknown."""
+    return None if avail is None else max(avail - max(avail // 8, MEMORY_KEEP_MIN), 0)
 
 
 @dataclass(frozen=True)
@@ -320,6 +406,9 @@ class SharedArena(Mapping):
         else:
             raise FileExistsError(f"SharedArena: could not find a free name with prefix "
                                   f"{prefix!r} in {SHM_DIR}")
+        room = memory_room(memory_available_bytes())
+        if room is not None and size > room:          # before a page of it is reserved
+            raise ShmSpaceError(size, shm_free_bytes(), memory=room)
         try:
             os.posix_fallocate(seg.fd, 0, size)       # interruptible; the records are complete
         except OSError as e:
