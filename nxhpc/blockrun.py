@@ -134,7 +134,7 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
     from nxhpc.models import open_model
     if args.gguf_path is not None and os.path.exists(args.gguf_path):   # missing: exit 3
         # a FIFO or /dev/null is not "no such file"
-        check_input_file(args.gguf_path, "gguf_path")
+        check_input_file(args.gguf_path, "gguf_path", "a .gguf file")
     lead = ranks is None or ranks.rank == 0
     if not lead:
         args.save_output = None

@@ -20,6 +20,7 @@ from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed pack
 from nxhpc.cli.codes import Exit, InputError, OutputError, UsageError
 from nxhpc.cli.frame import run_cli
 from nxhpc.cli.report import fmt_compact, print_json, print_kv, save_npy
+from nxhpc.runtime.checks import check_input_file
 from nxhpc.runtime.outfile import OutputPathError, check_output_path
 
 __all__ = ["main", "build_parser", "EXIT_CODES"]
@@ -116,12 +117,10 @@ def _read_prompt(args: argparse.Namespace) -> str:
         raise UsageError("give exactly one of --prompt TEXT and --prompt-file P.txt")
     if args.prompt is not None:
         return args.prompt
-    path = args.prompt_file
+    path = check_input_file(args.prompt_file, "--prompt-file", "a text file")  # FIFO, /dev/null
     try:
         with open(path, "rb") as f:
             raw = f.read()
-    except FileNotFoundError:
-        raise UsageError(f"--prompt-file {path}: no such file") from None
     except OSError as e:
         raise UsageError(f"--prompt-file {path}: cannot read: {e.strerror or e}") from None
     try:

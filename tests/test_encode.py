@@ -399,6 +399,14 @@ def test_cli_bad_prompts_exit_2_and_write_nothing(models_root, tmp_path):
                  ["--prompt-file", tmp_path / "missing.txt"]):
         r = _encode_cli(["tiny-te", *args, "--out", out], models_root)
         assert r.returncode == Exit.USAGE, (args, r.stderr)
+    # not a regular file (README: exit 2): a FIFO once waited forever for a writer, /dev/null
+    # was read as an empty prompt
+    os.mkfifo(tmp_path / "fifo")
+    for path, what in ((tmp_path / "fifo", "is a FIFO"), ("/dev/null", "is a character device"),
+                       (tmp_path, "is a directory, expected a text file")):
+        r = _encode_cli(["tiny-te", "--prompt-file", path, "--out", out], models_root,
+                        timeout=120)
+        assert r.returncode == Exit.USAGE and what in r.stderr, (path, r.stderr)
     assert not out.exists()
     # in process (a NUL cannot travel in argv): the same check, the same code
     from nxhpc.encode import main

@@ -387,6 +387,10 @@ def test_generate_bad_input(models_root, tmp_path):
     make_text_encoder(te, TextEncoderSpec(dim=128, n_heads=2, n_kv_heads=1, ffn=256))
     (tmp_path / "empty.txt").write_text("\n \n")
     (tmp_path / "p.txt").write_text("a fox\n")
+    (tmp_path / "nul.txt").write_bytes(b"a fox\nan \x00owl\n")
+    (tmp_path / "latin1.txt").write_bytes(b"a fox\n\xe9t\xe9\n")
+    os.mkfifo(tmp_path / "fifo")
+    not_utf8 = os.fsdecode(b"a \xff fox")          # an argument's bytes that are not UTF-8
     P = ["--prompt", "a fox"]
     cases = [
         ([*P, "--height", 100, "--width", 64], Exit.USAGE, "multiple of 16"),
@@ -400,6 +404,15 @@ def test_generate_bad_input(models_root, tmp_path):
         ([*P, "--seeds", "1,2"], Exit.USAGE, "need an existing folder"),
         (["--prompts", tmp_path / "empty.txt"], Exit.USAGE, "no prompt"),
         (["--prompts", tmp_path / "absent.txt"], Exit.USAGE, "no such file"),
+        # text the tokenizer cannot take, and inputs that are not regular files (README: 2)
+        (["--prompt", not_utf8], Exit.USAGE, "--prompt: contains a lone surrogate"),
+        ([*P, "--guidance-scale", 1, "--negative-prompt", not_utf8], Exit.USAGE,
+         "--negative-prompt: contains a lone surrogate"),
+        (["--prompts", tmp_path / "nul.txt"], Exit.USAGE, "line 2: contains a NUL"),
+        (["--prompts", tmp_path / "latin1.txt"], Exit.USAGE, "not UTF-8 text (byte 0xe9"),
+        (["--prompts", tmp_path / "fifo"], Exit.USAGE, "is a FIFO, not a regular file"),
+        (["--prompts", "/dev/null"], Exit.USAGE, "is a character device"),
+        (["--prompts", tmp_path], Exit.USAGE, "is a directory, expected a text file"),
         ([*P, "--noise", tmp_path / "absent.npy"], Exit.USAGE, "no such file"),
         ([*P, "--noise", nan], Exit.BAD_INPUT, "NaN"),
         ([*P, "--noise", wrong], Exit.BAD_INPUT, "expected [16, H, W]"),

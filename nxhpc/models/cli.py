@@ -130,7 +130,7 @@ def _describe_text_encoder(d: Path | None, gpath: Path) -> str | None:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     if args.gguf is not None and os.path.exists(args.gguf):   # a FIFO, /dev/null: not "missing"
-        check_input_file(args.gguf, "--gguf")
+        check_input_file(args.gguf, "--gguf", "a .gguf file")
     d, g = resolve_model(args.model, args.models_dir, args.gguf)
     text = _describe_text_encoder(d, g) if g is not None else None
     if text is not None:

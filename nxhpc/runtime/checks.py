@@ -149,10 +149,11 @@ def _file_kind(mode: int) -> str:
     return "special file"
 
 
-def check_input_file(path: str | os.PathLike, what: str) -> str:
+def check_input_file(path: str | os.PathLike, what: str, expected: str = "a .npy file") -> str:
     """``path`` as a str if it names an existing regular file (symlinks followed); else
-    :class:`InputFileMissing` saying what it is: missing, a directory, or a FIFO / device /
-    socket (reading one would block or read nothing: never opened)."""
+    :class:`InputFileMissing` saying what it is: missing, a directory (``expected`` says what
+    was wanted), or a FIFO / device / socket (reading one would block or read nothing: never
+    opened)."""
     import stat
     p = os.fspath(path)
     try:
@@ -162,7 +163,7 @@ def check_input_file(path: str | os.PathLike, what: str) -> str:
     except OSError as e:
         raise InputFileMissing(f"{what} {p}: cannot stat: {e.strerror or e}") from None
     if stat.S_ISDIR(mode):
-        raise InputFileMissing(f"{what} {p}: is a directory, expected a .npy file")
+        raise InputFileMissing(f"{what} {p}: is a directory, expected {expected}")
     if not stat.S_ISREG(mode):
         raise InputFileMissing(f"{what} {p}: is a {_file_kind(mode)}, not a regular file")
     return p
