@@ -582,6 +582,44 @@ def test_cli(tmp_path, root):
     assert r.returncode == 2 and "FxHxW" in r.stderr
 
 
+def test_cli_builtin_autoencoder_ids_and_models_dir(tmp_path):
+    """``make`` / ``show`` of the built-in autoencoder (they once failed looking for a
+    model.gguf, or crashed), a file or directory holding it; an id is a plain name (``../x``
+    wrote outside the models directory, ``a/b`` made a model no id could name); an empty
+    ``--models-dir`` is refused (it quietly meant the current directory)."""
+    from safetensors import safe_open
+    spec = BUILTINS["tiny-vae"]
+    r = _cli("make", "tiny-vae", env_dir=tmp_path)
+    assert r.returncode == 0, r.stderr
+    ae = tmp_path / "tiny-vae" / "ae.safetensors"
+    with safe_open(str(ae), "np") as f:              # the file as written, read by safetensors
+        n_dec = sum(1 for k in f.keys() if k.startswith("decoder."))
+    want = (f"channels {list(spec.block_out_channels)}, z={spec.latent_channels}, "
+            f"3 output channels, 8x upscale, {spec.dtype}")
+    assert want in r.stdout and f"{n_dec} decoder tensors" in r.stdout, r.stdout
+    for what in ("tiny-vae", str(ae), str(ae.parent)):
+        r = _cli("show", what, env_dir=tmp_path)
+        assert r.returncode == 0 and want in r.stdout, (what, r.stderr)
+    for extra in (["--out", str(tmp_path / "v2")], ["--dim", "64"]):
+        r = _cli("make", "tiny-vae", *extra, env_dir=tmp_path)
+        assert r.returncode == 2 and "built-in autoencoder" in r.stderr, r.stderr
+    assert not (tmp_path / "v2").exists()
+    for bad in ("../escape", "a/b", ".hidden"):
+        r = _cli("make", bad, "--dim", "64", "--heads", "2", "--ffn", "128", env_dir=tmp_path)
+        assert r.returncode == 2 and "plain name" in r.stderr, (bad, r.stderr)
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == ["tiny-vae"]
+    assert not (tmp_path.parent / "escape").exists() and not (tmp_path / ".hidden").exists()
+    r = _cli("make", "ok", "--dim", "64", "--heads", "2", "--ffn", "128", "--layers", "1",
+             "--out", tmp_path / "a" / "b", env_dir=tmp_path)      # --out may be any path
+    assert r.returncode == 0 and (tmp_path / "a" / "b" / "model.gguf").is_file(), r.stderr
+    r = _cli("--models-dir", "", "list", env_dir=tmp_path)
+    assert r.returncode == 2 and "empty path" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "nxhpc.blockrun", "tiny", "1", "--models-dir", ""],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 2 and "empty path" in r.stderr and not (tmp_path / "tiny").exists()
+
+
 def test_cli_makes_a_custom_denoiser_from_a_builtin(tmp_path):
     """``make tiny-dit --dim ... --out``: the built-in denoiser's spec with custom dims, through
     the one generator; an option only block models take is a usage error naming it."""

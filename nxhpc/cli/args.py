@@ -212,9 +212,16 @@ def add_tol(p: argparse.ArgumentParser, tols: Mapping[str, float]) -> None:
                         + ", ".join(f"{k} {v:g}" for k, v in tols.items()) + ")")
 
 
+def directory_path(s: str) -> str:
+    """A directory path that is not empty (``""`` would quietly mean the current directory)."""
+    if not s.strip():
+        raise argparse.ArgumentTypeError("empty path: give a directory ('.' for this one)")
+    return s
+
+
 def add_models_dir(p: argparse.ArgumentParser) -> None:
     """``--models-dir``: where ids are resolved and built-ins generated."""
-    p.add_argument("--models-dir", default=None,
+    p.add_argument("--models-dir", default=None, type=directory_path,
                    help="where model ids are looked up / built-ins generated "
                         "(default $NXHPC_MODELS or ~/.cache/nxhpc/models)")
 

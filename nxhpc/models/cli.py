@@ -20,12 +20,14 @@ from nxhpc.cli.codes import Exit, UsageError, codes_epilog
 from nxhpc.cli.frame import run_cli
 from nxhpc.formats.weights import block_geometry
 from nxhpc.runtime.checks import check_input_file
-from nxhpc.models.modeldir import check_models_root, check_replaceable, write_failed
+from nxhpc.models.modeldir import (FIXTURES_FILE, VAE_FILE, check_models_root,
+                                   check_replaceable, write_failed)
 from nxhpc.models.qwen3_files import TEXT_ENCODER_KIND
 from nxhpc.models.registry import (BUILTINS, DEFAULT_MODEL_ID, builtin_ids,
                                    builtin_current, builtin_spec, ensure_builtin, models_dir,
-                                   open_model, resolve_model, stderr_progress)
+                                   open_model, resolve_model, resolve_vae, stderr_progress)
 from nxhpc.models.synthetic import SyntheticSpec, make_synthetic
+from nxhpc.models.vae_files import VAE_KIND
 
 __all__ = ["main", "build_parser", "EXIT_CODES"]
 
@@ -128,9 +130,47 @@ def _describe_text_encoder(d: Path | None, gpath: Path) -> str | None:
             f"tokenizer: {tok.vocab_size} tokens, {len(tok.special_ids)} special"])
 
 
+def _describe_vae(path: str | os.PathLike) -> str:
+    """The report of an autoencoder checkpoint (an ``ae.safetensors`` file or a diffusers VAE
+    directory): the decoder's config inferred from its tensors, the layout, dtype and file.
+    Reads the header only (no kernels, no weights decoded)."""
+    from nxhpc.vae.files import open_vae_file
+    with open_vae_file(path) as f:
+        cfg = f.config
+        n = sum(1 for t in f.st.names() if t.startswith(f.prefix + "decoder."))
+        size = f.path.stat().st_size / 1e6
+        return "\n".join([
+            f"model: {Path(path)}",
+            f"autoencoder: FLUX-style decoder, channels {list(cfg.block_out_channels)}, "
+            f"z={cfg.latent_channels}, {cfg.out_channels} output channels, "
+            f"{cfg.upscale}x upscale, {f.dtype}",
+            f"  decode      [{cfg.latent_channels}, h, w] -> [{cfg.out_channels}, "
+            f"{cfg.upscale}h, {cfg.upscale}w] float32 (python -m nxhpc.decode)",
+            f"file: {f.path} ({size:.1f} MB), {f.layout} layout, {n} decoder tensors"])
+
+
+def _is_vae(model: str, root_arg: str | None) -> bool:
+    """Whether ``model`` names an autoencoder: a built-in one, a ``.safetensors`` file, or a
+    directory (or a name under the models directory) holding ``ae.safetensors``."""
+    spec = builtin_spec(model) if os.sep not in model else None
+    if spec is not None:
+        return spec.kind == VAE_KIND
+    root = Path(root_arg) if root_arg else models_dir()
+    p = Path(model)
+    for cand in (p, root / model):
+        if cand.is_file() and cand.suffix == ".safetensors" and cand.name != FIXTURES_FILE:
+            return True
+        if cand.is_dir() and (cand / VAE_FILE).is_file():
+            return True
+    return False
+
+
 def _cmd_show(args: argparse.Namespace) -> int:
     if args.gguf is not None and os.path.exists(args.gguf):   # a FIFO, /dev/null: not "missing"
         check_input_file(args.gguf, "--gguf", "a .gguf file")
+    if args.gguf is None and _is_vae(args.model, args.models_dir):
+        print(_describe_vae(resolve_vae(args.model, args.models_dir)))
+        return 0
     d, g = resolve_model(args.model, args.models_dir, args.gguf)
     text = _describe_text_encoder(d, g) if g is not None else None
     if text is not None:
@@ -152,6 +192,11 @@ def _cmd_make(args: argparse.Namespace) -> int:
         custom["prefix"] = False
     if args.weights is not None:
         custom["include_weights"] = args.weights
+    if args.out is None and (not args.id.strip() or os.sep in args.id or
+                             args.id.startswith(".")):
+        raise UsageError(f"model id {args.id!r}: an id is a plain name (no {os.sep!r}, not "
+                         f"starting with '.'), made under the models directory; give --out DIR "
+                         f"to write elsewhere")
     say = stderr_progress(args.id)
     base = builtin_spec(args.id)
     if base is not None and base.kind == TEXT_ENCODER_KIND:
@@ -160,6 +205,13 @@ def _cmd_make(args: argparse.Namespace) -> int:
                              f"is (no custom fields, no --out)")
         d = ensure_builtin(args.id, root, force=args.force, progress=say)
         print(_describe_text_encoder(d, d / "model.gguf"))
+        return 0
+    if base is not None and base.kind == VAE_KIND:
+        if custom or args.out is not None:
+            raise UsageError(f"{args.id!r} is a built-in autoencoder: it is generated as it is "
+                             f"(no custom fields, no --out)")
+        d = ensure_builtin(args.id, root, force=args.force, progress=say)
+        print(_describe_vae(d / VAE_FILE))
         return 0
     if base is not None and not custom and args.out is None:
         d = ensure_builtin(args.id, root, force=args.force, progress=say)
@@ -195,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(model.gguf + fixtures.safetensors).",
         epilog=codes_epilog(EXIT_CODES),
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models-dir", help="model root (default: $NXHPC_MODELS or "
+    p.add_argument("--models-dir", type=types.directory_path,
+                   help="model root (default: $NXHPC_MODELS or "
                                         "~/.cache/nxhpc/models)")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="built-in ids and directories present")
