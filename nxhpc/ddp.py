@@ -58,7 +58,7 @@ class _Parser(argparse.ArgumentParser):
             self.error(f"--log-every must be >= 1, got {a.log_every}")
         if not a.timeout > 0:
             self.error(f"--timeout must be > 0 seconds, got {a.timeout}")
-        if a.json:                                  # up front: not after the whole run
+        if a.json is not None:                      # up front: not after the whole run ("" too)
             try:
                 check_output_path(a.json, what="--json")
             except OutputPathError as e:

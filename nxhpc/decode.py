@@ -107,7 +107,7 @@ def _run(args: argparse.Namespace) -> int:
     from nxhpc.vae.image import to_uint8, write_png
 
     out = args.out
-    check_output_path(out, what="--out", inputs=[args.latents])
+    check_output_path(out, what="--out", inputs=[args.latents], example="out.png")
     z = _latents(args.latents)
     t0 = time.perf_counter()
     with open_vae(args.vae, workers=args.n_workers, precision=args.precision,

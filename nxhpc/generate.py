@@ -343,7 +343,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
              *(model_files(vae_path) + model_files(vae_path / "vae") if vae_path.is_dir()
                else model_files(None, vae_path))]
     for o in outs:
-        check_output_path(o, what="--out", inputs=reads, model_files=files)
+        check_output_path(o, what="--out", inputs=reads, model_files=files, example="out.png")
     return _Setup(prompts, names, tiny, negative, noise_raw, jobs)
 
 

@@ -779,6 +779,39 @@ def test_wording_of_odd_input_paths_and_values(h3_root, tmp_path, capsys):
     assert not (mroot / "epsm").exists()
 
 
+def test_wording_of_wrong_kinds_and_odd_options(h3_root, tmp_path, capsys):
+    """Review findings (2026-12-06): a bare .gguf given to blockrun was "None: missing fixture";
+    a block model given to denoise was "refiner counts disagree: 0 ... 0"; a directory as a PNG
+    --out suggested "out.npy"; ``models make --seed -1`` said "expected non-negative integer"
+    naming no option; ``ddp --json ""`` was silently ignored; huge finite latents printed a
+    numpy RuntimeWarning before decode's one-line error."""
+    root = ["--models-dir", h3_root]
+    gguf = h3_root / "tiny" / "model.gguf"
+    code, _, err = _main("nxhpc.blockrun", [gguf, "1", *root], capsys)
+    assert code == Exit.MISSING and "no fixtures.safetensors" in err and "None" not in err, err
+    lat, cap = h3_root / "lat.npy", h3_root / "cap.npy"
+    code, _, err = _main("nxhpc.denoise", ["tiny", "1", *root, "--latents", lat, "--timestep",
+                                           "0.5", "--cap-feats", cap], capsys)
+    assert code == Exit.BAD_INPUT and "not a whole denoiser" in err and "blockrun" in err, err
+    code, _, err = _main("nxhpc.models", ["--models-dir", tmp_path, "make", "s", "--seed", "-1"],
+                         capsys)
+    assert code == Exit.USAGE and "--seed" in err and ">= 0" in err, err
+    code, _, err = _main("nxhpc.ddp", ["--json", "", "--steps", "1"], capsys)
+    assert code == Exit.USAGE and "--json: empty path" in err, err
+    env = dict(os.environ, PYTHONPATH=str(ROOT), NXHPC_MODELS=str(h3_root))
+    big = tmp_path / "big.npy"
+    np.save(big, np.full((16, 2, 2), 3e38, np.float32))
+    r = subprocess.run([sys.executable, "-m", "nxhpc.decode", "tiny-vae", "--latents", str(big),
+                        "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == Exit.USAGE and f"(e.g. {tmp_path / 'out.png'})" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "nxhpc.decode", "tiny-vae", "--latents", str(big),
+                        "--out", str(tmp_path / "b.png")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == Exit.BAD_INPUT and "NaN or inf" in r.stderr, r.stderr
+    assert "Warning" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 # ------------------------------------------------------------------------------ progress bar
 def test_progress_bar_stages_steps_and_clearing(capsys, monkeypatch):
     """nxhpc.cli.progress.Progress (generate's and sample's bar): the stage in the description,

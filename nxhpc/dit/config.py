@@ -750,6 +750,13 @@ def infer_config(tensors: Mapping[str, tuple[tuple[int, ...], str]], where: str 
                               n_context_refiner=counts["context_refiner"])
     if whole:
         nr, cr = counts["noise_refiner"], counts["context_refiner"]
+        if nr == cr == 0 and n_refiner is None:     # the main layers alone: a block model
+            bad = f"noise_refiner.0.{_SUFFIX['qkv']}"
+            raise ModelFileError(
+                f"{where}: not a whole denoiser: it has {counts['layers']} main layers and no "
+                f"refiner blocks (Z-Image has >= 1 noise and context refiner; a file of main "
+                f"layers alone is a block model: python -m nxhpc.blockrun); tensor {bad!r} "
+                f"missing", bad)
         want_r = n_refiner if n_refiner is not None else max(nr, cr)
         for s, n in (("noise_refiner", nr), ("context_refiner", cr)):
             if n != want_r or n == 0:

@@ -22,6 +22,7 @@ import numpy as np
 
 from nxhpc.dit.config import block_view
 from nxhpc.dit.grade import DEFAULT_TOL, Grade, count_exceeding, error_row, grade
+from nxhpc.formats.fixtures import FIXTURES_FILE
 from nxhpc.nn.linear import (DEFAULT_PRECISION, DEFAULT_Q8_FLOAT_WEIGHTS, PRECISIONS, Q8Blocks,
                              attention_kernel, check_q8_float_weights)
 from nxhpc.runtime import checks
@@ -148,7 +149,13 @@ def run_stack(model, *, layers: int | str = 1, workers: int | None = None,
             check_eps(eps)
         except ValueError as e:
             raise StackInputError(f"eps: {e}") from None
-    if model.fixtures is None or not model.fixtures.has("layers.0.blk_in"):
+    if model.fixtures is None:          # a bare .gguf: no directory, no fixtures beside it
+        where = model.path if model.path is not None else getattr(model.gguf, "path", "model")
+        raise MissingTensorError(f"{where}: no {FIXTURES_FILE} (the block input "
+                                 f"'layers.0.blk_in' and the references are fixtures): run a "
+                                 f"model directory that has one, or give the .gguf as "
+                                 f"gguf_path after a model directory")
+    if not model.fixtures.has("layers.0.blk_in"):
         raise MissingTensorError(f"{model.path}: missing fixture 'layers.0.blk_in' "
                                  f"(the block input)")
     x = model.blk_in(0)

@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--layers", dest="n_layers", type=int)
     mk.add_argument("--caption", dest="n_caption", type=int, help="caption tokens")
     mk.add_argument("--grid", type=types.grid, help="image token grid FxHxW, e.g. 1x4x8")
-    mk.add_argument("--seed", type=int)
+    mk.add_argument("--seed", type=types.seed)
     mk.add_argument("--adaln-in", type=int)
     mk.add_argument("--eps", dest="norm_eps", type=types.eps,
                     help="RMSNorm eps, a normal float32 number (default 1e-5)")

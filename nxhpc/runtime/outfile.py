@@ -42,21 +42,28 @@ def _same_file(a: str, b: str) -> bool:
 
 def check_output_path(path: str | os.PathLike, *, what: str = "output",
                       inputs: Iterable[str | os.PathLike] = (),
-                      model_files: Iterable[str | os.PathLike] = ()) -> Path:
+                      model_files: Iterable[str | os.PathLike] = (),
+                      example: str | None = None) -> Path:
     """Check, before the run, that ``path`` can be written as a result file; returns the path
     to write (symlinks followed). Raises :class:`OutputPathError` naming ``what`` and the reason:
     a directory, a missing directory, a directory that refuses a new file (read-only, no
     permission), or the same file as one of ``inputs`` or of ``model_files`` (the files of the
     model the run opened; hard and symbolic links resolved).
     An existing non-regular file (``/dev/null``, a FIFO) and an existing path under /dev or
-    /proc (``/dev/stdout``) are written in place if writable."""
+    /proc (``/dev/stdout``) are written in place if writable. ``example``: the file name the
+    message suggests inside a directory given (default by ``what``: ``out.png`` for a PNG,
+    ``report.json`` for JSON, else ``out.npy``)."""
     given = str(path)
     if given == "":
         raise OutputPathError(f"{what}: empty path")
     p = Path(given)
     if p.is_dir():
+        if example is None:
+            low = what.lower()
+            example = ("out.png" if "png" in low else "report.json" if "json" in low
+                       else "out.npy")
         raise OutputPathError(f"{what} {given} is a directory; give a file path "
-                              f"(e.g. {p / 'out.npy'})")
+                              f"(e.g. {p / example})")
     for src in inputs:
         if src is not None and p.exists() and _same_file(given, str(src)):
             raise OutputPathError(f"{what} {given} is an input of this run ({src}); refusing "

@@ -319,7 +319,8 @@ class VaeDecoder(Closing):
         forward(prog, h, w)
         self._buffers(prog)
         rows = self._exec.view("z", h * w, c)
-        zz = (z / np.float32(cfg.scaling_factor) + np.float32(cfg.shift_factor))
+        with np.errstate(over="ignore"):   # huge finite latents: inf here, reported after
+            zz = (z / np.float32(cfg.scaling_factor) + np.float32(cfg.shift_factor))
         rows[...] = zz.reshape(c, h * w).T
         self._run(prog)
         s = cfg.upscale
