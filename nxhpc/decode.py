@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m nxhpc.decode",
         usage="python -m nxhpc.decode VAE [n_workers] --latents L.npy --out IMG.png "
-              "[--precision f32|bf16] [--json]",
+              "[--precision f32|bf16|auto] [--json]",
         description="Decode latents [16, h, w] (the sampler's space: the decoder reads "
                     "latents / 0.3611 + 0.1159) into an 8h x 8w RGB PNG with the FLUX "
                     "autoencoder's decoder on nxhpc's C kernels (convolutions as matmul panels, "

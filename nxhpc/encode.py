@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = types.cli_parser(
         "encode",
         usage="python -m nxhpc.encode TEXT_ENCODER (--prompt TEXT | --prompt-file P.txt) "
-              "--out FEATS.npy [--json] [--precision f32|bf16|q8] [n_workers]",
+              "--out FEATS.npy [--json] [--precision f32|bf16|q8|auto] [n_workers]",
         description="Z-Image's caption features of a prompt: the Qwen3 text encoder "
                     "(tokenizer and weights from one llama.cpp-layout GGUF: F32/F16/BF16/"
                     "Q8_0, Q4_0..Q5_1, Q2_K..Q6_K) on nxhpc's C kernels in forked workers "
