@@ -274,8 +274,14 @@ def _outputs(out: str, n_prompts: int, seeds: list[int | None]) -> list[Job]:
     pairs = [(i, s) for i in range(n_prompts) for s in seeds]
     p = Path(out)
     if p.is_dir():
-        return [Job(i, s, p / f"{k:03d}-seed{'noise' if s is None else s}.png")
+        jobs = [Job(i, s, p / f"{k:03d}-seed{'noise' if s is None else s}.png")
                 for k, (i, s) in enumerate(pairs)]
+        taken = [j.out.name for j in jobs if os.path.lexists(j.out)]
+        if taken:                # names this run makes up: never over an earlier run's images
+            more = f" and {len(taken) - 1} more" if len(taken) > 1 else ""
+            raise UsageError(f"--out {out}: the folder already holds {taken[0]}{more} (an "
+                             f"earlier run's?); give another folder or move them away")
+        return jobs
     if len(pairs) > 1:
         raise UsageError(f"--out {out}: {len(pairs)} images ({n_prompts} prompt(s) x "
                          f"{len(seeds)} seed(s)) need an existing folder, not a file path")

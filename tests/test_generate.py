@@ -373,6 +373,13 @@ def test_generate_several_images(models_root, tmp_path):
               "--height", 32, "--width", 48)
     np.testing.assert_array_equal(_png(one)[0], imgs[3][0])
     assert np.abs(imgs[2][0] - imgs[3][0]).max() > 0
+    # a second batch into the same folder would make the same names: refused up front, the
+    # first batch's images kept byte for byte (they were once silently overwritten)
+    before = {n: (outd / n).read_bytes() for n in names}
+    r = _generate(models_root, "--prompt", "a cat", "--seeds", "5,7", "--out", outd,
+                  "--height", 32, "--width", 48, expect=Exit.USAGE)
+    assert "already holds 000-seed5.png" in r.stderr, r.stderr
+    assert {n: (outd / n).read_bytes() for n in os.listdir(outd)} == before
 
 
 def test_generate_bad_input(models_root, tmp_path):
