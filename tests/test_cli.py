@@ -812,6 +812,25 @@ def test_wording_of_wrong_kinds_and_odd_options(h3_root, tmp_path, capsys):
     assert "Warning" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+@pytest.mark.parametrize("argv", [["nxhpc.models", "list"], ["nxhpc.models", "show", "tiny"],
+                                  ["nxhpc.blockrun", "tiny", "1"]])
+def test_stdout_closed_by_its_reader_is_quiet(h3_root, argv):
+    """``... | head -1``: the reader closes the pipe; the CLI stops with 8 (its report could
+    not be written) and says nothing (it printed a BrokenPipeError traceback and 70)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), NXHPC_MODELS=str(h3_root))
+    rd, wr = os.pipe()
+    os.close(rd)                        # the reader is gone before the first line is written
+    try:
+        r = subprocess.run([sys.executable, "-m", *argv], stdout=wr, stderr=subprocess.PIPE,
+                           text=True, cwd=ROOT, env=env, timeout=120)
+    finally:
+        os.close(wr)
+    assert r.returncode == Exit.OUTPUT and r.stderr == "", (argv, r.returncode, r.stderr)
+    # control: a stdout that works is not taken for a closed one (another pipe broke)
+    from nxhpc.cli.frame import _stdout_closed
+    assert _stdout_closed() is False
+
+
 # ------------------------------------------------------------------------------ progress bar
 def test_progress_bar_stages_steps_and_clearing(capsys, monkeypatch):
     """nxhpc.cli.progress.Progress (generate's and sample's bar): the stage in the description,

@@ -4,7 +4,7 @@ Owns :func:`run_cli`: argparse's exits (``--help`` 0, usage 2) returned, not rai
 130 and SIGTERM -> 143 with one line (via :class:`nxhpc.runtime.proc.cli_signals`, so a Ctrl-C
 that C code turned into another exception still exits as the interrupt); an expected library
 exception -> its code from :func:`nxhpc.cli.codes.code_for` with one ``PROG: error: ...`` line;
-anything else -> a traceback and 70; the shared-memory registry swept on every path.
+stdout closed by its reader (``| head``) -> 8, quietly; anything else -> a traceback and 70; the shared-memory registry swept on every path.
 :func:`run_ranked` is the same frame for a command that may run as several MPI ranks
 (``mpirun -n R``): one error, one exit code on every rank (:mod:`nxhpc.runtime.ranks`).
 Must not: parse arguments of its own, print reports, or import the compiled kernels.
@@ -54,6 +54,8 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
                 interrupt = sig.interrupt()
                 if interrupt is not None:  # a Ctrl-C that C code (numpy's tofile) turned into e
                     raise interrupt from e
+                if isinstance(e, BrokenPipeError) and _stdout_closed():
+                    return int(Exit.OUTPUT)  # the reader went away (`| head`): nothing to say
                 if ranks is not None:
                     return _ranked_failure(e, ranks, err, describe)
                 known = code_for(e)
@@ -80,6 +82,27 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
             return int(Exit.SIGTERM)
         finally:
             _cleanup()
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout's reader has gone (a pipe whose other end closed, as ``| head`` does);
+    if so, stdout is pointed at /dev/null, so that the interpreter's flush at exit does not
+    fail again with a second traceback."""
+    try:                                      # a pipe whose reader closed polls as an error
+        import select
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        if not any(ev & select.POLLERR for _, ev in poller.poll(0)):
+            return False                      # another pipe broke (e.g. a worker's)
+    except (OSError, ValueError, AttributeError):
+        return False
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return True
 
 
 def _open_files_text(e: OSError) -> str:

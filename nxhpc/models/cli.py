@@ -45,6 +45,7 @@ EXIT_CODES = {
     Exit.MODELS_DIR: "the models directory ($NXHPC_MODELS / --models-dir, or --out's parent) "
                      "cannot take the model: not a directory, not writable, or full (nothing "
                      "is left behind)",
+    Exit.OUTPUT: "stdout's reader went away (`| head`): nothing more is printed",
     Exit.INTERNAL: None,
     Exit.SIGINT: "interrupted by Ctrl-C / SIGINT (nothing half-written is left behind)",
     Exit.SIGTERM: "terminated by SIGTERM (nothing half-written is left behind)",
