@@ -367,6 +367,15 @@ def test_cgroup_limits_are_read_from_either_hierarchy(tmp_path, version):
     assert shm._cgroup_room(str(proc), str(fs)) == 2 << 30
     (d / files[1]).write_text(f"{4 << 30}\n")                   # over its limit: no room
     assert shm._cgroup_room(str(proc), str(fs)) == 0
+    # the usage's file cache is reclaimed before the OOM killer: it counts as room (tmpfs and
+    # shared memory are swap-backed, on the anon lists, and do not); v1 has total_ fields
+    pre = "" if version == "v2" else "total_"
+    (d / "memory.stat").write_text(f"anon {1 << 30}\nshmem {1 << 29}\n{pre}active_file "
+                                   f"{1 << 30}\n{pre}inactive_file {1 << 30}\n"
+                                   + ("active_file 1\ninactive_file 1\n" if pre else ""))
+    (d / files[1]).write_text(f"{3 << 30}\n")                   # 2 GiB of it file cache
+    assert shm._cgroup_room(str(proc), str(fs)) == 2 << 30
+    (d / "memory.stat").unlink()
     (d / files[0]).write_text("max\n" if version == "v2" else f"{(1 << 63) - 4096}\n")
     assert shm._cgroup_room(str(proc), str(fs)) is None         # no limit
     root = d.parent if version == "v2" else fs / "memory"       # the namespace hides the path
@@ -377,7 +386,7 @@ def test_cgroup_limits_are_read_from_either_hierarchy(tmp_path, version):
         for f in list(root.iterdir()):
             if f.is_file():
                 f.rename(fs / f.name)
-    assert shm._cgroup_room(str(proc), str(fs)) == 1 << 30
+    assert shm._cgroup_room(str(proc), str(fs)) == 2 << 30      # 5 GiB less 3 in use
     assert shm._cgroup_room(str(tmp_path / "none"), str(fs)) is None
 
 

@@ -132,10 +132,13 @@ def _read_int(path: str) -> int | None:
 
 def _cgroup_room(proc_cgroup: str = "/proc/self/cgroup",
                  fs: str = "/sys/fs/cgroup") -> int | None:
-    """Bytes this process's memory cgroup may still charge (limit - usage), or None where there
-    is no limit or it cannot be read. cgroup v2 (``0::/path``, memory.max / memory.current) or
-    v1 (``N:memory:/path``, memory.limit_in_bytes / memory.usage_in_bytes); the path as seen
-    from inside a namespace may not exist, then the mount's root files are read."""
+    """Bytes this process's memory cgroup may still charge, or None where there is no limit or
+    it cannot be read: the limit less the usage, the usage less its file cache (the kernel
+    reclaims that before it calls the out-of-memory killer: ``active_file`` + ``inactive_file``
+    of memory.stat, which leave out tmpfs and shared memory). cgroup v2 (``0::/path``,
+    memory.max / memory.current) or v1 (``N:memory:/path``, memory.limit_in_bytes /
+    memory.usage_in_bytes, memory.stat's ``total_`` fields); the path as seen from inside a
+    namespace may not exist, then the mount's root files are read."""
     try:
         with open(proc_cgroup) as f:
             lines = f.read().splitlines()
@@ -156,8 +159,24 @@ def _cgroup_room(proc_cgroup: str = "/proc/self/cgroup",
             if limit is not None and usage is not None:
                 if limit >= 1 << 60:                     # v1's "no limit"
                     return None
-                return max(limit - usage, 0)
+                return max(limit - usage + _file_cache(os.path.join(base, "memory.stat")), 0)
     return None
+
+
+def _file_cache(stat_path: str) -> int:
+    """``active_file + inactive_file`` (v1: their ``total_`` forms) of a cgroup's memory.stat,
+    at most 0 where it cannot be read."""
+    vals: dict[str, int] = {}
+    try:
+        with open(stat_path) as f:
+            for line in f:
+                key, _, val = line.partition(" ")
+                if val.strip().isdigit():
+                    vals[key] = int(val)
+    except OSError:
+        return 0
+    pre = "total_" if "total_active_file" in vals else ""
+    return vals.get(pre + "active_file", 0) + vals.get(pre + "inactive_file", 0)
 
 
 def memory_available_bytes() -> int | None:
