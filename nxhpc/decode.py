@@ -34,6 +34,8 @@ EXIT_CODES = {
     Exit.USAGE: "usage error: bad arguments (n_workers 'abc' or 0, a missing --latents file, "
                 "an --out path that cannot be written -- a directory, a missing or read-only "
                 "folder -- or that is one of the inputs: the latents or the model's files)",
+    Exit.FAIL: "finite latents gave NaN/inf pixels (an overflow inside the decoder); nothing "
+               "is written",
     Exit.NOT_FOUND: "autoencoder not found (file, directory or built-in id)",
     Exit.BAD_INPUT: "bad input: a malformed or unsupported autoencoder file (a truncated "
                     "tensor, an absurd header, an unknown dtype), or latents that do not fit it "

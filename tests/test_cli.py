@@ -784,7 +784,8 @@ def test_wording_of_wrong_kinds_and_odd_options(h3_root, tmp_path, capsys):
     a block model given to denoise was "refiner counts disagree: 0 ... 0"; a directory as a PNG
     --out suggested "out.npy"; ``models make --seed -1`` said "expected non-negative integer"
     naming no option; ``ddp --json ""`` was silently ignored; huge finite latents printed a
-    numpy RuntimeWarning before decode's one-line error."""
+    numpy RuntimeWarning before decode's one-line error (now exit 1, the decoder's
+    NonFiniteOutputError, as denoise's NaN output)."""
     root = ["--models-dir", h3_root]
     gguf = h3_root / "tiny" / "model.gguf"
     code, _, err = _main("nxhpc.blockrun", [gguf, "1", *root], capsys)
@@ -808,8 +809,10 @@ def test_wording_of_wrong_kinds_and_odd_options(h3_root, tmp_path, capsys):
     r = subprocess.run([sys.executable, "-m", "nxhpc.decode", "tiny-vae", "--latents", str(big),
                         "--out", str(tmp_path / "b.png")], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == Exit.BAD_INPUT and "NaN or inf" in r.stderr, r.stderr
+    # an overflow inside the decoder from finite latents: exit 1, as denoise's NaN output
+    assert r.returncode == Exit.FAIL and "NaN or inf from finite latents" in r.stderr, r.stderr
     assert "Warning" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "b.png").exists()
 
 
 @pytest.mark.parametrize("argv", [["nxhpc.models", "list"], ["nxhpc.models", "show", "tiny"],

@@ -14,6 +14,7 @@ weights are bound (matrices stay in the memory map in their stored type, shared 
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -24,7 +25,8 @@ import nxhpc
 from nxhpc.dit.config import block_view
 from nxhpc.nn.linear import DEFAULT_PRECISION, adaln_linear, check_precision
 from nxhpc.dit.plan import TIMING_KEYS, BlockPlan, Engine, check_eps, narrow_finite
-from nxhpc.runtime.checks import check_workers
+from nxhpc.runtime import proc
+from nxhpc.runtime.checks import NonFiniteOutputError, check_workers
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, check_timeout
 
 __all__ = ["Block", "BlockOutput", "BlockRunner", "run_layers", "adaln", "TIMING_KEYS",
@@ -309,6 +311,7 @@ class Block:
             raise ValueError(f"Block: layer index must be an int in [0, {cfg.n_layers}), "
                              f"got {index!r}")
         self._lock = threading.RLock()
+        self._owner = os.getpid()
         self._depth = 0                       # open ``with`` blocks
         self._keep = False
         self._runner: BlockRunner | None = None
@@ -342,9 +345,11 @@ class Block:
         ``stage_timeout`` (seconds per parallel stage, default none: a hung worker is killed
         and reported as ``WorkerError``). Inputs with NaN/inf -- also values that become inf
         in float32, the kernels' type -- or wrong shapes raise ValueError/TypeError before
-        anything runs. ``precision`` "f32" (default) | "bf16" | "q8" (the projections' matmuls,
+        anything runs; finite inputs that overflow inside the block raise
+        ``nxhpc.runtime.checks.NonFiniteOutputError`` (the NaN output is its ``output``). ``precision`` "f32" (default) | "bf16" | "q8" (the projections' matmuls,
         nxhpc.nn.linear). Serialized with other threads' calls (see the class docstring).
         """
+        proc.check_owner(self._owner, "Block.forward", "Block")
         precision = check_precision(precision, "Block.forward: precision")
         cfg = self.config
         if pe is None:
@@ -382,6 +387,12 @@ class Block:
                 raise
             if runner is not self._runner:
                 runner.close()
+        bad = int(out.size - np.count_nonzero(np.isfinite(out)))
+        if bad:                    # the inputs were checked finite: an overflow inside
+            raise NonFiniteOutputError(
+                f"Block.forward: {bad} of {out.size} outputs are NaN or inf from finite "
+                f"inputs: the values overflow float32 inside the block (the output is the "
+                f"error's .output)", count=bad, size=out.size, output=out)
         return BlockOutput(out, t)
 
     def _release(self) -> None:
@@ -391,7 +402,10 @@ class Block:
                 r.close()
 
     def close(self) -> None:
-        """Release kept workers and arena, and stop keeping them (also inside ``with``)."""
+        """Release kept workers and arena, and stop keeping them (also inside ``with``). In a
+        forked child: nothing (the parent's to release)."""
+        if os.getpid() != self._owner:
+            return
         with self._lock:
             self._depth = 0
             self._keep = False
@@ -404,6 +418,8 @@ class Block:
         return self
 
     def __exit__(self, *exc) -> None:
+        if os.getpid() != self._owner:      # a forked child leaving the parent's ``with``
+            return
         with self._lock:
             self._depth = max(0, self._depth - 1)
             if self._depth == 0:

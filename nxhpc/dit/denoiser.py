@@ -68,6 +68,7 @@ from nxhpc.formats.gguf_io import GGUFFile, ModelFileError
 from nxhpc.formats.weights import WeightTensor
 from nxhpc.nn.engine import EngineSession
 from nxhpc.runtime.checks import NonFiniteOutputError, check_float_array, check_workers
+from nxhpc.runtime import proc
 from nxhpc.runtime.memory import memory_report
 from nxhpc.runtime.workers import DEFAULT_SPAWN, check_timeout
 
@@ -372,7 +373,8 @@ class Denoiser(MapHolder):
 
     @staticmethod
     def _timestep(t: Any) -> float:
-        if isinstance(t, (bool, np.bool_)):
+        if t is None or isinstance(t, (bool, np.bool_, str, bytes)) or \
+                (isinstance(t, np.ndarray) and t.dtype.kind not in "iuf"):
             raise DenoiserInputError(f"t must be a number in [0, 1], got {t!r}")
         try:
             v = float(np.asarray(t, dtype=np.float64).reshape(()))
@@ -398,9 +400,7 @@ class Denoiser(MapHolder):
         """Refuse use from a forked child before any lock or buffer is touched: the arena and
         the workers are the parent's (a lock held by a parent thread at the fork would never
         be released in the child)."""
-        if os.getpid() != self._owner:
-            raise RuntimeError(f"Denoiser.{what}: this Denoiser belongs to process "
-                               f"{self._owner}; a forked child must open its own")
+        proc.check_owner(self._owner, f"Denoiser.{what}", "Denoiser")
 
     def session(self, H: int, W: int, L: int) -> _Session:
         """The engine serving latents ``[C, H, W]`` with ``L`` caption rows (built on first use;
@@ -453,6 +453,8 @@ class Denoiser(MapHolder):
             return self._forward(latents, t, cap_feats)
 
     def _forward(self, latents: Any, t: float, cap_feats: Any) -> np.ndarray:
+        if self.gguf is None:                # before the q8 copies look at the weights
+            raise RuntimeError("Denoiser: closed")
         self.last_caption_reused = False
         lat, in_shape = self._latents(latents)
         cap = self._caption(cap_feats)

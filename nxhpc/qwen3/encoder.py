@@ -25,6 +25,7 @@ from nxhpc.nn.linear import DEFAULT_PRECISION, check_precision
 from nxhpc.qwen3.config import Qwen3Config
 from nxhpc.qwen3.model import TextEncoderModel
 from nxhpc.qwen3.tokenizer import MAX_TOKENS, Qwen3Tokenizer, template
+from nxhpc.runtime import proc
 
 __all__ = ["TextEncoder", "MAX_TOKENS"]
 
@@ -53,6 +54,7 @@ class TextEncoder(Closing):
                  precision: str = DEFAULT_PRECISION, directory: str | os.PathLike | None = None,
                  **options: Any) -> None:
         self._lock = threading.Lock()
+        self._owner = os.getpid()
         self.directory = Path(directory) if directory is not None else None
         self.last_timings: dict[str, int] = {}
         self._model: TextEncoderModel | None = TextEncoderModel(
@@ -100,6 +102,7 @@ class TextEncoder(Closing):
         return self._encode(ids, 0)
 
     def _encode(self, ids: Any, us_tok: int) -> np.ndarray:
+        proc.check_owner(self._owner, "TextEncoder.encode", "TextEncoder")
         with self._lock:
             m = self._check_open()
             out = m.encode_ids(ids)
@@ -138,7 +141,9 @@ class TextEncoder(Closing):
     # -- lifetime
     def close(self) -> None:
         """Stop the workers, release the arena and the map (waits for a running call).
-        Idempotent."""
+        Idempotent. In a forked child: nothing (the parent's to close)."""
+        if os.getpid() != self._owner:
+            return
         with self._lock:
             m, self._model = self._model, None
             if m is not None:

@@ -49,7 +49,7 @@ from typing import Any
 
 __all__ = ["deferred_signals", "fork_section", "lifeline", "die_with_parent", "register_fd",
            "close_fd", "reap", "describe_exit", "signal_name", "ASYNC_SIGNALS", "cli_signals",
-           "Terminated"]
+           "Terminated", "check_owner"]
 
 #: Signals held off by :class:`deferred_signals`: every catchable signal except those raised
 #: synchronously by a fault in the running code (blocking those would hide a crash).
@@ -222,6 +222,17 @@ def close_fd(fds: list[int], i: int = -1) -> None:
             os.close(fd)
         except OSError:
             pass
+
+
+def check_owner(owner: int, what: str, kind: str) -> None:
+    """Refuse the use of an object with workers and shared memory (``kind``: "Denoiser", ...)
+    from a process other than the one that opened it (``owner``, its pid), before any lock or
+    buffer is touched: after a fork the child shares the parent's arena (its writes would land
+    in the parent's running call) and a lock a parent thread held at the fork is never released
+    in the child. RuntimeError naming ``what`` (``"Denoiser.forward"``, ...)."""
+    if os.getpid() != owner:
+        raise RuntimeError(f"{what}: this {kind} belongs to process {owner}; a forked child "
+                           f"must open its own")
 
 
 def lifeline() -> int:

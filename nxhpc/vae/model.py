@@ -28,7 +28,9 @@ from nxhpc.formats.closing import Closing
 from nxhpc.nn.engine import Engine, Plan
 from nxhpc.nn.conv import CONV_PRECISIONS, conv1x1_band, conv3x3_band
 from nxhpc.nn.linear import attention_precision
-from nxhpc.runtime.checks import CheckError, check_choice, check_float_array, check_workers
+from nxhpc.runtime import proc
+from nxhpc.runtime.checks import (CheckError, NonFiniteOutputError, check_choice,
+                                  check_float_array, check_workers)
 from nxhpc.vae.config import VaeConfig
 from nxhpc.vae.files import Conv, Norm, VaeFile, bind, open_vae_file
 
@@ -243,8 +245,9 @@ class VaeDecoder(Closing):
 
     def __init__(self, path: str | os.PathLike, *, workers: int | None = None,
                  precision: str = "f32") -> None:
-        self.precision = check_choice(precision, CONV_PRECISIONS, "precision")
+        self._precision = check_choice(precision, CONV_PRECISIONS, "precision")
         self.workers = check_workers(workers)
+        self._owner = os.getpid()
         self._lock = threading.RLock()     # one decode at a time: the buffers are shared
         self._engine: Engine | None = None
         self._capacity: dict[str, int] = {}
@@ -256,20 +259,37 @@ class VaeDecoder(Closing):
             for m in self.mods.values():
                 if isinstance(m, Conv) and m.w.type_name not in kern.weight_types():
                     raise NotImplementedError(f"{m.name}: {m.w.type_name} weights")
-            self._exec = _Executor(self.mods, self.precision, self.config.norm_num_groups,
+            self._exec = _Executor(self.mods, self._precision, self.config.norm_num_groups,
                                    self.config.eps, GN_CHUNK)
         except BaseException:
             self.file.close()
             raise
         self.last_timings: dict[str, float] = {}
 
+    @property
+    def precision(self) -> str:
+        """The convolutions' precision (``f32`` or ``bf16``); settable between calls."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        p = check_choice(value, CONV_PRECISIONS, "VaeDecoder.precision")
+        proc.check_owner(self._owner, "VaeDecoder.precision", "VaeDecoder")
+        with self._lock:          # the workers read it from the executor forked with them
+            if p != self._precision:
+                self._release()
+                self._precision = self._exec.precision = p
+
     # -- running
     def _buffers(self, prog: Program) -> None:
         """Make the buffers of ``prog`` (and, with workers, the arena and the pool) if the ones
         held are too small."""
         sizes = dict(prog.sizes)
-        if self._capacity and all(self._capacity.get(n, -1) >= s for n, s in sizes.items()):
-            return
+        eng = self._engine
+        broken = eng is not None and (eng.closed or eng.pool is None or eng.pool.closed)
+        if not broken and self._capacity and \
+                all(self._capacity.get(n, -1) >= s for n, s in sizes.items()):
+            return                 # a pool an interrupt or a dead worker closed is rebuilt
         self._release()
         dtype = {"part": np.float64}
         if self.workers == 1:
@@ -300,7 +320,10 @@ class VaeDecoder(Closing):
     def decode(self, latents: Any) -> np.ndarray:
         """Pixels float32 [out_channels, 8h, 8w] (before clamping) of latents [C_z, h, w] in the
         sampler's space (the decoder reads ``latents / scaling + shift``). Thread-safe: calls
-        from several threads are serialized."""
+        from several threads are serialized. NonFiniteOutputError (``count``, ``size``,
+        ``output``) when finite latents give NaN/inf pixels (an overflow inside the decoder,
+        e.g. latents near float32's largest), never the NaN image itself."""
+        proc.check_owner(self._owner, "VaeDecoder.decode", "VaeDecoder")
         with self._lock:
             return self._decode(latents)
 
@@ -325,7 +348,14 @@ class VaeDecoder(Closing):
         self._run(prog)
         s = cfg.upscale
         img = self._exec.view("img", h * s * w * s, cfg.out_channels)
-        return np.ascontiguousarray(img.T).reshape(cfg.out_channels, h * s, w * s)
+        out = np.ascontiguousarray(img.T).reshape(cfg.out_channels, h * s, w * s)
+        bad = int(out.size - np.count_nonzero(np.isfinite(out)))
+        if bad:                    # the inputs were checked finite: an overflow inside
+            raise NonFiniteOutputError(
+                f"VaeDecoder.decode: {bad} of {out.size} pixels are NaN or inf from finite "
+                f"latents (max |latent| {float(np.max(np.abs(z))):.3g}): the values overflow "
+                f"float32 inside the decoder", count=bad, size=out.size, output=out)
+        return out
 
     # -- lifetime
     def _release(self) -> None:
@@ -336,11 +366,17 @@ class VaeDecoder(Closing):
         self._capacity = {}
 
     def close(self) -> None:
-        """Stop the workers, release the shared memory, drop the file map. Idempotent; waits
-        for a decode running in another thread."""
+        """Stop the workers, release the shared memory, drop the file map (the weight views
+        of it too, so the file is unmapped here, not when the object is collected).
+        Idempotent; waits for a decode running in another thread. In a forked child: nothing
+        (the parent's to close)."""
+        if os.getpid() != getattr(self, "_owner", os.getpid()):
+            return
         with self._lock:
             if getattr(self, "_exec", None) is not None:
                 self._release()
+                self._exec.mods = {}
+            self.mods = {}
             if self.file is not None:
                 self.file.close()
                 self.file = None

@@ -1,0 +1,163 @@
+"""The library objects with workers and shared memory -- ``VaeDecoder``, ``TextEncoder``,
+``Denoiser``, ``Block`` -- used the ways a downstream program may misuse them (a review of the
+API, 2026-12-06): a call after a failed one, from a forked child, with an overflow inside, after
+``close()``, with a setting changed between calls. Every result is compared with a fresh
+object's (the reference bits of the same kernels) or with float64 where a value is asked for;
+each fix has its negative control.
+"""
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import nxhpc
+from nxhpc.models.registry import open_denoiser, open_model
+from nxhpc.runtime.checks import NonFiniteOutputError
+from nxhpc.runtime.workers import WorkerError
+from sample_util import shm_entries
+
+PROMPT = "a red fox in the snow"
+
+
+@pytest.fixture(scope="module")
+def latents():
+    return np.random.default_rng(0).standard_normal((16, 6, 4)).astype(np.float32)
+
+
+def _kill_a_worker(pids) -> None:
+    pid = next(p for p in pids if p > 0)
+    os.kill(pid, signal.SIGKILL)
+
+
+def _in_child(fn) -> int:
+    """Run ``fn()`` in a forked child; its exit code: 0 if it raised the owner's RuntimeError,
+    3 if it returned, 4 for any other exception."""
+    pid = os.fork()
+    if pid == 0:                                  # pragma: no cover - the child
+        try:
+            fn()
+            os._exit(3)
+        except RuntimeError as e:
+            os._exit(0 if "forked child must open its own" in str(e) else 4)
+        except BaseException:
+            os._exit(4)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_vae_rebuilds_its_workers_after_a_failed_call(models_root, latents):
+    """A worker killed between calls (the OOM killer, a signal): the next decode fails naming
+    it, the one after rebuilds the workers and gives the bits of a fresh decoder. The VAE once
+    stayed broken for good ("WorkerPool: closed") while the other objects recovered."""
+    before = shm_entries()
+    with nxhpc.load_vae("tiny-vae", workers=1, models_dir=models_root) as one:
+        ref = one.decode(latents)
+    with nxhpc.load_vae("tiny-vae", workers=2, models_dir=models_root) as vae:
+        assert np.array_equal(vae.decode(latents), ref)        # any worker count: same bits
+        _kill_a_worker(vae._engine.pool.pids)
+        with pytest.raises(WorkerError):
+            vae.decode(latents)
+        assert np.array_equal(vae.decode(latents), ref)
+        assert np.array_equal(vae.decode(latents), ref)
+    assert shm_entries() == before
+
+
+def test_vae_overflow_inside_is_an_error_not_a_nan_image(models_root, latents):
+    """Finite latents near float32's largest overflow inside the decoder: NonFiniteOutputError
+    with the count and the array (it silently returned an all-NaN image); ordinary latents
+    decode as before on the same object (control)."""
+    z = latents.copy()
+    z[0, 0, 0] = 2e38
+    with nxhpc.load_vae("tiny-vae", workers=2, models_dir=models_root) as vae:
+        with pytest.raises(NonFiniteOutputError) as e:
+            vae.decode(z)
+        assert e.value.count == e.value.size == 3 * 48 * 32
+        assert e.value.output.shape == (3, 48, 32) and not np.isfinite(e.value.output).any()
+        assert np.isfinite(vae.decode(latents)).all()
+
+
+def test_vae_precision_set_between_calls_takes_effect(models_root, latents):
+    """``vae.precision = "bf16"`` after opening: the bits of a decoder opened at bf16 (it
+    changed only the attribute, the output stayed f32's); a misspelled value is refused."""
+    with nxhpc.load_vae("tiny-vae", workers=2, models_dir=models_root) as vae:
+        f32 = vae.decode(latents)
+        vae.precision = "bf16"
+        got = vae.decode(latents)
+        with pytest.raises(ValueError, match="precision"):
+            vae.precision = "BF16"
+        assert vae.precision == "bf16"
+        vae.precision = "f32"
+        assert np.array_equal(vae.decode(latents), f32)
+    with nxhpc.load_vae("tiny-vae", workers=1, precision="bf16", models_dir=models_root) as b:
+        want = b.decode(latents)
+    assert np.array_equal(got, want) and not np.array_equal(got, f32)
+
+
+def test_vae_close_unmaps_its_file(models_root, latents):
+    vae = nxhpc.load_vae("tiny-vae", workers=2, models_dir=models_root)
+    vae.decode(latents)
+    path = str(vae.file.path)
+    assert path in open("/proc/self/maps").read()              # control: mapped while open
+    vae.close()
+    assert path not in open("/proc/self/maps").read()
+    with pytest.raises(RuntimeError, match="closed"):
+        vae.decode(latents)
+
+
+def test_objects_refuse_a_forked_child_without_touching_the_parent(models_root, latents):
+    """Called from a forked child, each object raises before it writes into the shared arena
+    it inherited (the child's inputs once landed in the parent's buffers: wrong parent results,
+    or a hang on a lock held at the fork); the parent's next call gives its reference bits, and
+    a child leaving the parent's ``with`` closes nothing."""
+    kw = dict(workers=2, models_dir=models_root)
+    with nxhpc.load_text_encoder("tiny-te", **kw) as te, \
+            nxhpc.load_vae("tiny-vae", **kw) as vae, \
+            open_denoiser("tiny-dit", **kw) as den, \
+            open_model("tiny", models_dir=models_root) as m:
+        cap = te.encode(PROMPT)
+        img = vae.decode(latents)
+        out = den.forward(latents, 0.5, cap)
+        blk = m.block(0)
+        x, t, pe = m.blk_in(0), m.t_emb(), m.pe()
+        with blk:
+            bout = blk.forward(x, t, pe, workers=2).output
+            assert _in_child(lambda: blk.forward(x * 3, t, pe, workers=2)) == 0
+            assert _in_child(lambda: blk.__exit__(None, None, None)) == 3
+            assert np.array_equal(blk.forward(x, t, pe, workers=2).output, bout)
+        assert _in_child(lambda: te.encode("another prompt")) == 0
+        assert _in_child(lambda: vae.decode(latents * 2)) == 0
+        assert _in_child(lambda: den.forward(latents * 2, 0.3, cap)) == 0
+        assert _in_child(lambda: (te.close(), vae.close(), den.close())) == 3   # no-ops there
+        assert np.array_equal(te.encode(PROMPT), cap)
+        assert np.array_equal(vae.decode(latents), img)
+        assert np.array_equal(den.forward(latents, 0.5, cap), out)
+        # negative control: the same calls in this process run (the check is the owner's)
+        assert not np.array_equal(te.encode("another prompt"), cap)
+
+
+def test_block_overflow_inside_is_an_error_not_a_nan_output(models_root):
+    """A finite t_emb large enough to overflow the modulation: NonFiniteOutputError with the
+    output attached (it returned an all-NaN array), as Denoiser.forward does."""
+    with open_model("tiny", models_dir=models_root) as m:
+        blk = m.block(0)
+        x, t, pe = m.blk_in(0), m.t_emb(), m.pe()
+        with pytest.raises(NonFiniteOutputError) as e:
+            blk.forward(x, t * np.float32(1e20), pe, workers=2)
+        assert e.value.count > 0 and e.value.output.shape == x.shape
+        assert np.isfinite(blk.forward(x, t, pe, workers=2).output).all()   # control
+
+
+def test_denoiser_closed_and_bad_timesteps(models_root, latents):
+    """After close(), a q8 denoiser says it is closed (it failed inside its int8 copies with an
+    AttributeError); a timestep that is a string or None is refused as such (a string was
+    parsed, None reported as "got nan"); a one-element array is a number."""
+    den = open_denoiser("tiny-dit", workers=2, precision="q8", models_dir=models_root)
+    cap = np.zeros((3, den.config.cap_dim), np.float32)
+    a = den.forward(latents, 0.5, cap)
+    assert np.array_equal(den.forward(latents, np.array([0.5]), cap), a)
+    for bad in ("0.5", None, b"0.5", np.array(["0.5"])):
+        with pytest.raises(ValueError, match=r"t must be a number in \[0, 1\], got"):
+            den.forward(latents, bad, cap)
+    den.close()
+    with pytest.raises(RuntimeError, match="Denoiser: closed"):
+        den.forward(latents, 0.5, cap)
