@@ -161,3 +161,27 @@ def test_denoiser_closed_and_bad_timesteps(models_root, latents):
     den.close()
     with pytest.raises(RuntimeError, match="Denoiser: closed"):
         den.forward(latents, 0.5, cap)
+
+
+def test_arguments_are_checked_when_given(models_root, latents):
+    """Refused where they are given, with the argument named (a bad spawn failed at the first
+    forward inside the engine, norm_eps="x" as a format error, a NaN norm_eps as a model-file
+    error; sample's shift="3" as a numpy TypeError, on_step=5 after the first step ran)."""
+    from nxhpc.dit.sampler import sample
+    kw = dict(workers=1, models_dir=models_root)
+    for bad, msg in ((dict(spawn="bogus"), "spawn must be one of"),
+                     (dict(norm_eps="x"), "norm_eps: eps must be a positive finite number"),
+                     (dict(norm_eps=float("nan")), "norm_eps: eps must be a positive")):
+        with pytest.raises(ValueError, match=msg):
+            open_denoiser("tiny-dit", **kw, **bad)
+    with open_denoiser("tiny-dit", spawn=None, **kw) as den:    # None: the default
+        cap = np.zeros((3, den.config.cap_dim), np.float32)
+        calls = []
+        den.forward = lambda *a, _f=den.forward: calls.append(1) or _f(*a)
+        with pytest.raises(ValueError, match="shift must be a positive number, got '3'"):
+            sample(den, cap, latents, steps=2, shift="3")
+        with pytest.raises(TypeError, match="on_step must be callable"):
+            sample(den, cap, latents, steps=2, on_step=5)
+        assert calls == []                                      # nothing ran
+        sample(den, cap, latents, steps=2, on_step=lambda *a: None)    # control
+        assert calls == [1, 1]

@@ -61,7 +61,7 @@ from nxhpc.dit.binding import LayerWeights, bind_gguf_layer, check_finite_weight
 from nxhpc.dit.config import DENOISER_TENSORS, STACKS, DenoiserConfig, infer_config
 from nxhpc.nn.linear import (DEFAULT_PRECISION, DEFAULT_Q8_FLOAT_WEIGHTS, Q8Blocks,
                              check_precision, check_q8_float_weights)
-from nxhpc.dit.plan import BlockPlan, Engine
+from nxhpc.dit.plan import BlockPlan, Engine, check_eps
 from nxhpc.dit.rope import position_ids, rope_table
 from nxhpc.formats.closing import MapHolder
 from nxhpc.formats.gguf_io import GGUFFile, ModelFileError
@@ -70,7 +70,7 @@ from nxhpc.nn.engine import EngineSession
 from nxhpc.runtime.checks import NonFiniteOutputError, check_float_array, check_workers
 from nxhpc.runtime import proc
 from nxhpc.runtime.memory import memory_report
-from nxhpc.runtime.workers import DEFAULT_SPAWN, check_timeout
+from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, check_timeout
 
 __all__ = ["Denoiser", "DenoiserInputError", "DenoiserWeights", "NonFiniteOutputError",
            "TIMING_KEYS", "SEGMENTS", "patchify", "unpatchify",
@@ -317,8 +317,17 @@ class Denoiser(MapHolder):
         self.precision = check_precision(precision, "Denoiser: precision")
         self.q8_float_weights = check_q8_float_weights(q8_float_weights,
                                                        "Denoiser: q8_float_weights")
+        if spawn is None:
+            spawn = DEFAULT_SPAWN
+        if spawn not in SPAWN_MODES:                 # refused here, not at the first call
+            raise ValueError(f"Denoiser: spawn must be one of {SPAWN_MODES}, got {spawn!r}")
         self.spawn = spawn
         self.stage_timeout = check_timeout(stage_timeout)
+        if norm_eps is not None:                     # the caller's, checked as the caller's
+            try:
+                norm_eps = check_eps(norm_eps)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"Denoiser: norm_eps: {e}") from None
         self.directory = Path(directory) if directory is not None else None
         # the most recent token layouts' engines, newest last: classifier-free guidance
         # alternates two caption lengths, and each must keep its workers and arena

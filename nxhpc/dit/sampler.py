@@ -65,8 +65,9 @@ def turbo_sigmas(steps: int = 8, shift: float = 3.0) -> np.ndarray:
             or steps > MAX_STEPS:
         raise ValueError(f"turbo_sigmas: steps must be an int in [1, {MAX_STEPS}], got "
                          f"{steps!r}")
-    if isinstance(shift, bool) or not (np.isfinite(shift) and shift > 0):
-        raise ValueError(f"turbo_sigmas: shift must be positive, got {shift!r}")
+    if isinstance(shift, bool) or not isinstance(shift, (int, float, np.integer, np.floating)) \
+            or not (np.isfinite(shift) and shift > 0):
+        raise ValueError(f"turbo_sigmas: shift must be a positive number, got {shift!r}")
     s = 1.0 - np.arange(int(steps), dtype=np.float64) / int(steps)
     with np.errstate(all="ignore"):
         sig = np.concatenate([shift * s / (1.0 + (shift - 1.0) * s), [0.0]])
@@ -172,6 +173,8 @@ def sample(denoiser, cap_feats, noise, *, steps: int = 8, shift: float = 3.0,
     cap = check_cap_feats(cap_feats, cfg)
     x0 = check_noise(noise, cfg)
     sigmas = turbo_sigmas(steps, shift)
+    if on_step is not None and not callable(on_step):    # not after the first step has run
+        raise TypeError(f"sample: on_step must be callable (i, n, seconds), got {on_step!r}")
     calls = [0]
 
     def model(x: np.ndarray, t: float) -> np.ndarray:
