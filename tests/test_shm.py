@@ -398,12 +398,12 @@ def test_arena_larger_than_memory_is_refused_before_reserving(monkeypatch, named
     from nxhpc.cli.codes import Exit, code_for
     monkeypatch.setattr(shm, "memory_available_bytes", lambda: 1 << 30)   # pretend 1 GiB
     room = (1 << 30) - (256 << 20)
-    before = live_segments()
+    before = live_segments(os.getpid())
     with pytest.raises(shm.ShmSpaceError) as e:
         SharedArena({"x": (room // 4 + 1024,)}, named=named)
     assert e.value.memory == room and e.value.needed > room
     assert f"at most {room} bytes" in str(e.value) and "out-of-memory" in str(e.value)
     assert code_for(e.value) == Exit.SHM
-    assert live_segments() == before
+    assert live_segments(os.getpid()) == before
     with SharedArena({"x": (1 << 20,)}, named=named) as a:     # control: within the room
         a["x"][:] = 1.0
