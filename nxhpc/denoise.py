@@ -173,7 +173,8 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
         raise UsageError("give all of --latents, --timestep and --cap-feats, or none "
                          "(a built-in model's stored inputs)")
     if args.gguf is not None and os.path.exists(args.gguf):   # missing: not found (exit 3)
-        check_input_file(args.gguf, "--gguf", "a .gguf file")   # a FIFO or /dev/null is not "no such file"
+        # a FIFO or /dev/null is not "no such file"
+        check_input_file(args.gguf, "--gguf", "a .gguf file")
     out_path = None
     if args.out is not None and lead:
         inputs = [x for x in (args.latents, args.cap_feats, args.reference, args.gguf) if x]

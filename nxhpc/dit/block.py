@@ -346,7 +346,8 @@ class Block:
         and reported as ``WorkerError``). Inputs with NaN/inf -- also values that become inf
         in float32, the kernels' type -- or wrong shapes raise ValueError/TypeError before
         anything runs; finite inputs that overflow inside the block raise
-        ``nxhpc.runtime.checks.NonFiniteOutputError`` (the NaN output is its ``output``). ``precision`` "f32" (default) | "bf16" | "q8" (the projections' matmuls,
+        ``nxhpc.runtime.checks.NonFiniteOutputError`` (the NaN output is its ``output``).
+        ``precision`` "f32" (default) | "bf16" | "q8" (the projections' matmuls,
         nxhpc.nn.linear). Serialized with other threads' calls (see the class docstring).
         """
         proc.check_owner(self._owner, "Block.forward", "Block")
