@@ -26,7 +26,7 @@ from nxhpc.dit.config import block_view
 from nxhpc.nn.linear import DEFAULT_PRECISION, adaln_linear, check_precision
 from nxhpc.dit.plan import TIMING_KEYS, BlockPlan, Engine, check_eps, narrow_finite
 from nxhpc.runtime import proc
-from nxhpc.runtime.checks import NonFiniteOutputError, check_workers
+from nxhpc.runtime.checks import check_finite_output, check_workers
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, check_timeout
 
 __all__ = ["Block", "BlockOutput", "BlockRunner", "run_layers", "adaln", "TIMING_KEYS",
@@ -388,12 +388,8 @@ class Block:
                 raise
             if runner is not self._runner:
                 runner.close()
-        bad = int(out.size - np.count_nonzero(np.isfinite(out)))
-        if bad:                    # the inputs were checked finite: an overflow inside
-            raise NonFiniteOutputError(
-                f"Block.forward: {bad} of {out.size} outputs are NaN or inf from finite "
-                f"inputs: the values overflow float32 inside the block (the output is the "
-                f"error's .output)", count=bad, size=out.size, output=out)
+        check_finite_output(out, "Block.forward", "finite inputs overflowed float32 "
+                            "inside the block; the output is the error's .output")
         return BlockOutput(out, t)
 
     def _release(self) -> None:

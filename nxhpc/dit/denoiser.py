@@ -67,7 +67,8 @@ from nxhpc.formats.closing import MapHolder
 from nxhpc.formats.gguf_io import GGUFFile, ModelFileError
 from nxhpc.formats.weights import WeightTensor
 from nxhpc.nn.engine import EngineSession
-from nxhpc.runtime.checks import NonFiniteOutputError, check_float_array, check_workers
+from nxhpc.runtime.checks import (NonFiniteOutputError, check_finite_output, check_float_array,
+                                  check_workers)
 from nxhpc.runtime import proc
 from nxhpc.runtime.memory import memory_report
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, check_timeout
@@ -545,15 +546,10 @@ class Denoiser(MapHolder):
         spent = [(b - a) // 1000 for a, b in zip(marks, marks[1:])]
         self.last_timings = dict(zip(TIMING_KEYS, spent + [(marks[-1] - marks[0]) // 1000]))
         self.last_stage_timings = stage_us
-        out = out.reshape(in_shape)
-        bad = int(out.size - np.count_nonzero(np.isfinite(out)))
-        if bad:        # finite inputs overflowed inside the model: never a silent NaN image
-            raise NonFiniteOutputError(
-                f"Denoiser.forward: {bad} of {out.size} output values are NaN/inf (finite "
-                f"inputs overflowed float32 inside the model; max |latents| "
-                f"{float(np.abs(lat).max()):.3g}, max |cap_feats| {float(np.abs(cap).max()):.3g})",
-                count=bad, size=out.size, output=out)
-        return out
+        return check_finite_output(   # an overflow inside: never a silent NaN image
+            out.reshape(in_shape), "Denoiser.forward",
+            f"finite inputs overflowed float32 inside the model; max |latents| "
+            f"{float(np.abs(lat).max()):.3g}, max |cap_feats| {float(np.abs(cap).max()):.3g}")
 
     __call__ = forward
 

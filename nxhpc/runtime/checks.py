@@ -54,6 +54,19 @@ class NonFiniteOutputError(ArithmeticError):
         self.count, self.size, self.output = count, size, output
 
 
+def check_finite_output(out: Any, what: str, why: str, noun: str = "output values") -> Any:
+    """``out`` (a numpy array) if every value is finite, else :class:`NonFiniteOutputError`
+    with ``out`` attached: "``what``: N of M ``noun`` are NaN/inf (``why``)" -- for a model whose
+    inputs were checked finite, so that an overflow inside it is an error, never a silent NaN
+    result."""
+    import numpy as np                     # not at import time (the module's rule)
+    bad = int(out.size - np.count_nonzero(np.isfinite(out)))
+    if bad:
+        raise NonFiniteOutputError(f"{what}: {bad} of {out.size} {noun} are NaN/inf ({why})",
+                                   count=bad, size=out.size, output=out)
+    return out
+
+
 
 
 def _is_real(v: Any) -> bool:

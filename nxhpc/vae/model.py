@@ -29,7 +29,7 @@ from nxhpc.nn.engine import Engine, Plan
 from nxhpc.nn.conv import CONV_PRECISIONS, conv1x1_band, conv3x3_band
 from nxhpc.nn.linear import attention_precision
 from nxhpc.runtime import proc
-from nxhpc.runtime.checks import (CheckError, NonFiniteOutputError, check_choice,
+from nxhpc.runtime.checks import (CheckError, check_choice, check_finite_output,
                                   check_float_array, check_workers)
 from nxhpc.vae.config import VaeConfig
 from nxhpc.vae.files import Conv, Norm, VaeFile, bind, open_vae_file
@@ -349,13 +349,9 @@ class VaeDecoder(Closing):
         s = cfg.upscale
         img = self._exec.view("img", h * s * w * s, cfg.out_channels)
         out = np.ascontiguousarray(img.T).reshape(cfg.out_channels, h * s, w * s)
-        bad = int(out.size - np.count_nonzero(np.isfinite(out)))
-        if bad:                    # the inputs were checked finite: an overflow inside
-            raise NonFiniteOutputError(
-                f"VaeDecoder.decode: {bad} of {out.size} pixels are NaN or inf from finite "
-                f"latents (max |latent| {float(np.max(np.abs(z))):.3g}): the values overflow "
-                f"float32 inside the decoder", count=bad, size=out.size, output=out)
-        return out
+        return check_finite_output(out, "VaeDecoder.decode", f"finite latents overflowed "
+                                   f"float32 inside the decoder; max |latent| "
+                                   f"{float(np.max(np.abs(z))):.3g}", noun="pixel values")
 
     # -- lifetime
     def _release(self) -> None:
