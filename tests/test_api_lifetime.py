@@ -185,3 +185,17 @@ def test_arguments_are_checked_when_given(models_root, latents):
         assert calls == []                                      # nothing ran
         sample(den, cap, latents, steps=2, on_step=lambda *a: None)    # control
         assert calls == [1, 1]
+
+
+def test_doors_name_a_built_in_of_another_kind(models_root):
+    """Each door refuses a built-in id of another kind before generating anything, naming its
+    kind in words (load_denoiser("tiny-te") reported a missing denoiser tensor; the others
+    said "text_encoder")."""
+    from nxhpc.formats.gguf_io import ModelNotFoundError
+    for door, model, kind in ((nxhpc.load_denoiser, "tiny-te", "text encoder"),
+                              (nxhpc.load_denoiser, "tiny-vae", "autoencoder"),
+                              (nxhpc.load_vae, "tiny-te", "text encoder"),
+                              (nxhpc.load_text_encoder, "tiny-vae", "autoencoder")):
+        with pytest.raises(ModelNotFoundError, match=f"is a built-in {kind} model, not a"):
+            door(model, models_dir=models_root / "none")
+    assert not (models_root / "none").exists()                  # nothing generated

@@ -282,6 +282,11 @@ def resolve_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike |
     return d, gpath
 
 
+def _kind_words(kind: str) -> str:
+    """A built-in kind as messages say it."""
+    return {"text_encoder": "text encoder", "vae": "autoencoder"}.get(kind, kind)
+
+
 def open_denoiser(model: str | os.PathLike, *, workers: int | None = None,
                   models_dir: str | os.PathLike | None = None,
                   gguf_path: str | os.PathLike | None = None, **options: Any) -> Any:
@@ -293,6 +298,12 @@ def open_denoiser(model: str | os.PathLike, *, workers: int | None = None,
     ``ModelNotFoundError`` / ``ModelFileError`` / ``MissingTensorError`` (all
     :class:`ModelError`) naming what is wrong."""
     from nxhpc.dit.denoiser import Denoiser
+    s = os.fspath(model)
+    spec = builtin_spec(s) if isinstance(s, str) and os.sep not in s else None
+    if spec is not None and spec.kind not in KINDS and not Path(s).exists():   # not a DiT
+        raise ModelNotFoundError(f"{s!r} is a built-in {_kind_words(spec.kind)} model, "
+                                 f"not a denoiser (built-in denoisers: "
+                                 f"{', '.join(builtin_ids('denoiser'))}, zimage-dit-<N>l)")
     d, g = resolve_model(model, models_dir, gguf_path)
     if g is None:
         raise ModelNotFoundError(f"{d}: no {GGUF_FILE} (a denoiser runs from a GGUF file)")
@@ -343,7 +354,7 @@ def open_text_encoder(model: str | os.PathLike, *, workers: int | None = None,
     spec = builtin_spec(s) if isinstance(s, str) else None
     if spec is not None and spec.kind != TEXT_ENCODER_KIND and os.sep not in s \
             and not Path(s).exists():
-        raise ModelNotFoundError(f"{s!r} is a built-in {spec.kind.replace('_', ' ')} model, "
+        raise ModelNotFoundError(f"{s!r} is a built-in {_kind_words(spec.kind)} model, "
                                  f"not a text encoder (built-in text encoders: "
                                  f"{', '.join(builtin_ids(TEXT_ENCODER_KIND))})")
     d, g = resolve_model(model, models_dir, gguf_path)
@@ -368,7 +379,8 @@ def resolve_vae(model: str | os.PathLike, models_dir: str | os.PathLike | None =
     spec = builtin_spec(s) if bare else None
     path = Path(s)
     if spec is not None and spec.kind != VAE_KIND:
-        raise ModelNotFoundError(f"{s!r} is a built-in {spec.kind} model, not an autoencoder "
+        raise ModelNotFoundError(f"{s!r} is a built-in {_kind_words(spec.kind)} model, "
+                                 f"not an autoencoder "
                                  f"(built-in autoencoders: {', '.join(builtin_ids(VAE_KIND))})")
     if spec is not None:
         path = ensure_builtin(s, root) / VAE_FILE
