@@ -20,7 +20,6 @@ from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed pack
 from nxhpc.cli.codes import Exit, InputError, OutputError, UsageError
 from nxhpc.cli.frame import run_cli
 from nxhpc.cli.report import fmt_compact, print_json, print_kv, save_npy
-from nxhpc.runtime.checks import check_input_file
 from nxhpc.runtime.outfile import OutputPathError, check_output_path
 
 __all__ = ["main", "build_parser", "EXIT_CODES"]
@@ -117,28 +116,8 @@ def _read_prompt(args: argparse.Namespace) -> str:
         raise UsageError("give exactly one of --prompt TEXT and --prompt-file P.txt")
     if args.prompt is not None:
         return args.prompt
-    path = check_input_file(args.prompt_file, "--prompt-file", "a text file")  # FIFO, /dev/null
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise UsageError(f"--prompt-file {path}: cannot read: {e.strerror or e}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"--prompt-file {path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at "
-                         f"offset {e.start})") from None
+    text = types.read_text_file(args.prompt_file, "--prompt-file", "a text file")
     return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
-
-
-def _check_prompt(prompt: str, what: str) -> None:
-    """A prompt the tokenizer takes (no NUL, no lone surrogate), else a usage error -- before
-    any model is opened or generated."""
-    from nxhpc.qwen3.tokenizer import template
-    try:
-        template(prompt)
-    except ValueError as e:
-        raise UsageError(f"{what}: {e}".replace("prompt: ", "", 1)) from None
 
 
 def _model_files(te) -> list[str]:
@@ -153,7 +132,7 @@ def _run(args: argparse.Namespace) -> int:
     from nxhpc.models.registry import open_text_encoder
     prompt = _read_prompt(args)
     what = "--prompt" if args.prompt is not None else f"--prompt-file {args.prompt_file}"
-    _check_prompt(prompt, what)
+    types.check_prompt(prompt, what)
     inputs = [x for x in (args.prompt_file,) if x]
     if os.path.isfile(args.text_encoder):
         inputs.append(args.text_encoder)

@@ -47,7 +47,7 @@ from nxhpc.cli.frame import run_ranked
 from nxhpc.cli.progress import Progress
 from nxhpc.cli.report import peak_rss_mb, png_text, print_report
 from nxhpc.nn.linear import attention_kernel
-from nxhpc.runtime.checks import check_input_file, load_npy
+from nxhpc.runtime.checks import load_npy
 from nxhpc.runtime.outfile import check_output_path
 
 __all__ = ["main", "build_parser", "EXIT_CODES", "TINY", "TINY_PX", "guided", "Job"]
@@ -222,35 +222,18 @@ def guided(denoiser: Any, cap: np.ndarray, neg: np.ndarray, scale: float):
 
 def _prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt is not None:
-        _check_prompt(args.prompt, "--prompt")
+        types.check_prompt(args.prompt, "--prompt")
         return [args.prompt]
-    p = Path(check_input_file(args.prompts, "--prompts", "a text file, one prompt a line"))
-    try:
-        raw = p.read_bytes()
-    except OSError as e:
-        raise UsageError(f"--prompts {p}: cannot read: {e.strerror or e}") from None
-    try:
-        lines = raw.decode("utf-8").splitlines()
-    except UnicodeDecodeError as e:      # as encode's --prompt-file: a usage error
-        raise UsageError(f"--prompts {p}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
-                         f"{e.start})") from None
+    p = args.prompts
+    lines = types.read_text_file(p, "--prompts", "a text file, one prompt a line").splitlines()
     out = [s for s in lines if s.strip()]
     if not out:
         raise UsageError(f"--prompts {p}: no prompt in it (every line is blank)")
     for i, s in enumerate(lines):
         if s.strip():
-            _check_prompt(s, f"--prompts {p}, line {i + 1}")
+            types.check_prompt(s, f"--prompts {p}, line {i + 1}")
     return out
 
-
-def _check_prompt(prompt: str, what: str) -> None:
-    """A prompt the tokenizer takes (no NUL, no lone surrogate), else a usage error before any
-    model is opened (``nxhpc.encode``'s rule)."""
-    from nxhpc.qwen3.tokenizer import template
-    try:
-        template(prompt)
-    except ValueError as e:
-        raise UsageError(f"{what}: {e}".replace("prompt: ", "", 1)) from None
 
 
 def _models(args: argparse.Namespace) -> tuple[dict[str, str], bool]:
@@ -320,7 +303,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
         raise UsageError("--negative-prompt needs --guidance-scale G > 0 (guidance is off)")
     negative = (args.negative_prompt or "") if cfg_on else None
     if negative:
-        _check_prompt(negative, "--negative-prompt")
+        types.check_prompt(negative, "--negative-prompt")
     noise_raw = None
     if args.noise is not None:
         noise_raw = load_npy(args.noise, "--noise", error=SampleInputError)

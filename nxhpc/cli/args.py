@@ -7,8 +7,9 @@ Owns the ``type=`` callables (:func:`positive_int`, :func:`workers`, :func:`laye
 are :mod:`nxhpc.runtime.checks`'. Also the arguments several commands share, spelled once
 (:func:`cli_parser`, :func:`add_workers`, :func:`add_precision`, :func:`add_tol`,
 :func:`add_models_dir`,
-:func:`add_stage_timeout`, :func:`add_json`). Must not: import the compiled kernels or model
-code at import time (the ``models`` CLI runs in an unbuilt tree).
+:func:`add_stage_timeout`, :func:`add_json`), and the prompt inputs of ``encode`` and
+``generate`` (:func:`read_text_file`, :func:`check_prompt`). Must not: import the compiled
+kernels or model code at import time (the ``models`` CLI runs in an unbuilt tree).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from nxhpc.cli.codes import UsageError
 from nxhpc.runtime import checks
 
 __all__ = ["positive_int", "workers", "layers", "positive_float", "seconds", "eps",
@@ -237,3 +239,31 @@ def add_json(p: argparse.ArgumentParser) -> None:
     """``--json``: one JSON object instead of key=value lines."""
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of key=value lines")
+
+
+def read_text_file(path: str, what: str, expected: str) -> str:
+    """The text of a prompt file ``path`` (option ``what``), decoded as strict UTF-8; a usage
+    error (exit 2) when it is not a regular file (a FIFO would block, /dev/null reads as
+    nothing; ``expected`` says what a directory should have been), cannot be read, or is not
+    UTF-8 (naming the first bad byte and its offset)."""
+    p = checks.check_input_file(path, what, expected)
+    try:
+        with open(p, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise UsageError(f"{what} {p}: cannot read: {e.strerror or e}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{what} {p}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+                         f"{e.start})") from None
+
+
+def check_prompt(prompt: str, what: str) -> None:
+    """A prompt the tokenizer takes (no NUL, no lone surrogate), else a usage error naming
+    ``what`` -- before any model is opened or generated."""
+    from nxhpc.qwen3.tokenizer import template      # not at import time (the module's rule)
+    try:
+        template(prompt)
+    except ValueError as e:
+        raise UsageError(f"{what}: {e}".replace("prompt: ", "", 1)) from None

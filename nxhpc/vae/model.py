@@ -245,7 +245,7 @@ class VaeDecoder(Closing):
 
     def __init__(self, path: str | os.PathLike, *, workers: int | None = None,
                  precision: str = "f32") -> None:
-        self._precision = check_choice(precision, CONV_PRECISIONS, "precision")
+        precision = check_choice(precision, CONV_PRECISIONS, "precision")
         self.workers = check_workers(workers)
         self._owner = os.getpid()
         self._lock = threading.RLock()     # one decode at a time: the buffers are shared
@@ -259,7 +259,7 @@ class VaeDecoder(Closing):
             for m in self.mods.values():
                 if isinstance(m, Conv) and m.w.type_name not in kern.weight_types():
                     raise NotImplementedError(f"{m.name}: {m.w.type_name} weights")
-            self._exec = _Executor(self.mods, self._precision, self.config.norm_num_groups,
+            self._exec = _Executor(self.mods, precision, self.config.norm_num_groups,
                                    self.config.eps, GN_CHUNK)
         except BaseException:
             self.file.close()
@@ -268,17 +268,18 @@ class VaeDecoder(Closing):
 
     @property
     def precision(self) -> str:
-        """The convolutions' precision (``f32`` or ``bf16``); settable between calls."""
-        return self._precision
+        """The convolutions' precision (``f32`` or ``bf16``; the executor's, which the workers
+        fork with); settable between calls."""
+        return self._exec.precision
 
     @precision.setter
     def precision(self, value: str) -> None:
         p = check_choice(value, CONV_PRECISIONS, "VaeDecoder.precision")
         proc.check_owner(self._owner, "VaeDecoder.precision", "VaeDecoder")
         with self._lock:          # the workers read it from the executor forked with them
-            if p != self._precision:
+            if p != self._exec.precision:
                 self._release()
-                self._precision = self._exec.precision = p
+                self._exec.precision = p
 
     # -- running
     def _buffers(self, prog: Program) -> None:
