@@ -133,6 +133,8 @@ cdef object _index(str fn, str name, object v):
     if v is None:
         return None
     try:
+        if isinstance(v, (bool, np.bool_)):  # True is an int to operator.index, not a bound
+            raise TypeError
         return operator.index(v)
     except TypeError:
         raise TypeError(f"{fn}: {name} must be an integer or None, got {v!r}") from None

@@ -50,14 +50,26 @@ cdef inline float *_wptr(object a):
     return <float *> cnp.PyArray_DATA(<cnp.ndarray> a)
 
 
+#: float32's largest finite value: a scalar above it would be inf in the kernels.
+cdef double _F32_MAX = 3.4028234663852886e38
+#: The largest count a kernel argument may be: products of two counts (H * W, rows * heads)
+#: stay within Py_ssize_t.
+cdef Py_ssize_t _COUNT_MAX = 2147483647
+
+
 cdef float _real(str fn, str name, object v, bint nonneg) except? -1:
     """A finite real scalar (python or numpy number, not bool) as float32."""
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
         raise TypeError(f"{fn}: {name} must be a real number, got {type(v).__name__}")
-    f = float(v)
-    if not _math.isfinite(f) or (nonneg and f < 0):
+    try:
+        f = float(v)
+    except OverflowError:  # an int beyond a double's range
+        raise ValueError(f"{fn}: {name} must be a finite number within float32's range, got an "
+                         f"integer of {int(v).bit_length()} bits") from None
+    # finite as float32, the kernels' type: a double above float32's largest value is inf there
+    if not _math.isfinite(f) or abs(f) > _F32_MAX or (nonneg and f < 0):
         raise ValueError(f"{fn}: {name} must be a finite{' non-negative' if nonneg else ''} "
-                         f"number, got {v!r}")
+                         f"number within float32's range (|v| <= {_F32_MAX:.6g}), got {v!r}")
     return <float> f
 
 
@@ -67,6 +79,8 @@ cdef Py_ssize_t _count(str fn, str name, object v) except -1:
         raise TypeError(f"{fn}: {name} must be an integer, got {type(v).__name__}")
     if v < 1:
         raise ValueError(f"{fn}: {name} must be >= 1, got {v}")
+    if v > _COUNT_MAX:
+        raise ValueError(f"{fn}: {name} = {v} is too large (at most {_COUNT_MAX})")
     return <Py_ssize_t> v
 
 

@@ -167,6 +167,8 @@ cdef tuple _band(str fn, str what, object lo, object hi, Py_ssize_t n):
     if lo is None:
         lo = 0
     try:
+        if isinstance(lo, (bool, np.bool_)) or isinstance(hi, (bool, np.bool_)):
+            raise TypeError
         lo_i = operator.index(lo)
         hi_i = operator.index(hi)
     except TypeError:

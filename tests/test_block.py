@@ -320,7 +320,7 @@ def test_inputs_checked_after_narrowing_to_float32(tiny):
     validate_inputs(tiny.config, edge, pe, t_emb=t)
 
 
-@pytest.mark.parametrize("eps", [1e-50, 1e-39, 3.5e38, 1e39])
+@pytest.mark.parametrize("eps", [1e-50, 1e-39, 3.5e38, 1e39, 2 ** 1024])
 def test_eps_outside_float32_is_refused(tiny, eps):
     """eps is narrowed to float32 in the kernels: 1e-50 -> 0 (a zero row, i.e. padding, turns
     NaN), 1e-39 -> subnormal, >= 3.5e38 -> inf. Refused in Block.forward, run_layers,
@@ -338,6 +338,19 @@ def test_eps_outside_float32_is_refused(tiny, eps):
         for bad in (eps, 0.0, -1.0):
             with pytest.raises(ValueError, match="eps"):
                 e.run(plan, 0, e.buffer("x"), e.buffer("pe"), adaln_m=e.adaln(0, t), eps=bad)
+
+
+def test_narrow_finite_keeps_the_shape_and_names_a_0d_value():
+    """narrow_finite on a 0-d value: returned 0-d (it came back as shape (1,)), and a NaN or a
+    float64 beyond float32's range is a ValueError naming it (a NaN was an IndexError)."""
+    from nxhpc.nn.checks import narrow_finite
+    r = narrow_finite("v", np.float64(2.5))
+    assert r.shape == () and r.dtype == np.float32 and r == 2.5
+    assert narrow_finite("v", np.ones((2, 3))).shape == (2, 3)
+    with pytest.raises(ValueError, match=r"v has 1 non-finite values \(NaN/inf\)"):
+        narrow_finite("v", np.array(np.nan))
+    with pytest.raises(ValueError, match="v has 1 non-finite values .*beyond float32's range"):
+        narrow_finite("v", np.array(1e300))
 
 
 def test_eps_bounds_run_finite_on_a_zero_row(tiny, models_root):

@@ -407,6 +407,10 @@ def test_bad_input():
         K.im2col3x3(x, 3, 4, np.empty((12, 287), np.float32))
     with pytest.raises(ValueError, match="H must be >= 1"):
         K.im2col3x3(x, 0, 4, np.empty((0, 288), np.float32))
+    # H * W must not wrap in C: 20 * 922337203685477581 is 2^64 + 4, which would pass for 4 rows
+    with pytest.raises(ValueError, match="W = 922337203685477581 is too large"):
+        K.im2col3x3(np.zeros((4, 32), np.float32), 20, 922337203685477581,
+                    np.empty((4, 288), np.float32))
     with pytest.raises(ValueError, match=r"band \[0, 49\) for output pixels"):
         K.im2col3x3(x, 3, 4, np.empty((49, 288), np.float32), 0, 49, upsample=True)
     with pytest.raises(ValueError, match="panel overlaps x"):

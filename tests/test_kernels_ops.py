@@ -673,7 +673,12 @@ def _cases():
                ("eps", -1.0, ValueError), ("eps", float("nan"), ValueError), ("eps", "1e-6", TypeError),
                ("eps", None, TypeError), ("r0", -1, ValueError), ("r1", T + 1, ValueError),
                ("r0", 4, ValueError, dict(r1=3)), ("r0", "a", TypeError), ("isa", "sse9", ValueError),
-               ("isa", 3, ValueError)]
+               ("isa", 3, ValueError),
+               # finite as a double, inf in float32 (the kernels' type); an int beyond a double
+               ("eps", 1e39, ValueError), ("eps", np.float64(3.5e38), ValueError),
+               ("eps", 2 ** 1024, ValueError),
+               # a bool is not a band bound (True would be row 1)
+               ("r0", True, TypeError), ("r1", np.bool_(True), TypeError)]
     qk = dict(qkv=f32(T, W), q_w=f32(hd), k_w=f32(hd), pe=f32(T, hd // 2, 2, 2),
               q_out=np.zeros((H, T, hd), np.float32), k_out=np.zeros((KVH, T, hd), np.float32),
               n_heads=H, n_kv_heads=KVH, eps=1e-6)
@@ -688,7 +693,8 @@ def _cases():
               ("q_out", _readonly(np.zeros((H, T, hd), np.float32)), ValueError),
               ("k_out", np.zeros((H, T, hd), np.float32), ValueError),
               ("k_out", np.zeros((KVH, T, hd), np.float64), TypeError),
-              ("h1", H + KVH + 1, ValueError), ("h0", -2, ValueError), ("eps", float("inf"), ValueError)]
+              ("h1", H + KVH + 1, ValueError), ("h0", -2, ValueError), ("eps", float("inf"), ValueError),
+              ("n_kv_heads", 2 ** 63, ValueError), ("n_heads", 2 ** 31, ValueError)]
     at = dict(q=f32(H, T, hd), k=f32(KVH, T, hd), qkv=f32(T, W),
               out=np.zeros((T, H * hd), np.float32), n_kv_heads=KVH, scale=0.3,
               mask=np.ones(T, bool))
@@ -700,6 +706,7 @@ def _cases():
               ("out", _readonly(np.zeros((T, H * hd), np.float32)), ValueError),
               ("n_kv_heads", 3, ValueError), ("n_kv_heads", -1, ValueError), ("n_kv_heads", "2", TypeError),
               ("scale", float("nan"), ValueError), ("scale", None, TypeError),
+              ("scale", 3.5e38, ValueError), ("scale", -1e39, ValueError),
               ("mask", np.ones(T + 1, bool), ValueError), ("mask", np.ones(T, np.float32), TypeError),
               ("mask", [True] * T, TypeError), ("mask", np.ones((T, 1), bool), ValueError),
               ("mask", np.ones(2 * T, bool)[::2], ValueError),

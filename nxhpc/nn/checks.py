@@ -18,13 +18,14 @@ __all__ = ["narrow_finite", "finite_vector", "check_eps", "EPS_RANGE"]
 def narrow_finite(name: str, a: np.ndarray) -> np.ndarray:
     """``a`` as C-contiguous float32, checked finite *after* narrowing (a float64 1e300 passes
     a float64 check and becomes inf); ValueError naming ``name``, the count and the first index."""
+    a = np.asarray(a)
     with np.errstate(over="ignore"):
-        a32 = np.ascontiguousarray(a, dtype=np.float32)
+        a32 = np.ascontiguousarray(a, dtype=np.float32).reshape(a.shape)  # 0-d stays 0-d
     fin = np.isfinite(a32)
     if not fin.all():
-        bad = np.argwhere(~fin.reshape(a32.shape) if a32.ndim else ~fin.reshape(1))
+        bad = np.argwhere(~fin) if a32.ndim else np.zeros((1, 0), dtype=np.intp)
         where = tuple(int(i) for i in bad[0])
-        if np.isfinite(np.asarray(a)[where] if a32.ndim else a):
+        if np.isfinite(a[where]):
             why = (f"beyond float32's range |v| <= {float(np.finfo(np.float32).max):.4g}: "
                    f"finite as {a.dtype}, inf once narrowed to float32, the kernels' type")
         else:
@@ -51,10 +52,15 @@ EPS_RANGE = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))
 def check_eps(eps: Any) -> float:
     """``eps`` as a float if float32 holds it as a positive normal number (:data:`EPS_RANGE`);
     else ValueError naming the range. (The value itself is passed on unchanged.)"""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(float(eps)) or float(eps) <= 0:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)):
         raise ValueError(f"eps must be a positive finite number, got {eps!r}")
-    e = float(eps)
+    try:
+        e = float(eps)
+    except OverflowError:
+        raise ValueError(f"eps must be a positive finite number, got an integer of "
+                         f"{int(eps).bit_length()} bits (beyond float32's range)") from None
+    if not math.isfinite(e) or e <= 0:
+        raise ValueError(f"eps must be a positive finite number, got {eps!r}")
     with np.errstate(over="ignore", under="ignore"):
         e32 = np.float32(e)
     lo, hi = EPS_RANGE
