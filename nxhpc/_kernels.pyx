@@ -53,6 +53,30 @@ def _isa_info(int i):
             "supported": bool(nx_cpu_isa_supported(<nx_isa>i))}
 
 
+cdef extern from "nx_sigbus.h" nogil:
+    int nx_sigbus_install(const char *msg, int code)
+    int nx_sigbus_uninstall()
+
+
+def sigbus_exit(message, code=None):
+    """For the CLIs only: on SIGBUS (a read of a mapped file past its end: a model file truncated
+    or rewritten in place during the run) this process writes ``message`` (str, a line) to
+    stderr and exits with ``code`` (1..125), from a C handler (Python's run too late for a
+    fault). Forked children die by SIGBUS as before. ``message=None`` restores the action from
+    before the first call."""
+    if message is None:
+        if nx_sigbus_uninstall() != 0:
+            raise OSError("sigbus_exit: sigaction failed")
+        return
+    if not isinstance(message, str):
+        raise TypeError(f"sigbus_exit: message must be a str or None, got {type(message).__name__}")
+    if isinstance(code, bool) or not isinstance(code, int) or not 1 <= code <= 125:
+        raise ValueError(f"sigbus_exit: code must be an int in 1..125, got {code!r}")
+    cdef bytes b = message.encode("utf-8", "replace")[:1023]
+    if nx_sigbus_install(b, code) != 0:
+        raise OSError("sigbus_exit: sigaction failed")
+
+
 def cpu_features():
     """CPU/OS features found by the probe (CPUID + OSXSAVE/xgetbv + Linux AMX permission).
 

@@ -863,3 +863,67 @@ def test_progress_bar_stages_steps_and_clearing(capsys, monkeypatch):
     p.step("x", line="tool: step 1/2")
     p.close()
     assert capsys.readouterr().err == "tool: step 1/2\n"
+
+
+_SIGBUS_SCRIPT = r"""
+import argparse, os, sys
+import numpy as np
+from nxhpc.cli.frame import run_cli
+path, mode = sys.argv[1], sys.argv[2]
+with open(path, "wb") as f:
+    f.write(b"\1" * (1 << 16))
+m = np.memmap(path, dtype=np.uint8, mode="r")
+os.truncate(path, 0)                         # another program rewrites the file in place
+
+def call(args):
+    if mode == "child":                      # a forked worker dies by the signal, as before
+        pid = os.fork()
+        if pid == 0:
+            int(m[40000])
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("child signal", os.WTERMSIG(status) if os.WIFSIGNALED(status) else None)
+        return 0
+    if mode == "self":
+        print("read", int(m[40000]))           # never printed: SIGBUS
+    return 0
+
+code = run_cli("demo", argparse.ArgumentParser(prog="demo"), [], call)
+if mode == "after":                          # the frame restored the action it replaced
+    print("read", int(m[40000]))
+sys.exit(code)
+"""
+
+
+@linux_only
+@pytest.mark.parametrize("mode", ["self", "child", "after"])
+def test_sigbus_in_the_cli_is_one_line_and_exit_4(tmp_path, mode):
+    """A read of a mapped file past its end (the model file truncated or rewritten in place
+    during a run) killed a CLI silently with SIGBUS (exit 135 in a shell). In the frame it is
+    one line and exit 4; a forked worker still dies by SIGBUS (its pool reports it, with a
+    hint); after the frame the action it replaced is back (the controls: the same read kills
+    the process by SIGBUS there)."""
+    import signal
+    script = tmp_path / "bus.py"
+    script.write_text(_SIGBUS_SCRIPT)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "data.bin"), mode],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if mode == "self":
+        assert r.returncode == Exit.BAD_INPUT, (r.returncode, r.stderr)
+        assert r.stderr.strip() == ("demo: error: a memory-mapped file lost its pages while the "
+                                    "run read it (SIGBUS): a model file was truncated or replaced "
+                                    "in place during the run; nothing was written"), r.stderr
+        assert "read" not in r.stdout
+    elif mode == "child":
+        assert r.returncode == 0 and f"child signal {int(signal.SIGBUS)}" in r.stdout, r
+    else:
+        assert r.returncode == -signal.SIGBUS, (r.returncode, r.stderr)
+
+
+def test_a_worker_killed_by_sigbus_is_named_with_the_likely_cause():
+    from nxhpc.runtime.proc import describe_exit
+    import signal
+    assert "crashed by SIGBUS (signal 7; a mapped file lost its pages: a model file truncated" \
+        in describe_exit(exitcode=-signal.SIGBUS)
+    assert describe_exit(exitcode=-signal.SIGSEGV) == "crashed by SIGSEGV (signal 11)"

@@ -115,6 +115,10 @@ def test_config_errors_are_value_errors():
         DenoiserConfig(**{**SMALL, "cap_dim": None})
     with pytest.raises(ValueError, match="axes_dims"):
         DenoiserConfig(**SMALL, axes_dims=(16, 24, 22))
+    for bad in (float("inf"), float("nan"), 0.0, -1.0):   # inf made every RoPE angle 0 / NaN
+        with pytest.raises(ValueError, match="rope_theta .* must be positive and finite"):
+            DenoiserConfig(**{**SMALL, "rope_theta": bad})
+    assert DenoiserConfig(**{**SMALL, "rope_theta": 256.0}).rope_theta == 256.0   # control
 
 
 # ----------------------------------------------------------------------------- bad tables

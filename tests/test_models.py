@@ -437,6 +437,39 @@ def test_float_projections_are_bound_as_stored(tmp_path):
             assert m2.layer_weights(0).w2.type_name == "Q8_0"
 
 
+def test_model_gguf_that_is_not_a_file_is_refused(tmp_path):
+    """A model directory whose model.gguf is a FIFO, a directory or a dangling link is refused
+    (it ran from the fixtures' weights without a word); the untouched directory opens."""
+    d = make_synthetic(tmp_path / "s", small_spec(include_weights=True))
+    with open_model(d) as m:
+        assert m.weights_source == "gguf"
+    (d / "model.gguf").unlink()
+    for make, kind in ((os.mkfifo, "a FIFO"), (os.mkdir, "a directory"),
+                       (lambda p: os.symlink(tmp_path / "absent", p), "cannot be read")):
+        make(d / "model.gguf")
+        with pytest.raises(ModelNotFoundError, match=f"model.gguf: {kind}.*not a regular file"):
+            open_model(d)
+        p = d / "model.gguf"
+        p.rmdir() if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
+def test_norm_eps_of_another_type_is_refused(tmp_path):
+    """nxhpc.norm_eps stored as a string is the file's mistake, not a reason to run with
+    another eps (it fell back to the fixtures' or the default one); a float is read."""
+    d = make_synthetic(tmp_path / "s", small_spec(include_weights=True))
+    fx = FixtureStore(d / "fixtures.safetensors")
+    floats = {n: fx.load(n) for n in fx.names() if n.endswith((".weight", ".bias"))}
+    for value, ok in (("1e-5", False), (1e-5, True)):
+        write_gguf(tmp_path / "e.gguf", floats, quantize=False, prefix=False,
+                   metadata={"nxhpc.norm_eps": value})
+        if ok:
+            with open_model(d, gguf_path=tmp_path / "e.gguf") as m:
+                assert m.config.norm_eps == 1e-5
+        else:
+            with pytest.raises(ModelFileError, match="'nxhpc.norm_eps' is str '1e-5', expected"):
+                open_model(d, gguf_path=tmp_path / "e.gguf")
+
+
 def test_fixture_only_model(tmp_path):
     d = make_synthetic(tmp_path / "s", small_spec(include_weights=True))
     (d / "model.gguf").unlink()

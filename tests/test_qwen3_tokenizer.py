@@ -566,6 +566,8 @@ def _meta(**change):
     (_meta(tokens=[t for t in VOCAB[0] if t != "<|im_start|>"] + ["x\u0120"]),
      "no '<\\|im_start\\|>' token"),
     (_meta(merges=["h e", "q z"]), "merges\\[1\\] = 'q z': 'qz' is not a token"),
+    # a vocab of merged tokens without its merges would split every prompt into bytes
+    (_meta(merges=None), "merges is missing or empty but the vocab has 558 normal tokens"),
 ])
 def test_gguf_malformed_fields(tmp_path, meta, msg):
     path = _write(tmp_path / "bad.gguf", meta)
@@ -598,3 +600,11 @@ def test_vocab_metadata_checks():
         vocab_metadata(*VOCAB, eos_id=9999)
     m = vocab_metadata(*tiny_vocab(n_merges=0))
     assert "tokenizer.ggml.merges" not in m and m["tokenizer.ggml.add_bos_token"] is False
+
+
+def test_gguf_byte_only_vocab_needs_no_merges(tmp_path):
+    """Control for the missing-merges refusal: a vocab of the 256 bytes and the added tokens
+    has no merges to give: it loads, and splits text into its bytes."""
+    tok = Qwen3Tokenizer.from_gguf(_write(tmp_path / "bytes.gguf",
+                                          vocab_metadata(*tiny_vocab(n_merges=0))))
+    assert len(tok.encode("hello")) == 5

@@ -8,8 +8,11 @@ Tolerance: f32 within 1e-4 of max|ref| (the issue's bound; measured ~1e-6); bf16
 (~1e-2) and bounded at 4e-2. Negative controls must fail the same bound: a wrong GroupNorm eps,
 conv-then-upsample, no shift factor, the BFL up blocks read unreversed, 8-group norms read as 32.
 """
+import json
 import os
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -263,3 +266,80 @@ def test_bad_files(files, tmp_path):
         nxhpc.load_vae(enc)
     with pytest.raises(nxhpc.formats.gguf_io.ModelNotFoundError):
         nxhpc.load_vae(tmp_path / "nowhere")
+
+
+def _header_file(path, header: bytes, data: bytes = b"") -> str:
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return str(path)
+
+
+def test_hostile_headers_are_model_errors(files, tmp_path):
+    """Headers Python's json cannot turn into values (nesting past the recursion limit, an
+    integer of more digits than int() converts) and byte ranges the safetensors package refuses
+    (overlapping, negative) are ModelFileError (CLI exit 4) naming the file; they were a
+    RecursionError / ValueError (exit 70) and, for overlaps, accepted. The package itself is
+    the oracle for the overlap."""
+    from safetensors import safe_open
+    deep = _header_file(tmp_path / "deep.safetensors", b"[" * 100_000 + b"]" * 100_000)
+    with pytest.raises(ModelFileError, match="deep.safetensors: .*not valid JSON .*Recursion"):
+        nxhpc.load_vae(deep)
+    huge = _header_file(tmp_path / "huge.safetensors",
+                        b'{"a": {"dtype": "F32", "shape": [' + b"9" * 5001 + b'], '
+                        b'"data_offsets": [0, 4]}}', b"\0" * 4)
+    with pytest.raises(ModelFileError, match="huge.safetensors: .*not valid JSON"):
+        nxhpc.load_vae(huge)
+    ent = lambda b, e: {"dtype": "F32", "shape": [(e - b) // 4], "data_offsets": [b, e]}
+    over = _header_file(tmp_path / "over.safetensors",
+                        json.dumps({"a": ent(0, 64), "b": ent(32, 96)}).encode(), b"\0" * 96)
+    with pytest.raises(Exception, match="offset"):   # the oracle refuses it
+        safe_open(over, "np")
+    with pytest.raises(ModelFileError, match=r"'a' \[0, 64\) and 'b' \[32, 96\) overlap"):
+        nxhpc.load_vae(over)
+    apart = _header_file(tmp_path / "apart.safetensors",   # control: adjacent ranges are fine
+                         json.dumps({"a": ent(0, 64), "b": ent(64, 96)}).encode(), b"\0" * 96)
+    assert safe_open(apart, "np") is not None
+    from nxhpc.formats.safetensors_io import SafetensorsFile
+    with SafetensorsFile(apart) as st:
+        assert st.names() == ["a", "b"]
+    neg = _header_file(tmp_path / "neg.safetensors",
+                       json.dumps({"a": {"dtype": "F32", "shape": [64], "data_offsets": [-256, 0]}}
+                                  ).encode(), b"\0" * 64)
+    with pytest.raises(ModelFileError, match=r"data_offsets \[-256, 0\) are not a byte range"):
+        nxhpc.load_vae(neg)
+
+
+def test_fifo_autoencoder_is_refused_not_opened(tmp_path):
+    """A FIFO given as the autoencoder is refused before it is opened (opening blocked for
+    good); run in a child with a deadline, so a regression fails instead of hanging the suite."""
+    fifo = tmp_path / "ae.safetensors"
+    os.mkfifo(fifo)
+    code = (f"import nxhpc\ntry:\n    nxhpc.load_vae({str(fifo)!r})\n"
+            f"except nxhpc.formats.gguf_io.ModelNotFoundError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "a FIFO, not a regular file" in r.stdout, r.stderr
+    from nxhpc.formats.safetensors_io import SafetensorsFile
+    with pytest.raises(ModelFileError, match="not a regular file \\(a FIFO\\)"):
+        SafetensorsFile(fifo)
+    with pytest.raises(ModelFileError, match="not a regular file \\(a directory\\)"):
+        SafetensorsFile(tmp_path)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("norm_num_groups", 0), ("norm_num_groups", -1), ("norm_num_groups", "x"),
+    ("norm_num_groups", 8.9), ("norm_num_groups", True), ("latent_channels", "16"),
+    ("layers_per_block", [2]), ("block_out_channels", 5), ("block_out_channels", [32, "32"]),
+    ("scaling_factor", "abc"), ("shift_factor", False), ("use_post_quant_conv", "false"),
+    ("mid_block_add_attention", "no")])
+def test_config_json_values_must_have_their_types(files, tmp_path, key, value):
+    """config.json's values are taken as JSON types, not coerced: "false" is not false (it was
+    read as true), 8.9 is not 8 (the decode ran with 8 groups), and 0 / -1 groups reached the
+    kernels' own checks or divided by zero (exit 70). Control: the untouched directory opens."""
+    import shutil
+    d = tmp_path / "vae"
+    shutil.copytree(files["diffusers", "F32"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    nxhpc.load_vae(d).close()
+    cfg[key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelFileError, match=f"config.json {key} is .*, expected"):
+        nxhpc.load_vae(d)

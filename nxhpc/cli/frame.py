@@ -8,7 +8,8 @@ stdout closed by its reader (``| head``) -> 8, quietly; anything else -> a trace
 the shared-memory registry swept on every path.
 :func:`run_ranked` is the same frame for a command that may run as several MPI ranks
 (``mpirun -n R``): one error, one exit code on every rank (:mod:`nxhpc.runtime.ranks`).
-Must not: parse arguments of its own, print reports, or import the compiled kernels.
+Must not: parse arguments of its own, print reports, or import the compiled kernels before the
+arguments are parsed (``--help`` runs without a built extension).
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
     if ranks is not None:
         err = _ranked_printer(prog, ranks, err)
     with cli_signals() as sig:
+        _sigbus_exit(prog)
         try:
             try:
                 code = call(args)
@@ -82,6 +84,7 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
             err("terminated (SIGTERM); workers stopped, shared memory released")
             return int(Exit.SIGTERM)
         finally:
+            _sigbus_exit(None)
             _cleanup()
 
 
@@ -190,6 +193,24 @@ def run_ranked(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] |
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _sigbus_exit(prog: str | None) -> None:
+    """A SIGBUS in this process -- a read of a mapped model file past its end, the file
+    truncated or rewritten in place during the run -- becomes one line and exit 4 (C handler:
+    ``nxhpc._kernels.sigbus_exit``); it was a silent crash (exit 135 in a shell). Shared memory
+    is unlinked as soon as it is made, so nothing is left behind. Skipped where the extension
+    is not built (then nothing is mapped either). ``prog=None``: the action from before."""
+    try:
+        from nxhpc import _kernels
+    except ImportError:
+        return
+    if prog is None:
+        _kernels.sigbus_exit(None)
+        return
+    _kernels.sigbus_exit(f"{prog}: error: a memory-mapped file lost its pages while the run read "
+                         f"it (SIGBUS): a model file was truncated or replaced in place during "
+                         f"the run; nothing was written\n", int(Exit.BAD_INPUT))
 
 
 def _cleanup() -> None:

@@ -453,8 +453,9 @@ class DenoiserConfig:
             if not 0 < getattr(self, n) < 1:
                 errs.append(f"{n} {getattr(self, n)} out of (0, 1)")
         for n in ("rope_theta", "t_scale", "max_period"):
-            if not (getattr(self, n) or 0) > 0:
-                errs.append(f"{n} {getattr(self, n)} must be positive")
+            v = getattr(self, n) or 0
+            if not (v > 0 and math.isfinite(v)):
+                errs.append(f"{n} {getattr(self, n)} must be positive and finite")
         if errs:
             raise ValueError("DenoiserConfig: " + "; ".join(errs))
         return self

@@ -55,8 +55,9 @@ class FixtureStore:
             meta = json.loads(raw.decode("utf-8"))
             if not isinstance(meta, dict):
                 raise ValueError("header is not a JSON object")
-        except (UnicodeDecodeError, ValueError) as e:
-            raise ModelFileError(f"{self.path}: corrupt fixture file header: {e}") from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise ModelFileError(f"{self.path}: corrupt fixture file header: "
+                                 f"{type(e).__name__}: {str(e)[:200]}") from None
         data_size = size - 8 - n
         out: dict[str, tuple[str, tuple[int, ...]]] = {}
         itemsize = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1, "I16": 2,

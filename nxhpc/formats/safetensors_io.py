@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from pathlib import Path
 from typing import NamedTuple
 
@@ -27,6 +28,7 @@ import numpy as np
 
 from nxhpc.formats.closing import Closing
 from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError
+from nxhpc.runtime.checks import file_kind
 
 __all__ = ["SafetensorsFile", "STInfo", "DTYPES", "MAX_HEADER_BYTES"]
 
@@ -65,8 +67,11 @@ def _parse_header(path: Path, size: int, head: bytes) -> tuple[int, dict[str, st
                              f"the file)")
     try:
         header = json.loads(head[8:8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFileError(f"{where}: the safetensors header is not valid JSON ({e})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        # ValueError: JSONDecodeError, and an integer of more digits than Python converts;
+        # RecursionError: arrays or objects nested past the interpreter's limit
+        raise ModelFileError(f"{where}: the safetensors header is not valid JSON "
+                             f"({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(header, dict):
         raise ModelFileError(f"{where}: the safetensors header is not a JSON object")
     meta = header.pop("__metadata__", {}) or {}
@@ -93,7 +98,10 @@ def _parse_header(path: Path, size: int, head: bytes) -> tuple[int, dict[str, st
             raise ModelFileError(f"{at}: data_offsets {offs!r} is not [begin, end]", tensor=name)
         b, e = offs
         nbytes = math.prod(shape) * DTYPES[dt].itemsize
-        if not 0 <= b <= e or e - b != nbytes:
+        if not 0 <= b <= e:
+            raise ModelFileError(f"{at}: data_offsets [{b}, {e}) are not a byte range (0 <= "
+                                 f"begin <= end)", tensor=name)
+        if e - b != nbytes:
             raise ModelFileError(f"{at}: data_offsets [{b}, {e}) hold {e - b} bytes, but "
                                  f"{dt} {tuple(shape)} needs {nbytes}", tensor=name)
         if e > data_size:
@@ -101,6 +109,12 @@ def _parse_header(path: Path, size: int, head: bytes) -> tuple[int, dict[str, st
                                  f"section ({data_size} bytes): the file is truncated",
                                  tensor=name)
         infos[name] = STInfo(name, dt, tuple(shape), b, e)
+    by_begin = sorted((t for t in infos.values() if t.end > t.begin), key=lambda t: t.begin)
+    for t, u in zip(by_begin, by_begin[1:]):
+        if t.end > u.begin:   # the safetensors package refuses such a file too
+            raise ModelFileError(f"{where}: tensors {t.name!r} [{t.begin}, {t.end}) and "
+                                 f"{u.name!r} [{u.begin}, {u.end}) overlap in the data section",
+                                 tensor=u.name)
     return data_start, dict(meta), infos
 
 
@@ -116,6 +130,10 @@ class SafetensorsFile(Closing):
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         try:
+            mode = os.stat(self.path).st_mode
+            if not stat.S_ISREG(mode):   # a FIFO would block the open, a device read forever
+                raise ModelFileError(f"{self.path}: not a regular file ({file_kind(mode)}): "
+                                     f"a safetensors file was expected")
             with open(self.path, "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
                 first = fh.read(8)

@@ -51,6 +51,9 @@ class Model(Closing):
             v = gguf.metadata.get("nxhpc.norm_eps")
             if isinstance(v, float):
                 eps, eps_src = v, "GGUF"
+            elif v is not None:   # a string or an int is not the file's eps: never fall back
+                raise ModelFileError(f"{gguf.path}: metadata 'nxhpc.norm_eps' is "
+                                     f"{type(v).__name__} {str(v)[:40]!r}, expected a float")
         if eps is None and fixtures is not None:
             with contextlib.suppress(ModelError, ValueError):
                 s = fixtures.metadata().get("norm_eps")

@@ -32,6 +32,7 @@ from nxhpc.models.modeldir import (GGUF_FILE, SPEC_FILE, ModelsDirError, check_m
 from nxhpc.models.qwen3_files import TEXT_ENCODER_KIND, TextEncoderSpec, make_text_encoder
 from nxhpc.models.synthetic import KINDS, SyntheticSpec, make_synthetic
 from nxhpc.models.vae_files import VAE_FILE, VAE_KIND, VaeSpec, make_vae_model
+from nxhpc.runtime.checks import file_kind
 
 __all__ = ["BUILTINS", "BUILTIN_KINDS", "DEFAULT_MODEL_ID", "models_dir", "builtin_ids",
            "ensure_builtin", "open_model", "open_denoiser", "open_text_encoder",
@@ -220,16 +221,10 @@ def stderr_progress(model_id: str) -> Callable[[str], None]:
 
 def _file_kind(p: Path) -> str:
     """What a path that is neither a regular file nor a directory is, in words."""
-    import stat
     try:
-        mode = p.stat().st_mode
+        return file_kind(p.stat().st_mode)
     except OSError as e:
         return f"cannot be read: {e.strerror}"
-    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def resolve_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | None = None,
@@ -279,6 +274,11 @@ def resolve_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike |
             raise ModelNotFoundError(f"gguf_path {gpath}: no such file")
     elif d is not None and (d / GGUF_FILE).is_file():
         gpath = d / GGUF_FILE
+    elif d is not None and os.path.lexists(d / GGUF_FILE):
+        # a FIFO, a directory or a dangling link: not "no GGUF" (the fixtures' weights would
+        # run in its place without a word)
+        raise ModelNotFoundError(f"{d / GGUF_FILE}: {_file_kind(d / GGUF_FILE)}, not a regular "
+                                 f"file: the model directory's {GGUF_FILE} must be a GGUF file")
     return d, gpath
 
 

@@ -222,8 +222,9 @@ class Qwen3Tokenizer:
             v = get(key)
             if v is None:
                 if required:
-                    raise ModelFileError(f"{where}: metadata {key!r} is missing: no "
-                                         f"tokenizer in this GGUF")
+                    why = "no tokenizer in this GGUF" if key == "tokenizer.ggml.model" \
+                        else "the GGUF's tokenizer is incomplete"
+                    raise ModelFileError(f"{where}: metadata {key!r} is missing: {why}")
                 return None
             ok = {"str": isinstance(v, str), "int": _is_int(v),
                   "strs": isinstance(v, list) and all(isinstance(x, str) for x in v),
@@ -244,6 +245,11 @@ class Qwen3Tokenizer:
         tokens = field("tokenizer.ggml.tokens", "strs")
         types = field("tokenizer.ggml.token_type", "ints")
         merges = field("tokenizer.ggml.merges", "strs", required=False) or []
+        n_normal = sum(1 for t in types if t == 1)
+        if not merges and n_normal > 256:   # llama.cpp refuses a BPE vocab without merges too
+            raise VocabError(f"{where}: tokenizer.ggml.merges is missing or empty but the vocab "
+                             f"has {n_normal} normal tokens (256 are bytes): every prompt would "
+                             f"be split into bytes")
         eos = field("tokenizer.ggml.eos_token_id", "int", required=False)
         pad = field("tokenizer.ggml.padding_token_id", "int", required=False)
         bos = field("tokenizer.ggml.bos_token_id", "int", required=False)

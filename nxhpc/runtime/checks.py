@@ -24,7 +24,7 @@ from typing import Any
 from nxhpc.runtime.workers import as_index, max_workers, usable_cpus   # (workers imports us lazily)
 
 __all__ = ["CheckError", "InputFileMissing", "SettingError", "NonFiniteOutputError",
-           "check_input_file",
+           "check_input_file", "file_kind",
            "check_count", "check_workers", "check_seconds",
            "check_positive", "check_choice", "check_float_array", "load_npy"]
 
@@ -153,13 +153,15 @@ def check_float_array(a: Any, what: str, *, ndim: int | None = None,
     return out
 
 
-def _file_kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` that is not a regular file is, in words ("a FIFO")."""
     import stat
-    for test, name in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
         if test(mode):
             return name
-    return "special file"
+    return "a special file"
 
 
 def check_input_file(path: str | os.PathLike, what: str, expected: str = "a .npy file") -> str:
@@ -178,7 +180,7 @@ def check_input_file(path: str | os.PathLike, what: str, expected: str = "a .npy
     if stat.S_ISDIR(mode):
         raise InputFileMissing(f"{what} {p}: is a directory, expected {expected}")
     if not stat.S_ISREG(mode):
-        raise InputFileMissing(f"{what} {p}: is a {_file_kind(mode)}, not a regular file")
+        raise InputFileMissing(f"{what} {p}: is {file_kind(mode)}, not a regular file")
     return p
 
 

@@ -406,7 +406,9 @@ def describe_exit(status: int | None = None, *, exitcode: int | None = None,
         if brief:
             return f"killed by signal {name}"
         what = "crashed" if sig in _CRASH_SIGNALS else "was killed"
-        return f"{what} by {name} (signal {sig})"
+        hint = ("; a mapped file lost its pages: a model file truncated or replaced in place "
+                "during the run?") if sig == signal.SIGBUS else ""
+        return f"{what} by {name} (signal {sig}{hint})"
     if code is not None:
         return f"exited with code {code}" if brief else f"exited with status {code}"
     return "disappeared without reporting"

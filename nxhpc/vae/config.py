@@ -8,6 +8,7 @@ Must not: import compiled code, the registry, or another family.
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -204,6 +205,43 @@ def count_levels(keys: Iterable[str], layout: str, where: str) -> int:
     return len(found)
 
 
+#: The config.json keys the decoder reads, with the JSON type each must have: "int" (not a
+#: bool; the minimum after it), "ints" (a list of positive ints), "bool", "number" (int or float).
+_CONFIG_KEYS = {"block_out_channels": ("ints", 1), "latent_channels": ("int", 1),
+                "layers_per_block": ("int", 0), "norm_num_groups": ("int", 1),
+                "use_post_quant_conv": ("bool", None), "mid_block_add_attention": ("bool", None),
+                "scaling_factor": ("number", None), "shift_factor": ("number", None)}
+
+
+def _checked_config_json(cj: dict, where: str) -> dict:
+    """``cj`` if every key the decoder reads has its JSON type (:data:`_CONFIG_KEYS`; null means
+    absent); else ModelFileError naming the key. No coercion: ``"false"`` is not false, 8.9 is
+    not 8."""
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for key, (kind, low) in _CONFIG_KEYS.items():
+        v = cj.get(key)
+        if v is None:
+            continue
+        if kind == "int":
+            ok = is_int(v) and v >= low
+            want = f"an integer >= {low}"
+        elif kind == "ints":
+            ok = isinstance(v, list) and len(v) > 0 and all(is_int(c) and c >= low for c in v)
+            want = "a list of positive integers"
+        elif kind == "bool":
+            ok = isinstance(v, bool)
+            want = "true or false"
+        else:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            want = "a number"
+        if not ok:
+            raise ModelFileError(f"{where}: config.json {key} is {json.dumps(v)[:80]}, "
+                                 f"expected {want}")
+    return cj
+
+
 def infer_config(shapes: Mapping[str, tuple[int, ...]], layout: str, where: str,
                  config_json: Mapping[str, Any] | None = None,
                  dtype: str = "F32") -> VaeConfig:
@@ -245,7 +283,7 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], layout: str, where: str,
     scaling, shift = FLUX_SCALING, FLUX_SHIFT
     mid_attn = shape_of("decoder.mid_block.attentions.0.to_q.weight") is not None
     if config_json is not None:
-        cj = config_json
+        cj = _checked_config_json(config_json, where)
         boc = cj.get("block_out_channels")
         if boc is not None and tuple(boc) != tuple(reversed(up)):
             raise ModelFileError(f"{where}: config.json block_out_channels {list(boc)} disagree "
@@ -267,7 +305,7 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], layout: str, where: str,
         if cj.get("shift_factor") is not None:
             shift = float(cj["shift_factor"])
         if cj.get("mid_block_add_attention") is not None and \
-                bool(cj["mid_block_add_attention"]) != mid_attn:
+                cj["mid_block_add_attention"] != mid_attn:
             raise ModelFileError(f"{where}: config.json mid_block_add_attention="
                                  f"{cj['mid_block_add_attention']} but the mid attention's "
                                  f"tensors are {'present' if mid_attn else 'absent'}")

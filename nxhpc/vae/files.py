@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from nxhpc.formats.closing import Closing
 from nxhpc.formats.gguf_io import ModelFileError, ModelNotFoundError
 from nxhpc.formats.safetensors_io import SafetensorsFile
 from nxhpc.formats.weights import WeightTensor
+from nxhpc.runtime.checks import file_kind
 from nxhpc.vae.config import VaeConfig, detect_layout, infer_config, ldm_name, tensor_names
 
 __all__ = ["VaeFile", "open_vae_file", "bind", "WEIGHT_FILE", "CONFIG_FILE", "FLOAT_DTYPES"]
@@ -78,15 +80,22 @@ def _resolve(path: str | os.PathLike) -> tuple[Path, dict[str, Any] | None]:
                 if cj.is_file():
                     try:
                         cfg = json.loads(cj.read_text())
-                    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                        raise ModelFileError(f"{cj}: not a readable JSON config ({e})") from None
+                    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+                        raise ModelFileError(f"{cj}: not a readable JSON config "
+                                             f"({type(e).__name__}: {str(e)[:200]})") from None
                     if not isinstance(cfg, dict):
                         raise ModelFileError(f"{cj}: not a JSON object")
                 return wf, cfg
         raise ModelNotFoundError(f"{p}: a directory without {WEIGHT_FILE} (nor vae/{WEIGHT_FILE}): "
                                  f"not a diffusers autoencoder directory")
-    if not p.exists():
-        raise ModelNotFoundError(f"{p}: no such file or directory")
+    try:
+        mode = p.stat().st_mode
+    except OSError as e:
+        raise ModelNotFoundError(f"{p}: no such file or directory" if isinstance(
+            e, FileNotFoundError) else f"{p}: cannot be read: {e.strerror or e}") from None
+    if not stat.S_ISREG(mode):   # a FIFO would block the open
+        raise ModelNotFoundError(f"{p}: {file_kind(mode)}, not a regular file or a directory: give "
+                                 f"an ae.safetensors file or a diffusers VAE directory")
     return p, None
 
 
