@@ -151,6 +151,7 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
                        + ([file_fingerprint(args.gguf_path)] if args.gguf_path else []))
             ranks.same("the arguments", (n_layers, args.precision, args.source, args.adaln,
                                          args.eps, args.tol, args.repeat, args.json))
+            ranks.same_kernels(args.precision)
         if args.save_output is not None:       # never overwrite what this run reads
             gguf = model.gguf.path if model.gguf is not None else None
             check_output_path(args.save_output, what="--save-output",

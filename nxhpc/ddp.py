@@ -23,6 +23,7 @@ from nxhpc.cli.codes import Exit, UsageError, codes_epilog
 from nxhpc.cli.frame import run_cli
 from nxhpc.cli.report import save_bytes
 from nxhpc.runtime.outfile import OutputPathError, check_output_path
+from nxhpc.runtime.proc import Terminated
 from nxhpc.train import ddp as train
 
 __all__ = ["main", "build_parser", "EXIT_CODES"]
@@ -54,6 +55,9 @@ class _Parser(argparse.ArgumentParser):
             self.error(f"--steps must be >= 1, got {a.steps}")
         if a.workers is not None and a.workers < 1:
             self.error(f"--workers must be >= 1, got {a.workers}")
+        for opt, ds in (("--sweep", a.sweep), ("--contrast", a.contrast)):
+            if ds and len(set(ds)) != len(ds):
+                self.error(f"{opt} lists a worker count twice: {','.join(map(str, ds))}")
         if a.log_every < 1:
             self.error(f"--log-every must be >= 1, got {a.log_every}")
         if not a.timeout > 0:
@@ -204,6 +208,9 @@ def _run(args: argparse.Namespace) -> int:
                              "runtime") from None
         comm = MPI.COMM_WORLD
         rank = comm.Get_rank()
+        if args.sweep:
+            raise UsageError("--sweep runs worker counts in this process (shm); under MPI the "
+                             "world size is the one count: run mpirun -n D once per D")
         if args.workers is not None and args.workers != comm.Get_size():
             if rank == 0:
                 print(f"{PROG}: error: --workers {args.workers} but the MPI world has "
@@ -211,11 +218,12 @@ def _run(args: argparse.Namespace) -> int:
             return Exit.USAGE
         try:
             res = train.train_mpi(comm, args.steps, cfg=cfg, data=data)
-        except KeyboardInterrupt:       # peers block in Sendrecv: abort the whole job
-            print(f"{PROG}: error: MPI rank {rank} interrupted (SIGINT)", file=sys.stderr,
-                  flush=True)
-            comm.Abort(int(Exit.SIGINT))
-            return Exit.SIGINT
+        except (KeyboardInterrupt, Terminated) as e:   # peers block in Sendrecv: abort the job
+            code, what = ((Exit.SIGTERM, "terminated (SIGTERM)") if isinstance(e, Terminated)
+                          else (Exit.SIGINT, "interrupted (SIGINT)"))
+            print(f"{PROG}: error: MPI rank {rank} {what}", file=sys.stderr, flush=True)
+            comm.Abort(int(code))
+            return code
         except Exception as e:  # noqa: BLE001 - peers block in Sendrecv: abort the whole job
             print(f"{PROG}: error: MPI rank {rank} of {comm.Get_size()} failed: "
                   f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)

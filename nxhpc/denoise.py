@@ -166,6 +166,7 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
     if ranks is not None:
         ranks.same("the arguments " + ", ".join(_SAME_ARGS),
                    tuple(getattr(args, a) for a in _SAME_ARGS))
+        ranks.same_kernels(args.precision)
     lead = ranks is None or ranks.rank == 0          # reads inputs, writes outputs, reports
 
     given = [args.latents is not None, args.timestep is not None, args.cap_feats is not None]

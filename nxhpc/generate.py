@@ -371,6 +371,7 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
                    tuple(getattr(args, a) for a in _SAME_ARGS)
                    + tuple(getattr(args, a) is None for a in
                            ("prompts", "noise", "model", "text_encoder", "vae")))
+        ranks.same_kernels(args.precision)
     setup = _setup(args) if lead else None
     if ranks is not None:                          # rank 0's reading on every rank (startup)
         setup = ranks.bcast(setup, "the prompts, seeds and noise from rank 0")

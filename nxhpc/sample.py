@@ -242,6 +242,7 @@ def _run(args, ranks=None) -> int:
         ranks.same("the arguments (steps, shift, size, seeds, precision, json)",
                    (args.steps, args.shift, args.height, args.width, args.seed, args.seeds,
                     args.precision, args.q8_float_weights, args.json, args.noise is not None))
+        ranks.same_kernels(args.precision)
     cap_raw = noise_raw = None
     if lead:
         cap_raw = load_npy(args.cap_feats, "--cap-feats", error=SampleInputError)

@@ -454,7 +454,10 @@ def test_cli_argument_edges_exit_2_without_traceback(tmp_path):
     whole run); both are now usage errors, found before any training."""
     for args, msg in ((["--seed", "-1"], "seed must be a non-negative integer"),
                       (["--json", str(tmp_path / "no" / "r.json")], "does not exist"),
-                      (["--json", str(tmp_path)], "is a directory")):
+                      (["--json", str(tmp_path)], "is a directory"),
+                      # a count twice: trained twice and one JSON key (--sweep 2,2)
+                      (["--sweep", "2,2"], "--sweep lists a worker count twice: 2,2"),
+                      (["--contrast", "1,3,1"], "--contrast lists a worker count twice")):
         r = _cli("--workers", "2", "--steps", "1", "--no-contrast", *args)
         assert r.returncode == 2, (args, r.stderr)
         assert msg in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

@@ -98,3 +98,33 @@ def test_mpi_single_rank_failure_aborts_peers_without_hanging():
     assert r.returncode != 0
     assert "MPI rank 1 of 3 failed: RuntimeError: injected fault on one rank" in r.stderr
     assert "weights sha256" not in r.stdout
+
+
+_SIGTERM_ONE_RANK = r"""
+import os, signal, sys
+from mpi4py import MPI
+import nxhpc.ddp as cli
+import nxhpc.train.ddp as ddp
+if MPI.COMM_WORLD.Get_rank() == 1:          # rank 1 gets SIGTERM mid-run; its peers wait in Sendrecv
+    real, n = ddp.q16_shard_grad, [0]
+    def grad(*args, **kwargs):
+        n[0] += 1
+        if n[0] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+    ddp.q16_shard_grad = grad
+sys.exit(cli.main(["--backend", "mpi", "--steps", "1000000", "--log-every", "100000"]))
+"""
+
+
+def test_mpi_sigterm_to_one_rank_ends_the_job():
+    """SIGTERM to one rank ends the job with 143 (it hung: the signalled rank sat in
+    MPI_Finalize, its peers spun in a blocking Sendrecv)."""
+    r = _mpirun(2, ["-c", _SIGTERM_ONE_RANK], timeout=90)   # a hang raises TimeoutExpired
+    assert r.returncode == 143, (r.returncode, r.stderr[-2000:])
+    assert "ddp: error: MPI rank 1 terminated (SIGTERM)" in r.stderr
+
+
+def test_mpi_sweep_is_refused():
+    r = _mpirun(2, ["-m", "nxhpc.ddp", "--backend", "mpi", "--steps", "1", "--sweep", "1,2"])
+    assert r.returncode == 2 and "--sweep runs worker counts in this process" in r.stderr, r.stderr

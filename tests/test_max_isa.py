@@ -4,10 +4,11 @@ Zen 4 runs).
 
 Oracles: the dispatch tables' own ranks (every kernel the capped process runs is at or below
 the cap, and the cap is reached where the CPU supports it; unset is the negative control); the
-precisions' contracts through a whole block: ``q8``'s bits are the same on every ISA, so a
-capped block equals the uncapped one bit for bit, and ``bf16``'s are the same on every ISA but
-AMX (its own summation), so a capped block differs from the AMX one on a CPU that has AMX while
-equal for 1 and 2 workers. A bad value is a usage error before any work.
+precisions' contracts through a whole block: ``q8``'s and ``bf16``'s bits are the same on every
+SIMD target below AMX, and AMX's differ (its own summation, and q8's bf16 attention on the
+tiles), while equal for 1 and 2 workers; the classes ``nxhpc.runtime.ranks.kernel_bits`` names
+(what MPI ranks must share) hold: one class, one set of bits. A bad value is a usage error
+before any work.
 """
 import json
 import os
@@ -130,3 +131,36 @@ json.dump(res, sys.stdout)
         r2 = _py(code2, "avx2")
         assert r2.returncode == 0, r2.stderr
         assert json.loads(r2.stdout)["fma"] == res["fma"]
+
+
+_BITS = """
+import hashlib, json, numpy as np
+from nxhpc.models import open_model
+from nxhpc.runtime.ranks import kernel_bits
+res = {}
+with open_model("tiny") as m:
+    x, pe, t = m.blk_in(0), m.pe(), m.t_emb()
+    for prec in ("f32", "bf16", "q8"):
+        with m.block(0) as blk:
+            out, _ = blk.forward(x, t, pe, workers=2, precision=prec)
+        res[prec] = [kernel_bits(prec), hashlib.sha256(out.tobytes()).hexdigest()]
+print(json.dumps(res))
+"""
+
+
+def test_kernel_bits_classes_are_the_bits():
+    """``kernel_bits(precision)`` is what MPI ranks compare before splitting a call: under every
+    cap this CPU runs, blocks of one class have one set of bits, and blocks of different classes
+    differ (so the check refuses no pair it need not, on these inputs)."""
+    seen: dict = {}
+    for cap in ISAS:
+        r = _py(_BITS, cap)
+        assert r.returncode == 0, (cap, r.stderr)
+        for prec, (cls, digest) in json.loads(r.stdout).items():
+            seen.setdefault(prec, {}).setdefault(cls, set()).add(digest)
+    for prec, classes in seen.items():
+        for cls, digests in classes.items():
+            assert len(digests) == 1, (prec, cls, "one class, several sets of bits")
+        alls = [d for ds in classes.values() for d in ds]
+        assert len(set(alls)) == len(alls), (prec, classes, "two classes gave the same bits")
+    assert set(seen["f32"]) >= {"generic"} and "simd" not in seen["f32"]

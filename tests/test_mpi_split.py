@@ -9,6 +9,7 @@ skipped only when mpirun or mpi4py is absent (CI installs both).
 import json
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -159,6 +160,58 @@ def test_mismatched_model_files_refused_before_compute(models, tmp_path):
         assert r.stderr.count("denoise: error:") == 1
         assert "the 2 MPI ranks disagree on" in r.stderr
         assert "verdict" not in r.stdout and "PASS" not in r.stdout and "us_total" not in r.stdout
+
+
+_CAPPED_RANK = r"""
+import os, sys
+from mpi4py import MPI
+if MPI.COMM_WORLD.Get_rank() == 1 or sys.argv[1] == "both":   # before the kernels load
+    os.environ["NXHPC_MAX_ISA"] = "generic"
+import nxhpc.denoise as cli
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def test_ranks_whose_kernels_give_other_bits_are_refused(models, tmp_path):
+    """Ranks on CPUs whose kernels give other bits (a mixed cluster: here one rank capped to
+    the generic code) are refused before any work, naming each rank's class and the remedy;
+    they ran, and the result matched no one process. Control: both capped, the job runs."""
+    from nxhpc import _kernels
+    if _kernels.cpu_features()["best_isa"] == "generic":
+        pytest.skip("this CPU runs the generic code only: no second class to mix")
+    args = ["tiny-dit", "1", "--precision", "f32"]
+    r = mpirun(2, ["-c", _CAPPED_RANK, "one", *args], models, timeout=100)
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert r.stderr.count("denoise: error:") == 1, r.stderr
+    assert "run kernels that give different f32 bits (rank 0: avx" in r.stderr
+    assert "rank 1: generic" in r.stderr and "NXHPC_MAX_ISA" in r.stderr
+    r = mpirun(2, ["-c", _CAPPED_RANK, "both", *args], models, timeout=100)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_usage_error_on_one_rank_ends_the_job(models, tmp_path):
+    """A usage error on one rank only (arguments that differ, or a check that depends on the
+    machine) ends the job with exit 2 at once; it hung: the peers waited in the agreement
+    check, the failed rank in MPI_Finalize."""
+    base = ["-m", "nxhpc.denoise", "tiny-dit", "1"]
+    t0 = time.monotonic()
+    r = mpirun(2, [], models, apps=[base, base + ["--precision", "bogus"]], timeout=100)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "invalid choice: 'bogus'" in r.stderr and "verdict" not in r.stdout
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_failure_every_rank_sees_is_one_line_at_once(models, tmp_path):
+    """A failure every rank meets on its own at the same time (a model no rank finds) is one
+    line, from rank 0, and the job ends at once: each rank waited 20 s for acknowledgements
+    from peers that were failing too, and every rank printed it."""
+    t0 = time.monotonic()
+    r = mpirun(3, ["-m", "nxhpc.denoise", "no-such-model", "1"], models, timeout=100)
+    dt = time.monotonic() - t0
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert r.stderr.count("denoise: error:") == 1, r.stderr
+    assert "denoise: error: MPI rank 0 of 3: model 'no-such-model' not found" in r.stderr
+    assert dt < 15, f"{dt:.1f} s (the acknowledgement wait is 20 s)"
 
 
 _FAULT = r"""

@@ -44,7 +44,11 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
     try:
         args = parser.parse_intermixed_args(argv) if intermixed else parser.parse_args(argv)
     except SystemExit as e:                   # argparse: --help -> 0, usage errors -> 2
-        return int(e.code or 0) if not isinstance(e.code, str) else Exit.USAGE
+        code = int(e.code or 0) if not isinstance(e.code, str) else int(Exit.USAGE)
+        if ranks is not None and code != Exit.PASS:
+            # the peers may have parsed theirs and wait in an agreement check for this rank
+            ranks.fail(code, f"{ranks.label}: usage error (its message is above)")
+        return code
     err = error_printer(prog)
     if ranks is not None:
         err = _ranked_printer(prog, ranks, err)
@@ -156,9 +160,11 @@ def _ranked_failure(e: Exception, ranks: Any, err: Callable[[str], None],
         if ranks.rank == 0:
             err(msg)
         return int(known)
-    msg = f"{ranks.label}: {msg}"
-    err(msg)
-    ranks.fail(int(known), msg)
+    # this rank's own failure: sent to every peer first; a lower rank that failed the same way
+    # at the same time (a model every rank misses) has printed it already
+    also = ranks.fail(int(known), f"{ranks.label}: {msg}")
+    if not any(k < ranks.rank and m.split(": ", 1)[-1] == msg for k, m in also):
+        err(f"{ranks.label}: {msg}")
     return int(known)
 
 

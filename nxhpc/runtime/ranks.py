@@ -138,6 +138,24 @@ def file_fingerprint(path: str | os.PathLike, *, sample: int = 1 << 16,
     return size, h.hexdigest()
 
 
+def kernel_bits(precision: str) -> str:
+    """Which output bits this process's kernels give at ``precision``, as a class name: ranks
+    of one class give the bits of one process. Measured on the AMX Xeon under each
+    ``NXHPC_MAX_ISA`` (a ``denoise`` of tiny-dit; docs/kernels.md, Arithmetic contracts):
+    ``"generic"`` everywhere the scalar spec runs (libm's exp and tanh); for ``f32``,
+    ``"avx2"`` (AVX2, AVX-VNNI) or ``"avx512"`` (AVX-512 and up: the float32 attention's
+    16-key tiles and polynomials in zmm lanes); for ``bf16`` and ``q8``, ``"simd"`` (AVX2 to
+    AVX-512 BF16: one set of bits) or ``"amx"`` (the tiles' own dot sums; q8's attention is
+    bf16's)."""
+    from nxhpc import _kernels
+    best = _kernels.cpu_features()["best_isa"]
+    if best == "generic":
+        return "generic"
+    if precision == "f32":
+        return "avx2" if best in ("avx2", "avxvnni") else "avx512"
+    return "amx" if best == "amx" else "simd"
+
+
 class Ranks:
     """``comm`` (an mpi4py intracommunicator, size > 1) as the ranks one call is split over.
 
@@ -300,12 +318,28 @@ class Ranks:
             raise RankMismatchError(f"the {self.size} MPI ranks disagree on {what} ({listing}); "
                                     f"every rank must run the same files and arguments")
 
+    def same_kernels(self, precision: str) -> None:
+        """:class:`RankMismatchError` on every rank unless every rank's kernels give the same
+        output bits at ``precision`` (:func:`kernel_bits`): the split result is bit-identical
+        to one process only then. The message names each rank's and the remedy."""
+        vals = self.allgather(kernel_bits(precision), "the check of the kernels' bits")
+        if any(v != vals[0] for v in vals):
+            listing = "; ".join(f"rank {k}: {v}" for k, v in enumerate(vals))
+            raise RankMismatchError(
+                f"the {self.size} MPI ranks run kernels that give different {precision} bits "
+                f"({listing}), so the split result would match no one process; set "
+                f"NXHPC_MAX_ISA on every rank to one target all of them run (e.g. avx2, or "
+                f"avx512bf16 on AVX-512 BF16 machines with and without AMX)")
+
     # -- failures
-    def fail(self, code: int, message: str, ack_timeout: float = ACK_TIMEOUT_S) -> None:
+    def fail(self, code: int, message: str,
+             ack_timeout: float = ACK_TIMEOUT_S) -> list[tuple[int, str]]:
         """Tell every peer this rank failed with exit ``code`` (``message``: its error), then
-        wait up to ``ack_timeout`` s for their acknowledgements. Once per rank."""
+        wait up to ``ack_timeout`` s until each peer has stopped: it acknowledged, or it failed
+        too (its own notice came; it waits for this rank's acknowledgement, which is sent).
+        Returns the ``(rank, message)`` of the peers that failed too. Once per rank."""
         if self.failed:
-            return
+            return []
         self.failed = True
         MPI = self.MPI
         note = bytearray(_NOTICE_BYTES)
@@ -313,13 +347,28 @@ class Ranks:
         text = message.encode("utf-8", "replace")[:_NOTICE_BYTES - _NOTICE.size - 1]
         note[_NOTICE.size:_NOTICE.size + len(text)] = text
         peers = [k for k in range(self.size) if k != self.rank]
-        acks = [bytearray(1) for _ in peers]
-        reqs = [self._side.Isend([note, MPI.BYTE], dest=k, tag=_NOTICE_TAG) for k in peers]
-        reqs += [self._side.Irecv([a, MPI.BYTE], source=k, tag=_ACK_TAG)
-                 for a, k in zip(acks, peers)]
+        sends = [self._side.Isend([note, MPI.BYTE], dest=k, tag=_NOTICE_TAG) for k in peers]
+        acks = {k: bytearray(1) for k in peers}
+        ack_reqs = {k: self._side.Irecv([acks[k], MPI.BYTE], source=k, tag=_ACK_TAG)
+                    for k in peers}
+        pending, also, replies = set(peers), [], []
         t0 = time.monotonic()
-        while not MPI.Request.Testall(reqs) and time.monotonic() - t0 < ack_timeout:
+        while (pending or not MPI.Request.Testall(sends + replies)) \
+                and time.monotonic() - t0 < ack_timeout:
+            for k in [k for k in pending if ack_reqs[k].Test()]:
+                pending.discard(k)
+            if self._note_req is not None and self._note_req.Test():
+                rank, _ = _NOTICE.unpack_from(self._note)
+                msg = bytes(self._note[_NOTICE.size:]).rstrip(b"\0").decode("utf-8", "replace")
+                also.append((rank, msg))
+                pending.discard(rank)
+                replies.append(self._side.Isend([bytearray(1), MPI.BYTE], dest=rank,
+                                                tag=_ACK_TAG))
+                self._note = bytearray(_NOTICE_BYTES)
+                self._note_req = self._side.Irecv([self._note, MPI.BYTE],
+                                                  source=MPI.ANY_SOURCE, tag=_NOTICE_TAG)
             time.sleep(1e-3)
+        return also
 
     def acknowledge(self, err: RankFailedError, timeout: float = 2.0) -> None:
         """Tell the failed rank of ``err`` this rank has stopped (it waits for that)."""
