@@ -53,9 +53,9 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
     if ranks is not None:
         err = _ranked_printer(prog, ranks, err)
     with cli_signals() as sig:
-        _sigbus_exit(prog)
         try:
             try:
+                _sigbus_exit(prog)     # in here: a bad NXHPC_* setting met on import is mapped
                 code = call(args)
             except Exception as e:       # KeyboardInterrupt / Terminated are not Exceptions
                 interrupt = sig.interrupt()
@@ -207,12 +207,14 @@ def _sigbus_exit(prog: str | None) -> None:
     ``nxhpc._kernels.sigbus_exit``); it was a silent crash (exit 135 in a shell). Shared memory
     is unlinked as soon as it is made, so nothing is left behind. Skipped where the extension
     is not built (then nothing is mapped either). ``prog=None``: the action from before."""
+    if prog is None:
+        loaded = sys.modules.get("nxhpc._kernels")     # not loaded: nothing was installed
+        if loaded is not None:
+            loaded.sigbus_exit(None)
+        return
     try:
         from nxhpc import _kernels
     except ImportError:
-        return
-    if prog is None:
-        _kernels.sigbus_exit(None)
         return
     _kernels.sigbus_exit(f"{prog}: error: a memory-mapped file lost its pages while the run read "
                          f"it (SIGBUS): a model file was truncated or replaced in place during "
