@@ -18,6 +18,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError, atomic_output
+from nxhpc.formats.safetensors_io import json_value
 
 __all__ = ["FixtureStore", "FIXTURES_FILE"]
 
@@ -51,13 +52,9 @@ class FixtureStore:
                 raw = fh.read(n)
         except OSError as e:
             raise ModelFileError(f"{self.path}: cannot read fixture file: {e}") from None
-        try:
-            meta = json.loads(raw.decode("utf-8"))
-            if not isinstance(meta, dict):
-                raise ValueError("header is not a JSON object")
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise ModelFileError(f"{self.path}: corrupt fixture file header: "
-                                 f"{type(e).__name__}: {str(e)[:200]}") from None
+        meta = json_value(raw, f"{self.path}: corrupt fixture file header")
+        if not isinstance(meta, dict):
+            raise ModelFileError(f"{self.path}: corrupt fixture file header: not a JSON object")
         data_size = size - 8 - n
         out: dict[str, tuple[str, tuple[int, ...]]] = {}
         itemsize = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1, "I16": 2,

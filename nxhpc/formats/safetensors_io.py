@@ -22,7 +22,7 @@ import math
 import os
 import stat
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from nxhpc.formats.closing import Closing
 from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError
 from nxhpc.runtime.checks import file_kind
 
-__all__ = ["SafetensorsFile", "STInfo", "DTYPES", "MAX_HEADER_BYTES"]
+__all__ = ["SafetensorsFile", "STInfo", "DTYPES", "MAX_HEADER_BYTES", "json_value"]
 
 #: safetensors dtype name -> (numpy dtype of one element's bits, bytes per element).
 DTYPES: dict[str, np.dtype] = {
@@ -53,6 +53,16 @@ class STInfo(NamedTuple):
     end: int
 
 
+def json_value(data: bytes, what: str) -> Any:
+    """The JSON value of UTF-8 ``data``; ModelFileError ``"{what} (why)"`` for any text Python's
+    json cannot make a value of: not UTF-8, not JSON (``ValueError``, which also covers an
+    integer of more digits than ``int()`` converts), nesting past the recursion limit."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ModelFileError(f"{what} ({type(e).__name__}: {str(e)[:200]})") from None
+
+
 def _parse_header(path: Path, size: int, head: bytes) -> tuple[int, dict[str, str],
                                                                  dict[str, STInfo]]:
     """(data start, metadata, {name: STInfo}) of a file of ``size`` bytes beginning ``head``."""
@@ -65,13 +75,7 @@ def _parse_header(path: Path, size: int, head: bytes) -> tuple[int, dict[str, st
         raise ModelFileError(f"{where}: not a safetensors file: header length {n} is absurd for "
                              f"a file of {size} bytes (at most {MAX_HEADER_BYTES:,} and within "
                              f"the file)")
-    try:
-        header = json.loads(head[8:8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        # ValueError: JSONDecodeError, and an integer of more digits than Python converts;
-        # RecursionError: arrays or objects nested past the interpreter's limit
-        raise ModelFileError(f"{where}: the safetensors header is not valid JSON "
-                             f"({type(e).__name__}: {str(e)[:200]})") from None
+    header = json_value(head[8:8 + n], f"{where}: the safetensors header is not valid JSON")
     if not isinstance(header, dict):
         raise ModelFileError(f"{where}: the safetensors header is not a JSON object")
     meta = header.pop("__metadata__", {}) or {}

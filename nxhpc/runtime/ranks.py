@@ -312,19 +312,25 @@ class Ranks:
     def same(self, what: str, value: Any) -> None:
         """:class:`RankMismatchError` on every rank unless every rank's ``value`` is equal
         (the message lists each rank's)."""
-        vals = self.allgather(value, f"the check of {what}")
-        if any(v != vals[0] for v in vals):
-            listing = "; ".join(f"rank {k}: {v}" for k, v in enumerate(vals))
+        listing = self._differ(value, what)
+        if listing:
             raise RankMismatchError(f"the {self.size} MPI ranks disagree on {what} ({listing}); "
                                     f"every rank must run the same files and arguments")
+
+    def _differ(self, value: Any, what: str) -> str:
+        """Every rank's ``value`` listed (``"rank 0: a; rank 1: b"``) if they are not all
+        equal, else ``""``."""
+        vals = self.allgather(value, f"the check of {what}")
+        if all(v == vals[0] for v in vals):
+            return ""
+        return "; ".join(f"rank {k}: {v}" for k, v in enumerate(vals))
 
     def same_kernels(self, precision: str) -> None:
         """:class:`RankMismatchError` on every rank unless every rank's kernels give the same
         output bits at ``precision`` (:func:`kernel_bits`): the split result is bit-identical
         to one process only then. The message names each rank's and the remedy."""
-        vals = self.allgather(kernel_bits(precision), "the check of the kernels' bits")
-        if any(v != vals[0] for v in vals):
-            listing = "; ".join(f"rank {k}: {v}" for k, v in enumerate(vals))
+        listing = self._differ(kernel_bits(precision), "the kernels' bits")
+        if listing:
             raise RankMismatchError(
                 f"the {self.size} MPI ranks run kernels that give different {precision} bits "
                 f"({listing}), so the split result would match no one process; set "

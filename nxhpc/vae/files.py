@@ -9,7 +9,6 @@ in the stored type, vectors as float32). Must not: import compiled code or the r
 """
 from __future__ import annotations
 
-import json
 import os
 import stat
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import numpy as np
 
 from nxhpc.formats.closing import Closing
 from nxhpc.formats.gguf_io import ModelFileError, ModelNotFoundError
-from nxhpc.formats.safetensors_io import SafetensorsFile
+from nxhpc.formats.safetensors_io import SafetensorsFile, json_value
 from nxhpc.formats.weights import WeightTensor
 from nxhpc.runtime.checks import file_kind
 from nxhpc.vae.config import VaeConfig, detect_layout, infer_config, ldm_name, tensor_names
@@ -79,10 +78,10 @@ def _resolve(path: str | os.PathLike) -> tuple[Path, dict[str, Any] | None]:
                 cfg = None
                 if cj.is_file():
                     try:
-                        cfg = json.loads(cj.read_text())
-                    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-                        raise ModelFileError(f"{cj}: not a readable JSON config "
-                                             f"({type(e).__name__}: {str(e)[:200]})") from None
+                        raw = cj.read_bytes()
+                    except OSError as e:
+                        raise ModelFileError(f"{cj}: not a readable JSON config ({e})") from None
+                    cfg = json_value(raw, f"{cj}: not a readable JSON config")
                     if not isinstance(cfg, dict):
                         raise ModelFileError(f"{cj}: not a JSON object")
                 return wf, cfg
