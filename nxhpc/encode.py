@@ -90,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     types.add_workers(p)
     p.add_argument("--prompt", metavar="TEXT", help="the prompt (may be empty: '')")
     p.add_argument("--prompt-file", metavar="P.txt",
-                   help="read the prompt from this UTF-8 file instead (one trailing newline "
-                        "is dropped)")
+                   help="read the prompt from this UTF-8 file instead (- reads standard "
+                        "input; one trailing newline is dropped, a leading byte-order mark too)")
     p.add_argument("--out", required=True, metavar="FEATS.npy",
                    help="write the features (float32 [n_tokens, dim]) here, atomically")
     types.add_precision(p, "matmul precision of the projections: f32 (default: the exactly "
@@ -117,7 +117,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         return args.prompt
     text = types.read_text_file(args.prompt_file, "--prompt-file", "a text file")
-    return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
+    return text[:-1] if text.endswith("\n") else text      # \r\n was read as \n
 
 
 def _model_files(te) -> list[str]:
@@ -133,7 +133,7 @@ def _run(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     what = "--prompt" if args.prompt is not None else f"--prompt-file {args.prompt_file}"
     types.check_prompt(prompt, what)
-    inputs = [x for x in (args.prompt_file,) if x]
+    inputs = [x for x in (args.prompt_file,) if x and x != "-"]
     if os.path.isfile(args.text_encoder):
         inputs.append(args.text_encoder)
     check_output_path(args.out, what="--out", inputs=inputs)
@@ -152,7 +152,7 @@ def _run(args: argparse.Namespace) -> int:
 def _encode(args: argparse.Namespace, te, prompt: str, open_s: float) -> int:
     from nxhpc.qwen3.model import TextEncoderInputError
     t0 = time.perf_counter_ns()
-    ids = te.tokenize(prompt)
+    ids, templated = te.tokenize_counted(prompt)
     us_tok = (time.perf_counter_ns() - t0) // 1000
     try:
         feats = te.encode_ids(ids)
@@ -163,7 +163,6 @@ def _encode(args: argparse.Namespace, te, prompt: str, open_s: float) -> int:
     tm["us_total"] = tm["us_tokenize"] + tm["us_embed"] + tm["us_layers"]
     cfg = te.config
     per_layer = tm["us_layers"] / cfg.layers_needed / 1e6
-    templated = te.templated_length(prompt)
     report: dict = {
         "model": str(te.directory or te.path), "gguf": str(te.path), "config": cfg.summary(),
         "n_tokens": len(ids), "templated_tokens": templated, "truncated": templated > len(ids),

@@ -69,12 +69,14 @@ EXIT_CODES = {
                 "--steps 0, both --seed/--seeds and --noise, only some of --model/"
                 "--text-encoder/--vae, an empty prompt list, several images but --out not a "
                 "folder, an --out that cannot be written or is one of the inputs, a missing "
-                "--prompts/--noise file)",
+                "--prompts/--noise file, a prompt that is not text: a NUL character, bytes "
+                "that are not UTF-8; --negative-prompt without --guidance-scale > 0)",
     Exit.NOT_FOUND: "a model was not found (id, directory or file)",
     Exit.BAD_INPUT: "bad input: a malformed or unsupported model file, models that do not fit "
                     "each other (the text encoder's width vs the denoiser's cap_dim, the "
-                    "autoencoder's latent channels vs the denoiser's), or --noise that does "
-                    "not fit ([16, H/8, W/8], float, finite)",
+                    "autoencoder's latent channels vs the denoiser's), a prompt longer than "
+                    "the text encoder's context length, or --noise that does not fit ([16, H/8, "
+                    "W/8], float, finite)",
     Exit.MISSING: "a tensor is missing from a model file",
     Exit.WORKER: "a worker process failed (raised, crashed or was killed)",
     Exit.SHM: "not enough shared memory or memory for an arena (in a container use --shm-size)",
@@ -117,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="the prompt")
     src.add_argument("--prompts", metavar="FILE",
-                     help="a text file of prompts, one per line (blank lines skipped)")
+                     help="a UTF-8 text file of prompts, one per line (blank lines skipped; "
+                          "- reads standard input)")
     p.add_argument("--model", metavar="DIT", default=None,
                    help="the Z-Image transformer: a .gguf, a model directory, or a built-in id")
     p.add_argument("--text-encoder", metavar="TE", default=None,
@@ -225,7 +228,9 @@ def _prompts(args: argparse.Namespace) -> list[str]:
         types.check_prompt(args.prompt, "--prompt")
         return [args.prompt]
     p = args.prompts
-    lines = types.read_text_file(p, "--prompts", "a text file, one prompt a line").splitlines()
+    # lines end at \n alone (the file's \r\n and \r were read as \n): str.splitlines() would also
+    # split at U+2028, U+0085, \v, \f, ... inside a prompt, and count its line numbers so
+    lines = types.read_text_file(p, "--prompts", "a text file, one prompt a line").split("\n")
     out = [s for s in lines if s.strip()]
     if not out:
         raise UsageError(f"--prompts {p}: no prompt in it (every line is blank)")
@@ -327,7 +332,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
     _, dit_gguf = resolve_model(names["model"], args.models_dir)
     vae_path = resolve_vae(names["vae"], args.models_dir)
     te_d, te_g = resolve_model(names["text_encoder"], args.models_dir)
-    reads = [r for r in (args.prompts, args.noise) if r is not None]
+    reads = [r for r in (args.prompts, args.noise) if r is not None and r != "-"]
     files = [*model_files(None, dit_gguf), *model_files(te_d, te_g),
              *(model_files(vae_path) + model_files(vae_path / "vae") if vae_path.is_dir()
                else model_files(None, vae_path))]
@@ -566,13 +571,20 @@ def _encode(te: str, prompts: list[str], which: list[int], negative: str | None,
                 raise InputError(f"--text-encoder {te}: its features are {enc.config.dim} wide "
                                  f"but the denoiser's cap_dim is {cap_dim}: these models do "
                                  f"not go together")
+        from nxhpc.qwen3.model import TextEncoderInputError
+
+        def encode(prompt: str, what: str) -> np.ndarray:
+            try:
+                return enc.encode(prompt)
+            except TextEncoderInputError as e:       # ids beyond the model's context length
+                raise InputError(f"--text-encoder {te}: {what}: {e}") from None
         feats = {}
         for i in which:
-            feats[i] = enc.encode(prompts[i])
+            feats[i] = encode(prompts[i], f"prompt {i + 1}" if len(prompts) > 1 else "the prompt")
             progress.step()
         neg = None
         if negative is not None:
-            neg = enc.encode(negative)
+            neg = encode(negative, "--negative-prompt")
             progress.step()
         return feats, neg, _label(Path(enc.path))
 

@@ -370,7 +370,22 @@ def test_cli_prompt_file_and_empty_prompt(te, models_root, tmp_path):
     out = tmp_path / "f.npy"
     r = _encode_cli(["tiny-te", "--prompt-file", pf, "--out", out], models_root)
     assert r.returncode == 0, r.stderr
-    assert np.array_equal(np.load(out), te.encode(PROMPTS["whitespace"]))
+    # read as Python's text mode reads it: its "\r\n" is "\n" (as a diffusers user's open() gives)
+    assert "\r\n" in PROMPTS["whitespace"]
+    want = te.encode(PROMPTS["whitespace"].replace("\r\n", "\n"))
+    assert np.array_equal(np.load(out), want)
+    assert not np.array_equal(want, te.encode(PROMPTS["whitespace"]))       # the control
+    # a leading byte-order mark is not part of the prompt, \r\n and \r are newlines, and - is
+    # standard input: the same ids and features as --prompt
+    text = "a fox\r\nin the\rsnow"
+    assert te.tokenize("\ufeff" + text) != te.tokenize("a fox\nin the\nsnow") != te.tokenize(text)
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes(("\ufeff" + text + "\r\n").encode())
+    for src, kw in ((bom, {}), ("-", {"input": "\ufeff" + text + "\r\n"})):
+        r = _encode_cli(["tiny-te", "--prompt-file", src, "--out", out, "--json"], models_root, **kw)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["ids"] == te.tokenize("a fox\nin the\nsnow"), src
+        assert np.array_equal(np.load(out), te.encode("a fox\nin the\nsnow")), src
     r = _encode_cli(["tiny-te", "--prompt", "", "--out", out], models_root)
     assert r.returncode == 0 and np.array_equal(np.load(out), te.encode(""))
     # --out onto the prompt file is refused, and the file is kept
@@ -387,7 +402,7 @@ def test_cli_bad_prompts_exit_2_and_write_nothing(models_root, tmp_path):
                         b"--prompt", b"fox \xff", b"--out", os.fsencode(out)],
                        capture_output=True, env=env, cwd=ROOT, timeout=300)
     err = r.stderr.decode(errors="replace")
-    assert r.returncode == Exit.USAGE and "lone surrogate" in err, err
+    assert r.returncode == Exit.USAGE and "byte 0xff (character 4) is not UTF-8" in err, err
     pf = tmp_path / "nul.txt"
     pf.write_bytes(b"a \x00 fox")
     r = _encode_cli(["tiny-te", "--prompt-file", pf, "--out", out], models_root)

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import nxhpc
-from nxhpc.cli.codes import Exit
+from nxhpc.cli.codes import Exit, UsageError
 from nxhpc.dit.sampler import initial_noise
 from nxhpc.formats.gguf_io import ModelNotFoundError
 from nxhpc.models import registry
@@ -382,6 +382,40 @@ def test_generate_several_images(models_root, tmp_path):
     assert {n: (outd / n).read_bytes() for n in os.listdir(outd)} == before
 
 
+def test_prompt_files_split_at_newlines_only(tmp_path):
+    """--prompts: a line ends at \\n, \\r\\n or \\r (Python's universal newlines), never at the
+    other characters str.splitlines() takes (U+2028 and the like in text pasted from documents
+    once made two prompts of one line); a leading byte-order mark is not part of the first
+    prompt; error line numbers count those same lines."""
+    import argparse
+
+    from nxhpc.generate import _prompts
+    odd = ["\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e"]
+    assert all(len(f"a{c}b".splitlines()) == 2 for c in odd)     # what splitlines() would do
+    lines = [f"a fox{c}in the snow" for c in odd]
+    f = tmp_path / "p.txt"
+    f.write_bytes("\ufeff".encode() + "\r\n".join(lines[:4]).encode() + b"\r\r"
+                  + "\n".join(lines[4:]).encode() + b"\r\n")
+    got = _prompts(argparse.Namespace(prompt=None, prompts=str(f)))
+    assert got == lines
+    f.write_bytes("one\u2028line\r\ntwo\x00\n".encode())
+    with pytest.raises(UsageError, match="line 2: contains a NUL"):
+        _prompts(argparse.Namespace(prompt=None, prompts=str(f)))
+
+
+def test_generate_reads_prompts_from_standard_input(models_root, tmp_path):
+    """--prompts - reads standard input (a FIFO path stays refused: it would wait for a
+    writer); the PNGs carry the prompts as the file's lines give them."""
+    outd = tmp_path / "out"
+    outd.mkdir()
+    r = run_cli("nxhpc.generate", ["--prompts", "-", "--seed", 3, "--out", outd, "--height", 32,
+                                   "--width", 32, "--no-progress", "--json"], models_root,
+                timeout=600, input="\ufeffa fox\r\n\r\nan owl\u2028at night\r\n")
+    assert r.returncode == Exit.PASS, r.stderr[-3000:]
+    texts = [_png(outd / n)[1]["prompt"] for n in sorted(os.listdir(outd))]
+    assert texts == ["a fox", "an owl\u2028at night"]
+
+
 def test_generate_bad_input(models_root, tmp_path):
     before = shm_entries()
     out = tmp_path / "x.png"
@@ -392,6 +426,8 @@ def test_generate_bad_input(models_root, tmp_path):
     te = tmp_path / "te"
     from nxhpc.models.qwen3_files import TextEncoderSpec, make_text_encoder
     make_text_encoder(te, TextEncoderSpec(dim=128, n_heads=2, n_kv_heads=1, ffn=256))
+    short = tmp_path / "te32"                    # tiny-te's weights, a context of 32 tokens
+    make_text_encoder(short, TextEncoderSpec(context_length=32))
     (tmp_path / "empty.txt").write_text("\n \n")
     (tmp_path / "p.txt").write_text("a fox\n")
     (tmp_path / "nul.txt").write_bytes(b"a fox\nan \x00owl\n")
@@ -412,12 +448,13 @@ def test_generate_bad_input(models_root, tmp_path):
         (["--prompts", tmp_path / "empty.txt"], Exit.USAGE, "no prompt"),
         (["--prompts", tmp_path / "absent.txt"], Exit.USAGE, "no such file"),
         # text the tokenizer cannot take, and inputs that are not regular files (README: 2)
-        (["--prompt", not_utf8], Exit.USAGE, "--prompt: contains a lone surrogate"),
+        (["--prompt", not_utf8], Exit.USAGE, "--prompt: byte 0xff (character 2) is not UTF-8"),
         ([*P, "--guidance-scale", 1, "--negative-prompt", not_utf8], Exit.USAGE,
-         "--negative-prompt: contains a lone surrogate"),
+         "--negative-prompt: byte 0xff (character 2) is not UTF-8"),
         (["--prompts", tmp_path / "nul.txt"], Exit.USAGE, "line 2: contains a NUL"),
         (["--prompts", tmp_path / "latin1.txt"], Exit.USAGE, "not UTF-8 text (byte 0xe9"),
-        (["--prompts", tmp_path / "fifo"], Exit.USAGE, "is a FIFO, not a regular file"),
+        (["--prompts", tmp_path / "fifo"], Exit.USAGE,
+         "is a FIFO, not a regular file (give - to read standard input)"),
         (["--prompts", "/dev/null"], Exit.USAGE, "is a character device"),
         (["--prompts", tmp_path], Exit.USAGE, "is a directory, expected a text file"),
         ([*P, "--noise", tmp_path / "absent.npy"], Exit.USAGE, "no such file"),
@@ -425,6 +462,9 @@ def test_generate_bad_input(models_root, tmp_path):
         ([*P, "--noise", wrong], Exit.BAD_INPUT, "expected [16, H, W]"),
         ([*P, "--model", "tiny-dit", "--text-encoder", te, "--vae", "tiny-vae"],
          Exit.BAD_INPUT, "cap_dim is 320"),
+        (["--prompt", "a fox in the snow at dawn with a red tail", "--model", "tiny-dit",
+          "--text-encoder", short, "--vae", "tiny-vae"], Exit.BAD_INPUT,
+         "the prompt: 33 ids exceed the model's context length 32"),
         ([*P, "--model", "tiny-dit", "--text-encoder", "tiny-te", "--vae", tmp_path / "no"],
          Exit.NOT_FOUND, "no such file"),
         ([*P, "--model", "tiny-dit", "--text-encoder", "tiny-te", "--vae", "tiny-te"],
@@ -455,6 +495,8 @@ def test_generate_error_clears_the_progress_bar(models_root, tmp_path):
     from nxhpc.models.qwen3_files import TextEncoderSpec, make_text_encoder
     te = tmp_path / "te"
     make_text_encoder(te, TextEncoderSpec(dim=128, n_heads=2, n_kv_heads=1, ffn=256))
+    short = tmp_path / "te32"                    # tiny-te's weights, a context of 32 tokens
+    make_text_encoder(short, TextEncoderSpec(context_length=32))
     out = tmp_path / "x.png"
     # bytes, not text: text mode would turn the bar's carriage returns into newlines
     r = subprocess.run([sys.executable, "-m", "nxhpc.generate", "--prompt", "a fox", "--model",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -242,27 +243,49 @@ def add_json(p: argparse.ArgumentParser) -> None:
 
 
 def read_text_file(path: str, what: str, expected: str) -> str:
-    """The text of a prompt file ``path`` (option ``what``), decoded as strict UTF-8; a usage
-    error (exit 2) when it is not a regular file (a FIFO would block, /dev/null reads as
-    nothing; ``expected`` says what a directory should have been), cannot be read, or is not
-    UTF-8 (naming the first bad byte and its offset)."""
-    p = checks.check_input_file(path, what, expected)
+    """The text of a prompt file ``path`` (option ``what``; ``-`` is standard input), decoded
+    as strict UTF-8 with a leading byte-order mark dropped (the ``utf-8-sig`` codec's rule) and
+    ``\\r\\n`` or a lone ``\\r`` read as ``\\n`` (universal newlines, as Python's text mode
+    reads them). A usage error (exit 2) when it is not a regular file (a FIFO would block,
+    /dev/null reads as nothing; ``expected`` says what a directory should have been), cannot be
+    read, or is not UTF-8 (naming the first bad byte and its offset)."""
+    if path == "-":
+        p = "-"
+        try:
+            raw = sys.stdin.buffer.read()
+        except (OSError, AttributeError, ValueError) as e:   # closed, or no binary buffer
+            raise UsageError(f"{what} -: cannot read standard input: {e}") from None
+    else:
+        try:
+            p = checks.check_input_file(path, what, expected)
+        except checks.InputFileMissing as e:
+            if "not a regular file" not in str(e):
+                raise
+            raise UsageError(f"{e} (give - to read standard input)") from None
+        try:
+            with open(p, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise UsageError(f"{what} {p}: cannot read: {e.strerror or e}") from None
     try:
-        with open(p, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise UsageError(f"{what} {p}: cannot read: {e.strerror or e}") from None
-    try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise UsageError(f"{what} {p}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
                          f"{e.start})") from None
+    text = text[1:] if text.startswith("\ufeff") else text
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def check_prompt(prompt: str, what: str) -> None:
     """A prompt the tokenizer takes (no NUL, no lone surrogate), else a usage error naming
-    ``what`` -- before any model is opened or generated."""
+    ``what`` -- before any model is opened or generated. Python decodes a command line's bytes
+    that are not UTF-8 to U+DC80..U+DCFF (``surrogateescape``): those are named as the bytes."""
     from nxhpc.qwen3.tokenizer import template      # not at import time (the module's rule)
+    bad = next((i for i, c in enumerate(prompt) if "\udc80" <= c <= "\udcff"), None) \
+        if isinstance(prompt, str) else None
+    if bad is not None:
+        raise UsageError(f"{what}: byte 0x{ord(prompt[bad]) - 0xDC00:02x} (character {bad}) is "
+                         f"not UTF-8: a prompt must be UTF-8 text")
     try:
         template(prompt)
     except ValueError as e:

@@ -92,6 +92,7 @@ _TABLE: tuple[tuple[str, str, Exit], ...] = (
     ("nxhpc.train.q16", "Q16OverflowError", Exit.FAIL),
     ("nxhpc.runtime.checks", "CheckError", Exit.BAD_INPUT),
     ("nxhpc.dit.denoiser", "DenoiserInputError", Exit.BAD_INPUT),
+    ("nxhpc.qwen3.model", "TextEncoderInputError", Exit.BAD_INPUT),
     ("nxhpc.models.modeldir", "ModelsDirError", Exit.MODELS_DIR),
     ("nxhpc.formats.gguf_io", "ModelNotFoundError", Exit.NOT_FOUND),
     ("nxhpc.formats.gguf_io", "MissingTensorError", Exit.MISSING),

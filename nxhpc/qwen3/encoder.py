@@ -24,7 +24,7 @@ from nxhpc.formats.gguf_io import ModelFileError
 from nxhpc.nn.linear import DEFAULT_PRECISION, check_precision
 from nxhpc.qwen3.config import Qwen3Config
 from nxhpc.qwen3.model import TextEncoderModel
-from nxhpc.qwen3.tokenizer import MAX_TOKENS, Qwen3Tokenizer, template
+from nxhpc.qwen3.tokenizer import MAX_TOKENS, Qwen3Tokenizer
 from nxhpc.runtime import proc
 
 __all__ = ["TextEncoder", "MAX_TOKENS"]
@@ -84,8 +84,12 @@ class TextEncoder(Closing):
 
     def templated_length(self, prompt: str) -> int:
         """Tokens of the templated prompt before truncation (above 512: the tail is cut)."""
+        return self.tokenize_counted(prompt)[1]
+
+    def tokenize_counted(self, prompt: str) -> tuple[list[int], int]:
+        """:meth:`tokenize`'s ids and :meth:`templated_length`, from one encoding."""
         self._check_open()
-        return len(self.tokenizer.encode(template(prompt)))
+        return self.tokenizer.tokenize_counted(prompt, MAX_TOKENS)
 
     def encode(self, prompt: str) -> np.ndarray:
         """The caption features of ``prompt``: ``hidden_states[-2]`` of :meth:`tokenize`'s

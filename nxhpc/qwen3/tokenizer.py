@@ -287,11 +287,17 @@ class Qwen3Tokenizer:
         """The ids ``ZImagePipeline`` gives the text encoder: :data:`TEMPLATE` around
         ``prompt``, encoded whole, then its first ``max_tokens`` ids (a long prompt loses its
         tail and the assistant header, as diffusers' truncation does)."""
+        return self.tokenize_counted(prompt, max_tokens)[0]
+
+    def tokenize_counted(self, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[list[int], int]:
+        """:meth:`tokenize`'s ids and the templated prompt's length before truncation, from one
+        encoding (the ids were cut when the length is above ``max_tokens``)."""
         if not _is_int(max_tokens):
             raise TypeError(f"max_tokens: expected int, got {type(max_tokens).__name__}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        return self.encode(template(prompt))[:max_tokens]
+        ids = self.encode(template(prompt))
+        return ids[:max_tokens], len(ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids``, special tokens written out; bytes that do not form UTF-8 (a
