@@ -41,12 +41,13 @@ def kernels():
 
 
 def _api_function(name: str):
-    """``nxhpc.<name>``: calls ``nxhpc.api.<name>`` (looked up at each call), with its docstring."""
+    """``nxhpc.<name>``: calls ``nxhpc.api.<name>`` (looked up at each call), with its name,
+    docstring and signature (``__wrapped__``: ``help()``, ``inspect.signature``, IDEs)."""
+    import functools
+
     def call(*args, **kwargs):
         return getattr(_importlib.import_module("nxhpc.api"), name)(*args, **kwargs)
-    call.__name__ = call.__qualname__ = name
-    call.__doc__ = getattr(_importlib.import_module("nxhpc.api"), name).__doc__
-    return call
+    return functools.update_wrapper(call, getattr(_importlib.import_module("nxhpc.api"), name))
 
 
 load_model = _api_function("load_model")

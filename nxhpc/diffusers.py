@@ -62,6 +62,15 @@ class NxhpcZImageTransformer:
 
     def __init__(self, denoiser) -> None:
         torch, _, FrozenDict = _require()
+        from nxhpc.dit.denoiser import Denoiser
+        if not isinstance(denoiser, Denoiser):
+            hint = (" (for a GGUF path, model directory or built-in id use "
+                    "NxhpcZImageTransformer.from_gguf)" if isinstance(denoiser, (str, os.PathLike))
+                    else "")
+            raise TypeError(f"NxhpcZImageTransformer: expected an open nxhpc Denoiser "
+                            f"(nxhpc.load_denoiser(...)), got {type(denoiser).__name__}{hint}")
+        if denoiser.closed:
+            raise ValueError("NxhpcZImageTransformer: the Denoiser given is closed")
         cfg = denoiser.config
         self.denoiser = denoiser
         self.in_channels = int(cfg.in_channels)
@@ -85,12 +94,22 @@ class NxhpcZImageTransformer:
 
     @classmethod
     def from_gguf(cls, path_or_id: str | os.PathLike, workers: int | None = None, *,
-                  models_dir: str | os.PathLike | None = None) -> NxhpcZImageTransformer:
+                  models_dir: str | os.PathLike | None = None, **options: Any
+                  ) -> NxhpcZImageTransformer:
         """Open the denoiser (``nxhpc.models.open_denoiser``) from a GGUF file, a model
-        directory or a built-in id (e.g. ``tiny-dit``); ``workers`` default: the usable CPUs."""
+        directory or a built-in id (e.g. ``tiny-dit``); ``workers`` default: the usable CPUs.
+        ``options`` go to the Denoiser as they are: ``precision`` (``"f32"`` default, ``"bf16"``,
+        ``"q8"``), ``q8_float_weights``, ``reuse_caption``, ``stage_timeout``, ``spawn``,
+        ``norm_eps``."""
         _require()
         from nxhpc.models.registry import open_denoiser
-        return cls(open_denoiser(os.fspath(path_or_id), workers=workers, models_dir=models_dir))
+        den = open_denoiser(os.fspath(path_or_id), workers=workers, models_dir=models_dir,
+                            **options)
+        try:
+            return cls(den)
+        except BaseException:
+            den.close()
+            raise
 
     # -- lifetime
     def close(self) -> None:
@@ -108,7 +127,13 @@ class NxhpcZImageTransformer:
     def __repr__(self) -> str:
         c = self.config
         return (f"NxhpcZImageTransformer(dim={c.dim}, n_layers={c.n_layers}, "
-                f"cap_feat_dim={c.cap_feat_dim}, {'closed' if self.denoiser is None else 'open'})")
+                f"cap_feat_dim={c.cap_feat_dim}, "
+                f"{'closed' if self.denoiser is None or self.denoiser.closed else 'open'})")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("NxhpcZImageTransformer cannot be pickled or copied: its Denoiser holds "
+                        "this process's mapped file, shared memory and workers; open one in "
+                        "each process instead (NxhpcZImageTransformer.from_gguf)")
 
     # -- the nn.Module-like calls code may make on a transformer
     def to(self, *args, **kwargs) -> NxhpcZImageTransformer:
@@ -163,7 +188,8 @@ class NxhpcZImageTransformer:
         or ``(list,)`` with ``return_dict=False``; the raw output, not negated. Controlnet,
         SigLIP/omni inputs and LoRA scales are not supported (NotImplementedError)."""
         torch, Output, _ = _require()
-        if self.denoiser is None:
+        den = self.denoiser        # once: a close() from another thread mid-batch sets it to
+        if den is None:            # None; the Denoiser itself then says it was closed
             raise RuntimeError("NxhpcZImageTransformer: closed")
         unsupported = [n for n, v in (("controlnet_block_samples", controlnet_block_samples),
                                       ("siglip_feats", siglip_feats),
@@ -190,6 +216,12 @@ class NxhpcZImageTransformer:
         if B == 0 or not (len(caps) == len(ts) == B):
             raise ValueError(f"NxhpcZImageTransformer: batch sizes differ or are empty: {B} "
                              f"latents, {len(ts)} timesteps, {len(caps)} captions")
+        bad = [(i, v) for i, v in enumerate(ts) if not 0.0 <= v <= 1.0]   # NaN too
+        if bad:
+            i, v = bad[0]
+            raise ValueError(f"NxhpcZImageTransformer: timestep item {i} is t = {v:g}, i.e. "
+                             f"sigma = 1 - t = {1 - v:g}: the model takes sigma in [0, 1] (a "
+                             f"pipeline's sigmas= / timesteps above 1 or below 0 do not fit)")
         out = []
         for i, (lat, ti, cap) in enumerate(zip(xs, ts, caps)):
             if not torch.is_tensor(lat) or lat.ndim != 4 or lat.shape[1] != 1:
@@ -198,7 +230,7 @@ class NxhpcZImageTransformer:
                                  f"expected a [C, 1, H, W] tensor")
             a = _as_numpy(torch, lat, f"latents item {i}")
             c = _as_numpy(torch, cap, f"cap_feats item {i}")
-            r = self.denoiser.forward(a, float(ti), c)
+            r = den.forward(a, float(ti), c)
             out.append(torch.from_numpy(np.asarray(r, dtype=np.float32).reshape(a.shape))
                        .to(device=lat.device, dtype=lat.dtype))
         return Output(sample=out) if return_dict else (out,)

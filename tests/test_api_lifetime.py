@@ -199,3 +199,81 @@ def test_doors_name_a_built_in_of_another_kind(models_root):
         with pytest.raises(ModelNotFoundError, match=f"is a built-in {kind} model, not a"):
             door(model, models_dir=models_root / "none")
     assert not (models_root / "none").exists()                  # nothing generated
+
+
+def test_objects_cannot_be_pickled_or_copied_and_say_why(models_root):
+    """pickle / copy.copy / copy.deepcopy of an object holding a map, an arena or workers is a
+    TypeError naming the class and what to do (it was "cannot pickle '_thread.RLock' object");
+    a plain settings object of the same package still pickles (control)."""
+    import copy
+    import pickle
+
+    from nxhpc.dit.config import DenoiserConfig
+    objs = [nxhpc.load_denoiser("tiny-dit", workers=1, models_dir=models_root),
+            nxhpc.load_text_encoder("tiny-te", workers=1, models_dir=models_root),
+            nxhpc.load_vae("tiny-vae", workers=1, models_dir=models_root),
+            nxhpc.load_model("tiny", models_dir=models_root)]
+    try:
+        for o in objs:
+            name = type(o).__name__
+            for f in (pickle.dumps, copy.copy, copy.deepcopy):
+                with pytest.raises(TypeError, match=f"{name} cannot be pickled or copied: .*"
+                                                    f"open one in each process"):
+                    f(o)
+        cfg = objs[0].config
+        assert isinstance(cfg, DenoiserConfig) and pickle.loads(pickle.dumps(cfg)) == cfg
+    finally:
+        for o in objs:
+            o.close()
+
+
+def test_denoiser_repr_session_and_settable_flags(models_root, latents):
+    """repr says "closed" also for a denoiser opened from a directory (it printed the
+    directory either way); session() refuses layouts forward() would refuse (an odd H built
+    an engine; L = -3 or True reached the engine's own check); a reuse_caption set to
+    something that is not a bool is refused at the next call (the string "False" kept reuse
+    on), while True / False keep working (control: the same bits either way)."""
+    from nxhpc.dit.denoiser import DenoiserInputError
+    den = open_denoiser("tiny-dit", workers=1, models_dir=models_root)
+    cap = np.zeros((3, den.config.cap_dim), np.float32)
+    try:
+        assert "closed" not in repr(den)
+        for H, W, L, what in ((3, 4, 3, "H must be"), (4, 0, 3, "W must be"),
+                              (4, 4, -3, "L must be"), (True, 4, 3, "H must be"),
+                              (4, 4, True, "L must be"), (4.0, 4, 3, "H must be"),
+                              ("4", 4, 3, "H must be")):
+            with pytest.raises(DenoiserInputError, match=f"Denoiser.session: {what}"):
+                den.session(H, W, L)
+        assert den.session(np.int64(6), 4, 3).key == (6, 4, 3)          # control
+        a = den.forward(latents, 0.5, cap)
+        den.reuse_caption = "False"
+        with pytest.raises(TypeError, match="Denoiser.reuse_caption must be True or False"):
+            den.forward(latents, 0.5, cap)
+        den.reuse_caption = False
+        assert np.array_equal(den.forward(latents, 0.5, cap), a) and not den.last_caption_reused
+        den.reuse_caption = np.bool_(True)
+        den.forward(latents, 0.5, cap)
+        assert np.array_equal(den.forward(latents, 0.5, cap), a) and den.last_caption_reused
+    finally:
+        den.close()
+    assert repr(den).startswith(f"<Denoiser {models_root / 'tiny-dit'} (closed)")
+
+
+def test_doors_keep_their_signatures_and_take_bytes_paths(models_root):
+    """nxhpc.load_* report the signatures of nxhpc.api's functions (they were (*args,
+    **kwargs): help() and IDEs showed nothing); a bytes id or path opens what its str does
+    (it was "model id b'tiny-dit' is empty")."""
+    import inspect
+
+    import nxhpc.api as api
+    for name in ("load_model", "load_denoiser", "load_text_encoder", "load_vae"):
+        door = getattr(nxhpc, name)
+        assert inspect.signature(door) == inspect.signature(getattr(api, name)), name
+        assert door.__name__ == name and door.__doc__ == getattr(api, name).__doc__
+    assert "workers" in inspect.signature(nxhpc.load_denoiser).parameters
+    with nxhpc.load_vae(b"tiny-vae", workers=1, models_dir=models_root) as v, \
+            nxhpc.load_vae("tiny-vae", workers=1, models_dir=models_root) as w:
+        assert v.config == w.config
+    with nxhpc.load_denoiser(os.fsencode(models_root / "tiny-dit"), workers=1) as d, \
+            nxhpc.load_denoiser("tiny-dit", workers=1, models_dir=models_root) as e:
+        assert d.gguf.path == e.gguf.path

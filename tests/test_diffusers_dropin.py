@@ -280,3 +280,59 @@ def test_nan_output_raises_instead_of_a_black_image(nx, case):
         nx([torch.full((16, 1, 4, 4), 3e38)], torch.tensor([0.5]), [cap])
     out = nx([torch.ones((16, 1, 4, 4))], torch.tensor([0.5]), [cap], return_dict=False)[0]
     assert torch.isfinite(out[0]).all()                               # control
+
+
+def test_constructor_repr_pickle_and_from_gguf_options(case):
+    """A path given to the constructor (for from_gguf) or a closed Denoiser is refused naming
+    it (they failed with AttributeError / TypeError inside); repr says "closed" once its
+    Denoiser is; the drop-in cannot be pickled, saying why; from_gguf passes the Denoiser's
+    options (precision was out of reach): its bf16 call is the Denoiser's bf16 call, and not
+    its f32 one (control)."""
+    import pickle
+    with pytest.raises(TypeError, match="got str .*use NxhpcZImageTransformer.from_gguf"):
+        NxhpcZImageTransformer(str(case.path))
+    den = open_test_denoiser(case.path, workers=1)
+    t = NxhpcZImageTransformer(den)
+    with pytest.raises(TypeError, match="NxhpcZImageTransformer cannot be pickled or copied"):
+        pickle.dumps(t)
+    den.close()
+    assert repr(t).endswith("closed)")
+    with pytest.raises(ValueError, match="the Denoiser given is closed"):
+        NxhpcZImageTransformer(den)
+    lat = torch.randn((16, 1, 4, 4), generator=torch.Generator().manual_seed(1))
+    cap = torch.randn((5, case.cfg.cap_dim), generator=torch.Generator().manual_seed(2))
+    with NxhpcZImageTransformer.from_gguf(case.path, workers=2, precision="bf16") as t:
+        assert t.denoiser.precision == "bf16" and repr(t).endswith("open)")
+        got = t([lat], torch.tensor([0.3]), [cap], return_dict=False)[0][0].numpy()
+    t32 = float(np.float32(0.3))                        # the tensor's float32 timestep
+    with open_test_denoiser(case.path, workers=1) as d:
+        d.precision = "bf16"
+        want = d.forward(lat.numpy(), t32, cap.numpy())
+        d.precision = "f32"
+        f32 = d.forward(lat.numpy(), t32, cap.numpy())
+    assert np.array_equal(got, want.reshape(got.shape)) and not np.array_equal(want, f32)
+
+
+def test_close_during_a_batch_and_sigmas_beyond_one(nx, case):
+    """A close() between two items of one call (another thread's, mid-batch) ends the call with
+    the Denoiser's own "closed" error (it was AttributeError on None); a timestep from sigma > 1
+    or < 0 (a pipeline's sigmas=) is refused naming sigma, before any item runs."""
+    cap = [torch.zeros((3, case.cfg.cap_dim))] * 2
+    lat = [torch.zeros((16, 1, 4, 4))] * 2
+    for t in (torch.tensor([-0.0588, 0.5]), torch.tensor([0.5, 1.2]), float("nan")):
+        with pytest.raises(ValueError, match=r"sigma = 1 - t = .*the model takes sigma in "
+                                             r"\[0, 1\]"):
+            nx(lat, t, cap)
+    den = open_test_denoiser(case.path, workers=1)
+    t = NxhpcZImageTransformer(den)
+    real, calls = den.forward, []
+
+    def forward_then_close(*a):
+        calls.append(1)
+        r = real(*a)
+        t.close()                      # what a second thread's close() does between items
+        return r
+    den.forward = forward_then_close
+    with pytest.raises(RuntimeError, match="Denoiser: closed"):
+        t(lat, torch.tensor([0.5]), cap)
+    assert calls == [1, 1]

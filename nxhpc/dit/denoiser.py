@@ -272,6 +272,14 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 # ------------------------------------------------------------------------------ the model
+def _check_bool(value: Any, where: str) -> bool:
+    """``value`` as a bool when it is one (numpy's too), else TypeError naming ``where`` (the
+    string "False" is true)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def _check_float(what: str, a: np.ndarray) -> None:
     if a.dtype.kind != "f":
         raise DenoiserInputError(f"{what} must be floating point (float32), got dtype {a.dtype}")
@@ -282,7 +290,8 @@ class Denoiser(MapHolder):
 
     Weights are bound once (zero copy); a token layout ``(H, W, L)`` gets one engine -- one
     shared-memory arena and one pool of ``workers`` processes forked once -- reused by every
-    call with that layout (a sampler's steps); a call with another layout replaces it. Use as a
+    call with that layout (a sampler's steps); the :attr:`MAX_LAYOUTS` most recently used
+    layouts keep theirs (CFG's prompt and negative prompt), an older one is closed. Use as a
     context manager or call :meth:`close`. ``precision`` (``"f32"`` default, ``"bf16"``,
     ``"q8"``: ``nxhpc.nn.linear``; may be changed between calls) is the blocks' projection
     matmul precision (the attention follows it); embedders, final layer, norms, RoPE, adaLN
@@ -310,10 +319,7 @@ class Denoiser(MapHolder):
                  q8_float_weights: str = DEFAULT_Q8_FLOAT_WEIGHTS,
                  reuse_caption: bool = True) -> None:
         self.workers = check_workers(workers, "Denoiser: workers")   # the one rule
-        if not isinstance(reuse_caption, (bool, np.bool_)):
-            raise TypeError(f"Denoiser: reuse_caption must be True or False, got "
-                            f"{reuse_caption!r}")
-        self.reuse_caption = bool(reuse_caption)
+        self.reuse_caption = _check_bool(reuse_caption, "Denoiser: reuse_caption")
         self.last_caption_reused = False
         self.precision = check_precision(precision, "Denoiser: precision")
         self.q8_float_weights = check_q8_float_weights(q8_float_weights,
@@ -416,8 +422,15 @@ class Denoiser(MapHolder):
         """The engine serving latents ``[C, H, W]`` with ``L`` caption rows (built on first use;
         the :attr:`MAX_LAYOUTS` most recently used layouts are kept, older ones closed)."""
         self._check_owner("session")
+        p = self.config.patch
+        for name, v, least in (("H", H, p), ("W", W, p), ("L", L, 1)):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) \
+                    or v < least or (name != "L" and v % p):
+                want = f"a positive multiple of the patch size {p}" if name != "L" else \
+                    "an int >= 1"
+                raise DenoiserInputError(f"Denoiser.session: {name} must be {want}, got {v!r}")
         with self._lock:
-            return self._session_for(H, W, L)
+            return self._session_for(int(H), int(W), int(L))
 
     def _session_for(self, H: int, W: int, L: int) -> _Session:
         if self.gguf is None:
@@ -470,6 +483,7 @@ class Denoiser(MapHolder):
         cap = self._caption(cap_feats)
         t = self._timestep(t)
         prec = check_precision(self.precision, "Denoiser.precision")
+        keep_caption = _check_bool(self.reuse_caption, "Denoiser.reuse_caption")  # settable
         if prec == "q8":
             self._q8_weights()
         cfg, w, k = self.config, self.weights, self.kernels
@@ -497,7 +511,7 @@ class Denoiser(MapHolder):
         # caption with the same bits at the same precision (the refiners' weights follow it)
         cap_key = (prec, self.q8_float_weights if prec == "q8" else None)
         kept = next((c for c in s.captions if c[0] == cap_key and _same_bits(c[1], cap)),
-                    None) if self.reuse_caption else None
+                    None) if keep_caption else None
         reuse = kept is not None
         if not reuse:
             np.copyto(eng.buffer("cap_in"), cap)
@@ -521,7 +535,7 @@ class Denoiser(MapHolder):
                 block("context_refiner", eng.run(s.plans["context_refiner"],
                                                  ("context_refiner", i), u[Np:], pe[Np:],
                                                  precision=prec), u.shape[0] - Np)
-            if self.reuse_caption:
+            if keep_caption:
                 s.captions = s.captions[-(self.CAPTIONS_KEPT - 1):] + [
                     (cap_key, cap.copy(), u[Np:].copy())]
         self.last_caption_reused = reuse
@@ -595,6 +609,7 @@ class Denoiser(MapHolder):
             self._drop_map()
 
     def __repr__(self) -> str:
-        where = self.directory or (self.gguf.path if self.gguf is not None else "closed")
+        where = (self.directory or self.gguf.path) if self.gguf is not None else \
+            f"{self.directory} (closed)" if self.directory is not None else "closed"
         return f"<Denoiser {where}: {self.config.summary()}; {self.workers} workers>"
 

@@ -18,7 +18,8 @@ _C = TypeVar("_C", bound="Closing")
 
 class Closing:
     """Mixin for a class with an idempotent ``close()``: ``__enter__`` returns the object and
-    ``__exit__`` closes it (an exception from the block propagates)."""
+    ``__exit__`` closes it (an exception from the block propagates); pickling or copying one is
+    a TypeError saying why."""
 
     __slots__ = ()
 
@@ -30,6 +31,13 @@ class Closing:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickle, copy.copy and copy.deepcopy: what such an object holds (a file map, a
+        # shared-memory arena, worker processes) belongs to this process and cannot travel
+        raise TypeError(f"{type(self).__name__} cannot be pickled or copied: it holds this "
+                        f"process's open files, shared memory or workers; open one in each "
+                        f"process instead")
 
 
 class MapHolder(Closing):

@@ -236,8 +236,8 @@ def resolve_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike |
     directory or a ``.gguf`` file. ``gguf_path`` overrides the directory's ``model.gguf``.
     """
     root = Path(models_dir) if models_dir is not None else _models_root()
-    s = os.fspath(id_or_path)
-    if not isinstance(s, str) or not s.strip():
+    s = os.fsdecode(id_or_path)                      # a bytes path as the OS would read it
+    if not s.strip():
         raise ModelNotFoundError(f"model id {s!r} is empty: give a built-in id "
                                  f"({', '.join(BUILTINS)}), a directory under {root}, or "
                                  f"a model directory or .gguf path ('.' for this directory)")
@@ -294,7 +294,8 @@ def open_denoiser(model: str | os.PathLike, *, workers: int | None = None,
     or a built-in id (``tiny-dit``, ``zimage-dit-2l``, ``zimage-dit-<N>l[-q4km]``: generated on
     first use under ``models_dir`` / ``$NXHPC_MODELS``). ``gguf_path`` overrides the directory's
     ``model.gguf``. ``workers``: processes per call (default: the usable CPUs). ``options``:
-    ``spawn``, ``stage_timeout``, ``norm_eps``, ``precision`` (see ``Denoiser``). Raises
+    ``spawn``, ``stage_timeout``, ``norm_eps``, ``precision``, ``q8_float_weights``,
+    ``reuse_caption`` (see ``Denoiser``). Raises
     ``ModelNotFoundError`` / ``ModelFileError`` / ``MissingTensorError`` (all
     :class:`ModelError`) naming what is wrong."""
     from nxhpc.dit.denoiser import Denoiser
@@ -369,8 +370,8 @@ def resolve_vae(model: str | os.PathLike, models_dir: str | os.PathLike | None =
     an ``ae.safetensors`` -> that file; a name under the models directory -> that directory;
     anything else as given (``nxhpc.vae.files`` reads a file or a diffusers directory). The id
     of a built-in of another kind is refused before anything is generated."""
-    s = os.fspath(model)
-    if not isinstance(s, str) or not s.strip():
+    s = os.fsdecode(model)                           # a bytes path as the OS would read it
+    if not s.strip():
         raise ModelNotFoundError(f"autoencoder {s!r} is empty: give an ae.safetensors file, a "
                                  f"diffusers VAE directory or a built-in id "
                                  f"({', '.join(builtin_ids(VAE_KIND))})")
