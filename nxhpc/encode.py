@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = types.cli_parser(
         "encode",
         usage="python -m nxhpc.encode TEXT_ENCODER (--prompt TEXT | --prompt-file P.txt) "
-              "--out FEATS.npy [--json] [--precision f32|bf16|q8|auto] [n_workers]",
+              "--out FEATS.npy [--json] [--precision f32|bf16|q8|auto] "
+              "[--q8-float-weights int8|bf16] [n_workers]",
         description="Z-Image's caption features of a prompt: the Qwen3 text encoder "
                     "(tokenizer and weights from one llama.cpp-layout GGUF: F32/F16/BF16/"
                     "Q8_0, Q4_0..Q5_1, Q2_K..Q6_K) on nxhpc's C kernels in forked workers "
@@ -95,8 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="FEATS.npy",
                    help="write the features (float32 [n_tokens, dim]) here, atomically")
     types.add_precision(p, "matmul precision of the projections: f32 (default: the exactly "
-                           "decoded weights, float32 activations), bf16, q8 (Q8_0 weights; "
-                           "bf16 for others); the gather, norms, RoPE and attention stay float32")
+                           "decoded weights, float32 activations), bf16, q8 (int8 dots on the "
+                           "quantized types; F32/F16/BF16 matrices by --q8-float-weights); the "
+                           "attention follows it (bf16 under bf16 and q8); the gather, norms "
+                           "and RoPE stay float32")
+    types.add_q8_float_weights(p)
     p.add_argument("--print-ids", action="store_true",
                    help="also print the token ids (always in the --json object)")
     types.add_models_dir(p)
@@ -140,7 +144,8 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with open_text_encoder(args.text_encoder, workers=args.n_workers,
                            precision=args.precision, models_dir=args.models_dir,
-                           stage_timeout=args.stage_timeout) as te:
+                           stage_timeout=args.stage_timeout,
+                           q8_float_weights=args.q8_float_weights) as te:
         open_s = time.perf_counter() - t0
         try:                              # never overwrite a file of the model it opened
             check_output_path(args.out, what="--out", inputs=_model_files(te))

@@ -505,3 +505,25 @@ def test_in_process_encode_then_denoise(te, models_root):
         rng = np.random.default_rng(0)
         out = den.forward(rng.standard_normal((16, 4, 4)).astype(np.float32), 0.5, feats)
         assert out.shape == (16, 4, 4) and np.isfinite(out).all()
+
+
+def test_cli_q8_float_weights_on_a_float_file(models_root, tmp_path):
+    """encode --q8-float-weights (it had none; the help said q8 ran float matrices as bf16,
+    while the default is the int8 copy): on a text encoder of F32 matrices, q8 with the
+    default int8 gives the library's q8 features, with bf16 the library's bf16 ones (the same
+    matmuls on the stored values), and the two differ (control)."""
+    from nxhpc.models.qwen3_files import TextEncoderSpec, make_text_encoder
+    d = tmp_path / "te-f32"
+    make_text_encoder(d, TextEncoderSpec(matrix_type="F32"))
+    out = tmp_path / "f.npy"
+    got = {}
+    for choice in ("int8", "bf16"):
+        r = _encode_cli([d, "--prompt", "a fox", "--out", out, "--precision", "q8",
+                         "--q8-float-weights", choice, "1"], models_root)
+        assert r.returncode == 0, r.stderr
+        got[choice] = np.load(out)
+    with nxhpc.load_text_encoder(d, workers=1, precision="q8") as te:
+        assert np.array_equal(got["int8"], te.encode("a fox"))
+    with nxhpc.load_text_encoder(d, workers=1, precision="bf16") as te:
+        assert np.array_equal(got["bf16"], te.encode("a fox"))
+    assert not np.array_equal(got["int8"], got["bf16"])
