@@ -184,6 +184,11 @@ def test_graded_fail_exit_1(models_root):
     (["tiny", "2", "--stage-timeout", "0"], 2, "--stage-timeout"),
     (["no-such-model"], 3, "not found"),
     (["tiny", "2", "layers.0.nope"], 5, "layers.0.nope"),
+    # a reference path that is missing or not a regular file is a usage error naming it (it was
+    # looked up as a fixture: exit 5, "no such fixture"); a fixture name stays 5 (above)
+    (["tiny", "2", "nofile.npy"], 2, "reference nofile.npy: no such file"),
+    (["tiny", "2", "/dev/null"], 2, "reference /dev/null: is a character device"),
+    (["tiny", "2", "/tmp"], 2, "reference /tmp: is a directory, expected a .npy file"),
     (["tiny", "2", "--save-output", "/nonexistent-dir/x.npy"], 2, "does not exist"),
     (["tiny", "2", "--save-output", "/tmp"], 2, "is a directory"),
     (["tiny", "100000"], 2, "at most"),              # no fork storm: capped at 8x the CPUs

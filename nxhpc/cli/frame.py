@@ -212,11 +212,12 @@ def _sigbus_exit(prog: str | None) -> None:
         if loaded is not None:
             loaded.sigbus_exit(None)
         return
+    import nxhpc
     try:
-        from nxhpc import _kernels
+        kernels = nxhpc.kernels()
     except ImportError:
         return
-    _kernels.sigbus_exit(f"{prog}: error: a memory-mapped file lost its pages while the run read "
+    kernels.sigbus_exit(f"{prog}: error: a memory-mapped file lost its pages while the run read "
                          f"it (SIGBUS): a model file was truncated or replaced in place during "
                          f"the run; nothing was written\n", int(Exit.BAD_INPUT))
 

@@ -74,9 +74,12 @@ def reference_for(model, layer: int) -> str | None:
 
 
 def _load_ref(model, name: str, shape: tuple[int, int]) -> np.ndarray:
-    """A fixture by name, or a ``.npy`` file (kept at its own float precision)."""
+    """A fixture by name, or a ``.npy`` file (kept at its own float precision): a name ending
+    in ``.npy`` or holding a path separator is a file (``InputFileMissing`` when it is missing
+    or not a regular file, not "no such fixture")."""
     from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError
-    if name.endswith(".npy") and os.path.isfile(name):
+    if name.endswith(".npy") or os.sep in name:
+        checks.check_input_file(name, "reference", "a .npy file")
         a = checks.load_npy(name, "reference", error=ModelFileError)
         if a.shape != shape or a.dtype.kind != "f":
             raise ModelFileError(f"reference {name}: {a.dtype} {a.shape}, expected a "

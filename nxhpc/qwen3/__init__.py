@@ -1,7 +1,6 @@
 """The Qwen3 text encoder family: Z-Image's caption features from a llama.cpp GGUF.
 
-Owns, in the order the model reads (``docs/text_encoder.md``; facts in
-``../shared/design/TEXT_ENCODER.md``):
+Owns, in the order the model reads (``docs/text_encoder.md``: the facts and their sources):
 
 - ``config``: :class:`~nxhpc.qwen3.config.Qwen3Config`, inferred from the file's ``qwen3.*``
   metadata and checked against every tensor shape (``infer_config``);

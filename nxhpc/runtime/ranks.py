@@ -147,8 +147,8 @@ def kernel_bits(precision: str) -> str:
     16-key tiles and polynomials in zmm lanes); for ``bf16`` and ``q8``, ``"simd"`` (AVX2 to
     AVX-512 BF16: one set of bits) or ``"amx"`` (the tiles' own dot sums; q8's attention is
     bf16's)."""
-    from nxhpc import _kernels
-    best = _kernels.cpu_features()["best_isa"]
+    import nxhpc                          # the compiled code, reached at the call only
+    best = nxhpc.kernels().cpu_features()["best_isa"]
     if best == "generic":
         return "generic"
     if precision == "f32":
