@@ -149,8 +149,10 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
             ranks.same("the model files (name, size, fingerprint)",
                        [(n, *file_fingerprint(model.path / n)) for n in files]
                        + ([file_fingerprint(args.gguf_path)] if args.gguf_path else []))
-            ranks.same("the arguments", (n_layers, args.precision, args.source, args.adaln,
-                                         args.eps, args.tol, args.repeat, args.json))
+            ranks.same_args({"--layers": n_layers, "--precision": args.precision,
+                             "--q8-float-weights": args.q8_float_weights,
+                             "--source": args.source, "--adaln": args.adaln, "--eps": args.eps,
+                             "--tol": args.tol, "--repeat": args.repeat, "--json": args.json})
             ranks.same_kernels(args.precision)
         if args.save_output is not None:       # never overwrite what this run reads
             gguf = model.gguf.path if model.gguf is not None else None

@@ -21,7 +21,7 @@ import sys
 import numpy as np
 
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
-from nxhpc.cli.codes import Exit, InputError, UsageError
+from nxhpc.cli.codes import Exit, InputError, NotFound, UsageError
 from nxhpc.cli.frame import run_ranked
 from nxhpc.cli.report import emit_graded, save_npy
 from nxhpc.dit.grade import grade
@@ -157,15 +157,14 @@ def _load_npy(path: str, what: str) -> np.ndarray:
 
 #: Arguments every rank must agree on (paths may differ between machines; the model file is
 #: checked by its size and fingerprint instead).
-_SAME_ARGS = ("timestep", "precision", "tol", "repeat", "json")
+_SAME_ARGS = ("timestep", "precision", "q8_float_weights", "tol", "repeat", "json")
 
 
 def _run(args: argparse.Namespace, ranks=None) -> int:
     from nxhpc.models.registry import open_denoiser
 
     if ranks is not None:
-        ranks.same("the arguments " + ", ".join(_SAME_ARGS),
-                   tuple(getattr(args, a) for a in _SAME_ARGS))
+        ranks.same_args({f"--{a.replace('_', '-')}": getattr(args, a) for a in _SAME_ARGS})
         ranks.same_kernels(args.precision)
     lead = ranks is None or ranks.rank == 0          # reads inputs, writes outputs, reports
 
@@ -173,8 +172,9 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
     if any(given) and not all(given):
         raise UsageError("give all of --latents, --timestep and --cap-feats, or none "
                          "(a built-in model's stored inputs)")
-    if args.gguf is not None and os.path.exists(args.gguf):   # missing: not found (exit 3)
-        # a FIFO or /dev/null is not "no such file"
+    if args.gguf is not None and not os.path.exists(args.gguf):    # not found (exit 3), named
+        raise NotFound(f"--gguf {args.gguf}: no such file")          # as the option it is
+    if args.gguf is not None:            # a FIFO or /dev/null is not "no such file"
         check_input_file(args.gguf, "--gguf", "a .gguf file")
     out_path = None
     if args.out is not None and lead:

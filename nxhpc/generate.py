@@ -60,6 +60,8 @@ TINY = {"model": "tiny-dit", "text_encoder": "tiny-te", "vae": "tiny-vae"}
 TINY_PX = 64
 DEFAULT_PX = 1024
 RANDOM_NOTE = "random weights: a noise picture (the built-in tiny components)"
+#: The note when only some of the components are the built-in tiny ones (named after it).
+SOME_RANDOM_NOTE = "random weights in the built-in"
 
 #: The codes generate returns, in its words (the numbers are nxhpc.cli.codes.Exit's).
 EXIT_CODES = {
@@ -130,11 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the autoencoder: ae.safetensors, a diffusers vae/ directory, or a "
                         "built-in id (tiny-vae)")
     p.add_argument("--height", type=types.pixels, default=None, metavar="PX",
-                   help=f"image height, a multiple of 16 (default {DEFAULT_PX}; {TINY_PX} with "
-                        f"the built-in tiny components)")
+                   help=f"image height, a multiple of 16 (default {DEFAULT_PX}; {TINY_PX} when "
+                        f"no model argument is given: the built-in tiny components)")
     p.add_argument("--width", type=types.pixels, default=None, metavar="PX",
-                   help=f"image width, a multiple of 16 (default {DEFAULT_PX}; {TINY_PX} with "
-                        f"the built-in tiny components)")
+                   help=f"image width, a multiple of 16 (default {DEFAULT_PX}; {TINY_PX} when "
+                        f"no model argument is given: the built-in tiny components)")
     p.add_argument("--steps", type=types.positive_int, default=8,
                    help="transformer calls per image (default 8)")
     p.add_argument("--shift", type=types.positive_float, default=3.0,
@@ -280,7 +282,7 @@ def _outputs(out: str, n_prompts: int, seeds: list[int | None]) -> list[Job]:
 #: the model files are compared by size and fingerprint instead; only rank 0 reads --prompts
 #: and --noise and writes --out).
 _SAME_ARGS = ("prompt", "steps", "shift", "height", "width", "seed", "seeds", "guidance_scale",
-              "negative_prompt", "precision", "json")
+              "negative_prompt", "precision", "q8_float_weights", "json")
 
 
 @dataclass
@@ -372,10 +374,9 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
     t_start = time.perf_counter()
     lead = ranks is None or ranks.rank == 0        # reads inputs, writes the PNGs, reports
     if ranks is not None:
-        ranks.same("the arguments " + ", ".join(_SAME_ARGS) + " (and which were given)",
-                   tuple(getattr(args, a) for a in _SAME_ARGS)
-                   + tuple(getattr(args, a) is None for a in
-                           ("prompts", "noise", "model", "text_encoder", "vae")))
+        ranks.same_args({f"--{a.replace('_', '-')}": getattr(args, a) for a in _SAME_ARGS}
+                        | {f"--{a.replace('_', '-')} given": getattr(args, a) is not None
+                           for a in ("prompts", "noise", "model", "text_encoder", "vae")})
         ranks.same_kernels(args.precision)
     setup = _setup(args) if lead else None
     if ranks is not None:                          # rank 0's reading on every rank (startup)
@@ -532,8 +533,11 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
             report["rank_of_image"] = [k % ranks.size for k in range(len(jobs))]
         else:
             report["exchange_bytes"] = exchange
-    if tiny or any(n in TINY.values() for n in names.values()):
+    some = [n for n in names.values() if n in TINY.values()]
+    if tiny or len(some) == len(TINY):
         report["note"] = RANDOM_NOTE
+    elif some:
+        report["note"] = f"{SOME_RANDOM_NOTE} {', '.join(some)}: a noise picture"
     if args.json:
         report["prompt_list"] = prompts
         report["step_s"] = [[round(s, 6) for s in j.step_s] for j in jobs]

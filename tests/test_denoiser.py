@@ -707,6 +707,8 @@ def test_cli_exit_codes(cases, bad_files, inputs, tmp_path, capsys):
         (run(bad_files["counts"][0]), 4, "refiner counts disagree"),
         (run(bad_files["type"][0]), 4, "TQ2_0"),
         (run(tmp_path / "nope.gguf"), 3, "not found"),
+        (main([good, "--gguf", str(tmp_path / "nope2.gguf")]), 3,
+         f"--gguf {tmp_path / 'nope2.gguf'}: no such file"),     # the option named as typed
         (main([good, "0"]), 2, "integer >= 1"),
         (main([good]), 5, "no stored inputs"),
     ]

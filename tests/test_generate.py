@@ -382,6 +382,20 @@ def test_generate_several_images(models_root, tmp_path):
     assert {n: (outd / n).read_bytes() for n in os.listdir(outd)} == before
 
 
+def test_note_names_the_tiny_components_a_run_uses(models_root, tmp_path):
+    """The report's note says which components have random weights: all three built-ins given
+    by id (and, explicitly named, the real default size 1024 would apply: --height/--width
+    given here), or only some of them beside another file (it said "the built-in tiny
+    components" for a run with its own autoencoder)."""
+    other = make_vae_model(tmp_path / "vae", VaeSpec(seed=1))
+    common = ["--prompt", "a fox", "--steps", 1, "--height", 32, "--width", 32, "--model",
+              "tiny-dit", "--text-encoder", "tiny-te"]
+    rep = _generate(models_root, *common, "--vae", "tiny-vae", "--out", tmp_path / "a.png")
+    assert rep["note"] == "random weights: a noise picture (the built-in tiny components)"
+    rep = _generate(models_root, *common, "--vae", other, "--out", tmp_path / "b.png")
+    assert rep["note"] == "random weights in the built-in tiny-dit, tiny-te: a noise picture"
+
+
 def test_prompt_files_split_at_newlines_only(tmp_path):
     """--prompts: a line ends at \\n, \\r\\n or \\r (Python's universal newlines), never at the
     other characters str.splitlines() takes (U+2028 and the like in text pasted from documents

@@ -203,6 +203,9 @@ def test_mismatched_ranks_refused_before_compute(models, ref, tmp_path):
         assert r.returncode == 4, r.stdout + r.stderr
         assert r.stderr.count("generate: error:") == 1, r.stderr
         assert f"the 2 MPI ranks disagree on {what}" in r.stderr
+        if what == "the arguments":    # only the option that differs is named, with each value
+            assert f"(--seeds: rank 0 {SEEDS!r}, rank 1 {[SEEDS[0], SEEDS[1] + 1]!r})" \
+                in r.stderr, r.stderr
         assert not r.stdout.strip() and not list(tmp_path.glob("*.png"))
 
 

@@ -159,6 +159,8 @@ def test_mismatched_model_files_refused_before_compute(models, tmp_path):
         assert r.returncode == 4, r.stdout + r.stderr
         assert r.stderr.count("denoise: error:") == 1
         assert "the 2 MPI ranks disagree on" in r.stderr
+        if "bf16" in apps[1]:          # only the option that differs is named, with each value
+            assert "(--precision: rank 0 'f32', rank 1 'bf16')" in r.stderr, r.stderr
         assert "verdict" not in r.stdout and "PASS" not in r.stdout and "us_total" not in r.stdout
 
 

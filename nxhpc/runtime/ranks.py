@@ -317,6 +317,19 @@ class Ranks:
             raise RankMismatchError(f"the {self.size} MPI ranks disagree on {what} ({listing}); "
                                     f"every rank must run the same files and arguments")
 
+    def same_args(self, values: dict[str, Any]) -> None:
+        """:class:`RankMismatchError` on every rank unless every rank gives the same
+        ``values`` (option name -> value); the message names only the options that differ,
+        with each rank's value."""
+        vals = self.allgather(values, "the check of the arguments")
+        keys = [k for k in values if any(v.get(k) != vals[0].get(k) for v in vals)]
+        if keys:
+            listing = "; ".join(f"{k}: " + ", ".join(f"rank {r} {v.get(k)!r}"
+                                                     for r, v in enumerate(vals)) for k in keys)
+            raise RankMismatchError(f"the {self.size} MPI ranks disagree on the arguments "
+                                    f"({listing}); every rank must run the same files and "
+                                    f"arguments")
+
     def _differ(self, value: Any, what: str) -> str:
         """Every rank's ``value`` listed (``"rank 0: a; rank 1: b"``) if they are not all
         equal, else ``""``."""
