@@ -277,3 +277,28 @@ def test_doors_keep_their_signatures_and_take_bytes_paths(models_root):
     with nxhpc.load_denoiser(os.fsencode(models_root / "tiny-dit"), workers=1) as d, \
             nxhpc.load_denoiser("tiny-dit", workers=1, models_dir=models_root) as e:
         assert d.gguf.path == e.gguf.path
+
+
+def test_captions_padding_to_the_same_rows_share_one_engine(models_root, latents):
+    """A layout's engine serves every caption that pads to its Lp rows (position ids, rows and
+    arena depend on Lp alone): captions of 5, 20 and 32 tokens run on one engine, 33 on
+    another; each call gives the bits a fresh denoiser gives for that caption alone (so the
+    rows [L, Lp) a longer caption wrote before are the pads again), in any order and with
+    the refined-caption cache on or off."""
+    rng = np.random.default_rng(7)
+    with open_denoiser("tiny-dit", workers=2, models_dir=models_root) as den:
+        d = den.config.cap_dim
+        caps = {L: rng.standard_normal((L, d)).astype(np.float32) for L in (20, 5, 32, 33)}
+        outs = {L: den.forward(latents, 0.5, c) for L, c in caps.items()}
+        one = den.session(6, 4, 5)
+        assert den.session(6, 4, 20) is one and den.session(6, 4, 32) is one
+        assert den.session(6, 4, 33) is not one and one.Lp == 32
+        pids = list(one.engine.pool.pids)
+        for reuse in (True, False):
+            den.reuse_caption = reuse
+            for L in (5, 32, 20, 5):
+                assert np.array_equal(den.forward(latents, 0.5, caps[L]), outs[L]), (L, reuse)
+        assert den.session(6, 4, 20) is one and one.engine.pool.pids == pids    # not rebuilt
+    for L, c in caps.items():
+        with open_denoiser("tiny-dit", workers=1, models_dir=models_root) as fresh:
+            assert np.array_equal(fresh.forward(latents, 0.5, c), outs[L]), L

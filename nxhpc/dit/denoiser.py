@@ -227,17 +227,19 @@ class _Tasks:
 
 
 class _Session(EngineSession):
-    """Everything one token layout ``(H, W, L)`` needs, built once and reused across calls:
-    the engine (arena + pool), the three plans, the RoPE table (written into the arena)."""
+    """Everything one token layout ``(H, W, Lp)`` needs, built once and reused across calls:
+    the engine (arena + pool), the three plans, the RoPE table (written into the arena). A
+    caption of any length L that pads to ``Lp`` rows runs on it: the position ids, the rows
+    every block runs and the arena depend on ``Lp`` alone (a call fills ``cap_in[:L]`` and
+    the pad rows ``[L, Lp)``)."""
 
     def __init__(self, den: "Denoiser", H: int, W: int, L: int) -> None:
         cfg, p = den.config, den.config.patch
-        self.key = (H, W, L)
         self.grid = (H // p, W // p)
         self.n_img = self.grid[0] * self.grid[1]
-        self.L = L
         self.Np = _round_up(self.n_img, cfg.seq_multiple)
         self.Lp = _round_up(L, cfg.seq_multiple)
+        self.key = (H, W, self.Lp)
         # the refined caption rows u[Np:] of the last CAPTIONS_KEPT captions, newest last:
         # (key, caption copy, rows copy)
         self.captions: list[tuple[tuple, np.ndarray, np.ndarray]] = []
@@ -249,14 +251,15 @@ class _Session(EngineSession):
         needs = [(self.plans[s], rows[s]) for s in STACKS if counts[s]]
         D, hd, P = cfg.dim, cfg.head_dim, cfg.patch_dim
         buffers = {"u": (T, D), "pe": (T, hd // 2, 2, 2), "patches": (self.n_img, P),
-                   "cap_in": (L, cfg.cap_dim), "cap_h": (L, cfg.cap_dim), "final_mod": (D,),
+                   "cap_in": (self.Lp, cfg.cap_dim), "cap_h": (self.Lp, cfg.cap_dim),
+                   "final_mod": (D,),
                    "y": (self.n_img, P)}
         tasks = _Tasks(den.kernels, den.weights, cfg, self.n_img, self.Np)
         self.engine = Engine(needs, den.weights.blocks, buffers=buffers, workers=den.workers,
                              spawn=den.spawn, stage_timeout=den.stage_timeout,
                              tasks=tasks.table())
         try:
-            ids = position_ids(L, (1, *self.grid), multiple=cfg.seq_multiple)
+            ids = position_ids(self.Lp, (1, *self.grid), multiple=cfg.seq_multiple)
             pe = rope_table(np.concatenate([ids[self.Lp:], ids[:self.Lp]]), cfg.axes_dims,
                             cfg.rope_theta)
             np.copyto(self.engine.buffer("pe"), pe.astype(np.float32))
@@ -288,7 +291,8 @@ def _check_float(what: str, a: np.ndarray) -> None:
 class Denoiser(MapHolder):
     """The Z-Image transformer from one GGUF: ``forward(latents, t, cap_feats)``.
 
-    Weights are bound once (zero copy); a token layout ``(H, W, L)`` gets one engine -- one
+    Weights are bound once (zero copy); a token layout ``(H, W, Lp)`` (Lp: the caption's
+    length L rounded up to the model's multiple, 32) gets one engine -- one
     shared-memory arena and one pool of ``workers`` processes forked once -- reused by every
     call with that layout (a sampler's steps); the :attr:`MAX_LAYOUTS` most recently used
     layouts keep theirs (CFG's prompt and negative prompt), an older one is closed. Use as a
@@ -404,7 +408,7 @@ class Denoiser(MapHolder):
     #: How many token layouts keep their engine (workers + arena): two serve CFG's pair.
     MAX_LAYOUTS = 2
     #: How many captions' refined rows each layout keeps: two serve CFG's pair when the prompt
-    #: and the negative prompt have the same length (one layout, captions alternating).
+    #: and the negative prompt pad to the same length (one layout, captions alternating).
     CAPTIONS_KEPT = 2
 
     @property
@@ -419,8 +423,10 @@ class Denoiser(MapHolder):
         proc.check_owner(self._owner, f"Denoiser.{what}", "Denoiser")
 
     def session(self, H: int, W: int, L: int) -> _Session:
-        """The engine serving latents ``[C, H, W]`` with ``L`` caption rows (built on first use;
-        the :attr:`MAX_LAYOUTS` most recently used layouts are kept, older ones closed)."""
+        """The engine serving latents ``[C, H, W]`` with ``L`` caption rows: one per ``(H, W,
+        Lp)``, ``Lp`` = L rounded up to the model's multiple (32), so captions of 20 and 30
+        tokens share one; built on first use; the :attr:`MAX_LAYOUTS` most recently used
+        layouts are kept, older ones closed."""
         self._check_owner("session")
         p = self.config.patch
         for name, v, least in (("H", H, p), ("W", W, p), ("L", L, 1)):
@@ -435,8 +441,9 @@ class Denoiser(MapHolder):
     def _session_for(self, H: int, W: int, L: int) -> _Session:
         if self.gguf is None:
             raise RuntimeError("Denoiser: closed")
+        key = (H, W, _round_up(L, self.config.seq_multiple))
         for s in self._sessions:
-            if s.key == (H, W, L) and s.usable:
+            if s.key == key and s.usable:
                 self._sessions.remove(s)
                 self._sessions.append(s)
                 return s
@@ -514,7 +521,7 @@ class Denoiser(MapHolder):
                     None) if keep_caption else None
         reuse = kept is not None
         if not reuse:
-            np.copyto(eng.buffer("cap_in"), cap)
+            np.copyto(eng.buffer("cap_in")[:L], cap)
             eng.run_task("cap_embed", L)
             u[Np + L:] = w.cap_pad
         mods = {key: eng.adaln(key, temb) for key, lw in w.blocks.items() if lw.modulated}
