@@ -170,6 +170,9 @@ def test_arguments_are_checked_when_given(models_root, latents):
     from nxhpc.dit.sampler import sample
     kw = dict(workers=1, models_dir=models_root)
     for bad, msg in ((dict(spawn="bogus"), "spawn must be one of"),
+                     (dict(precision="auto"), "got 'auto' .*fastest_precision()"),
+                     (dict(precision="fp32"), "precision must be one of 'f32', 'bf16', 'q8', "
+                                              "got 'fp32'$"),
                      (dict(norm_eps="x"), "norm_eps: eps must be a positive finite number"),
                      (dict(norm_eps=float("nan")), "norm_eps: eps must be a positive")):
         with pytest.raises(ValueError, match=msg):

@@ -62,8 +62,11 @@ _COPY_ROWS = 256            # rows decoded and quantized at a time by with_int8_
 def check_precision(precision: Any, where: str = "precision") -> str:
     """``precision`` if it is one of :data:`PRECISIONS`, else ValueError naming ``where``."""
     if not isinstance(precision, str) or precision not in PRECISIONS:
+        hint = (" (the command lines' 'auto' is theirs: pass "
+                "nxhpc.nn.linear.fastest_precision(), the precision it picks)"
+                if precision == "auto" else "")
         raise ValueError(f"{where} must be one of {', '.join(map(repr, PRECISIONS))}, got "
-                         f"{precision!r}")
+                         f"{precision!r}{hint}")
     return precision
 
 
