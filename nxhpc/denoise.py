@@ -254,8 +254,9 @@ def _run_model(args, den, inputs, ref, out_path, ranks=None) -> int:
                     "layers": cfg.n_layers, "noise_refiner": cfg.n_noise_refiner,
                     "context_refiner": cfg.n_context_refiner, "cap_dim": cfg.cap_dim,
                     "latents": list(lat.shape), "timestep": float(t),
-                    "image_tokens": s.n_img, "image_rows": s.Np, "caption_tokens": int(cap.shape[0]),
-                    "caption_rows": s.Lp, "joint_rows": s.Np + s.Lp, "workers": den.workers,
+                    "image_tokens": s.n_img, "image_rows": s.Np,
+                    "caption_tokens": int(cap.shape[0]), "caption_rows": s.Lp,
+                    "joint_rows": s.Np + s.Lp, "workers": den.workers,
                     "precision": den.precision, "attention": attention_kernel(den.precision),
                     "repeat": args.repeat, "caption_reused": reused}
     report.update({f"us_{k}": best[f"us_{k}"] for k in SEGMENTS})

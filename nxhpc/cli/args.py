@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -259,7 +260,7 @@ def read_text_file(path: str, what: str, expected: str) -> str:
         try:
             p = checks.check_input_file(path, what, expected)
         except checks.InputFileMissing as e:
-            if "not a regular file" not in str(e):
+            if not os.path.exists(path) or os.path.isdir(path):   # not a FIFO, device, socket
                 raise
             raise UsageError(f"{e} (give - to read standard input)") from None
         try:
