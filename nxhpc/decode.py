@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import textwrap
 import sys
 import time
 
@@ -58,13 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m nxhpc.decode",
         usage="python -m nxhpc.decode VAE [n_workers] --latents L.npy --out IMG.png "
               "[--precision f32|bf16|auto] [--json]",
-        description="Decode latents [16, h, w] (the sampler's space: the decoder reads "
-                    "latents / 0.3611 + 0.1159) into an 8h x 8w RGB PNG with the FLUX "
-                    "autoencoder's decoder on nxhpc's C kernels (convolutions as matmul panels, "
-                    "tiled mid attention; worker processes over shared memory when n_workers > "
-                    "1). The picture is made as diffusers' VaeImageProcessor makes it: "
-                    "round(clamp(x / 2 + 0.5, 0, 1) * 255). The PNG is written atomically, with "
-                    "the latents' and the autoencoder's names in text chunks.",
+        description=textwrap.fill(
+            "Decode latents [16, h, w] (the sampler's space: the decoder reads latents / "
+            "scaling_factor + shift_factor, a diffusers directory's config.json values, else "
+            "FLUX's 0.3611 and 0.1159; the report names them) into an 8h x 8w RGB PNG with the "
+            "FLUX autoencoder's decoder on nxhpc's C kernels (convolutions as matmul panels, "
+            "tiled mid attention; worker processes over shared memory when n_workers > 1). The "
+            "picture is made as diffusers' VaeImageProcessor makes it: round(clamp(x / 2 + "
+            "0.5, 0, 1) * 255). The PNG is written atomically, with the latents' and the "
+            "autoencoder's names in text chunks.", 92),
         epilog=codes_epilog(EXIT_CODES), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("vae", metavar="VAE",
                    help="a BFL/ComfyUI ae.safetensors, a diffusers VAE directory (or a pipeline "
@@ -135,7 +138,8 @@ def _run(args: argparse.Namespace) -> int:
         raise OutputError(f"--out {out}: could not write the PNG: {e.strerror or e}; an "
                           f"existing file at that path is unchanged") from None
     report = {"vae": str(vae_path), "channels": list(cfg.block_out_channels),
-              "latent_channels": cfg.latent_channels, "latents": list(z.shape),
+              "latent_channels": cfg.latent_channels, "scaling_factor": cfg.scaling_factor,
+              "shift_factor": cfg.shift_factor, "latents": list(z.shape),
               "image": [int(pixels.shape[0]), int(pixels.shape[1])],
               "precision": args.precision, "workers": workers,
               "open_s": round(open_s, 6), "decode_s": round(decode_s, 6),

@@ -209,19 +209,15 @@ def guided(denoiser: Any, cap: np.ndarray, neg: np.ndarray, scale: float):
     """The raw-output function of classifier-free guidance, as ``ZImagePipeline`` computes it:
     ``pos + scale * (pos - neg)`` in float32, pos and neg the denoiser's outputs for the
     caption features ``cap`` and ``neg`` (both calls on the one open denoiser: it keeps an
-    engine for each caption length)."""
-    from nxhpc.dit.sampler import NonFiniteOutputError
+    engine for each caption length). Run it through ``nxhpc.dit.sampler.checked_euler``: that
+    names the step where an output or the latents leave float32's range."""
     g = np.float32(scale)
-    calls = [0]
 
     def model(x: np.ndarray, t: float) -> np.ndarray:
-        i, calls[0] = calls[0], calls[0] + 1
         pos = np.asarray(denoiser.forward(x, t, cap), dtype=np.float32)
         ngt = np.asarray(denoiser.forward(x, t, neg), dtype=np.float32)
-        r = pos + g * (pos - ngt)
-        if not np.isfinite(r).all():
-            raise NonFiniteOutputError(f"step {i} (t={t:.6g}): the guided output is NaN/inf")
-        return r
+        with np.errstate(over="ignore", invalid="ignore"):     # checked by the caller
+            return pos + g * (pos - ngt)
     return model
 
 
@@ -364,7 +360,7 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
     prompts encoded, sampled, decoded; no exchange), and rank 0 gathers each round of R
     images and writes them in order."""
     from nxhpc.dit.sampler import (NonFiniteOutputError, SampleInputError, check_noise,
-                                   euler_sample, initial_noise, latent_shape, sample,
+                                   checked_euler, initial_noise, latent_shape, sample,
                                    turbo_sigmas)
     from nxhpc.models.registry import open_denoiser, open_vae, resolve_model
     from nxhpc.runtime import ranks as _ranks
@@ -457,9 +453,10 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
                 # NaN/inf of a call split across the ranks: the same bits on every rank
                 with _on_every_rank(None if whole else ranks, NonFiniteOutputError):
                     if cfg_on:
-                        job.latents = euler_sample(
+                        job.latents = checked_euler(
                             guided(den, cap, neg_feats, args.guidance_scale), x0,
-                            steps=args.steps, shift=args.shift, on_step=on_step)
+                            turbo_sigmas(args.steps, args.shift), on_step=on_step,
+                            what="the guided output")
                     else:
                         job.latents = sample(den, cap, x0, steps=args.steps,
                                              shift=args.shift, on_step=on_step)
@@ -604,11 +601,15 @@ def _label(path: Path) -> str:
 def _png_fields(args, prompt: str, negative: str | None, job: Job, height: int, width: int,
                 meta: dict[str, str]) -> dict[str, str]:
     """The PNG text chunks: each parameter on its own key, and ``parameters`` in the one-block
-    form other image tools write (prompt, ``Negative prompt:`` line, then ``Key: value``)."""
+    form other image tools write (prompt, ``Negative prompt:`` line, then ``Key: value``).
+    Their ``CFG scale`` is ``neg + cfg * (pos - neg)`` (1: no guidance), so it is written as
+    ``guidance_scale + 1``: diffusers' ``pos + G * (pos - neg)`` is that with cfg = G + 1; the
+    ``guidance_scale`` chunk keeps G."""
     seed = job.seed if job.seed is not None else None
     line = ", ".join(f"{k}: {v}" for k, v in (
         ("Steps", args.steps), ("Sampler", "Euler (flow matching)"), ("Shift", args.shift),
-        ("CFG scale", args.guidance_scale), ("Seed", seed if seed is not None else "noise"),
+        ("CFG scale", f"{args.guidance_scale + 1:g}"),
+        ("Seed", seed if seed is not None else "noise"),
         ("Size", f"{width}x{height}"), ("Model", meta["model"]),
         ("Text encoder", meta["text_encoder"]), ("VAE", meta["vae"]),
         ("Precision", args.precision)))

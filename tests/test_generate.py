@@ -345,6 +345,8 @@ def test_generate_fresh_machine_defaults(tmp_path):
     assert text["text_encoder"] == "tiny-te/model.gguf" and text["vae"] == "tiny-vae/ae.safetensors"
     assert text["software"] == f"nxhpc {nxhpc.__version__}"
     assert text["parameters"].startswith("a fox\nSteps: 8, ") and "Seed: 0" in text["parameters"]
+    # other tools' "CFG scale" (neg + cfg (pos - neg)): 1 is no guidance, the Turbo default G = 0
+    assert "CFG scale: 1," in text["parameters"] and text["guidance_scale"] == "0.0"
     # the noise is nxhpc.sample's: the same seed's noise given as a file gives the same PNG
     noise = tmp_path / "n.npy"
     np.save(noise, initial_noise(0, (16, 8, 8)))
@@ -523,4 +525,46 @@ def test_generate_error_clears_the_progress_bar(models_root, tmp_path):
     # the last thing before the message: carriage return, blanks, carriage return (tqdm's clear);
     # a bar closed the usual way ends with its last frame and a newline instead
     assert head.endswith("\r") and head[:-1].rsplit("\r", 1)[-1].strip() == "", repr(head[-200:])
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("guidance", ["0", "1"])
+@pytest.mark.parametrize("noise, step", [(3.3e38, "step 1 (t=0.0454545): the latents left "
+                                                  "float32's range (NaN/inf after step 0)"),
+                                         (1e38, "the final latents have 1024 of 1024 values "
+                                                "NaN/inf")])
+def test_latents_leaving_float32_are_exit_1_with_or_without_guidance(
+        models_root, tmp_path, monkeypatch, capsys, guidance, noise, step):
+    """A denoiser whose finite outputs push the Euler update past float32 ends the run with
+    exit 1 naming the step, with guidance as without (with guidance it was exit 4, "latents:
+    ... NaN or inf", blamed on the input: the guided loop skipped the sampler's checks); no
+    PNG is written. A NaN from the guided denoiser also names its step."""
+    from nxhpc import generate
+    from nxhpc.dit import denoiser as D
+    real = D.Denoiser.forward
+
+    def huge(self, latents, t, cap):       # finite, as large as float32 holds
+        return np.full(np.shape(latents), 3e38, np.float32)
+    monkeypatch.setattr(D.Denoiser, "forward", huge)
+    np.save(tmp_path / "n.npy", np.full((16, 8, 8), noise, np.float32))
+    out = tmp_path / "o.png"
+    argv = ["--prompt", "a", "--noise", str(tmp_path / "n.npy"), "--out", str(out),
+            "--no-progress", "--guidance-scale", guidance, "--workers", "1", "--models-dir",
+            str(models_root)]
+    assert generate.main(argv) == Exit.FAIL
+    err = capsys.readouterr().err
+    assert f"generate: error: {step}" in err, err
+    assert not out.exists()
+    calls = []
+
+    def nan_at_step_1(self, latents, t, cap):
+        calls.append(t)
+        r = real(self, latents, t, cap)
+        return r * np.float32("nan") if len(calls) > 2 else r    # step 1 (two calls a step)
+    monkeypatch.setattr(D.Denoiser, "forward", nan_at_step_1)
+    np.save(tmp_path / "n.npy", initial_noise(0, (16, 8, 8)))
+    assert generate.main(argv[:8] + ["1"] + argv[9:]) == Exit.FAIL      # guidance 1
+    err = capsys.readouterr().err
+    assert "step 1 (t=0.0454545): the guided output returned NaN/inf (1024 of 1024 values)" \
+        in err, err
     assert not out.exists()

@@ -193,6 +193,17 @@ def test_to_uint8_is_diffusers_postprocess():
     proc = VaeImageProcessor(vae_scale_factor=8)
     pil = proc.postprocess(torch.from_numpy(x)[None], output_type="pil")[0]
     assert np.array_equal(to_uint8(x), np.asarray(pil))
+    # float64 and float16 images: diffusers clamps in the tensor's dtype, then goes to float32
+    # (float64 was once rounded to float32 first: 1 level off at the ties). Values within 20
+    # float32 ulps of every tie, jittered in float64.
+    ties = ((np.arange(255) + 0.5) / 255 - 0.5) * 2
+    steps = np.arange(-20, 21)
+    x64 = (ties[:, None].astype(np.float32) + steps * np.spacing(np.float32(1))).astype(np.float64)
+    x64 = (x64 + rng.uniform(-1e-9, 1e-9, x64.shape)).reshape(3, 85, 41)
+    for img in (x64, x64.astype(np.float16), (x * 1.3).astype(np.float64)):
+        pil = proc.postprocess(torch.from_numpy(img)[None], output_type="pil")[0]
+        assert np.array_equal(to_uint8(img), np.asarray(pil)), img.dtype
+    assert not np.array_equal(to_uint8(x64.astype(np.float32)), to_uint8(x64))   # the control
 
 
 def test_write_png_round_trip_and_atomic(tmp_path):

@@ -27,7 +27,7 @@ import numpy as np
 from nxhpc.runtime.checks import CheckError, check_float_array
 from nxhpc.runtime.checks import NonFiniteOutputError as _NonFinite
 
-__all__ = ["euler_sample", "initial_noise", "latent_shape", "turbo_sigmas", "sample",
+__all__ = ["euler_sample", "checked_euler", "initial_noise", "latent_shape", "turbo_sigmas", "sample",
            "check_cap_feats", "check_noise", "decode_png", "require_decode_deps",
            "SampleInputError", "NonFiniteOutputError", "VAE_SCALING", "VAE_SHIFT",
            "MAX_STEPS"]
@@ -175,6 +175,16 @@ def sample(denoiser, cap_feats, noise, *, steps: int = 8, shift: float = 3.0,
     sigmas = turbo_sigmas(steps, shift)
     if on_step is not None and not callable(on_step):    # not after the first step has run
         raise TypeError(f"sample: on_step must be callable (i, n, seconds), got {on_step!r}")
+    return checked_euler(lambda x, t: denoiser.forward(x, t, cap), x0, sigmas, on_step=on_step)
+
+
+def checked_euler(call: Callable[[np.ndarray, float], np.ndarray], x0: np.ndarray,
+                  sigmas: np.ndarray, *, on_step: Callable[[int, int, float], None] | None = None,
+                  what: str = "the denoiser") -> np.ndarray:
+    """:func:`euler_sample` over ``call(x, t)`` (the denoiser's raw output, or a guided one:
+    ``what`` names it) with :func:`sample`'s checks at every step: latents that left float32's
+    range, a NaN/inf output, and the final latents -- each a :class:`NonFiniteOutputError`
+    naming the step and t. ``x0`` and ``sigmas`` are trusted (checked by the caller)."""
     calls = [0]
 
     def model(x: np.ndarray, t: float) -> np.ndarray:
@@ -183,17 +193,18 @@ def sample(denoiser, cap_feats, noise, *, steps: int = 8, shift: float = 3.0,
             raise NonFiniteOutputError(f"step {i} (t={t:.6g}): the latents left float32's "
                                        f"range (NaN/inf after step {i - 1})")
         try:
-            r = np.asarray(denoiser.forward(x, t, cap))
+            r = np.asarray(call(x, t))
         except NonFiniteOutputError as e:
             raise NonFiniteOutputError(f"step {i} (t={t:.6g}): the denoiser returned NaN/inf "
                                        f"({e})", count=e.count, size=e.size) from None
         bad = int(r.size - np.count_nonzero(np.isfinite(r)))
         if bad:
-            raise NonFiniteOutputError(f"step {i} (t={t:.6g}): the denoiser returned NaN/inf "
+            raise NonFiniteOutputError(f"step {i} (t={t:.6g}): {what} returned NaN/inf "
                                        f"({bad} of {r.size} values)", count=bad, size=r.size)
         return r
 
-    x = euler_sample(model, x0, sigmas, on_step=on_step)
+    with np.errstate(over="ignore", invalid="ignore"):   # an overflow is reported, not warned
+        x = euler_sample(model, x0, sigmas, on_step=on_step)
     bad = int(x.size - np.count_nonzero(np.isfinite(x)))
     if bad:
         raise NonFiniteOutputError(f"the final latents have {bad} of {x.size} values NaN/inf "

@@ -21,10 +21,14 @@ __all__ = ["to_uint8", "write_png"]
 
 def to_uint8(image: np.ndarray) -> np.ndarray:
     """uint8 [H, W, C] of decoder output float [C, H, W] (about [-1, 1]), as diffusers'
-    ``VaeImageProcessor.postprocess`` + ``numpy_to_pil``: ``round(clamp(x/2 + 0.5, 0, 1) * 255)``
-    in float32 (numpy's round: half to even)."""
-    x = check_float_array(image, "image", ndim=3)
-    y = np.clip(x / np.float32(2) + np.float32(0.5), np.float32(0), np.float32(1))
+    ``VaeImageProcessor.postprocess`` + ``numpy_to_pil`` on a tensor of the input's dtype:
+    ``clamp(x/2 + 0.5, 0, 1)`` in that dtype (float16, float32 or float64; a wider float as
+    float64), then to float32, ``round(y * 255)`` in float32 (numpy's round: half to even)."""
+    check_float_array(image, "image", ndim=3)         # the checks (finite, float, 3-d)
+    a = np.asarray(image)
+    dt = a.dtype if a.dtype in (np.float16, np.float32, np.float64) else np.dtype(np.float64)
+    x = a.astype(dt, copy=False)
+    y = np.clip(x / dt.type(2) + dt.type(0.5), dt.type(0), dt.type(1)).astype(np.float32)
     return np.ascontiguousarray((y.transpose(1, 2, 0) * np.float32(255)).round().astype(np.uint8))
 
 
