@@ -35,7 +35,7 @@ from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed pack
 from nxhpc.cli.codes import Exit, NotFound, OutputError, UsageError, codes_epilog
 from nxhpc.cli.frame import run_ranked
 from nxhpc.cli.progress import Progress
-from nxhpc.cli.report import print_report, save_bytes
+from nxhpc.cli.report import png_text, print_report, save_bytes
 from nxhpc.dit.sampler import (MAX_STEPS, SampleInputError, check_cap_feats, check_noise,
                                decode_png,
                                initial_noise, latent_shape,
@@ -330,7 +330,16 @@ def _run(args, ranks=None) -> int:
         except Exception as e:        # whatever diffusers raises for a VAE it cannot use
             raise SampleInputError(f"--decode {args.decode}: cannot decode with this VAE "
                                    f"(the latents were written to {args.out}): {e}") from None
-        error = save_bytes(args.png, lambda f: img.save(f, format="PNG"), "--png",
+        from PIL import PngImagePlugin
+        info = PngImagePlugin.PngInfo()      # the run's parameters, as decode / generate write
+        for k, v in png_text(cap_feats=os.path.basename(args.cap_feats), seed=seed,
+                             noise=os.path.basename(args.noise) if args.noise else None,
+                             steps=args.steps, shift=args.shift, height=height, width=width,
+                             model=os.path.basename(os.path.normpath(args.model)),
+                             vae=os.path.basename(os.path.normpath(args.decode)),
+                             precision=args.precision).items():
+            info.add_text(k, v)
+        error = save_bytes(args.png, lambda f: img.save(f, format="PNG", pnginfo=info), "--png",
                            "the image", keep=f"the latents were written to {args.out}")
         if error:
             raise OutputError(error)

@@ -376,4 +376,9 @@ def test_decode_writes_the_vae_image(cli, files):
     raw8 = ((raw / 2 + 0.5).clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype(int)
     assert np.mean(np.abs(img.astype(int) - raw8) <= 1) < 0.9
     assert f"png={png}" in so
+    # the run's parameters in text chunks, as decode and generate write them (it had none)
+    text = Image.open(png).text
+    assert text["steps"] == "2" and text["noise"] == noise.name and text["vae"] == "vae"
+    assert text["cap_feats"] == cap.name and "seed" not in text
+    assert text["software"].startswith("nxhpc ")
     _no_temporaries(d)
