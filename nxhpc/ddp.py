@@ -236,6 +236,9 @@ def _run(args: argparse.Namespace) -> int:
         return _write_json(args.json, report)
 
     workers = 4 if args.workers is None else args.workers
+    import multiprocessing
+    if multiprocessing.current_process().daemon:
+        raise UsageError(train.DAEMON_TEXT)
     rc = _run_shm(args, workers, cfg, data, head, out, report)   # failures: nxhpc.cli.codes
     return _write_json(args.json, report) or rc
 

@@ -19,7 +19,7 @@ import numpy as np
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
 from nxhpc.cli.codes import Exit, InputError, OutputError, UsageError
 from nxhpc.cli.frame import run_cli
-from nxhpc.cli.report import fmt_compact, print_json, print_kv, save_npy
+from nxhpc.cli.report import fmt_compact, flush_stdout, print_json, print_kv, save_npy
 from nxhpc.runtime.outfile import OutputPathError, check_output_path
 
 __all__ = ["main", "build_parser", "EXIT_CODES"]
@@ -195,7 +195,7 @@ def _encode(args: argparse.Namespace, te, prompt: str, open_s: float) -> int:
         print_kv(report, fmt_compact)
         if args.print_ids:
             print("ids=" + ",".join(str(int(i)) for i in ids))
-    sys.stdout.flush()
+    flush_stdout()
     return Exit.PASS
 
 

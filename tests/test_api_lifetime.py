@@ -247,7 +247,7 @@ def test_denoiser_repr_session_and_settable_flags(models_root, latents):
                               ("4", 4, 3, "H must be")):
             with pytest.raises(DenoiserInputError, match=f"Denoiser.session: {what}"):
                 den.session(H, W, L)
-        assert den.session(np.int64(6), 4, 3).key == (6, 4, 3)          # control
+        assert den.session(np.int64(6), 4, 3).key == (6, 4, 32)         # control (Lp = 32)
         a = den.forward(latents, 0.5, cap)
         den.reuse_caption = "False"
         with pytest.raises(TypeError, match="Denoiser.reuse_caption must be True or False"):

@@ -252,6 +252,8 @@ def read_text_file(path: str, what: str, expected: str) -> str:
     read, or is not UTF-8 (naming the first bad byte and its offset)."""
     if path == "-":
         p = "-"
+        if sys.stdin is None:                  # the process was started with it closed
+            raise UsageError(f"{what} -: standard input is closed")
         try:
             raw = sys.stdin.buffer.read()
         except (OSError, AttributeError, ValueError) as e:   # closed, or no binary buffer

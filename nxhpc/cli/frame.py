@@ -16,20 +16,25 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nxhpc.cli.codes import Exit, code_for, too_many_open_files
+from nxhpc.cli.codes import Exit, code_for, too_many_open_files, too_many_processes
 from nxhpc.runtime.proc import Terminated, cli_signals
 
 __all__ = ["run_cli", "run_ranked", "error_printer"]
 
 
 def error_printer(prog: str) -> Callable[[str], None]:
-    """``err(msg)``: one ``PROG: error: msg`` line on stderr, flushed."""
+    """``err(msg)``: one ``PROG: error: msg`` line on stderr, flushed; nothing where stderr is
+    closed or cannot be written (the exit code still says what happened)."""
     def err(msg: str) -> None:
-        print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
+        try:
+            print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
+        except (OSError, ValueError, AttributeError):
+            pass
     return err
 
 
@@ -52,10 +57,11 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
     err = error_printer(prog)
     if ranks is not None:
         err = _ranked_printer(prog, ranks, err)
+    mark, bus = _arena_mark(), False
     with cli_signals() as sig:
         try:
             try:
-                _sigbus_exit(prog)     # in here: a bad NXHPC_* setting met on import is mapped
+                bus = _sigbus_exit(prog)     # in here: a bad NXHPC_* setting met on import is mapped
                 code = call(args)
             except Exception as e:       # KeyboardInterrupt / Terminated are not Exceptions
                 interrupt = sig.interrupt()
@@ -63,15 +69,28 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
                     raise interrupt from e
                 if isinstance(e, BrokenPipeError) and _stdout_closed():
                     return int(Exit.OUTPUT)  # the reader went away (`| head`): nothing to say
+                if isinstance(e, FileNotFoundError) and e.filename is None and _cwd_gone():
+                    err("the current directory no longer exists (it was removed after this "
+                        "process entered it), so a relative path cannot be resolved: give "
+                        "absolute paths, or run from an existing directory")
+                    return int(Exit.USAGE)
+                if isinstance(e, OSError) and _stdout_fails(e):
+                    err(f"standard output could not be written ({e.strerror or e})")
+                    return int(Exit.OUTPUT)
                 if ranks is not None:
                     return _ranked_failure(e, ranks, err, describe)
                 known = code_for(e)
                 if known is None:
-                    traceback.print_exc()
+                    try:
+                        traceback.print_exc()
+                    except (OSError, ValueError, AttributeError):
+                        pass                 # stderr closed or full
                     err("internal error (see the traceback above)")
                     return int(Exit.INTERNAL)
                 if too_many_open_files(e):
                     err(_open_files_text(e))
+                elif too_many_processes(e):
+                    err(_processes_text(e))
                 elif describe is not None:
                     err(describe(e, known))
                 else:
@@ -88,8 +107,8 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
             err("terminated (SIGTERM); workers stopped, shared memory released")
             return int(Exit.SIGTERM)
         finally:
-            _sigbus_exit(None)
-            _cleanup()
+            _sigbus_exit(None, bus)
+            _cleanup(mark)
 
 
 def _stdout_closed() -> bool:
@@ -111,6 +130,57 @@ def _stdout_closed() -> bool:
     except (OSError, ValueError):
         pass
     return True
+
+
+def _cwd_gone() -> bool:
+    """Whether this process's working directory was removed (``getcwd`` fails)."""
+    try:
+        os.getcwd()
+        return False
+    except FileNotFoundError:
+        return True
+
+
+def _stdout_fails(e: OSError) -> bool:
+    """Whether ``e`` came from stdout itself: its flush fails again, a write of nothing to its
+    descriptor fails (/dev/full, a closed or bad descriptor), or ``e`` is "no space" and
+    stdout's file system has no block left. If so, stdout is pointed at /dev/null (the
+    interpreter's flush at exit would fail once more)."""
+    import errno
+    import stat
+    if sys.stdout is None:
+        return False
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError, AttributeError):
+        return False
+    try:
+        sys.stdout.flush()
+        os.write(fd, b"")
+        if e.filename is not None or e.errno not in (errno.ENOSPC, errno.EDQUOT) \
+                or not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstatvfs(fd).f_bavail > 0:
+            return False
+    except (OSError, ValueError):
+        pass
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return True
+
+
+def _processes_text(e: OSError) -> str:
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+    except (ImportError, OSError, ValueError):
+        limit = "unknown"
+    return (f"cannot start a worker process ({e.strerror or e}): the limit on processes "
+            f"(ulimit -u) is {limit}, or a container's pids limit was reached; each worker is "
+            f"a process -- raise the limit or run fewer workers")
 
 
 def _open_files_text(e: OSError) -> str:
@@ -201,28 +271,47 @@ def run_ranked(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] |
     return code
 
 
-def _sigbus_exit(prog: str | None) -> None:
+_SIGBUS_LOCK = threading.Lock()
+_SIGBUS_USERS = [0]          # CLI calls (threads) inside the frame with the handler installed
+
+
+def _sigbus_exit(prog: str | None, installed: bool = True) -> bool:
     """A SIGBUS in this process -- a read of a mapped model file past its end, the file
     truncated or rewritten in place during the run -- becomes one line and exit 4 (C handler:
     ``nxhpc._kernels.sigbus_exit``); it was a silent crash (exit 135 in a shell). Shared memory
     is unlinked as soon as it is made, so nothing is left behind. Skipped where the extension
-    is not built (then nothing is mapped either). ``prog=None``: the action from before."""
+    is not built (then nothing is mapped either). Returns whether it was installed.
+    ``prog=None`` (with the ``installed`` of that call): one call leaves the frame; the action
+    from before comes back when the last of overlapping calls (threads) has left."""
     if prog is None:
         loaded = sys.modules.get("nxhpc._kernels")     # not loaded: nothing was installed
-        if loaded is not None:
-            loaded.sigbus_exit(None)
-        return
+        if loaded is not None and installed:
+            with _SIGBUS_LOCK:
+                _SIGBUS_USERS[0] -= 1
+                if _SIGBUS_USERS[0] == 0:
+                    loaded.sigbus_exit(None)
+        return False
     import nxhpc
     try:
         kernels = nxhpc.kernels()
     except ImportError:
-        return
-    kernels.sigbus_exit(f"{prog}: error: a memory-mapped file lost its pages while the run read "
-                         f"it (SIGBUS): a model file was truncated or replaced in place during "
-                         f"the run; nothing was written\n", int(Exit.BAD_INPUT))
+        return False
+    with _SIGBUS_LOCK:
+        kernels.sigbus_exit(f"{prog}: error: a memory-mapped file lost its pages while the run "
+                            f"read it (SIGBUS): a model file was truncated or replaced in place "
+                            f"during the run; nothing was written\n", int(Exit.BAD_INPUT))
+        _SIGBUS_USERS[0] += 1
+    return True
 
 
-def _cleanup() -> None:
+def _arena_mark() -> int | None:
+    shm: Any = sys.modules.get("nxhpc.runtime.shm")   # not imported yet: every arena is new
+    return shm.arena_mark() if shm is not None else None
+
+
+def _cleanup(mark: int | None) -> None:
+    """Release the named arenas this call made in this thread (``mark``: :func:`_arena_mark`
+    at its start) -- never the caller's own, nor another thread's call's."""
     shm: Any = sys.modules.get("nxhpc.runtime.shm")   # never imported -> nothing to release
     if shm is not None:
-        shm.cleanup_all()
+        shm.cleanup_since(mark or 0, threading.get_ident())

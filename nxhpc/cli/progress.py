@@ -17,7 +17,8 @@ class Progress:
     """``Progress(total, enabled, name, unit)``: ``stage(s)`` shows ``"name: s"``, ``step(note,
     line=)`` counts one unit (``note`` after the bar; ``line`` is printed instead where tqdm is
     missing), ``close(failed=)`` ends it (``failed=True``: the bar's line is cleared). Does
-    nothing when not ``enabled`` (e.g. ``--no-progress``, or an MPI rank other than 0)."""
+    nothing when not ``enabled`` (e.g. ``--no-progress``, or an MPI rank other than 0). A bar
+    that cannot write (stderr closed or full) is dropped, never an error of the run."""
 
     def __init__(self, total: int, enabled: bool, name: str, unit: str,
                  stage: str | None = None) -> None:
@@ -28,24 +29,45 @@ class Progress:
             except ImportError:
                 return
             desc = name if stage is None else f"{name}: {stage}"
-            self.bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr,
-                            dynamic_ncols=True, leave=True)
+            if sys.stderr is None:
+                self.enabled = False
+                return
+            try:
+                self.bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr,
+                                dynamic_ncols=True, leave=True)
+            except (OSError, ValueError):
+                self.enabled = False
 
     def stage(self, stage: str) -> None:
         if self.bar is not None:
-            self.bar.set_description_str(f"{self.name}: {stage}", refresh=True)
+            self._safe(lambda: self.bar.set_description_str(f"{self.name}: {stage}",
+                                                            refresh=True))
 
     def step(self, note: str | None = None, line: str | None = None) -> None:
         if self.bar is not None:
-            if note:
-                self.bar.set_postfix_str(note, refresh=False)
-            self.bar.update(1)
+            def bump() -> None:
+                if note:
+                    self.bar.set_postfix_str(note, refresh=False)
+                self.bar.update(1)
+            self._safe(bump)
         elif self.enabled and line:
-            print(line, file=sys.stderr, flush=True)
+            self._safe(lambda: print(line, file=sys.stderr, flush=True))
 
     def close(self, failed: bool = False) -> None:
         if self.bar is not None:
+            bar, self.bar = self.bar, None
             if failed:
-                self.bar.leave = False
-            self.bar.close()
-            self.bar = None
+                bar.leave = False
+            try:
+                bar.close()
+            except (OSError, ValueError):
+                pass
+
+    def _safe(self, show) -> None:
+        """``show()``; on a stderr that cannot be written the bar is dropped, quietly."""
+        try:
+            show()
+        except (OSError, ValueError):
+            bar, self.bar, self.enabled = self.bar, None, False
+            if bar is not None:
+                bar.disable = True            # its own close() then writes nothing

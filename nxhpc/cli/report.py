@@ -20,7 +20,7 @@ from typing import IO, Any
 
 from nxhpc.runtime.outfile import write_atomic
 
-__all__ = ["fmt_value", "fmt_compact", "kv_lines", "print_kv", "print_json", "save_npy", "save_bytes",
+__all__ = ["fmt_value", "fmt_compact", "kv_lines", "flush_stdout", "print_kv", "print_json", "save_npy", "save_bytes",
            "emit_graded", "peak_rss_mb", "png_text"]
 
 
@@ -46,6 +46,13 @@ def kv_lines(report: Mapping[str, Any], fmt: Callable[[Any], str] = fmt_value) -
     return [f"{k}={fmt(v)}" for k, v in report.items()]
 
 
+def flush_stdout() -> None:
+    """Flush stdout, if there is one (a process started with it closed has ``sys.stdout``
+    None: print() writes nothing there, and this does nothing)."""
+    if sys.stdout is not None:
+        sys.stdout.flush()
+
+
 def print_kv(report: Mapping[str, Any], fmt: Callable[[Any], str] = fmt_value) -> None:
     for line in kv_lines(report, fmt):
         print(line)
@@ -58,7 +65,7 @@ def print_report(report: Mapping[str, Any], as_json: bool) -> None:
         print_json(report)
     else:
         print_kv(report, fmt_compact)
-    sys.stdout.flush()
+    flush_stdout()
 
 
 def print_json(obj: Mapping[str, Any]) -> None:
@@ -115,13 +122,13 @@ def emit_graded(report: Mapping[str, Any], *, as_json: bool, grade=None, verdict
         if grade is not None:
             for line in grade.lines():
                 print(line)
-        sys.stdout.flush()
+        flush_stdout()
         if save is not None:
             save_error = save()
             if save_error is None:
                 print(f"saved_output={saved_path}")
         print(verdict)
-    sys.stdout.flush()
+    flush_stdout()
     return save_error
 
 

@@ -10,14 +10,26 @@ names, all-or-nothing writing, locks), ``synthetic`` (:class:`SyntheticSpec`,
 """
 from __future__ import annotations
 
-from nxhpc.formats.gguf_io import MissingTensorError, ModelError, ModelFileError, ModelNotFoundError
-from nxhpc.models.cli import main
-from nxhpc.models.model import Model
-from nxhpc.models.modeldir import GGUF_FILE, ModelsDirError, check_replaceable, write_model_dir
-from nxhpc.models.registry import (BUILTINS, DEFAULT_MODEL_ID, builtin_ids, builtin_spec,
-                                   ensure_builtin, models_dir, open_denoiser, open_model,
-                                   resolve_model)
-from nxhpc.models.synthetic import SyntheticSpec, make_synthetic
+import importlib
+from typing import Any
+
+# name -> the submodule that defines it. Imported on first use (PEP 562), not with the package:
+# importing the package then starts no chain of submodule imports, so two threads importing
+# parts of it at once cannot deadlock on each other's module locks (a library call and a CLI
+# in two threads once met an import deadlock here).
+_WHERE = {
+    "MissingTensorError": "nxhpc.formats.gguf_io", "ModelError": "nxhpc.formats.gguf_io",
+    "ModelFileError": "nxhpc.formats.gguf_io", "ModelNotFoundError": "nxhpc.formats.gguf_io",
+    "main": "nxhpc.models.cli", "Model": "nxhpc.models.model",
+    "GGUF_FILE": "nxhpc.models.modeldir", "ModelsDirError": "nxhpc.models.modeldir",
+    "check_replaceable": "nxhpc.models.modeldir", "write_model_dir": "nxhpc.models.modeldir",
+    "BUILTINS": "nxhpc.models.registry", "DEFAULT_MODEL_ID": "nxhpc.models.registry",
+    "builtin_ids": "nxhpc.models.registry", "builtin_spec": "nxhpc.models.registry",
+    "ensure_builtin": "nxhpc.models.registry", "models_dir": "nxhpc.models.registry",
+    "open_denoiser": "nxhpc.models.registry", "open_model": "nxhpc.models.registry",
+    "resolve_model": "nxhpc.models.registry",
+    "SyntheticSpec": "nxhpc.models.synthetic", "make_synthetic": "nxhpc.models.synthetic",
+}
 
 __all__ = [
     "Model", "open_model", "models_dir", "DEFAULT_MODEL_ID",
@@ -28,3 +40,16 @@ __all__ = [
     "resolve_model",
     "builtin_spec", "open_denoiser",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'nxhpc.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

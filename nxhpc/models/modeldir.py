@@ -35,7 +35,7 @@ from nxhpc.formats.gguf_io import ModelError, write_gguf
 __all__ = ["GGUF_FILE", "FIXTURES_FILE", "SPEC_FILE", "VAE_FILE", "MODEL_FILES", "model_files",
            "write_model_dir",
            "build_model_dir", "check_replaceable", "locked", "lock_holder", "sweep_stale",
-           "check_models_root", "ModelsDirError", "STALE_AGE_S"]
+           "check_models_root", "ModelsDirError", "STALE_AGE_S", "process_umask"]
 
 GGUF_FILE = "model.gguf"
 SPEC_FILE = "synthetic.json"
@@ -163,6 +163,20 @@ def write_model_dir(out_dir: str | os.PathLike, gguf_tensors: Mapping[str, Any],
     return build_model_dir(out_dir, write, replace=replace)
 
 
+def process_umask() -> int:
+    """This process's umask, read without changing it (``/proc/self/status``, Linux >= 4.7;
+    else 0o022): the mode a generated file or directory should end with is ``0o666`` /
+    ``0o777`` less it, as for any file the user creates."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def build_model_dir(out_dir: str | os.PathLike, write: Callable[[Path], None], *,
                     replace: bool = False) -> Path:
     """Run ``write(tmp)`` to fill a temporary sibling of ``out_dir``, then rename it into place
@@ -181,7 +195,7 @@ def build_model_dir(out_dir: str | os.PathLike, write: Callable[[Path], None], *
         if not any((tmp / name).is_file() for name in MODEL_FILES):
             raise RuntimeError(f"build_model_dir: {out_dir}: none of {', '.join(MODEL_FILES)} "
                                f"was written")
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, 0o777 & ~process_umask())     # mkdtemp made it 0o700
         if out_dir.exists():
             os.rename(out_dir, old)
         os.rename(tmp, out_dir)

@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from nxhpc.models.modeldir import SPEC_FILE, VAE_FILE, build_model_dir, check_replaceable
+from nxhpc.models.modeldir import (SPEC_FILE, VAE_FILE, build_model_dir, check_replaceable,
+                                   process_umask)
 from nxhpc.vae.config import FLUX_SCALING, FLUX_SHIFT, VaeConfig, ldm_name, tensor_names
 
 __all__ = ["VaeSpec", "make_vae_model", "VAE_KIND", "VAE_GENERATOR_VERSION", "VAE_FILE",
@@ -161,7 +162,7 @@ def make_vae_model(out_dir: str | os.PathLike, spec: VaeSpec,
         # one metadata key: safetensors writes its metadata map in no fixed order
         save_file(tensors, str(tmp / VAE_FILE),
                   metadata={"nxhpc.synthetic": spec.fingerprint()})
-        os.chmod(tmp / VAE_FILE, 0o644)
+        os.chmod(tmp / VAE_FILE, 0o666 & ~process_umask())
         (tmp / SPEC_FILE).write_text(spec.spec_file_text())
     build_model_dir(out_dir, write, replace=replace)
     say(f"done in {time.monotonic() - t0:.1f} s: {out_dir}")

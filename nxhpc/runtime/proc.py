@@ -428,8 +428,9 @@ class cli_signals:
     raised there and report a failure of its own instead (numpy's ``tofile`` turns it into a
     TypeError or an OSError about its file). :meth:`interrupt` gives the exception to raise in
     place of such a failure (None when no signal arrived). SIGINT is taken over only from
-    Python's default handler (a shell that set it to ignored, ``nohup``, keeps it ignored);
-    installed from the main thread only, and restored on exit.
+    Python's default handler (a shell that set it to ignored, ``nohup``, keeps it ignored),
+    SIGTERM only from the default action (a caller that ignores it or handles it keeps its
+    own); installed from the main thread only, and restored on exit.
     """
 
     def __init__(self) -> None:
@@ -448,7 +449,8 @@ class cli_signals:
         if threading.current_thread() is threading.main_thread():
             if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
                 self._old[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_int)
-            self._old[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_term)
+            if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                self._old[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_term)
         return self
 
     def interrupt(self) -> BaseException | None:

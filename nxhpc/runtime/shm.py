@@ -54,7 +54,8 @@ try:                                   # the same primitives multiprocessing.sha
 except ImportError:                    # pragma: no cover - non-POSIX
     _posixshmem = None
 
-__all__ = ["SharedArena", "BufferSpec", "ShmSpaceError", "cleanup_all", "live_segments",
+__all__ = ["SharedArena", "BufferSpec", "ShmSpaceError", "cleanup_all", "cleanup_since",
+           "arena_mark", "live_segments",
            "memory_available_bytes", "memory_room", "populate", "shm_free_bytes",
            "SHM_PREFIX", "SHM_DIR", "ALIGN"]
 
@@ -69,19 +70,31 @@ _LOCK = threading.Lock()
 # id -> named arenas still linked, owned by this process. Weak: an arena dropped without close()
 # is released (and unlinked) by its finalizer; cleanup_all() closes those still alive.
 _LIVE: "weakref.WeakValueDictionary[int, SharedArena]" = weakref.WeakValueDictionary()
+# id -> (serial, creating thread) of each arena in _LIVE: cleanup_since() closes only those a
+# call made (a CLI run in-process must not close its caller's arenas, nor another thread's)
+_BORN: dict[int, tuple[int, int]] = {}
+_SERIAL = [0]
 
 
 class ShmSpaceError(OSError):
     """Not enough shared memory (``/dev/shm``) for a segment, or not enough memory left for it.
     Attributes: ``needed`` and ``free`` (bytes), ``where`` (the directory), ``limit`` (the
     file-size limit, when that is what refused it), ``memory`` (the most the memory left lets
-    a segment take, when that is what refused it: :func:`memory_room`)."""
+    a segment take, when that is what refused it: :func:`memory_room`), ``unusable`` (why no
+    segment can be made there at all: no such directory, read-only, not permitted)."""
 
     def __init__(self, needed: int, free: int | None, where: str = SHM_DIR,
                  what: str = "SharedArena", limit: int | None = None,
-                 memory: int | None = None) -> None:
+                 memory: int | None = None, unusable: OSError | None = None) -> None:
         self.needed, self.free, self.where, self.limit = needed, free, where, limit
-        self.memory = memory
+        self.memory, self.unusable = memory, unusable
+        if unusable is not None:
+            self.message = (f"{what}: cannot create a shared-memory segment in {where}: "
+                            f"{unusable.strerror or unusable} (nxhpc's workers share their "
+                            f"buffers there; in a container mount a writable tmpfs at {where}, "
+                            f"e.g. docker run --shm-size=2g)")
+            super().__init__(unusable.errno or errno.EACCES, self.message)
+            return
         free_txt = ("an unknown amount free" if free is None
                     else f"{free} bytes free ({_mib(free)})")
         if memory is not None:
@@ -414,11 +427,19 @@ class SharedArena(Mapping):
                 except FileExistsError:               # not ours: never unlink it
                     seg.to_unlink = None
                     continue
+                except OSError as e:                  # no /dev/shm, read-only, not allowed
+                    seg.to_unlink = None
+                    if e.errno not in (errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM,
+                                       errno.ENOTDIR):
+                        raise                         # EMFILE etc.: the callers map those
+                    raise ShmSpaceError(size, None, unusable=e) from None
                 if self.named:
                     seg.tracked = True                # SIGKILL of this process still unlinks
                     resource_tracker.register("/" + name, "shared_memory")
                     with _LOCK:
                         _LIVE[id(self)] = self
+                        _SERIAL[0] += 1
+                        _BORN[id(self)] = (_SERIAL[0], threading.get_ident())
                 else:
                     seg.unlink()                      # the descriptor keeps the memory
             break
@@ -509,6 +530,7 @@ class SharedArena(Mapping):
         seg.release()
         with _LOCK:
             _LIVE.pop(id(self), None)
+            _BORN.pop(id(self), None)
         if not seg.busy():
             self._finalizer.detach()               # nothing left: no work at collection
 
@@ -523,6 +545,29 @@ def cleanup_all() -> int:
     """Unlink every named arena this process still owns (signal handlers, atexit). Returns count."""
     with _LOCK:
         arenas = list(_LIVE.values())
+    n = 0
+    for a in arenas:
+        if a.owner_pid == os.getpid():
+            a.close()
+            n += 1
+    return n
+
+
+def arena_mark() -> int:
+    """The serial of the newest named arena so far: :func:`cleanup_since` closes only those
+    made after it."""
+    with _LOCK:
+        return _SERIAL[0]
+
+
+def cleanup_since(mark: int, thread: int | None = None) -> int:
+    """Unlink the named arenas this process made after ``mark`` (:func:`arena_mark`) and still
+    owns, in ``thread`` only when given (the caller's own arenas, and another thread's, are left
+    alone). Returns the count."""
+    with _LOCK:
+        arenas = [a for k, a in list(_LIVE.items())
+                  if k in _BORN and _BORN[k][0] > mark
+                  and (thread is None or _BORN[k][1] == thread)]
     n = 0
     for a in arenas:
         if a.owner_pid == os.getpid():

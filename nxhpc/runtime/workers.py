@@ -150,8 +150,27 @@ class WorkerError(RuntimeError):
 # ---------------------------------------------------------------------------------------------
 # low-level helpers
 def _write_msg(fd: int, obj: Any) -> None:
+    """One message to a pipe. A reader that is gone (a worker that died) is BrokenPipeError,
+    also in a process whose caller set SIGPIPE to its default action (Python ignores it; an
+    embedding program may not): there SIGPIPE is blocked for the write and a pending one taken
+    back, so the dead worker is reported instead of killing this process."""
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     buf = memoryview(_HDR.pack(len(data)) + data)
+    if signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN:
+        _write_all(fd, buf)
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGPIPE})
+    try:
+        _write_all(fd, buf)
+    except BrokenPipeError:
+        if signal.SIGPIPE not in old:         # ours, pending on this thread: take it back
+            signal.sigtimedwait({signal.SIGPIPE}, 0)
+        raise
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _write_all(fd: int, buf: memoryview) -> None:
     while buf:
         n = os.write(fd, buf)
         buf = buf[n:]
@@ -658,7 +677,11 @@ class WorkerPool:
             for i, pid in enumerate(pids):      # wait4 them all
                 if pid > 0:
                     status = reap(pid, _REAP_S, _forget(pids, i))
-                    if status is None or not os.WIFEXITED(status) or os.WEXITSTATUS(status):
+                    # None: no status left to read (reaped by the kernel under a SIGCHLD of
+                    # SIG_IGN, or by the caller's own reaper); every worker reported "ok"
+                    if status is None:
+                        continue
+                    if not os.WIFEXITED(status) or os.WEXITSTATUS(status):
                         raise WorkerError(stage, i, len(bs), bs[i], _describe_status(status))
         finally:
             w.end_stage()

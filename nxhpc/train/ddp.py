@@ -37,6 +37,7 @@ from nxhpc.train.ring import ShmSegment, ring_allreduce_mpi, ring_allreduce_shm
 
 __all__ = [
     "MLPConfig", "Dataset", "TrainResult", "DDPWorkerError", "DDPOverflowError", "DDPTimeoutError",
+    "DAEMON_TEXT",
     "SHM_PREFIX",
     "load_diabetes", "init_params", "param_layout", "q16_shard_grad", "f32_shard_grad",
     "train_full_batch", "train_shm", "train_mpi", "weights_sha256",
@@ -61,6 +62,12 @@ class DDPOverflowError(DDPWorkerError, Q16OverflowError):
     def __init__(self, rank: int, message: str) -> None:
         DDPWorkerError.__init__(self, rank, message)
         self.op, self.magnitude, self.limit = f"worker {rank}", 0, Q16_MAX
+
+
+#: Why the shm backend cannot run in a daemonic process (multiprocessing refuses it children).
+DAEMON_TEXT = ("the shm backend forks its workers, and this is a daemonic process (e.g. a "
+               "multiprocessing.Pool worker), which multiprocessing allows no children: run it "
+               "from a non-daemonic process (a multiprocessing.Process, or the main one)")
 
 
 class DDPTimeoutError(TimeoutError):
@@ -448,6 +455,8 @@ def train_shm(workers: int, steps: int, *, arith: str = "q16", cfg: MLPConfig = 
               "init": ((P,), ar.dtype), "grads": ((workers, P + 1), ar.dtype),
               "sse": ((max(steps, 1),), ar.dtype), "final": ((workers, P), ar.dtype),
               "progress": ((workers,), np.int64)}
+    if mp.current_process().daemon:
+        raise RuntimeError(DAEMON_TEXT)
     ctx = mp.get_context("fork")
     t0 = time.perf_counter()
     proc.lifeline()                          # before any fork: workers watch it (die with us)
