@@ -4,8 +4,10 @@ Owns :func:`run_cli`: argparse's exits (``--help`` 0, usage 2) returned, not rai
 130 and SIGTERM -> 143 with one line (via :class:`nxhpc.runtime.proc.cli_signals`, so a Ctrl-C
 that C code turned into another exception still exits as the interrupt); an expected library
 exception -> its code from :func:`nxhpc.cli.codes.code_for` with one ``PROG: error: ...`` line;
-stdout closed by its reader (``| head``) -> 8, quietly; anything else -> a traceback and 70;
-the shared-memory registry swept on every path.
+stdout closed by its reader (``| head``) -> 8, quietly; stdout that cannot be written -> 8
+with one line; the process limit, a removed working directory -> 2; anything else -> a
+traceback and 70; the named arenas this call made, in its thread, released on every path (not
+the caller's, nor another thread's call's), the caller's signal dispositions kept or restored.
 :func:`run_ranked` is the same frame for a command that may run as several MPI ranks
 (``mpirun -n R``): one error, one exit code on every rank (:mod:`nxhpc.runtime.ranks`).
 Must not: parse arguments of its own, print reports, or import the compiled kernels before the
