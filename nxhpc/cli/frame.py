@@ -125,13 +125,18 @@ def _stdout_closed() -> bool:
             return False                      # another pipe broke (e.g. a worker's)
     except (OSError, ValueError, AttributeError):
         return False
+    _stdout_to_devnull()
+    return True
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout's descriptor at /dev/null (the interpreter's flush at exit writes there)."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
     except (OSError, ValueError):
         pass
-    return True
 
 
 def _cwd_gone() -> bool:
@@ -164,34 +169,28 @@ def _stdout_fails(e: OSError) -> bool:
             return False
     except (OSError, ValueError):
         pass
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError):
-        pass
+    _stdout_to_devnull()
     return True
 
 
-def _processes_text(e: OSError) -> str:
+def _soft_limit(name: str) -> str:
+    """The soft limit ``resource.<name>`` as words ("unlimited", a number, "unknown")."""
     try:
         import resource
-        soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
-        limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
-    except (ImportError, OSError, ValueError):
-        limit = "unknown"
+        soft = resource.getrlimit(getattr(resource, name))[0]
+        return "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+    except (ImportError, AttributeError, OSError, ValueError):
+        return "unknown"
+
+
+def _processes_text(e: OSError) -> str:
     return (f"cannot start a worker process ({e.strerror or e}): the limit on processes "
-            f"(ulimit -u) is {limit}, or a container's pids limit was reached; each worker is "
-            f"a process -- raise the limit or run fewer workers")
+            f"(ulimit -u) is {_soft_limit('RLIMIT_NPROC')}, or a container's pids limit was "
+            f"reached; each worker is a process -- raise the limit or run fewer workers")
 
 
 def _open_files_text(e: OSError) -> str:
-    try:
-        import resource
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
-    except (ImportError, OSError, ValueError):
-        limit = "unknown"
+    limit = _soft_limit("RLIMIT_NOFILE")
     return (f"too many open files ({e.strerror or e}): the limit on open files (ulimit -n) is "
             f"{limit}; each worker takes two pipes -- raise it (e.g. ulimit -n 4096) or run "
             f"fewer workers")

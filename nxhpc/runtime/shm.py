@@ -543,14 +543,7 @@ class SharedArena(Mapping):
 
 def cleanup_all() -> int:
     """Unlink every named arena this process still owns (signal handlers, atexit). Returns count."""
-    with _LOCK:
-        arenas = list(_LIVE.values())
-    n = 0
-    for a in arenas:
-        if a.owner_pid == os.getpid():
-            a.close()
-            n += 1
-    return n
+    return cleanup_since(-1)
 
 
 def arena_mark() -> int:
@@ -566,7 +559,7 @@ def cleanup_since(mark: int, thread: int | None = None) -> int:
     alone). Returns the count."""
     with _LOCK:
         arenas = [a for k, a in list(_LIVE.items())
-                  if k in _BORN and _BORN[k][0] > mark
+                  if _BORN.get(k, (0, 0))[0] > mark
                   and (thread is None or _BORN[k][1] == thread)]
     n = 0
     for a in arenas:
