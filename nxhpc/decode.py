@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import textwrap
 import sys
+import textwrap
 import time
 
 import numpy as np

@@ -164,7 +164,7 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
     from nxhpc.models.registry import open_denoiser
 
     if ranks is not None:
-        ranks.same_args({f"--{a.replace('_', '-')}": getattr(args, a) for a in _SAME_ARGS})
+        ranks.same_args(types.option_values(args, _SAME_ARGS))
         ranks.same_kernels(args.precision)
     lead = ranks is None or ranks.rank == 0          # reads inputs, writes outputs, reports
 

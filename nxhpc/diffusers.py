@@ -62,14 +62,15 @@ class NxhpcZImageTransformer:
 
     def __init__(self, denoiser) -> None:
         torch, _, FrozenDict = _require()
-        from nxhpc.dit.denoiser import Denoiser
-        if not isinstance(denoiser, Denoiser):
+        if isinstance(denoiser, (str, bytes, os.PathLike)) or not hasattr(denoiser, "config") \
+                or not callable(getattr(denoiser, "forward", None)):
             hint = (" (for a GGUF path, model directory or built-in id use "
-                    "NxhpcZImageTransformer.from_gguf)" if isinstance(denoiser, (str, os.PathLike))
-                    else "")
+                    "NxhpcZImageTransformer.from_gguf)"
+                    if isinstance(denoiser, (str, bytes, os.PathLike)) else "")
             raise TypeError(f"NxhpcZImageTransformer: expected an open nxhpc Denoiser "
-                            f"(nxhpc.load_denoiser(...)), got {type(denoiser).__name__}{hint}")
-        if denoiser.closed:
+                            f"(nxhpc.load_denoiser(...), or an object with its config and "
+                            f"forward), got {type(denoiser).__name__}{hint}")
+        if getattr(denoiser, "closed", False):
             raise ValueError("NxhpcZImageTransformer: the Denoiser given is closed")
         cfg = denoiser.config
         self.denoiser = denoiser
@@ -126,9 +127,9 @@ class NxhpcZImageTransformer:
 
     def __repr__(self) -> str:
         c = self.config
+        closed = self.denoiser is None or getattr(self.denoiser, "closed", False)
         return (f"NxhpcZImageTransformer(dim={c.dim}, n_layers={c.n_layers}, "
-                f"cap_feat_dim={c.cap_feat_dim}, "
-                f"{'closed' if self.denoiser is None or self.denoiser.closed else 'open'})")
+                f"cap_feat_dim={c.cap_feat_dim}, {'closed' if closed else 'open'})")
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError("NxhpcZImageTransformer cannot be pickled or copied: its Denoiser holds "

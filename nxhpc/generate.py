@@ -209,7 +209,7 @@ def guided(denoiser: Any, cap: np.ndarray, neg: np.ndarray, scale: float):
     """The raw-output function of classifier-free guidance, as ``ZImagePipeline`` computes it:
     ``pos + scale * (pos - neg)`` in float32, pos and neg the denoiser's outputs for the
     caption features ``cap`` and ``neg`` (both calls on the one open denoiser: it keeps an
-    engine for each caption length). Run it through ``nxhpc.dit.sampler.checked_euler``: that
+    engine for each padded caption length, one for both when they pad alike). Run it through ``nxhpc.dit.sampler.checked_euler``: that
     names the step where an output or the latents leave float32's range."""
     g = np.float32(scale)
 
@@ -370,9 +370,10 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
     t_start = time.perf_counter()
     lead = ranks is None or ranks.rank == 0        # reads inputs, writes the PNGs, reports
     if ranks is not None:
-        ranks.same_args({f"--{a.replace('_', '-')}": getattr(args, a) for a in _SAME_ARGS}
-                        | {f"--{a.replace('_', '-')} given": getattr(args, a) is not None
-                           for a in ("prompts", "noise", "model", "text_encoder", "vae")})
+        given = ("prompts", "noise", "model", "text_encoder", "vae")
+        ranks.same_args(types.option_values(args, _SAME_ARGS)
+                        | {f"{k} given": v is not None
+                           for k, v in types.option_values(args, given).items()})
         ranks.same_kernels(args.precision)
     setup = _setup(args) if lead else None
     if ranks is not None:                          # rank 0's reading on every rank (startup)
@@ -581,7 +582,8 @@ def _encode(te: str, prompts: list[str], which: list[int], negative: str | None,
                 raise InputError(f"--text-encoder {te}: {what}: {e}") from None
         feats = {}
         for i in which:
-            feats[i] = encode(prompts[i], f"prompt {i + 1}" if len(prompts) > 1 else "the prompt")
+            feats[i] = encode(prompts[i], f"prompt {i + 1} of --prompts (blank lines not counted)"
+                              if args.prompts is not None else "the prompt")
             progress.step()
         neg = None
         if negative is not None:

@@ -239,9 +239,10 @@ def _run(args, ranks=None) -> int:
     workers, px = _check_args(args)
     lead = ranks is None or ranks.rank == 0        # reads inputs, writes outputs, reports
     if ranks is not None:
-        ranks.same_args({f"--{a.replace('_', '-')}": getattr(args, a) for a in
-                         ("steps", "shift", "height", "width", "seed", "seeds", "precision",
-                          "q8_float_weights", "json")} | {"--noise given": args.noise is not None})
+        ranks.same_args(types.option_values(args, ("steps", "shift", "height", "width", "seed",
+                                                    "seeds", "precision", "q8_float_weights",
+                                                    "json"))
+                        | {"--noise given": args.noise is not None})
         ranks.same_kernels(args.precision)
     cap_raw = noise_raw = None
     if lead:

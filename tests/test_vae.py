@@ -204,6 +204,17 @@ def test_to_uint8_is_diffusers_postprocess():
         pil = proc.postprocess(torch.from_numpy(img)[None], output_type="pil")[0]
         assert np.array_equal(to_uint8(img), np.asarray(pil)), img.dtype
     assert not np.array_equal(to_uint8(x64.astype(np.float32)), to_uint8(x64))   # the control
+    # a float64 image beyond float32's range is clamped like any other (diffusers does so);
+    # NaN/inf and other shapes are refused, naming the image
+    big = np.full((3, 2, 2), 1e300)
+    big[0, 0, 0] = -1e300
+    assert np.array_equal(to_uint8(big)[..., 0], [[0, 255], [255, 255]])
+    from nxhpc.runtime.checks import CheckError
+    for bad, msg in ((np.full((3, 2, 2), np.nan), "1 of 12|12 of 12 values are NaN"),
+                     (np.zeros((2, 2)), "expected a 3-d floating-point"),
+                     (np.zeros((3, 2, 2), np.int32), "expected a 3-d floating-point")):
+        with pytest.raises(CheckError, match=msg):
+            to_uint8(bad)
 
 
 def test_write_png_round_trip_and_atomic(tmp_path):

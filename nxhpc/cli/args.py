@@ -17,7 +17,7 @@ import argparse
 import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nxhpc.cli.codes import UsageError
@@ -241,6 +241,12 @@ def add_json(p: argparse.ArgumentParser) -> None:
     """``--json``: one JSON object instead of key=value lines."""
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of key=value lines")
+
+
+def option_values(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
+    """``{"--name": value}`` of the parsed options ``names`` (attribute names): what the MPI
+    ranks compare (``Ranks.same_args``), named as the user typed them."""
+    return {f"--{a.replace('_', '-')}": getattr(args, a) for a in names}
 
 
 def read_text_file(path: str, what: str, expected: str) -> str:

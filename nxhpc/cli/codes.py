@@ -84,6 +84,7 @@ _TABLE: tuple[tuple[str, str, Exit], ...] = (
     (__name__, "InputError", Exit.BAD_INPUT),
     (__name__, "OutputError", Exit.OUTPUT),
     ("nxhpc.runtime.checks", "InputFileMissing", Exit.USAGE),
+    ("nxhpc.runtime.proc", "ProcessLimitError", Exit.USAGE),
     ("nxhpc.runtime.checks", "SettingError", Exit.USAGE),
     ("nxhpc.runtime.outfile", "OutputPathError", Exit.USAGE),
     ("nxhpc.dit.stackrun", "StackRangeError", Exit.USAGE),
@@ -114,21 +115,9 @@ def too_many_open_files(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE)
 
 
-def too_many_processes(e: BaseException) -> bool:
-    """Whether ``e`` is ``fork()`` refused for the process limit (EAGAIN: ``ulimit -u``,
-    RLIMIT_NPROC, or a cgroup's pids.max): the environment's limit, not a bug -- a usage
-    error. Told from other EAGAINs by the call that raised it."""
-    import errno
-    import traceback
-    if not isinstance(e, BlockingIOError) or e.errno != errno.EAGAIN or e.__traceback__ is None:
-        return False
-    frames = traceback.extract_tb(e.__traceback__)[-2:]      # the caller of os.fork (a C call)
-    return any("fork(" in (f.line or "") for f in frames)
-
-
 def code_for(e: BaseException) -> Exit | None:
     """The documented exit code for an expected failure; None for anything else (a bug)."""
-    if too_many_open_files(e) or too_many_processes(e):
+    if too_many_open_files(e):
         return Exit.USAGE
     for mod, name, code in _TABLE:
         cls = getattr(sys.modules.get(mod), name, None)

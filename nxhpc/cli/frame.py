@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nxhpc.cli.codes import Exit, code_for, too_many_open_files, too_many_processes
+from nxhpc.cli.codes import Exit, OutputError, UsageError, code_for, too_many_open_files
 from nxhpc.runtime.proc import Terminated, cli_signals
 
 __all__ = ["run_cli", "run_ranked", "error_printer"]
@@ -33,11 +33,23 @@ def error_printer(prog: str) -> Callable[[str], None]:
     """``err(msg)``: one ``PROG: error: msg`` line on stderr, flushed; nothing where stderr is
     closed or cannot be written (the exit code still says what happened)."""
     def err(msg: str) -> None:
+        if sys.stderr is None:            # print(file=None) would write to stdout
+            return
         try:
             print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError):
             pass
     return err
+
+
+def _print_traceback() -> None:
+    """The current exception's traceback on stderr; nothing where stderr is closed or full."""
+    if sys.stderr is None:
+        return
+    try:
+        traceback.print_exc(file=sys.stderr)
+    except (OSError, ValueError):
+        pass
 
 
 def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None,
@@ -60,7 +72,7 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
     if ranks is not None:
         err = _ranked_printer(prog, ranks, err)
     mark, bus = _arena_mark(), False
-    with cli_signals() as sig:
+    with cli_signals() as sig, _guarded_stdout():
         try:
             try:
                 bus = _sigbus_exit(prog)     # in here: a bad NXHPC_* setting met on import is mapped
@@ -71,28 +83,16 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
                     raise interrupt from e
                 if isinstance(e, BrokenPipeError) and _stdout_closed():
                     return int(Exit.OUTPUT)  # the reader went away (`| head`): nothing to say
-                if isinstance(e, FileNotFoundError) and e.filename is None and _cwd_gone():
-                    err("the current directory no longer exists (it was removed after this "
-                        "process entered it), so a relative path cannot be resolved: give "
-                        "absolute paths, or run from an existing directory")
-                    return int(Exit.USAGE)
-                if isinstance(e, OSError) and _stdout_fails(e):
-                    err(f"standard output could not be written ({e.strerror or e})")
-                    return int(Exit.OUTPUT)
+                e = _environment_error(e)
                 if ranks is not None:
                     return _ranked_failure(e, ranks, err, describe)
                 known = code_for(e)
                 if known is None:
-                    try:
-                        traceback.print_exc()
-                    except (OSError, ValueError, AttributeError):
-                        pass                 # stderr closed or full
+                    _print_traceback()
                     err("internal error (see the traceback above)")
                     return int(Exit.INTERNAL)
                 if too_many_open_files(e):
                     err(_open_files_text(e))
-                elif too_many_processes(e):
-                    err(_processes_text(e))
                 elif describe is not None:
                     err(describe(e, known))
                 else:
@@ -125,72 +125,98 @@ def _stdout_closed() -> bool:
             return False                      # another pipe broke (e.g. a worker's)
     except (OSError, ValueError, AttributeError):
         return False
-    _stdout_to_devnull()
-    return True
-
-
-def _stdout_to_devnull() -> None:
-    """Point stdout's descriptor at /dev/null (the interpreter's flush at exit writes there)."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
     except (OSError, ValueError):
         pass
-
-
-def _cwd_gone() -> bool:
-    """Whether this process's working directory was removed (``getcwd`` fails)."""
-    try:
-        os.getcwd()
-        return False
-    except FileNotFoundError:
-        return True
-
-
-def _stdout_fails(e: OSError) -> bool:
-    """Whether ``e`` came from stdout itself: its flush fails again, a write of nothing to its
-    descriptor fails (/dev/full, a closed or bad descriptor), or ``e`` is "no space" and
-    stdout's file system has no block left. If so, stdout is pointed at /dev/null (the
-    interpreter's flush at exit would fail once more)."""
-    import errno
-    import stat
-    if sys.stdout is None:
-        return False
-    try:
-        fd = sys.stdout.fileno()
-    except (OSError, ValueError, AttributeError):
-        return False
-    try:
-        sys.stdout.flush()
-        os.write(fd, b"")
-        if e.filename is not None or e.errno not in (errno.ENOSPC, errno.EDQUOT) \
-                or not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstatvfs(fd).f_bavail > 0:
-            return False
-    except (OSError, ValueError):
-        pass
-    _stdout_to_devnull()
     return True
 
 
-def _soft_limit(name: str) -> str:
-    """The soft limit ``resource.<name>`` as words ("unlimited", a number, "unknown")."""
-    try:
-        import resource
-        soft = resource.getrlimit(getattr(resource, name))[0]
-        return "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
-    except (ImportError, AttributeError, OSError, ValueError):
-        return "unknown"
+class StdoutError(OSError):
+    """Writing or flushing stdout failed (a full disk, /dev/full, an I/O error): raised in
+    place of that OSError while a CLI call runs, so that it is told apart from the others."""
 
 
-def _processes_text(e: OSError) -> str:
-    return (f"cannot start a worker process ({e.strerror or e}): the limit on processes "
-            f"(ulimit -u) is {_soft_limit('RLIMIT_NPROC')}, or a container's pids limit was "
-            f"reached; each worker is a process -- raise the limit or run fewer workers")
+class _GuardedStdout:
+    """stdout as a CLI call sees it: the same stream, its write / flush errors (a reader gone
+    aside: ``| head`` is told apart by :func:`_stdout_closed`) raised as :class:`StdoutError`."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def write(self, s: str) -> int:
+        try:
+            return self._inner.write(s)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise StdoutError(e.errno, e.strerror) from None
+
+    def flush(self) -> None:
+        try:
+            self._inner.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise StdoutError(e.errno, e.strerror) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+_STDOUT_LOCK = threading.Lock()
+_STDOUT_USERS: list[Any] = [0, None]    # calls inside the frame, the stream they wrapped
+
+
+class _guarded_stdout:
+    """``with _guarded_stdout():`` -- ``sys.stdout`` wrapped in :class:`_GuardedStdout` while
+    any CLI call (of any thread) runs, the caller's stream put back when the last one leaves
+    (if nothing else replaced it meanwhile)."""
+
+    def __enter__(self) -> None:
+        with _STDOUT_LOCK:
+            if _STDOUT_USERS[0] == 0 and sys.stdout is not None \
+                    and not isinstance(sys.stdout, _GuardedStdout):
+                _STDOUT_USERS[1] = sys.stdout
+                sys.stdout = _GuardedStdout(sys.stdout)
+            _STDOUT_USERS[0] += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with _STDOUT_LOCK:
+            _STDOUT_USERS[0] -= 1
+            if _STDOUT_USERS[0] == 0 and _STDOUT_USERS[1] is not None:
+                if isinstance(sys.stdout, _GuardedStdout) and \
+                        sys.stdout._inner is _STDOUT_USERS[1]:
+                    sys.stdout = _STDOUT_USERS[1]
+                _STDOUT_USERS[1] = None
+
+
+def _environment_error(e: Exception) -> Exception:
+    """``e``, or the usage / output error it stands for when the cause is the environment:
+    stdout that cannot be written (exit 8), a working directory removed under a relative
+    path (exit 2)."""
+    if isinstance(e, StdoutError):
+        return OutputError(f"standard output could not be written ({e.strerror or e})")
+    if isinstance(e, FileNotFoundError) and e.filename is None:
+        try:
+            os.getcwd()
+        except FileNotFoundError:
+            return UsageError("the current directory no longer exists (it was removed after "
+                              "this process entered it), so a relative path cannot be "
+                              "resolved: give absolute paths, or run from an existing "
+                              "directory")
+    return e
 
 
 def _open_files_text(e: OSError) -> str:
-    limit = _soft_limit("RLIMIT_NOFILE")
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+    except (ImportError, OSError, ValueError):
+        limit = "unknown"
     return (f"too many open files ({e.strerror or e}): the limit on open files (ulimit -n) is "
             f"{limit}; each worker takes two pipes -- raise it (e.g. ulimit -n 4096) or run "
             f"fewer workers")
@@ -219,7 +245,7 @@ def _ranked_failure(e: Exception, ranks: Any, err: Callable[[str], None],
         return int(e.code)
     known = code_for(e)
     if known is None:
-        traceback.print_exc()
+        _print_traceback()
         msg = f"internal error: {type(e).__name__}: {e} (see the traceback above)"
         known = Exit.INTERNAL
     elif describe is not None:
@@ -266,8 +292,12 @@ def run_ranked(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] |
 
     code = run_cli(prog, parser, argv, ranked_call, ranks=world, **options)
     if world.failed or code not in (Exit.PASS, Exit.FAIL, Exit.USAGE):
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):   # os._exit skips the interpreter's flush
+            try:
+                if stream is not None:
+                    stream.flush()
+            except (OSError, ValueError):
+                pass
         os._exit(code)
     return code
 

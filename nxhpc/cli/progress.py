@@ -22,16 +22,13 @@ class Progress:
 
     def __init__(self, total: int, enabled: bool, name: str, unit: str,
                  stage: str | None = None) -> None:
-        self.name, self.enabled, self.bar = name, enabled, None
-        if enabled:
+        self.name, self.enabled, self.bar = name, enabled and sys.stderr is not None, None
+        if self.enabled:                    # (print(file=None) would write to stdout)
             try:
                 from tqdm import tqdm
             except ImportError:
                 return
             desc = name if stage is None else f"{name}: {stage}"
-            if sys.stderr is None:
-                self.enabled = False
-                return
             try:
                 self.bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr,
                                 dynamic_ncols=True, leave=True)
@@ -50,7 +47,7 @@ class Progress:
                     self.bar.set_postfix_str(note, refresh=False)
                 self.bar.update(1)
             self._safe(bump)
-        elif self.enabled and line:
+        elif self.enabled and line and sys.stderr is not None:
             self._safe(lambda: print(line, file=sys.stderr, flush=True))
 
     def close(self, failed: bool = False) -> None:

@@ -20,7 +20,8 @@ from typing import IO, Any
 
 from nxhpc.runtime.outfile import write_atomic
 
-__all__ = ["fmt_value", "fmt_compact", "kv_lines", "flush_stdout", "print_kv", "print_json", "save_npy", "save_bytes",
+__all__ = ["fmt_value", "fmt_compact", "kv_lines", "flush_stdout", "print_kv", "print_json",
+           "save_npy", "save_bytes",
            "emit_graded", "peak_rss_mb", "png_text"]
 
 

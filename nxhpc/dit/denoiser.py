@@ -341,7 +341,8 @@ class Denoiser(MapHolder):
                 raise ValueError(f"Denoiser: norm_eps: {e}") from None
         self.directory = Path(directory) if directory is not None else None
         # the most recent token layouts' engines, newest last: classifier-free guidance
-        # alternates two caption lengths, and each must keep its workers and arena
+        # alternates two captions, whose padded lengths may differ, and each layout must keep
+        # its workers and arena
         self._sessions: list[_Session] = []
         self.last_timings: dict[str, int] = {}
         self.last_stage_timings: dict[str, dict[str, int]] = {}

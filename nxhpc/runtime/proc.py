@@ -38,6 +38,7 @@ gone. Descriptors are created close-on-exec, so an exec'd program never holds th
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import os
 import select
@@ -45,11 +46,12 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["deferred_signals", "fork_section", "lifeline", "die_with_parent", "register_fd",
            "close_fd", "reap", "describe_exit", "signal_name", "ASYNC_SIGNALS", "cli_signals",
-           "Terminated", "check_owner"]
+           "Terminated", "check_owner", "ProcessLimitError", "limited_fork"]
 
 #: Signals held off by :class:`deferred_signals`: every catchable signal except those raised
 #: synchronously by a fault in the running code (blocking those would hide a crash).
@@ -205,6 +207,34 @@ _life_w = -1                          # ... and its write end (held by this proc
 _parent_life_r = -1                   # in a forked child: the parent's lifeline read end
 _watch_fd = -1                        # in a worker: its own open file on the parent's lifeline
 _forked_from_main = True              # set in the parent just before each fork
+
+
+class ProcessLimitError(BlockingIOError):
+    """``fork()`` refused for the process limit (EAGAIN: ``ulimit -u`` / RLIMIT_NPROC, or a
+    container's pids.max): the environment's limit, not a bug (the CLIs: a usage error)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def limited_fork(start: Callable[[], Any] = os.fork) -> Any:
+    """``start()`` (``os.fork`` by default, or a ``Process.start``); a refusal for the process
+    limit becomes :class:`ProcessLimitError`, its message naming the limit."""
+    try:
+        return start()
+    except BlockingIOError as e:
+        if e.errno != errno.EAGAIN:
+            raise
+        try:
+            import resource
+            soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+            limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+        except (ImportError, OSError, ValueError):
+            limit = "unknown"
+        raise ProcessLimitError(
+            errno.EAGAIN, f"cannot start a worker process ({e.strerror or e}): the limit on "
+            f"processes (ulimit -u) is {limit}, or a container's pids limit was reached; each "
+            f"worker is a process -- raise the limit or run fewer workers") from None
 
 
 def register_fd(fd: int) -> None:

@@ -19,8 +19,9 @@ whatever happens afterwards (exception, Ctrl-C, SIGTERM, even SIGKILL of the par
 ``named=True`` keeps the name visible (for attaching from another process, for inspection, for
 the trainer's ring); such a segment is registered with ``multiprocessing``'s resource tracker
 (which unlinks it even after a SIGKILL) and unlinked by :meth:`SharedArena.close`, by the context
-manager, by :func:`cleanup_all` (which ``nxhpc.blockrun`` calls from its signal handlers) and by
-an ``atexit`` hook, always only in the process that created it (never in forked workers).
+manager, by a CLI call's frame (:func:`cleanup_since`: the arenas that call made, in its
+thread) and by :func:`cleanup_all` from an ``atexit`` hook, always only in the process that
+created it (never in forked workers).
 
 Interrupts. Each step records before it acts, in one deferred-signal block
 (:class:`nxhpc.runtime.proc.deferred_signals`): the name to unlink is recorded before the
@@ -70,9 +71,9 @@ _LOCK = threading.Lock()
 # id -> named arenas still linked, owned by this process. Weak: an arena dropped without close()
 # is released (and unlinked) by its finalizer; cleanup_all() closes those still alive.
 _LIVE: "weakref.WeakValueDictionary[int, SharedArena]" = weakref.WeakValueDictionary()
-# id -> (serial, creating thread) of each arena in _LIVE: cleanup_since() closes only those a
-# call made (a CLI run in-process must not close its caller's arenas, nor another thread's)
-_BORN: dict[int, tuple[int, int]] = {}
+# the serial of the newest named arena; each arena keeps (serial, creating thread) as ``born``:
+# cleanup_since() closes only those a call made (a CLI run in-process must not close its
+# caller's arenas, nor another thread's)
 _SERIAL = [0]
 
 
@@ -378,6 +379,7 @@ class SharedArena(Mapping):
         self._layout = layout
         self.nbytes = off
         self.named = bool(named)
+        self.born = (0, 0)                 # (serial, thread) once registered as named
         self.owner_pid = os.getpid()
         # The record and its finalizer exist before any resource does: whatever happens from
         # here on (an exception, an interrupt, the arena simply dropped), the finalizer releases
@@ -439,7 +441,7 @@ class SharedArena(Mapping):
                     with _LOCK:
                         _LIVE[id(self)] = self
                         _SERIAL[0] += 1
-                        _BORN[id(self)] = (_SERIAL[0], threading.get_ident())
+                        self.born = (_SERIAL[0], threading.get_ident())
                 else:
                     seg.unlink()                      # the descriptor keeps the memory
             break
@@ -530,7 +532,6 @@ class SharedArena(Mapping):
         seg.release()
         with _LOCK:
             _LIVE.pop(id(self), None)
-            _BORN.pop(id(self), None)
         if not seg.busy():
             self._finalizer.detach()               # nothing left: no work at collection
 
@@ -542,7 +543,7 @@ class SharedArena(Mapping):
 
 
 def cleanup_all() -> int:
-    """Unlink every named arena this process still owns (signal handlers, atexit). Returns count."""
+    """Unlink every named arena this process still owns (the atexit hook). Returns count."""
     return cleanup_since(-1)
 
 
@@ -558,9 +559,8 @@ def cleanup_since(mark: int, thread: int | None = None) -> int:
     owns, in ``thread`` only when given (the caller's own arenas, and another thread's, are left
     alone). Returns the count."""
     with _LOCK:
-        arenas = [a for k, a in list(_LIVE.items())
-                  if _BORN.get(k, (0, 0))[0] > mark
-                  and (thread is None or _BORN[k][1] == thread)]
+        arenas = [a for a in list(_LIVE.values())
+                  if a.born[0] > mark and (thread is None or a.born[1] == thread)]
     n = 0
     for a in arenas:
         if a.owner_pid == os.getpid():

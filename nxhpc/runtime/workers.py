@@ -62,7 +62,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nxhpc.runtime.proc import (close_fd, deferred_signals, describe_exit, die_with_parent,
-                                 fork_section, lifeline, reap, register_fd, signal_name)
+                                fork_section, lifeline, limited_fork, reap, register_fd,
+                                signal_name)
 
 __all__ = ["bands", "WorkerPool", "WorkerError", "SPAWN_MODES", "DEFAULT_SPAWN", "usable_cpus",
            "check_timeout", "batch_policy"]
@@ -151,14 +152,13 @@ class WorkerError(RuntimeError):
 # low-level helpers
 def _write_msg(fd: int, obj: Any) -> None:
     """One message to a pipe. A reader that is gone (a worker that died) is BrokenPipeError,
-    also in a process whose caller set SIGPIPE to its default action (Python ignores it; an
-    embedding program may not): there SIGPIPE is blocked for the write and a pending one taken
-    back, so the dead worker is reported instead of killing this process."""
+    also in a process whose SIGPIPE is at its default action (Python ignores it, but an
+    embedding program -- or C code, which Python's own record of the disposition does not
+    see -- may set it back): SIGPIPE is blocked for the write and a pending one taken back,
+    so the dead worker is reported instead of killing this process (two system calls a
+    message)."""
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     buf = memoryview(_HDR.pack(len(data)) + data)
-    if signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN:
-        _write_all(fd, buf)
-        return
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGPIPE})
     try:
         _write_all(fd, buf)
@@ -468,7 +468,7 @@ class WorkerPool:
                     record.append(mine)
                     register_fd(mine)
                     child_ends.append(theirs)
-                pid = os.fork()
+                pid = limited_fork()
                 if pid == 0:  # ---- worker: never leaves this block ----
                     code = 1
                     try:

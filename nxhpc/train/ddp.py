@@ -470,7 +470,7 @@ def train_shm(workers: int, steps: int, *, arith: str = "q16", cfg: MLPConfig = 
                 p = ctx.Process(target=_worker_main, name=f"nxddp-worker-{r}", daemon=True,
                                 args=(r, workers, ar, seg, barrier, tx, steps, timeout,
                                       fault_injection, os.getpid()))
-                p.start()
+                proc.limited_fork(p.start)
                 tx.close()
                 procs.append(p)
                 conns.append(rx)

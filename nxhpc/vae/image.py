@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from nxhpc.runtime.checks import check_float_array
+from nxhpc.runtime.checks import CheckError
 from nxhpc.runtime.outfile import check_output_path, write_atomic
 
 __all__ = ["to_uint8", "write_png"]
@@ -24,8 +24,13 @@ def to_uint8(image: np.ndarray) -> np.ndarray:
     ``VaeImageProcessor.postprocess`` + ``numpy_to_pil`` on a tensor of the input's dtype:
     ``clamp(x/2 + 0.5, 0, 1)`` in that dtype (float16, float32 or float64; a wider float as
     float64), then to float32, ``round(y * 255)`` in float32 (numpy's round: half to even)."""
-    check_float_array(image, "image", ndim=3)         # the checks (finite, float, 3-d)
     a = np.asarray(image)
+    if a.ndim != 3 or a.dtype.kind != "f":
+        raise CheckError(f"image: {a.dtype} {list(a.shape)}, expected a 3-d floating-point "
+                         f"array [C, H, W]")
+    bad = int(a.size - np.count_nonzero(np.isfinite(a)))
+    if bad:
+        raise CheckError(f"image: {bad} of {a.size} values are NaN or inf")
     dt = a.dtype if a.dtype in (np.float16, np.float32, np.float64) else np.dtype(np.float64)
     x = a.astype(dt, copy=False)
     y = np.clip(x / dt.type(2) + dt.type(0.5), dt.type(0), dt.type(1)).astype(np.float32)
