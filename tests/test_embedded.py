@@ -273,3 +273,39 @@ def test_importing_the_models_package_imports_none_of_its_modules():
                         "m.open_model; print('nxhpc.models.registry' in sys.modules)"],
                        capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 0 and r.stdout.split("\n")[:2] == ["[]", "True"], (r.stdout, r.stderr)
+
+
+def test_a_worker_reaped_by_the_kernel_is_never_signalled(models_root):
+    """Under a SIGCHLD of SIG_IGN the kernel reaps a dead worker at once, and its pid may then
+    belong to another process: the pool's kill path (after the failure it reports) signalled
+    every recorded pid. It now signals only its own live children: the dead worker's pid is
+    not in os.kill's calls, the live one is (control), and the failure is still WorkerError."""
+    r = _py("""
+import os, signal, time, numpy as np
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+import nxhpc
+from nxhpc.runtime import workers
+from nxhpc.runtime.workers import WorkerError
+calls, real = [], os.kill
+def spy(pid, sig):
+    calls.append((pid, sig))
+    real(pid, sig)
+den = nxhpc.load_denoiser("tiny-dit", workers=2)
+cap = np.zeros((3, den.config.cap_dim), np.float32)
+lat = np.zeros((16, 8, 8), np.float32)
+den.forward(lat, 0.5, cap)
+dead, live = den.session(8, 8, 3).engine.pool.pids
+real(dead, signal.SIGKILL)
+time.sleep(0.3)
+workers.os.kill = spy
+try:
+    den.forward(lat, 0.5, cap)
+except WorkerError as e:
+    print("WorkerError")
+workers.os.kill = real
+print("dead signalled", any(p == dead for p, _ in calls), "live signalled",
+      (live, signal.SIGKILL) in calls)
+den.close()""", models_root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[:2] == ["WorkerError", "dead signalled False live signalled True"], \
+        (r.stdout, r.stderr[-2000:])

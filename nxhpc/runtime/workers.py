@@ -723,9 +723,18 @@ def _forget(lst: list[int], i: int):
 
 def _kill_and_reap(pids: list[int]) -> None:
     """SIGKILL every live pid of ``pids`` (all first, so none waits on another), then reap each;
-    a reaped pid is forgotten in the list. The caller defers signals."""
-    for pid in pids:
+    a reaped pid is forgotten in the list. A pid that is no longer this process's child (reaped
+    by the kernel under a SIGCHLD of SIG_IGN, or by the caller's own reaper) is forgotten
+    unsignalled: the number may already be another process's. The caller defers signals."""
+    for i, pid in enumerate(pids):
         if pid > 0:
+            try:
+                done = os.waitpid(pid, os.WNOHANG)[0] == pid     # exited: reaped here
+            except ChildProcessError:
+                done = True
+            if done:
+                pids[i] = -1
+                continue
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
