@@ -209,8 +209,9 @@ def guided(denoiser: Any, cap: np.ndarray, neg: np.ndarray, scale: float):
     """The raw-output function of classifier-free guidance, as ``ZImagePipeline`` computes it:
     ``pos + scale * (pos - neg)`` in float32, pos and neg the denoiser's outputs for the
     caption features ``cap`` and ``neg`` (both calls on the one open denoiser: it keeps an
-    engine for each padded caption length, one for both when they pad alike). Run it through ``nxhpc.dit.sampler.checked_euler``: that
-    names the step where an output or the latents leave float32's range."""
+    engine for each padded caption length, one for both when they pad alike). Run it through
+    ``nxhpc.dit.sampler.checked_euler``: that names the step where an output or the latents
+    leave float32's range."""
     g = np.float32(scale)
 
     def model(x: np.ndarray, t: float) -> np.ndarray:

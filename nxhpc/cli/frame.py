@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nxhpc.cli.codes import Exit, OutputError, UsageError, code_for, too_many_open_files
-from nxhpc.runtime.proc import Terminated, cli_signals
+from nxhpc.runtime.proc import Terminated, cli_signals, soft_limit
 
 __all__ = ["run_cli", "run_ranked", "error_printer"]
 
@@ -211,14 +211,8 @@ def _environment_error(e: Exception) -> Exception:
 
 
 def _open_files_text(e: OSError) -> str:
-    try:
-        import resource
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
-    except (ImportError, OSError, ValueError):
-        limit = "unknown"
     return (f"too many open files ({e.strerror or e}): the limit on open files (ulimit -n) is "
-            f"{limit}; each worker takes two pipes -- raise it (e.g. ulimit -n 4096) or run "
+            f"{soft_limit('RLIMIT_NOFILE')}; each worker takes two pipes -- raise it (e.g. ulimit -n 4096) or run "
             f"fewer workers")
 
 

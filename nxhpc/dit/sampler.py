@@ -27,7 +27,8 @@ import numpy as np
 from nxhpc.runtime.checks import CheckError, check_float_array
 from nxhpc.runtime.checks import NonFiniteOutputError as _NonFinite
 
-__all__ = ["euler_sample", "checked_euler", "initial_noise", "latent_shape", "turbo_sigmas", "sample",
+__all__ = ["euler_sample", "checked_euler", "initial_noise", "latent_shape", "turbo_sigmas",
+           "sample",
            "check_cap_feats", "check_noise", "decode_png", "require_decode_deps",
            "SampleInputError", "NonFiniteOutputError", "VAE_SCALING", "VAE_SHIFT",
            "MAX_STEPS"]

@@ -51,7 +51,7 @@ from typing import Any
 
 __all__ = ["deferred_signals", "fork_section", "lifeline", "die_with_parent", "register_fd",
            "close_fd", "reap", "describe_exit", "signal_name", "ASYNC_SIGNALS", "cli_signals",
-           "Terminated", "check_owner", "ProcessLimitError", "limited_fork"]
+           "Terminated", "check_owner", "ProcessLimitError", "limited_fork", "soft_limit"]
 
 #: Signals held off by :class:`deferred_signals`: every catchable signal except those raised
 #: synchronously by a fault in the running code (blocking those would hide a crash).
@@ -225,16 +225,22 @@ def limited_fork(start: Callable[[], Any] = os.fork) -> Any:
     except BlockingIOError as e:
         if e.errno != errno.EAGAIN:
             raise
-        try:
-            import resource
-            soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
-            limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
-        except (ImportError, OSError, ValueError):
-            limit = "unknown"
         raise ProcessLimitError(
             errno.EAGAIN, f"cannot start a worker process ({e.strerror or e}): the limit on "
-            f"processes (ulimit -u) is {limit}, or a container's pids limit was reached; each "
-            f"worker is a process -- raise the limit or run fewer workers") from None
+            f"processes (ulimit -u) is {soft_limit('RLIMIT_NPROC')}, or a container's pids "
+            f"limit was reached; each worker is a process -- raise the limit or run fewer "
+            f"workers") from None
+
+
+def soft_limit(name: str) -> str:
+    """This process's soft limit ``resource.<name>`` (e.g. ``"RLIMIT_NOFILE"``) in words: a
+    number, ``"unlimited"`` or ``"unknown"``."""
+    try:
+        import resource
+        soft = resource.getrlimit(getattr(resource, name))[0]
+        return "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+    except (ImportError, AttributeError, OSError, ValueError):
+        return "unknown"
 
 
 def register_fd(fd: int) -> None:

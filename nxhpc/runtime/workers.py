@@ -161,19 +161,14 @@ def _write_msg(fd: int, obj: Any) -> None:
     buf = memoryview(_HDR.pack(len(data)) + data)
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGPIPE})
     try:
-        _write_all(fd, buf)
+        while buf:
+            buf = buf[os.write(fd, buf):]
     except BrokenPipeError:
         if signal.SIGPIPE not in old:         # ours, pending on this thread: take it back
             signal.sigtimedwait({signal.SIGPIPE}, 0)
         raise
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-def _write_all(fd: int, buf: memoryview) -> None:
-    while buf:
-        n = os.write(fd, buf)
-        buf = buf[n:]
 
 
 def _read_exact(fd: int, n: int) -> bytes | None:
