@@ -22,9 +22,12 @@ layers stage by stage (``layer_s_<stage>``: seconds per layer) and against their
 machine (``nxhpc.dit.roofline``, peaks measured in the same session: ``frac_<stage>`` = the
 stage's projection / attention work at the peak of the unit it runs on over its time,
 ``x_limit`` = a layer's time over its limit on this run's units, ``x_machine_limit`` over its
-limit on the machine's fastest units -- also for diffusers), peak RSS
+limit on the machine's fastest units -- also for diffusers; the limits count the useful rows,
+image + caption tokens, not the padding of each to a multiple of 32 that both run), peak RSS
 (Linux VmHWM, reset before each backend; nxhpc: parent and largest worker -- mapped weight
-pages are shared and counted in each), and the output's distance to diffusers float32.
+pages are shared and counted in each; the denoiser is closed before diffusers runs, so none
+of its pages count in diffusers'), and the output's distance to diffusers float32. nxhpc's
+figures are those of the faster of its two timed calls (by the whole call's time).
 A table of all of it is printed at the end of the module (and written to
 ``.benchmarks/bench_denoise.md``).
 
@@ -87,11 +90,18 @@ def _row(key, r) -> list:
             err_cell(r.get("rel_err_vs_diffusers_f32"), ".2e")]
 
 
-def _machine_limit(den, rows: int) -> float | None:
+def _useful_rows(den, lat, cap) -> int:
+    """The rows a call's main layers must compute: image tokens + caption tokens (the
+    padding of each to a multiple of 32 is not counted as work in the limits)."""
+    p = den.config.patch
+    return (lat.shape[1] // p) * (lat.shape[2] // p) + cap.shape[0]
+
+
+def _machine_limit(cfg, rows: int) -> float | None:
     """One main layer at ``rows`` tokens at the machine's fastest units (nxhpc.dit.roofline)."""
     from nxhpc.dit.config import block_view
     from nxhpc.dit.roofline import block_limit_s, machine_kinds
-    return block_limit_s(block_view(den.config), rows, machine_kinds(peak_of), peak_of, WORKERS)
+    return block_limit_s(block_view(cfg), rows, machine_kinds(peak_of), peak_of, WORKERS)
 
 
 _summary = summary_fixture(RESULTS, "bench_denoise", _TITLE, _HEAD, _row)
@@ -110,21 +120,28 @@ def test_denoise_nxhpc(benchmark, den, inputs, tokens, precision):
     den.q8_float_weights = floats or "int8"
     reset_peak_rss()
     den.forward(lat, t, cap)                  # the layout's engine: fork + arena (not timed)
-    out = benchmark.pedantic(lambda: den.forward(lat, t, cap), rounds=2, warmup_rounds=0)
-    tm = dict(den.last_timings)
+    rounds: list[tuple[dict, dict]] = []      # each timed call's timings: the fastest is used
+
+    def call():
+        o = den.forward(lat, t, cap)
+        rounds.append((dict(den.last_timings), dict(den.last_stage_timings["layers"])))
+        return o
+    out = benchmark.pedantic(call, rounds=2, warmup_rounds=0)
+    tm, st = min(rounds, key=lambda r: r[0]["us_total"])
     mem = den.memory()
     s = den.session(lat.shape[1], lat.shape[2], cap.shape[0])
     per_layer = tm["us_layers"] / cfg.n_layers / 1e6
-    r = {"rows": s.Np + s.Lp, "s_per_layer": per_layer,
+    r = {"rows": s.Np + s.Lp, "useful_rows": _useful_rows(den, lat, cap), "s_per_layer": per_layer,
          "s_per_30_layer_step": (tm["us_total"] - tm["us_layers"]) / 1e6 + STEP_LAYERS * per_layer,
          "s_call": bench_stats(benchmark).median, **tm, **mem, "output": out}
     # the main layers' stages (seconds per layer) and each against its limit on this machine
     from nxhpc.dit.config import block_view
     from nxhpc.dit.roofline import report_fields
-    st = den.last_stage_timings["layers"]
     r.update({f"layer_s_{k[3:]}": v / cfg.n_layers / 1e6 for k, v in st.items()
               if k.startswith("us_")})
-    r.update(report_fields(st, block_view(cfg), st["rows"], prec, WORKERS,
+    # the limit counts the useful rows (image + caption tokens), not the padding to 32 the
+    # kernels also run (as diffusers does: its padded rows are its own cost too)
+    r.update(report_fields(st, block_view(cfg), r["useful_rows"], prec, WORKERS,
                            layers=cfg.n_layers, rate=peak_of))
     for k in ("limit_us", "machine_limit_us"):      # the main layers' -> one layer's, in s
         if r[k] is not None:
@@ -165,29 +182,35 @@ def _diffusers_model(den, torch):
 
 
 @pytest.fixture(scope="module")
-def torch_model(den):
+def torch_model(den, inputs):
+    """diffusers' model, and what its runs need of nxhpc's denoiser (config, rows); the
+    denoiser is closed here (the nxhpc runs come first), so its mapped weights, arena and
+    workers are not in diffusers' peak RSS."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("diffusers")
     torch.set_num_threads(WORKERS)
-    return {"model": _diffusers_model(den, torch), "dtype": torch.float32}
+    rows = {T: _useful_rows(den, lat, cap) for T, (lat, _, cap) in inputs.items()}
+    cfg = den.config
+    model = _diffusers_model(den, torch)
+    den.close()
+    return {"model": model, "dtype": torch.float32, "config": cfg, "useful_rows": rows}
 
 
-def _run_diffusers(benchmark, torch_model, den, inputs, tokens, dtype_name):
+def _run_diffusers(benchmark, torch_model, inputs, tokens, dtype_name):
     import torch
 
     from nxhpc.dit.oracle import run_diffusers_zimage
     model = model_as(torch_model, getattr(torch, dtype_name))
     lat, t, cap = inputs[tokens]
     benchmark.group = f"denoise {MODEL} image tokens={tokens} caption={CAPTION}"
-    n = den.config.n_layers
+    n = torch_model["config"].n_layers
     out, total, layer_s = run_timed_layers(
         benchmark, model.layers, lambda: run_diffusers_zimage(model, lat, t, cap), n, rounds=1)
     per_layer = layer_s / n
     r = {"s_per_layer": per_layer,
          "s_per_30_layer_step": (total - layer_s) + STEP_LAYERS * per_layer,
          "s_call": total, "peak_rss_mb": peak_rss_mb(), "output": out}
-    s = den.session(lat.shape[1], lat.shape[2], cap.shape[0])
-    lim = _machine_limit(den, s.Np + s.Lp)   # the rows diffusers runs too (padded alike)
+    lim = _machine_limit(torch_model["config"], torch_model["useful_rows"][tokens])
     r["x_machine_limit"] = per_layer / lim if lim else None
     ref = RESULTS.get(("diffusers float32", tokens), {}).get("output")
     if dtype_name == "float32":
@@ -205,8 +228,8 @@ def _run_diffusers(benchmark, torch_model, den, inputs, tokens, dtype_name):
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_denoise_torch_float32(benchmark, torch_model, den, inputs, tokens):
-    _run_diffusers(benchmark, torch_model, den, inputs, tokens, "float32")
+def test_denoise_torch_float32(benchmark, torch_model, inputs, tokens):
+    _run_diffusers(benchmark, torch_model, inputs, tokens, "float32")
     nx = RESULTS.get(("nxhpc f32", tokens))
     if nx is not None:
         # float32 both sides, same weights: the rest is diffusers' float32 sinusoid and RoPE
@@ -215,5 +238,5 @@ def test_denoise_torch_float32(benchmark, torch_model, den, inputs, tokens):
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_denoise_torch_bfloat16(benchmark, torch_model, den, inputs, tokens):
-    _run_diffusers(benchmark, torch_model, den, inputs, tokens, "bfloat16")
+def test_denoise_torch_bfloat16(benchmark, torch_model, inputs, tokens):
+    _run_diffusers(benchmark, torch_model, inputs, tokens, "bfloat16")

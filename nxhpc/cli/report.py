@@ -133,12 +133,19 @@ def emit_graded(report: Mapping[str, Any], *, as_json: bool, grade=None, verdict
     return save_error
 
 
-def peak_rss_mb() -> dict[str, float]:
-    """MB: this process's peak resident set and the largest of its finished children's (the
-    workers, once reaped), from ``getrusage`` (Linux reports KiB)."""
+def peak_rss_mb() -> dict[str, float | None]:
+    """MB (10^6 bytes, as :mod:`nxhpc.runtime.memory`): this process's peak resident set
+    (``VmHWM``: this program's own, from its exec on) and the largest of its finished
+    children's (the workers, once reaped; ``getrusage``'s ``ru_maxrss``, which Linux gives in
+    KiB). ``ru_maxrss`` of the process itself is not used: a process started by a larger one
+    (``subprocess`` from a test runner or a notebook) inherits that parent's peak in it."""
     import resource
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+    from nxhpc.runtime.memory import peak_rss_mb as vm_hwm_mb
+    own = vm_hwm_mb()
+    if own is None:            # no /proc: getrusage's own peak, the best there is
+        own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e6
     return {"peak_rss_mb": round(own, 1), "worker_peak_rss_mb": round(kids, 1) or None}
 
 
