@@ -21,7 +21,8 @@ does). Backends, 2 workers / 2 torch threads, in one run, one group per token co
 (with ``frac_of_peak``: over 2 cores' peak of the unit its projections run on, and
 ``frac_of_machine_peak`` where the machine has a faster one; ``_bench_util.peak_fields``),
 peak RSS (Linux VmHWM, reset before each backend; nxhpc: the parent and its largest worker --
-mapped weight pages are shared and counted in each), and the distance of the features to
+mapped weight pages are shared and counted in each; the encoder is closed before torch runs,
+so none of its pages count in torch's), and the distance of the features to
 transformers float32 (checked after timing). A table is printed at the end and written to
 ``.benchmarks/bench_text_encoder.md``.
 
@@ -42,7 +43,7 @@ from nxhpc.formats.gguf_io import LazyTensor
 from nxhpc.models.qwen3_files import write_qwen3_gguf
 from nxhpc.models.registry import models_dir
 from nxhpc.qwen3.config import Qwen3Config, layer_names
-from nxhpc.qwen3.encoder import TextEncoder
+from nxhpc.qwen3.encoder import MAX_TOKENS, TextEncoder
 from nxhpc.qwen3.tokenizer import tiny_vocab, vocab_metadata
 
 CFG = Qwen3Config(vocab=4096, dim=2560, n_layers=2, n_heads=32, n_kv_heads=8, head_dim=128,
@@ -174,7 +175,9 @@ def test_text_encoder_nxhpc(benchmark, te, prompts, tokens, precision):
 @pytest.fixture(scope="module")
 def torch_model(te):
     """transformers' Qwen3Model (float32) holding the file's weights as the ``gguf`` package
-    decodes them, filled one tensor at a time."""
+    decodes them, filled one tensor at a time, and nxhpc's tokenizer of the file. The encoder
+    is closed here (the nxhpc runs come first), so its mapped weights, arena and workers are
+    not in torch's peak RSS."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import gguf
@@ -198,17 +201,20 @@ def torch_model(te):
             params[names[t.name]].copy_(torch.tensor(a))
         filled.add(names[t.name])
     assert filled == set(params), sorted(set(params) - filled)[:5]
-    return {"model": model, "dtype": torch.float32}
+    tokenizer = te.tokenizer
+    te.close()
+    return {"model": model, "dtype": torch.float32, "tokenizer": tokenizer}
 
 
 def _run_torch(benchmark, torch_model, te, prompts, tokens, dtype_name):
     import torch
     model = model_as(torch_model, getattr(torch, dtype_name))
+    tok = torch_model["tokenizer"]
     benchmark.group = _group(tokens)
     prompt = prompts[tokens]
 
     def features():
-        ids = te.tokenize(prompt)                # the same tokenizer: prompt -> features
+        ids = tok.tokenize(prompt, MAX_TOKENS)   # the same tokenizer: prompt -> features
         with torch.no_grad():
             hs = model(torch.as_tensor([ids]), output_hidden_states=True).hidden_states
         return hs[-2][0].float().numpy()
