@@ -9,8 +9,10 @@ Run (every baseline limited to one thread):
 Attention: T=1024, hd=128, H heads in one process; GFLOP/s = 4*T^2*hd*H / time (QK^T and PV) in
 ``extra_info`` with its fraction of this CPU's float32 FMA peak, measured once per session
 (``_bench_util.peak_fields``: fma_zmm for the avx512 variant, fma_ymm for avx2, the fastest for
-the baselines). The other kernels report GB/s of compulsory traffic. Correctness is checked after
-timing (float64 reference with the error bound from tests/test_kernels_ops.py for attention).
+the baselines; an ISA asked for is first resolved to the code that runs there,
+``nxhpc.runtime.peak.variant_at``: avxvnni's attention is avx2's). The other kernels report GB/s
+of compulsory traffic. Correctness is checked after timing (float64 reference with the error
+bound from tests/test_kernels_ops.py for attention).
 
 bf16 vs f32 at the DiT's lengths (T = 1024, 2048, 4128; hd = 128; NXHPC_BENCH_HEADS heads, default
 2 of Z-Image's 30): nxhpc's float32 and bf16 attention (csrc/nx_attn_bf16.h; every ISA with its
@@ -35,11 +37,21 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 from nxhpc import _kernels as K
+from nxhpc.runtime.peak import variant_at
 from _bench_util import bench_stats, peak_fields, qknorm_rope_inputs
 
 T_ATT, HD = 1024, 128
 U = 2.0 ** -24
 SIMD = [i for i in K.supported_isas() if i != "generic"]
+
+
+def _peak(g, precision, isa=None):
+    """``peak_fields`` of ``g`` GFLOP/s for the attention of ``precision`` ("f32", "bf16") asked
+    for at ``isa`` (an ISA or an "isa:dot" label), set against the unit of the code that runs
+    there (``variant_at``: the float32 attention at "avxvnni" is the avx2 code, on fma_ymm);
+    None: a baseline, against this CPU's fastest unit of the precision."""
+    slot = "attention" if precision == "f32" else "attention_bf16"
+    return peak_fields(g, precision, None if isa is None else variant_at(slot, isa))
 
 
 def _attn_case(H, seed=0):
@@ -56,7 +68,7 @@ def _attn_info(benchmark, H, name, isa=None):
     benchmark.extra_info.update({
         "impl": name, "T": T_ATT, "hd": HD, "H": H, "gflops_best": round(g, 1),
         "gflops_mean": round(flop / bench_stats(benchmark).mean / 1e9, 1),
-        **peak_fields(g, "f32", isa)})
+        **_peak(g, "f32", isa)})
 
 
 def _attn_check(out, q, k, qkv, H, heads=(0,), rows=64):
@@ -104,16 +116,16 @@ def test_bench_attention_numpy(benchmark, H):
     out = np.empty((T_ATT, H * HD), np.float32)
 
     def run():
-        with threadpool_limits(1):
-            for h in range(H):
-                s = (q[h] @ k[h].T) * scale
-                s -= s.max(axis=1, keepdims=True)
-                np.exp(s, out=s)
-                s /= s.sum(axis=1, keepdims=True)
-                out[:, h * HD:(h + 1) * HD] = s @ qkv[:, 2 * H * HD + h * HD:2 * H * HD + (h + 1) * HD]
+        for h in range(H):
+            s = (q[h] @ k[h].T) * scale
+            s -= s.max(axis=1, keepdims=True)
+            np.exp(s, out=s)
+            s /= s.sum(axis=1, keepdims=True)
+            out[:, h * HD:(h + 1) * HD] = s @ qkv[:, 2 * H * HD + h * HD:2 * H * HD + (h + 1) * HD]
         return out
 
-    benchmark.pedantic(run, rounds=5, warmup_rounds=1)
+    with threadpool_limits(1):      # entered once, outside the timed calls
+        benchmark.pedantic(run, rounds=5, warmup_rounds=1)
     _attn_info(benchmark, H, "numpy float32 (1 thread)")
     _attn_check(out, q, k, qkv, H)
 
@@ -148,7 +160,6 @@ def _torch_sdpa(benchmark, q, k, v, dtype, rounds, causal=False):
     """torch's SDPA on one thread, timed by ``benchmark``: q, k, v [H, T, hd] (a GQA's k and v
     already repeated per query head) cast to ``dtype``; returns the output, float32 [T, H*hd]."""
     torch = pytest.importorskip("torch")
-    torch.set_num_threads(1)
     dt = getattr(torch, dtype)
     tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(a))[None].to(dt) for a in (q, k, v))
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -157,7 +168,12 @@ def _torch_sdpa(benchmark, q, k, v, dtype, rounds, causal=False):
         with torch.no_grad():
             return sdpa(tq, tk, tv, is_causal=causal, scale=HD ** -0.5)
 
-    res = benchmark.pedantic(run, rounds=rounds, warmup_rounds=1)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res = benchmark.pedantic(run, rounds=rounds, warmup_rounds=1)
+    finally:
+        torch.set_num_threads(prev)
     H, T = q.shape[0], q.shape[1]
     return res[0].float().permute(1, 0, 2).reshape(T, H * HD).numpy()
 
@@ -247,7 +263,7 @@ def test_bench_attention_dit_nxhpc(benchmark, T, impl, isa):
         benchmark.extra_info.update({"dot": dot, "auto_dot": before})
     # against its unit's peak (the AVX-512 BF16 kernel's by its dot: fma_zmm or bf16_zmm) and
     # the machine's fastest unit of the precision
-    benchmark.extra_info.update(peak_fields(g, impl, isas[0]))
+    benchmark.extra_info.update(_peak(g, impl, isas[0]))
     if impl == "f32":
         _attn_check_T(out, q, k, qkv, T, H_DIT)
     else:
@@ -297,11 +313,12 @@ def _causal_case(seed=0):
     return q, k, qkv
 
 
-def _causal_info(benchmark, name, isa=None):
+def _causal_info(benchmark, name, precision, isa=None):
+    """The causal row's GFLOP/s, against the peak of ``precision``'s unit (``_peak``)."""
     flop = 2.0 * T_C * (T_C + 1) * HD * H_C
     g = flop / bench_stats(benchmark).min / 1e9
     benchmark.extra_info.update({"impl": name, "T": T_C, "hd": HD, "H": H_C, "KVH": KVH_C,
-                                 "gflops_best": round(g, 1), **peak_fields(g, "f32", isa)})
+                                 "gflops_best": round(g, 1), **_peak(g, precision, isa)})
 
 
 def _causal_check(out, q, k, qkv, rows=(0, 1, 63, 64, 200, 511)):
@@ -328,7 +345,7 @@ def test_bench_attention_causal_nxhpc(benchmark, isa):
     out = np.empty((T_C, H_C * HD), np.float32)
     benchmark.pedantic(K.attention, args=(q, k, qkv, out, KVH_C, HD ** -0.5),
                        kwargs={"isa": isa, "causal": True}, rounds=7, warmup_rounds=1)
-    _causal_info(benchmark, f"nxhpc[{isa}]", isa)
+    _causal_info(benchmark, f"nxhpc[{isa}]", "f32", isa)
     _causal_check(out, q, k, qkv)
 
 
@@ -358,7 +375,7 @@ def test_bench_attention_bf16_sharp_nxhpc(benchmark, isa, qk_scale):
     out = np.empty((T_SH, H_SH * HD), np.float32)
     _run_labelled(benchmark, isa, (q, k, qkv, out, H_SH, HD ** -0.5), {"precision": "bf16"}, 5)
     _dit_info(benchmark, T_SH, H_SH, f"nxhpc bf16 [{isa}] q, k x {qk_scale}")
-    benchmark.extra_info.update(peak_fields(benchmark.extra_info["gflops_best"], "bf16", isa))
+    benchmark.extra_info.update(_peak(benchmark.extra_info["gflops_best"], "bf16", isa))
     _bf16_check(out, q, k, qkv, T_SH, H_SH, rounded=True)
 
 
@@ -380,8 +397,7 @@ def test_bench_attention_causal_bf16_nxhpc(benchmark, isa):
     out = np.empty((T_C, H_C * HD), np.float32)
     _run_labelled(benchmark, isa, (q, k, qkv, out, KVH_C, HD ** -0.5),
                   {"precision": "bf16", "causal": True}, 7)
-    _causal_info(benchmark, f"nxhpc bf16 [{isa}]")
-    benchmark.extra_info.update(peak_fields(benchmark.extra_info["gflops_best"], "bf16", isa))
+    _causal_info(benchmark, f"nxhpc bf16 [{isa}]", "bf16", isa)
     _bf16_check(out, q, k, qkv, T_C, H_C, causal=True, KVH=KVH_C)
 
 
@@ -394,7 +410,8 @@ def test_bench_attention_causal_torch_sdpa(benchmark, dtype):
     v = qkv[:, (H_C + KVH_C) * HD:].reshape(T_C, KVH_C, HD).transpose(1, 0, 2)
     out = _torch_sdpa(benchmark, q, np.repeat(k, rep, axis=0), np.repeat(v, rep, axis=0),
                       dtype, 7, causal=True)
-    _causal_info(benchmark, f"torch.sdpa {dtype} is_causal (1 thread)")
+    # against the fastest unit of its precision (the baselines' rule): bf16 for bfloat16
+    _causal_info(benchmark, f"torch.sdpa {dtype} is_causal (1 thread)", "bf16" if bf else "f32")
     if bf:  # bfloat16 inputs and output
         _bf16_check(out, q, k, qkv, T_C, H_C, extra=2.0 ** -7, causal=True, KVH=KVH_C)
     else:

@@ -5,7 +5,10 @@ Bytes come from the DiT's own :meth:`nxhpc.dit.plan.BlockPlan.split` (the region
 gathers after each split stage) at Z-Image's dims (D=3840, 30 heads x 128, F=10240, 30 layers,
 2 + 2 refiner blocks). The measured exchange runs ``mpirun -n R`` of a probe that gathers
 exactly those regions with :class:`nxhpc.runtime.ranks.Ranks` (the engine's code path) on
-numpy buffers of the real sizes -- no model is needed. Results: ``benchmarks/README.md``.
+numpy buffers of the real sizes -- no model is needed. A step is a sampler's call after its
+first, as bench_denoise times it: the caption's context refiner ran in the first call and its rows
+are reused (``Denoiser.reuse_caption``), so it neither computes nor gathers (``caption=True``
+counts it). Results: ``benchmarks/README.md``.
 
     python -m pytest benchmarks/bench_exchange.py --benchmark-only -s
 """
@@ -44,13 +47,16 @@ def layer_bytes(T: int, cfg=None) -> int:
     return sum(a * b * FLOAT for _, _, (a, b) in layer_regions(T, cfg))
 
 
-def step_bytes(px: int, cfg=None) -> int:
-    """Bytes one denoiser call gathers: 2 noise-refiner blocks on the image rows, 2
-    context-refiner blocks on the caption rows, 30 layers on the joint rows."""
+def step_bytes(px: int, cfg=None, caption: bool = False) -> int:
+    """Bytes one sampler step's denoiser call gathers: 2 noise-refiner blocks on the image rows
+    and 30 layers on the joint rows; with ``caption`` (a sampler's first call) also 2
+    context-refiner blocks on the caption rows, which later calls with the same caption copy
+    back instead of running (``Denoiser.reuse_caption``, docs/denoiser.md; bench_denoise's step
+    counts such a call)."""
     cfg = cfg or DenoiserConfig.zimage()
     n_img, lp = SIZES[px]
     return (cfg.n_noise_refiner * layer_bytes(n_img, cfg)
-            + cfg.n_context_refiner * layer_bytes(lp, cfg)
+            + (cfg.n_context_refiner * layer_bytes(lp, cfg) if caption else 0)
             + cfg.n_layers * layer_bytes(n_img + lp, cfg))
 
 
@@ -62,22 +68,22 @@ def layer_flops(T: int, cfg=None) -> float:
 
 
 def step_time(R: int, cores: int, gbit: float, px: int, gflops_per_core: float = 40.0,
-              latency_s: float = 30e-6) -> float:
-    """Modelled seconds of one call on ``R`` machines of ``cores`` cores joined at ``gbit``
-    Gbit/s: the split work over ``R * cores`` cores plus a ring allgather per region (each
-    rank receives ``(R-1)/R`` of it, ``R-1`` hops of ``latency_s``). Element-wise work
-    (repeated on every rank) and the embedders are left out: a few per cent of a step."""
+              latency_s: float = 30e-6, caption: bool = False) -> float:
+    """Modelled seconds of one sampler step's call on ``R`` machines of ``cores`` cores joined
+    at ``gbit`` Gbit/s: the split work over ``R * cores`` cores plus a ring allgather per region
+    (each rank receives ``(R-1)/R`` of it, ``R-1`` hops of ``latency_s``). The context refiner
+    counts only with ``caption`` (a sampler's first call: :func:`step_bytes`). Element-wise
+    work (repeated on every rank) and the embedders are left out: a few per cent of a step."""
     cfg = DenoiserConfig.zimage()
     n_img, lp = SIZES[px]
-    flops = (cfg.n_noise_refiner * layer_flops(n_img, cfg)
-             + cfg.n_context_refiner * layer_flops(lp, cfg)
+    n_ctx = cfg.n_context_refiner if caption else 0
+    flops = (cfg.n_noise_refiner * layer_flops(n_img, cfg) + n_ctx * layer_flops(lp, cfg)
              + cfg.n_layers * layer_flops(n_img + lp, cfg))
     compute = flops / (R * cores * gflops_per_core * 1e9)
     if R == 1:
         return compute
-    n_regions = len(layer_regions(8, cfg)) * (cfg.n_layers + cfg.n_noise_refiner
-                                              + cfg.n_context_refiner)
-    exchange = step_bytes(px, cfg) * (R - 1) / R / (gbit * 1e9 / 8) \
+    n_regions = len(layer_regions(8, cfg)) * (cfg.n_layers + cfg.n_noise_refiner + n_ctx)
+    exchange = step_bytes(px, cfg, caption) * (R - 1) / R / (gbit * 1e9 / 8) \
         + n_regions * (R - 1) * latency_s
     return compute + exchange
 
@@ -132,6 +138,7 @@ def test_exchange_model(benchmark):
         assert layer_bytes(T) == want
         benchmark.extra_info[f"layer_MB_{px}"] = want / 1e6
         benchmark.extra_info[f"step_GB_{px}"] = rows[px] / 1e9
+        benchmark.extra_info[f"first_call_GB_{px}"] = step_bytes(px, caption=True) / 1e9
         for gbit in (10, 100):
             for cores in (2, 16, 64):
                 benchmark.extra_info[f"step_s_{px}_{gbit}G_{cores}c"] = [

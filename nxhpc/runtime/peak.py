@@ -3,10 +3,11 @@
 tdpbf16ps), so that speed figures are set against the CPU they ran on instead of a figure from
 another machine.
 
-Owns: the timing (one thread, CPU time of that thread, best of a few runs) and the table of
-kinds by precision. Must not: import the compiled kernels at import time (it is part of
-``runtime``, which works unbuilt: the kernels are imported on the first measurement), or assert
-anything about speed.
+Owns: the timing (one thread, CPU time of that thread, best of a few runs), the table of
+kinds by precision and the kind of the code that runs a kernel (``kind_for``; ``variant_at``:
+the code that an ISA asked for runs). Must not: import the compiled kernels at import time (it
+is part of ``runtime``, which works unbuilt: the kernels are imported on the first
+measurement), or assert anything about speed.
 
     python -m nxhpc.runtime.peak          # this CPU's table, GOP/s per core
 """
@@ -16,7 +17,7 @@ import time
 from collections.abc import Callable
 
 __all__ = ["KINDS", "PRECISION_KINDS", "measure", "rates", "peaks", "supported", "reachable",
-           "kind_for"]
+           "kind_for", "variant_at"]
 
 #: Every peak kind (csrc/nx_peak.h), in its order.
 KINDS = ("fma_ymm", "i8_ymm", "fma_zmm", "vnni_zmm", "bf16_zmm", "amx_int8", "amx_bf16",
@@ -114,11 +115,26 @@ def peaks(seconds: float = 0.2, runs: int = 5) -> dict[str, float]:
     return {kind: measure(kind, seconds, runs) for kind in supported()}
 
 
+def variant_at(slot: str, isa: str) -> str:
+    """The variant (a ``kernel_variants()`` value) whose code runs kernel ``slot`` (a
+    ``kernel_variants()`` key) when a call asks for ``isa``: an ISA with no code of its own for
+    the slot runs its ancestor's (the float32 "attention" asked for at "avxvnni" is the "avx2"
+    code, at "amx" the "avx512" one). ``isa`` may carry a benchmark's ":dot" suffix (the AVX-512
+    BF16 attention's dot, ``K.attention_bf16_dot``: "avx512bf16:fma"), kept where that ISA's own
+    code runs. ValueError for an unknown slot or ISA name."""
+    base, sep, dot = isa.partition(":")
+    v = _k()._variant(slot, base)
+    return v + sep + dot if v == base else v
+
+
 def kind_for(precision: str, variant: str | None = None) -> str | None:
     """The peak kind that bounds a kernel of ``precision`` ("f32", "bf16", "q8") whose code is
     ``variant`` (an ISA name from ``kernel_variants()``): the kind of the instructions that code
     issues; for None, "generic" or a variant of no known kind, the fastest kind of the precision
-    this CPU supports. None when the CPU supports none of them."""
+    this CPU supports. None when the CPU supports none of them. ``variant`` is the code that
+    runs, not the ISA a call asked for: a requested ISA with no code of its own for the kernel
+    (the float32 attention at "avxvnni") would fall to the fastest kind here, so resolve it with
+    :func:`variant_at` first."""
     if precision not in PRECISION_KINDS:
         raise ValueError(f"kind_for: precision must be one of {sorted(PRECISION_KINDS)}, "
                          f"got {precision!r}")
