@@ -120,6 +120,30 @@ def test_later_keys_never_change_a_row(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_rows_before_a_poisoned_tail_never_read_it(isa):
+    """What is never read (docs/kernels.md, causal attention): v rows after a micro-block's last
+    row, and k and v of key tiles after it. A tail of inf / NaN there (garbage past the end of
+    a padded buffer) leaves every earlier row's bits as they are; the test above rewrites later
+    rows only with finite values, where a read key's weight 0 hides the read (0 * v = 0).
+    Rows within 8 of the tail are not checked: their micro-block (at most 8 rows) may reach it."""
+    T, H, KVH, hd = 203, 4, 2, 24
+    q, k, qkv, _ = inputs(T, H, KVH, hd, seed=12)
+    sc = hd ** -0.5
+    base = run(q, k, qkv, KVH, sc, isa)
+    vcols = slice((H + KVH) * hd, (H + 2 * KVH) * hd)
+    for p, what in ((100, "v"), (131, "v"), (64, "kv"), (192, "kv")):
+        for bad in (np.inf, np.nan):
+            k2, qkv2 = k.copy(), qkv.copy()
+            qkv2[p:, vcols] = bad
+            if what == "kv":              # p on a key tile's edge (16 or 64 keys): k too
+                k2[:, p:] = bad
+            got = run(q, k2, qkv2, KVH, sc, isa)
+            assert_bitwise(got[:p - 8], base[:p - 8], f"{isa}: {what} from {p} = {bad}")
+            # negative control: the rows that do attend the tail read it
+            assert not np.isfinite(got[p:]).any(), (isa, p, what, bad)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_last_row_is_the_full_attention(isa):
     """The last query sees every key: its causal row equals the non-causal one bit for bit."""
     for T in (1, 5, 64, 97):

@@ -247,6 +247,21 @@ def test_round_bf16_matches_numpy_bit_model(isa):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("isa", BF16_VARIANTS)
+def test_round_bf16_writes_every_element_of_any_length(isa):
+    """Every length from 0 to 70 (the masked tails of 16 and 32 lanes), into outputs that were
+    garbage before: the test above has one length, a multiple of 16, so a tail store one lane
+    short passed it (a mutation check, 2026-12-06)."""
+    rng = np.random.default_rng(21)
+    for n in range(71):
+        x = rng.standard_normal(n).astype(np.float32) * 3
+        for _ in range(8):                  # leave freed buffers of this size full of a pattern
+            np.full(n, 0x7FC1, np.uint32)
+        got = K.round_bf16(x, isa=isa).view(U32)
+        want = np_round_bf16_bits(x).astype(U32) << 16
+        np.testing.assert_array_equal(got, want, err_msg=f"{isa} n={n}")
+
+
 def test_round_bf16_negative_controls():
     """The patterns distinguish RNE from truncation and from round-half-up, and flushing from
     rounding subnormals -- so the test above would catch any of those."""
