@@ -122,6 +122,27 @@ def test_whole_call_vs_float64_reference_and_diffusers(cases, dens, inputs, outp
     assert rel_err(other, ref) > 100 * REL_TOL
 
 
+@pytest.mark.parametrize("lat_shape,n_cap", [((16, 16, 16), 32), ((16, 16, 16), 19),
+                                              ((16, 12, 10), 32)])
+def test_whole_call_when_rows_need_no_padding(cases, dens, lat_shape, n_cap):
+    """Image tokens and / or caption tokens already a multiple of 32 (8 x 8 = 64 image tokens;
+    32 caption tokens; every 512x512 image has 1024): no pad rows on that side. The test above
+    pads both sides, and a layout that added a whole pad block to an aligned side (a mutation
+    check, 2026-12-06) crashed at 64 image tokens and was 0.31 off with a 32-token caption."""
+    from nxhpc.dit.oracle import run_diffusers_zimage
+    layout, t = LAYOUTS[0], 0.5
+    rng = np.random.default_rng(7)
+    lat = rng.standard_normal(lat_shape).astype(np.float32)
+    cap = rng.standard_normal((n_cap, CFG.cap_dim)).astype(np.float32)
+    out = dens[layout].forward(lat, t, cap)
+    ref = denoiser_forward_f64(lat, t, cap, cases[layout].file.weights, CFG)
+    dif = run_diffusers_zimage(cases[layout].diffusers, lat, t, cap)
+    assert rel_err(dif, ref) <= 1e-6
+    for what, r in (("float64 reference", ref), ("diffusers float64", dif)):
+        assert rel_err(out, r) <= REL_TOL, (what, lat_shape, n_cap, rel_err(out, r))
+    assert np.abs(ref).max() > 0.5
+
+
 @pytest.mark.parametrize("mutation", ["mask_pads", "token_order", "patch_order",
                                       "final_no_silu"])
 def test_negative_controls_fail_the_same_check(cases, inputs, outputs, mutation):
