@@ -167,6 +167,10 @@ def _bad_cases(cfg):
         "pad token shape": ({**t, "x_pad_token": ((2, D), "F32")}, {}, "x_pad_token"),
         "qkv rows": ({**t, "layers.0.attention.qkv.weight": ((3 * D + 64, D), "F32")}, {},
                      "layers.0.attention.qkv.weight"),
+        # 6 query heads of 64 and rows for 4 kv heads: 4 does not divide 6
+        "kv heads do not divide the heads": (
+            {**t, "layers.0.attention.qkv.weight": (((6 + 2 * 4) * 64, D), "F32")}, {},
+            "layers.0.attention.qkv.weight"),
         "odd head_dim": ({**t, "layers.0.attention.q_norm.weight": ((63,), "F32")}, {},
                          "layers.0.attention.q_norm.weight"),
         "norm is 2-D": ({**t, "layers.0.attention_norm1.weight": ((1, D), "F32")}, {},

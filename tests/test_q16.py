@@ -51,6 +51,20 @@ def test_round_div_matches_fraction_python_ints(xs, d):
     assert all(round_div(x, d) == ref_round(x, d) for x in xs)
 
 
+def test_round_div_ties_on_plain_ints_and_arrays_agree():
+    """Every x near the ties for small even and odd d, as Python ints (the scalar path) and as
+    int64 / object arrays: half-to-even, as ``round(Fraction(x, d))``. The random tests above
+    almost never draw a tie for the scalar path, where half-up passed them (a mutation check,
+    2026-12-06)."""
+    for d in (2, 3, 4, 6, 10, 2 ** 16):
+        xs = [k * d + r for k in range(-4, 5) for r in {0, 1, d // 2 - 1, d // 2, d // 2 + 1}]
+        want = [round(Fraction(x, d)) for x in xs]
+        assert [round_div(x, d) for x in xs] == want, d
+        assert [int(v) for v in round_div(np.array(xs, dtype=np.int64), d)] == want, d
+        assert [int(v) for v in round_div(np.array(xs, dtype=object), d)] == want, d
+    assert round_div(-3, 2) == -2 and round_div(5, 2) == 2 and round_div(7, 2) == 4
+
+
 @given(st.floats(-1e12, 1e12, allow_nan=False))
 def test_to_q16_is_half_even_of_exact_scaling(x):
     assert int(to_q16(np.array([x]))[0]) == round(Fraction(x) * Q16_ONE)

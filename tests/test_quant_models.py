@@ -70,6 +70,11 @@ def test_policy_types_and_fallbacks():
     assert t("q4_k_m", L + "feed_forward.w2.weight", (384, 1056)) == "Q8_0"
     assert t("q3_k", L + "attention.out.weight", (384, 384)) == "Q4_0"
     assert t("q4_0", L + "attention.out.weight", (8, 40)) == "F32"        # no 32-blocks
+    # the fallback follows the row length (the second dim), whatever the row count: rows of 96
+    # or 384 cannot be Q4_K even when the count is a multiple of 256
+    assert t("q4_k_m", L + "feed_forward.w1.weight", (256, 96)) == "Q5_0"
+    assert t("q4_k_m", L + "feed_forward.w1.weight", (512, 384)) == "Q5_0"
+    assert t("q4_k_m", L + "feed_forward.w1.weight", (96, 256)) == "Q4_K"
     # sdcpp Q4_0: layers + refiners Q4_0, their adaLN Q8_0, the rest F32
     assert t("sdcpp-q4_0", L + "feed_forward.w3.weight", (768, 256)) == "Q4_0"
     assert t("sdcpp-q4_0", "context_refiner.1.attention.out.weight", (256, 256)) == "Q4_0"

@@ -125,6 +125,7 @@ def test_bad_inputs_are_refused_before_any_call(den):
         (np.zeros((5, CAP_DIM), np.int32), ok_noise, "floating-point"),
         (ok_cap, np.zeros((8, 12, 10), np.float32), r"noise: shape \[8, 12, 10\]"),
         (ok_cap, np.zeros((16, 11, 10), np.float32), "multiples of 2"),
+        (ok_cap, np.zeros((16, 12, 11), np.float32), "multiples of 2"),     # the width alone
         (ok_cap, np.zeros((16, 12, 0), np.float32), "multiples of 2"),
         (ok_cap, np.full(LAT, np.inf, np.float32), "NaN or inf"),
     ]
