@@ -222,6 +222,15 @@ CASES = {
     "misaligned offset": (lambda: raw_gguf(_valid_tensors(), offsets=[0, 40]),
                           "'q' data offset 40 is not a multiple"),
     "overlapping tensors": (lambda: raw_gguf(_valid_tensors(), offsets=[0, 0]), "overlap"),
+    # I8 tensors of 33 and 32 bytes at 0 and 32: one byte shared
+    "overlapping by one byte": (lambda: raw_gguf([("a", [33], 24, bytes(range(33))),
+                                                  ("b", [32], 24, bytes(32))], offsets=[0, 32]),
+                                "'a' and 'b' overlap"),
+    # more tensor infos than the file's bytes could describe (each takes at least 32 bytes),
+    # though fewer than its bytes: refused by the header's count, not at the first empty info
+    "counts beyond a small file": (lambda: raw_gguf([], kv=[("general.name", 8, _s("x" * 150))],
+                                                    n_tensors=100),
+                                   "header claims 100 tensors"),
     "duplicate tensor": (lambda: raw_gguf([f32_tensor("a", np.ones(8))] * 2),
                          "duplicate tensor 'a'"),
     "prefixed and bare": (lambda: raw_gguf([f32_tensor("a", np.ones(8)),

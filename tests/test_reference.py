@@ -304,6 +304,13 @@ def test_position_ids_layout():
 def test_default_axes_dims():
     assert rope.default_axes_dims(128, "zimage") == (32, 48, 48)
     assert rope.default_axes_dims(96, "lumina2") == (32, 32, 32)
+    # other head dims by the documented rule, worked out by hand: hd/2 pairs split in Z-Image's
+    # ratio 32:48:48 (1/4, 3/8, 3/8), floors, the remainder one pair at a time to the leading
+    # axes. hd 14: 7 pairs, floors (1, 2, 2), +1 +1 -> (2, 3, 2) pairs; hd 40: 20 pairs,
+    # (5, 7, 7) +1 -> (6, 7, 7); hd 64: 32 pairs, (8, 12, 12) exactly
+    assert rope.default_axes_dims(14, "zimage") == (4, 6, 4)
+    assert rope.default_axes_dims(40, "zimage") == (12, 14, 14)
+    assert rope.default_axes_dims(64, "zimage") == (16, 24, 24)
     for hd in (8, 32, 64, 96, 128, 256):
         for var in ("zimage", "lumina2"):
             ax = rope.default_axes_dims(hd, var)
