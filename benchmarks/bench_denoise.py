@@ -26,8 +26,9 @@ limit on the machine's fastest units -- also for diffusers; the limits count the
 image + caption tokens, not the padding of each to a multiple of 32 that both run), peak RSS
 (Linux VmHWM, reset before each backend; nxhpc: parent and largest worker -- mapped weight
 pages are shared and counted in each; the denoiser is closed before diffusers runs, so none
-of its pages count in diffusers'), and the output's distance to diffusers float32. nxhpc's
-figures are those of the faster of its two timed calls (by the whole call's time).
+of its pages count in diffusers'), and the output's distance to diffusers float32. Both sides'
+figures are those of the faster of two timed calls (by the whole call's time; ``s_call`` is the
+median); nxhpc's runs come first: run after diffusers', they find the denoiser closed.
 A table of all of it is printed at the end of the module (and written to
 ``.benchmarks/bench_denoise.md``).
 
@@ -205,7 +206,7 @@ def _run_diffusers(benchmark, torch_model, inputs, tokens, dtype_name):
     benchmark.group = f"denoise {MODEL} image tokens={tokens} caption={CAPTION}"
     n = torch_model["config"].n_layers
     out, total, layer_s = run_timed_layers(
-        benchmark, model.layers, lambda: run_diffusers_zimage(model, lat, t, cap), n, rounds=1)
+        benchmark, model.layers, lambda: run_diffusers_zimage(model, lat, t, cap), n, rounds=2)
     per_layer = layer_s / n
     r = {"s_per_layer": per_layer,
          "s_per_30_layer_step": (total - layer_s) + STEP_LAYERS * per_layer,

@@ -25,7 +25,8 @@ within the run), 2 workers / 2 torch threads, one round each (a run is minutes):
   decode; all three resident at once as in the pipeline (``NXHPC_BENCH_GEN_TORCH=0`` skips it).
 
 Per stage (``extra_info``): seconds of open, encode, each step, decode, total (encode to pixels:
-the models' opening or loading is left out on both sides); the main-layer
+the models' opening or loading is left out on both sides, but for nxhpc's text encoder, which
+``generate`` opens, runs and closes inside ``encode_s``); the main-layer
 seconds of encode and of each step (nxhpc: ``last_timings``; torch: forward hooks), and from
 them the extrapolation to the full models -- stage - layers + N x seconds per layer, N = 35
 text-encoder blocks (``hidden_states[-2]`` of Qwen3-4B's 36) and 30 DiT layers (the refiners,

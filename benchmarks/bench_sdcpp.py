@@ -213,7 +213,8 @@ def _launch(argv: list[str], env: dict | None = None,
         fields = meas.read().split()
     assert launcher_rc == 0 and len(fields) == 3, (
         f"launcher of {argv[0]} failed ({launcher_rc}, {fields})")
-    return out, os.waitstatus_to_exitcode(int(fields[0])), float(fields[2]), int(fields[1]) / 1024
+    return (out, os.waitstatus_to_exitcode(int(fields[0])), float(fields[2]),
+            int(fields[1]) * 1024 / 1e6)                       # KiB -> MB, as generate reports
 
 
 def _run(argv: list[str], env: dict | None = None,

@@ -173,11 +173,11 @@ def test_text_encoder_nxhpc(benchmark, te, prompts, tokens, precision):
 # ----------------------------------------------------------------------------- transformers
 
 @pytest.fixture(scope="module")
-def torch_model(te):
+def torch_model(te, prompts):
     """transformers' Qwen3Model (float32) holding the file's weights as the ``gguf`` package
     decodes them, filled one tensor at a time, and nxhpc's tokenizer of the file. The encoder
-    is closed here (the nxhpc runs come first), so its mapped weights, arena and workers are
-    not in torch's peak RSS."""
+    is closed here (after ``prompts`` are made; the nxhpc runs come first), so its mapped
+    weights, arena and workers are not in torch's peak RSS."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import gguf
@@ -206,7 +206,7 @@ def torch_model(te):
     return {"model": model, "dtype": torch.float32, "tokenizer": tokenizer}
 
 
-def _run_torch(benchmark, torch_model, te, prompts, tokens, dtype_name):
+def _run_torch(benchmark, torch_model, prompts, tokens, dtype_name):
     import torch
     model = model_as(torch_model, getattr(torch, dtype_name))
     tok = torch_model["tokenizer"]
@@ -233,8 +233,8 @@ def _run_torch(benchmark, torch_model, te, prompts, tokens, dtype_name):
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_text_encoder_torch_float32(benchmark, torch_model, te, prompts, tokens):
-    r = _run_torch(benchmark, torch_model, te, prompts, tokens, "float32")
+def test_text_encoder_torch_float32(benchmark, torch_model, prompts, tokens):
+    r = _run_torch(benchmark, torch_model, prompts, tokens, "float32")
     ref = r["output"]
     for (name, n), other in RESULTS.items():
         if n == tokens:
@@ -246,8 +246,8 @@ def test_text_encoder_torch_float32(benchmark, torch_model, te, prompts, tokens)
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_text_encoder_torch_bfloat16(benchmark, torch_model, te, prompts, tokens):
-    r = _run_torch(benchmark, torch_model, te, prompts, tokens, "bfloat16")
+def test_text_encoder_torch_bfloat16(benchmark, torch_model, prompts, tokens):
+    r = _run_torch(benchmark, torch_model, prompts, tokens, "bfloat16")
     ref = RESULTS.get(("torch float32", tokens), {}).get("output")
     if ref is not None:
         r["rel_err_vs_torch_f32"] = float(np.abs(r["output"] - ref).max() / np.abs(ref).max())

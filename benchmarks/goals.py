@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -151,11 +152,13 @@ def step_goal(doc: dict, summary: dict | None) -> Goal:
     return Goal("step1024", x, x <= target if op == "<=" else x >= target, errors_ok, detail)
 
 
-def _shown(x: float, target: float, met: bool | None) -> str:
-    """``x`` to 2 decimals, or to 4 where 2 would show the target for a goal not met (1.4999
-    is not 1.50)."""
-    s = f"{x:.2f}"
-    return f"{x:.4f}" if met is False and float(s) == target else s
+def _shown(x: float, op: str, met: bool | None) -> str:
+    """``x`` to 2 decimals; for a goal not met, rounded away from its target (down for ``>=``,
+    up for ``<=``), so that a miss never shows the target (1.49999 is "1.49", not "1.50")."""
+    if met is False:
+        c = math.floor(x * 100) if op == ">=" else math.ceil(x * 100)
+        return f"{c / 100:.2f}"
+    return f"{x:.2f}"
 
 
 def table(goals: list[Goal]) -> str:
@@ -165,7 +168,7 @@ def table(goals: list[Goal]) -> str:
              "|---|---|---|---|---|---|"]
     for g in goals:
         op, target = TARGETS[g.name]
-        m = "-" if g.measured is None else f"{_shown(g.measured, target, g.met)}x"
+        m = "-" if g.measured is None else f"{_shown(g.measured, op, g.met)}x"
         lines.append(f"| {g.name} | {m} | {op} {target}x | {yes[g.met]} | {yes[g.errors_ok]} "
                      f"| {g.detail} |")
     return "\n".join(lines)

@@ -1,5 +1,6 @@
 """Shared pytest configuration: hypothesis profiles sized for a 2-core machine, shared fixtures."""
 import os
+import signal
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -13,6 +14,13 @@ settings.register_profile(
     "dev", deadline=None, max_examples=15,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("NXHPC_HYPOTHESIS_PROFILE", "ci"))
+
+# A suite started as a background job of a script (`cmd &`, nohup) inherits SIGINT ignored, and
+# so would every CLI it starts (an ignored signal stays ignored across exec, and the CLIs, like
+# Python, leave an ignored SIGINT alone): the Ctrl-C tests would wait for a signal no one takes.
+# Their children must start as from a terminal, so this process takes SIGINT back.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="module")

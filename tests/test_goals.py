@@ -121,14 +121,21 @@ def test_a_run_that_left_an_empty_or_broken_file_is_not_measured(goals, tmp_path
 
 def test_a_ratio_just_under_its_target_is_not_shown_as_the_target(goals):
     # 0.075 / 0.05 is 1.4999999999999998 in floating point: "1.50x ... no" would contradict
-    # itself; a ratio over the target shows 2 decimals as before
+    # itself, so a miss is rounded away from its target; a ratio that meets it shows 2 decimals
     doc = {"benchmarks": [
         _bench("test_block_nxhpc[pool-bf16]", 0.05, precision="bf16", max_rel=0.02),
         _bench("test_block_torch_eager[bfloat16]", 0.075, dtype="bfloat16", max_rel=0.05)]}
     g = goals.block_goal("block256", doc, TOL)
     assert g.met is False and g.measured < 1.5
     row = goals.table([g]).splitlines()[2]
-    assert row.startswith("| block256 | 1.5000x | >= 1.5x | **no** |"), row
+    assert row.startswith("| block256 | 1.49x | >= 1.5x | **no** |"), row
     doc["benchmarks"][1]["stats"]["min"] = 0.0751
     row = goals.table([goals.block_goal("block256", doc, TOL)]).splitlines()[2]
     assert row.startswith("| block256 | 1.50x | >= 1.5x | yes |"), row
+
+
+def test_a_multiple_just_over_the_limit_is_not_shown_as_the_limit(goals):
+    # the step goal misses upward: 1.30004 <= 1.3 is false, shown rounded up
+    assert goals._shown(1.30004, "<=", False) == "1.31"
+    assert goals._shown(1.2999, "<=", True) == "1.30"
+    assert goals._shown(2.0, ">=", True) == "2.00" and goals._shown(1.999, ">=", False) == "1.99"

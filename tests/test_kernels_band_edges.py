@@ -11,6 +11,7 @@ a tail of exactly 15 columns written as 16 passed all of them (mutation checks, 
 Every output is checked against the whole call of the same kernel, whose own arithmetic the
 family's test files check against float64 and gguf's decoders.
 """
+import sys
 import zlib
 
 import numpy as np
@@ -108,6 +109,6 @@ def test_the_band_check_fails_a_kernel_that_stores_one_column_too_many(monkeypat
         real(fam, x, w, wtype, out, n0, n1, isa, up)
         if (n1 - n0) % 16 == 15 and n1 < out.shape[1]:
             out[:, n1] = 0.0
-    monkeypatch.setattr(__import__(__name__), "_call", one_too_many, raising=True)
+    monkeypatch.setattr(sys.modules[__name__], "_call", one_too_many, raising=True)
     with pytest.raises(AssertionError, match="outside the band"):
         _check_bands("f32", "F32", ISAS[-1], gated=False)

@@ -1,9 +1,11 @@
 """The shared lifetime helpers: the ``with`` mixin (``formats.closing``) and the peak-RSS
 report (``runtime.memory``) every model family's ``memory()`` returns."""
+import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from nxhpc.formats.closing import Closing, MapHolder
@@ -120,7 +122,6 @@ def test_a_cli_started_by_a_large_process_reports_its_own_peak():
     """The CLIs' report (``cli.report.peak_rss_mb``: decode, generate) of a process that a
     larger one started: Linux keeps the starter's peak in the child's ``ru_maxrss`` across
     exec, so a benchmark or notebook holding gigabytes made every run report its own size."""
-    import numpy as np
     held = np.ones(300_000_000 // 8)           # 300 MB touched by this (the starting) process
     code = ("import json, resource; from nxhpc.cli.report import peak_rss_mb; "
             "print(json.dumps([peak_rss_mb()['peak_rss_mb'], "
@@ -128,7 +129,6 @@ def test_a_cli_started_by_a_large_process_reports_its_own_peak():
             "open('/proc/self/status').read()]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
-    import json
     got, ru_maxrss, status = json.loads(out)
     hwm = next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmHWM:")) * 1024 / 1e6
     assert held.nbytes >= 3e8 and got <= hwm + 0.1 and got < 150
