@@ -7,13 +7,15 @@ import math
 import os
 import time
 import types
+from contextlib import contextmanager
 from pathlib import Path
 
 from nxhpc.runtime.memory import peak_rss_mb
 
 __all__ = ["bench_stats", "peak_of", "peak_fields", "rope_pe", "qknorm_rope_inputs",
            "peak_rss_mb", "reset_peak_rss", "children", "rss_cell", "layer_timer", "model_as",
-           "run_timed_layers", "record", "err_cell", "write_summary", "summary_fixture"]
+           "run_timed_layers", "record", "err_cell", "write_summary", "summary_fixture",
+           "torch_threads"]
 
 # With --benchmark-disable each benchmark runs once as a smoke test (its correctness check
 # included) and pytest-benchmark keeps no statistics: report NaN rates instead of failing.
@@ -42,15 +44,19 @@ def peak_of(kind: str) -> float | None:
 
 
 def peak_fields(gops: float, precision: str, variant: str | None = None,
-                workers: int = 1) -> dict:
+                workers: int = 1, slot: str | None = None) -> dict:
     """``extra_info`` fields setting ``gops`` (GFLOP/s or GOP/s, 2 per multiply-add) against the
     measured peak: ``peak_kind`` (the kind whose instructions ``variant``'s code of ``precision``
     issues, ``nxhpc.runtime.peak.kind_for``; for baselines and generic code, this CPU's fastest
     kind of the precision), ``peak_gops`` (its peak times ``workers`` cores) and
     ``frac_of_peak``; where this CPU has a faster unit for the precision (AMX), also
     ``machine_peak_kind`` / ``frac_of_machine_peak``. Empty when no kind of the precision runs
-    here."""
+    here. With ``slot`` (a ``kernel_variants()`` key), ``variant`` is the ISA a call asked for,
+    resolved first to the code that runs kernel ``slot`` there (``peak.variant_at``: the float32
+    attention asked for at "avxvnni" is the avx2 code)."""
     from nxhpc.runtime import peak
+    if slot is not None and variant is not None:
+        variant = peak.variant_at(slot, variant)
     kind = peak.kind_for(precision, variant)
     if kind is None:
         return {}
@@ -61,6 +67,18 @@ def peak_fields(gops: float, precision: str, variant: str | None = None,
         pb = peak_of(best) * workers / 1e9
         out.update({"machine_peak_kind": best, "frac_of_machine_peak": round(gops / pb, 4)})
     return out
+
+
+@contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads at ``n`` inside the block, restored after it (also on error)."""
+    import torch
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 def rope_pe(rng, T: int, hd: int):

@@ -37,8 +37,7 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 from nxhpc import _kernels as K
-from nxhpc.runtime.peak import variant_at
-from _bench_util import bench_stats, peak_fields, qknorm_rope_inputs
+from _bench_util import bench_stats, peak_fields, qknorm_rope_inputs, torch_threads
 
 T_ATT, HD = 1024, 128
 U = 2.0 ** -24
@@ -47,11 +46,9 @@ SIMD = [i for i in K.supported_isas() if i != "generic"]
 
 def _peak(g, precision, isa=None):
     """``peak_fields`` of ``g`` GFLOP/s for the attention of ``precision`` ("f32", "bf16") asked
-    for at ``isa`` (an ISA or an "isa:dot" label), set against the unit of the code that runs
-    there (``variant_at``: the float32 attention at "avxvnni" is the avx2 code, on fma_ymm);
+    for at ``isa`` (an ISA or an "isa:dot" label), against the unit of the code that runs there;
     None: a baseline, against this CPU's fastest unit of the precision."""
-    slot = "attention" if precision == "f32" else "attention_bf16"
-    return peak_fields(g, precision, None if isa is None else variant_at(slot, isa))
+    return peak_fields(g, precision, isa, slot="attention" if precision == "f32" else "attention_bf16")
 
 
 def _attn_case(H, seed=0):
@@ -168,12 +165,8 @@ def _torch_sdpa(benchmark, q, k, v, dtype, rounds, causal=False):
         with torch.no_grad():
             return sdpa(tq, tk, tv, is_causal=causal, scale=HD ** -0.5)
 
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         res = benchmark.pedantic(run, rounds=rounds, warmup_rounds=1)
-    finally:
-        torch.set_num_threads(prev)
     H, T = q.shape[0], q.shape[1]
     return res[0].float().permute(1, 0, 2).reshape(T, H * HD).numpy()
 

@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 
 from nxhpc import _kernels as K
-from nxhpc.runtime.peak import variant_at
-from _bench_util import bench_stats, peak_fields, qknorm_rope_inputs, rope_pe
+from _bench_util import bench_stats, peak_fields, qknorm_rope_inputs, rope_pe, torch_threads
 
 torch = pytest.importorskip("torch")
 
@@ -37,10 +36,8 @@ IMPLS = [pytest.param("avx512", marks=pytest.mark.skipif("avx512" not in SIMD,
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+    with torch_threads(1):
+        yield
 
 
 def _gbs(benchmark, nbytes, name):
@@ -68,9 +65,8 @@ def _attn_info(benchmark, H, name, isa=None):
     attention_backward of its own runs its ancestor's); None (torch): the fastest float32 unit."""
     flop = 10.0 * T_ATT * T_ATT * HD * H
     g = flop / bench_stats(benchmark).min / 1e9
-    variant = None if isa is None else variant_at("attention_backward", isa)
-    benchmark.extra_info.update({"impl": name, "T": T_ATT, "hd": HD, "H": H,
-                                 "gflops_best": round(g, 1), **peak_fields(g, "f32", variant)})
+    benchmark.extra_info.update({"impl": name, "T": T_ATT, "hd": HD, "H": H, "gflops_best": round(g, 1),
+                                 **peak_fields(g, "f32", isa, slot="attention_backward")})
 
 
 def _attn_check(grads, q, k, v, dout, rows=32):

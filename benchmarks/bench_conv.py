@@ -14,9 +14,11 @@ csrc/nx_conv.h) and torch's within a loose tolerance; speed is not asserted.
     OPENBLAS_NUM_THREADS=1 python -m pytest benchmarks/bench_conv.py --benchmark-only \\
         --benchmark-timer=time.process_time
 """
+import contextlib
+
 import numpy as np
 import pytest
-from _bench_util import bench_stats, peak_fields
+from _bench_util import bench_stats, peak_fields, torch_threads
 
 from nxhpc import _kernels as K
 
@@ -53,10 +55,8 @@ def test_bench_conv3x3(benchmark, case, precision, way):
     H, W, C, x, w, b = case
     benchmark.group = f"conv3x3 {precision} C={C} {H}x{W}"
     out = np.empty((H * W, C), np.float32)
-    torch_threads = None        # torch's thread count, restored after the timed calls
     if way == "torch":
         torch = pytest.importorskip("torch")
-        torch_threads = torch.get_num_threads()
         dt = torch.bfloat16 if precision == "bf16" else torch.float32
         tx = torch.from_numpy(x.T.reshape(1, C, H, W).copy()).to(dt)
         tw = torch.from_numpy((w.astype(np.uint32) << 16).view(np.float32)
@@ -73,13 +73,8 @@ def test_bench_conv3x3(benchmark, case, precision, way):
 
         def run():
             conv(x, H, W, w, "BF16", out, bias=b)
-    try:
-        if torch_threads is not None:
-            torch.set_num_threads(1)
+    with torch_threads(1) if way == "torch" else contextlib.nullcontext():
         res = benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)
-    finally:
-        if torch_threads is not None:
-            torch.set_num_threads(torch_threads)
     gflop = 2 * H * W * 9 * C * C / 1e9
     t = bench_stats(benchmark).min
     gops = gflop / t

@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 import pytest
-from _bench_util import bench_stats, peak_fields
+from _bench_util import bench_stats, peak_fields, torch_threads
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
@@ -166,16 +166,12 @@ def test_bench_torch_linear(benchmark, T, Kd, N, dtype):
     dt = getattr(torch, dtype)
     xt = torch.from_numpy(x).to(dt)
     wt = torch.from_numpy(w_f32).to(dt)
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         _group(benchmark, T, Kd, N)
         benchmark.name = f"torch linear {dtype} (1 thread)"
         with torch.no_grad():
             out = benchmark.pedantic(torch.nn.functional.linear, args=(xt, wt),
                                      rounds=_rounds(T), warmup_rounds=1)
-    finally:
-        torch.set_num_threads(old)
     prec = "f32" if dtype == "float32" else "bf16"
     _info(benchmark, T, Kd, N, f"torch {torch.__version__}", prec)
     w_eff = wt.float().numpy()

@@ -41,14 +41,15 @@ def _case(T, Kd, N, seed=0):
     return x, w, w_f32
 
 
-def _info(benchmark, T, Kd, N, isa, variant=None):
-    """GFLOP/s against the peak of ``variant``'s code (default ``isa``: the code that ran)."""
+def _info(benchmark, T, Kd, N, isa, slot=None):
+    """GFLOP/s against the peak of the code that ran: ``isa``'s, or with ``slot`` the code that
+    runs kernel ``slot`` when ``isa`` is asked for (``peak_fields``)."""
     sec = bench_stats(benchmark).min
     gflops = 2.0 * T * Kd * N / sec / 1e9
     benchmark.extra_info.update({
         "T": T, "K": Kd, "N": N, "isa": isa, "gflops_best": round(gflops, 1),
         "gflops_mean": round(2.0 * T * Kd * N / bench_stats(benchmark).mean / 1e9, 1),
-        **peak_fields(gflops, "f32", isa if variant is None else variant),
+        **peak_fields(gflops, "f32", isa, slot=slot),
     })
 
 
@@ -107,9 +108,8 @@ def test_bench_q8_0_matmul_variants(benchmark, isa):
     benchmark.pedantic(K.q8_0_matmul, args=(x, w, out), kwargs={"isa": isa},
                        rounds=1 if isa == "generic" else 5, warmup_rounds=0 if isa == "generic" else 1)
     # against the unit of the code that runs at the ISA asked for (avxvnni's q8_0_matmul is avx2's)
-    variant = variant_at("q8_0_matmul", isa)
-    _info(benchmark, T, Kd, N, isa, variant)
-    benchmark.extra_info["variant"] = variant
+    _info(benchmark, T, Kd, N, isa, slot="q8_0_matmul")
+    benchmark.extra_info["variant"] = variant_at("q8_0_matmul", isa)
     _check(out, x, w_f32)
 
 

@@ -30,8 +30,8 @@ size, the 1-min load average, and the distance of the pixels to torch float32 (m
 relative to max|torch f32|; checked after timing: nxhpc f32 within 1e-4). A table is printed at
 the end and written to ``.benchmarks/bench_vae.md``.
 
-Run: ``python -m pytest benchmarks/bench_vae.py --benchmark-only -s`` (~13 min on 2 shared cores before torch's warm-up call, a little more since,
-~1.5 GB RAM peak at 512x512).
+Run: ``python -m pytest benchmarks/bench_vae.py --benchmark-only -s`` (~13 min on 2 shared cores
+before torch's warm-up call, a little more since; ~1.5 GB RAM peak at 512x512).
 """
 import json
 import math

@@ -40,11 +40,7 @@ def _weight(rng, wtype, n):
 def _call(fam, x, w, wtype, out, n0, n1, isa, up=None):
     if fam == "q8":
         return K.matmul_q8(x, w, out, n0, n1, wtype=wtype, isa=isa, up=up)
-    fn = K.matmul if fam == "f32" else K.matmul_bf16
-    if fam == "f32" and wtype == "F32":
-        w = np.ascontiguousarray(w).view(np.uint8).reshape(w.shape[0], -1)
-    if fam == "f32" and up is not None and wtype == "F32":
-        up = np.ascontiguousarray(up).view(np.uint8).reshape(up.shape[0], -1)
+    fn = K.matmul if fam == "f32" else K.matmul_bf16     # both take F32 rows as float32 arrays
     return fn(x, w, wtype, out, n0, n1, isa=isa, up=up)
 
 
