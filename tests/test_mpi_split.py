@@ -203,6 +203,27 @@ def test_a_usage_error_on_one_rank_ends_the_job(models, tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+def test_the_same_usage_error_on_every_rank_is_printed_once(models, tmp_path):
+    """The same bad arguments on every rank (the usual case: one command line for the job) print
+    one usage and one error, as one process does; they printed one a rank. ``--help`` is
+    printed once too. Control: a usage error of rank 1's arguments alone is still printed
+    (by rank 1; rank 0 parsed fine and prints nothing)."""
+    r = mpirun(3, ["-m", "nxhpc.denoise", "tiny-dit", "1", "--precision", "bogus"], models,
+               timeout=100)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.count("invalid choice: 'bogus'") == 1, r.stderr
+    assert r.stderr.count("usage: ") == 1, r.stderr
+    one = run_single(["-m", "nxhpc.denoise", "tiny-dit", "1", "--precision", "bogus"], models)
+    assert one.returncode == 2 and one.stderr in r.stderr, (one.stderr, r.stderr)
+    r = mpirun(2, ["-m", "nxhpc.denoise", "--help"], models, timeout=100)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("usage: ") == 1 and "--precision" in r.stdout, r.stdout
+    base = ["-m", "nxhpc.denoise", "tiny-dit", "1"]
+    r = mpirun(2, [], models, apps=[base, base + ["--precision", "nope"]], timeout=100)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.count("invalid choice: 'nope'") == 1, r.stderr
+
+
 def test_a_failure_every_rank_sees_is_one_line_at_once(models, tmp_path):
     """A failure every rank meets on its own at the same time (a model no rank finds) is one
     line, from rank 0, and the job ends at once: each rank waited 20 s for acknowledgements

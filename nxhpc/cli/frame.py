@@ -42,6 +42,45 @@ def error_printer(prog: str) -> Callable[[str], None]:
     return err
 
 
+def _argparse_code(e: SystemExit) -> int:
+    """The exit code of argparse's ``SystemExit``: ``--help`` 0, a usage error 2."""
+    return int(e.code or 0) if not isinstance(e.code, str) else int(Exit.USAGE)
+
+
+def _ranked_parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
+                  intermixed: bool, ranks: Any) -> argparse.Namespace | int:
+    """Parse on one of several MPI ranks: the namespace, or argparse's exit code with its text
+    printed once for the job. ``--help`` is printed by rank 0 only. A usage error is sent to
+    every peer (they may have parsed theirs and wait in an agreement check for this rank) and
+    printed by this rank unless a lower rank failed with the same error at the same time: the
+    same bad arguments on every rank print one usage and one error, not one a rank; an error
+    of this rank's arguments alone is still printed, by this rank."""
+    import contextlib
+    import io
+    out, errs = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(errs):
+            return parser.parse_intermixed_args(argv) if intermixed else parser.parse_args(argv)
+    except SystemExit as e:
+        code = _argparse_code(e)
+    text = errs.getvalue()
+    if code == Exit.PASS:
+        shown = [(sys.stdout, out.getvalue())] if ranks.rank == 0 else []
+    else:
+        last = (text.strip().splitlines() or ["usage error"])[-1]
+        also = ranks.fail(code, f"{ranks.label}: {last}")
+        dup = any(k < ranks.rank and m.split(": ", 1)[-1] == last for k, m in also)
+        shown = [] if dup else [(sys.stdout, out.getvalue()), (sys.stderr, text)]
+    for stream, value in shown:
+        if value and stream is not None:
+            try:
+                stream.write(value)
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+    return code
+
+
 def _print_traceback() -> None:
     """The current exception's traceback on stderr; nothing where stderr is closed or full."""
     if sys.stderr is None:
@@ -60,14 +99,15 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
     docstring). ``describe(e, code)`` words an expected failure (default ``str(e)``; a worker
     failure is prefixed ``worker failure:``). ``ranks``: the MPI world (see
     :func:`run_ranked`)."""
-    try:
-        args = parser.parse_intermixed_args(argv) if intermixed else parser.parse_args(argv)
-    except SystemExit as e:                   # argparse: --help -> 0, usage errors -> 2
-        code = int(e.code or 0) if not isinstance(e.code, str) else int(Exit.USAGE)
-        if ranks is not None and code != Exit.PASS:
-            # the peers may have parsed theirs and wait in an agreement check for this rank
-            ranks.fail(code, f"{ranks.label}: usage error (its message is above)")
-        return code
+    if ranks is not None:
+        args = _ranked_parse(parser, argv, intermixed, ranks)
+        if isinstance(args, int):
+            return args
+    else:
+        try:
+            args = parser.parse_intermixed_args(argv) if intermixed else parser.parse_args(argv)
+        except SystemExit as e:                   # argparse: --help -> 0, usage errors -> 2
+            return _argparse_code(e)
     err = error_printer(prog)
     if ranks is not None:
         err = _ranked_printer(prog, ranks, err)
