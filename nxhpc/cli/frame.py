@@ -63,22 +63,27 @@ def _ranked_parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
             return parser.parse_intermixed_args(argv) if intermixed else parser.parse_args(argv)
     except SystemExit as e:
         code = _argparse_code(e)
-    text = errs.getvalue()
-    if code == Exit.PASS:
-        shown = [(sys.stdout, out.getvalue())] if ranks.rank == 0 else []
-    else:
-        last = (text.strip().splitlines() or ["usage error"])[-1]
+    shown = [(sys.stdout, out.getvalue()), (sys.stderr, errs.getvalue())]
+    if code == Exit.PASS or ranks.rank == 0:      # rank 0 first: no lower rank to defer to
+        _write_all(shown if ranks.rank == 0 else [])
+    if code != Exit.PASS:
+        last = (errs.getvalue().strip().splitlines() or ["usage error"])[-1]
         also = ranks.fail(code, f"{ranks.label}: {last}")
-        dup = any(k < ranks.rank and m.split(": ", 1)[-1] == last for k, m in also)
-        shown = [] if dup else [(sys.stdout, out.getvalue()), (sys.stderr, text)]
-    for stream, value in shown:
+        if ranks.rank > 0 and not any(k < ranks.rank and m.split(": ", 1)[-1] == last
+                                      for k, m in also):
+            _write_all(shown)
+    return code
+
+
+def _write_all(texts: list) -> None:
+    """Each ``(stream, text)`` written and flushed; nothing where a stream is closed or full."""
+    for stream, value in texts:
         if value and stream is not None:
             try:
                 stream.write(value)
                 stream.flush()
             except (OSError, ValueError):
                 pass
-    return code
 
 
 def _print_traceback() -> None:
