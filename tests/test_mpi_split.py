@@ -206,8 +206,9 @@ def test_a_usage_error_on_one_rank_ends_the_job(models, tmp_path):
 def test_the_same_usage_error_on_every_rank_is_printed_once(models, tmp_path):
     """The same bad arguments on every rank (the usual case: one command line for the job) print
     one usage and one error, as one process does; they printed one a rank. ``--help`` is
-    printed once too. Control: a usage error of rank 1's arguments alone is still printed
-    (by rank 1; rank 0 parsed fine and prints nothing)."""
+    printed once too. Control: a usage error of one rank's arguments alone is printed, by that
+    rank, also when its peers parsed fine and end at once (an earlier version printed it after
+    waiting for them, and mpirun could kill it first)."""
     r = mpirun(3, ["-m", "nxhpc.denoise", "tiny-dit", "1", "--precision", "bogus"], models,
                timeout=100)
     assert r.returncode == 2, r.stdout + r.stderr
@@ -219,9 +220,16 @@ def test_the_same_usage_error_on_every_rank_is_printed_once(models, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("usage: ") == 1 and "--precision" in r.stdout, r.stdout
     base = ["-m", "nxhpc.denoise", "tiny-dit", "1"]
-    r = mpirun(2, [], models, apps=[base, base + ["--precision", "nope"]], timeout=100)
+    for _ in range(3):        # the peers that parsed fine end at once: it must print first
+        r = mpirun(3, [], models, apps=[base, base + ["--precision", "nope"], base], timeout=100)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert r.stderr.count("invalid choice: 'nope'") == 1, r.stderr
+    # --help on one rank (it hung: the others waited for it), and beside another rank's error
+    r = mpirun(3, [], models, apps=[base, base + ["--help"], base], timeout=100)
+    assert r.returncode == 0 and r.stdout.count("usage: ") == 1, r.stdout + r.stderr
+    r = mpirun(2, [], models, apps=[base + ["--help"], base + ["--precision", "nope"]], timeout=100)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert r.stderr.count("invalid choice: 'nope'") == 1, r.stderr
+    assert r.stdout.count("usage: ") == 1 and r.stderr.count("invalid choice: 'nope'") == 1
 
 
 def test_a_failure_every_rank_sees_is_one_line_at_once(models, tmp_path):

@@ -49,30 +49,37 @@ def _argparse_code(e: SystemExit) -> int:
 
 def _ranked_parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
                   intermixed: bool, ranks: Any) -> argparse.Namespace | int:
-    """Parse on one of several MPI ranks: the namespace, or argparse's exit code with its text
-    printed once for the job. ``--help`` is printed by rank 0 only. A usage error is sent to
-    every peer (they may have parsed theirs and wait in an agreement check for this rank) and
-    printed by this rank unless a lower rank failed with the same error at the same time: the
-    same bad arguments on every rank print one usage and one error, not one a rank; an error
-    of this rank's arguments alone is still printed, by this rank."""
+    """Parse on one of several MPI ranks: the namespace, or the exit code every rank returns,
+    with argparse's text printed once for the job. Every rank parses, then all exchange what
+    argparse said (one ``allgather``, which every rank reaches first thing): if no rank's
+    parse ended, each goes on; else each rank returns the highest code (a usage error, 2,
+    over ``--help``, 0) and each distinct message is printed by the lowest rank that has it.
+    So the same bad arguments on every rank print one usage and one error, not one a rank; a
+    usage error of one rank's arguments alone is printed, by that rank; and ``--help`` on
+    some ranks only ends the job (it hung: the others waited for those ranks)."""
     import contextlib
     import io
+
+    from nxhpc.runtime.ranks import RankFailedError
     out, errs = io.StringIO(), io.StringIO()
+    args, code = None, None
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(errs):
-            return parser.parse_intermixed_args(argv) if intermixed else parser.parse_args(argv)
+            args = parser.parse_intermixed_args(argv) if intermixed else parser.parse_args(argv)
     except SystemExit as e:
         code = _argparse_code(e)
-    shown = [(sys.stdout, out.getvalue()), (sys.stderr, errs.getvalue())]
-    if code == Exit.PASS or ranks.rank == 0:      # rank 0 first: no lower rank to defer to
-        _write_all(shown if ranks.rank == 0 else [])
-    if code != Exit.PASS:
-        last = (errs.getvalue().strip().splitlines() or ["usage error"])[-1]
-        also = ranks.fail(code, f"{ranks.label}: {last}")
-        if ranks.rank > 0 and not any(k < ranks.rank and m.split(": ", 1)[-1] == last
-                                      for k, m in also):
-            _write_all(shown)
-    return code
+    said = None if code is None else (code, out.getvalue(), errs.getvalue())
+    try:
+        every = ranks.allgather(said, "the command-line check")
+    except RankFailedError as e:              # a peer failed before reaching the exchange
+        ranks.acknowledge(e)
+        return int(e.code)
+    ended = [s for s in every if s is not None]
+    if not ended:
+        return args
+    if said is not None and every.index(said) == ranks.rank:
+        _write_all([(sys.stdout, said[1]), (sys.stderr, said[2])])
+    return max(c for c, _, _ in ended)
 
 
 def _write_all(texts: list) -> None:
