@@ -110,7 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit code (:data:`EXIT_CODES`). No traceback for any of
     them."""
-    return run_cli(PROG, build_parser(), argv, _run, describe=lambda e, code: str(e))
+    from nxhpc.runtime import ranks
+    world = None
+    if ranks.mpi_launched():             # under mpirun: bad arguments printed once, not a rank
+        try:
+            world = ranks.init_world()
+        except ImportError:
+            world = None                 # `--backend mpi` names what to install
+    return run_cli(PROG, build_parser(), argv, _run, describe=lambda e, code: str(e),
+                   parse_ranks=world)
 
 
 def _print_run(res, head: str, every: int, out, report: dict) -> None:

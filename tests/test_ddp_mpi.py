@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from mpiutil import MPI_MARKS, mpirun
+from mpiutil import MPI_MARKS, mpirun, run_single
 
 from nxhpc.train.ddp import train_full_batch, train_shm
 
@@ -128,3 +128,17 @@ def test_mpi_sigterm_to_one_rank_ends_the_job():
 def test_mpi_sweep_is_refused():
     r = _mpirun(2, ["-m", "nxhpc.ddp", "--backend", "mpi", "--steps", "1", "--sweep", "1,2"])
     assert r.returncode == 2 and "--sweep runs worker counts in this process" in r.stderr, r.stderr
+
+
+def test_mpi_bad_arguments_are_printed_once():
+    """The same bad arguments on every rank print one usage and one error (they printed one a
+    rank), ``--help`` once, and the job exits 2 (0 for ``--help``). Control: one process
+    prints the same text."""
+    bad = ["-m", "nxhpc.ddp", "--backend", "mpi", "--steps", "x"]
+    r = _mpirun(3, bad, timeout=100)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.count("argument --steps") == 1 and r.stderr.count("usage: ") == 1, r.stderr
+    one = run_single(bad)
+    assert one.returncode == 2 and one.stderr and one.stderr in r.stderr, (one.stderr, r.stderr)
+    r = _mpirun(2, ["-m", "nxhpc.ddp", "--help"], timeout=100)
+    assert r.returncode == 0 and r.stdout.count("usage: ") == 1 and "--backend" in r.stdout

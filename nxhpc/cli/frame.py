@@ -106,13 +106,14 @@ def _print_traceback() -> None:
 def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None,
             call: Callable[[argparse.Namespace], int], *, intermixed: bool = False,
             describe: Callable[[BaseException, Exit], str] | None = None,
-            ranks: Any = None) -> int:
+            ranks: Any = None, parse_ranks: Any = None) -> int:
     """``call(args)`` for the parsed ``argv``, returning the exit code (see the module
     docstring). ``describe(e, code)`` words an expected failure (default ``str(e)``; a worker
     failure is prefixed ``worker failure:``). ``ranks``: the MPI world (see
-    :func:`run_ranked`)."""
-    if ranks is not None:
-        args = _ranked_parse(parser, argv, intermixed, ranks)
+    :func:`run_ranked`). ``parse_ranks``: a world for the argument check only (a command that
+    runs MPI its own way, ``ddp``): argparse's text once for the job, the rest as one process."""
+    if ranks is not None or parse_ranks is not None:
+        args = _ranked_parse(parser, argv, intermixed, ranks if ranks is not None else parse_ranks)
         if isinstance(args, int):
             return args
     else:
