@@ -13,6 +13,7 @@ inference kernels, or import another CLI.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -113,10 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     from nxhpc.runtime import ranks
     world = None
     if ranks.mpi_launched():             # under mpirun: bad arguments printed once, not a rank
-        try:
+        with contextlib.suppress(ImportError):   # `--backend mpi` names what to install
             world = ranks.init_world()
-        except ImportError:
-            world = None                 # `--backend mpi` names what to install
     return run_cli(PROG, build_parser(), argv, _run, describe=lambda e, code: str(e),
                    parse_ranks=world)
 
