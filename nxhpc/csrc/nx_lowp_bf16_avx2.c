@@ -191,8 +191,11 @@ static void nx_b2_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, 
     __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
     c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
     /* clang-format off */
-#define NX_B2_LD(r, a0, a1) if (mr > r) { a0 = _mm256_maskload_ps(C + r * ldc, m0); \
-                                          a1 = _mm256_maskload_ps(C + r * ldc + 8, m1); }
+    /* a whole-width tile (nr == 16) is read and written with plain moves (nx_matmul_avx2.c) */
+    const int whole = nr == NX_B2_NR;
+#define NX_B2_LD(r, a0, a1) if (mr > r) { \
+        a0 = whole ? _mm256_loadu_ps(C + r * ldc) : _mm256_maskload_ps(C + r * ldc, m0); \
+        a1 = whole ? _mm256_loadu_ps(C + r * ldc + 8) : _mm256_maskload_ps(C + r * ldc + 8, m1); }
     if (!first) { NX_B2_LD(0, c00, c01) NX_B2_LD(1, c10, c11) NX_B2_LD(2, c20, c21)
                   NX_B2_LD(3, c30, c31) NX_B2_LD(4, c40, c41) NX_B2_LD(5, c50, c51) }
 #undef NX_B2_LD
@@ -220,9 +223,17 @@ static void nx_b2_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, 
     _mm_setcsr(csr);
 #define NX_B2_ST(r, a0, a1) if (mr > r) { _mm256_maskstore_ps(C + r * ldc, m0, a0); \
                                           _mm256_maskstore_ps(C + r * ldc + 8, m1, a1); }
-    NX_B2_ST(0, c00, c01) NX_B2_ST(1, c10, c11) NX_B2_ST(2, c20, c21)
-    NX_B2_ST(3, c30, c31) NX_B2_ST(4, c40, c41) NX_B2_ST(5, c50, c51)
+#define NX_B2_STW(r, a0, a1) if (mr > r) { _mm256_storeu_ps(C + r * ldc, a0); \
+                                           _mm256_storeu_ps(C + r * ldc + 8, a1); }
+    if (whole) {
+        NX_B2_STW(0, c00, c01) NX_B2_STW(1, c10, c11) NX_B2_STW(2, c20, c21)
+        NX_B2_STW(3, c30, c31) NX_B2_STW(4, c40, c41) NX_B2_STW(5, c50, c51)
+    } else {
+        NX_B2_ST(0, c00, c01) NX_B2_ST(1, c10, c11) NX_B2_ST(2, c20, c21)
+        NX_B2_ST(3, c30, c31) NX_B2_ST(4, c40, c41) NX_B2_ST(5, c50, c51)
+    }
 #undef NX_B2_ST
+#undef NX_B2_STW
     /* clang-format on */
 }
 

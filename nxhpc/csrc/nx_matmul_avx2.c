@@ -57,13 +57,28 @@ static void nx2_kern(int mr, int nr, size_t kc, const float *A /* IN [kc][MR] */
     }
     __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr), lane);
     __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr - 8), lane);
+    /* A whole-width tile (nr == 16) is read and written with plain moves, the same values: on
+     * the AMD EPYC Zen 3 (family 25 model 1) a loop of masked 256-bit stores took ~6 ns a store
+     * against ~1.5 ns for plain ones, and this tile's 12 stores per KC block cost T=256,
+     * K=N=3840 (one thread, best of 4 alternated rounds) 74.5 against 85.8 GOP/s on Q4_K weights.
+     * The same for the bf16 (nx_lowp_bf16_avx2.c) and q8 (nx_q8a_avx2.h) tiles. */
 #define NX2_ST(r, a0, a1) if (mr > r) { \
         if (!first) { a0 = _mm256_add_ps(_mm256_maskload_ps(C + r * ldc, m0), a0); \
                       a1 = _mm256_add_ps(_mm256_maskload_ps(C + r * ldc + 8, m1), a1); } \
         _mm256_maskstore_ps(C + r * ldc, m0, a0); _mm256_maskstore_ps(C + r * ldc + 8, m1, a1); }
-    NX2_ST(0, c00, c01) NX2_ST(1, c10, c11) NX2_ST(2, c20, c21)
-    NX2_ST(3, c30, c31) NX2_ST(4, c40, c41) NX2_ST(5, c50, c51)
+#define NX2_STW(r, a0, a1) if (mr > r) { \
+        if (!first) { a0 = _mm256_add_ps(_mm256_loadu_ps(C + r * ldc), a0); \
+                      a1 = _mm256_add_ps(_mm256_loadu_ps(C + r * ldc + 8), a1); } \
+        _mm256_storeu_ps(C + r * ldc, a0); _mm256_storeu_ps(C + r * ldc + 8, a1); }
+    if (nr == NX2_NR) {
+        NX2_STW(0, c00, c01) NX2_STW(1, c10, c11) NX2_STW(2, c20, c21)
+        NX2_STW(3, c30, c31) NX2_STW(4, c40, c41) NX2_STW(5, c50, c51)
+    } else {
+        NX2_ST(0, c00, c01) NX2_ST(1, c10, c11) NX2_ST(2, c20, c21)
+        NX2_ST(3, c30, c31) NX2_ST(4, c40, c41) NX2_ST(5, c50, c51)
+    }
 #undef NX2_ST
+#undef NX2_STW
     /* clang-format on */
 }
 

@@ -335,12 +335,17 @@ static inline __attribute__((always_inline)) void
 nx_q8a_kern_t(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ldc, int mr, int nr,
               int first, const int SGN, const int F, const int H, const int M) {
     enum { MR = NX_Q8A_MR, NV = NX_Q8A_NV, NR = NX_Q8A_NR };
+    /* a whole-width tile (nr == NR) is read and written with plain moves, the same values (a
+     * masked store is slow on AMD Zen 3: nx_matmul_avx2.c); the AVX-VNNI build (Intel client
+     * cores, whose masked stores are not slow) keeps the masked ones: it was not rerun since */
+    const int whole = !NX_Q8A_VNNI && nr == NR;
     __m256i m[NV];
     for (int v = 0; v < NV; v++) m[v] = nx_lane_mask(nr - 8 * v);
     __m256 f[MR][NV];
     for (int r = 0; r < MR; r++)
         for (int v = 0; v < NV; v++)
-            f[r][v] = (!first && r < mr) ? _mm256_maskload_ps(C + r * ldc + 8 * v, m[v])
+            f[r][v] = (!first && r < mr) ? (whole ? _mm256_loadu_ps(C + r * ldc + 8 * v)
+                                                  : _mm256_maskload_ps(C + r * ldc + 8 * v, m[v]))
                                          : _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
     const size_t BG = NX_Q8A_BG(H, M);
@@ -441,7 +446,12 @@ nx_q8a_kern_t(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ld
     }
     for (int r = 0; r < MR; r++)
         if (r < mr)
-            for (int v = 0; v < NV; v++) _mm256_maskstore_ps(C + r * ldc + 8 * v, m[v], f[r][v]);
+            for (int v = 0; v < NV; v++) {
+                if (whole)
+                    _mm256_storeu_ps(C + r * ldc + 8 * v, f[r][v]);
+                else
+                    _mm256_maskstore_ps(C + r * ldc + 8 * v, m[v], f[r][v]);
+            }
 }
 
 #define NX_Q8A_KERN(NAME, SGN, F, H, M)                                                            \
