@@ -357,10 +357,14 @@ nx_q8a_kern_t(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ld
         __m256 y[MR][NV]; /* H = 2: the group's scaled part sums */
 #pragma GCC unroll 2
         for (int h = 0; h < H; h++) {
+            /* each part's int32 sum starts at -off * xsum (the A panel's init); the types with a
+             * min (M) are packed with off = 0 (the entry point's table), so the AVX2 kernel starts
+             * theirs at zero and saves a broadcast per token and an add per accumulator a group */
+            const int Z = SGN || (!NX_Q8A_VNNI && M);
             __m256i s[MR][NV];
             for (int r = 0; r < MR; r++)
                 for (int v = 0; v < NV; v++)
-                    s[r][v] = SGN ? _mm256_setzero_si256() : _mm256_set1_epi32(a[(9 + h) * MR + r]);
+                    s[r][v] = Z ? _mm256_setzero_si256() : _mm256_set1_epi32(a[(9 + h) * MR + r]);
             const int q0 = h * 8 / H, q1 = (h + 1) * 8 / H;
             if (SGN) {
 #pragma GCC unroll 8
