@@ -84,7 +84,8 @@ static void kernel(size_t ng) {
     double best = 1e9;
     for (int t = 0; t < 5; t++) {
         const double t0 = now();
-        for (size_t r = 0; r < reps; r++) kern(ng, A, B, C, NX_Q8A_NR, NX_Q8A_MR, NX_Q8A_NR, r == 0);
+        for (size_t r = 0; r < reps; r++)
+            kern(ng, A, B, C, NX_Q8A_NR, NX_Q8A_MR, NX_Q8A_NR, r == 0);
         const double dt = now() - t0;
         if (dt < best) best = dt;
     }

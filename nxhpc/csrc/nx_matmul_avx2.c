@@ -57,12 +57,13 @@ static void nx2_kern(int mr, int nr, size_t kc, const float *A /* IN [kc][MR] */
     }
     __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr), lane);
     __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr - 8), lane);
-    /* A whole-width tile (nr == 16) is read and written with plain moves, the same values: on
+    /* A whole-width tile (nr == 16) is read and written with plain moves, the same values. On
      * the AMD EPYC Zen 3 (family 25 model 1) a loop of masked 256-bit stores took 4.2-7.1 ns a
-     * store against 0.4-0.7 ns for plain ones (benchmarks/probes/avx2_tile_stores.c), and this
-     * tile's 12 stores per KC block cost T=256,
-     * K=N=3840 (one thread, best of 4 alternated rounds) 74.5 against 85.8 GOP/s on Q4_K weights.
-     * The same for the bf16 (nx_lowp_bf16_avx2.c) and q8 (nx_q8a_avx2.h) tiles. */
+     * store against 0.4-0.7 ns for plain ones (benchmarks/probes/avx2_tile_stores.c); this
+     * tile runs once per NX_MM_CHAIN (128) k-steps, 12 stores (and 12 loads after the first)
+     * each time, and with plain moves T=256, K=N=3840 on Q4_K weights went from 74.5 to 85.8
+     * GOP/s (one thread, best of 4 alternated rounds, benchmarks/ab_checkouts.py). The same for
+     * the bf16 (nx_lowp_bf16_avx2.c) and q8 (nx_q8a_avx2.h) tiles. */
 #define NX2_ST(r, a0, a1) if (mr > r) { \
         if (!first) { a0 = _mm256_add_ps(_mm256_maskload_ps(C + r * ldc, m0), a0); \
                       a1 = _mm256_add_ps(_mm256_maskload_ps(C + r * ldc + 8, m1), a1); } \

@@ -336,8 +336,8 @@ nx_q8a_kern_t(size_t ng, const uint8_t *A, const uint8_t *B, float *C, size_t ld
               int first, const int SGN, const int F, const int H, const int M) {
     enum { MR = NX_Q8A_MR, NV = NX_Q8A_NV, NR = NX_Q8A_NR };
     /* a whole-width tile (nr == NR) is read and written with plain moves, the same values (a
-     * masked store is slow on AMD Zen 3: nx_matmul_avx2.c); the AVX-VNNI build (Intel client
-     * cores, whose masked stores are not slow) keeps the masked ones: it was not rerun since */
+     * masked store is slow on AMD Zen 3: nx_matmul_avx2.c); the AVX-VNNI build keeps the masked
+     * ones, as it was last tested (no AVX-VNNI CPU has run this change) */
     const int whole = !NX_Q8A_VNNI && nr == NR;
     __m256i m[NV];
     for (int v = 0; v < NV; v++) m[v] = nx_lane_mask(nr - 8 * v);
@@ -485,6 +485,8 @@ int NX_Q8A_ENTRY(const nx_mm_call *c) {
     kern_fn kn;
     size_t bg;
     switch (c->type) {
+/* A kernel with a min (f8m, f4m, h2f4m) must get an A packer with off = 0 (nx_q8a_pack_a_0_*): the
+ * AVX2 build starts those kernels' part sums at zero (nx_q8a_kern_t's Z) */
 #define NX_Q8A_CASE(T, t, A, KN, H, M)                                                             \
     case NX_GGML_##T:                                                                              \
         pa = A, pb = nx_q8a_pack_b_##t, kn = nx_q8a_kern_##KN, bg = NX_Q8A_BG(H, M);               \
