@@ -735,9 +735,11 @@ _THREADED_LOOP = textwrap.dedent(r"""
     arms, lock, armed = queue.Queue(), threading.Lock(), [None]
 
     def timer():                                   # sends SIGINT to the whole process
-        while True:
-            gen, delay = arms.get()
-            time.sleep(delay)
+        while True:                                # only the newest arm counts (older ones are
+            gen, due = arms.get()                  # disarmed), at its own due time: a timer
+            while not arms.empty():                # thread woken late never falls behind
+                gen, due = arms.get_nowait()
+            time.sleep(max(0.0, due - time.monotonic()))
             with lock:
                 if armed[0] == gen:
                     armed[0] = None
@@ -749,7 +751,7 @@ _THREADED_LOOP = textwrap.dedent(r"""
         if source == "timer":
             with lock:
                 armed[0] = gen
-            arms.put((gen, delay))
+            arms.put((gen, time.monotonic() + delay))
         else:
             signal.setitimer(signal.ITIMER_REAL, delay)
 
