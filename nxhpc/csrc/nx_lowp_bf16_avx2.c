@@ -221,19 +221,13 @@ static void nx_b2_kern(size_t ng, const uint8_t *A, const uint8_t *B, float *C, 
     NX_B2_FENCE_ALL /* ... and end before the restore */
 #undef NX_B2_FENCE_ALL
     _mm_setcsr(csr);
-#define NX_B2_ST(r, a0, a1) if (mr > r) { _mm256_maskstore_ps(C + r * ldc, m0, a0); \
-                                          _mm256_maskstore_ps(C + r * ldc + 8, m1, a1); }
-#define NX_B2_STW(r, a0, a1) if (mr > r) { _mm256_storeu_ps(C + r * ldc, a0); \
-                                           _mm256_storeu_ps(C + r * ldc + 8, a1); }
-    if (whole) {
-        NX_B2_STW(0, c00, c01) NX_B2_STW(1, c10, c11) NX_B2_STW(2, c20, c21)
-        NX_B2_STW(3, c30, c31) NX_B2_STW(4, c40, c41) NX_B2_STW(5, c50, c51)
-    } else {
-        NX_B2_ST(0, c00, c01) NX_B2_ST(1, c10, c11) NX_B2_ST(2, c20, c21)
-        NX_B2_ST(3, c30, c31) NX_B2_ST(4, c40, c41) NX_B2_ST(5, c50, c51)
-    }
+#define NX_B2_SV(p, m, v) (whole ? _mm256_storeu_ps(p, v) : _mm256_maskstore_ps(p, m, v))
+#define NX_B2_ST(r, a0, a1) if (mr > r) { NX_B2_SV(C + r * ldc, m0, a0); \
+                                          NX_B2_SV(C + r * ldc + 8, m1, a1); }
+    NX_B2_ST(0, c00, c01) NX_B2_ST(1, c10, c11) NX_B2_ST(2, c20, c21)
+    NX_B2_ST(3, c30, c31) NX_B2_ST(4, c40, c41) NX_B2_ST(5, c50, c51)
 #undef NX_B2_ST
-#undef NX_B2_STW
+#undef NX_B2_SV
     /* clang-format on */
 }
 

@@ -64,23 +64,18 @@ static void nx2_kern(int mr, int nr, size_t kc, const float *A /* IN [kc][MR] */
      * each time, and with plain moves T=256, K=N=3840 on Q4_K weights went from 74.5 to 85.8
      * GOP/s (one thread, best of 4 alternated rounds, benchmarks/ab_checkouts.py). The same for
      * the bf16 (nx_lowp_bf16_avx2.c) and q8 (nx_q8a_avx2.h) tiles. */
+    const int whole = nr == NX2_NR;
+#define NX2_LD(p, m) (whole ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, m))
+#define NX2_SV(p, m, v) (whole ? _mm256_storeu_ps(p, v) : _mm256_maskstore_ps(p, m, v))
 #define NX2_ST(r, a0, a1) if (mr > r) { \
-        if (!first) { a0 = _mm256_add_ps(_mm256_maskload_ps(C + r * ldc, m0), a0); \
-                      a1 = _mm256_add_ps(_mm256_maskload_ps(C + r * ldc + 8, m1), a1); } \
-        _mm256_maskstore_ps(C + r * ldc, m0, a0); _mm256_maskstore_ps(C + r * ldc + 8, m1, a1); }
-#define NX2_STW(r, a0, a1) if (mr > r) { \
-        if (!first) { a0 = _mm256_add_ps(_mm256_loadu_ps(C + r * ldc), a0); \
-                      a1 = _mm256_add_ps(_mm256_loadu_ps(C + r * ldc + 8), a1); } \
-        _mm256_storeu_ps(C + r * ldc, a0); _mm256_storeu_ps(C + r * ldc + 8, a1); }
-    if (nr == NX2_NR) {
-        NX2_STW(0, c00, c01) NX2_STW(1, c10, c11) NX2_STW(2, c20, c21)
-        NX2_STW(3, c30, c31) NX2_STW(4, c40, c41) NX2_STW(5, c50, c51)
-    } else {
-        NX2_ST(0, c00, c01) NX2_ST(1, c10, c11) NX2_ST(2, c20, c21)
-        NX2_ST(3, c30, c31) NX2_ST(4, c40, c41) NX2_ST(5, c50, c51)
-    }
+        if (!first) { a0 = _mm256_add_ps(NX2_LD(C + r * ldc, m0), a0); \
+                      a1 = _mm256_add_ps(NX2_LD(C + r * ldc + 8, m1), a1); } \
+        NX2_SV(C + r * ldc, m0, a0); NX2_SV(C + r * ldc + 8, m1, a1); }
+    NX2_ST(0, c00, c01) NX2_ST(1, c10, c11) NX2_ST(2, c20, c21)
+    NX2_ST(3, c30, c31) NX2_ST(4, c40, c41) NX2_ST(5, c50, c51)
 #undef NX2_ST
-#undef NX2_STW
+#undef NX2_LD
+#undef NX2_SV
     /* clang-format on */
 }
 
