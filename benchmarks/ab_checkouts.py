@@ -1,5 +1,5 @@
-"""Two builds of nxhpc timed against each other, alternately, on one matmul shape: not a
-pytest-benchmark file but the A/B harness for a kernel change on a noisy host.
+"""Two builds of nxhpc timed against each other, alternately, on one matmul shape or attention
+length: not a pytest-benchmark file but the A/B harness for a kernel change on a noisy host.
 
 Each round starts one child process per checkout (``PYTHONPATH`` = that checkout, built in place
 with ``python setup.py build_ext --inplace``), the order flipped every round, and each child
@@ -8,7 +8,9 @@ all rounds is kept per checkout and case. Both checkouts get the same inputs (a 
 their outputs' float64 sums are compared (``same_sum``: a change that keeps the bits must print
 True everywhere). Cases are ``precision:type`` with precision ``q8`` (``matmul_q8``), ``bf16``
 (``matmul_bf16``) or ``f32`` (``matmul``) and a type of ``weight_types()`` (quantized with
-nxhpc's synthetic-model quantizers, ``nxhpc.formats.quants.quantize``).
+nxhpc's synthetic-model quantizers, ``nxhpc.formats.quants.quantize``), or ``attention-P:T``:
+``K.attention`` of precision P (``f32``, ``bf16``) at T tokens, 2 heads of 128 (the DiT's head
+size), on the process's own ISA (GFLOP/s = 4 T^2 hd H / s; ``--shape`` does not apply).
 
     git worktree add /tmp/base <commit> && (cd /tmp/base && python setup.py build_ext --inplace -q)
     python benchmarks/ab_checkouts.py /tmp/base . --rounds 4 --cases q8:Q4_0,q8:Q4_K,f32:Q4_K
@@ -34,6 +36,21 @@ out = np.empty((T, N), np.float32)
 res = {}
 for case in sys.argv[5].split(","):
     prec, t = case.split(":")
+    if prec.startswith("attention-"):
+        Ta, H, hd, ap = int(t), 2, 128, prec.split("-", 1)[1]
+        ar = np.random.default_rng(1)
+        aq, ak = (ar.standard_normal((H, Ta, hd), dtype=np.float32) for _ in range(2))
+        aqkv = ar.standard_normal((Ta, 3 * H * hd), dtype=np.float32)
+        aout = np.empty((Ta, H * hd), np.float32)
+        fn = lambda: K.attention(aq, ak, aqkv, aout, H, hd ** -0.5, precision=ap)
+        fn()
+        best = float("inf")
+        for _ in range(calls):
+            t0 = time.process_time()
+            fn()
+            best = min(best, time.process_time() - t0)
+        res[case] = (4.0 * Ta * Ta * hd * H / best * 1e-9, float(aout.astype(np.float64).sum()))
+        continue
     q = quantize(wf, t)
     fn = {"q8": lambda: K.matmul_q8(x, q, out, wtype=t), "bf16": lambda: K.matmul_bf16(x, q, t, out),
           "f32": lambda: K.matmul(x, q, t, out)}[prec]
@@ -56,7 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=3, help="timed calls per case and round (default 3)")
     ap.add_argument("--shape", default="256,3840,3840", help="T,K,N (default 256,3840,3840)")
     ap.add_argument("--cases", default="q8:Q4_0,q8:Q4_K,q8:Q6_K,q8:Q8_0,bf16:Q4_K,f32:Q4_K",
-                    help="comma-separated precision:type (default %(default)s)")
+                    help="comma-separated precision:type or attention-P:T (default %(default)s)")
     a = ap.parse_args(argv)
     try:
         T, Kd, N = (int(v) for v in a.shape.split(","))
@@ -82,7 +99,7 @@ def main(argv=None) -> int:
         print(f"round {r + 1}/{a.rounds} done", file=sys.stderr, flush=True)
     for case in best["base"]:
         (gb, sb), (gn, sn) = best["base"][case], best["new"][case]
-        print(f"{case:10s} base {gb:7.1f}  new {gn:7.1f} GOP/s  ratio {gn / gb:5.3f}  same_sum {sb == sn}")
+        print(f"{case:10s} base {gb:7.1f}  new {gn:7.1f} G(FL)OP/s  ratio {gn / gb:5.3f}  same_sum {sb == sn}")
     return 0
 
 

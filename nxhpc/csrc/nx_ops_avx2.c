@@ -53,6 +53,12 @@ NX_INLINE void nx2_pv_block(const int nr, const float *P, const float *alpha, co
                             unsigned subk) {
     __m256 acc[NX2_BR][2];
     __m256i m0 = nx_mask8(hd - c), m1 = nx_mask8(hd - c - 8);
+    /* all 16 columns inside hd (every block when hd % 16 == 0, as the DiT's 128): plain loads of
+     * the same values, 0-6% faster on AMD Zen 3 (docs/kernels.md); else the masked ones */
+    const int whole = hd - c >= 16;
+#define NX2_LDV(vr, v0, v1)                                                                        \
+    __m256 v0 = whole ? _mm256_loadu_ps(vr) : _mm256_maskload_ps(vr, m0),                          \
+           v1 = whole ? _mm256_loadu_ps((vr) + 8) : _mm256_maskload_ps((vr) + 8, m1)
     for (int r = 0; r < nr; r++) {
         __m256 a = _mm256_set1_ps(alpha[r]);
         acc[r][0] = _mm256_mul_ps(_mm256_load_ps(O + r * hdp + c), a);
@@ -61,7 +67,7 @@ NX_INLINE void nx2_pv_block(const int nr, const float *P, const float *alpha, co
     if (!subk) {
         for (int64_t j = 0; j < nk; j++) {
             const float *vr = vt + j * W + c;
-            __m256 v0 = _mm256_maskload_ps(vr, m0), v1 = _mm256_maskload_ps(vr + 8, m1);
+            NX2_LDV(vr, v0, v1);
             for (int r = 0; r < nr; r++) {
                 __m256 p = _mm256_broadcast_ss(P + r * NX2_BC + j);
                 acc[r][0] = _mm256_fmadd_ps(p, v0, acc[r][0]);
@@ -73,7 +79,7 @@ NX_INLINE void nx2_pv_block(const int nr, const float *P, const float *alpha, co
         const __m256 big = _mm256_set1_ps(0x1p100f);
         for (int64_t j = 0; j < nk; j++) {
             const float *vr = vt + j * W + c;
-            __m256 v0 = _mm256_maskload_ps(vr, m0), v1 = _mm256_maskload_ps(vr + 8, m1);
+            NX2_LDV(vr, v0, v1);
             for (int r = 0; r < nr; r++) {
                 const float pj = P[r * NX2_BC + j];
                 if ((subk >> j & 1) && pj > 0.0f && pj < 0x1p-126f) {
@@ -96,6 +102,7 @@ NX_INLINE void nx2_pv_block(const int nr, const float *P, const float *alpha, co
         _mm256_store_ps(O + r * hdp + c + 8, acc[r][1]);
     }
 }
+#undef NX2_LDV
 
 /* Online softmax of one micro-block's scores (in place: S -> P); the rescale factors
  * alpha[r] = exp(m_old - m_new) of all rows go through one vector exp. */
