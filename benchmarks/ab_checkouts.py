@@ -15,7 +15,7 @@ size), on the process's own ISA (GFLOP/s = 4 T^2 hd H / s; ``--shape`` does not 
     git worktree add /tmp/base <commit> && (cd /tmp/base && python setup.py build_ext --inplace -q)
     python benchmarks/ab_checkouts.py /tmp/base . --rounds 4 --cases q8:Q4_0,q8:Q4_K,f32:Q4_K
 
-Prints one line per case: GOP/s of each checkout, their ratio (new / base), same_sum.
+Prints one line per case: GOP/s (matmul) or GFLOP/s (attention) of each checkout, their ratio (new / base), same_sum.
 """
 import argparse
 import json
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
         print(f"round {r + 1}/{a.rounds} done", file=sys.stderr, flush=True)
     for case in best["base"]:
         (gb, sb), (gn, sn) = best["base"][case], best["new"][case]
-        print(f"{case:10s} base {gb:7.1f}  new {gn:7.1f} G(FL)OP/s  ratio {gn / gb:5.3f}  same_sum {sb == sn}")
+        print(f"{case:20s} base {gb:7.1f}  new {gn:7.1f} G(FL)OP/s  ratio {gn / gb:5.3f}  same_sum {sb == sn}")
     return 0
 
 

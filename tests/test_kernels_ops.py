@@ -792,3 +792,50 @@ def test_empty_inputs_return_early():
     assert np.all(o == 7.0)
     q = np.zeros((2, 0, 4), np.float32)
     K.attention(q, q.copy(), np.zeros((0, 24), np.float32), np.zeros((0, 8), np.float32), 2, 0.5)
+
+
+# qkv ending exactly at a PROT_NONE page: a kernel that reads past the last row's V columns (or
+# past the last head's) faults. Run in a child process, so a fault is a failure, not a crash.
+_GUARD_CHILD = r'''
+import ctypes, mmap, sys
+import numpy as np
+from nxhpc import _kernels as K
+libc = ctypes.CDLL(None, use_errno=True)
+PG = mmap.PAGESIZE
+
+def guarded(shape):
+    n = int(np.prod(shape)) * 4
+    npages = (n + PG - 1) // PG + 1
+    buf = mmap.mmap(-1, npages * PG)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    if libc.mprotect(ctypes.c_void_p(base + (npages - 1) * PG), PG, 0) != 0:
+        raise OSError(ctypes.get_errno(), "mprotect")
+    return np.frombuffer(buf, np.float32, count=n // 4, offset=(npages - 1) * PG - n).reshape(shape), buf
+
+isa, precision = sys.argv[1], sys.argv[2]
+for hd in (1, 8, 24, 30, 40, 128):
+    for T, H, KVH in ((1, 1, 1), (17, 2, 1), (40, 1, 1)):
+        for causal in (False, True):
+            rng = np.random.default_rng(hd * 100 + T)
+            q = rng.standard_normal((H, T, hd), dtype=np.float32)
+            k = rng.standard_normal((KVH, T, hd), dtype=np.float32)
+            qkv, keep = guarded((T, (H + 2 * KVH) * hd))
+            qkv[:] = rng.standard_normal(qkv.shape, dtype=np.float32)
+            out = np.empty((T, H * hd), np.float32)
+            K.attention(q, k, qkv, out, KVH, hd ** -0.5, isa=isa, causal=causal, precision=precision)
+            assert np.isfinite(out).all()
+print("ok")
+'''
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_attention_reads_nothing_past_v(isa, precision):
+    """No attention variant reads past the V columns it uses: qkv ends at an unreadable page (hd 1
+    to 128, so both whole and partial 16-column blocks, causal and not, MHA and GQA)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _GUARD_CHILD, isa, precision], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", \
+        f"attention[{isa}, {precision}] exit {r.returncode}: {r.stderr[-2000:]}"

@@ -111,7 +111,8 @@ static void kernel(int k, size_t ng) {
         const double dt = now() - t0;
         if (dt < best) best = dt;
     }
-    printf("q8 micro-kernel %-5s (%-9s), %2zu groups a call, L1-resident panels: %6.1f GOP/s (%g)\n",
+    printf("q8 micro-kernel %-5s (%-9s), %2zu groups a call, L1-resident panels: %6.1f GOP/s "
+           "(%g)\n",
            kernels[k].name, kernels[k].types, ng,
            (double)reps * ng * 32 * NX_Q8A_MR * NX_Q8A_NR * 2 / best * 1e-9, (double)C[0]);
     free(A);

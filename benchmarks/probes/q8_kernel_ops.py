@@ -1,15 +1,16 @@
 """q8_kernel_ops.py -- probe: how close is each AVX2 `q8` micro-kernel to what its instructions allow?
 
-    python benchmarks/probes/q8_kernel_ops.py [--cc gcc] [--runs 3]
+    python benchmarks/probes/q8_kernel_ops.py [--cc gcc] [--runs 3] [-D NAME=VALUE ...]
 
-(after ``pip install -e .``; x86-64 with AVX2, gcc and objdump; ~1 min). It builds
-``avx2_tile_stores.c`` (the micro-kernels of ``nxhpc/csrc/nx_q8a_avx2.h`` with the package's own
-flags, ``-O3 -mavx2 -mfma -mf16c``), disassembles it and counts, in each kernel's main loop (the
-loop over 32-k groups: of the backward jumps, the one around the most ``vpmaddubsw``, the shortest
-of those), the ``vpmaddubsw`` and every other vector
-instruction that is not a plain load or broadcast from memory. It then runs the probe (each
-kernel alone on panels that stay in L1) and measures ``i8_ymm`` (``nxhpc.runtime.peak``: 12 chains
-of ``vpaddw(acc, vpmaddubsw(a, b))``) after each run, the best of ``--runs`` kept for each.
+(after ``pip install -e .``; x86-64 with AVX2, gcc and objdump; ~5 s a run). It builds
+``avx2_tile_stores.c`` (the micro-kernels of ``nxhpc/csrc/nx_q8a_avx2.h``) with the flags the
+package's AVX2 files get (setup.py's ``-O3 ... -mavx2 -mfma -mf16c`` and Python's own ``-fwrapv
+-fPIC``; ``-D NAME=VALUE`` adds a define, e.g. another tile: ``-D NX_Q8A_MR=2``), disassembles it
+and counts, in each kernel's loop over 32-k groups (of its backward jumps, the one around the most
+``vpmaddubsw``, the shortest of those), the ``vpmaddubsw`` and every other vector instruction that
+is not a plain load, broadcast or store. It then runs the probe (each kernel alone on panels that
+stay in L1) and measures ``i8_ymm`` (``nxhpc.runtime.peak``: 12 chains of ``vpaddw(acc,
+vpmaddubsw(a, b))``) after each run, the best of ``--runs`` kept for each.
 
 The bound. ``i8_ymm`` issues two vector instructions per ``vpmaddubsw`` (the product and its add),
 so at that rate the vector pipes retire ``2 * i8_ymm / 64`` instructions a second (64 operations
@@ -35,10 +36,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 PROBE = os.path.join(HERE, "avx2_tile_stores.c")
 MEMORY_MOVES = ("vmov", "vpbroadcast", "vbroadcast")
+# setup.py's BASE_FLAGS (less its warnings) and "_avx2.c" flags, with the -fwrapv and -fPIC that
+# Python's build configuration adds: nx_lowp_avx2.c as the package compiles it
+BUILD_FLAGS = ["-O3", "-std=c11", "-fno-math-errno", "-fno-trapping-math", "-fwrapv", "-fPIC",
+               "-mavx2", "-mfma", "-mf16c"]
 
 
 def loop_counts(disasm: str) -> dict[str, tuple[int, int]]:
-    """``{kernel: (vpmaddubsw, vector instructions)}`` in each ``nx_q8a_kern_*``'s longest loop."""
+    """``{kernel: (vpmaddubsw, vector instructions)}`` in each ``nx_q8a_kern_*``'s group loop: of its
+    backward jumps, the one around the most ``vpmaddubsw``, the shortest of those."""
     out = {}
     for chunk in re.split(r"\n(?=[0-9a-f]+ <)", disasm):
         m = re.match(r"[0-9a-f]+ <nx_q8a_kern_(\w+)>:", chunk)
@@ -77,6 +83,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cc", default="gcc", help="C compiler (default gcc)")
     ap.add_argument("--runs", type=int, default=3, help="probe runs, best kept (default 3)")
+    ap.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE",
+                    help="a define for the probe's build (repeatable), e.g. -D NX_Q8A_MR=2")
     a = ap.parse_args(argv)
     from nxhpc.runtime import peak
     if "i8_ymm" not in peak.supported():
@@ -84,9 +92,8 @@ def main(argv=None) -> int:
         return 1
     with tempfile.TemporaryDirectory() as tmp:
         exe = os.path.join(tmp, "probe")
-        subprocess.run([a.cc, "-O3", "-std=c11", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno",
-                        "-fno-trapping-math", "-I", os.path.join(ROOT, "nxhpc", "csrc"), PROBE, "-o", exe],
-                       check=True)
+        subprocess.run([a.cc, *BUILD_FLAGS, *(f"-D{d}" for d in a.defines), "-I",
+                        os.path.join(ROOT, "nxhpc", "csrc"), PROBE, "-o", exe], check=True)
         counts = loop_counts(subprocess.run(["objdump", "-d", "--no-show-raw-insn", exe], check=True,
                                             capture_output=True, text=True).stdout)
         best: dict[str, tuple[str, float]] = {}
