@@ -12,7 +12,10 @@ bit for bit, so the guarded call did the work.
 Negative controls (2026-12-06, each alone): the AVX2 float32 attention loading whole 16-column V
 blocks from 8 columns inside hd (a real over-read, which every other test let pass) fails
 test_attention_...[avx2-f32]; the AVX2 q8 tile storing all 16 columns when 8 or more are its own
-fails test_matmul_...[avx2-q8]; test_guard_pages_fault checks the harness itself.
+fails test_matmul_...[avx2-q8]; the AVX2 float64 statistics loading a row's second 8 floats
+unmasked (then zeroing the lanes past the row: the same values, an over-read that
+test_kernels_ops.py and test_kernels_layernorm.py let pass) fails test_ops_...[avx2] (SIGSEGV);
+test_guard_pages_fault checks the harness itself.
 """
 import os
 import subprocess
@@ -110,6 +113,87 @@ print("ok")
 '''
 
 
+_OPS = _GUARD + r"""
+from kernelutil import finite_scale_blocks, gguf_bytes
+isa = sys.argv[2]
+rng = np.random.default_rng(11)
+f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+
+def check(what, call, ins, outs):
+    # call(**ins, **outs) on ordinary arrays, then on guarded copies of every array, each side
+    ref = {k: v.copy() for k, v in outs.items()}
+    r = call(**ins, **ref)
+    for side in ("end", "start"):
+        g_out = {k: guarded(v, side) for k, v in outs.items()}
+        g = call(**{k: guarded(v, side) if isinstance(v, np.ndarray) else v
+                    for k, v in ins.items()}, **g_out)
+        for k in outs:
+            same(g_out[k], ref[k], f"{what} {k} {side}")
+        if not outs:
+            same(np.asarray(g), np.asarray(r), f"{what} {side}")
+
+def typed(wtype, n, k):
+    if wtype.endswith("_K"):
+        return finite_scale_blocks(rng, wtype, n, k)
+    w = f32(n, k) * 0.1
+    return w if wtype == "F32" else gguf_bytes(w, wtype)
+
+for T, D in ((1, 1), (3, 7), (5, 37)):
+    check(f"rmsnorm T={T} D={D}", lambda **a: K.rmsnorm(eps=1e-6, isa=isa, **a),
+          {"x": f32(T, D), "w": f32(D), "mod": f32(D)}, {"out": np.zeros((T, D), np.float32)})
+    check(f"layernorm_mod T={T} D={D}", lambda **a: K.layernorm_mod(eps=1e-6, isa=isa, **a),
+          {"x": f32(T, D), "mod": f32(D)}, {"out": np.zeros((T, D), np.float32)})
+    check(f"swiglu T={T} D={D}", lambda **a: K.swiglu(isa=isa, **a),
+          {"a": f32(T, D), "b": f32(T, D)}, {"out": np.zeros((T, D), np.float32)})
+    check(f"add T={T} D={D}", lambda **a: K.add(isa=isa, **a),
+          {"a": f32(T, D), "b": f32(T, D)}, {"out": np.zeros((T, D), np.float32)})
+    check(f"gated_residual T={T} D={D}", lambda **a: K.gated_residual(isa=isa, **a),
+          {"resid": f32(T, D), "y": f32(T, D), "gate": f32(D)}, {"out": np.zeros((T, D), np.float32)})
+    check(f"norm_residual T={T} D={D}", lambda **a: K.norm_residual(eps=1e-6, isa=isa, **a),
+          {"y": f32(T, D), "w": f32(D), "resid": f32(T, D), "gate": f32(D), "w2": f32(D),
+           "mod2": f32(D)}, {"out": np.zeros((T, D), np.float32), "h": np.zeros((T, D), np.float32)})
+    check(f"round_bf16 T={T} D={D}", lambda **a: K.round_bf16(isa=isa, **a), {"x": f32(T, D)}, {})
+for T, hd in ((1, 2), (5, 6), (17, 128)):
+    H, KVH = 2, 1
+    for pairs in ("adjacent", "half"):
+        check(f"qknorm_rope T={T} hd={hd} {pairs}",
+              lambda **a: K.qknorm_rope(n_heads=H, n_kv_heads=KVH, eps=1e-6, isa=isa,
+                                        rope_pairs=pairs, **a),
+              {"qkv": f32(T, (H + 2 * KVH) * hd), "q_w": f32(hd), "k_w": f32(hd),
+               "pe": f32(T, hd // 2, 2, 2)},
+              {"q_out": np.zeros((H, T, hd), np.float32), "k_out": np.zeros((KVH, T, hd), np.float32)})
+for T in (1, 3):
+    x = f32(T, 64)
+    check(f"q8_0_quantize T={T}", lambda **a: K.q8_0_quantize(isa=isa, **a), {"x": x},
+          {"out": np.zeros_like(K.q8_0_quantize(x))})
+for wtype in K.weight_types():
+    for n in (1, 3):
+        w = typed(wtype, n, 256)
+        check(f"dequantize {wtype} n={n}", lambda **a: K.dequantize(wtype=wtype, isa=isa, **a),
+              {"w": w}, {"out": np.zeros((n, 256), np.float32)})
+        check(f"embed_rows {wtype} n={n}", lambda **a: K.embed_rows(wtype=wtype, isa=isa, **a),
+              {"w": w, "ids": np.array([n - 1, 0, n - 1], np.int32)},
+              {"out": np.zeros((3, 256), np.float32)})
+for P, C, G in ((1, 4, 2), (7, 12, 3), (33, 32, 8)):
+    check(f"group_norm P={P} C={C}", lambda **a: K.group_norm(groups=G, eps=1e-6, silu=True, isa=isa, **a),
+          {"x": f32(P, C), "gamma": f32(C), "beta": f32(C)}, {"out": np.zeros((P, C), np.float32)})
+for Hh, Ww, C in ((1, 1, 3), (3, 5, 4)):
+    check(f"upsample_nearest2x {Hh}x{Ww}x{C}", lambda **a: K.upsample_nearest2x(H=Hh, W=Ww, isa=isa, **a),
+          {"x": f32(Hh * Ww, C)}, {"out": np.zeros((4 * Hh * Ww, C), np.float32)})
+for wtype, C in (("F32", 3), ("F16", 5), ("Q8_0", 32), ("Q4_K", 256)):
+    for Hh, Ww, Cout in ((1, 1, 1), (3, 5, 17)):
+        for up in (False, True):
+            npx = (4 if up else 1) * Hh * Ww
+            w = typed(wtype, Cout, 9 * C)
+            for name, fn in (("conv3x3", K.conv3x3), ("conv3x3_bf16", K.conv3x3_bf16)):
+                check(f"{name} {wtype} {Hh}x{Ww}x{C}->{Cout} up={up}",
+                      lambda **a: fn(H=Hh, W=Ww, wtype=wtype, upsample=up, isa=isa, **a),
+                      {"x": f32(Hh * Ww, C), "w": w, "bias": f32(Cout)},
+                      {"out": np.zeros((npx, Cout), np.float32)})
+print("ok")
+"""
+
+
 def _child(code, *args):
     r = subprocess.run([sys.executable, "-c", code, TESTS, *args], capture_output=True, text=True,
                        timeout=600)
@@ -131,6 +215,15 @@ def test_attention_touches_nothing_outside_its_arrays(isa, precision):
     """Every attention variant: hd 1 to 128 (whole and partial 16-column blocks), causal and not,
     MHA and GQA, with a key mask."""
     _child(_ATTENTION, isa, precision)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_ops_touch_nothing_outside_their_arrays(isa):
+    """The other kernels of inference: the norms, residual tails, swiglu, add, qk-norm + RoPE
+    (both pairings), bf16 rounding, the Q8_0 activation quantizer, dequantize and embed_rows of
+    every weight type, and the autoencoder's group norm, upsampling and 3x3 convolutions (f32 and
+    bf16, plain and upsampling), at sizes with tails."""
+    _child(_OPS, isa)
 
 
 def test_guard_pages_fault():
