@@ -4,8 +4,9 @@ one, so a read or write of a single element past either end faults.
 
 The other tests cannot see such an access: a read past an array returns whatever lies there (a
 value the kernel may then discard, e.g. into an output's padding) and a write past it lands in
-memory nobody checks. Real arrays do end at unmapped pages: a GGUF file is mapped whole, and its
-last tensor ends where the file does. Each case runs in a child process (a fault is then a
+memory nobody checks. Real arrays can end at unmapped memory: a GGUF file is mapped whole, its
+last tensor ends where the file does, and a read past the page holding the file's end faults
+(SIGBUS). Each case runs in a child process (a fault is then a
 failed test, not a crashed run) and checks its outputs against the same call on ordinary arrays,
 bit for bit, so the guarded call did the work.
 
@@ -15,7 +16,8 @@ test_attention_...[avx2-f32]; the AVX2 q8 tile storing all 16 columns when 8 or 
 fails test_matmul_...[avx2-q8]; the AVX2 float64 statistics loading a row's second 8 floats
 unmasked (then zeroing the lanes past the row: the same values, an over-read that
 test_kernels_ops.py and test_kernels_layernorm.py let pass) fails test_ops_...[avx2] (SIGSEGV);
-test_guard_pages_fault checks the harness itself.
+the AVX2 attention backward loading V rows the same way (test_kernels_bwd.py passed) fails
+test_backward_...[avx2]; test_guard_pages_fault checks the harness itself.
 """
 import os
 import subprocess
@@ -194,6 +196,49 @@ print("ok")
 """
 
 
+_BACKWARD = _GUARD + r"""
+isa = sys.argv[2]
+rng = np.random.default_rng(13)
+f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+z = lambda *shape: np.zeros(shape, np.float32)
+
+def check(what, call, ins, outs):
+    ref = {k: v.copy() for k, v in outs.items()}
+    call(**ins, **ref)
+    for side in ("end", "start"):
+        g_out = {k: guarded(v, side) for k, v in outs.items()}
+        call(**{k: guarded(v, side) if isinstance(v, np.ndarray) else v for k, v in ins.items()},
+             **g_out)
+        for k in outs:
+            same(g_out[k], ref[k], f"{what} {k} {side}")
+
+for T, D in ((1, 1), (3, 7), (5, 37)):
+    check(f"rmsnorm_backward T={T} D={D}", lambda **a: K.rmsnorm_backward(eps=1e-6, isa=isa, **a),
+          {"x": f32(T, D), "w": f32(D), "dy": f32(T, D), "mod": f32(D)},
+          {"dx": z(T, D), "dw": z(D), "dmod": z(D)})
+    check(f"swiglu_backward T={T} D={D}", lambda **a: K.swiglu_backward(isa=isa, **a),
+          {"a": f32(T, D), "b": f32(T, D), "dout": f32(T, D)}, {"da": z(T, D), "db": z(T, D)})
+    check(f"gated_residual_backward T={T} D={D}", lambda **a: K.gated_residual_backward(isa=isa, **a),
+          {"y": f32(T, D), "gate": f32(D), "dout": f32(T, D)},
+          {"dresid": z(T, D), "dy": z(T, D), "dgate": z(D)})
+for T, hd in ((1, 2), (5, 6), (17, 128)):
+    H, KVH = 2, 1
+    check(f"rope_backward T={T} hd={hd}", lambda **a: K.rope_backward(isa=isa, **a),
+          {"dy": f32(H, T, hd), "pe": f32(T, hd // 2, 2, 2)}, {"dx": z(H, T, hd)})
+    check(f"qknorm_rope_backward T={T} hd={hd}",
+          lambda **a: K.qknorm_rope_backward(n_heads=H, n_kv_heads=KVH, eps=1e-6, isa=isa, **a),
+          {"qkv": f32(T, (H + 2 * KVH) * hd), "q_w": f32(hd), "k_w": f32(hd),
+           "pe": f32(T, hd // 2, 2, 2), "dq": f32(H, T, hd), "dk": f32(KVH, T, hd)},
+          {"dqkv": z(T, (H + 2 * KVH) * hd), "dq_w": z(hd), "dk_w": z(hd)})
+    check(f"attention_backward T={T} hd={hd}",
+          lambda **a: K.attention_backward(scale=hd ** -0.5, isa=isa, **a),
+          {"q": f32(H, T, hd), "k": f32(KVH, T, hd), "v": f32(KVH, T, hd), "dout": f32(H, T, hd),
+           "mask": rng.random(T) < 0.7},
+          {"dq": z(H, T, hd), "dk": z(KVH, T, hd), "dv": z(KVH, T, hd)})
+print("ok")
+"""
+
+
 def _child(code, *args):
     r = subprocess.run([sys.executable, "-c", code, TESTS, *args], capture_output=True, text=True,
                        timeout=600)
@@ -224,6 +269,13 @@ def test_ops_touch_nothing_outside_their_arrays(isa):
     every weight type, and the autoencoder's group norm, upsampling and 3x3 convolutions (f32 and
     bf16, plain and upsampling), at sizes with tails."""
     _child(_OPS, isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_backward_kernels_touch_nothing_outside_their_arrays(isa):
+    """The training primitives: the backward kernels of rmsnorm, swiglu, the gated residual, RoPE,
+    qk-norm + RoPE and attention, with their parameter gradients, at sizes with tails."""
+    _child(_BACKWARD, isa)
 
 
 def test_guard_pages_fault():
