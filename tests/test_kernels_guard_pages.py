@@ -179,6 +179,28 @@ for wtype in K.weight_types():
 for P, C, G in ((1, 4, 2), (7, 12, 3), (33, 32, 8)):
     check(f"group_norm P={P} C={C}", lambda **a: K.group_norm(groups=G, eps=1e-6, silu=True, isa=isa, **a),
           {"x": f32(P, C), "gamma": f32(C), "beta": f32(C)}, {"out": np.zeros((P, C), np.float32)})
+for wtype in ("F32", "Q8_0", "Q4_K", "Q6_K"):
+    for N in (1, 17):
+        check(f"adaln_linear {wtype} N={N}",
+              lambda **a: K.adaln_linear(wtype=wtype, silu_input=True, isa=isa, **a),
+              {"t_emb": f32(256), "w": typed(wtype, N, 256), "bias": f32(N)},
+              {"out": np.zeros(N, np.float32)})
+for T, N in ((1, 1), (4, 17)):
+    check(f"q8_0_matmul T={T} N={N}", lambda **a: K.q8_0_matmul(isa=isa, **a),
+          {"x": f32(T, 64), "w": typed("Q8_0", N, 64)}, {"out": np.zeros((T, N), np.float32)})
+    check(f"q8_0_dequantize N={N}", lambda **a: K.q8_0_dequantize(isa=isa, **a),
+          {"w": typed("Q8_0", N, 64)}, {"out": np.zeros((N, 64), np.float32)})
+    check(f"sum_partials T={T} N={N}", lambda **a: K.sum_partials(**a),
+          {"partials": f32(T, N)}, {"out": np.zeros(N, np.float32)})
+for Hh, Ww, C in ((1, 1, 3), (3, 5, 4)):
+    for up in (False, True):
+        npx = (4 if up else 1) * Hh * Ww
+        check(f"im2col3x3 {Hh}x{Ww}x{C} up={up}",
+              lambda **a: K.im2col3x3(H=Hh, W=Ww, upsample=up, isa=isa, **a),
+              {"x": f32(Hh * Ww, C)}, {"panel": np.zeros((npx, 9 * C), np.float32)})
+    check(f"affine_act {Hh}x{Ww}x{C}", lambda **a: K.affine_act(silu=True, isa=isa, **a),
+          {"x": f32(Hh * Ww, C), "scale": f32(C), "shift": f32(C)},
+          {"out": np.zeros((Hh * Ww, C), np.float32)})
 for Hh, Ww, C in ((1, 1, 3), (3, 5, 4)):
     check(f"upsample_nearest2x {Hh}x{Ww}x{C}", lambda **a: K.upsample_nearest2x(H=Hh, W=Ww, isa=isa, **a),
           {"x": f32(Hh * Ww, C)}, {"out": np.zeros((4 * Hh * Ww, C), np.float32)})
@@ -265,8 +287,9 @@ def test_attention_touches_nothing_outside_its_arrays(isa, precision):
 @pytest.mark.parametrize("isa", ISAS)
 def test_ops_touch_nothing_outside_their_arrays(isa):
     """The other kernels of inference: the norms, residual tails, swiglu, add, qk-norm + RoPE
-    (both pairings), bf16 rounding, the Q8_0 activation quantizer, dequantize and embed_rows of
-    every weight type, and the autoencoder's group norm, upsampling and 3x3 convolutions (f32 and
+    (both pairings), bf16 rounding, the Q8_0 activation quantizer, matmul and dequantizer,
+    dequantize and embed_rows of every weight type, adaln_linear, sum_partials, and the
+    autoencoder's group norm, affine + SiLU, upsampling, im2col and 3x3 convolutions (f32 and
     bf16, plain and upsampling), at sizes with tails."""
     _child(_OPS, isa)
 
