@@ -25,6 +25,7 @@ from nxhpc.cli.frame import run_cli
 from nxhpc.cli.report import save_bytes
 from nxhpc.runtime.outfile import OutputPathError, check_output_path
 from nxhpc.runtime.proc import Terminated
+from nxhpc.runtime.workers import max_workers, usable_cpus
 from nxhpc.train import ddp as train
 
 __all__ = ["main", "build_parser", "EXIT_CODES"]
@@ -59,6 +60,14 @@ class _Parser(argparse.ArgumentParser):
         for opt, ds in (("--sweep", a.sweep), ("--contrast", a.contrast)):
             if ds and len(set(ds)) != len(ds):
                 self.error(f"{opt} lists a worker count twice: {','.join(map(str, ds))}")
+        if a.backend == "shm":   # forked processes: the pools' one cap (MPI: mpirun's world)
+            top = max_workers()
+            for opt, ds in (("--workers", [a.workers] if a.workers else []), ("--sweep", a.sweep),
+                            ("--contrast", [] if a.no_contrast else a.contrast)):
+                too_many = [d for d in ds or [] if d > top]
+                if too_many:
+                    self.error(f"{opt}: {too_many} exceeds {top}, the most worker processes a "
+                               f"run forks here (8x the {usable_cpus()} usable CPUs, at least 64)")
         if a.log_every < 1:
             self.error(f"--log-every must be >= 1, got {a.log_every}")
         if not a.timeout > 0:
@@ -87,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=codes_epilog(EXIT_CODES),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=None,
-                    help="number of data-parallel workers D (shm: forked processes, default 4; "
-                         "mpi: must equal the MPI world size if given)")
+                    help="number of data-parallel workers D (shm: forked processes, default 4, at "
+                         "most 8x the usable CPUs (at least 64) and the 442 data rows; mpi: must "
+                         "equal the MPI world size if given)")
     ap.add_argument("--steps", type=int, default=300, help="SGD steps (default 300)")
     ap.add_argument("--backend", choices=["shm", "mpi"], default="shm",
                     help="shm: forked workers over shared memory; mpi: run under mpirun")

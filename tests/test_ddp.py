@@ -20,6 +20,7 @@ import pytest
 from nxhpc.train.ddp import (DDPTimeoutError, DDPWorkerError, MLPConfig, load_diabetes, init_params,
                        train_full_batch, train_shm)
 from nxhpc.train.q16 import Q16_MAX, Q16OverflowError, from_q16, q16_add, to_q16
+from nxhpc.runtime.workers import max_workers
 from nxhpc.train.ring import ShmSegment, chunk_bounds, ring_allreduce_shm
 from procutil import children_of, wait_until      # /proc helpers (tests/ is on sys.path)
 
@@ -329,10 +330,16 @@ def test_cli_help_and_bad_arguments():
     assert r.returncode == 2 and "--timeout must be > 0 seconds, got 0.0" in r.stderr
     r = _cli("--sweep", "1,,2")                      # an empty item is refused, not skipped
     assert r.returncode == 2 and "comma-separated integers" in r.stderr
-    r = _cli("--workers", "500", "--steps", "1")     # more workers than the 442 data rows
-    assert r.returncode == 2 and "exceeds the 442 data rows" in r.stderr
-    r = _cli("--workers", "2", "--sweep", "1,443", "--steps", "1")
-    assert r.returncode == 2 and "--sweep: [443]" in r.stderr
+    top = max_workers()                             # the pools' cap: 8x the CPUs, at least 64
+    r = _cli("--workers", str(top + 1), "--steps", "1")
+    assert r.returncode == 2 and f"--workers: [{top + 1}] exceeds {top}, the most" in r.stderr
+    r = _cli("--workers", "2", "--sweep", f"1,{top + 1}", "--steps", "1")
+    assert r.returncode == 2 and f"--sweep: [{top + 1}] exceeds {top}" in r.stderr
+    r = _cli("--workers", "2", "--contrast", f"{top + 1}", "--steps", "1")
+    assert r.returncode == 2 and f"--contrast: [{top + 1}] exceeds {top}" in r.stderr
+    r = _cli("--workers", "443", "--steps", "1")     # more workers than the 442 data rows
+    assert r.returncode == 2 and ("exceeds the 442 data rows" in r.stderr if top >= 443
+                                  else "--workers: [443] exceeds" in r.stderr)
 
 
 def test_cli_prints_losses_hash_and_contrast(tmp_path, full_batch):
