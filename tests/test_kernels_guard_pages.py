@@ -60,6 +60,20 @@ def guarded(a, side):
 def same(a, b, what):
     if a.tobytes() != b.tobytes():
         raise SystemExit(f"{what}: guarded result differs from the ordinary one")
+
+def check(what, call, ins, outs):
+    """call(**ins, **outs) on ordinary arrays, then on guarded copies of every array, each side;
+    the outputs (or, with none, the returned array) compared bit for bit"""
+    ref = {k: v.copy() for k, v in outs.items()}
+    r = call(**ins, **ref)
+    for side in ("end", "start"):
+        g_out = {k: guarded(v, side) for k, v in outs.items()}
+        g = call(**{k: guarded(v, side) if isinstance(v, np.ndarray) else v
+                    for k, v in ins.items()}, **g_out)
+        for k in outs:
+            same(g_out[k], ref[k], f"{what} {k} {side}")
+        if not outs:
+            same(np.asarray(g), np.asarray(r), f"{what} {side}")
 '''
 
 _MATMUL = _GUARD + r'''
@@ -121,18 +135,6 @@ isa = sys.argv[2]
 rng = np.random.default_rng(11)
 f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
 
-def check(what, call, ins, outs):
-    # call(**ins, **outs) on ordinary arrays, then on guarded copies of every array, each side
-    ref = {k: v.copy() for k, v in outs.items()}
-    r = call(**ins, **ref)
-    for side in ("end", "start"):
-        g_out = {k: guarded(v, side) for k, v in outs.items()}
-        g = call(**{k: guarded(v, side) if isinstance(v, np.ndarray) else v
-                    for k, v in ins.items()}, **g_out)
-        for k in outs:
-            same(g_out[k], ref[k], f"{what} {k} {side}")
-        if not outs:
-            same(np.asarray(g), np.asarray(r), f"{what} {side}")
 
 def typed(wtype, n, k):
     if wtype.endswith("_K"):
@@ -224,15 +226,6 @@ rng = np.random.default_rng(13)
 f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
 z = lambda *shape: np.zeros(shape, np.float32)
 
-def check(what, call, ins, outs):
-    ref = {k: v.copy() for k, v in outs.items()}
-    call(**ins, **ref)
-    for side in ("end", "start"):
-        g_out = {k: guarded(v, side) for k, v in outs.items()}
-        call(**{k: guarded(v, side) if isinstance(v, np.ndarray) else v for k, v in ins.items()},
-             **g_out)
-        for k in outs:
-            same(g_out[k], ref[k], f"{what} {k} {side}")
 
 for T, D in ((1, 1), (3, 7), (5, 37)):
     check(f"rmsnorm_backward T={T} D={D}", lambda **a: K.rmsnorm_backward(eps=1e-6, isa=isa, **a),
