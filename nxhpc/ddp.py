@@ -38,7 +38,7 @@ EXIT_CODES = {
     Exit.FAIL: "a --sweep worker count gave other bytes than the full batch, or the Q16 tape "
                "overflowed",
     Exit.USAGE: "bad arguments (including an unwritable --json path, more workers than data "
-                "rows, a missing scikit-learn / mpi4py)",
+                "rows or than the worker cap, a missing scikit-learn / mpi4py)",
     Exit.WORKER: "a worker (or MPI rank) died, raised or hung (--timeout)",
     Exit.SHM: "not enough shared memory or memory for the segment (in a container use --shm-size)",
     Exit.OUTPUT: "the --json report could not be written (the printed results stand)",
@@ -96,9 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=codes_epilog(EXIT_CODES),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=None,
-                    help="number of data-parallel workers D (shm: forked processes, default 4, at "
-                         "most 8x the usable CPUs (at least 64) and the 442 data rows; mpi: must "
-                         "equal the MPI world size if given)")
+                    help="number of data-parallel workers D (shm: forked processes, default 4; at "
+                         "most the 442 data rows and the worker cap, 8x the usable CPUs or 64, "
+                         "whichever is larger; mpi: must equal the MPI world size if given)")
     ap.add_argument("--steps", type=int, default=300, help="SGD steps (default 300)")
     ap.add_argument("--backend", choices=["shm", "mpi"], default="shm",
                     help="shm: forked workers over shared memory; mpi: run under mpirun")
@@ -107,11 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="init seed (default 0)")
     ap.add_argument("--log-every", type=int, default=1, help="print the loss every N steps (default 1)")
     ap.add_argument("--contrast", type=types.int_list, default=[1, 2, 3, 4, 5, 8], metavar="D,D,...",
-                    help="worker counts for the float32 contrast (default 1,2,3,4,5,8; shm only)")
+                    help="worker counts for the float32 contrast (default 1,2,3,4,5,8; shm only; "
+                         "each within --workers' limits)")
     ap.add_argument("--no-contrast", action="store_true", help="skip the float32 contrast")
     ap.add_argument("--sweep", type=types.int_list, default=None, metavar="D,D,...",
-                    help="also train the Q16 model with each of these worker counts (shm) and "
-                         "print a hash table, checked against the single-process full batch")
+                    help="also train the Q16 model with each of these worker counts (shm; each "
+                         "within --workers' limits) and print a hash table, checked against the "
+                         "single-process full batch")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds before a shm run is "
                     "declared hung (default 600; inf: no limit)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
@@ -206,8 +208,9 @@ def _run(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise UsageError(str(e)) from None
     n_rows = data.x.shape[0]
+    contrast = [] if args.no_contrast or args.backend == "mpi" else (args.contrast or [])
     for opt, ds in (("--workers", [args.workers] if args.workers else []),
-                    ("--sweep", args.sweep or []), ("--contrast", args.contrast or [])):
+                    ("--sweep", args.sweep or []), ("--contrast", contrast)):
         too_many = [d for d in ds if d > n_rows]
         if too_many:   # a shard would be empty
             raise UsageError(f"{opt}: {too_many} exceeds the {n_rows} data rows (at most one "

@@ -5,14 +5,12 @@ multiprocessing worker, a removed working directory, the umask, threads importin
 Each case is checked against what the caller had before or what README's exit-code table
 says, with a control where the check could pass vacuously."""
 import errno
-import os
 import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from nxhpc.cli.codes import Exit

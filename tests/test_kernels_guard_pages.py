@@ -5,10 +5,11 @@ one, so a read or write of a single element past either end faults.
 The other tests cannot see such an access: a read past an array returns whatever lies there (a
 value the kernel may then discard, e.g. into an output's padding) and a write past it lands in
 memory nobody checks. Real arrays can end at unmapped memory: a GGUF file is mapped whole, its
-last tensor ends where the file does, and a read past the page holding the file's end faults
-(SIGBUS). Each case runs in a child process (a fault is then a
-failed test, not a crashed run) and checks its outputs against the same call on ordinary arrays,
-bit for bit, so the guarded call did the work.
+last tensor ends where the file does, and a read past the mapping's last page faults. Each case
+runs in a child process (a fault is then a failed test, not a crashed run; faulthandler names
+the case's line) and checks its outputs against the same call on ordinary arrays, bit for bit,
+so the guarded call did the work. (Arrays on the "end" side are aligned only to their element
+size: an aligned vector load of a caller's array would fault here too, a bug as well.)
 
 Negative controls (2026-12-06, each alone): the AVX2 float32 attention loading whole 16-column V
 blocks from 8 columns inside hd (a real over-read, which every other test let pass) fails
@@ -17,24 +18,29 @@ fails test_matmul_...[avx2-q8]; the AVX2 float64 statistics loading a row's seco
 unmasked (then zeroing the lanes past the row: the same values, an over-read that
 test_kernels_ops.py and test_kernels_layernorm.py let pass) fails test_ops_...[avx2] (SIGSEGV);
 the AVX2 attention backward loading V rows the same way (test_kernels_bwd.py passed) fails
-test_backward_...[avx2]; test_guard_pages_fault checks the harness itself.
+test_backward_...[avx2]; the AVX2 `add` storing its tail unmasked (the reviewer's) fails
+test_ops_...[avx2]; test_guard_pages_fault checks the harness itself, both sides, read and
+write.
 """
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
+import nxhpc
 from kernelutil import ISAS
-from nxhpc import _kernels as K
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
+# the children import the nxhpc this process imported (not whatever their working directory has)
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(nxhpc.__file__)))
 
 # the child's helpers: guarded copies of arrays, and a bitwise comparison
 _GUARD = r'''
 import ctypes, mmap, sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]          # the parent's nxhpc, then tests/ (kernelutil)
 import numpy as np
-sys.path.insert(0, sys.argv[1])
 from nxhpc import _kernels as K
 libc = ctypes.CDLL(None, use_errno=True)
 PG = mmap.PAGESIZE
@@ -78,12 +84,13 @@ def check(what, call, ins, outs):
 
 _MATMUL = _GUARD + r'''
 from kernelutil import finite_scale_blocks, gguf_bytes
-fam, isa = sys.argv[2], sys.argv[3]
-KD = 256
+fam, isa = sys.argv[3], sys.argv[4]
 rng = np.random.default_rng(7)
 types = [t for t in K.weight_types() if not (fam == "q8" and t in ("F32", "F16", "BF16"))]
 for wtype in types:
-    for T, N, gated in ((1, 1, False), (4, 17, False), (5, 40, True)):
+    big = 96 if K.weight_types()[wtype]["block_elems"] <= 32 else 512   # 3 blocks of 32 / 2 of 256
+    for T, KD, N, gated in ((1, 256, 1, False), (4, 256, 17, False), (5, 256, 40, True),
+                            (19, big, 33, False)):
         x = rng.standard_normal((T, KD)).astype(np.float32)
         def weight():
             if wtype.endswith("_K"):
@@ -102,36 +109,41 @@ for wtype in types:
             out = guarded(np.zeros((T, N), np.float32), side)
             call(guarded(x, side), guarded(w, side), None if up is None else guarded(up, side),
                  None if bias is None else guarded(bias, side), out)
-            same(out, ref, f"{fam} {wtype} T={T} N={N} gated={gated} {side}")
+            same(out, ref, f"{fam} {wtype} T={T} K={KD} N={N} gated={gated} {side}")
 print("ok")
 '''
 
 _ATTENTION = _GUARD + r'''
-isa, precision = sys.argv[2], sys.argv[3]
+isa, precision = sys.argv[3], sys.argv[4]
 for hd in (1, 8, 24, 30, 40, 128):
-    for T, H, KVH in ((1, 1, 1), (17, 2, 1), (40, 1, 1)):
-        for causal in (False, True):
+    for T, H, KVH in ((1, 1, 1), (17, 2, 1), (70, 1, 1)):
+        for causal, masked in ((False, False), (False, True), (True, True)):
             rng = np.random.default_rng(hd * 100 + T)
             q = rng.standard_normal((H, T, hd), dtype=np.float32)
             k = rng.standard_normal((KVH, T, hd), dtype=np.float32)
             qkv = rng.standard_normal((T, (H + 2 * KVH) * hd), dtype=np.float32)
-            mask = rng.random(T) < 0.7
+            mask = None
+            if masked:                          # key 0 kept: no row has every key masked
+                mask = rng.random(T) < 0.7
+                mask[0] = True
             ref = np.empty((T, H * hd), np.float32)
             K.attention(q, k, qkv, ref, KVH, hd ** -0.5, mask=mask, isa=isa, causal=causal,
                         precision=precision)
             for side in ("end", "start"):
                 out = guarded(np.zeros((T, H * hd), np.float32), side)
                 K.attention(guarded(q, side), guarded(k, side), guarded(qkv, side), out, KVH,
-                            hd ** -0.5, mask=guarded(mask, side), isa=isa, causal=causal,
+                            hd ** -0.5, mask=None if mask is None else guarded(mask, side),
+                            isa=isa, causal=causal,
                             precision=precision)
-                same(out, ref, f"attention hd={hd} T={T} H={H}/{KVH} causal={causal} {side}")
+                same(out, ref, f"attention hd={hd} T={T} H={H}/{KVH} causal={causal} "
+                               f"masked={masked} {side}")
 print("ok")
 '''
 
 
 _OPS = _GUARD + r"""
 from kernelutil import finite_scale_blocks, gguf_bytes
-isa = sys.argv[2]
+isa = sys.argv[3]
 rng = np.random.default_rng(11)
 f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
 
@@ -203,6 +215,17 @@ for Hh, Ww, C in ((1, 1, 3), (3, 5, 4)):
     check(f"affine_act {Hh}x{Ww}x{C}", lambda **a: K.affine_act(silu=True, isa=isa, **a),
           {"x": f32(Hh * Ww, C), "scale": f32(C), "shift": f32(C)},
           {"out": np.zeros((Hh * Ww, C), np.float32)})
+for P, C, G in ((1, 4, 2), (70, 12, 3)):
+    x, gamma, beta = f32(P, C), f32(C), f32(C)
+    nchunk = K.group_norm_chunks(P, 16)
+    check(f"group_norm_partials P={P} C={C}",
+          lambda **a: K.group_norm_partials(groups=G, chunk=16, isa=isa, **a), {"x": x},
+          {"partials": np.zeros((nchunk, G, 2), np.float64)})
+    parts = K.group_norm_partials(x, G, np.zeros((nchunk, G, 2), np.float64), chunk=16)
+    check(f"group_norm_coeffs P={P} C={C}",
+          lambda **a: K.group_norm_coeffs(P=P, eps=1e-6, chunk=16, isa=isa, **a),
+          {"partials": parts, "gamma": gamma, "beta": beta},
+          {"scale": np.zeros(C, np.float32), "shift": np.zeros(C, np.float32)})
 for Hh, Ww, C in ((1, 1, 3), (3, 5, 4)):
     check(f"upsample_nearest2x {Hh}x{Ww}x{C}", lambda **a: K.upsample_nearest2x(H=Hh, W=Ww, isa=isa, **a),
           {"x": f32(Hh * Ww, C)}, {"out": np.zeros((4 * Hh * Ww, C), np.float32)})
@@ -221,7 +244,7 @@ print("ok")
 
 
 _BACKWARD = _GUARD + r"""
-isa = sys.argv[2]
+isa = sys.argv[3]
 rng = np.random.default_rng(13)
 f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
 z = lambda *shape: np.zeros(shape, np.float32)
@@ -236,7 +259,7 @@ for T, D in ((1, 1), (3, 7), (5, 37)):
     check(f"gated_residual_backward T={T} D={D}", lambda **a: K.gated_residual_backward(isa=isa, **a),
           {"y": f32(T, D), "gate": f32(D), "dout": f32(T, D)},
           {"dresid": z(T, D), "dy": z(T, D), "dgate": z(D)})
-for T, hd in ((1, 2), (5, 6), (17, 128)):
+for T, hd in ((1, 2), (5, 6), (17, 128), (70, 8)):
     H, KVH = 2, 1
     check(f"rope_backward T={T} hd={hd}", lambda **a: K.rope_backward(isa=isa, **a),
           {"dy": f32(H, T, hd), "pe": f32(T, hd // 2, 2, 2)}, {"dx": z(H, T, hd)})
@@ -248,15 +271,19 @@ for T, hd in ((1, 2), (5, 6), (17, 128)):
     check(f"attention_backward T={T} hd={hd}",
           lambda **a: K.attention_backward(scale=hd ** -0.5, isa=isa, **a),
           {"q": f32(H, T, hd), "k": f32(KVH, T, hd), "v": f32(KVH, T, hd), "dout": f32(H, T, hd),
-           "mask": rng.random(T) < 0.7},
+           "mask": np.r_[True, rng.random(T - 1) < 0.7]},
+          {"dq": z(H, T, hd), "dk": z(KVH, T, hd), "dv": z(KVH, T, hd)})
+    check(f"attention_backward T={T} hd={hd} no mask",
+          lambda **a: K.attention_backward(scale=hd ** -0.5, isa=isa, **a),
+          {"q": f32(H, T, hd), "k": f32(KVH, T, hd), "v": f32(KVH, T, hd), "dout": f32(H, T, hd)},
           {"dq": z(H, T, hd), "dk": z(KVH, T, hd), "dv": z(KVH, T, hd)})
 print("ok")
 """
 
 
 def _child(code, *args):
-    r = subprocess.run([sys.executable, "-c", code, TESTS, *args], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code, PACKAGE_ROOT, TESTS,
+                        *args], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip() == "ok", \
         f"{args}: exit {r.returncode} (negative: killed by that signal)\n{r.stdout[-1000:]}{r.stderr[-3000:]}"
 
@@ -265,15 +292,16 @@ def _child(code, *args):
 @pytest.mark.parametrize("isa", ISAS)
 def test_matmul_touches_nothing_outside_its_arrays(fam, isa):
     """Every weight type of each matmul family (q8: the quantized ones), plain with a bias and
-    gated (which takes none), at tiles' tails (T 1, 4, 5; N 1, 17, 40)."""
+    gated (which takes none), at tiles' tails (T 1, 4, 5, 19; N 1, 17, 33, 40; K one and more
+    blocks)."""
     _child(_MATMUL, fam, isa)
 
 
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_attention_touches_nothing_outside_its_arrays(isa, precision):
-    """Every attention variant: hd 1 to 128 (whole and partial 16-column blocks), causal and not,
-    MHA and GQA, with a key mask."""
+    """Every attention variant: hd 1 to 128 (whole and partial 16-column blocks), T past one
+    64-key tile, causal and not, MHA and GQA, with and without a key mask."""
     _child(_ATTENTION, isa, precision)
 
 
@@ -282,8 +310,9 @@ def test_ops_touch_nothing_outside_their_arrays(isa):
     """The other kernels of inference: the norms, residual tails, swiglu, add, qk-norm + RoPE
     (both pairings), bf16 rounding, the Q8_0 activation quantizer, matmul and dequantizer,
     dequantize and embed_rows of every weight type, adaln_linear, sum_partials, and the
-    autoencoder's group norm, affine + SiLU, upsampling, im2col and 3x3 convolutions (f32 and
-    bf16, plain and upsampling), at sizes with tails."""
+    autoencoder's group norm (whole, and its partials and coefficients), affine + SiLU,
+    upsampling, im2col and 3x3 convolutions (f32 and bf16, plain and upsampling), at sizes with
+    tails. (round_bf16 allocates its own output: only its input is guarded.)"""
     _child(_OPS, isa)
 
 
@@ -294,15 +323,23 @@ def test_backward_kernels_touch_nothing_outside_their_arrays(isa):
     _child(_BACKWARD, isa)
 
 
-def test_guard_pages_fault():
-    """The negative control of the harness itself: reading one element past a guarded array
-    kills the child (so a clean exit above means nothing was touched)."""
-    code = _GUARD + r'''
-a = guarded(np.arange(10, dtype=np.float32), "end")
+@pytest.mark.parametrize("side,index", [("end", 10), ("start", -1)])
+@pytest.mark.parametrize("access", ["read", "write"])
+def test_guard_pages_fault(side, index, access):
+    """The negative control of the harness itself: touching one element past either end of a
+    guarded array kills the child with SIGSEGV (so a clean exit above means nothing was touched),
+    while the array's own first and last elements are there."""
+    code = _GUARD + f"""
+a = guarded(np.arange(10, dtype=np.float32), {side!r})
 p = ctypes.cast(a.ctypes.data, ctypes.POINTER(ctypes.c_float))
-print(p[9])
-print(p[10])
-print("ok")
-'''
-    r = subprocess.run([sys.executable, "-c", code, TESTS], capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0 and r.stdout.split() == ["9.0"], (r.returncode, r.stdout, r.stderr[-500:])
+print(p[0], p[9], flush=True)
+if {access!r} == "read":
+    print(p[{index}], flush=True)
+else:
+    p[{index}] = 1.0
+print("ok", flush=True)
+"""
+    r = subprocess.run([sys.executable, "-c", code, PACKAGE_ROOT, TESTS], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == -signal.SIGSEGV and r.stdout.split() == ["0.0", "9.0"], \
+        (r.returncode, r.stdout, r.stderr[-500:])
