@@ -815,12 +815,18 @@ def test_wording_of_wrong_kinds_and_odd_options(h3_root, tmp_path, capsys):
     assert not (tmp_path / "b.png").exists()
 
 
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
 @pytest.mark.parametrize("argv", [["nxhpc.models", "list"], ["nxhpc.models", "show", "tiny"],
                                   ["nxhpc.blockrun", "tiny", "1"]])
-def test_stdout_closed_by_its_reader_is_quiet(h3_root, argv):
+def test_stdout_closed_by_its_reader_is_quiet(h3_root, argv, buffered):
     """``... | head -1``: the reader closes the pipe; the CLI stops with 8 (its report could
-    not be written) and says nothing (it printed a BrokenPipeError traceback and 70)."""
+    not be written) and says nothing (it printed a BrokenPipeError traceback and 70). Both with
+    Python's default block-buffered stdout, where the error came only from the interpreter's
+    flush at exit ("Exception ignored ...", exit 120: 2026-12-06), and with PYTHONUNBUFFERED."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), NXHPC_MODELS=str(h3_root))
+    env.pop("PYTHONUNBUFFERED", None)
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
     rd, wr = os.pipe()
     os.close(rd)                        # the reader is gone before the first line is written
     try:

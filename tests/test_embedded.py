@@ -117,14 +117,22 @@ def test_an_unusable_dev_shm_is_exit_7(models_root):
     assert r.returncode == Exit.PASS, r.stderr[-2000:]
 
 
-def test_stdout_and_stderr_closed_or_full(models_root, tmp_path):
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
+def test_stdout_and_stderr_closed_or_full(models_root, tmp_path, buffered):
     """stdout on a full device was exit 70 with a traceback: it is exit 8 with one line; stdout
     closed (sys.stdout None) was exit 70: the run passes, its report unprinted; stderr full
     made generate fail inside its progress bar (exit 1, nothing written): the PNG is written
-    and the exit is 0. --prompts - with stdin closed says so."""
+    and the exit is 0. --prompts - with stdin closed says so. Both with Python's default
+    buffering (stdout full, or stderr full under a progress bar's unfinished line, failed only in
+    the interpreter's flush at exit: exit 120, 2026-12-06) and with PYTHONUNBUFFERED."""
+    env = models_env(models_root)
+    env.pop("PYTHONUNBUFFERED", None)
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+
     def sh(cmd: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True,
-                              env=models_env(models_root), cwd=ROOT, timeout=300)
+        return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=env,
+                              cwd=ROOT, timeout=300)
     py = sys.executable
     r = sh(f"{py} -m nxhpc.models list >/dev/full")
     assert r.returncode == Exit.OUTPUT, r.stderr

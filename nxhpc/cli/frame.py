@@ -130,6 +130,8 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
             try:
                 bus = _sigbus_exit(prog)     # in here: a bad NXHPC_* setting met on import is mapped
                 code = call(args)
+                _flush_stdout()              # buffered output's errors (`| head`, a full disk)
+                #                              surface here, not in the interpreter's flush at exit
             except Exception as e:       # KeyboardInterrupt / Terminated are not Exceptions
                 interrupt = sig.interrupt()
                 if interrupt is not None:  # a Ctrl-C that C code (numpy's tofile) turned into e
@@ -164,6 +166,7 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
         finally:
             _sigbus_exit(None, bus)
             _cleanup(mark)
+            _flush_stderr()
 
 
 def _stdout_closed() -> bool:
@@ -178,13 +181,49 @@ def _stdout_closed() -> bool:
             return False                      # another pipe broke (e.g. a worker's)
     except (OSError, ValueError, AttributeError):
         return False
+    _stdout_to_devnull()
+    return True
+
+
+def _flush_stdout() -> None:
+    """Flush stdout (the guarded stream: its errors raised as in a write); a stdout that is
+    None or already closed has nothing to flush."""
+    try:
+        if sys.stdout is not None:
+            sys.stdout.flush()
+    except ValueError:                        # flush of closed file
+        pass
+
+
+def _flush_stderr() -> None:
+    """Flush stderr at the end of a call; a stderr that cannot take what is left (a full disk:
+    a progress bar's last line without its newline) is pointed at /dev/null, so that the
+    interpreter's flush at exit does not turn the call's exit code into 120. The messages that
+    matter were written with flush=True, and dropped the same way, where stderr is full."""
+    try:
+        if sys.stderr is not None:
+            sys.stderr.flush()
+    except ValueError:                        # flush of closed file
+        pass
+    except OSError:
+        _to_devnull(sys.stderr)
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout's descriptor at /dev/null: what is still buffered for a stdout that cannot
+    take it (a reader gone, a full disk) is dropped at exit instead of failing the interpreter's
+    flush there ("Exception ignored ...", exit 120) after the error was reported."""
+    _to_devnull(sys.stdout)
+
+
+def _to_devnull(stream: Any) -> None:
+    """Point ``stream``'s file descriptor at /dev/null (nothing if it has none)."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, stream.fileno())
         os.close(devnull)
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         pass
-    return True
 
 
 class StdoutError(OSError):
@@ -251,6 +290,7 @@ def _environment_error(e: Exception) -> Exception:
     stdout that cannot be written (exit 8), a working directory removed under a relative
     path (exit 2)."""
     if isinstance(e, StdoutError):
+        _stdout_to_devnull()
         return OutputError(f"standard output could not be written ({e.strerror or e})")
     if isinstance(e, FileNotFoundError) and e.filename is None:
         try:
