@@ -815,6 +815,66 @@ def test_wording_of_wrong_kinds_and_odd_options(h3_root, tmp_path, capsys):
     assert not (tmp_path / "b.png").exists()
 
 
+_PRINT_THEN_FAIL = """
+import argparse, sys
+from nxhpc.cli.codes import UsageError
+from nxhpc.cli.frame import run_cli
+def call(args):
+    print("a line of the report")
+    raise UsageError("something was wrong after all")
+sys.exit(run_cli("demo", argparse.ArgumentParser(prog="demo"), [], call))
+"""
+
+
+@pytest.mark.parametrize("target", ["closed pipe", "/dev/full"])
+def test_buffered_output_lost_after_an_error_keeps_the_errors_code(h3_root, target):
+    """A call that prints, then fails: its exit code (2 here) and one error line, not the
+    interpreter's exit-time flush failure (exit 120, "Exception ignored ...") -- with Python's
+    default buffered stdout, where the print has not reached the dead stdout yet; and
+    ``--help`` into a closed pipe exits 0 quietly (it was 120)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), NXHPC_MODELS=str(h3_root))
+    env.pop("PYTHONUNBUFFERED", None)
+    runs = [([sys.executable, "-c", _PRINT_THEN_FAIL], Exit.USAGE,
+             "demo: error: something was wrong after all\n"),
+            ([sys.executable, "-m", "nxhpc.blockrun", "--help"], Exit.PASS, "")]
+    for cmd, code, err in runs:
+        if target == "/dev/full":
+            with open("/dev/full", "w") as full:
+                r = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                   env=env, timeout=120)
+        else:
+            rd, wr = os.pipe()
+            os.close(rd)
+            try:
+                r = subprocess.run(cmd, stdout=wr, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                   env=env, timeout=120)
+            finally:
+                os.close(wr)
+        assert r.returncode == code and r.stderr == err, (cmd[-1][:40], r.returncode, r.stderr)
+
+
+def test_in_process_call_with_a_write_only_stream(h3_root, monkeypatch):
+    """An embedding application's sys.stdout / sys.stderr that has write() but no flush(): the
+    call still returns its code (the end-of-call flush must not raise or replace it)."""
+    from nxhpc.models import cli as models_cli
+
+    class WriteOnly:
+        def __init__(self):
+            self.parts = []
+
+        def write(self, s):
+            self.parts.append(s)
+            return len(s)
+
+    for name in ("stdout", "stderr"):
+        stream = WriteOnly()
+        monkeypatch.setattr(sys, name, stream)
+        assert models_cli.main(["--models-dir", str(h3_root), "list"]) == Exit.PASS
+        monkeypatch.undo()
+        if name == "stdout":
+            assert "".join(stream.parts).strip(), "the report went to the caller's stream"
+
+
 @pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
 @pytest.mark.parametrize("argv", [["nxhpc.models", "list"], ["nxhpc.models", "show", "tiny"],
                                   ["nxhpc.blockrun", "tiny", "1"]])

@@ -16,6 +16,7 @@ arguments are parsed (``--help`` runs without a built extension).
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import threading
@@ -115,11 +116,15 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
     if ranks is not None or parse_ranks is not None:
         args = _ranked_parse(parser, argv, intermixed, ranks if ranks is not None else parse_ranks)
         if isinstance(args, int):
+            _flush_or_drop(sys.stdout)
+            _flush_or_drop(sys.stderr)
             return args
     else:
         try:
             args = parser.parse_intermixed_args(argv) if intermixed else parser.parse_args(argv)
         except SystemExit as e:                   # argparse: --help -> 0, usage errors -> 2
+            _flush_or_drop(sys.stdout)            # `--help | head`: quiet, exit 0
+            _flush_or_drop(sys.stderr)
             return _argparse_code(e)
     err = error_printer(prog)
     if ranks is not None:
@@ -166,7 +171,8 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
         finally:
             _sigbus_exit(None, bus)
             _cleanup(mark)
-            _flush_stderr()
+            _flush_or_drop(sys.stdout)    # every path (an error after a print, Ctrl-C): the
+            _flush_or_drop(sys.stderr)    # code above stands, not the exit flush's 120
 
 
 def _stdout_closed() -> bool:
@@ -188,25 +194,30 @@ def _stdout_closed() -> bool:
 def _flush_stdout() -> None:
     """Flush stdout (the guarded stream: its errors raised as in a write); a stdout that is
     None or already closed has nothing to flush."""
+    flush = getattr(sys.stdout, "flush", None)   # None, or a caller's write-only stream
     try:
-        if sys.stdout is not None:
-            sys.stdout.flush()
+        if flush is not None:
+            flush()
     except ValueError:                        # flush of closed file
         pass
 
 
-def _flush_stderr() -> None:
-    """Flush stderr at the end of a call; a stderr that cannot take what is left (a full disk:
-    a progress bar's last line without its newline) is pointed at /dev/null, so that the
-    interpreter's flush at exit does not turn the call's exit code into 120. The messages that
-    matter were written with flush=True, and dropped the same way, where stderr is full."""
+def _flush_or_drop(stream: Any) -> None:
+    """Flush ``stream`` at the end of a call, never raising. One that cannot take what is
+    buffered (a reader gone, a full disk, an I/O error; not a momentarily full non-blocking
+    pipe) is pointed at /dev/null, so that the interpreter's flush at exit does not fail again
+    ("Exception ignored ...", exit 120) after the frame has answered; its error was reported
+    (stdout: exit 8) or is unreportable (stderr). A stream without flush, closed, or None is
+    left alone."""
     try:
-        if sys.stderr is not None:
-            sys.stderr.flush()
-    except ValueError:                        # flush of closed file
+        flush = getattr(stream, "flush", None)
+        if flush is not None:
+            flush()
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+            _to_devnull(stream)
+    except Exception:  # noqa: BLE001 - a closed file (ValueError), a caller's odd stream
         pass
-    except OSError:
-        _to_devnull(sys.stderr)
 
 
 def _stdout_to_devnull() -> None:
@@ -247,8 +258,11 @@ class _GuardedStdout:
             raise StdoutError(e.errno, e.strerror) from None
 
     def flush(self) -> None:
+        flush = getattr(self._inner, "flush", None)   # a caller's write-only stream: nothing
+        if flush is None:
+            return
         try:
-            self._inner.flush()
+            flush()
         except BrokenPipeError:
             raise
         except OSError as e:
@@ -290,7 +304,8 @@ def _environment_error(e: Exception) -> Exception:
     stdout that cannot be written (exit 8), a working directory removed under a relative
     path (exit 2)."""
     if isinstance(e, StdoutError):
-        _stdout_to_devnull()
+        if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+            _stdout_to_devnull()
         return OutputError(f"standard output could not be written ({e.strerror or e})")
     if isinstance(e, FileNotFoundError) and e.filename is None:
         try:
