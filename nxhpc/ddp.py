@@ -48,6 +48,14 @@ EXIT_CODES = {
 }
 
 
+def _worker_counts(a: argparse.Namespace) -> list[tuple[str, list[int]]]:
+    """Each option's worker counts the run would use: ``--workers``, ``--sweep``, and
+    ``--contrast`` unless skipped (``--no-contrast``) or not run (MPI)."""
+    contrast = [] if a.no_contrast or a.backend == "mpi" else (a.contrast or [])
+    return [("--workers", [a.workers] if a.workers else []), ("--sweep", a.sweep or []),
+            ("--contrast", contrast)]
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse plus the rules between options (usage errors, exit 2, before any training)."""
 
@@ -62,9 +70,8 @@ class _Parser(argparse.ArgumentParser):
                 self.error(f"{opt} lists a worker count twice: {','.join(map(str, ds))}")
         if a.backend == "shm":   # forked processes: the pools' one cap (MPI: mpirun's world)
             top = max_workers()
-            for opt, ds in (("--workers", [a.workers] if a.workers else []), ("--sweep", a.sweep),
-                            ("--contrast", [] if a.no_contrast else a.contrast)):
-                too_many = [d for d in ds or [] if d > top]
+            for opt, ds in _worker_counts(a):
+                too_many = [d for d in ds if d > top]
                 if too_many:
                     self.error(f"{opt}: {too_many} exceeds {top}, the most worker processes a "
                                f"run forks here (8x the {usable_cpus()} usable CPUs, at least 64)")
@@ -208,9 +215,7 @@ def _run(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise UsageError(str(e)) from None
     n_rows = data.x.shape[0]
-    contrast = [] if args.no_contrast or args.backend == "mpi" else (args.contrast or [])
-    for opt, ds in (("--workers", [args.workers] if args.workers else []),
-                    ("--sweep", args.sweep or []), ("--contrast", contrast)):
+    for opt, ds in _worker_counts(args):
         too_many = [d for d in ds if d > n_rows]
         if too_many:   # a shard would be empty
             raise UsageError(f"{opt}: {too_many} exceeds the {n_rows} data rows (at most one "

@@ -116,15 +116,13 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
     if ranks is not None or parse_ranks is not None:
         args = _ranked_parse(parser, argv, intermixed, ranks if ranks is not None else parse_ranks)
         if isinstance(args, int):
-            _flush_or_drop(sys.stdout)
-            _flush_or_drop(sys.stderr)
+            _flush_or_drop_both()
             return args
     else:
         try:
             args = parser.parse_intermixed_args(argv) if intermixed else parser.parse_args(argv)
         except SystemExit as e:                   # argparse: --help -> 0, usage errors -> 2
-            _flush_or_drop(sys.stdout)            # `--help | head`: quiet, exit 0
-            _flush_or_drop(sys.stderr)
+            _flush_or_drop_both()                 # `--help | head`: quiet, exit 0
             return _argparse_code(e)
     err = error_printer(prog)
     if ranks is not None:
@@ -171,8 +169,8 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
         finally:
             _sigbus_exit(None, bus)
             _cleanup(mark)
-            _flush_or_drop(sys.stdout)    # every path (an error after a print, Ctrl-C): the
-            _flush_or_drop(sys.stderr)    # code above stands, not the exit flush's 120
+            _flush_or_drop_both()         # every path (an error after a print, Ctrl-C): the
+            #                               code above stands, not the exit flush's 120
 
 
 def _stdout_closed() -> bool:
@@ -187,7 +185,7 @@ def _stdout_closed() -> bool:
             return False                      # another pipe broke (e.g. a worker's)
     except (OSError, ValueError, AttributeError):
         return False
-    _stdout_to_devnull()
+    _to_devnull(sys.stdout)
     return True
 
 
@@ -220,15 +218,16 @@ def _flush_or_drop(stream: Any) -> None:
         pass
 
 
-def _stdout_to_devnull() -> None:
-    """Point stdout's descriptor at /dev/null: what is still buffered for a stdout that cannot
-    take it (a reader gone, a full disk) is dropped at exit instead of failing the interpreter's
-    flush there ("Exception ignored ...", exit 120) after the error was reported."""
-    _to_devnull(sys.stdout)
+def _flush_or_drop_both() -> None:
+    _flush_or_drop(sys.stdout)
+    _flush_or_drop(sys.stderr)
 
 
 def _to_devnull(stream: Any) -> None:
-    """Point ``stream``'s file descriptor at /dev/null (nothing if it has none)."""
+    """Point ``stream``'s file descriptor at /dev/null (nothing if it has none): what is still
+    buffered for a stream that cannot take it (a reader gone, a full disk) is dropped at exit
+    instead of failing the interpreter's flush there ("Exception ignored ...", exit 120) after
+    the error was reported."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, stream.fileno())
@@ -305,7 +304,7 @@ def _environment_error(e: Exception) -> Exception:
     path (exit 2)."""
     if isinstance(e, StdoutError):
         if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
-            _stdout_to_devnull()
+            _to_devnull(sys.stdout)
         return OutputError(f"standard output could not be written ({e.strerror or e})")
     if isinstance(e, FileNotFoundError) and e.filename is None:
         try:
