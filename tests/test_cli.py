@@ -853,6 +853,46 @@ def test_buffered_output_lost_after_an_error_keeps_the_errors_code(h3_root, targ
         assert r.returncode == code and r.stderr == err, (cmd[-1][:40], r.returncode, r.stderr)
 
 
+def _dead_stream_run(cmd, target, which, env):
+    """``cmd`` with its ``which`` stream ("stdout" / "stderr") into a dead ``target`` (a pipe
+    whose reader is gone, or /dev/full), the other one captured."""
+    other = "stderr" if which == "stdout" else "stdout"
+    if target == "/dev/full":
+        with open("/dev/full", "w") as full:
+            return subprocess.run(cmd, **{which: full, other: subprocess.PIPE}, text=True,
+                                  cwd=ROOT, env=env, timeout=120)
+    rd, wr = os.pipe()
+    os.close(rd)
+    try:
+        return subprocess.run(cmd, **{which: wr, other: subprocess.PIPE}, text=True, cwd=ROOT,
+                              env=env, timeout=120)
+    finally:
+        os.close(wr)
+
+
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
+@pytest.mark.parametrize("target", ["closed pipe", "/dev/full"])
+def test_nxhpc_command_table_into_a_dead_stream(target, buffered):
+    """The ``nxhpc`` command's own text (its table, printed outside run_cli): ``nxhpc --help``
+    into a dead stdout exits 0 quietly, ``nxhpc`` alone and an unknown command into a dead
+    stderr keep their usage code 2 -- not 120 ("Exception ignored ...", buffered) or 1 with a
+    BrokenPipeError traceback (unbuffered), as before 2026-12-07."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("PYTHONUNBUFFERED", None)
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    for argv, which, code in [(["--help"], "stdout", Exit.PASS), ([], "stderr", Exit.USAGE),
+                              (["no-such-command"], "stderr", Exit.USAGE)]:
+        r = _dead_stream_run([sys.executable, "-m", "nxhpc", *argv], target, which, env)
+        captured = r.stderr if which == "stdout" else r.stdout
+        assert r.returncode == code and captured == "", (argv, r.returncode, captured)
+    # control: into a live stream the text arrives whole
+    r = subprocess.run([sys.executable, "-m", "nxhpc"], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=120)
+    assert r.returncode == Exit.USAGE and r.stdout == "" and "commands:" in r.stderr
+    assert r.stderr.rstrip().endswith("return)"), r.stderr[-200:]
+
+
 def test_in_process_call_with_a_write_only_stream(h3_root, monkeypatch):
     """An embedding application's sys.stdout / sys.stderr that has write() but no flush(): the
     call still returns its code (the end-of-call flush must not raise or replace it)."""

@@ -218,6 +218,20 @@ def _flush_or_drop(stream: Any) -> None:
         pass
 
 
+def write_or_drop(stream: Any, text: str) -> None:
+    """Write ``text`` to ``stream`` and flush it, never raising: what a command prints before
+    any work (the ``nxhpc`` command table) into a reader that is gone or a full disk is dropped
+    as argparse's ``--help`` is in :func:`run_cli`, and the caller's exit code stands."""
+    try:
+        stream.write(text)
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+            _to_devnull(stream)
+    except Exception:  # noqa: BLE001 - None, a closed file (ValueError), a caller's odd stream
+        pass
+    _flush_or_drop(stream)
+
+
 def _flush_or_drop_both() -> None:
     _flush_or_drop(sys.stdout)
     _flush_or_drop(sys.stderr)

@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from nxhpc.cli.codes import DEFAULT_TEXT, Exit, codes_epilog
+from nxhpc.cli.frame import write_or_drop
 
 __all__ = ["COMMANDS", "main"]
 
@@ -44,12 +45,13 @@ def _help() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(_help(), end="", file=sys.stdout if argv else sys.stderr)
+        # `nxhpc --help | head`: quiet, exit 0, as a command's own --help
+        write_or_drop(sys.stdout if argv else sys.stderr, _help())
         return 0 if argv else int(Exit.USAGE)
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:
-        print(f"nxhpc: error: unknown command {cmd!r}; choose from {', '.join(COMMANDS)}",
-              file=sys.stderr)
+        write_or_drop(sys.stderr, f"nxhpc: error: unknown command {cmd!r}; choose from "
+                                  f"{', '.join(COMMANDS)}\n")
         return int(Exit.USAGE)
     mod = importlib.import_module(COMMANDS[cmd][0])
     return int(mod.main(rest))
