@@ -15,6 +15,7 @@ import os
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -117,10 +118,16 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with open_vae(args.vae, workers=args.n_workers, precision=args.precision,
                   models_dir=args.models_dir) as vae:
-        # never over a file of the model (the safetensors file, a directory's other files)
-        d = vae.file.path.parent
-        check_output_path(out, what="--out", inputs=[args.latents],
-                          model_files=[vae.file.path, *model_files(d)])
+        # never over a file of the model: the safetensors file, and the other files of a
+        # directory opened as the model (not its neighbours when a file was named, as generate)
+        given = Path(args.vae)
+        if given.is_file():
+            files = [vae.file.path]
+        elif given.is_dir():
+            files = [vae.file.path, *model_files(given), *model_files(given / "vae")]
+        else:                    # a built-in's id: its directory in the models directory
+            files = [vae.file.path, *model_files(vae.file.path.parent)]
+        check_output_path(out, what="--out", inputs=[args.latents], model_files=files)
         open_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:

@@ -550,6 +550,33 @@ def test_bad_files_name_the_tensor(bad_files, kind, err):
         open_denoiser(path.with_name("nope.gguf"))
 
 
+def test_file_norm_eps_checked_at_open(cases, inputs, outputs, tmp_path):
+    """A whole denoiser's ``nxhpc.norm_eps`` is checked at open as a block model's is: 1e-300
+    (0 in float32) was taken and failed the first call (a ValueError, CLI exit 70); a string or
+    an int was silently replaced by the default. Both are ModelFileError naming the key. A float
+    in range is the eps the call runs: 0.5 changes the output (control), 1e-5 (the default)
+    gives the default's bits."""
+    from nxhpc.models.zimage_files import write_zimage_gguf
+    w = cases["comfyui-q8_0"].original
+    lat, cap = inputs
+    for value, match in ((1e-300, "'nxhpc.norm_eps': eps 1e-300 is 0"),
+                         ("1e-5", "'nxhpc.norm_eps' is str '1e-5', expected a float"),
+                         (1, "'nxhpc.norm_eps' is int '1', expected a float")):
+        path = write_zimage_gguf(tmp_path / "eps.gguf", w, "comfyui-q8_0",
+                                 metadata={"nxhpc.norm_eps": value})
+        with pytest.raises(ModelFileError, match=match):
+            open_denoiser(path, workers=1)
+        assert live_segments(PID) == []
+    for value in (1e-5, 0.5):
+        path = write_zimage_gguf(tmp_path / "eps.gguf", w, "comfyui-q8_0",
+                                 metadata={"nxhpc.norm_eps": value})
+        with open_denoiser(path, workers=2) as den:
+            assert den.config.norm_eps == value
+            out = den.forward(lat, TIMES[0], cap)
+        same = np.array_equal(out, outputs["comfyui-q8_0", TIMES[0]])
+        assert same == (value == 1e-5), value
+
+
 def test_bad_workers():
     with pytest.raises(ValueError, match="workers"):
         Denoiser(ROOT / "nope.gguf", workers=0)

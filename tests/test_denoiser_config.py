@@ -180,6 +180,10 @@ def _bad_cases(cfg):
                            "layers.0.adaLN_modulation.1.weight"),
         "unexpected tensor": ({**t, "siglip_embedder.0.weight": ((D,), "F32")}, {},
                               "siglip_embedder.0.weight"),
+        # an Arabic-Indic 1: a decimal to regex \d and int(), not a block index of a file
+        "non-ASCII block index": ({**t, "layers.\u0661.attention.qkv.weight":
+                                   t["layers.1.attention.qkv.weight"]}, {},
+                                  "layers.\u0661.attention.qkv.weight"),
         "duplicate with prefix": ({**t, PREFIX + "x_embedder.bias": ((D,), "F32")}, {},
                                   "x_embedder.bias"),
         "unknown type": ({**t, "x_embedder.bias": ((D,), "Q9_9")}, {}, "x_embedder.bias"),
@@ -199,6 +203,36 @@ def test_bad_table_names_the_tensor(cfg, case):
     assert isinstance(ei.value, MissingTensorError) == ("missing" in case or case in (
         "no layers", "layer gap")), (case, type(ei.value))
     assert repr(name) in str(ei.value) and str(ei.value).startswith("f.gguf: ")
+
+
+_HUGE_INDEX_CHILD = """
+import resource, sys
+from nxhpc.dit.config import infer_config
+from nxhpc.formats.gguf_io import MissingTensorError
+resource.setrlimit(resource.RLIMIT_AS, (1 << 31, 1 << 31))   # a regression: MemoryError, not OOM
+t = eval(sys.stdin.read())
+try:
+    infer_config(t, "f.gguf", None, whole=True)
+except MissingTensorError as e:
+    print(e.tensor, "|", str(e))
+"""
+
+
+@pytest.mark.parametrize("index", [12, 10 ** 11, 10 ** 30], ids=["12", "1e11", "1e30"])
+def test_block_index_of_any_size_is_a_gap_found_at_once(cfg, index):
+    """A file naming ``layers.<huge>.*`` has every block between missing: the first is named at
+    once (the gap search built ``set(range(huge))``: gigabytes, a MemoryError or the OOM
+    killer, exit 70). The child runs under a 2 GiB address-space limit and a deadline."""
+    import subprocess
+    import sys
+    t = {**table(cfg), f"layers.{index}.attention.qkv.weight":
+         table(cfg)["layers.0.attention.qkv.weight"]}
+    r = subprocess.run([sys.executable, "-c", _HUGE_INDEX_CHILD], input=repr(t),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-800:]
+    name, _, msg = r.stdout.partition(" | ")
+    assert name == f"layers.{cfg.n_layers}.attention.qkv.weight", r.stdout
+    assert f"layers.{index} is present" in msg and len(msg) < 400, msg
 
 
 def test_unexpected_tensor_allowed_when_asked(cfg):

@@ -210,6 +210,19 @@ def test_decode_cli_bad_input(vae_dir, latents_file, tmp_path):
                    (vae_dir / "ae.safetensors", "is an input")):
         r = run_cli("nxhpc.decode", ["tiny-vae", "--latents", p, "--out", o], root)
         assert r.returncode == Exit.USAGE and msg in r.stderr, (o, r.stderr)
+    # a single file named: its neighbours are not the model's files (the second run refused to
+    # overwrite its own first output beside ae.safetensors, as "a file of the model")
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / "ae.safetensors").write_bytes(blob)
+    for _ in range(2):
+        r = run_cli("nxhpc.decode", [single / "ae.safetensors", "--latents", p, "--out",
+                                     single / "fox.png"], root)
+        assert r.returncode == Exit.PASS, r.stderr
+    r = run_cli("nxhpc.decode", [single / "ae.safetensors", "--latents", p, "--out",
+                                 single / "ae.safetensors"], root)
+    assert r.returncode == Exit.USAGE and "is an input" in r.stderr, r.stderr
+    assert (single / "ae.safetensors").read_bytes() == blob
     assert np.array_equal(np.load(p), z)
     # a write that fails (a full disk): exit 8, an existing file unchanged
     r = run_cli("nxhpc.decode", ["tiny-vae", "--latents", p, "--out", "/dev/full"], root)

@@ -985,3 +985,13 @@ def test_make_with_a_derived_ffn_says_it_was_derived(tmp_path):
              tmp_path)
     assert r.returncode == 2 and "ffn_dim 170" in r.stderr and "derived" not in r.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_activation_names_sort_naturally_whatever_they_hold():
+    """``models show`` lists a fixture file's activations with layers.10 after layers.9; a
+    name with a word where another has a number, or a digit int() refuses ('²'), sorted as
+    text instead of raising (a TypeError comparing int with str, a ValueError from int)."""
+    from nxhpc.models.model import _natural_key
+    names = ["layers.10.blk_in", "layers.b", "layers.9.blk_in", "layers.\u00b2", "layers.9.adaln_m"]
+    assert sorted(names, key=_natural_key) == [
+        "layers.9.adaln_m", "layers.9.blk_in", "layers.10.blk_in", "layers.b", "layers.\u00b2"]

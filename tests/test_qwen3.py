@@ -382,6 +382,13 @@ def test_bad_files_are_one_line_errors_without_leaks(tmp_path):
                    quantize=False)
     with pytest.raises(ModelFileError, match="'qwen3.context_length' is missing"):
         TextEncoderModel(p, workers=2)
+    # an extra tensor whose "index" is a digit to str.isdigit() that int() refuses ('²': it was
+    # a ValueError, exit 70) is an unknown tensor like any other, not an index; a real index
+    # past the blocks is still refused (the "block count disagrees" case above)
+    p = _bad_file(tmp_path, "superscript",
+                  weights=dict(w, **{"blk.\u00b2.attn_norm.weight": np.ones(64, np.float32)}))
+    TextEncoderModel(p, workers=1).close()
+    _no_leak(kids)
     # an IQ type (rows of 256 values: the K256 dims), refused naming tensor and type
     iq = QuantTensor(np.zeros((K256.q_width, K256.dim // 256 * 136), np.uint8), "IQ4_XS")
     p = write_qwen3_gguf(tmp_path / "iq.gguf", K256, overrides={"blk.0.attn_q.weight": iq})

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import unicodedata
 from pathlib import Path
 
@@ -526,6 +527,21 @@ def test_gguf_field_reading(tmp_path):
     assert {k: v for k, v in got.items() if k.startswith("a.")} == want
     assert got["general.architecture"] == "qwen3"
     assert read_fields(path, ["a.ints", "nope"]) == {"a.ints": ints}
+    # the file replaced while open (same size with other numbers, then cut short): field()
+    # reads the bytes it scanned, not the path again (it gave the new file's numbers, or a raw
+    # numpy ValueError)
+    blob = path.read_bytes()
+    with GGUFFile(path) as g:
+        other = bytearray(blob)
+        at = bytes(blob).index(np.array(ints, np.int32).tobytes())
+        other[at:at + 4 * len(ints)] = bytes(4 * len(ints))
+        for data in (bytes(other), blob[:200]):
+            new = tmp_path / "new.gguf"
+            new.write_bytes(data)
+            os.replace(new, path)
+            assert g.field("a.ints") == ints and g.field("a.fls") == floats
+    with pytest.raises(ModelFileError, match="shrank|not a GGUF|past the end|truncated"):
+        read_fields(path)               # control: the cut file itself is refused
 
 
 def test_gguf_bad_utf8(tmp_path):

@@ -365,3 +365,81 @@ def test_config_json_values_must_have_their_types(files, tmp_path, key, value):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelFileError, match=f"config.json {key} is .*, expected"):
         nxhpc.load_vae(d)
+
+
+def test_decoder_values_and_shapes_checked_at_load(files, tmp_path):
+    """What a file holds is checked when it is opened (CLI exit 4 naming the tensor or key), not
+    met in the decode (a wrong "overflowed float32" exit 1, or exit 70; generate ran the encoder
+    and the sampler first): NaN in a GroupNorm's beta, an empty dimension, a conv_out of 4
+    channels (the PNG writer's ValueError), an SD-style post_quant_conv (was skipped silently),
+    a header naming a tensor twice (the second entry ran), and config.json factors float32 does
+    not hold. Controls: a 1-channel decoder and a small but normal scaling still open."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    src = files["ldm", "F32"]
+
+    def variant(name, edit):
+        sd = load_file(str(src))
+        edit(sd)
+        p = tmp_path / f"{name}.safetensors"
+        save_file(sd, str(p))
+        return p
+
+    def nan_beta(sd):
+        sd["decoder.norm_out.bias"][3] = np.nan
+    with pytest.raises(ModelFileError, match=r"'decoder\.norm_out\.bias' holds NaN or inf"):
+        nxhpc.load_vae(variant("nanbeta", nan_beta))
+
+    def zero_z(sd):
+        sd["decoder.conv_in.weight"] = np.zeros((sd["decoder.conv_in.weight"].shape[0], 0, 3, 3),
+                                                np.float32)
+    with pytest.raises(ModelFileError, match=r"'decoder\.conv_in\.weight' has shape .*empty"):
+        nxhpc.load_vae(variant("zero", zero_z))
+
+    def out_channels(n):
+        def edit(sd):
+            w, b = sd["decoder.conv_out.weight"], sd["decoder.conv_out.bias"]
+            sd["decoder.conv_out.weight"] = np.ascontiguousarray(np.resize(w, (n, *w.shape[1:])))
+            sd["decoder.conv_out.bias"] = np.ascontiguousarray(np.resize(b, (n,)))
+        return edit
+    with pytest.raises(ModelFileError, match=r"'decoder\.conv_out\.weight' .* not 4"):
+        nxhpc.load_vae(variant("out4", out_channels(4)))
+    with nxhpc.load_vae(variant("out1", out_channels(1))) as v:     # control: grayscale
+        assert v.config.out_channels == 1
+
+    def post_quant(sd):
+        z = sd["decoder.conv_in.weight"].shape[1]
+        sd["post_quant_conv.weight"] = np.eye(z, dtype=np.float32).reshape(z, z, 1, 1)
+        sd["post_quant_conv.bias"] = np.zeros(z, np.float32)
+    with pytest.raises(ModelFileError, match=r"post_quant_conv .*\(not supported\)"):
+        nxhpc.load_vae(variant("pqc", post_quant))
+
+    # a header naming a tensor twice: the text as written, the second entry pointing elsewhere
+    data = src.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    head = json.loads(data[8:8 + n])
+    ent = head["decoder.conv_in.bias"]
+    size = ent["data_offsets"][1] - ent["data_offsets"][0]
+    end = max(e["data_offsets"][1] for k, e in head.items() if k != "__metadata__")
+    dup = dict(ent, data_offsets=[end, end + size])
+    text = json.dumps(head)[:-1] + ', "decoder.conv_in.bias": ' + json.dumps(dup) + "}"
+    path = _header_file(tmp_path / "dup.safetensors", text.encode(),
+                        data[8 + n:8 + n + end] + b"\0" * size)
+    with pytest.raises(ModelFileError, match="'decoder.conv_in.bias' appears twice"):
+        nxhpc.load_vae(path)
+    ok = _header_file(tmp_path / "nodup.safetensors", json.dumps(head).encode(),  # control
+                      data[8 + n:8 + n + end])
+    nxhpc.load_vae(ok).close()
+
+    d = tmp_path / "vae"
+    shutil.copytree(files["diffusers", "F32"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    for key, value in [("scaling_factor", 1e-308), ("scaling_factor", 1e39),
+                       ("shift_factor", 1e308)]:
+        (d / "config.json").write_text(json.dumps(dict(cfg, **{key: value})))
+        with pytest.raises(ModelFileError, match="positive normal float32"):
+            nxhpc.load_vae(d)
+    (d / "config.json").write_text(json.dumps(dict(cfg, scaling_factor=1e-30)))   # control
+    with nxhpc.load_vae(d) as v:
+        assert v.config.scaling_factor == 1e-30

@@ -587,7 +587,8 @@ def strip_prefix(name: str) -> str:
     return name.removeprefix(PREFIX)
 
 
-_BLOCK_RE = re.compile(r"^(layers|noise_refiner|context_refiner)\.(\d+)\.(.+)$")
+# ASCII digits only: `\d` alone takes any Unicode decimal ("layers.٣.x" would alias layers.3)
+_BLOCK_RE = re.compile(r"^(layers|noise_refiner|context_refiner)\.([0-9]+)\.(.+)$")
 
 
 def _fmt(shape: Iterable[int]) -> str:
@@ -632,14 +633,37 @@ def _stack_counts(t: Mapping[str, Any], where: str) -> dict[str, int]:
     counts: dict[str, int] = {}
     for s, ids in idx.items():
         n = max(ids) + 1 if ids else 0
-        gaps = sorted(set(range(n)) - ids)
-        if gaps:
-            miss = f"{s}.{gaps[0]}.{_SUFFIX['qkv']}"
-            raise MissingTensorError(f"{where}: tensor {miss!r} missing: block {s}.{gaps[0]} "
+        if len(ids) != n:     # the first gap from the indices present (a name's index may be
+            #                   huge: `range(n)` would be a gigabyte-sized set)
+            gap = next(i for i, k in enumerate(sorted(ids)) if i != k)
+            miss = f"{s}.{gap}.{_SUFFIX['qkv']}"
+            shown = sorted(ids)
+            listed = (str(shown) if len(shown) <= 12
+                      else f"[{', '.join(map(str, shown[:6]))}, ..., {shown[-1]}]")
+            raise MissingTensorError(f"{where}: tensor {miss!r} missing: block {s}.{gap} "
                                      f"absent while {s}.{max(ids)} is present (indices "
-                                     f"{sorted(ids)})", miss)
+                                     f"{listed})", miss)
         counts[s] = n
     return counts
+
+
+def file_norm_eps(metadata: Mapping[str, Any], where: str) -> float | None:
+    """A GGUF's ``nxhpc.norm_eps`` (nxhpc's own synthetic and tapped files record their
+    RMSNorm eps; published files do not: None), checked at load as the kernels will take it: a
+    float that float32 holds as a positive normal number. A string, an int or an eps out of
+    that range is a :class:`ModelFileError` (exit 4), never a fallback to the default or a
+    failure at the first call."""
+    from nxhpc.nn.checks import check_eps
+    v = metadata.get("nxhpc.norm_eps")
+    if v is None:
+        return None
+    if not isinstance(v, float):    # a string or an int is not the file's eps
+        raise ModelFileError(f"{where}: metadata 'nxhpc.norm_eps' is {type(v).__name__} "
+                             f"{str(v)[:40]!r}, expected a float")
+    try:
+        return check_eps(v)
+    except ValueError as e:
+        raise ModelFileError(f"{where}: metadata 'nxhpc.norm_eps': {e}") from None
 
 
 def infer_config(tensors: Mapping[str, tuple[tuple[int, ...], str]], where: str = "tensors",

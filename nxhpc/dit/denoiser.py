@@ -58,7 +58,8 @@ import numpy as np
 
 import nxhpc
 from nxhpc.dit.binding import LayerWeights, bind_gguf_layer, check_finite_weight
-from nxhpc.dit.config import DENOISER_TENSORS, STACKS, DenoiserConfig, infer_config
+from nxhpc.dit.config import (DENOISER_TENSORS, STACKS, DenoiserConfig, file_norm_eps,
+                              infer_config)
 from nxhpc.nn.linear import (DEFAULT_PRECISION, DEFAULT_Q8_FLOAT_WEIGHTS, Q8Blocks,
                              check_precision, check_q8_float_weights)
 from nxhpc.dit.plan import BlockPlan, Engine, check_eps
@@ -354,9 +355,8 @@ class Denoiser(MapHolder):
         self.gguf = GGUFFile(gguf_path)
         try:
             g = self.gguf
-            if norm_eps is None:
-                v = g.metadata.get("nxhpc.norm_eps")
-                norm_eps = v if isinstance(v, float) else 1e-5
+            if norm_eps is None:      # the file's (checked), else the default
+                norm_eps = file_norm_eps(g.metadata, str(g.path))
             table = {n: (g.shape(n), g.type_name(n)) for n in g.names()}
             self.config, _ = infer_config(table, str(g.path), norm_eps, whole=True)
             self.weights = _bind(g, self.config, self.kernels)

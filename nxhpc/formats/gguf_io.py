@@ -257,14 +257,20 @@ def _summary(value: Any) -> Any:
     return value
 
 
-def _full(value: Any, path: Path) -> Any:
-    """A scanned value with every :class:`_NumArray` read from the file, as lists."""
+def _full(value: Any, data: Path | np.ndarray) -> Any:
+    """A scanned value with every :class:`_NumArray` read, as lists, from ``data``: the file's
+    bytes as mapped when they were scanned (an open :class:`GGUFFile`), or its path (mapped
+    here: :func:`read_fields`)."""
     if isinstance(value, _NumArray):
-        mm = np.memmap(path, dtype=np.uint8, mode="r")
         n = value.count * struct.calcsize(value.fmt)
+        mm = data
+        if isinstance(data, Path):
+            mm = np.memmap(data, dtype=np.uint8, mode="r")
+            if value.start + n > mm.shape[0]:
+                raise ModelFileError(f"{data}: the file shrank after it was scanned")
         return mm[value.start:value.start + n].view(np.dtype(value.fmt)).tolist()
     if isinstance(value, list) and value and not isinstance(value[0], str):
-        return [_full(v, path) for v in value]
+        return [_full(v, data) for v in value]
     return value
 
 
@@ -482,7 +488,8 @@ class GGUFFile(Closing):
         from the validating scan (strings already checked as UTF-8)."""
         if self._map is None:
             raise ModelFileError(f"{self.path}: the GGUF file is closed")
-        return _full(self._fields.get(key), self.path)
+        return _full(self._fields.get(key), self._map)   # the validated map, not the path:
+        #                                                   the file may have been replaced
 
     def names(self) -> list[str]:
         """Canonical tensor names (prefix removed), in file order."""

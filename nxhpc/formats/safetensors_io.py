@@ -53,12 +53,24 @@ class STInfo(NamedTuple):
     end: int
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's dict, refusing a key given twice (json keeps the last one silently: a
+    header naming a tensor twice would run the second entry's bytes)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"the key {k[:120]!r} appears twice in one object")
+        out[k] = v
+    return out
+
+
 def json_value(data: bytes, what: str) -> Any:
     """The JSON value of UTF-8 ``data``; ModelFileError ``"{what} (why)"`` for any text Python's
     json cannot make a value of: not UTF-8, not JSON (``ValueError``, which also covers an
-    integer of more digits than ``int()`` converts), nesting past the recursion limit."""
+    integer of more digits than ``int()`` converts), an object repeating a key, nesting past
+    the recursion limit."""
     try:
-        return json.loads(data.decode("utf-8"))
+        return json.loads(data.decode("utf-8"), object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ModelFileError(f"{what} ({type(e).__name__}: {str(e)[:200]})") from None
 

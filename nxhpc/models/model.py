@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from nxhpc.dit.binding import LayerWeights, bind_fixture_layer, bind_gguf_layer
-from nxhpc.dit.config import check_stack, infer_config, tensor_names
+from nxhpc.dit.config import check_stack, file_norm_eps, infer_config, tensor_names
 from nxhpc.formats.closing import Closing
 from nxhpc.formats.fixtures import FIXTURES_FILE, FixtureStore
 from nxhpc.formats.gguf_io import (GGUFFile, MissingTensorError, ModelError, ModelFileError,
@@ -48,12 +48,8 @@ class Model(Closing):
         self._stacks_checked: set[str] = set()
         eps, eps_src = None, None
         if gguf is not None:
-            v = gguf.metadata.get("nxhpc.norm_eps")
-            if isinstance(v, float):
-                eps, eps_src = v, "GGUF"
-            elif v is not None:   # a string or an int is not the file's eps: never fall back
-                raise ModelFileError(f"{gguf.path}: metadata 'nxhpc.norm_eps' is "
-                                     f"{type(v).__name__} {str(v)[:40]!r}, expected a float")
+            eps = file_norm_eps(gguf.metadata, str(gguf.path))
+            eps_src = "GGUF" if eps is not None else None
         if eps is None and fixtures is not None:
             with contextlib.suppress(ModelError, ValueError):
                 s = fixtures.metadata().get("norm_eps")
@@ -238,7 +234,11 @@ def _mb(p: Path) -> str:
     return f"{p.stat().st_size / 1e6:.1f} MB"
 
 
-def _natural_key(s: str) -> list:
-    return [int(t) if t.isdigit() else t for t in s.replace(".", " . ").split()]
+def _natural_key(s: str) -> list[tuple[int, int | str]]:
+    """``layers.10`` after ``layers.9``; numbers before words at the same place (a list of
+    bare ints and strs would compare an int with a str there), ASCII digits only (``'²'`` is a
+    digit to ``str.isdigit`` that ``int`` refuses)."""
+    return [(0, int(t)) if t.isascii() and t.isdigit() else (1, t)
+            for t in s.replace(".", " . ").split()]
 
 

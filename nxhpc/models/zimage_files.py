@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -27,11 +28,12 @@ __all__ = ["ZImageFile", "read_zimage_gguf", "write_zimage_gguf", "package_tenso
 
 def write_zimage_gguf(path: str | os.PathLike, weights: Mapping[str, np.ndarray],
                       layout: str | FileLayout, *,
-                      metadata: Mapping[str, str] | None = None) -> Path:
+                      metadata: Mapping[str, Any] | None = None) -> Path:
     """Write float ``weights`` (canonical names; pad tokens ``[1, D]`` or ``[D]``) as ``layout``
     does, through the one writer (``nxhpc.formats.gguf_io.write_gguf``): values cast to
     float32 and encoded by the layout's type rules (``nxhpc.formats.layouts``). ``metadata``:
-    extra string key/values. Refuses non-finite weights. Returns the path."""
+    extra key/values, typed as ``write_gguf`` takes them (str, bool, int, float, lists).
+    Refuses non-finite weights. Returns the path."""
     lay = get_layout(layout)
     tensors: dict[str, LazyTensor] = {}
     for name in weights:
@@ -46,7 +48,7 @@ def write_zimage_gguf(path: str | os.PathLike, weights: Mapping[str, np.ndarray]
             raise ValueError(f"write_zimage_gguf: tensor {canon!r} contains NaN or Inf")
         tensors[canon] = LazyTensor(shape, lay.type_for(canon, shape), lambda a=a: a)
     return write_gguf(path, tensors, prefix=lay.prefix, arch=lay.arch,
-                      metadata={k: str(v) for k, v in (metadata or {}).items()})
+                      metadata=dict(metadata or {}))
 
 
 @dataclass

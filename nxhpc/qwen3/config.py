@@ -26,12 +26,15 @@ Inference (``docs/text_encoder.md``, "The file"):
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError
 from nxhpc.formats.weights import RUNNABLE_TYPES
+
+_BLK_INDEX = re.compile(r"blk\.([0-9]+)\.")    # ASCII digits: '²' is a str.isdigit() digit
 
 __all__ = ["Qwen3Config", "TensorSpec", "LAYER_TENSORS", "GLOBAL_TENSORS", "ARCH",
            "VECTOR_TYPES", "METADATA_KEYS", "layer_names", "infer_config"]
@@ -260,8 +263,8 @@ def infer_config(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[tuple[
     for i in range(cfg.n_layers):
         for key, name in layer_names(i).items():
             check(name, shapes[key], roles[key])
-    extra = sorted(n for n in tensors if n.startswith("blk.")
-                   and n.split(".")[1].isdigit() and int(n.split(".")[1]) >= cfg.n_layers)
+    extra = sorted(n for n in tensors if (m := _BLK_INDEX.match(n)) is not None
+                   and int(m.group(1)) >= cfg.n_layers)
     if extra:
         raise ModelFileError(f"{where}: tensor {extra[0]!r} lies beyond "
                              f"{ARCH}.block_count = {cfg.n_layers}", extra[0])

@@ -9,7 +9,6 @@ Must not: import compiled code, the registry, or another family.
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +24,9 @@ __all__ = ["VaeConfig", "FLUX_SCALING", "FLUX_SHIFT", "tensor_names", "ldm_name"
 #: Z-Image): the decoder reads ``z / scaling + shift``.
 FLUX_SCALING = 0.3611
 FLUX_SHIFT = 0.1159
+
+_F32_MAX = 3.4028234663852886e38            # float32's largest finite value
+_F32_NORMAL_MIN = 1.1754943508222875e-38     # float32's smallest positive normal value
 
 #: The two key layouts read: diffusers' names and the LDM names of the BFL single file.
 LAYOUTS = ("diffusers", "ldm")
@@ -193,8 +195,8 @@ def detect_layout(keys: Mapping[str, Any] | list[str], where: str) -> tuple[str,
 def count_levels(keys: Iterable[str], layout: str, where: str) -> int:
     """The number of up levels: the distinct ``decoder.up.{k}`` (LDM) or ``decoder.up_blocks.{i}``
     (diffusers) holding a first ResNet; they must be numbered 0 .. n-1."""
-    pat = (r"decoder\.up\.(\d+)\.block\.0\.norm1\.weight$" if layout == "ldm"
-           else r"decoder\.up_blocks\.(\d+)\.resnets\.0\.norm1\.weight$")
+    pat = (r"decoder\.up\.([0-9]+)\.block\.0\.norm1\.weight$" if layout == "ldm"
+           else r"decoder\.up_blocks\.([0-9]+)\.resnets\.0\.norm1\.weight$")
     found = sorted({int(m.group(1)) for k in keys if (m := re.match(pat, k))})
     if not found:
         key = ("decoder.up.0.block.0.norm1.weight" if layout == "ldm"
@@ -309,9 +311,26 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], layout: str, where: str,
             raise ModelFileError(f"{where}: config.json mid_block_add_attention="
                                  f"{cj['mid_block_add_attention']} but the mid attention's "
                                  f"tensors are {'present' if mid_attn else 'absent'}")
-    if not (math.isfinite(scaling) and scaling > 0 and math.isfinite(shift)):
-        raise ModelFileError(f"{where}: scaling_factor {scaling} / shift_factor {shift} must be "
-                             f"finite and the scaling positive")
+    # the decoder computes z / scaling + shift in float32: both must be float32 numbers there
+    # (a scaling below float32's normal range is 0 or subnormal, 1/it infinite)
+    if not (_F32_NORMAL_MIN <= scaling <= _F32_MAX and abs(shift) <= _F32_MAX):
+        raise ModelFileError(f"{where}: scaling_factor {scaling} / shift_factor {shift}: the "
+                             f"scaling must be a positive normal float32 number "
+                             f"({_F32_NORMAL_MIN:.3g} .. {_F32_MAX:.3g}) and the shift a "
+                             f"finite float32 one")
+    if "post_quant_conv.weight" in shapes or "post_quant_conv.bias" in shapes:
+        raise ModelFileError(f"{where}: the checkpoint has a post_quant_conv (an SD-style "
+                             f"autoencoder); the FLUX decoder has none (not supported)",
+                             tensor="post_quant_conv.weight")
+    if int(cin_shape[1]) < 1 or int(cin_shape[0]) < 1:
+        raise ModelFileError(f"{where}: tensor {stored('decoder.conv_in.weight')!r} has shape "
+                             f"{list(cin_shape)}: an empty dimension",
+                             tensor=stored("decoder.conv_in.weight"))
+    if not out_shape or int(out_shape[0]) not in (1, 3):
+        raise ModelFileError(f"{where}: tensor {stored('decoder.conv_out.weight')!r} has shape "
+                             f"{list(out_shape)}: the decoder writes images of 3 channels (RGB) "
+                             f"or 1 (grayscale), not {out_shape[0] if out_shape else 0}",
+                             tensor=stored("decoder.conv_out.weight"))
     cfg = VaeConfig(latent_channels=int(cin_shape[1]),
                     block_out_channels=tuple(reversed(up)),
                     layers_per_block=per_level - 1, norm_num_groups=groups,
@@ -321,6 +340,8 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], layout: str, where: str,
         raise ModelFileError(f"{where}: tensor {stored('decoder.conv_in.weight')!r} has "
                              f"{cin_shape[0]} output channels but up block 0 has "
                              f"{cfg.up_channels[0]}", tensor="decoder.conv_in.weight")
+    if min(up) < 1:
+        raise ModelFileError(f"{where}: up block channels {up}: an empty dimension")
     bad = [c for c in up if c % groups]
     if bad:
         raise ModelFileError(f"{where}: channel counts {bad} are not multiples of "

@@ -148,8 +148,13 @@ class Norm:
 
 
 def _vector(f: VaeFile, name: str) -> np.ndarray:
-    """A 1-D tensor as float32 (a copy; small)."""
-    return np.ascontiguousarray(f.float64(name).astype(np.float32))
+    """A 1-D tensor as float32 (a copy; small); NaN/inf is an error naming the tensor (a conv
+    bias or a GroupNorm's beta as much as a weight)."""
+    vals = f.float64(name)
+    if not np.all(np.isfinite(vals)):
+        stored = f.stored_name(name)
+        raise ModelFileError(f"{f.path}: tensor {stored!r} holds NaN or inf", tensor=stored)
+    return np.ascontiguousarray(vals.astype(np.float32))
 
 
 def bind(f: VaeFile) -> dict[str, Conv | Norm]:
@@ -174,9 +179,5 @@ def bind(f: VaeFile) -> dict[str, Conv | Norm]:
         k = w.shape[2] if w.ndim == 4 else 1
         mat = np.ascontiguousarray(w).reshape(w.shape[0], -1)
         wt = WeightTensor.from_raw(stored, FLOAT_DTYPES[sdt], mat.shape[1], mat)
-        bias = _vector(f, mod + ".bias")
-        if not np.all(np.isfinite(bias)):
-            raise ModelFileError(f"{f.path}: tensor {f.stored_name(mod + '.bias')!r} holds NaN "
-                                 f"or inf", tensor=f.stored_name(mod + ".bias"))
-        mods[mod] = Conv(mod, wt, bias, k)
+        mods[mod] = Conv(mod, wt, _vector(f, mod + ".bias"), k)
     return mods
