@@ -144,3 +144,17 @@ def test_fuzz_fixture_file(data):
                 fx.load(n)
         except ModelFileError as e:
             assert str(p) in str(e)
+
+
+def test_header_shape_whose_product_wraps_is_refused_at_open(tmp_path):
+    """A shape whose element count wraps to 0 in int64 (2**62 x 32 x 2 x 2) with no bytes was
+    taken at open (``models show`` printed T=4.6e18); refused there now. Control: a genuinely
+    empty shape with no bytes opens."""
+    def write(shape):
+        head = json.dumps({"pe": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}})
+        q = tmp_path / "f.safetensors"
+        q.write_bytes(struct.pack("<Q", len(head)) + head.encode())
+        return q
+    with pytest.raises(ModelFileError, match="corrupt header entry"):
+        FixtureStore(write([2 ** 62, 32, 2, 2]))
+    assert FixtureStore(write([0, 32, 2, 2])).dims("pe") == (0, 32, 2, 2)

@@ -10,6 +10,7 @@ it knows nothing about the block's semantics.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -68,7 +69,8 @@ class FixtureStore:
                 ok = (isinstance(dtype, str) and all(s >= 0 for s in shape)
                       and 0 <= int(a) <= int(b) <= data_size
                       and (dtype not in itemsize
-                           or int(b) - int(a) == itemsize[dtype] * int(np.prod(shape))))
+                           or int(b) - int(a) == itemsize[dtype] * math.prod(shape)))
+                #                 (Python ints: np.prod wraps in int64, 2**62 x 32 x 4 -> 0)
             except (KeyError, TypeError, ValueError):
                 ok = False
             if not ok:
