@@ -34,6 +34,36 @@ def leftovers(prefix: str) -> list[str]:
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
 
 
+def mapped_segments(pid: int, prefix: str) -> list[str]:
+    """The /dev/shm segments starting ``prefix`` that ``pid``'s children have mapped, as
+    /proc/<child>/maps shows them (an unlinked one ends " (deleted)"). The training run's
+    segment is unlinked at once, so its workers' maps -- not /dev/shm -- show it exists."""
+    lines = set()
+    for kid in children_of(pid):
+        try:
+            with open(f"/proc/{kid}/maps") as f:
+                lines |= {ln.split(None, 5)[-1].strip() for ln in f
+                          if f"{SHM_DIR}/{prefix}" in ln}
+        except OSError:                  # the child exited meanwhile
+            pass
+    return sorted(lines)
+
+
+def wait_for_workers(proc: subprocess.Popen, prefix: str, n: int) -> list[int]:
+    """Wait until ``n`` children of ``proc`` run with the run's segment mapped (the workers
+    started; a negative control: the segment and the workers exist); returns their pids. The
+    segment must already be unlinked (nothing to leak)."""
+    ok = wait_until(lambda: len(children_of(proc.pid)) >= n and mapped_segments(proc.pid, prefix),
+                    60, 0.05)
+    if not ok:
+        proc.kill()
+        pytest.fail("the workers never started with the segment mapped (negative control)")
+    segs = mapped_segments(proc.pid, prefix)
+    assert all(m.endswith("(deleted)") for m in segs), segs
+    assert leftovers(prefix) == []
+    return children_of(proc.pid)
+
+
 @pytest.fixture
 def prefix():
     p = f"nxtest_{secrets.token_hex(3)}_"
@@ -252,24 +282,19 @@ train_shm(3, 50, shm_prefix=sys.argv[1], timeout=600, fault_injection=(0, 1, "ha
 def _start_hanging_run(prefix: str) -> subprocess.Popen:
     """A driver process whose worker 0 hangs at step 1; returns once its segment exists."""
     proc = subprocess.Popen([sys.executable, "-c", _KILL_PARENT, prefix], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not leftovers(prefix) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if not leftovers(prefix):
-        proc.kill()
-        pytest.fail("the segment never appeared (negative control)")
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for_workers(proc, prefix, 3)
     time.sleep(0.5)
     return proc
 
 
 def test_parent_killed_leaves_no_segment_and_no_orphan(prefix):
-    """SIGKILL of the driving process: workers die with it (PDEATHSIG) and the resource tracker
-    unlinks the segment."""
+    """SIGKILL of the driving process: workers die with it (PDEATHSIG); the segment was
+    unlinked when it was made."""
     proc = _start_hanging_run(prefix)
     try:
         child_pids = children_of(proc.pid)
-        assert len(child_pids) >= 3, child_pids          # the 3 workers (+ resource tracker)
+        assert len(child_pids) >= 3, child_pids          # the 3 workers
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         deadline = time.monotonic() + 20
@@ -282,6 +307,23 @@ def test_parent_killed_leaves_no_segment_and_no_orphan(prefix):
                     break
                 time.sleep(0.1)
             assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), f"orphan pid {pid}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_whole_process_group_killed_leaves_no_segment(prefix):
+    """SIGKILL of the whole process group (a closed terminal's SIGHUP, ``timeout -s KILL``,
+    a batch system's kill): the resource tracker dies with the run, so a segment still linked
+    in /dev/shm stayed there (2026-12-07). The run's segment is unlinked when it is made."""
+    proc = _start_hanging_run(prefix)
+    try:
+        kids = children_of(proc.pid)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        assert wait_until(lambda: not any(os.path.exists(f"/proc/{k}") and not _is_zombie(k)
+                                          for k in kids), 10, 0.05)
+        assert leftovers(prefix) == []
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -425,7 +467,7 @@ def test_run_from_a_thread_still_dies_with_the_parent(prefix):
     proc = subprocess.Popen([sys.executable, "-c", _KILL_THREAD_PARENT, prefix],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert wait_until(lambda: leftovers(prefix), 60, 0.05), "the segment never appeared (negative control)"
+        wait_for_workers(proc, prefix, 3)
         time.sleep(0.5)
         kids = children_of(proc.pid)
         assert len(kids) >= 3
@@ -438,7 +480,7 @@ def test_run_from_a_thread_still_dies_with_the_parent(prefix):
         assert not any(os.path.exists(f"/proc/{k}") and not _is_zombie(k) for k in kids)
         deadline = time.monotonic() + 20
         while leftovers(prefix) and time.monotonic() < deadline:
-            time.sleep(0.1)                       # the resource tracker unlinks the segment
+            time.sleep(0.1)
         assert leftovers(prefix) == []
     finally:
         if proc.poll() is None:
@@ -480,7 +522,7 @@ def test_cli_signal_clean_exit_no_traceback(sig, code):
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         mine = f"nxddp_{p.pid}_"
-        assert wait_until(lambda: leftovers(mine), 60, 0.05), "the run never started (negative control)"
+        wait_for_workers(p, mine, 2)
         time.sleep(0.5)
         kids = children_of(p.pid)
         assert len(kids) >= 2

@@ -460,7 +460,9 @@ def train_shm(workers: int, steps: int, *, arith: str = "q16", cfg: MLPConfig = 
     ctx = mp.get_context("fork")
     t0 = time.perf_counter()
     proc.lifeline()                          # before any fork: workers watch it (die with us)
-    with ShmSegment(layout, prefix=shm_prefix) as seg:
+    # unlinked at once: the forked workers inherit the mapping, and a kill of the whole process
+    # group (the resource tracker with it) cannot leave the segment in /dev/shm
+    with ShmSegment(layout, prefix=shm_prefix, named=False) as seg:
         seg["x"][:], seg["y"][:], seg["init"][:] = ar.x, ar.y, ar.p0
         barrier = ctx.Barrier(workers)
         procs, conns = [], []

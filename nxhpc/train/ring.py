@@ -38,18 +38,21 @@ chunk_bounds = bands
 
 
 class ShmSegment(SharedArena):
-    """A *named* :class:`~nxhpc.runtime.shm.SharedArena` with the ring's prefix.
+    """A :class:`~nxhpc.runtime.shm.SharedArena` with the ring's prefix.
 
     ``with ShmSegment({"grads": ((D, L), np.int64), ...}, prefix=...) as seg: seg["grads"]``.
-    Named, so the segment is visible in /dev/shm while it lives and registered with the resource
-    tracker (a SIGKILL of the driver still unlinks it); the creating process unlinks it on
-    ``close()`` / context exit, whatever happened; forked children inherit the mapping and never
-    unlink it.
+    ``named=True`` (the default): the segment stays visible in /dev/shm while it lives and is
+    registered with the resource tracker (a SIGKILL of the driver alone still unlinks it); the
+    creating process unlinks it on ``close()`` / context exit, whatever happened.
+    ``named=False``: unlinked as soon as it is made, so nothing can be left behind even when
+    the whole process group is killed (tracker included: a closed terminal, ``timeout -s
+    KILL``); the training run uses this. Forked children inherit the mapping either way and
+    never unlink it.
     """
 
     def __init__(self, layout: dict[str, tuple[tuple[int, ...], np.dtype]],
-                 prefix: str = SHM_PREFIX) -> None:
-        super().__init__(layout, named=True, prefix=prefix)
+                 prefix: str = SHM_PREFIX, *, named: bool = True) -> None:
+        super().__init__(layout, named=named, prefix=prefix)
 
     @property
     def size(self) -> int:
