@@ -1033,3 +1033,43 @@ def test_a_worker_killed_by_sigbus_is_named_with_the_likely_cause():
     assert "crashed by SIGBUS (signal 7; a mapped file lost its pages: a model file truncated" \
         in describe_exit(exitcode=-signal.SIGBUS)
     assert describe_exit(exitcode=-signal.SIGSEGV) == "crashed by SIGSEGV (signal 11)"
+
+
+def test_out_of_memory_is_exit_7_with_the_limit(tmp_path):
+    """An allocation refused (a MemoryError from numpy, ENOMEM from a mapping) is the
+    environment's limit, not a bug: exit 7 naming the address-space limit, one line, nothing
+    written or left in /dev/shm; it was exit 70 "internal error" with a traceback (a batch job
+    under ``ulimit -v``). Control: the same decode under a generous limit writes its PNG."""
+    import errno
+    import resource
+
+    from nxhpc.cli.codes import OutOfMemory, code_for
+    from nxhpc.cli.frame import _environment_error
+    from nxhpc.models.registry import ensure_builtin
+    for e in (MemoryError("Unable to allocate 4.00 GiB"),
+              OSError(errno.ENOMEM, "Cannot allocate memory")):
+        mapped = _environment_error(e)
+        assert isinstance(mapped, OutOfMemory) and code_for(mapped) == Exit.SHM, mapped
+        assert "out of memory" in str(mapped) and "ulimit -v" in str(mapped)
+    assert _environment_error(OSError(errno.EIO, "I/O")).errno == errno.EIO     # control
+    ensure_builtin("tiny-vae", tmp_path)
+    lat = tmp_path / "lat.npy"
+    np.save(lat, np.random.default_rng(0).standard_normal((16, 128, 128)).astype(np.float32))
+    before = set(os.listdir("/dev/shm"))
+    for limit, code in ((400 << 20, Exit.SHM), (None, Exit.PASS)):
+        out = tmp_path / "o.png"
+        def cap(limit=limit):
+            if limit is not None:
+                resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        r = subprocess.run([sys.executable, "-m", "nxhpc.decode", "tiny-vae", "1", "--latents",
+                            str(lat), "--out", str(out)], capture_output=True, text=True,
+                           cwd=ROOT, env=_env(NXHPC_MODELS=str(tmp_path)), timeout=300,
+                           preexec_fn=cap)
+        assert r.returncode == code, (limit, r.returncode, r.stderr[-2000:])
+        if code == Exit.SHM:
+            assert "out of memory" in r.stderr and "ulimit -v) is 0.39 GiB" in r.stderr
+            assert "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+            assert not out.exists()
+        else:
+            assert out.stat().st_size > 0
+        assert set(os.listdir("/dev/shm")) <= before

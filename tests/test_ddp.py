@@ -506,7 +506,9 @@ def test_cli_argument_edges_exit_2_without_traceback(tmp_path):
                       (["--json", str(tmp_path)], "is a directory"),
                       # a count twice: trained twice and one JSON key (--sweep 2,2)
                       (["--sweep", "2,2"], "--sweep lists a worker count twice: 2,2"),
-                      (["--contrast", "1,3,1"], "--contrast lists a worker count twice")):
+                      (["--contrast", "1,3,1"], "--contrast lists a worker count twice"),
+                      # 1e8 ran the machine out of memory (the kernel's OOM killer)
+                      (["--hidden", "65537"], "hidden must be an integer in [1, 65536]")):
         r = _cli("--workers", "2", "--steps", "1", "--no-contrast", *args)
         assert r.returncode == 2, (args, r.stderr)
         assert msg in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

@@ -16,7 +16,7 @@ import textwrap
 from collections.abc import Mapping
 
 __all__ = ["Exit", "DEFAULT_TEXT", "UsageError", "NotFound", "InputError", "OutputError",
-           "code_for", "codes_epilog", "too_many_open_files"]
+           "OutOfMemory", "code_for", "codes_epilog", "too_many_open_files"]
 
 
 class Exit(enum.IntEnum):
@@ -28,7 +28,7 @@ class Exit(enum.IntEnum):
     BAD_INPUT = 4       # malformed / unsupported model file or input array
     MISSING = 5         # a fixture or tensor is missing
     WORKER = 6          # a worker process failed (raised, crashed, killed, hung)
-    SHM = 7             # not enough shared memory
+    SHM = 7             # not enough shared memory (or memory: an allocation failed)
     OUTPUT = 8          # a result file could not be written (the old file is unchanged)
     MODELS_DIR = 9      # the models directory cannot take the model
     INTERNAL = 70       # a bug (EX_SOFTWARE)
@@ -48,7 +48,8 @@ DEFAULT_TEXT: dict[Exit, str] = {
     Exit.WORKER: "a worker process failed (raised, crashed, was killed, or hung)",
     Exit.SHM: "not enough shared memory: /dev/shm cannot hold the arena, or the memory left "
               "cannot (the message gives the bytes needed and free; in a container use "
-              "--shm-size)",
+              "--shm-size); or an allocation failed (the address-space limit, ulimit -v, or "
+              "the machine's memory)",
     Exit.OUTPUT: "a result file could not be written (e.g. disk full); an existing file at "
                  "that path is unchanged",
     Exit.MODELS_DIR: "the models directory ($NXHPC_MODELS / --models-dir) cannot take the "
@@ -76,6 +77,11 @@ class OutputError(Exception):
     """A result file that could not be written; the message says what was kept."""
 
 
+class OutOfMemory(Exception):
+    """Memory that could not be had (a MemoryError, a mapping refused with ENOMEM): the
+    environment's limit, not a bug."""
+
+
 # (module, class name, code), most specific first. A class whose module is not imported cannot
 # have been raised, so the table never imports anything (the models CLI runs unbuilt).
 _TABLE: tuple[tuple[str, str, Exit], ...] = (
@@ -83,6 +89,7 @@ _TABLE: tuple[tuple[str, str, Exit], ...] = (
     (__name__, "NotFound", Exit.NOT_FOUND),
     (__name__, "InputError", Exit.BAD_INPUT),
     (__name__, "OutputError", Exit.OUTPUT),
+    (__name__, "OutOfMemory", Exit.SHM),
     ("nxhpc.runtime.checks", "InputFileMissing", Exit.USAGE),
     ("nxhpc.runtime.proc", "ProcessLimitError", Exit.USAGE),
     ("nxhpc.runtime.checks", "SettingError", Exit.USAGE),

@@ -24,7 +24,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nxhpc.cli.codes import Exit, OutputError, UsageError, code_for, too_many_open_files
+from nxhpc.cli.codes import (Exit, OutOfMemory, OutputError, UsageError, code_for,
+                             too_many_open_files)
 from nxhpc.runtime.proc import Terminated, cli_signals, soft_limit
 
 __all__ = ["run_cli", "run_ranked", "error_printer"]
@@ -314,12 +315,18 @@ class _guarded_stdout:
 
 def _environment_error(e: Exception) -> Exception:
     """``e``, or the usage / output error it stands for when the cause is the environment:
-    stdout that cannot be written (exit 8), a working directory removed under a relative
-    path (exit 2)."""
+    stdout that cannot be written (exit 8), memory that could not be had (a MemoryError or
+    ENOMEM: exit 7, with the address-space limit), a working directory removed under a
+    relative path (exit 2)."""
     if isinstance(e, StdoutError):
         if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
             _to_devnull(sys.stdout)
         return OutputError(f"standard output could not be written ({e.strerror or e})")
+    if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM):
+        what = str(e).strip() or type(e).__name__
+        return OutOfMemory(f"out of memory ({what[:200]}): the address-space limit (ulimit -v) "
+                           f"is {_as_limit()}; use a smaller image or model, fewer workers, "
+                           f"or raise the limit")
     if isinstance(e, FileNotFoundError) and e.filename is None:
         try:
             os.getcwd()
@@ -329,6 +336,12 @@ def _environment_error(e: Exception) -> Exception:
                               "resolved: give absolute paths, or run from an existing "
                               "directory")
     return e
+
+
+def _as_limit() -> str:
+    """This process's address-space limit (RLIMIT_AS) in words: bytes as GiB, or unlimited."""
+    v = soft_limit("RLIMIT_AS")
+    return f"{int(v) / 2 ** 30:.2f} GiB" if v.isdigit() else v
 
 
 def _open_files_text(e: OSError) -> str:

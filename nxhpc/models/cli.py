@@ -3,8 +3,9 @@ models``): the model-directory CLI.
 
 Owns the CLI only: parse -> the registry / synthetic generator (``nxhpc.models``) -> print.
 Exit codes (:data:`EXIT_CODES`, the numbers of :class:`nxhpc.cli.codes.Exit`: 0 ok, 2 usage, 3
-not found, 4 bad model file, 5 missing tensor, 9 models directory unusable, 130 / 143 signals;
-no traceback for any of them), the signal frame and the argparse types are :mod:`nxhpc.cli`'s.
+not found, 4 bad model file, 5 missing tensor, 7 out of memory, 9 models directory unusable,
+130 / 143 signals; no traceback for any of them), the signal frame and the argparse types are
+:mod:`nxhpc.cli`'s.
 Must not: import the compiled kernels (it works in a source tree whose extension is not
 built), or import another CLI.
 """
@@ -45,6 +46,9 @@ EXIT_CODES = {
     Exit.MODELS_DIR: "the models directory ($NXHPC_MODELS / --models-dir, or --out's parent) "
                      "cannot take the model: not a directory, not writable, or full (nothing "
                      "is left behind)",
+    Exit.SHM: "not enough memory: an allocation failed while a model was made (the "
+              "address-space limit, ulimit -v, or the machine's memory; nothing half-written "
+              "is left behind)",
     Exit.OUTPUT: "stdout's reader went away (`| head`): nothing more is printed",
     Exit.INTERNAL: None,
     Exit.SIGINT: "interrupted by Ctrl-C / SIGINT (nothing half-written is left behind)",

@@ -44,6 +44,7 @@ __all__ = [
 ]
 
 SHM_PREFIX = "nxddp_"
+MAX_HIDDEN = 65536        # the widest hidden layer: ~0.25 GB per rows x hidden int64 array
 
 
 class DDPWorkerError(RuntimeError):
@@ -88,8 +89,10 @@ class MLPConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.hidden, bool) or not isinstance(self.hidden, (int, np.integer)) \
-                or self.hidden < 1:
-            raise ValueError(f"MLPConfig: hidden must be an integer >= 1, got {self.hidden!r}")
+                or not 1 <= self.hidden <= MAX_HIDDEN:
+            raise ValueError(f"MLPConfig: hidden must be an integer in [1, {MAX_HIDDEN}] (the "
+                             f"tape holds rows x hidden int64 values several times: 1e8 took "
+                             f"the machine's memory), got {self.hidden!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
                 or self.seed < 0:
             raise ValueError(f"MLPConfig: seed must be a non-negative integer (numpy's "
