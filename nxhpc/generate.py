@@ -269,6 +269,9 @@ def _outputs(out: str, n_prompts: int, seeds: list[int | None]) -> list[Job]:
             raise UsageError(f"--out {out}: the folder already holds {taken[0]}{more} (an "
                              f"earlier run's?); give another folder or move them away")
         return jobs
+    if out.endswith("/"):            # Path() drops the slash: a file named after the folder
+        raise UsageError(f"--out {out}: ends with '/', a folder, and there is no such folder "
+                         f"(create it first, or give a file path)")
     if len(pairs) > 1:
         raise UsageError(f"--out {out}: {len(pairs)} images ({n_prompts} prompt(s) x "
                          f"{len(seeds)} seed(s)) need an existing folder, not a file path")
@@ -328,13 +331,19 @@ def _setup(args: argparse.Namespace) -> _Setup:
 
     # resolve every model (built-ins are generated here) and check the outputs against every
     # file this run reads, before any model work
-    _, dit_gguf = resolve_model(names["model"], args.models_dir)
+    # (a model named by a directory or a built-in's id: every file of that directory, its
+    # manifest included; one named by its file: that file alone, not its neighbours)
+    dit_d, dit_gguf = resolve_model(names["model"], args.models_dir)
     vae_path = resolve_vae(names["vae"], args.models_dir)
     te_d, te_g = resolve_model(names["text_encoder"], args.models_dir)
     reads = [r for r in (args.prompts, args.noise) if r is not None and r != "-"]
-    files = [*model_files(None, dit_gguf), *model_files(te_d, te_g),
-             *(model_files(vae_path) + model_files(vae_path / "vae") if vae_path.is_dir()
-               else model_files(None, vae_path))]
+    if vae_path.is_dir():
+        vae_files = model_files(vae_path) + model_files(vae_path / "vae")
+    elif not Path(names["vae"]).exists():          # a built-in's id: its directory
+        vae_files = model_files(vae_path.parent, vae_path)
+    else:
+        vae_files = model_files(None, vae_path)
+    files = [*model_files(dit_d, dit_gguf), *model_files(te_d, te_g), *vae_files]
     for o in outs:
         check_output_path(o, what="--out", inputs=reads, model_files=files, example="out.png")
     return _Setup(prompts, names, tiny, negative, noise_raw, jobs)

@@ -503,10 +503,18 @@ def test_generate_bad_input(models_root, tmp_path):
         r = _generate(models_root, *args, "--out", out, expect=code)
         assert msg in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
         assert not out.exists()
+    # every file of a built-in the run opens (its manifest and spec too: they were overwritten
+    # with exit 0, and the next run regenerated the model); a trailing '/' names a folder;
+    # the run's own stdout, where the report goes
     for o, msg in ((tmp_path / "no" / "x.png", "does not exist"),
                    (models_root / "tiny-vae" / "ae.safetensors", "is an input"),
+                   (models_root / "tiny-vae" / "synthetic.json", "is an input"),
+                   (models_root / "tiny-dit" / ".nxhpc-files.json", "is an input"),
+                   (models_root / "tiny-te" / ".nxhpc-files.json", "is an input"),
+                   (f"{tmp_path}/pngs/", "ends with '/'"), (f"{tmp_path}/p.txt/", "ends with '/'"),
+                   ("/dev/stdout", "standard output"),
                    (tmp_path / "p.txt", "is an input")):
-        extra = ["--prompts", o] if o.name == "p.txt" else P
+        extra = ["--prompts", o] if str(o).endswith("p.txt") else P
         r = _generate(models_root, *extra, "--out", o, expect=Exit.USAGE)
         assert msg in r.stderr, (o, r.stderr)
     assert (tmp_path / "p.txt").read_text() == "a fox\n"

@@ -97,13 +97,47 @@ def test_check_output_path_unwritable_directory(tmp_path):
         d.chmod(0o755)
 
 
-def test_dev_stdout_is_written_through(tmp_path):
-    """``--json /dev/stdout`` (a link to fd 1: here a pipe) writes into the pipe."""
+def test_dev_stderr_is_written_through_and_stdout_refused(tmp_path):
+    """``--json /dev/stderr`` (a link to fd 2: here a pipe) writes into the pipe. The run's
+    own stdout -- ``/dev/stdout`` or the file it is redirected to -- is refused: the report is
+    printed there, and ``--out /dev/stdout > img.png`` gave a PNG whose start the report
+    overwrote, with exit 0 (2026-12-07). Control: another file is taken."""
     import subprocess
     import sys
-    code = ("from nxhpc.runtime.outfile import check_output_path, write_atomic\n"
-            "check_output_path('/dev/stdout', what='--json')\n"
-            "write_atomic('/dev/stdout', lambda f: f.write(b'{\"ok\": 1}'))\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    code = ("import sys\n"
+            "from nxhpc.runtime.outfile import OutputPathError, check_output_path, write_atomic\n"
+            "check_output_path('/dev/stderr', what='--json')\n"
+            "write_atomic('/dev/stderr', lambda f: f.write(b'{\"ok\": 1}'))\n"
+            "for p in sys.argv[1:]:\n"
+            "    try:\n"
+            "        check_output_path(p, what='--json')\n"
+            "        print('taken', p)\n"
+            "    except OutputPathError as e:\n"
+            "        print('refused', e)\n")
+    r = subprocess.run([sys.executable, "-c", code, "/dev/stdout", "/proc/self/fd/1"],
+                       capture_output=True, timeout=60)
+    assert r.returncode == 0 and r.stderr == b'{"ok": 1}', r.stderr
+    lines = r.stdout.decode().splitlines()
+    assert len(lines) == 2 and all(ln.startswith("refused") and "standard output" in ln
+                                   for ln in lines), lines
+    out = tmp_path / "report.txt"
+    with open(out, "w") as f:        # stdout redirected to a file: that file is refused too
+        r = subprocess.run([sys.executable, "-c", code, str(out), str(tmp_path / "x.json")],
+                           stdout=f, stderr=subprocess.PIPE, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout == b'{"ok": 1}'
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("refused") and lines[1] == f"taken {tmp_path / 'x.json'}", lines
+
+
+def test_a_trailing_slash_names_a_directory(tmp_path):
+    """``--out feats/`` where no such directory exists wrote a file named ``feats``, and
+    ``--out e.png/`` overwrote the file e.png (Path() drops the slash): both refused now, as
+    ``cp`` refuses them. Control: the same names without the slash are taken."""
+    (tmp_path / "e.png").write_bytes(b"old")
+    for given in (f"{tmp_path}/feats/", f"{tmp_path}/e.png/"):
+        with pytest.raises(OutputPathError, match="ends with '/'"):
+            check_output_path(given, what="--out")
+        assert check_output_path(given[:-1], what="--out") is not None
+    assert (tmp_path / "e.png").read_bytes() == b"old" and not (tmp_path / "feats").exists()
+    with pytest.raises(OutputPathError, match="is a directory"):   # an existing one: as before
+        check_output_path(f"{tmp_path}/", what="--out")

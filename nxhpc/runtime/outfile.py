@@ -33,6 +33,16 @@ def _in_place(path: str) -> bool:
         return False
 
 
+def _is_stdout(path: str) -> bool:
+    """Whether ``path`` is the file this process's standard output (fd 1) writes to
+    (``/dev/stdout``, ``/proc/self/fd/1``, the terminal's or pipe's own name)."""
+    try:
+        a, b = os.stat(path), os.fstat(1)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def _same_file(a: str, b: str) -> bool:
     try:
         return os.path.samefile(a, b)
@@ -46,9 +56,10 @@ def check_output_path(path: str | os.PathLike, *, what: str = "output",
                       example: str | None = None) -> Path:
     """Check, before the run, that ``path`` can be written as a result file; returns the path
     to write (symlinks followed). Raises :class:`OutputPathError` naming ``what`` and the reason:
-    a directory, a missing directory, a directory that refuses a new file (read-only, no
-    permission), or the same file as one of ``inputs`` or of ``model_files`` (the files of the
-    model the run opened; hard and symbolic links resolved).
+    a directory (or a path ending in '/'), a missing directory, a directory that refuses a new
+    file (read-only, no permission), this process's standard output (where the report goes),
+    or the same file as one of ``inputs`` or of ``model_files`` (the files of the model the run
+    opened; hard and symbolic links resolved).
     An existing non-regular file (``/dev/null``, a FIFO) and an existing path under /dev or
     /proc (``/dev/stdout``) are written in place if writable. ``example``: the file name the
     message suggests inside a directory given (default by ``what``: ``out.png`` for a PNG,
@@ -57,6 +68,14 @@ def check_output_path(path: str | os.PathLike, *, what: str = "output",
     if given == "":
         raise OutputPathError(f"{what}: empty path")
     p = Path(given)
+    if given.endswith("/") and not p.is_dir():    # Path() drops the slash: a file would be
+        #                                             written under the directory's name
+        raise OutputPathError(f"{what} {given}: ends with '/', a directory, and there is no "
+                              f"such directory; give a file path")
+    if _is_stdout(given):
+        raise OutputPathError(f"{what} {given} is this run's standard output, where its report "
+                              f"is printed: the two would mix into one corrupt stream; give a "
+                              f"file path")
     if p.is_dir():
         if example is None:
             low = what.lower()
