@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="static timestep shift (default 3.0, Z-Image-Turbo's)")
     noise = p.add_mutually_exclusive_group()
     noise.add_argument("--seed", type=types.seed, default=None, help="noise seed (default 0)")
-    noise.add_argument("--seeds", type=_seed_list, default=None, metavar="A,B,...",
+    noise.add_argument("--seeds", type=types.seed_list, default=None, metavar="A,B,...",
                        help="one image per seed (per prompt)")
     noise.add_argument("--noise", metavar="N.npy", default=None,
                        help="start from this float [16, H/8, W/8] noise (sets the size)")
@@ -166,16 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     types.add_json(p)
     return p
-
-
-def _seed_list(s: str) -> list[int]:
-    """Comma-separated seeds >= 0 (an empty item is an error)."""
-    try:
-        vals = [types.seed(v.strip()) for v in s.split(",")]
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got "
-                                         f"{s!r}") from None
-    return vals
 
 
 def _guidance(s: str) -> float:

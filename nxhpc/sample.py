@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--seed", type=types.seed, default=None,
                      help="seed for the starting noise (default 0)")
-    src.add_argument("--seeds", type=_seed_list, default=None, metavar="A,B,...",
+    src.add_argument("--seeds", type=types.seed_list, default=None, metavar="A,B,...",
                      help="one image per seed (--out must contain {seed}); under mpirun each "
                           "rank samples whole images, rank 0 writes them all")
     src.add_argument("--noise", metavar="N.npy", default=None,
@@ -133,14 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     types.add_json(p)
     return p
-
-
-def _seed_list(text: str) -> list[int]:
-    """Comma-separated distinct seeds (integers >= 0)."""
-    vals = [types.seed(v) for v in text.split(",")]
-    if len(set(vals)) != len(vals):
-        raise argparse.ArgumentTypeError(f"seeds must be distinct, got {text!r}")
-    return vals
 
 
 def _open_denoiser(model: str, *, workers: int, models_dir: str | None):

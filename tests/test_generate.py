@@ -467,6 +467,8 @@ def test_generate_bad_input(models_root, tmp_path):
     cases = [
         ([*P, "--height", 100, "--width", 64], Exit.USAGE, "multiple of 16"),
         ([*P, "--height", 64], Exit.USAGE, "both --height and --width"),
+        # one image twice under two names (sample refused it already; the one parser now)
+        ([*P, "--seeds", "3,1,3"], Exit.USAGE, "seeds must be distinct"),
         ([*P, "--model", "tiny-dit"], Exit.USAGE, "--text-encoder, --vae"),
         ([*P, "--steps", 0], Exit.USAGE, "--steps"),
         ([*P, "--seed", 1, "--noise", nan], Exit.USAGE, "not allowed with"),

@@ -126,6 +126,19 @@ def seed(s: str) -> int:
     return v
 
 
+def seed_list(s: str) -> list[int]:
+    """Comma-separated distinct seeds, integers >= 0 (an empty item is an error; a seed given
+    twice would make the same image twice under two names)."""
+    try:
+        vals = [seed(v.strip()) for v in s.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got "
+                                         f"{s!r}") from None
+    if len(set(vals)) != len(vals):
+        raise argparse.ArgumentTypeError(f"seeds must be distinct, got {s!r}")
+    return vals
+
+
 def int_list(s: str) -> list[int]:
     """Comma-separated integers >= 1 (an empty item is an error, not skipped)."""
     try:
