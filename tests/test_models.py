@@ -995,3 +995,15 @@ def test_activation_names_sort_naturally_whatever_they_hold():
     names = ["layers.10.blk_in", "layers.b", "layers.9.blk_in", "layers.\u00b2", "layers.9.adaln_m"]
     assert sorted(names, key=_natural_key) == [
         "layers.9.adaln_m", "layers.9.blk_in", "layers.10.blk_in", "layers.b", "layers.\u00b2"]
+
+
+def test_models_dir_option_before_or_after_the_command(tmp_path, capsys):
+    """``models list --models-dir D`` was "unrecognized arguments" (the option was taken only
+    before the command; every other CLI takes it anywhere). Both places name the same root;
+    without it the default root is listed (control: the option is not ignored)."""
+    from nxhpc.models import cli as models_cli
+    for argv in (["--models-dir", str(tmp_path), "list"], ["list", "--models-dir", str(tmp_path)]):
+        assert models_cli.main(argv) == 0
+        assert capsys.readouterr().out.splitlines()[0] == f"models dir: {tmp_path}", argv
+    assert models_cli.main(["list"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] != f"models dir: {tmp_path}"

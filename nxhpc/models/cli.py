@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model root (default: $NXHPC_MODELS or "
                                         "~/.cache/nxhpc/models)")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="built-in ids and directories present")
+    ls = sub.add_parser("list", help="built-in ids and directories present")
     sh = sub.add_parser("show", help="config (and how it was inferred), files, fixtures")
     sh.add_argument("model", help="model id, model directory, or .gguf file")
     sh.add_argument("--gguf", help="use this GGUF instead of the directory's model.gguf")
@@ -294,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also store float32 weights in the fixtures (default: if < 64 MB)")
     mk.add_argument("--out", help="output directory (default: <models dir>/<id>)")
     mk.add_argument("--force", action="store_true", help="replace an existing directory")
+    for sp in (ls, sh, mk):    # after the command too, as every other CLI takes it anywhere
+        sp.add_argument("--models-dir", type=types.directory_path, default=argparse.SUPPRESS,
+                        help="model root (the same option as before the command)")
     return p
 
 
