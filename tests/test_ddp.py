@@ -53,15 +53,19 @@ def wait_for_workers(proc: subprocess.Popen, prefix: str, n: int) -> list[int]:
     """Wait until ``n`` children of ``proc`` run with the run's segment mapped (the workers
     started; a negative control: the segment and the workers exist); returns their pids. The
     segment must already be unlinked (nothing to leak)."""
-    ok = wait_until(lambda: len(children_of(proc.pid)) >= n and mapped_segments(proc.pid, prefix),
-                    60, 0.05)
-    if not ok:
-        proc.kill()
-        pytest.fail("the workers never started with the segment mapped (negative control)")
-    segs = mapped_segments(proc.pid, prefix)
-    assert all(m.endswith("(deleted)") for m in segs), segs
-    assert leftovers(prefix) == []
-    return children_of(proc.pid)
+    try:
+        ok = wait_until(lambda: len(children_of(proc.pid)) >= n
+                        and mapped_segments(proc.pid, prefix), 60, 0.05)
+        if not ok:
+            pytest.fail("the workers never started with the segment mapped (negative control)")
+        segs = mapped_segments(proc.pid, prefix)
+        assert all(m.endswith("(deleted)") for m in segs), segs
+        assert leftovers(prefix) == []
+        return children_of(proc.pid)
+    except BaseException:          # the run (and its workers, via the lifeline) must not outlive
+        proc.kill()                # a failed check: the callers' try blocks start after this
+        proc.wait(10)
+        raise
 
 
 @pytest.fixture
