@@ -45,6 +45,27 @@ def _in_child(fn) -> int:
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
+def _in_child_while_held(lock, fn) -> int:
+    """:func:`_in_child` while another thread of this process holds ``lock`` (a call in
+    progress at the fork): a child that takes the lock hangs, so it has 20 s (SIGALRM, exit
+    -14) before the test fails instead of hanging."""
+    import threading
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            held.set()
+            done.wait(60)
+    t = threading.Thread(target=hold, daemon=True)
+    t.start()
+    assert held.wait(10)
+    try:
+        return _in_child(lambda: (signal.alarm(20), fn()))
+    finally:
+        done.set()
+        t.join(10)
+
+
 def test_vae_rebuilds_its_workers_after_a_failed_call(models_root, latents):
     """A worker killed between calls (the OOM killer, a signal): the next decode fails naming
     it, the one after rebuilds the workers and gives the bits of a fresh decoder. The VAE once
@@ -122,6 +143,11 @@ def test_objects_refuse_a_forked_child_without_touching_the_parent(models_root, 
         with blk:
             bout = blk.forward(x, t, pe, workers=2).output
             assert _in_child(lambda: blk.forward(x * 3, t, pe, workers=2)) == 0
+            # entry points that take the lock: refused before it (they hung in the child when
+            # a parent thread held it at the fork: 2026-12-07)
+            assert _in_child_while_held(blk._lock, lambda: blk.__enter__()) == 0
+            assert _in_child_while_held(te._lock, lambda: setattr(te, "precision", "bf16")) == 0
+            assert _in_child_while_held(blk._lock, lambda: blk.forward(x, t, pe)) == 0
             assert _in_child(lambda: blk.__exit__(None, None, None)) == 3
             assert np.array_equal(blk.forward(x, t, pe, workers=2).output, bout)
         assert _in_child(lambda: te.encode("another prompt")) == 0
@@ -216,6 +242,7 @@ def test_objects_cannot_be_pickled_or_copied_and_say_why(models_root):
             nxhpc.load_text_encoder("tiny-te", workers=1, models_dir=models_root),
             nxhpc.load_vae("tiny-vae", workers=1, models_dir=models_root),
             nxhpc.load_model("tiny", models_dir=models_root)]
+    objs.append(objs[-1].block(0))      # a Block too (a copy shared its kept workers)
     try:
         for o in objs:
             name = type(o).__name__

@@ -688,3 +688,19 @@ def test_random_interrupts_in_block_runs_leak_nothing(models_root, tiny, seed):
     assert rep["before_gc"] == {"children": [], "mapped": [], "new_fds": {}}, rep["before_gc"]
     assert rep["segments"] == [] and rep["children"] == [] and rep["mapped"] == [], rep
     assert rep["new_fds"] == {}, rep
+
+
+def test_closed_engine_says_so(setup):
+    """An engine's buffer asked for after close() is a RuntimeError saying the engine is
+    closed (it was a bare KeyError naming the buffer, as a misspelt name is -- control)."""
+    w, x, pe, t_emb, plans = setup
+    eng = Engine([(plans["joint"], T)], {"l0": w["l0"]}, workers=1,
+                 buffers={"u": (T, CFG.dim), "pe": (T, CFG.head_dim // 2, 2, 2)})
+    try:
+        with pytest.raises(KeyError, match="no buffer 'uu'"):
+            eng.buffer("uu")
+        assert eng.buffer("u").shape == (T, CFG.dim)
+    finally:
+        eng.close()
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        eng.buffer("u")

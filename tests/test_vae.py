@@ -407,6 +407,12 @@ def test_decoder_values_and_shapes_checked_at_load(files, tmp_path):
         nxhpc.load_vae(variant("out4", out_channels(4)))
     with nxhpc.load_vae(variant("out1", out_channels(1))) as v:     # control: grayscale
         assert v.config.out_channels == 1
+        # each decode a new array: with one channel the result was a view of the arena,
+        # overwritten by the next call
+        a = v.decode(LATENTS)
+        keep = a.copy()
+        b = v.decode(LATENTS * 2)
+        assert not np.shares_memory(a, b) and np.array_equal(a, keep)
 
     def post_quant(sd):
         z = sd["decoder.conv_in.weight"].shape[1]

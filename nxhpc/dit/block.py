@@ -23,6 +23,7 @@ import numpy as np
 
 import nxhpc
 from nxhpc.dit.config import block_view
+from nxhpc.formats.closing import Closing
 from nxhpc.nn.linear import DEFAULT_PRECISION, adaln_linear, check_precision
 from nxhpc.dit.plan import TIMING_KEYS, BlockPlan, Engine, check_eps, narrow_finite
 from nxhpc.runtime import proc
@@ -409,6 +410,8 @@ class Block:
             self._release()
 
     def __enter__(self) -> "Block":
+        # before the lock: one a parent thread held at a fork is never released in the child
+        proc.check_owner(self._owner, "Block.__enter__", "Block")
         with self._lock:
             self._depth += 1
             self._keep = True
@@ -424,3 +427,7 @@ class Block:
 
     def __repr__(self) -> str:
         return f"<Block layer {self.index} of {self.config.variant} dim={self.config.dim}>"
+
+    # pickle, copy.copy, copy.deepcopy: a TypeError, as every object holding workers (a copy
+    # shared the kept runner: closing one broke the other with a KeyError)
+    __reduce_ex__ = Closing.__reduce_ex__

@@ -532,6 +532,8 @@ class Engine:
     # -- parent side
     def buffer(self, name: str) -> np.ndarray:
         """The caller's arena buffer ``name`` (a writeable view; shared with the workers)."""
+        if self.closed:
+            raise RuntimeError(f"Engine.buffer: the engine is closed (buffer {name!r})")
         if name not in self._user:
             raise KeyError(f"Engine: no buffer {name!r} (buffers: {', '.join(self._user)})")
         return self._v[name]

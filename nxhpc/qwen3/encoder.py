@@ -124,6 +124,8 @@ class TextEncoder(Closing):
     @precision.setter
     def precision(self, value: str) -> None:
         p = check_precision(value, "TextEncoder: precision")
+        # before the lock: one a parent thread held at a fork is never released in the child
+        proc.check_owner(self._owner, "TextEncoder.precision", "TextEncoder")
         with self._lock:
             self._check_open().precision = p
 

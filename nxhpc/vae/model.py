@@ -349,7 +349,9 @@ class VaeDecoder(Closing):
         self._run(prog)
         s = cfg.upscale
         img = self._exec.view("img", h * s * w * s, cfg.out_channels)
-        out = np.ascontiguousarray(img.T).reshape(cfg.out_channels, h * s, w * s)
+        # a copy always: with one channel img.T is already C-contiguous, and ascontiguousarray
+        # returned a view of the arena (overwritten by the next call, kept mapped after close)
+        out = np.array(img.T, order="C", copy=True).reshape(cfg.out_channels, h * s, w * s)
         return check_finite_output(out, "VaeDecoder.decode", f"finite latents overflowed "
                                    f"float32 inside the decoder; max |latent| "
                                    f"{float(np.max(np.abs(z))):.3g}", noun="pixel values")
