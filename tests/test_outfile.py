@@ -127,6 +127,14 @@ def test_dev_stderr_is_written_through_and_stdout_refused(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = out.read_text().splitlines()
     assert lines[0].startswith("refused") and lines[1] == f"taken {tmp_path / 'x.json'}", lines
+    # the null device as both: nothing mixes (--out /dev/null > /dev/null stays allowed)
+    null_code = ("import sys\nfrom nxhpc.runtime.outfile import check_output_path\n"
+                 "for p in ('/dev/null', '/dev/stdout'):\n"
+                 "    check_output_path(p, what='--out')\n"
+                 "sys.stderr.write('ok')\n")
+    r = subprocess.run([sys.executable, "-c", null_code], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, timeout=60)
+    assert r.returncode == 0 and r.stderr == b"ok", r.stderr
 
 
 def test_a_trailing_slash_names_a_directory(tmp_path):

@@ -35,12 +35,19 @@ def _in_place(path: str) -> bool:
 
 def _is_stdout(path: str) -> bool:
     """Whether ``path`` is the file this process's standard output (fd 1) writes to
-    (``/dev/stdout``, ``/proc/self/fd/1``, the terminal's or pipe's own name)."""
+    (``/dev/stdout``, ``/proc/self/fd/1``, the terminal's or pipe's own name), the null
+    device aside (``--out /dev/null > /dev/null`` mixes nothing)."""
     try:
         a, b = os.stat(path), os.fstat(1)
     except OSError:
         return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+        return False
+    try:
+        null = os.stat(os.devnull)
+    except OSError:
+        return True
+    return not (stat.S_ISCHR(a.st_mode) and a.st_rdev == null.st_rdev)
 
 
 def _same_file(a: str, b: str) -> bool:
