@@ -20,7 +20,7 @@ from nxhpc.dit.grade import DEFAULT_TOL
 from nxhpc.dit.stackrun import PRECISION_TOL
 from nxhpc.models.modeldir import model_files
 from nxhpc.runtime.checks import check_input_file
-from nxhpc.runtime.outfile import check_output_path
+from nxhpc.runtime.outfile import check_cli_output_path
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES
 
 __all__ = ["main", "build_parser", "EXIT_CODES", "PRECISION_TOL", "DEFAULT_TOL"]
@@ -139,7 +139,7 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
     if not lead:
         args.save_output = None
     if args.save_output is not None:           # up front: not after the whole run
-        check_output_path(args.save_output, what="--save-output")
+        check_cli_output_path(args.save_output, what="--save-output")
     with open_model(args.model_id, models_dir=args.models_dir, gguf_path=args.gguf_path) as model:
         n_layers = check_slice(model, args.layers)
         if ranks is not None:
@@ -156,7 +156,7 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
             ranks.same_kernels(args.precision)
         if args.save_output is not None:       # never overwrite what this run reads
             gguf = model.gguf.path if model.gguf is not None else None
-            check_output_path(args.save_output, what="--save-output",
+            check_cli_output_path(args.save_output, what="--save-output",
                               inputs=[p for p in (args.reference_name,) if p],
                               model_files=model_files(model.path, gguf))
         t_start = time.monotonic()

@@ -23,7 +23,7 @@ from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed pack
 from nxhpc.cli.codes import Exit, UsageError, codes_epilog
 from nxhpc.cli.frame import run_cli
 from nxhpc.cli.report import save_bytes
-from nxhpc.runtime.outfile import OutputPathError, check_output_path
+from nxhpc.runtime.outfile import OutputPathError, check_cli_output_path
 from nxhpc.runtime.proc import Terminated
 from nxhpc.runtime.workers import max_workers, usable_cpus
 from nxhpc.train import ddp as train
@@ -81,7 +81,7 @@ class _Parser(argparse.ArgumentParser):
             self.error(f"--timeout must be > 0 seconds, got {a.timeout}")
         if a.json is not None:                      # up front: not after the whole run ("" too)
             try:
-                check_output_path(a.json, what="--json")
+                check_cli_output_path(a.json, what="--json")
             except OutputPathError as e:
                 self.error(str(e))
         try:

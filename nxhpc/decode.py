@@ -15,7 +15,6 @@ import os
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -24,7 +23,7 @@ from nxhpc.cli.codes import Exit, InputError, OutputError, codes_epilog
 from nxhpc.cli.frame import run_cli
 from nxhpc.cli.report import peak_rss_mb, png_text, print_report
 from nxhpc.runtime.checks import load_npy
-from nxhpc.runtime.outfile import check_output_path
+from nxhpc.runtime.outfile import check_cli_output_path
 
 __all__ = ["main", "build_parser", "EXIT_CODES"]
 
@@ -107,27 +106,20 @@ def _latents(path: str) -> np.ndarray:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from nxhpc.models.modeldir import model_files
-    from nxhpc.models.registry import open_vae
+    from nxhpc.models.registry import open_vae, opened_model_files
     from nxhpc.runtime.checks import CheckError
     from nxhpc.vae.image import to_uint8, write_png
 
     out = args.out
-    check_output_path(out, what="--out", inputs=[args.latents], example="out.png")
+    check_cli_output_path(out, what="--out", inputs=[args.latents], example="out.png")
     z = _latents(args.latents)
     t0 = time.perf_counter()
     with open_vae(args.vae, workers=args.n_workers, precision=args.precision,
                   models_dir=args.models_dir) as vae:
-        # never over a file of the model: the safetensors file, and the other files of a
-        # directory opened as the model (not its neighbours when a file was named, as generate)
-        given = Path(args.vae)
-        if given.is_file():
-            files = [vae.file.path]
-        elif given.is_dir():
-            files = [vae.file.path, *model_files(given), *model_files(given / "vae")]
-        else:                    # a built-in's id: its directory in the models directory
-            files = [vae.file.path, *model_files(vae.file.path.parent)]
-        check_output_path(out, what="--out", inputs=[args.latents], model_files=files)
+        # never over a file of the model (a built-in's: any file of its directory), but an
+        # earlier output beside a model named by its path may be written again
+        files = opened_model_files(args.vae, vae.file.path)
+        check_cli_output_path(out, what="--out", inputs=[args.latents], model_files=files)
         open_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:

@@ -29,7 +29,7 @@ from nxhpc.dit.stackrun import PRECISION_TOL
 from nxhpc.runtime.checks import check_input_file, load_npy
 from nxhpc.models.modeldir import model_files
 from nxhpc.nn.linear import attention_kernel
-from nxhpc.runtime.outfile import check_output_path
+from nxhpc.runtime.outfile import check_cli_output_path
 
 __all__ = ["main", "build_parser", "DEFAULT_TOL", "DENOISE_TOL", "EXIT_CODES"]
 
@@ -179,7 +179,7 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
     out_path = None
     if args.out is not None and lead:
         inputs = [x for x in (args.latents, args.cap_feats, args.reference, args.gguf) if x]
-        check_output_path(args.out, what="--out", inputs=inputs)
+        check_cli_output_path(args.out, what="--out", inputs=inputs)
         out_path = args.out
     inputs = None
     ref = None
@@ -196,7 +196,7 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
                        precision=args.precision,
                        q8_float_weights=args.q8_float_weights) as den:
         if out_path is not None:              # never overwrite a file of the opened model
-            check_output_path(out_path, what="--out",
+            check_cli_output_path(out_path, what="--out",
                               model_files=model_files(den.directory, den.gguf.path))
         if ranks is not None:
             from nxhpc.runtime.ranks import file_fingerprint

@@ -20,7 +20,7 @@ from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed pack
 from nxhpc.cli.codes import Exit, InputError, OutputError, UsageError
 from nxhpc.cli.frame import run_cli
 from nxhpc.cli.report import fmt_compact, flush_stdout, print_json, print_kv, save_npy
-from nxhpc.runtime.outfile import OutputPathError, check_output_path
+from nxhpc.runtime.outfile import OutputPathError, check_cli_output_path
 
 __all__ = ["main", "build_parser", "EXIT_CODES"]
 
@@ -140,7 +140,7 @@ def _run(args: argparse.Namespace) -> int:
     inputs = [x for x in (args.prompt_file,) if x and x != "-"]
     if os.path.isfile(args.text_encoder):
         inputs.append(args.text_encoder)
-    check_output_path(args.out, what="--out", inputs=inputs)
+    check_cli_output_path(args.out, what="--out", inputs=inputs)
     t0 = time.perf_counter()
     with open_text_encoder(args.text_encoder, workers=args.n_workers,
                            precision=args.precision, models_dir=args.models_dir,
@@ -148,7 +148,7 @@ def _run(args: argparse.Namespace) -> int:
                            q8_float_weights=args.q8_float_weights) as te:
         open_s = time.perf_counter() - t0
         try:                              # never overwrite a file of the model it opened
-            check_output_path(args.out, what="--out", inputs=_model_files(te))
+            check_cli_output_path(args.out, what="--out", inputs=_model_files(te))
         except OutputPathError as e:
             raise UsageError(str(e)) from None
         return _encode(args, te, prompt, open_s)

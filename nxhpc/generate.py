@@ -48,7 +48,7 @@ from nxhpc.cli.progress import Progress
 from nxhpc.cli.report import peak_rss_mb, png_text, print_report
 from nxhpc.nn.linear import attention_kernel
 from nxhpc.runtime.checks import load_npy
-from nxhpc.runtime.outfile import check_output_path
+from nxhpc.runtime.outfile import check_cli_output_path
 
 __all__ = ["main", "build_parser", "EXIT_CODES", "TINY", "TINY_PX", "guided", "Job"]
 
@@ -290,8 +290,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
     """Every check that needs no model, the inputs read, the built-ins generated and the
     outputs checked against every file the run reads (rank 0's part under mpirun)."""
     from nxhpc.dit.sampler import MAX_STEPS, SampleInputError, turbo_sigmas
-    from nxhpc.models.modeldir import model_files
-    from nxhpc.models.registry import resolve_model, resolve_vae
+    from nxhpc.models.registry import opened_model_files, resolve_model, resolve_vae
 
     prompts = _prompts(args)
     names, tiny = _models(args)
@@ -321,21 +320,17 @@ def _setup(args: argparse.Namespace) -> _Setup:
 
     # resolve every model (built-ins are generated here) and check the outputs against every
     # file this run reads, before any model work
-    # (a model named by a directory or a built-in's id: every file of that directory, its
-    # manifest included; one named by its file: that file alone, not its neighbours)
+    # (a built-in's id: every file of its directory, manifest included; a path: the model's
+    # files there, not the user's other files)
     dit_d, dit_gguf = resolve_model(names["model"], args.models_dir)
     vae_path = resolve_vae(names["vae"], args.models_dir)
     te_d, te_g = resolve_model(names["text_encoder"], args.models_dir)
     reads = [r for r in (args.prompts, args.noise) if r is not None and r != "-"]
-    if vae_path.is_dir():
-        vae_files = model_files(vae_path) + model_files(vae_path / "vae")
-    elif not Path(names["vae"]).exists():          # a built-in's id: its directory
-        vae_files = model_files(vae_path.parent, vae_path)
-    else:
-        vae_files = model_files(None, vae_path)
-    files = [*model_files(dit_d, dit_gguf), *model_files(te_d, te_g), *vae_files]
+    files = [*opened_model_files(names["model"], dit_gguf, dit_d),
+             *opened_model_files(names["text_encoder"], te_g, te_d),
+             *opened_model_files(names["vae"], vae_path)]
     for o in outs:
-        check_output_path(o, what="--out", inputs=reads, model_files=files, example="out.png")
+        check_cli_output_path(o, what="--out", inputs=reads, model_files=files, example="out.png")
     return _Setup(prompts, names, tiny, negative, noise_raw, jobs)
 
 

@@ -42,7 +42,7 @@ from nxhpc.dit.sampler import (MAX_STEPS, SampleInputError, check_cap_feats, che
                                require_decode_deps, sample, turbo_sigmas)
 from nxhpc.runtime.checks import load_npy
 from nxhpc.models.modeldir import model_files
-from nxhpc.runtime.outfile import check_output_path
+from nxhpc.runtime.outfile import check_cli_output_path
 
 __all__ = ["EXIT_CODES", "build_parser", "main"]
 
@@ -188,7 +188,7 @@ def _check_args(args) -> tuple[int, tuple[int, int] | None]:
     if args.png is not None and os.path.realpath(args.out) == os.path.realpath(args.png):
         raise UsageError(f"--out and --png are the same file ({args.out})")
     for what, path in outs:
-        check_output_path(path, what=what, inputs=inputs)
+        check_cli_output_path(path, what=what, inputs=inputs)
     if args.decode is not None:
         if not os.path.isdir(args.decode):
             raise NotFound(f"--decode {args.decode}: no such directory (a diffusers "
@@ -205,7 +205,7 @@ def _protect_model_files(args, den) -> None:
     gguf = getattr(getattr(den, "gguf", None), "path", None)
     files = model_files(getattr(den, "directory", None), gguf)
     for what, path in [("--out", args.out)] + ([("--png", args.png)] if args.png else []):
-        check_output_path(path, what=what, model_files=files)
+        check_cli_output_path(path, what=what, model_files=files)
 
 
 def _sample_one(den, cap, noise, args, progress_on: bool) -> tuple:

@@ -1062,18 +1062,29 @@ def test_out_of_memory_is_exit_7_with_the_limit(tmp_path):
     lat = tmp_path / "lat.npy"
     np.save(lat, np.random.default_rng(0).standard_normal((16, 128, 128)).astype(np.float32))
     before = set(_nxhpc_segments())
-    for limit, code in ((400 << 20, Exit.SHM), (None, Exit.PASS)):
+    # the limit above what the child maps once imported (one BLAS thread: each maps tens of
+    # MB, so the import alone depends on the core count), so that the decode's arena and
+    # arrays (~0.5 GB at 1024x1024) do not fit whatever the machine
+    env = _env(NXHPC_MODELS=str(tmp_path), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
+               MKL_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", "import numpy, nxhpc.decode, nxhpc.vae.model\n"
+                        "print(next(int(ln.split()[1]) for ln in open('/proc/self/status') "
+                        "if ln.startswith('VmSize:')))"], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    baseline = int(r.stdout) << 10                              # kB -> bytes
+    for limit, code in ((baseline + (192 << 20), Exit.SHM), (None, Exit.PASS)):
         out = tmp_path / "o.png"
         def cap(limit=limit):
             if limit is not None:
                 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         r = subprocess.run([sys.executable, "-m", "nxhpc.decode", "tiny-vae", "1", "--latents",
                             str(lat), "--out", str(out)], capture_output=True, text=True,
-                           cwd=ROOT, env=_env(NXHPC_MODELS=str(tmp_path)), timeout=300,
-                           preexec_fn=cap)
+                           cwd=ROOT, env=env, timeout=300, preexec_fn=cap)
         assert r.returncode == code, (limit, r.returncode, r.stderr[-2000:])
         if code == Exit.SHM:
-            assert "out of memory" in r.stderr and "ulimit -v) is 0.39 GiB" in r.stderr
+            assert "out of memory" in r.stderr, r.stderr
+            assert f"ulimit -v) is {limit / 2 ** 30:.2f} GiB" in r.stderr, r.stderr
             assert "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
             assert not out.exists()
         else:

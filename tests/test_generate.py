@@ -445,6 +445,23 @@ def test_generate_reads_prompts_from_standard_input(models_root, tmp_path):
     assert texts == ["a fox", "an owl\u2028at night"]
 
 
+def test_outputs_beside_a_model_named_by_its_path(models_root, tmp_path):
+    """A model directory named by its path: the run's own earlier output there may be written
+    again (the first fix of the built-ins' protection refused it, "is an input"), while the
+    model's files there (its manifest and spec included) are still refused."""
+    import shutil
+
+    from nxhpc.models.registry import ensure_builtin
+    d = tmp_path / "mydit"
+    shutil.copytree(ensure_builtin("tiny-dit", models_root), d)
+    args = ["--prompt", "a fox", "--model", d, "--text-encoder", "tiny-te", "--vae", "tiny-vae"]
+    for _ in range(2):
+        _generate(models_root, *args, "--out", d / "img.png")
+    for name in (".nxhpc-files.json", "synthetic.json", "model.gguf", "fixtures.safetensors"):
+        r = _generate(models_root, *args, "--out", d / name, expect=Exit.USAGE)
+        assert "is an input" in r.stderr, (name, r.stderr)
+
+
 def test_generate_bad_input(models_root, tmp_path):
     before = shm_entries()
     out = tmp_path / "x.png"

@@ -98,19 +98,22 @@ def test_check_output_path_unwritable_directory(tmp_path):
 
 
 def test_dev_stderr_is_written_through_and_stdout_refused(tmp_path):
-    """``--json /dev/stderr`` (a link to fd 2: here a pipe) writes into the pipe. The run's
+    """``--json /dev/stderr`` (a link to fd 2: here a pipe) writes into the pipe. A CLI's
     own stdout -- ``/dev/stdout`` or the file it is redirected to -- is refused: the report is
-    printed there, and ``--out /dev/stdout > img.png`` gave a PNG whose start the report
-    overwrote, with exit 0 (2026-12-07). Control: another file is taken."""
+    printed there (``--out /dev/stdout > img.png`` gave a PNG whose start the report
+    overwrote, with exit 0: 2026-12-07). The library's check (``write_png``'s) takes it: no
+    report. Control: another file is taken."""
     import subprocess
     import sys
     code = ("import sys\n"
-            "from nxhpc.runtime.outfile import OutputPathError, check_output_path, write_atomic\n"
+            "from nxhpc.runtime.outfile import (OutputPathError, check_cli_output_path,\n"
+            "                                   check_output_path, write_atomic)\n"
             "check_output_path('/dev/stderr', what='--json')\n"
             "write_atomic('/dev/stderr', lambda f: f.write(b'{\"ok\": 1}'))\n"
             "for p in sys.argv[1:]:\n"
+            "    check_output_path(p, what='PNG output')  # the library's: no report to mix\n"
             "    try:\n"
-            "        check_output_path(p, what='--json')\n"
+            "        check_cli_output_path(p, what='--json')\n"
             "        print('taken', p)\n"
             "    except OutputPathError as e:\n"
             "        print('refused', e)\n")
@@ -128,9 +131,9 @@ def test_dev_stderr_is_written_through_and_stdout_refused(tmp_path):
     lines = out.read_text().splitlines()
     assert lines[0].startswith("refused") and lines[1] == f"taken {tmp_path / 'x.json'}", lines
     # the null device as both: nothing mixes (--out /dev/null > /dev/null stays allowed)
-    null_code = ("import sys\nfrom nxhpc.runtime.outfile import check_output_path\n"
+    null_code = ("import sys\nfrom nxhpc.runtime.outfile import check_cli_output_path\n"
                  "for p in ('/dev/null', '/dev/stdout'):\n"
-                 "    check_output_path(p, what='--out')\n"
+                 "    check_cli_output_path(p, what='--out')\n"
                  "sys.stderr.write('ok')\n")
     r = subprocess.run([sys.executable, "-c", null_code], stdout=subprocess.DEVNULL,
                        stderr=subprocess.PIPE, timeout=60)

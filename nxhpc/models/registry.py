@@ -28,7 +28,7 @@ from nxhpc.formats.fixtures import FIXTURES_FILE, FixtureStore
 from nxhpc.formats.gguf_io import GGUFFile, ModelError, ModelNotFoundError
 from nxhpc.models.model import Model
 from nxhpc.models.modeldir import (GGUF_FILE, SPEC_FILE, ModelsDirError, check_models_root,
-                                   locked, write_failed)
+                                   locked, model_files, write_failed)
 from nxhpc.models.qwen3_files import TEXT_ENCODER_KIND, TextEncoderSpec, make_text_encoder
 from nxhpc.models.synthetic import KINDS, SyntheticSpec, make_synthetic
 from nxhpc.models.vae_files import VAE_FILE, VAE_KIND, VaeSpec, make_vae_model
@@ -37,7 +37,7 @@ from nxhpc.runtime.checks import file_kind
 __all__ = ["BUILTINS", "BUILTIN_KINDS", "DEFAULT_MODEL_ID", "models_dir", "builtin_ids",
            "ensure_builtin", "open_model", "open_denoiser", "open_text_encoder",
            "resolve_model", "builtin_spec", "is_builtin", "builtin_current", "stderr_progress",
-           "open_vae", "resolve_vae"]
+           "open_vae", "resolve_vae", "opened_model_files"]
 
 #: The kinds of built-in: DiT block models, whole denoisers, text encoders, autoencoders.
 BUILTIN_KINDS = (*KINDS, TEXT_ENCODER_KIND, VAE_KIND)
@@ -133,6 +133,27 @@ _models_root = models_dir
 #: A file that was overwritten, truncated or replaced since (say an output saved over the
 #: model) no longer matches, and the built-in is generated again.
 FILES_MANIFEST = ".nxhpc-files.json"
+
+#: The names of the files a model's loaders read or a built-in keeps: an output never replaces
+#: one beside a model named by its path (any other file there is the user's)
+NAMED_FILES = (GGUF_FILE, FIXTURES_FILE, SPEC_FILE, FILES_MANIFEST, VAE_FILE, "config.json",
+               "diffusion_pytorch_model.safetensors")
+
+
+def opened_model_files(given: str | os.PathLike, main: str | os.PathLike,
+                       directory: str | os.PathLike | None = None) -> list[Path]:
+    """The files of a model a run opened that its outputs must never replace. ``given`` as
+    the user named it; ``main`` the file (or diffusers directory) the loader reads;
+    ``directory`` the model directory, if any. A built-in's id (``given`` is no path): every
+    file of its directory, manifest included. A path: ``main`` and the model files beside it
+    (:data:`NAMED_FILES`, in a diffusers directory's ``vae/`` too), not the user's other files
+    there -- an earlier run's output beside the model may be written again."""
+    main = Path(main)
+    if not os.path.lexists(os.fspath(given)):
+        return model_files(Path(directory) if directory is not None else main.parent, main)
+    dirs = [main, main / "vae"] if main.is_dir() else [main.parent]
+    out = [] if main.is_dir() else [main]
+    return out + [d / n for d in dirs for n in NAMED_FILES if (d / n).is_file()]
 
 
 def _manifest(d: Path) -> dict[str, list]:

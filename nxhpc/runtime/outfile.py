@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 import secrets
 import stat
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
-__all__ = ["OutputPathError", "check_output_path", "write_atomic"]
+__all__ = ["OutputPathError", "check_output_path", "check_cli_output_path", "write_atomic"]
 
 
 class OutputPathError(ValueError):
@@ -34,12 +35,13 @@ def _in_place(path: str) -> bool:
 
 
 def _is_stdout(path: str) -> bool:
-    """Whether ``path`` is the file this process's standard output (fd 1) writes to
-    (``/dev/stdout``, ``/proc/self/fd/1``, the terminal's or pipe's own name), the null
-    device aside (``--out /dev/null > /dev/null`` mixes nothing)."""
+    """Whether ``path`` is the file ``sys.stdout`` writes to (``/dev/stdout`` when that is
+    fd 1, the file or pipe it is redirected to), the null device aside (``--out /dev/null >
+    /dev/null`` mixes nothing). A ``sys.stdout`` without a file (a caller's StringIO) is no
+    file."""
     try:
-        a, b = os.stat(path), os.fstat(1)
-    except OSError:
+        a, b = os.stat(path), os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):   # no fileno (io.UnsupportedOperation: both)
         return False
     if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
         return False
@@ -60,13 +62,14 @@ def _same_file(a: str, b: str) -> bool:
 def check_output_path(path: str | os.PathLike, *, what: str = "output",
                       inputs: Iterable[str | os.PathLike] = (),
                       model_files: Iterable[str | os.PathLike] = (),
-                      example: str | None = None) -> Path:
+                      example: str | None = None, report_on_stdout: bool = False) -> Path:
     """Check, before the run, that ``path`` can be written as a result file; returns the path
     to write (symlinks followed). Raises :class:`OutputPathError` naming ``what`` and the reason:
     a directory (or a path ending in '/'), a missing directory, a directory that refuses a new
-    file (read-only, no permission), this process's standard output (where the report goes),
-    or the same file as one of ``inputs`` or of ``model_files`` (the files of the model the run
-    opened; hard and symbolic links resolved).
+    file (read-only, no permission), or the same file as one of ``inputs`` or of
+    ``model_files`` (the files of the model the run opened; hard and symbolic links resolved);
+    with ``report_on_stdout`` (a CLI, whose report goes to ``sys.stdout``), also that stream's
+    file (:func:`check_cli_output_path`).
     An existing non-regular file (``/dev/null``, a FIFO) and an existing path under /dev or
     /proc (``/dev/stdout``) are written in place if writable. ``example``: the file name the
     message suggests inside a directory given (default by ``what``: ``out.png`` for a PNG,
@@ -79,7 +82,7 @@ def check_output_path(path: str | os.PathLike, *, what: str = "output",
         #                                             written under the directory's name
         raise OutputPathError(f"{what} {given}: ends with '/', a directory, and there is no "
                               f"such directory; give a file path")
-    if _is_stdout(given):
+    if report_on_stdout and _is_stdout(given):
         raise OutputPathError(f"{what} {given} is this run's standard output, where its report "
                               f"is printed: the two would mix into one corrupt stream; give a "
                               f"file path")
@@ -116,6 +119,12 @@ def check_output_path(path: str | os.PathLike, *, what: str = "output",
     os.close(fd)
     os.unlink(probe)
     return real
+
+
+def check_cli_output_path(path: str | os.PathLike, **kw: Any) -> Path:
+    """:func:`check_output_path` for a CLI: its report is printed on stdout, so stdout's own
+    file is refused too (``--out /dev/stdout > img.png`` wrote the report over the PNG)."""
+    return check_output_path(path, report_on_stdout=True, **kw)
 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
