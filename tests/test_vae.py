@@ -432,7 +432,7 @@ def test_decoder_values_and_shapes_checked_at_load(files, tmp_path):
     text = json.dumps(head)[:-1] + ', "decoder.conv_in.bias": ' + json.dumps(dup) + "}"
     path = _header_file(tmp_path / "dup.safetensors", text.encode(),
                         data[8 + n:8 + n + end] + b"\0" * size)
-    with pytest.raises(ModelFileError, match="'decoder.conv_in.bias' appears twice"):
+    with pytest.raises(ModelFileError, match="names the key 'decoder.conv_in.bias' twice"):
         nxhpc.load_vae(path)
     ok = _header_file(tmp_path / "nodup.safetensors", json.dumps(head).encode(),  # control
                       data[8 + n:8 + n + end])

@@ -587,8 +587,10 @@ def strip_prefix(name: str) -> str:
     return name.removeprefix(PREFIX)
 
 
-# ASCII digits only: `\d` alone takes any Unicode decimal ("layers.٣.x" would alias layers.3)
-_BLOCK_RE = re.compile(r"^(layers|noise_refiner|context_refiner)\.([0-9]+)\.(.+)$")
+# A block index as files write it: ASCII digits (`\d` takes any Unicode decimal, "layers.٣.x"
+# would alias layers.3), no leading zero ("layers.03" would too), at most 18 of them (int() of
+# thousands of digits raises); any other name is an unexpected tensor
+_BLOCK_RE = re.compile(r"^(layers|noise_refiner|context_refiner)\.(0|[1-9][0-9]{0,17})\.(.+)$")
 
 
 def _fmt(shape: Iterable[int]) -> str:

@@ -53,7 +53,7 @@ class FixtureStore:
                 raw = fh.read(n)
         except OSError as e:
             raise ModelFileError(f"{self.path}: cannot read fixture file: {e}") from None
-        meta = json_value(raw, f"{self.path}: corrupt fixture file header")
+        meta = json_value(raw, f"{self.path}: the fixture file header")
         if not isinstance(meta, dict):
             raise ModelFileError(f"{self.path}: corrupt fixture file header: not a JSON object")
         data_size = size - 8 - n

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import errno
 import mmap
 import os
 import struct
@@ -263,11 +264,10 @@ def _full(value: Any, data: Path | np.ndarray) -> Any:
     here: :func:`read_fields`)."""
     if isinstance(value, _NumArray):
         n = value.count * struct.calcsize(value.fmt)
-        mm = data
-        if isinstance(data, Path):
-            mm = np.memmap(data, dtype=np.uint8, mode="r")
-            if value.start + n > mm.shape[0]:
-                raise ModelFileError(f"{data}: the file shrank after it was scanned")
+        mm = np.memmap(data, dtype=np.uint8, mode="r") if isinstance(data, Path) else data
+        if value.start + n > mm.shape[0]:       # mapped after the scan, shorter by then
+            where = data if isinstance(data, Path) else "the GGUF file"
+            raise ModelFileError(f"{where}: the file shrank after it was scanned")
         return mm[value.start:value.start + n].view(np.dtype(value.fmt)).tolist()
     if isinstance(value, list) and value and not isinstance(value[0], str):
         return [_full(v, data) for v in value]
@@ -451,6 +451,8 @@ class GGUFFile(Closing):
         try:
             self._map: np.ndarray | None = np.memmap(self.path, dtype=np.uint8, mode="r")
         except (OSError, ValueError) as e:
+            if getattr(e, "errno", None) == errno.ENOMEM:
+                raise                     # the address space, not the file: the CLIs' exit 7
             raise ModelFileError(f"{self.path}: cannot map the GGUF file: {e}") from None
         if self._map.shape[0] < max((i.offset + i.n_bytes for i in infos), default=0):
             raise ModelFileError(f"{self.path}: the file shrank while it was opened")

@@ -17,6 +17,7 @@ Must not: import the compiled kernels, a model family, or torch.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -53,26 +54,36 @@ class STInfo(NamedTuple):
     end: int
 
 
+class _DuplicateKey(ValueError):
+    """A JSON object naming one key twice (valid JSON, but ambiguous data)."""
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object's dict, refusing a key given twice (json keeps the last one silently: a
     header naming a tensor twice would run the second entry's bytes)."""
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
-            raise ValueError(f"the key {k[:120]!r} appears twice in one object")
+            raise _DuplicateKey(k)
         out[k] = v
     return out
 
 
 def json_value(data: bytes, what: str) -> Any:
-    """The JSON value of UTF-8 ``data``; ModelFileError ``"{what} (why)"`` for any text Python's
+    """The JSON value of UTF-8 ``data`` (``what`` names the text: ``"{path}: the safetensors
+    header"``); ModelFileError ``"{what} is not valid JSON (why)"`` for any text Python's
     json cannot make a value of: not UTF-8, not JSON (``ValueError``, which also covers an
-    integer of more digits than ``int()`` converts), an object repeating a key, nesting past
-    the recursion limit."""
+    integer of more digits than ``int()`` converts), nesting past the recursion limit; and
+    ``"{what} names the key ... twice"`` for an object repeating a key (valid JSON, but which
+    entry is meant?)."""
     try:
         return json.loads(data.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise ModelFileError(f"{what} names the key {str(e.args[0])[:120]!r} twice in one "
+                             f"object (which entry is meant?)") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise ModelFileError(f"{what} ({type(e).__name__}: {str(e)[:200]})") from None
+        raise ModelFileError(f"{what} is not valid JSON ({type(e).__name__}: "
+                             f"{str(e)[:200]})") from None
 
 
 def _parse_header(path: Path, size: int, head: bytes) -> tuple[int, dict[str, str],
@@ -87,7 +98,7 @@ def _parse_header(path: Path, size: int, head: bytes) -> tuple[int, dict[str, st
         raise ModelFileError(f"{where}: not a safetensors file: header length {n} is absurd for "
                              f"a file of {size} bytes (at most {MAX_HEADER_BYTES:,} and within "
                              f"the file)")
-    header = json_value(head[8:8 + n], f"{where}: the safetensors header is not valid JSON")
+    header = json_value(head[8:8 + n], f"{where}: the safetensors header")
     if not isinstance(header, dict):
         raise ModelFileError(f"{where}: the safetensors header is not a JSON object")
     meta = header.pop("__metadata__", {}) or {}
@@ -164,6 +175,8 @@ class SafetensorsFile(Closing):
             try:
                 self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
             except (OSError, ValueError) as e:
+                if getattr(e, "errno", None) == errno.ENOMEM:
+                    raise                 # the address space, not the file: the CLIs' exit 7
                 raise ModelFileError(f"{self.path}: cannot map the file: {e}") from None
             if self._map.shape[0] != size:
                 raise ModelFileError(f"{self.path}: the file changed size while it was opened")

@@ -238,7 +238,7 @@ def _natural_key(s: str) -> list[tuple[int, int | str]]:
     """``layers.10`` after ``layers.9``; numbers before words at the same place (a list of
     bare ints and strs would compare an int with a str there), ASCII digits only (``'²'`` is a
     digit to ``str.isdigit`` that ``int`` refuses)."""
-    return [(0, int(t)) if t.isascii() and t.isdigit() else (1, t)
+    return [(0, int(t)) if t.isascii() and t.isdigit() and len(t) <= 18 else (1, t)
             for t in s.replace(".", " . ").split()]
 
 

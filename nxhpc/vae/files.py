@@ -81,7 +81,7 @@ def _resolve(path: str | os.PathLike) -> tuple[Path, dict[str, Any] | None]:
                         raw = cj.read_bytes()
                     except OSError as e:
                         raise ModelFileError(f"{cj}: not a readable JSON config ({e})") from None
-                    cfg = json_value(raw, f"{cj}: not a readable JSON config")
+                    cfg = json_value(raw, f"{cj}: the config")
                     if not isinstance(cfg, dict):
                         raise ModelFileError(f"{cj}: not a JSON object")
                 return wf, cfg
