@@ -325,8 +325,9 @@ def _environment_error(e: Exception) -> Exception:
     if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM):
         what = str(e).strip() or type(e).__name__
         return OutOfMemory(f"out of memory ({what[:200]}): the address-space limit (ulimit -v) "
-                           f"is {_as_limit()}; use a smaller image or model, fewer workers, "
-                           f"or raise the limit")
+                           f"is {_as_limit('RLIMIT_AS')}, the data limit (ulimit -d) "
+                           f"{_as_limit('RLIMIT_DATA')}; use a smaller image or model, fewer "
+                           f"workers, or raise the limit (or free the machine's memory)")
     if isinstance(e, FileNotFoundError) and e.filename is None:
         try:
             os.getcwd()
@@ -338,9 +339,10 @@ def _environment_error(e: Exception) -> Exception:
     return e
 
 
-def _as_limit() -> str:
-    """This process's address-space limit (RLIMIT_AS) in words: bytes as GiB, or unlimited."""
-    v = soft_limit("RLIMIT_AS")
+def _as_limit(name: str) -> str:
+    """This process's soft limit ``name`` (RLIMIT_AS, RLIMIT_DATA) in words: bytes as GiB, or
+    unlimited."""
+    v = soft_limit(name)
     return f"{int(v) / 2 ** 30:.2f} GiB" if v.isdigit() else v
 
 
