@@ -1090,3 +1090,25 @@ def test_out_of_memory_is_exit_7_with_the_limit(tmp_path):
         else:
             assert out.stat().st_size > 0
         assert set(_nxhpc_segments()) <= before
+
+
+def test_report_values_with_a_line_break_stay_on_their_line(tmp_path):
+    """An ``--out`` path holding a newline printed ``out=/dir/a`` and then a forged line of its
+    own (``note=x/o.png``); such a value is printed quoted now. Control: other values (spaces,
+    non-ASCII) print as they are."""
+    from nxhpc.cli.report import kv_lines
+    from nxhpc.models.registry import ensure_builtin
+    assert kv_lines({"out": "/d/a\nnote=x.png", "n": 3}) == ["out='/d/a\\nnote=x.png'", "n=3"]
+    assert kv_lines({"out": "/d/\u00fc b.png"}) == ["out=/d/\u00fc b.png"]
+    ensure_builtin("tiny-vae", tmp_path)
+    lat = tmp_path / "lat.npy"
+    np.save(lat, np.random.default_rng(0).standard_normal((16, 4, 4)).astype(np.float32))
+    d = tmp_path / "a\nnote=x"
+    d.mkdir()
+    r = subprocess.run([sys.executable, "-m", "nxhpc.decode", "tiny-vae", "1", "--latents",
+                        str(lat), "--out", str(d / "o.png")], capture_output=True, text=True,
+                       cwd=ROOT, env=_env(NXHPC_MODELS=str(tmp_path)), timeout=120)
+    assert r.returncode == 0 and (d / "o.png").exists(), r.stderr
+    keys = [ln.split("=", 1)[0] for ln in r.stdout.splitlines()]
+    assert "note" not in keys and keys.count("out") == 1, r.stdout
+    assert f"out={str(d / 'o.png')!r}" in r.stdout.splitlines(), r.stdout

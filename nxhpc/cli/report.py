@@ -44,7 +44,10 @@ def fmt_compact(v) -> str:
 
 
 def kv_lines(report: Mapping[str, Any], fmt: Callable[[Any], str] = fmt_value) -> list[str]:
-    return [f"{k}={fmt(v)}" for k, v in report.items()]
+    """One ``key=value`` line per entry; a value with a line break in it is quoted
+    (``nxhpc.dit.grade.one_line``: an ``--out`` path with a newline forged a line)."""
+    from nxhpc.dit.grade import one_line
+    return [f"{k}={one_line(fmt(v))}" for k, v in report.items()]
 
 
 def flush_stdout() -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 __all__ = ["TOLERANCES", "DEFAULT_TOL", "Grade", "grade", "rel_errors", "count_exceeding",
-           "error_row", "tol_key", "fmt_value", "json_safe"]
+           "error_row", "tol_key", "fmt_value", "one_line", "json_safe"]
 
 TOLERANCES = (1e-2, 1e-3, 1e-4, 1e-5)
 DEFAULT_TOL = 1e-2
@@ -170,7 +170,7 @@ class Grade:
         for k, v in self.as_dict(strict=False).items():
             if k == "verdict":
                 continue
-            out.append(f"{k}={fmt_value(v)}")
+            out.append(f"{k}={one_line(fmt_value(v))}")
         return out
 
     def verdict_line(self) -> str:
@@ -180,6 +180,12 @@ class Grade:
             return (f"PASS: max_rel {self.max_rel:.3e} <= tol {self.tol:g} vs {self.reference} "
                     f"({self.n} elements, cosine {self.cosine:.9f})")
         return f"FAIL: {self.why} vs {self.reference}"
+
+
+def one_line(text: str) -> str:
+    """A report value on its one line: one holding a line break (a path may) is printed as a
+    quoted Python string literal instead, so that it cannot forge a ``key=value`` line."""
+    return repr(text) if ("\n" in text or "\r" in text) else text
 
 
 def fmt_value(v) -> str:
