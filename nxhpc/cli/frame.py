@@ -201,35 +201,39 @@ def _flush_stdout() -> None:
         pass
 
 
-def _flush_or_drop(stream: Any) -> None:
-    """Flush ``stream`` at the end of a call, never raising. One that cannot take what is
-    buffered (a reader gone, a full disk, an I/O error; not a momentarily full non-blocking
-    pipe) is pointed at /dev/null, so that the interpreter's flush at exit does not fail again
+#: errnos of a momentarily full non-blocking pipe: not a stream that is gone
+_TRANSIENT = (errno.EAGAIN, errno.EWOULDBLOCK)
+
+
+def _or_drop(stream: Any, act: Callable[[], object]) -> None:
+    """``act()`` (a write or flush of ``stream``), never raising. A stream that cannot take it
+    (a reader gone, a full disk, an I/O error; not a momentarily full non-blocking pipe) is
+    pointed at /dev/null, so that the interpreter's flush at exit does not fail again
     ("Exception ignored ...", exit 120) after the frame has answered; its error was reported
-    (stdout: exit 8) or is unreportable (stderr). A stream without flush, closed, or None is
-    left alone."""
+    (stdout: exit 8) or is unreportable (stderr)."""
     try:
-        flush = getattr(stream, "flush", None)
-        if flush is not None:
-            flush()
+        act()
     except OSError as e:
-        if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+        if e.errno not in _TRANSIENT:
             _to_devnull(stream)
     except Exception:  # noqa: BLE001 - a closed file (ValueError), a caller's odd stream
         pass
 
 
+def _flush_or_drop(stream: Any) -> None:
+    """Flush ``stream`` at the end of a call (:func:`_or_drop`). A stream without flush,
+    closed, or None is left alone."""
+    flush = getattr(stream, "flush", None)
+    if flush is not None:
+        _or_drop(stream, flush)
+
+
 def write_or_drop(stream: Any, text: str) -> None:
-    """Write ``text`` to ``stream`` and flush it, never raising: what a command prints before
-    any work (the ``nxhpc`` command table) into a reader that is gone or a full disk is dropped
-    as argparse's ``--help`` is in :func:`run_cli`, and the caller's exit code stands."""
-    try:
-        stream.write(text)
-    except OSError as e:
-        if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
-            _to_devnull(stream)
-    except Exception:  # noqa: BLE001 - None, a closed file (ValueError), a caller's odd stream
-        pass
+    """Write ``text`` to ``stream`` and flush it, never raising (:func:`_or_drop`): what a
+    command prints before any work (the ``nxhpc`` command table) into a reader that is gone or
+    a full disk is dropped as argparse's ``--help`` is in :func:`run_cli`, and the caller's
+    exit code stands."""
+    _or_drop(stream, lambda: stream.write(text))
     _flush_or_drop(stream)
 
 
@@ -319,7 +323,7 @@ def _environment_error(e: Exception) -> Exception:
     ENOMEM: exit 7, with the address-space limit), a working directory removed under a
     relative path (exit 2)."""
     if isinstance(e, StdoutError):
-        if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+        if e.errno not in _TRANSIENT:
             _to_devnull(sys.stdout)
         return OutputError(f"standard output could not be written ({e.strerror or e})")
     if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM):

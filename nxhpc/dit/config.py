@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from nxhpc.formats.gguf_io import PREFIX, MissingTensorError, ModelFileError
+from nxhpc.formats.gguf_io import BLOCK_INDEX, PREFIX, MissingTensorError, ModelFileError
 from nxhpc.formats.weights import RUNNABLE_TYPES, WeightTensor, as_weight_tensor, row_bytes
 
 __all__ = ["DenoiserConfig", "BlockConfig", "TensorSpec", "BLOCK_TENSORS", "BLOCK_STACKS",
@@ -587,10 +587,7 @@ def strip_prefix(name: str) -> str:
     return name.removeprefix(PREFIX)
 
 
-# A block index as files write it: ASCII digits (`\d` takes any Unicode decimal, "layers.٣.x"
-# would alias layers.3), no leading zero ("layers.03" would too), at most 18 of them (int() of
-# thousands of digits raises); any other name is an unexpected tensor
-_BLOCK_RE = re.compile(r"^(layers|noise_refiner|context_refiner)\.(0|[1-9][0-9]{0,17})\.(.+)$")
+_BLOCK_RE = re.compile(rf"^(layers|noise_refiner|context_refiner)\.{BLOCK_INDEX}\.(.+)$")
 
 
 def _fmt(shape: Iterable[int]) -> str:
@@ -637,9 +634,9 @@ def _stack_counts(t: Mapping[str, Any], where: str) -> dict[str, int]:
         n = max(ids) + 1 if ids else 0
         if len(ids) != n:     # the first gap from the indices present (a name's index may be
             #                   huge: `range(n)` would be a gigabyte-sized set)
-            gap = next(i for i, k in enumerate(sorted(ids)) if i != k)
-            miss = f"{s}.{gap}.{_SUFFIX['qkv']}"
             shown = sorted(ids)
+            gap = next(i for i, k in enumerate(shown) if i != k)
+            miss = f"{s}.{gap}.{_SUFFIX['qkv']}"
             listed = (str(shown) if len(shown) <= 12
                       else f"[{', '.join(map(str, shown[:6]))}, ..., {shown[-1]}]")
             raise MissingTensorError(f"{where}: tensor {miss!r} missing: block {s}.{gap} "

@@ -45,7 +45,7 @@ from nxhpc.formats.ggml_blocks import Q8_0_BLOCK_DTYPE, QK8_0
 
 __all__ = [
     "ModelError", "ModelNotFoundError", "ModelFileError", "MissingTensorError", "QuantizationError",
-    "PREFIX", "Q8_0_BLOCK", "QK8_0", "GGUFFile", "TensorInfo", "Q8_0Tensor", "QuantTensor",
+    "PREFIX", "BLOCK_INDEX", "Q8_0_BLOCK", "QK8_0", "GGUFFile", "TensorInfo", "Q8_0Tensor", "QuantTensor",
     "LazyTensor", "quantize_q8_0", "dequantize_q8_0", "should_quantize", "write_gguf",
     "atomic_output", "read_field", "read_fields",
 ]
@@ -85,6 +85,12 @@ class MissingTensorError(ModelFileError):
 # ----------------------------------------------------------------------------- constants
 
 PREFIX = "model.diffusion_model."
+
+#: A block index in a tensor name as the files write it (``layers.7.``, ``blk.12.``,
+#: ``up.3.``): ASCII digits (regex ``\d`` takes any Unicode decimal, "layers.٣" would alias
+#: layers.3), no leading zero ("layers.03" would too), at most 18 (int() of thousands of
+#: digits raises). A name whose index is anything else is an unexpected tensor.
+BLOCK_INDEX = r"(0|[1-9][0-9]{0,17})"
 """Name prefix written by stable-diffusion.cpp's converter (ComfyUI-GGUF writes none)."""
 
 Q8_0_BLOCK = Q8_0_BLOCK_DTYPE

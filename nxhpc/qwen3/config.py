@@ -31,12 +31,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError
+from nxhpc.formats.gguf_io import BLOCK_INDEX, MissingTensorError, ModelFileError
 from nxhpc.formats.weights import RUNNABLE_TYPES
 
-# a block index as llama.cpp writes it: ASCII digits ('²' is a str.isdigit() digit int()
-# refuses), no leading zero, at most 18 (int() of thousands of digits raises)
-_BLK_INDEX = re.compile(r"blk\.(0|[1-9][0-9]{0,17})\.")
+_BLK_INDEX = re.compile(rf"blk\.{BLOCK_INDEX}\.")     # ('²' is a str.isdigit() digit)
 
 __all__ = ["Qwen3Config", "TensorSpec", "LAYER_TENSORS", "GLOBAL_TENSORS", "ARCH",
            "VECTOR_TYPES", "METADATA_KEYS", "layer_names", "infer_config"]

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nxhpc.formats.gguf_io import MissingTensorError, ModelFileError
+from nxhpc.formats.gguf_io import BLOCK_INDEX, MissingTensorError, ModelFileError
 
 __all__ = ["VaeConfig", "FLUX_SCALING", "FLUX_SHIFT", "tensor_names", "ldm_name",
            "infer_config", "count_levels", "expected_shape", "detect_layout", "LAYOUTS",
@@ -195,8 +195,8 @@ def detect_layout(keys: Mapping[str, Any] | list[str], where: str) -> tuple[str,
 def count_levels(keys: Iterable[str], layout: str, where: str) -> int:
     """The number of up levels: the distinct ``decoder.up.{k}`` (LDM) or ``decoder.up_blocks.{i}``
     (diffusers) holding a first ResNet; they must be numbered 0 .. n-1."""
-    pat = (r"decoder\.up\.(0|[1-9][0-9]{0,17})\.block\.0\.norm1\.weight$" if layout == "ldm"
-           else r"decoder\.up_blocks\.(0|[1-9][0-9]{0,17})\.resnets\.0\.norm1\.weight$")
+    pat = (rf"decoder\.up\.{BLOCK_INDEX}\.block\.0\.norm1\.weight$" if layout == "ldm"
+           else rf"decoder\.up_blocks\.{BLOCK_INDEX}\.resnets\.0\.norm1\.weight$")
     found = sorted({int(m.group(1)) for k in keys if (m := re.match(pat, k))})
     if not found:
         key = ("decoder.up.0.block.0.norm1.weight" if layout == "ldm"

@@ -147,14 +147,19 @@ class Norm:
     beta: np.ndarray
 
 
-def _vector(f: VaeFile, name: str) -> np.ndarray:
-    """A 1-D tensor as float32 (a copy; small); NaN/inf is an error naming the tensor (a conv
-    bias or a GroupNorm's beta as much as a weight)."""
+def _finite(f: VaeFile, name: str) -> np.ndarray:
+    """Tensor ``name``'s values in float64; NaN/inf is an error naming the tensor (a weight,
+    a conv bias or a GroupNorm's beta alike)."""
     vals = f.float64(name)
     if not np.all(np.isfinite(vals)):
         stored = f.stored_name(name)
         raise ModelFileError(f"{f.path}: tensor {stored!r} holds NaN or inf", tensor=stored)
-    return np.ascontiguousarray(vals.astype(np.float32))
+    return vals
+
+
+def _vector(f: VaeFile, name: str) -> np.ndarray:
+    """A 1-D tensor as float32 (a copy; small), checked finite."""
+    return np.ascontiguousarray(_finite(f, name).astype(np.float32))
 
 
 def bind(f: VaeFile) -> dict[str, Conv | Norm]:
@@ -170,12 +175,10 @@ def bind(f: VaeFile) -> dict[str, Conv | Norm]:
         w = f.array(name)
         stored = f.stored_name(name)
         sdt = f.st.info(stored).dtype
-        vals = f.float64(name)
-        if not np.all(np.isfinite(vals)):
-            raise ModelFileError(f"{f.path}: tensor {stored!r} holds NaN or inf", tensor=stored)
-        if w.ndim == 1:
+        if w.ndim == 1:               # _vector checks each
             mods[mod] = Norm(mod, _vector(f, name), _vector(f, mod + ".bias"))
             continue
+        _finite(f, name)
         k = w.shape[2] if w.ndim == 4 else 1
         mat = np.ascontiguousarray(w).reshape(w.shape[0], -1)
         wt = WeightTensor.from_raw(stored, FLOAT_DTYPES[sdt], mat.shape[1], mat)
