@@ -426,6 +426,12 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
                     width = args.width or px
                     shape = latent_shape(height, width, dcfg.in_channels, vae.config.upscale,
                                          dcfg.patch)
+            # the decode's buffers, checked before the long part: a 1024x1024 image's take
+            # 2.7 GiB (of /dev/shm, with workers), and an image's steps can take an hour; the
+            # denoiser's arena, not made yet, is released before the decode
+            if lead or whole:
+                up = vae.config.upscale
+                vae.check_room(height // up, width // up)
             stages["open_s"] = time.perf_counter() - t0
 
             # 1. the prompts of this process's images through the text encoder (then released)

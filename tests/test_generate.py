@@ -608,3 +608,39 @@ def test_latents_leaving_float32_are_exit_1_with_or_without_guidance(
     assert "step 1 (t=0.0454545): the guided output returned NaN/inf (1024 of 1024 values)" \
         in err, err
     assert not out.exists()
+
+
+def test_decoder_memory_is_checked_before_the_steps(models_root, tmp_path, monkeypatch, capsys):
+    """A /dev/shm too small for the decode's arena (a 1024x1024 image's takes 2.7 GiB; docker
+    gives 64 MiB) is exit 7 naming the autoencoder's decode, before the prompt is encoded or a
+    step runs -- not after an hour of steps. Control: the same run with the room it needs
+    writes its PNG."""
+    from nxhpc import generate
+    from nxhpc.runtime import shm
+    from nxhpc.vae import model as vae_model
+    need = []
+    real_check = vae_model.VaeDecoder.check_room
+
+    def check_room(self, h, w):
+        need.append(real_check(self, h, w))
+        return need[-1]
+    monkeypatch.setattr(vae_model.VaeDecoder, "check_room", check_room)
+    encoded = []
+    real_encode = generate._encode
+    monkeypatch.setattr(generate, "_encode", lambda *a, **k: encoded.append(1) or
+                        real_encode(*a, **k))
+    out = tmp_path / "o.png"
+    argv = ["--prompt", "a", "--height", "256", "--width", "256", "--steps", "1", "--out",
+            str(out), "--no-progress", "--workers", "2", "--models-dir", str(models_root)]
+    free = [1 << 40]
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda where=shm.SHM_DIR: free[0])
+    assert generate.main(argv) == Exit.PASS          # control: room enough, the whole run
+    assert out.exists() and encoded and need[0] > 8 << 20, need
+    out.unlink()
+    encoded.clear()
+    free[0] = need[0] - 64                           # a little less than the decode needs
+    assert generate.main(argv) == Exit.SHM
+    err = capsys.readouterr().err
+    assert "generate: error: the autoencoder's decode at 256x256: not enough shared memory" \
+        in err and f"needs {need[0]} bytes" in err and f"{need[0] - 64} bytes free" in err, err
+    assert not encoded and not out.exists()

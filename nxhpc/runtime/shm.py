@@ -55,8 +55,8 @@ try:                                   # the same primitives multiprocessing.sha
 except ImportError:                    # pragma: no cover - non-POSIX
     _posixshmem = None
 
-__all__ = ["SharedArena", "BufferSpec", "ShmSpaceError", "cleanup_all", "cleanup_since",
-           "arena_mark", "live_segments",
+__all__ = ["SharedArena", "BufferSpec", "ShmSpaceError", "arena_bytes", "check_room",
+           "cleanup_all", "cleanup_since", "arena_mark", "live_segments",
            "memory_available_bytes", "memory_room", "populate", "shm_free_bytes",
            "SHM_PREFIX", "SHM_DIR", "ALIGN"]
 
@@ -290,6 +290,43 @@ def _parse_spec(name: object, spec: object) -> tuple[tuple[int, ...], np.dtype]:
     return tuple(int(s) for s in shape), dtype
 
 
+def _layout(buffers: Mapping[str, object]) -> tuple[dict[str, BufferSpec], int]:
+    """The packed layout of ``buffers`` (each at a multiple of :data:`ALIGN`) and its bytes."""
+    layout: dict[str, BufferSpec] = {}
+    off = 0
+    for name, spec in buffers.items():
+        shape, dtype = _parse_spec(name, spec)
+        layout[name] = BufferSpec(shape, dtype, off)
+        off += -(-layout[name].nbytes // ALIGN) * ALIGN
+    return layout, off
+
+
+def arena_bytes(buffers: Mapping[str, object]) -> int:
+    """The bytes ``SharedArena(buffers)`` reserves, without making it (the same layout)."""
+    return max(_layout(buffers)[1], ALIGN)
+
+
+def check_room(size: int, what: str = "SharedArena", *, shared: bool = True) -> None:
+    """Raise now the :class:`ShmSpaceError` that reserving ``size`` bytes would meet: more
+    than the memory left lets a segment take (:func:`memory_room`), or, with ``shared``, more
+    than ``/dev/shm`` holds free or the file-size limit (ulimit -f) allows. For work that
+    needs a segment only after a long run (the autoencoder after the sampling steps), so that
+    it fails before the run rather than after it. Nothing is reserved: the room may still be
+    taken by others meanwhile, and the segment's own reservation checks again."""
+    room = memory_room(memory_available_bytes())
+    if room is not None and size > room:
+        raise ShmSpaceError(size, shm_free_bytes(), what=what, memory=room)
+    if not shared:
+        return
+    free = shm_free_bytes()
+    if free is not None and size > free:
+        raise ShmSpaceError(size, free, what=what)
+    import resource
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and size > limit:
+        raise ShmSpaceError(size, free, what=what, limit=limit)
+
+
 class _Segment:
     """What an arena must release -- its name in /dev/shm, the descriptor until mapped, the
     mapping -- kept apart from the arena so that a ``weakref.finalize`` can own it. Each field is
@@ -370,12 +407,7 @@ class SharedArena(Mapping):
         if not isinstance(buffers, Mapping):
             raise TypeError(f"SharedArena: buffers must be a mapping name -> shape, "
                             f"got {type(buffers).__name__}")
-        layout: dict[str, BufferSpec] = {}
-        off = 0
-        for name, spec in buffers.items():
-            shape, dtype = _parse_spec(name, spec)
-            layout[name] = BufferSpec(shape, dtype, off)
-            off += -(-layout[name].nbytes // ALIGN) * ALIGN
+        layout, off = _layout(buffers)
         self._layout = layout
         self.nbytes = off
         self.named = bool(named)

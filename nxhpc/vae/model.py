@@ -30,7 +30,8 @@ from nxhpc.nn.conv import CONV_PRECISIONS, conv1x1_band, conv3x3_band
 from nxhpc.nn.linear import attention_precision
 from nxhpc.runtime import proc
 from nxhpc.runtime.checks import (CheckError, check_choice, check_finite_output,
-                                  check_float_array, check_workers)
+                                  check_count, check_float_array, check_workers)
+from nxhpc.runtime.shm import arena_bytes, check_room
 from nxhpc.vae.config import VaeConfig
 from nxhpc.vae.files import Conv, Norm, VaeFile, bind, open_vae_file
 
@@ -231,6 +232,13 @@ class _StepPlan(Plan):
 GN_CHUNK = 128
 
 
+def _spec(sizes: dict[str, int]) -> dict[str, tuple[tuple[int], Any]]:
+    """The buffers of a program's sizes (floats) as ``SharedArena`` specs: float32, the
+    GroupNorm partials float64."""
+    return {n: ((max(k, 1),), np.float64 if n == "part" else np.float32)
+            for n, k in sizes.items()}
+
+
 class VaeDecoder(Closing):
     """The FLUX autoencoder's decoder from ``path`` (a BFL/ComfyUI ``ae.safetensors`` or a
     diffusers VAE directory), weights zero copy from the map (float32/float16/bfloat16).
@@ -282,6 +290,25 @@ class VaeDecoder(Closing):
                 self._exec.precision = p
 
     # -- running
+    def check_room(self, h: int, w: int) -> int:
+        """The bytes of the buffers a decode of latents ``[C, h, w]`` needs (with workers: one
+        shared-memory arena; with one: this process's memory). Raises
+        :class:`~nxhpc.runtime.shm.ShmSpaceError` now if ``/dev/shm`` or the memory left could
+        not hold them -- for a caller that decodes only after a long run (``generate`` checks
+        before the sampling steps, whose denoiser is released before the decode). Nothing is
+        reserved; buffers already held that are large enough need nothing more (0)."""
+        h, w = check_count(h, "h"), check_count(w, "w")
+        prog = Program(self.config, GN_CHUNK)
+        forward(prog, h, w)
+        if self._capacity and all(self._capacity.get(n, -1) >= s
+                                  for n, s in prog.sizes.items()):
+            return 0
+        need = arena_bytes(_spec(prog.sizes))
+        s = self.config.upscale
+        check_room(need, f"the autoencoder's decode at {h * s}x{w * s}",
+                   shared=self.workers > 1)
+        return need
+
     def _buffers(self, prog: Program) -> None:
         """Make the buffers of ``prog`` (and, with workers, the arena and the pool) if the ones
         held are too small."""
@@ -292,12 +319,10 @@ class VaeDecoder(Closing):
                 all(self._capacity.get(n, -1) >= s for n, s in sizes.items()):
             return                 # a pool an interrupt or a dead worker closed is rebuilt
         self._release()
-        dtype = {"part": np.float64}
+        spec = _spec(sizes)
         if self.workers == 1:
-            self._exec.bufs = {n: np.empty(max(s, 1), dtype=dtype.get(n, np.float32))
-                               for n, s in sizes.items()}
+            self._exec.bufs = {n: np.empty(shape, dtype=dt) for n, (shape, dt) in spec.items()}
         else:
-            spec = {n: ((max(s, 1),), dtype.get(n, np.float32)) for n, s in sizes.items()}
             ex = self._exec
 
             def step(eng: Engine, lo: int, hi: int, arg: tuple) -> None:
