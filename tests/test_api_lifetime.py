@@ -219,10 +219,12 @@ def test_arguments_are_checked_when_given(models_root, latents):
 def test_doors_name_a_built_in_of_another_kind(models_root):
     """Each door refuses a built-in id of another kind before generating anything, naming its
     kind in words (load_denoiser("tiny-te") reported a missing denoiser tensor; the others
-    said "text_encoder")."""
+    said "text_encoder"; load_model("tiny-te"), blockrun's door, a missing block tensor)."""
     from nxhpc.formats.gguf_io import ModelNotFoundError
     for door, model, kind in ((nxhpc.load_denoiser, "tiny-te", "text encoder"),
                               (nxhpc.load_denoiser, "tiny-vae", "autoencoder"),
+                              (nxhpc.load_model, "tiny-te", "text encoder"),
+                              (nxhpc.load_model, "tiny-vae", "autoencoder"),
                               (nxhpc.load_vae, "tiny-te", "text encoder"),
                               (nxhpc.load_text_encoder, "tiny-vae", "autoencoder")):
         with pytest.raises(ModelNotFoundError, match=f"is a built-in {kind} model, not a"):

@@ -183,6 +183,9 @@ def test_graded_fail_exit_1(models_root):
     (["tiny", "2", "--eps", "-1"], 2, "--eps"),
     (["tiny", "2", "--stage-timeout", "0"], 2, "--stage-timeout"),
     (["no-such-model"], 3, "not found"),
+    # another kind's built-in: not found as a DiT model (it was exit 5, "missing tensor")
+    (["tiny-te"], 3, "'tiny-te' is a built-in text encoder model, not a DiT model"),
+    (["tiny-vae"], 3, "'tiny-vae' is a built-in autoencoder model, not a DiT model"),
     (["tiny", "2", "layers.0.nope"], 5, "layers.0.nope"),
     # a reference path that is missing or not a regular file is a usage error naming it (it was
     # looked up as a fixture: exit 5, "no such fixture"); a fixture name stays 5 (above)

@@ -308,6 +308,20 @@ def _kind_words(kind: str) -> str:
     return {"text_encoder": "text encoder", "vae": "autoencoder"}.get(kind, kind)
 
 
+def _refuse_other_kind(model: str | os.PathLike, kinds: tuple[str, ...], noun: str,
+                       listing: str) -> None:
+    """ModelNotFoundError when ``model`` is the bare id of a built-in whose kind is not one of
+    ``kinds`` (and no such path exists), before anything is generated: ``'tiny-te' is a
+    built-in text encoder model, not {noun} (built-in {listing})``."""
+    s = os.fsdecode(model) if isinstance(model, (str, bytes, os.PathLike)) else None
+    if s is None or os.sep in s or Path(s).exists():
+        return
+    spec = builtin_spec(s)
+    if spec is not None and spec.kind not in kinds:
+        raise ModelNotFoundError(f"{s!r} is a built-in {_kind_words(spec.kind)} model, "
+                                 f"not {noun} (built-in {listing})")
+
+
 def open_denoiser(model: str | os.PathLike, *, workers: int | None = None,
                   models_dir: str | os.PathLike | None = None,
                   gguf_path: str | os.PathLike | None = None, **options: Any) -> Any:
@@ -320,12 +334,8 @@ def open_denoiser(model: str | os.PathLike, *, workers: int | None = None,
     ``ModelNotFoundError`` / ``ModelFileError`` / ``MissingTensorError`` (all
     :class:`ModelError`) naming what is wrong."""
     from nxhpc.dit.denoiser import Denoiser
-    s = os.fspath(model)
-    spec = builtin_spec(s) if isinstance(s, str) and os.sep not in s else None
-    if spec is not None and spec.kind not in KINDS and not Path(s).exists():   # not a DiT
-        raise ModelNotFoundError(f"{s!r} is a built-in {_kind_words(spec.kind)} model, "
-                                 f"not a denoiser (built-in denoisers: "
-                                 f"{', '.join(builtin_ids('denoiser'))}, zimage-dit-<N>l)")
+    _refuse_other_kind(model, KINDS, "a denoiser", "denoisers: "
+                       + ", ".join(builtin_ids("denoiser")) + ", zimage-dit-<N>l")
     d, g = resolve_model(model, models_dir, gguf_path)
     if g is None:
         raise ModelNotFoundError(f"{d}: no {GGUF_FILE} (a denoiser runs from a GGUF file)")
@@ -334,7 +344,12 @@ def open_denoiser(model: str | os.PathLike, *, workers: int | None = None,
 
 def open_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | None = None,
                gguf_path: str | os.PathLike | None = None) -> Model:
-    """Open a model by id or path (resolved by :func:`resolve_model`)."""
+    """Open a model by id or path (resolved by :func:`resolve_model`): a block model's or a
+    whole denoiser's (their blocks). The id of a built-in of another kind (a text encoder, an
+    autoencoder) is refused before anything is generated."""
+    _refuse_other_kind(id_or_path, KINDS, "a DiT model",
+                       "DiT models: " + ", ".join(builtin_ids("block")) + ", "
+                       + ", ".join(builtin_ids("denoiser")))
     d, gpath = resolve_model(id_or_path, models_dir, gguf_path)
     fx = FixtureStore(d / FIXTURES_FILE) if d is not None and (d / FIXTURES_FILE).is_file() \
         else None
@@ -372,13 +387,8 @@ def open_text_encoder(model: str | os.PathLike, *, workers: int | None = None,
     refused before anything is generated. Raises ``ModelNotFoundError`` /
     ``ModelFileError`` / ``MissingTensorError`` (all :class:`ModelError`)."""
     from nxhpc.qwen3.encoder import TextEncoder
-    s = os.fspath(model)
-    spec = builtin_spec(s) if isinstance(s, str) else None
-    if spec is not None and spec.kind != TEXT_ENCODER_KIND and os.sep not in s \
-            and not Path(s).exists():
-        raise ModelNotFoundError(f"{s!r} is a built-in {_kind_words(spec.kind)} model, "
-                                 f"not a text encoder (built-in text encoders: "
-                                 f"{', '.join(builtin_ids(TEXT_ENCODER_KIND))})")
+    _refuse_other_kind(model, (TEXT_ENCODER_KIND,), "a text encoder",
+                       "text encoders: " + ", ".join(builtin_ids(TEXT_ENCODER_KIND)))
     d, g = resolve_model(model, models_dir, gguf_path)
     if g is None:
         g = _one_gguf(d)
@@ -398,12 +408,10 @@ def resolve_vae(model: str | os.PathLike, models_dir: str | os.PathLike | None =
                                  f"({', '.join(builtin_ids(VAE_KIND))})")
     root = Path(models_dir) if models_dir is not None else _models_root()
     bare = os.sep not in s and not s.startswith(".") and not Path(s).exists()
+    _refuse_other_kind(s, (VAE_KIND,), "an autoencoder",
+                       "autoencoders: " + ", ".join(builtin_ids(VAE_KIND)))
     spec = builtin_spec(s) if bare else None
     path = Path(s)
-    if spec is not None and spec.kind != VAE_KIND:
-        raise ModelNotFoundError(f"{s!r} is a built-in {_kind_words(spec.kind)} model, "
-                                 f"not an autoencoder "
-                                 f"(built-in autoencoders: {', '.join(builtin_ids(VAE_KIND))})")
     if spec is not None:
         path = ensure_builtin(s, root) / VAE_FILE
     elif bare and (root / s).is_dir():
