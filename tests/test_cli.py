@@ -202,6 +202,13 @@ def test_nxhpc_entry_point_dispatches(tmp_path):
                        text=True, cwd=ROOT, env=_env(), timeout=120)
     assert r.returncode == 0 and all(c in r.stdout for c in COMMANDS), r.stderr
     assert _listed_codes(r.stdout) == sorted(int(c) for c in Exit)
+    import nxhpc
+    for env, isa in (({}, nxhpc.supported_isas()[-1]), ({"NXHPC_DISABLE_SIMD": "1"}, "generic"),
+                     ({"NXHPC_MAX_ISA": "bad"}, "not loaded: NXHPC_MAX_ISA='bad'")):
+        r = subprocess.run([sys.executable, "-m", "nxhpc", "--version"], capture_output=True,
+                           text=True, cwd=ROOT, env=_env(**env), timeout=120)
+        assert r.returncode == 0 and r.stdout.startswith(
+            f"nxhpc {nxhpc.__version__} (kernels: {isa}"), (env, r.stdout, r.stderr)
     r = subprocess.run([sys.executable, "-m", "nxhpc", "models", "list"], capture_output=True,
                        text=True, cwd=ROOT, env=_env(NXHPC_MODELS=str(tmp_path)), timeout=120)
     assert r.returncode == 0 and "tiny" in r.stdout, r.stderr

@@ -35,15 +35,33 @@ COMMANDS = {
 def _help() -> str:
     width = max(map(len, COMMANDS))
     cmds = "\n".join(f"  {k:<{width}}  {v[1]}" for k, v in COMMANDS.items())
-    return (f"usage: nxhpc <command> [args]   (nxhpc <command> --help for its options)\n\n"
+    return (f"usage: nxhpc <command> [args]   (nxhpc <command> --help for its options; "
+            f"nxhpc --version)\n\n"
             f"commands:\n{cmds}\n\n"
             + codes_epilog({c: DEFAULT_TEXT[c] for c in Exit})
             + "\n  (every command uses this one table; its --help lists the codes it can "
               "return)\n")
 
 
+def _version() -> str:
+    """``nxhpc X.Y.Z (kernels: the ISA they run, of those this CPU has)``: for a bug report.
+    The ISA is ``cpu_features()["best_isa"]`` (``NXHPC_DISABLE_SIMD`` / ``NXHPC_MAX_ISA``
+    applied)."""
+    import nxhpc
+    from nxhpc.runtime.checks import SettingError
+    try:
+        isas = (f"{nxhpc.cpu_features()['best_isa']}, of "
+                f"{', '.join(nxhpc.supported_isas())}")
+    except (ImportError, SettingError) as e:  # unbuilt, or a bad NXHPC_MAX_ISA: still a version
+        isas = f"not loaded: {e}"
+    return f"nxhpc {nxhpc.__version__} (kernels: {isas})\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--version"]:
+        write_or_drop(sys.stdout, _version())
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
         # `nxhpc --help | head`: quiet, exit 0, as a command's own --help
         write_or_drop(sys.stdout if argv else sys.stderr, _help())
