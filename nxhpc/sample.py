@@ -17,8 +17,9 @@ use_dynamic_shifting=False)`` without classifier-free guidance.
 Several seeds (``--seeds A,B,...``, ``--out`` naming ``{seed}``): one image per seed; under
 ``mpirun -n R`` each rank samples whole images of its own (seed band ``[r*n//R, (r+1)*n//R)``,
 no exchange) and rank 0 gathers and writes them all and prints the one report. One seed under
-``mpirun``: each call is split across the ranks (``nxhpc.nn.engine``), rank 0 writes. Either
-way every image has the bytes a single process makes.
+``mpirun`` (``--seed S`` or ``--seeds S``): each call is split across the ranks
+(``nxhpc.nn.engine``), rank 0 writes. The report's ``split`` says which (``call`` /
+``images``). Either way every image has the bytes a single process makes.
 """
 from __future__ import annotations
 
@@ -118,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seed for the starting noise (default 0)")
     src.add_argument("--seeds", type=types.seed_list, default=None, metavar="A,B,...",
                      help="one image per seed (--out must contain {seed}); under mpirun each "
-                          "rank samples whole images, rank 0 writes them all")
+                          "rank samples whole images, rank 0 writes them all (one seed: its "
+                          "calls are split across the ranks)")
     src.add_argument("--noise", metavar="N.npy", default=None,
                      help="start from this float [16, PX/8, PX/8] noise instead of drawing it")
     p.add_argument("--out", required=True, metavar="LATENTS.npy",
@@ -270,8 +272,8 @@ def _run(args, ranks=None) -> int:
         height, width = noise.shape[1] * 8, noise.shape[2] * 8
         open_s = time.perf_counter() - t_open
         progress_on = not args.no_progress and lead
-        if args.seeds is None:                  # one image (split across ranks under mpirun)
-            runs = {seed: _sample_one(den, cap, noise, args, progress_on)}
+        if len(seeds) == 1:             # one image (--seeds S too): its calls split across
+            runs = {seeds[0]: _sample_one(den, cap, noise, args, progress_on)}    # the ranks
         else:                                   # whole images, a band of the seeds per rank
             from nxhpc.runtime import ranks as _ranks
             lo, hi = (0, len(seeds)) if ranks is None else ranks.band(len(seeds))
@@ -279,7 +281,7 @@ def _run(args, ranks=None) -> int:
                 runs = {v: _sample_one(den, cap, initial_noise(v, shape), args, progress_on)
                         for v in seeds[lo:hi]}
     owner = {v: 0 for v in seeds}
-    if ranks is not None and args.seeds is not None:
+    if ranks is not None and len(seeds) > 1:
         got = ranks.allgather(runs, "the images to rank 0")
         runs = {}
         for r, part in enumerate(got):
@@ -303,6 +305,7 @@ def _run(args, ranks=None) -> int:
               "out": str(args.out), "png": None}
     if ranks is not None:
         report["ranks"] = ranks.size
+        report["split"] = "call" if len(seeds) == 1 else "images"
     if args.seeds is not None:
         report["seeds"] = seeds
         report["outs"] = [args.out.replace("{seed}", str(v)) for v in seeds]

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -341,14 +342,21 @@ def test_sample_seeds_across_ranks_whole_images(ranks, models, sample_ref, tmp_p
         assert owners == [0, 0, 0] and "ranks" not in rep
     else:
         assert rep["ranks"] == ranks and sorted(set(owners)) == list(range(ranks))
+        assert rep["split"] == "images"
 
 
-def test_sample_one_seed_split_across_ranks(models, sample_ref, tmp_path):
+@pytest.mark.parametrize("how", ["--seed", "--seeds"])
+def test_sample_one_seed_split_across_ranks(models, sample_ref, tmp_path, how):
+    """One seed is one image whose calls are split across the ranks, given as --seed S or as
+    --seeds S (that was a band of one seed: rank 0 idle, the last rank sampling alone)."""
     cap, ref = sample_ref
-    out = tmp_path / "split.npy"
+    out = tmp_path / ("split.npy" if how == "--seed" else "split_{seed}.npy")
     r = mpirun(3, ["-m", "nxhpc.sample", "tiny-dit", "2", "--height", "64", "--width", "96",
                     "--steps", "2", "--no-progress", "--json", "--cap-feats", str(cap),
-                    "--seed", "5", "--out", str(out)], models)
+                    how, "5", "--out", str(out)], models)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert out.read_bytes() == ref[5]
-    assert json.loads(r.stdout)["ranks"] == 3
+    assert Path(str(out).replace("{seed}", "5")).read_bytes() == ref[5]
+    rep = json.loads(r.stdout)
+    assert rep["ranks"] == 3 and rep["split"] == "call", rep
+    if how == "--seeds":
+        assert rep["rank_of_seed"] == [0], rep
