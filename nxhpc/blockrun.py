@@ -18,7 +18,7 @@ from nxhpc.cli.frame import run_ranked
 from nxhpc.cli.report import emit_graded, fmt_value, save_npy
 from nxhpc.dit.grade import DEFAULT_TOL
 from nxhpc.dit.stackrun import PRECISION_TOL
-from nxhpc.models.modeldir import model_files
+from nxhpc.models.modeldir import FIXTURES_FILE
 from nxhpc.runtime.checks import check_input_file
 from nxhpc.runtime.outfile import check_cli_output_path
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES
@@ -155,10 +155,11 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
                              "--tol": args.tol, "--repeat": args.repeat, "--json": args.json})
             ranks.same_kernels(args.precision)
         if args.save_output is not None:       # never overwrite what this run reads
-            gguf = model.gguf.path if model.gguf is not None else None
+            from nxhpc.models.registry import opened_model_files
+            main = model.gguf.path if model.gguf is not None else model.path / FIXTURES_FILE
             check_cli_output_path(args.save_output, what="--save-output",
                               inputs=[p for p in (args.reference_name,) if p],
-                              model_files=model_files(model.path, gguf))
+                              model_files=opened_model_files(args.model_id, main, model.path))
         t_start = time.monotonic()
 
         def progress(row: dict, n: int) -> None:

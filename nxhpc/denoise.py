@@ -27,7 +27,6 @@ from nxhpc.cli.report import emit_graded, save_npy
 from nxhpc.dit.grade import grade
 from nxhpc.dit.stackrun import PRECISION_TOL
 from nxhpc.runtime.checks import check_input_file, load_npy
-from nxhpc.models.modeldir import model_files
 from nxhpc.nn.linear import attention_kernel
 from nxhpc.runtime.outfile import check_cli_output_path
 
@@ -196,8 +195,10 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
                        precision=args.precision,
                        q8_float_weights=args.q8_float_weights) as den:
         if out_path is not None:              # never overwrite a file of the opened model
+            from nxhpc.models.registry import opened_model_files
             check_cli_output_path(out_path, what="--out",
-                              model_files=model_files(den.directory, den.gguf.path))
+                              model_files=opened_model_files(args.model, den.gguf.path,
+                                                             den.directory))
         if ranks is not None:
             from nxhpc.runtime.ranks import file_fingerprint
             ranks.same("the model file (size, fingerprint)", file_fingerprint(den.gguf.path))

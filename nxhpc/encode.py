@@ -124,16 +124,8 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return text[:-1] if text.endswith("\n") else text      # \r\n was read as \n
 
 
-def _model_files(te) -> list[str]:
-    """Every file of the opened model (its GGUF, and its directory's files)."""
-    files = [str(te.path)]
-    if te.directory is not None and te.directory.is_dir():
-        files += [str(p) for p in te.directory.iterdir()]
-    return files
-
-
 def _run(args: argparse.Namespace) -> int:
-    from nxhpc.models.registry import open_text_encoder
+    from nxhpc.models.registry import open_text_encoder, opened_model_files
     prompt = _read_prompt(args)
     what = "--prompt" if args.prompt is not None else f"--prompt-file {args.prompt_file}"
     types.check_prompt(prompt, what)
@@ -148,7 +140,8 @@ def _run(args: argparse.Namespace) -> int:
                            q8_float_weights=args.q8_float_weights) as te:
         open_s = time.perf_counter() - t0
         try:                              # never overwrite a file of the model it opened
-            check_cli_output_path(args.out, what="--out", inputs=_model_files(te))
+            check_cli_output_path(args.out, what="--out", model_files=opened_model_files(
+                args.text_encoder, te.path, te.directory))
         except OutputPathError as e:
             raise UsageError(str(e)) from None
         return _encode(args, te, prompt, open_s)

@@ -42,7 +42,6 @@ from nxhpc.dit.sampler import (MAX_STEPS, SampleInputError, check_cap_feats, che
                                initial_noise, latent_shape,
                                require_decode_deps, sample, turbo_sigmas)
 from nxhpc.runtime.checks import load_npy
-from nxhpc.models.modeldir import model_files
 from nxhpc.runtime.outfile import check_cli_output_path
 
 __all__ = ["EXIT_CODES", "build_parser", "main"]
@@ -204,8 +203,8 @@ def _check_args(args) -> tuple[int, tuple[int, int] | None]:
 def _protect_model_files(args, den) -> None:
     """Refuse (exit 2, before sampling) an --out / --png that is a file of the opened model --
     whether MODEL was an id, a directory or a GGUF path (links resolved)."""
-    gguf = getattr(getattr(den, "gguf", None), "path", None)
-    files = model_files(getattr(den, "directory", None), gguf)
+    from nxhpc.models.registry import opened_model_files
+    files = opened_model_files(args.model, den.gguf.path, den.directory)
     for what, path in [("--out", args.out)] + ([("--png", args.png)] if args.png else []):
         check_cli_output_path(path, what=what, model_files=files)
 

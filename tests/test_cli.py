@@ -596,6 +596,43 @@ def test_outputs_never_overwrite_a_file_of_the_opened_model(h3_root, tmp_path, c
     assert code == 0 and (tmp_path / "free2.npy").is_file(), err
 
 
+def test_outputs_beside_a_model_named_by_its_path_every_cli(h3_root, tmp_path, capsys):
+    """A model named by its path (directory or GGUF): a run's own earlier output beside it is
+    written again by every CLI (sample, denoise, blockrun and encode refused the second run,
+    "is an input of this run", protecting every file of the folder), while the model's own
+    files there are refused (as above; here the GGUF and, for blockrun, the fixtures)."""
+    import shutil
+
+    from nxhpc.models.registry import ensure_builtin
+    for mid in ("tiny", "tiny-dit"):
+        shutil.copytree(h3_root / mid, tmp_path / mid)
+    shutil.copytree(ensure_builtin("tiny-te", tmp_path / "b"), tmp_path / "te")
+    dit, blk, te = tmp_path / "tiny-dit", tmp_path / "tiny", tmp_path / "te"
+    cap, lat = h3_root / "cap.npy", h3_root / "lat.npy"
+    px = ["--height", "32", "--width", "32", "--steps", "1", "--no-progress"]
+    runs = {
+        "sample dir": ("nxhpc.sample", [dit, "1", "--cap-feats", cap, *px, "--out"], dit),
+        "sample gguf": ("nxhpc.sample", [dit / "model.gguf", "1", "--cap-feats", cap, *px,
+                                         "--out"], dit),
+        "denoise gguf": ("nxhpc.denoise", [dit / "model.gguf", "1", "--latents", lat,
+                                           "--timestep", "0.5", "--cap-feats", cap, "--out"],
+                         dit),
+        "blockrun dir": ("nxhpc.blockrun", [blk, "1", "--save-output"], blk),
+        "encode dir": ("nxhpc.encode", [te, "1", "--prompt", "a fox", "--out"], te),
+        "encode gguf": ("nxhpc.encode", [te / "model.gguf", "1", "--prompt", "a fox", "--out"],
+                        te),
+    }
+    for name, (mod, argv, d) in runs.items():
+        before = _digest(d)
+        for k in range(2):
+            code, _, err = _main(mod, [*argv, d / "out.npy"], capsys)
+            assert code == 0 and (d / "out.npy").is_file(), (name, k, err[-800:])
+        (d / "out.npy").unlink()
+        code, _, err = _main(mod, [*argv, d / "model.gguf"], capsys)     # control
+        assert code == 2 and "input of this run" in err, (name, code, err[-800:])
+        assert _digest(d) == before, name
+
+
 def test_non_finite_outputs_are_counted_and_fail_graded_or_not(h3_root, tmp_path, capsys):
     """Issue 19, item 3: finite latents that overflow inside the model (3e38) made ``denoise``
     write 2240 NaN of 2240 and print UNGRADED, exit 0. Every report counts the non-finite

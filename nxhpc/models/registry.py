@@ -147,11 +147,14 @@ def opened_model_files(given: str | os.PathLike, main: str | os.PathLike,
     ``directory`` the model directory, if any. A built-in's id (``given`` is no path): every
     file of its directory, manifest included. A path: ``main`` and the model files beside it
     (:data:`NAMED_FILES`, in a diffusers directory's ``vae/`` too), not the user's other files
-    there -- an earlier run's output beside the model may be written again."""
+    there and in ``directory`` -- an earlier run's output beside the model may be written
+    again. Every CLI's outputs go through this one rule."""
     main = Path(main)
     if not os.path.lexists(os.fspath(given)):
         return model_files(Path(directory) if directory is not None else main.parent, main)
     dirs = [main, main / "vae"] if main.is_dir() else [main.parent]
+    if directory is not None and Path(directory) not in dirs:    # a GGUF given apart from it
+        dirs.append(Path(directory))
     out = [] if main.is_dir() else [main]
     return out + [d / n for d in dirs for n in NAMED_FILES if (d / n).is_file()]
 
