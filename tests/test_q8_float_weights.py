@@ -70,6 +70,52 @@ def test_rows_not_filling_q8_0_blocks_stay_bf16():
     assert linear.effective_precision(w, "q8") == "bf16"
 
 
+def _values(w: WeightTensor) -> np.ndarray:
+    """The stored values (gguf's decoding), float64 [rows, cols]."""
+    return np.asarray(gguf.quants.dequantize(w.data, gguf.GGMLQuantizationType(w.ggml_type)),
+                      np.float64).reshape(w.shape)
+
+
+@pytest.mark.parametrize("gtype", ["F32", "F16", "BF16"])
+def test_copy_error_bound_and_tiny_matrices_keep_bf16(gtype):
+    """The copy's error per value is at most max|block|/254 + 127 |d - f16(d)| (the code's
+    rounding, then the float16 scale's), so at most max|w| (1/254 + 2^-11) over the matrix.
+    A matrix with max|w| under 127 * 2^-14 (its largest block's scale a float16 subnormal)
+    gets no copy and runs bf16: the copy of a matrix of |w| ~ 1e-6 was all zeros (q8 gave 0,
+    the QA helper's finding); just above the limit the copy is made and holds the bound
+    (control). Blocks of 1e-7 beside blocks of 1: copied, the matrix bound holds while the
+    per-block bound the docs once gave (max|block| / 254) does not (those blocks decode to 0)."""
+    rng = np.random.default_rng(11)
+    base = rng.standard_normal((16, 256))
+    base /= np.abs(base).max()
+    lim = linear.INT8_COPY_MIN_ABS
+    assert lim == 127 * 2.0 ** -14
+    for scale, copied in ((1.0, True), (0.05, True), (lim * 1.01, True), (lim * 0.99, False),
+                          (1e-6, False)):
+        w = _stored((base * scale).astype(np.float32), gtype)
+        vals = _values(w)
+        c = linear.with_int8_copy(K, w)
+        assert (c.int8 is not None) == copied, scale
+        if not copied:
+            assert c is w and linear.effective_precision(c, "q8") == "bf16"
+            continue
+        assert np.array_equal(c.int8.data, _gguf_copy(w))
+        err = np.abs(_values(c.int8) - vals)
+        assert err.max() <= np.abs(vals).max() * (1 / 254 + 2.0 ** -11), (scale, err.max())
+    mixed = base.copy()
+    mixed[:, :32] *= 1e-7                                  # the first block of every row
+    w = _stored(mixed.astype(np.float32), gtype)
+    vals = _values(w)
+    c = linear.with_int8_copy(K, w)
+    assert c.int8 is not None
+    got = _values(c.int8)
+    err = np.abs(got - vals)
+    assert err.max() <= np.abs(vals).max() * (1 / 254 + 2.0 ** -11)
+    block_max = np.abs(vals).reshape(16, -1, 32).max(axis=2, keepdims=True)
+    assert (err.reshape(16, -1, 32) > block_max / 254).any()     # the old bound fails there
+    assert not got[:, :32].any() and vals[:, :32].any()
+
+
 def test_scale_overflow_names_the_tensor():
     a = np.full((2, 32), 1e10, np.float32)
     with pytest.raises(ValueError, match=r"'big'.*q8_float_weights='bf16'"):
@@ -151,12 +197,17 @@ def test_q8_matmul_runs_the_copy(gtype):
     for lo, hi in ((0, 16), (16, 17), (17, N)):
         linear.matmul(K, x, c, out, lo, hi, "q8")
     assert_bitwise(out, ref_q8, "q8 on the copy")
-    vals = np.asarray(gguf.quants.dequantize(w.data, gguf.GGMLQuantizationType(w.ggml_type)),
-                      np.float64).reshape(N, Kd)
+    vals = _values(w)
     ref = x.astype(np.float64) @ vals.T
-    # each factor rounded to Q8_0 (|err| <= d/2 = max|block|/254 per value): the product's error
-    # is at most sum_k |x||w| (1/254 + 1/254 + 1/254^2) per output
-    bound = np.abs(x).astype(np.float64) @ np.abs(vals).T * (2 / 254 + 1 / 254 ** 2) + 1e-6
+    # each factor rounded to Q8_0: an activation by at most mx/254 (mx its block's max|x|: a
+    # float32 scale), a weight by at most mw (1/254 + 2^-11) (mw its block's max|w|: the scale
+    # is float16); |x w - x~ w~| <= |dx||w| + (|x| + |dx|)|dw|, summed over k, plus the float32
+    # sums (K/32 + 1 roundings of at most sum|x~ w~|: under 1e-6 here)
+    xa = np.abs(x).astype(np.float64)
+    mx = np.repeat(xa.reshape(T, -1, 32).max(axis=2), 32, axis=1)
+    mw = np.repeat(np.abs(vals).reshape(N, -1, 32).max(axis=2), 32, axis=1)
+    dx, dw = mx / 254, mw * (1 / 254 + 2.0 ** -11)
+    bound = dx @ np.abs(vals).T + (xa + dx) @ dw.T + 1e-5
     assert (np.abs(out - ref) <= bound).all()
     bf = np.empty((T, N), np.float32)
     linear.matmul(K, x, w, bf, 0, N, "q8")                # no copy: bf16 as stored

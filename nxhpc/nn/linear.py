@@ -57,6 +57,11 @@ Q8_WEIGHT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K
 Q8_FLOAT_WEIGHTS = ("int8", "bf16")
 DEFAULT_Q8_FLOAT_WEIGHTS = "int8"
 _COPY_ROWS = 256            # rows decoded and quantized at a time by with_int8_copy
+#: The smallest max|w| of a matrix given an int8 copy: 127 * 2^-14, where its largest block's
+#: float16 scale ``max|w| / 127`` is still a normal float16. Below it every block's scale is
+#: subnormal, rounded to a multiple of 2^-24 or to 0 (a matrix of |w| ~ 1e-6 copied as zeros),
+#: and the copy's error is no longer small against the matrix: such a matrix runs ``bf16``.
+INT8_COPY_MIN_ABS = 127 * 2.0 ** -14
 
 
 def check_precision(precision: Any, where: str = "precision") -> str:
@@ -116,7 +121,11 @@ def with_int8_copy(kernels: Any, weight: WeightTensor) -> WeightTensor:
     The copy's bytes are ``gguf.quants.quantize(values, Q8_0)`` of the stored values (exact in
     float32): each block of 32 scaled by max|w|/127 in float16, codes rounded half away from
     zero. Decoded and quantized ``_COPY_ROWS`` rows at a time (no float32 copy of the matrix).
-    ValueError naming the tensor if a block's scale overflows float16 (|w| > 65504 * 127).
+    Each value's error is at most ``max|block| / 254 + 127 |d - f16(d)|`` (the code's rounding,
+    then the scale's), so at most ``max|w| * (1/254 + 2^-11)`` over the matrix; a matrix whose
+    max|w| is below :data:`INT8_COPY_MIN_ABS` (nonzero) gets no copy (``weight`` itself: it
+    runs ``bf16``), as that bound would not hold. ValueError naming the tensor if a block's
+    scale overflows float16 (|w| > 65504 * 127).
     """
     qk, qbytes = block_geometry("Q8_0")
     if weight.type_name not in FLOAT_TYPES or weight.int8 is not None or weight.cols % qk:
@@ -124,10 +133,14 @@ def with_int8_copy(kernels: Any, weight: WeightTensor) -> WeightTensor:
     rows, cols = weight.shape
     q = np.empty((rows, cols // qk * qbytes), dtype=np.uint8)
     buf = np.empty((min(rows, _COPY_ROWS), cols), dtype=np.float32)
+    amax = 0.0
     for r0 in range(0, rows, _COPY_ROWS):
         r1 = min(rows, r0 + _COPY_ROWS)
         f = kernels.dequantize(weight.data[r0:r1], weight.type_name, out=buf[:r1 - r0])
         kernels.q8_0_quantize(f, out=q[r0:r1])
+        amax = max(amax, float(np.max(np.abs(f), initial=0.0)))
+    if 0.0 < amax < INT8_COPY_MIN_ABS:       # every block's float16 scale subnormal
+        return weight
     scales = q.reshape(rows, -1, qbytes)[:, :, :2].copy().view(np.float16)
     if not np.isfinite(scales).all():
         raise ValueError(f"weight {weight.name!r} ({weight.type_name} {list(weight.shape)}): "
