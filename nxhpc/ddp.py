@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="shm: forked workers over shared memory; mpi: run under mpirun")
     ap.add_argument("--hidden", type=int, default=16,
                     help=f"hidden width (default 16, at most {train.MAX_HIDDEN})")
-    ap.add_argument("--lr", type=float, default=0.05, help="learning rate on the mean loss (default 0.05)")
+    ap.add_argument("--lr", type=float, default=0.05, help="learning rate on the mean loss, in (0, 1e6) (default 0.05)")
     ap.add_argument("--seed", type=int, default=0, help="init seed (default 0)")
     ap.add_argument("--log-every", type=int, default=1, help="print the loss every N steps (default 1)")
     ap.add_argument("--contrast", type=types.int_list, default=[1, 2, 3, 4, 5, 8], metavar="D,D,...",

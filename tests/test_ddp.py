@@ -273,6 +273,10 @@ def test_bad_arguments_are_named(data):
         train_full_batch(1, arith="float16", data=data)
     with pytest.raises(ValueError, match="rounds to 0 in Q16"):
         MLPConfig(lr=1e-6).lr_q16
+    for lr in (1e6, 1e9, float("inf"), float("nan"), 0.0, -1.0):   # the message states the range
+        with pytest.raises(ValueError, match=r"lr must be a positive number below 1e6"):
+            MLPConfig(lr=lr)
+    assert MLPConfig(lr=9.99e5).lr == 9.99e5                        # control
 
 
 _KILL_PARENT = r"""

@@ -240,7 +240,8 @@ def add_models_dir(p: argparse.ArgumentParser) -> None:
     """``--models-dir``: where ids are resolved and built-ins generated."""
     p.add_argument("--models-dir", default=None, type=directory_path,
                    help="where model ids are looked up / built-ins generated "
-                        "(default $NXHPC_MODELS or ~/.cache/nxhpc/models)")
+                        "(default $NXHPC_MODELS, else $XDG_CACHE_HOME/nxhpc/models, else "
+                        "~/.cache/nxhpc/models)")
 
 
 def add_stage_timeout(p: argparse.ArgumentParser) -> None:

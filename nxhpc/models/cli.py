@@ -254,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models-dir", type=types.directory_path,
                    help="model root (default: $NXHPC_MODELS or "
-                                        "~/.cache/nxhpc/models)")
+                                        "$XDG_CACHE_HOME/nxhpc/models, ~/.cache/nxhpc/models "
+                                        "without it)")
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("list", help="built-in ids and directories present")
     sh = sub.add_parser("show", help="config (and how it was inferred), files, fixtures")

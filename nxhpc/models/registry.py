@@ -4,10 +4,10 @@ Owns: :data:`BUILTINS`, the one table of built-in models (id -> its spec: a
 :class:`~nxhpc.models.synthetic.SyntheticSpec`, a block model or a whole denoiser, or a
 :class:`~nxhpc.models.qwen3_files.TextEncoderSpec`; each spec's ``kind`` says which; also
 ``zimage-dit-<N>l`` and ``zimage-dit-<N>l-q4km`` for N = 1..30 main layers), the models root
-(``$NXHPC_MODELS`` or ``~/.cache/nxhpc/models``), generating a built-in on first use under a
-lock (and again when its fingerprint is stale), :func:`resolve_model` (id | directory |
-``.gguf`` -> the directory and GGUF path) and :func:`open_model` (-> :class:`~nxhpc.models.model.
-Model`), :func:`open_denoiser` (-> ``nxhpc.dit.denoiser.Denoiser``),
+(``$NXHPC_MODELS``, else ``$XDG_CACHE_HOME/nxhpc/models``, else ``~/.cache/nxhpc/models``),
+generating a built-in on first use under a lock (and again when its fingerprint is stale),
+:func:`resolve_model` (id | directory | ``.gguf`` -> the directory and GGUF path) and
+:func:`open_model` (-> :class:`~nxhpc.models.model.Model`), :func:`open_denoiser` (-> ``nxhpc.dit.denoiser.Denoiser``),
 :func:`open_text_encoder` (-> ``nxhpc.qwen3.encoder.TextEncoder``) and :func:`open_vae` (->
 ``nxhpc.vae.model.VaeDecoder``; the built-in autoencoders are a
 :class:`~nxhpc.models.vae_files.VaeSpec` each, kind ``"vae"``): the model code takes
@@ -117,7 +117,7 @@ def _builtin_names() -> str:
 
 
 def models_dir() -> Path:
-    """``$NXHPC_MODELS`` or ``~/.cache/nxhpc/models``."""
+    """``$NXHPC_MODELS``; else ``$XDG_CACHE_HOME/nxhpc/models``; else ``~/.cache/nxhpc/models``."""
     env = os.environ.get("NXHPC_MODELS")
     if env:
         return Path(env).expanduser()

@@ -98,7 +98,8 @@ class MLPConfig:
             raise ValueError(f"MLPConfig: seed must be a non-negative integer (numpy's "
                              f"default_rng), got {self.seed!r}")
         if not (0.0 < self.lr < 1e6) or not np.isfinite(self.lr):
-            raise ValueError(f"MLPConfig: lr must be a positive finite number, got {self.lr}")
+            raise ValueError(f"MLPConfig: lr must be a positive number below 1e6 (a Q16 "
+                             f"integer), got {self.lr}")
 
     @property
     def lr_q16(self) -> int:
