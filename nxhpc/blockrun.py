@@ -74,8 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "reference. Prints key=value lines (or one JSON object) and a verdict.",
         epilog=_GRADING_HELP % {"tol": ", ".join(f"{k} {v:g}" for k, v in PRECISION_TOL.items())},
         exit_codes=EXIT_CODES)
-    p.add_argument("model_id", help="built-in model id (e.g. tiny, mid, zimage-1l), a directory "
-                                    "under --models-dir / $NXHPC_MODELS, or a model directory path")
+    p.add_argument("model_id", nargs="?", default="tiny",
+                   help="built-in model id (e.g. tiny, mid, zimage-1l), a directory under "
+                        "--models-dir / $NXHPC_MODELS, or a model directory path (default tiny: "
+                        "the built-in default model, generated on first use)")
     types.add_workers(p)
     p.add_argument("reference_name", nargs="?", default=None,
                    help="fixture to grade the final output against (default: see grading "

@@ -58,6 +58,19 @@ def test_readme_main_command_fresh_machine(tmp_path):
     assert float(kv["max_rel"]) < 1e-4 and kv["non_finite"] == "0"
 
 
+def test_no_model_id_runs_the_default_model(models_root):
+    """``blockrun`` alone runs the model ``models list`` marks "(default)" (it was a usage
+    error, "the following arguments are required: model_id"), with the same output as naming
+    it."""
+    from nxhpc.models.registry import DEFAULT_MODEL_ID
+    r = _cli(["--json"], models_root)
+    named = _cli([DEFAULT_MODEL_ID, "--json"], models_root)
+    assert r.returncode == 0 and named.returncode == 0, r.stderr
+    got, want = json.loads(r.stdout), json.loads(named.stdout)
+    assert got["model"] == want["model"] == str(models_root / DEFAULT_MODEL_ID)
+    assert got["max_rel"] == want["max_rel"] and got["verdict"] == "PASS"
+
+
 def test_json_and_save_output_match_library(models_root, tmp_path):
     out_path = tmp_path / "o.npy"
     r = _cli(["tiny-gqa", "2", "--json", "--spawn", "stage", "--save-output", str(out_path)],
