@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -138,11 +139,16 @@ class NxhpcZImageTransformer:
 
     # -- the nn.Module-like calls code may make on a transformer
     def to(self, *args, **kwargs) -> NxhpcZImageTransformer:
-        """Accepts only the CPU and float32 (nxhpc computes there); returns self."""
+        """Accepts only the CPU and float32 (nxhpc computes there): as devices, dtypes or a
+        tensor's (``to(tensor)``, as ``torch.nn.Module.to``); returns self."""
         torch, _, _ = _require()
         kwargs.pop("non_blocking", None)
-        for a in list(args) + [kwargs.pop("device", None), kwargs.pop("dtype", None)]:
-            if a is None:
+        given = list(args) + [kwargs.pop("device", None), kwargs.pop("dtype", None)]
+        for a in list(given):
+            if isinstance(a, torch.Tensor):          # Module.to(tensor): its dtype and device
+                given += [a.dtype, a.device]
+        for a in given:
+            if a is None or isinstance(a, torch.Tensor):
                 continue
             if isinstance(a, torch.dtype):
                 if a != torch.float32:
@@ -186,12 +192,16 @@ class NxhpcZImageTransformer:
         """``ZImageTransformer2DModel.forward``: ``x`` a list of B ``[C, 1, H, W]`` tensors,
         ``t`` a ``[B]`` tensor (or a number) of t = 1 - sigma, ``cap_feats`` a list of B
         ``[L_i, cap_dim]`` tensors -> ``Transformer2DModelOutput(sample=[B x [C, 1, H, W]])``,
-        or ``(list,)`` with ``return_dict=False``; the raw output, not negated. Controlnet,
-        SigLIP/omni inputs and LoRA scales are not supported (NotImplementedError)."""
+        or ``(list,)`` with ``return_dict=False``; the raw output, not negated. Controlnet and
+        SigLIP/omni inputs are not supported (NotImplementedError; an empty controlnet dict is
+        nothing, as in diffusers). ``joint_attention_kwargs['scale']`` scales LoRA layers, of
+        which the drop-in has none: a warning, as diffusers warns without the PEFT backend."""
         torch, Output, _ = _require()
         den = self.denoiser        # once: a close() from another thread mid-batch sets it to
         if den is None:            # None; the Denoiser itself then says it was closed
             raise RuntimeError("NxhpcZImageTransformer: closed")
+        if isinstance(controlnet_block_samples, dict) and not controlnet_block_samples:
+            controlnet_block_samples = None           # no block samples: diffusers adds none
         unsupported = [n for n, v in (("controlnet_block_samples", controlnet_block_samples),
                                       ("siglip_feats", siglip_feats),
                                       ("image_noise_mask", image_noise_mask)) if v is not None]
@@ -204,8 +214,9 @@ class NxhpcZImageTransformer:
                              f"f_patch 1")
         scale = (joint_attention_kwargs or {}).get("scale", 1.0)
         if scale != 1.0:
-            raise NotImplementedError("NxhpcZImageTransformer: LoRA scales (joint_attention_"
-                                      "kwargs['scale']) are not supported")
+            warnings.warn(f"NxhpcZImageTransformer: joint_attention_kwargs['scale'] = {scale!r} "
+                          f"has no effect: it scales LoRA layers, and the GGUF drop-in has none "
+                          f"(diffusers ignores it too without them)", stacklevel=2)
         xs, caps = list(x), list(cap_feats)
         if xs and isinstance(xs[0], (list, tuple)):
             raise NotImplementedError("NxhpcZImageTransformer: omni mode (nested lists) is not "

@@ -97,6 +97,10 @@ def test_attributes_the_pipeline_and_users_read(nx, case):
         nx.to("cuda")
     with pytest.raises(ValueError, match="only torch.float32"):
         nx.to(torch.bfloat16)
+    # Module.to(tensor): that tensor's dtype and device (it reached torch.device(tensor))
+    assert nx.to(torch.zeros(1)) is nx
+    with pytest.raises(ValueError, match="only torch.float32"):
+        nx.to(torch.zeros(1, dtype=torch.bfloat16))
 
 
 def test_one_call_matches_diffusers_batch_of_two(nx, case):
@@ -196,8 +200,6 @@ def test_unsupported_and_bad_calls_are_clear(nx, case):
     t = torch.tensor([0.5])
     with pytest.raises(NotImplementedError, match="controlnet_block_samples"):
         nx(lat, t, cap, controlnet_block_samples={0: torch.zeros(1)})
-    with pytest.raises(NotImplementedError, match="LoRA"):
-        nx(lat, t, cap, joint_attention_kwargs={"scale": 0.5})
     with pytest.raises(NotImplementedError, match="omni"):
         nx([[lat[0]]], t, cap)
     with pytest.raises(ValueError, match="patch_size 4"):
@@ -207,6 +209,25 @@ def test_unsupported_and_bad_calls_are_clear(nx, case):
     with pytest.raises(ValueError, match="batch sizes differ"):
         nx(lat * 2, t, cap)
     nx(lat, t, cap, joint_attention_kwargs={"scale": 1.0})       # no-op scale is fine
+
+
+def test_lora_scale_and_empty_controlnet_are_no_ops_as_in_diffusers(nx, case):
+    """A LoRA scale scales LoRA layers; the drop-in has none, so it warns and computes the same
+    output, as diffusers' transformer does without them (it raised NotImplementedError, so a
+    pipeline call with joint_attention_kwargs={"scale": s} failed); an empty controlnet dict
+    adds nothing, as in diffusers (it was refused). A non-empty one is still refused."""
+    rng = np.random.default_rng(3)
+    lat = [torch.from_numpy(rng.standard_normal((16, 1, 4, 4)).astype(np.float32))]
+    cap = [torch.from_numpy(rng.standard_normal((3, case.cfg.cap_dim)).astype(np.float32))]
+    t = torch.tensor([0.5])
+    want = nx(lat, t, cap, return_dict=False)[0][0]
+    with pytest.warns(UserWarning, match="scale'] = 0.5 has no effect"):
+        got = nx(lat, t, cap, return_dict=False, joint_attention_kwargs={"scale": 0.5})[0][0]
+    assert torch.equal(got, want)
+    got = nx(lat, t, cap, return_dict=False, controlnet_block_samples={})[0][0]
+    assert torch.equal(got, want)
+    with pytest.raises(NotImplementedError, match="controlnet_block_samples"):
+        nx(lat, t, cap, controlnet_block_samples={0: torch.zeros(1)})
 
 
 def test_close_closes_the_denoiser(case):
