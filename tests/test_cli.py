@@ -843,6 +843,11 @@ def test_wording_of_wrong_kinds_and_odd_options(h3_root, tmp_path, capsys):
     lat, cap = h3_root / "lat.npy", h3_root / "cap.npy"
     code, _, err = _main("nxhpc.denoise", ["tiny", "1", *root, "--latents", lat, "--timestep",
                                            "0.5", "--cap-feats", cap], capsys)
+    # refused by its id before anything is generated (load_denoiser("mid") wrote 27 MB first)
+    assert code == Exit.NOT_FOUND and "'tiny' is a built-in block model, not a denoiser" in err \
+        and "nxhpc.blockrun runs it" in err, err
+    code, _, err = _main("nxhpc.denoise", [h3_root / "tiny", "1", "--latents", lat,
+                                           "--timestep", "0.5", "--cap-feats", cap], capsys)
     assert code == Exit.BAD_INPUT and "not a whole denoiser" in err and "blockrun" in err, err
     code, _, err = _main("nxhpc.models", ["--models-dir", tmp_path, "make", "s", "--seed", "-1"],
                          capsys)

@@ -321,8 +321,11 @@ def _refuse_other_kind(model: str | os.PathLike, kinds: tuple[str, ...], noun: s
         return
     spec = builtin_spec(s)
     if spec is not None and spec.kind not in kinds:
+        runs = {"block": "blockrun", "denoiser": "denoise", TEXT_ENCODER_KIND: "encode",
+                VAE_KIND: "decode"}.get(spec.kind)
+        hint = f"; python -m nxhpc.{runs} runs it" if runs else ""
         raise ModelNotFoundError(f"{s!r} is a built-in {_kind_words(spec.kind)} model, "
-                                 f"not {noun} (built-in {listing})")
+                                 f"not {noun} (built-in {listing}{hint})")
 
 
 def open_denoiser(model: str | os.PathLike, *, workers: int | None = None,
@@ -337,7 +340,7 @@ def open_denoiser(model: str | os.PathLike, *, workers: int | None = None,
     ``ModelNotFoundError`` / ``ModelFileError`` / ``MissingTensorError`` (all
     :class:`ModelError`) naming what is wrong."""
     from nxhpc.dit.denoiser import Denoiser
-    _refuse_other_kind(model, KINDS, "a denoiser", "denoisers: "
+    _refuse_other_kind(model, ("denoiser",), "a denoiser", "denoisers: "
                        + ", ".join(builtin_ids("denoiser")) + ", zimage-dit-<N>l")
     d, g = resolve_model(model, models_dir, gguf_path)
     if g is None:
