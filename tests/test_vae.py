@@ -367,6 +367,27 @@ def test_config_json_values_must_have_their_types(files, tmp_path, key, value):
         nxhpc.load_vae(d)
 
 
+def test_null_shift_factor_is_no_shift(vaes, tmp_path):
+    """A diffusers VAE saved with AutoencoderKL's default ``shift_factor=None`` (config.json
+    ``null``) decodes ``z / scaling`` as diffusers does (it was decoded with FLUX's 0.1159:
+    2e-2 of max|ref| off, the QA helper's finding). Control: the same weights with the shift
+    0.1159 written out decode as that."""
+    vae = make_vae(1, norm_num_groups=8)
+    d = write_vae(vae, tmp_path / "v", "diffusers", "F32")
+    cfg = json.loads((d / "config.json").read_text())
+    import torch
+    for shift in (None, 0.1159):
+        cfg["shift_factor"] = shift
+        (d / "config.json").write_text(json.dumps(cfg))
+        z = torch.from_numpy(np.asarray(LATENTS, dtype=np.float64))[None] / 0.3611
+        with torch.no_grad():
+            ref = vae.decode(z + (shift or 0.0)).sample[0].numpy()
+        with nxhpc.load_vae(d, workers=1) as dec:
+            assert dec.config.shift_factor == (shift or 0.0)
+            got = dec.decode(LATENTS)
+        assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max(), shift
+
+
 def test_decoder_values_and_shapes_checked_at_load(files, tmp_path):
     """What a file holds is checked when it is opened (CLI exit 4 naming the tensor or key), not
     met in the decode (a wrong "overflowed float32" exit 1, or exit 70; generate ran the encoder

@@ -304,8 +304,8 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], layout: str, where: str,
         groups = int(cj.get("norm_num_groups", groups))
         if cj.get("scaling_factor") is not None:
             scaling = float(cj["scaling_factor"])
-        if cj.get("shift_factor") is not None:
-            shift = float(cj["shift_factor"])
+        if "shift_factor" in cj:          # null: no shift (diffusers' AutoencoderKL default)
+            shift = 0.0 if cj["shift_factor"] is None else float(cj["shift_factor"])
         if cj.get("mid_block_add_attention") is not None and \
                 cj["mid_block_add_attention"] != mid_attn:
             raise ModelFileError(f"{where}: config.json mid_block_add_attention="
