@@ -56,7 +56,7 @@ def _worker_counts(a: argparse.Namespace) -> list[tuple[str, list[int]]]:
             ("--contrast", contrast)]
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(types.Parser):
     """argparse plus the rules between options (usage errors, exit 2, before any training)."""
 
     def parse_args(self, args=None, namespace=None):

@@ -55,7 +55,7 @@ EXIT_CODES = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = types.Parser(
         prog="python -m nxhpc.decode",
         usage="python -m nxhpc.decode VAE [n_workers] --latents L.npy --out IMG.png "
               "[--precision f32|bf16|auto] [--json]",

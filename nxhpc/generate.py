@@ -96,7 +96,7 @@ def _fill(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = types.Parser(
         prog="python -m nxhpc.generate",
         description=_fill(
             "Text to image on nxhpc's CPU kernels, without torch: the prompt through the Qwen3 "

@@ -80,7 +80,7 @@ def _fill(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = types.Parser(
         prog="python -m nxhpc.sample",
         description=_fill(
             "Z-Image-Turbo sampling on nxhpc's CPU denoiser: flow-matching Euler with a static "

@@ -1161,3 +1161,32 @@ def test_report_values_with_a_line_break_stay_on_their_line(tmp_path):
     keys = [ln.split("=", 1)[0] for ln in r.stdout.splitlines()]
     assert "note" not in keys and keys.count("out") == 1, r.stdout
     assert f"out={str(d / 'o.png')!r}" in r.stdout.splitlines(), r.stdout
+
+
+def test_an_option_value_of_double_dash_is_kept(h3_root, tmp_path, capsys):
+    """``--prompt=--`` is the prompt "--": Python 3.11's argparse dropped the ``--`` and gave
+    ``[]`` (encode: exit 70 with a traceback; generate --negative-prompt=--: the empty negative
+    prompt, silently). Every CLI parses with ``args.Parser``, which keeps it (through the
+    option's type and choices: ``--precision=--`` is an invalid choice, exit 2). The ids are
+    the library's for "--"; control: another prompt gives other ids."""
+    from nxhpc.cli.args import Parser
+    from nxhpc.models.registry import open_text_encoder
+    for mod in CLI_MODULES:
+        assert isinstance(importlib.import_module(mod).build_parser(), Parser), mod
+    root = ["--models-dir", h3_root]
+    code, out, err = _main("nxhpc.encode", ["tiny-te", "--prompt=--", "--out", tmp_path / "f.npy",
+                                            "--json", *root], capsys)
+    assert code == 0, err
+    with open_text_encoder("tiny-te", models_dir=h3_root, workers=1) as te:
+        want = te.tokenize("--")
+        assert te.tokenize("-") != want
+    assert json.loads(out)["ids"] == list(want)
+    code, _, err = _main("nxhpc.generate", ["--prompt", "x", "--guidance-scale", "2",
+                                            "--negative-prompt=--", "--out", tmp_path / "g.png",
+                                            "--no-progress", "--workers", "1", *root], capsys)
+    assert code == 0, err
+    from PIL import Image
+    with Image.open(tmp_path / "g.png") as im:
+        assert im.text["negative_prompt"] == "--"
+    code, _, err = _main("nxhpc.blockrun", ["tiny", "--precision=--", *root], capsys)
+    assert code == Exit.USAGE and "invalid choice: '--'" in err, err

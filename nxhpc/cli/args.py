@@ -161,13 +161,33 @@ def grid(s: str) -> tuple[int, int, int]:
     return g  # type: ignore[return-value]
 
 
+# ------------------------------------------------------------------------------ the parser
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, with an option's value of exactly ``--`` kept as given.
+
+    Python 3.11's argparse drops a ``--`` from every value list before converting it, so
+    ``--prompt=--`` came out as ``[]``: an internal error (exit 70) in ``encode``, and
+    ``generate --negative-prompt=--`` ran silently with the empty negative prompt. Here an
+    option taking one value (``nargs`` None or ``?``) given ``=--`` gets ``"--"`` (through its
+    ``type`` and ``choices``); positionals and the ``--`` separator are argparse's as before.
+    Every nxhpc CLI parses with this class."""
+
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
+        if action.option_strings and action.nargs in (None, argparse.OPTIONAL) \
+                and arg_strings == ["--"]:
+            value = self._get_value(action, "--")
+            self._check_value(action, value)
+            return value
+        return super()._get_values(action, arg_strings)
+
+
 # ------------------------------------------------------------------------------ shared arguments
 def cli_parser(module: str, description: str, epilog: str, exit_codes: Mapping[Any, str | None],
                usage: str | None = None) -> argparse.ArgumentParser:
     """The parser of ``python -m nxhpc.MODULE``: ``epilog`` then the exit-code table of
     ``exit_codes`` (:func:`nxhpc.cli.codes.codes_epilog`), both laid out as written."""
     from nxhpc.cli.codes import codes_epilog
-    return argparse.ArgumentParser(prog=f"python -m nxhpc.{module}", usage=usage,
+    return Parser(prog=f"python -m nxhpc.{module}", usage=usage,
                                    description=description,
                                    epilog=epilog + codes_epilog(exit_codes),
                                    formatter_class=argparse.RawDescriptionHelpFormatter)

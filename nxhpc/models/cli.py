@@ -246,7 +246,7 @@ def _cmd_make(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = types.Parser(
         prog="python -m nxhpc.models",
         description="List, inspect and generate nxhpc model directories "
                     "(model.gguf + fixtures.safetensors).",
