@@ -212,6 +212,37 @@ def test_bad_inputs_are_named():
         t.grad(d)
 
 
+def test_other_integer_dtypes_convert_exactly_and_floats_are_refused():
+    """uint64 values past int64 stay exact (Python ints: the range check then names the true
+    magnitude; astype(int64) wrapped 2**64 - 1 to -1, silently), and the ops that took floats
+    by truncation refuse them as the rest do (q16_mul(98304.7, ...) was 98304; sgd_step(...,
+    lr_q16=0.9) was an update of 0; round_div(x, 2.9) divided by 2). to_q16 of a float past
+    ~2.7e303 is a Q16OverflowError (it was numpy's overflow warning, then OverflowError from
+    int(inf)). Controls: small unsigned values and integer lr / divisors work as before."""
+    import warnings
+    big = np.array([2**64 - 1], np.uint64)
+    with pytest.raises(Q16OverflowError, match=r"magnitude 18446744073709551615 "):
+        Tape().leaf(big)
+    assert round_div(np.array([2**64 - 2], np.uint64), 2).tolist() == [2**63 - 1]
+    assert from_q16(np.array([2**63], np.uint64)).tolist() == [2.0**47]
+    with pytest.raises(Q16OverflowError, match=r"add: Q16 magnitude 9223372036854775809 "):
+        q16_add(np.array([2**63 + 1], np.uint64), np.array([0]))
+    assert Tape().leaf(np.array([5], np.uint8)).value.tolist() == [5]          # control
+    with pytest.raises(TypeError, match=r"mul: a: .*float64.*to_q16"):
+        q16_mul(np.array([98304.7]), np.array([65536]))
+    with pytest.raises(TypeError, match=r"sgd_step: lr_q16: expected an integer, got 0.9"):
+        sgd_step(np.array([0]), np.array([Q16_ONE]), 0.9)
+    with pytest.raises(TypeError, match=r"round_div: d: expected an integer, got 2.9"):
+        round_div(np.array([5]), 2.9)
+    assert sgd_step(np.array([0]), np.array([Q16_ONE]), np.int64(3277)).tolist() == [-3277]
+    assert round_div(np.array([5]), np.int32(2)).tolist() == [2]               # 2.5 -> even
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x in (1.7e308, -1e305):
+            with pytest.raises(Q16OverflowError, match=r"to_q16\(x\): .* \(~\d\.\d{3}e\+30\d in real"):
+                to_q16([x], "x")
+
+
 # ------------------------------------------------------------------------------------------
 # gradients: exact hand-derived integers
 # ------------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ gradient (``_rowround_tn``, N*K*M rounded terms) -- the one place a fused C kern
 from __future__ import annotations
 
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Callable, Sequence
 
 import numpy as np
@@ -69,6 +70,12 @@ INT64_MAX = (1 << 63) - 1
 _TERM_CHUNK = 1 << 20
 
 
+def _g4(v: Decimal) -> str:
+    """``v`` as ``%.4g`` of a float; past float's range (to_q16(1e308) is ~1e313 in Q16) the
+    same figures from the exact Decimal."""
+    return f"{float(v):.4g}" if abs(v) < Decimal("1e300") else f"{v:.4g}"
+
+
 class Q16OverflowError(ArithmeticError):
     """A Q16 result (or an exact intermediate that must fit) left the representable range."""
 
@@ -76,8 +83,9 @@ class Q16OverflowError(ArithmeticError):
         self.op = op
         self.magnitude = int(magnitude)
         self.limit = int(limit)
+        mag = str(self.magnitude) if self.magnitude < 10 ** 21 else _g4(Decimal(self.magnitude))
         super().__init__(
-            f"{op}: Q16 magnitude {self.magnitude} (~{self.magnitude / Q16_ONE:.4g} in real units) "
+            f"{op}: Q16 magnitude {mag} (~{_g4(Decimal(self.magnitude) / Q16_ONE)} in real units) "
             f"exceeds the limit {self.limit} (~{self.limit / Q16_ONE:.4g}); nothing was wrapped")
 
 
@@ -86,13 +94,17 @@ class Q16OverflowError(ArithmeticError):
 # ----------------------------------------------------------------------------------------------
 
 def _as_int_array(x, name: str) -> np.ndarray:
-    """Policy for integer inputs: int64 ndarray (or object array of Python ints), else TypeError."""
+    """Policy for integer inputs: int64 ndarray (or object array of Python ints), else TypeError.
+    Other integer dtypes are converted exactly: an unsigned array holding a value past int64
+    becomes Python ints (``astype(int64)`` wrapped 2**64 - 1 to -1)."""
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
         return np.asarray(int(x), dtype=object if abs(int(x)) > INT64_MAX else np.int64)
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name}: expected an int64 numpy array of Q16 values, got {type(x).__name__}")
     if x.dtype == np.int64 or x.dtype == object:
         return x
+    if x.dtype.kind == "u" and x.size and int(x.max()) > INT64_MAX:
+        return x.astype(object)
     if x.dtype.kind in "iu":
         return x.astype(np.int64)
     raise TypeError(f"{name}: expected an int64 numpy array of Q16 values, got dtype={x.dtype} "
@@ -116,13 +128,23 @@ def _fit(x: np.ndarray, op: str) -> np.ndarray:
     return x.astype(np.int64) if x.dtype != np.int64 else x
 
 
+def _int(v, name: str) -> int:
+    """``v`` as a Python int if it is an integer (not bool), else TypeError: ``int(0.9)`` would
+    be a silent 0 (an SGD step with lr 0.9 that did nothing)."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name}: expected an integer, got {v!r} ({type(v).__name__}; convert "
+                        f"floats with to_q16)")
+    return int(v)
+
+
 def round_div(x, d: int):
-    """Exact ``x / d`` rounded half to even, for integer arrays (int64 or object) or ints; d > 0.
+    """Exact ``x / d`` rounded half to even, for integer arrays (int64 or object) or ints; d > 0
+    an integer (TypeError otherwise).
 
     Floor division gives ``x = q*d + r`` with ``0 <= r < d``; the quotient is raised by one when
     ``2r > d`` or (``2r == d`` and ``q`` is odd). Works for negative x (floor semantics).
     """
-    d = int(d)
+    d = _int(d, "round_div: d")
     if d <= 0:
         raise ValueError(f"round_div: divisor must be positive, got {d}")
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
@@ -152,10 +174,10 @@ def to_q16(x, name: str = "x") -> np.ndarray:
     if not np.all(np.isfinite(a)):
         bad = tuple(int(i) for i in np.argwhere(~np.isfinite(a))[0])
         raise ValueError(f"to_q16: {name} has a non-finite value {a[bad]} at index {bad}")
-    r = np.rint(a * float(Q16_ONE))
-    if r.size and float(np.max(np.abs(r))) >= 2.0 ** 62:
-        raise Q16OverflowError(f"to_q16({name})", int(np.max(np.abs(r))))
-    return r.astype(np.int64)
+    m = float(np.max(np.abs(a))) if a.size else 0.0
+    if m * float(Q16_ONE) >= 2.0 ** 62:                 # before the product: 1e308 * 2**16 = inf
+        raise Q16OverflowError(f"to_q16({name})", int(m) * Q16_ONE)
+    return np.rint(a * float(Q16_ONE)).astype(np.int64)
 
 
 def from_q16(q) -> np.ndarray:
@@ -197,6 +219,8 @@ def _exact_sum(x: np.ndarray, axis, op: str) -> np.ndarray:
 
 def q16_mul(a: np.ndarray, b: np.ndarray, op: str = "mul") -> np.ndarray:
     """Elementwise ``round_shift(a * b)`` (exact product, one rounding), range-checked."""
+    a = _as_int_array(a, f"{op}: a")
+    b = _as_int_array(b, f"{op}: b")
     prod = _exact_product(a, b, 1, np.multiply)
     return _fit(round_shift(prod), op)
 
@@ -228,7 +252,9 @@ def _rowround_tn(a: np.ndarray, g: np.ndarray, op: str) -> np.ndarray:
         else:
             total = total.astype(object) + part.astype(object)
     # only the full sum is range-checked: a partial sum past the range (then cancelled) is not
-    # an error, so the outcome cannot depend on how the rows were chunked or sharded
+    # an error, so the outcome cannot depend on how the rows were chunked. (Data-parallel
+    # training checks each shard's gradient and each partial sum of the all-reduce: there a
+    # run can overflow for one worker count and not another -- an error, never other bits.)
     return _fit(total, op)
 
 
@@ -242,9 +268,10 @@ def sgd_step(w: np.ndarray, g: np.ndarray, lr_q16: int, denom: int = 1) -> np.nd
     g = _as_int_array(g, "sgd_step: g")
     if w.shape != g.shape:
         raise ValueError(f"sgd_step: w is {w.shape} but g is {g.shape}")
-    if int(denom) <= 0:
+    denom, lr_q16 = _int(denom, "sgd_step: denom"), _int(lr_q16, "sgd_step: lr_q16")
+    if denom <= 0:
         raise ValueError(f"sgd_step: denom must be positive, got {denom}")
-    lr = np.asarray(int(lr_q16), dtype=object if abs(int(lr_q16)) > INT64_MAX else np.int64)
+    lr = np.asarray(lr_q16, dtype=object if abs(lr_q16) > INT64_MAX else np.int64)
     prod = _exact_product(g, lr, 1, np.multiply)
     upd = _fit(round_div(prod, Q16_ONE * int(denom)), "sgd_step")
     return q16_add(w, -upd, "sgd_step")
