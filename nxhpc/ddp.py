@@ -25,6 +25,7 @@ from nxhpc.cli.frame import run_cli
 from nxhpc.cli.report import save_bytes
 from nxhpc.runtime.outfile import OutputPathError, check_cli_output_path
 from nxhpc.runtime.proc import Terminated
+from nxhpc.runtime.ranks import mpi_launched
 from nxhpc.runtime.workers import max_workers, usable_cpus
 from nxhpc.train import ddp as train
 
@@ -68,6 +69,9 @@ class _Parser(types.Parser):
         for opt, ds in (("--sweep", a.sweep), ("--contrast", a.contrast)):
             if ds and len(set(ds)) != len(ds):
                 self.error(f"{opt} lists a worker count twice: {','.join(map(str, ds))}")
+        if a.backend == "shm" and mpi_launched():
+            self.error("started as one of several MPI ranks (mpirun -n N): give --backend mpi; "
+                       "with shm every rank would run the whole training on its own")
         if a.backend == "shm":   # forked processes: the pools' one cap (MPI: mpirun's world)
             top = max_workers()
             for opt, ds in _worker_counts(a):
@@ -122,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also train the Q16 model with each of these worker counts (shm; each "
                          "within --workers' limits) and print a hash table, checked against the "
                          "single-process full batch")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds before a shm run is "
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds without progress (no step's "
+                    "gradient or all-reduce finished by the slowest worker) before a shm run is "
                     "declared hung (default 600; inf: no limit)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
     return ap

@@ -204,7 +204,9 @@ def _protect_model_files(args, den) -> None:
     """Refuse (exit 2, before sampling) an --out / --png that is a file of the opened model --
     whether MODEL was an id, a directory or a GGUF path (links resolved)."""
     from nxhpc.models.registry import opened_model_files
-    files = opened_model_files(args.model, den.gguf.path, den.directory)
+    gguf = getattr(getattr(den, "gguf", None), "path", None)      # None: a test's stand-in
+    files = [] if gguf is None else opened_model_files(args.model, gguf,
+                                                       getattr(den, "directory", None))
     for what, path in [("--out", args.out)] + ([("--png", args.png)] if args.png else []):
         check_cli_output_path(path, what=what, model_files=files)
 

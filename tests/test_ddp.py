@@ -246,12 +246,28 @@ def test_hung_worker_times_out_naming_it(data, prefix):
     assert time.monotonic() - t0 < 20
 
 
+def test_timeout_is_for_a_hang_not_for_a_long_run(data, prefix):
+    """``timeout`` is seconds without progress: a healthy run longer than it completes (it was
+    the whole run's budget: ``--workers 2 --steps 2000 --timeout 3`` was "timed out ... still
+    computing the gradient of step 1041", exit 6). The hang above still times out."""
+    t0 = time.monotonic()
+    res = train_shm(2, 600, data=data, shm_prefix=prefix, timeout=0.25)   # ~4 ms a step here
+    took = time.monotonic() - t0
+    assert len(res.losses) == 600
+    if took <= 0.25:                  # the run must outlast the timeout for this to prove it
+        pytest.skip(f"600 steps took {took:.2f} s, not longer than the 0.25 s timeout")
+
+
 def test_overflow_in_training_is_reported_not_wrapped(data, prefix):
     # a huge learning rate makes the weights explode; the tape must raise, naming the worker,
     # as a Q16OverflowError too (the run's arithmetic, not a crash: the CLI's exit 1, one line)
     with pytest.raises(DDPWorkerError, match=r"worker \d .*Q16OverflowError") as e:
         train_shm(2, 200, data=data, cfg=MLPConfig(lr=5e4), shm_prefix=prefix, timeout=60)
     assert isinstance(e.value, Q16OverflowError) and "Traceback" not in str(e.value)
+    # the worker's own op and magnitude, as its message gives them (they were "worker N", 0)
+    assert e.value.magnitude > e.value.limit
+    assert f"(~{e.value.magnitude / 65536:.4g} in real units)" in str(e.value)
+    assert not e.value.op.startswith("worker") and f"{e.value.op}: Q16 magnitude" in str(e.value)
     assert leftovers(prefix) == []
     r = _cli("--no-contrast", "--lr", "2", "--steps", "200", "--workers", "2")
     assert r.returncode == 1, (r.returncode, r.stderr)
@@ -269,6 +285,13 @@ def test_bad_arguments_are_named(data):
         train_shm(500, 1, data=data)
     with pytest.raises(ValueError, match="steps must be a non-negative integer"):
         train_shm(2, -1, data=data)
+    with pytest.raises(ValueError, match="workers must be a positive integer, got True"):
+        train_shm(True, 1, data=data)         # it was a SharedArena shape error
+    with pytest.raises(ValueError, match="steps must be a non-negative integer, got True"):
+        train_shm(1, True, data=data)
+    empty = type(data)(data.x[:0], data.y[:0], "empty")
+    with pytest.raises(ValueError, match="the data set 'empty' has no rows"):
+        train_full_batch(1, data=empty)       # it was a ZeroDivisionError
     with pytest.raises(ValueError, match="arith must be 'q16' or 'float32'"):
         train_full_batch(1, arith="float16", data=data)
     with pytest.raises(ValueError, match="rounds to 0 in Q16"):
@@ -362,9 +385,9 @@ def _is_zombie(pid: int) -> bool:
 # CLI
 # ------------------------------------------------------------------------------------------
 
-def _cli(*args, timeout=120):
+def _cli(*args, timeout=120, env=None):
     return subprocess.run([sys.executable, "-m", "nxhpc.ddp", *args], capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
 
 
 def test_cli_help_and_bad_arguments():
@@ -387,6 +410,12 @@ def test_cli_help_and_bad_arguments():
     assert r.returncode == 2 and f"--sweep: [{top + 1}] exceeds {top}" in r.stderr
     r = _cli("--workers", "2", "--contrast", f"{top + 1}", "--steps", "1")
     assert r.returncode == 2 and f"--contrast: [{top + 1}] exceeds {top}" in r.stderr
+    # under an MPI launcher the shm backend would run the whole job once per rank (each rank
+    # printing its report and writing the same --json): refused; control: a world of one
+    r = _cli("--steps", "1", "--no-contrast", env=dict(os.environ, OMPI_COMM_WORLD_SIZE="2"))
+    assert r.returncode == 2 and "give --backend mpi" in r.stderr, r.stderr
+    r = _cli("--steps", "1", "--no-contrast", env=dict(os.environ, OMPI_COMM_WORLD_SIZE="1"))
+    assert r.returncode == 0, r.stderr
     r = _cli("--workers", "443", "--steps", "1")     # more workers than the 442 data rows
     assert r.returncode == 2 and ("exceeds the 442 data rows" in r.stderr if top >= 443
                                   else "--workers: [443] exceeds" in r.stderr)

@@ -60,9 +60,11 @@ class DDPOverflowError(DDPWorkerError, Q16OverflowError):
     naming the worker (its message carries the worker's Q16OverflowError) that is also a
     Q16OverflowError, so the CLI reports it as one (exit 1, not a worker failure)."""
 
-    def __init__(self, rank: int, message: str) -> None:
+    def __init__(self, rank: int, message: str, op: str | None = None,
+                 magnitude: int = 0) -> None:
         DDPWorkerError.__init__(self, rank, message)
-        self.op, self.magnitude, self.limit = f"worker {rank}", 0, Q16_MAX
+        # the worker's own op and magnitude (0 and "worker N" when not known)
+        self.op, self.magnitude, self.limit = op or f"worker {rank}", int(magnitude), Q16_MAX
 
 
 #: Why the shm backend cannot run in a daemonic process (multiprocessing refuses it children).
@@ -207,6 +209,8 @@ class _Arith:
             raise ValueError(f"arith must be 'q16' or 'float32', got {kind!r}")
         self.kind, self.cfg = kind, cfg
         self.n_rows, n_in = data.x.shape
+        if self.n_rows < 1:                  # the mean loss divides by it
+            raise ValueError(f"the data set {data.name!r} has no rows")
         self.layout = param_layout(n_in, cfg.hidden)
         p0 = init_params(n_in, cfg)
         if kind == "q16":
@@ -277,7 +281,7 @@ def train_full_batch(steps: int, *, arith: str = "q16", cfg: MLPConfig = MLPConf
 
 
 def _check_steps(steps: int) -> None:
-    if not isinstance(steps, (int, np.integer)) or steps < 0:
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
 
 
@@ -286,9 +290,14 @@ def _check_steps(steps: int) -> None:
 # ----------------------------------------------------------------------------------------------
 
 def _barrier_timeout(timeout: float) -> float | None:
-    """The per-wait barrier timeout of a worker: None (wait; the parent's deadline still holds)
-    for ``inf`` or anything past what a semaphore wait accepts (1e300 fails with EINVAL)."""
-    return None if not timeout <= threading.TIMEOUT_MAX else timeout
+    """The per-wait barrier timeout of a worker for the run's ``timeout``: ``2 * timeout + 1``
+    s, so that the parent, which declares a hang ``timeout`` s after it saw the last progress
+    (it looks at least once a second), names the hung worker before a waiting peer's barrier
+    breaks (that peer's "barrier broken" would be the report instead); a backstop only. None
+    (wait; the parent's deadline still holds) for ``inf`` or anything past what a semaphore
+    wait accepts (1e300 fails with EINVAL)."""
+    t = 2 * timeout + 1.0
+    return None if not t <= threading.TIMEOUT_MAX else t
 
 
 def _worker_main(rank: int, workers: int, ar: _Arith, seg: ShmSegment, barrier, conn,
@@ -338,7 +347,7 @@ def _worker_main(rank: int, workers: int, ar: _Arith, seg: ShmSegment, barrier, 
     except BaseException as e:  # noqa: BLE001 - report everything to the parent, then exit
         try:
             if isinstance(e, Q16OverflowError):     # the run's arithmetic: one line
-                conn.send(("overflow", rank, f"{type(e).__name__}: {e}"))
+                conn.send(("overflow", rank, f"{type(e).__name__}: {e}", e.op, e.magnitude))
             else:                                    # unexpected: with its traceback
                 conn.send(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         finally:
@@ -361,12 +370,15 @@ def _abort_barrier(barrier, wait: float = 1.0) -> bool:
     return not t.is_alive()
 
 
-def _supervise(procs, conns, barrier, deadline: float, progress: np.ndarray) -> None:
-    """Wait for all workers; on the first failure abort the barrier and raise naming the worker."""
+def _supervise(procs, conns, barrier, timeout: float, progress: np.ndarray) -> None:
+    """Wait for all workers; on the first failure abort the barrier and raise naming the worker.
+    ``timeout``: seconds without progress -- the slowest worker finishing no phase (a step's
+    gradient or its all-reduce) -- before the run is declared hung; a slow healthy run is not
+    (the deadline was once the whole run's)."""
     D = len(procs)
     done: set[int] = set()
     failures: list[tuple[int, bool, str]] = []      # (rank, primary?, message)
-    overflowed: set[int] = set()                     # ranks whose tape overflowed
+    overflowed: dict[int, tuple] = {}                # rank -> (op, magnitude) of its overflow
     open_conns = {i: c for i, c in enumerate(conns)}
 
     def note_message(i: int) -> None:
@@ -380,11 +392,16 @@ def _supervise(procs, conns, barrier, deadline: float, progress: np.ndarray) -> 
         else:
             failures.append((i, msg[0] != "broken", msg[2]))
             if msg[0] == "overflow":
-                overflowed.add(i)
+                overflowed[i] = tuple(msg[3:5])
         open_conns.pop(i, None)
 
+    seen, deadline = -1, time.monotonic() + timeout
     while len(done) < D and not failures:
-        remaining = deadline - time.monotonic()
+        now = time.monotonic()
+        low = min((int(progress[i]) for i in range(D) if i not in done), default=seen)
+        if low > seen:                              # the slowest worker moved: a new deadline
+            seen, deadline = low, now + timeout
+        remaining = deadline - now
         if remaining <= 0:
             _abort_barrier(barrier)
             running = [i for i in range(D) if i not in done]
@@ -427,7 +444,9 @@ def _supervise(procs, conns, barrier, deadline: float, progress: np.ndarray) -> 
         rank, _, msg = primary
         if not msg.startswith(f"worker {rank}"):
             msg = f"worker {rank} (pid {procs[rank].pid}) failed: {msg}"
-        raise (DDPOverflowError if rank in overflowed else DDPWorkerError)(rank, msg)
+        if rank in overflowed:
+            raise DDPOverflowError(rank, msg, *overflowed[rank])
+        raise DDPWorkerError(rank, msg)
 
 
 def train_shm(workers: int, steps: int, *, arith: str = "q16", cfg: MLPConfig = MLPConfig(),
@@ -440,11 +459,12 @@ def train_shm(workers: int, steps: int, *, arith: str = "q16", cfg: MLPConfig = 
     ring all-reduce works in place on them; the last column carries each shard's SSE), the loss
     per step and every replica's final weights. All replicas must end byte-identical (checked).
     Raises DDPWorkerError naming a worker that died or raised, DDPTimeoutError after `timeout`
-    seconds; the segment is unlinked in every case. `fault_injection` = (rank, step, "kill" |
+    seconds without progress (the slowest worker finishing no step's gradient or all-reduce:
+    a hang, not a long run); the segment is unlinked in every case. `fault_injection` = (rank, step, "kill" |
     "kill-in-barrier" | "raise" | "hang") is for tests ("kill-in-barrier": the worker dies
     holding the barrier's lock, as a kill during ``barrier.wait()`` can leave it).
     """
-    if not isinstance(workers, (int, np.integer)) or workers < 1:
+    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     _check_steps(steps)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
@@ -480,7 +500,7 @@ def train_shm(workers: int, steps: int, *, arith: str = "q16", cfg: MLPConfig = 
                 tx.close()
                 procs.append(p)
                 conns.append(rx)
-            _supervise(procs, conns, barrier, time.monotonic() + timeout, seg["progress"])
+            _supervise(procs, conns, barrier, timeout, seg["progress"])
         finally:
             for p in procs:
                 if p.is_alive():
