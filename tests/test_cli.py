@@ -218,6 +218,28 @@ def test_nxhpc_entry_point_dispatches(tmp_path):
     assert r.returncode == Exit.USAGE and "n_workers" in r.stderr
 
 
+def test_ctrl_c_while_a_command_loads_is_exit_130(monkeypatch, capsys):
+    """Ctrl-C while ``nxhpc <command>`` imports the command (a second or more of torch-free
+    imports, before the command's frame handles signals) is exit 130 without a traceback (it
+    was Python's KeyboardInterrupt traceback). Control: the same command loads and runs."""
+    cli_main = importlib.import_module("nxhpc.cli.main")
+    real = importlib.import_module
+
+    def interrupted(name, *a, **k):
+        if name == "nxhpc.encode":
+            raise KeyboardInterrupt
+        return real(name, *a, **k)
+    monkeypatch.setattr(cli_main.importlib, "import_module", interrupted)
+    try:
+        code = cli_main.main(["encode", "--help"])
+    except KeyboardInterrupt:          # (escaping, it would stop the whole pytest session)
+        pytest.fail("the KeyboardInterrupt escaped nxhpc's main()")
+    assert code == Exit.SIGINT
+    monkeypatch.setattr(cli_main.importlib, "import_module", real)
+    assert cli_main.main(["encode", "--help"]) == 0
+    assert "usage:" in capsys.readouterr().out
+
+
 def test_no_cli_imports_a_private_name_of_another():
     clis = {m for m in CLI_MODULES}
     for mod in CLI_MODULES:

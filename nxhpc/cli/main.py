@@ -71,7 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         write_or_drop(sys.stderr, f"nxhpc: error: unknown command {cmd!r}; choose from "
                                   f"{', '.join(COMMANDS)}\n")
         return int(Exit.USAGE)
-    mod = importlib.import_module(COMMANDS[cmd][0])
+    try:
+        mod = importlib.import_module(COMMANDS[cmd][0])
+    except KeyboardInterrupt:         # Ctrl-C while the command's modules load (before its
+        return int(Exit.SIGINT)       # frame handles signals): the code, not a traceback
     return int(mod.main(rest))
 
 
