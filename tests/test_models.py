@@ -1007,3 +1007,99 @@ def test_models_dir_option_before_or_after_the_command(tmp_path, capsys):
         assert capsys.readouterr().out.splitlines()[0] == f"models dir: {tmp_path}", argv
     assert models_cli.main(["list"]) == 0
     assert capsys.readouterr().out.splitlines()[0] != f"models dir: {tmp_path}"
+
+
+# ------------------------------------------------------------ model directories keep the user's
+def test_regenerating_a_stale_builtin_keeps_the_users_files(tmp_path):
+    """A stale built-in (an upgrade, damage) is generated again; the user's files in its
+    directory (an output saved there, a model made under it, notes) move into the new one
+    (they were deleted with the old model). The model's own files are the new ones."""
+    d = ensure_builtin("tiny", tmp_path)
+    np.save(d / "out.npy", np.arange(3))
+    (d / "mine").mkdir()
+    (d / "mine" / "notes.txt").write_text("keep me")
+    spec = json.loads((d / "synthetic.json").read_text())
+    spec["fingerprint"] = "stale"
+    (d / "synthetic.json").write_text(json.dumps(spec))
+    assert not registry.builtin_current(d, registry.builtin_spec("tiny"))
+    assert ensure_builtin("tiny", tmp_path) == d
+    assert registry.builtin_current(d, registry.builtin_spec("tiny"))          # regenerated
+    assert np.load(d / "out.npy").tolist() == [0, 1, 2]
+    assert (d / "mine" / "notes.txt").read_text() == "keep me"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tiny.tmp-")]
+    assert not [p for p in tmp_path.iterdir() if ".replaced-" in p.name]
+
+
+def test_a_make_without_force_never_replaces_a_model_made_meanwhile(tmp_path):
+    """Two ``models make X`` at once without --force: the second to finish was renamed over the
+    first (both exit 0). Here the directory appears while the model is written (the other
+    process): FileExistsError, the other's model untouched, no temporary left. Control: with
+    replace=True it is replaced."""
+    from nxhpc.models.modeldir import build_model_dir
+    out = tmp_path / "race"
+
+    def write(tmp, marker):
+        if not out.exists():                         # the other process finishes first
+            out.mkdir()
+            (out / "model.gguf").write_text("theirs")
+        (tmp / "model.gguf").write_text(marker)
+    with pytest.raises(FileExistsError, match="made meanwhile"):
+        build_model_dir(out, lambda tmp: write(tmp, "mine"))
+    assert (out / "model.gguf").read_text() == "theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["race"]
+    build_model_dir(out, lambda tmp: write(tmp, "mine"), replace=True)
+    assert (out / "model.gguf").read_text() == "mine"
+
+
+def test_a_builtin_whose_manifest_cannot_be_written_leaves_nothing(tmp_path, monkeypatch):
+    """A full disk at the manifest (the last file) said "nothing was left behind" but left the
+    model without it, which every later run then tried to generate again into the full disk.
+    Now the model's files go; the user's files there stay."""
+    import errno as _errno
+
+    def full(d):
+        raise OSError(_errno.ENOSPC, "No space left on device")
+    d = ensure_builtin("tiny", tmp_path)
+    (d / "keep.txt").write_text("mine")
+    (d / "synthetic.json").write_text("{}")                      # stale: generated again
+    monkeypatch.setattr(registry, "_write_manifest", full)
+    with pytest.raises(ModelsDirError, match="nothing was left behind"):
+        ensure_builtin("tiny", tmp_path)
+    assert sorted(p.name for p in d.iterdir()) == ["keep.txt"]
+    d2 = tmp_path / "b"
+    with pytest.raises(ModelsDirError):
+        ensure_builtin("tiny", d2)
+    assert not (d2 / "tiny").exists()                             # an empty directory goes too
+    monkeypatch.undo()
+    assert registry.builtin_current(ensure_builtin("tiny", d2), registry.builtin_spec("tiny"))
+
+
+def test_make_refuses_a_builtins_directory_and_zero_dims(tmp_path):
+    """``models make tiny --types q4_k_m`` (no --out) wrote the variant into the built-in's own
+    directory, which the next use generated again over it (exit 0 both times): refused, as is
+    ``--out <models>/tiny``; --heads 0 was exit 70 (ZeroDivisionError) and --adaln-in 0 /
+    --kv-heads 0 were replaced by defaults: exit 2. A blank NXHPC_MODELS made a directory named
+    " " (exit 9 now); ``--models-dir=~/x`` is expanded as NXHPC_MODELS is. Control: the variant
+    under another id is made."""
+    for argv in (["make", "tiny", "--types", "q4_k_m"],
+                 ["make", "v", "--out", str(tmp_path / "tiny"), "--dim", "64", "--heads", "2"]):
+        r = run_cli("nxhpc.models", argv, tmp_path)
+        assert r.returncode == 2 and "the directory of the built-in model 'tiny'" in r.stderr, \
+            r.stderr
+    assert not (tmp_path / "tiny").exists()
+    for opt in ("--heads", "--adaln-in", "--kv-heads", "--ffn", "--dim", "--layers"):
+        r = run_cli("nxhpc.models", ["make", "x", opt, "0"], tmp_path)
+        assert r.returncode == 2 and f"argument {opt}: must be an integer >= 1" in r.stderr, \
+            (opt, r.stderr)
+    r = run_cli("nxhpc.models", ["make", "tiny-q4", "--types", "q4_k_m"], tmp_path)
+    assert r.returncode == 0 and (tmp_path / "tiny-q4" / "model.gguf").is_file(), r.stderr
+    from procutil import ROOT
+    env = models_env(tmp_path, PYTHONPATH=str(ROOT), HOME=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "nxhpc.blockrun", "tiny"], capture_output=True,
+                       text=True, cwd=tmp_path, timeout=300, env=dict(env, NXHPC_MODELS=" "))
+    assert r.returncode == 9 and "NXHPC_MODELS=' ' is blank" in r.stderr, r.stderr
+    assert not (tmp_path / " ").exists()
+    r = subprocess.run([sys.executable, "-m", "nxhpc.models", "list", "--models-dir=~/x"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
+    assert r.returncode == 0 and f"models dir: {tmp_path}{os.sep}x" in r.stdout, \
+        r.stdout + r.stderr

@@ -250,10 +250,11 @@ def add_tol(p: argparse.ArgumentParser, tols: Mapping[str, float]) -> None:
 
 
 def directory_path(s: str) -> str:
-    """A directory path that is not empty (``""`` would quietly mean the current directory)."""
+    """A directory path that is not empty (``""`` would quietly mean the current directory),
+    ``~`` expanded as ``$NXHPC_MODELS``'s is (``--models-dir=~/m``: the shell leaves it)."""
     if not s.strip():
         raise argparse.ArgumentTypeError("empty path: give a directory ('.' for this one)")
-    return s
+    return os.path.expanduser(s)
 
 
 def add_models_dir(p: argparse.ArgumentParser) -> None:

@@ -225,6 +225,12 @@ def _cmd_make(args: argparse.Namespace) -> int:
         if "grid" in custom:
             custom["grid"] = tuple(custom["grid"])
         d = Path(args.out) if args.out else root / args.id
+        if builtin_spec(d.name) is not None and \
+                os.path.realpath(d.parent) == os.path.realpath(root):
+            raise UsageError(f"{d}: the directory of the built-in model {d.name!r}, which is "
+                             f"generated again whenever it does not hold that model (a variant "
+                             f"written there would be replaced by it); give another id, or "
+                             f"--out DIR elsewhere")
         spec = dataclasses.replace(base, **custom)
         src = "(from --out)" if args.out else "(from $NXHPC_MODELS / --models-dir)"
         try:
@@ -269,15 +275,15 @@ def build_parser() -> argparse.ArgumentParser:
                                     "options are for block models only.")
     mk.add_argument("id", help="model id (directory name under the models dir)")
     mk.add_argument("--variant", choices=("zimage", "lumina2"))
-    mk.add_argument("--dim", type=int)
-    mk.add_argument("--heads", dest="n_heads", type=int)
-    mk.add_argument("--kv-heads", dest="n_kv_heads", type=int)
-    mk.add_argument("--ffn", dest="ffn_dim", type=int)
-    mk.add_argument("--layers", dest="n_layers", type=int)
+    mk.add_argument("--dim", type=types.positive_int)
+    mk.add_argument("--heads", dest="n_heads", type=types.positive_int)
+    mk.add_argument("--kv-heads", dest="n_kv_heads", type=types.positive_int)
+    mk.add_argument("--ffn", dest="ffn_dim", type=types.positive_int)
+    mk.add_argument("--layers", dest="n_layers", type=types.positive_int)
     mk.add_argument("--caption", dest="n_caption", type=int, help="caption tokens")
     mk.add_argument("--grid", type=types.grid, help="image token grid FxHxW, e.g. 1x4x8")
     mk.add_argument("--seed", type=types.seed)
-    mk.add_argument("--adaln-in", type=int)
+    mk.add_argument("--adaln-in", type=types.positive_int)
     mk.add_argument("--eps", dest="norm_eps", type=types.eps,
                     help="RMSNorm eps, a normal float32 number (default 1e-5)")
     mk.add_argument("--mask-pad", type=int, help="mask the last N caption tokens")

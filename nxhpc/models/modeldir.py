@@ -35,7 +35,8 @@ from nxhpc.formats.gguf_io import ModelError, write_gguf
 __all__ = ["GGUF_FILE", "FIXTURES_FILE", "SPEC_FILE", "VAE_FILE", "MODEL_FILES", "model_files",
            "write_model_dir",
            "build_model_dir", "check_replaceable", "locked", "lock_holder", "sweep_stale",
-           "check_models_root", "ModelsDirError", "STALE_AGE_S", "process_umask"]
+           "check_models_root", "ModelsDirError", "STALE_AGE_S", "process_umask",
+           "FILES_MANIFEST", "NAMED_FILES"]
 
 GGUF_FILE = "model.gguf"
 SPEC_FILE = "synthetic.json"
@@ -43,6 +44,16 @@ SPEC_FILE = "synthetic.json"
 VAE_FILE = "ae.safetensors"
 #: A directory holding one of these is a model directory (what may be replaced).
 MODEL_FILES = (GGUF_FILE, FIXTURES_FILE, VAE_FILE)
+#: Written into a built-in's directory after it was generated: each file's name, size and
+#: sampled sha256 (``runtime.ranks.file_fingerprint``: ~5 MB read per file, whatever its size).
+#: A file that was overwritten, truncated or replaced since (say an output saved over the
+#: model) no longer matches, and the built-in is generated again.
+FILES_MANIFEST = ".nxhpc-files.json"
+#: The names of the files a model's loaders read or a built-in keeps: an output never replaces
+#: one beside a model named by its path, and a replaced model's directory passes every other
+#: entry (the user's) on to the new one (:func:`build_model_dir`)
+NAMED_FILES = (GGUF_FILE, FIXTURES_FILE, SPEC_FILE, FILES_MANIFEST, VAE_FILE, "config.json",
+               "diffusion_pytorch_model.safetensors")
 #: A temporary without a writer pid in its name (an older nxhpc's) is stale after this long.
 STALE_AGE_S = 3600.0
 #: How often a waiter for the generation lock repeats that it is waiting.
@@ -182,7 +193,10 @@ def build_model_dir(out_dir: str | os.PathLike, write: Callable[[Path], None], *
     """Run ``write(tmp)`` to fill a temporary sibling of ``out_dir``, then rename it into place
     (all-or-nothing; ``replace`` as for :func:`write_model_dir`). ``write`` must leave a
     ``model.gguf``, ``fixtures.safetensors`` or ``ae.safetensors`` in ``tmp`` (what makes it a
-    model directory: :data:`MODEL_FILES`)."""
+    model directory: :data:`MODEL_FILES`). Without ``replace`` a directory that appeared at
+    ``out_dir`` meanwhile (another process's make) is FileExistsError, not replaced. A replaced
+    directory's entries that are not a model's files (:data:`NAMED_FILES`: the user's outputs,
+    notes, folders) are moved into the new one, not deleted with the old model."""
     out_dir = Path(out_dir)
     check_replaceable(out_dir, replace)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -196,16 +210,47 @@ def build_model_dir(out_dir: str | os.PathLike, write: Callable[[Path], None], *
             raise RuntimeError(f"build_model_dir: {out_dir}: none of {', '.join(MODEL_FILES)} "
                                f"was written")
         os.chmod(tmp, 0o777 & ~process_umask())     # mkdtemp made it 0o700
-        if out_dir.exists():
+        if replace and out_dir.exists():
             os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
+        try:
+            os.rename(tmp, out_dir)                     # onto an existing non-empty dir: fails
+        except OSError as e:
+            if replace or e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR,
+                                          errno.EISDIR):
+                raise
+            raise FileExistsError(f"{out_dir} already exists (made meanwhile, by another "
+                                  f"process?)") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not out_dir.exists():
             os.rename(old, out_dir)                     # put the previous model back
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    kept = _carry_over(old, out_dir)
+    if kept is None:
+        shutil.rmtree(old, ignore_errors=True)
     return out_dir
+
+
+def _carry_over(old: Path, new: Path) -> Path | None:
+    """Move the entries of the replaced model directory ``old`` that are not a model's files
+    (:data:`NAMED_FILES`, the manifest's temporaries) into ``new``. None when done (``old`` may
+    go); if a move fails, ``old`` is renamed to a visible ``<name>.replaced-<pid>`` beside
+    ``new`` and returned, so that nothing of the user's is deleted."""
+    if not old.is_dir():
+        return None
+    try:
+        for p in sorted(old.iterdir()):
+            if p.name in NAMED_FILES or p.name.startswith(f"{FILES_MANIFEST}.tmp-") \
+                    or os.path.lexists(new / p.name):
+                continue
+            os.rename(p, new / p.name)
+    except OSError as e:
+        keep = new.with_name(f"{new.name}.replaced-{os.getpid()}")
+        os.rename(old, keep)
+        print(f"nxhpc.models: {new}: could not move the previous directory's own files into "
+              f"the new one ({e.strerror or e}); they are in {keep}", file=sys.stderr)
+        return keep
+    return None
 
 
 def check_replaceable(out_dir: Path, replace: bool) -> None:

@@ -15,6 +15,7 @@ files, never ids. Must not: run kernels.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,8 +28,9 @@ from typing import Any
 from nxhpc.formats.fixtures import FIXTURES_FILE, FixtureStore
 from nxhpc.formats.gguf_io import GGUFFile, ModelError, ModelNotFoundError
 from nxhpc.models.model import Model
-from nxhpc.models.modeldir import (GGUF_FILE, SPEC_FILE, ModelsDirError, check_models_root,
-                                   locked, model_files, write_failed)
+from nxhpc.models.modeldir import (FILES_MANIFEST, GGUF_FILE, NAMED_FILES, SPEC_FILE,
+                                   ModelsDirError, check_models_root, locked, model_files,
+                                   write_failed)
 from nxhpc.models.qwen3_files import TEXT_ENCODER_KIND, TextEncoderSpec, make_text_encoder
 from nxhpc.models.synthetic import KINDS, SyntheticSpec, make_synthetic
 from nxhpc.models.vae_files import VAE_FILE, VAE_KIND, VaeSpec, make_vae_model
@@ -119,6 +121,9 @@ def _builtin_names() -> str:
 def models_dir() -> Path:
     """``$NXHPC_MODELS``; else ``$XDG_CACHE_HOME/nxhpc/models``; else ``~/.cache/nxhpc/models``."""
     env = os.environ.get("NXHPC_MODELS")
+    if env and not env.strip():          # a directory named " " in the working directory
+        raise ModelsDirError(env, f"NXHPC_MODELS={env!r} is blank: unset it (the default) or "
+                                  f"give a directory")
     if env:
         return Path(env).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -128,16 +133,6 @@ def models_dir() -> Path:
 _models_root = models_dir
 
 
-#: Written into a built-in's directory after it was generated: each file's name, size and
-#: sampled sha256 (``runtime.ranks.file_fingerprint``: ~5 MB read per file, whatever its size).
-#: A file that was overwritten, truncated or replaced since (say an output saved over the
-#: model) no longer matches, and the built-in is generated again.
-FILES_MANIFEST = ".nxhpc-files.json"
-
-#: The names of the files a model's loaders read or a built-in keeps: an output never replaces
-#: one beside a model named by its path (any other file there is the user's)
-NAMED_FILES = (GGUF_FILE, FIXTURES_FILE, SPEC_FILE, FILES_MANIFEST, VAE_FILE, "config.json",
-               "diffusion_pytorch_model.safetensors")
 
 
 def opened_model_files(given: str | os.PathLike, main: str | os.PathLike,
@@ -172,6 +167,22 @@ def _write_manifest(d: Path) -> None:
     tmp = d / f"{FILES_MANIFEST}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(_manifest(d), indent=1, sort_keys=True))
     os.replace(tmp, d / FILES_MANIFEST)
+
+
+def _remove_model_files(d: Path) -> None:
+    """Delete the model's own files in ``d`` (:data:`NAMED_FILES`, the manifest's temporaries),
+    and ``d`` itself if nothing else is left: a built-in that could not be completed leaves
+    nothing behind, and the user's other files there stay."""
+    try:
+        entries = list(d.iterdir())
+    except OSError:
+        return
+    for p in entries:
+        if p.name in NAMED_FILES or p.name.startswith(f"{FILES_MANIFEST}.tmp-"):
+            with contextlib.suppress(OSError):
+                p.unlink()
+    with contextlib.suppress(OSError):
+        d.rmdir()                             # only if empty
 
 
 def builtin_current(d: Path, spec: BuiltinSpec) -> bool:
@@ -223,7 +234,11 @@ def ensure_builtin(model_id: str, root: Path | None = None, force: bool = False,
             make = {TEXT_ENCODER_KIND: make_text_encoder,
                     VAE_KIND: make_vae_model}.get(spec.kind, make_synthetic)
             make(d, spec, progress=progress, replace=True)
-            _write_manifest(d)
+            try:
+                _write_manifest(d)
+            except BaseException:             # (a full disk): the model without its manifest
+                _remove_model_files(d)        # would only be generated again next time
+                raise
     except FileExistsError as e:
         raise ModelError(f"{what}: {e}") from None
     except ModelsDirError:
