@@ -1103,3 +1103,21 @@ def test_make_refuses_a_builtins_directory_and_zero_dims(tmp_path):
                        capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
     assert r.returncode == 0 and f"models dir: {tmp_path}{os.sep}x" in r.stdout, \
         r.stdout + r.stderr
+
+
+def test_a_bare_name_is_an_id_for_every_kind(tmp_path, monkeypatch):
+    """A bare name is an id for the autoencoder door as for the others: a ``tiny-vae`` folder in
+    the working directory made ``tiny-vae`` read its junk (exit 4) while ``tiny`` and
+    ``tiny-te`` stayed the built-ins. ``./tiny-vae`` still names the folder (control)."""
+    root = tmp_path / "models"
+    work = tmp_path / "work"
+    for name, f in (("tiny-vae", "ae.safetensors"), ("tiny-te", "model.gguf")):
+        (work / name).mkdir(parents=True)
+        (work / name / f).write_text("junk")
+    monkeypatch.chdir(work)
+    assert registry.resolve_vae("tiny-vae", root) == root / "tiny-vae" / "ae.safetensors"
+    assert registry.resolve_vae("./tiny-vae", root) == Path("./tiny-vae") / "ae.safetensors"
+    assert registry.resolve_model("tiny-te", root)[0] == root / "tiny-te"
+    with pytest.raises(ModelNotFoundError, match="is a built-in text encoder model, not an "
+                                                 "autoencoder"):
+        registry.resolve_vae("tiny-te", root)

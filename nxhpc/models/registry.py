@@ -329,10 +329,11 @@ def _kind_words(kind: str) -> str:
 def _refuse_other_kind(model: str | os.PathLike, kinds: tuple[str, ...], noun: str,
                        listing: str) -> None:
     """ModelNotFoundError when ``model`` is the bare id of a built-in whose kind is not one of
-    ``kinds`` (and no such path exists), before anything is generated: ``'tiny-te' is a
-    built-in text encoder model, not {noun} (built-in {listing})``."""
+    ``kinds`` (a bare name is an id, as :func:`resolve_model` reads one), before anything is
+    generated: ``'tiny-te' is a built-in text encoder model, not {noun} (built-in
+    {listing})``."""
     s = os.fsdecode(model) if isinstance(model, (str, bytes, os.PathLike)) else None
-    if s is None or os.sep in s or Path(s).exists():
+    if s is None or os.sep in s or s.startswith("."):    # a path, not an id
         return
     spec = builtin_spec(s)
     if spec is not None and spec.kind not in kinds:
@@ -428,7 +429,9 @@ def resolve_vae(model: str | os.PathLike, models_dir: str | os.PathLike | None =
                                  f"diffusers VAE directory or a built-in id "
                                  f"({', '.join(builtin_ids(VAE_KIND))})")
     root = Path(models_dir) if models_dir is not None else _models_root()
-    bare = os.sep not in s and not s.startswith(".") and not Path(s).exists()
+    # a bare name is an id, as resolve_model reads one: a built-in's (even if the working
+    # directory holds an entry of that name: './tiny-vae' names that), else one under the root
+    bare = os.sep not in s and not s.startswith(".")
     _refuse_other_kind(s, (VAE_KIND,), "an autoencoder",
                        "autoencoders: " + ", ".join(builtin_ids(VAE_KIND)))
     spec = builtin_spec(s) if bare else None
