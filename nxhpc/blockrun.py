@@ -34,7 +34,8 @@ EXIT_CODES = {
                "--save-output is not written)",
     Exit.USAGE: "usage error (bad arguments, e.g. n_workers 'abc' or 0, --layers beyond the model, "
                 "a --save-output path that cannot be written or is one of the model's files)",
-    Exit.NOT_FOUND: "model not found (id, directory or gguf_path)",
+    Exit.NOT_FOUND: "model not found (id, directory or gguf_path), or a built-in text "
+                    "encoder's or autoencoder's id",
     Exit.BAD_INPUT: "bad model file (malformed/unsupported GGUF or fixtures, NaN/inf in an input "
                     "or a .npy reference, weights a Q8_0 scale cannot hold)",
     Exit.MISSING: "missing fixture or tensor (e.g. layers.0.blk_in, the reference)",
@@ -161,7 +162,7 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
             main = model.gguf.path if model.gguf is not None else model.path / FIXTURES_FILE
             check_cli_output_path(args.save_output, what="--save-output",
                               inputs=[p for p in (args.reference_name,) if p],
-                              model_files=opened_model_files(args.model_id, main, model.path))
+                              model_files=opened_model_files(main, model.path))
         t_start = time.monotonic()
 
         def progress(row: dict, n: int) -> None:

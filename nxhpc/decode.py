@@ -37,7 +37,8 @@ EXIT_CODES = {
                 "folder -- or that is one of the inputs: the latents or the model's files)",
     Exit.FAIL: "finite latents gave NaN/inf pixels (an overflow inside the decoder); nothing "
                "is written",
-    Exit.NOT_FOUND: "autoencoder not found (file, directory or built-in id)",
+    Exit.NOT_FOUND: "autoencoder not found (file, directory or built-in id), or a built-in id "
+                    "of another kind",
     Exit.BAD_INPUT: "bad input: a malformed or unsupported autoencoder file (a truncated "
                     "tensor, an absurd header, an unknown dtype), or latents that do not fit it "
                     "(not a float [C, h, w] / [1, C, h, w] array, C not the decoder's latent "
@@ -119,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
                   models_dir=args.models_dir) as vae:
         # never over a file of the model (a built-in's: any file of its directory), but an
         # earlier output beside a model named by its path may be written again
-        files = opened_model_files(args.vae, vae.file.path)
+        files = opened_model_files(vae.file.path)
         check_cli_output_path(out, what="--out", inputs=[args.latents], model_files=files)
         open_s = time.perf_counter() - t0
         t1 = time.perf_counter()

@@ -53,7 +53,8 @@ EXIT_CODES = {
                 "--latents/--timestep/--cap-feats, a missing input file or one that is not a "
                 "regular file, an --out path that cannot be written or is one of the inputs or "
                 "a file of the model; the open-files limit reached)",
-    Exit.NOT_FOUND: "model not found (id, directory or GGUF path)",
+    Exit.NOT_FOUND: "model not found (id, directory or GGUF path), or a built-in id of another "
+                    "kind (a block model, a text encoder, an autoencoder)",
     Exit.BAD_INPUT: "bad input: a malformed/unsupported GGUF, or latents/caption features/"
                     "reference that are not readable float arrays or do not fit the model",
     Exit.MISSING: "a tensor is missing from the GGUF, or a model without stored inputs was "
@@ -197,7 +198,7 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
         if out_path is not None:              # never overwrite a file of the opened model
             from nxhpc.models.registry import opened_model_files
             check_cli_output_path(out_path, what="--out",
-                              model_files=opened_model_files(args.model, den.gguf.path,
+                              model_files=opened_model_files(den.gguf.path,
                                                              den.directory))
         if ranks is not None:
             from nxhpc.runtime.ranks import file_fingerprint

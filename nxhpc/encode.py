@@ -141,7 +141,7 @@ def _run(args: argparse.Namespace) -> int:
         open_s = time.perf_counter() - t0
         try:                              # never overwrite a file of the model it opened
             check_cli_output_path(args.out, what="--out", model_files=opened_model_files(
-                args.text_encoder, te.path, te.directory))
+                te.path, te.directory))
         except OutputPathError as e:
             raise UsageError(str(e)) from None
         return _encode(args, te, prompt, open_s)

@@ -73,7 +73,8 @@ EXIT_CODES = {
                 "folder, an --out that cannot be written or is one of the inputs, a missing "
                 "--prompts/--noise file, a prompt that is not text: a NUL character, bytes "
                 "that are not UTF-8; --negative-prompt without --guidance-scale > 0)",
-    Exit.NOT_FOUND: "a model was not found (id, directory or file)",
+    Exit.NOT_FOUND: "a model was not found (id, directory or file), or a built-in id of "
+                    "another kind",
     Exit.BAD_INPUT: "bad input: a malformed or unsupported model file, models that do not fit "
                     "each other (the text encoder's width vs the denoiser's cap_dim, the "
                     "autoencoder's latent channels vs the denoiser's), a prompt longer than "
@@ -320,15 +321,13 @@ def _setup(args: argparse.Namespace) -> _Setup:
 
     # resolve every model (built-ins are generated here) and check the outputs against every
     # file this run reads, before any model work
-    # (a built-in's id: every file of its directory, manifest included; a path: the model's
-    # files there, not the user's other files)
+    # (the model's own files, however it was named; not the user's other files beside it)
     dit_d, dit_gguf = resolve_model(names["model"], args.models_dir)
     vae_path = resolve_vae(names["vae"], args.models_dir)
     te_d, te_g = resolve_model(names["text_encoder"], args.models_dir)
     reads = [r for r in (args.prompts, args.noise) if r is not None and r != "-"]
-    files = [*opened_model_files(names["model"], dit_gguf, dit_d),
-             *opened_model_files(names["text_encoder"], te_g, te_d),
-             *opened_model_files(names["vae"], vae_path)]
+    files = [*opened_model_files(dit_gguf, dit_d), *opened_model_files(te_g, te_d),
+             *opened_model_files(vae_path)]
     for o in outs:
         check_cli_output_path(o, what="--out", inputs=reads, model_files=files, example="out.png")
     return _Setup(prompts, names, tiny, negative, noise_raw, jobs)
@@ -428,10 +427,12 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
                                          dcfg.patch)
             # the decode's buffers, checked before the long part: a 1024x1024 image's take
             # 2.7 GiB (of /dev/shm, with workers), and an image's steps can take an hour; the
-            # denoiser's arena, not made yet, is released before the decode
+            # denoiser's arena, not made yet, is released before the decode. Several images
+            # under mpirun: every rank on this host decodes at once
             if lead or whole:
                 up = vae.config.upscale
-                vae.check_room(height // up, width // up)
+                vae.check_room(height // up, width // up,
+                               copies=_ranks.local_ranks() if whole else 1)
             stages["open_s"] = time.perf_counter() - t0
 
             # 1. the prompts of this process's images through the text encoder (then released)

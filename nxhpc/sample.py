@@ -59,7 +59,8 @@ EXIT_CODES = {
                 "--png without --decode, --decode without torch/diffusers, an output path that "
                 "cannot be written or is one of the inputs or a file of the model; the "
                 "open-files limit reached)",
-    Exit.NOT_FOUND: "model not found (id, directory or GGUF path), or --decode VAE_DIR missing",
+    Exit.NOT_FOUND: "model not found (id, directory or GGUF path), a built-in id of another "
+                    "kind, or --decode VAE_DIR missing",
     Exit.BAD_INPUT: "bad input: a malformed model file, or --cap-feats/--noise that do not fit "
                     "the model ([L, cap_dim] caption features; [16, H/8, W/8] noise; float, "
                     "finite), or a VAE that cannot be loaded or decode",
@@ -205,7 +206,7 @@ def _protect_model_files(args, den) -> None:
     whether MODEL was an id, a directory or a GGUF path (links resolved)."""
     from nxhpc.models.registry import opened_model_files
     gguf = getattr(getattr(den, "gguf", None), "path", None)      # None: a test's stand-in
-    files = [] if gguf is None else opened_model_files(args.model, gguf,
+    files = [] if gguf is None else opened_model_files(gguf,
                                                        getattr(den, "directory", None))
     for what, path in [("--out", args.out)] + ([("--png", args.png)] if args.png else []):
         check_cli_output_path(path, what=what, model_files=files)

@@ -653,6 +653,18 @@ def test_outputs_beside_a_model_named_by_its_path_every_cli(h3_root, tmp_path, c
         code, _, err = _main(mod, [*argv, d / "model.gguf"], capsys)     # control
         assert code == 2 and "input of this run" in err, (name, code, err[-800:])
         assert _digest(d) == before, name
+    # a built-in named by its id: the same rule (its directory's other files are the user's,
+    # and a regeneration passes them on); its manifest is refused
+    d = h3_root / "tiny-dit"
+    argv = ["tiny-dit", "1", "--cap-feats", cap, *px, "--models-dir", h3_root, "--out"]
+    try:
+        for k in range(2):
+            code, _, err = _main("nxhpc.sample", [*argv, d / "out.npy"], capsys)
+            assert code == 0, (k, err[-800:])
+    finally:
+        (d / "out.npy").unlink(missing_ok=True)
+    code, _, err = _main("nxhpc.sample", [*argv, d / ".nxhpc-files.json"], capsys)
+    assert code == 2 and "input of this run" in err, err
 
 
 def test_non_finite_outputs_are_counted_and_fail_graded_or_not(h3_root, tmp_path, capsys):

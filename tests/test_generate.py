@@ -621,8 +621,8 @@ def test_decoder_memory_is_checked_before_the_steps(models_root, tmp_path, monke
     need = []
     real_check = vae_model.VaeDecoder.check_room
 
-    def check_room(self, h, w):
-        need.append(real_check(self, h, w))
+    def check_room(self, h, w, **kw):
+        need.append(real_check(self, h, w, **kw))
         return need[-1]
     monkeypatch.setattr(vae_model.VaeDecoder, "check_room", check_room)
     encoded = []

@@ -470,3 +470,39 @@ def test_decoder_values_and_shapes_checked_at_load(files, tmp_path):
     (d / "config.json").write_text(json.dumps(dict(cfg, scaling_factor=1e-30)))   # control
     with nxhpc.load_vae(d) as v:
         assert v.config.scaling_factor == 1e-30
+
+
+def test_check_room_counts_the_buffers_a_decode_makes(files, monkeypatch):
+    """``VaeDecoder.check_room`` (generate's check before the steps): one worker's buffers are
+    this process's memory, held against the memory available (the shared-memory rule, which
+    keeps an eighth and 256 MiB back, refused such runs that then decoded fine: the review's
+    finding); with workers, the arena against /dev/shm; ``copies`` decoders at once (several
+    images under mpirun, every rank on a host decoding) need that many arenas. The bytes are
+    the arena's own layout. Controls: the same calls with the room they need pass."""
+    from nxhpc.runtime import ranks, shm
+    from nxhpc.vae.model import GN_CHUNK, Program, forward
+    with nxhpc.load_vae(files["diffusers", "F32"], workers=1) as dec:
+        prog = Program(dec.config, GN_CHUNK)
+        forward(prog, 32, 32)
+        need = sum(-(-n * (8 if k == "part" else 4) // 64) * 64 for k, n in prog.sizes.items())
+        monkeypatch.setattr(shm, "memory_available_bytes", lambda: need + (200 << 20))
+        assert dec.check_room(32, 32) == need
+        monkeypatch.setattr(shm, "memory_available_bytes", lambda: need - 1)
+        with pytest.raises(shm.ShmSpaceError, match=f"its buffers need {need} bytes"):
+            dec.check_room(32, 32)
+        monkeypatch.undo()
+        out = dec.decode(np.zeros((16, 32, 32), np.float32))        # what it checked for
+        assert out.shape == (3, 256, 256)
+    with nxhpc.load_vae(files["diffusers", "F32"], workers=2) as dec:
+        monkeypatch.setattr(shm, "shm_free_bytes", lambda where=shm.SHM_DIR: 2 * need)
+        assert dec.check_room(32, 32, copies=2) == 2 * need
+        with pytest.raises(shm.ShmSpaceError, match=r"\(3 at once on this host\): not enough "
+                                                    r"shared memory"):
+            dec.check_room(32, 32, copies=3)
+    for env, n in (({"OMPI_COMM_WORLD_LOCAL_SIZE": "3"}, 3), ({"MPI_LOCALNRANKS": "2"}, 2),
+                   ({}, 1)):
+        for k in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert ranks.local_ranks() == n

@@ -257,12 +257,16 @@ def directory_path(s: str) -> str:
     return os.path.expanduser(s)
 
 
+#: The models directory's default, as every --help says it (``registry.models_dir``).
+MODELS_DIR_DEFAULT = ("$NXHPC_MODELS, else $XDG_CACHE_HOME/nxhpc/models, else "
+                      "~/.cache/nxhpc/models")
+
+
 def add_models_dir(p: argparse.ArgumentParser) -> None:
     """``--models-dir``: where ids are resolved and built-ins generated."""
     p.add_argument("--models-dir", default=None, type=directory_path,
-                   help="where model ids are looked up / built-ins generated "
-                        "(default $NXHPC_MODELS, else $XDG_CACHE_HOME/nxhpc/models, else "
-                        "~/.cache/nxhpc/models)")
+                   help=f"where model ids are looked up / built-ins generated "
+                        f"(default {MODELS_DIR_DEFAULT})")
 
 
 def add_stage_timeout(p: argparse.ArgumentParser) -> None:

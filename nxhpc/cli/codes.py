@@ -41,7 +41,7 @@ DEFAULT_TEXT: dict[Exit, str] = {
     Exit.PASS: "ok",
     Exit.FAIL: "graded fail: an output above the tolerance, or NaN/inf outputs",
     Exit.USAGE: "usage error (bad arguments; also the open-files limit, ulimit -n, reached)",
-    Exit.NOT_FOUND: "model not found (id, directory or file)",
+    Exit.NOT_FOUND: "model not found (id, directory or file), or a built-in id of another kind",
     Exit.BAD_INPUT: "bad input: a malformed or unsupported model file, or an input array that "
                     "does not fit the model (shape, dtype, NaN/inf)",
     Exit.MISSING: "a fixture or tensor is missing from the model",

@@ -259,9 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=codes_epilog(EXIT_CODES),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models-dir", type=types.directory_path,
-                   help="model root (default: $NXHPC_MODELS or "
-                                        "$XDG_CACHE_HOME/nxhpc/models, ~/.cache/nxhpc/models "
-                                        "without it)")
+                   help=f"model root (default {types.MODELS_DIR_DEFAULT})")
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("list", help="built-in ids and directories present")
     sh = sub.add_parser("show", help="config (and how it was inferred), files, fixtures")

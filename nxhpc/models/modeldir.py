@@ -1,9 +1,10 @@
 """Model directories on disk: the file names, writing a directory all-or-nothing, locking.
 
 Owns: the names inside a model directory (``model.gguf``, ``fixtures.safetensors``,
-``synthetic.json``; an autoencoder's ``ae.safetensors``), the files an opened model consists
-of (:func:`model_files`: what no result may overwrite), :func:`write_model_dir` and
-:func:`build_model_dir` (built in a temporary sibling, renamed into place),
+``synthetic.json``; an autoencoder's ``ae.safetensors``; :data:`NAMED_FILES`, what no result
+may overwrite and what a replaced directory does not pass on), :func:`write_model_dir` and
+:func:`build_model_dir` (built in a temporary sibling, renamed into place; the user's other
+entries carried into the new one),
 :func:`check_replaceable` (what may be replaced), the per-id generation lock (:func:`locked`:
 a waiter says that it waits and for which process), sweeping the temporaries a killed writer
 left (:func:`sweep_stale`) and checking that a models root can take a new model
@@ -32,7 +33,7 @@ import numpy as np
 from nxhpc.formats.fixtures import FIXTURES_FILE, FixtureStore
 from nxhpc.formats.gguf_io import ModelError, write_gguf
 
-__all__ = ["GGUF_FILE", "FIXTURES_FILE", "SPEC_FILE", "VAE_FILE", "MODEL_FILES", "model_files",
+__all__ = ["GGUF_FILE", "FIXTURES_FILE", "SPEC_FILE", "VAE_FILE", "MODEL_FILES",
            "write_model_dir",
            "build_model_dir", "check_replaceable", "locked", "lock_holder", "sweep_stale",
            "check_models_root", "ModelsDirError", "STALE_AGE_S", "process_umask",
@@ -122,30 +123,6 @@ def write_failed(root: Path, what: str, e: OSError, src: str = _ROOT_SRC) -> Mod
     tail = f"; {_mb(free)} free there" if free is not None else ""
     return ModelsDirError(root, f"cannot write {what} under {root} {src}: {reason}{tail}; "
                                 f"nothing was left behind")
-
-
-def model_files(directory: str | os.PathLike | None,
-                gguf: str | os.PathLike | None = None) -> list[Path]:
-    """Every file of a model opened from ``directory`` and/or the GGUF ``gguf``: each file in
-    the directory (whatever its name), the GGUF itself, and -- for a GGUF named ``model.gguf``
-    opened by its path -- the model-directory files beside it (``fixtures.safetensors``,
-    ``synthetic.json``). The CLIs refuse to write a result over any of them (compared by
-    ``os.path.samefile``, so links are resolved); files that do not exist are left out."""
-    files: list[Path] = []
-    if directory is not None and Path(directory).is_dir():
-        files += [p for p in sorted(Path(directory).iterdir()) if p.is_file()]
-    if gguf is not None:
-        g = Path(gguf)
-        files.append(g)
-        if g.name == GGUF_FILE:
-            files += [g.parent / n for n in (FIXTURES_FILE, SPEC_FILE)]
-    seen: set[str] = set()
-    out = []
-    for f in files:
-        if f.is_file() and str(f) not in seen:
-            seen.add(str(f))
-            out.append(f)
-    return out
 
 
 def write_model_dir(out_dir: str | os.PathLike, gguf_tensors: Mapping[str, Any],

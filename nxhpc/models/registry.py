@@ -29,8 +29,7 @@ from nxhpc.formats.fixtures import FIXTURES_FILE, FixtureStore
 from nxhpc.formats.gguf_io import GGUFFile, ModelError, ModelNotFoundError
 from nxhpc.models.model import Model
 from nxhpc.models.modeldir import (FILES_MANIFEST, GGUF_FILE, NAMED_FILES, SPEC_FILE,
-                                   ModelsDirError, check_models_root, locked, model_files,
-                                   write_failed)
+                                   ModelsDirError, check_models_root, locked, write_failed)
 from nxhpc.models.qwen3_files import TEXT_ENCODER_KIND, TextEncoderSpec, make_text_encoder
 from nxhpc.models.synthetic import KINDS, SyntheticSpec, make_synthetic
 from nxhpc.models.vae_files import VAE_FILE, VAE_KIND, VaeSpec, make_vae_model
@@ -135,18 +134,16 @@ _models_root = models_dir
 
 
 
-def opened_model_files(given: str | os.PathLike, main: str | os.PathLike,
+def opened_model_files(main: str | os.PathLike,
                        directory: str | os.PathLike | None = None) -> list[Path]:
-    """The files of a model a run opened that its outputs must never replace. ``given`` as
-    the user named it; ``main`` the file (or diffusers directory) the loader reads;
-    ``directory`` the model directory, if any. A built-in's id (``given`` is no path): every
-    file of its directory, manifest included. A path: ``main`` and the model files beside it
-    (:data:`NAMED_FILES`, in a diffusers directory's ``vae/`` too), not the user's other files
-    there and in ``directory`` -- an earlier run's output beside the model may be written
-    again. Every CLI's outputs go through this one rule."""
+    """The files of a model a run opened that its outputs must never replace: ``main`` (the
+    file, or diffusers directory, the loader reads) and the model files beside it and in the
+    model ``directory``, if any (:data:`NAMED_FILES`: weights, fixtures, spec, a built-in's
+    manifest, ``config.json``; in a diffusers directory's ``vae/`` too), however the model was
+    named (an id or a path: the same files). Not the user's other files there -- an earlier
+    run's output beside the model may be written again; a built-in generated again passes
+    them on (``modeldir.build_model_dir``). Every CLI's outputs go through this one rule."""
     main = Path(main)
-    if not os.path.lexists(os.fspath(given)):
-        return model_files(Path(directory) if directory is not None else main.parent, main)
     dirs = [main, main / "vae"] if main.is_dir() else [main.parent]
     if directory is not None and Path(directory) not in dirs:    # a GGUF given apart from it
         dirs.append(Path(directory))

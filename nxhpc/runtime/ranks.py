@@ -85,6 +85,17 @@ def mpi_launched() -> bool:
     return False
 
 
+def local_ranks() -> int:
+    """How many ranks of this job run on this host, as the launcher says (Open MPI's
+    ``OMPI_COMM_WORLD_LOCAL_SIZE``, MPICH/Hydra's ``MPI_LOCALNRANKS``); 1 when it does not."""
+    for key in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        try:
+            return max(int(os.environ[key]), 1)
+        except (KeyError, ValueError):
+            continue
+    return 1
+
+
 _WORLD: "Ranks | None" = None
 
 

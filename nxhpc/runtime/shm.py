@@ -86,7 +86,8 @@ class ShmSpaceError(OSError):
 
     def __init__(self, needed: int, free: int | None, where: str = SHM_DIR,
                  what: str = "SharedArena", limit: int | None = None,
-                 memory: int | None = None, unusable: OSError | None = None) -> None:
+                 memory: int | None = None, unusable: OSError | None = None,
+                 shared: bool = True) -> None:
         self.needed, self.free, self.where, self.limit = needed, free, where, limit
         self.memory, self.unusable = memory, unusable
         if unusable is not None:
@@ -98,6 +99,14 @@ class ShmSpaceError(OSError):
             return
         free_txt = ("an unknown amount free" if free is None
                     else f"{free} bytes free ({_mib(free)})")
+        if memory is not None and not shared:      # a process's own buffers (check_room)
+            self.message = (f"{what}: not enough memory: its buffers need {needed} bytes "
+                            f"({_mib(needed)}) but {memory} bytes ({_mib(memory)}) are "
+                            f"available (MemAvailable + SwapFree within the cgroup's limit); "
+                            f"making them would call in the out-of-memory killer. Use a smaller "
+                            f"image or free memory")
+            super().__init__(errno.ENOMEM, self.message)
+            return
         if memory is not None:
             self.message = (f"{what}: not enough memory: the segment needs {needed} bytes "
                             f"({_mib(needed)}) but at most {memory} bytes ({_mib(memory)}) "
@@ -307,17 +316,21 @@ def arena_bytes(buffers: Mapping[str, object]) -> int:
 
 
 def check_room(size: int, what: str = "SharedArena", *, shared: bool = True) -> None:
-    """Raise now the :class:`ShmSpaceError` that reserving ``size`` bytes would meet: more
-    than the memory left lets a segment take (:func:`memory_room`), or, with ``shared``, more
-    than ``/dev/shm`` holds free or the file-size limit (ulimit -f) allows. For work that
-    needs a segment only after a long run (the autoencoder after the sampling steps), so that
-    it fails before the run rather than after it. Nothing is reserved: the room may still be
-    taken by others meanwhile, and the segment's own reservation checks again."""
-    room = memory_room(memory_available_bytes())
+    """Raise now the :class:`ShmSpaceError` that reserving ``size`` bytes would meet: a
+    segment (``shared``) larger than the memory left lets one take (:func:`memory_room`), than
+    ``/dev/shm`` holds free or than the file-size limit (ulimit -f) allows; a process's own
+    buffers (not ``shared``) larger than the memory available. For work that needs them only
+    after a long run (the autoencoder after the sampling steps), so that it fails before the
+    run rather than after it. Nothing is reserved: the room may still be taken by others
+    meanwhile, and the segment's own reservation checks again."""
+    avail = memory_available_bytes()
+    if not shared:
+        if avail is not None and size > avail:
+            raise ShmSpaceError(size, None, what=what, memory=avail, shared=False)
+        return
+    room = memory_room(avail)
     if room is not None and size > room:
         raise ShmSpaceError(size, shm_free_bytes(), what=what, memory=room)
-    if not shared:
-        return
     free = shm_free_bytes()
     if free is not None and size > free:
         raise ShmSpaceError(size, free, what=what)

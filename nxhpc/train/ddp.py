@@ -411,8 +411,8 @@ def _supervise(procs, conns, barrier, timeout: float, progress: np.ndarray) -> N
             phase = "computing the gradient of" if slowest % 2 == 0 else "in the all-reduce of"
             waiting = " (the others wait for it)" if len(laggards) < len(running) else ""
             raise DDPTimeoutError(
-                f"data-parallel run timed out; {', '.join(laggards)} still {phase} step "
-                f"{slowest // 2}{waiting}")
+                f"data-parallel run timed out: no progress for {timeout:g} s (the timeout); "
+                f"{', '.join(laggards)} still {phase} step {slowest // 2}{waiting}")
         kinds = {id(procs[i].sentinel): ("exit", i) for i in range(D) if i not in done}
         kinds.update({id(c): ("msg", i) for i, c in open_conns.items()})
         waitables = [procs[i].sentinel for i in range(D) if i not in done] + list(open_conns.values())

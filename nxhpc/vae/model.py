@@ -290,22 +290,26 @@ class VaeDecoder(Closing):
                 self._exec.precision = p
 
     # -- running
-    def check_room(self, h: int, w: int) -> int:
+    def check_room(self, h: int, w: int, *, copies: int = 1) -> int:
         """The bytes of the buffers a decode of latents ``[C, h, w]`` needs (with workers: one
         shared-memory arena; with one: this process's memory). Raises
         :class:`~nxhpc.runtime.shm.ShmSpaceError` now if ``/dev/shm`` or the memory left could
         not hold them -- for a caller that decodes only after a long run (``generate`` checks
-        before the sampling steps, whose denoiser is released before the decode). Nothing is
-        reserved; buffers already held that are large enough need nothing more (0)."""
+        before the sampling steps, whose denoiser is released before the decode). ``copies``:
+        decoders on this host that will decode at the same time (MPI ranks, each with its
+        own buffers). Nothing is reserved; buffers already held that are large enough need
+        nothing more (0)."""
         h, w = check_count(h, "h"), check_count(w, "w")
+        copies = check_count(copies, "copies")
         prog = Program(self.config, GN_CHUNK)
         forward(prog, h, w)
         if self._capacity and all(self._capacity.get(n, -1) >= s
                                   for n, s in prog.sizes.items()):
             return 0
-        need = arena_bytes(_spec(prog.sizes))
+        need = arena_bytes(_spec(prog.sizes)) * copies
         s = self.config.upscale
-        check_room(need, f"the autoencoder's decode at {h * s}x{w * s}",
+        at_once = f" ({copies} at once on this host)" if copies > 1 else ""
+        check_room(need, f"the autoencoder's decode at {h * s}x{w * s}{at_once}",
                    shared=self.workers > 1)
         return need
 
