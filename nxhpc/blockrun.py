@@ -18,6 +18,7 @@ from nxhpc.cli.frame import run_ranked
 from nxhpc.cli.report import emit_graded, fmt_value, save_npy
 from nxhpc.dit.grade import DEFAULT_TOL
 from nxhpc.dit.stackrun import PRECISION_TOL
+from nxhpc.formats.gguf_io import ModelNotFoundError
 from nxhpc.models.modeldir import FIXTURES_FILE
 from nxhpc.runtime.checks import check_input_file
 from nxhpc.runtime.outfile import check_cli_output_path
@@ -143,7 +144,14 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
         args.save_output = None
     if args.save_output is not None:           # up front: not after the whole run
         check_cli_output_path(args.save_output, what="--save-output")
-    with open_model(args.model_id, models_dir=args.models_dir, gguf_path=args.gguf_path) as model:
+    try:
+        model = open_model(args.model_id, models_dir=args.models_dir, gguf_path=args.gguf_path)
+    except ModelNotFoundError as e:
+        if not args.model_id.isdigit():
+            raise
+        raise ModelNotFoundError(f"{e} (the model id comes first: blockrun tiny "
+                                 f"{args.model_id} for {args.model_id} workers)") from None
+    with model:
         n_layers = check_slice(model, args.layers)
         if ranks is not None:
             from nxhpc.runtime.ranks import file_fingerprint

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -214,9 +215,11 @@ class NxhpcZImageTransformer:
                              f"f_patch 1")
         scale = (joint_attention_kwargs or {}).get("scale", 1.0)
         if scale != 1.0:
+            via_call = sys._getframe(1).f_code is NxhpcZImageTransformer.__call__.__code__
             warnings.warn(f"NxhpcZImageTransformer: joint_attention_kwargs['scale'] = {scale!r} "
                           f"has no effect: it scales LoRA layers, and the GGUF drop-in has none "
-                          f"(diffusers ignores it too without them)", stacklevel=2)
+                          f"(diffusers ignores it too without them)",
+                          stacklevel=3 if via_call else 2)     # the caller's line, not ours
         xs, caps = list(x), list(cap_feats)
         if xs and isinstance(xs[0], (list, tuple)):
             raise NotImplementedError("NxhpcZImageTransformer: omni mode (nested lists) is not "

@@ -196,6 +196,7 @@ def test_graded_fail_exit_1(models_root):
     (["tiny", "2", "--eps", "-1"], 2, "--eps"),
     (["tiny", "2", "--stage-timeout", "0"], 2, "--stage-timeout"),
     (["no-such-model"], 3, "not found"),
+    (["2"], 3, "the model id comes first: blockrun tiny 2 for 2 workers"),   # model_id optional
     # another kind's built-in: not found as a DiT model (it was exit 5, "missing tensor")
     (["tiny-te"], 3, "'tiny-te' is a built-in text encoder model, not a DiT model"),
     (["tiny-vae"], 3, "'tiny-vae' is a built-in autoencoder model, not a DiT model"),

@@ -221,9 +221,10 @@ def test_lora_scale_and_empty_controlnet_are_no_ops_as_in_diffusers(nx, case):
     cap = [torch.from_numpy(rng.standard_normal((3, case.cfg.cap_dim)).astype(np.float32))]
     t = torch.tensor([0.5])
     want = nx(lat, t, cap, return_dict=False)[0][0]
-    with pytest.warns(UserWarning, match="scale'] = 0.5 has no effect"):
+    with pytest.warns(UserWarning, match="scale'] = 0.5 has no effect") as rec:
         got = nx(lat, t, cap, return_dict=False, joint_attention_kwargs={"scale": 0.5})[0][0]
     assert torch.equal(got, want)
+    assert rec[0].filename == __file__                  # pointed at the caller's line
     got = nx(lat, t, cap, return_dict=False, controlnet_block_samples={})[0][0]
     assert torch.equal(got, want)
     with pytest.raises(NotImplementedError, match="controlnet_block_samples"):
