@@ -175,7 +175,10 @@ def test_snap_gives_exactly_the_stored_weights_even_for_small_qkv_parts(tmp_path
                       - before["layers.0.attention.qkv.weight"]).max() > 0
 
 
-def test_overwrite_replaces_the_directory_whole(tmp_path):
+def test_overwrite_replaces_the_model_and_keeps_the_users_files(tmp_path):
+    """overwrite=True replaces the model's files as one (the stale fixtures go, none of the old
+    model is mixed into the new); a file of the user's beside it is passed on, not deleted with
+    the old model (modeldir.build_model_dir, 2026-12-07)."""
     from nxhpc.models.tap import tap_zimage
     model = small_model(seed=4)
     x, t, cap = run_inputs(3)
@@ -187,7 +190,10 @@ def test_overwrite_replaces_the_directory_whole(tmp_path):
     assert [p.name for p in d.iterdir()] == ["notes.txt"]
     (d / "fixtures.safetensors").write_bytes(b"stale")       # an old model directory
     tap_zimage(model, x, t, cap, d, overwrite=True)
-    assert sorted(p.name for p in d.iterdir()) == ["fixtures.safetensors", "model.gguf"]
+    assert sorted(p.name for p in d.iterdir()) == ["fixtures.safetensors", "model.gguf",
+                                                   "notes.txt"]
+    assert (d / "fixtures.safetensors").read_bytes() != b"stale"
+    assert (d / "notes.txt").read_text() == "not a model"
     assert [p.name for p in tmp_path.iterdir()] == ["z"]        # no temporary directories
     with open_model(d) as m:
         assert m.config.n_layers == 3

@@ -99,21 +99,15 @@ class ShmSpaceError(OSError):
             return
         free_txt = ("an unknown amount free" if free is None
                     else f"{free} bytes free ({_mib(free)})")
-        if memory is not None and not shared:      # a process's own buffers (check_room)
-            self.message = (f"{what}: not enough memory: its buffers need {needed} bytes "
-                            f"({_mib(needed)}) but {memory} bytes ({_mib(memory)}) are "
-                            f"available (MemAvailable + SwapFree within the cgroup's limit); "
-                            f"making them would call in the out-of-memory killer. Use a smaller "
-                            f"image or free memory")
-            super().__init__(errno.ENOMEM, self.message)
-            return
-        if memory is not None:
-            self.message = (f"{what}: not enough memory: the segment needs {needed} bytes "
-                            f"({_mib(needed)}) but at most {memory} bytes ({_mib(memory)}) "
-                            f"can go to it (MemAvailable + SwapFree within the cgroup's limit, "
-                            f"less an eighth kept for the rest of the run); reserving it would "
-                            f"call in the out-of-memory killer. Run fewer tokens (a smaller "
-                            f"image) or free memory")
+        if memory is not None:     # a segment, or (not shared) a process's own buffers
+            it, room, keep = (("the segment needs", "at most", ", less an eighth kept for the "
+                               "rest of the run") if shared else ("its buffers need", "", ""))
+            self.message = (f"{what}: not enough memory: {it} {needed} bytes ({_mib(needed)}) "
+                            f"but {room + ' ' if room else ''}{memory} bytes ({_mib(memory)}) "
+                            f"can go to {'it' if shared else 'them'} (MemAvailable + SwapFree "
+                            f"within the cgroup's limit{keep}); making {'it' if shared else 'them'}"
+                            f" would call in the out-of-memory killer. Run fewer tokens (a "
+                            f"smaller image) or free memory")
             super().__init__(errno.ENOMEM, self.message)
             return
         if limit is not None:
