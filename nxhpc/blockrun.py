@@ -147,7 +147,7 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
     try:
         model = open_model(args.model_id, models_dir=args.models_dir, gguf_path=args.gguf_path)
     except ModelNotFoundError as e:
-        if not args.model_id.isdigit():
+        if not args.model_id.isdecimal() or os.path.exists(args.model_id):
             raise
         raise ModelNotFoundError(f"{e} (the model id comes first: blockrun tiny "
                                  f"{args.model_id} for {args.model_id} workers)") from None

@@ -429,10 +429,10 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
             # 2.7 GiB (of /dev/shm, with workers), and an image's steps can take an hour; the
             # denoiser's arena, not made yet, is released before the decode. Several images
             # under mpirun: every rank on this host decodes at once
-            if lead or whole:
+            if (lead and not whole) or (whole and mine):
                 up = vae.config.upscale
                 vae.check_room(height // up, width // up,
-                               copies=_ranks.local_ranks() if whole else 1)
+                               copies=min(_ranks.local_ranks(), len(jobs)) if whole else 1)
             stages["open_s"] = time.perf_counter() - t0
 
             # 1. the prompts of this process's images through the text encoder (then released)

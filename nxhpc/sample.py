@@ -208,6 +208,8 @@ def _protect_model_files(args, den) -> None:
     gguf = getattr(getattr(den, "gguf", None), "path", None)      # None: a test's stand-in
     files = [] if gguf is None else opened_model_files(gguf,
                                                        getattr(den, "directory", None))
+    if args.decode is not None:             # the VAE directory --decode reads (--png too)
+        files += opened_model_files(args.decode)
     for what, path in [("--out", args.out)] + ([("--png", args.png)] if args.png else []):
         check_cli_output_path(path, what=what, model_files=files)
 

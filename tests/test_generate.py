@@ -644,3 +644,23 @@ def test_decoder_memory_is_checked_before_the_steps(models_root, tmp_path, monke
     assert "generate: error: the autoencoder's decode at 256x256: not enough shared memory" \
         in err and f"needs {need[0]} bytes" in err and f"{need[0] - 64} bytes free" in err, err
     assert not encoded and not out.exists()
+
+
+def test_a_text_encoder_folder_with_its_gguf_under_another_name(models_root, tmp_path, capsys):
+    """``--text-encoder DIR`` whose GGUF is not named model.gguf (a download folder: the
+    encoder reads its only .gguf) was exit 70 (a TypeError in the output check); it runs, and
+    that GGUF is still refused as --out (control)."""
+    import shutil
+
+    from nxhpc import generate
+    te = tmp_path / "qwen"
+    te.mkdir()
+    shutil.copy(registry.ensure_builtin("tiny-te", models_root) / "model.gguf",
+                te / "Qwen3-4B-Q8_0.gguf")
+    argv = ["--prompt", "a fox", "--model", "tiny-dit", "--text-encoder", str(te), "--vae",
+            "tiny-vae", "--no-progress", "--workers", "1", "--models-dir", str(models_root),
+            "--out"]
+    assert generate.main([*argv, str(tmp_path / "x.png")]) == Exit.PASS, capsys.readouterr().err
+    assert (tmp_path / "x.png").is_file()
+    assert generate.main([*argv, str(te / "Qwen3-4B-Q8_0.gguf")]) == Exit.USAGE
+    assert "input of this run" in capsys.readouterr().err

@@ -1051,10 +1051,11 @@ def test_a_make_without_force_never_replaces_a_model_made_meanwhile(tmp_path):
     assert (out / "model.gguf").read_text() == "mine"
 
 
-def test_a_builtin_whose_manifest_cannot_be_written_leaves_nothing(tmp_path, monkeypatch):
-    """A full disk at the manifest (the last file) said "nothing was left behind" but left the
-    model without it, which every later run then tried to generate again into the full disk.
-    Now the model's files go; the user's files there stay."""
+def test_a_builtin_whose_manifest_cannot_be_written_says_so(tmp_path, monkeypatch):
+    """A full disk at the manifest (the last, small file) said "nothing was left behind" while
+    the model's files stayed. It says what it left: the files without their manifest, which
+    the next use generates again (the user's files there kept throughout). Control: with the
+    disk back the next use makes a current built-in, keep.txt still there."""
     import errno as _errno
 
     def full(d):
@@ -1063,15 +1064,54 @@ def test_a_builtin_whose_manifest_cannot_be_written_leaves_nothing(tmp_path, mon
     (d / "keep.txt").write_text("mine")
     (d / "synthetic.json").write_text("{}")                      # stale: generated again
     monkeypatch.setattr(registry, "_write_manifest", full)
-    with pytest.raises(ModelsDirError, match="nothing was left behind"):
+    with pytest.raises(ModelsDirError, match="written but not their manifest, so it is "
+                                             "generated again at its next use") as e:
         ensure_builtin("tiny", tmp_path)
-    assert sorted(p.name for p in d.iterdir()) == ["keep.txt"]
-    d2 = tmp_path / "b"
-    with pytest.raises(ModelsDirError):
-        ensure_builtin("tiny", d2)
-    assert not (d2 / "tiny").exists()                             # an empty directory goes too
+    assert "nothing was left behind" not in str(e.value)
+    assert (d / "keep.txt").read_text() == "mine"
     monkeypatch.undo()
-    assert registry.builtin_current(ensure_builtin("tiny", d2), registry.builtin_spec("tiny"))
+    assert not registry.builtin_current(d, registry.builtin_spec("tiny"))
+    assert registry.builtin_current(ensure_builtin("tiny", tmp_path), registry.builtin_spec("tiny"))
+    assert (d / "keep.txt").read_text() == "mine"
+
+
+def test_the_manifest_holds_the_models_files_only(tmp_path):
+    """A built-in's manifest fingerprints the model's files, not the user's beside them: once a
+    regeneration had carried a user's out.npy in, writing out.npy again made the model stale
+    and generated it again at every change (the review's finding)."""
+    d = ensure_builtin("tiny", tmp_path)
+    np.save(d / "out.npy", np.arange(3))
+    (d / "synthetic.json").write_text("{}")                      # stale: generated again
+    d = ensure_builtin("tiny", tmp_path)
+    manifest = json.loads((d / ".nxhpc-files.json").read_text())
+    assert sorted(manifest) == ["fixtures.safetensors", "model.gguf", "synthetic.json"]
+    ino = (d / "model.gguf").stat().st_ino
+    np.save(d / "out.npy", np.arange(5))                         # the user's output again
+    assert registry.builtin_current(d, registry.builtin_spec("tiny"))
+    assert ensure_builtin("tiny", tmp_path) == d and (d / "model.gguf").stat().st_ino == ino
+
+
+def test_a_writer_killed_while_carrying_the_users_files_loses_none(tmp_path):
+    """A writer killed after the swap, while moving the user's files into the new directory,
+    left the rest in its ``-old`` temporary, which the next sweep deleted with the old model.
+    The sweep now passes them on first (here the writer's state is made by hand: a dead pid's
+    ``-old`` holding an old model and two user files, one already moved)."""
+    from nxhpc.models.modeldir import sweep_stale
+    d = ensure_builtin("tiny", tmp_path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    old = tmp_path / f".tiny.tmp-{dead}-abc-old"
+    old.mkdir()
+    (old / "model.gguf").write_bytes(b"the old model")
+    (old / "b_notes.txt").write_text("b")
+    (old / "c").mkdir()
+    (old / "c" / "out.npy").write_text("c")
+    (d / "a_first.txt").write_text("a")                          # moved before the kill
+    sweep_stale(tmp_path, "tiny")
+    assert not old.exists()
+    assert (d / "b_notes.txt").read_text() == "b" and (d / "c" / "out.npy").read_text() == "c"
+    assert (d / "model.gguf").read_bytes() != b"the old model"   # the model's files: the new
+    assert registry.builtin_current(d, registry.builtin_spec("tiny"))
 
 
 def test_make_refuses_a_builtins_directory_and_zero_dims(tmp_path):

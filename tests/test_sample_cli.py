@@ -382,3 +382,13 @@ def test_decode_writes_the_vae_image(cli, files):
     assert text["cap_feats"] == cap.name and "seed" not in text
     assert text["software"].startswith("nxhpc ")
     _no_temporaries(d)
+    # the VAE's own files are the run's inputs too: --png over its config.json wrote a PNG
+    # there (exit 0) and every later decode failed; refused now, the files untouched
+    before = {p.name: p.read_bytes() for p in vae_dir.iterdir()}
+    for what, path in (("--png", vae_dir / "config.json"),
+                       ("--out", vae_dir / "diffusion_pytorch_model.safetensors")):
+        args = {"--out": d / "lat2.npy", "--png": d / "img2.png", what: path}
+        rc, so, se = cli.run([cli.model, "2", "--cap-feats", cap, "--noise", noise, "--steps",
+                              "2", "--decode", vae_dir, *[x for kv in args.items() for x in kv]])
+        assert rc == 2 and "input of this run" in se, (what, rc, se)
+    assert {p.name: p.read_bytes() for p in vae_dir.iterdir()} == before

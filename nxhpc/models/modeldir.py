@@ -32,12 +32,13 @@ import numpy as np
 
 from nxhpc.formats.fixtures import FIXTURES_FILE, FixtureStore
 from nxhpc.formats.gguf_io import ModelError, write_gguf
+from nxhpc.runtime.proc import deferred_signals
 
 __all__ = ["GGUF_FILE", "FIXTURES_FILE", "SPEC_FILE", "VAE_FILE", "MODEL_FILES",
            "write_model_dir",
            "build_model_dir", "check_replaceable", "locked", "lock_holder", "sweep_stale",
            "check_models_root", "ModelsDirError", "STALE_AGE_S", "process_umask",
-           "FILES_MANIFEST", "NAMED_FILES"]
+           "FILES_MANIFEST", "NAMED_FILES", "carry_over"]
 
 GGUF_FILE = "model.gguf"
 SPEC_FILE = "synthetic.json"
@@ -108,9 +109,11 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-def write_failed(root: Path, what: str, e: OSError, src: str = _ROOT_SRC) -> ModelsDirError:
+def write_failed(root: Path, what: str, e: OSError, src: str = _ROOT_SRC,
+                 left: str = "nothing was left behind") -> ModelsDirError:
     """The :class:`ModelsDirError` for an OSError while writing ``what`` under ``root`` (numpy's
-    ``tofile`` reports a full disk as "N requested and M written", without an errno)."""
+    ``tofile`` reports a full disk as "N requested and M written", without an errno); ``left``
+    says what the failure left."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         reason = f"the file system is full ({e.strerror})"
     elif e.errno == errno.EFBIG:
@@ -122,7 +125,7 @@ def write_failed(root: Path, what: str, e: OSError, src: str = _ROOT_SRC) -> Mod
     free = _free_bytes(root)
     tail = f"; {_mb(free)} free there" if free is not None else ""
     return ModelsDirError(root, f"cannot write {what} under {root} {src}: {reason}{tail}; "
-                                f"nothing was left behind")
+                                f"{left}")
 
 
 def write_model_dir(out_dir: str | os.PathLike, gguf_tensors: Mapping[str, Any],
@@ -187,34 +190,37 @@ def build_model_dir(out_dir: str | os.PathLike, write: Callable[[Path], None], *
             raise RuntimeError(f"build_model_dir: {out_dir}: none of {', '.join(MODEL_FILES)} "
                                f"was written")
         os.chmod(tmp, 0o777 & ~process_umask())     # mkdtemp made it 0o700
-        if replace and out_dir.exists():
-            os.rename(out_dir, old)
-        try:
-            os.rename(tmp, out_dir)                     # onto an existing non-empty dir: fails
-        except OSError as e:
-            if replace or e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR,
-                                          errno.EISDIR):
-                raise
-            raise FileExistsError(f"{out_dir} already exists (made meanwhile, by another "
-                                  f"process?)") from None
+        with deferred_signals():        # Ctrl-C / SIGTERM: after the swap and the carry-over
+            if replace and out_dir.exists():
+                os.rename(out_dir, old)
+            try:
+                os.rename(tmp, out_dir)                 # onto an existing non-empty dir: fails
+            except OSError as e:
+                if replace or e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR,
+                                              errno.EISDIR):
+                    raise
+                raise FileExistsError(f"{out_dir} already exists (made meanwhile, by another "
+                                      f"process?)") from None
+            done = carry_over(old, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not out_dir.exists():
             os.rename(old, out_dir)                     # put the previous model back
         raise
-    kept = _carry_over(old, out_dir)
-    if kept is None:
+    if done:
         shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 
-def _carry_over(old: Path, new: Path) -> Path | None:
-    """Move the entries of the replaced model directory ``old`` that are not a model's files
-    (:data:`NAMED_FILES`, the manifest's temporaries) into ``new``. None when done (``old`` may
-    go); if a move fails, ``old`` is renamed to a visible ``<name>.replaced-<pid>`` beside
-    ``new`` and returned, so that nothing of the user's is deleted."""
-    if not old.is_dir():
-        return None
+def carry_over(old: Path, new: Path) -> bool:
+    """Move the entries of a replaced model directory ``old`` that are not a model's files
+    (:data:`NAMED_FILES`, the manifest's temporaries; an entry ``new`` already has stays) into
+    ``new``: the user's outputs, notes, folders. True when ``old`` holds nothing of the user's
+    any more (it may go). If a move fails, ``old`` is renamed to a visible
+    ``<name>.replaced-<random>`` beside ``new``, said on stderr, and False. A writer killed in
+    between leaves the rest in its ``-old`` temporary; :func:`sweep_stale` finishes the move."""
+    if not old.is_dir() or old.is_symlink():
+        return True
     try:
         for p in sorted(old.iterdir()):
             if p.name in NAMED_FILES or p.name.startswith(f"{FILES_MANIFEST}.tmp-") \
@@ -222,12 +228,13 @@ def _carry_over(old: Path, new: Path) -> Path | None:
                 continue
             os.rename(p, new / p.name)
     except OSError as e:
-        keep = new.with_name(f"{new.name}.replaced-{os.getpid()}")
-        os.rename(old, keep)
+        keep = Path(tempfile.mkdtemp(prefix=f"{new.name}.replaced-", dir=new.parent))
+        os.rename(old, keep / "files")
         print(f"nxhpc.models: {new}: could not move the previous directory's own files into "
-              f"the new one ({e.strerror or e}); they are in {keep}", file=sys.stderr)
-        return keep
-    return None
+              f"the new one ({e.strerror or e}); what was not moved is in {keep / 'files'}",
+              file=sys.stderr)
+        return False
+    return True
 
 
 def check_replaceable(out_dir: Path, replace: bool) -> None:
@@ -268,7 +275,9 @@ def sweep_stale(parent: Path, name: str, *, now: float | None = None) -> list[Pa
     """Remove the temporaries of ``parent/name`` left by writers that died (SIGKILL, a crash):
     ``.<name>.tmp-<pid>-*`` whose pid is no longer running, and ``.<name>.tmp-*`` without a pid
     untouched for :data:`STALE_AGE_S`. A dead writer's ``-old`` directory (the model it was
-    replacing) is put back when ``name`` itself is missing. Returns what was removed."""
+    replacing) is put back when ``name`` itself is missing, and otherwise passes the user's
+    entries still in it on to ``name`` (:func:`carry_over`) before it goes. Returns what was
+    removed."""
     now = time.time() if now is None else now
     removed: list[Path] = []
     try:
@@ -292,6 +301,9 @@ def sweep_stale(parent: Path, name: str, *, now: float | None = None) -> list[Pa
         if p.name.endswith("-old") and not target.exists() and not target.is_symlink():
             with contextlib.suppress(OSError):
                 os.rename(p, target)          # the writer died between its two renames
+            continue
+        if p.name.endswith("-old") and target.is_dir() and not target.is_symlink() \
+                and not carry_over(p, target):  # died while passing the user's files on
             continue
         shutil.rmtree(p, ignore_errors=True)
         if not p.exists():

@@ -15,7 +15,6 @@ files, never ids. Must not: run kernels.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -134,7 +133,7 @@ _models_root = models_dir
 
 
 
-def opened_model_files(main: str | os.PathLike,
+def opened_model_files(main: str | os.PathLike | None,
                        directory: str | os.PathLike | None = None) -> list[Path]:
     """The files of a model a run opened that its outputs must never replace: ``main`` (the
     file, or diffusers directory, the loader reads) and the model files beside it and in the
@@ -142,7 +141,14 @@ def opened_model_files(main: str | os.PathLike,
     manifest, ``config.json``; in a diffusers directory's ``vae/`` too), however the model was
     named (an id or a path: the same files). Not the user's other files there -- an earlier
     run's output beside the model may be written again; a built-in generated again passes
-    them on (``modeldir.build_model_dir``). Every CLI's outputs go through this one rule."""
+    them on (``modeldir.build_model_dir``). Every CLI's outputs go through this one rule.
+    ``main`` None: a text encoder's folder whose GGUF is found when it is opened (its only
+    ``.gguf``): the folder's model files and every ``.gguf`` in it."""
+    if main is None:
+        if directory is None:
+            return []
+        d = Path(directory)
+        return opened_model_files(d) + sorted(p for p in d.glob("*.gguf") if p.is_file())
     main = Path(main)
     dirs = [main, main / "vae"] if main.is_dir() else [main.parent]
     if directory is not None and Path(directory) not in dirs:    # a GGUF given apart from it
@@ -152,11 +158,13 @@ def opened_model_files(main: str | os.PathLike,
 
 
 def _manifest(d: Path) -> dict[str, list]:
-    """``{name: [size, sampled sha256]}`` of every regular file of ``d`` but the manifest."""
+    """``{name: [size, sampled sha256]}`` of the model's files in ``d`` (:data:`NAMED_FILES`
+    but the manifest): not the user's other files there, which they may change (a user's file
+    in the manifest made every later change of it regenerate the model)."""
     from nxhpc.runtime.ranks import file_fingerprint
     return {f.name: list(file_fingerprint(f)) for f in sorted(d.iterdir())
-            if f.is_file() and not f.is_symlink() and f.name != FILES_MANIFEST
-            and not f.name.startswith(".")}
+            if f.name in NAMED_FILES and f.is_file() and not f.is_symlink()
+            and f.name != FILES_MANIFEST}
 
 
 def _write_manifest(d: Path) -> None:
@@ -164,22 +172,6 @@ def _write_manifest(d: Path) -> None:
     tmp = d / f"{FILES_MANIFEST}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(_manifest(d), indent=1, sort_keys=True))
     os.replace(tmp, d / FILES_MANIFEST)
-
-
-def _remove_model_files(d: Path) -> None:
-    """Delete the model's own files in ``d`` (:data:`NAMED_FILES`, the manifest's temporaries),
-    and ``d`` itself if nothing else is left: a built-in that could not be completed leaves
-    nothing behind, and the user's other files there stay."""
-    try:
-        entries = list(d.iterdir())
-    except OSError:
-        return
-    for p in entries:
-        if p.name in NAMED_FILES or p.name.startswith(f"{FILES_MANIFEST}.tmp-"):
-            with contextlib.suppress(OSError):
-                p.unlink()
-    with contextlib.suppress(OSError):
-        d.rmdir()                             # only if empty
 
 
 def builtin_current(d: Path, spec: BuiltinSpec) -> bool:
@@ -233,9 +225,10 @@ def ensure_builtin(model_id: str, root: Path | None = None, force: bool = False,
             make(d, spec, progress=progress, replace=True)
             try:
                 _write_manifest(d)
-            except BaseException:             # (a full disk): the model without its manifest
-                _remove_model_files(d)        # would only be generated again next time
-                raise
+            except OSError as e:              # a full disk at the last, small file
+                raise write_failed(root, what, e, left="its files were written but not their "
+                                   "manifest, so it is generated again at its next use") \
+                    from None
     except FileExistsError as e:
         raise ModelError(f"{what}: {e}") from None
     except ModelsDirError:

@@ -87,8 +87,9 @@ def mpi_launched() -> bool:
 
 def local_ranks() -> int:
     """How many ranks of this job run on this host, as the launcher says (Open MPI's
-    ``OMPI_COMM_WORLD_LOCAL_SIZE``, MPICH/Hydra's ``MPI_LOCALNRANKS``); 1 when it does not."""
-    for key in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+    ``OMPI_COMM_WORLD_LOCAL_SIZE``, MPICH/Hydra's ``MPI_LOCALNRANKS``, Slurm's
+    ``SLURM_NTASKS_PER_NODE``); 1 when it does not."""
+    for key in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"):
         try:
             return max(int(os.environ[key]), 1)
         except (KeyError, ValueError):
