@@ -118,8 +118,8 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with open_vae(args.vae, workers=args.n_workers, precision=args.precision,
                   models_dir=args.models_dir) as vae:
-        # never over a file of the model (a built-in's: any file of its directory), but an
-        # earlier output beside a model named by its path may be written again
+        # never over a file of the model (its own files, however it was named); an earlier
+        # output beside it may be written again
         files = opened_model_files(vae.file.path)
         check_cli_output_path(out, what="--out", inputs=[args.latents], model_files=files)
         open_s = time.perf_counter() - t0

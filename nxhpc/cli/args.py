@@ -187,10 +187,9 @@ def cli_parser(module: str, description: str, epilog: str, exit_codes: Mapping[A
     """The parser of ``python -m nxhpc.MODULE``: ``epilog`` then the exit-code table of
     ``exit_codes`` (:func:`nxhpc.cli.codes.codes_epilog`), both laid out as written."""
     from nxhpc.cli.codes import codes_epilog
-    return Parser(prog=f"python -m nxhpc.{module}", usage=usage,
-                                   description=description,
-                                   epilog=epilog + codes_epilog(exit_codes),
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    return Parser(prog=f"python -m nxhpc.{module}", usage=usage, description=description,
+                  epilog=epilog + codes_epilog(exit_codes),
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def add_workers(p: argparse.ArgumentParser) -> None:

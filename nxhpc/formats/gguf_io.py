@@ -26,8 +26,8 @@ modules live here (the lowest layer) and are re-exported by ``nxhpc.models``.
 from __future__ import annotations
 
 import contextlib
-import math
 import errno
+import math
 import mmap
 import os
 import struct
@@ -85,13 +85,13 @@ class MissingTensorError(ModelFileError):
 # ----------------------------------------------------------------------------- constants
 
 PREFIX = "model.diffusion_model."
+"""Name prefix written by stable-diffusion.cpp's converter (ComfyUI-GGUF writes none)."""
 
 #: A block index in a tensor name as the files write it (``layers.7.``, ``blk.12.``,
 #: ``up.3.``): ASCII digits (regex ``\d`` takes any Unicode decimal, "layers.٣" would alias
 #: layers.3), no leading zero ("layers.03" would too), at most 18 (int() of thousands of
 #: digits raises). A name whose index is anything else is an unexpected tensor.
 BLOCK_INDEX = r"(0|[1-9][0-9]{0,17})"
-"""Name prefix written by stable-diffusion.cpp's converter (ComfyUI-GGUF writes none)."""
 
 Q8_0_BLOCK = Q8_0_BLOCK_DTYPE
 """One Q8_0 block: float16 scale ``d`` then 32 int8 ``q``; value = d*q (34 bytes, packed).

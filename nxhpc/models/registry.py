@@ -131,8 +131,6 @@ def models_dir() -> Path:
 _models_root = models_dir
 
 
-
-
 def opened_model_files(main: str | os.PathLike | None,
                        directory: str | os.PathLike | None = None) -> list[Path]:
     """The files of a model a run opened that its outputs must never replace: ``main`` (the

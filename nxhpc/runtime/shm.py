@@ -100,13 +100,13 @@ class ShmSpaceError(OSError):
         free_txt = ("an unknown amount free" if free is None
                     else f"{free} bytes free ({_mib(free)})")
         if memory is not None:     # a segment, or (not shared) a process's own buffers
-            it, room, keep = (("the segment needs", "at most", ", less an eighth kept for the "
-                               "rest of the run") if shared else ("its buffers need", "", ""))
-            self.message = (f"{what}: not enough memory: {it} {needed} bytes ({_mib(needed)}) "
-                            f"but {room + ' ' if room else ''}{memory} bytes ({_mib(memory)}) "
-                            f"can go to {'it' if shared else 'them'} (MemAvailable + SwapFree "
-                            f"within the cgroup's limit{keep}); making {'it' if shared else 'them'}"
-                            f" would call in the out-of-memory killer. Run fewer tokens (a "
+            it, need, most, keep = (
+                ("it", "the segment needs", "at most ", ", less an eighth kept for the rest of "
+                 "the run") if shared else ("them", "its buffers need", "", ""))
+            self.message = (f"{what}: not enough memory: {need} {needed} bytes ({_mib(needed)}) "
+                            f"but {most}{memory} bytes ({_mib(memory)}) can go to {it} "
+                            f"(MemAvailable + SwapFree within the cgroup's limit{keep}); making "
+                            f"{it} would call in the out-of-memory killer. Run fewer tokens (a "
                             f"smaller image) or free memory")
             super().__init__(errno.ENOMEM, self.message)
             return

@@ -273,7 +273,7 @@ def sgd_step(w: np.ndarray, g: np.ndarray, lr_q16: int, denom: int = 1) -> np.nd
         raise ValueError(f"sgd_step: denom must be positive, got {denom}")
     lr = np.asarray(lr_q16, dtype=object if abs(lr_q16) > INT64_MAX else np.int64)
     prod = _exact_product(g, lr, 1, np.multiply)
-    upd = _fit(round_div(prod, Q16_ONE * int(denom)), "sgd_step")
+    upd = _fit(round_div(prod, Q16_ONE * denom), "sgd_step")
     return q16_add(w, -upd, "sgd_step")
 
 

@@ -303,8 +303,7 @@ class VaeDecoder(Closing):
         copies = check_count(copies, "copies")
         prog = Program(self.config, GN_CHUNK)
         forward(prog, h, w)
-        if self._capacity and all(self._capacity.get(n, -1) >= s
-                                  for n, s in prog.sizes.items()):
+        if self._holds(prog.sizes):
             return 0
         need = arena_bytes(_spec(prog.sizes)) * copies
         s = self.config.upscale
@@ -313,14 +312,18 @@ class VaeDecoder(Closing):
                    shared=self.workers > 1)
         return need
 
+    def _holds(self, sizes: dict[str, int]) -> bool:
+        """Whether the buffers held are at least ``sizes`` (floats per buffer)."""
+        return bool(self._capacity) and all(self._capacity.get(n, -1) >= s
+                                            for n, s in sizes.items())
+
     def _buffers(self, prog: Program) -> None:
         """Make the buffers of ``prog`` (and, with workers, the arena and the pool) if the ones
         held are too small."""
         sizes = dict(prog.sizes)
         eng = self._engine
         broken = eng is not None and (eng.closed or eng.pool is None or eng.pool.closed)
-        if not broken and self._capacity and \
-                all(self._capacity.get(n, -1) >= s for n, s in sizes.items()):
+        if not broken and self._holds(sizes):
             return                 # a pool an interrupt or a dead worker closed is rebuilt
         self._release()
         spec = _spec(sizes)
