@@ -163,6 +163,21 @@ def test_models_cli_lists_shows_and_makes_it(models_root, te):
     assert r.returncode == Exit.USAGE and "built-in text encoder" in r.stderr
 
 
+def test_models_show_reads_a_download_folders_only_gguf(models_root, te, tmp_path):
+    """A folder a download went into holds its GGUF under the file's own name: `models show`
+    reads it as the encoder's doors do (it was exit 3, "neither model.gguf nor fixtures"); two
+    GGUFs there are named, not guessed between."""
+    folder = tmp_path / "qwen3-download"
+    folder.mkdir()
+    shutil.copy(te.path, folder / "Qwen3-4B-Q8_0.gguf")
+    r = run_cli("nxhpc.models", ["show", str(folder)], models_root)
+    assert r.returncode == 0 and "text encoder: qwen3 dim=320" in r.stdout, r.stderr
+    assert "Qwen3-4B-Q8_0.gguf" in r.stdout
+    shutil.copy(te.path, folder / "other.gguf")
+    r = run_cli("nxhpc.models", ["show", str(folder)], models_root)
+    assert r.returncode == Exit.NOT_FOUND and "2 .gguf files" in r.stderr, r.stderr
+
+
 # ------------------------------------------------------------------------------ library vs oracle
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_ids_and_features_match_transformers(te, oracle, name):

@@ -26,7 +26,8 @@ from nxhpc.models.modeldir import (FIXTURES_FILE, VAE_FILE, check_models_root,
 from nxhpc.models.qwen3_files import TEXT_ENCODER_KIND
 from nxhpc.models.registry import (BUILTINS, DEFAULT_MODEL_ID, builtin_ids,
                                    builtin_current, builtin_spec, ensure_builtin, models_dir,
-                                   open_model, resolve_model, resolve_vae, stderr_progress)
+                                   one_gguf, open_model, resolve_model, resolve_vae,
+                                   stderr_progress)
 from nxhpc.models.synthetic import SyntheticSpec, make_synthetic
 from nxhpc.models.vae_files import VAE_KIND
 
@@ -177,11 +178,14 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print(_describe_vae(resolve_vae(args.model, args.models_dir)))
         return 0
     d, g = resolve_model(args.model, args.models_dir, args.gguf)
+    if g is None and d is not None and not (d / FIXTURES_FILE).is_file() \
+            and any(d.glob("*.gguf")):
+        g = one_gguf(d)        # a folder a download went into: its only .gguf, any name
     text = _describe_text_encoder(d, g) if g is not None else None
     if text is not None:
         print(text)
         return 0
-    with open_model(args.model, models_dir=args.models_dir, gguf_path=args.gguf) as m:
+    with open_model(args.model, models_dir=args.models_dir, gguf_path=g) as m:
         print(m.describe())
     return 0
 

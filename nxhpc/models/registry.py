@@ -369,7 +369,7 @@ def open_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | No
     return Model(d, g, fx)
 
 
-def _one_gguf(d: Path) -> Path:
+def one_gguf(d: Path) -> Path:
     """The GGUF of a directory: its ``model.gguf``, else its only ``*.gguf`` file (a folder a
     download went into); ModelNotFoundError naming them when there are none or several."""
     if (d / GGUF_FILE).is_file():
@@ -401,7 +401,7 @@ def open_text_encoder(model: str | os.PathLike, *, workers: int | None = None,
                        "text encoders: " + ", ".join(builtin_ids(TEXT_ENCODER_KIND)))
     d, g = resolve_model(model, models_dir, gguf_path)
     if g is None:
-        g = _one_gguf(d)
+        g = one_gguf(d)
     return TextEncoder(g, workers=workers, precision=precision, directory=d, **options)
 
 
