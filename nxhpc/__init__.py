@@ -1,4 +1,4 @@
-"""nxhpc: run diffusion transformers (Z-Image, Lumina-2) on the CPU from GGUF weights.
+"""nxhpc: run diffusion transformers (Z-Image; Lumina-2 blocks) on the CPU from GGUF weights.
 
 Hot paths are C kernels behind validating Cython wrappers (``nxhpc._kernels``), chosen at run
 time by CPU features (``cpu_features()``, ``kernel_variants()``; ``NXHPC_DISABLE_SIMD=1`` forces
