@@ -6,12 +6,16 @@ the scalar path). The kernels load lazily: ``import nxhpc`` and the pure-Python 
 (``python -m nxhpc.models list``, ``python -m nxhpc.ddp``) work in a tree whose extension is not
 built; the clear "not built" error appears on first use of a kernel.
 
+Library doors: ``load_model`` (one block), ``load_denoiser``, ``load_text_encoder``,
+``load_vae`` and ``generate_image`` (a prompt to uint8 pixels, as ``python -m nxhpc.generate``).
+
 Layout: ``runtime`` (shared-memory arena, worker pool, boundary checks), ``formats`` (GGUF,
-fixtures, block layouts), ``dit`` (config, block, stack runs, denoiser, sampler, references,
-grading), ``qwen3`` (the Qwen3 text encoder: tokenizer, model, ``TextEncoder``), ``models``
-(ids, model directories, synthetic models), ``train`` (Q16 tape, ring, DDP), ``cli`` (the one
-CLI layer); CLIs ``blockrun``, ``denoise``, ``sample``, ``encode``, ``models``, ``ddp`` (each
-also a console command, and ``nxhpc <command>``).
+fixtures, block layouts), ``nn`` (the typed-linear seam, the engine), ``dit`` (config, block,
+stack runs, denoiser, sampler, references, grading), ``qwen3`` (the Qwen3 text encoder:
+tokenizer, model, ``TextEncoder``), ``vae`` (the FLUX decoder: ``VaeDecoder``), ``models`` (ids,
+model directories, synthetic models), ``train`` (Q16 tape, ring, DDP), ``cli`` (the one CLI
+layer); CLIs ``blockrun``, ``denoise``, ``sample``, ``encode``, ``decode``, ``generate``,
+``models``, ``ddp`` (each also a console command, and ``nxhpc <command>``).
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ import os as _os
 
 __version__ = "0.1.0"
 
-__all__ = ["load_model", "load_denoiser", "load_text_encoder", "load_vae", "cpu_features",
+__all__ = ["load_model", "load_denoiser", "load_text_encoder", "load_vae", "generate_image",
+           "cpu_features",
            "kernel_variants", "supported_isas", "kernels", "__version__"]
 
 _KERNEL_FUNCS = ("cpu_features", "kernel_variants", "supported_isas")
@@ -54,6 +59,7 @@ load_model = _api_function("load_model")
 load_denoiser = _api_function("load_denoiser")
 load_text_encoder = _api_function("load_text_encoder")
 load_vae = _api_function("load_vae")
+generate_image = _api_function("generate_image")
 
 
 def __getattr__(name: str):

@@ -1,6 +1,7 @@
 """Library entry points for downstream scripts: ``load_model``, ``load_denoiser``,
-``load_text_encoder`` and ``load_vae`` (re-exported as ``nxhpc.load_model`` /
-``nxhpc.load_denoiser`` / ``nxhpc.load_text_encoder`` / ``nxhpc.load_vae``).
+``load_text_encoder``, ``load_vae`` and ``generate_image`` (re-exported as
+``nxhpc.load_model`` / ``nxhpc.load_denoiser`` / ``nxhpc.load_text_encoder`` /
+``nxhpc.load_vae`` / ``nxhpc.generate_image``).
 
 Owns nothing but the public spelling: it delegates to ``nxhpc.models.open_model``; the returned
 model's ``block(i)`` is an ``nxhpc.dit.block.Block`` whose ``forward`` returns ``(output, timings)``.
@@ -12,8 +13,10 @@ weights (``model.layer_weights(i, prefix=...)``), describe each kind as a ``Bloc
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["load_model", "load_denoiser", "load_text_encoder", "load_vae"]
+__all__ = ["load_model", "load_denoiser", "load_text_encoder", "load_vae", "generate_image"]
 
 
 def load_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | None = None,
@@ -85,3 +88,110 @@ def load_vae(path_or_id: str | os.PathLike, *, workers: int | None = None,
     """
     from nxhpc.models.registry import open_vae
     return open_vae(path_or_id, workers=workers, precision=precision, models_dir=models_dir)
+
+
+def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
+                   text_encoder: str | os.PathLike | None = None,
+                   vae: str | os.PathLike | None = None, height: int | None = None,
+                   width: int | None = None, seed: int | None = None, noise: Any = None,
+                   steps: int = 8, shift: float = 3.0, guidance_scale: float = 0.0,
+                   negative_prompt: str | None = None, precision: str = "f32",
+                   q8_float_weights: str | None = None, workers: int | None = None,
+                   models_dir: str | os.PathLike | None = None,
+                   on_step: Callable[[int, int, float], None] | None = None) -> Any:
+    """A prompt to a picture, as ``python -m nxhpc.generate`` makes it (the same bits), without
+    torch: uint8 ``[height, width, 3]`` (``PIL.Image.fromarray`` takes it;
+    ``nxhpc.vae.write_png(path, pixels)`` writes it).
+
+    ``model``, ``text_encoder``, ``vae``: the Z-Image transformer (GGUF path, directory or
+    id), the Qwen3 text encoder (llama.cpp GGUF, directory or id) and the FLUX autoencoder
+    (``ae.safetensors``, a diffusers VAE directory or id) -- all three, or none for the
+    built-in tiny components (random weights: a noise picture, 64x64 by default).
+    ``height``/``width``: both or neither, multiples of 16 (default 1024). ``seed`` (default
+    0) draws the noise as the CLI does, or ``noise`` gives it (``[16, height/8, width/8]``).
+    ``steps``, ``shift``: the Turbo schedule; ``guidance_scale`` G > 0 with an optional
+    ``negative_prompt`` turns on classifier-free guidance as diffusers' ``ZImagePipeline``
+    does (two transformer calls a step). ``precision``: ``f32`` (exact), ``bf16`` or ``q8``
+    (the decoder runs ``bf16`` under ``q8``); ``q8_float_weights`` (``"int8"`` default, or
+    ``"bf16"``) as for ``load_denoiser`` and ``load_text_encoder``. ``workers``: processes per model (default: the
+    usable CPUs). ``on_step(i, n, seconds)`` after each step.
+
+    Every argument is checked before any model runs, and the decoder's memory before the
+    steps. Each model is opened once and released before the next one's buffers are built
+    (the text encoder, then the transformer, then the decoder), as the CLI does. For many
+    pictures, ``python -m nxhpc.generate --prompts/--seeds`` opens each model once for all.
+    Raises TypeError / ValueError for bad arguments (``SampleInputError`` for noise or
+    features that do not fit the model), :class:`ModelError` subclasses for model files,
+    ``NonFiniteOutputError`` when the latents or pixels leave float32's range, and
+    ``ShmSpaceError`` when the shared memory cannot hold a model's buffers. Example::
+
+        pixels = nxhpc.generate_image("a red fox in the snow", model="z_image_turbo-Q8_0.gguf",
+                                      text_encoder="Qwen3-4B-Q8_0.gguf", vae="ae.safetensors",
+                                      seed=42, precision="q8")
+        PIL.Image.fromarray(pixels).save("fox.png")
+    """
+    from nxhpc.dit.sampler import (check_guidance_scale, check_noise, initial_noise,
+                                   latent_shape, sample, turbo_sigmas)
+    from nxhpc.formats.gguf_io import ModelFileError
+    from nxhpc.models.registry import open_denoiser, open_vae
+    from nxhpc.qwen3.tokenizer import check_text
+    from nxhpc.runtime.workers import usable_cpus
+    from nxhpc.vae.image import to_uint8
+
+    # every check that needs no model first
+    check_text(prompt, "prompt")
+    g = check_guidance_scale(guidance_scale)
+    if negative_prompt is not None:
+        check_text(negative_prompt, "negative_prompt")
+        if g == 0:
+            raise ValueError("negative_prompt needs guidance_scale > 0 (guidance is off)")
+    names = {"model": model, "text_encoder": text_encoder, "vae": vae}
+    tiny = all(v is None for v in names.values())
+    if tiny:
+        names = {"model": "tiny-dit", "text_encoder": "tiny-te", "vae": "tiny-vae"}
+    elif any(v is None for v in names.values()):
+        missing = ", ".join(k for k, v in names.items() if v is None)
+        raise ValueError(f"give all of model, text_encoder and vae, or none (the built-in tiny "
+                         f"components); missing: {missing}")
+    if (height is None) != (width is None):
+        raise ValueError("give both height and width (or neither)")
+    if noise is not None and seed is not None:
+        raise ValueError("give seed or noise, not both (a seed draws the noise)")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    turbo_sigmas(steps, shift)
+    if workers is None:
+        workers = usable_cpus()
+
+    import nxhpc
+    kw: dict[str, Any] = {"workers": workers, "models_dir": models_dir}
+    lowp = {} if q8_float_weights is None else {"q8_float_weights": q8_float_weights}
+    with open_denoiser(names["model"], precision=precision, **lowp, **kw) as den, \
+            open_vae(names["vae"], precision="bf16" if precision == "q8" else precision,
+                     **kw) as dec:
+        cfg, up = den.config, dec.config.upscale
+        if dec.config.latent_channels != cfg.in_channels:
+            raise ModelFileError(f"vae {names['vae']}: its decoder reads "
+                                 f"{dec.config.latent_channels} latent channels but the "
+                                 f"transformer makes {cfg.in_channels}")
+        if noise is not None:
+            shape = None if height is None else latent_shape(height, width, cfg.in_channels,
+                                                             up, cfg.patch)
+            x0 = check_noise(noise, cfg, shape)
+        else:
+            px = 64 if tiny else 1024
+            shape = latent_shape(height or px, width or px, cfg.in_channels, up, cfg.patch)
+            x0 = initial_noise(0 if seed is None else seed, shape)
+        dec.check_room(x0.shape[1], x0.shape[2])     # before the steps, as the CLI does
+        with nxhpc.load_text_encoder(names["text_encoder"], precision=precision, **lowp,
+                                     **kw) as te:
+            if te.config.dim != cfg.cap_dim:
+                raise ModelFileError(f"text_encoder {names['text_encoder']}: its features are "
+                                     f"{te.config.dim} wide but the transformer's cap_dim is "
+                                     f"{cfg.cap_dim}: these models do not go together")
+            cap = te.encode(prompt)
+            neg = te.encode(negative_prompt or "") if g > 0 else None
+        latents = sample(den, cap, x0, steps=steps, shift=shift, on_step=on_step,
+                         guidance_scale=g, negative_feats=neg)
+        den.close()                  # the transformer's buffers go before the decoder's
+        return to_uint8(dec.decode(latents))

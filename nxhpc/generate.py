@@ -50,7 +50,7 @@ from nxhpc.nn.linear import attention_kernel
 from nxhpc.runtime.checks import load_npy
 from nxhpc.runtime.outfile import check_cli_output_path
 
-__all__ = ["main", "build_parser", "EXIT_CODES", "TINY", "TINY_PX", "guided", "Job"]
+__all__ = ["main", "build_parser", "EXIT_CODES", "TINY", "TINY_PX", "Job"]
 
 PROG = "generate"
 
@@ -196,23 +196,6 @@ class Job:
     step_s: list[float] = field(default_factory=list)
 
 
-def guided(denoiser: Any, cap: np.ndarray, neg: np.ndarray, scale: float):
-    """The raw-output function of classifier-free guidance, as ``ZImagePipeline`` computes it:
-    ``pos + scale * (pos - neg)`` in float32, pos and neg the denoiser's outputs for the
-    caption features ``cap`` and ``neg`` (both calls on the one open denoiser: it keeps an
-    engine for each padded caption length, one for both when they pad alike). Run it through
-    ``nxhpc.dit.sampler.checked_euler``: that names the step where an output or the latents
-    leave float32's range."""
-    g = np.float32(scale)
-
-    def model(x: np.ndarray, t: float) -> np.ndarray:
-        pos = np.asarray(denoiser.forward(x, t, cap), dtype=np.float32)
-        ngt = np.asarray(denoiser.forward(x, t, neg), dtype=np.float32)
-        with np.errstate(over="ignore", invalid="ignore"):     # checked by the caller
-            return pos + g * (pos - ngt)
-    return model
-
-
 def _prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt is not None:
         types.check_prompt(args.prompt, "--prompt")
@@ -354,8 +337,7 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
     prompts encoded, sampled, decoded; no exchange), and rank 0 gathers each round of R
     images and writes them in order."""
     from nxhpc.dit.sampler import (NonFiniteOutputError, SampleInputError, check_noise,
-                                   checked_euler, initial_noise, latent_shape, sample,
-                                   turbo_sigmas)
+                                   initial_noise, latent_shape, sample, turbo_sigmas)
     from nxhpc.models.registry import open_denoiser, open_vae, resolve_model
     from nxhpc.runtime import ranks as _ranks
     from nxhpc.runtime.workers import usable_cpus
@@ -455,14 +437,9 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
                 cap = feats[job.prompt]
                 # NaN/inf of a call split across the ranks: the same bits on every rank
                 with _on_every_rank(None if whole else ranks, NonFiniteOutputError):
-                    if cfg_on:
-                        job.latents = checked_euler(
-                            guided(den, cap, neg_feats, args.guidance_scale), x0,
-                            turbo_sigmas(args.steps, args.shift), on_step=on_step,
-                            what="the guided output")
-                    else:
-                        job.latents = sample(den, cap, x0, steps=args.steps,
-                                             shift=args.shift, on_step=on_step)
+                    job.latents = sample(den, cap, x0, steps=args.steps, shift=args.shift,
+                                         on_step=on_step, guidance_scale=args.guidance_scale
+                                         if cfg_on else 0.0, negative_feats=neg_feats)
             den_mem = den.memory()
             stages["denoise_s"] = time.perf_counter() - t2
             exchange = None                   # bytes this rank received from the others

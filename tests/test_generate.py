@@ -310,6 +310,59 @@ def test_generate_matches_zimage_pipeline(models_root, pipeline, tmp_path, guida
         assert text["negative_prompt"] == "blurry" and text["guidance_scale"] == str(guidance)
 
 
+@pytest.mark.parametrize("guidance", [0.0, 2.5])
+def test_generate_image_is_the_pipelines_picture(models_root, pipeline, guidance):
+    """``nxhpc.generate_image`` (the library's prompt -> pixels) against diffusers'
+    ``ZImagePipeline`` on the same tiny components and noise: within 2 levels, with and
+    without guidance; another seed misses the bound (negative control)."""
+    kw = dict(guidance_scale=guidance, negative_prompt="blurry") if guidance else {}
+    steps = []
+    got = nxhpc.generate_image(PROMPT, seed=3, workers=2, models_dir=models_root,
+                               on_step=lambda i, n, s: steps.append((i, n)), **kw)
+    assert got.dtype == np.uint8 and got.shape == (PX, PX, 3)
+    assert steps == [(i, 8) for i in range(8)]
+    ref = _pipeline_png(pipeline, PROMPT, 3, guidance, "blurry" if guidance else None)
+    assert np.abs(got.astype(int) - ref).max() <= 2 and ref.std() > 10
+    assert np.abs(got.astype(int) - _pipeline_png(pipeline, PROMPT, 4, guidance,
+                                                  "blurry" if guidance else None)).max() > 2
+    # the given noise is the seed's noise: the same bits
+    again = nxhpc.generate_image(PROMPT, noise=initial_noise(3, (16, PX // 8, PX // 8)),
+                                 workers=1, models_dir=models_root, **kw)
+    np.testing.assert_array_equal(again, got)
+
+
+def test_generate_image_checks_its_arguments_before_any_model(models_root, monkeypatch):
+    """Bad arguments are TypeError/ValueError before a model is opened (nothing generated:
+    an empty models directory stays empty); models that do not go together are named."""
+    from nxhpc.models import registry as reg
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was opened")
+    monkeypatch.setattr(reg, "open_denoiser", no_model)
+    bad = [({"prompt": 3}, TypeError, "expected str"),
+           ({"prompt": "a\x00b"}, ValueError, "NUL"),
+           ({"negative_prompt": "x"}, ValueError, "guidance_scale > 0"),
+           ({"guidance_scale": -1.0}, ValueError, "guidance_scale"),
+           ({"guidance_scale": float("nan")}, ValueError, "guidance_scale"),
+           ({"model": "tiny-dit"}, ValueError, "missing: text_encoder, vae"),
+           ({"height": 64}, ValueError, "both height and width"),
+           ({"seed": 1, "noise": np.zeros((16, 8, 8), np.float32)}, ValueError, "not both"),
+           ({"seed": -1}, ValueError, "seed"),
+           ({"steps": 0}, ValueError, "steps"),
+           ({"shift": 0.0}, ValueError, "shift")]
+    for extra, exc, words in bad:
+        args = {"prompt": PROMPT, **extra}
+        with pytest.raises(exc, match=words):
+            nxhpc.generate_image(args.pop("prompt"), models_dir=models_root, **args)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="multiple of 16"):
+        nxhpc.generate_image(PROMPT, height=72, width=64, models_dir=models_root, workers=1)
+    from nxhpc.dit.sampler import SampleInputError
+    with pytest.raises(SampleInputError, match="noise"):
+        nxhpc.generate_image(PROMPT, noise=np.zeros((4, 8, 8), np.float32),
+                             models_dir=models_root, workers=1)
+
+
 @pytest.mark.parametrize("precision, q8fw", [("bf16", "int8"), ("q8", "int8"), ("q8", "bf16")])
 def test_generate_precision_is_the_library_result(models_root, tmp_path, precision, q8fw):
     """``--precision`` / ``--q8-float-weights`` reach all three models: the PNG has the bits of

@@ -28,14 +28,15 @@ from nxhpc.runtime.checks import CheckError, check_float_array
 from nxhpc.runtime.checks import NonFiniteOutputError as _NonFinite
 
 __all__ = ["euler_sample", "checked_euler", "initial_noise", "latent_shape", "turbo_sigmas",
-           "sample",
+           "sample", "guided", "check_guidance_scale",
            "check_cap_feats", "check_noise", "decode_png", "require_decode_deps",
            "SampleInputError", "NonFiniteOutputError", "VAE_SCALING", "VAE_SHIFT",
            "MAX_STEPS"]
 
 VAE_SCALING, VAE_SHIFT = 0.3611, 0.1159
 """The FLUX VAE's latent normalization (``docs/denoiser.md``): pixels = decode(latents / 0.3611 +
-0.1159). Used when the VAE's config does not carry ``scaling_factor`` / ``shift_factor``."""
+0.1159). A file's own values are read by ``nxhpc.vae.config`` (an ``ae.safetensors`` has these;
+a diffusers ``config.json`` its own)."""
 
 
 class SampleInputError(CheckError):
@@ -132,13 +133,14 @@ def euler_sample(model: Model, noise: np.ndarray, sigmas: np.ndarray | None = No
     return x
 
 
-def check_cap_feats(cap_feats, cfg) -> np.ndarray:
-    """``[L >= 1, cfg.cap_dim]`` finite float -> C-contiguous float32, else SampleInputError."""
+def check_cap_feats(cap_feats, cfg, what: str = "cap_feats") -> np.ndarray:
+    """``[L >= 1, cfg.cap_dim]`` finite float -> C-contiguous float32, else SampleInputError
+    (naming ``what``)."""
     a = np.asarray(cap_feats)
     if a.ndim != 2 or a.shape[0] < 1 or a.shape[1] != cfg.cap_dim:
-        raise SampleInputError(f"cap_feats: shape {list(a.shape)}, expected [L, {cfg.cap_dim}] "
+        raise SampleInputError(f"{what}: shape {list(a.shape)}, expected [L, {cfg.cap_dim}] "
                                f"(L >= 1 caption tokens x the model's cap_dim {cfg.cap_dim})")
-    return check_float_array(a, "cap_feats", error=SampleInputError)
+    return check_float_array(a, what, error=SampleInputError)
 
 
 def check_noise(noise, cfg, shape: tuple[int, int, int] | None = None) -> np.ndarray:
@@ -159,24 +161,69 @@ def check_noise(noise, cfg, shape: tuple[int, int, int] | None = None) -> np.nda
 
 
 def sample(denoiser, cap_feats, noise, *, steps: int = 8, shift: float = 3.0,
-           on_step: Callable[[int, int, float], None] | None = None) -> np.ndarray:
+           on_step: Callable[[int, int, float], None] | None = None,
+           guidance_scale: float = 0.0, negative_feats=None) -> np.ndarray:
     """Denoise ``noise [C, H, W]`` into latents with the Turbo sampler on ``denoiser`` (an open
     ``nxhpc.dit.denoiser.Denoiser``: ``config`` and ``forward(latents, t, cap_feats)``), caption
     features ``cap_feats [L, cap_dim]``, ``steps`` calls, static ``shift``. Every call goes to
     the same ``denoiser`` (its weights, pool and arena are reused). ``on_step(i, n, seconds)``
-    after each call. Returns float32 ``[C, H, W]``.
+    after each step. Returns float32 ``[C, H, W]``.
+
+    ``guidance_scale`` G > 0 turns on classifier-free guidance as diffusers' ``ZImagePipeline``
+    computes it (:func:`guided`: ``pos + G * (pos - neg)``, two calls a step), with
+    ``negative_feats [L', cap_dim]`` the negative prompt's features (an empty prompt's
+    features for none); G = 0 (the default, as the Turbo model runs) is one call a step.
 
     The public boundary: the inputs are checked here, once, before any call; the denoiser's
     forward and :func:`euler_sample` trust them. Raises :class:`SampleInputError` (ValueError)
-    for inputs that do not fit the model; :class:`NonFiniteOutputError` when the model
-    returns NaN/inf."""
+    for inputs that do not fit the model (and for ``negative_feats`` without G > 0 or G > 0
+    without them); :class:`NonFiniteOutputError` when the model returns NaN/inf."""
     cfg = denoiser.config
     cap = check_cap_feats(cap_feats, cfg)
     x0 = check_noise(noise, cfg)
     sigmas = turbo_sigmas(steps, shift)
     if on_step is not None and not callable(on_step):    # not after the first step has run
         raise TypeError(f"sample: on_step must be callable (i, n, seconds), got {on_step!r}")
-    return checked_euler(lambda x, t: denoiser.forward(x, t, cap), x0, sigmas, on_step=on_step)
+    g = check_guidance_scale(guidance_scale)
+    if g == 0:
+        if negative_feats is not None:
+            raise SampleInputError("negative_feats given with guidance_scale 0 (guidance off): "
+                                   "give guidance_scale > 0, or no negative_feats")
+        return checked_euler(lambda x, t: denoiser.forward(x, t, cap), x0, sigmas,
+                             on_step=on_step)
+    if negative_feats is None:
+        raise SampleInputError(f"guidance_scale {g:g} needs negative_feats (the negative "
+                               f"prompt's caption features; an empty prompt's for none)")
+    neg = check_cap_feats(negative_feats, cfg, "negative_feats")
+    return checked_euler(guided(denoiser, cap, neg, g), x0, sigmas, on_step=on_step,
+                         what="the guided output")
+
+
+def check_guidance_scale(scale) -> float:
+    """A guidance scale as a float: a finite real number >= 0 (0 = off), else
+    SampleInputError."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(scale) or scale < 0:
+        raise SampleInputError(f"guidance_scale must be a finite number >= 0 (0 = off), got "
+                               f"{scale!r}")
+    return float(scale)
+
+
+def guided(denoiser, cap: np.ndarray, neg: np.ndarray, scale: float) -> Model:
+    """The raw-output function of classifier-free guidance, as ``ZImagePipeline`` computes it:
+    ``pos + scale * (pos - neg)`` in float32, pos and neg the denoiser's outputs for the
+    caption features ``cap`` and ``neg`` (both calls on the one open denoiser: it keeps an
+    engine for each padded caption length, one for both when they pad alike). Inputs are
+    trusted; run it through :func:`checked_euler`, which names the step where an output or
+    the latents leave float32's range (:func:`sample` does both)."""
+    g = np.float32(scale)
+
+    def model(x: np.ndarray, t: float) -> np.ndarray:
+        pos = np.asarray(denoiser.forward(x, t, cap), dtype=np.float32)
+        ngt = np.asarray(denoiser.forward(x, t, neg), dtype=np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):     # checked by the caller
+            return pos + g * (pos - ngt)
+    return model
 
 
 def checked_euler(call: Callable[[np.ndarray, float], np.ndarray], x0: np.ndarray,
@@ -225,16 +272,17 @@ def require_decode_deps() -> None:
 def decode_png(latents: np.ndarray, vae_dir: str | os.PathLike):
     """Decode ``latents [16, h, w]`` with ``diffusers.AutoencoderKL.from_pretrained(vae_dir)``
     (float32, CPU): ``vae.decode(latents / scaling_factor + shift_factor)`` (FLUX VAE: 0.3611,
-    0.1159), then diffusers' own post-processing to an 8-bit RGB ``PIL.Image`` (what
-    ``ZImagePipeline(output_type="pil")`` returns). Imports torch and diffusers here only."""
+    0.1159; read as ``nxhpc.vae`` reads them, ``docs/autoencoder.md``), then diffusers' own
+    post-processing to an 8-bit RGB ``PIL.Image`` (what ``ZImagePipeline(output_type="pil")``
+    returns). Imports torch and diffusers here only."""
     require_decode_deps()
     import torch
     from diffusers import AutoencoderKL
     from diffusers.image_processor import VaeImageProcessor
+    from nxhpc.vae.files import open_vae_file
+    with open_vae_file(vae_dir) as f:     # the one reading of scaling and shift (nxhpc's decoder's)
+        scale, shift = f.config.scaling_factor, f.config.shift_factor
     vae = AutoencoderKL.from_pretrained(os.fspath(vae_dir), torch_dtype=torch.float32).eval()
-    scale = getattr(vae.config, "scaling_factor", None) or VAE_SCALING
-    shift = getattr(vae.config, "shift_factor", None)
-    shift = VAE_SHIFT if shift is None else shift
     z = torch.from_numpy(np.ascontiguousarray(latents, dtype=np.float32))[None]
     with torch.no_grad():
         img = vae.decode(z / scale + shift, return_dict=False)[0]

@@ -20,7 +20,7 @@ from nxhpc.formats.gguf_io import GGUFFile, ModelFileError, read_field, read_fie
 __all__ = [
     "Qwen3Tokenizer", "VocabError", "QWEN2_SPLIT", "TEMPLATE", "MAX_TOKENS", "CHAT_TOKENS",
     "QWEN3_ADDED_TOKENS", "TOKEN_NORMAL", "TOKEN_CONTROL", "TOKEN_USER_DEFINED", "TOKEN_UNUSED",
-    "byte_alphabet", "template", "tiny_vocab", "vocab_metadata",
+    "byte_alphabet", "check_text", "template", "tiny_vocab", "vocab_metadata",
 ]
 
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -82,11 +82,13 @@ def byte_alphabet() -> list[str]:
 
 def template(prompt: str) -> str:
     """The templated text of one user prompt (:data:`TEMPLATE`); the prompt is inserted as is."""
-    _check_text(prompt, "prompt")
+    check_text(prompt, "prompt")
     return "<|im_start|>user\n" + prompt + "<|im_end|>\n<|im_start|>assistant\n"
 
 
-def _check_text(text: Any, what: str) -> None:
+def check_text(text: Any, what: str) -> None:
+    """TypeError for a non-string ``text``, ValueError for a NUL character or a lone surrogate
+    (each naming ``what``): what every prompt must be before it is tokenized."""
     if not isinstance(text, str):
         raise TypeError(f"{what}: expected str, got {type(text).__name__}")
     nul = text.find("\x00")
@@ -280,7 +282,7 @@ class Qwen3Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """The ids of ``text`` as is: no template, nothing added, not truncated."""
-        _check_text(text, "text")
+        check_text(text, "text")
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def tokenize(self, prompt: str, max_tokens: int = MAX_TOKENS) -> list[int]:
