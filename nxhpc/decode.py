@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
               "[--precision f32|bf16|auto] [--json]",
         description=textwrap.fill(
             "Decode latents [16, h, w] (the sampler's space: the decoder reads latents / "
-            "scaling_factor + shift_factor, a diffusers directory's config.json values, else "
-            "FLUX's 0.3611 and 0.1159; the report names them) into an 8h x 8w RGB PNG with the "
+            "scaling_factor + shift_factor: a diffusers directory's config.json values as "
+            "diffusers reads them, an ae.safetensors file FLUX's 0.3611 and 0.1159; the report "
+            "names them) into an 8h x 8w RGB PNG with the "
             "FLUX autoencoder's decoder on nxhpc's C kernels (3x3 convolutions fed to the "
             "matmul from im2col rows, no whole im2col matrix; "
             "tiled mid attention; worker processes over shared memory when n_workers > 1). The "

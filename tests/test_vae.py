@@ -506,3 +506,95 @@ def test_check_room_counts_the_buffers_a_decode_makes(files, monkeypatch):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         assert ranks.local_ranks() == n
+
+
+def test_absent_scaling_and_shift_are_what_diffusers_reads(vaes, tmp_path):
+    """A config.json without ``scaling_factor`` / ``shift_factor`` decodes as diffusers'
+    ``AutoencoderKL.from_pretrained`` reads that directory (0.18215, no shift: the QA helper
+    found FLUX's 0.3611 / 0.1159 taken instead, ~1.6x off); a null scaling is refused.
+    Control: the same weights with FLUX's values written out decode as those."""
+    import torch
+    from diffusers import AutoencoderKL
+    vae = make_vae(1, norm_num_groups=8)
+    d = write_vae(vae, tmp_path / "v", "diffusers", "F32")
+    cfg = json.loads((d / "config.json").read_text())
+    z = torch.from_numpy(np.asarray(LATENTS, dtype=np.float64))[None]
+    for drop in (True, False):
+        c = {k: v for k, v in cfg.items() if not (drop and k in ("scaling_factor",
+                                                                   "shift_factor"))}
+        (d / "config.json").write_text(json.dumps(c))
+        hf = AutoencoderKL.from_pretrained(str(d)).double().eval()    # how diffusers reads it
+        scale, shift = hf.config.scaling_factor, hf.config.shift_factor or 0.0
+        assert (scale, shift) == ((0.18215, 0.0) if drop else (0.3611, 0.1159))
+        with torch.no_grad():
+            ref = hf.decode(z / scale + shift).sample[0].numpy()
+        with nxhpc.load_vae(d, workers=1) as dec:
+            assert (dec.config.scaling_factor, dec.config.shift_factor) == (scale, shift)
+            assert rel(dec.decode(LATENTS), ref) <= F32_TOL
+    (d / "config.json").write_text(json.dumps(dict(cfg, scaling_factor=None)))
+    with pytest.raises(ModelFileError, match="scaling_factor is null"):
+        nxhpc.load_vae(d)
+
+
+@pytest.mark.parametrize("layout", ["diffusers", "ldm"])
+def test_a_missing_mid_attention_tensor_is_named(files, tmp_path, layout):
+    """The mid attention is there when any of its tensors is: a file missing only its query
+    weight is MissingTensorError naming it (it was decoded without the attention, exit 0, 25%
+    off diffusers; with config.json a wrong "tensors are absent"). Control: the whole file
+    opens; a file without any of the ten is a decoder without the attention."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    src = files[layout, "F32"]
+    d = tmp_path / layout
+    if layout == "diffusers":
+        shutil.copytree(src, d)
+        f, q = d / "diffusion_pytorch_model.safetensors", "decoder.mid_block.attentions.0.to_q"
+    else:
+        d.mkdir()
+        f, q = d / "ae.safetensors", "decoder.mid.attn_1.q"
+        shutil.copy(src, f)
+    nxhpc.load_vae(d if layout == "diffusers" else f).close()
+    sd = load_file(str(f))
+    save_file({k: v for k, v in sd.items() if k != f"{q}.weight"}, str(f))
+    with pytest.raises(MissingTensorError, match=f"missing tensor '{q}.weight'"):
+        nxhpc.load_vae(d if layout == "diffusers" else f)
+    if layout == "diffusers":                      # without config.json, as an LDM file reads
+        (d / "config.json").unlink()
+        with pytest.raises(MissingTensorError, match=f"missing tensor '{q}.weight'"):
+            nxhpc.load_vae(d)
+    else:
+        attn = q.rsplit(".", 1)[0]
+        save_file({k: v for k, v in sd.items() if not k.startswith(attn + ".")}, str(f))
+        with nxhpc.load_vae(f) as dec:
+            assert dec.config.mid_attention is False
+
+
+def test_decoders_of_another_architecture_are_refused(files, tmp_path):
+    """A config.json or tensors describing another decoder than FLUX's are refused by name
+    (each was decoded as FLUX's, exit 0: gelu 9.6% off diffusers, attention in the up blocks
+    54%): another activation or class, up blocks with attention (their tensors, with or without
+    the config's word for them), an out_channels that disagrees with conv_out. Control: the
+    untouched directory opens."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    d = tmp_path / "vae"
+    shutil.copytree(files["diffusers", "F32"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    nxhpc.load_vae(d).close()
+    for key, value, words in [("act_fn", "gelu", "act_fn is \"gelu\""),
+                              ("_class_name", "AutoencoderTiny", "_class_name is"),
+                              ("up_block_types", ["AttnUpDecoderBlock2D"] * 4,
+                               "up_block_types is"),
+                              ("out_channels", 1, "out_channels 1 disagrees")]:
+        (d / "config.json").write_text(json.dumps(dict(cfg, **{key: value})))
+        with pytest.raises(ModelFileError, match=words):
+            nxhpc.load_vae(d)
+    (d / "config.json").write_text(json.dumps(cfg))
+    f = d / "diffusion_pytorch_model.safetensors"
+    sd = load_file(str(f))
+    extra = "decoder.up_blocks.0.attentions.0.to_q.weight"
+    save_file(dict(sd, **{extra: np.ones((64, 64), np.float32)}), str(f))
+    with pytest.raises(ModelFileError, match=f"tensor '{extra}' is not part of a FLUX-style"):
+        nxhpc.load_vae(d)

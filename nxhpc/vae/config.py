@@ -16,7 +16,7 @@ from typing import Any
 
 from nxhpc.formats.gguf_io import BLOCK_INDEX, MissingTensorError, ModelFileError
 
-__all__ = ["VaeConfig", "FLUX_SCALING", "FLUX_SHIFT", "tensor_names", "ldm_name",
+__all__ = ["VaeConfig", "FLUX_SCALING", "FLUX_SHIFT", "DIFFUSERS_SCALING", "tensor_names", "ldm_name",
            "infer_config", "count_levels", "expected_shape", "detect_layout", "LAYOUTS",
            "resnet_names", "attention_names"]
 
@@ -24,6 +24,9 @@ __all__ = ["VaeConfig", "FLUX_SCALING", "FLUX_SHIFT", "tensor_names", "ldm_name"
 #: Z-Image): the decoder reads ``z / scaling + shift``.
 FLUX_SCALING = 0.3611
 FLUX_SHIFT = 0.1159
+#: diffusers' ``AutoencoderKL`` default scaling: what a ``config.json`` without the key holds
+#: once diffusers reads it (its shift default, None, is no shift).
+DIFFUSERS_SCALING = 0.18215
 
 _F32_MAX = 3.4028234663852886e38            # float32's largest finite value
 _F32_NORMAL_MIN = 1.1754943508222875e-38     # float32's smallest positive normal value
@@ -283,7 +286,9 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], layout: str, where: str,
     out_shape = need("decoder.conv_out.weight")
     groups = 32
     scaling, shift = FLUX_SCALING, FLUX_SHIFT
-    mid_attn = shape_of("decoder.mid_block.attentions.0.to_q.weight") is not None
+    # the mid attention is there if any of its tensors is (a missing one is then named below)
+    mid_attn = any(shape_of(n) is not None
+                   for n in attention_names("decoder.mid_block.attentions.0"))
     if config_json is not None:
         cj = _checked_config_json(config_json, where)
         boc = cj.get("block_out_channels")
@@ -301,11 +306,15 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], layout: str, where: str,
         if cj.get("use_post_quant_conv", False):
             raise ModelFileError(f"{where}: config.json has use_post_quant_conv=true; the FLUX "
                                  f"decoder has no post-quant conv (not supported)")
+        _check_flux_decoder(cj, int(out_shape[0]) if out_shape else 0, where)
         groups = int(cj.get("norm_num_groups", groups))
-        if cj.get("scaling_factor") is not None:
-            scaling = float(cj["scaling_factor"])
-        if "shift_factor" in cj:          # null: no shift (diffusers' AutoencoderKL default)
-            shift = 0.0 if cj["shift_factor"] is None else float(cj["shift_factor"])
+        # as diffusers' AutoencoderKL reads the file: an absent scaling is its default 0.18215,
+        # an absent or null shift no shift; a null scaling is refused (nothing can divide by it)
+        if "scaling_factor" in cj and cj["scaling_factor"] is None:
+            raise ModelFileError(f"{where}: config.json scaling_factor is null: the latents are "
+                                 f"divided by it (FLUX's autoencoder: 0.3611)")
+        scaling = float(cj.get("scaling_factor", DIFFUSERS_SCALING))
+        shift = float(cj.get("shift_factor") or 0.0)
         if cj.get("mid_block_add_attention") is not None and \
                 cj["mid_block_add_attention"] != mid_attn:
             raise ModelFileError(f"{where}: config.json mid_block_add_attention="
@@ -346,7 +355,8 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], layout: str, where: str,
     if bad:
         raise ModelFileError(f"{where}: channel counts {bad} are not multiples of "
                              f"norm_num_groups={groups}")
-    for name in tensor_names(cfg):
+    names = tensor_names(cfg)
+    for name in names:
         s = need(name)
         want = expected_shape(cfg, name)
         if tuple(s) != want and not (".attentions.0." in name and tuple(s) == want + (1, 1)):
@@ -354,5 +364,41 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], layout: str, where: str,
             raise ModelFileError(f"{where}: tensor {key!r} has shape {list(s)}, expected "
                                  f"{list(want)} for this decoder ({cfg.block_out_channels})",
                                  tensor=key)
+    # a decoder tensor the FLUX decoder has no place for (attention in the up blocks, a
+    # fourth ResNet in a level but the first) changes the network: refused, never skipped
+    known = {stored(n) for n in names}
+    extra = sorted(k for k in shapes if k.startswith("decoder.") and k not in known)
+    if extra:
+        more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+        raise ModelFileError(f"{where}: tensor {extra[0]!r}{more} is not part of a FLUX-style "
+                             f"decoder (this one: {cfg.block_out_channels}, "
+                             f"{cfg.layers_per_block + 1} ResNets a level, "
+                             f"{'a' if cfg.mid_attention else 'no'} mid attention): another "
+                             f"architecture, not supported", tensor=extra[0])
     return cfg
+
+
+#: config.json settings of diffusers' AutoencoderKL that change the decoder, and the one value
+#: each has in FLUX's (the only one nxhpc's decoder computes).
+_FLUX_SETTINGS = {"_class_name": "AutoencoderKL", "act_fn": "silu"}
+
+
+def _check_flux_decoder(cj: Mapping[str, Any], out_channels: int, where: str) -> None:
+    """ModelFileError for a config.json whose decoder is not the one the tensors and nxhpc's
+    kernels compute: another class or activation, up blocks of another type, or an
+    ``out_channels`` that disagrees with ``conv_out`` (diffusers' loader refuses that too)."""
+    for key, want in _FLUX_SETTINGS.items():
+        if key in cj and cj[key] != want:
+            raise ModelFileError(f"{where}: config.json {key} is {json.dumps(cj[key])[:80]}; "
+                                 f"nxhpc's decoder computes FLUX's autoencoder ({key} "
+                                 f"{json.dumps(want)}) only")
+    ups = cj.get("up_block_types")
+    if ups is not None and (not isinstance(ups, list)
+                            or any(u != "UpDecoderBlock2D" for u in ups)):
+        raise ModelFileError(f"{where}: config.json up_block_types is {json.dumps(ups)[:120]}; "
+                             f"nxhpc's decoder runs UpDecoderBlock2D levels only")
+    oc = cj.get("out_channels")
+    if oc is not None and oc != out_channels:
+        raise ModelFileError(f"{where}: config.json out_channels {json.dumps(oc)[:40]} disagrees "
+                             f"with decoder.conv_out's {out_channels} output channels")
 
