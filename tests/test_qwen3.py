@@ -480,6 +480,30 @@ def test_infer_config_checks_without_a_file():
         infer_config({k: v for k, v in meta.items() if k != "general.architecture"}, table, "t")
 
 
+def test_rope_scaling_and_partial_rotary_are_refused():
+    """A file converted with RoPE context extension (the 128K Qwen3 GGUFs: ``rope.scaling.type
+    = yarn`` and a factor; llama.cpp applies a factor even without a type) or a rotary width
+    other than head_dim is refused by key (a YaRN file ran as plain RoPE, exit 0, 41% off
+    transformers with YaRN: the QA helper's measurement). Controls: a factor of 1 or 0 and a
+    dimension_count equal to head_dim change nothing and are accepted."""
+    meta = {"general.architecture": "qwen3", **{k: v.item() if hasattr(v, "item") else v
+                                                for k, v in qwen3_metadata(SMALL).items()}}
+    table = {n: (a.shape, "F32") for n, a in random_qwen3_weights(SMALL, 0).items()}
+    r = "qwen3.rope."
+    for extra, words in [({r + "scaling.type": "yarn", r + "scaling.factor": 4.0,
+                           r + "scaling.original_context_length": 32768},
+                          "scaling.factor = 4.0 \(qwen3.rope.scaling.type 'yarn'\)"),
+                         ({r + "scaling.factor": 2.0}, "scaling.factor = 2.0 .*'linear'"),
+                         ({r + "scale_linear": 2.0}, "scale_linear = 2.0"),
+                         ({r + "dimension_count": 8}, "dimension_count = 8 but head_dim is 16")]:
+        with pytest.raises(ModelFileError, match=words):
+            infer_config(dict(meta, **extra), table, "t")
+    for extra in ({r + "scaling.type": "yarn", r + "scaling.factor": 1.0},
+                  {r + "scaling.type": "none", r + "scaling.factor": 0.0},
+                  {r + "dimension_count": 16}):
+        assert infer_config(dict(meta, **extra), table, "t") == _file_cfg(SMALL)
+
+
 # ------------------------------------------------------------------------------ lifetime
 def test_close_and_interrupt_release_everything(small, small_out, monkeypatch):
     kids = set(children_of(PID))

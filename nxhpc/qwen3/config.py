@@ -18,6 +18,8 @@ Inference (``docs/text_encoder.md``, "The file"):
   ``qwen3.rope.freq_base``, context_length = ``qwen3.context_length``;
 - head_dim = ``qwen3.attention.key_length`` (= ``value_length`` when given), else the length of
   ``blk.0.attn_q_norm.weight`` (Qwen3's head_dim is not dim / n_heads: 128 vs 2560 / 32);
+- RoPE is plain: a ``rope.scaling.factor`` (YaRN, linear) other than 1, or a
+  ``rope.dimension_count`` other than head_dim, is refused;
 - vocab = rows of ``token_embd.weight`` (= ``qwen3.vocab_size`` when given);
 - then every tensor of every block ``0 .. n_layers-1`` and ``output_norm.weight`` must be
   present with the shape those dims imply, matrices in a type the kernels run, vectors in a
@@ -179,6 +181,28 @@ def _meta_number(meta: Mapping[str, Any], key: str, where: str, integer: bool) -
     return int(v) if integer else float(v)
 
 
+def _check_plain_rope(meta: Mapping[str, Any], head_dim: int, where: str) -> None:
+    """ModelFileError for RoPE metadata that changes the rotation nxhpc computes (Qwen3's plain
+    RoPE over the whole head): a context-extension scaling (YaRN, linear: llama.cpp applies
+    ``rope.scaling.factor``, or the older ``rope.scale_linear``, whatever the type says) or a
+    rotary width other than head_dim. A factor of 1 (or 0, llama.cpp's "none") changes
+    nothing and is accepted."""
+    a = f"{ARCH}.rope."
+    for key in ("scaling.factor", "scale_linear"):
+        f = meta.get(a + key)
+        if f is not None and f not in (0, 1):
+            kind = meta.get(a + "scaling.type", "linear")
+            raise ModelFileError(f"{where}: metadata {a}{key} = {f!r} ({a}scaling.type "
+                                 f"{kind!r}): RoPE context-extension scaling is not supported "
+                                 f"(nxhpc runs Qwen3's plain RoPE; a file converted without "
+                                 f"rope scaling runs)")
+    dims = meta.get(a + "dimension_count")
+    if dims is not None and dims != head_dim:
+        raise ModelFileError(f"{where}: metadata {a}dimension_count = {dims!r} but head_dim is "
+                             f"{head_dim}: RoPE over part of the head is not Qwen3's (not "
+                             f"supported)")
+
+
 def infer_config(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[tuple[int, ...], str]],
                  where: str = "file") -> Qwen3Config:
     """The config of a llama.cpp qwen3 file from its ``metadata`` and tensor table
@@ -238,6 +262,7 @@ def infer_config(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[tuple[
     for ok, why in rules:
         if not ok:
             raise ModelFileError(f"{where}: metadata {why}")
+    _check_plain_rope(metadata, hd, where)
     cfg = Qwen3Config(vocab=vocab, head_dim=hd, **vals)
     try:
         cfg.validate()
