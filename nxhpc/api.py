@@ -130,6 +130,8 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
                                       seed=42, precision="q8")
         PIL.Image.fromarray(pixels).save("fox.png")
     """
+    import numpy as np
+
     from nxhpc.dit.sampler import (check_guidance_scale, check_noise, initial_noise,
                                    latent_shape, sample, turbo_sigmas)
     from nxhpc.formats.gguf_io import ModelFileError
@@ -157,7 +159,8 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
         raise ValueError("give both height and width (or neither)")
     if noise is not None and seed is not None:
         raise ValueError("give seed or noise, not both (a seed draws the noise)")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+                             or seed < 0):
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     turbo_sigmas(steps, shift)
     if workers is None:
