@@ -114,6 +114,7 @@ def _run(args: argparse.Namespace) -> int:
     from nxhpc.vae.image import to_uint8, write_png
 
     out = args.out
+    types.check_png_name(out, "--out")
     check_cli_output_path(out, what="--out", inputs=[args.latents], example="out.png")
     z = _latents(args.latents)
     t0 = time.perf_counter()

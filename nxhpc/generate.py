@@ -249,6 +249,7 @@ def _outputs(out: str, n_prompts: int, seeds: list[int | None]) -> list[Job]:
     if len(pairs) > 1:
         raise UsageError(f"--out {out}: {len(pairs)} images ({n_prompts} prompt(s) x "
                          f"{len(seeds)} seed(s)) need an existing folder, not a file path")
+    types.check_png_name(out, "--out")
     return [Job(pairs[0][0], pairs[0][1], p)]
 
 
@@ -497,6 +498,7 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
         "steps": args.steps, "shift": args.shift,
         "sigmas": [round(float(s), 9) for s in turbo_sigmas(args.steps, args.shift)],
         "guidance_scale": args.guidance_scale, "precision": args.precision,
+        "q8_float_weights": args.q8_float_weights if args.precision == "q8" else None,
         "attention": attention_kernel(args.precision),
         "workers": workers, "seeds": [j.seed for j in jobs] if args.noise is None else None,
         "noise": args.noise, **{k: round(v, 6) for k, v in stages.items()},
@@ -593,13 +595,15 @@ def _png_fields(args, prompt: str, negative: str | None, job: Job, height: int, 
         ("Seed", seed if seed is not None else "noise"),
         ("Size", f"{width}x{height}"), ("Model", meta["model"]),
         ("Text encoder", meta["text_encoder"]), ("VAE", meta["vae"]),
-        ("Precision", args.precision)))
+        ("Precision", args.precision + (f" ({args.q8_float_weights} float weights)"
+                                         if args.precision == "q8" else ""))))
     block = prompt + (f"\nNegative prompt: {negative}" if negative is not None else "") + \
         "\n" + line
     return png_text(prompt=prompt, negative_prompt=negative, seed=seed,
                     noise=os.path.basename(args.noise) if args.noise else None,
                     steps=args.steps, shift=args.shift, guidance_scale=args.guidance_scale,
                     height=height, width=width, precision=args.precision,
+                    q8_float_weights=args.q8_float_weights if args.precision == "q8" else None,
                     parameters=block, **meta)
 
 

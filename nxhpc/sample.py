@@ -171,6 +171,8 @@ def _check_args(args) -> tuple[int, tuple[int, int] | None]:
         raise UsageError("--png needs --decode VAE_DIR (the VAE to decode with)")
     if args.decode is not None and args.png is None:
         raise UsageError("--decode needs --png OUT.png (where the image goes)")
+    if args.png is not None:
+        types.check_png_name(args.png, "--png")
     if args.decode is not None:
         try:
             require_decode_deps()

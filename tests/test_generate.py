@@ -207,7 +207,8 @@ def test_decode_cli_bad_input(vae_dir, latents_file, tmp_path):
     # outputs that cannot be written, or that are inputs: refused before any work
     for o, msg in ((tmp_path, "is a directory"), (tmp_path / "no" / "x.png", "does not exist"),
                    (tmp_path / "file" / "x.png", "does not exist"), (p, "is an input"),
-                   (vae_dir / "ae.safetensors", "is an input")):
+                   (vae_dir / "ae.safetensors", "is an input"),
+                   (tmp_path / "x.jpeg", "a .jpeg name would hold PNG bytes")):
         r = run_cli("nxhpc.decode", ["tiny-vae", "--latents", p, "--out", o], root)
         assert r.returncode == Exit.USAGE and msg in r.stderr, (o, r.stderr)
     # a single file named: its neighbours are not the model's files (the second run refused to
@@ -375,7 +376,10 @@ def test_generate_precision_is_the_library_result(models_root, tmp_path, precisi
     rep = _generate(models_root, "--prompt", PROMPT, "--seed", 3, "--out", out, "--workers", 2,
                     "--precision", precision, "--q8-float-weights", q8fw)
     assert rep["precision"] == precision and rep["attention"].startswith("bf16")
-    got = _png(out)[0]
+    got, text = _png(out)
+    # the float weights' choice changes q8's pixels: the PNG and the report name it under q8
+    assert rep["q8_float_weights"] == (q8fw if precision == "q8" else None)
+    assert text.get("q8_float_weights") == (q8fw if precision == "q8" else None)
 
     def library(p):
         kw = dict(workers=2, models_dir=models_root)
@@ -536,6 +540,7 @@ def test_generate_bad_input(models_root, tmp_path):
     P = ["--prompt", "a fox"]
     cases = [
         ([*P, "--height", 100, "--width", 64], Exit.USAGE, "multiple of 16"),
+        ([*P, "--height", 8, "--width", 64], Exit.USAGE, "got 8; e.g. 16\n"),   # not "16 or 16"
         ([*P, "--height", 64], Exit.USAGE, "both --height and --width"),
         # one image twice under two names (sample refused it already; the one parser now)
         ([*P, "--seeds", "3,1,3"], Exit.USAGE, "seeds must be distinct"),
@@ -584,6 +589,7 @@ def test_generate_bad_input(models_root, tmp_path):
                    (models_root / "tiny-dit" / ".nxhpc-files.json", "is an input"),
                    (models_root / "tiny-te" / ".nxhpc-files.json", "is an input"),
                    (f"{tmp_path}/pngs/", "ends with '/'"), (f"{tmp_path}/p.txt/", "ends with '/'"),
+                   (tmp_path / "fox.JPG", "nxhpc writes PNG images; a .JPG name"),
                    ("/dev/stdout", "standard output"),
                    (tmp_path / "p.txt", "is an input")):
         extra = ["--prompts", o] if str(o).endswith("p.txt") else P

@@ -247,6 +247,9 @@ def test_bad_paths_exit_2(tmp_path):
     _expect(run_subprocess(["tiny-dit", "--cap-feats", cap, "--out", tmp_path / "o.npy",
                             "--decode", tmp_path, "--png", tmp_path / "o.npy", *px],
                            tmp_path), 2, "same file")
+    _expect(run_subprocess(["tiny-dit", "--cap-feats", cap, "--out", tmp_path / "o.npy",
+                            "--decode", tmp_path, "--png", tmp_path / "o.webp", *px],
+                           tmp_path), 2, "nxhpc writes PNG images; a .webp name")
     _no_temporaries(tmp_path)
 
 

@@ -112,10 +112,27 @@ def pixels(s: str) -> int:
         raise argparse.ArgumentTypeError(f"must be at most {MAX_PIXELS} pixels (1M image tokens "
                                          f"at {MAX_PIXELS} x {MAX_PIXELS}), got {v}")
     if v % 16:
+        near = sorted({max(16, (v // 16) * 16), (v // 16 + 1) * 16})
         raise argparse.ArgumentTypeError(f"must be a positive multiple of 16 pixels (the VAE's "
                                          f"8x times the 2x2 patch), got {v}; e.g. "
-                                         f"{max(16, (v // 16) * 16)} or {(v // 16 + 1) * 16}")
+                                         f"{' or '.join(map(str, near))}")
     return v
+
+
+#: Suffixes of image formats other than PNG: an output named so would hold PNG bytes under a
+#: name that promises another format (viewers and uploads go by the name).
+OTHER_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".jpe", ".webp", ".gif", ".bmp", ".tif", ".tiff",
+                        ".avif", ".heic", ".jxl", ".ppm", ".tga", ".ico")
+
+
+def check_png_name(path: str | os.PathLike, what: str) -> None:
+    """UsageError for an image output named as another format (``fox.jpg``): nxhpc writes PNG
+    files (with their text chunks) only."""
+    suffix = os.path.splitext(os.fspath(path))[1]
+    if suffix.lower() in OTHER_IMAGE_SUFFIXES:
+        raise UsageError(f"{what} {os.fspath(path)}: nxhpc writes PNG images; a {suffix} name "
+                         f"would hold PNG bytes (give a name ending in .png, and convert "
+                         f"afterwards if you need {suffix[1:].upper()})")
 
 
 def seed(s: str) -> int:
