@@ -23,6 +23,14 @@ _NO_STATS = types.SimpleNamespace(min=math.nan, max=math.nan, mean=math.nan, med
                                   stddev=math.nan)
 
 
+def lowp_is_scalar() -> bool:
+    """Whether ``bf16`` and ``q8`` run their scalar spec here (a CPU without AVX2, or
+    ``NXHPC_DISABLE_SIMD``): minutes where the SIMD kernels take seconds, so the benchmarks that
+    time them leave them out or time one round."""
+    from nxhpc import _kernels as K
+    return "avx2" not in K.supported_isas()
+
+
 def bench_stats(benchmark):
     """The timing statistics of a finished benchmark (``.min``, ``.mean``, ``.median`` in s)."""
     return _NO_STATS if benchmark.stats is None else benchmark.stats.stats

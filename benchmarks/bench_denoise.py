@@ -44,8 +44,8 @@ import os
 import numpy as np
 import pytest
 
-from _bench_util import (bench_stats, err_cell, model_as, peak_of, peak_rss_mb, record,
-                         reset_peak_rss, rss_cell, run_timed_layers, summary_fixture)
+from _bench_util import (bench_stats, children, err_cell, model_as, peak_of, peak_rss_mb,
+                         record, reset_peak_rss, rss_cell, run_timed_layers, summary_fixture)
 from nxhpc.models.registry import open_denoiser
 
 MODEL = os.environ.get("NXHPC_BENCH_DENOISER", "zimage-dit-2l")
@@ -119,7 +119,7 @@ def test_denoise_nxhpc(benchmark, den, inputs, tokens, precision):
     prec, _, floats = precision.partition(":")  # "q8:bf16": q8 with q8_float_weights="bf16"
     den.precision = prec                      # read by every call (Denoiser.precision)
     den.q8_float_weights = floats or "int8"
-    reset_peak_rss()
+    reset_peak_rss(["self", *children()])     # the workers too: one pool serves every precision
     den.forward(lat, t, cap)                  # the layout's engine: fork + arena (not timed)
     rounds: list[tuple[dict, dict]] = []      # each timed call's timings: the fastest is used
 

@@ -55,8 +55,7 @@ def test_dequant(benchmark, name, isa):
     out = np.empty((N, KD), np.float32)
     benchmark.group = f"dequant {N}x{KD} {isa}"
     benchmark(_run, name, raw, out, isa)
-    # every type has all three levels; Q8_0 has no AVX2 converter (nx_q8_0_convert_level)
-    variant = "generic" if (name == "Q8_0" and isa == "avx2") else isa
+    variant = K._variant(f"dequantize[{name}]", isa)     # the code that ran, from the table
     sec = bench_stats(benchmark).min
     benchmark.extra_info.update({
         "type": name, "isa": isa, "variant": variant,
@@ -83,7 +82,7 @@ def test_dequant_l2(benchmark, name, isa):
     benchmark.pedantic(_run, (name, raw, out, isa), rounds=40, iterations=20, warmup_rounds=2)
     sec = bench_stats(benchmark).min
     benchmark.extra_info.update({
-        "type": name, "isa": isa, "variant": "generic" if (name == "Q8_0" and isa == "avx2") else isa,
+        "type": name, "isa": isa, "variant": K._variant(f"dequantize[{name}]", isa),
         "out_GBps": round(out.nbytes / sec / 1e9, 2),
         "Gelem_per_s": round(out.size / sec / 1e9, 3),
     })
