@@ -289,6 +289,19 @@ def test_a_failing_rank_ends_the_job_with_one_error_and_its_code(models, tmp_pat
     assert "injected fault in w2" in r.stderr and "verdict" not in r.stdout
 
 
+def test_a_failing_ranks_line_is_out_before_its_peers_leave(models):
+    """Under Open MPI's default kill timing (1 s: the tests otherwise give 3) a failing rank's
+    error was mostly lost: its peers acknowledged and left at once, and mpirun ended it before
+    it printed (5 of 6 runs showed only "terminated", the QA helper's count; 3 of 5 here).
+    The peers now wait for its line: every run names the cause."""
+    out = models / "tiny-dit" / "model.gguf"        # the model's own file: one rank refuses it
+    for _ in range(3):
+        r = mpirun(4, ["-m", "nxhpc.denoise", "tiny-dit", "1", "--out", str(out)], models,
+                   extra_env={"OMPI_MCA_odls_base_sigkill_timeout": "1"})
+        assert r.returncode == 2, r.stderr
+        assert "is an input of this run" in r.stderr, r.stderr[-2000:]
+
+
 def test_a_rank_that_dies_ends_every_survivor_with_one_code(models, tmp_path):
     r, codes = _fault("die", models, tmp_path)
     assert r.returncode != 0

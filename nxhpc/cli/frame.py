@@ -396,6 +396,11 @@ def _ranked_failure(e: Exception, ranks: Any, err: Callable[[str], None],
     also = ranks.fail(int(known), f"{ranks.label}: {msg}")
     if not any(k < ranks.rank and m.split(": ", 1)[-1] == msg for k, m in also):
         err(f"{ranks.label}: {msg}")
+        try:                                # out before any peer may leave (mpirun ends us)
+            sys.stderr.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    ranks.printed(also)                     # the peers waiting for this line may leave now
     return int(known)
 
 
