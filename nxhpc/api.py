@@ -116,8 +116,8 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
     ``"bf16"``) as for ``load_denoiser`` and ``load_text_encoder``. ``workers``: processes per model (default: the
     usable CPUs). ``on_step(i, n, seconds)`` after each step.
 
-    Every argument is checked before any model runs, and the decoder's memory before the
-    steps. Each model is opened once and released before the next one's buffers are built
+    Every argument is checked, and every model found, before any model is opened; the decoder's
+    memory before the steps. Each model is opened once and released before the next one's buffers are built
     (the text encoder, then the transformer, then the decoder), as the CLI does. For many
     pictures, ``python -m nxhpc.generate --prompts/--seeds`` opens each model once for all.
     Raises TypeError / ValueError for bad arguments (``SampleInputError`` for noise or
@@ -132,10 +132,11 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
     """
     import numpy as np
 
-    from nxhpc.dit.sampler import (check_guidance_scale, check_noise, initial_noise,
+    from nxhpc.dit.sampler import (MAX_PIXELS, check_guidance_scale, check_noise, initial_noise,
                                    latent_shape, sample, turbo_sigmas)
     from nxhpc.formats.gguf_io import ModelFileError
-    from nxhpc.models.registry import open_denoiser, open_vae
+    from nxhpc.models.registry import open_denoiser, open_vae, resolve_model, resolve_vae
+    from nxhpc.nn.linear import check_precision, check_q8_float_weights
     from nxhpc.qwen3.tokenizer import check_text
     from nxhpc.runtime.workers import usable_cpus
     from nxhpc.vae.image import to_uint8
@@ -163,8 +164,22 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
                              or seed < 0):
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     turbo_sigmas(steps, shift)
+    if height is not None:           # FLUX's 8x and the 2x2 patch; the CLI's size limit
+        latent_shape(height, width)
+        if max(height, width) > MAX_PIXELS:
+            raise ValueError(f"height/width must be at most {MAX_PIXELS} pixels, got "
+                             f"{height}x{width}")
+    if on_step is not None and not callable(on_step):
+        raise TypeError(f"on_step must be callable (i, n, seconds), got {on_step!r}")
+    check_precision(precision)
+    if q8_float_weights is not None:
+        check_q8_float_weights(q8_float_weights)
     if workers is None:
         workers = usable_cpus()
+    # every model found (a built-in generated) before any is opened
+    resolve_model(names["model"], models_dir)
+    resolve_model(names["text_encoder"], models_dir)
+    resolve_vae(names["vae"], models_dir)
 
     import nxhpc
     kw: dict[str, Any] = {"workers": workers, "models_dir": models_dir}

@@ -223,6 +223,11 @@ def _run_model(args, den, inputs, ref, out_path, ranks=None) -> int:
     cfg = den.config
     ref_name = args.reference
     lead = ranks is None or ranks.rank == 0
+    source = None                             # the stored inputs' file, named in errors
+    if args.latents is None:
+        from nxhpc.formats.fixtures import FIXTURES_FILE
+        source = f"{den.directory / FIXTURES_FILE if den.directory else den.gguf.path} " \
+                 f"(the stored inputs)"
     if inputs is None and lead:
         fx = _stored(den)
         inputs = (fx.latents, fx.timestep, fx.cap_feats)
@@ -241,8 +246,11 @@ def _run_model(args, den, inputs, ref, out_path, ranks=None) -> int:
         try:
             out = den.forward(lat, t, cap)
             reused += den.last_caption_reused
-        except DenoiserInputError as e:
-            raise InputError(str(e)) from None
+        except DenoiserInputError as e:     # rank 0's broadcast inputs: every rank at once
+            err = InputError(f"{source}: {e}" if source else str(e))
+            if ranks is not None:
+                err.collective = True       # type: ignore[attr-defined]
+            raise err from None
         except NonFiniteOutputError as e:   # reported and failed below, never written
             out = e.output
         for k, v in den.last_timings.items():

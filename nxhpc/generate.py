@@ -34,7 +34,6 @@ import os
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ import numpy as np
 
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
 from nxhpc.cli.codes import Exit, InputError, NotFound, OutputError, UsageError, codes_epilog
-from nxhpc.cli.frame import run_ranked
+from nxhpc.cli.frame import on_every_rank, run_ranked
 from nxhpc.cli.progress import Progress
 from nxhpc.cli.report import peak_rss_mb, png_text, print_report
 from nxhpc.nn.linear import attention_kernel
@@ -317,20 +316,6 @@ def _setup(args: argparse.Namespace) -> _Setup:
     return _Setup(prompts, names, tiny, negative, noise_raw, jobs)
 
 
-@contextlib.contextmanager
-def _on_every_rank(ranks: Any, *kinds: type[BaseException]) -> Iterator[None]:
-    """Errors (of ``kinds``; any by default) raised inside come from values every rank holds
-    alike (checked model files, broadcast inputs, the same bits of a split call), so every
-    rank raises them at once: marked ``collective``, rank 0 alone prints the one error and no
-    rank waits for another."""
-    try:
-        yield
-    except Exception as e:
-        if ranks is not None and isinstance(e, kinds or (Exception,)):
-            e.collective = True          # type: ignore[attr-defined]
-        raise
-
-
 def _run(args: argparse.Namespace, ranks: Any = None) -> int:
     """One process, or one of R MPI ranks (``ranks``). One image under mpirun: every rank
     runs every model, the denoiser's calls split across the ranks (``nxhpc.nn.engine``), and
@@ -387,7 +372,7 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
                            "autoencoder)",
                            [file_fingerprint(p) for p in (den.gguf.path, te_gguf,
                                                           vae.file.path) if p is not None])
-            with _on_every_rank(ranks):
+            with on_every_rank(ranks):
                 if vae.config.latent_channels != dcfg.in_channels:
                     raise InputError(f"--vae {names['vae']}: its decoder reads "
                                      f"{vae.config.latent_channels} latent channels but the "
@@ -437,7 +422,7 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
                     progress.step(f"{seconds:.2f} s/step")
                 cap = feats[job.prompt]
                 # NaN/inf of a call split across the ranks: the same bits on every rank
-                with _on_every_rank(None if whole else ranks, NonFiniteOutputError):
+                with on_every_rank(None if whole else ranks, NonFiniteOutputError):
                     job.latents = sample(den, cap, x0, steps=args.steps, shift=args.shift,
                                          on_step=on_step, guidance_scale=args.guidance_scale
                                          if cfg_on else 0.0, negative_feats=neg_feats)
@@ -549,7 +534,7 @@ def _encode(te: str, prompts: list[str], which: list[int], negative: str | None,
     with nxhpc.load_text_encoder(te, workers=workers, precision=args.precision,
                                  models_dir=args.models_dir,
                                  q8_float_weights=args.q8_float_weights) as enc:
-        with _on_every_rank(ranks):
+        with on_every_rank(ranks):
             if enc.config.dim != cap_dim:
                 raise InputError(f"--text-encoder {te}: its features are {enc.config.dim} wide "
                                  f"but the denoiser's cap_dim is {cap_dim}: these models do "

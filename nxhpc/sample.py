@@ -34,7 +34,7 @@ import numpy as np
 
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
 from nxhpc.cli.codes import Exit, NotFound, OutputError, UsageError, codes_epilog
-from nxhpc.cli.frame import run_ranked
+from nxhpc.cli.frame import on_every_rank, run_ranked
 from nxhpc.cli.progress import Progress
 from nxhpc.cli.report import png_text, print_report, save_bytes
 from nxhpc.dit.sampler import (MAX_STEPS, SampleInputError, check_cap_feats, check_noise,
@@ -263,18 +263,20 @@ def _run(args, ranks=None) -> int:
         if ranks is not None:
             from nxhpc.runtime.ranks import file_fingerprint
             ranks.same("the model file (size, fingerprint)", file_fingerprint(den.gguf.path))
-        try:
-            cap = check_cap_feats(cap_raw, cfg)
-        except SampleInputError as e:
-            raise SampleInputError(f"--cap-feats {args.cap_feats}: {e}") from None
-        shape = None if px is None else latent_shape(px[0], px[1], cfg.in_channels, 8, cfg.patch)
-        if noise_raw is not None:
+        with on_every_rank(ranks, SampleInputError):   # rank 0's broadcast inputs
             try:
-                noise = check_noise(noise_raw, cfg, shape)
+                cap = check_cap_feats(cap_raw, cfg)
             except SampleInputError as e:
-                raise SampleInputError(f"--noise {args.noise}: {e}") from None
-        else:
-            noise = initial_noise(seeds[0], shape)
+                raise SampleInputError(f"--cap-feats {args.cap_feats}: {e}") from None
+            shape = None if px is None else latent_shape(px[0], px[1], cfg.in_channels, 8,
+                                                         cfg.patch)
+            if noise_raw is not None:
+                try:
+                    noise = check_noise(noise_raw, cfg, shape)
+                except SampleInputError as e:
+                    raise SampleInputError(f"--noise {args.noise}: {e}") from None
+            else:
+                noise = initial_noise(seeds[0], shape)
         height, width = noise.shape[1] * 8, noise.shape[2] * 8
         open_s = time.perf_counter() - t_open
         progress_on = not args.no_progress and lead

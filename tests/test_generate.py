@@ -312,10 +312,11 @@ def test_generate_matches_zimage_pipeline(models_root, pipeline, tmp_path, guida
 
 
 @pytest.mark.parametrize("guidance", [0.0, 2.5])
-def test_generate_image_is_the_pipelines_picture(models_root, pipeline, guidance):
+def test_generate_image_is_the_pipelines_picture(models_root, pipeline, guidance, tmp_path):
     """``nxhpc.generate_image`` (the library's prompt -> pixels) against diffusers'
     ``ZImagePipeline`` on the same tiny components and noise: within 2 levels, with and
-    without guidance; another seed misses the bound (negative control)."""
+    without guidance; another seed misses the bound (negative control); and the CLI's PNG of
+    the same arguments, bit for bit."""
     kw = dict(guidance_scale=guidance, negative_prompt="blurry") if guidance else {}
     steps = []
     got = nxhpc.generate_image(PROMPT, seed=3, workers=2, models_dir=models_root,
@@ -330,6 +331,12 @@ def test_generate_image_is_the_pipelines_picture(models_root, pipeline, guidance
     again = nxhpc.generate_image(PROMPT, noise=initial_noise(3, (16, PX // 8, PX // 8)),
                                  workers=1, models_dir=models_root, **kw)
     np.testing.assert_array_equal(again, got)
+    # the CLI's PNG of the same arguments: the same bits
+    out = tmp_path / "cli.png"
+    extra = ["--guidance-scale", guidance, "--negative-prompt", "blurry"] if guidance else []
+    _generate(models_root, "--prompt", PROMPT, "--seed", 3, "--out", out, "--workers", 2,
+              *extra)
+    np.testing.assert_array_equal(_png(out)[0], got)
 
 
 def test_generate_image_checks_its_arguments_before_any_model(models_root, monkeypatch):
@@ -350,14 +357,20 @@ def test_generate_image_checks_its_arguments_before_any_model(models_root, monke
            ({"seed": 1, "noise": np.zeros((16, 8, 8), np.float32)}, ValueError, "not both"),
            ({"seed": -1}, ValueError, "seed"),
            ({"steps": 0}, ValueError, "steps"),
-           ({"shift": 0.0}, ValueError, "shift")]
+           ({"shift": 0.0}, ValueError, "shift"),
+           ({"height": 72, "width": 64}, ValueError, "multiple of 16"),
+           ({"height": 64.0, "width": 64}, ValueError, "multiple of 16"),
+           ({"height": 32768, "width": 16}, ValueError, "at most 16384"),
+           ({"on_step": 3}, TypeError, "on_step must be callable"),
+           ({"precision": "fp8"}, ValueError, "precision"),
+           ({"q8_float_weights": "int4"}, ValueError, "q8_float_weights"),
+           ({"model": "tiny-dit", "text_encoder": "no-such-te", "vae": "tiny-vae"},
+            ModelNotFoundError, "no-such-te")]
     for extra, exc, words in bad:
         args = {"prompt": PROMPT, **extra}
         with pytest.raises(exc, match=words):
             nxhpc.generate_image(args.pop("prompt"), models_dir=models_root, **args)
     monkeypatch.undo()
-    with pytest.raises(ValueError, match="multiple of 16"):
-        nxhpc.generate_image(PROMPT, height=72, width=64, models_dir=models_root, workers=1)
     from nxhpc.dit.sampler import SampleInputError
     with pytest.raises(SampleInputError, match="noise"):
         nxhpc.generate_image(PROMPT, noise=np.zeros((4, 8, 8), np.float32),

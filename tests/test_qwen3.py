@@ -492,7 +492,7 @@ def test_rope_scaling_and_partial_rotary_are_refused():
     r = "qwen3.rope."
     for extra, words in [({r + "scaling.type": "yarn", r + "scaling.factor": 4.0,
                            r + "scaling.original_context_length": 32768},
-                          "scaling.factor = 4.0 \(qwen3.rope.scaling.type 'yarn'\)"),
+                          r"scaling.factor = 4.0 \(qwen3.rope.scaling.type 'yarn'\)"),
                          ({r + "scaling.factor": 2.0}, "scaling.factor = 2.0 .*'linear'"),
                          ({r + "scale_linear": 2.0}, "scale_linear = 2.0"),
                          ({r + "dimension_count": 8}, "dimension_count = 8 but head_dim is 16")]:

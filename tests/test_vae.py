@@ -591,6 +591,11 @@ def test_decoders_of_another_architecture_are_refused(files, tmp_path):
         (d / "config.json").write_text(json.dumps(dict(cfg, **{key: value})))
         with pytest.raises(ModelFileError, match=words):
             nxhpc.load_vae(d)
+    # controls: diffusers builds SiLU for "swish" too (it was refused); a null norm_num_groups
+    # is absent, 32 (it was an internal error, exit 70)
+    for key, value in (("act_fn", "swish"), ("norm_num_groups", None)):
+        (d / "config.json").write_text(json.dumps(dict(cfg, **{key: value})))
+        nxhpc.load_vae(d).close()
     (d / "config.json").write_text(json.dumps(cfg))
     f = d / "diffusion_pytorch_model.safetensors"
     sd = load_file(str(f))

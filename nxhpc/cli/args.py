@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nxhpc.cli.codes import UsageError
+from nxhpc.dit.sampler import MAX_PIXELS   # the largest image side (the library's too)
 from nxhpc.runtime import checks
 
 __all__ = ["positive_int", "workers", "layers", "positive_float", "seconds", "eps",
@@ -99,9 +100,6 @@ def unit_interval(s: str) -> float:
     return v
 
 
-#: The largest image side a CLI takes: 16384 px is 1M image tokens at 16384 x 16384 (beyond
-#: that even the noise no longer fits a machine's memory: 1.6e16 px asked for exabytes).
-MAX_PIXELS = 16384
 
 
 def pixels(s: str) -> int:

@@ -16,12 +16,13 @@ arguments are parsed (``--help`` runs without a built extension).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from nxhpc.cli.codes import (Exit, OutOfMemory, OutputError, UsageError, code_for,
@@ -366,6 +367,20 @@ def _ranked_printer(prog: str, ranks: Any, err: Callable[[str], None]) -> Callab
         elif ranks.rank == 0 or not msg.startswith("interrupted"):
             err(msg)
     return ranked_err
+
+
+@contextlib.contextmanager
+def on_every_rank(ranks: Any, *kinds: type[BaseException]) -> Iterator[None]:
+    """Errors (of ``kinds``; any by default) raised inside come from values every rank holds
+    alike (checked model files, broadcast inputs, the same bits of a split call), so every
+    rank raises them at once: marked ``collective``, rank 0 alone prints the one error and no
+    rank waits for another."""
+    try:
+        yield
+    except Exception as e:
+        if ranks is not None and isinstance(e, kinds or (Exception,)):
+            e.collective = True          # type: ignore[attr-defined]
+        raise
 
 
 def _ranked_failure(e: Exception, ranks: Any, err: Callable[[str], None],

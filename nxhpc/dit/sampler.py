@@ -26,17 +26,17 @@ import numpy as np
 
 from nxhpc.runtime.checks import CheckError, check_float_array
 from nxhpc.runtime.checks import NonFiniteOutputError as _NonFinite
+from nxhpc.vae.config import FLUX_SCALING, FLUX_SHIFT
 
 __all__ = ["euler_sample", "checked_euler", "initial_noise", "latent_shape", "turbo_sigmas",
            "sample", "guided", "check_guidance_scale",
            "check_cap_feats", "check_noise", "decode_png", "require_decode_deps",
            "SampleInputError", "NonFiniteOutputError", "VAE_SCALING", "VAE_SHIFT",
-           "MAX_STEPS"]
+           "MAX_STEPS", "MAX_PIXELS"]
 
-VAE_SCALING, VAE_SHIFT = 0.3611, 0.1159
-"""The FLUX VAE's latent normalization (``docs/denoiser.md``): pixels = decode(latents / 0.3611 +
-0.1159). A file's own values are read by ``nxhpc.vae.config`` (an ``ae.safetensors`` has these;
-a diffusers ``config.json`` its own)."""
+#: The FLUX VAE's latent normalization (``docs/denoiser.md``): pixels = decode(latents / 0.3611
+#: + 0.1159): ``nxhpc.vae.config``'s constants; a file's own values are read there.
+VAE_SCALING, VAE_SHIFT = FLUX_SCALING, FLUX_SHIFT
 
 
 class SampleInputError(CheckError):
@@ -54,6 +54,10 @@ Model = Callable[[np.ndarray, float], np.ndarray]
 #: schedulers train on 1000; the schedule is then 8 MB), where a mistyped 1e12 would allocate
 #: terabytes.
 MAX_STEPS = 1_000_000
+#: The largest image side taken (CLIs, ``nxhpc.generate_image``): 16384 px is 1M image tokens
+#: at 16384 x 16384 (beyond that even the noise no longer fits a machine's memory: 1.6e16 px
+#: asked for exabytes).
+MAX_PIXELS = 16384
 
 
 def turbo_sigmas(steps: int = 8, shift: float = 3.0) -> np.ndarray:
@@ -279,10 +283,10 @@ def decode_png(latents: np.ndarray, vae_dir: str | os.PathLike):
     import torch
     from diffusers import AutoencoderKL
     from diffusers.image_processor import VaeImageProcessor
-    from nxhpc.vae.files import open_vae_file
-    with open_vae_file(vae_dir) as f:     # the one reading of scaling and shift (nxhpc's decoder's)
-        scale, shift = f.config.scaling_factor, f.config.shift_factor
+    from nxhpc.vae.config import latent_factors
     vae = AutoencoderKL.from_pretrained(os.fspath(vae_dir), torch_dtype=torch.float32).eval()
+    # scaling and shift as nxhpc's decoder reads them, from the config diffusers read
+    scale, shift = latent_factors(dict(vae.config), f"{vae_dir}")
     z = torch.from_numpy(np.ascontiguousarray(latents, dtype=np.float32))[None]
     with torch.no_grad():
         img = vae.decode(z / scale + shift, return_dict=False)[0]

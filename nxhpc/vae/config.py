@@ -16,7 +16,8 @@ from typing import Any
 
 from nxhpc.formats.gguf_io import BLOCK_INDEX, MissingTensorError, ModelFileError
 
-__all__ = ["VaeConfig", "FLUX_SCALING", "FLUX_SHIFT", "DIFFUSERS_SCALING", "tensor_names", "ldm_name",
+__all__ = ["VaeConfig", "FLUX_SCALING", "FLUX_SHIFT", "DIFFUSERS_SCALING", "latent_factors",
+           "tensor_names", "ldm_name",
            "infer_config", "count_levels", "expected_shape", "detect_layout", "LAYOUTS",
            "resnet_names", "attention_names"]
 
@@ -307,14 +308,8 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], layout: str, where: str,
             raise ModelFileError(f"{where}: config.json has use_post_quant_conv=true; the FLUX "
                                  f"decoder has no post-quant conv (not supported)")
         _check_flux_decoder(cj, int(out_shape[0]) if out_shape else 0, where)
-        groups = int(cj.get("norm_num_groups", groups))
-        # as diffusers' AutoencoderKL reads the file: an absent scaling is its default 0.18215,
-        # an absent or null shift no shift; a null scaling is refused (nothing can divide by it)
-        if "scaling_factor" in cj and cj["scaling_factor"] is None:
-            raise ModelFileError(f"{where}: config.json scaling_factor is null: the latents are "
-                                 f"divided by it (FLUX's autoencoder: 0.3611)")
-        scaling = float(cj.get("scaling_factor", DIFFUSERS_SCALING))
-        shift = float(cj.get("shift_factor") or 0.0)
+        groups = int(cj.get("norm_num_groups") or groups)      # null: absent
+        scaling, shift = latent_factors(cj, where)
         if cj.get("mid_block_add_attention") is not None and \
                 cj["mid_block_add_attention"] != mid_attn:
             raise ModelFileError(f"{where}: config.json mid_block_add_attention="
@@ -378,20 +373,33 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], layout: str, where: str,
     return cfg
 
 
+def latent_factors(cj: Mapping[str, Any], where: str) -> tuple[float, float]:
+    """(scaling, shift) of a diffusers VAE ``config.json`` as diffusers' ``AutoencoderKL``
+    reads it: an absent scaling is its default 0.18215, an absent or null shift no shift; a
+    null scaling is refused (nothing can divide by it). The one rule for nxhpc's decoder and
+    ``nxhpc.dit.sampler.decode_png``."""
+    if "scaling_factor" in cj and cj["scaling_factor"] is None:
+        raise ModelFileError(f"{where}: config.json scaling_factor is null: the latents are "
+                             f"divided by it (FLUX's autoencoder: 0.3611)")
+    _checked_config_json({k: cj[k] for k in ("scaling_factor", "shift_factor") if k in cj},
+                         where)
+    return float(cj.get("scaling_factor", DIFFUSERS_SCALING)), float(cj.get("shift_factor") or 0.0)
+
+
 #: config.json settings of diffusers' AutoencoderKL that change the decoder, and the one value
 #: each has in FLUX's (the only one nxhpc's decoder computes).
-_FLUX_SETTINGS = {"_class_name": "AutoencoderKL", "act_fn": "silu"}
+_FLUX_SETTINGS = {"_class_name": ("AutoencoderKL",), "act_fn": ("silu", "swish")}
 
 
 def _check_flux_decoder(cj: Mapping[str, Any], out_channels: int, where: str) -> None:
     """ModelFileError for a config.json whose decoder is not the one the tensors and nxhpc's
     kernels compute: another class or activation, up blocks of another type, or an
     ``out_channels`` that disagrees with ``conv_out`` (diffusers' loader refuses that too)."""
-    for key, want in _FLUX_SETTINGS.items():
-        if key in cj and cj[key] != want:
+    for key, want in _FLUX_SETTINGS.items():       # diffusers builds SiLU for "swish" too
+        if key in cj and cj[key] not in want:
             raise ModelFileError(f"{where}: config.json {key} is {json.dumps(cj[key])[:80]}; "
                                  f"nxhpc's decoder computes FLUX's autoencoder ({key} "
-                                 f"{json.dumps(want)}) only")
+                                 f"{json.dumps(want[0])}) only")
     ups = cj.get("up_block_types")
     if ups is not None and (not isinstance(ups, list)
                             or any(u != "UpDecoderBlock2D" for u in ups)):
