@@ -113,6 +113,7 @@ def _run(args: argparse.Namespace) -> int:
     from nxhpc.runtime.checks import CheckError
     from nxhpc.vae.image import to_uint8, write_png
 
+    types.refuse_mpi_ranks(PROG)
     out = args.out
     types.check_png_name(out, "--out")
     check_cli_output_path(out, what="--out", inputs=[args.latents], example="out.png")

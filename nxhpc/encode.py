@@ -126,6 +126,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     from nxhpc.models.registry import open_text_encoder, opened_model_files
+    types.refuse_mpi_ranks(PROG)
     prompt = _read_prompt(args)
     what = "--prompt" if args.prompt is not None else f"--prompt-file {args.prompt_file}"
     types.check_prompt(prompt, what)

@@ -266,3 +266,24 @@ def test_nan_of_a_split_call_one_error_code_1(models, ref, tmp_path):
     assert r.stderr.count("generate: error:") == 1, r.stderr
     assert "generate: error: step 0 " in r.stderr and "MPI rank" not in r.stderr
     assert not (tmp_path / "img.png").exists()
+
+
+def test_one_process_commands_refuse_mpi_ranks(tmp_path):
+    """``encode`` and ``decode`` are not split across ranks: under ``mpirun -n 2`` each rank ran
+    the whole job and both wrote the one ``--out`` (the QA helper saw three writers). Refused
+    now, exit 2, nothing written. Control: the same command as one rank (-n 1) runs."""
+    out = tmp_path / "f.npy"
+    r = mpirun(2, ["-m", "nxhpc.encode", "tiny-te", "--prompt", "a fox", "--out", str(out)],
+               tmp_path / "models")
+    assert r.returncode == 2 and "runs in one process, not split across MPI ranks" in r.stderr, \
+        r.stderr[-2000:]
+    assert not out.exists()
+    r = mpirun(1, ["-m", "nxhpc.encode", "tiny-te", "--prompt", "a fox", "--out", str(out)],
+               tmp_path / "models")
+    assert r.returncode == 0 and out.exists(), r.stderr[-2000:]
+    lat = tmp_path / "z.npy"
+    np.save(lat, np.zeros((16, 4, 4), np.float32))
+    r = mpirun(2, ["-m", "nxhpc.decode", "tiny-vae", "--latents", str(lat), "--out",
+                   str(tmp_path / "x.png")], tmp_path / "models")
+    assert r.returncode == 2 and "runs in one process" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "x.png").exists()

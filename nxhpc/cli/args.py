@@ -352,3 +352,14 @@ def check_prompt(prompt: str, what: str) -> None:
         template(prompt)
     except ValueError as e:
         raise UsageError(f"{what}: {e}".replace("prompt: ", "", 1)) from None
+
+
+def refuse_mpi_ranks(prog: str) -> None:
+    """UsageError for a one-process command started as one of several MPI ranks: every rank
+    would run the whole job and write the same output (three writers seen on one --out)."""
+    from nxhpc.runtime.ranks import mpi_launched
+    if mpi_launched():
+        raise UsageError(f"{prog} runs in one process, not split across MPI ranks: under "
+                         f"mpirun -n N every rank would run the whole job and write the same "
+                         f"output; run it without mpirun (the commands that split: blockrun, "
+                         f"denoise, sample, generate, ddp --backend mpi)")
