@@ -27,8 +27,8 @@ def lowp_is_scalar() -> bool:
     """Whether ``bf16`` and ``q8`` run their scalar spec here (a CPU without AVX2, or
     ``NXHPC_DISABLE_SIMD``): minutes where the SIMD kernels take seconds, so the benchmarks that
     time them leave them out or time one round."""
-    from nxhpc import _kernels as K
-    return "avx2" not in K.supported_isas()
+    import nxhpc
+    return nxhpc.kernels().cpu_features()["best_isa"] == "generic"   # the switches honoured
 
 
 def bench_stats(benchmark):

@@ -176,6 +176,8 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
         check_q8_float_weights(q8_float_weights)
     if workers is None:
         workers = usable_cpus()
+    elif isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
+        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
     # every model found (a built-in generated) before any is opened
     resolve_model(names["model"], models_dir)
     resolve_model(names["text_encoder"], models_dir)

@@ -61,7 +61,11 @@ def test_block_goal_takes_the_fastest_precision_within_its_tolerance(goals):
     doc["benchmarks"][3]["extra_info"]["max_rel"] = 0.01          # torch bfloat16's
     g = goals.block_goal("block256", doc, TOL)
     assert g.measured is None and g.met is False and g.errors_ok is False
-    assert "max_rel 1.00e-02: bf16 (2.00e-02), q8 (4.00e-02)" in g.detail
+    assert "max_rel 1.00e-02): bf16 (2.00e-02), q8 (4.00e-02)" in g.detail
+    # every precision beyond blockrun's tolerance: not met (it read "not measured")
+    g = goals.block_goal("block256", _block_doc(0.2), {"f32": 0.01, "bf16": 0.01, "q8": 0.1})
+    assert g.measured is None and g.met is False
+    assert "bf16 (2.00e-02, beyond blockrun's 0.01), q8 (2.00e-01, beyond" in g.detail
 
 
 def test_block_goal_without_a_reference_is_not_measured(goals):

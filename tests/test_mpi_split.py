@@ -302,6 +302,21 @@ def test_a_failing_ranks_line_is_out_before_its_peers_leave(models):
         assert "is an input of this run" in r.stderr, r.stderr[-2000:]
 
 
+def test_two_ranks_failing_alike_beside_healthy_ones_print_one_line(models, tmp_path):
+    """Ranks 2 and 3 miss their model (a broken directory on one node), 0 and 1 are healthy:
+    the healthy ranks acknowledged only the first notice and left, and the lower failing rank,
+    still waiting for their acknowledgement of its own, was ended before it printed (no error
+    line in about half the runs, the reviewer's count). Every notice is acknowledged now and
+    the line is printed once."""
+    good = ["-m", "nxhpc.denoise", "tiny-dit", "1"]
+    bad = ["-m", "nxhpc.denoise", str(tmp_path / "no-such-model"), "1"]
+    for _ in range(3):
+        r = mpirun(4, [], models, apps=[good, good, bad, bad],
+                   extra_env={"OMPI_MCA_odls_base_sigkill_timeout": "1"})
+        assert r.returncode == 3, r.stderr[-2000:]
+        assert r.stderr.count("no-such-model") == 1, r.stderr[-2000:]
+
+
 def test_a_rank_that_dies_ends_every_survivor_with_one_code(models, tmp_path):
     r, codes = _fault("die", models, tmp_path)
     assert r.returncode != 0

@@ -54,7 +54,7 @@ ACK_TIMEOUT_S = 20.0
 #: mpirun ends every rank once one exits with an error, so a peer that left at once took the
 #: failed rank's line with it (5 of 6 runs under Open MPI's default kill timing printed only
 #: "terminated").
-PRINT_WAIT_S = 3.0
+PRINT_WAIT_S = ACK_TIMEOUT_S + 3.0       # the failed rank may wait ACK_TIMEOUT_S on a slow peer
 _SPIN = 64                              # Test() calls before a wait starts sleeping
 _SLEEP_MAX_S = 1e-3
 
@@ -408,18 +408,34 @@ class Ranks:
 
     def acknowledge(self, err: RankFailedError, timeout: float = 2.0,
                     print_wait: float = PRINT_WAIT_S) -> None:
-        """Tell the failed rank of ``err`` this rank has stopped (it waits for that), then wait
-        up to ``print_wait`` s until it has printed its error (:meth:`printed`): this rank's
-        exit would have mpirun end the failed one before its line is out."""
+        """Tell the failed rank of ``err`` this rank has stopped (it waits for that), and any
+        other rank whose notice comes meanwhile; then wait up to ``print_wait`` s until each
+        has printed its error (:meth:`printed`): this rank's exit would have mpirun end them
+        before their lines are out. ``print_wait`` covers a failed rank's own wait for its
+        slowest peer (``ACK_TIMEOUT_S``); a failed rank that died ends this one through mpirun."""
         self.failed = True
         MPI = self.MPI
-        req = self._side.Isend([bytearray(1), MPI.BYTE], dest=err.rank, tag=_ACK_TAG)
-        done = self._side.Irecv([bytearray(1), MPI.BYTE], source=err.rank, tag=_PRINTED_TAG)
+        acks, waits = [], {}
+
+        def ack(k: int) -> None:
+            acks.append(self._side.Isend([bytearray(1), MPI.BYTE], dest=k, tag=_ACK_TAG))
+            waits[k] = self._side.Irecv([bytearray(1), MPI.BYTE], source=k, tag=_PRINTED_TAG)
+        ack(err.rank)
+        if self._note_req is None:
+            self._note = bytearray(_NOTICE_BYTES)
+            self._note_req = self._side.Irecv([self._note, MPI.BYTE], source=MPI.ANY_SOURCE,
+                                              tag=_NOTICE_TAG)
         t0 = time.monotonic()
-        while not req.Test() and time.monotonic() - t0 < timeout:
-            time.sleep(1e-3)
-        t0 = time.monotonic()
-        while not done.Test() and time.monotonic() - t0 < print_wait:
+        while time.monotonic() - t0 < print_wait:
+            if self._note_req.Test():          # another rank failed too: it waits for us
+                k, _ = _NOTICE.unpack_from(self._note)
+                if k not in waits:
+                    ack(k)
+                self._note = bytearray(_NOTICE_BYTES)
+                self._note_req = self._side.Irecv([self._note, MPI.BYTE],
+                                                  source=MPI.ANY_SOURCE, tag=_NOTICE_TAG)
+            if all(r.Test() for r in waits.values()) and MPI.Request.Testall(acks):
+                break
             time.sleep(1e-3)
 
     def printed(self, failed_too: list[tuple[int, str]] = (), timeout: float = 1.0) -> None:
