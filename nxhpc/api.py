@@ -16,7 +16,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["load_model", "load_denoiser", "load_text_encoder", "load_vae", "generate_image"]
+__all__ = ["load_model", "load_denoiser", "load_text_encoder", "load_vae", "generate_image",
+           "TINY", "TINY_PX", "DEFAULT_PX"]
+
+#: The built-in components used when no model argument is given (random weights).
+TINY = {"model": "tiny-dit", "text_encoder": "tiny-te", "vae": "tiny-vae"}
+#: The default image side of the tiny fallback (the real models' default is 1024).
+TINY_PX = 64
+DEFAULT_PX = 1024
 
 
 def load_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | None = None,
@@ -113,12 +120,13 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
     ``negative_prompt`` turns on classifier-free guidance as diffusers' ``ZImagePipeline``
     does (two transformer calls a step). ``precision``: ``f32`` (exact), ``bf16`` or ``q8``
     (the decoder runs ``bf16`` under ``q8``); ``q8_float_weights`` (``"int8"`` default, or
-    ``"bf16"``) as for ``load_denoiser`` and ``load_text_encoder``. ``workers``: processes per model (default: the
-    usable CPUs). ``on_step(i, n, seconds)`` after each step.
+    ``"bf16"``) as for ``load_denoiser`` and ``load_text_encoder``. ``workers``: processes per
+    model (default: the usable CPUs). ``on_step(i, n, seconds)`` after each step.
 
-    Every argument is checked, and every model found, before any model is opened; the decoder's
-    memory before the steps. Each model is opened once and released before the next one's buffers are built
-    (the text encoder, then the transformer, then the decoder), as the CLI does. For many
+    Every argument is checked, and every model found, before any model is opened; the
+    decoder's memory before the steps. Each model is opened once and released before the next
+    one's buffers are built (the text encoder, then the transformer, then the decoder), as the
+    CLI does. For many
     pictures, ``python -m nxhpc.generate --prompts/--seeds`` opens each model once for all.
     Raises TypeError / ValueError for bad arguments (``SampleInputError`` for noise or
     features that do not fit the model), :class:`ModelError` subclasses for model files,
@@ -151,7 +159,7 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
     names = {"model": model, "text_encoder": text_encoder, "vae": vae}
     tiny = all(v is None for v in names.values())
     if tiny:
-        names = {"model": "tiny-dit", "text_encoder": "tiny-te", "vae": "tiny-vae"}
+        names = dict(TINY)
     elif any(v is None for v in names.values()):
         missing = ", ".join(k for k, v in names.items() if v is None)
         raise ValueError(f"give all of model, text_encoder and vae, or none (the built-in tiny "
@@ -199,7 +207,7 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
                                                              up, cfg.patch)
             x0 = check_noise(noise, cfg, shape)
         else:
-            px = 64 if tiny else 1024
+            px = TINY_PX if tiny else DEFAULT_PX
             shape = latent_shape(height or px, width or px, cfg.in_channels, up, cfg.patch)
             x0 = initial_noise(0 if seed is None else seed, shape)
         dec.check_room(x0.shape[1], x0.shape[2])     # before the steps, as the CLI does

@@ -22,7 +22,7 @@ import numpy as np
 
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
 from nxhpc.cli.codes import Exit, InputError, NotFound, UsageError
-from nxhpc.cli.frame import run_ranked
+from nxhpc.cli.frame import on_every_rank, run_ranked
 from nxhpc.cli.report import emit_graded, save_npy
 from nxhpc.dit.grade import grade
 from nxhpc.dit.stackrun import PRECISION_TOL
@@ -247,10 +247,8 @@ def _run_model(args, den, inputs, ref, out_path, ranks=None) -> int:
             out = den.forward(lat, t, cap)
             reused += den.last_caption_reused
         except DenoiserInputError as e:     # rank 0's broadcast inputs: every rank at once
-            err = InputError(f"{source}: {e}" if source else str(e))
-            if ranks is not None:
-                err.collective = True       # type: ignore[attr-defined]
-            raise err from None
+            with on_every_rank(ranks):
+                raise InputError(f"{source}: {e}" if source else str(e)) from None
         except NonFiniteOutputError as e:   # reported and failed below, never written
             out = e.output
         for k, v in den.last_timings.items():

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
+from nxhpc.api import DEFAULT_PX, TINY, TINY_PX   # the tiny fallback, the library's
 from nxhpc.cli.codes import Exit, InputError, NotFound, OutputError, UsageError, codes_epilog
 from nxhpc.cli.frame import on_every_rank, run_ranked
 from nxhpc.cli.progress import Progress
@@ -53,11 +54,6 @@ __all__ = ["main", "build_parser", "EXIT_CODES", "TINY", "TINY_PX", "Job"]
 
 PROG = "generate"
 
-#: The built-in components used when no model argument is given (random weights).
-TINY = {"model": "tiny-dit", "text_encoder": "tiny-te", "vae": "tiny-vae"}
-#: The default image side of the tiny fallback (the real models' default is 1024).
-TINY_PX = 64
-DEFAULT_PX = 1024
 RANDOM_NOTE = "random weights: a noise picture (the built-in tiny components)"
 #: The note when only some of the components are the built-in tiny ones (named after it).
 SOME_RANDOM_NOTE = "random weights in the built-in"

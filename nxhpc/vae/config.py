@@ -315,9 +315,6 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], layout: str, where: str,
             raise ModelFileError(f"{where}: config.json mid_block_add_attention="
                                  f"{cj['mid_block_add_attention']} but the mid attention's "
                                  f"tensors are {'present' if mid_attn else 'absent'}")
-    # the decoder computes z / scaling + shift in float32: both must be float32 numbers there
-    # (a scaling below float32's normal range is 0 or subnormal, 1/it infinite)
-    check_latent_factors(scaling, shift, where)
     if "post_quant_conv.weight" in shapes or "post_quant_conv.bias" in shapes:
         raise ModelFileError(f"{where}: the checkpoint has a post_quant_conv (an SD-style "
                              f"autoencoder); the FLUX decoder has none (not supported)",
@@ -381,18 +378,14 @@ def latent_factors(cj: Mapping[str, Any], where: str) -> tuple[float, float]:
                          where)
     scaling = float(cj.get("scaling_factor", DIFFUSERS_SCALING))
     shift = float(cj.get("shift_factor") or 0.0)
-    check_latent_factors(scaling, shift, where)
-    return scaling, shift
-
-
-def check_latent_factors(scaling: float, shift: float, where: str) -> None:
-    """ModelFileError unless the decoder can compute ``z / scaling + shift`` in float32: a
-    positive normal float32 scaling (below it 1/scaling is infinite) and a float32 shift."""
+    # the decoder computes z / scaling + shift in float32: both must be float32 numbers there
+    # (a scaling below float32's normal range is 0 or subnormal, 1/it infinite)
     if not (_F32_NORMAL_MIN <= scaling <= _F32_MAX and abs(shift) <= _F32_MAX):
         raise ModelFileError(f"{where}: scaling_factor {scaling} / shift_factor {shift}: the "
                              f"scaling must be a positive normal float32 number "
                              f"({_F32_NORMAL_MIN:.3g} .. {_F32_MAX:.3g}) and the shift a "
                              f"finite float32 one")
+    return scaling, shift
 
 
 #: config.json settings of diffusers' AutoencoderKL that change the decoder, and the one value
