@@ -82,19 +82,23 @@ def load_text_encoder(path_or_id: str | os.PathLike, workers: int | None = None,
 
 
 def load_vae(path_or_id: str | os.PathLike, *, workers: int | None = None,
-             precision: str = "f32", models_dir: str | os.PathLike | None = None):
+             precision: str = "f32", models_dir: str | os.PathLike | None = None,
+             stage_timeout: float | None = None):
     """Open the FLUX autoencoder's decoder: a BFL/ComfyUI ``ae.safetensors`` file, a diffusers
     VAE directory (``config.json`` + ``diffusion_pytorch_model.safetensors``, or a pipeline
     directory holding ``vae/``), float32/float16/bfloat16, or a built-in id (``tiny-vae``:
-    random weights, generated on first use under ``models_dir`` / ``$NXHPC_MODELS``). Returns
-    an ``nxhpc.vae.model.VaeDecoder`` (context manager). Example::
+    random weights, generated on first use under ``models_dir`` / ``$NXHPC_MODELS``).
+    ``stage_timeout``: seconds one parallel step may take before the workers are killed and
+    the decode fails (None: no limit). Returns an ``nxhpc.vae.model.VaeDecoder`` (context
+    manager). Example::
 
         with nxhpc.load_vae("ae.safetensors", workers=8) as vae:
             x = vae.decode(latents)                  # [16, h, w] -> float32 [3, 8h, 8w]
             nxhpc.vae.write_png("out.png", nxhpc.vae.to_uint8(x))
     """
     from nxhpc.models.registry import open_vae
-    return open_vae(path_or_id, workers=workers, precision=precision, models_dir=models_dir)
+    return open_vae(path_or_id, workers=workers, precision=precision, models_dir=models_dir,
+                    stage_timeout=stage_timeout)
 
 
 def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
@@ -105,7 +109,8 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
                    negative_prompt: str | None = None, precision: str = "f32",
                    q8_float_weights: str | None = None, workers: int | None = None,
                    models_dir: str | os.PathLike | None = None,
-                   on_step: Callable[[int, int, float], None] | None = None) -> Any:
+                   on_step: Callable[[int, int, float], None] | None = None,
+                   stage_timeout: float | None = None) -> Any:
     """A prompt to a picture, as ``python -m nxhpc.generate`` makes it (the same bits), without
     torch: uint8 ``[height, width, 3]`` (``PIL.Image.fromarray`` takes it;
     ``nxhpc.vae.write_png(path, pixels)`` writes it).
@@ -122,6 +127,8 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
     (the decoder runs ``bf16`` under ``q8``); ``q8_float_weights`` (``"int8"`` default, or
     ``"bf16"``) as for ``load_denoiser`` and ``load_text_encoder``. ``workers``: processes per
     model (default: the usable CPUs). ``on_step(i, n, seconds)`` after each step.
+    ``stage_timeout``: seconds one parallel stage of any model may take before its workers are
+    killed and the call fails with ``WorkerError`` (a hung worker; default None: no limit).
 
     Every argument is checked, and every model found, before any model is opened; the
     decoder's memory before the steps. Each model is opened once and released before the next
@@ -146,7 +153,7 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
     from nxhpc.models.registry import open_denoiser, open_vae, resolve_model, resolve_vae
     from nxhpc.nn.linear import check_precision, check_q8_float_weights
     from nxhpc.qwen3.tokenizer import check_text
-    from nxhpc.runtime.workers import usable_cpus
+    from nxhpc.runtime.workers import check_timeout, usable_cpus
     from nxhpc.vae.image import to_uint8
 
     # every check that needs no model first
@@ -186,13 +193,15 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
         workers = usable_cpus()
     elif isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
         raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    stage_timeout = check_timeout(stage_timeout)
     # every model found (a built-in generated) before any is opened
     resolve_model(names["model"], models_dir)
     resolve_model(names["text_encoder"], models_dir)
     resolve_vae(names["vae"], models_dir)
 
     import nxhpc
-    kw: dict[str, Any] = {"workers": workers, "models_dir": models_dir}
+    kw: dict[str, Any] = {"workers": workers, "models_dir": models_dir,
+                          "stage_timeout": stage_timeout}
     lowp = {} if q8_float_weights is None else {"q8_float_weights": q8_float_weights}
     with open_denoiser(names["model"], precision=precision, **lowp, **kw) as den, \
             open_vae(names["vae"], precision="bf16" if precision == "q8" else precision,

@@ -213,9 +213,10 @@ def _run_shm(args, workers: int, cfg, data, head: str, out,
     return rc
 
 
-def _run(args: argparse.Namespace) -> int:
+def _setup(args: argparse.Namespace) -> tuple:
+    """The data (UsageError where scikit-learn is missing or a worker count exceeds its
+    rows), the run's header line and the report's first fields."""
     cfg = args.cfg
-    out = sys.stdout
     try:
         data = train.load_diabetes()
     except ImportError as e:
@@ -230,47 +231,61 @@ def _run(args: argparse.Namespace) -> int:
             f"(Q16 {cfg.lr_q16}/65536, mean over {data.x.shape[0]} rows), diabetes data "
             f"{data.x.shape[0]}x{data.x.shape[1]} standardized")
     report: dict = {"steps": args.steps, "hidden": cfg.hidden, "lr": cfg.lr, "seed": cfg.seed}
+    return data, head, report
 
+
+def _run_mpi(args: argparse.Namespace) -> int:
+    """``--backend mpi``: this rank's part of the ring. The checks every rank makes alike come
+    first (each rank returns the code; rank 0 prints). From the data load on, a rank that
+    fails or is interrupted aborts the job (``comm.Abort``): its peers would wait in the ring
+    forever, and it in ``MPI_Finalize`` for them."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise UsageError("--backend mpi needs mpi4py (pip install mpi4py) and an MPI "
+                         "runtime") from None
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    if args.sweep:
+        raise UsageError("--sweep runs worker counts in this process (shm); under MPI the "
+                         "world size is the one count: run mpirun -n D once per D")
+    if args.workers is not None and args.workers != comm.Get_size():
+        if rank == 0:
+            print(f"{PROG}: error: --workers {args.workers} but the MPI world has "
+                  f"{comm.Get_size()} ranks (start with mpirun -n D)", file=sys.stderr)
+        return Exit.USAGE
+    try:
+        data, head, report = _setup(args)
+        res = train.train_mpi(comm, args.steps, cfg=args.cfg, data=data)
+    except (KeyboardInterrupt, Terminated) as e:   # peers block in Sendrecv: abort the job
+        code, what = ((Exit.SIGTERM, "terminated (SIGTERM)") if isinstance(e, Terminated)
+                      else (Exit.SIGINT, "interrupted (SIGINT)"))
+        print(f"{PROG}: error: MPI rank {rank} {what}", file=sys.stderr, flush=True)
+        comm.Abort(int(code))
+        return code
+    except Exception as e:  # noqa: BLE001 - peers block in Sendrecv: abort the whole job
+        print(f"{PROG}: error: MPI rank {rank} of {comm.Get_size()} failed: "
+              f"{str(e) if isinstance(e, UsageError) else f'{type(e).__name__}: {e}'}",
+              file=sys.stderr, flush=True)
+        code = Exit.FAIL if isinstance(e, train.Q16OverflowError) else \
+            Exit.USAGE if isinstance(e, UsageError) else Exit.WORKER
+        comm.Abort(int(code))        # an overflow is the run's arithmetic (1), as in shm
+        return code
+    if rank != 0:
+        return Exit.PASS
+    _print_run(res, head, args.log_every, sys.stdout, report)
+    return _write_json(args.json, report)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.backend == "mpi":
-        try:
-            from mpi4py import MPI
-        except ImportError:
-            raise UsageError("--backend mpi needs mpi4py (pip install mpi4py) and an MPI "
-                             "runtime") from None
-        comm = MPI.COMM_WORLD
-        rank = comm.Get_rank()
-        if args.sweep:
-            raise UsageError("--sweep runs worker counts in this process (shm); under MPI the "
-                             "world size is the one count: run mpirun -n D once per D")
-        if args.workers is not None and args.workers != comm.Get_size():
-            if rank == 0:
-                print(f"{PROG}: error: --workers {args.workers} but the MPI world has "
-                      f"{comm.Get_size()} ranks (start with mpirun -n D)", file=sys.stderr)
-            return Exit.USAGE
-        try:
-            res = train.train_mpi(comm, args.steps, cfg=cfg, data=data)
-        except (KeyboardInterrupt, Terminated) as e:   # peers block in Sendrecv: abort the job
-            code, what = ((Exit.SIGTERM, "terminated (SIGTERM)") if isinstance(e, Terminated)
-                          else (Exit.SIGINT, "interrupted (SIGINT)"))
-            print(f"{PROG}: error: MPI rank {rank} {what}", file=sys.stderr, flush=True)
-            comm.Abort(int(code))
-            return code
-        except Exception as e:  # noqa: BLE001 - peers block in Sendrecv: abort the whole job
-            print(f"{PROG}: error: MPI rank {rank} of {comm.Get_size()} failed: "
-                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            code = Exit.FAIL if isinstance(e, train.Q16OverflowError) else Exit.WORKER
-            comm.Abort(int(code))        # an overflow is the run's arithmetic (1), as in shm
-            return code
-        if rank != 0:
-            return Exit.PASS
-        _print_run(res, head, args.log_every, out, report)
-        return _write_json(args.json, report)
-
+        return _run_mpi(args)
+    data, head, report = _setup(args)
     workers = 4 if args.workers is None else args.workers
     import multiprocessing
     if multiprocessing.current_process().daemon:
         raise UsageError(train.DAEMON_TEXT)
-    rc = _run_shm(args, workers, cfg, data, head, out, report)   # failures: nxhpc.cli.codes
+    rc = _run_shm(args, workers, args.cfg, data, head, sys.stdout, report)   # nxhpc.cli.codes
     return _write_json(args.json, report) or rc
 
 

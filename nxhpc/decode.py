@@ -44,7 +44,8 @@ EXIT_CODES = {
                     "(not a float [C, h, w] / [1, C, h, w] array, C not the decoder's latent "
                     "channels, NaN/inf)",
     Exit.MISSING: "a tensor is missing from the autoencoder file",
-    Exit.WORKER: None,
+    Exit.WORKER: "a worker process failed (raised, crashed, was killed, or exceeded "
+                 "--stage-timeout)",
     Exit.SHM: None,
     Exit.OUTPUT: "--out could not be written (e.g. disk full); an existing file at that path "
                  "is unchanged",
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     types.add_precision(p, "convolution precision: f32 (default) or bf16 (activations and "
                            "weights rounded to bfloat16, float32 sums)", allowed=("f32", "bf16"))
     types.add_models_dir(p)
+    types.add_stage_timeout(p)
     types.add_json(p)
     return p
 
@@ -120,7 +122,7 @@ def _run(args: argparse.Namespace) -> int:
     z = _latents(args.latents)
     t0 = time.perf_counter()
     with open_vae(args.vae, workers=args.n_workers, precision=args.precision,
-                  models_dir=args.models_dir) as vae:
+                  models_dir=args.models_dir, stage_timeout=args.stage_timeout) as vae:
         # never over a file of the model (its own files, however it was named); an earlier
         # output beside it may be written again
         files = opened_model_files(vae.file.path)

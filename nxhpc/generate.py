@@ -76,7 +76,8 @@ EXIT_CODES = {
                     "the text encoder's context length, or --noise that does not fit ([16, H/8, "
                     "W/8], float, finite)",
     Exit.MISSING: "a tensor is missing from a model file",
-    Exit.WORKER: "a worker process failed (raised, crashed or was killed)",
+    Exit.WORKER: "a worker process failed (raised, crashed, was killed, or exceeded "
+                 "--stage-timeout)",
     Exit.SHM: "not enough shared memory or memory for an arena (in a container use --shm-size)",
     Exit.OUTPUT: "a PNG could not be written (e.g. disk full): an existing file at that path "
                  "is unchanged; the PNGs written before it are complete",
@@ -160,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "folder for several images")
     types.add_models_dir(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    types.add_stage_timeout(p)
     types.add_json(p)
     return p
 
@@ -356,10 +358,10 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
     try:
         t0 = time.perf_counter()
         with apart, open_denoiser(names["model"], workers=workers, models_dir=args.models_dir,
-                                  precision=args.precision,
+                                  precision=args.precision, stage_timeout=args.stage_timeout,
                                   q8_float_weights=args.q8_float_weights) as den, \
                 open_vae(names["vae"], workers=workers, precision=vae_precision,
-                         models_dir=args.models_dir) as vae:
+                         models_dir=args.models_dir, stage_timeout=args.stage_timeout) as vae:
             dcfg = den.config
             if ranks is not None:                  # the same model files, before any work
                 from nxhpc.runtime.ranks import file_fingerprint
@@ -528,7 +530,7 @@ def _encode(te: str, prompts: list[str], which: list[int], negative: str | None,
     if not hasattr(nxhpc, "load_text_encoder"):       # pragma: no cover - an older tree
         raise NotFound("this nxhpc has no text encoder (nxhpc.load_text_encoder)")
     with nxhpc.load_text_encoder(te, workers=workers, precision=args.precision,
-                                 models_dir=args.models_dir,
+                                 models_dir=args.models_dir, stage_timeout=args.stage_timeout,
                                  q8_float_weights=args.q8_float_weights) as enc:
         with on_every_rank(ranks):
             if enc.config.dim != cap_dim:

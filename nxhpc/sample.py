@@ -65,7 +65,8 @@ EXIT_CODES = {
                     "the model ([L, cap_dim] caption features; [16, H/8, W/8] noise; float, "
                     "finite), or a VAE that cannot be loaded or decode",
     Exit.MISSING: "a tensor is missing from the model file",
-    Exit.WORKER: "a worker process failed (raised, crashed or was killed)",
+    Exit.WORKER: "a worker process failed (raised, crashed, was killed, or exceeded "
+                 "--stage-timeout)",
     Exit.SHM: "not enough shared memory or memory for the arena (in a container use --shm-size)",
     Exit.OUTPUT: "--out or --png could not be written (e.g. disk full); an existing file at "
                  "that path is unchanged (the latents are written before the PNG)",
@@ -133,14 +134,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the decoded image goes (with --decode; written atomically)")
     types.add_models_dir(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    types.add_stage_timeout(p)
     types.add_json(p)
     return p
 
 
-def _open_denoiser(model: str, *, workers: int, models_dir: str | None):
+def _open_denoiser(model: str, *, workers: int, models_dir: str | None,
+                   stage_timeout: float | None = None):
     """The one place the CLI opens the model (tests may stand in for it)."""
     from nxhpc.models.registry import open_denoiser
-    return open_denoiser(model, workers=workers, models_dir=models_dir)
+    return open_denoiser(model, workers=workers, models_dir=models_dir,
+                         stage_timeout=stage_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,7 +260,8 @@ def _run(args, ranks=None) -> int:
     seeds = args.seeds if args.seeds is not None else [seed]
 
     t_open = time.perf_counter()
-    with _open_denoiser(args.model, workers=workers, models_dir=args.models_dir) as den:
+    with _open_denoiser(args.model, workers=workers, models_dir=args.models_dir,
+                        stage_timeout=args.stage_timeout) as den:
         _protect_model_files(args, den)
         den.precision, den.q8_float_weights = args.precision, args.q8_float_weights
         cfg = den.config
@@ -290,7 +295,7 @@ def _run(args, ranks=None) -> int:
                         for v in seeds[lo:hi]}
     owner = {v: 0 for v in seeds}
     if ranks is not None and len(seeds) > 1:
-        got = ranks.allgather(runs, "the images to rank 0")
+        got = ranks.allgather(runs, "the images to rank 0", bounded=False)  # whole images
         runs = {}
         for r, part in enumerate(got):
             runs.update(part)

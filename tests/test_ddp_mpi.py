@@ -125,6 +125,30 @@ def test_mpi_sigterm_to_one_rank_ends_the_job():
     assert "ddp: error: MPI rank 1 terminated (SIGTERM)" in r.stderr
 
 
+_SIGTERM_AT_LOAD = r"""
+import os, signal, sys
+from mpi4py import MPI
+import nxhpc.ddp as cli
+import nxhpc.train.ddp as ddp
+if MPI.COMM_WORLD.Get_rank() == 1:          # rank 1 gets SIGTERM while it loads the data
+    real = ddp.load_diabetes
+    def load(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+    ddp.load_diabetes = load
+sys.exit(cli.main(["--backend", "mpi", "--steps", "1000000", "--log-every", "100000"]))
+"""
+
+
+def test_mpi_sigterm_to_one_rank_before_the_ring_ends_the_job():
+    """SIGTERM to one rank while it loads the data (3-8 s of importing scikit-learn) hung the
+    job for good: the handler that aborts covered the ring only, so the rank returned 143 and
+    sat in MPI_Finalize while its peer spun in the ring (the QA helper's find)."""
+    r = _mpirun(2, ["-c", _SIGTERM_AT_LOAD], timeout=90)    # a hang raises TimeoutExpired
+    assert r.returncode == 143, (r.returncode, r.stderr[-2000:])
+    assert "ddp: error: MPI rank 1 terminated (SIGTERM)" in r.stderr
+
+
 def test_mpi_sweep_is_refused():
     r = _mpirun(2, ["-m", "nxhpc.ddp", "--backend", "mpi", "--steps", "1", "--sweep", "1,2"])
     assert r.returncode == 2 and "--sweep runs worker counts in this process" in r.stderr, r.stderr

@@ -737,3 +737,96 @@ def test_a_text_encoder_folder_with_its_gguf_under_another_name(models_root, tmp
     assert (tmp_path / "x.png").is_file()
     assert generate.main([*argv, str(te / "Qwen3-4B-Q8_0.gguf")]) == Exit.USAGE
     assert "input of this run" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ --stage-timeout everywhere
+def _hang_in_pool(monkeypatch, which: int) -> list:
+    """Pools made from here on record their ``stage_timeout``; the tasks of the ``which``-th
+    (0 = the first) hang in every worker but the parent's band (a stuck worker)."""
+    import time
+
+    from nxhpc.runtime import workers as W
+    real_init = W.WorkerPool.__init__
+    made: list = []
+
+    def hang(fn):
+        def task(lo, hi, arg):
+            if lo > 0:
+                time.sleep(120)
+            return fn(lo, hi, arg)
+        return task
+
+    def init(self, n, tasks, *a, **k):
+        if len(made) == which:
+            tasks = {name: hang(fn) for name, fn in tasks.items()}
+        made.append(k.get("stage_timeout"))
+        real_init(self, n, tasks, *a, **k)
+    monkeypatch.setattr(W.WorkerPool, "__init__", init)
+    return made
+
+
+@pytest.mark.parametrize("which, model", [(0, "text encoder"), (1, "transformer"),
+                                          (2, "autoencoder")])
+def test_generate_stage_timeout_reaches_every_model(models_root, tmp_path, monkeypatch, capsys,
+                                                    which, model):
+    """``generate`` had no ``--stage-timeout``: a worker stuck in any of its three models hung
+    the run for good. Each model's pool now gets it: exit 6 naming the stage timeout, nothing
+    written, no shared memory left. Control: the same hang in another model's pool is met
+    there (the pools are made in the order text encoder, transformer, autoencoder)."""
+    import time
+
+    from nxhpc import generate
+    made = _hang_in_pool(monkeypatch, which)
+    out = tmp_path / "o.png"
+    before = shm_entries()
+    t0 = time.monotonic()
+    code = generate.main(["--prompt", PROMPT, "--steps", "2", "--workers", "2",
+                          "--stage-timeout", "2", "--out", str(out), "--no-progress",
+                          "--models-dir", str(models_root)])
+    err = capsys.readouterr().err
+    assert code == Exit.WORKER, (model, err)
+    assert "within the stage timeout of 2 s" in err, err
+    assert time.monotonic() - t0 < 60
+    assert made == [2.0] * (which + 1), (model, made)     # the hung pool was the last made
+    assert not out.exists() and shm_entries() <= before
+
+
+def test_sample_decode_and_generate_image_take_the_stage_timeout(models_root, latents_file,
+                                                                tmp_path, monkeypatch, capsys):
+    """``sample`` and ``decode`` take ``--stage-timeout``, ``generate_image`` and ``load_vae``
+    ``stage_timeout``: a stuck worker fails the run (exit 6 / WorkerError) instead of hanging
+    it; bad values are refused before any model opens."""
+    import time
+
+    from nxhpc import decode, sample
+    from nxhpc.runtime.workers import WorkerError
+    cap = tmp_path / "cap.npy"
+    np.save(cap, np.random.default_rng(3).standard_normal((7, 320)).astype(np.float32))
+    before = shm_entries()
+    runs = [(sample.main, ["tiny-dit", "2", "--cap-feats", str(cap), "--height", "64",
+                           "--width", "64", "--steps", "2", "--out", str(tmp_path / "l.npy")]),
+            (decode.main, ["tiny-vae", "2", "--latents", str(latents_file[0]),
+                           "--out", str(tmp_path / "d.png")])]
+    for main, argv in runs:
+        made = _hang_in_pool(monkeypatch, 0)
+        t0 = time.monotonic()
+        code = main([*argv, "--stage-timeout", "2", "--models-dir", str(models_root),
+                     "--no-progress"] if main is sample.main else
+                    [*argv, "--stage-timeout", "2", "--models-dir", str(models_root)])
+        err = capsys.readouterr().err
+        assert code == Exit.WORKER and "within the stage timeout of 2 s" in err, err
+        assert made == [2.0] and time.monotonic() - t0 < 60
+        monkeypatch.undo()
+    assert not (tmp_path / "l.npy").exists() and not (tmp_path / "d.png").exists()
+    made = _hang_in_pool(monkeypatch, 1)
+    with pytest.raises(WorkerError, match="within the stage timeout of 2 s"):
+        nxhpc.generate_image(PROMPT, steps=2, workers=2, stage_timeout=2,
+                             models_dir=models_root)
+    assert made == [2.0, 2.0]
+    for bad in (0, -1, float("nan"), "5"):
+        with pytest.raises((ValueError, TypeError), match="stage_timeout"):
+            nxhpc.generate_image(PROMPT, stage_timeout=bad, models_dir=tmp_path / "none")
+        with pytest.raises((ValueError, TypeError), match="stage_timeout"):
+            nxhpc.load_vae("tiny-vae", stage_timeout=bad, models_dir=tmp_path / "none")
+    assert not (tmp_path / "none").exists()          # refused before a built-in was made
+    assert shm_entries() <= before

@@ -222,6 +222,17 @@ if mode == "raise" and rank == 1:              # a worker's task raises on this 
             raise RuntimeError("injected fault in w2")
         return real(k, x, w, out, lo, hi, prec)
     stages.matmul = broken
+elif mode == "hang-start" and rank == 1:      # stuck before the first exchange (a stopped
+    import time                                # process, a read that never returns)
+    time.sleep(300)
+elif mode == "slow-decode" and rank == 0:     # rank 0 alone decodes, longer than the timeout
+    import time
+    from nxhpc.vae.model import VaeDecoder
+    real_decode = VaeDecoder.decode
+    def decode(self, *a, **k):
+        time.sleep(6)
+        return real_decode(self, *a, **k)
+    VaeDecoder.decode = decode
 elif mode == "nan":                            # every rank: the split call's output is NaN
     import numpy as np
     from nxhpc.dit.denoiser import Denoiser
@@ -266,6 +277,30 @@ def test_nan_of_a_split_call_one_error_code_1(models, ref, tmp_path):
     assert r.stderr.count("generate: error:") == 1, r.stderr
     assert "generate: error: step 0 " in r.stderr and "MPI rank" not in r.stderr
     assert not (tmp_path / "img.png").exists()
+
+
+def test_a_rank_stuck_before_the_first_exchange_is_caught_by_the_stage_timeout(models, ref,
+                                                                             tmp_path):
+    """Rank 1 never reaches the command-line check: rank 0 waited there forever (the startup
+    exchanges had no timeout). Now ``--stage-timeout`` bounds the startup waits: rank 0 fails
+    with exit 6 naming the wait, and no shared memory is left."""
+    out = tmp_path / "img.png"
+    r, codes = _fault("hang-start", 2, _one(out, 1) + ["--stage-timeout", "3"], models, tmp_path)
+    assert codes.get(0) == 6, r.stdout + r.stderr
+    assert "generate: error: MPI rank 0 of 2: the command-line check did not complete within " \
+           "3 s (the stage timeout)" in r.stderr, r.stderr
+    assert not out.exists()
+
+
+def test_the_stage_timeout_does_not_bound_rank_0s_decode(models, ref, tmp_path):
+    """One image under mpirun: rank 0 alone decodes while its peers wait for the exit code.
+    That wait spans a whole decode, not a stage: a decode longer than ``--stage-timeout`` (each
+    of its stages well within it) must not fail the job. Same bytes as one process."""
+    out = tmp_path / "img.png"
+    r, codes = _fault("slow-decode", 2, _one(out, 1) + ["--stage-timeout", "3"], models,
+                      tmp_path)
+    assert codes == {0: 0, 1: 0}, r.stdout + r.stderr
+    assert out.read_bytes() == ref["one"], PARAMS
 
 
 def test_one_process_commands_refuse_mpi_ranks(tmp_path):

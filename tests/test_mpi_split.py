@@ -259,6 +259,8 @@ if rank == who and mode == "raise":            # a worker's task raises on this 
             raise RuntimeError("injected fault in w2")
         return real(k, x, w, out, lo, hi, prec)
     plan.matmul = broken
+elif rank == who and mode == "hang-start":   # stuck before the first exchange
+    time.sleep(300)
 elif rank == who:                              # the rank itself dies / hangs in an exchange
     from nxhpc.runtime.ranks import Ranks
     def stop(self, *a, **k):
@@ -333,6 +335,16 @@ def test_a_hung_rank_is_caught_by_the_stage_timeout(models, tmp_path):
            "within 3 s" in r.stderr
 
 
+def test_a_rank_stuck_before_the_first_exchange_is_caught_by_the_stage_timeout(models,
+                                                                             tmp_path):
+    """Rank 1 never reaches the command-line check: rank 0 waited forever (the startup
+    exchanges had no timeout); ``--stage-timeout`` bounds them now."""
+    r, codes = _fault("hang-start", models, tmp_path, n=2, extra=("--stage-timeout", "3"))
+    assert codes.get(0) == 6, r.stderr
+    assert "denoise: error: MPI rank 0 of 2: the command-line check did not complete within " \
+           "3 s (the stage timeout)" in r.stderr, r.stderr
+
+
 _SAMPLE = ["-m", "nxhpc.sample", "tiny-dit", "1", "--height", "64", "--width", "96",
            "--steps", "2", "--no-progress", "--json"]
 
@@ -371,6 +383,35 @@ def test_sample_seeds_across_ranks_whole_images(ranks, models, sample_ref, tmp_p
     else:
         assert rep["ranks"] == ranks and sorted(set(owners)) == list(range(ranks))
         assert rep["split"] == "images"
+
+
+_SLOW_RANK_1 = r"""
+import sys, time
+from mpi4py import MPI
+import nxhpc.sample as cli
+if MPI.COMM_WORLD.Get_rank() == 1:          # its images take longer than the stage timeout
+    real = cli._sample_one
+    def slow(*a, **k):
+        time.sleep(4)
+        return real(*a, **k)
+    cli._sample_one = slow
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_the_stage_timeout_does_not_bound_the_wait_for_whole_images(models, sample_ref,
+                                                                     tmp_path):
+    """``--seeds`` over the ranks: rank 0 (one image) waits for rank 1's two whole images, a
+    wait that spans their sampling, not one stage; a stage timeout below it (each stage well
+    within it) must not fail the job. Same bytes as one process."""
+    cap, ref = sample_ref
+    pattern = str(tmp_path / "lat_{seed}.npy")
+    r = mpirun(2, ["-c", _SLOW_RANK_1, *_SAMPLE[2:], "--cap-feats", str(cap), "--seeds",
+                   "3,5,9", "--stage-timeout", "3", "--out", pattern], models)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["rank_of_seed"] == [0, 1, 1]
+    for s in (3, 5, 9):
+        assert (tmp_path / f"lat_{s}.npy").read_bytes() == ref[s], s
 
 
 @pytest.mark.parametrize("how", ["--seed", "--seeds"])

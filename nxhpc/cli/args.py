@@ -287,7 +287,8 @@ def add_stage_timeout(p: argparse.ArgumentParser) -> None:
     """``--stage-timeout SECONDS`` (:func:`positive_float`; default None: no limit)."""
     p.add_argument("--stage-timeout", type=positive_float, default=None, metavar="SECONDS",
                    help="kill the workers and fail (exit 6) when one parallel stage takes longer "
-                        "than this, e.g. a hung worker (default: no limit)")
+                        "than this, e.g. a hung worker; under mpirun also each startup wait "
+                        "for the other ranks (default: no limit)")
 
 
 def add_json(p: argparse.ArgumentParser) -> None:

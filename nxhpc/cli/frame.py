@@ -51,7 +51,7 @@ def _argparse_code(e: SystemExit) -> int:
 
 
 def _ranked_parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
-                  intermixed: bool, ranks: Any) -> argparse.Namespace | int:
+                  intermixed: bool, ranks: Any, prog: str) -> argparse.Namespace | int:
     """Parse on one of several MPI ranks: the namespace, or the exit code every rank returns,
     with argparse's text printed once for the job. Every rank parses, then all exchange what
     argparse said (one ``allgather``, which every rank reaches first thing): if no rank's
@@ -59,11 +59,13 @@ def _ranked_parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
     over ``--help``, 0) and each distinct message is printed by the lowest rank that has it.
     So the same bad arguments on every rank print one usage and one error, not one a rank; a
     usage error of one rank's arguments alone is printed, by that rank; and ``--help`` on
-    some ranks only ends the job (it hung: the others waited for those ranks)."""
+    some ranks only ends the job (it hung: the others waited for those ranks). The exchange
+    is bounded by the rank's own ``--stage-timeout`` where the command has one (a peer that
+    never reaches it: exit 6, this rank's error)."""
     import contextlib
     import io
 
-    from nxhpc.runtime.ranks import RankFailedError
+    from nxhpc.runtime.ranks import ExchangeTimeoutError
     out, errs = io.StringIO(), io.StringIO()
     args, code = None, None
     try:
@@ -72,11 +74,13 @@ def _ranked_parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
     except SystemExit as e:
         code = _argparse_code(e)
     said = None if code is None else (code, out.getvalue(), errs.getvalue())
+    if args is not None:                      # the startup waits from here on: this rank's
+        ranks.timeout = getattr(args, "stage_timeout", None)     # --stage-timeout
     try:
         every = ranks.allgather(said, "the command-line check")
-    except RankFailedError as e:              # a peer failed before reaching the exchange
-        ranks.acknowledge(e)
-        return int(e.code)
+    except ExchangeTimeoutError as e:         # a peer never reached it (stuck, stopped)
+        return _ranked_failure(e, ranks, _ranked_printer(prog, ranks, error_printer(prog)),
+                               None)
     ended = [s for s in every if s is not None]
     if not ended:
         return args
@@ -116,7 +120,8 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
     :func:`run_ranked`). ``parse_ranks``: a world for the argument check only (a command that
     runs MPI its own way, ``ddp``): argparse's text once for the job, the rest as one process."""
     if ranks is not None or parse_ranks is not None:
-        args = _ranked_parse(parser, argv, intermixed, ranks if ranks is not None else parse_ranks)
+        args = _ranked_parse(parser, argv, intermixed,
+                             ranks if ranks is not None else parse_ranks, prog)
         if isinstance(args, int):
             _flush_or_drop_both()
             return args
@@ -442,7 +447,7 @@ def run_ranked(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] |
 
     def ranked_call(args: argparse.Namespace) -> int:
         code = int(call(args, world))
-        return int(world.bcast(code, "the exit code"))
+        return int(world.bcast(code, "the exit code", bounded=False))   # rank 0 may decode
 
     code = run_cli(prog, parser, argv, ranked_call, ranks=world, **options)
     if world.failed or code not in (Exit.PASS, Exit.FAIL, Exit.USAGE):

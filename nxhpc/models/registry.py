@@ -434,11 +434,16 @@ def resolve_vae(model: str | os.PathLike, models_dir: str | os.PathLike | None =
 
 
 def open_vae(model: str | os.PathLike, *, workers: int | None = None, precision: str = "f32",
-             models_dir: str | os.PathLike | None = None) -> Any:
+             models_dir: str | os.PathLike | None = None,
+             stage_timeout: float | None = None) -> Any:
     """Open the FLUX autoencoder's decoder (``nxhpc.vae.model.VaeDecoder``) of what
     :func:`resolve_vae` makes of ``model``: a BFL/ComfyUI ``ae.safetensors`` file, a diffusers
     VAE directory (or a pipeline directory holding ``vae/``), a directory holding an
-    ``ae.safetensors``, or a built-in id (``tiny-vae``). Raises ``ModelNotFoundError`` /
-    ``ModelFileError`` / ``MissingTensorError`` (all :class:`ModelError`)."""
+    ``ae.safetensors``, or a built-in id (``tiny-vae``); ``stage_timeout`` as for
+    ``VaeDecoder``. Raises ``ModelNotFoundError`` / ``ModelFileError`` /
+    ``MissingTensorError`` (all :class:`ModelError`)."""
+    from nxhpc.runtime.workers import check_timeout
     from nxhpc.vae.model import VaeDecoder
-    return VaeDecoder(resolve_vae(model, models_dir), workers=workers, precision=precision)
+    stage_timeout = check_timeout(stage_timeout)         # before a built-in is generated
+    return VaeDecoder(resolve_vae(model, models_dir), workers=workers, precision=precision,
+                      stage_timeout=stage_timeout)

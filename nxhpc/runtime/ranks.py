@@ -22,7 +22,10 @@ Failure protocol (every wait polls, so signals are seen and a peer's failure end
   sends SIGTERM to the others, which their poll loops turn into :class:`~nxhpc.runtime.proc.
   Terminated` (exit 143 on every surviving rank; mpirun names the rank that died).
 * A rank that hangs is caught by the waits' timeout (``--stage-timeout``): the first rank to
-  time out fails as above.
+  time out fails as above. The startup waits (the command-line check, the agreement checks,
+  rank 0's inputs) are bounded by it too (:attr:`Ranks.timeout`); the waits for results a
+  rank makes alone (its own images, rank 0's decode before the exit code) are not: their
+  ranks' own stages are.
 
 Nothing leaks either way: the arena is unlinked when it is created and workers die with their
 rank (:mod:`nxhpc.runtime.shm`, :mod:`nxhpc.runtime.proc`).
@@ -180,7 +183,10 @@ class Ranks:
     :meth:`gather_cols`: every rank's band of a buffer into every rank's copy, in place.
     :meth:`bcast` / :meth:`same`: startup values from rank 0; agreement checks.
     :meth:`gather`: whole results (pickled) to rank 0. Every wait
-    polls (signals, peers' failure notices, ``timeout``)."""
+    polls (signals, peers' failure notices, ``timeout``). :attr:`timeout` (the stage timeout,
+    set from ``--stage-timeout`` by the CLI frame; None: no limit) bounds the startup waits:
+    :meth:`bcast` and :meth:`allgather` unless called with ``bounded=False``, and so
+    :meth:`same` / :meth:`same_args` / :meth:`same_kernels`."""
 
     def __init__(self, comm: Any) -> None:
         from mpi4py import MPI
@@ -188,12 +194,16 @@ class Ranks:
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.failed = False
+        self.timeout: float | None = None
         self._types: dict[int, Any] = {}
         self._scratch = np.empty(0, dtype=np.uint8)
-        self._side = comm.Dup()              # notices and acks never meet a collective
+        # notices and acks never meet a collective: their own communicator, made right after
+        # the first exchange completes (the same point on every rank), so that a rank stuck
+        # before it is met by that exchange's timeout, not by a Dup that blocks forever (an
+        # Idup raced later nonblocking collectives in Open MPI 4.1: MPI_ERR_TRUNCATE)
+        self._side: Any = None
         self._note = bytearray(_NOTICE_BYTES)
-        self._note_req = self._side.Irecv([self._note, MPI.BYTE], source=MPI.ANY_SOURCE,
-                                          tag=_NOTICE_TAG)
+        self._note_req: Any = None
 
     def __repr__(self) -> str:
         return f"<Ranks {self.rank} of {self.size}>"
@@ -211,7 +221,20 @@ class Ranks:
         return bands(m, self.size)
 
     # -- waiting
+    def _side_ready(self) -> bool:
+        """Whether the notices' communicator exists (the first exchange has completed)."""
+        return self._side is not None
+
+    def _make_side(self) -> None:
+        """The notices' communicator and its notice receive: after the first exchange, which
+        every rank has reached (a blocking Dup, the same collective on every rank)."""
+        self._side = self.comm.Dup()
+        self._note_req = self._side.Irecv([self._note, self.MPI.BYTE],
+                                          source=self.MPI.ANY_SOURCE, tag=_NOTICE_TAG)
+
     def _check_notice(self) -> None:
+        if not self._side_ready():
+            return
         if self._note_req is not None and self._note_req.Test():
             self._note_req = None
             rank, code = _NOTICE.unpack_from(self._note)
@@ -234,6 +257,8 @@ class Ranks:
             if n > _SPIN:
                 sleep = min(_SLEEP_MAX_S, sleep * 2 if sleep else 2e-5)
                 time.sleep(sleep)
+        if self._side is None:
+            self._make_side()
 
     # -- exchanges (the hot path: no pickling, the buffer's own bytes)
     def _unit(self, nbytes: int) -> Any:
@@ -281,27 +306,32 @@ class Ranks:
                 np.copyto(a[:, b0:b1], flat[n * b0:n * b1].reshape(n, b1 - b0))
 
     # -- startup (small values: pickled)
-    def bcast(self, obj: Any, what: str, root: int = 0) -> Any:
+    def bcast(self, obj: Any, what: str, root: int = 0, *, bounded: bool = True) -> Any:
         """``obj`` of rank ``root`` on every rank (pickled: for startup values, not arrays
-        of the hot path)."""
+        of the hot path); each wait bounded by :attr:`timeout` unless not ``bounded``."""
+        timeout = self.timeout if bounded else None
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == root else b""
         n = np.array([len(data)], dtype=np.int64)
-        self.wait(self.comm.Ibcast([n, self.MPI.INT64_T], root=root), what)
+        self.wait(self.comm.Ibcast([n, self.MPI.INT64_T], root=root), what, timeout)
         buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root \
             else np.empty(int(n[0]), dtype=np.uint8)
-        self.wait(self.comm.Ibcast([buf, self.MPI.BYTE], root=root), what)
+        self.wait(self.comm.Ibcast([buf, self.MPI.BYTE], root=root), what, timeout)
         return obj if self.rank == root else pickle.loads(buf.tobytes())
 
-    def allgather(self, obj: Any, what: str) -> list[Any]:
-        """Every rank's ``obj`` (pickled, fixed-size frames: small startup values)."""
+    def allgather(self, obj: Any, what: str, *, bounded: bool = True) -> list[Any]:
+        """Every rank's ``obj`` (pickled, fixed-size frames: small startup values); each wait
+        bounded by :attr:`timeout` unless not ``bounded``."""
+        timeout = self.timeout if bounded else None
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         sizes = np.zeros(self.size, dtype=np.int64)
         sizes[self.rank] = len(data)
-        self.wait(self.comm.Iallgather(self.MPI.IN_PLACE, [sizes, self.MPI.INT64_T]), what)
+        self.wait(self.comm.Iallgather(self.MPI.IN_PLACE, [sizes, self.MPI.INT64_T]), what,
+                  timeout)
         width = int(sizes.max())
         frames = np.zeros((self.size, width), dtype=np.uint8)
         frames[self.rank, :len(data)] = np.frombuffer(data, dtype=np.uint8)
-        self.wait(self.comm.Iallgather(self.MPI.IN_PLACE, [frames, self.MPI.BYTE]), what)
+        self.wait(self.comm.Iallgather(self.MPI.IN_PLACE, [frames, self.MPI.BYTE]), what,
+                  timeout)
         return [pickle.loads(frames[k, :int(sizes[k])].tobytes()) for k in range(self.size)]
 
     def gather(self, obj: Any, what: str, root: int = 0) -> list[Any] | None:
@@ -373,10 +403,14 @@ class Ranks:
         """Tell every peer this rank failed with exit ``code`` (``message``: its error), then
         wait up to ``ack_timeout`` s until each peer has stopped: it acknowledged, or it failed
         too (its own notice came; it waits for this rank's acknowledgement, which is sent).
-        Returns the ``(rank, message)`` of the peers that failed too. Once per rank."""
+        Returns the ``(rank, message)`` of the peers that failed too. Once per rank. Before
+        the first exchange has completed (a peer never reached it) there is no communicator
+        for notices: nothing is sent, and the launcher ends the peers when this rank exits."""
         if self.failed:
             return []
         self.failed = True
+        if not self._side_ready():
+            return []
         MPI = self.MPI
         note = bytearray(_NOTICE_BYTES)
         _NOTICE.pack_into(note, 0, self.rank, int(code))
@@ -441,6 +475,8 @@ class Ranks:
     def printed(self, failed_too: list[tuple[int, str]] = (), timeout: float = 1.0) -> None:
         """After :meth:`fail` and this rank's error line: let the peers that acknowledged
         (not those in ``failed_too``, which failed themselves) exit now."""
+        if not self._side_ready():
+            return
         MPI = self.MPI
         skip = {k for k, _ in failed_too}
         sends = [self._side.Isend([bytearray(1), MPI.BYTE], dest=k, tag=_PRINTED_TAG)

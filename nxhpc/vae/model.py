@@ -32,6 +32,7 @@ from nxhpc.runtime import proc
 from nxhpc.runtime.checks import (CheckError, check_choice, check_finite_output,
                                   check_count, check_float_array, check_workers)
 from nxhpc.runtime.shm import arena_bytes, check_room
+from nxhpc.runtime.workers import check_timeout
 from nxhpc.vae.config import VaeConfig
 from nxhpc.vae.files import Conv, Norm, VaeFile, bind, open_vae_file
 
@@ -245,16 +246,18 @@ class VaeDecoder(Closing):
 
     ``workers``: processes (None = the usable CPUs; 1 = this process only). ``precision``:
     ``"f32"`` (the matmul on exact weights) or ``"bf16"`` (activations and weights rounded to
-    bfloat16 in every convolution). ``decode(latents)`` takes the sampler's latents
-    ``[16, h, w]`` (scaling and shift applied inside) and returns float32 ``[3, 8h, 8w]``, the
-    decoder's output before clamping (about [-1, 1]). A context manager; ``close()`` releases
-    the workers and the shared memory.
+    bfloat16 in every convolution). ``stage_timeout``: seconds one parallel step may take
+    before the workers are killed and the decode fails (a hung worker; None: no limit).
+    ``decode(latents)`` takes the sampler's latents ``[16, h, w]`` (scaling and shift applied
+    inside) and returns float32 ``[3, 8h, 8w]``, the decoder's output before clamping (about
+    [-1, 1]). A context manager; ``close()`` releases the workers and the shared memory.
     """
 
     def __init__(self, path: str | os.PathLike, *, workers: int | None = None,
-                 precision: str = "f32") -> None:
+                 precision: str = "f32", stage_timeout: float | None = None) -> None:
         precision = check_choice(precision, CONV_PRECISIONS, "precision")
         self.workers = check_workers(workers)
+        self.stage_timeout = check_timeout(stage_timeout)
         self._owner = os.getpid()
         self._lock = threading.RLock()     # one decode at a time: the buffers are shared
         self._engine: Engine | None = None
@@ -339,7 +342,7 @@ class VaeDecoder(Closing):
                 ex.run(arg[0], lo, hi, arg[1])
             self._engine = Engine([(_StepPlan(self.config), 1)], {"vae": self.mods},
                                   buffers=spec, workers=self.workers,
-                                  tasks={"vae_step": step})
+                                  stage_timeout=self.stage_timeout, tasks={"vae_step": step})
             self._exec.bufs = {n: self._engine.buffer(n) for n in spec}
         self._capacity = sizes
 
