@@ -243,6 +243,32 @@ def test_other_integer_dtypes_convert_exactly_and_floats_are_refused():
                 to_q16([x], "x")
 
 
+def test_object_arrays_must_hold_ints_and_to_q16_takes_real_numbers_only():
+    """An object array of floats went through every op as if it held Q16 integers, truncated
+    at the end (leaf 2.9 -> 2, sgd_step with g 0.7 -> no update, round_div returned floats:
+    the QA helper's find); to_q16 took '1.5' and complex values (imaginary part dropped) and
+    gave a bare OverflowError for 10**400. Controls: object arrays of Python ints (past int64
+    too) stay exact, and to_q16 of ints and floats is unchanged."""
+    for bad in (np.array([2.9], dtype=object), np.array([1, True], dtype=object),
+                np.array([1, "2"], dtype=object)):
+        with pytest.raises(TypeError, match=r"object array holding .*to_q16"):
+            Tape().leaf(bad)
+        with pytest.raises(TypeError, match=r"round_div: x: expected Q16 integers"):
+            round_div(bad, 2)
+        with pytest.raises(TypeError, match=r"sgd_step: g: expected Q16 integers"):
+            sgd_step(np.array([0, 0]), np.resize(bad, 2), Q16_ONE)
+    for bad in ("1.5", np.array([1 + 2j]), True, np.array([True]), [object()]):
+        with pytest.raises(TypeError, match=r"to_q16: x must be real numbers"):
+            to_q16(bad, "x")
+    with pytest.raises(Q16OverflowError, match=r"to_q16\(x\)"):
+        to_q16(10**400, "x")
+    exact = np.array([2**70, -3], dtype=object)                       # controls
+    assert round_div(exact, 2).tolist() == [2**69, -2]
+    assert to_q16(np.array([1, 2**40], dtype=object)).tolist() == [Q16_ONE, 2**56]
+    assert to_q16([1, 2.5]).tolist() == [Q16_ONE, 5 * Q16_ONE // 2]
+    assert to_q16(np.float32(1.5)).tolist() == 3 * Q16_ONE // 2
+
+
 # ------------------------------------------------------------------------------------------
 # gradients: exact hand-derived integers
 # ------------------------------------------------------------------------------------------

@@ -101,7 +101,14 @@ def _as_int_array(x, name: str) -> np.ndarray:
         return np.asarray(int(x), dtype=object if abs(int(x)) > INT64_MAX else np.int64)
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name}: expected an int64 numpy array of Q16 values, got {type(x).__name__}")
-    if x.dtype == np.int64 or x.dtype == object:
+    if x.dtype == np.int64:
+        return x
+    if x.dtype == object:                  # Python ints only: a float 2.9 would truncate to 2
+        bad = next((v for v in x.flat if isinstance(v, bool)
+                    or not isinstance(v, (int, np.integer))), None)
+        if bad is not None:
+            raise TypeError(f"{name}: expected Q16 integers, got an object array holding "
+                            f"{bad!r} ({type(bad).__name__}; convert floats with to_q16)")
         return x
     if x.dtype.kind == "u" and x.size and int(x.max()) > INT64_MAX:
         return x.astype(object)
@@ -168,9 +175,21 @@ def round_shift(x, bits: int = Q16_FRAC_BITS):
 def to_q16(x, name: str = "x") -> np.ndarray:
     """float -> Q16: ``rint(x * 2**16)`` (half to even; the scaling is exact in float64).
 
-    Raises ValueError for NaN/inf and Q16OverflowError when ``|x| * 2**16 > Q16_MAX``.
+    Raises ValueError for NaN/inf, Q16OverflowError when ``|x| * 2**16 > Q16_MAX`` (also for
+    an integer too large for float64), and TypeError for what is not real numbers (strings,
+    complex, bools, objects).
     """
-    a = np.asarray(x, dtype=np.float64)
+    v = np.asarray(x)
+    if v.dtype.kind not in "iuf" and not (v.dtype == object and all(
+            isinstance(e, (int, float, np.integer, np.floating)) and not isinstance(e, bool)
+            for e in v.flat)):
+        raise TypeError(f"to_q16: {name} must be real numbers (int or float), got dtype "
+                        f"{v.dtype}" + (f" ({x!r})" if v.ndim == 0 else ""))
+    try:
+        a = v.astype(np.float64)
+    except OverflowError:                  # a Python int beyond float64 (10**400)
+        big = max(abs(int(e)) for e in v.flat if isinstance(e, (int, np.integer)))
+        raise Q16OverflowError(f"to_q16({name})", big * Q16_ONE) from None
     if not np.all(np.isfinite(a)):
         bad = tuple(int(i) for i in np.argwhere(~np.isfinite(a))[0])
         raise ValueError(f"to_q16: {name} has a non-finite value {a[bad]} at index {bad}")
