@@ -124,7 +124,8 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
     ``steps``, ``shift``: the Turbo schedule; ``guidance_scale`` G > 0 with an optional
     ``negative_prompt`` turns on classifier-free guidance as diffusers' ``ZImagePipeline``
     does (two transformer calls a step). ``precision``: ``f32`` (exact), ``bf16`` or ``q8``
-    (the decoder runs ``bf16`` under ``q8``); ``q8_float_weights`` (``"int8"`` default, or
+    (under ``q8`` the decoder runs ``nxhpc.nn.conv.decoder_precision("q8")``: ``bf16`` with
+    a bf16 unit, AMX or AVX-512 BF16, else ``f32``); ``q8_float_weights`` (``"int8"`` default, or
     ``"bf16"``) as for ``load_denoiser`` and ``load_text_encoder``. ``workers``: processes per
     model (default: the usable CPUs). ``on_step(i, n, seconds)`` after each step.
     ``stage_timeout``: seconds one parallel stage of any model may take before its workers are
@@ -151,6 +152,7 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
                                    latent_shape, sample, turbo_sigmas)
     from nxhpc.formats.gguf_io import ModelFileError
     from nxhpc.models.registry import open_denoiser, open_vae, resolve_model, resolve_vae
+    from nxhpc.nn.conv import decoder_precision
     from nxhpc.nn.linear import check_precision, check_q8_float_weights
     from nxhpc.qwen3.tokenizer import check_text
     from nxhpc.runtime.workers import check_timeout, usable_cpus
@@ -204,7 +206,7 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
                           "stage_timeout": stage_timeout}
     lowp = {} if q8_float_weights is None else {"q8_float_weights": q8_float_weights}
     with open_denoiser(names["model"], precision=precision, **lowp, **kw) as den, \
-            open_vae(names["vae"], precision="bf16" if precision == "q8" else precision,
+            open_vae(names["vae"], precision=decoder_precision(precision),
                      **kw) as dec:
         cfg, up = den.config, dec.config.upscale
         if dec.config.latent_channels != cfg.in_channels:

@@ -46,6 +46,7 @@ from nxhpc.cli.codes import Exit, InputError, NotFound, OutputError, UsageError,
 from nxhpc.cli.frame import on_every_rank, run_ranked
 from nxhpc.cli.progress import Progress
 from nxhpc.cli.report import peak_rss_mb, png_text, print_report
+from nxhpc.nn.conv import decoder_precision
 from nxhpc.nn.linear import attention_kernel
 from nxhpc.runtime.checks import load_npy
 from nxhpc.runtime.outfile import check_cli_output_path
@@ -152,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     types.add_precision(p, "matmul precision: f32 (default); bf16 (bf16-rounded activations, "
                            "float32 sums; every model); q8 (Q8_0 activations x the weights' "
                            "integer codes in the text encoder's and the denoiser's "
-                           "projections; the autoencoder then runs bf16)")
+                           "projections; the autoencoder then runs bf16 where the CPU has a "
+                           "bf16 unit -- AMX, AVX-512 BF16 --, else f32: reported as "
+                           "vae_precision)")
     types.add_q8_float_weights(p)
     p.add_argument("--workers", type=types.workers, default=None, metavar="N",
                    help=types.workers_help())
@@ -350,7 +353,7 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
     mine = jobs[ranks.rank::ranks.size] if whole else jobs
     apart = _ranks.alone() if whole else contextlib.nullcontext()
 
-    vae_precision = "bf16" if args.precision == "q8" else args.precision
+    vae_precision = decoder_precision(args.precision)
     n_encode = len({j.prompt for j in mine}) + (1 if cfg_on else 0)
     progress = Progress(n_encode + len(mine) * (args.steps + 1), not args.no_progress and lead,
                         PROG, "op", stage="open")
@@ -441,7 +444,7 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
             progress.stage("decode")
             meta = dict(model=_label(Path(dit_gguf)) if dit_gguf else names["model"],
                         text_encoder=te_file,
-                        vae=_label(vae.file.path))
+                        vae=_label(vae.file.path), vae_precision=vae_precision)
             written: list[Job] = []
 
             def write(job: Job, pixels: np.ndarray) -> None:
@@ -482,7 +485,7 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
         "sigmas": [round(float(s), 9) for s in turbo_sigmas(args.steps, args.shift)],
         "guidance_scale": args.guidance_scale, "precision": args.precision,
         "q8_float_weights": args.q8_float_weights if args.precision == "q8" else None,
-        "attention": attention_kernel(args.precision),
+        "vae_precision": vae_precision, "attention": attention_kernel(args.precision),
         "workers": workers, "seeds": [j.seed for j in jobs] if args.noise is None else None,
         "noise": args.noise, **{k: round(v, 6) for k, v in stages.items()},
         "s_per_step": round(stages["denoise_s"] / (len(mine) * args.steps), 6),
@@ -578,7 +581,8 @@ def _png_fields(args, prompt: str, negative: str | None, job: Job, height: int, 
         ("Seed", seed if seed is not None else "noise"),
         ("Size", f"{width}x{height}"), ("Model", meta["model"]),
         ("Text encoder", meta["text_encoder"]), ("VAE", meta["vae"]),
-        ("Precision", args.precision + (f" ({args.q8_float_weights} float weights)"
+        ("Precision", args.precision + (f" ({args.q8_float_weights} float weights, VAE "
+                                         f"{meta['vae_precision']})"
                                          if args.precision == "q8" else ""))))
     block = prompt + (f"\nNegative prompt: {negative}" if negative is not None else "") + \
         "\n" + line

@@ -381,8 +381,10 @@ def test_generate_image_checks_its_arguments_before_any_model(models_root, monke
 @pytest.mark.parametrize("precision, q8fw", [("bf16", "int8"), ("q8", "int8"), ("q8", "bf16")])
 def test_generate_precision_is_the_library_result(models_root, tmp_path, precision, q8fw):
     """``--precision`` / ``--q8-float-weights`` reach all three models: the PNG has the bits of
-    the library's encode -> sample -> decode at that precision (the decoder at bf16 under q8,
-    which it has no kernel for), not the f32 run's, and the report says which."""
+    the library's encode -> sample -> decode at that precision, not the f32 run's, and the
+    report says which. Under q8 (no int8 convolution) the decoder runs bf16 where the bf16
+    matmul has a bf16 unit (AMX, AVX-512 BF16), else f32 (on AVX2 bf16 was no faster and it
+    was what q8 ran, undisclosed: the docs QA helper's find); the report and PNG name it."""
     from nxhpc.dit.sampler import sample
     from nxhpc.models.registry import open_denoiser
     from nxhpc.vae import to_uint8
@@ -394,19 +396,36 @@ def test_generate_precision_is_the_library_result(models_root, tmp_path, precisi
     # the float weights' choice changes q8's pixels: the PNG and the report name it under q8
     assert rep["q8_float_weights"] == (q8fw if precision == "q8" else None)
     assert text.get("q8_float_weights") == (q8fw if precision == "q8" else None)
+    bf16_unit = nxhpc.kernel_variants()["matmul_bf16"] in ("amx", "avx512bf16")
+    vae_p = "bf16" if precision == "bf16" or bf16_unit else "f32"
+    assert rep["vae_precision"] == text["vae_precision"] == vae_p, (rep, text)
+    if precision == "q8":
+        assert f"float weights, VAE {vae_p})" in text["parameters"], text["parameters"]
 
-    def library(p):
+    def library(p, vae_p=vae_p):
         kw = dict(workers=2, models_dir=models_root)
         with nxhpc.load_text_encoder("tiny-te", precision=p, q8_float_weights=q8fw,
                                      **kw) as enc:
             cap = enc.encode(PROMPT)
         with open_denoiser("tiny-dit", precision=p, q8_float_weights=q8fw, **kw) as den:
             lat = sample(den, cap, initial_noise(3, (16, PX // 8, PX // 8)), steps=8, shift=3.0)
-        with nxhpc.load_vae("tiny-vae", precision="bf16" if p == "q8" else p, **kw) as vae:
+        with nxhpc.load_vae("tiny-vae", precision=vae_p, **kw) as vae:
             return to_uint8(vae.decode(lat)).astype(int)
 
     np.testing.assert_array_equal(got, library(precision))
-    assert (got != library("f32")).any()                # negative control: not the f32 image
+    assert (got != library("f32", "f32")).any()         # negative control: not the f32 image
+    if precision == "q8":                                # nor decoded at the other precision
+        assert (got != library("q8", {"f32": "bf16", "bf16": "f32"}[vae_p])).any()
+
+
+def test_decoder_precision_under_q8_follows_the_bf16_unit():
+    """The rule, on the kernel variants of each CPU class (a spec table, not this CPU's)."""
+    from nxhpc.nn.conv import decoder_precision
+    for variant, want in (("amx", "bf16"), ("avx512bf16", "bf16"), ("avx512", "f32"),
+                          ("avx2", "f32"), ("generic", "f32")):
+        assert decoder_precision("q8", {"matmul_bf16": variant}) == want, variant
+        assert decoder_precision("bf16", {"matmul_bf16": variant}) == "bf16"
+        assert decoder_precision("f32", {"matmul_bf16": variant}) == "f32"
 
 
 def test_generate_fresh_machine_defaults(tmp_path):
