@@ -47,8 +47,12 @@ def load_denoiser(model: str | os.PathLike, *, workers: int | None = None,
                   gguf_path: str | os.PathLike | None = None, **options):
     """Open the whole Z-Image transformer: a ``.gguf`` path (ComfyUI-GGUF or
     stable-diffusion.cpp layout), a model directory, or a built-in id (``tiny-dit``,
-    ``zimage-dit-2l``). Returns an ``nxhpc.dit.denoiser.Denoiser`` (context manager).
-    Example::
+    ``zimage-dit-2l``). ``workers``: processes per call (default: the usable CPUs).
+    ``options`` (each as ``Denoiser`` documents it): ``precision`` (``"f32"`` default,
+    ``"bf16"``, ``"q8"``; ``nxhpc.nn.linear.fastest_precision()`` names the fastest here),
+    ``q8_float_weights`` (``"int8"`` / ``"bf16"``), ``reuse_caption``, ``spawn``,
+    ``stage_timeout`` (seconds a parallel stage may take; None: no limit), ``norm_eps``.
+    Returns an ``nxhpc.dit.denoiser.Denoiser`` (context manager). Example::
 
         with nxhpc.load_denoiser("z_image_turbo-Q8_0.gguf", workers=8) as den:
             r = den.forward(latents, t, cap_feats)   # [16, H, W], t = 1 - sigma, [L, 2560]
@@ -88,6 +92,8 @@ def load_vae(path_or_id: str | os.PathLike, *, workers: int | None = None,
     VAE directory (``config.json`` + ``diffusion_pytorch_model.safetensors``, or a pipeline
     directory holding ``vae/``), float32/float16/bfloat16, or a built-in id (``tiny-vae``:
     random weights, generated on first use under ``models_dir`` / ``$NXHPC_MODELS``).
+    ``precision``: ``"f32"`` (default, exact weights) or ``"bf16"`` (activations and weights
+    rounded to bfloat16 in every convolution; there is no ``q8`` convolution).
     ``stage_timeout``: seconds one parallel step may take before the workers are killed and
     the decode fails (None: no limit). Returns an ``nxhpc.vae.model.VaeDecoder`` (context
     manager). Example::
@@ -119,7 +125,7 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
     id), the Qwen3 text encoder (llama.cpp GGUF, directory or id) and the FLUX autoencoder
     (``ae.safetensors``, a diffusers VAE directory or id) -- all three, or none for the
     built-in tiny components (random weights: a noise picture, 64x64 by default).
-    ``height``/``width``: both or neither, multiples of 16 (default 1024). ``seed`` (default
+    ``height``/``width``: both or neither, multiples of 16 (default 1024). ``seed`` (None:
     0) draws the noise as the CLI does, or ``noise`` gives it (``[16, height/8, width/8]``).
     ``steps``, ``shift``: the Turbo schedule; ``guidance_scale`` G > 0 with an optional
     ``negative_prompt`` turns on classifier-free guidance as diffusers' ``ZImagePipeline``

@@ -280,9 +280,15 @@ def test_denoiser_repr_session_and_settable_flags(models_root, latents):
                 den.session(H, W, L)
         assert den.session(np.int64(6), 4, 3).key == (6, 4, 32)         # control (Lp = 32)
         a = den.forward(latents, 0.5, cap)
-        den.reuse_caption = "False"
+        # a bad setting is refused when it is set (it was taken, and failed at the next call;
+        # the docs QA helper's find); the setting stays as it was
         with pytest.raises(TypeError, match="Denoiser.reuse_caption must be True or False"):
-            den.forward(latents, 0.5, cap)
+            den.reuse_caption = "False"
+        for name, bad in (("precision", "auto"), ("precision", "bogus"),
+                          ("q8_float_weights", "fp8")):
+            with pytest.raises(ValueError, match=f"Denoiser.{name}"):
+                setattr(den, name, bad)
+        assert (den.reuse_caption, den.precision, den.q8_float_weights) == (True, "f32", "int8")
         den.reuse_caption = False
         assert np.array_equal(den.forward(latents, 0.5, cap), a) and not den.last_caption_reused
         den.reuse_caption = np.bool_(True)

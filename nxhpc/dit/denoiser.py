@@ -317,6 +317,35 @@ class Denoiser(MapHolder):
     ``block_us``) summed over its blocks, and ``rows``, the tokens each of its blocks ran.
     """
 
+    # settable between calls, each checked when it is set (a bad value was taken and failed
+    # only at the next call)
+    @property
+    def precision(self) -> str:
+        """The blocks' projection matmul precision (``f32``, ``bf16``, ``q8``)."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        self._precision = check_precision(value, "Denoiser.precision")
+
+    @property
+    def q8_float_weights(self) -> str:
+        """How ``q8`` runs float projections (``int8`` copies or ``bf16``)."""
+        return self._q8_float_weights
+
+    @q8_float_weights.setter
+    def q8_float_weights(self, value: str) -> None:
+        self._q8_float_weights = check_q8_float_weights(value, "Denoiser.q8_float_weights")
+
+    @property
+    def reuse_caption(self) -> bool:
+        """Whether a call reuses a recent caption's refined rows (same bits)."""
+        return self._reuse_caption
+
+    @reuse_caption.setter
+    def reuse_caption(self, value: bool) -> None:
+        self._reuse_caption = _check_bool(value, "Denoiser.reuse_caption")
+
     def __init__(self, gguf_path: str | os.PathLike, *, workers: int | None = None,
                  directory: str | os.PathLike | None = None, spawn: str = DEFAULT_SPAWN,
                  stage_timeout: float | None = None, norm_eps: float | None = None,
@@ -324,11 +353,10 @@ class Denoiser(MapHolder):
                  q8_float_weights: str = DEFAULT_Q8_FLOAT_WEIGHTS,
                  reuse_caption: bool = True) -> None:
         self.workers = check_workers(workers, "Denoiser: workers")   # the one rule
-        self.reuse_caption = _check_bool(reuse_caption, "Denoiser: reuse_caption")
+        self.reuse_caption = reuse_caption           # each checked by its setter
         self.last_caption_reused = False
-        self.precision = check_precision(precision, "Denoiser: precision")
-        self.q8_float_weights = check_q8_float_weights(q8_float_weights,
-                                                       "Denoiser: q8_float_weights")
+        self.precision = precision
+        self.q8_float_weights = q8_float_weights
         if spawn is None:
             spawn = DEFAULT_SPAWN
         if spawn not in SPAWN_MODES:                 # refused here, not at the first call
