@@ -62,8 +62,8 @@ class _Parser(types.Parser):
 
     def parse_args(self, args=None, namespace=None):
         a = super().parse_args(args, namespace)
-        if a.steps < 1:
-            self.error(f"--steps must be >= 1, got {a.steps}")
+        if not 1 <= a.steps <= train.MAX_STEPS:      # a huge count was an "out of memory"
+            self.error(f"--steps must be in [1, {train.MAX_STEPS}], got {a.steps}")
         if a.workers is not None and a.workers < 1:
             self.error(f"--workers must be >= 1, got {a.workers}")
         for opt, ds in (("--sweep", a.sweep), ("--contrast", a.contrast)):
@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="number of data-parallel workers D (shm: forked processes, default 4; at "
                          "most the 442 data rows and the worker cap, 8x the usable CPUs or 64, "
                          "whichever is larger; mpi: must equal the MPI world size if given)")
-    ap.add_argument("--steps", type=int, default=300, help="SGD steps (default 300)")
+    ap.add_argument("--steps", type=int, default=300,
+                    help=f"SGD steps (default 300, at most {train.MAX_STEPS})")
     ap.add_argument("--backend", choices=["shm", "mpi"], default="shm",
                     help="shm: forked workers over shared memory; mpi: run under mpirun")
     ap.add_argument("--hidden", type=int, default=16,

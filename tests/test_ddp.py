@@ -401,6 +401,12 @@ def test_cli_help_and_bad_arguments():
     assert r.returncode == 2 and "comma-separated integers" in r.stderr
     r = _cli("--timeout", "0")
     assert r.returncode == 2 and "--timeout must be > 0 seconds, got 0.0" in r.stderr
+    # a step count whose losses no memory holds was "out of memory (...less an e)", cut off
+    # and advising a smaller image; control: the largest count is accepted by the parser
+    r = _cli("--steps", str(10**10), "--no-contrast")
+    assert r.returncode == 2 and "--steps must be in [1, 10000000], got 10000000000" in r.stderr
+    from nxhpc.ddp import build_parser
+    assert build_parser().parse_args(["--steps", "10000000"]).steps == 10**7
     r = _cli("--sweep", "1,,2")                      # an empty item is refused, not skipped
     assert r.returncode == 2 and "comma-separated integers" in r.stderr
     top = max_workers()                             # the pools' cap: 8x the CPUs, at least 64

@@ -45,6 +45,7 @@ __all__ = [
 
 SHM_PREFIX = "nxddp_"
 MAX_HIDDEN = 65536        # the widest hidden layer: ~0.25 GB per rows x hidden int64 array
+MAX_STEPS = 10_000_000     # the most SGD steps: the losses, 8 bytes a step, live in the segment
 
 
 class DDPWorkerError(RuntimeError):
