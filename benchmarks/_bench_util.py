@@ -58,14 +58,18 @@ def peak_fields(gops: float, precision: str, variant: str | None = None,
     issues, ``nxhpc.runtime.peak.kind_for``; for baselines and generic code, this CPU's fastest
     kind of the precision), ``peak_gops`` (its peak times ``workers`` cores) and
     ``frac_of_peak``; where this CPU has a faster unit for the precision (AMX), also
-    ``machine_peak_kind`` / ``frac_of_machine_peak``. Empty when no kind of the precision runs
-    here. With ``slot`` (a ``kernel_variants()`` key), ``variant`` is the ISA a call asked for,
+    ``machine_peak_kind`` / ``frac_of_machine_peak``. A bfloat16 baseline on a CPU without a
+    bfloat16 unit (torch there widens to float32) is set against the float32 FMA peak. Empty
+    when no kind of the precision runs here. With ``slot`` (a ``kernel_variants()`` key), ``variant`` is the ISA a call asked for,
     resolved first to the code that runs kernel ``slot`` there (``peak.variant_at``: the float32
     attention asked for at "avxvnni" is the avx2 code)."""
     from nxhpc.runtime import peak
     if slot is not None and variant is not None:
         variant = peak.variant_at(slot, variant)
     kind = peak.kind_for(precision, variant)
+    if kind is None and precision == "bf16" and variant is None:
+        precision = "f32"                       # no bf16 unit: float32 FMAs do the work
+        kind = peak.kind_for(precision)
     if kind is None:
         return {}
     p = peak_of(kind) * workers / 1e9

@@ -285,6 +285,8 @@ def test_bench_attention_dit_torch_sdpa(benchmark, T, dtype):
     v = qkv[:, 2 * H * HD:].reshape(T, H, HD).transpose(1, 0, 2)
     out = _torch_sdpa(benchmark, q, k, v, dtype, 3)
     _dit_info(benchmark, T, H, f"torch.sdpa {dtype} (1 thread)")
+    benchmark.extra_info.update(_peak(benchmark.extra_info["gflops_best"],
+                                      "f32" if dtype == "float32" else "bf16"))
     if dtype == "float32":
         _attn_check_T(out, q, k, qkv, T, H)
     else:  # bfloat16 inputs, bfloat16 output (one more rounding)
@@ -378,6 +380,7 @@ def test_bench_attention_bf16_sharp_torch_sdpa(benchmark):
     v = qkv[:, 2 * H_SH * HD:].reshape(T_SH, H_SH, HD).transpose(1, 0, 2)
     out = _torch_sdpa(benchmark, q, k, v, "bfloat16", 5)
     _dit_info(benchmark, T_SH, H_SH, f"torch.sdpa bfloat16 q, k x {SHARP} (1 thread)")
+    benchmark.extra_info.update(_peak(benchmark.extra_info["gflops_best"], "bf16"))
     _bf16_check(out, q, k, qkv, T_SH, H_SH, extra=2.0 ** -7, rounded=True)
 
 

@@ -12,7 +12,9 @@ of each type at the best isa (one process; Q8_0 is the baseline: the goal is eve
 10% of it) and ``numpy x @ w_f32.T`` (1 thread). Weights: 256 rows of Gaussian * 0.02 values
 encoded by nxhpc.formats.quants (the K-quant encoders are numpy and slow), tiled to N rows -- the
 kernels' speed does not depend on the values, and every row is still read from memory.
-``extra_info``: GFLOP/s, the ratio to the Q8_0 matmul of the same run, and the packer's share:
+``extra_info``: GFLOP/s and its share of this CPU's float32 FMA peak (``peak_kind``,
+``frac_of_peak``: ``_bench_util.peak_fields``), the ratio to the Q8_0 matmul of the same run, and
+the packer's share:
 ``decode_ms`` (K.dequantize of the whole weight: the decode work the packer does, once per weight
 since T <= MC = 264) and ``packer_share`` = decode time / matmul time, both this process's CPU
 time (``time.process_time``, best of 3, whatever ``--benchmark-timer`` is; an upper bound of the
@@ -24,7 +26,7 @@ import time
 
 import numpy as np
 import pytest
-from _bench_util import bench_stats
+from _bench_util import bench_stats, peak_fields
 from threadpoolctl import threadpool_info, threadpool_limits
 
 import nxhpc
@@ -93,6 +95,7 @@ def test_bench_matmul_type(benchmark, T, Kd, N, name):
     benchmark.extra_info.update({
         "T": T, "K": Kd, "N": N, "isa": isa, "wtype": name,
         "gflops_best": round(_gflops(benchmark, T, Kd, N), 1),
+        **peak_fields(_gflops(benchmark, T, Kd, N), "f32", isa),
         "vs_q8_0_time": round(sec / _Q8_SEC[T, Kd, N], 3) if (T, Kd, N) in _Q8_SEC else None,
         "decode_ms": round(dec * 1e3, 2),
         "packer_share": round(dec / mm, 3),
@@ -112,5 +115,6 @@ def test_bench_numpy_f32(benchmark, T, Kd, N):
         assert all(d["num_threads"] == 1 for d in info), info
         out = benchmark.pedantic(lambda: x @ w_f32.T, rounds=5, warmup_rounds=1)
     benchmark.extra_info.update({"T": T, "K": Kd, "N": N,
-                                 "gflops_best": round(_gflops(benchmark, T, Kd, N), 1)})
+                                 "gflops_best": round(_gflops(benchmark, T, Kd, N), 1),
+                                 **peak_fields(_gflops(benchmark, T, Kd, N), "f32")})
     _check(out, x, w_f32, any_order=True)

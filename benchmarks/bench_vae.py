@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _bench_util import bench_stats, children, lowp_is_scalar, reset_peak_rss
+from _bench_util import bench_stats, children, lowp_is_scalar, peak_fields, reset_peak_rss
 from nxhpc.runtime.memory import peak_rss_mb
 from nxhpc.models.vae_files import VaeSpec, draw_vae_tensor
 from nxhpc.vae.config import VaeConfig
@@ -163,12 +163,12 @@ def _summary(request):
     yield
     if not RESULTS:
         return
-    head = ("| backend | weights | px | s / decode | first call s | GFLOP/s | "
+    head = ("| backend | weights | px | s / decode | first call s | GFLOP/s | of peak | "
             "peak RSS MB (at start) | max abs err vs torch f32 | rel. err | load |")
     lines = [f"bench_vae: FLUX VAE decoder {list(CFG.block_out_channels)}, random weights, "
              f"{WORKERS} workers / threads; 1-min load average {LOAD_START:.1f} at the start, "
              f"{os.getloadavg()[0]:.1f} at the end",
-             "", head, "|" + "---|" * 10]
+             "", head, "|" + "---|" * 11]
     for (name, wt, px), r in sorted(RESULTS.items(), key=lambda kv: (kv[0][2], kv[0][:2])):
         rss = f"{r.get('peak_rss_mb') or 0:.0f} ({r.get('rss_at_start_mb') or 0:.0f})"
         if r.get("worker_peak_rss_mb"):
@@ -177,7 +177,7 @@ def _summary(request):
         err, rel = r.get("max_abs_err_vs_torch_f32"), r.get("rel_err_vs_torch_f32")
         lines.append(f"| {name} | {wt} | {px} | {r['s_decode']:.2f} | "
                      f"{'' if first is None else format(first, '.2f')} | {r['gflops']:.1f} | "
-                     f"{rss} | {'' if err is None else format(err, '.1e')} | "
+                     f"{_of_peak(r)} | {rss} | {'' if err is None else format(err, '.1e')} | "
                      f"{'' if rel is None else format(rel, '.1e')} | {r['load_avg']:.1f} |")
     lines.append("")
     lines += [f"decoder GFLOP at {p}x{p}: {decoder_gflop(CFG, p // 8, p // 8):.0f}; nxhpc arena "
@@ -192,6 +192,12 @@ def _summary(request):
     cap = request.config.pluginmanager.get_plugin("capturemanager")
     with cap.global_and_fixture_disabled() if cap is not None else open(os.devnull):
         print("\n" + text, flush=True)
+
+
+def _of_peak(r: dict) -> str:
+    """``0.41 fma_ymm``: GFLOP/s over the workers' peak of the unit it runs on (blank where
+    no unit of its precision runs here: torch bfloat16 without one)."""
+    return f"{r['frac_of_peak']:.2f} {r['peak_kind']}" if "frac_of_peak" in r else ""
 
 
 def _grade(px: int) -> None:
@@ -230,9 +236,12 @@ def test_vae_nxhpc(benchmark, files, latents, px, precision, weights):
     s = bench_stats(benchmark).median
     if math.isnan(s):                             # --benchmark-disable: the one call counts
         s = first
+    g = decoder_gflop(CFG, px // 8, px // 8) / s
+    import nxhpc                                  # the unit its convolutions' matmul runs on
+    variant = nxhpc.kernel_variants()["matmul" if precision == "f32" else "matmul_bf16"]
     r = {"px": px, "s_decode": s, "s_first_call": first,
-         "gflops": decoder_gflop(CFG, px // 8, px // 8) / s, "peak_rss_mb": parent,
-         "rss_at_start_mb": start,
+         "gflops": g, **peak_fields(g, precision, variant, workers=WORKERS),
+         "peak_rss_mb": parent, "rss_at_start_mb": start,
          "worker_peak_rss_mb": max(kids, default=None),
          "arena_mb": arena_bytes(px // 8, px // 8) / 1e6, "load_avg": os.getloadavg()[0],
          "output": out}
@@ -301,9 +310,11 @@ def _run_torch(benchmark, torch_model, latents, px, dtype_name):
     s = bench_stats(benchmark).median
     if math.isnan(s):
         s = wall
-    r = {"px": px, "s_decode": s, "s_first_call": first,
-         "gflops": decoder_gflop(CFG, px // 8, px // 8) / s, "peak_rss_mb": peak_rss_mb(),
-         "rss_at_start_mb": start, "load_avg": os.getloadavg()[0],
+    g = decoder_gflop(CFG, px // 8, px // 8) / s
+    r = {"px": px, "s_decode": s, "s_first_call": first, "gflops": g,
+         **peak_fields(g, "f32" if dtype_name == "float32" else "bf16", workers=WORKERS),
+         "peak_rss_mb": peak_rss_mb(), "rss_at_start_mb": start,
+         "load_avg": os.getloadavg()[0],
          "output": out}
     RESULTS[(f"torch {dtype_name}", "F32" if dtype_name == "float32" else "F32, cast", px)] = r
     benchmark.extra_info.update({k: v for k, v in r.items() if k != "output"})
