@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a UTF-8 text file of prompts, one per line (blank lines skipped; "
                           "- reads standard input)")
     p.add_argument("--model", metavar="DIT", default=None,
-                   help="the Z-Image transformer: a .gguf, a model directory, or a built-in id")
+                   help="the Z-Image transformer: a .gguf, a directory holding one (its "
+                        "model.gguf, else its only .gguf), or a built-in id")
     p.add_argument("--text-encoder", metavar="TE", default=None,
                    help="the Qwen3 text encoder: a llama.cpp-layout .gguf (Qwen3-4B), a "
                         "directory holding one, or a built-in id (tiny-te)")

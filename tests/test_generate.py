@@ -758,6 +758,39 @@ def test_a_text_encoder_folder_with_its_gguf_under_another_name(models_root, tmp
     assert "input of this run" in capsys.readouterr().err
 
 
+def test_a_transformer_folder_with_its_gguf_under_another_name(models_root, tmp_path, capsys):
+    """``--model DIR`` holding one GGUF under its download name was exit 3 ("no model.gguf"),
+    where the text encoder's folder and ``models show DIR`` read its only .gguf: the
+    transformer does too, with the picture of the built-in it copies, and that GGUF is still
+    refused as --out. Controls: a folder of two GGUFs names both and is exit 3; none is exit 3."""
+    import shutil
+
+    from nxhpc import generate
+    dit = tmp_path / "zimage"
+    dit.mkdir()
+    src = registry.ensure_builtin("tiny-dit", models_root) / "model.gguf"
+    shutil.copy(src, dit / "z_image_turbo-Q8_0.gguf")
+    base = ["--prompt", "a fox", "--text-encoder", "tiny-te", "--vae", "tiny-vae",
+            "--no-progress", "--workers", "1", "--models-dir", str(models_root), "--out"]
+    assert generate.main(["--model", "tiny-dit", *base, str(tmp_path / "a.png")]) == Exit.PASS
+    assert generate.main(["--model", str(dit), *base, str(tmp_path / "b.png")]) == Exit.PASS, \
+        capsys.readouterr().err
+    (a, _), (b, text) = _png(tmp_path / "a.png"), _png(tmp_path / "b.png")
+    np.testing.assert_array_equal(a, b)                  # the chunks name the file they read
+    assert text["model"] == "z_image_turbo-Q8_0.gguf", text
+    assert generate.main(["--model", str(dit), *base, str(dit / "z_image_turbo-Q8_0.gguf")]) \
+        == Exit.USAGE and "input of this run" in capsys.readouterr().err
+    shutil.copy(src, dit / "other.gguf")
+    assert generate.main(["--model", str(dit), *base, str(tmp_path / "c.png")]) == Exit.NOT_FOUND
+    assert "2 .gguf files (other.gguf, z_image_turbo-Q8_0.gguf)" in capsys.readouterr().err
+    for g in dit.glob("*.gguf"):
+        g.unlink()
+    assert generate.main(["--model", str(dit), *base, str(tmp_path / "c.png")]) == Exit.NOT_FOUND
+    assert "no .gguf file in this directory (a denoiser runs from a GGUF file)" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "c.png").exists()
+
+
 # ------------------------------------------------------------------ --stage-timeout everywhere
 def _hang_in_pool(monkeypatch, which: int) -> list:
     """Pools made from here on record their ``stage_timeout``; the tasks of the ``which``-th

@@ -337,18 +337,21 @@ def open_denoiser(model: str | os.PathLike, *, workers: int | None = None,
                   gguf_path: str | os.PathLike | None = None, **options: Any) -> Any:
     """Open a whole denoiser (``nxhpc.dit.denoiser.Denoiser``): a GGUF path, a model directory,
     or a built-in id (``tiny-dit``, ``zimage-dit-2l``, ``zimage-dit-<N>l[-q4km]``: generated on
-    first use under ``models_dir`` / ``$NXHPC_MODELS``). ``gguf_path`` overrides the directory's
-    ``model.gguf``. ``workers``: processes per call (default: the usable CPUs). ``options``:
-    ``spawn``, ``stage_timeout``, ``norm_eps``, ``precision``, ``q8_float_weights``,
-    ``reuse_caption`` (see ``Denoiser``). Raises
-    ``ModelNotFoundError`` / ``ModelFileError`` / ``MissingTensorError`` (all
-    :class:`ModelError`) naming what is wrong."""
+    first use under ``models_dir`` / ``$NXHPC_MODELS``). A directory's GGUF is its
+    ``model.gguf``, else its only ``.gguf`` (:func:`one_gguf`); ``gguf_path`` overrides it.
+    ``workers``: processes per call (default: the usable CPUs). ``options``: ``spawn``,
+    ``stage_timeout``, ``norm_eps``, ``precision``, ``q8_float_weights``, ``reuse_caption``
+    (see ``Denoiser``). Raises ``ModelNotFoundError`` / ``ModelFileError`` /
+    ``MissingTensorError`` (all :class:`ModelError`) naming what is wrong."""
     from nxhpc.dit.denoiser import Denoiser
     _refuse_other_kind(model, ("denoiser",), "a denoiser", "denoisers: "
                        + ", ".join(builtin_ids("denoiser")) + ", zimage-dit-<N>l")
     d, g = resolve_model(model, models_dir, gguf_path)
-    if g is None:
-        raise ModelNotFoundError(f"{d}: no {GGUF_FILE} (a denoiser runs from a GGUF file)")
+    if g is None:             # a folder a download went into: its only .gguf, any name
+        try:
+            g = one_gguf(d)
+        except ModelNotFoundError as e:
+            raise ModelNotFoundError(f"{e} (a denoiser runs from a GGUF file)") from None
     return Denoiser(g, workers=workers, directory=d, **options)
 
 
@@ -378,8 +381,7 @@ def one_gguf(d: Path) -> Path:
     if len(found) == 1:
         return found[0]
     if not found:
-        raise ModelNotFoundError(f"{d}: no .gguf file in this directory (a text encoder runs "
-                                 f"from a llama.cpp-layout Qwen3 GGUF)")
+        raise ModelNotFoundError(f"{d}: no .gguf file in this directory")
     names = ", ".join(p.name for p in found[:6]) + (", ..." if len(found) > 6 else "")
     raise ModelNotFoundError(f"{d}: {len(found)} .gguf files ({names}); give the path of the "
                              f"one to use")
@@ -401,7 +403,11 @@ def open_text_encoder(model: str | os.PathLike, *, workers: int | None = None,
                        "text encoders: " + ", ".join(builtin_ids(TEXT_ENCODER_KIND)))
     d, g = resolve_model(model, models_dir, gguf_path)
     if g is None:
-        g = one_gguf(d)
+        try:
+            g = one_gguf(d)
+        except ModelNotFoundError as e:
+            raise ModelNotFoundError(f"{e} (a text encoder runs from a llama.cpp-layout Qwen3 "
+                                     f"GGUF)") from None
     return TextEncoder(g, workers=workers, precision=precision, directory=d, **options)
 
 
