@@ -47,6 +47,7 @@ EXIT_CODES = {
                  "an existing file at that path is unchanged",
     Exit.MODELS_DIR: None,
     Exit.INTERNAL: None,
+    Exit.SIGHUP: None,
     Exit.SIGINT: None,
     Exit.SIGTERM: None,
 }

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import sys
 
 import numpy as np
@@ -44,6 +45,7 @@ EXIT_CODES = {
     Exit.SHM: "not enough shared memory or memory for the segment (in a container use --shm-size)",
     Exit.OUTPUT: "the --json report could not be written (the printed results stand)",
     Exit.INTERNAL: None,
+    Exit.SIGHUP: None,
     Exit.SIGINT: None,
     Exit.SIGTERM: None,
 }
@@ -259,8 +261,9 @@ def _run_mpi(args: argparse.Namespace) -> int:
         data, head, report = _setup(args)
         res = train.train_mpi(comm, args.steps, cfg=args.cfg, data=data)
     except (KeyboardInterrupt, Terminated) as e:   # peers block in Sendrecv: abort the job
-        code, what = ((Exit.SIGTERM, "terminated (SIGTERM)") if isinstance(e, Terminated)
-                      else (Exit.SIGINT, "interrupted (SIGINT)"))
+        code, what = ((Exit.SIGINT, "interrupted (SIGINT)") if not isinstance(e, Terminated)
+                      else (Exit.SIGHUP, "hung up (SIGHUP)") if e.signum == signal.SIGHUP
+                      else (Exit.SIGTERM, "terminated (SIGTERM)"))
         print(f"{PROG}: error: MPI rank {rank} {what}", file=sys.stderr, flush=True)
         comm.Abort(int(code))
         return code

@@ -66,6 +66,7 @@ EXIT_CODES = {
                  "existing file at that path is unchanged",
     Exit.MODELS_DIR: None,
     Exit.INTERNAL: None,
+    Exit.SIGHUP: None,
     Exit.SIGINT: None,
     Exit.SIGTERM: None,
 }

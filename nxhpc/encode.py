@@ -51,6 +51,7 @@ EXIT_CODES = {
                  "is unchanged",
     Exit.MODELS_DIR: None,
     Exit.INTERNAL: None,
+    Exit.SIGHUP: None,
     Exit.SIGINT: None,
     Exit.SIGTERM: None,
 }

@@ -84,6 +84,7 @@ EXIT_CODES = {
                  "is unchanged; the PNGs written before it are complete",
     Exit.MODELS_DIR: "the models directory cannot take a built-in component",
     Exit.INTERNAL: None,
+    Exit.SIGHUP: None,
     Exit.SIGINT: None,
     Exit.SIGTERM: None,
 }

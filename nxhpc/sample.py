@@ -72,6 +72,7 @@ EXIT_CODES = {
                  "that path is unchanged (the latents are written before the PNG)",
     Exit.MODELS_DIR: None,
     Exit.INTERNAL: None,
+    Exit.SIGHUP: None,
     Exit.SIGINT: None,
     Exit.SIGTERM: None,
 }

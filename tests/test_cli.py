@@ -43,8 +43,8 @@ def test_exit_numbers_are_the_documented_ones():
     """The table the README documents; a number never changes meaning."""
     assert {c.name: int(c) for c in Exit} == {
         "PASS": 0, "FAIL": 1, "USAGE": 2, "NOT_FOUND": 3, "BAD_INPUT": 4, "MISSING": 5,
-        "WORKER": 6, "SHM": 7, "OUTPUT": 8, "MODELS_DIR": 9, "INTERNAL": 70, "SIGINT": 130,
-        "SIGTERM": 143}
+        "WORKER": 6, "SHM": 7, "OUTPUT": 8, "MODELS_DIR": 9, "INTERNAL": 70, "SIGHUP": 129,
+        "SIGINT": 130, "SIGTERM": 143}
     assert set(DEFAULT_TEXT) == set(Exit)
 
 
@@ -52,7 +52,8 @@ def test_exit_numbers_are_the_documented_ones():
 def test_every_cli_uses_the_shared_codes_only(mod):
     m = importlib.import_module(mod)
     assert m.EXIT_CODES and all(isinstance(k, Exit) for k in m.EXIT_CODES), m.EXIT_CODES
-    for always in (Exit.PASS, Exit.USAGE, Exit.INTERNAL, Exit.SIGINT, Exit.SIGTERM):
+    for always in (Exit.PASS, Exit.USAGE, Exit.INTERNAL, Exit.SIGHUP, Exit.SIGINT,
+                   Exit.SIGTERM):
         assert always in m.EXIT_CODES, (mod, always)
     # no CLI keeps a private number: no EXIT_* integer constants of its own
     own = {k for k, v in vars(m).items() if k.startswith("EXIT_") and isinstance(v, int)}
@@ -1224,3 +1225,60 @@ def test_an_option_value_of_double_dash_is_kept(h3_root, tmp_path, capsys):
         assert im.text["negative_prompt"] == "--"
     code, _, err = _main("nxhpc.blockrun", ["tiny", "--precision=--", *root], capsys)
     assert code == Exit.USAGE and "invalid choice: '--'" in err, err
+
+
+# ------------------------------------------------------------------ signals around the output
+_SIGNAL_AT = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    from nxhpc.runtime import outfile
+    sig, when = getattr(signal, sys.argv[1]), sys.argv[2]
+    real_fsync, real_write = outfile.os.fsync, outfile.write_atomic
+    class Os:                                   # outfile's os, with a signal at the fsync
+        def __getattr__(self, name):
+            return getattr(os, name)
+        @staticmethod
+        def fsync(fd):
+            real_fsync(fd)
+            if when == "mid-write":
+                signal.raise_signal(sig)
+    outfile.os = Os()
+    def write_then_signal(*a, **k):
+        real_write(*a, **k)
+        if when == "after-write":
+            signal.raise_signal(sig)
+    import nxhpc.vae.image as image
+    image.write_atomic = write_then_signal
+    from nxhpc import decode
+    sys.exit(decode.main(sys.argv[3:]))
+""")
+
+
+@linux_only
+@pytest.mark.parametrize("sig, code, words", [("SIGHUP", 129, "hung up (SIGHUP"),
+                                              ("SIGINT", 130, "interrupted (SIGINT)"),
+                                              ("SIGTERM", 143, "terminated (SIGTERM)")])
+def test_a_signal_mid_write_keeps_the_old_file_and_after_it_names_the_new(models_root, tmp_path,
+                                                                          sig, code, words):
+    """SIGHUP (a closed terminal or ssh session) killed a run with its default action: no
+    message, a half-written ``.NAME.tmp-PID-*`` left beside the output for good (the QA
+    helper's find); it is handled as SIGTERM is now (exit 129). And a signal that came after
+    the output was replaced said only "interrupted": the file is new and whole, and the message
+    now says so. Controls: SIGINT and SIGTERM alike; the old file stays on a mid-write signal."""
+    lat = tmp_path / "z.npy"
+    np.save(lat, np.random.default_rng(1).standard_normal((16, 4, 4)).astype(np.float32))
+    out = tmp_path / "img.png"
+    argv = ["tiny-vae", "1", "--latents", str(lat), "--out", str(out)]
+    for when in ("mid-write", "after-write"):
+        out.write_bytes(b"OLD")
+        r = subprocess.run([sys.executable, "-c", _SIGNAL_AT, sig, when, *argv],
+                           capture_output=True, text=True, env=models_env(models_root),
+                           timeout=300, cwd=ROOT)
+        assert r.returncode == code, (when, r.returncode, r.stderr[-2000:])
+        assert f"decode: error: {words}" in r.stderr, r.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["img.png", "z.npy"]  # no .tmp-
+        if when == "mid-write":
+            assert out.read_bytes() == b"OLD" and "written before it" not in r.stderr
+        else:
+            assert out.read_bytes()[:4] == b"\x89PNG", r.stderr
+            assert f"written before it (complete): {out}" in r.stderr, r.stderr

@@ -152,3 +152,28 @@ def test_a_trailing_slash_names_a_directory(tmp_path):
     assert (tmp_path / "e.png").read_bytes() == b"old" and not (tmp_path / "feats").exists()
     with pytest.raises(OutputPathError, match="is a directory"):   # an existing one: as before
         check_output_path(f"{tmp_path}/", what="--out")
+
+
+def test_a_dead_writers_temporary_is_swept_by_the_next_write(tmp_path):
+    """A writer killed mid-write (SIGKILL, a crash) leaves ``.NAME.tmp-PID-*`` beside the
+    output, which stayed for good (the QA helper's find): the next write of that name removes
+    it when its pid runs no more and it is older than STALE_TMP_S. Controls: a live writer's
+    (this process's pid), a recent one, another name's and a non-numeric one stay."""
+    import itertools
+    import time
+
+    from nxhpc.runtime import outfile
+    dead = next(p for p in itertools.count(4_000_000) if not os.path.exists(f"/proc/{p}"))
+    out = tmp_path / "img.png"
+    old = time.time() - outfile.STALE_TMP_S - 5
+    names = {"stale": f".img.png.tmp-{dead}-0a1b2c3d", "live": f".img.png.tmp-{os.getpid()}-1",
+             "recent": f".img.png.tmp-{dead}-2", "other": f".other.png.tmp-{dead}-3",
+             "odd": ".img.png.tmp-x-4"}
+    for key, n in names.items():
+        (tmp_path / n).write_bytes(b"partial")
+        if key != "recent":
+            os.utime(tmp_path / n, (old, old))
+    write_atomic(out, lambda f: f.write(b"new"))
+    assert out.read_bytes() == b"new"
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left == {"img.png"} | {n for k, n in names.items() if k != "stale"}, left

@@ -32,6 +32,7 @@ class Exit(enum.IntEnum):
     OUTPUT = 8          # a result file could not be written (the old file is unchanged)
     MODELS_DIR = 9      # the models directory cannot take the model
     INTERNAL = 70       # a bug (EX_SOFTWARE)
+    SIGHUP = 129        # 128 + SIGHUP
     SIGINT = 130        # 128 + SIGINT
     SIGTERM = 143       # 128 + SIGTERM
 
@@ -56,6 +57,8 @@ DEFAULT_TEXT: dict[Exit, str] = {
                      "model: not a directory, not writable, or full (the message names it; "
                      "nothing is left behind)",
     Exit.INTERNAL: "internal error (a bug: please report the traceback)",
+    Exit.SIGHUP: "hung up: SIGHUP, the terminal or ssh session closed (workers stopped, shared "
+                 "memory released)",
     Exit.SIGINT: "interrupted by Ctrl-C / SIGINT (workers stopped, shared memory released)",
     Exit.SIGTERM: "terminated by SIGTERM (workers stopped, shared memory released)",
 }

@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import errno
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -28,6 +29,7 @@ from typing import Any
 from nxhpc.cli.codes import (Exit, OutOfMemory, OutputError, UsageError, code_for,
                              too_many_open_files)
 from nxhpc.runtime.proc import Terminated, cli_signals, soft_limit
+from nxhpc.runtime.outfile import written_mark, written_since
 
 __all__ = ["run_cli", "run_ranked", "error_printer"]
 
@@ -135,6 +137,7 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
     if ranks is not None:
         err = _ranked_printer(prog, ranks, err)
     mark, bus = _arena_mark(), False
+    out_mark = written_mark()
     with cli_signals() as sig, _guarded_stdout():
         try:
             try:
@@ -168,16 +171,33 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
                 raise interrupt
             return int(code)
         except KeyboardInterrupt:
-            err("interrupted (SIGINT); workers stopped, shared memory released")
+            err("interrupted (SIGINT); workers stopped, shared memory released"
+                + _written_before(out_mark))
             return int(Exit.SIGINT)
-        except Terminated:
-            err("terminated (SIGTERM); workers stopped, shared memory released")
+        except Terminated as t:
+            if t.signum == signal.SIGHUP:
+                err("hung up (SIGHUP: the terminal or session closed); workers stopped, shared "
+                    "memory released" + _written_before(out_mark))
+                return int(Exit.SIGHUP)
+            err("terminated (SIGTERM); workers stopped, shared memory released"
+                + _written_before(out_mark))
             return int(Exit.SIGTERM)
         finally:
+            written_since(out_mark)        # forget this call's writes
             _sigbus_exit(None, bus)
             _cleanup(mark)
             _flush_or_drop_both()         # every path (an error after a print, Ctrl-C): the
             #                               code above stands, not the exit flush's 120
+
+
+def _written_before(mark: int) -> str:
+    """``; written before it: PATHS`` for the outputs a call completed before a signal ended it
+    (the exit code says interrupted; those files are whole and new), or nothing."""
+    done = written_since(mark)
+    if not done:
+        return ""
+    shown = ", ".join(done[:5]) + (f" and {len(done) - 5} more" if len(done) > 5 else "")
+    return f"; written before it (complete): {shown}"
 
 
 def _stdout_closed() -> bool:
@@ -369,7 +389,7 @@ def _ranked_printer(prog: str, ranks: Any, err: Callable[[str], None]) -> Callab
             if ranks.rank == 0:
                 err(f"{ranks.label}: terminated (SIGTERM: mpirun ends every rank when one dies "
                     f"or the job is cancelled); workers stopped, shared memory released")
-        elif ranks.rank == 0 or not msg.startswith("interrupted"):
+        elif ranks.rank == 0 or not msg.startswith(("interrupted", "hung up")):
             err(msg)
     return ranked_err
 

@@ -52,6 +52,7 @@ EXIT_CODES = {
               "is left behind)",
     Exit.OUTPUT: "stdout's reader went away (`| head`): nothing more is printed",
     Exit.INTERNAL: None,
+    Exit.SIGHUP: "hung up by SIGHUP (nothing half-written is left behind)",
     Exit.SIGINT: "interrupted by Ctrl-C / SIGINT (nothing half-written is left behind)",
     Exit.SIGTERM: "terminated by SIGTERM (nothing half-written is left behind)",
 }

@@ -12,11 +12,37 @@ import os
 import secrets
 import stat
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["OutputPathError", "check_output_path", "check_cli_output_path", "write_atomic"]
+__all__ = ["OutputPathError", "check_output_path", "check_cli_output_path", "write_atomic",
+           "written_mark", "written_since"]
+
+#: The paths this thread's :func:`write_atomic` calls completed, in order: what a CLI
+#: interrupted after some of its outputs names as written (the exit code alone said "nothing").
+_WRITTEN = threading.local()
+
+
+def _written() -> list[str]:
+    if not hasattr(_WRITTEN, "paths"):
+        _WRITTEN.paths = []
+    return _WRITTEN.paths
+
+
+def written_mark() -> int:
+    """A mark of this thread's completed writes, for :func:`written_since`."""
+    return len(_written())
+
+
+def written_since(mark: int) -> list[str]:
+    """The paths this thread's :func:`write_atomic` completed since ``mark`` (and forgets
+    them: the record holds one CLI call's writes at a time)."""
+    paths = _written()
+    done = paths[mark:]
+    del paths[mark:]
+    return done
 
 
 class OutputPathError(ValueError):
@@ -127,18 +153,53 @@ def check_cli_output_path(path: str | os.PathLike, **kw: Any) -> Path:
     return check_output_path(path, report_on_stdout=True, **kw)
 
 
+#: Seconds a dead writer's temporary file is left before a later write of the same name
+#: removes it (a writer on another host sharing the folder has another pid space).
+STALE_TMP_S = 600.0
+
+
+def _sweep_dead_writers(real: Path) -> None:
+    """Remove ``.NAME.tmp-PID-*`` siblings of ``real`` left by writers that died without their
+    cleanup (SIGKILL, a crash, power loss): the pid no longer runs here and the file is older
+    than :data:`STALE_TMP_S`. Best effort: any error leaves the file."""
+    import time
+    try:
+        siblings = list(real.parent.glob(f".{real.name}.tmp-*-*"))
+    except OSError:
+        return
+    for t in siblings:
+        try:
+            pid = int(t.name[len(real.name) + 6:].split("-")[0])
+            if pid <= 0 or time.time() - t.lstat().st_mtime < STALE_TMP_S:
+                continue
+            try:
+                os.kill(pid, 0)
+                continue                          # a live process (maybe another writer)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue                          # alive, another user's
+            t.unlink()
+        except (ValueError, OSError):
+            continue
+
+
 def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
     """``write(f)`` into a temporary sibling of ``path``, fsync, rename over ``path``.
 
     Any failure (``OSError`` of a full disk, an interrupt) removes the temporary file and
-    leaves ``path`` untouched. An existing non-regular ``path`` (a device, a FIFO) or one under
-    /dev or /proc (``/dev/stdout``) is written in place: there is nothing to replace atomically.
+    leaves ``path`` untouched; the temporary files of earlier writers of ``path`` that died
+    without that cleanup are removed (:func:`_sweep_dead_writers`). An existing non-regular
+    ``path`` (a device, a FIFO) or one under /dev or /proc (``/dev/stdout``) is written in
+    place: there is nothing to replace atomically.
     """
     if _in_place(str(path)) and os.path.exists(path):
         with open(path, "wb") as f:
             write(f)
+        _written().append(os.fspath(path))
         return
     real = Path(os.path.realpath(path))
+    _sweep_dead_writers(real)
     tmp = real.parent / f".{real.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         with open(tmp, "xb") as f:
@@ -146,6 +207,7 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
             f.flush()
             os.fsync(f.fileno())          # a full disk must fail here, not after the rename
         os.replace(tmp, real)
+        _written().append(os.fspath(path))
     finally:
         try:
             os.unlink(tmp)

@@ -451,13 +451,20 @@ def describe_exit(status: int | None = None, *, exitcode: int | None = None,
 
 
 class Terminated(BaseException):
-    """Raised by :class:`cli_signals`' SIGTERM handler (a BaseException, like
-    KeyboardInterrupt, so every ``finally`` / ``with`` cleanup runs on the way out)."""
+    """Raised by :class:`cli_signals`' SIGTERM and SIGHUP handlers (a BaseException, like
+    KeyboardInterrupt, so every ``finally`` / ``with`` cleanup runs on the way out);
+    ``signum`` says which."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 class cli_signals:
     """``with cli_signals() as sig:`` -- a CLI's ``main``: SIGINT raises KeyboardInterrupt,
-    SIGTERM raises :class:`Terminated`, and every arrival is recorded in ``sig.received``.
+    SIGTERM and SIGHUP (a closed terminal or ssh session: its default action killed the run
+    with no cleanup, leaving a half-written temporary file beside the output) raise
+    :class:`Terminated`, and every arrival is recorded in ``sig.received``.
 
     The record is what lets the CLI exit as the interrupt even when the exception that reaches
     it is another one: C code that calls back into Python can swallow the KeyboardInterrupt
@@ -465,8 +472,8 @@ class cli_signals:
     TypeError or an OSError about its file). :meth:`interrupt` gives the exception to raise in
     place of such a failure (None when no signal arrived). SIGINT is taken over only from
     Python's default handler (a shell that set it to ignored, ``nohup``, keeps it ignored),
-    SIGTERM only from the default action (a caller that ignores it or handles it keeps its
-    own); installed from the main thread only, and restored on exit.
+    SIGTERM and SIGHUP only from the default action (a caller that ignores it -- ``nohup`` --
+    or handles it keeps its own); installed from the main thread only, and restored on exit.
     """
 
     def __init__(self) -> None:
@@ -479,21 +486,23 @@ class cli_signals:
 
     def _on_term(self, signum: int, frame: object) -> None:
         self.received.append(signum)
-        raise Terminated()
+        raise Terminated(signum)
 
     def __enter__(self) -> "cli_signals":
         if threading.current_thread() is threading.main_thread():
             if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
                 self._old[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_int)
-            if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-                self._old[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_term)
+            for signum in (signal.SIGTERM, signal.SIGHUP):
+                if signal.getsignal(signum) == signal.SIG_DFL:
+                    self._old[signum] = signal.signal(signum, self._on_term)
         return self
 
     def interrupt(self) -> BaseException | None:
         """KeyboardInterrupt / :class:`Terminated` for the first signal recorded, or None."""
         if not self.received:
             return None
-        return KeyboardInterrupt() if self.received[0] == signal.SIGINT else Terminated()
+        first = self.received[0]
+        return KeyboardInterrupt() if first == signal.SIGINT else Terminated(first)
 
     def __exit__(self, *exc: object) -> None:
         while self._old:

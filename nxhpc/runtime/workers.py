@@ -245,6 +245,7 @@ def _child_init(parent_pid: int, ds: deferred_signals) -> None:
     keeps (this pool's and every other pool's); only this worker's own ends remain.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # the parent handles Ctrl-C
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)      # and a hang-up (the lifeline ends us)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     ds.restore()                                      # inherited blocked: unblock after the above
