@@ -1142,6 +1142,33 @@ def test_out_of_memory_is_exit_7_with_the_limit(tmp_path):
         assert isinstance(mapped, OutOfMemory) and code_for(mapped) == Exit.SHM, mapped
         assert "out of memory" in str(mapped) and "ulimit -v" in str(mapped)
     assert _environment_error(OSError(errno.EIO, "I/O")).errno == errno.EIO     # control
+    # a compiled module the loader could not map under the limit (PIL's, tokenizers'): it was
+    # exit 70 with a traceback (the QA helper's find); a module that is absent stays itself
+    mapped = _environment_error(ImportError(
+        "libXau.so.6: failed to map segment from shared object"))
+    assert isinstance(mapped, OutOfMemory), mapped
+    missing = ImportError("No module named 'PIL'")
+    assert _environment_error(missing) is missing
+    # a fixture that cannot be loaded for want of memory is not a damaged model file (exit 4)
+    import safetensors
+
+    from nxhpc.formats import fixtures
+    store = fixtures.FixtureStore(ensure_builtin("tiny", tmp_path) / "fixtures.safetensors")
+    name = store.names()[0]
+    real = safetensors.safe_open
+
+    def no_memory(*a, **k):
+        raise MemoryError("Cannot allocate memory (os error 12)")
+    safetensors.safe_open = no_memory
+    try:
+        for call in (lambda: store.load(name), store.metadata):
+            with pytest.raises(MemoryError):
+                call()
+        safetensors.safe_open = lambda *a, **k: 1 / 0             # control: a damaged file
+        with pytest.raises(fixtures.ModelFileError, match="cannot load fixture"):
+            store.load(name)
+    finally:
+        safetensors.safe_open = real
     ensure_builtin("tiny-vae", tmp_path)
     lat = tmp_path / "lat.npy"
     np.save(lat, np.random.default_rng(0).standard_normal((16, 128, 128)).astype(np.float32))

@@ -343,6 +343,15 @@ class _guarded_stdout:
                 _STDOUT_USERS[1] = None
 
 
+def _import_out_of_memory(e: Exception) -> bool:
+    """An ImportError of a compiled module the loader could not map for want of memory (PIL's
+    or tokenizers' under ``ulimit -v``: "failed to map segment from shared object"), not a
+    module that is missing."""
+    text = str(e)
+    return isinstance(e, ImportError) and ("failed to map segment" in text
+                                           or "Cannot allocate memory" in text)
+
+
 def _environment_error(e: Exception) -> Exception:
     """``e``, or the usage / output error it stands for when the cause is the environment:
     stdout that cannot be written (exit 8), memory that could not be had (a MemoryError or
@@ -352,7 +361,8 @@ def _environment_error(e: Exception) -> Exception:
         if e.errno not in _TRANSIENT:
             _to_devnull(sys.stdout)
         return OutputError(f"standard output could not be written ({e.strerror or e})")
-    if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM):
+    if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM) \
+            or _import_out_of_memory(e):
         what = str(e).strip() or type(e).__name__
         return OutOfMemory(f"out of memory ({what[:200]}): the address-space limit (ulimit -v) "
                            f"is {_as_limit('RLIMIT_AS')}, the data limit (ulimit -d) "

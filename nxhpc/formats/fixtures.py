@@ -121,6 +121,8 @@ class FixtureStore:
             from safetensors import safe_open
             with safe_open(str(self.path), framework="np") as f:
                 arr = f.get_tensor(name)
+        except MemoryError:      # the address-space limit, not a damaged file
+            raise
         except Exception as e:  # SafetensorError and friends on corrupt files
             raise ModelFileError(f"{self.path}: cannot load fixture {name!r}: "
                                  f"{type(e).__name__}: {e}") from None
@@ -139,6 +141,8 @@ class FixtureStore:
             from safetensors import safe_open
             with safe_open(str(self.path), framework="np") as f:
                 return dict(f.metadata() or {})
+        except MemoryError:
+            raise
         except Exception as e:
             raise ModelFileError(f"{self.path}: cannot read fixture metadata: {e}") from None
 
