@@ -304,7 +304,7 @@ def test_nan_from_the_denoiser_exits_1_and_writes_nothing(cli, files, monkeypatc
 
         def __exit__(self, *exc):
             self.inner.close()
-    monkeypatch.setattr(ns, "_open_denoiser", lambda model, workers, models_dir:
+    monkeypatch.setattr(ns, "_open_denoiser", lambda model, workers, models_dir, **kw:
                         NaNAtStep1(cli.open()))
     out = d / "nan.npy"
     rc = ns.main([cli.model, "2", "--cap-feats", str(cap), "--noise", str(noise), "--out",
