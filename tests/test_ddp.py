@@ -300,6 +300,22 @@ def test_bad_arguments_are_named(data):
         with pytest.raises(ValueError, match=r"lr must be a positive number below 1e6"):
             MLPConfig(lr=lr)
     assert MLPConfig(lr=9.99e5).lr == 9.99e5                        # control
+    # caught in the caller, by name (a shape error surfaced as a worker's traceback, a
+    # feature-less x as a ZeroDivisionError, lr "0.1" as a bare comparison TypeError and lr
+    # True ran as 1.0: the QA helper's finds); controls: numpy scalars and ints are numbers
+    for lr in ("0.1", True, None):
+        with pytest.raises(TypeError, match="MLPConfig: lr must be a number"):
+            MLPConfig(lr=lr)
+    assert MLPConfig(lr=np.float32(0.05)).lr_q16 == 3277 and MLPConfig(lr=1).lr_q16 == 65536
+    D = type(data)
+    for x, y, what in ((data.x[:, :0], data.y, "at least one feature"),
+                       (data.x[:, 0], data.y, "at least one feature"),
+                       (data.x, data.y[:, 0], r"y must be \[rows, 1\] = \[442, 1\]"),
+                       (data.x, data.y[:-1], r"got shape \[441, 1\]")):
+        with pytest.raises(ValueError, match=what):
+            D(x, y, "bad")
+    with pytest.raises(TypeError, match="x must be a numeric numpy array, got list"):
+        D(data.x.tolist(), data.y, "bad")
 
 
 _KILL_PARENT = r"""

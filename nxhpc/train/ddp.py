@@ -100,6 +100,10 @@ class MLPConfig:
                 or self.seed < 0:
             raise ValueError(f"MLPConfig: seed must be a non-negative integer (numpy's "
                              f"default_rng), got {self.seed!r}")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float, np.integer,
+                                                                  np.floating)):
+            raise TypeError(f"MLPConfig: lr must be a number, got {self.lr!r} "
+                            f"({type(self.lr).__name__})")
         if not (0.0 < self.lr < 1e6) or not np.isfinite(self.lr):
             raise ValueError(f"MLPConfig: lr must be a positive number below 1e6 (a Q16 "
                              f"integer), got {self.lr}")
@@ -120,6 +124,22 @@ class Dataset:
     x: np.ndarray
     y: np.ndarray
     name: str
+
+    def __post_init__(self) -> None:
+        """Shapes checked here, in the caller (they surfaced as a worker's traceback, or a
+        ZeroDivisionError for a feature-less x)."""
+        x, y = self.x, self.y
+        for what, a in (("x", x), ("y", y)):
+            if not isinstance(a, np.ndarray) or a.dtype.kind not in "iuf":
+                raise TypeError(f"Dataset {self.name!r}: {what} must be a numeric numpy array, "
+                                f"got {type(a).__name__}"
+                                + (f" of {a.dtype}" if isinstance(a, np.ndarray) else ""))
+        if x.ndim != 2 or x.shape[1] < 1:            # no rows: the trainers say so
+            raise ValueError(f"Dataset {self.name!r}: x must be [rows, features] with at "
+                             f"least one feature, got shape {list(x.shape)}")
+        if y.shape != (x.shape[0], 1):
+            raise ValueError(f"Dataset {self.name!r}: y must be [rows, 1] = [{x.shape[0]}, 1] "
+                             f"(one target per row of x), got shape {list(y.shape)}")
 
     @property
     def xq(self) -> np.ndarray:
