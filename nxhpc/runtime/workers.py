@@ -66,7 +66,7 @@ from nxhpc.runtime.proc import (close_fd, deferred_signals, describe_exit, die_w
                                 signal_name)
 
 __all__ = ["bands", "WorkerPool", "WorkerError", "SPAWN_MODES", "DEFAULT_SPAWN", "usable_cpus",
-           "check_timeout", "batch_policy"]
+           "check_timeout", "batch_policy", "stop_signal"]
 
 #: Spawn modes. "pool" is the default: it measured faster than "stage" (see benchmarks/bench_block.py).
 SPAWN_MODES = ("pool", "stage")
@@ -609,7 +609,7 @@ class WorkerPool:
         (``since``: worker -> when it was first seen stopped; a resumed one is dropped)."""
         now = time.monotonic()
         for i in waiting:
-            sig = _stop_signal(pids[i])
+            sig = stop_signal(pids[i])
             if sig is None:
                 since.pop(i, None)
                 continue
@@ -750,7 +750,7 @@ def _send_stop(fd: int) -> None:
         pass
 
 
-def _stop_signal(pid: int) -> int | None:
+def stop_signal(pid: int) -> int | None:
     """The signal that stopped child ``pid`` if it is stopped now, else None. ``WNOWAIT``: the
     report stays pending, so this never reaps and never consumes a status; once the child is
     continued the kernel no longer reports it stopped."""

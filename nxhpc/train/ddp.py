@@ -32,6 +32,7 @@ from multiprocessing.connection import wait as mp_wait
 import numpy as np
 
 from nxhpc.runtime import proc
+from nxhpc.runtime.workers import stop_signal
 from nxhpc.train.q16 import Q16_MAX, Q16OverflowError, Tape, from_q16, q16_add, sgd_step, to_q16
 from nxhpc.train.ring import ShmSegment, ring_allreduce_mpi, ring_allreduce_shm
 
@@ -349,6 +350,8 @@ def _worker_main(rank: int, workers: int, ar: _Arith, seg: ShmSegment, barrier, 
                     os.kill(os.getpid(), signal.SIGKILL)
                 elif fault[2] == "hang":
                     time.sleep(3600)
+                elif fault[2] == "stop":
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 else:
                     raise RuntimeError(f"injected fault in worker {rank} at step {step}")
             bufs[rank] = ar.grad(flat, x, y)
@@ -426,6 +429,14 @@ def _supervise(procs, conns, barrier, timeout: float, progress: np.ndarray) -> N
         if remaining <= 0:
             _abort_barrier(barrier)
             running = [i for i in range(D) if i not in done]
+            stopped = {i: s for i in running
+                       if (s := stop_signal(procs[i].pid)) is not None}
+            if stopped:   # a stopped worker may hold the barrier: the counters blame a peer
+                names = ", ".join(f"worker {i} (pid {procs[i].pid}) is stopped by "
+                                  f"{proc.signal_name(s)}" for i, s in stopped.items())
+                raise DDPTimeoutError(
+                    f"data-parallel run timed out: no progress for {timeout:g} s (the "
+                    f"timeout); {names} (the others wait for it)")
             slowest = min(int(progress[i]) for i in running)
             laggards = [f"worker {i} (pid {procs[i].pid})" for i in running
                         if int(progress[i]) == slowest]
@@ -482,7 +493,7 @@ def train_shm(workers: int, steps: int, *, arith: str = "q16", cfg: MLPConfig = 
     Raises DDPWorkerError naming a worker that died or raised, DDPTimeoutError after `timeout`
     seconds without progress (the slowest worker finishing no step's gradient or all-reduce:
     a hang, not a long run); the segment is unlinked in every case. `fault_injection` = (rank, step, "kill" |
-    "kill-in-barrier" | "raise" | "hang") is for tests ("kill-in-barrier": the worker dies
+    "kill-in-barrier" | "raise" | "hang" | "stop") is for tests ("kill-in-barrier": the worker dies
     holding the barrier's lock, as a kill during ``barrier.wait()`` can leave it).
     """
     if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
