@@ -215,7 +215,9 @@ def add_workers(p: argparse.ArgumentParser) -> None:
 def precision(value: str, allowed: tuple[str, ...] | None = None) -> str:
     """argparse type of ``--precision``: one of ``allowed`` (default
     ``nxhpc.nn.linear.PRECISIONS``), or ``"auto"``, resolved here to
-    :func:`nxhpc.nn.linear.fastest_precision` (within ``allowed``: else ``"f32"``)."""
+    :func:`nxhpc.nn.linear.fastest_precision` (within ``allowed``; where that is ``q8`` and
+    ``allowed`` has no ``q8`` -- the decoder's convolutions --,
+    :func:`nxhpc.nn.conv.decoder_precision`: ``bf16`` with a bfloat16 unit, else ``f32``)."""
     from nxhpc.runtime.checks import SettingError
     try:    # "auto" runs the kernels: a bad NXHPC_* setting (SettingError) is the cause to name,
         from nxhpc.nn.linear import PRECISIONS, fastest_precision   # not "invalid value 'auto'"
@@ -224,7 +226,12 @@ def precision(value: str, allowed: tuple[str, ...] | None = None) -> str:
     except SettingError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
     if value == "auto":
-        return fast if fast in allowed else "f32"
+        if fast in allowed:
+            return fast
+        if fast == "q8" and "bf16" in allowed:        # no int8 convolution: generate's rule
+            from nxhpc.nn.conv import decoder_precision
+            return decoder_precision("q8")
+        return "f32"
     if value not in allowed:
         raise argparse.ArgumentTypeError(
             f"invalid choice: {value!r} (choose from {', '.join(allowed)}, auto)")
@@ -238,7 +245,8 @@ def add_precision(p: argparse.ArgumentParser, what: str,
     added."""
     from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
     names = PRECISIONS if allowed is None else allowed
-    which = "bf16 with AMX, q8 with AVX2 or AVX-512 VNNI" if "q8" in names else "bf16 with AMX"
+    which = "bf16 with AMX, q8 with AVX2 or AVX-512 VNNI" if "q8" in names else \
+        "bf16 with AMX or AVX-512 BF16"
     p.add_argument("--precision", type=lambda v: precision(v, names), default=DEFAULT_PRECISION,
                    metavar="{" + ",".join(names) + ",auto}",
                    help=f"{what}; auto: the precision measured fastest on this CPU's kernels "
