@@ -130,8 +130,8 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
     ``steps``, ``shift``: the Turbo schedule; ``guidance_scale`` G > 0 with an optional
     ``negative_prompt`` turns on classifier-free guidance as diffusers' ``ZImagePipeline``
     does (two transformer calls a step). ``precision``: ``f32`` (exact), ``bf16`` or ``q8``
-    (under ``q8`` the decoder runs ``nxhpc.nn.conv.decoder_precision("q8")``: ``bf16`` with
-    a bf16 unit, AMX or AVX-512 BF16, else ``f32``); ``q8_float_weights`` (``"int8"`` default, or
+    (under ``q8`` the decoder runs ``nxhpc.nn.conv.decoder_precision("q8")``: ``bf16`` where
+    that is faster, else ``f32``); ``q8_float_weights`` (``"int8"`` default, or
     ``"bf16"``) as for ``load_denoiser`` and ``load_text_encoder``. ``workers``: processes per
     model (default: the usable CPUs). ``on_step(i, n, seconds)`` after each step.
     ``stage_timeout``: seconds one parallel stage of any model may take before its workers are

@@ -155,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     types.add_precision(p, "matmul precision: f32 (default); bf16 (bf16-rounded activations, "
                            "float32 sums; every model); q8 (Q8_0 activations x the weights' "
                            "integer codes in the text encoder's and the denoiser's "
-                           "projections; the autoencoder then runs bf16 where the CPU has a "
-                           "bf16 unit -- AMX, AVX-512 BF16 --, else f32: reported as "
+                           "projections; the autoencoder then runs bf16 where that is faster "
+                           "-- AMX, a fast AVX-512 BF16 dot --, else f32: reported as "
                            "vae_precision)")
     types.add_q8_float_weights(p)
     p.add_argument("--workers", type=types.workers, default=None, metavar="N",

@@ -383,7 +383,7 @@ def test_generate_precision_is_the_library_result(models_root, tmp_path, precisi
     """``--precision`` / ``--q8-float-weights`` reach all three models: the PNG has the bits of
     the library's encode -> sample -> decode at that precision, not the f32 run's, and the
     report says which. Under q8 (no int8 convolution) the decoder runs bf16 where the bf16
-    matmul has a bf16 unit (AMX, AVX-512 BF16), else f32 (on AVX2 bf16 was no faster and it
+    matmul is faster (AMX, a fast AVX-512 BF16 dot), else f32 (on AVX2 bf16 was no faster and it
     was what q8 ran, undisclosed: the docs QA helper's find); the report and PNG name it."""
     from nxhpc.dit.sampler import sample
     from nxhpc.models.registry import open_denoiser
@@ -396,7 +396,9 @@ def test_generate_precision_is_the_library_result(models_root, tmp_path, precisi
     # the float weights' choice changes q8's pixels: the PNG and the report name it under q8
     assert rep["q8_float_weights"] == (q8fw if precision == "q8" else None)
     assert text.get("q8_float_weights") == (q8fw if precision == "q8" else None)
-    bf16_unit = nxhpc.kernel_variants()["matmul_bf16"] in ("amx", "avx512bf16")
+    v = nxhpc.kernel_variants()["matmul_bf16"]
+    bf16_unit = v == "amx" or (v == "avx512bf16" and
+                               nxhpc.kernels().attention_bf16_dot() == "vdpbf16ps")
     vae_p = "bf16" if precision == "bf16" or bf16_unit else "f32"
     assert rep["vae_precision"] == text["vae_precision"] == vae_p, (rep, text)
     if precision == "q8":
@@ -418,14 +420,19 @@ def test_generate_precision_is_the_library_result(models_root, tmp_path, precisi
         assert (got != library("q8", {"f32": "bf16", "bf16": "f32"}[vae_p])).any()
 
 
-def test_decoder_precision_under_q8_follows_the_bf16_unit():
-    """The rule, on the kernel variants of each CPU class (a spec table, not this CPU's)."""
-    from nxhpc.nn.conv import decoder_precision
-    for variant, want in (("amx", "bf16"), ("avx512bf16", "bf16"), ("avx512", "f32"),
-                          ("avx2", "f32"), ("generic", "f32")):
-        assert decoder_precision("q8", {"matmul_bf16": variant}) == want, variant
-        assert decoder_precision("bf16", {"matmul_bf16": variant}) == "bf16"
-        assert decoder_precision("f32", {"matmul_bf16": variant}) == "f32"
+@pytest.mark.parametrize("dot", ["vdpbf16ps", "fma"])
+def test_decoder_precision_under_q8_follows_the_bf16_unit(monkeypatch, dot):
+    """The rule, on the kernel variants of each CPU class (a spec table, not this CPU's): bf16
+    on AMX, and on AVX-512 BF16 only where vdpbf16ps outruns the FMA (Zen 4, not an Intel
+    Xeon without its tiles, where it runs at half the rate)."""
+    from nxhpc.nn import conv
+    monkeypatch.setattr(conv, "_bf16_dot", lambda: dot)
+    for variant, want in (("amx", "bf16"), ("avx512bf16", "bf16" if dot == "vdpbf16ps" else
+                                            "f32"), ("avx512", "f32"), ("avx2", "f32"),
+                          ("generic", "f32")):
+        assert conv.decoder_precision("q8", {"matmul_bf16": variant}) == want, variant
+        assert conv.decoder_precision("bf16", {"matmul_bf16": variant}) == "bf16"
+        assert conv.decoder_precision("f32", {"matmul_bf16": variant}) == "f32"
 
 
 def test_generate_fresh_machine_defaults(tmp_path):

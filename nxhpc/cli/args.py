@@ -217,7 +217,7 @@ def precision(value: str, allowed: tuple[str, ...] | None = None) -> str:
     ``nxhpc.nn.linear.PRECISIONS``), or ``"auto"``, resolved here to
     :func:`nxhpc.nn.linear.fastest_precision` (within ``allowed``; where that is ``q8`` and
     ``allowed`` has no ``q8`` -- the decoder's convolutions --,
-    :func:`nxhpc.nn.conv.decoder_precision`: ``bf16`` with a bfloat16 unit, else ``f32``)."""
+    :func:`nxhpc.nn.conv.decoder_precision`: ``bf16`` where that is faster, else ``f32``)."""
     from nxhpc.runtime.checks import SettingError
     try:    # "auto" runs the kernels: a bad NXHPC_* setting (SettingError) is the cause to name,
         from nxhpc.nn.linear import PRECISIONS, fastest_precision   # not "invalid value 'auto'"
@@ -246,7 +246,7 @@ def add_precision(p: argparse.ArgumentParser, what: str,
     from nxhpc.nn.linear import DEFAULT_PRECISION, PRECISIONS
     names = PRECISIONS if allowed is None else allowed
     which = "bf16 with AMX, q8 with AVX2 or AVX-512 VNNI" if "q8" in names else \
-        "bf16 with AMX or AVX-512 BF16"
+        "bf16 with AMX or a fast AVX-512 BF16 dot"
     p.add_argument("--precision", type=lambda v: precision(v, names), default=DEFAULT_PRECISION,
                    metavar="{" + ",".join(names) + ",auto}",
                    help=f"{what}; auto: the precision measured fastest on this CPU's kernels "

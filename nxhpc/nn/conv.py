@@ -22,24 +22,31 @@ __all__ = ["conv3x3_band", "conv1x1_band", "linear_band", "CONV_PRECISIONS",
 
 #: The precisions a convolution runs in (the matmul's; no Q8_0 weights come in these files).
 CONV_PRECISIONS = ("f32", "bf16")
-#: ``matmul_bf16`` variants that run on a bfloat16 unit (the others are float32 FMAs on
-#: bf16-rounded values: no faster than ``f32``, and less exact).
-BF16_UNITS = ("amx", "avx512bf16")
+def _bf16_dot() -> str:
+    """Which bfloat16 dot this CPU runs faster, "vdpbf16ps" or "fma" (the attention's choice:
+    ``nxhpc._kernels.attention_bf16_dot``, the two peak loops timed once)."""
+    import nxhpc
+    return nxhpc.kernels().attention_bf16_dot()
 
 
 def decoder_precision(precision: str, variants: Any = None) -> str:
     """The autoencoder's precision in a run whose transformer and text encoder run
     ``precision``: ``f32`` and ``bf16`` as given; under ``q8`` (there is no int8 convolution)
-    ``bf16`` where ``matmul_bf16`` runs on a bfloat16 unit (:data:`BF16_UNITS`: the AMX tiles,
-    AVX-512 BF16's ``vdpbf16ps``), else ``f32``: on AVX2 the bf16 convolution ran at the f32
-    one's speed (benchmarks/README.md, "the 3x3 convolutions on AVX2") with bf16's error.
-    ``variants``: ``nxhpc.kernel_variants()`` (default: this process's)."""
+    ``bf16`` where its matmul is faster than float32's -- on the AMX tiles, or on AVX-512 BF16
+    where ``vdpbf16ps`` outruns the float32 FMA (AMD Zen 4: twice its rate; an Intel Xeon's
+    runs at half, benchmarks/README.md "Peaks") --, else ``f32``: on AVX2 the bf16 convolution
+    is float32 FMAs on rounded values, at the f32 one's speed (benchmarks/README.md, "the 3x3
+    convolutions on AVX2") with bf16's error. ``variants``: ``nxhpc.kernel_variants()``
+    (default: this process's)."""
     if precision != "q8":
         return precision
     if variants is None:
         from nxhpc import kernel_variants
         variants = kernel_variants()
-    return "bf16" if variants.get("matmul_bf16") in BF16_UNITS else "f32"
+    v = variants.get("matmul_bf16")
+    if v == "amx" or (v == "avx512bf16" and _bf16_dot() == "vdpbf16ps"):
+        return "bf16"
+    return "f32"
 
 
 def conv3x3_band(kern: Any, x: np.ndarray, H: int, W: int, w: WeightTensor,
