@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="modulation: computed from t_emb with each layer's adaLN weights, or the "
                         "tapped layers.N.adaln_m (default auto: t_emb when present)")
     types.add_models_dir(p)
-    types.add_stage_timeout(p)
+    types.add_stage_timeout(p, ranks=True)
     p.add_argument("--repeat", type=types.positive_int, default=1, metavar="N",
                    help="run the block(s) N times on the same workers and report the fastest "
                         "time of each stage (the first run pays page faults and cold caches; "
@@ -160,7 +160,8 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
                 if model.path and model.path.is_dir() else []
             ranks.same("the model files (name, size, fingerprint)",
                        [(n, *file_fingerprint(model.path / n)) for n in files]
-                       + ([file_fingerprint(args.gguf_path)] if args.gguf_path else []))
+                       + ([file_fingerprint(args.gguf_path)] if args.gguf_path else []),
+                       bounded=False)
             ranks.same_args({"--layers": n_layers, "--precision": args.precision,
                              "--q8-float-weights": args.q8_float_weights,
                              "--source": args.source, "--adaln": args.adaln, "--eps": args.eps,

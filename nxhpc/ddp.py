@@ -257,6 +257,10 @@ def _run_mpi(args: argparse.Namespace) -> int:
             print(f"{PROG}: error: --workers {args.workers} but the MPI world has "
                   f"{comm.Get_size()} ranks (start with mpirun -n D)", file=sys.stderr)
         return Exit.USAGE
+    import importlib.util
+    if importlib.util.find_spec("sklearn") is None:   # every rank alike: no abort, one code
+        raise UsageError("the diabetes data set comes with scikit-learn: pip install "
+                         "'nxhpc[train]' (or scikit-learn)")
     try:
         data, head, report = _setup(args)
         res = train.train_mpi(comm, args.steps, cfg=args.cfg, data=data)

@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     types.add_models_dir(p)
     p.add_argument("--gguf", default=None, metavar="PATH",
                    help="GGUF weights to use instead of the model directory's model.gguf")
-    types.add_stage_timeout(p)
+    types.add_stage_timeout(p, ranks=True)
     types.add_json(p)
     return p
 
@@ -203,7 +203,8 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
                                                              den.directory))
         if ranks is not None:
             from nxhpc.runtime.ranks import file_fingerprint
-            ranks.same("the model file (size, fingerprint)", file_fingerprint(den.gguf.path))
+            ranks.same("the model file (size, fingerprint)", file_fingerprint(den.gguf.path),
+                       bounded=False)
         return _run_model(args, den, inputs, ref, out_path, ranks)
 
 
@@ -235,7 +236,7 @@ def _run_model(args, den, inputs, ref, out_path, ranks=None) -> int:
         if ref is None and fx.reference is not None:
             ref, ref_name = fx.reference, f"{fx.path.name}:reference"
     if ranks is not None:                     # rank 0's inputs on every rank (startup only)
-        inputs = ranks.bcast(inputs, "the inputs from rank 0")
+        inputs = ranks.bcast(inputs, "the inputs from rank 0", bounded=False)
     lat, t, cap = inputs
     if ref is not None and ref.shape != lat.shape:
         raise InputError(f"reference {ref_name}: shape {list(ref.shape)} is not the latents' "

@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "folder for several images")
     types.add_models_dir(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    types.add_stage_timeout(p)
+    types.add_stage_timeout(p, ranks=True)
     types.add_json(p)
     return p
 
@@ -341,8 +341,8 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
                            for k, v in types.option_values(args, given).items()})
         ranks.same_kernels(args.precision)
     setup = _setup(args) if lead else None
-    if ranks is not None:                          # rank 0's reading on every rank (startup)
-        setup = ranks.bcast(setup, "the prompts, seeds and noise from rank 0")
+    if ranks is not None:       # rank 0's reading (stdin, built-ins generated): not a stage
+        setup = ranks.bcast(setup, "the prompts, seeds and noise from rank 0", bounded=False)
     assert setup is not None
     prompts, names, tiny, negative = setup.prompts, setup.names, setup.tiny, setup.negative
     if not lead:                      # this rank's own model arguments (paths per machine)
@@ -356,6 +356,9 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
     apart = _ranks.alone() if whole else contextlib.nullcontext()
 
     vae_precision = decoder_precision(args.precision)
+    if whole:                     # per CPU (bf16 unit or not): every rank decodes its images
+        ranks.same("the decoder precision (under q8, bf16 where this CPU's bf16 matmul is "
+                   "faster: every rank decodes some of the images)", vae_precision)
     n_encode = len({j.prompt for j in mine}) + (1 if cfg_on else 0)
     progress = Progress(n_encode + len(mine) * (args.steps + 1), not args.no_progress and lead,
                         PROG, "op", stage="open")
@@ -374,7 +377,8 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
                 ranks.same("the model files (size, fingerprint: denoiser, text encoder, "
                            "autoencoder)",
                            [file_fingerprint(p) for p in (den.gguf.path, te_gguf,
-                                                          vae.file.path) if p is not None])
+                                                          vae.file.path) if p is not None],
+                           bounded=False)         # each rank opened (maybe generated) them
             with on_every_rank(ranks):
                 if vae.config.latent_channels != dcfg.in_channels:
                     raise InputError(f"--vae {names['vae']}: its decoder reads "

@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the decoded image goes (with --decode; written atomically)")
     types.add_models_dir(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    types.add_stage_timeout(p)
+    types.add_stage_timeout(p, ranks=True)
     types.add_json(p)
     return p
 
@@ -255,7 +255,8 @@ def _run(args, ranks=None) -> int:
         noise_raw = load_npy(args.noise, "--noise", error=SampleInputError) \
             if args.noise is not None else None
     if ranks is not None:                     # rank 0's inputs on every rank (startup only)
-        cap_raw, noise_raw = ranks.bcast((cap_raw, noise_raw), "the inputs from rank 0")
+        cap_raw, noise_raw = ranks.bcast((cap_raw, noise_raw), "the inputs from rank 0",
+                                         bounded=False)
     seed = None if noise_raw is not None or args.seeds is not None else \
         (0 if args.seed is None else args.seed)
     seeds = args.seeds if args.seeds is not None else [seed]
@@ -268,7 +269,8 @@ def _run(args, ranks=None) -> int:
         cfg = den.config
         if ranks is not None:
             from nxhpc.runtime.ranks import file_fingerprint
-            ranks.same("the model file (size, fingerprint)", file_fingerprint(den.gguf.path))
+            ranks.same("the model file (size, fingerprint)", file_fingerprint(den.gguf.path),
+                       bounded=False)
         with on_every_rank(ranks, SampleInputError):   # rank 0's broadcast inputs
             try:
                 cap = check_cap_feats(cap_raw, cfg)

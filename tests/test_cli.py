@@ -1144,11 +1144,26 @@ def test_out_of_memory_is_exit_7_with_the_limit(tmp_path):
     assert _environment_error(OSError(errno.EIO, "I/O")).errno == errno.EIO     # control
     # a compiled module the loader could not map under the limit (PIL's, tokenizers'): it was
     # exit 70 with a traceback (the QA helper's find); a module that is absent stays itself
-    mapped = _environment_error(ImportError(
-        "libXau.so.6: failed to map segment from shared object"))
-    assert isinstance(mapped, OutOfMemory), mapped
+    from nxhpc.cli import frame
+    enomem = ImportError("libXau.so.6: failed to map segment from shared object: Cannot "
+                         "allocate memory")
+    bare = ImportError("tokenizers.abi3.so: failed to map segment from shared object")
+    noexec = ImportError("x.so: failed to map segment from shared object: Operation not "
+                         "permitted")
     missing = ImportError("No module named 'PIL'")
-    assert _environment_error(missing) is missing
+    limits = {"RLIMIT_AS": "unlimited", "RLIMIT_DATA": "unlimited"}
+    real_limit = frame.soft_limit
+    frame.soft_limit = lambda name: limits.get(name) or real_limit(name)
+    try:
+        assert isinstance(_environment_error(enomem), OutOfMemory)
+        for e in (bare, noexec, missing):            # no limit set: not the memory's doing
+            assert _environment_error(e) is e, e
+        limits["RLIMIT_AS"] = "166000 KiB"           # ulimit -v: the bare text is memory
+        assert isinstance(_environment_error(bare), OutOfMemory)
+        for e in (noexec, missing):                  # a noexec mount, an absent module: never
+            assert _environment_error(e) is e, e
+    finally:
+        frame.soft_limit = real_limit
     # a fixture that cannot be loaded for want of memory is not a damaged model file (exit 4)
     import safetensors
 

@@ -225,6 +225,17 @@ if mode == "raise" and rank == 1:              # a worker's task raises on this 
 elif mode == "hang-start" and rank == 1:      # stuck before the first exchange (a stopped
     import time                                # process, a read that never returns)
     time.sleep(300)
+elif mode == "slow-setup" and rank == 0:     # built-ins generated, prompts read from a slow
+    import time                                # stdin: rank 0 alone, before the broadcast
+    import nxhpc.generate as g
+    real_setup = g._setup
+    def setup(*a, **k):
+        time.sleep(3)
+        return real_setup(*a, **k)
+    g._setup = setup
+elif mode == "bf16-decoder" and rank == 1:   # rank 1's CPU decodes q8 runs in bf16 (a Zen 4
+    import nxhpc.generate as g               # beside AVX2 nodes: the same "simd" kernel class)
+    g.decoder_precision = lambda precision: "bf16"
 elif mode == "slow-decode" and rank == 0:     # rank 0 alone decodes, longer than the timeout
     import time
     from nxhpc.vae.model import VaeDecoder
@@ -292,6 +303,19 @@ def test_a_rank_stuck_before_the_first_exchange_is_caught_by_the_stage_timeout(m
     assert not out.exists()
 
 
+def test_the_stage_timeout_does_not_bound_rank_0s_setup(models, ref, tmp_path):
+    """Rank 0 alone resolves the models (generating a built-in on first use: minutes at real
+    size) and reads the prompts (a slow stdin) before it broadcasts the run's setup, and each
+    rank opens its models before their check: those waits span work, not a stage, and a stage
+    timeout below them failed the run with "another rank is hung" (the reviewer's find). Same
+    bytes as one process."""
+    out = tmp_path / "img.png"
+    r, codes = _fault("slow-setup", 2, _one(out, 1) + ["--stage-timeout", "1"], models,
+                      tmp_path)
+    assert codes == {0: 0, 1: 0}, r.stdout + r.stderr
+    assert out.read_bytes() == ref["one"], PARAMS
+
+
 def test_the_stage_timeout_does_not_bound_rank_0s_decode(models, ref, tmp_path):
     """One image under mpirun: rank 0 alone decodes while its peers wait for the exit code.
     That wait spans a whole decode, not a stage: a decode longer than ``--stage-timeout`` (each
@@ -301,6 +325,24 @@ def test_the_stage_timeout_does_not_bound_rank_0s_decode(models, ref, tmp_path):
                       tmp_path)
     assert codes == {0: 0, 1: 0}, r.stdout + r.stderr
     assert out.read_bytes() == ref["one"], PARAMS
+
+
+def test_ranks_that_would_decode_at_other_precisions_are_refused(models, ref, tmp_path):
+    """Whole images per rank under q8: a rank whose CPU decodes in bf16 beside ranks that decode
+    in f32 made some PNGs with other pixels than one process, while rank 0 wrote its own
+    ``vae_precision`` into every one (the reviewer's find). Refused before any work, exit 4,
+    naming each rank's. Control: one image split across the ranks (rank 0 alone decodes) runs
+    and gives one process's bytes."""
+    out = tmp_path / "out"
+    out.mkdir()
+    r, codes = _fault("bf16-decoder", 2, _batch(ref["prompts"], out, 1), models, tmp_path)
+    assert codes == {0: 4, 1: 4}, r.stderr
+    assert "disagree on the decoder precision" in r.stderr and "rank 1: bf16" in r.stderr
+    assert not list(out.iterdir())
+    (tmp_path / "rc").rename(tmp_path / "rc-1")
+    r, codes = _fault("bf16-decoder", 2, _one(out / "one.png", 1), models, tmp_path)
+    assert codes == {0: 0, 1: 0}, r.stderr
+    assert (out / "one.png").read_bytes() == ref["one"], PARAMS
 
 
 def test_one_process_commands_refuse_mpi_ranks(tmp_path):

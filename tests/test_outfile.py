@@ -168,7 +168,11 @@ def test_a_dead_writers_temporary_is_swept_by_the_next_write(tmp_path):
     old = time.time() - outfile.STALE_TMP_S - 5
     names = {"stale": f".img.png.tmp-{dead}-0a1b2c3d", "live": f".img.png.tmp-{os.getpid()}-1",
              "recent": f".img.png.tmp-{dead}-2", "other": f".other.png.tmp-{dead}-3",
-             "odd": ".img.png.tmp-x-4"}
+             "odd": ".img.png.tmp-x-4",
+             # the user's own file of that prefix (not write_atomic's shape: 8 hex digits),
+             # and another output's temporary whose name holds this one's prefix
+             "users": f".img.png.tmp-{dead}-backup-before-edit",
+             "nested": f".img.png.tmp-{dead}-y.tmp-{os.getpid()}-cafebabe"}
     for key, n in names.items():
         (tmp_path / n).write_bytes(b"partial")
         if key != "recent":
@@ -177,3 +181,18 @@ def test_a_dead_writers_temporary_is_swept_by_the_next_write(tmp_path):
     assert out.read_bytes() == b"new"
     left = {p.name for p in tmp_path.iterdir()}
     assert left == {"img.png"} | {n for k, n in names.items() if k != "stale"}, left
+
+
+def test_writes_outside_a_cli_are_not_recorded(tmp_path):
+    """The record of completed writes (what an interrupted CLI names as written) is kept only
+    inside a CLI frame: a library loop of writes grew it forever (the reviewer's find)."""
+    from nxhpc.runtime import outfile
+    for k in range(50):
+        write_atomic(tmp_path / f"f{k}", lambda f: f.write(b"x"))
+    assert outfile._written() == []
+    mark = outfile.written_mark()                         # control: inside a frame, recorded
+    write_atomic(tmp_path / "g", lambda f: f.write(b"y"))
+    assert outfile.written_since(mark) == [str(tmp_path / "g")]
+    outfile.written_end(mark)
+    write_atomic(tmp_path / "h", lambda f: f.write(b"z"))
+    assert outfile._written() == []

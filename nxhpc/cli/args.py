@@ -291,12 +291,14 @@ def add_models_dir(p: argparse.ArgumentParser) -> None:
                         f"(default {MODELS_DIR_DEFAULT})")
 
 
-def add_stage_timeout(p: argparse.ArgumentParser) -> None:
-    """``--stage-timeout SECONDS`` (:func:`positive_float`; default None: no limit)."""
+def add_stage_timeout(p: argparse.ArgumentParser, ranks: bool = False) -> None:
+    """``--stage-timeout SECONDS`` (:func:`positive_float`; default None: no limit); ``ranks``:
+    the command runs under mpirun, where the startup checks are bounded too."""
+    also = ("; under mpirun also the startup checks of the arguments, before any model is "
+            "read") if ranks else ""
     p.add_argument("--stage-timeout", type=positive_float, default=None, metavar="SECONDS",
-                   help="kill the workers and fail (exit 6) when one parallel stage takes longer "
-                        "than this, e.g. a hung worker; under mpirun also each startup wait "
-                        "for the other ranks (default: no limit)")
+                   help=f"kill the workers and fail (exit 6) when one parallel stage takes longer "
+                        f"than this, e.g. a hung worker{also} (default: no limit)")
 
 
 def add_json(p: argparse.ArgumentParser) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 from nxhpc.cli.codes import (Exit, OutOfMemory, OutputError, UsageError, code_for,
                              too_many_open_files)
 from nxhpc.runtime.proc import Terminated, cli_signals, soft_limit
-from nxhpc.runtime.outfile import written_mark, written_since
+from nxhpc.runtime.outfile import written_end, written_mark, written_since
 
 __all__ = ["run_cli", "run_ranked", "error_printer"]
 
@@ -183,7 +183,7 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
                 + _written_before(out_mark))
             return int(Exit.SIGTERM)
         finally:
-            written_since(out_mark)        # forget this call's writes
+            written_end(out_mark)          # forget this call's writes, stop recording
             _sigbus_exit(None, bus)
             _cleanup(mark)
             _flush_or_drop_both()         # every path (an error after a print, Ctrl-C): the
@@ -348,8 +348,14 @@ def _import_out_of_memory(e: Exception) -> bool:
     or tokenizers' under ``ulimit -v``: "failed to map segment from shared object"), not a
     module that is missing."""
     text = str(e)
-    return isinstance(e, ImportError) and ("failed to map segment" in text
-                                           or "Cannot allocate memory" in text)
+    if not isinstance(e, ImportError) or "failed to map segment" not in text:
+        return False
+    if "Cannot allocate memory" in text:
+        return True
+    # no errno text (newer glibc): only where an address-space / data limit is set; a noexec
+    # mount ("Operation not permitted") is not memory
+    return ": " not in text.split("failed to map segment", 1)[1] and (
+        soft_limit("RLIMIT_AS") != "unlimited" or soft_limit("RLIMIT_DATA") != "unlimited")
 
 
 def _environment_error(e: Exception) -> Exception:
@@ -398,7 +404,9 @@ def _ranked_printer(prog: str, ranks: Any, err: Callable[[str], None]) -> Callab
         if msg.startswith("terminated"):
             if ranks.rank == 0:
                 err(f"{ranks.label}: terminated (SIGTERM: mpirun ends every rank when one dies "
-                    f"or the job is cancelled); workers stopped, shared memory released")
+                    f"or the job is cancelled); workers stopped, shared memory released"
+                    + (msg[msg.index("; written before it"):]
+                       if "; written before it" in msg else ""))
         elif ranks.rank == 0 or not msg.startswith(("interrupted", "hung up")):
             err(msg)
     return ranked_err

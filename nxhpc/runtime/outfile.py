@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 __all__ = ["OutputPathError", "check_output_path", "check_cli_output_path", "write_atomic",
-           "written_mark", "written_since"]
+           "written_mark", "written_since", "written_end"]
 
 #: The paths this thread's :func:`write_atomic` calls completed, in order: what a CLI
 #: interrupted after some of its outputs names as written (the exit code alone said "nothing").
@@ -28,12 +28,23 @@ _WRITTEN = threading.local()
 def _written() -> list[str]:
     if not hasattr(_WRITTEN, "paths"):
         _WRITTEN.paths = []
+        _WRITTEN.depth = 0
     return _WRITTEN.paths
 
 
+def _record(path: str) -> None:
+    """Note a completed write, only inside a CLI frame (a library loop must not grow a list)."""
+    paths = _written()
+    if _WRITTEN.depth > 0:
+        paths.append(path)
+
+
 def written_mark() -> int:
-    """A mark of this thread's completed writes, for :func:`written_since`."""
-    return len(_written())
+    """A mark of this thread's completed writes, for :func:`written_since`; starts recording
+    until the matching :func:`written_since`."""
+    paths = _written()
+    _WRITTEN.depth += 1
+    return len(paths)
 
 
 def written_since(mark: int) -> list[str]:
@@ -43,6 +54,12 @@ def written_since(mark: int) -> list[str]:
     done = paths[mark:]
     del paths[mark:]
     return done
+
+
+def written_end(mark: int) -> None:
+    """End the recording :func:`written_mark` started (once per mark)."""
+    written_since(mark)
+    _WRITTEN.depth = max(0, _WRITTEN.depth - 1)
 
 
 class OutputPathError(ValueError):
@@ -162,15 +179,20 @@ def _sweep_dead_writers(real: Path) -> None:
     """Remove ``.NAME.tmp-PID-*`` siblings of ``real`` left by writers that died without their
     cleanup (SIGKILL, a crash, power loss): the pid no longer runs here and the file is older
     than :data:`STALE_TMP_S`. Best effort: any error leaves the file."""
+    import re
     import time
+    shape = re.compile(rf"\.{re.escape(real.name)}\.tmp-([0-9]+)-[0-9a-f]{{8}}")
     try:
-        siblings = list(real.parent.glob(f".{real.name}.tmp-*-*"))
+        siblings = [e for e in os.scandir(real.parent) if shape.fullmatch(e.name)]
     except OSError:
         return
-    for t in siblings:
+    for e in siblings:
+        t = Path(e.path)
         try:
-            pid = int(t.name[len(real.name) + 6:].split("-")[0])
-            if pid <= 0 or time.time() - t.lstat().st_mtime < STALE_TMP_S:
+            pid = int(shape.fullmatch(t.name).group(1))
+            st = t.lstat()
+            if pid <= 0 or not stat.S_ISREG(st.st_mode) \
+                    or time.time() - st.st_mtime < STALE_TMP_S:
                 continue
             try:
                 os.kill(pid, 0)
@@ -196,7 +218,7 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     if _in_place(str(path)) and os.path.exists(path):
         with open(path, "wb") as f:
             write(f)
-        _written().append(os.fspath(path))
+        _record(os.fspath(path))
         return
     real = Path(os.path.realpath(path))
     _sweep_dead_writers(real)
@@ -207,7 +229,7 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
             f.flush()
             os.fsync(f.fileno())          # a full disk must fail here, not after the rename
         os.replace(tmp, real)
-        _written().append(os.fspath(path))
+        _record(os.fspath(path))
     finally:
         try:
             os.unlink(tmp)

@@ -22,10 +22,11 @@ Failure protocol (every wait polls, so signals are seen and a peer's failure end
   sends SIGTERM to the others, which their poll loops turn into :class:`~nxhpc.runtime.proc.
   Terminated` (exit 143 on every surviving rank; mpirun names the rank that died).
 * A rank that hangs is caught by the waits' timeout (``--stage-timeout``): the first rank to
-  time out fails as above. The startup waits (the command-line check, the agreement checks,
-  rank 0's inputs) are bounded by it too (:attr:`Ranks.timeout`); the waits for results a
-  rank makes alone (its own images, rank 0's decode before the exit code) are not: their
-  ranks' own stages are.
+  time out fails as above. The startup waits before any model work (the command-line check,
+  the arguments' and kernels' agreement) are bounded by it too (:attr:`Ranks.timeout`); the
+  waits that follow work a rank does alone or unevenly (opening its models, which may
+  generate a built-in; rank 0 reading the inputs; its own images; rank 0's decode before the
+  exit code) are not: those ranks' own stages are.
 
 Nothing leaks either way: the arena is unlinked when it is created and workers die with their
 rank (:mod:`nxhpc.runtime.shm`, :mod:`nxhpc.runtime.proc`).
@@ -356,10 +357,11 @@ class Ranks:
                                      [buf, (counts, displs), self.MPI.BYTE], root=root), what)
         return [pickle.loads(buf[d:d + n].tobytes()) for d, n in zip(displs, counts)]
 
-    def same(self, what: str, value: Any) -> None:
+    def same(self, what: str, value: Any, *, bounded: bool = True) -> None:
         """:class:`RankMismatchError` on every rank unless every rank's ``value`` is equal
-        (the message lists each rank's)."""
-        listing = self._differ(value, what)
+        (the message lists each rank's); the wait bounded by :attr:`timeout` unless not
+        ``bounded`` (a check after each rank opened its models: a built-in may be generated)."""
+        listing = self._differ(value, what, bounded)
         if listing:
             raise RankMismatchError(f"the {self.size} MPI ranks disagree on {what} ({listing}); "
                                     f"every rank must run the same files and arguments")
@@ -377,10 +379,10 @@ class Ranks:
                                     f"({listing}); every rank must run the same files and "
                                     f"arguments")
 
-    def _differ(self, value: Any, what: str) -> str:
+    def _differ(self, value: Any, what: str, bounded: bool = True) -> str:
         """Every rank's ``value`` listed (``"rank 0: a; rank 1: b"``) if they are not all
         equal, else ``""``."""
-        vals = self.allgather(value, f"the check of {what}")
+        vals = self.allgather(value, f"the check of {what}", bounded=bounded)
         if all(v == vals[0] for v in vals):
             return ""
         return "; ".join(f"rank {k}: {v}" for k, v in enumerate(vals))

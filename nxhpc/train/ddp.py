@@ -329,6 +329,7 @@ def _worker_main(rank: int, workers: int, ar: _Arith, seg: ShmSegment, barrier, 
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)      # the parent handles Ctrl-C
         signal.signal(signal.SIGTERM, signal.SIG_DFL)     # (not the CLI's handler, inherited)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)      # a hang-up is the parent's too
         proc.die_with_parent(parent_pid, exit_code=3)     # whichever thread forked us
         timeout = _barrier_timeout(timeout)
         try:
