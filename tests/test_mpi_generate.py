@@ -225,25 +225,18 @@ if mode == "raise" and rank == 1:              # a worker's task raises on this 
 elif mode == "hang-start" and rank == 1:      # stuck before the first exchange (a stopped
     import time                                # process, a read that never returns)
     time.sleep(300)
-elif mode == "slow-setup" and rank == 0:     # built-ins generated, prompts read from a slow
-    import time                                # stdin: rank 0 alone, before the broadcast
-    import nxhpc.generate as g
-    real_setup = g._setup
-    def setup(*a, **k):
-        time.sleep(3)
-        return real_setup(*a, **k)
-    g._setup = setup
+elif mode.startswith("slow-") and rank == 0:  # rank 0's own work, past the stage timeout:
+    import time                                # the setup (built-ins generated, a slow stdin),
+    import nxhpc.generate as g                 # or the decode of one image
+    from nxhpc.vae.model import VaeDecoder
+    owner, name = {"slow-setup": (g, "_setup"), "slow-decode": (VaeDecoder, "decode")}[mode]
+    def slow(*a, real=getattr(owner, name), **k):
+        time.sleep(5)
+        return real(*a, **k)
+    setattr(owner, name, slow)
 elif mode == "bf16-decoder" and rank == 1:   # rank 1's CPU decodes q8 runs in bf16 (a Zen 4
     import nxhpc.generate as g               # beside AVX2 nodes: the same "simd" kernel class)
     g.decoder_precision = lambda precision: "bf16"
-elif mode == "slow-decode" and rank == 0:     # rank 0 alone decodes, longer than the timeout
-    import time
-    from nxhpc.vae.model import VaeDecoder
-    real_decode = VaeDecoder.decode
-    def decode(self, *a, **k):
-        time.sleep(6)
-        return real_decode(self, *a, **k)
-    VaeDecoder.decode = decode
 elif mode == "nan":                            # every rank: the split call's output is NaN
     import numpy as np
     from nxhpc.dit.denoiser import Denoiser
@@ -303,26 +296,15 @@ def test_a_rank_stuck_before_the_first_exchange_is_caught_by_the_stage_timeout(m
     assert not out.exists()
 
 
-def test_the_stage_timeout_does_not_bound_rank_0s_setup(models, ref, tmp_path):
-    """Rank 0 alone resolves the models (generating a built-in on first use: minutes at real
-    size) and reads the prompts (a slow stdin) before it broadcasts the run's setup, and each
-    rank opens its models before their check: those waits span work, not a stage, and a stage
-    timeout below them failed the run with "another rank is hung" (the reviewer's find). Same
-    bytes as one process."""
+@pytest.mark.parametrize("mode", ["slow-setup", "slow-decode"])
+def test_the_stage_timeout_does_not_bound_rank_0s_own_work(models, ref, tmp_path, mode):
+    """Rank 0 alone resolves the models (a built-in generated on first use: minutes at real
+    size) and reads the prompts (a slow stdin) before it broadcasts the run's setup, and alone
+    decodes one image while its peers wait for the exit code. Those waits span work, not a
+    stage: a stage timeout below them (each stage well within it) failed the run with "another
+    rank is hung" (the reviewer's find, for the setup). Same bytes as one process."""
     out = tmp_path / "img.png"
-    r, codes = _fault("slow-setup", 2, _one(out, 1) + ["--stage-timeout", "1"], models,
-                      tmp_path)
-    assert codes == {0: 0, 1: 0}, r.stdout + r.stderr
-    assert out.read_bytes() == ref["one"], PARAMS
-
-
-def test_the_stage_timeout_does_not_bound_rank_0s_decode(models, ref, tmp_path):
-    """One image under mpirun: rank 0 alone decodes while its peers wait for the exit code.
-    That wait spans a whole decode, not a stage: a decode longer than ``--stage-timeout`` (each
-    of its stages well within it) must not fail the job. Same bytes as one process."""
-    out = tmp_path / "img.png"
-    r, codes = _fault("slow-decode", 2, _one(out, 1) + ["--stage-timeout", "3"], models,
-                      tmp_path)
+    r, codes = _fault(mode, 2, _one(out, 1) + ["--stage-timeout", "2"], models, tmp_path)
     assert codes == {0: 0, 1: 0}, r.stdout + r.stderr
     assert out.read_bytes() == ref["one"], PARAMS
 
