@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import signal
 import sys
 
 import numpy as np
 
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
 from nxhpc.cli.codes import Exit, UsageError, codes_epilog
-from nxhpc.cli.frame import run_cli
+from nxhpc.cli.frame import run_cli, signal_exit
 from nxhpc.cli.report import save_bytes
 from nxhpc.runtime.outfile import OutputPathError, check_cli_output_path
 from nxhpc.runtime.proc import Terminated
@@ -259,15 +258,12 @@ def _run_mpi(args: argparse.Namespace) -> int:
         return Exit.USAGE
     import importlib.util
     if importlib.util.find_spec("sklearn") is None:   # every rank alike: no abort, one code
-        raise UsageError("the diabetes data set comes with scikit-learn: pip install "
-                         "'nxhpc[train]' (or scikit-learn)")
+        raise UsageError(train.SKLEARN_TEXT)
     try:
         data, head, report = _setup(args)
         res = train.train_mpi(comm, args.steps, cfg=args.cfg, data=data)
     except (KeyboardInterrupt, Terminated) as e:   # peers block in Sendrecv: abort the job
-        code, what = ((Exit.SIGINT, "interrupted (SIGINT)") if not isinstance(e, Terminated)
-                      else (Exit.SIGHUP, "hung up (SIGHUP)") if e.signum == signal.SIGHUP
-                      else (Exit.SIGTERM, "terminated (SIGTERM)"))
+        code, what = signal_exit(e)
         print(f"{PROG}: error: MPI rank {rank} {what}", file=sys.stderr, flush=True)
         comm.Abort(int(code))
         return code

@@ -31,7 +31,7 @@ from nxhpc.cli.codes import (Exit, OutOfMemory, OutputError, UsageError, code_fo
 from nxhpc.runtime.proc import Terminated, cli_signals, soft_limit
 from nxhpc.runtime.outfile import written_end, written_mark, written_since
 
-__all__ = ["run_cli", "run_ranked", "error_printer"]
+__all__ = ["run_cli", "run_ranked", "error_printer", "signal_exit"]
 
 
 def error_printer(prog: str) -> Callable[[str], None]:
@@ -170,24 +170,26 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
             if code not in (Exit.PASS, Exit.FAIL) and interrupt is not None:
                 raise interrupt
             return int(code)
-        except KeyboardInterrupt:
-            err("interrupted (SIGINT); workers stopped, shared memory released"
-                + _written_before(out_mark))
-            return int(Exit.SIGINT)
-        except Terminated as t:
-            if t.signum == signal.SIGHUP:
-                err("hung up (SIGHUP: the terminal or session closed); workers stopped, shared "
-                    "memory released" + _written_before(out_mark))
-                return int(Exit.SIGHUP)
-            err("terminated (SIGTERM); workers stopped, shared memory released"
-                + _written_before(out_mark))
-            return int(Exit.SIGTERM)
+        except (KeyboardInterrupt, Terminated) as e:
+            code, what = signal_exit(e)
+            err(f"{what}; workers stopped, shared memory released{_written_before(out_mark)}")
+            return int(code)
         finally:
             written_end(out_mark)          # forget this call's writes, stop recording
             _sigbus_exit(None, bus)
             _cleanup(mark)
             _flush_or_drop_both()         # every path (an error after a print, Ctrl-C): the
             #                               code above stands, not the exit flush's 120
+
+
+def signal_exit(e: BaseException) -> tuple[Exit, str]:
+    """The exit code and words of a signal's exception: KeyboardInterrupt (SIGINT) or
+    :class:`~nxhpc.runtime.proc.Terminated` (SIGTERM, SIGHUP)."""
+    if not isinstance(e, Terminated):
+        return Exit.SIGINT, "interrupted (SIGINT)"
+    if e.signum == signal.SIGHUP:
+        return Exit.SIGHUP, "hung up (SIGHUP: the terminal or session closed)"
+    return Exit.SIGTERM, "terminated (SIGTERM)"
 
 
 def _written_before(mark: int) -> str:

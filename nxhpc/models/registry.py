@@ -348,10 +348,7 @@ def open_denoiser(model: str | os.PathLike, *, workers: int | None = None,
                        + ", ".join(builtin_ids("denoiser")) + ", zimage-dit-<N>l")
     d, g = resolve_model(model, models_dir, gguf_path)
     if g is None:             # a folder a download went into: its only .gguf, any name
-        try:
-            g = one_gguf(d)
-        except ModelNotFoundError as e:
-            raise ModelNotFoundError(f"{e} (a denoiser runs from a GGUF file)") from None
+        g = one_gguf(d, "a denoiser runs from a GGUF file")
     return Denoiser(g, workers=workers, directory=d, **options)
 
 
@@ -372,19 +369,21 @@ def open_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | No
     return Model(d, g, fx)
 
 
-def one_gguf(d: Path) -> Path:
+def one_gguf(d: Path, runs_from: str = "") -> Path:
     """The GGUF of a directory: its ``model.gguf``, else its only ``*.gguf`` file (a folder a
-    download went into); ModelNotFoundError naming them when there are none or several."""
+    download went into); ModelNotFoundError naming them when there are none or several
+    (``runs_from``, if given, follows in brackets: what the model runs from)."""
     if (d / GGUF_FILE).is_file():
         return d / GGUF_FILE
     found = sorted(p for p in d.glob("*.gguf") if p.is_file())
     if len(found) == 1:
         return found[0]
+    hint = f" ({runs_from})" if runs_from else ""
     if not found:
-        raise ModelNotFoundError(f"{d}: no .gguf file in this directory")
+        raise ModelNotFoundError(f"{d}: no .gguf file in this directory{hint}")
     names = ", ".join(p.name for p in found[:6]) + (", ..." if len(found) > 6 else "")
     raise ModelNotFoundError(f"{d}: {len(found)} .gguf files ({names}); give the path of the "
-                             f"one to use")
+                             f"one to use{hint}")
 
 
 def open_text_encoder(model: str | os.PathLike, *, workers: int | None = None,
@@ -403,11 +402,7 @@ def open_text_encoder(model: str | os.PathLike, *, workers: int | None = None,
                        "text encoders: " + ", ".join(builtin_ids(TEXT_ENCODER_KIND)))
     d, g = resolve_model(model, models_dir, gguf_path)
     if g is None:
-        try:
-            g = one_gguf(d)
-        except ModelNotFoundError as e:
-            raise ModelNotFoundError(f"{e} (a text encoder runs from a llama.cpp-layout Qwen3 "
-                                     f"GGUF)") from None
+        g = one_gguf(d, "a text encoder runs from a llama.cpp-layout Qwen3 GGUF")
     return TextEncoder(g, workers=workers, precision=precision, directory=d, **options)
 
 

@@ -22,6 +22,8 @@ __all__ = ["conv3x3_band", "conv1x1_band", "linear_band", "CONV_PRECISIONS",
 
 #: The precisions a convolution runs in (the matmul's; no Q8_0 weights come in these files).
 CONV_PRECISIONS = ("f32", "bf16")
+
+
 def _bf16_dot() -> str:
     """Which bfloat16 dot this CPU runs faster, "vdpbf16ps" or "fma" (the attention's choice:
     ``nxhpc._kernels.attention_bf16_dot``, the two peak loops timed once)."""

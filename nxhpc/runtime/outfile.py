@@ -41,7 +41,7 @@ def _record(path: str) -> None:
 
 def written_mark() -> int:
     """A mark of this thread's completed writes, for :func:`written_since`; starts recording
-    until the matching :func:`written_since`."""
+    until the matching :func:`written_end`."""
     paths = _written()
     _WRITTEN.depth += 1
     return len(paths)
@@ -183,13 +183,13 @@ def _sweep_dead_writers(real: Path) -> None:
     import time
     shape = re.compile(rf"\.{re.escape(real.name)}\.tmp-([0-9]+)-[0-9a-f]{{8}}")
     try:
-        siblings = [e for e in os.scandir(real.parent) if shape.fullmatch(e.name)]
+        found = [(Path(e.path), m) for e in os.scandir(real.parent)
+                 if (m := shape.fullmatch(e.name))]
     except OSError:
         return
-    for e in siblings:
-        t = Path(e.path)
+    for t, m in found:
         try:
-            pid = int(shape.fullmatch(t.name).group(1))
+            pid = int(m.group(1))
             st = t.lstat()
             if pid <= 0 or not stat.S_ISREG(st.st_mode) \
                     or time.time() - st.st_mtime < STALE_TMP_S:

@@ -222,10 +222,6 @@ class Ranks:
         return bands(m, self.size)
 
     # -- waiting
-    def _side_ready(self) -> bool:
-        """Whether the notices' communicator exists (the first exchange has completed)."""
-        return self._side is not None
-
     def _make_side(self) -> None:
         """The notices' communicator and its notice receive: after the first exchange, which
         every rank has reached (a blocking Dup, the same collective on every rank)."""
@@ -234,7 +230,7 @@ class Ranks:
                                           source=self.MPI.ANY_SOURCE, tag=_NOTICE_TAG)
 
     def _check_notice(self) -> None:
-        if not self._side_ready():
+        if self._side is None:               # before the first exchange: no notices yet
             return
         if self._note_req is not None and self._note_req.Test():
             self._note_req = None
@@ -411,7 +407,7 @@ class Ranks:
         if self.failed:
             return []
         self.failed = True
-        if not self._side_ready():
+        if self._side is None:
             return []
         MPI = self.MPI
         note = bytearray(_NOTICE_BYTES)
@@ -477,7 +473,7 @@ class Ranks:
     def printed(self, failed_too: list[tuple[int, str]] = (), timeout: float = 1.0) -> None:
         """After :meth:`fail` and this rank's error line: let the peers that acknowledged
         (not those in ``failed_too``, which failed themselves) exit now."""
-        if not self._side_ready():
+        if self._side is None:
             return
         MPI = self.MPI
         skip = {k for k, _ in failed_too}

@@ -38,7 +38,7 @@ from nxhpc.train.ring import ShmSegment, ring_allreduce_mpi, ring_allreduce_shm
 
 __all__ = [
     "MLPConfig", "Dataset", "TrainResult", "DDPWorkerError", "DDPOverflowError", "DDPTimeoutError",
-    "DAEMON_TEXT",
+    "DAEMON_TEXT", "SKLEARN_TEXT",
     "SHM_PREFIX",
     "load_diabetes", "init_params", "param_layout", "q16_shard_grad", "f32_shard_grad",
     "train_full_batch", "train_shm", "train_mpi", "weights_sha256",
@@ -70,6 +70,8 @@ class DDPOverflowError(DDPWorkerError, Q16OverflowError):
 
 
 #: Why the shm backend cannot run in a daemonic process (multiprocessing refuses it children).
+SKLEARN_TEXT = ("the diabetes data set comes with scikit-learn: pip install 'nxhpc[train]' "
+                "(or scikit-learn)")
 DAEMON_TEXT = ("the shm backend forks its workers, and this is a daemonic process (e.g. a "
                "multiprocessing.Pool worker), which multiprocessing allows no children: run it "
                "from a non-daemonic process (a multiprocessing.Process, or the main one)")
@@ -156,8 +158,7 @@ def load_diabetes() -> Dataset:
     try:
         from sklearn.datasets import load_diabetes as _load
     except ImportError as e:  # an optional dependency: say how to get it
-        raise ImportError("the diabetes data set comes with scikit-learn: "
-                          "pip install 'nxhpc[train]' (or scikit-learn)") from e
+        raise ImportError(SKLEARN_TEXT) from e
     x, y = _load(return_X_y=True)
     x = (x - x.mean(axis=0)) / x.std(axis=0)
     y = (y - y.mean()) / y.std()
