@@ -580,11 +580,11 @@ def _png_fields(args, prompt: str, negative: str | None, job: Job, height: int, 
     Their ``CFG scale`` is ``neg + cfg * (pos - neg)`` (1: no guidance), so it is written as
     ``guidance_scale + 1``: diffusers' ``pos + G * (pos - neg)`` is that with cfg = G + 1; the
     ``guidance_scale`` chunk keeps G."""
-    seed = job.seed if job.seed is not None else None
+    seed = job.seed
     line = ", ".join(f"{k}: {v}" for k, v in (
         ("Steps", args.steps), ("Sampler", "Euler (flow matching)"), ("Shift", args.shift),
         ("CFG scale", f"{args.guidance_scale + 1:g}"),
-        ("Seed", seed if seed is not None else "noise"),
+        *((("Seed", seed),) if seed is not None else ()),    # a readable int, or none (noise)
         ("Size", f"{width}x{height}"), ("Model", meta["model"]),
         ("Text encoder", meta["text_encoder"]), ("VAE", meta["vae"]),
         ("Precision", args.precision + (f" ({args.q8_float_weights} float weights, VAE "

@@ -311,7 +311,7 @@ def _run(args, ranks=None) -> int:
               "workers": workers, "height": height, "width": width,
               "latent_shape": list(lat.shape), "caption_tokens": int(cap.shape[0]),
               "steps": args.steps, "shift": args.shift, "precision": args.precision,
-              "q8_float_weights": args.q8_float_weights,
+              "q8_float_weights": args.q8_float_weights if args.precision == "q8" else None,
               "sigmas": [round(float(s), 9) for s in turbo_sigmas(args.steps, args.shift)],
               "seed": seed, "noise": args.noise, "open_s": round(open_s, 6),
               "step_s": [round(s, 6) for s in step_s], "total_s": round(total_s, 6),

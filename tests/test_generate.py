@@ -462,7 +462,11 @@ def test_generate_fresh_machine_defaults(tmp_path):
     np.save(noise, initial_noise(0, (16, 8, 8)))
     rep = _generate(root, "--prompt", "a fox", "--noise", noise, "--out", tmp_path / "n.png")
     assert rep["seeds"] is None and rep["height"] == 64
-    np.testing.assert_array_equal(_png(tmp_path / "n.png")[0], got)
+    got_n, text_n = _png(tmp_path / "n.png")
+    np.testing.assert_array_equal(got_n, got)
+    # no seed drew it: no Seed entry (other tools read Seed as an int) and no seed chunk
+    assert "seed" not in text_n and text_n["noise"] == "n.npy"
+    assert "Seed" not in text_n["parameters"] and "Size: 64x64" in text_n["parameters"]
 
 
 def test_generate_several_images(models_root, tmp_path):
