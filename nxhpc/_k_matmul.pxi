@@ -118,11 +118,6 @@ cdef object _weight_bytes(str fn, str name, object w, str tname, Py_ssize_t E, P
     return w
 
 
-cdef object _q8_rows(str fn, str name, object w, int ndim):
-    """Raw Q8_0 bytes: uint8, C-contiguous, `ndim` dims (-1: >= 1), rows of whole 34-byte blocks."""
-    return _weight_bytes(fn, name, w, "Q8_0", QK8_0, Q8_0_BLOCK_BYTES, ndim)
-
-
 cdef _no_alias(str fn, str out_name, object out, str in_name, object a):
     if a is not None and np.may_share_memory(out, a):
         raise ValueError(f"{fn}: {out_name} must not overlap {in_name}")

@@ -37,6 +37,15 @@ if _MAX_ISA and _MAX_ISA not in _ISA_BY_NAME:
     raise SettingError(f"NXHPC_MAX_ISA={_MAX_ISA!r}: must be one of {', '.join(_ranked)} "
                        "(or unset)")
 
+# NXHPC_DISABLE_SIMD: "1" runs the scalar spec, "0" or unset the SIMD kernels. The C reads any
+# other non-empty value as "1": "false" or "off" would silently run 60x slower, so it is an
+# error here too.
+_DISABLE_SIMD = os.environ.get("NXHPC_DISABLE_SIMD", "")
+if _DISABLE_SIMD not in ("", "0", "1"):
+    from nxhpc.runtime.checks import SettingError
+    raise SettingError(f"NXHPC_DISABLE_SIMD={_DISABLE_SIMD!r}: must be 1 (the scalar path), 0 "
+                       "or unset")
+
 # Families whose dispatch is not yet a C table register {name: callable(isa index) -> ISA name}
 # here from their .pxi (kernel_variants() merges them with the C registry). Prefer a C table.
 _VARIANT_OF = {}

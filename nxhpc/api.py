@@ -3,7 +3,8 @@
 ``nxhpc.load_model`` / ``nxhpc.load_denoiser`` / ``nxhpc.load_text_encoder`` /
 ``nxhpc.load_vae`` / ``nxhpc.generate_image``).
 
-Owns nothing but the public spelling: it delegates to ``nxhpc.models.open_model``; the returned
+The loaders delegate to ``nxhpc.models.registry``'s ``open_*``; ``generate_image`` runs the
+three models in the order ``python -m nxhpc.generate`` does. ``load_model``'s returned
 model's ``block(i)`` is an ``nxhpc.dit.block.Block`` whose ``forward`` returns ``(output, timings)``.
 Several blocks of different kinds and token counts in one call (a denoiser: refiners on image and
 caption rows, the main layers on the joint rows) run on one ``nxhpc.dit.plan.Engine``: bind the
@@ -161,7 +162,8 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
     from nxhpc.nn.conv import decoder_precision
     from nxhpc.nn.linear import check_precision, check_q8_float_weights
     from nxhpc.qwen3.tokenizer import check_text
-    from nxhpc.runtime.workers import check_timeout, usable_cpus
+    from nxhpc.runtime.checks import check_workers
+    from nxhpc.runtime.workers import check_timeout
     from nxhpc.vae.image import to_uint8
 
     # every check that needs no model first
@@ -197,10 +199,7 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
     check_precision(precision)
     if q8_float_weights is not None:
         check_q8_float_weights(q8_float_weights)
-    if workers is None:
-        workers = usable_cpus()
-    elif isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
-        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    workers = check_workers(workers)      # None: the usable CPUs; at most max_workers()
     stage_timeout = check_timeout(stage_timeout)
     # every model found (a built-in generated) before any is opened
     resolve_model(names["model"], models_dir)

@@ -42,7 +42,7 @@ import numpy as np
 
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
 from nxhpc.api import DEFAULT_PX, TINY, TINY_PX   # the tiny fallback, the library's
-from nxhpc.cli.codes import Exit, InputError, NotFound, OutputError, UsageError, codes_epilog
+from nxhpc.cli.codes import Exit, InputError, OutputError, UsageError, codes_epilog
 from nxhpc.cli.frame import on_every_rank, run_ranked
 from nxhpc.cli.progress import Progress
 from nxhpc.cli.report import peak_rss_mb, png_text, print_report
@@ -359,6 +359,8 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
     if whole:                     # per CPU (bf16 unit or not): every rank decodes its images
         ranks.same("the decoder precision (under q8, bf16 where this CPU's bf16 matmul is "
                    "faster: every rank decodes some of the images)", vae_precision)
+        if vae_precision != args.precision:      # q8's class of bits says nothing of the
+            ranks.same_kernels(vae_precision)    # decoder's (f32 on AVX2 and AVX-512 differ)
     n_encode = len({j.prompt for j in mine}) + (1 if cfg_on else 0)
     progress = Progress(n_encode + len(mine) * (args.steps + 1), not args.no_progress and lead,
                         PROG, "op", stage="open")
@@ -536,8 +538,6 @@ def _encode(te: str, prompts: list[str], which: list[int], negative: str | None,
     every rank checks the models alike). Returns (features by prompt index, negative features
     or None, the encoder's file name)."""
     import nxhpc
-    if not hasattr(nxhpc, "load_text_encoder"):       # pragma: no cover - an older tree
-        raise NotFound("this nxhpc has no text encoder (nxhpc.load_text_encoder)")
     with nxhpc.load_text_encoder(te, workers=workers, precision=args.precision,
                                  models_dir=args.models_dir, stage_timeout=args.stage_timeout,
                                  q8_float_weights=args.q8_float_weights) as enc:

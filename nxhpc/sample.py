@@ -307,7 +307,7 @@ def _run(args, ranks=None) -> int:
         return Exit.PASS
 
     lat, step_s, last, total_s = runs[seeds[0]]
-    report = {"model": args.model, "config": cfg.summary() if hasattr(cfg, "summary") else None,
+    report = {"model": args.model, "config": cfg.summary(),
               "workers": workers, "height": height, "width": width,
               "latent_shape": list(lat.shape), "caption_tokens": int(cap.shape[0]),
               "steps": args.steps, "shift": args.shift, "precision": args.precision,

@@ -362,7 +362,9 @@ def test_generate_image_checks_its_arguments_before_any_model(models_root, monke
            ({"height": 64.0, "width": 64}, ValueError, "multiple of 16"),
            ({"height": 32768, "width": 16}, ValueError, "at most 16384"),
            ({"on_step": 3}, TypeError, "on_step must be callable"),
-           ({"workers": 0}, ValueError, "workers must be an int >= 1"),
+           ({"workers": 0}, ValueError, "workers must be an integer >= 1"),
+           ({"workers": 10**6}, ValueError, "workers must be at most"),    # no million forks
+           ({"workers": True}, ValueError, "workers must be an integer"),
            ({"precision": "fp8"}, ValueError, "precision"),
            ({"q8_float_weights": "int4"}, ValueError, "q8_float_weights"),
            ({"model": "tiny-dit", "text_encoder": "no-such-te", "vae": "tiny-vae"},

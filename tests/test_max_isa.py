@@ -70,6 +70,25 @@ def test_bad_cap_is_a_usage_error():
     assert "NXHPC_MAX_ISA='AMX'" in r.stderr and "auto" not in r.stderr.splitlines()[-1]
 
 
+@pytest.mark.parametrize("value", ["false", "off", "no", " 0", "00", "true"])
+def test_bad_disable_simd_is_a_usage_error(value):
+    """``NXHPC_DISABLE_SIMD=false`` ran the scalar path (the C takes any non-empty value but
+    "0" as on; the numerics helper's find): 60x slower and other bits, silently. Only 1, 0 or
+    unset are taken now. Controls: 1 runs the scalar kernels, 0 the SIMD ones."""
+    env = dict(_env(None), NXHPC_DISABLE_SIMD=value)
+    r = subprocess.run([sys.executable, "-m", "nxhpc.blockrun", "tiny", "1"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert f"NXHPC_DISABLE_SIMD={value!r}: must be 1" in r.stderr and "Traceback" not in r.stderr
+    code = "import nxhpc; print(nxhpc.kernel_variants()['matmul'])"
+    for on, want in (("1", "generic"), ("0", max(ISAS, key=RANK.get))):
+        env = dict(_env(None), NXHPC_DISABLE_SIMD=on)
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0 and RANK[r.stdout.strip()] <= RANK[want], r.stderr
+        assert (r.stdout.strip() == "generic") == (on == "1" or want == "generic"), r.stdout
+
+
 def _block(tmp_path, name, cap, precision, workers):
     out = tmp_path / f"{name}.npy"
     r = subprocess.run([sys.executable, "-m", "nxhpc.blockrun", "tiny", str(workers),

@@ -237,6 +237,9 @@ elif mode.startswith("slow-") and rank == 0:  # rank 0's own work, past the stag
 elif mode == "bf16-decoder" and rank == 1:   # rank 1's CPU decodes q8 runs in bf16 (a Zen 4
     import nxhpc.generate as g               # beside AVX2 nodes: the same "simd" kernel class)
     g.decoder_precision = lambda precision: "bf16"
+elif mode == "avx512-f32" and rank == 1:     # an AVX-512 CPU without a bf16 unit beside
+    import nxhpc.runtime.ranks as rk           # AVX2 ones: one class of q8 bits, other f32 bits
+    rk.kernel_bits = lambda p, real=rk.kernel_bits: "avx512" if p == "f32" else real(p)
 elif mode == "nan":                            # every rank: the split call's output is NaN
     import numpy as np
     from nxhpc.dit.denoiser import Denoiser
@@ -325,6 +328,29 @@ def test_ranks_that_would_decode_at_other_precisions_are_refused(models, ref, tm
     r, codes = _fault("bf16-decoder", 2, _one(out / "one.png", 1), models, tmp_path)
     assert codes == {0: 0, 1: 0}, r.stderr
     assert (out / "one.png").read_bytes() == ref["one"], PARAMS
+
+
+def test_ranks_whose_decoders_give_other_bits_are_refused(models, ref, tmp_path):
+    """Whole images per rank under q8 on AVX2 and AVX-512 CPUs without a bf16 unit: the q8
+    denoiser's bits are one class there, but each rank decodes its images in f32, whose
+    attention gives other bits on AVX-512 (the numerics helper's find, from the code): some
+    PNGs would differ from one process's. Refused before any work, exit 4, naming the f32
+    bits. Control: one image split across the ranks (rank 0 alone decodes) runs and gives one
+    process's bytes."""
+    out = tmp_path / "out"
+    out.mkdir()
+    r, codes = _fault("avx512-f32", 2, _batch(ref["prompts"], out, 1) + ["--precision", "q8"],
+                      models, tmp_path)
+    assert codes == {0: 4, 1: 4}, r.stderr
+    assert "run kernels that give different f32 bits" in r.stderr and "avx512" in r.stderr
+    assert not list(out.iterdir())
+    (tmp_path / "rc").rename(tmp_path / "rc-1")
+    q8 = ["--precision", "q8"]
+    r, codes = _fault("avx512-f32", 2, _one(out / "one.png", 1) + q8, models, tmp_path)
+    assert codes == {0: 0, 1: 0}, r.stderr
+    r = mpirun(1, _one(tmp_path / "alone.png", 1) + q8, models)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / "one.png").read_bytes() == (tmp_path / "alone.png").read_bytes(), PARAMS
 
 
 def test_one_process_commands_refuse_mpi_ranks(tmp_path):

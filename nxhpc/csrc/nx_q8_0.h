@@ -17,14 +17,8 @@
 #include "nx_matmul.h"
 #include "nx_wtype.h"
 
-/* Older names of what is now generic (kept so code written against them still builds). */
+/* Bytes of one Q8_0 block: a float16 scale and 32 int8 codes. */
 #define NX_Q8_0_BLOCK_BYTES 34
-#define NX_Q8_0_CHAIN NX_MM_CHAIN
-#define NX_Q8_0_DOT_ROWS NX_MM_DOT_ROWS
-#define nx_q8_0_dot_rows nx_mm_dot_rows
-#define nx_q8_0_dequantize_generic nx_dequant_q8_0_generic
-#define nx_q8_0_dequantize_avx2 nx_dequant_q8_0_avx2
-#define nx_q8_0_dequantize_avx512 nx_dequant_q8_0_avx512
 
 /* ---- quantize: x[nblocks*32] -> nblocks Q8_0 blocks, byte-identical to gguf / ggml reference:
  *   amax = max |x| (NaN if any x is NaN); d = amax / 127; id = d == 0 ? 0 : 1/d  (float32)
@@ -60,16 +54,5 @@ NX_DECLARE_FAMILY(nx_q8_0, NX_Q8_0_SLOTS)
 extern const nx_q8_0_table nx_q8_0_table_generic; /* nx_q8_0.c */
 extern const nx_q8_0_table nx_q8_0_table_avx2;    /* nx_q8_0_avx2.c */
 extern const nx_q8_0_table nx_q8_0_table_avx512;  /* nx_q8_0_avx512.c */
-
-/* ---- the Q8_0 weight type under its old names (same arithmetic: nx_wtype.h, nx_matmul.h). */
-static inline void nx_q8_0_dequantize(nx_isa isa, const uint8_t *w /* IN [nblocks*34] */,
-                                      float *out /* OUT [nblocks*32] */, size_t nblocks) {
-    (void)nx_dequantize(isa, NX_GGML_Q8_0, w, out, nblocks);
-}
-static inline int nx_q8_0_matmul(nx_isa isa, const float *x /* IN [T*K] */,
-                                 const uint8_t *w /* IN [N*K/32*34] */, float *out /* OUT [T*N] */,
-                                 size_t T, size_t K, size_t N, size_t n0, size_t n1) {
-    return nx_matmul(isa, NX_GGML_Q8_0, x, w, NULL, out, T, K, N, n0, n1);
-}
 
 #endif

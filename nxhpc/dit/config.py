@@ -49,7 +49,7 @@ from nxhpc.formats.weights import RUNNABLE_TYPES, WeightTensor, as_weight_tensor
 
 __all__ = ["DenoiserConfig", "BlockConfig", "TensorSpec", "BLOCK_TENSORS", "BLOCK_STACKS",
            "STACKS", "PROJECTIONS", "NORMS", "MODULATION", "DEFAULT_NORM_EPS", "MATMUL_BLOCK",
-           "VARIANTS", "VECTOR_TYPES", "DENOISER_TENSORS", "OPTIONAL_TENSORS", "PREFIX",
+           "VARIANTS", "VECTOR_TYPES", "DENOISER_TENSORS", "PREFIX",
            "tensor_names", "block_label", "block_view", "check_stack",
            "infer_config",
            "strip_prefix"]
@@ -139,11 +139,6 @@ class BlockConfig:
     def adaln_width(self) -> int:
         """Outputs of the adaLN Linear: ``[scale_msa | gate_msa | scale_mlp | gate_mlp]`` = 4D."""
         return 4 * self.dim
-
-    @property
-    def adaln_index(self) -> int:
-        """Index of the adaLN Linear in ``adaLN_modulation.{i}``: 1 after Lumina-2's SiLU."""
-        return 1 if self.variant == "lumina2" else 0
 
     # -- rules
     def validate(self) -> "BlockConfig":
@@ -310,9 +305,6 @@ DENOISER_TENSORS: dict[str, str] = {
 """The non-block tensors of a whole denoiser and their role: a "matrix" is run as stored (a
 typed weight), a "vector" is decoded to float32 (pad tokens ``[1, D]`` or ``[D]`` are
 vectors)."""
-
-OPTIONAL_TENSORS = ("norm_final.weight",)
-"""Present in some files, unused by the model (diffusers drops it too)."""
 
 #: The block stacks in the order a whole call runs them (image rows, caption rows, joint rows).
 STACKS = ("noise_refiner", "context_refiner", "layers")

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["diffusers_block", "run_diffusers_block"]
+__all__ = ["diffusers_block"]
 
 
 def _t(a) -> Any:
@@ -74,18 +74,6 @@ def diffusers_block(cfg, w: dict, eps: float | None = None, layer_id: int = 0):
         if getattr(n, "eps", eps) != eps:
             raise RuntimeError(f"diffusers norm {n} has eps {n.eps}, expected {eps}")
     return blk.eval()
-
-
-def run_diffusers_block(blk, x: np.ndarray, t_emb: np.ndarray, pe: np.ndarray,
-                        mask: np.ndarray | None = None) -> np.ndarray:
-    """One forward of a diffusers block on x [T, D] (batch 1), ``pe`` [T, hd/2, 2, 2] passed as
-    its complex rotary input, ``mask`` [T] (True = attend) or None; float64 copy of the output."""
-    import torch
-    freqs = torch.complex(_t(pe[..., 0, 0]), _t(pe[..., 1, 0]))
-    m = None if mask is None else torch.from_numpy(np.asarray(mask).astype(bool))[None]
-    with torch.no_grad():
-        out = blk(_t(x)[None], m, freqs[None], _t(t_emb)[None])[0]
-    return out.double().numpy()
 
 
 # ----------------------------------------------------------------------------- the whole model

@@ -16,9 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-#: The parts of a block whose work is counted, by the units that run them.
-PARTS = ("matmul", "attention")
-
 #: The matmul slot of ``kernel_variants()`` per precision.
 _MATMUL_SLOT = {"f32": "matmul", "bf16": "matmul_bf16", "q8": "matmul_q8"}
 

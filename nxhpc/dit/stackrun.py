@@ -214,8 +214,8 @@ def run_stack(model, *, layers: int | str = 1, workers: int | None = None,
     if final_ref is None:
         raise MissingTensorError(f"{model.path}: no reference for layer {ids[-1]}: neither "
                                  f"'layers.{ids[-1] + 1}.blk_in' nor "
-                                 f"'layers.{ids[-1]}.ref_out' exists (name one as "
-                                 f"reference_name)")
+                                 f"'layers.{ids[-1]}.ref_out' exists (name one: reference=, "
+                                 f"blockrun's reference_name)")
     ref_final = _load_ref(model, final_ref, (T, cfg.dim))
     per_refs = {}
     if n_layers > 1:

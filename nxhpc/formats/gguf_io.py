@@ -173,10 +173,6 @@ class TensorInfo:
         except ValueError:
             return f"type#{self.ggml_type}"
 
-    @property
-    def n_elements(self) -> int:
-        return math.prod(self.shape)
-
 
 @dataclass(frozen=True)
 class _NumArray:

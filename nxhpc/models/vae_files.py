@@ -69,8 +69,7 @@ class VaeSpec:
         return VaeConfig(latent_channels=self.latent_channels,
                          block_out_channels=tuple(self.block_out_channels),
                          layers_per_block=self.layers_per_block, norm_num_groups=32,
-                         scaling_factor=FLUX_SCALING, shift_factor=FLUX_SHIFT,
-                         conv_dtype=self.dtype)
+                         scaling_factor=FLUX_SCALING, shift_factor=FLUX_SHIFT)
 
     def validate(self) -> "VaeSpec":
         """ValueError unless the spec makes a file nxhpc reads: channels multiples of 32, at

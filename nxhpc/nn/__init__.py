@@ -9,7 +9,7 @@ named buffers, extra tasks), the stage tasks that read the same in every block
 (:mod:`nxhpc.nn.stages`: projections, the gated SwiGLU projection) and the input checks the
 plans share (:mod:`nxhpc.nn.checks`).
 The families' plans live with them: the DiT's ``BlockPlan`` in ``nxhpc.dit.plan``, the Qwen3
-text encoder's ``LayerPlan`` in ``nxhpc.qwen3.plan``.
+text encoder's ``LayerPlan`` in ``nxhpc.qwen3.model``.
 Must not: import a model family (``nxhpc.dit``, ``nxhpc.qwen3``, ...), the registry
 (``nxhpc.models``) or files.
 """

@@ -276,10 +276,6 @@ class Qwen3Tokenizer:
         """The id of a token string as stored (byte-alphabet form), or None."""
         return self._tok.token_to_id(token)
 
-    def id_to_token(self, i: int) -> str:
-        """The stored string of id ``i``."""
-        return self._tokens[self._check_id(i)]
-
     def encode(self, text: str) -> list[int]:
         """The ids of ``text`` as is: no template, nothing added, not truncated."""
         check_text(text, "text")

@@ -338,7 +338,6 @@ class Tape:
         self._needs: list[bool] = []
         self._backward: list[_Backward | None] = []
         self._grads: dict[int, np.ndarray] | None = None
-        self._root: int | None = None
 
     def __len__(self) -> int:
         return len(self._values)
@@ -513,7 +512,6 @@ class Tape:
                 else:
                     grads[parent] = contrib
         self._grads = grads
-        self._root = root.index
 
     def grad(self, node: Node) -> np.ndarray:
         """d(root)/d(node) as Q16 int64 (zeros when the node does not influence the root)."""

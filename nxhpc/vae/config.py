@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from nxhpc.formats.gguf_io import BLOCK_INDEX, MissingTensorError, ModelFileError
@@ -49,7 +49,6 @@ class VaeConfig:
     scaling_factor: float = FLUX_SCALING
     shift_factor: float = FLUX_SHIFT
     eps: float = 1e-6                               # every GroupNorm's epsilon
-    conv_dtype: str = field(default="F32", compare=False)  # the file's dtype (informational)
 
     @property
     def levels(self) -> int:
@@ -249,8 +248,7 @@ def _checked_config_json(cj: dict, where: str) -> dict:
 
 
 def infer_config(shapes: Mapping[str, tuple[int, ...]], layout: str, where: str,
-                 config_json: Mapping[str, Any] | None = None,
-                 dtype: str = "F32") -> VaeConfig:
+                 config_json: Mapping[str, Any] | None = None) -> VaeConfig:
     """The decoder's config from its tensors' shapes (``shapes``: stored name, prefix removed ->
     shape, in ``layout``'s naming) and, where given, a diffusers ``config.json`` (which must
     agree with the shapes). Every tensor's shape is then checked; errors name the tensor as the
@@ -264,10 +262,10 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], layout: str, where: str,
         s = shapes.get(stored(name))
         return None if s is None else tuple(int(d) for d in s)
 
-    def need(name: str, n: int = levels) -> tuple[int, ...]:
+    def need(name: str) -> tuple[int, ...]:
         s = shape_of(name)
         if s is None:
-            key = stored(name, n)
+            key = stored(name)
             raise MissingTensorError(f"{where}: missing tensor {key!r}", tensor=key)
         return s
 
@@ -275,7 +273,7 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], layout: str, where: str,
     if len(cin_shape) != 4 or cin_shape[2:] != (3, 3):
         raise ModelFileError(f"{where}: tensor {stored('decoder.conv_in.weight')!r} has shape "
                              f"{list(cin_shape)}, expected [C, z, 3, 3]",
-                             tensor="decoder.conv_in.weight")
+                             tensor=stored("decoder.conv_in.weight"))
     # up_channels[i] from up_blocks.i.resnets.0.conv1 (output channels)
     up = []
     for i in range(levels):
@@ -318,7 +316,7 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], layout: str, where: str,
     if "post_quant_conv.weight" in shapes or "post_quant_conv.bias" in shapes:
         raise ModelFileError(f"{where}: the checkpoint has a post_quant_conv (an SD-style "
                              f"autoencoder); the FLUX decoder has none (not supported)",
-                             tensor="post_quant_conv.weight")
+                             tensor=stored("post_quant_conv.weight"))
     if int(cin_shape[1]) < 1 or int(cin_shape[0]) < 1:
         raise ModelFileError(f"{where}: tensor {stored('decoder.conv_in.weight')!r} has shape "
                              f"{list(cin_shape)}: an empty dimension",
@@ -332,11 +330,11 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], layout: str, where: str,
                     block_out_channels=tuple(reversed(up)),
                     layers_per_block=per_level - 1, norm_num_groups=groups,
                     out_channels=int(out_shape[0]), mid_attention=mid_attn,
-                    scaling_factor=scaling, shift_factor=shift, conv_dtype=dtype)
+                    scaling_factor=scaling, shift_factor=shift)
     if int(cin_shape[0]) != cfg.up_channels[0]:
         raise ModelFileError(f"{where}: tensor {stored('decoder.conv_in.weight')!r} has "
                              f"{cin_shape[0]} output channels but up block 0 has "
-                             f"{cfg.up_channels[0]}", tensor="decoder.conv_in.weight")
+                             f"{cfg.up_channels[0]}", tensor=stored("decoder.conv_in.weight"))
     if min(up) < 1:
         raise ModelFileError(f"{where}: up block channels {up}: an empty dimension")
     bad = [c for c in up if c % groups]

@@ -114,7 +114,7 @@ def open_vae_file(path: str | os.PathLike) -> VaeFile:
             raise ModelFileError(f"{wf}: tensor {bad[0]!r} is {st.info(bad[0]).dtype}; the decoder "
                                  f"reads {', '.join(FLOAT_DTYPES)}", tensor=bad[0])
         dtype = "F32" if "F32" in dtypes else sorted(dtypes)[0]
-        cfg = infer_config(shapes, layout, str(wf), cj, dtype=dtype)
+        cfg = infer_config(shapes, layout, str(wf), cj)
         return VaeFile(cfg, layout, wf, dtype, st, prefix)
     except BaseException:
         st.close()
@@ -129,14 +129,6 @@ class Conv:
     w: WeightTensor
     b: np.ndarray
     k: int
-
-    @property
-    def cin(self) -> int:
-        return self.w.shape[1] // (self.k * self.k)
-
-    @property
-    def cout(self) -> int:
-        return self.w.shape[0]
 
 
 @dataclass(frozen=True)
