@@ -15,7 +15,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:                     # the return types, named without importing them at run time
+    import numpy as np
+
+    from nxhpc.dit.denoiser import Denoiser
+    from nxhpc.models.model import Model
+    from nxhpc.qwen3.encoder import TextEncoder
+    from nxhpc.vae.model import VaeDecoder
 
 __all__ = ["load_model", "load_denoiser", "load_text_encoder", "load_vae", "generate_image",
            "TINY", "TINY_PX", "DEFAULT_PX"]
@@ -28,7 +36,7 @@ DEFAULT_PX = 1024
 
 
 def load_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | None = None,
-               gguf_path: str | os.PathLike | None = None):
+               gguf_path: str | os.PathLike | None = None) -> Model:
     """Open a model: a built-in id (generated on first use), ``$NXHPC_MODELS/<id>``, or a path.
 
     Returns an ``nxhpc.models.Model`` (use it as a context manager or call ``close()``). Raises
@@ -45,7 +53,7 @@ def load_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike | No
 
 def load_denoiser(model: str | os.PathLike, *, workers: int | None = None,
                   models_dir: str | os.PathLike | None = None,
-                  gguf_path: str | os.PathLike | None = None, **options):
+                  gguf_path: str | os.PathLike | None = None, **options: Any) -> Denoiser:
     """Open the whole Z-Image transformer: a ``.gguf`` path (ComfyUI-GGUF or
     stable-diffusion.cpp layout), a model directory, or a built-in id (``tiny-dit``,
     ``zimage-dit-2l``). ``workers``: processes per call (default: the usable CPUs).
@@ -66,7 +74,7 @@ def load_denoiser(model: str | os.PathLike, *, workers: int | None = None,
 
 def load_text_encoder(path_or_id: str | os.PathLike, workers: int | None = None,
                       precision: str = "f32", *, models_dir: str | os.PathLike | None = None,
-                      **options):
+                      **options: Any) -> TextEncoder:
     """Open Z-Image's text encoder (Qwen3): a llama.cpp-layout ``.gguf`` path (Qwen3-4B in
     F16, BF16, Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q3_K; IQ types are refused naming the type), a
     directory holding one, or a built-in id (``tiny-te``: generated on first use under
@@ -88,7 +96,7 @@ def load_text_encoder(path_or_id: str | os.PathLike, workers: int | None = None,
 
 def load_vae(path_or_id: str | os.PathLike, *, workers: int | None = None,
              precision: str = "f32", models_dir: str | os.PathLike | None = None,
-             stage_timeout: float | None = None):
+             stage_timeout: float | None = None) -> VaeDecoder:
     """Open the FLUX autoencoder's decoder: a BFL/ComfyUI ``ae.safetensors`` file, a diffusers
     VAE directory (``config.json`` + ``diffusion_pytorch_model.safetensors``, or a pipeline
     directory holding ``vae/``), float32/float16/bfloat16, or a built-in id (``tiny-vae``:
@@ -117,7 +125,7 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
                    q8_float_weights: str | None = None, workers: int | None = None,
                    models_dir: str | os.PathLike | None = None,
                    on_step: Callable[[int, int, float], None] | None = None,
-                   stage_timeout: float | None = None) -> Any:
+                   stage_timeout: float | None = None) -> np.ndarray:
     """A prompt to a picture, as ``python -m nxhpc.generate`` makes it (the same bits), without
     torch: uint8 ``[height, width, 3]`` (``PIL.Image.fromarray`` takes it;
     ``nxhpc.vae.write_png(path, pixels)`` writes it).
