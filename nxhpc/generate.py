@@ -195,6 +195,7 @@ class Job:
     seed: int | None
     out: Path
     latents: np.ndarray | None = None
+    in_folder: bool = False         # a name the run made up in --out's folder: never replaced
     step_s: list[float] = field(default_factory=list)
 
 
@@ -237,7 +238,7 @@ def _outputs(out: str, n_prompts: int, seeds: list[int | None]) -> list[Job]:
     pairs = [(i, s) for i in range(n_prompts) for s in seeds]
     p = Path(out)
     if p.is_dir():
-        jobs = [Job(i, s, p / f"{k:03d}-seed{'noise' if s is None else s}.png")
+        jobs = [Job(i, s, p / f"{k:03d}-seed{'noise' if s is None else s}.png", in_folder=True)
                 for k, (i, s) in enumerate(pairs)]
         taken = [j.out.name for j in jobs if os.path.lexists(j.out)]
         if taken:                # names this run makes up: never over an earlier run's images
@@ -522,7 +523,12 @@ def _write(job: Job, pixels: np.ndarray, text: dict[str, str], written: list[Job
     """``job``'s PNG, atomically; OutputError naming the images already written."""
     from nxhpc.vae.image import write_png
     try:
-        write_png(job.out, pixels, text)
+        write_png(job.out, pixels, text, exclusive=job.in_folder)
+    except FileExistsError:
+        done = [str(j.out) for j in written]
+        raise OutputError(f"--out {job.out}: appeared meanwhile (another run writing into the "
+                          f"same folder?); it was left as it is"
+                          + (f"; written: {', '.join(done)}" if done else "")) from None
     except OSError as e:
         done = [str(j.out) for j in written]
         raise OutputError(f"--out {job.out}: could not write the PNG: {e.strerror or e}; an "

@@ -1240,6 +1240,29 @@ def test_report_values_with_a_line_break_stay_on_their_line(tmp_path):
     assert f"out={str(d / 'o.png')!r}" in r.stdout.splitlines(), r.stdout
 
 
+@pytest.mark.parametrize("encoding", ["ascii", "utf-8"])
+def test_a_path_the_reports_stream_cannot_encode_is_escaped(tmp_path, encoding):
+    """A report naming an ``--out`` its stdout's encoding cannot hold (a non-ASCII name under
+    ``PYTHONIOENCODING=ascii``; a non-UTF-8 byte of a file name, which Python holds as a lone
+    surrogate, under ``utf-8``, as Docker images set it) was a UnicodeEncodeError: exit 70
+    with a traceback after the PNG was written (the environment helper's find, 12 commands).
+    The value is printed with backslash escapes now, exit 0."""
+    from nxhpc.models.registry import ensure_builtin
+    ensure_builtin("tiny-vae", tmp_path)
+    lat = tmp_path / "lat.npy"
+    np.save(lat, np.random.default_rng(0).standard_normal((16, 4, 4)).astype(np.float32))
+    name = "\u00f6.png" if encoding == "ascii" else os.fsdecode(b"\xff.png")
+    out = os.path.join(os.fsencode(tmp_path), os.fsencode(name))
+    r = subprocess.run([sys.executable, "-m", "nxhpc.decode", "tiny-vae", "1", "--latents",
+                        str(lat), "--out", os.fsdecode(out)], capture_output=True, cwd=ROOT,
+                       env=_env(NXHPC_MODELS=str(tmp_path), PYTHONIOENCODING=encoding),
+                       timeout=120)
+    assert r.returncode == 0 and os.path.exists(out), r.stderr.decode(errors="replace")
+    want = b"\\xf6.png" if encoding == "ascii" else b"\\udcff.png"
+    assert any(ln.startswith(b"out=") and ln.endswith(want) for ln in r.stdout.splitlines()), \
+        r.stdout
+
+
 def test_an_option_value_of_double_dash_is_kept(h3_root, tmp_path, capsys):
     """``--prompt=--`` is the prompt "--": Python 3.11's argparse dropped the ``--`` and gave
     ``[]`` (encode: exit 70 with a traceback; generate --negative-prompt=--: the empty negative

@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -895,3 +896,68 @@ def test_sample_decode_and_generate_image_take_the_stage_timeout(models_root, la
             nxhpc.load_vae("tiny-vae", stage_timeout=bad, models_dir=tmp_path / "none")
     assert not (tmp_path / "none").exists()          # refused before a built-in was made
     assert shm_entries() <= before
+
+
+def test_a_batch_never_replaces_an_image_that_appeared_meanwhile(models_root, tmp_path,
+                                                                 monkeypatch, capsys):
+    """Two batches into one folder: each checked the names free before its work, then both
+    wrote, the later replacing the earlier's images (both exit 0; the environment helper saw
+    mixed folders 3 runs in 5). A made-up name is now put in place only if it is still free:
+    the run that finds an image there stops, exit 8, naming it and what it wrote, and leaves
+    the other run's file as it is. Control: the image before it was written."""
+    from nxhpc import generate
+    from nxhpc.vae import image
+    outd = tmp_path / "out"
+    outd.mkdir()
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a fox\nan owl\n")
+    real = image.write_png
+
+    def racing(path, pixels, text=None, **kw):
+        if Path(path).name.startswith("001-"):      # another run's image lands first
+            Path(path).write_bytes(b"the other run's image")
+        return real(path, pixels, text, **kw)
+    monkeypatch.setattr(image, "write_png", racing)
+    rc = generate.main(["--prompts", str(prompts), "--seed", "1", "--out", str(outd),
+                        "--height", "32", "--width", "32", "--no-progress", "--workers", "1",
+                        "--models-dir", str(models_root)])
+    err = capsys.readouterr().err
+    assert rc == Exit.OUTPUT, err
+    assert "appeared meanwhile" in err and "000-seed1.png" in err, err
+    assert (outd / "001-seed1.png").read_bytes() == b"the other run's image"
+    assert _png(outd / "000-seed1.png")[1]["prompt"] == "a fox"
+    assert not _leftovers(outd)
+
+
+def test_prompts_from_an_endless_stream_are_refused(models_root, tmp_path):
+    """``generate --prompts -`` read all of standard input: ``< /dev/zero`` or ``yes |`` grew
+    until the kernel's OOM killer ended it (the environment helper's run reached 23.7 GB). At
+    most MAX_TEXT_BYTES are read: more is exit 2 before any model work. Control: the same
+    bytes less one are read (and fail later, for the NUL they hold)."""
+    from nxhpc.cli.args import MAX_TEXT_BYTES
+    outd = tmp_path / "out"
+    outd.mkdir()
+    argv = [sys.executable, "-m", "nxhpc.generate", "--prompts", "-", "--out", str(outd),
+            "--no-progress"]
+
+    def run(data: bytes) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, input=data, capture_output=True, timeout=600,
+                              env=models_env(models_root))
+    r = run(b"a fox\n" * (MAX_TEXT_BYTES // 6 + 1))
+    assert r.returncode == Exit.USAGE, r.stderr[-2000:]
+    assert b"--prompts -: more than 64 MiB of text" in r.stderr
+    r = run(b"\0" * MAX_TEXT_BYTES)
+    assert r.returncode == Exit.USAGE and b"NUL character" in r.stderr, r.stderr[-2000:]
+    assert not list(outd.iterdir())
+
+
+def test_a_bad_tqdm_setting_runs_without_the_bar(models_root, tmp_path):
+    """``TQDM_MININTERVAL=abc`` made tqdm's import raise ValueError: exit 70 with a traceback,
+    though the bar must never fail a run. The run goes on without the bar."""
+    out = tmp_path / "x.png"
+    r = subprocess.run([sys.executable, "-m", "nxhpc.generate", "--prompt", "a fox", "--out",
+                        str(out)], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, NXHPC_MODELS=str(models_root),
+                                TQDM_MININTERVAL="abc"))
+    assert r.returncode == Exit.PASS and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert out.is_file()

@@ -1161,3 +1161,20 @@ def test_a_bare_name_is_an_id_for_every_kind(tmp_path, monkeypatch):
     with pytest.raises(ModelNotFoundError, match="is a built-in text encoder model, not an "
                                                  "autoencoder"):
         registry.resolve_vae("tiny-te", root)
+
+
+def test_a_models_dir_too_full_is_refused_before_any_folder_is_made(tmp_path, monkeypatch):
+    """``NXHPC_MODELS=/full/x/y/z``: exit 9 "too full", but ``x/y/z`` had been made first and
+    stayed (the environment helper's find; "nothing is left behind"). The room is checked on
+    the nearest folder that exists, before anything is made. Control: with room, the folders
+    are made."""
+    from nxhpc.models import modeldir
+    free = {"bytes": 10}
+    monkeypatch.setattr(modeldir, "_free_bytes", lambda d: free["bytes"])
+    root = tmp_path / "x" / "y" / "z"
+    with pytest.raises(ModelsDirError, match="too full"):
+        modeldir.check_models_root(root, need_bytes=10**6)
+    assert not (tmp_path / "x").exists()
+    free["bytes"] = 10**7
+    modeldir.check_models_root(root, need_bytes=10**6)
+    assert root.is_dir()

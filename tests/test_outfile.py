@@ -196,3 +196,76 @@ def test_writes_outside_a_cli_are_not_recorded(tmp_path):
     outfile.written_end(mark)
     write_atomic(tmp_path / "h", lambda f: f.write(b"z"))
     assert outfile._written() == []
+
+
+def test_the_file_stderr_writes_to_is_refused_as_a_cli_output(tmp_path):
+    """``--out /dev/stderr 2> img.png`` (or ``--out F 2> F``) wrote a PNG with the progress bar
+    inside it, exit 0 (the environment helper's find): a CLI's output is refused where its
+    stderr goes, as where its stdout goes. The library's check takes it (no bar of its own);
+    a terminal or the null device as stderr mixes nothing. Control: another file is taken."""
+    import subprocess
+    import sys
+    err = tmp_path / "err.txt"
+    code = ("import sys\n"
+            "from nxhpc.runtime.outfile import (OutputPathError, check_cli_output_path,\n"
+            "                                   check_output_path)\n"
+            "for p in sys.argv[1:]:\n"
+            "    check_output_path(p, what='PNG output')\n"
+            "    try:\n"
+            "        check_cli_output_path(p, what='--out')\n"
+            "        print('taken', p)\n"
+            "    except OutputPathError as e:\n"
+            "        print('refused', e)\n")
+    with open(err, "w") as f:
+        r = subprocess.run([sys.executable, "-c", code, "/dev/stderr", str(err),
+                            str(tmp_path / "x.png")], stdout=subprocess.PIPE, stderr=f,
+                           text=True, timeout=60)
+    assert r.returncode == 0, err.read_text()
+    lines = r.stdout.splitlines()
+    assert [ln.split()[0] for ln in lines] == ["refused", "refused", "taken"], lines
+    assert "standard error" in lines[0] and "standard error" in lines[1]
+    r = subprocess.run([sys.executable, "-c", code, "/dev/stderr"], stdout=subprocess.PIPE,
+                       stderr=subprocess.DEVNULL, text=True, timeout=60)
+    assert r.stdout.split()[0] == "taken", r.stdout
+
+
+def test_a_relative_path_under_a_removed_working_directory(tmp_path):
+    """The working directory removed under a relative output path: ``os.path.realpath`` raised
+    FileNotFoundError, which ``ddp --json r.json`` turned into a traceback, exit 1 (the
+    environment helper's find). It is an OutputPathError naming the cause now (exit 2 in
+    every CLI). Control: an absolute path is checked as usual."""
+    import subprocess
+    import sys
+    gone = tmp_path / "gone"
+    code = (f"import os\nos.makedirs({str(gone)!r}); os.chdir({str(gone)!r}); "
+            f"os.rmdir({str(gone)!r})\n"
+            "from nxhpc.runtime.outfile import OutputPathError, check_output_path\n"
+            f"check_output_path({str(tmp_path / 'abs.json')!r}, what='--json')\n"
+            "try:\n"
+            "    check_output_path('r.json', what='--json')\n"
+            "except OutputPathError as e:\n"
+            "    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "--json r.json: the current directory no longer exists" in r.stdout, r.stdout
+    r = subprocess.run(["sh", "-c", f'mkdir "{gone}" && cd "{gone}" && rmdir "{gone}" && '
+                        f'exec "{sys.executable}" -m nxhpc ddp --workers 2 --steps 2 --json r.json'],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "current directory no longer exists" in r.stderr
+
+
+def test_an_exclusive_write_never_replaces(tmp_path):
+    """``write_atomic(exclusive=True)``: the complete file is put in place only where the name
+    is still free; another writer's file is left as it is (FileExistsError) and no temporary
+    is left. Control: a free name is written."""
+    p = tmp_path / "img.png"
+    p.write_bytes(b"theirs")
+    with pytest.raises(FileExistsError):
+        write_atomic(p, lambda f: f.write(b"mine"), exclusive=True)
+    assert p.read_bytes() == b"theirs" and os.listdir(tmp_path) == ["img.png"]
+    q = tmp_path / "free.png"
+    write_atomic(q, lambda f: f.write(b"mine"), exclusive=True)
+    assert q.read_bytes() == b"mine" and sorted(os.listdir(tmp_path)) == ["free.png", "img.png"]

@@ -313,6 +313,11 @@ def option_values(args: argparse.Namespace, names: Sequence[str]) -> dict[str, A
     return {f"--{a.replace('_', '-')}": getattr(args, a) for a in names}
 
 
+#: The most bytes a prompt file (or standard input) is read for: a prompt is cut at 512 tokens,
+#: and an endless stream (``yes | ...``, ``< /dev/zero``) must not fill the machine's memory.
+MAX_TEXT_BYTES = 64 << 20
+
+
 def read_text_file(path: str, what: str, expected: str) -> str:
     """The text of a prompt file ``path`` (option ``what``; ``-`` is standard input), decoded
     as strict UTF-8 with a leading byte-order mark dropped (the ``utf-8-sig`` codec's rule) and
@@ -325,7 +330,7 @@ def read_text_file(path: str, what: str, expected: str) -> str:
         if sys.stdin is None:                  # the process was started with it closed
             raise UsageError(f"{what} -: standard input is closed")
         try:
-            raw = sys.stdin.buffer.read()
+            raw = sys.stdin.buffer.read(MAX_TEXT_BYTES + 1)
         except (OSError, AttributeError, ValueError) as e:   # closed, or no binary buffer
             raise UsageError(f"{what} -: cannot read standard input: {e}") from None
     else:
@@ -337,9 +342,12 @@ def read_text_file(path: str, what: str, expected: str) -> str:
             raise UsageError(f"{e} (give - to read standard input)") from None
         try:
             with open(p, "rb") as f:
-                raw = f.read()
+                raw = f.read(MAX_TEXT_BYTES + 1)
         except OSError as e:
             raise UsageError(f"{what} {p}: cannot read: {e.strerror or e}") from None
+    if len(raw) > MAX_TEXT_BYTES:
+        raise UsageError(f"{what} {p}: more than {MAX_TEXT_BYTES >> 20} MiB of text (an endless "
+                         f"stream?); prompts are cut at 512 tokens: give a shorter file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -297,7 +297,11 @@ class _GuardedStdout:
 
     def write(self, s: str) -> int:
         try:
-            return self._inner.write(s)
+            try:
+                return self._inner.write(s)
+            except UnicodeEncodeError:      # a path the stream's encoding cannot hold
+                enc = getattr(self._inner, "encoding", None) or "utf-8"
+                return self._inner.write(s.encode(enc, "backslashreplace").decode(enc))
         except BrokenPipeError:
             raise
         except OSError as e:

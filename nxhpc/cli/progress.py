@@ -26,7 +26,7 @@ class Progress:
         if self.enabled:                    # (print(file=None) would write to stdout)
             try:
                 from tqdm import tqdm
-            except ImportError:
+            except Exception:       # missing, or a bad TQDM_* setting met on import
                 return
             desc = name if stage is None else f"{name}: {stage}"
             try:

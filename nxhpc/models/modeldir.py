@@ -82,6 +82,20 @@ def check_models_root(root: Path, *, need_bytes: int = 0, what: str = "a model",
     if root.exists() and not root.is_dir():
         raise ModelsDirError(root, f"models directory {root} {src} is not a directory; "
                                    f"point it at a directory")
+
+    def check_room(d: Path) -> None:
+        free = _free_bytes(d) if need_bytes else None
+        if free is not None and free < need_bytes:
+            raise ModelsDirError(root, f"models directory {root} {src} is too full for {what}: "
+                                       f"about {_mb(need_bytes)} needed, {_mb(free)} free")
+    try:                                    # the nearest folder that exists: a refusal for
+        nearest = top = root.absolute()     # room makes nothing
+    except OSError:                         # relative, the working directory removed: mkdir
+        nearest = top = root                # names that
+    while not os.path.lexists(nearest) and nearest != nearest.parent:
+        nearest = nearest.parent
+    if nearest != top:
+        check_room(nearest)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -91,11 +105,7 @@ def check_models_root(root: Path, *, need_bytes: int = 0, what: str = "a model",
         raise ModelsDirError(root, f"models directory {root} {src} is not writable (read-only "
                                    f"or no permission), so {what} cannot be generated there; "
                                    f"use a writable directory, or generate it elsewhere first")
-    if need_bytes:
-        free = _free_bytes(root)
-        if free is not None and free < need_bytes:
-            raise ModelsDirError(root, f"models directory {root} {src} is too full for {what}: "
-                                       f"about {_mb(need_bytes)} needed, {_mb(free)} free")
+    check_room(root)
 
 
 def _free_bytes(d: Path) -> int | None:

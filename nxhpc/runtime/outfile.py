@@ -8,6 +8,7 @@ the old file as it was and no temporary behind). Must not: decide exit codes or 
 """
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
@@ -77,6 +78,19 @@ def _in_place(path: str) -> bool:
         return False
 
 
+def _is_stderr(path: str) -> bool:
+    """Whether ``path`` is the file ``sys.stderr`` writes to (``/dev/stderr``, ``2> FILE``):
+    the progress bar and messages go there and would be written into the result (a terminal
+    and the null device aside)."""
+    try:
+        a, b = os.stat(path), os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) or stat.S_ISCHR(a.st_mode):
+        return False
+    return True
+
+
 def _is_stdout(path: str) -> bool:
     """Whether ``path`` is the file ``sys.stdout`` writes to (``/dev/stdout`` when that is
     fd 1, the file or pipe it is redirected to), the null device aside (``--out /dev/null >
@@ -120,6 +134,12 @@ def check_output_path(path: str | os.PathLike, *, what: str = "output",
     given = str(path)
     if given == "":
         raise OutputPathError(f"{what}: empty path")
+    try:
+        os.path.abspath(given)
+    except FileNotFoundError:        # a relative path with the working directory removed
+        raise OutputPathError(f"{what} {given}: the current directory no longer exists (it was "
+                              f"removed after this process entered it), so a relative path "
+                              f"cannot be resolved: give an absolute path") from None
     p = Path(given)
     if given.endswith("/") and not p.is_dir():    # Path() drops the slash: a file would be
         #                                             written under the directory's name
@@ -129,6 +149,10 @@ def check_output_path(path: str | os.PathLike, *, what: str = "output",
         raise OutputPathError(f"{what} {given} is this run's standard output, where its report "
                               f"is printed: the two would mix into one corrupt stream; give a "
                               f"file path")
+    if report_on_stdout and _is_stderr(given):
+        raise OutputPathError(f"{what} {given} is this run's standard error, where its progress "
+                              f"and messages are printed: the two would mix into one corrupt "
+                              f"file; give a file path")
     if p.is_dir():
         if example is None:
             low = what.lower()
@@ -206,14 +230,17 @@ def _sweep_dead_writers(real: Path) -> None:
             continue
 
 
-def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None], *,
+                 exclusive: bool = False) -> None:
     """``write(f)`` into a temporary sibling of ``path``, fsync, rename over ``path``.
 
     Any failure (``OSError`` of a full disk, an interrupt) removes the temporary file and
     leaves ``path`` untouched; the temporary files of earlier writers of ``path`` that died
     without that cleanup are removed (:func:`_sweep_dead_writers`). An existing non-regular
     ``path`` (a device, a FIFO) or one under /dev or /proc (``/dev/stdout``) is written in
-    place: there is nothing to replace atomically.
+    place: there is nothing to replace atomically. ``exclusive``: never over an existing
+    ``path`` (FileExistsError, the temporary removed): the complete file is linked into place,
+    which fails if another process made ``path`` meanwhile (a name a run made up itself).
     """
     if _in_place(str(path)) and os.path.exists(path):
         with open(path, "wb") as f:
@@ -228,7 +255,18 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
             write(f)
             f.flush()
             os.fsync(f.fileno())          # a full disk must fail here, not after the rename
-        os.replace(tmp, real)
+        if exclusive:
+            try:
+                os.link(tmp, real)        # EEXIST: another writer took the name meanwhile
+            except FileExistsError:
+                raise
+            except OSError:               # no hard links here (vfat, some FUSE): best effort
+                if os.path.lexists(real):
+                    raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST),
+                                          str(real)) from None
+                os.replace(tmp, real)
+        else:
+            os.replace(tmp, real)
         _record(os.fspath(path))
     finally:
         try:

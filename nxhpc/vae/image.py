@@ -38,7 +38,7 @@ def to_uint8(image: np.ndarray) -> np.ndarray:
 
 
 def write_png(path: str | os.PathLike, pixels: np.ndarray,
-              text: Mapping[str, str] | None = None) -> None:
+              text: Mapping[str, str] | None = None, *, exclusive: bool = False) -> None:
     """Write uint8 [H, W, 3] (or [H, W] / [H, W, 1] grey) ``pixels`` as a PNG at ``path``, with
     ``text`` as tEXt chunks; atomically (the old file stays untouched on any failure)."""
     from PIL import Image, PngImagePlugin
@@ -55,4 +55,4 @@ def write_png(path: str | os.PathLike, pixels: np.ndarray,
     buf = io.BytesIO()
     Image.fromarray(np.ascontiguousarray(a)).save(buf, format="PNG", pnginfo=info)
     data = buf.getvalue()
-    write_atomic(path, lambda fh: fh.write(data))
+    write_atomic(path, lambda fh: fh.write(data), exclusive=exclusive)
