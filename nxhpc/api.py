@@ -147,10 +147,10 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
     killed and the call fails with ``WorkerError`` (a hung worker; default None: no limit).
 
     Every argument is checked, and every model found, before any model is opened; the
-    decoder's memory before the steps. Each model is opened once and released before the next
-    one's buffers are built (the text encoder, then the transformer, then the decoder), as the
-    CLI does. For many
-    pictures, ``python -m nxhpc.generate --prompts/--seeds`` opens each model once for all.
+    decoder's and the transformer's memory before the encoding. Each model is opened once and
+    released before the next one's buffers are built (the text encoder, then the transformer,
+    then the decoder), as the CLI does. For many pictures, ``python -m nxhpc.generate
+    --prompts/--seeds`` opens each model once for all.
     Raises TypeError / ValueError for bad arguments (``SampleInputError`` for noise or
     features that do not fit the model), :class:`ModelError` subclasses for model files,
     ``NonFiniteOutputError`` when the latents or pixels leave float32's range, and
@@ -234,7 +234,8 @@ def generate_image(prompt: str, *, model: str | os.PathLike | None = None,
             px = TINY_PX if tiny else DEFAULT_PX
             shape = latent_shape(height or px, width or px, cfg.in_channels, up, cfg.patch)
             x0 = initial_noise(0 if seed is None else seed, shape)
-        dec.check_room(x0.shape[1], x0.shape[2])     # before the steps, as the CLI does
+        dec.check_room(x0.shape[1], x0.shape[2])     # before the encoding and the steps,
+        den.check_room(x0.shape[1], x0.shape[2])     # as the CLI does
         with nxhpc.load_text_encoder(names["text_encoder"], precision=precision, **lowp,
                                      **kw) as te:
             if te.config.dim != cfg.cap_dim:

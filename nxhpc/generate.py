@@ -316,7 +316,8 @@ def _setup(args: argparse.Namespace) -> _Setup:
     files = [*opened_model_files(dit_gguf, dit_d), *opened_model_files(te_g, te_d),
              *opened_model_files(vae_path)]
     for o in outs:
-        check_cli_output_path(o, what="--out", inputs=reads, model_files=files, example="out.png")
+        check_cli_output_path(o, what="--out", inputs=reads, model_files=files, example="out.png",
+                              progress_on_stderr=not args.no_progress)
     return _Setup(prompts, names, tiny, negative, noise_raw, jobs)
 
 
@@ -361,7 +362,9 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
         ranks.same("the decoder precision (under q8, bf16 where this CPU's bf16 matmul is "
                    "faster: every rank decodes some of the images)", vae_precision)
         if vae_precision != args.precision:      # q8's class of bits says nothing of the
-            ranks.same_kernels(vae_precision)    # decoder's (f32 on AVX2 and AVX-512 differ)
+            ranks.same_kernels(           # decoder's (f32 on AVX2 and AVX-512 differ)
+                vae_precision, "decoders", "the images each rank decodes (one image split "
+                "across the ranks is decoded by rank 0 alone and runs)")
     n_encode = len({j.prompt for j in mine}) + (1 if cfg_on else 0)
     progress = Progress(n_encode + len(mine) * (args.steps + 1), not args.no_progress and lead,
                         PROG, "op", stage="open")
@@ -411,6 +414,11 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
                 up = vae.config.upscale
                 vae.check_room(height // up, width // up,
                                copies=min(_ranks.local_ranks(), len(jobs)) if whole else 1)
+            # the denoiser's arena too, before the prompts are encoded (it is built at the
+            # first step): every rank builds its own
+            lat = shape if shape is not None else noise_raw.shape
+            den.check_room(lat[1], lat[2], copies=min(_ranks.local_ranks(), len(jobs))
+                           if whole else (_ranks.local_ranks() if ranks is not None else 1))
             stages["open_s"] = time.perf_counter() - t0
 
             # 1. the prompts of this process's images through the text encoder (then released)

@@ -197,7 +197,8 @@ def _check_args(args) -> tuple[int, tuple[int, int] | None]:
     if args.png is not None and os.path.realpath(args.out) == os.path.realpath(args.png):
         raise UsageError(f"--out and --png are the same file ({args.out})")
     for what, path in outs:
-        check_cli_output_path(path, what=what, inputs=inputs)
+        check_cli_output_path(path, what=what, inputs=inputs,
+                              progress_on_stderr=not args.no_progress)
     if args.decode is not None:
         if not os.path.isdir(args.decode):
             raise NotFound(f"--decode {args.decode}: no such directory (a diffusers "
@@ -218,7 +219,8 @@ def _protect_model_files(args, den) -> None:
     if args.decode is not None:             # the VAE directory --decode reads (--png too)
         files += opened_model_files(args.decode)
     for what, path in [("--out", args.out)] + ([("--png", args.png)] if args.png else []):
-        check_cli_output_path(path, what=what, model_files=files)
+        check_cli_output_path(path, what=what, model_files=files,
+                              progress_on_stderr=not args.no_progress)
 
 
 def _sample_one(den, cap, noise, args, progress_on: bool) -> tuple:

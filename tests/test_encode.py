@@ -542,3 +542,17 @@ def test_cli_q8_float_weights_on_a_float_file(models_root, tmp_path):
     with nxhpc.load_text_encoder(d, workers=1, precision="bf16") as te:
         assert np.array_equal(got["bf16"], te.encode("a fox"))
     assert not np.array_equal(got["int8"], got["bf16"])
+
+
+def test_a_prompt_file_beyond_what_the_tokenizer_takes_is_exit_2(models_root, tmp_path):
+    """A 10 MB prompt was tokenized whole (1.9 GB, 19 s) and under ``ulimit -v`` aborted the
+    process with a Rust backtrace, exit 134 (the memory helper's find). More than
+    MAX_TEXT_CHARS characters is a usage error now, before the model is opened."""
+    from nxhpc.qwen3.tokenizer import MAX_TEXT_CHARS
+    pf = tmp_path / "p.txt"
+    pf.write_text("a" * (MAX_TEXT_CHARS + 1))
+    out = tmp_path / "f.npy"
+    r = _encode_cli(["tiny-te", "--prompt-file", pf, "--out", out], models_root)
+    assert r.returncode == 2 and "more than the 1,000,000 the tokenizer takes" in r.stderr, \
+        r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and not out.exists()

@@ -932,8 +932,8 @@ def test_a_batch_never_replaces_an_image_that_appeared_meanwhile(models_root, tm
 def test_prompts_from_an_endless_stream_are_refused(models_root, tmp_path):
     """``generate --prompts -`` read all of standard input: ``< /dev/zero`` or ``yes |`` grew
     until the kernel's OOM killer ended it (the environment helper's run reached 23.7 GB). At
-    most MAX_TEXT_BYTES are read: more is exit 2 before any model work. Control: the same
-    bytes less one are read (and fail later, for the NUL they hold)."""
+    most MAX_TEXT_BYTES are read: more is exit 2 before any model work. Control: a little less
+    is read whole (its last line, a NUL, is then refused by its line number)."""
     from nxhpc.cli.args import MAX_TEXT_BYTES
     outd = tmp_path / "out"
     outd.mkdir()
@@ -946,18 +946,62 @@ def test_prompts_from_an_endless_stream_are_refused(models_root, tmp_path):
     r = run(b"a fox\n" * (MAX_TEXT_BYTES // 6 + 1))
     assert r.returncode == Exit.USAGE, r.stderr[-2000:]
     assert b"--prompts -: more than 64 MiB of text" in r.stderr
-    r = run(b"\0" * MAX_TEXT_BYTES)
-    assert r.returncode == Exit.USAGE and b"NUL character" in r.stderr, r.stderr[-2000:]
+    r = run((b"a" * 999_999 + b"\n") * 67 + b"\0")        # 67,000,001 bytes: all read
+    assert r.returncode == Exit.USAGE, r.stderr[-2000:]
+    assert b"line 68: contains a NUL character" in r.stderr, r.stderr[-2000:]
     assert not list(outd.iterdir())
 
 
-def test_a_bad_tqdm_setting_runs_without_the_bar(models_root, tmp_path):
-    """``TQDM_MININTERVAL=abc`` made tqdm's import raise ValueError: exit 70 with a traceback,
-    though the bar must never fail a run. The run goes on without the bar."""
+@pytest.mark.parametrize("setting", [{"TQDM_MININTERVAL": "abc"},      # met on import
+                                     {"TQDM_BAR_FORMAT": "{nope}"}])     # on the first draw
+def test_a_bad_tqdm_setting_runs_without_the_bar(models_root, tmp_path, setting):
+    """``TQDM_MININTERVAL=abc`` made tqdm's import raise ValueError, ``TQDM_BAR_FORMAT='{x}'``
+    its first draw a KeyError: exit 70 with a traceback, though the bar must never fail a run
+    (the environment helper's and the reviewer's finds). The run goes on without the bar."""
     out = tmp_path / "x.png"
     r = subprocess.run([sys.executable, "-m", "nxhpc.generate", "--prompt", "a fox", "--out",
                         str(out)], capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, NXHPC_MODELS=str(models_root),
-                                TQDM_MININTERVAL="abc"))
+                       env=dict(os.environ, NXHPC_MODELS=str(models_root), **setting))
     assert r.returncode == Exit.PASS and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert out.is_file()
+
+
+def test_the_transformers_memory_is_checked_before_the_encoding(models_root, tmp_path,
+                                                                monkeypatch, capsys):
+    """The transformer's arena is built at the first step: an image whose arena could not fit
+    was refused only after the models were opened and the prompt encoded (the memory helper's
+    run: 20 s of a 2-layer slice; with Qwen3-4B much longer). It is checked with the
+    decoder's now, before the text encoder is opened, exit 7 naming it; the library does the
+    same. Controls: ``arena_bytes`` is the size of the arena a call then builds."""
+    from nxhpc import generate
+    from nxhpc.dit.denoiser import Denoiser
+    from nxhpc.models.registry import open_denoiser
+    with open_denoiser("tiny-dit", workers=1, models_dir=models_root) as den:
+        cap = np.random.default_rng(0).standard_normal((11, den.config.cap_dim)) \
+            .astype(np.float32)
+        den.forward(initial_noise(0, (16, 6, 4)), 0.5, cap)
+        built = den.session(6, 4, 11).engine.arena.nbytes
+        assert den.arena_bytes(6, 4, 11) == built and built > 0
+        assert den.arena_bytes(6, 4, 100) > built         # more caption rows, more arena
+    monkeypatch.setattr(Denoiser, "arena_bytes", lambda self, H, W, L=512: 1 << 50)
+    monkeypatch.setattr(nxhpc, "load_text_encoder",
+                        lambda *a, **k: pytest.fail("the text encoder was opened"))
+    rc = generate.main(["--prompt", "a fox", "--out", str(tmp_path / "x.png"), "--no-progress",
+                        "--models-dir", str(models_root)])
+    err = capsys.readouterr().err
+    assert rc == Exit.SHM and "the denoiser's arena at 8x8 latents" in err, err
+    assert not (tmp_path / "x.png").exists()
+    with pytest.raises(OSError, match="the denoiser's arena"):
+        nxhpc.generate_image("a fox", models_dir=models_root)
+
+
+def test_a_memory_refusal_is_printed_whole(models_root, tmp_path):
+    """A refusal for memory was cut to 200 characters and followed by advice about ``ulimit
+    -v`` (the memory helper's find: an OSError of ENOMEM taken for the address-space limit):
+    its own sentence -- what, needed, free, what to do -- is printed whole now, exit 7."""
+    r = _generate(models_root, "--prompt", "a fox", "--height", 16384, "--width", 16384,
+                  "--out", tmp_path / "x.png", expect=Exit.SHM)
+    assert "not enough memory: the segment needs" in r.stderr, r.stderr
+    assert r.stderr.rstrip().endswith("Run fewer tokens (a smaller image) or free memory"), \
+        r.stderr
+    assert "ulimit -v" not in r.stderr and not (tmp_path / "x.png").exists()

@@ -227,6 +227,13 @@ def test_the_file_stderr_writes_to_is_refused_as_a_cli_output(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, "/dev/stderr"], stdout=subprocess.PIPE,
                        stderr=subprocess.DEVNULL, text=True, timeout=60)
     assert r.stdout.split()[0] == "taken", r.stdout
+    # a pipe as stderr: taken where no bar is printed there (ddp --json /dev/stderr | jq),
+    # refused where one is (generate / sample without --no-progress)
+    bar = code.replace("what='--out')", "what='--out', progress_on_stderr=True)")
+    for src, want in ((code, "taken"), (bar, "refused")):
+        r = subprocess.run([sys.executable, "-c", src, "/dev/stderr"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, timeout=60)
+        assert r.stdout.split()[0] == want, (r.stdout, r.stderr)
 
 
 def test_a_relative_path_under_a_removed_working_directory(tmp_path):
@@ -269,3 +276,22 @@ def test_an_exclusive_write_never_replaces(tmp_path):
     q = tmp_path / "free.png"
     write_atomic(q, lambda f: f.write(b"mine"), exclusive=True)
     assert q.read_bytes() == b"mine" and sorted(os.listdir(tmp_path)) == ["free.png", "img.png"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_an_exclusive_write_under_dev_shm_never_replaces():
+    """``generate --out /dev/shm/imgs`` (a tmpfs scratch folder): paths under /dev are written
+    in place, which truncated another run's image although ``exclusive`` was asked."""
+    import shutil
+    import tempfile
+    d = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        p = os.path.join(d, "000-seed1.png")
+        with open(p, "wb") as f:
+            f.write(b"theirs")
+        with pytest.raises(FileExistsError):
+            write_atomic(p, lambda f: f.write(b"mine"), exclusive=True)
+        with open(p, "rb") as f:
+            assert f.read() == b"theirs"
+    finally:
+        shutil.rmtree(d)

@@ -624,3 +624,20 @@ def test_gguf_byte_only_vocab_needs_no_merges(tmp_path):
     tok = Qwen3Tokenizer.from_gguf(_write(tmp_path / "bytes.gguf",
                                           vocab_metadata(*tiny_vocab(n_merges=0))))
     assert len(tok.encode("hello")) == 5
+
+
+def test_a_text_beyond_what_the_tokenizer_takes_is_refused(tok):
+    """The whole text is tokenized before the first 512 ids are kept: ~190 bytes a character,
+    and a failed allocation inside the tokenizer aborted the process (SIGABRT, a Rust
+    backtrace; the memory helper's 10 MB prompt under ``ulimit -v``). A prompt (or text) of
+    more than MAX_TEXT_CHARS characters is a ValueError before any tokenizing. Controls: a
+    prompt of exactly that many characters is taken (the template's own characters do not
+    count against it), as ids the plain encoding gives."""
+    from nxhpc.qwen3.tokenizer import MAX_TEXT_CHARS
+    long = "fox " * (MAX_TEXT_CHARS // 4)
+    assert len(long) == MAX_TEXT_CHARS
+    for call in (tok.tokenize, tok.encode, template):
+        with pytest.raises(ValueError, match="1,000,001 characters, more than the 1,000,000"):
+            call(long + "x")
+    ids, n = tok.tokenize_counted(long)
+    assert len(ids) == 512 and ids == tok.encode(template(long)[:4000])[:512] and n > 250_000

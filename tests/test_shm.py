@@ -407,3 +407,41 @@ def test_arena_larger_than_memory_is_refused_before_reserving(monkeypatch, named
     assert live_segments(os.getpid()) == before
     with SharedArena({"x": (1 << 20,)}, named=named) as a:     # control: within the room
         a["x"][:] = 1.0
+
+
+def test_check_room_counts_the_address_space_limit_per_process(monkeypatch):
+    """``ulimit -v`` was not checked up front: ``generate`` under it ran its text encoder and
+    every step, then failed at the decode (exit 7; the memory helper's find). ``check_room``
+    now refuses a size this process could not map under RLIMIT_AS (its ``VmSize`` counted),
+    naming the limit. ``copies`` (ranks on this host) multiply the memory and /dev/shm need,
+    not one process's address space. Controls: a size that fits maps; with no limit the same
+    size passes the address-space check."""
+    code = textwrap.dedent("""
+        import resource, sys
+        import nxhpc.runtime.shm as shm
+        shm.memory_available_bytes = lambda: 1 << 50      # only the address space is short
+        shm.shm_free_bytes = lambda where=shm.SHM_DIR: 1 << 50
+        vm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status")
+              if l.startswith("VmSize:")][0]
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), resource.RLIM_INFINITY))
+        for size, copies in ((1 << 30, 1), (64 << 20, 1), (64 << 20, 16)):
+            try:
+                shm.check_room(size, "the test's arena", copies=copies)
+                print("fits", size, copies)
+            except shm.ShmSpaceError as e:
+                print("refused", size, copies, "|", e)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith(f"refused {1 << 30} 1 | the test's arena: not enough address "
+                               f"space"), lines
+    assert "ulimit -v" in lines[0]
+    assert lines[1:] == [f"fits {64 << 20} 1", f"fits {64 << 20} 16"], lines
+    monkeypatch.setattr(shm, "_address_space_room", lambda: None)      # no limit: passes
+    monkeypatch.setattr(shm, "memory_available_bytes", lambda: 1 << 50)
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda where=shm.SHM_DIR: 1 << 50)
+    shm.check_room(1 << 30, "the test's arena")
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda where=shm.SHM_DIR: 3 << 30)
+    with pytest.raises(shm.ShmSpaceError):          # copies count against /dev/shm
+        shm.check_room(1 << 30, "the test's arena", copies=4)

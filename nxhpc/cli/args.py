@@ -346,8 +346,9 @@ def read_text_file(path: str, what: str, expected: str) -> str:
         except OSError as e:
             raise UsageError(f"{what} {p}: cannot read: {e.strerror or e}") from None
     if len(raw) > MAX_TEXT_BYTES:
-        raise UsageError(f"{what} {p}: more than {MAX_TEXT_BYTES >> 20} MiB of text (an endless "
-                         f"stream?); prompts are cut at 512 tokens: give a shorter file")
+        raise UsageError(f"{what} {p}: more than {MAX_TEXT_BYTES >> 20} MiB of text"
+                         + (" (an endless stream?)" if p == "-" else "")
+                         + "; give a shorter file, or split it across runs")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -373,6 +373,9 @@ def _environment_error(e: Exception) -> Exception:
         if e.errno not in _TRANSIENT:
             _to_devnull(sys.stdout)
         return OutputError(f"standard output could not be written ({e.strerror or e})")
+    from nxhpc.runtime.shm import ShmSpaceError
+    if isinstance(e, ShmSpaceError):     # its own message already names what, needed and free
+        return e
     if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM) \
             or _import_out_of_memory(e):
         what = str(e).strip() or type(e).__name__

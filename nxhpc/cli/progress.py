@@ -32,8 +32,8 @@ class Progress:
             try:
                 self.bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr,
                                 dynamic_ncols=True, leave=True)
-            except (OSError, ValueError):
-                self.enabled = False
+            except Exception:       # stderr unwritable, or a bad TQDM_* setting met on the
+                self.enabled = False    # first draw (TQDM_BAR_FORMAT='{x}': KeyError)
 
     def stage(self, stage: str) -> None:
         if self.bar is not None:
@@ -57,14 +57,14 @@ class Progress:
                 bar.leave = False
             try:
                 bar.close()
-            except (OSError, ValueError):
+            except Exception:
                 pass
 
     def _safe(self, show) -> None:
         """``show()``; on a stderr that cannot be written the bar is dropped, quietly."""
         try:
             show()
-        except (OSError, ValueError):
+        except Exception:                     # OSError of stderr, or a bad TQDM_* format
             bar, self.bar, self.enabled = self.bar, None, False
             if bar is not None:
                 bar.disable = True            # its own close() then writes nothing

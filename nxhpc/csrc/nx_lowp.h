@@ -6,7 +6,7 @@
  * are decoded only through the weight-type traits (nx_wtype.h) and the ISA's dequantize. Must not: allocate per tile, spawn threads, read/write outside the given ranges
  * (callers validate shapes before entering C), or copy a whole weight matrix.
  *
- * Shape API (both precisions, like nx_q8_0_matmul): x float32 [T, K] row-major; w raw GGML rows
+ * Shape API (both precisions, like nx_matmul): x float32 [T, K] row-major; w raw GGML rows
  * [N, rowbytes] (rowbytes = K / block_elems * block_bytes of the weight type); out float32 [T, N];
  * only columns [n0, n1) of out are written; bias (float32 [N] or NULL) is added once, after the sum.
  *
@@ -257,7 +257,7 @@ int nx_matmul_bf16_amx(const nx_mm_call *c);
 /* ---- the per-step arithmetic of the specs, scalar (exported for the generic matmuls) */
 float nx_dpbf16_step(float acc, float a, float b); /* ftz(fma(daz(a), daz(b), daz(acc))), x86 ftz */
 
-/* ---- the blocked driver shared by the SIMD variants (BLIS loop order, like nx_q8_0_matmul_blocked):
+/* ---- the blocked driver shared by the SIMD variants (BLIS loop order, like nx_matmul_blocked):
  *   for each block of mc tokens (as few blocks of <= 9/8 MC as T needs, equal, whole MR):
  *     pack_a packs MR-token micro-panels (all of K)
  *     for each block of nc <= NC columns in [n0, n1):

@@ -227,6 +227,36 @@ class _Tasks:
                       bias=self.w.final_lin_b)
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """The token layout of latents ``[C, H, W]`` with ``L`` caption rows: the patch grid, the
+    image and caption rows padded (``Np``, ``Lp``), the three stacks' plans, the engine's
+    ``(plan, rows)`` needs and the call's own buffers."""
+    grid: tuple[int, int]
+    n_img: int
+    Np: int
+    Lp: int
+    plans: dict[str, BlockPlan]
+    needs: list[tuple[BlockPlan, int]]
+    buffers: dict[str, tuple[int, ...]]
+
+
+def _layout(cfg: DenoiserConfig, H: int, W: int, L: int) -> _Layout:
+    p = cfg.patch
+    grid = (H // p, W // p)
+    n_img = grid[0] * grid[1]
+    Np, Lp = _round_up(n_img, cfg.seq_multiple), _round_up(L, cfg.seq_multiple)
+    T = Np + Lp
+    plans = {s: BlockPlan(cfg.block, s) for s in STACKS}
+    rows = {"noise_refiner": Np, "context_refiner": Lp, "layers": T}
+    needs = [(plans[s], rows[s]) for s in STACKS if cfg.stacks[s]]
+    D, hd, P = cfg.dim, cfg.head_dim, cfg.patch_dim
+    buffers = {"u": (T, D), "pe": (T, hd // 2, 2, 2), "patches": (n_img, P),
+               "cap_in": (Lp, cfg.cap_dim), "cap_h": (Lp, cfg.cap_dim), "final_mod": (D,),
+               "y": (n_img, P)}
+    return _Layout(grid, n_img, Np, Lp, plans, needs, buffers)
+
+
 class _Session(EngineSession):
     """Everything one token layout ``(H, W, Lp)`` needs, built once and reused across calls:
     the engine (arena + pool), the three plans, the RoPE table (written into the arena). A
@@ -235,26 +265,15 @@ class _Session(EngineSession):
     the pad rows ``[L, Lp)``)."""
 
     def __init__(self, den: "Denoiser", H: int, W: int, L: int) -> None:
-        cfg, p = den.config, den.config.patch
-        self.grid = (H // p, W // p)
-        self.n_img = self.grid[0] * self.grid[1]
-        self.Np = _round_up(self.n_img, cfg.seq_multiple)
-        self.Lp = _round_up(L, cfg.seq_multiple)
+        cfg = den.config
+        lay = _layout(cfg, H, W, L)
+        self.grid, self.n_img, self.Np, self.Lp, self.plans = \
+            lay.grid, lay.n_img, lay.Np, lay.Lp, lay.plans
         self.key = (H, W, self.Lp)
         # the refined caption rows u[Np:] of the last CAPTIONS_KEPT captions, newest last:
         # (key, caption copy, rows copy)
         self.captions: list[tuple[tuple, np.ndarray, np.ndarray]] = []
-        T = self.Np + self.Lp
-        bc = cfg.block
-        self.plans = {s: BlockPlan(bc, s) for s in STACKS}
-        rows = {"noise_refiner": self.Np, "context_refiner": self.Lp, "layers": T}
-        counts = cfg.stacks
-        needs = [(self.plans[s], rows[s]) for s in STACKS if counts[s]]
-        D, hd, P = cfg.dim, cfg.head_dim, cfg.patch_dim
-        buffers = {"u": (T, D), "pe": (T, hd // 2, 2, 2), "patches": (self.n_img, P),
-                   "cap_in": (self.Lp, cfg.cap_dim), "cap_h": (self.Lp, cfg.cap_dim),
-                   "final_mod": (D,),
-                   "y": (self.n_img, P)}
+        needs, buffers = lay.needs, lay.buffers
         tasks = _Tasks(den.kernels, den.weights, cfg, self.n_img, self.Np)
         self.engine = Engine(needs, den.weights.blocks, buffers=buffers, workers=den.workers,
                              spawn=den.spawn, stage_timeout=den.stage_timeout,
@@ -614,6 +633,27 @@ class Denoiser(MapHolder):
         return temb
 
     # -- memory
+    def arena_bytes(self, H: int, W: int, L: int = 512) -> int:
+        """The bytes of the shared-memory arena a call on latents ``[C, H, W]`` with ``L``
+        caption rows reserves (default: the text encoder's most), without building it."""
+        from nxhpc.nn.engine import arena_layout
+        from nxhpc.runtime.shm import arena_bytes
+        lay = _layout(self.config, H, W, L)
+        return arena_bytes(arena_layout(lay.needs, lay.buffers)[0])
+
+    def check_room(self, H: int, W: int, L: int = 512, *, copies: int = 1) -> int:
+        """Raise now the :class:`~nxhpc.runtime.shm.ShmSpaceError` the arena of latents
+        ``[C, H, W]`` would meet (``copies`` denoisers on this host at once), e.g. before a
+        long text encoding; returns the bytes. Nothing is reserved."""
+        from nxhpc.runtime.checks import check_count
+        from nxhpc.runtime.shm import check_room
+        copies = check_count(copies, "copies")
+        need = self.arena_bytes(H, W, L)
+        check_room(need, f"the denoiser's arena at {H}x{W} latents"
+                   + (f" ({copies} at once on this host)" if copies > 1 else ""),
+                   copies=copies)
+        return need * copies
+
     def memory(self) -> dict[str, float | None]:
         """MB: the mapped GGUF (``weights_mb``), the current layout's arena (``arena_mb``), the
         peak resident set of this process (``peak_rss_mb``, Linux VmHWM: mapped weight pages

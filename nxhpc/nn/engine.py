@@ -51,7 +51,7 @@ from nxhpc.runtime import ranks as _ranks
 from nxhpc.runtime.shm import SharedArena
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerPool, check_timeout
 
-__all__ = ["Stage", "Plan", "Engine", "EngineSession", "RunContext", "BufRef", "IOSpec",
+__all__ = ["Stage", "Plan", "Engine", "arena_layout", "EngineSession", "RunContext", "BufRef", "IOSpec",
            "Gather", "StageSplit", "TOTAL_KEY", "timing_keys", "stage_table", "serialized"]
 
 #: The timing key of a whole plan run (every stage), after the stages' own keys.
@@ -257,6 +257,37 @@ def serialized(method: Callable[..., Any]) -> Callable[..., Any]:
     return run_serialized
 
 
+def arena_layout(needs: Iterable[tuple[Plan, int]], buffers: Mapping[str, Any] | None = None
+                 ) -> tuple[dict[str, Any], dict[str, int], list[str]]:
+    """The buffers of an :class:`Engine`'s arena for ``needs`` (``(plan, T)`` pairs) and the
+    caller's ``buffers``: flat scratch sized for the largest need, the plans' state, the
+    caller's. Returns ``(spec, scratch elements by name, state names)``; ValueError on a name
+    that two of them claim. ``nxhpc.runtime.shm.arena_bytes(spec)`` is the arena's size, known
+    before anything is built."""
+    plans: list[Plan] = []
+    cap: dict[str, int] = {}
+    for p, T in needs:
+        if not any(p is q for q in plans):
+            plans.append(p)
+        for n, shape in p.scratch(int(T)).items():
+            cap[n] = max(cap.get(n, 0), math.prod(shape))
+    spec: dict[str, Any] = {n: (c,) for n, c in cap.items()}
+    state_names: list[str] = []
+    for p in plans:
+        for n, s in p.state().items():
+            if n in spec and n not in state_names:
+                raise ValueError(f"Engine: state buffer {n!r} clashes with a scratch name")
+            spec[n] = s
+            if n not in state_names:
+                state_names.append(n)
+    for n, s in (buffers or {}).items():
+        if n in spec:
+            raise ValueError(f"Engine: buffer name {n!r} is reserved (scratch: "
+                             f"{', '.join(spec)})")
+        spec[n] = s
+    return spec, cap, state_names
+
+
 class Engine:
     """ONE arena and ONE forked pool serving several plans (of one config) at several token
     counts.
@@ -359,25 +390,7 @@ class Engine:
                                  f"not a stage's ({', '.join(seen)}) nor {GROUP_TASK!r}")
             self._extra[name] = fn
             task_fns[name] = self._extra_task(fn)
-        # the arena: flat scratch sized for the largest need + the plans' state + the caller's
-        self._cap: dict[str, int] = {}
-        for p, T in needs:
-            for n, shape in p.scratch(T).items():
-                self._cap[n] = max(self._cap.get(n, 0), math.prod(shape))
-        spec: dict[str, Any] = {n: (c,) for n, c in self._cap.items()}
-        self._state_names: list[str] = []
-        for p in self._plans:
-            for n, s in p.state().items():
-                if n in spec and n not in self._state_names:
-                    raise ValueError(f"Engine: state buffer {n!r} clashes with a scratch name")
-                spec[n] = s
-                if n not in self._state_names:
-                    self._state_names.append(n)
-        for n, s in (buffers or {}).items():
-            if n in spec:
-                raise ValueError(f"Engine: buffer name {n!r} is reserved (scratch: "
-                                 f"{', '.join(spec)})")
-            spec[n] = s
+        spec, self._cap, self._state_names = arena_layout(needs, buffers)
         self._user = list(buffers or {})
         self._splits: dict[tuple[int, str, int], tuple[Gather, ...] | None] = {}
         if self.ranks is not None:

@@ -20,7 +20,7 @@ from nxhpc.formats.gguf_io import GGUFFile, ModelFileError, read_field, read_fie
 __all__ = [
     "Qwen3Tokenizer", "VocabError", "QWEN2_SPLIT", "TEMPLATE", "MAX_TOKENS", "CHAT_TOKENS",
     "QWEN3_ADDED_TOKENS", "TOKEN_NORMAL", "TOKEN_CONTROL", "TOKEN_USER_DEFINED", "TOKEN_UNUSED",
-    "byte_alphabet", "check_text", "template", "tiny_vocab", "vocab_metadata",
+    "MAX_TEXT_CHARS", "byte_alphabet", "check_text", "template", "tiny_vocab", "vocab_metadata",
 ]
 
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -35,6 +35,12 @@ enable_thinking=True`` (what ``ZImagePipeline._encode_prompt`` asks for)."""
 
 MAX_TOKENS = 512
 """``ZImagePipeline``'s ``max_sequence_length``: the first 512 ids of the templated text."""
+
+MAX_TEXT_CHARS = 1_000_000
+"""The longest text :func:`check_text` takes. Only a prompt's first :data:`MAX_TOKENS` tokens
+(a few thousand characters) reach the model, but the whole text is tokenized first: about 190
+bytes of memory a character (10 MB of text took 1.9 GB and 19 s, and an allocation that fails
+inside the tokenizer aborts the process)."""
 
 CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 """The control tokens a vocab must have: the template's two and the end/padding token."""
@@ -87,10 +93,15 @@ def template(prompt: str) -> str:
 
 
 def check_text(text: Any, what: str) -> None:
-    """TypeError for a non-string ``text``, ValueError for a NUL character or a lone surrogate
-    (each naming ``what``): what every prompt must be before it is tokenized."""
+    """TypeError for a non-string ``text``, ValueError for a NUL character, a lone surrogate or
+    more than :data:`MAX_TEXT_CHARS` characters (each naming ``what``): what every prompt must
+    be before it is tokenized."""
     if not isinstance(text, str):
         raise TypeError(f"{what}: expected str, got {type(text).__name__}")
+    if len(text) > MAX_TEXT_CHARS:
+        raise ValueError(f"{what}: {len(text):,} characters, more than the {MAX_TEXT_CHARS:,} "
+                         f"the tokenizer takes (a prompt's first {MAX_TOKENS} tokens are all "
+                         f"the model reads): shorten it")
     nul = text.find("\x00")
     if nul >= 0:
         raise ValueError(f"{what}: contains a NUL character at index {nul}")
@@ -279,6 +290,9 @@ class Qwen3Tokenizer:
     def encode(self, text: str) -> list[int]:
         """The ids of ``text`` as is: no template, nothing added, not truncated."""
         check_text(text, "text")
+        return self._ids(text)
+
+    def _ids(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def tokenize(self, prompt: str, max_tokens: int = MAX_TOKENS) -> list[int]:
@@ -294,7 +308,7 @@ class Qwen3Tokenizer:
             raise TypeError(f"max_tokens: expected int, got {type(max_tokens).__name__}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        ids = self.encode(template(prompt))
+        ids = self._ids(template(prompt))        # the prompt checked (not the template's text)
         return ids[:max_tokens], len(ids)
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -69,8 +69,9 @@ class OutputPathError(ValueError):
 
 def _in_place(path: str) -> bool:
     """Written in place, not replaced: an existing non-regular file (a device, a FIFO), and
-    anything under /dev or /proc (``/dev/stdout`` is a link to whatever fd 1 is)."""
-    if path.startswith(("/dev/", "/proc/")):
+    anything under /dev or /proc (``/dev/stdout`` is a link to whatever fd 1 is) but the
+    folders of the /dev/shm tmpfs (a scratch folder: replaced atomically as anywhere)."""
+    if path.startswith(("/dev/", "/proc/")) and not path.startswith("/dev/shm/"):
         return True
     try:
         return not stat.S_ISREG(os.stat(path).st_mode)      # follows symlinks
@@ -78,17 +79,18 @@ def _in_place(path: str) -> bool:
         return False
 
 
-def _is_stderr(path: str) -> bool:
-    """Whether ``path`` is the file ``sys.stderr`` writes to (``/dev/stderr``, ``2> FILE``):
-    the progress bar and messages go there and would be written into the result (a terminal
-    and the null device aside)."""
+def _is_stderr(path: str, progress: bool = True) -> bool:
+    """Whether ``path`` is the file ``sys.stderr`` writes to and writing it would spoil one
+    of the two: a regular file (``2> FILE``; ``/dev/stderr`` reopens and truncates it) always,
+    a pipe or socket only where the run's ``progress`` bar is printed there (``ddp --json
+    /dev/stderr 2>&1 >/dev/null | jq`` mixes nothing). A terminal or the null device never."""
     try:
         a, b = os.stat(path), os.fstat(sys.stderr.fileno())
     except (OSError, ValueError, AttributeError):
         return False
     if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) or stat.S_ISCHR(a.st_mode):
         return False
-    return True
+    return stat.S_ISREG(a.st_mode) or progress
 
 
 def _is_stdout(path: str) -> bool:
@@ -119,7 +121,8 @@ def _same_file(a: str, b: str) -> bool:
 def check_output_path(path: str | os.PathLike, *, what: str = "output",
                       inputs: Iterable[str | os.PathLike] = (),
                       model_files: Iterable[str | os.PathLike] = (),
-                      example: str | None = None, report_on_stdout: bool = False) -> Path:
+                      example: str | None = None, report_on_stdout: bool = False,
+                      progress_on_stderr: bool = False) -> Path:
     """Check, before the run, that ``path`` can be written as a result file; returns the path
     to write (symlinks followed). Raises :class:`OutputPathError` naming ``what`` and the reason:
     a directory (or a path ending in '/'), a missing directory, a directory that refuses a new
@@ -149,7 +152,7 @@ def check_output_path(path: str | os.PathLike, *, what: str = "output",
         raise OutputPathError(f"{what} {given} is this run's standard output, where its report "
                               f"is printed: the two would mix into one corrupt stream; give a "
                               f"file path")
-    if report_on_stdout and _is_stderr(given):
+    if report_on_stdout and _is_stderr(given, progress_on_stderr):
         raise OutputPathError(f"{what} {given} is this run's standard error, where its progress "
                               f"and messages are printed: the two would mix into one corrupt "
                               f"file; give a file path")
@@ -243,6 +246,8 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None], *,
     which fails if another process made ``path`` meanwhile (a name a run made up itself).
     """
     if _in_place(str(path)) and os.path.exists(path):
+        if exclusive:                     # (a folder under /dev/shm: a regular file there
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
         with open(path, "wb") as f:
             write(f)
         _record(os.fspath(path))
@@ -259,12 +264,20 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None], *,
             try:
                 os.link(tmp, real)        # EEXIST: another writer took the name meanwhile
             except FileExistsError:
-                raise
-            except OSError:               # no hard links here (vfat, some FUSE): best effort
-                if os.path.lexists(real):
-                    raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST),
-                                          str(real)) from None
-                os.replace(tmp, real)
+                # NFS: a retried link whose first try succeeded says EEXIST (open(2), O_EXCL):
+                # ours if the temporary now has the second link
+                if os.stat(tmp).st_nlink != 2:
+                    raise
+            except OSError:               # no hard links here (vfat, some FUSE): the name
+                #                             reserved with O_EXCL (EEXIST as above), then
+                #                             replaced: only our own empty placeholder
+                os.close(os.open(real, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                                 0o600))
+                try:
+                    os.replace(tmp, real)
+                except BaseException:
+                    os.unlink(real)       # the placeholder is ours: nothing left behind
+                    raise
         else:
             os.replace(tmp, real)
         _record(os.fspath(path))

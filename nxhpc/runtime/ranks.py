@@ -383,15 +383,17 @@ class Ranks:
             return ""
         return "; ".join(f"rank {k}: {v}" for k, v in enumerate(vals))
 
-    def same_kernels(self, precision: str) -> None:
+    def same_kernels(self, precision: str, what: str = "kernels",
+                     result: str = "the split result") -> None:
         """:class:`RankMismatchError` on every rank unless every rank's kernels give the same
         output bits at ``precision`` (:func:`kernel_bits`): the split result is bit-identical
-        to one process only then. The message names each rank's and the remedy."""
+        to one process only then. The message names each rank's and the remedy (``what``
+        runs at that precision, ``result`` would differ)."""
         listing = self._differ(kernel_bits(precision), "the kernels' bits")
         if listing:
             raise RankMismatchError(
-                f"the {self.size} MPI ranks run kernels that give different {precision} bits "
-                f"({listing}), so the split result would match no one process; set "
+                f"the {self.size} MPI ranks run {what} that give different {precision} bits "
+                f"({listing}), so {result} would match no one process; set "
                 f"NXHPC_MAX_ISA on every rank to one target all of them run (e.g. avx2, or "
                 f"avx512bf16 on AVX-512 BF16 machines with and without AMX)")
 

@@ -87,9 +87,17 @@ class ShmSpaceError(OSError):
     def __init__(self, needed: int, free: int | None, where: str = SHM_DIR,
                  what: str = "SharedArena", limit: int | None = None,
                  memory: int | None = None, unusable: OSError | None = None,
-                 shared: bool = True) -> None:
+                 shared: bool = True, vm_limit: int | None = None) -> None:
         self.needed, self.free, self.where, self.limit = needed, free, where, limit
-        self.memory, self.unusable = memory, unusable
+        self.memory, self.unusable, self.vm_limit = memory, unusable, vm_limit
+        if vm_limit is not None:
+            self.message = (f"{what}: not enough address space: "
+                            f"{'the segment needs' if shared else 'its buffers need'} "
+                            f"{needed} bytes ({_mib(needed)}) but the address-space limit "
+                            f"(ulimit -v, RLIMIT_AS) leaves {vm_limit} bytes ({_mib(vm_limit)}) "
+                            f"to map. Raise the limit or run fewer tokens (a smaller image)")
+            super().__init__(errno.ENOMEM, self.message)
+            return
         if unusable is not None:
             self.message = (f"{what}: cannot create a shared-memory segment in {where}: "
                             f"{unusable.strerror or unusable} (nxhpc's workers share their "
@@ -309,28 +317,54 @@ def arena_bytes(buffers: Mapping[str, object]) -> int:
     return max(_layout(buffers)[1], ALIGN)
 
 
-def check_room(size: int, what: str = "SharedArena", *, shared: bool = True) -> None:
+def _address_space_room() -> int | None:
+    """Bytes this process may still map under its address-space limit (``ulimit -v``,
+    RLIMIT_AS): the soft limit less ``VmSize`` of /proc/self/status; None without a limit."""
+    import resource
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return max(limit - int(line.split()[1]) * 1024, 0)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_room(size: int, what: str = "SharedArena", *, shared: bool = True,
+               copies: int = 1) -> None:
     """Raise now the :class:`ShmSpaceError` that reserving ``size`` bytes would meet: a
     segment (``shared``) larger than the memory left lets one take (:func:`memory_room`), than
     ``/dev/shm`` holds free or than the file-size limit (ulimit -f) allows; a process's own
-    buffers (not ``shared``) larger than the memory available. For work that needs them only
+    buffers (not ``shared``) larger than the memory available; either larger than this
+    process's address-space limit (ulimit -v) leaves to map. For work that needs them only
     after a long run (the autoencoder after the sampling steps), so that it fails before the
     run rather than after it. Nothing is reserved: the room may still be taken by others
-    meanwhile, and the segment's own reservation checks again."""
+    meanwhile, and the segment's own reservation checks again. ``copies``: processes on this
+    host that will each reserve ``size`` at once (MPI ranks): the memory and ``/dev/shm``
+    are checked for all of them, the per-process limits for one ``size``."""
+    vm_room = _address_space_room()
+    if vm_room is not None and size > vm_room:     # ulimit -v: the mapping would be refused
+        raise ShmSpaceError(size, shm_free_bytes() if shared else None, what=what,
+                            vm_limit=vm_room, shared=shared)
+    total = size * copies
     avail = memory_available_bytes()
     if not shared:
-        if avail is not None and size > avail:
-            raise ShmSpaceError(size, None, what=what, memory=avail, shared=False)
+        if avail is not None and total > avail:
+            raise ShmSpaceError(total, None, what=what, memory=avail, shared=False)
         return
     room = memory_room(avail)
-    if room is not None and size > room:
-        raise ShmSpaceError(size, shm_free_bytes(), what=what, memory=room)
+    if room is not None and total > room:
+        raise ShmSpaceError(total, shm_free_bytes(), what=what, memory=room)
     free = shm_free_bytes()
-    if free is not None and size > free:
-        raise ShmSpaceError(size, free, what=what)
+    if free is not None and total > free:
+        raise ShmSpaceError(total, free, what=what)
     import resource
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    if limit != resource.RLIM_INFINITY and size > limit:
+    if limit != resource.RLIM_INFINITY and size > limit:    # per file: each rank's segment
         raise ShmSpaceError(size, free, what=what, limit=limit)
 
 

@@ -40,7 +40,9 @@ def to_uint8(image: np.ndarray) -> np.ndarray:
 def write_png(path: str | os.PathLike, pixels: np.ndarray,
               text: Mapping[str, str] | None = None, *, exclusive: bool = False) -> None:
     """Write uint8 [H, W, 3] (or [H, W] / [H, W, 1] grey) ``pixels`` as a PNG at ``path``, with
-    ``text`` as tEXt chunks; atomically (the old file stays untouched on any failure)."""
+    ``text`` as tEXt chunks; atomically (the old file stays untouched on any failure).
+    ``exclusive``: never over an existing file (FileExistsError; a name the caller made up,
+    which another process may have taken meanwhile)."""
     from PIL import Image, PngImagePlugin
     a = np.asarray(pixels)
     if a.dtype != np.uint8 or a.ndim not in (2, 3) or (a.ndim == 3 and a.shape[2] not in (1, 3)):

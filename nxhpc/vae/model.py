@@ -308,12 +308,12 @@ class VaeDecoder(Closing):
         forward(prog, h, w)
         if self._holds(prog.sizes):
             return 0
-        need = arena_bytes(_spec(prog.sizes)) * copies
+        need = arena_bytes(_spec(prog.sizes))
         s = self.config.upscale
         at_once = f" ({copies} at once on this host)" if copies > 1 else ""
         check_room(need, f"the autoencoder's decode at {h * s}x{w * s}{at_once}",
-                   shared=self.workers > 1)
-        return need
+                   shared=self.workers > 1, copies=copies)
+        return need * copies
 
     def _holds(self, sizes: dict[str, int]) -> bool:
         """Whether the buffers held are at least ``sizes`` (floats per buffer)."""
