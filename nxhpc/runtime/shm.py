@@ -82,7 +82,9 @@ class ShmSpaceError(OSError):
     Attributes: ``needed`` and ``free`` (bytes), ``where`` (the directory), ``limit`` (the
     file-size limit, when that is what refused it), ``memory`` (the most the memory left lets
     a segment take, when that is what refused it: :func:`memory_room`), ``unusable`` (why no
-    segment can be made there at all: no such directory, read-only, not permitted)."""
+    segment can be made there at all: no such directory, read-only, not permitted),
+    ``vm_limit`` (the bytes the address-space limit leaves this process to map, when that is
+    what refused it)."""
 
     def __init__(self, needed: int, free: int | None, where: str = SHM_DIR,
                  what: str = "SharedArena", limit: int | None = None,
