@@ -409,16 +409,16 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
             # the decode's buffers, checked before the long part: a 1024x1024 image's take
             # 2.7 GiB (of /dev/shm, with workers), and an image's steps can take an hour; the
             # denoiser's arena, not made yet, is released before the decode. Several images
-            # under mpirun: every rank on this host decodes at once
+            # under mpirun: every rank on this host decodes at once. The denoiser's arena too,
+            # before the prompts are encoded (it is built at the first step): every rank on
+            # this host builds its own
+            here = _ranks.local_ranks() if ranks is not None else 1
             if (lead and not whole) or (whole and mine):
                 up = vae.config.upscale
                 vae.check_room(height // up, width // up,
-                               copies=min(_ranks.local_ranks(), len(jobs)) if whole else 1)
-            # the denoiser's arena too, before the prompts are encoded (it is built at the
-            # first step): every rank builds its own
+                               copies=min(here, len(jobs)) if whole else 1)
             lat = shape if shape is not None else noise_raw.shape
-            den.check_room(lat[1], lat[2], copies=min(_ranks.local_ranks(), len(jobs))
-                           if whole else (_ranks.local_ranks() if ranks is not None else 1))
+            den.check_room(lat[1], lat[2], copies=min(here, len(jobs)) if whole else here)
             stages["open_s"] = time.perf_counter() - t0
 
             # 1. the prompts of this process's images through the text encoder (then released)
@@ -532,15 +532,13 @@ def _write(job: Job, pixels: np.ndarray, text: dict[str, str], written: list[Job
     from nxhpc.vae.image import write_png
     try:
         write_png(job.out, pixels, text, exclusive=job.in_folder)
-    except FileExistsError:
-        done = [str(j.out) for j in written]
-        raise OutputError(f"--out {job.out}: appeared meanwhile (another run writing into the "
-                          f"same folder?); it was left as it is"
-                          + (f"; written: {', '.join(done)}" if done else "")) from None
     except OSError as e:
         done = [str(j.out) for j in written]
-        raise OutputError(f"--out {job.out}: could not write the PNG: {e.strerror or e}; an "
-                          f"existing file at that path is unchanged"
+        why = ("appeared meanwhile (another run writing into the same folder?); it was left as "
+               "it is" if isinstance(e, FileExistsError) else
+               f"could not write the PNG: {e.strerror or e}; an existing file at that path is "
+               f"unchanged")
+        raise OutputError(f"--out {job.out}: {why}"
                           + (f"; written: {', '.join(done)}" if done else "")) from None
 
 

@@ -637,8 +637,9 @@ class Denoiser(MapHolder):
         """The bytes of the shared-memory arena a call on latents ``[C, H, W]`` with ``L``
         caption rows reserves (default: the text encoder's most), without building it."""
         from nxhpc.nn.engine import arena_layout
+        from nxhpc.runtime.checks import check_count
         from nxhpc.runtime.shm import arena_bytes
-        lay = _layout(self.config, H, W, L)
+        lay = _layout(self.config, check_count(H, "H"), check_count(W, "W"), check_count(L, "L"))
         return arena_bytes(arena_layout(lay.needs, lay.buffers)[0])
 
     def check_room(self, H: int, W: int, L: int = 512, *, copies: int = 1) -> int:

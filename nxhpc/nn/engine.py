@@ -51,7 +51,8 @@ from nxhpc.runtime import ranks as _ranks
 from nxhpc.runtime.shm import SharedArena
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerPool, check_timeout
 
-__all__ = ["Stage", "Plan", "Engine", "arena_layout", "EngineSession", "RunContext", "BufRef", "IOSpec",
+__all__ = ["Stage", "Plan", "Engine", "arena_layout", "EngineSession", "RunContext", "BufRef",
+           "IOSpec",
            "Gather", "StageSplit", "TOTAL_KEY", "timing_keys", "stage_table", "serialized"]
 
 #: The timing key of a whole plan run (every stage), after the stages' own keys.

@@ -246,7 +246,7 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None], *,
     which fails if another process made ``path`` meanwhile (a name a run made up itself).
     """
     if _in_place(str(path)) and os.path.exists(path):
-        if exclusive:                     # (a folder under /dev/shm: a regular file there
+        if exclusive:                     # a device or FIFO there: never written over
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
         with open(path, "wb") as f:
             write(f)
