@@ -1298,6 +1298,9 @@ _SIGNAL_AT = textwrap.dedent("""
     import numpy as np
     from nxhpc.runtime import outfile
     sig, when = getattr(signal, sys.argv[1]), sys.argv[2]
+    # a terminal's dispositions, whatever this test runs under (nohup ignores SIGHUP, and a
+    # background job of a script SIGINT: the run keeps an ignored signal ignored)
+    signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     real_fsync, real_write = outfile.os.fsync, outfile.write_atomic
     class Os:                                   # outfile's os, with a signal at the fsync
         def __getattr__(self, name):
