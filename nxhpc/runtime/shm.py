@@ -92,10 +92,10 @@ class ShmSpaceError(OSError):
                  shared: bool = True, vm_limit: int | None = None) -> None:
         self.needed, self.free, self.where, self.limit = needed, free, where, limit
         self.memory, self.unusable, self.vm_limit = memory, unusable, vm_limit
+        need = "the segment needs" if shared else "its buffers need"
         if vm_limit is not None:
-            self.message = (f"{what}: not enough address space: "
-                            f"{'the segment needs' if shared else 'its buffers need'} "
-                            f"{needed} bytes ({_mib(needed)}) but the address-space limit "
+            self.message = (f"{what}: not enough address space: {need} {needed} bytes "
+                            f"({_mib(needed)}) but the address-space limit "
                             f"(ulimit -v, RLIMIT_AS) leaves {vm_limit} bytes ({_mib(vm_limit)}) "
                             f"to map. Raise the limit or run fewer tokens (a smaller image)")
             super().__init__(errno.ENOMEM, self.message)
@@ -110,9 +110,9 @@ class ShmSpaceError(OSError):
         free_txt = ("an unknown amount free" if free is None
                     else f"{free} bytes free ({_mib(free)})")
         if memory is not None:     # a segment, or (not shared) a process's own buffers
-            it, need, most, keep = (
-                ("it", "the segment needs", "at most ", ", less an eighth kept for the rest of "
-                 "the run") if shared else ("them", "its buffers need", "", ""))
+            it, most, keep = (
+                ("it", "at most ", ", less an eighth kept for the rest of the run") if shared
+                else ("them", "", ""))
             self.message = (f"{what}: not enough memory: {need} {needed} bytes ({_mib(needed)}) "
                             f"but {most}{memory} bytes ({_mib(memory)}) can go to {it} "
                             f"(MemAvailable + SwapFree within the cgroup's limit{keep}); making "
