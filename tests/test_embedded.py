@@ -285,7 +285,10 @@ def test_a_worker_reaped_by_the_kernel_is_never_signalled(models_root):
     """Under a SIGCHLD of SIG_IGN the kernel reaps a dead worker at once, and its pid may then
     belong to another process: the pool's kill path (after the failure it reports) signalled
     every recorded pid. It now signals only its own live children: the dead worker's pid is
-    not in os.kill's calls, the live one is (control), and the failure is still WorkerError."""
+    not in os.kill's calls, the live one is (control), and the failure is still WorkerError.
+    The live worker is stopped first: left running, it sees its pipe's EOF and may exit (and be
+    reaped by the kernel) before the kill path looks at it, which then rightly leaves it alone
+    (2 runs in 8 on an AMD Zen 4 failed the control that way)."""
     r = _py("""
 import os, signal, time, numpy as np
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)
@@ -301,6 +304,7 @@ cap = np.zeros((3, den.config.cap_dim), np.float32)
 lat = np.zeros((16, 8, 8), np.float32)
 den.forward(lat, 0.5, cap)
 dead, live = den.session(8, 8, 3).engine.pool.pids
+real(live, signal.SIGSTOP)
 real(dead, signal.SIGKILL)
 time.sleep(0.3)
 workers.os.kill = spy
