@@ -49,19 +49,30 @@ def test_block_goal_takes_the_fastest_precision_within_its_tolerance(goals):
     g = goals.block_goal("block256", _block_doc(0.04), TOL)
     assert g.measured == pytest.approx(0.078 / 0.058)
     assert g.met is False and g.errors_ok is True
-    assert "nxhpc bf16" in g.detail and "left out for their error: q8 (4.00e-02)" in g.detail
+    assert "nxhpc bf16" in g.detail
+    assert "left out for their error: q8 50.0 ms (max_rel 4.00e-02)" in g.detail
     # q8 within its tolerance and torch's error: 0.078 / 0.050 = 1.56x >= 1.5
     g = goals.block_goal("block256", _block_doc(0.03), TOL)
     assert g.measured == pytest.approx(0.078 / 0.050)
     assert g.met is True and g.errors_ok is True and "nxhpc q8" in g.detail
     # the Q8_0 goal's target is 2x: 1.56x misses it
     assert goals.block_goal("block2048", _block_doc(0.03), TOL).met is False
+    # the RMS errors, where the runs recorded them, are shown beside max_rel (not judged)
+    doc = _block_doc(0.04)
+    for b, rms in zip(doc["benchmarks"], (0.004, 0.006, 0.5, 0.007, 1e-7)):
+        b["extra_info"]["rel_rms_err"] = rms
+    g = goals.block_goal("block256", doc, TOL)
+    assert g.measured == pytest.approx(0.078 / 0.058) and g.met is False
+    assert ("nxhpc bf16 58.0 ms (max_rel 2.00e-02, rel_rms 4.00e-03) vs torch bfloat16 78.0 ms "
+            "(max_rel 3.80e-02, rel_rms 7.00e-03)" in g.detail), g.detail
+    assert "q8 50.0 ms (max_rel 4.00e-02, rel_rms 6.00e-03)" in g.detail
     # no precision within torch's error: not met, and the table says why
     doc = _block_doc(0.04)
     doc["benchmarks"][3]["extra_info"]["max_rel"] = 0.01          # torch bfloat16's
     g = goals.block_goal("block256", doc, TOL)
     assert g.measured is None and g.met is False and g.errors_ok is False
-    assert "max_rel 1.00e-02): bf16 (2.00e-02), q8 (4.00e-02)" in g.detail
+    assert ("max_rel 1.00e-02): bf16 58.0 ms (max_rel 2.00e-02), q8 50.0 ms (max_rel 4.00e-02)"
+            in g.detail)
     # every precision beyond blockrun's tolerance: not met (it read "not measured")
     g = goals.block_goal("block256", _block_doc(0.2), {"f32": 0.01, "bf16": 0.01, "q8": 0.1})
     assert g.measured is None and g.met is False
