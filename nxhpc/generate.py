@@ -418,7 +418,8 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
                 vae.check_room(height // up, width // up,
                                copies=min(here, len(jobs)) if whole else 1)
             lat = shape if shape is not None else noise_raw.shape
-            den.check_room(lat[1], lat[2], copies=min(here, len(jobs)) if whole else here)
+            den_copies = min(here, len(jobs)) if whole else here
+            arena = den.check_room(lat[1], lat[2], copies=den_copies)
             stages["open_s"] = time.perf_counter() - t0
 
             # 1. the prompts of this process's images through the text encoder (then released)
@@ -426,7 +427,7 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
             progress.stage("encode")
             feats, neg_feats, te_file = _encode(
                 names["text_encoder"], prompts, sorted({j.prompt for j in mine}), negative,
-                workers, args, dcfg.cap_dim, progress, ranks)
+                workers, args, dcfg.cap_dim, progress, ranks, beside=arena, copies=den_copies)
             stages["encode_s"] = time.perf_counter() - t1
 
             # 2. every image's latents on the one denoiser (its arena is built now)
@@ -543,12 +544,19 @@ def _write(job: Job, pixels: np.ndarray, text: dict[str, str], written: list[Job
 
 
 def _encode(te: str, prompts: list[str], which: list[int], negative: str | None, workers: int,
-            args: argparse.Namespace, cap_dim: int, progress: Progress, ranks: Any = None
+            args: argparse.Namespace, cap_dim: int, progress: Progress, ranks: Any = None, *,
+            beside: int = 0, copies: int = 1
             ) -> tuple[dict[int, np.ndarray], np.ndarray | None, str]:
     """Caption features of the prompts ``which`` (indices into ``prompts``) and of
     ``negative``, then the encoder is closed (opened and checked even when ``which`` is empty:
     every rank checks the models alike). Returns (features by prompt index, negative features
-    or None, the encoder's file name)."""
+    or None, the encoder's file name).
+
+    Every feature array is kept until the last image is made, beside the denoiser's arena
+    (``beside`` bytes, built after the encoder is closed): before the first prompt is encoded
+    they are counted from the prompts' token counts (``copies``: processes on this host that
+    each hold as many) and a list whose features cannot fit beside the arena is refused
+    (:class:`~nxhpc.runtime.shm.ShmSpaceError`), not after hours of encoding."""
     import nxhpc
     with nxhpc.load_text_encoder(te, workers=workers, precision=args.precision,
                                  models_dir=args.models_dir, stage_timeout=args.stage_timeout,
@@ -565,6 +573,9 @@ def _encode(te: str, prompts: list[str], which: list[int], negative: str | None,
                 return enc.encode(prompt)
             except TextEncoderInputError as e:       # ids beyond the model's context length
                 raise InputError(f"--text-encoder {te}: {what}: {e}") from None
+        texts = [prompts[i] for i in which] + ([negative] if negative is not None else [])
+        _check_features_room(sum(len(enc.tokenize(t)) for t in texts) * cap_dim * 4 * copies,
+                             len(texts), beside)
         feats = {}
         for i in which:
             feats[i] = encode(prompts[i], f"prompt {i + 1} of --prompts (blank lines not counted)"
@@ -575,6 +586,26 @@ def _encode(te: str, prompts: list[str], which: list[int], negative: str | None,
             neg = encode(negative, "--negative-prompt")
             progress.step()
         return feats, neg, _label(Path(enc.path))
+
+
+def _check_features_room(need: int, n: int, beside: int) -> None:
+    """ShmSpaceError unless ``need`` bytes of caption features (``n`` prompts) fit beside
+    ``beside`` bytes of the denoiser's arena in the memory available
+    (:func:`nxhpc.runtime.shm.memory_available_bytes`) and in the address space this process
+    has left to map."""
+    from nxhpc.runtime import shm
+    total = need + beside
+    what = (f"the caption features of {n} prompt{'s' if n != 1 else ''} ({shm._mib(need)}, "
+            f"kept until the last image) beside the denoiser's arena ({shm._mib(beside)})")
+    advice = "give fewer prompts a run (split --prompts into several files)"
+    vm_room = shm._address_space_room()
+    if vm_room is not None and total > vm_room:
+        raise shm.ShmSpaceError(total, None, what=what, vm_limit=vm_room, shared=False,
+                                advice=advice)
+    avail = shm.memory_available_bytes()
+    if avail is not None and total > avail:
+        raise shm.ShmSpaceError(total, None, what=what, memory=avail, shared=False,
+                                advice=advice)
 
 
 def _label(path: Path) -> str:

@@ -995,6 +995,46 @@ def test_the_transformers_memory_is_checked_before_the_encoding(models_root, tmp
         nxhpc.generate_image("a fox", models_dir=models_root)
 
 
+def test_prompts_whose_features_cannot_fit_are_refused_before_the_encoding(
+        models_root, tmp_path, monkeypatch, capsys):
+    """``--prompts`` keeps every prompt's features until the last image (up to 5.2 MB a prompt
+    with Qwen3-4B): a list whose features could not fit beside the denoiser's arena was found
+    out only when the memory ran out, after the encoding (the memory helper's reading). The
+    features are counted from the token counts before the first prompt is encoded, exit 7
+    naming them and the advice. The memory available is made 64 MiB and the arena (whose own
+    check is not under test here) all of it less 1 MiB; three 512-token prompts' features are
+    3 x 512 x 320 x 4 = 1.9 MiB. Control: with 3 MiB to spare the same run makes its images."""
+    from nxhpc import generate
+    from nxhpc.dit.denoiser import Denoiser
+    from nxhpc.qwen3.encoder import TextEncoder
+    from nxhpc.runtime import shm
+    from nxhpc.vae.model import VaeDecoder
+    avail = 64 << 20
+    monkeypatch.setattr(shm, "memory_available_bytes", lambda: avail)
+    monkeypatch.setattr(shm, "memory_room", lambda a: a)         # the arena may take it all
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda: None)
+    monkeypatch.setattr(VaeDecoder, "check_room", lambda self, h, w, copies=1: 0)
+    words = " ".join(["fox"] * 600)                             # > 512 tokens: cut to 512
+    (tmp_path / "p.txt").write_text(f"a {words}\nthe {words}\none {words}\n")
+    (tmp_path / "o").mkdir()
+    encoded = []
+    real_encode = TextEncoder.encode
+    monkeypatch.setattr(TextEncoder, "encode",
+                        lambda self, p: encoded.append(p) or real_encode(self, p))
+    argv = ["--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "o"), "--steps", "1",
+            "--no-progress", "--models-dir", str(models_root)]
+    monkeypatch.setattr(Denoiser, "arena_bytes", lambda self, H, W, L=512: avail - (1 << 20))
+    assert generate.main(argv) == Exit.SHM
+    err = capsys.readouterr().err
+    assert "the caption features of 3 prompts (1.9 MiB, kept until the last image) beside the " \
+           "denoiser's arena (63.0 MiB): not enough memory" in err, err
+    assert "Give fewer prompts a run (split --prompts into several files) or free memory" in err
+    assert encoded == [] and list((tmp_path / "o").iterdir()) == []
+    monkeypatch.setattr(Denoiser, "arena_bytes", lambda self, H, W, L=512: avail - (3 << 20))
+    assert generate.main(argv) == Exit.PASS, capsys.readouterr().err
+    assert len(encoded) == 3 and len(list((tmp_path / "o").glob("*.png"))) == 3
+
+
 def test_a_memory_refusal_is_printed_whole(models_root, tmp_path):
     """A refusal for memory was cut to 200 characters and followed by advice about ``ulimit
     -v`` (the memory helper's find: an OSError of ENOMEM taken for the address-space limit):

@@ -84,12 +84,14 @@ class ShmSpaceError(OSError):
     a segment take, when that is what refused it: :func:`memory_room`), ``unusable`` (why no
     segment can be made there at all: no such directory, read-only, not permitted),
     ``vm_limit`` (the bytes the address-space limit leaves this process to map, when that is
-    what refused it)."""
+    what refused it). ``advice``: what to run less of, in the memory and address-space
+    sentences (default: fewer tokens, a smaller image)."""
 
     def __init__(self, needed: int, free: int | None, where: str = SHM_DIR,
                  what: str = "SharedArena", limit: int | None = None,
                  memory: int | None = None, unusable: OSError | None = None,
-                 shared: bool = True, vm_limit: int | None = None) -> None:
+                 shared: bool = True, vm_limit: int | None = None,
+                 advice: str = "run fewer tokens (a smaller image)") -> None:
         self.needed, self.free, self.where, self.limit = needed, free, where, limit
         self.memory, self.unusable, self.vm_limit = memory, unusable, vm_limit
         need = "the segment needs" if shared else "its buffers need"
@@ -97,7 +99,7 @@ class ShmSpaceError(OSError):
             self.message = (f"{what}: not enough address space: {need} {needed} bytes "
                             f"({_mib(needed)}) but the address-space limit "
                             f"(ulimit -v, RLIMIT_AS) leaves {vm_limit} bytes ({_mib(vm_limit)}) "
-                            f"to map. Raise the limit or run fewer tokens (a smaller image)")
+                            f"to map. Raise the limit or {advice}")
             super().__init__(errno.ENOMEM, self.message)
             return
         if unusable is not None:
@@ -116,8 +118,8 @@ class ShmSpaceError(OSError):
             self.message = (f"{what}: not enough memory: {need} {needed} bytes ({_mib(needed)}) "
                             f"but {most}{memory} bytes ({_mib(memory)}) can go to {it} "
                             f"(MemAvailable + SwapFree within the cgroup's limit{keep}); making "
-                            f"{it} would call in the out-of-memory killer. Run fewer tokens (a "
-                            f"smaller image) or free memory")
+                            f"{it} would call in the out-of-memory killer. "
+                            f"{advice[:1].upper()}{advice[1:]} or free memory")
             super().__init__(errno.ENOMEM, self.message)
             return
         if limit is not None:
