@@ -97,12 +97,14 @@ def block_goal(name: str, doc: dict, tol: dict[str, float]) -> Goal:
     e = _entries(doc)
     torch = e.get("test_block_torch_eager[bfloat16]")
     t_err = None if torch is None else torch["extra_info"].get("max_rel")
-    runs, failed = [], []
+    runs, failed, rms = [], [], {"torch": None if torch is None else
+                                 torch["extra_info"].get("rel_rms_err")}
     for key, b in e.items():
         if key.startswith("test_block_nxhpc[pool-"):
             p = b["extra_info"].get("precision")
             mr = b["extra_info"].get("max_rel")
-            rr = _rms(b["extra_info"].get("rel_rms_err"))
+            rms[p] = b["extra_info"].get("rel_rms_err")
+            rr = _rms(rms[p])
             if p in tol and mr is not None and mr > tol[p]:
                 failed.append(f"{p} ({mr:.2e}{rr}, beyond blockrun's {tol[p]:g})")
             elif p in tol and mr is not None:
@@ -120,10 +122,6 @@ def block_goal(name: str, doc: dict, tol: dict[str, float]) -> Goal:
     t_min, prec, mr = min(runs)
     ratio = torch["stats"]["min"] / t_min
     errors_ok = None if t_err is None else mr <= t_err
-    rms = {p: b["extra_info"].get("rel_rms_err") for p, b in
-           ((b["extra_info"].get("precision"), b) for k, b in e.items()
-            if k.startswith("test_block_nxhpc[pool-"))}
-    rms["torch"] = torch["extra_info"].get("rel_rms_err")
     detail = (f"nxhpc {prec} {t_min * 1e3:.1f} ms (max_rel {mr:.2e}{_rms(rms[prec])}) vs torch "
               f"bfloat16 {torch['stats']['min'] * 1e3:.1f} ms (max_rel "
               f"{'-' if t_err is None else format(t_err, '.2e')}{_rms(rms['torch'])})")

@@ -590,22 +590,15 @@ def _encode(te: str, prompts: list[str], which: list[int], negative: str | None,
 
 def _check_features_room(need: int, n: int, beside: int) -> None:
     """ShmSpaceError unless ``need`` bytes of caption features (``n`` prompts) fit beside
-    ``beside`` bytes of the denoiser's arena in the memory available
-    (:func:`nxhpc.runtime.shm.memory_available_bytes`) and in the address space this process
-    has left to map."""
-    from nxhpc.runtime import shm
-    total = need + beside
-    what = (f"the caption features of {n} prompt{'s' if n != 1 else ''} ({shm._mib(need)}, "
-            f"kept until the last image) beside the denoiser's arena ({shm._mib(beside)})")
-    advice = "give fewer prompts a run (split --prompts into several files)"
-    vm_room = shm._address_space_room()
-    if vm_room is not None and total > vm_room:
-        raise shm.ShmSpaceError(total, None, what=what, vm_limit=vm_room, shared=False,
-                                advice=advice)
-    avail = shm.memory_available_bytes()
-    if avail is not None and total > avail:
-        raise shm.ShmSpaceError(total, None, what=what, memory=avail, shared=False,
-                                advice=advice)
+    ``beside`` bytes of the denoiser's arena in the memory available and in the address space
+    this process has left to map (:func:`nxhpc.runtime.shm.check_room`, a process's own
+    buffers)."""
+    from nxhpc.runtime.shm import check_room
+    check_room(need + beside,
+               f"the caption features of {n} prompt{'s' if n != 1 else ''} "
+               f"({need / 2**20:.1f} MiB, kept until the last image) beside the denoiser's "
+               f"arena ({beside / 2**20:.1f} MiB)",
+               shared=False, advice="give fewer prompts a run (split --prompts into several files)")
 
 
 def _label(path: Path) -> str:

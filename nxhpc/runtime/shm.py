@@ -339,7 +339,7 @@ def _address_space_room() -> int | None:
 
 
 def check_room(size: int, what: str = "SharedArena", *, shared: bool = True,
-               copies: int = 1) -> None:
+               copies: int = 1, advice: str | None = None) -> None:
     """Raise now the :class:`ShmSpaceError` that reserving ``size`` bytes would meet: a
     segment (``shared``) larger than the memory left lets one take (:func:`memory_room`), than
     ``/dev/shm`` holds free or than the file-size limit (ulimit -f) allows; a process's own
@@ -349,20 +349,22 @@ def check_room(size: int, what: str = "SharedArena", *, shared: bool = True,
     run rather than after it. Nothing is reserved: the room may still be taken by others
     meanwhile, and the segment's own reservation checks again. ``copies``: processes on this
     host that will each reserve ``size`` at once (MPI ranks): the memory and ``/dev/shm``
-    are checked for all of them, the per-process limits for one ``size``."""
+    are checked for all of them, the per-process limits for one ``size``. ``advice``: the
+    error's (:class:`ShmSpaceError`; default: fewer tokens)."""
+    more = {} if advice is None else {"advice": advice}
     vm_room = _address_space_room()
     if vm_room is not None and size > vm_room:     # ulimit -v: the mapping would be refused
         raise ShmSpaceError(size, shm_free_bytes() if shared else None, what=what,
-                            vm_limit=vm_room, shared=shared)
+                            vm_limit=vm_room, shared=shared, **more)
     total = size * copies
     avail = memory_available_bytes()
     if not shared:
         if avail is not None and total > avail:
-            raise ShmSpaceError(total, None, what=what, memory=avail, shared=False)
+            raise ShmSpaceError(total, None, what=what, memory=avail, shared=False, **more)
         return
     room = memory_room(avail)
     if room is not None and total > room:
-        raise ShmSpaceError(total, shm_free_bytes(), what=what, memory=room)
+        raise ShmSpaceError(total, shm_free_bytes(), what=what, memory=room, **more)
     free = shm_free_bytes()
     if free is not None and total > free:
         raise ShmSpaceError(total, free, what=what)
