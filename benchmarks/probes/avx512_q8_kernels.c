@@ -7,8 +7,9 @@
  *       -mavx512dq -mavx512vnni -mavx2 -mfma -mf16c -Inxhpc/csrc \
  *       benchmarks/probes/avx512_q8_kernels.c -o /tmp/avx512_q8_kernels && /tmp/avx512_q8_kernels
  *
- * The bound (docs/kernels.md, "On VNNI the gaps to Q8_0"): per 32-value group and output vector
- * a kernel issues 8 vpdpbusd and its epilogue's multiplies and FMAs, which share vpdpbusd's two
+ * The bound (the tile comment of nx_lowp_avx512.c, whose count docs/kernels.md's "On VNNI the gaps
+ * to Q8_0" also makes with the conversions counted): per 32-value group and output vector a
+ * kernel issues 8 vpdpbusd and its epilogue's multiplies and FMAs, which share vpdpbusd's two
  * pipes on AMD Zen 4 (the conversions and broadcasts do not): Q8_0 / Q4_0 / Q5_0 one mul and one
  * fma (8 of every 10 slots are products: a bound of 0.80 of the peak), a type with a min one fma
  * more (0.73), the 16-value halves (Q6_K, Q3_K) a mul and two fmas (0.73), Q2_K two fmas more

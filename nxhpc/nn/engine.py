@@ -52,8 +52,8 @@ from nxhpc.runtime.shm import SharedArena
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, WorkerPool, check_timeout
 
 __all__ = ["Stage", "Plan", "Engine", "arena_layout", "EngineSession", "RunContext", "BufRef",
-           "IOSpec",
-           "Gather", "StageSplit", "TOTAL_KEY", "timing_keys", "stage_table", "serialized"]
+           "IOSpec", "Gather", "StageSplit", "TOTAL_KEY", "timing_keys", "stage_table",
+           "serialized"]
 
 #: The timing key of a whole plan run (every stage), after the stages' own keys.
 TOTAL_KEY = "block_us"

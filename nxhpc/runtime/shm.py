@@ -77,6 +77,10 @@ _LIVE: "weakref.WeakValueDictionary[int, SharedArena]" = weakref.WeakValueDictio
 _SERIAL = [0]
 
 
+#: What a memory refusal advises running less of, unless its caller says otherwise.
+_FEWER_TOKENS = "run fewer tokens (a smaller image)"
+
+
 class ShmSpaceError(OSError):
     """Not enough shared memory (``/dev/shm``) for a segment, or not enough memory left for it.
     Attributes: ``needed`` and ``free`` (bytes), ``where`` (the directory), ``limit`` (the
@@ -91,7 +95,7 @@ class ShmSpaceError(OSError):
                  what: str = "SharedArena", limit: int | None = None,
                  memory: int | None = None, unusable: OSError | None = None,
                  shared: bool = True, vm_limit: int | None = None,
-                 advice: str = "run fewer tokens (a smaller image)") -> None:
+                 advice: str = _FEWER_TOKENS) -> None:
         self.needed, self.free, self.where, self.limit = needed, free, where, limit
         self.memory, self.unusable, self.vm_limit = memory, unusable, vm_limit
         need = "the segment needs" if shared else "its buffers need"
@@ -339,7 +343,7 @@ def _address_space_room() -> int | None:
 
 
 def check_room(size: int, what: str = "SharedArena", *, shared: bool = True,
-               copies: int = 1, advice: str | None = None) -> None:
+               copies: int = 1, advice: str = _FEWER_TOKENS) -> None:
     """Raise now the :class:`ShmSpaceError` that reserving ``size`` bytes would meet: a
     segment (``shared``) larger than the memory left lets one take (:func:`memory_room`), than
     ``/dev/shm`` holds free or than the file-size limit (ulimit -f) allows; a process's own
@@ -350,21 +354,20 @@ def check_room(size: int, what: str = "SharedArena", *, shared: bool = True,
     meanwhile, and the segment's own reservation checks again. ``copies``: processes on this
     host that will each reserve ``size`` at once (MPI ranks): the memory and ``/dev/shm``
     are checked for all of them, the per-process limits for one ``size``. ``advice``: the
-    error's (:class:`ShmSpaceError`; default: fewer tokens)."""
-    more = {} if advice is None else {"advice": advice}
+    error's (:class:`ShmSpaceError`)."""
     vm_room = _address_space_room()
     if vm_room is not None and size > vm_room:     # ulimit -v: the mapping would be refused
         raise ShmSpaceError(size, shm_free_bytes() if shared else None, what=what,
-                            vm_limit=vm_room, shared=shared, **more)
+                            vm_limit=vm_room, shared=shared, advice=advice)
     total = size * copies
     avail = memory_available_bytes()
     if not shared:
         if avail is not None and total > avail:
-            raise ShmSpaceError(total, None, what=what, memory=avail, shared=False, **more)
+            raise ShmSpaceError(total, None, what=what, memory=avail, shared=False, advice=advice)
         return
     room = memory_room(avail)
     if room is not None and total > room:
-        raise ShmSpaceError(total, shm_free_bytes(), what=what, memory=room, **more)
+        raise ShmSpaceError(total, shm_free_bytes(), what=what, memory=room, advice=advice)
     free = shm_free_bytes()
     if free is not None and total > free:
         raise ShmSpaceError(total, free, what=what)
