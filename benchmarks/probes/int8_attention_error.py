@@ -24,7 +24,10 @@ package). Beside it, in the same run:
     ``i8 qk smooth /32`` (smoothing, a scale per 32 channels instead of per head row);
     ``+ u8 p, i8 v`` (the last with P V on integers too: p as uint8 of 1/255, v int8 per channel
     and 32-key group);
-  - ``q8 acts`` alone (the attention exact), and with a scale per 16 elements instead of 32.
+  - ``q8 acts`` alone (the attention exact), and with a scale per 16 elements instead of 32;
+  - ``q8 acts per 256``: one float32 scale per 256 elements (ggml's Q8_K activation blocks, what
+    a contract with integer sums over the K-quants' 256-value superblocks would quantize by),
+    with the attention exact and with the bf16 attention q8 runs.
 
 ``--qnorm-scale S`` multiplies q_norm's weights by S in every model of the run (torch and the
 simulations alike): the logits grow by S, so the attention is sharper than this random model's.
@@ -42,11 +45,12 @@ from nxhpc.dit.grade import rel_errors
 from nxhpc.models.registry import open_model
 
 
-def fq(a: np.ndarray, blk: int) -> np.ndarray:
-    """Per-``blk`` int8 fake quantization along the last axis (q8's activation rule)."""
+def fq(a: np.ndarray, blk: int, scale_dtype=np.float16) -> np.ndarray:
+    """Per-``blk`` int8 fake quantization along the last axis (q8's activation rule; the scale
+    rounded to ``scale_dtype``)."""
     sh = a.shape
     b = a.reshape(sh[:-1] + (sh[-1] // blk, blk))
-    d = (np.abs(b).max(-1, keepdims=True) / 127.0).astype(np.float16).astype(np.float64)
+    d = (np.abs(b).max(-1, keepdims=True) / 127.0).astype(scale_dtype).astype(np.float64)
     q = np.clip(np.round(b / np.where(d > 0, d, 1.0)), -127, 127)
     return (q * d).reshape(sh)
 
@@ -166,6 +170,10 @@ def main() -> None:
               % errors(block(x, w, cfg, t_emb, pe, mask, q8, "exact"), ref))
         print(f"  {'q8 acts per 16 (exact attention)':34s} %.3e  %.3e"
               % errors(block(x, w, cfg, t_emb, pe, mask, lambda a: fq(a, 16), "exact"), ref))
+        q8k = lambda a: fq(a, 256, np.float32)                      # noqa: E731
+        for amode in ("exact", "bf16"):
+            print(f"  {'q8 acts per 256 (' + amode + ' attention)':34s} %.3e  %.3e"
+                  % errors(block(x, w, cfg, t_emb, pe, mask, q8k, amode), ref), flush=True)
         print(f"  ({time.perf_counter() - t0:.0f} s)")
 
 
