@@ -114,9 +114,10 @@ def _latents(path: str) -> np.ndarray:
 def _run(args: argparse.Namespace) -> int:
     from nxhpc.models.registry import open_vae, opened_model_files
     from nxhpc.runtime.checks import CheckError
-    from nxhpc.vae.image import to_uint8, write_png
+    from nxhpc.vae.image import load_png_writer, to_uint8, write_png
 
     types.refuse_mpi_ranks(PROG)
+    load_png_writer()                 # Pillow mapped before the decode, not after it
     out = args.out
     types.check_png_name(out, "--out")
     check_cli_output_path(out, what="--out", inputs=[args.latents], example="out.png")

@@ -332,10 +332,12 @@ def _run(args: argparse.Namespace, ranks: Any = None) -> int:
     from nxhpc.models.registry import open_denoiser, open_vae, resolve_model
     from nxhpc.runtime import ranks as _ranks
     from nxhpc.runtime.workers import usable_cpus
-    from nxhpc.vae.image import to_uint8
+    from nxhpc.vae.image import load_png_writer, to_uint8
 
     t_start = time.perf_counter()
     lead = ranks is None or ranks.rank == 0        # reads inputs, writes the PNGs, reports
+    if lead:              # Pillow mapped now, before the run and its memory checks, not after
+        load_png_writer()
     if ranks is not None:
         given = ("prompts", "noise", "model", "text_encoder", "vae")
         ranks.same_args(types.option_values(args, _SAME_ARGS)

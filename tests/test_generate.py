@@ -1035,6 +1035,54 @@ def test_prompts_whose_features_cannot_fit_are_refused_before_the_encoding(
     assert len(encoded) == 3 and len(list((tmp_path / "o").glob("*.png"))) == 3
 
 
+class _UnmappablePillow:
+    """A finder that refuses Pillow as the loader does under an address-space limit (ulimit -v)
+    that the run's own mappings left too small for Pillow's shared libraries."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "PIL" or name.startswith("PIL."):
+            raise ImportError("libXau-154567c4.so.6.0.0: failed to map segment from shared "
+                              "object: Cannot allocate memory")
+        return None
+
+
+@pytest.mark.parametrize("cli", ["generate", "decode"])
+def test_pillow_that_cannot_be_mapped_fails_before_the_work(cli, models_root, latents_file,
+                                                            tmp_path, monkeypatch, capsys):
+    """Pillow was imported at the PNG's write, after every step and the decode: under ``ulimit
+    -v`` near the run's needs its libraries then failed to map and all the work was lost
+    (``generate`` on the tiny components at 512x512 under 300000 KiB: exit 7 naming libXau
+    after the decode, 6 runs in 6). Pillow is loaded first now: a Pillow the loader cannot
+    map stops the run before the prompt is encoded / the latents decoded, exit 7, nothing
+    written. Control: with Pillow importable the same run writes its PNG."""
+    from nxhpc import decode, generate
+    from nxhpc.qwen3.encoder import TextEncoder
+    from nxhpc.vae.model import VaeDecoder
+    ran = []
+    real_encode, real_decode = TextEncoder.encode, VaeDecoder.decode
+    monkeypatch.setattr(TextEncoder, "encode", lambda self, p: ran.append("encode")
+                        or real_encode(self, p))
+    monkeypatch.setattr(VaeDecoder, "decode", lambda self, z: ran.append("decode")
+                        or real_decode(self, z))
+    out = tmp_path / "x.png"
+    if cli == "generate":
+        main, argv = generate.main, ["--prompt", "a fox", "--steps", "1", "--no-progress",
+                                     "--out", str(out), "--models-dir", str(models_root)]
+    else:
+        main, argv = decode.main, ["tiny-vae", "--latents", str(latents_file[0]), "--out",
+                                   str(out), "--models-dir", str(models_root)]
+    with monkeypatch.context() as m:
+        for name in [k for k in sys.modules if k == "PIL" or k.startswith("PIL.")]:
+            m.delitem(sys.modules, name)
+        m.setattr(sys, "meta_path", [_UnmappablePillow(), *sys.meta_path])
+        assert main(argv) == Exit.SHM
+    err = capsys.readouterr().err
+    assert "failed to map segment" in err and "ulimit -v" in err, err
+    assert ran == [] and not out.exists()
+    assert main(argv) == Exit.PASS, capsys.readouterr().err          # control
+    assert ran[-1] == "decode" and _png(out)[0].size > 0
+
+
 def test_a_memory_refusal_is_printed_whole(models_root, tmp_path):
     """A refusal for memory was cut to 200 characters and followed by advice about ``ulimit
     -v`` (the memory helper's find: an OSError of ENOMEM taken for the address-space limit):

@@ -508,6 +508,50 @@ def test_check_room_counts_the_buffers_a_decode_makes(files, monkeypatch):
         assert ranks.local_ranks() == n
 
 
+def test_check_room_counts_the_output_picture_beside_the_buffers(files, monkeypatch, tmp_path):
+    """``generate`` under ``ulimit -v`` failed after every step, at the decode's copy of its
+    output (tiny components at 512x512 under 303000 KiB: "Unable to allocate 3.00 MiB for an
+    array with shape (512, 512, 3)", exit 7): ``check_room`` counted the decode's buffers
+    only. It now counts the output picture's copies beside them
+    (``OUTPUT_BYTES_PER_VALUE`` a value of [C, 8h, 8w], and 1 MiB), before the run, with and
+    without workers, and with buffers already held (which need nothing more). Controls: the
+    same room less one byte is refused, exactly that room passes; and what a decode,
+    ``to_uint8`` and ``write_png`` take (tracemalloc's peak, the buffers already made) is
+    within the count."""
+    import tracemalloc
+
+    from nxhpc.runtime import shm
+    from nxhpc.vae import to_uint8, write_png
+    from nxhpc.vae.model import GN_CHUNK, OUTPUT_BYTES_PER_VALUE, Program, forward
+    monkeypatch.setattr(shm, "memory_available_bytes", lambda: 1 << 50)
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda where=shm.SHM_DIR: 1 << 50)
+    z = np.random.default_rng(3).standard_normal((16, 32, 32)).astype(np.float32)
+    for workers in (1, 2):
+        with nxhpc.load_vae(files["diffusers", "F32"], workers=workers) as dec:
+            prog = Program(dec.config, GN_CHUNK)
+            forward(prog, 32, 32)
+            arena = sum(-(-n * (8 if k == "part" else 4) // 64) * 64
+                        for k, n in prog.sizes.items())
+            picture = OUTPUT_BYTES_PER_VALUE * 3 * 256 * 256 + (1 << 20)
+            for held in (False, True):
+                need = picture + (0 if held else arena)
+                monkeypatch.setattr(shm, "_address_space_room", lambda: need - 1)
+                with pytest.raises(shm.ShmSpaceError, match=r"at 256x256 with its output "
+                                                            r"picture: not enough address space"):
+                    dec.check_room(32, 32)
+                monkeypatch.setattr(shm, "_address_space_room", lambda: need)
+                assert dec.check_room(32, 32) == (0 if held else arena)
+                dec.decode(z)                                   # the buffers held from here
+            monkeypatch.setattr(shm, "_address_space_room", lambda: None)
+            tracemalloc.start()
+            try:
+                write_png(tmp_path / f"w{workers}.png", to_uint8(dec.decode(z)))
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            assert 0 < peak <= OUTPUT_BYTES_PER_VALUE * 3 * 256 * 256, peak
+
+
 def test_absent_scaling_and_shift_are_what_diffusers_reads(vaes, tmp_path):
     """A config.json without ``scaling_factor`` / ``shift_factor`` decodes as diffusers'
     ``AutoencoderKL.from_pretrained`` reads that directory (0.18215, no shift: the QA helper

@@ -1,9 +1,10 @@
 """Pixels out: the decoder's float output as the uint8 picture, and PNG files.
 
 Owns :func:`to_uint8` (exactly diffusers' ``VaeImageProcessor`` postprocess: ``(x / 2 + 0.5)``
-clamped to [0, 1], times 255, rounded half to even, in float32) and :func:`write_png` (Pillow,
+clamped to [0, 1], times 255, rounded half to even, in float32), :func:`write_png` (Pillow,
 optional text chunks, written atomically: a temporary sibling renamed over the target when
-complete). Must not: import compiled code, torch or diffusers.
+complete) and :func:`load_png_writer` (Pillow loaded before a long run that ends in a PNG).
+Must not: import compiled code, torch or diffusers.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import numpy as np
 from nxhpc.runtime.checks import CheckError
 from nxhpc.runtime.outfile import check_output_path, write_atomic
 
-__all__ = ["to_uint8", "write_png"]
+__all__ = ["load_png_writer", "to_uint8", "write_png"]
 
 
 def to_uint8(image: np.ndarray) -> np.ndarray:
@@ -35,6 +36,17 @@ def to_uint8(image: np.ndarray) -> np.ndarray:
     x = a.astype(dt, copy=False)
     y = np.clip(x / dt.type(2) + dt.type(0.5), dt.type(0), dt.type(1)).astype(np.float32)
     return np.ascontiguousarray((y.transpose(1, 2, 0) * np.float32(255)).round().astype(np.uint8))
+
+
+def load_png_writer() -> None:
+    """Load Pillow's PNG writer now: import it and encode a 1x1 picture in memory (zlib and the
+    encoder included). For a command that writes its PNGs only after a long run (``generate``:
+    the encode, every step, the decode): Pillow maps its shared libraries on first import, and
+    under an address-space limit (ulimit -v) near the run's needs that mapping failed after
+    all the work, with nothing written. Called first, it fails before the work (the same
+    ImportError / OSError), and the address-space checks that follow count its mappings."""
+    from PIL import Image, PngImagePlugin
+    Image.new("RGB", (1, 1)).save(io.BytesIO(), format="PNG", pnginfo=PngImagePlugin.PngInfo())
 
 
 def write_png(path: str | os.PathLike, pixels: np.ndarray,

@@ -36,7 +36,7 @@ from nxhpc.runtime.workers import check_timeout
 from nxhpc.vae.config import VaeConfig
 from nxhpc.vae.files import Conv, Norm, VaeFile, bind, open_vae_file
 
-__all__ = ["VaeDecoder", "forward", "Program", "Step"]
+__all__ = ["OUTPUT_BYTES_PER_VALUE", "VaeDecoder", "forward", "Program", "Step"]
 
 Step = tuple[str, int, tuple]        # (kind, extent m, params): bands split [0, m)
 
@@ -232,6 +232,14 @@ class _StepPlan(Plan):
 #: The GroupNorm statistics chunk of the decoder (rows); fixed, so never a function of workers.
 GN_CHUNK = 128
 
+#: Bytes of this process's memory per value of the output ``[C, H, W]`` beside the decode's
+#: buffers: :meth:`VaeDecoder.decode`'s copy out of them and its finite check, then
+#: :func:`~nxhpc.vae.image.to_uint8`'s temporaries and :func:`~nxhpc.vae.image.write_png`'s
+#: bytes. tracemalloc's peak over those four, the buffers already made, is 16.0 bytes a value
+#: (tiny-vae at 512x512, one and two workers); 20 leaves room for Pillow's and zlib's own
+#: buffers, which it does not see. :meth:`VaeDecoder.check_room` adds 1 MiB.
+OUTPUT_BYTES_PER_VALUE = 20
+
 
 def _spec(sizes: dict[str, int]) -> dict[str, tuple[tuple[int], Any]]:
     """The buffers of a program's sizes (floats) as ``SharedArena`` specs: float32, the
@@ -301,18 +309,23 @@ class VaeDecoder(Closing):
         before the sampling steps, whose denoiser is released before the decode). ``copies``:
         decoders on this host that will decode at the same time (MPI ranks, each with its
         own buffers). Nothing is reserved; buffers already held that are large enough need
-        nothing more (0)."""
+        nothing more (0). Beside them, this process's own copies of the output
+        (:data:`OUTPUT_BYTES_PER_VALUE`) are checked against the memory and the address space
+        left, with the buffers: an address-space limit (ulimit -v) that held the buffers but
+        not the picture made of them failed after the long run."""
         h, w = check_count(h, "h"), check_count(w, "w")
         copies = check_count(copies, "copies")
         prog = Program(self.config, GN_CHUNK)
         forward(prog, h, w)
-        if self._holds(prog.sizes):
-            return 0
-        need = arena_bytes(_spec(prog.sizes))
+        need = 0 if self._holds(prog.sizes) else arena_bytes(_spec(prog.sizes))
         s = self.config.upscale
+        what = f"the autoencoder's decode at {h * s}x{w * s}"
         at_once = f" ({copies} at once on this host)" if copies > 1 else ""
-        check_room(need, f"the autoencoder's decode at {h * s}x{w * s}{at_once}",
-                   shared=self.workers > 1, copies=copies)
+        if need:
+            check_room(need, what + at_once, shared=self.workers > 1, copies=copies)
+        out = OUTPUT_BYTES_PER_VALUE * self.config.out_channels * h * s * w * s + (1 << 20)
+        check_room(need + out, f"{what} with its output picture{at_once}", shared=False,
+                   copies=copies)
         return need * copies
 
     def _holds(self, sizes: dict[str, int]) -> bool:
