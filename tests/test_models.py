@@ -1163,6 +1163,46 @@ def test_a_bare_name_is_an_id_for_every_kind(tmp_path, monkeypatch):
         registry.resolve_vae("tiny-te", root)
 
 
+def test_a_models_dir_on_proc_is_said_to_be_uncreatable_not_full(tmp_path):
+    """``--models-dir /proc/nonexist``: "too full ... 0.0 MB free" (the library-API helper's
+    find; /sys the same): the room was read on /proc, a file system of no blocks, before
+    the folder was made. Such a file system's room is unknown now, and the mkdir's own reason
+    is given, exit 9. Control: a real folder of no room is still "too full"."""
+    from nxhpc.models import modeldir
+    for root, why in (("/proc/nxhpc-nonexist", "No such file or directory"),
+                      ("/sys/nxhpc-nonexist", "Operation not permitted")):
+        with pytest.raises(ModelsDirError, match="cannot be created: " + why):
+            modeldir.check_models_root(Path(root), need_bytes=10**6)
+    r = run_cli("nxhpc.blockrun", ["tiny", "1", "--models-dir", "/proc/nxhpc-nonexist"],
+                tmp_path)
+    assert r.returncode == 9 and "cannot be created" in r.stderr, r.stderr
+    assert "too full" not in r.stderr
+    with pytest.raises(ModelsDirError, match="too full"):              # control
+        modeldir.check_models_root(tmp_path / "x", need_bytes=modeldir._free_bytes(tmp_path)
+                                   + (1 << 40))
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("given", ["", "  ", b""], ids=["empty", "blank", "empty-bytes"])
+def test_an_empty_models_dir_is_refused_not_taken_as_the_working_directory(given, tmp_path,
+                                                                           monkeypatch):
+    """``load_model("tiny", models_dir="")`` generated the model in the working directory
+    without a word (the library-API helper's find: ``Path("")`` is "."); the CLI refuses an
+    empty ``--models-dir`` and a blank ``$NXHPC_MODELS`` is refused too. The library now
+    refuses it the same way, making nothing. Control: ``"."`` names the working directory on
+    purpose and is taken."""
+    import nxhpc
+    monkeypatch.chdir(tmp_path)
+    for load in (nxhpc.load_model, nxhpc.load_denoiser, nxhpc.load_vae):
+        with pytest.raises(ModelsDirError, match="is empty: give a directory"):
+            load("tiny-dit" if load is nxhpc.load_denoiser else
+                 "tiny-vae" if load is nxhpc.load_vae else "tiny", models_dir=given)
+    assert os.listdir(tmp_path) == []
+    with nxhpc.load_model("tiny", models_dir=".") as m:                  # control
+        assert m.config.n_layers >= 1
+    assert (tmp_path / "tiny" / "model.gguf").is_file()
+
+
 def test_a_models_dir_too_full_is_refused_before_any_folder_is_made(tmp_path, monkeypatch):
     """``NXHPC_MODELS=/full/x/y/z``: exit 9 "too full", but ``x/y/z`` had been made first and
     stayed (the environment helper's find; "nothing is left behind"). The room is checked on

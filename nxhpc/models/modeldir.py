@@ -109,10 +109,13 @@ def check_models_root(root: Path, *, need_bytes: int = 0, what: str = "a model",
 
 
 def _free_bytes(d: Path) -> int | None:
+    """Bytes free on ``d``'s file system; None if unknown, or if it has no blocks at all
+    (``/proc``, ``/sys``: nothing can be stored there, and mkdir says why, not "too full")."""
     try:
-        return shutil.disk_usage(d).free
+        usage = shutil.disk_usage(d)
     except OSError:
         return None
+    return usage.free if usage.total > 0 else None
 
 
 def _mb(n: int) -> str:

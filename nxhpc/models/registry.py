@@ -131,6 +131,18 @@ def models_dir() -> Path:
 _models_root = models_dir
 
 
+def _root_of(given: str | os.PathLike | None) -> Path:
+    """The models directory a caller gave (None: :func:`models_dir`). An empty or blank string
+    is refused as the CLI's ``--models-dir`` refuses it: ``Path("")`` is the working directory,
+    where built-ins were generated without a word."""
+    if given is None:
+        return _models_root()
+    if isinstance(given, (str, bytes)) and not os.fsdecode(given).strip():
+        raise ModelsDirError(os.fsdecode(given) or ".", f"models_dir={given!r} is empty: give a "
+                             f"directory ('.' for this one), or None for the default")
+    return Path(os.fsdecode(given))
+
+
 def opened_model_files(main: str | os.PathLike | None,
                        directory: str | os.PathLike | None = None) -> list[Path]:
     """The files of a model a run opened that its outputs must never replace: ``main`` (the
@@ -262,7 +274,7 @@ def resolve_model(id_or_path: str | os.PathLike, models_dir: str | os.PathLike |
     there on first use, and regenerated if stale); otherwise ``id_or_path`` must be a model
     directory or a ``.gguf`` file. ``gguf_path`` overrides the directory's ``model.gguf``.
     """
-    root = Path(models_dir) if models_dir is not None else _models_root()
+    root = _root_of(models_dir)
     s = os.fsdecode(id_or_path)                      # a bytes path as the OS would read it
     if not s.strip():
         raise ModelNotFoundError(f"model id {s!r} is empty: give a built-in id "
@@ -417,7 +429,7 @@ def resolve_vae(model: str | os.PathLike, models_dir: str | os.PathLike | None =
         raise ModelNotFoundError(f"autoencoder {s!r} is empty: give an ae.safetensors file, a "
                                  f"diffusers VAE directory or a built-in id "
                                  f"({', '.join(builtin_ids(VAE_KIND))})")
-    root = Path(models_dir) if models_dir is not None else _models_root()
+    root = _root_of(models_dir)
     # a bare name is an id, as resolve_model reads one: a built-in's (even if the working
     # directory holds an entry of that name: './tiny-vae' names that), else one under the root
     bare = os.sep not in s and not s.startswith(".")
