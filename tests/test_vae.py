@@ -231,6 +231,27 @@ def test_write_png_round_trip_and_atomic(tmp_path):
     assert sorted(x.name for x in tmp_path.iterdir()) == ["a.png"]
 
 
+def test_write_png_refuses_text_a_png_cannot_hold(tmp_path):
+    """Text keywords PNG does not allow were written without a word (the library-API helper's
+    find): ``"a\\0b"`` came back as keyword ``a`` with the rest in the text, ``""`` was
+    dropped by the reader, a 100-character keyword broke the format's limit, a non-Latin-1
+    one raised a bare UnicodeEncodeError. Each is a ValueError naming it now, nothing written;
+    so is a text holding NUL. Controls: the longest allowed keyword and a non-Latin-1 text
+    (an iTXt chunk) read back as written, with Pillow's reader."""
+    from PIL import Image
+    px = np.zeros((4, 4, 3), np.uint8)
+    for key in ("a\0b", "", "k" * 80, "k\u00e9\u2713", " k", "k ", "a  b", "tab\there"):
+        with pytest.raises(ValueError, match="is not a PNG keyword"):
+            write_png(tmp_path / "x.png", px, {key: "v"})
+    with pytest.raises(ValueError, match="holds a NUL"):
+        write_png(tmp_path / "x.png", px, {"k": "a\0b"})
+    assert list(tmp_path.iterdir()) == []
+    text = {"k" * 79: "v", "caf\u00e9 prompt": "h\u00e9llo \u2713", "Seed": 7}
+    write_png(tmp_path / "ok.png", px, text)
+    with Image.open(tmp_path / "ok.png") as im:
+        assert im.text == {k: str(v) for k, v in text.items()}
+
+
 def test_bad_latents(files):
     with nxhpc.load_vae(files["ldm", "F32"], workers=1) as vae:
         with pytest.raises(CheckError, match=r"expected \[16, h, w\]"):

@@ -49,12 +49,26 @@ def load_png_writer() -> None:
     Image.new("RGB", (1, 1)).save(io.BytesIO(), format="PNG", pnginfo=PngImagePlugin.PngInfo())
 
 
+def _png_keyword(key: str) -> str:
+    """``key`` if the PNG specification (11.3.4.2) allows it as a text chunk's keyword: 1-79
+    Latin-1 characters, printable (32-126, 161-255), no leading, trailing or consecutive
+    spaces; ValueError naming it otherwise (Pillow writes any key: an empty one is dropped by
+    readers, a NUL moves the rest into the text, a long one breaks the chunk)."""
+    ok = (0 < len(key) <= 79 and all(32 <= ord(c) <= 126 or 161 <= ord(c) <= 255 for c in key)
+          and key == key.strip(" ") and "  " not in key)
+    if not ok:
+        raise ValueError(f"write_png: text keyword {key!r} is not a PNG keyword (1-79 printable "
+                         f"Latin-1 characters, no leading, trailing or double spaces)")
+    return key
+
+
 def write_png(path: str | os.PathLike, pixels: np.ndarray,
               text: Mapping[str, str] | None = None, *, exclusive: bool = False) -> None:
     """Write uint8 [H, W, 3] (or [H, W] / [H, W, 1] grey) ``pixels`` as a PNG at ``path``, with
     ``text`` as tEXt chunks; atomically (the old file stays untouched on any failure).
     ``exclusive``: never over an existing file (FileExistsError; a name the caller made up,
-    which another process may have taken meanwhile)."""
+    which another process may have taken meanwhile). A keyword the PNG format does not allow,
+    or a text holding NUL, is a ValueError before anything is written."""
     from PIL import Image, PngImagePlugin
     a = np.asarray(pixels)
     if a.dtype != np.uint8 or a.ndim not in (2, 3) or (a.ndim == 3 and a.shape[2] not in (1, 3)):
@@ -65,7 +79,11 @@ def write_png(path: str | os.PathLike, pixels: np.ndarray,
     check_output_path(path, what="PNG output")
     info = PngImagePlugin.PngInfo()
     for k, v in (text or {}).items():
-        info.add_text(str(k), str(v))
+        key, value = _png_keyword(str(k)), str(v)
+        if "\0" in value:
+            raise ValueError(f"write_png: the text of {key!r} holds a NUL character, which a PNG "
+                             f"text chunk cannot (readers end the keyword there)")
+        info.add_text(key, value)
     buf = io.BytesIO()
     Image.fromarray(np.ascontiguousarray(a)).save(buf, format="PNG", pnginfo=info)
     data = buf.getvalue()
