@@ -216,6 +216,23 @@ def test_arguments_are_checked_when_given(models_root, latents):
         assert calls == [1, 1]
 
 
+def test_text_encoder_options_are_checked_as_the_denoiser_checks_them(models_root):
+    """``load_text_encoder(check_values="False")`` or ``None`` was taken as truthy / falsy
+    (``None`` silently skipped the weights' NaN/inf scan), and ``spawn=None`` was refused,
+    where ``Denoiser`` and ``Block`` read it as the default (the library-API helper's finds).
+    ``check_values`` is a bool now (numpy's too), and ``spawn=None`` the default. Controls:
+    True / False / ``np.bool_`` open, and ``spawn="bogus"`` is still refused."""
+    kw = dict(workers=1, models_dir=models_root)
+    for bad in ("False", None, 0, 1.0):
+        with pytest.raises(TypeError, match="check_values must be True or False"):
+            nxhpc.load_text_encoder("tiny-te", check_values=bad, **kw)
+    with pytest.raises(ValueError, match="spawn must be one of"):
+        nxhpc.load_text_encoder("tiny-te", spawn="bogus", **kw)
+    for ok in (True, False, np.bool_(True)):
+        with nxhpc.load_text_encoder("tiny-te", spawn=None, check_values=ok, **kw) as te:
+            assert te.encode("a fox").shape[0] > 0
+
+
 def test_doors_name_a_built_in_of_another_kind(models_root):
     """Each door refuses a built-in id of another kind before generating anything, naming its
     kind in words (load_denoiser("tiny-te") reported a missing denoiser tensor; the others

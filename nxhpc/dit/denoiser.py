@@ -68,8 +68,8 @@ from nxhpc.formats.closing import MapHolder
 from nxhpc.formats.gguf_io import GGUFFile, ModelFileError
 from nxhpc.formats.weights import WeightTensor
 from nxhpc.nn.engine import EngineSession
-from nxhpc.runtime.checks import (NonFiniteOutputError, check_finite_output, check_float_array,
-                                  check_workers)
+from nxhpc.runtime.checks import (NonFiniteOutputError, check_bool, check_finite_output,
+                                  check_float_array, check_workers)
 from nxhpc.runtime import proc
 from nxhpc.runtime.memory import memory_report
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, check_timeout
@@ -295,14 +295,6 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 # ------------------------------------------------------------------------------ the model
-def _check_bool(value: Any, where: str) -> bool:
-    """``value`` as a bool when it is one (numpy's too), else TypeError naming ``where`` (the
-    string "False" is true)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{where} must be True or False, got {value!r}")
-    return bool(value)
-
-
 def _check_float(what: str, a: np.ndarray) -> None:
     if a.dtype.kind != "f":
         raise DenoiserInputError(f"{what} must be floating point (float32), got dtype {a.dtype}")
@@ -363,7 +355,7 @@ class Denoiser(MapHolder):
 
     @reuse_caption.setter
     def reuse_caption(self, value: bool) -> None:
-        self._reuse_caption = _check_bool(value, "Denoiser.reuse_caption")
+        self._reuse_caption = check_bool(value, "Denoiser.reuse_caption")
 
     def __init__(self, gguf_path: str | os.PathLike, *, workers: int | None = None,
                  directory: str | os.PathLike | None = None, spawn: str = DEFAULT_SPAWN,
@@ -538,7 +530,7 @@ class Denoiser(MapHolder):
         cap = self._caption(cap_feats)
         t = self._timestep(t)
         prec = check_precision(self.precision, "Denoiser.precision")
-        keep_caption = _check_bool(self.reuse_caption, "Denoiser.reuse_caption")  # settable
+        keep_caption = check_bool(self.reuse_caption, "Denoiser.reuse_caption")  # settable
         if prec == "q8":
             self._q8_weights()
         cfg, w, k = self.config, self.weights, self.kernels

@@ -77,7 +77,7 @@ from nxhpc.nn.linear import (DEFAULT_PRECISION, DEFAULT_Q8_FLOAT_WEIGHTS, Q8Bloc
 from nxhpc.nn.residual import UnitGateState, residual_add
 from nxhpc.nn.stages import Project, ProjectGLU, block_extents
 from nxhpc.qwen3.config import LAYER_TENSORS, Qwen3Config, infer_config, layer_names
-from nxhpc.runtime.checks import check_workers
+from nxhpc.runtime.checks import check_bool, check_workers
 from nxhpc.runtime.memory import memory_report
 from nxhpc.runtime.workers import DEFAULT_SPAWN, SPAWN_MODES, check_timeout
 
@@ -398,10 +398,13 @@ class TextEncoderModel(MapHolder):
         self.precision = check_precision(precision, "TextEncoderModel: precision")
         self.q8_float_weights = check_q8_float_weights(q8_float_weights,
                                                        "TextEncoderModel: q8_float_weights")
+        if spawn is None:                            # as Denoiser and Block read it
+            spawn = DEFAULT_SPAWN
         if spawn not in SPAWN_MODES:
             raise ValueError(f"TextEncoderModel: spawn must be one of {SPAWN_MODES}, got "
                              f"{spawn!r}")
         self.spawn = spawn
+        check_values = check_bool(check_values, "TextEncoderModel: check_values")
         self.stage_timeout = check_timeout(stage_timeout)
         self._session: _Session | None = None
         self.last_timings: dict[str, int] = {}

@@ -25,7 +25,7 @@ from nxhpc.runtime.workers import as_index, max_workers, usable_cpus   # (worker
 
 __all__ = ["CheckError", "InputFileMissing", "SettingError", "NonFiniteOutputError",
            "check_input_file", "file_kind",
-           "check_count", "check_workers", "check_seconds",
+           "check_bool", "check_count", "check_workers", "check_seconds",
            "check_positive", "check_choice", "check_float_array", "load_npy"]
 
 
@@ -98,6 +98,15 @@ def check_workers(v: Any, what: str = "workers") -> int:
                          f"at least 64: more than that only adds fork, memory and scheduling "
                          f"cost), got {n}")
     return n
+
+
+def check_bool(v: Any, what: str) -> bool:
+    """``v`` as a bool when it is one (numpy's too), else TypeError naming ``what`` (the string
+    "False" is true, and None is not False)."""
+    import numpy as np
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{what} must be True or False, got {v!r}")
+    return bool(v)
 
 
 def check_positive(v: Any, what: str) -> float:
