@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import nxhpc
+from nxhpc.models import registry
 from nxhpc.models.registry import open_denoiser, open_model
 from nxhpc.runtime.checks import NonFiniteOutputError
 from nxhpc.runtime.workers import WorkerError
@@ -249,6 +250,37 @@ def test_doors_name_a_built_in_of_another_kind(models_root):
         with pytest.raises(ModelNotFoundError, match=f"is a built-in {kind} model, not a"):
             door(model, models_dir=models_root / "none")
     assert not (models_root / "none").exists()                  # nothing generated
+
+
+def test_doors_name_a_file_of_another_kind(models_root):
+    """A file path of another kind (the library-API helper's finds): a text encoder's GGUF
+    given to ``load_denoiser`` / ``load_model`` reported its first missing DiT tensor (exit 5
+    in the CLIs), a GGUF given to ``load_vae`` "header length 14064895815 is absurd", and a
+    model opened from a bare .gguf called itself ``Model('None', ...)`` and "the model  is
+    closed". Each names what the file is now (the text encoder: exit 3, as a built-in id of
+    another kind). Controls: each file opens at its own door."""
+    from nxhpc.formats.gguf_io import ModelFileError, ModelNotFoundError
+    from procutil import run_cli
+    te = registry.ensure_builtin("tiny-te", models_root) / "model.gguf"
+    dit = registry.ensure_builtin("tiny-dit", models_root) / "model.gguf"
+    blk = registry.ensure_builtin("tiny", models_root) / "model.gguf"
+    for door, noun in ((nxhpc.load_denoiser, "a Z-Image denoiser"),
+                       (nxhpc.load_model, "a DiT model")):
+        with pytest.raises(ModelNotFoundError, match=f"a Qwen3 text encoder's GGUF "
+                                                     f"\\(general.architecture 'qwen3'\\), "
+                                                     f"not {noun}"):
+            door(te)
+    r = run_cli("nxhpc.denoise", [te], models_root)
+    assert r.returncode == 3 and "Qwen3 text encoder's GGUF" in r.stderr, r.stderr
+    with pytest.raises(ModelFileError, match="a GGUF file, not a safetensors file"):
+        nxhpc.load_vae(dit)
+    m = nxhpc.load_model(blk)
+    assert repr(m).startswith(f"Model({str(blk)!r}, ")
+    m.close()
+    with pytest.raises(RuntimeError, match=f"the model {blk} is closed"):
+        m.block(0)
+    with nxhpc.load_text_encoder(te, workers=1) as t, nxhpc.load_denoiser(dit, workers=1) as d:
+        assert t.config.n_layers >= 1 and d.config.n_layers >= 1          # controls
 
 
 def test_objects_cannot_be_pickled_or_copied_and_say_why(models_root):

@@ -65,7 +65,7 @@ from nxhpc.nn.linear import (DEFAULT_PRECISION, DEFAULT_Q8_FLOAT_WEIGHTS, Q8Bloc
 from nxhpc.dit.plan import BlockPlan, Engine, check_eps
 from nxhpc.dit.rope import position_ids, rope_table
 from nxhpc.formats.closing import MapHolder
-from nxhpc.formats.gguf_io import GGUFFile, ModelFileError
+from nxhpc.formats.gguf_io import GGUFFile, ModelFileError, refuse_text_encoder
 from nxhpc.formats.weights import WeightTensor
 from nxhpc.nn.engine import EngineSession
 from nxhpc.runtime.checks import (NonFiniteOutputError, check_bool, check_finite_output,
@@ -396,6 +396,7 @@ class Denoiser(MapHolder):
             g = self.gguf
             if norm_eps is None:      # the file's (checked), else the default
                 norm_eps = file_norm_eps(g.metadata, str(g.path))
+            refuse_text_encoder(g, "a Z-Image denoiser")
             table = {n: (g.shape(n), g.type_name(n)) for n in g.names()}
             self.config, _ = infer_config(table, str(g.path), norm_eps, whole=True)
             self.weights = _bind(g, self.config, self.kernels)

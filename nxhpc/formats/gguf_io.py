@@ -45,6 +45,7 @@ from nxhpc.formats.ggml_blocks import Q8_0_BLOCK_DTYPE, QK8_0
 
 __all__ = [
     "ModelError", "ModelNotFoundError", "ModelFileError", "MissingTensorError", "QuantizationError",
+    "refuse_text_encoder",
     "PREFIX", "BLOCK_INDEX", "Q8_0_BLOCK", "QK8_0", "GGUFFile", "TensorInfo", "Q8_0Tensor", "QuantTensor",
     "LazyTensor", "quantize_q8_0", "dequantize_q8_0", "should_quantize", "write_gguf",
     "atomic_output", "read_field", "read_fields",
@@ -75,6 +76,16 @@ class QuantizationError(ModelFileError, ValueError):
     """Weights that cannot be converted to Q8_0 (NaN/inf, or a block whose scale float16 cannot
     hold). A :class:`ModelFileError` -- the weights come from a model file, so the CLIs report it
     as a bad file (exit 4) -- and a ``ValueError`` for callers that check arguments."""
+
+
+def refuse_text_encoder(g: "GGUFFile", noun: str) -> None:
+    """ModelNotFoundError when ``g`` is a Qwen3 text encoder's GGUF (``general.architecture``
+    qwen3), opened as ``noun`` (a DiT, a denoiser): for a door whose tensors it lacks, a
+    sentence naming the file's kind instead of its first missing tensor."""
+    if g.architecture == "qwen3":
+        raise ModelNotFoundError(f"{g.path}: a Qwen3 text encoder's GGUF (general.architecture "
+                                 f"'qwen3'), not {noun}; open it as a text encoder "
+                                 f"(load_text_encoder, --text-encoder, python -m nxhpc.encode)")
 
 
 class MissingTensorError(ModelFileError):

@@ -93,6 +93,10 @@ def _parse_header(path: Path, size: int, head: bytes) -> tuple[int, dict[str, st
     if size < 8:
         raise ModelFileError(f"{where}: not a safetensors file ({size} bytes, shorter than its "
                              f"8-byte header length)")
+    if head[:4] == b"GGUF":
+        raise ModelFileError(f"{where}: a GGUF file, not a safetensors file (a GGUF holds a "
+                             f"transformer or a text encoder; an autoencoder is ae.safetensors "
+                             f"or a diffusers vae/ directory)")
     n = int.from_bytes(head[:8], "little")
     if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
         raise ModelFileError(f"{where}: not a safetensors file: header length {n} is absurd for "

@@ -22,7 +22,7 @@ from nxhpc.dit.config import check_stack, file_norm_eps, infer_config, tensor_na
 from nxhpc.formats.closing import Closing
 from nxhpc.formats.fixtures import FIXTURES_FILE, FixtureStore
 from nxhpc.formats.gguf_io import (GGUFFile, MissingTensorError, ModelError, ModelFileError,
-                                   ModelNotFoundError)
+                                   ModelNotFoundError, refuse_text_encoder)
 from nxhpc.models.modeldir import GGUF_FILE
 
 __all__ = ["Model"]
@@ -42,6 +42,8 @@ class Model(Closing):
         if gguf is None and fixtures is None:
             raise ModelNotFoundError(f"{path}: neither {GGUF_FILE} nor {FIXTURES_FILE} present")
         self.path = path
+        # what messages name: the directory, else (a bare .gguf opened) the file
+        self._where = str(path if path is not None else gguf.path if gguf is not None else "")
         self.gguf = gguf
         self.fixtures = fixtures
         self._checked: set[tuple[str, int]] = set()     # blocks whose values were scanned
@@ -56,6 +58,7 @@ class Model(Closing):
                 if s is not None:
                     eps, eps_src = float(s), "fixtures"
         if gguf is not None:
+            refuse_text_encoder(gguf, "a DiT model")
             shapes = {n: (gguf.shape(n), gguf.type_name(n)) for n in gguf.names()}
             self.config, self.config_report = infer_config(shapes, str(gguf.path), eps)
             self.weights_source = "gguf"
@@ -178,7 +181,7 @@ class Model(Closing):
 
     def _check_open(self, what: str) -> None:
         if self._closed:
-            raise RuntimeError(f"Model.{what}: the model {self.path or ''} is closed (close() "
+            raise RuntimeError(f"Model.{what}: the model {self._where} is closed (close() "
                                f"or the end of its with block released the weights map); open "
                                f"it again to bind weights")
 
@@ -227,7 +230,7 @@ class Model(Closing):
             self.gguf.close()
 
     def __repr__(self) -> str:
-        return f"Model({str(self.path)!r}, {self.config.summary()})"
+        return f"Model({self._where!r}, {self.config.summary()})"
 
 
 def _mb(p: Path) -> str:
