@@ -295,3 +295,41 @@ def test_an_exclusive_write_under_dev_shm_never_replaces():
             assert f.read() == b"theirs"
     finally:
         shutil.rmtree(d)
+
+
+def test_a_name_too_long_or_a_symlink_loop_is_refused_up_front(tmp_path, models_root):
+    """A name over 255 bytes (or a path over 4095) gave exit 70 and a traceback in every CLI
+    (``OSError: File name too long`` out of the output check or the model lookup; ``ddp
+    --json`` exit 1), and a loop of symlinks as ``--out`` was replaced by a regular file,
+    exit 0 (the CLI helper's finds). Both are refused now: the output check names the cause
+    (exit 2), and a too-long path anywhere else is a usage error naming it (exit 2), each one
+    line. Controls: a 200-byte name is taken; the loop's link is still a link."""
+    import subprocess
+    import sys
+
+    from procutil import run_cli
+    long_name = "a" * 300
+    for bad, why in ((tmp_path / f"{long_name}.npy", "File name too long"),
+                     (tmp_path / ("x/" * 2100 + "o.npy"), "File name too long")):
+        with pytest.raises(OutputPathError, match=why):
+            check_output_path(bad, what="--out")
+    (tmp_path / "lA").symlink_to(tmp_path / "lB")
+    (tmp_path / "lB").symlink_to(tmp_path / "lA")
+    with pytest.raises(OutputPathError, match="Too many levels of symbolic links"):
+        check_output_path(tmp_path / "lA", what="--out")
+    assert check_output_path(tmp_path / ("b" * 200 + ".npy"), what="--out")   # control
+    for mod, args in (("nxhpc.encode", ["tiny-te", "--prompt", "x", "--out",
+                                        tmp_path / f"{long_name}.npy"]),
+                      ("nxhpc.encode", ["tiny-te", "--prompt", "x", "--out", tmp_path / "lA"]),
+                      ("nxhpc.models", ["show", long_name]),
+                      ("nxhpc.models", ["--models-dir", tmp_path / long_name, "list"])):
+        r = run_cli(mod, args, models_root)
+        assert r.returncode == 2, (mod, args[-1], r.returncode, r.stderr[-2000:])
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "File name too long" in r.stderr or "symbolic links" in r.stderr, r.stderr
+    assert (tmp_path / "lA").is_symlink() and (tmp_path / "lB").is_symlink()
+    r = subprocess.run([sys.executable, "-m", "nxhpc", "ddp", "--workers", "2", "--steps", "2",
+                        "--json", str(tmp_path / f"{long_name}.json")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "File name too long" in r.stderr

@@ -368,7 +368,7 @@ def _environment_error(e: Exception) -> Exception:
     """``e``, or the usage / output error it stands for when the cause is the environment:
     stdout that cannot be written (exit 8), memory that could not be had (a MemoryError or
     ENOMEM: exit 7, with the address-space limit), a working directory removed under a
-    relative path (exit 2)."""
+    relative path or a path too long to look up (ENAMETOOLONG; exit 2)."""
     if isinstance(e, StdoutError):
         if e.errno not in _TRANSIENT:
             _to_devnull(sys.stdout)
@@ -383,6 +383,11 @@ def _environment_error(e: Exception) -> Exception:
                            f"is {_as_limit('RLIMIT_AS')}, the data limit (ulimit -d) "
                            f"{_as_limit('RLIMIT_DATA')}; use a smaller image or model, fewer "
                            f"workers, or raise the limit (or free the machine's memory)")
+    if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:   # a path given, too long to
+        name = os.fsdecode(e.filename) if e.filename is not None else None    # look up at all
+        shown = f"{name[:80]}... ({len(os.fsencode(name))} bytes)" if name else "a path"
+        return UsageError(f"{shown}: {e.strerror} (a name in a path holds at most 255 bytes, "
+                          f"a whole path 4095); give a shorter path")
     if isinstance(e, FileNotFoundError) and e.filename is None:
         try:
             os.getcwd()

@@ -143,6 +143,12 @@ def check_output_path(path: str | os.PathLike, *, what: str = "output",
         raise OutputPathError(f"{what} {given}: the current directory no longer exists (it was "
                               f"removed after this process entered it), so a relative path "
                               f"cannot be resolved: give an absolute path") from None
+    try:                             # a name too long, or a loop of symlinks: nothing could be
+        os.stat(given)               # written there (a loop's link would be replaced by a file)
+    except OSError as e:
+        if e.errno in (errno.ENAMETOOLONG, errno.ELOOP):
+            shown = given if len(given) <= 120 else f"{given[:80]}... ({len(given)} characters)"
+            raise OutputPathError(f"{what} {shown}: {e.strerror}; give another path") from None
     p = Path(given)
     if given.endswith("/") and not p.is_dir():    # Path() drops the slash: a file would be
         #                                             written under the directory's name
