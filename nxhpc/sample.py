@@ -36,7 +36,7 @@ from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed pack
 from nxhpc.cli.codes import Exit, NotFound, OutputError, UsageError, codes_epilog
 from nxhpc.cli.frame import on_every_rank, run_ranked
 from nxhpc.cli.progress import Progress
-from nxhpc.cli.report import png_text, print_report, save_bytes
+from nxhpc.cli.report import png_text, print_report, save_bytes, save_npy
 from nxhpc.dit.sampler import (MAX_STEPS, SampleInputError, check_cap_feats, check_noise,
                                decode_png,
                                initial_noise, latent_shape,
@@ -333,8 +333,7 @@ def _run(args, ranks=None) -> int:
         report["last_step_timings"] = last
     for v, path in zip(seeds, report.get("outs", [args.out])):
         img = runs[v][0]
-        error = save_bytes(path, lambda f, a=img: np.save(f, a.astype(np.float32, copy=False)),
-                           "--out", "the latents")
+        error = save_npy(path, img, "--out", "the latents")
         if error:
             raise OutputError(error)
     if args.decode is not None:

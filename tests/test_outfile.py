@@ -333,3 +333,39 @@ def test_a_name_too_long_or_a_symlink_loop_is_refused_up_front(tmp_path, models_
                        text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "File name too long" in r.stderr
+
+
+@pytest.mark.parametrize("cli", ["encode", "blockrun"])
+def test_an_npy_output_into_a_pipe_is_written_whole(cli, tmp_path, models_root):
+    """``--out >(cat > f.npy)`` (a FIFO, a pipe) got the 128-byte ``.npy`` header, then the run
+    failed after all its work with exit 8 "obtaining file position failed": ``np.save`` asks
+    its file for a position (the CLI helper's find: encode, sample, denoise, blockrun). The
+    bytes are made in memory and written whole now. The reader's array equals the one the
+    same run writes to a regular file (control)."""
+    import io
+    import stat
+    import threading
+
+    import numpy as np
+
+    from procutil import run_cli
+    args = (["tiny-te", "--prompt", "a fox", "--out"] if cli == "encode"
+            else ["tiny", "1", "--save-output"])
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = {}
+
+    def read() -> None:
+        with open(fifo, "rb") as f:
+            got["bytes"] = f.read()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    r = run_cli(f"nxhpc.{cli}", [*args, fifo], models_root)
+    reader.join(60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    a = np.load(io.BytesIO(got["bytes"]))
+    r = run_cli(f"nxhpc.{cli}", [*args, tmp_path / "f.npy"], models_root)      # control
+    assert r.returncode == 0, r.stderr[-2000:]
+    b = np.load(tmp_path / "f.npy")
+    assert a.dtype == np.float32 and a.shape == b.shape and np.array_equal(a, b)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)                # written in place

@@ -89,11 +89,24 @@ def save_bytes(path: str | os.PathLike, write: Callable[[IO[bytes]], None], what
     return None
 
 
+def npy_bytes(array) -> bytes:
+    """``array`` as float32 ``.npy`` bytes, made in memory: ``np.save`` into a file writes the
+    header and then asks the file for its position, which a pipe or FIFO has not ("obtaining
+    file position failed" after the whole run, the header alone in the pipe)."""
+    import io
+
+    import numpy as np
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(array).astype(np.float32, copy=False))
+    return buf.getvalue()
+
+
 def save_npy(path: str | os.PathLike, array, what: str, noun: str = "the output",
              **kw) -> str | None:
-    """Save ``array`` as float32 ``.npy`` at exactly ``path`` (np.save would add ``.npy``)."""
-    import numpy as np
-    return save_bytes(path, lambda f: np.save(f, array.astype(np.float32)), what, noun, **kw)
+    """Save ``array`` as float32 ``.npy`` at exactly ``path`` (np.save would add ``.npy``); a
+    pipe, a FIFO or a device too (written whole, :func:`npy_bytes`)."""
+    data = npy_bytes(array)
+    return save_bytes(path, lambda f: f.write(data), what, noun, **kw)
 
 
 def emit_graded(report: Mapping[str, Any], *, as_json: bool, grade=None, verdict: str,
