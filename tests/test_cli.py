@@ -1240,6 +1240,43 @@ def test_report_values_with_a_line_break_stay_on_their_line(tmp_path):
     assert f"out={str(d / 'o.png')!r}" in r.stdout.splitlines(), r.stdout
 
 
+def test_graded_reports_and_the_models_list_keep_a_line_break_on_its_line(tmp_path):
+    """The graded commands' ``saved_output=`` line and verdict line, and ``models list``'s
+    rows, printed a path's line break as it is (the CLI helper's find: ``saved_output=/d/a``
+    then ``note=x/o.npy`` on a line of its own, the verdict split, a directory listed as two
+    rows). They quote it now, as every other report value. Control: the same runs with a
+    plain path print it as it is."""
+    from nxhpc.models.registry import ensure_builtin
+    ensure_builtin("tiny", tmp_path)
+    d = tmp_path / "a\nnote=x"
+    d.mkdir()
+    ref = d / "r.npy"
+    for out, reference in ((d / "o.npy", None), (tmp_path / "o.npy", None),
+                           (tmp_path / "p.npy", ref)):
+        if reference is not None:
+            np.save(reference, np.load(tmp_path / "o.npy"))
+        args = ["tiny", "1", *([str(reference)] if reference is not None else []),
+                "--save-output", str(out)]
+        r = subprocess.run([sys.executable, "-m", "nxhpc.blockrun", *args], capture_output=True,
+                           text=True, cwd=ROOT, env=_env(NXHPC_MODELS=str(tmp_path)),
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert all("=" in ln for ln in lines[:-1]) and lines[-1].startswith("PASS: "), lines
+        assert "note" not in [ln.split("=", 1)[0] for ln in lines], lines
+        shown = repr(str(out)) if "\n" in str(out) else str(out)
+        assert f"saved_output={shown}" in lines, lines
+        if reference is not None:
+            assert lines[-1].endswith(f"vs {str(reference)!r} ({lines[-1].split('(')[-1]}"), \
+                lines[-1]
+    r = subprocess.run([sys.executable, "-m", "nxhpc.models", "--models-dir", str(tmp_path),
+                        "list"], capture_output=True, text=True, cwd=ROOT, env=_env(),
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"{repr(d.name):<11} (directory)" in r.stdout.splitlines(), r.stdout
+    assert not any(ln.startswith("note=x") for ln in r.stdout.splitlines()), r.stdout
+
+
 @pytest.mark.parametrize("encoding", ["ascii", "utf-8"])
 def test_a_path_the_reports_stream_cannot_encode_is_escaped(tmp_path, encoding):
     """A report naming an ``--out`` its stdout's encoding cannot hold (a non-ASCII name under

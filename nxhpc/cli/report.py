@@ -143,7 +143,7 @@ def emit_graded(report: Mapping[str, Any], *, as_json: bool, grade=None, verdict
         if save is not None:
             save_error = save()
             if save_error is None:
-                print(f"saved_output={saved_path}")
+                print(kv_lines({"saved_output": str(saved_path)})[0])
         print(verdict)
     flush_stdout()
     return save_error

@@ -174,12 +174,15 @@ class Grade:
         return out
 
     def verdict_line(self) -> str:
+        """The one last line: PASS / FAIL, why, against what (a reference path holding a line
+        break quoted, :func:`one_line`)."""
+        ref = one_line(str(self.reference))
         if self.passed:
             if self.max_rel is None:
-                return f"PASS: no elements to compare vs {self.reference}"
-            return (f"PASS: max_rel {self.max_rel:.3e} <= tol {self.tol:g} vs {self.reference} "
+                return f"PASS: no elements to compare vs {ref}"
+            return (f"PASS: max_rel {self.max_rel:.3e} <= tol {self.tol:g} vs {ref} "
                     f"({self.n} elements, cosine {self.cosine:.9f})")
-        return f"FAIL: {self.why} vs {self.reference}"
+        return f"FAIL: {self.why} vs {ref}"
 
 
 def one_line(text: str) -> str:

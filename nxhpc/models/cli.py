@@ -19,6 +19,7 @@ from pathlib import Path
 from nxhpc.cli import args as types   # first: nxhpc.cli repairs a shadowed package
 from nxhpc.cli.codes import Exit, UsageError, codes_epilog
 from nxhpc.cli.frame import run_cli
+from nxhpc.dit.grade import one_line
 from nxhpc.formats.weights import block_geometry
 from nxhpc.runtime.checks import check_input_file
 from nxhpc.models.modeldir import (FIXTURES_FILE, VAE_FILE, check_models_root,
@@ -60,7 +61,7 @@ EXIT_CODES = {
 
 def _cmd_list(args: argparse.Namespace) -> int:
     root = Path(args.models_dir) if args.models_dir else models_dir()
-    print(f"models dir: {root}")
+    print(f"models dir: {one_line(str(root))}")
     print(f"{'id':<11} {'variant':<8} {'D':>5} {'heads':>7} {'FFN':>6} {'L':>2} {'T':>4} "
           f"{'weights(Q8_0)':>13}  status")
     for mid in builtin_ids("block"):
@@ -105,8 +106,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
         others = sorted(p.name for p in root.iterdir() if p.is_dir()
                         and not p.name.startswith(".") and p.name not in BUILTINS
                         and builtin_spec(p.name) is None)
-        for o in others:
-            print(f"{o:<11} (directory)")
+        for o in others:                  # a name with a line break, quoted: one row
+            print(f"{one_line(o):<11} (directory)")
     return 0
 
 
