@@ -120,10 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=0.05, help="learning rate on the mean loss, in (0, 1e6) (default 0.05)")
     ap.add_argument("--seed", type=int, default=0, help="init seed (default 0)")
     ap.add_argument("--log-every", type=int, default=1, help="print the loss every N steps (default 1)")
-    ap.add_argument("--contrast", type=types.int_list, default=[1, 2, 3, 4, 5, 8], metavar="D,D,...",
-                    help="worker counts for the float32 contrast (default 1,2,3,4,5,8; shm only; "
-                         "each within --workers' limits)")
-    ap.add_argument("--no-contrast", action="store_true", help="skip the float32 contrast")
+    con = ap.add_mutually_exclusive_group()       # the counts of a contrast, or none at all
+    con.add_argument("--contrast", type=types.int_list, default=[1, 2, 3, 4, 5, 8],
+                     metavar="D,D,...",
+                     help="worker counts for the float32 contrast (default 1,2,3,4,5,8; shm only; "
+                          "each within --workers' limits)")
+    con.add_argument("--no-contrast", action="store_true", help="skip the float32 contrast")
     ap.add_argument("--sweep", type=types.int_list, default=None, metavar="D,D,...",
                     help="also train the Q16 model with each of these worker counts (shm; each "
                          "within --workers' limits) and print a hash table, checked against the "

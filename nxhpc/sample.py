@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="start from this float [16, PX/8, PX/8] noise instead of drawing it")
     p.add_argument("--out", required=True, metavar="LATENTS.npy",
                    help="where the final latents go (float32 .npy, written atomically; with "
-                        "--seeds a pattern with {seed}, e.g. out/lat_{seed}.npy)")
+                        "--seeds a pattern with {seed}, e.g. out/lat_{seed}.npy; one seed fills "
+                        "{seed} too)")
     p.add_argument("--decode", metavar="VAE_DIR", default=None,
                    help="a diffusers AutoencoderKL directory (the FLUX VAE) to decode with; "
                         "needs torch and diffusers (pip install 'nxhpc[diffusers]')")
@@ -186,6 +187,11 @@ def _check_args(args) -> tuple[int, tuple[int, int] | None]:
     inputs = [args.cap_feats] + ([args.noise] if args.noise else [])
     if os.path.isfile(args.model):
         inputs.append(args.model)
+    if args.seeds is None and "{seed}" in args.out:     # one image: the pattern names its seed
+        if args.noise is not None:
+            raise UsageError(f"--out {args.out!r} names {{seed}}, but --noise gives the start "
+                             f"(no seed): give a file name")
+        args.out = args.out.replace("{seed}", str(args.seed if args.seed is not None else 0))
     outs = [("--out", args.out)] + ([("--png", args.png)] if args.png else [])
     if args.seeds is not None:
         if "{seed}" not in args.out:
@@ -200,6 +206,10 @@ def _check_args(args) -> tuple[int, tuple[int, int] | None]:
         check_cli_output_path(path, what=what, inputs=inputs,
                               progress_on_stderr=not args.no_progress)
     if args.decode is not None:
+        if os.path.exists(args.decode) and not os.path.isdir(args.decode):
+            raise NotFound(f"--decode {args.decode}: a file, not a directory: --decode takes a "
+                           f"diffusers AutoencoderKL directory (config.json and its weights); "
+                           f"an ae.safetensors file decodes with python -m nxhpc.decode")
         if not os.path.isdir(args.decode):
             raise NotFound(f"--decode {args.decode}: no such directory (a diffusers "
                            f"AutoencoderKL directory with config.json)")

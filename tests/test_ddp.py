@@ -428,6 +428,9 @@ def test_cli_help_and_bad_arguments():
     assert r.returncode == 2 and "invalid choice: 'tcp'" in r.stderr
     r = _cli("--contrast", "1,x")
     assert r.returncode == 2 and "comma-separated integers" in r.stderr
+    # both was taken, the contrast skipped without a word (the CLI helper's find)
+    r = _cli("--contrast", "1,2", "--no-contrast", "--steps", "1")
+    assert r.returncode == 2 and "not allowed with argument --contrast" in r.stderr, r.stderr
     r = _cli("--timeout", "0")
     assert r.returncode == 2 and "--timeout must be > 0 seconds, got 0.0" in r.stderr
     # a step count whose losses no memory holds was "out of memory (...less an e)", cut off

@@ -162,6 +162,27 @@ def test_seeds_write_one_file_per_seed(cli, files, seeds):
     _no_temporaries(d)
 
 
+def test_one_seed_fills_the_seed_pattern(cli, files):
+    """``--out l_{seed}.npy`` without ``--seeds`` wrote a file literally named
+    ``l_{seed}.npy`` (the CLI helper's find): one seed (``--seed``, or the default 0) fills it
+    now, and with ``--noise`` (no seed) such a pattern is refused, exit 2, nothing written.
+    Control: the file is the library's sample from that seed."""
+    d, cap, noise = files
+    for extra, seed in ((["--seed", "7"], 7), ([], 0)):
+        rc, so, se = cli.run([cli.model, "2", "--cap-feats", cap, "--height", "16", "--width",
+                              "16", "--steps", "1", "--out", d / "l_{seed}.npy", "--no-progress",
+                              *extra])
+        assert rc == 0, se
+        assert f"out={d / f'l_{seed}.npy'}" in so.splitlines(), so
+        with cli.open() as den:
+            ref = sample(den, np.load(cap), initial_noise(seed, (16, 2, 2)), steps=1)
+        np.testing.assert_array_equal(np.load(d / f"l_{seed}.npy"), ref)
+    assert not (d / "l_{seed}.npy").exists()
+    _expect(cli.run([cli.model, "2", "--cap-feats", cap, "--noise", noise, "--steps", "1",
+                     "--out", d / "m_{seed}.npy"]), 2, "names {seed}, but --noise gives the start")
+    assert not list(d.glob("m_*"))
+
+
 def test_default_seed_is_zero(cli, files):
     d, cap, _ = files
     np.save(d / "n0.npy", initial_noise(0, (16, 2, 2)))
@@ -245,6 +266,9 @@ def test_bad_paths_exit_2(tmp_path):
     _expect(run_subprocess(["tiny-dit", "--cap-feats", cap, "--out", tmp_path / "o.npy",
                             "--decode", tmp_path / "novae", "--png", tmp_path / "o.png", *px],
                            tmp_path), 3, "no such directory")
+    _expect(run_subprocess(["tiny-dit", "--cap-feats", cap, "--out", tmp_path / "o.npy",
+                            "--decode", cap, "--png", tmp_path / "o.png", *px],
+                           tmp_path), 3, "a file, not a directory", "python -m nxhpc.decode")
     _expect(run_subprocess(["tiny-dit", "--cap-feats", cap, "--out", tmp_path / "o.npy",
                             "--decode", tmp_path, "--png", tmp_path / "o.npy", *px],
                            tmp_path), 2, "same file")
