@@ -189,7 +189,7 @@ def _run(args: argparse.Namespace, ranks=None) -> int:
                         q8_float_weights=args.q8_float_weights,
                         adaln=args.adaln, reference=args.reference_name, tol=args.tol,
                         stage_timeout=args.stage_timeout, repeat=args.repeat,
-                        on_layer=progress)
+                        on_layer=progress, grade_output=lead)   # rank 0 reads the reference
         if args.roofline and lead:
             from nxhpc.dit.config import block_view
             from nxhpc.dit.roofline import report_fields

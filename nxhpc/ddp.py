@@ -40,6 +40,8 @@ EXIT_CODES = {
                "overflowed",
     Exit.USAGE: "bad arguments (including an unwritable --json path, more workers than data "
                 "rows or than the worker cap, a missing scikit-learn / mpi4py)",
+    Exit.BAD_INPUT: "the MPI ranks (--backend mpi) disagree on --steps, --hidden, --lr or "
+                    "--seed",
     Exit.WORKER: "a worker (or MPI rank) died, raised or hung (--timeout)",
     Exit.SHM: "not enough shared memory or memory for the segment (in a container use --shm-size)",
     Exit.OUTPUT: "the --json report could not be written (the printed results stand)",
@@ -56,6 +58,16 @@ def _worker_counts(a: argparse.Namespace) -> list[tuple[str, list[int]]]:
     contrast = [] if a.no_contrast or a.backend == "mpi" else (a.contrast or [])
     return [("--workers", [a.workers] if a.workers else []), ("--sweep", a.sweep or []),
             ("--contrast", contrast)]
+
+
+def _writes_report(a: argparse.Namespace) -> bool:
+    """Whether this process writes ``--json``: under ``--backend mpi`` rank 0 alone (another
+    rank's disk need not hold its folder)."""
+    if a.backend != "mpi":
+        return True
+    from nxhpc.runtime import ranks
+    w = ranks.world()
+    return w is None or w.rank == 0
 
 
 class _Parser(types.Parser):
@@ -84,8 +96,8 @@ class _Parser(types.Parser):
             self.error(f"--log-every must be >= 1, got {a.log_every}")
         if not a.timeout > 0:
             self.error(f"--timeout must be > 0 seconds, got {a.timeout}")
-        if a.json is not None:                      # up front: not after the whole run ("" too)
-            try:
+        if a.json is not None and _writes_report(a):   # up front, not after the whole run
+            try:                                            # ("" too)
                 check_cli_output_path(a.json, what="--json")
             except OutputPathError as e:
                 self.error(str(e))
@@ -258,6 +270,15 @@ def _run_mpi(args: argparse.Namespace) -> int:
             print(f"{PROG}: error: --workers {args.workers} but the MPI world has "
                   f"{comm.Get_size()} ranks (start with mpirun -n D)", file=sys.stderr)
         return Exit.USAGE
+    from nxhpc.runtime import ranks as _ranks
+    world = _ranks.world()
+    if world is not None:            # what the ring computes: every rank the same, or exit 4
+        try:                         # (other --steps hung the ring; --hidden truncated it)
+            world.same_args(types.option_values(args, ("steps", "hidden", "lr", "seed")))
+        except _ranks.RankMismatchError as e:
+            if rank == 0:
+                print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+            return Exit.BAD_INPUT
     import importlib.util
     if importlib.util.find_spec("sklearn") is None:   # every rank alike: no abort, one code
         raise UsageError(train.SKLEARN_TEXT)

@@ -154,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     return run_ranked(PROG, build_parser(), argv, _run, intermixed=True)
 
 
-def _check_args(args) -> tuple[int, tuple[int, int] | None]:
-    """Everything that needs no model: exit 2/3 before any work."""
+def _check_args(args, lead: bool = True) -> tuple[int, tuple[int, int] | None]:
+    """Everything that needs no model: exit 2/3 before any work. The files rank 0 alone
+    writes or reads (``--out``, ``--png``, ``--decode``) are checked where ``lead`` (under
+    mpirun: on rank 0; another rank's disk need not hold their folders)."""
     if args.n_workers is not None and args.workers is not None \
             and args.n_workers != args.workers:
         raise UsageError(f"n_workers {args.n_workers} and --workers {args.workers} disagree; "
@@ -179,7 +181,7 @@ def _check_args(args) -> tuple[int, tuple[int, int] | None]:
         raise UsageError("--decode needs --png OUT.png (where the image goes)")
     if args.png is not None:
         types.check_png_name(args.png, "--png")
-    if args.decode is not None:
+    if args.decode is not None and lead:        # rank 0 decodes
         try:
             require_decode_deps()
         except ImportError as e:
@@ -202,10 +204,10 @@ def _check_args(args) -> tuple[int, tuple[int, int] | None]:
         outs = [("--out", args.out.replace("{seed}", str(v))) for v in args.seeds]
     if args.png is not None and os.path.realpath(args.out) == os.path.realpath(args.png):
         raise UsageError(f"--out and --png are the same file ({args.out})")
-    for what, path in outs:
+    for what, path in outs if lead else ():
         check_cli_output_path(path, what=what, inputs=inputs,
                               progress_on_stderr=not args.no_progress)
-    if args.decode is not None:
+    if args.decode is not None and lead:
         if os.path.exists(args.decode) and not os.path.isdir(args.decode):
             raise NotFound(f"--decode {args.decode}: a file, not a directory: --decode takes a "
                            f"diffusers AutoencoderKL directory (config.json and its weights); "
@@ -253,8 +255,8 @@ def _sample_one(den, cap, noise, args, progress_on: bool) -> tuple:
 
 
 def _run(args, ranks=None) -> int:
-    workers, px = _check_args(args)
     lead = ranks is None or ranks.rank == 0        # reads inputs, writes outputs, reports
+    workers, px = _check_args(args, lead)
     if ranks is not None:
         ranks.same_args(types.option_values(args, ("steps", "shift", "height", "width", "seed",
                                                     "seeds", "precision", "q8_float_weights",
@@ -276,7 +278,8 @@ def _run(args, ranks=None) -> int:
     t_open = time.perf_counter()
     with _open_denoiser(args.model, workers=workers, models_dir=args.models_dir,
                         stage_timeout=args.stage_timeout) as den:
-        _protect_model_files(args, den)
+        if lead:                                   # rank 0 writes the outputs
+            _protect_model_files(args, den)
         den.precision, den.q8_float_weights = args.precision, args.q8_float_weights
         cfg = den.config
         if ranks is not None:

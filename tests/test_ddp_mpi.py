@@ -166,3 +166,46 @@ def test_mpi_bad_arguments_are_printed_once():
     assert one.returncode == 2 and one.stderr and one.stderr in r.stderr, (one.stderr, r.stderr)
     r = _mpirun(2, ["-m", "nxhpc.ddp", "--help"], timeout=100)
     assert r.returncode == 0 and r.stdout.count("usage: ") == 1 and "--backend" in r.stdout
+
+
+@pytest.mark.parametrize("other", [["--steps", "7"], ["--hidden", "8"], ["--seed", "3"]],
+                         ids=["steps", "hidden", "seed"])
+def test_mpi_ranks_that_disagree_on_the_training_are_refused(other):
+    """Ranks given other ``--steps`` hung the ring for ever, other ``--hidden`` ended in
+    MPI_ERR_TRUNCATE (exit 6), another ``--seed`` trained to the end and then failed as
+    "replicas diverged" (the MPI helper's finds). They are compared before any training now:
+    exit 4, one line from rank 0 naming each rank's value. Control: the same arguments on
+    every rank train."""
+    base = ["-m", "nxhpc.ddp", "--backend", "mpi", "--steps", "5"]
+    r = mpirun(2, [], apps=[base, [*base, *other]], timeout=60)
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert r.stderr.count("MPI ranks disagree on the arguments") == 1, r.stderr
+    assert f"{other[0]}: rank 0 " in r.stderr and "weights sha256" not in r.stdout, r.stderr
+    r = mpirun(2, [], apps=[[*base, *other], [*base, *other]], timeout=60)     # control
+    assert r.returncode == 0 and "weights sha256" in r.stdout, r.stdout + r.stderr
+
+
+def test_mpi_json_is_checked_where_it_is_written(tmp_path):
+    """``--json j/r.json`` was checked on every rank: a folder only rank 0's disk holds (each
+    node its own disk; here each rank its own working directory) was "does not exist", exit 2
+    (the MPI helper's find). Rank 0 alone writes it, and alone checks it now. Control: a
+    folder rank 0 lacks is still refused, before any training."""
+    d0, d1 = tmp_path / "r0", tmp_path / "r1"
+    (d0 / "j").mkdir(parents=True)
+    d1.mkdir()
+    import sys
+
+    from mpiutil import mpi_env
+
+    def run(wd0, wd1):
+        app = [sys.executable, "-m", "nxhpc.ddp", "--backend", "mpi", "--steps", "3", "--json",
+               "j/r.json"]
+        cmd = ["mpirun", "--oversubscribe", "-n", "1", "-wdir", str(wd0), *app, ":",
+               "-n", "1", "-wdir", str(wd1), *app]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=mpi_env())
+    r = run(d0, d1)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((d0 / "j" / "r.json").read_text())["backend"] == "mpi"
+    assert not (d1 / "j").exists()
+    r = run(d1, d0)                                               # control: rank 0 lacks it
+    assert r.returncode == 2 and "does not exist" in r.stderr, r.stdout + r.stderr

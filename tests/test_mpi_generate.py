@@ -361,12 +361,14 @@ def test_ranks_whose_decoders_give_other_bits_are_refused(models, ref, tmp_path)
 def test_one_process_commands_refuse_mpi_ranks(tmp_path):
     """``encode`` and ``decode`` are not split across ranks: under ``mpirun -n 2`` each rank ran
     the whole job and both wrote the one ``--out`` (the QA helper saw three writers). Refused
-    now, exit 2, nothing written. Control: the same command as one rank (-n 1) runs."""
+    now, exit 2, nothing written, one line for the job (each rank printed it: the MPI
+    helper's find). Control: the same command as one rank (-n 1) runs."""
     out = tmp_path / "f.npy"
-    r = mpirun(2, ["-m", "nxhpc.encode", "tiny-te", "--prompt", "a fox", "--out", str(out)],
+    r = mpirun(3, ["-m", "nxhpc.encode", "tiny-te", "--prompt", "a fox", "--out", str(out)],
                tmp_path / "models")
     assert r.returncode == 2 and "runs in one process, not split across MPI ranks" in r.stderr, \
         r.stderr[-2000:]
+    assert r.stderr.count("runs in one process") == 1, r.stderr[-2000:]
     assert not out.exists()
     r = mpirun(1, ["-m", "nxhpc.encode", "tiny-te", "--prompt", "a fox", "--out", str(out)],
                tmp_path / "models")

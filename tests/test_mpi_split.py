@@ -429,3 +429,49 @@ def test_sample_one_seed_split_across_ranks(models, sample_ref, tmp_path, how):
     assert rep["ranks"] == 3 and rep["split"] == "call", rep
     if how == "--seeds":
         assert rep["rank_of_seed"] == [0], rep
+
+
+def _mpirun_in(dirs, args, models, timeout=180):
+    """``mpirun`` with one rank per folder of ``dirs``, each run from its own (a node's own
+    disk), ``python ARGS`` on every rank."""
+    import subprocess
+    import sys
+
+    from mpiutil import mpi_env
+    cmd = ["mpirun", "--oversubscribe"]
+    for i, d in enumerate(dirs):
+        cmd += ([":"] if i else []) + ["-n", "1", "-wdir", str(d), sys.executable, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=mpi_env(models))
+
+
+def test_files_rank_0_alone_reads_or_writes_need_no_other_disk(models, sample_ref, tmp_path):
+    """``sample --out lat/x.npy`` (its folder on rank 0's disk only) was "directory ... does
+    not exist" from rank 1, and ``blockrun tiny 1 ref.npy`` (the reference on rank 0's disk
+    only) "no such file" from rank 1, exit 2 (the MPI helper's finds): rank 0 alone writes
+    those outputs and reads that reference, and now alone checks them. The images and the
+    grade are the one-process ones. Controls: with the folder or the reference missing on
+    rank 0 the same runs are refused, before any work."""
+    cap, ref = sample_ref
+    d0, d1 = tmp_path / "r0", tmp_path / "r1"
+    (d0 / "lat").mkdir(parents=True)
+    d1.mkdir()
+    r = _mpirun_in([d0, d1], [*_SAMPLE, "--cap-feats", str(cap), "--seeds", "3,5",
+                              "--out", "lat/l_{seed}.npy"], models)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert {s: (d0 / "lat" / f"l_{s}.npy").read_bytes() for s in (3, 5)} == \
+        {s: ref[s] for s in (3, 5)}
+    assert not (d1 / "lat").exists()
+    r = _mpirun_in([d1, d0], [*_SAMPLE, "--cap-feats", str(cap), "--seed", "3",
+                              "--out", "lat/one.npy"], models)                   # control
+    assert r.returncode == 2 and "does not exist" in r.stderr, r.stdout + r.stderr
+    out = d0 / "bref.npy"
+    r = run_single(["-m", "nxhpc.blockrun", "tiny", "1", "--save-output", str(out)], models)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = _mpirun_in([d0, d1], ["-m", "nxhpc.blockrun", "tiny", "1", "bref.npy", "--json"],
+                   models)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["verdict"] == "PASS" and rep["reference"] == "bref.npy" and rep["max_rel"] == 0
+    r = _mpirun_in([d1, d0], ["-m", "nxhpc.blockrun", "tiny", "1", "bref.npy"], models)
+    assert r.returncode == 2 and "no such file" in r.stderr, r.stdout + r.stderr   # control

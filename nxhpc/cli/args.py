@@ -376,10 +376,13 @@ def check_prompt(prompt: str, what: str) -> None:
 
 def refuse_mpi_ranks(prog: str) -> None:
     """UsageError for a one-process command started as one of several MPI ranks: every rank
-    would run the whole job and write the same output (three writers seen on one --out)."""
-    from nxhpc.runtime.ranks import mpi_launched
+    would run the whole job and write the same output (three writers seen on one --out). Every
+    rank raises it; rank 0 alone prints it (``said_by_rank_0`` on the others' error)."""
+    from nxhpc.runtime.ranks import launched_rank, mpi_launched
     if mpi_launched():
-        raise UsageError(f"{prog} runs in one process, not split across MPI ranks: under "
-                         f"mpirun -n N every rank would run the whole job and write the same "
-                         f"output; run it without mpirun (the commands that split: blockrun, "
-                         f"denoise, sample, generate, ddp --backend mpi)")
+        e = UsageError(f"{prog} runs in one process, not split across MPI ranks: under "
+                       f"mpirun -n N every rank would run the whole job and write the same "
+                       f"output; run it without mpirun (the commands that split: blockrun, "
+                       f"denoise, sample, generate, ddp --backend mpi)")
+        e.said_by_rank_0 = launched_rank() != 0    # type: ignore[attr-defined]  # one line
+        raise e

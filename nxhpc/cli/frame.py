@@ -159,6 +159,8 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
                     _print_traceback()
                     err("internal error (see the traceback above)")
                     return int(Exit.INTERNAL)
+                if getattr(e, "said_by_rank_0", False):   # a job's error rank 0 prints
+                    return int(known)
                 if too_many_open_files(e):
                     err(_open_files_text(e))
                 elif describe is not None:

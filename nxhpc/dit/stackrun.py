@@ -50,12 +50,12 @@ class StackRangeError(ValueError):
 @dataclass
 class StackRun:
     """What :func:`run_stack` measured: ``report`` (the run's configuration and timings, in
-    print order), ``output`` (the last layer's output), ``grade`` of it against ``reference``,
-    and ``per_layer`` (one row per layer: ``layer``, ``block_us`` and, when the layer has a
+    print order), ``output`` (the last layer's output), ``grade`` of it against ``reference``
+    (None when not graded), and ``per_layer`` (one row per layer: ``layer``, ``block_us`` and, when the layer has a
     reference, its error row; only for more than one layer)."""
     report: dict
     output: np.ndarray
-    grade: Grade
+    grade: Grade | None
     reference: str
     per_layer: list[dict] = field(default_factory=list)
 
@@ -115,7 +115,8 @@ def run_stack(model, *, layers: int | str = 1, workers: int | None = None,
               reference: str | None = None, tol: float | None = None,
               stage_timeout: float | None = None, repeat: int = 1,
               on_layer: Callable[[dict, int], None] | None = None,
-              q8_float_weights: str = DEFAULT_Q8_FLOAT_WEIGHTS) -> StackRun:
+              q8_float_weights: str = DEFAULT_Q8_FLOAT_WEIGHTS,
+              grade_output: bool = True) -> StackRun:
     """Run layers ``0..layers-1`` of ``model`` (an open ``nxhpc.models.Model``) from
     ``layers.0.blk_in`` and grade the last output against ``reference`` (a fixture name or a
     ``.npy`` path; default :func:`reference_for` the last layer) with ``tol`` (default
@@ -124,7 +125,10 @@ def run_stack(model, *, layers: int | str = 1, workers: int | None = None,
     present). ``q8_float_weights``: how ``q8`` runs float projections (``nxhpc.nn.linear``:
     ``"int8"`` copies made here, before the fork, or ``"bf16"`` as stored).
     ``on_layer(row, n_layers)`` after each layer (the row of :class:`StackRun`'s
-    ``per_layer``). Raises the ``formats`` errors (``MissingTensorError`` for a missing input or
+    ``per_layer``). ``grade_output=False`` (an MPI rank other than 0, which reports nothing):
+    the last output is not graded and the reference not read (a ``.npy`` reference need exist
+    on rank 0 only); the result's ``grade`` is None.
+    Raises the ``formats`` errors (``MissingTensorError`` for a missing input or
     reference), :class:`StackInputError`, :class:`StackRangeError`, ``WorkerError``."""
     from nxhpc.dit.block import adaln as adaln_vector, run_layers, validate_inputs
     from nxhpc.dit.plan import check_eps
@@ -216,7 +220,7 @@ def run_stack(model, *, layers: int | str = 1, workers: int | None = None,
                                  f"'layers.{ids[-1] + 1}.blk_in' nor "
                                  f"'layers.{ids[-1]}.ref_out' exists (name one: reference=, "
                                  f"blockrun's reference_name)")
-    ref_final = _load_ref(model, final_ref, (T, cfg.dim))
+    ref_final = _load_ref(model, final_ref, (T, cfg.dim)) if grade_output else None
     per_refs = {}
     if n_layers > 1:
         for i in ids:
@@ -243,5 +247,5 @@ def run_stack(model, *, layers: int | str = 1, workers: int | None = None,
     for k, v in res.timings.items():
         if k != "per_layer":
             report[k] = v
-    g = grade(res.output, ref_final, tol=tol, reference=final_ref)
+    g = grade(res.output, ref_final, tol=tol, reference=final_ref) if grade_output else None
     return StackRun(report, res.output, g, final_ref, table if n_layers > 1 else [])

@@ -94,6 +94,19 @@ def mpi_launched() -> bool:
     return False
 
 
+def launched_rank() -> int:
+    """This process's rank as its MPI launcher gave it (Open MPI's ``OMPI_COMM_WORLD_RANK``,
+    PMI's ``PMI_RANK``; no MPI import), 0 when none is given."""
+    for key in ("OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        v = os.environ.get(key)
+        if v is not None:
+            try:
+                return int(v)
+            except ValueError:
+                return 0
+    return 0
+
+
 def local_ranks() -> int:
     """How many ranks of this job run on this host, as the launcher says (Open MPI's
     ``OMPI_COMM_WORLD_LOCAL_SIZE``, MPICH/Hydra's ``MPI_LOCALNRANKS``, Slurm's
