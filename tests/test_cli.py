@@ -916,6 +916,31 @@ sys.exit(run_cli("demo", argparse.ArgumentParser(prog="demo"), [], call))
 """
 
 
+@pytest.mark.parametrize("cli", ["denoise", "blockrun"])
+def test_a_result_file_is_written_when_stdout_cannot_be(cli, h3_root, tmp_path):
+    """``denoise --out`` / ``blockrun --save-output`` with stdout on /dev/full: exit 8 and the
+    result file never written in key=value mode (the environment helper's find: the report's
+    flush failed before the save), where ``--json`` mode, generate, encode and sample write
+    theirs. The file is written now, then the stdout error stands (exit 8). Control: the
+    file equals the one the same run writes with stdout captured."""
+    from nxhpc.models.registry import ensure_builtin
+    model = "tiny-dit" if cli == "denoise" else "tiny"
+    ensure_builtin(model, h3_root)
+    opt = "--out" if cli == "denoise" else "--save-output"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), NXHPC_MODELS=str(h3_root))
+    env.pop("PYTHONUNBUFFERED", None)
+    cmd = [sys.executable, "-m", f"nxhpc.{cli}", model, "1", opt]
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([*cmd, str(tmp_path / "a.npy")], stdout=full, stderr=subprocess.PIPE,
+                           text=True, cwd=ROOT, env=env, timeout=120)
+    assert r.returncode == Exit.OUTPUT and "standard output could not be written" in r.stderr, \
+        r.stderr
+    r2 = subprocess.run([*cmd, str(tmp_path / "b.npy")], capture_output=True, text=True,
+                        cwd=ROOT, env=env, timeout=120)                       # control
+    assert r2.returncode == 0, r2.stderr
+    assert (tmp_path / "a.npy").read_bytes() == (tmp_path / "b.npy").read_bytes()
+
+
 @pytest.mark.parametrize("target", ["closed pipe", "/dev/full"])
 def test_buffered_output_lost_after_an_error_keeps_the_errors_code(h3_root, target):
     """A call that prints, then fails: its exit code (2 here) and one error line, not the

@@ -133,17 +133,23 @@ def emit_graded(report: Mapping[str, Any], *, as_json: bool, grade=None, verdict
         obj["verdict_line"] = verdict
         print_json(obj)
     else:
-        print_kv(report)
-        for line in text_lines:
-            print(line)
-        if grade is not None:
-            for line in grade.lines():
+        unprinted = None
+        try:
+            print_kv(report)
+            for line in text_lines:
                 print(line)
-        flush_stdout()
+            if grade is not None:
+                for line in grade.lines():
+                    print(line)
+            flush_stdout()
+        except OSError as e:       # stdout full or gone: the result file is written all the
+            unprinted = e          # same (as in JSON mode), then the stdout error stands
         if save is not None:
             save_error = save()
-            if save_error is None:
+            if save_error is None and unprinted is None:
                 print(kv_lines({"saved_output": str(saved_path)})[0])
+        if unprinted is not None:
+            raise unprinted
         print(verdict)
     flush_stdout()
     return save_error
