@@ -236,6 +236,8 @@ def _setup(args: argparse.Namespace) -> tuple:
     try:
         data = train.load_diabetes()
     except ImportError as e:
+        if str(e) != train.SKLEARN_TEXT:   # installed but not loadable (a library the
+            raise                          # address-space limit left no room to map: exit 7)
         raise UsageError(str(e)) from None
     n_rows = data.x.shape[0]
     for opt, ds in _worker_counts(args):

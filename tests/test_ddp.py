@@ -615,3 +615,39 @@ def test_cli_signal_clean_exit_no_traceback(sig, code):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+class _SklearnThatCannotLoad:
+    """A finder that finds scikit-learn (it is installed) and fails to load it the way the
+    loader does when an address-space limit leaves no room for scipy's OpenBLAS."""
+
+    def find_spec(self, name, path=None, target=None):
+        import importlib.machinery
+        if name == "sklearn" or name.startswith("sklearn."):
+            return importlib.machinery.ModuleSpec(name, self)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise ImportError("libscipy_openblas-6cdc3b4a.so: failed to map segment from shared "
+                          "object: Cannot allocate memory")
+
+
+def test_a_scikit_learn_that_cannot_load_is_not_called_missing(monkeypatch, capsys):
+    """Under ``ulimit -v`` near ddp's needs, scipy's OpenBLAS failed to map and ddp said "pip
+    install ... scikit-learn" (exit 2) with scikit-learn installed (the environment helper's
+    find). "Install it" is said only when it is missing now; an installed one that cannot
+    load is the out-of-memory exit 7 naming the limit. Control: without the fault ddp
+    trains."""
+    from nxhpc import ddp
+    argv = ["--workers", "2", "--steps", "2", "--no-contrast"]
+    with monkeypatch.context() as m:
+        for name in [k for k in sys.modules if k == "sklearn" or k.startswith("sklearn.")]:
+            m.delitem(sys.modules, name)
+        m.setattr(sys, "meta_path", [_SklearnThatCannotLoad(), *sys.meta_path])
+        assert ddp.main(argv) == 7
+    err = capsys.readouterr().err
+    assert "out of memory (libscipy_openblas" in err and "pip install" not in err, err
+    assert ddp.main(argv) == 0, capsys.readouterr().err                      # control

@@ -157,7 +157,11 @@ def load_diabetes() -> Dataset:
     """sklearn's bundled diabetes data (442 x 10, no download), each column and y standardized."""
     try:
         from sklearn.datasets import load_diabetes as _load
-    except ImportError as e:  # an optional dependency: say how to get it
+    except ImportError as e:  # an optional dependency: say how to get it, if it is missing
+        import importlib.util
+        if importlib.util.find_spec("sklearn") is not None:
+            raise             # installed, but it could not load (a library the address-space
+            #                   limit left no room to map: the CLIs' exit 7 names the limit)
         raise ImportError(SKLEARN_TEXT) from e
     x, y = _load(return_X_y=True)
     x = (x - x.mean(axis=0)) / x.std(axis=0)
