@@ -130,7 +130,7 @@ def _run(args: argparse.Namespace) -> int:
     types.refuse_mpi_ranks(PROG)
     prompt = _read_prompt(args)
     what = "--prompt" if args.prompt is not None else f"--prompt-file {args.prompt_file}"
-    types.check_prompt(prompt, what)
+    prompt = types.check_prompt(prompt, what)
     inputs = [x for x in (args.prompt_file,) if x and x != "-"]
     if os.path.isfile(args.text_encoder):
         inputs.append(args.text_encoder)

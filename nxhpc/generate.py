@@ -201,8 +201,7 @@ class Job:
 
 def _prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt is not None:
-        types.check_prompt(args.prompt, "--prompt")
-        return [args.prompt]
+        return [types.check_prompt(args.prompt, "--prompt")]
     p = args.prompts
     # lines end at \n alone (the file's \r\n and \r were read as \n): str.splitlines() would also
     # split at U+2028, U+0085, \v, \f, ... inside a prompt, and count its line numbers so
@@ -287,7 +286,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
         raise UsageError("--negative-prompt needs --guidance-scale G > 0 (guidance is off)")
     negative = (args.negative_prompt or "") if cfg_on else None
     if negative:
-        types.check_prompt(negative, "--negative-prompt")
+        negative = types.check_prompt(negative, "--negative-prompt")
     noise_raw = None
     if args.noise is not None:
         noise_raw = load_npy(args.noise, "--noise", error=SampleInputError)

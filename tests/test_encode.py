@@ -409,6 +409,30 @@ def test_cli_prompt_file_and_empty_prompt(te, models_root, tmp_path):
     assert pf.read_bytes() == (PROMPTS["whitespace"] + "\n").encode()
 
 
+def test_a_utf8_prompt_under_an_ascii_locale_is_read_as_utf8(models_root, tmp_path):
+    """Under ``LC_ALL=C`` without Python's UTF-8 mode, argv's non-ASCII bytes arrive as
+    U+DCxx (``surrogateescape``), and ``--prompt caf\u00e9`` was refused as "byte 0xc3 is not
+    UTF-8" (the environment helper's find; ``--prompt-file`` took the same text). Bytes that
+    are UTF-8 are read as UTF-8 now: the features are the UTF-8 locale's. Control: a byte
+    that is not UTF-8 is still refused under that locale."""
+    env = dict(models_env(models_root), PYTHONUTF8="0", LC_ALL="C")
+    env.pop("PYTHONIOENCODING", None)
+    outs = []
+    for i, e in enumerate((env, models_env(models_root))):
+        out = tmp_path / f"f{i}.npy"
+        r = subprocess.run([sys.executable.encode(), b"-m", b"nxhpc.encode", b"tiny-te",
+                            b"--prompt", "caf\u00e9 \U0001f600".encode(), b"--out",
+                            os.fsencode(out)], capture_output=True, env=e, cwd=ROOT, timeout=300)
+        assert r.returncode == 0, r.stderr.decode(errors="replace")
+        outs.append(np.load(out))
+    assert np.array_equal(outs[0], outs[1])
+    r = subprocess.run([sys.executable.encode(), b"-m", b"nxhpc.encode", b"tiny-te",
+                        b"--prompt", b"fox \xff", b"--out", os.fsencode(tmp_path / "x.npy")],
+                       capture_output=True, env=env, cwd=ROOT, timeout=300)          # control
+    err = r.stderr.decode(errors="replace")
+    assert r.returncode == Exit.USAGE and "byte 0xff (character 4) is not UTF-8" in err, err
+
+
 def test_cli_bad_prompts_exit_2_and_write_nothing(models_root, tmp_path):
     out = tmp_path / "f.npy"
     env = models_env(models_root)

@@ -358,20 +358,26 @@ def read_text_file(path: str, what: str, expected: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-def check_prompt(prompt: str, what: str) -> None:
-    """A prompt the tokenizer takes (no NUL, no lone surrogate), else a usage error naming
-    ``what`` -- before any model is opened or generated. Python decodes a command line's bytes
-    that are not UTF-8 to U+DC80..U+DCFF (``surrogateescape``): those are named as the bytes."""
+def check_prompt(prompt: str, what: str) -> str:
+    """The prompt, if the tokenizer takes it (no NUL, no lone surrogate), else a usage error
+    naming ``what`` -- before any model is opened or generated. Python decodes a command line's
+    bytes that its locale cannot (``surrogateescape``) to U+DC80..U+DCFF: bytes that are UTF-8
+    (an ASCII locale, ``LC_ALL=C`` without UTF-8 mode) are read as UTF-8, and returned so;
+    those that are not are named as the bytes."""
     from nxhpc.qwen3.tokenizer import template      # not at import time (the module's rule)
     bad = next((i for i, c in enumerate(prompt) if "\udc80" <= c <= "\udcff"), None) \
         if isinstance(prompt, str) else None
     if bad is not None:
-        raise UsageError(f"{what}: byte 0x{ord(prompt[bad]) - 0xDC00:02x} (character {bad}) is "
-                         f"not UTF-8: a prompt must be UTF-8 text")
+        try:                                    # the command line's own bytes, as UTF-8
+            prompt = os.fsencode(prompt).decode("utf-8")
+        except (UnicodeError, ValueError):
+            raise UsageError(f"{what}: byte 0x{ord(prompt[bad]) - 0xDC00:02x} (character "
+                             f"{bad}) is not UTF-8: a prompt must be UTF-8 text") from None
     try:
         template(prompt)
     except ValueError as e:
         raise UsageError(f"{what}: {e}".replace("prompt: ", "", 1)) from None
+    return prompt
 
 
 def refuse_mpi_ranks(prog: str) -> None:
