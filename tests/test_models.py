@@ -1218,3 +1218,30 @@ def test_a_models_dir_too_full_is_refused_before_any_folder_is_made(tmp_path, mo
     free["bytes"] = 10**7
     modeldir.check_models_root(root, need_bytes=10**6)
     assert root.is_dir()
+
+
+def test_models_make_with_a_stderr_that_cannot_be_written_or_no_working_directory(tmp_path):
+    """``models make ... 2>/dev/full`` failed with exit 9 "the file system is full" and no
+    model: its progress line's ENOSPC on stderr was taken for the model's own write; and
+    ``models make --out mm`` from a removed working directory was exit 9 "cannot write model
+    ... under ." where every other CLI says exit 2 (the environment helper's finds). The
+    progress line is dropped now (the model is made, exit 0), and the removed directory is
+    exit 2 naming it. Control: the same make with stderr captured writes the same files."""
+    make = ["-m", "nxhpc.models", "make", "mm", "--dim", "64", "--heads", "2", "--ffn", "128",
+            "--layers", "1", "--grid", "1x4x4", "--out"]
+    env = models_env(tmp_path / "models")
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, *make, str(tmp_path / "a")], stdout=subprocess.PIPE,
+                           stderr=full, text=True, cwd=ROOT, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout
+    r = subprocess.run([sys.executable, *make, str(tmp_path / "b")], capture_output=True,
+                       text=True, cwd=ROOT, env=env, timeout=300)                 # control
+    assert r.returncode == 0 and "[nxhpc.models mm" in r.stderr, r.stderr
+    for name in ("model.gguf", "fixtures.safetensors"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    gone = tmp_path / "gone"
+    r = subprocess.run(["sh", "-c", f'mkdir "{gone}" && cd "{gone}" && rmdir "{gone}" && '
+                        f'exec "{sys.executable}" ' + " ".join(make) + " mm"],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(env, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 2 and "the current directory no longer exists" in r.stderr, r.stderr

@@ -249,12 +249,19 @@ def ensure_builtin(model_id: str, root: Path | None = None, force: bool = False,
 
 
 def stderr_progress(model_id: str) -> Callable[[str], None]:
-    """A progress callback printing ``[nxhpc.models <id> <seconds>s] <message>`` to stderr."""
+    """A progress callback printing ``[nxhpc.models <id> <seconds>s] <message>`` to stderr; a
+    stderr that cannot take it (closed, full, a pipe whose reader left) drops the line: it
+    was taken for the model's own write failing ("the file system is full", exit 9)."""
     t0 = time.monotonic()
 
     def say(msg: str) -> None:
-        print(f"[nxhpc.models {model_id} {time.monotonic() - t0:6.1f}s] {msg}",
-              file=sys.stderr, flush=True)
+        if sys.stderr is None:                 # print(file=None) would write to stdout
+            return
+        try:
+            print(f"[nxhpc.models {model_id} {time.monotonic() - t0:6.1f}s] {msg}",
+                  file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
     return say
 
 
