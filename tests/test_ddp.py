@@ -651,3 +651,20 @@ def test_a_scikit_learn_that_cannot_load_is_not_called_missing(monkeypatch, caps
     err = capsys.readouterr().err
     assert "out of memory (libscipy_openblas" in err and "pip install" not in err, err
     assert ddp.main(argv) == 0, capsys.readouterr().err                      # control
+
+
+def test_a_dev_shm_too_small_for_ddp_is_not_enough_shared_memory():
+    """A /dev/shm of 64 KiB (ddp's 47 KB segment fits it alone) gave exit 4 "a memory-mapped
+    file lost its pages (SIGBUS): a model file was truncated" (the environment helper's find):
+    the barrier's state lives in multiprocessing's sparse heap file in /dev/shm, and its first
+    write after the segment took the room was a SIGBUS. The barrier is made (and written)
+    first now, so the segment's own check says it: exit 7, the bytes needed and free.
+    Control: 128 KiB holds both, and the run trains."""
+    from nsutil import run_with_tmpfs
+    cmd = [sys.executable, "-m", "nxhpc.ddp", "--workers", "2", "--steps", "3", "--no-contrast"]
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    r = run_with_tmpfs(cmd, "/dev/shm", "size=64k", env=env, timeout=120)
+    assert r.returncode == 7 and "not enough shared memory" in r.stderr, (r.returncode, r.stderr)
+    assert "SIGBUS" not in r.stderr
+    r = run_with_tmpfs(cmd, "/dev/shm", "size=128k", env=env, timeout=120)        # control
+    assert r.returncode == 0 and "weights sha256" in r.stdout, r.stderr

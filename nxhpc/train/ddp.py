@@ -522,11 +522,15 @@ def train_shm(workers: int, steps: int, *, arith: str = "q16", cfg: MLPConfig = 
     ctx = mp.get_context("fork")
     t0 = time.perf_counter()
     proc.lifeline()                          # before any fork: workers watch it (die with us)
+    # multiprocessing's heap (the barrier's state) is a sparse file in /dev/shm, its page taken
+    # when first written: made and written before the segment reserves its room, so that a
+    # /dev/shm too small for both is the segment's "not enough shared memory" (exit 7), not a
+    # SIGBUS when the barrier is first written (taken for a truncated model file, exit 4)
+    barrier = ctx.Barrier(workers)
     # unlinked at once: the forked workers inherit the mapping, and a kill of the whole process
     # group (the resource tracker with it) cannot leave the segment in /dev/shm
     with ShmSegment(layout, prefix=shm_prefix, named=False) as seg:
         seg["x"][:], seg["y"][:], seg["init"][:] = ar.x, ar.y, ar.p0
-        barrier = ctx.Barrier(workers)
         procs, conns = [], []
         try:
             for r in range(workers):
