@@ -387,7 +387,8 @@ def _environment_error(e: Exception) -> Exception:
                            f"workers, or raise the limit (or free the machine's memory)")
     if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:   # a path given, too long to
         name = os.fsdecode(e.filename) if e.filename is not None else None    # look up at all
-        shown = f"{name[:80]}... ({len(os.fsencode(name))} bytes)" if name else "a path"
+        shown = ("a path" if not name else name if len(name) <= 120
+                 else f"{name[:80]}... ({len(os.fsencode(name))} bytes)")
         return UsageError(f"{shown}: {e.strerror} (a name in a path holds at most 255 bytes, "
                           f"a whole path 4095); give a shorter path")
     if isinstance(e, FileNotFoundError) and e.filename is None:

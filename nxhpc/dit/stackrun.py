@@ -51,8 +51,8 @@ class StackRangeError(ValueError):
 class StackRun:
     """What :func:`run_stack` measured: ``report`` (the run's configuration and timings, in
     print order), ``output`` (the last layer's output), ``grade`` of it against ``reference``
-    (None when not graded), and ``per_layer`` (one row per layer: ``layer``, ``block_us`` and, when the layer has a
-    reference, its error row; only for more than one layer)."""
+    (None when not graded), and ``per_layer`` (one row per layer: ``layer``, ``block_us`` and,
+    when the layer has a reference, its error row; only for more than one layer)."""
     report: dict
     output: np.ndarray
     grade: Grade | None
