@@ -208,15 +208,9 @@ def _cmd_make(args: argparse.Namespace) -> int:
         raise UsageError(f"model id {args.id!r}: an id is a plain name (no {os.sep!r}, not "
                          f"starting with '.'), made under the models directory; give --out DIR "
                          f"to write elsewhere")
-    for given in (args.out, args.models_dir):   # as every CLI says it (it was exit 9, "cannot
-        if given and not os.path.isabs(given):   # write model ... under .")
-            try:
-                os.getcwd()
-            except FileNotFoundError:
-                raise UsageError("the current directory no longer exists (it was removed after "
-                                 "this process entered it), so a relative path cannot be "
-                                 "resolved: give absolute paths, or run from an existing "
-                                 "directory") from None
+    if any(g and not os.path.isabs(g) for g in (args.out, args.models_dir)):
+        os.getcwd()   # a removed working directory: the frame's exit 2 saying so, as in every
+        #               CLI (the write failed later as exit 9, "cannot write model ... under .")
     say = stderr_progress(args.id)
     base = builtin_spec(args.id)
     if base is not None and base.kind == TEXT_ENCODER_KIND:
